@@ -1,0 +1,289 @@
+"""Saving and loading ranks of a checkpoint with real files and tensors, no engine.
+
+Every error the loader raises at start-up is raised here by its bad input, and a
+refused load leaves the target parameters untouched.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_sharded_loader.checkpoint import (
+    RankInfo,
+    load_rank,
+    open_rank_tensors,
+    read_manifest,
+    saveable_state,
+    write_manifest,
+    write_rank,
+)
+from vllm_sharded_loader.format import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardedStateError,
+    SourceModel,
+    config_sha256,
+    normalize_config,
+)
+
+CONFIG = {"hidden_size": 16, "vocab_size": 32, "num_hidden_layers": 2}
+SOURCE = SourceModel("TinyForCausalLM", config_sha256(CONFIG), normalize_config(CONFIG))
+
+
+def rank_state(tp_rank: int, tp_size: int, tied: bool = True) -> dict[str, torch.Tensor]:
+    """A rank's slice of a small model, different per rank; lm_head tied to the embedding."""
+    g = torch.Generator().manual_seed(100 + tp_rank)
+    embed = torch.randn(32 // tp_size, 16, generator=g).to(torch.bfloat16)
+    state = {
+        "model.embed_tokens.weight": embed,
+        "model.layers.0.qkv_proj.weight": torch.randn(48 // tp_size, 16, generator=g).to(torch.bfloat16),
+        "model.layers.0.qkv_proj.bias": torch.randn(48 // tp_size, generator=g).to(torch.bfloat16),
+        "model.layers.0.o_proj.weight": torch.randn(16, 16 // tp_size, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(16, dtype=torch.bfloat16),
+        "model.layers.0.empty": torch.empty(0),  # e.g. a repacked weight: never saved
+    }
+    state["lm_head.weight"] = embed if tied else embed.clone()
+    return state
+
+
+def save(directory, tp_size=2, max_size=None, pattern=None, tied=True) -> Manifest:
+    entries = [
+        write_rank(
+            str(directory), saveable_state(rank_state(r, tp_size, tied)), RankInfo(r, tp_size), pattern, max_size
+        )
+        for r in range(tp_size)
+    ]
+    manifest = Manifest(
+        tp_size=tp_size,
+        pp_size=1,
+        dtype="bfloat16",
+        pattern=pattern or "model-rank-{rank}-part-{part}.safetensors",
+        source=SOURCE,
+        ranks=tuple(entries),
+    )
+    write_manifest(str(directory), manifest)
+    return manifest
+
+
+def fresh_targets(tp_rank, tp_size, tied=True) -> dict[str, torch.Tensor]:
+    state = {k: torch.full_like(v, 7) for k, v in rank_state(tp_rank, tp_size, tied).items()}
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return saveable_state(state)
+
+
+def load(directory, tp_rank=0, tp_size=2, targets=None, **kw):
+    targets = fresh_targets(tp_rank, tp_size) if targets is None else targets
+    manifest = read_manifest(str(directory))
+    kw.setdefault("serving", SOURCE)
+    return load_rank(str(directory), targets, RankInfo(tp_rank, tp_size), manifest=manifest, **kw), targets
+
+
+def test_round_trip_every_rank_gets_its_own_bytes(tmp_path):
+    manifest = save(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [
+        "model-rank-0-part-0.safetensors",
+        "model-rank-1-part-0.safetensors",
+        MANIFEST_NAME,
+    ]
+    for r in range(2):
+        stats, targets = load(tmp_path, tp_rank=r)
+        original = saveable_state(rank_state(r, 2))
+        assert set(targets) == set(original)
+        for name, t in original.items():
+            assert torch.equal(targets[name], t), name
+        assert stats.files == (str(tmp_path / f"model-rank-{r}-part-0.safetensors"),)
+        payload = sum(t.numel() * t.element_size() for t in original.values())
+        assert stats.bytes_read == payload < manifest.rank(r, 0).nbytes
+
+
+def test_tied_embedding_is_written_once(tmp_path):
+    manifest = save(tmp_path)
+    names = set(manifest.rank(0, 0).tensors)
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
+    assert "model.layers.0.empty" not in names
+    # Loading the one saved copy fills both names, which share memory in the model.
+    state = {k: torch.full_like(v, 7) for k, v in rank_state(0, 2).items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    stats, _ = load(tmp_path, targets=saveable_state(state))
+    assert stats.tensors == len(names)
+    assert torch.equal(state["model.embed_tokens.weight"], rank_state(0, 2)["model.embed_tokens.weight"])
+
+
+def test_parts_are_size_capped(tmp_path):
+    manifest = save(tmp_path, max_size=300)
+    for entry in manifest.ranks:
+        assert len(entry.files) > 1
+        for f in entry.files:
+            tensors = [t for t in entry.tensors.values() if t.file == f.name]
+            payload = sum(torch.Size(t.shape).numel() * 2 for t in tensors)
+            assert payload <= 300 or len(tensors) == 1
+    for r in range(2):
+        _, targets = load(tmp_path, tp_rank=r)
+        assert torch.equal(
+            targets["model.layers.0.qkv_proj.weight"], rank_state(r, 2)["model.layers.0.qkv_proj.weight"]
+        )
+
+
+def test_resave_with_fewer_parts_leaves_no_stale_part(tmp_path):
+    save(tmp_path, max_size=300)
+    assert len([n for n in os.listdir(tmp_path) if n.startswith("model-rank-0-")]) > 1
+    save(tmp_path, max_size=None)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("model-rank-")) == [
+        "model-rank-0-part-0.safetensors",
+        "model-rank-1-part-0.safetensors",
+    ]
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_custom_pattern(tmp_path):
+    save(tmp_path, pattern="weights-{tp_rank}-{part}.safetensors", max_size=300)
+    assert any(n.startswith("weights-1-") for n in os.listdir(tmp_path))
+    load(tmp_path, tp_rank=1)
+
+
+def test_open_rank_tensors_maps_the_saved_bytes(tmp_path):
+    manifest = save(tmp_path, max_size=300)
+    tensors = open_rank_tensors(str(tmp_path), manifest.rank(1, 0))
+    for name, t in saveable_state(rank_state(1, 2)).items():
+        assert torch.equal(tensors[name], t), name
+
+
+def assert_untouched(targets):
+    for name, t in targets.items():
+        assert bool((t == 7).all()), f"{name} was written before the load was refused"
+
+
+@pytest.mark.parametrize(
+    ("serving_tp", "message"),
+    [(1, "saved with tensor_parallel_size=2 .* runs tensor_parallel_size=1"), (4, "saved with tensor_parallel_size=2")],
+)
+def test_other_topology_is_refused(tmp_path, serving_tp, message):
+    save(tmp_path)
+    targets = fresh_targets(0, serving_tp)
+    with pytest.raises(ShardedStateError, match=message):
+        load(tmp_path, tp_rank=0, tp_size=serving_tp, targets=targets)
+    assert_untouched(targets)
+
+
+def test_missing_file_is_refused(tmp_path):
+    save(tmp_path)
+    os.remove(tmp_path / "model-rank-1-part-0.safetensors")
+    with pytest.raises(
+        ShardedStateError, match=r"model-rank-1-part-0.safetensors: listed in sharded_state.json .* missing"
+    ):
+        load(tmp_path, tp_rank=1)
+
+
+@pytest.mark.parametrize(("delta", "word"), [(-5, "truncated"), (3, "not the one that was saved")])
+def test_wrong_file_size_is_refused(tmp_path, delta, word):
+    save(tmp_path)
+    path = tmp_path / "model-rank-0-part-0.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:delta] if delta < 0 else data + b"\0" * delta)
+    targets = fresh_targets(0, 2)
+    with pytest.raises(ShardedStateError, match=f"model-rank-0-part-0.safetensors: .* bytes on disk.*{word}"):
+        load(tmp_path, targets=targets)
+    assert_untouched(targets)
+
+
+def test_missing_and_unexpected_tensors_are_refused(tmp_path):
+    save(tmp_path)
+    targets = fresh_targets(0, 2)
+    targets["model.layers.1.new.weight"] = torch.zeros(3, dtype=torch.bfloat16)
+    del targets["model.norm.weight"]
+    with pytest.raises(
+        ShardedStateError, match=r"missing tensors: model.layers.1.new.weight; unexpected tensors: model.norm.weight"
+    ):
+        load(tmp_path, targets=targets)
+
+
+def test_shape_mismatch_is_refused(tmp_path):
+    save(tmp_path)
+    targets = fresh_targets(0, 2)
+    targets["model.norm.weight"] = torch.zeros(17, dtype=torch.bfloat16)
+    with pytest.raises(ShardedStateError, match=r"model.norm.weight saved \[16\] but the model expects \[17\]"):
+        load(tmp_path, targets=targets)
+    assert_untouched({k: v for k, v in targets.items() if k != "model.norm.weight"})
+
+
+def test_another_models_config_is_refused(tmp_path):
+    save(tmp_path)
+    other = dict(CONFIG, num_hidden_layers=3)
+    serving = SourceModel("TinyForCausalLM", config_sha256(other), normalize_config(other))
+    with pytest.raises(ShardedStateError, match=r"num_hidden_layers: 2 -> 3"):
+        load(tmp_path, serving=serving)
+    with pytest.raises(ShardedStateError, match=r"saved from a TinyForCausalLM .* serves a OtherModel"):
+        load(tmp_path, serving=SourceModel("OtherModel", SOURCE.config_sha256, SOURCE.config))
+
+
+def test_header_disagreeing_with_manifest_is_refused(tmp_path):
+    # A part rewritten with other shapes, its size patched into the manifest. (A part
+    # with the same header and other bytes is caught by checksums, not by this check.)
+    save(tmp_path)
+    a = tmp_path / "model-rank-0-part-0.safetensors"
+    state = saveable_state(rank_state(0, 2))
+    state["model.norm.weight"] = torch.ones(4, 4, dtype=torch.bfloat16)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(a), metadata={"format": "pt"})
+    manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    manifest["ranks"][0]["files"][0]["size"] = a.stat().st_size
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ShardedStateError, match=r"model.norm.weight' is BF16\[4, 4\] in the file but BF16\[16\]"):
+        load(tmp_path)
+
+
+def test_dtype_is_cast_and_reported(tmp_path):
+    save(tmp_path)
+    targets = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in saveable_state(rank_state(0, 2)).items()}
+    stats, _ = load(tmp_path, targets=targets)
+    assert set(stats.cast) == set(targets)
+    assert torch.equal(targets["model.norm.weight"], torch.ones(16))
+
+
+# ------------------------------------------------------- checkpoints of vLLM's own save
+
+
+def save_like_vllm(directory, tp_size=2):
+    """What vLLM's ShardedStateLoader.save_model writes: safetensors' save_file, no manifest."""
+    for r in range(tp_size):
+        state = {k: v.contiguous() for k, v in saveable_state(rank_state(r, tp_size)).items()}
+        save_file(state, os.path.join(directory, f"model-rank-{r}-part-0.safetensors"))
+
+
+def test_checkpoint_without_manifest_loads(tmp_path):
+    save_like_vllm(tmp_path)
+    for r in range(2):
+        stats, targets = load(tmp_path, tp_rank=r)
+        assert not stats.with_manifest
+        for name, t in saveable_state(rank_state(r, 2)).items():
+            assert torch.equal(targets[name], t)
+
+
+def test_checkpoint_without_manifest_at_other_topology_is_refused(tmp_path):
+    save_like_vllm(tmp_path, tp_size=2)
+    targets = fresh_targets(0, 1)
+    with pytest.raises(ShardedStateError, match=r"files of ranks this engine does not have .*model-rank-1-part-0"):
+        load(tmp_path, tp_rank=0, tp_size=1, targets=targets)
+    assert_untouched(targets)
+    with pytest.raises(ShardedStateError, match="no file for pp_rank=0 tp_rank=3"):
+        load(tmp_path, tp_rank=3, tp_size=4, targets=fresh_targets(3, 4))
+
+
+def test_checkpoint_without_manifest_missing_linear_weights_is_refused(tmp_path):
+    # vLLM's own save on CPU: linear weights are empty after repacking and skipped.
+    for r in range(2):
+        state = {k: v.contiguous() for k, v in saveable_state(rank_state(r, 2)).items() if "proj.weight" not in k}
+        save_file(state, os.path.join(tmp_path, f"model-rank-{r}-part-0.safetensors"))
+    with pytest.raises(
+        ShardedStateError,
+        match=r"missing tensors: model.layers.0.o_proj.weight, model.layers.0.qkv_proj.weight.*drops every linear",
+    ):
+        load(tmp_path)
+
+
+def test_no_checkpoint_at_all(tmp_path):
+    with pytest.raises(ShardedStateError, match=r"no file for .* and no sharded_state.json"):
+        load(tmp_path)

@@ -1,0 +1,110 @@
+"""Our safetensors writer and reader against the safetensors library, on real files."""
+
+import os
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vllm_sharded_loader import safetensors_io
+from vllm_sharded_loader.format import ShardedStateError
+
+
+def sample_tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "f32": torch.randn(3, generator=g),
+        "f16": torch.randn(2, 2, 2, generator=g).half(),
+        "i64": torch.arange(6).reshape(2, 3),
+        "u8": torch.arange(9, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "fp8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+        "strided": torch.randn(4, 6, generator=g).t(),  # not contiguous
+    }
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def header(text: bytes, data: bytes = b"\0" * 4) -> bytes:
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_library_reads_what_we_write(tmp_path):
+    tensors = sample_tensors()
+    path = str(tmp_path / "ours.safetensors")
+    size = safetensors_io.write_file(path, list(tensors.items()), {"format": "pt"})
+    assert size == os.path.getsize(path)
+    with safe_open(path, framework="pt") as f:
+        assert set(f.keys()) == set(tensors)
+        assert f.metadata() == {"format": "pt"}
+        for name, t in tensors.items():
+            assert torch.equal(as_bytes(f.get_tensor(name)), as_bytes(t)), name
+
+
+def test_we_read_what_the_library_writes_straight_into_targets(tmp_path):
+    tensors = {k: v.contiguous() for k, v in sample_tensors().items()}
+    path = str(tmp_path / "theirs.safetensors")
+    save_file(tensors, path)
+    header = safetensors_io.read_header(path)
+    targets = {name: torch.empty_like(t) for name, t in tensors.items()}
+    pointers = {name: t.data_ptr() for name, t in targets.items()}
+    nbytes = safetensors_io.read_into(header, targets)
+    assert nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    for name, t in tensors.items():
+        assert targets[name].data_ptr() == pointers[name]  # read in place, not replaced
+        assert torch.equal(as_bytes(targets[name]), as_bytes(t)), name
+
+
+def test_read_casts_into_targets_of_another_dtype(tmp_path):
+    t = torch.randn(16, 4)
+    path = str(tmp_path / "f32.safetensors")
+    safetensors_io.write_file(path, [("w", t)], {})
+    target = torch.empty(16, 4, dtype=torch.bfloat16)
+    safetensors_io.read_into(safetensors_io.read_header(path), {"w": target})
+    assert torch.equal(target, t.to(torch.bfloat16))
+
+
+def write_sample(tmp_path) -> str:
+    path = str(tmp_path / "x.safetensors")
+    safetensors_io.write_file(path, [("a", torch.ones(64)), ("b", torch.zeros(8))], {})
+    return path
+
+
+def test_truncated_file_is_refused(tmp_path):
+    path = write_sample(tmp_path)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+    with pytest.raises(ShardedStateError, match="truncated"):
+        safetensors_io.read_header(path)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "too short"),
+        (b"\x01\x02", "too short"),
+        (struct.pack("<Q", 1 << 40) + b"{}", "header claims"),
+        (struct.pack("<Q", 4) + b"nope", "not valid JSON"),
+        (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+        (header(b'{"a": {"dtype": "F32"}}'), "malformed"),
+        (header(b'{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,4]}}'), "unknown tensor dtype"),
+        (header(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}'), "needs 8 bytes"),
+        (header(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}}'), "truncated"),
+    ],
+)
+def test_corrupt_headers_are_refused(tmp_path, data, message):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(ShardedStateError, match=message):
+        safetensors_io.read_header(str(path))
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ShardedStateError, match="missing"):
+        safetensors_io.read_header(str(tmp_path / "nope.safetensors"))

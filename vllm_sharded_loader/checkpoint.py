@@ -1,0 +1,386 @@
+"""Saving and loading one rank of a sharded checkpoint, without any engine.
+
+The vLLM layer (:mod:`.loader`, :mod:`.capture`) finds out which rank it is and which
+tensors the model has, then calls :func:`write_rank`, :func:`write_manifest` and
+:func:`load_rank`. Tests call them directly on real files and real tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from . import safetensors_io
+from .format import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    RankEntry,
+    ShardedStateError,
+    SourceModel,
+    TensorEntry,
+    config_differences,
+    default_pattern,
+    parse_file_name,
+    render_file_name,
+    validate_pattern,
+)
+from .planning import TensorSpec, TensorView, check_tensor_sets, plan_parts, unique_tensor_names
+
+DEFAULT_MAX_SIZE = 5 * 1024**3
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Which worker this is in the tensor- and pipeline-parallel grid."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __str__(self) -> str:
+        return f"pp_rank={self.pp_rank} tp_rank={self.tp_rank} (TP={self.tp_size}, PP={self.pp_size})"
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What :func:`load_rank` did, for the log line and for tests."""
+
+    files: tuple[str, ...]
+    tensors: int
+    bytes_read: int
+    seconds: float
+    cast: tuple[str, ...]
+    with_manifest: bool
+
+
+# ----------------------------------------------------------------------- state
+
+
+def saveable_state(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of a state dict that a checkpoint holds: non-empty, each memory once."""
+    tensors = {name: t for name, t in state_dict.items() if t.numel()}
+    views = []
+    for name, t in tensors.items():
+        start = t.data_ptr()
+        views.append(
+            TensorView(
+                name=name,
+                storage=(str(t.device), t.untyped_storage().data_ptr()),
+                start=start,
+                end=start + t.numel() * t.element_size(),
+                contiguous=t.is_contiguous(),
+            )
+        )
+    return {name: tensors[name] for name in unique_tensor_names(views)}
+
+
+def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """Shape and safetensors dtype name of each tensor."""
+    return {name: TensorSpec(tuple(t.shape), safetensors_io.dtype_name(t.dtype)) for name, t in tensors.items()}
+
+
+# ------------------------------------------------------------------------ save
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_manifest(directory: str) -> None:
+    """Unpublish a previous checkpoint before its parts are replaced."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, MANIFEST_NAME))
+
+
+def write_rank(
+    directory: str,
+    tensors: Mapping[str, torch.Tensor],
+    rank: RankInfo,
+    pattern: str | None = None,
+    max_size: int | None = None,
+) -> RankEntry:
+    """Write one rank's tensors into size-capped parts; returns the rank's manifest entry.
+
+    Parts are written under temporary names and renamed once all are complete. Files
+    of this rank left by an earlier save with more parts are removed, so a directory
+    never mixes parts of two saves. The manifest is not touched: see
+    :func:`write_manifest`.
+    """
+    pattern = pattern or default_pattern(rank.pp_size)
+    validate_pattern(pattern, rank.tp_size, rank.pp_size)
+    os.makedirs(directory, exist_ok=True)
+    sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
+    parts = plan_parts(sizes, max_size)
+    names = [render_file_name(pattern, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, part=i) for i in range(len(parts))]
+    if len(set(names)) != len(names):
+        raise ShardedStateError(f"File pattern {pattern!r} renders the same name for two parts of {rank}.")
+
+    files: list[FileEntry] = []
+    entries: dict[str, TensorEntry] = {}
+    temporary: list[tuple[str, str]] = []
+    try:
+        for file_name, part in zip(names, parts, strict=True):
+            final = os.path.join(directory, file_name)
+            tmp = os.path.join(directory, f".{file_name}.tmp-{os.getpid()}")
+            temporary.append((tmp, final))
+            items = [(name, tensors[name]) for name in part]
+            size = safetensors_io.write_file(tmp, items, {"format": "pt"})
+            files.append(FileEntry(file_name, size))
+            for name, t in items:
+                entries[name] = TensorEntry(file_name, safetensors_io.dtype_name(t.dtype), tuple(t.shape))
+    except BaseException:
+        for tmp, _ in temporary:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        raise
+    for tmp, final in temporary:
+        os.replace(tmp, final)
+    _remove_stale_parts(directory, pattern, rank, keep=set(names))
+    _fsync_directory(directory)
+    return RankEntry(rank.tp_rank, rank.pp_rank, tuple(files), entries)
+
+
+def _remove_stale_parts(directory: str, pattern: str, rank: RankInfo, keep: set[str]) -> None:
+    for name in os.listdir(directory):
+        fields = parse_file_name(pattern, name)
+        if (
+            fields is not None
+            and name not in keep
+            and fields.get("tp_rank", 0) == rank.tp_rank
+            and fields.get("pp_rank", 0) == rank.pp_rank
+        ):
+            os.remove(os.path.join(directory, name))
+
+
+def write_manifest(directory: str, manifest: Manifest) -> None:
+    """Publish a checkpoint: check every listed file, then write the manifest atomically.
+
+    Written last, through a temporary file, fsync and rename: a directory without
+    ``sharded_state.json`` is visibly incomplete.
+    """
+    for entry in manifest.ranks:
+        for f in entry.files:
+            _check_file_size(directory, f)
+    path = os.path.join(directory, MANIFEST_NAME)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as out:
+        out.write(manifest.to_json())
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(directory)
+
+
+def open_rank_tensors(directory: str, entry: RankEntry) -> dict[str, torch.Tensor]:
+    """The tensors of one saved rank, memory-mapped from its files (no copy is made).
+
+    Used to rewrite a captured state elsewhere; the returned tensors stay valid as
+    long as they are referenced.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for f in entry.files:
+        header = safetensors_io.read_header(os.path.join(directory, f.name))
+        if header.file_size == header.data_start:
+            mapped = None
+        else:
+            with open(header.path, "rb") as fh:
+                # Copy-on-write: reads come from the page cache, torch gets a writable buffer.
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        for name, h in header.tensors.items():
+            dtype = safetensors_io.torch_dtype(h.dtype, header.path)
+            if h.end == h.begin or mapped is None:
+                tensors[name] = torch.empty(h.shape, dtype=dtype)
+            else:
+                flat = torch.frombuffer(mapped, dtype=torch.uint8, count=h.end - h.begin, offset=h.begin)
+                tensors[name] = flat.view(dtype).view(h.shape)
+    return {name: tensors[name] for name in entry.tensors}
+
+
+# ------------------------------------------------------------------------ load
+
+
+def read_manifest(directory: str) -> Manifest | None:
+    """The checkpoint's manifest, or None for a checkpoint written by vLLM's own save."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    return Manifest.from_json(text, where=path)
+
+
+def _check_file_size(directory: str, f: FileEntry) -> None:
+    path = os.path.join(directory, f.name)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise ShardedStateError(
+            f"{path}: listed in {MANIFEST_NAME} ({f.size} bytes) but missing. The checkpoint is "
+            "incomplete: copy the missing file or save the checkpoint again."
+        ) from None
+    if size != f.size:
+        raise ShardedStateError(
+            f"{path}: {size} bytes on disk, but {MANIFEST_NAME} records {f.size}. The file is "
+            f"{'truncated' if size < f.size else 'not the one that was saved'}: copy or save the checkpoint again."
+        )
+
+
+def check_topology(manifest: Manifest, rank: RankInfo, directory: str) -> None:
+    """Refuse to serve a checkpoint at another TP/PP size than it was saved at."""
+    if (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size):
+        raise ShardedStateError(
+            f"{directory} was saved with tensor_parallel_size={manifest.tp_size} and "
+            f"pipeline_parallel_size={manifest.pp_size}, but the engine runs "
+            f"tensor_parallel_size={rank.tp_size} and pipeline_parallel_size={rank.pp_size}. "
+            f"Serve it with --tensor-parallel-size {manifest.tp_size} --pipeline-parallel-size "
+            f"{manifest.pp_size}, or save it again at the new sizes."
+        )
+
+
+def check_source(manifest: Manifest, serving: SourceModel, directory: str) -> None:
+    """Refuse to load weights saved from another model than the one being served."""
+    if manifest.source.architecture != serving.architecture or (manifest.source.config_sha256 != serving.config_sha256):
+        diff = config_differences(manifest.source.config, serving.config)
+        raise ShardedStateError(
+            f"{directory}: the checkpoint was saved from a {manifest.source.architecture} with config "
+            f"sha256 {manifest.source.config_sha256[:12]}, but the engine serves a "
+            f"{serving.architecture} with config sha256 {serving.config_sha256[:12]}"
+            + (f" (differences: {'; '.join(diff)})" if diff else "")
+            + ". Serve it with the config.json saved beside it, or save the checkpoint again from this model."
+        )
+
+
+def _rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) -> list[str]:
+    """This rank's files in a checkpoint written by vLLM's own save (no manifest).
+
+    Files of ranks the engine does not have mean the checkpoint was saved at another
+    topology; vLLM would load those "successfully" into narrowed parameters.
+    """
+    # A checkpoint saved under PP has files a TP-only pattern never matches.
+    patterns = [pattern] if rank.pp_size > 1 else [pattern, default_pattern(2)]
+    mine, foreign = [], []
+    for name in sorted(os.listdir(directory)):
+        for p in patterns:
+            fields = parse_file_name(p, name)
+            if fields is None:
+                continue
+            tp, pp = fields.get("tp_rank", 0), fields.get("pp_rank", 0)
+            if p == pattern and (tp, pp) == (rank.tp_rank, rank.pp_rank):
+                mine.append(name)
+            elif p != pattern or tp >= rank.tp_size or pp >= rank.pp_size:
+                foreign.append(name)
+            break
+    if foreign:
+        raise ShardedStateError(
+            f"{directory} holds files of ranks this engine does not have (for example "
+            f"{foreign[0]!r}) while it runs tensor_parallel_size={rank.tp_size} and "
+            f"pipeline_parallel_size={rank.pp_size}: the checkpoint was saved at another topology. "
+            "Serve it at the sizes it was saved with, or save it again at the new sizes."
+        )
+    if not mine:
+        raise ShardedStateError(
+            f"{directory} has no file for {rank} matching {pattern!r} and no {MANIFEST_NAME}. "
+            "Either this is not a sharded checkpoint (save one with examples/save_sharded_state.py), "
+            "or it was saved at a smaller topology than the engine runs."
+        )
+    return mine
+
+
+def load_rank(
+    directory: str,
+    targets: Mapping[str, torch.Tensor],
+    rank: RankInfo,
+    *,
+    manifest: Manifest | None,
+    serving: SourceModel | None = None,
+    pattern: str | None = None,
+) -> LoadStats:
+    """Check a rank's saved files against the model, then read them into ``targets``.
+
+    ``targets`` maps each tensor name to the tensor it loads into (the model's
+    :func:`saveable_state`). Every check runs before the first byte is copied, so a
+    refused checkpoint leaves the parameters untouched.
+    """
+    started = time.perf_counter()
+    where = f"{directory} ({rank})"
+    expected = tensor_specs(targets)
+    if manifest is not None:
+        check_topology(manifest, rank, directory)
+        if serving is not None:
+            check_source(manifest, serving, directory)
+        entry = manifest.rank(rank.tp_rank, rank.pp_rank)
+        for f in entry.files:
+            _check_file_size(directory, f)
+        saved = {name: TensorSpec(t.shape, t.dtype) for name, t in entry.tensors.items()}
+        cast = check_tensor_sets(
+            expected, saved, where, hint="The checkpoint was saved from a different model; save it again."
+        )
+        headers = [safetensors_io.read_header(os.path.join(directory, f.name)) for f in entry.files]
+        for header in headers:
+            _check_header_matches_manifest(header, entry)
+    else:
+        pattern = pattern or default_pattern(rank.pp_size)
+        validate_pattern(pattern, rank.tp_size, rank.pp_size)
+        names = _rank_files_without_manifest(directory, pattern, rank)
+        headers = [safetensors_io.read_header(os.path.join(directory, n)) for n in names]
+        saved = {}
+        owner: dict[str, str] = {}
+        for header in headers:
+            for name, h in header.tensors.items():
+                if name in owner:
+                    raise ShardedStateError(
+                        f"{where}: tensor {name!r} is stored in both {owner[name]} and {header.path}; "
+                        "the directory mixes two saves. Remove the stale files or save it again."
+                    )
+                owner[name] = header.path
+                saved[name] = TensorSpec(h.shape, h.dtype)
+        cast = check_tensor_sets(
+            expected,
+            saved,
+            where,
+            hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
+            "drops every linear weight. Save it again with examples/save_sharded_state.py.",
+        )
+    nbytes = 0
+    for header in headers:
+        nbytes += safetensors_io.read_into(header, {n: targets[n] for n in header.tensors})
+    return LoadStats(
+        files=tuple(h.path for h in headers),
+        tensors=len(targets),
+        bytes_read=nbytes,
+        seconds=time.perf_counter() - started,
+        cast=tuple(cast),
+        with_manifest=manifest is not None,
+    )
+
+
+def _check_header_matches_manifest(header: safetensors_io.Header, entry: RankEntry) -> None:
+    name = os.path.basename(header.path)
+    listed = {t: e for t, e in entry.tensors.items() if e.file == name}
+    if set(listed) != set(header.tensors):
+        extra = sorted(set(header.tensors) - set(listed))
+        absent = sorted(set(listed) - set(header.tensors))
+        raise ShardedStateError(
+            f"{header.path}: holds tensors {extra[:5]} not in {MANIFEST_NAME} and lacks {absent[:5]} "
+            "that it lists; the file is not the one that was saved. Copy or save the checkpoint again."
+        )
+    for tensor_name, e in listed.items():
+        h = header.tensors[tensor_name]
+        if (h.dtype, h.shape) != (e.dtype, tuple(e.shape)):
+            raise ShardedStateError(
+                f"{header.path}: tensor {tensor_name!r} is {h.dtype}{list(h.shape)} in the file but "
+                f"{e.dtype}{list(e.shape)} in {MANIFEST_NAME}; copy or save the checkpoint again."
+            )

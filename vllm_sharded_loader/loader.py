@@ -1,0 +1,147 @@
+"""The ``sharded_state`` model loader: the thin vLLM layer over :mod:`.checkpoint`."""
+
+from __future__ import annotations
+
+import os
+from copy import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from .checkpoint import RankInfo, load_rank, read_manifest, saveable_state
+from .format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
+    from vllm.config.load import LoadConfig
+
+# Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
+logger = init_logger(f"vllm.plugins.{__name__}")
+
+# Set on a model after a load, so tests and tools can prove which loader ran.
+LOAD_STATS_ATTRIBUTE = "_vllm_sharded_loader_stats"
+EXTRA_CONFIG_KEYS = frozenset({"pattern"})
+
+
+def current_rank() -> RankInfo:
+    """This worker's place in the tensor- and pipeline-parallel grid."""
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return RankInfo(tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size)
+
+
+def source_identity(model: torch.nn.Module, model_config: ModelConfig) -> SourceModel:
+    """Architecture (the vLLM class that was built) and config hash of a model."""
+    config = model_config.hf_config.to_dict()
+    return SourceModel(
+        architecture=type(model).__name__,
+        config_sha256=config_sha256(config),
+        config=normalize_config(config),
+    )
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class ShardedStateLoader(BaseModelLoader):
+    """Loads each worker's own files of a sharded checkpoint straight into its parameters.
+
+    Registered as the ``sharded_state`` load format, in place of vLLM's loader of the
+    same name. Reads checkpoints saved by this package (with ``sharded_state.json``)
+    and by vLLM's own save (no manifest), and refuses, with an error saying what to
+    do, anything that would load wrong weights: another topology, another model,
+    missing, unexpected or reshaped tensors, missing or resized files.
+
+    ``model_loader_extra_config`` accepts ``pattern`` (the file name pattern of a
+    checkpoint saved with a custom one), as vLLM's loader does.
+    """
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        extra = copy(load_config.model_loader_extra_config or {})
+        if not isinstance(extra, dict):
+            raise ShardedStateError(
+                f"model_loader_extra_config for sharded_state must be a dict, got {type(extra).__name__}."
+            )
+        unknown = set(extra) - EXTRA_CONFIG_KEYS
+        if unknown:
+            raise ShardedStateError(
+                f"Unexpected model_loader_extra_config keys {sorted(unknown)} for load format "
+                f"sharded_state; supported keys: {sorted(EXTRA_CONFIG_KEYS)}."
+            )
+        self.pattern: str | None = extra.get("pattern")
+
+    # Save side: vLLM's worker hook calls `ShardedStateLoader.save_model`; the plugin
+    # points that name at this class, so the hook writes our format.
+    @staticmethod
+    def save_model(model: torch.nn.Module, path: str, pattern: str | None = None, max_size: int | None = None) -> None:
+        """Write this worker's loaded state to ``path`` (see :mod:`.capture`)."""
+        from .capture import save_rank_from_hook
+
+        save_rank_from_hook(model, path, pattern, max_size)
+
+    def _checkpoint_dir(self, model_config: ModelConfig) -> str:
+        directory = model_config.model_weights or model_config.model
+        if os.path.isdir(directory):
+            return directory
+        from huggingface_hub import snapshot_download
+
+        # A Hub repository: fetch the checkpoint into the cache (vLLM already fetched
+        # the config). HF_HUB_OFFLINE makes this resolve from the cache only.
+        return snapshot_download(
+            directory,
+            revision=model_config.revision,
+            cache_dir=self.load_config.download_dir,
+            allow_patterns=["*.safetensors", MANIFEST_NAME],
+        )
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self._checkpoint_dir(model_config)
+
+    def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
+        directory = self._checkpoint_dir(model_config)
+        rank = current_rank()
+        targets = saveable_state(model.state_dict())
+        manifest = read_manifest(directory)
+        stats = load_rank(
+            directory,
+            targets,
+            rank,
+            manifest=manifest,
+            serving=source_identity(model, model_config),
+            pattern=self.pattern if manifest is None else None,
+        )
+        if stats.cast:
+            logger.info(
+                "sharded_state: %d tensors are stored in another dtype than %s and were cast "
+                "while loading (for example %s).",
+                len(stats.cast),
+                dtype_label(model_config.dtype),
+                stats.cast[0],
+            )
+        if manifest is None:
+            logger.warning(
+                "%s has no %s (a checkpoint written by vLLM's own save): file sizes and the "
+                "source model could not be checked.",
+                directory,
+                MANIFEST_NAME,
+            )
+        model.__dict__[LOAD_STATS_ATTRIBUTE] = stats
+        logger.info(
+            "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB from %d files in %.2f s (%.2f GB/s)",
+            rank,
+            stats.tensors,
+            stats.bytes_read / 1e6,
+            len(stats.files),
+            stats.seconds,
+            stats.bytes_read / max(stats.seconds, 1e-9) / 1e9,
+        )
+
+
+def loaded_stats(model: Any) -> Any:
+    """The :class:`~.checkpoint.LoadStats` our loader left on a model, if it ran."""
+    return getattr(model, LOAD_STATS_ATTRIBUTE, None)

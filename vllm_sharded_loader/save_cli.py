@@ -1,0 +1,134 @@
+"""Save a model as a sharded checkpoint: the job of ``examples/save_sharded_state.py``.
+
+Same command line as vLLM's example: every ``EngineArgs`` flag, plus ``--output/-o``,
+``--file-pattern`` and ``--max-file-size``. The engine loads the source model as
+usual; each worker captures its loaded state into the output directory during
+start-up (see :mod:`.capture`), and vLLM's save hook then publishes the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV
+from .checkpoint import DEFAULT_MAX_SIZE, read_manifest
+from .format import MANIFEST_NAME, ShardedStateError
+
+# Weights of the source model, which the sharded parts replace.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+SKIPPED_NAMES = (MANIFEST_NAME, ".cache", ".git")
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file of the source model is a weight file (or index) not to copy."""
+    return any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS) or name in SKIPPED_NAMES
+
+
+def copy_non_weight_files(source: str, output: str) -> list[str]:
+    """Copy config, generation config, tokenizer files, chat template, ... to ``output``."""
+    copied = []
+    for name in sorted(os.listdir(source)):
+        if is_weight_file(name):
+            continue
+        src, dst = os.path.join(source, name), os.path.join(output, name)
+        if os.path.isdir(src):
+            shutil.copytree(
+                src,
+                dst,
+                dirs_exist_ok=True,
+                ignore=lambda _d, names: [n for n in names if is_weight_file(n)],
+            )
+        else:
+            shutil.copy2(src, dst)
+        copied.append(name)
+    return copied
+
+
+def engine_kwargs(engine_args: Any) -> dict[str, Any]:
+    """``LLM(**kwargs)`` arguments equal to parsed ``EngineArgs``.
+
+    A shallow copy: ``dataclasses.asdict`` would turn nested config objects into
+    dicts that vLLM then fails to validate.
+    """
+    return {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """vLLM's EngineArgs flags plus the save options."""
+    from vllm import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(description=__doc__.split("\n\n")[0])
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--output", "-o", required=True, type=str, help="directory to write the checkpoint to")
+    parser.add_argument(
+        "--file-pattern",
+        type=str,
+        default=None,
+        help="file name pattern of the parts (default: vLLM's, "
+        "model-rank-{rank}-part-{part}.safetensors or model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors)",
+    )
+    parser.add_argument(
+        "--max-file-size",
+        type=int,
+        default=DEFAULT_MAX_SIZE,
+        help="maximum size of one part in bytes; a larger single tensor gets a part of its own (default 5 GiB)",
+    )
+    return parser
+
+
+def save_sharded_state(
+    engine_kwargs: dict[str, Any], output: str, pattern: str | None = None, max_size: int | None = DEFAULT_MAX_SIZE
+) -> Any:
+    """Load ``engine_kwargs['model']`` in an engine and save it sharded to ``output``.
+
+    Returns the engine (an ``LLM``), so a caller can generate with it too. Call from
+    under ``if __name__ == "__main__":``: vLLM starts its workers with spawn.
+    """
+    model = engine_kwargs["model"]
+    if not os.path.isdir(model):
+        raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
+    os.makedirs(output, exist_ok=True)
+    if os.path.samefile(model, output):
+        raise ShardedStateError(f"--output {output!r} is the source model's directory; choose another one.")
+    # Non-weight files first: the manifest, written by the save hook, must come last.
+    copy_non_weight_files(model, output)
+    os.environ[CAPTURE_DIR_ENV] = os.path.abspath(output)
+    os.environ[CAPTURE_PATTERN_ENV] = pattern or ""
+    os.environ[CAPTURE_MAX_SIZE_ENV] = "" if max_size is None else str(max_size)
+
+    from vllm import LLM
+
+    try:
+        llm = LLM(**engine_kwargs)
+        llm.llm_engine.engine_core.save_sharded_state(path=os.path.abspath(output), pattern=pattern, max_size=max_size)
+    finally:
+        for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV):
+            os.environ.pop(name, None)
+    return llm
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``examples/save_sharded_state.py``."""
+    from vllm import EngineArgs
+
+    args = make_parser().parse_args(argv)
+    engine_args = EngineArgs.from_cli_args(args)
+    started = time.perf_counter()
+    llm = save_sharded_state(engine_kwargs(engine_args), args.output, args.file_pattern, args.max_file_size)
+    manifest = read_manifest(args.output)
+    assert manifest is not None
+    print(
+        f"Saved {engine_args.model} to {args.output}: TP={manifest.tp_size} PP={manifest.pp_size}, "
+        f"{sum(len(r.files) for r in manifest.ranks)} files, {manifest.nbytes / 1e6:.1f} MB, "
+        f"in {time.perf_counter() - started:.1f} s (engine start included)."
+    )
+    del llm
+    return 0
