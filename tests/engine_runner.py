@@ -1,0 +1,57 @@
+"""Runs one real vLLM engine for the engine tests, in its own process.
+
+    python tests/engine_runner.py '{"model": DIR, "tp": 2, "load_format": "sharded_state"}'
+
+Optional keys: ``pp``, ``capture_dir`` (capture the loaded state there at start-up),
+``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up),
+``extra_config`` (model_loader_extra_config). Prints one line ``RESULT {json}`` with
+the greedy token ids and texts of :data:`~vllm_sharded_loader.testing.PROMPTS`.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm_sharded_loader.capture import CAPTURE_DIR_ENV
+
+    if spec.get("capture_dir"):
+        os.environ[CAPTURE_DIR_ENV] = spec["capture_dir"]
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_sharded_loader.testing import PROMPTS
+
+    tp, pp = spec.get("tp", 1), spec.get("pp", 1)
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="mp" if tp * pp > 1 else None,
+        load_format=spec.get("load_format", "auto"),
+        model_loader_extra_config=spec.get("extra_config") or {},
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+    )
+    result: dict = {"engine_start_seconds": time.perf_counter() - started}
+    if spec.get("save_to"):
+        try:
+            llm.llm_engine.engine_core.save_sharded_state(
+                path=spec["save_to"], pattern=spec.get("pattern"), max_size=spec.get("max_size")
+            )
+            result["saved"] = True
+        except Exception as e:  # reported to the test, which asserts on it
+            result["save_error"] = str(e)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+    result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+    result["texts"] = [o.outputs[0].text for o in outputs]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

