@@ -82,9 +82,8 @@ def main() -> int:
     reference, _ = generate(str(source), args.tp, "auto", work / "default-loader.log")
     print(f"[2/4] vLLM's default loader, TP={args.tp}: engine started in {reference['engine_start_seconds']:.1f} s")
 
-    output, seconds = run(
-        ["examples/save_sharded_state.py", "--model", str(source), "-o", str(sharded), *engine], args.tp, work / "save.log"
-    )
+    save = ["examples/save_sharded_state.py", "--model", str(source), "-o", str(sharded), *engine]
+    output, _ = run(save, args.tp, work / "save.log")
     print(f"[3/4] {next(x for x in output.splitlines() if x.startswith('Saved '))}")
     for name in sorted(os.listdir(sharded)):
         print(f"        {name:45s} {os.path.getsize(sharded / name):>10,d} bytes")

@@ -35,7 +35,7 @@ def main() -> int:
         print(json.dumps({"engine_start_seconds": start_seconds, "token_ids": tokens}))
     else:
         print(f"LLM(...) with load_format={engine_args.load_format!r} returned in {start_seconds:.1f} s")
-        for prompt, output in zip(PROMPTS, outputs):
+        for prompt, output in zip(PROMPTS, outputs, strict=True):
             print(f"{prompt!r} -> {output.outputs[0].text!r} {list(output.outputs[0].token_ids)}")
     return 0
 
