@@ -17,4 +17,4 @@ if ! python -c "import vllm, pytest, hypothesis" 2>/dev/null || ! command -v ruf
   python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 # --no-deps: the package must not pull the distribution named `vllm` (the CUDA build).
-python -m pip install -q --no-deps -e .
+python -m pip install -q --no-deps -e . > .venv-install.log 2>&1 || { cat .venv-install.log; exit 1; }
