@@ -35,15 +35,15 @@ class Checkpoints:
 
     def __init__(self, models: dict[str, str], root: Path) -> None:
         self.models, self.root = models, root
-        self.references: dict[tuple[str, int], dict] = {}
-        self.checkpoints: dict[tuple[str, int], str] = {}
+        self.references: dict[tuple[str, int, int], dict] = {}
+        self.checkpoints: dict[tuple[str, int, int], str] = {}
         self.uncaptured_save: dict = {}
 
-    def get(self, kind: str, tp: int) -> tuple[str, dict]:
-        key = (kind, tp)
+    def get(self, kind: str, tp: int, pp: int = 1) -> tuple[str, dict]:
+        key = (kind, tp, pp)
         if key not in self.checkpoints:
-            out = str(self.root / f"{kind}-tp{tp}")
-            if key == ("llama", 2):
+            out = str(self.root / f"{kind}-tp{tp}-pp{pp}")
+            if key == ("llama", 2, 1):
                 run = run_python(
                     [
                         *("examples/save_sharded_state.py", "--model", self.models[kind], "-o", out),
@@ -60,7 +60,8 @@ class Checkpoints:
                 # The hook writes weights only; config and tokenizer come as the script copies them.
                 os.makedirs(out)
                 copy_non_weight_files(self.models[kind], out)
-                ref = run_engine({"model": self.models[kind], "tp": tp, "capture_dir": out, "save_to": out}).result
+                spec = {"model": self.models[kind], "tp": tp, "pp": pp, "capture_dir": out, "save_to": out}
+                ref = run_engine(spec).result
                 assert ref.get("saved"), ref
             self.references[key] = ref
             self.checkpoints[key] = out
@@ -72,20 +73,25 @@ def saved(models, tmp_path_factory) -> Checkpoints:
     return Checkpoints(models, tmp_path_factory.mktemp("sharded"))
 
 
-def assert_our_loader_ran(output: str, tp: int) -> None:
-    for r in range(tp):
-        line = f"vllm_sharded_loader.ShardedStateLoader: pp_rank=0 tp_rank={r} (TP={tp}, PP=1) loaded"
-        assert line in output, f"no load line of our loader for tp_rank={r}"
+def assert_our_loader_ran(output: str, tp: int, pp: int = 1) -> None:
+    for p in range(pp):
+        for t in range(tp):
+            line = f"vllm_sharded_loader.ShardedStateLoader: pp_rank={p} tp_rank={t} (TP={tp}, PP={pp}) loaded"
+            assert line in output, f"no load line of our loader for pp_rank={p} tp_rank={t}"
 
 
-@pytest.mark.parametrize(("kind", "tp"), [("llama", 1), ("llama", 2), ("tied", 1), ("tied", 2)])
-def test_sharded_load_matches_default_loader(saved, kind, tp):
-    checkpoint, reference = saved.get(kind, tp)
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp"), [("llama", 1, 1), ("llama", 2, 1), ("tied", 1, 1), ("tied", 2, 1), ("llama", 1, 2)]
+)
+def test_sharded_load_matches_default_loader(saved, kind, tp, pp):
+    checkpoint, reference = saved.get(kind, tp, pp)
     manifest = json.loads(Path(checkpoint, MANIFEST_NAME).read_text())
-    assert (manifest["tp_size"], manifest["pp_size"]) == (tp, 1)
-    run = run_engine({"model": checkpoint, "tp": tp, "load_format": "sharded_state"})
+    assert (manifest["tp_size"], manifest["pp_size"]) == (tp, pp)
+    if pp > 1:
+        assert any(n.startswith("model-pp-1-tp-0-part-") for n in os.listdir(checkpoint))
+    run = run_engine({"model": checkpoint, "tp": tp, "pp": pp, "load_format": "sharded_state"})
     assert run.result["token_ids"] == reference["token_ids"]
-    assert_our_loader_ran(run.output, tp)
+    assert_our_loader_ran(run.output, tp, pp)
 
 
 def test_save_script_output(saved, models):
