@@ -134,7 +134,8 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
             f"Refusing to save: the model is quantized ({state.quantization}) and its post-processed "
             f"parameters are not a state that reloads. {how}"
         )
-    live = saveable_state(model.state_dict())
+    # The whole state dict, not saveable_state(): an emptied tensor must show as such.
+    live = model.state_dict()
     changed = []
     for name, (address, shape, dtype) in state.signature.items():
         t = live.get(name)
