@@ -10,76 +10,17 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
+from states import CONFIG, SOURCE, assert_untouched, fresh_targets, load, rank_state, save
 
-from vllm_sharded_loader.checkpoint import (
-    RankInfo,
-    load_rank,
-    open_rank_tensors,
-    read_manifest,
-    saveable_state,
-    write_manifest,
-    write_rank,
-)
+from vllm_sharded_loader.checkpoint import RankInfo, saveable_state
 from vllm_sharded_loader.format import (
     MANIFEST_NAME,
-    Manifest,
     ShardedStateError,
     SourceModel,
     config_sha256,
     normalize_config,
 )
-
-CONFIG = {"hidden_size": 16, "vocab_size": 32, "num_hidden_layers": 2}
-SOURCE = SourceModel("TinyForCausalLM", config_sha256(CONFIG), normalize_config(CONFIG))
-
-
-def rank_state(tp_rank: int, tp_size: int, tied: bool = True) -> dict[str, torch.Tensor]:
-    """A rank's slice of a small model, different per rank; lm_head tied to the embedding."""
-    g = torch.Generator().manual_seed(100 + tp_rank)
-    embed = torch.randn(32 // tp_size, 16, generator=g).to(torch.bfloat16)
-    state = {
-        "model.embed_tokens.weight": embed,
-        "model.layers.0.qkv_proj.weight": torch.randn(48 // tp_size, 16, generator=g).to(torch.bfloat16),
-        "model.layers.0.qkv_proj.bias": torch.randn(48 // tp_size, generator=g).to(torch.bfloat16),
-        "model.layers.0.o_proj.weight": torch.randn(16, 16 // tp_size, generator=g).to(torch.bfloat16),
-        "model.norm.weight": torch.ones(16, dtype=torch.bfloat16),
-        "model.layers.0.empty": torch.empty(0),  # e.g. a repacked weight: never saved
-    }
-    state["lm_head.weight"] = embed if tied else embed.clone()
-    return state
-
-
-def save(directory, tp_size=2, max_size=None, pattern=None, tied=True) -> Manifest:
-    entries = [
-        write_rank(
-            str(directory), saveable_state(rank_state(r, tp_size, tied)), RankInfo(r, tp_size), pattern, max_size
-        )
-        for r in range(tp_size)
-    ]
-    manifest = Manifest(
-        tp_size=tp_size,
-        pp_size=1,
-        dtype="bfloat16",
-        pattern=pattern or "model-rank-{rank}-part-{part}.safetensors",
-        source=SOURCE,
-        ranks=tuple(entries),
-    )
-    write_manifest(str(directory), manifest)
-    return manifest
-
-
-def fresh_targets(tp_rank, tp_size, tied=True) -> dict[str, torch.Tensor]:
-    state = {k: torch.full_like(v, 7) for k, v in rank_state(tp_rank, tp_size, tied).items()}
-    if tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return saveable_state(state)
-
-
-def load(directory, tp_rank=0, tp_size=2, targets=None, **kw):
-    targets = fresh_targets(tp_rank, tp_size) if targets is None else targets
-    manifest = read_manifest(str(directory))
-    kw.setdefault("serving", SOURCE)
-    return load_rank(str(directory), targets, RankInfo(tp_rank, tp_size), manifest=manifest, **kw), targets
+from vllm_sharded_loader.saving import StagedRank, open_staged_tensors
 
 
 def test_round_trip_every_rank_gets_its_own_bytes(tmp_path):
@@ -145,16 +86,12 @@ def test_custom_pattern(tmp_path):
     load(tmp_path, tp_rank=1)
 
 
-def test_open_rank_tensors_maps_the_saved_bytes(tmp_path):
+def test_open_staged_tensors_maps_the_saved_bytes(tmp_path):
     manifest = save(tmp_path, max_size=300)
-    tensors = open_rank_tensors(str(tmp_path), manifest.rank(1, 0))
+    staged = StagedRank(str(tmp_path), RankInfo(1, 2), manifest.pattern, 300, manifest.rank(1, 0))
+    tensors = open_staged_tensors(staged)
     for name, t in saveable_state(rank_state(1, 2)).items():
         assert torch.equal(tensors[name], t), name
-
-
-def assert_untouched(targets):
-    for name, t in targets.items():
-        assert bool((t == 7).all()), f"{name} was written before the load was refused"
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 import os
 import struct
 
+import blake3
 import pytest
 import torch
 from safetensors import safe_open
@@ -38,8 +39,11 @@ def header(text: bytes, data: bytes = b"\0" * 4) -> bytes:
 def test_library_reads_what_we_write(tmp_path):
     tensors = sample_tensors()
     path = str(tmp_path / "ours.safetensors")
-    size = safetensors_io.write_file(path, list(tensors.items()), {"format": "pt"})
+    size, checksum = safetensors_io.write_file(path, list(tensors.items()), {"format": "pt"})
     assert size == os.path.getsize(path)
+    # The checksum hashed while writing is the checksum of the file's bytes.
+    with open(path, "rb") as f:
+        assert checksum.blocks == (blake3.blake3(f.read()).hexdigest(),)
     with safe_open(path, framework="pt") as f:
         assert set(f.keys()) == set(tensors)
         assert f.metadata() == {"format": "pt"}

@@ -29,16 +29,22 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from .checkpoint import (
-    RankInfo,
-    open_rank_tensors,
-    remove_manifest,
-    saveable_state,
-    write_manifest,
-    write_rank,
-)
-from .format import Manifest, RankEntry, ShardedStateError, SourceModel, default_pattern, validate_pattern
+from .checkpoint import RankInfo, saveable_state
+from .format import LOCK_NAME, Manifest, RankEntry, ShardedStateError, SourceModel, default_pattern, validate_pattern
 from .loader import current_rank, dtype_label, source_identity
+from .saving import (
+    SaveLock,
+    StagedRank,
+    acquire_save_lock,
+    discard_rank,
+    new_token,
+    open_staged_tensors,
+    publish_rank,
+    release_save_lock,
+    remove_manifest,
+    stage_rank,
+    write_manifest,
+)
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
@@ -46,17 +52,8 @@ logger = init_logger(f"vllm.plugins.{__name__}")
 CAPTURE_DIR_ENV = "SHARDED_STATE_CAPTURE_DIR"
 CAPTURE_PATTERN_ENV = "SHARDED_STATE_CAPTURE_PATTERN"
 CAPTURE_MAX_SIZE_ENV = "SHARDED_STATE_CAPTURE_MAX_SIZE"
+OVERWRITE_ENV = "SHARDED_STATE_OVERWRITE"
 LOADED_STATE_ATTRIBUTE = "_vllm_sharded_loaded_state"
-
-
-@dataclass(frozen=True)
-class Capture:
-    """A rank's loaded state, written to disk during start-up."""
-
-    directory: str
-    pattern: str
-    max_size: int | None
-    entry: RankEntry
 
 
 @dataclass
@@ -67,7 +64,8 @@ class LoadedState:
     source: SourceModel
     dtype: str
     quantization: str | None
-    capture: Capture | None = field(default=None)
+    # The state written at start-up (staged, or published in place by a save).
+    capture: StagedRank | None = field(default=None)
 
 
 def capture_settings() -> tuple[str, str | None, int | None] | None:
@@ -96,11 +94,14 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     if settings is not None:
         directory, pattern, max_size = settings
         rank = current_rank()
-        pattern = pattern or default_pattern(rank.pp_size)
-        remove_manifest(directory)
-        entry = write_rank(directory, tensors, rank, pattern, max_size)
-        state.capture = Capture(directory, pattern, max_size, entry)
-        logger.info("sharded_state: %s captured its loaded state (%.1f MB) in %s", rank, entry.nbytes / 1e6, directory)
+        # Staged under temporary names: nothing is published until the save hook runs.
+        state.capture = stage_rank(directory, tensors, rank, pattern or default_pattern(rank.pp_size), max_size)
+        logger.info(
+            "sharded_state: %s captured its loaded state (%.1f MB) in %s",
+            rank,
+            state.capture.entry.nbytes / 1e6,
+            directory,
+        )
     # Plain attribute, not a module or buffer: it must not show up in state_dict().
     model.__dict__[LOADED_STATE_ATTRIBUTE] = state
     return state
@@ -154,73 +155,112 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
     return {name: live[name] for name in state.signature}
 
 
-def _write_rank_state(
+def _stage_for_save(
     model: torch.nn.Module, state: LoadedState, path: str, rank: RankInfo, pattern: str, max_size: int | None
-) -> RankEntry:
+) -> StagedRank:
+    """Stage this rank's loaded state in ``path``: the capture itself if it fits, else a rewrite."""
     capture = state.capture
     if capture is not None:
         in_place = os.path.isdir(path) and os.path.samefile(capture.directory, path)
         if in_place and (capture.pattern, capture.max_size) == (pattern, max_size):
-            return capture.entry
-        tensors = open_rank_tensors(capture.directory, capture.entry)
-        entry = write_rank(path, tensors, rank, pattern, max_size)
-        if in_place:
-            state.capture = Capture(path, pattern, max_size, entry)
-        return entry
-    return write_rank(path, _live_state_if_unchanged(model, state), rank, pattern, max_size)
+            return capture
+        return stage_rank(path, open_staged_tensors(capture), rank, pattern, max_size)
+    return stage_rank(path, _live_state_if_unchanged(model, state), rank, pattern, max_size)
 
 
-def _all_gather(obj: Any) -> tuple[list[Any], bool]:
-    """Gather one object from every worker; also says whether this is the first worker."""
-    from vllm.distributed import get_world_group
+class _Workers:
+    """Steps that every worker of the engine runs together, failing together."""
 
-    group = get_world_group()
-    if group.world_size == 1:
-        return [obj], True
-    gathered: list[Any] = [None] * group.world_size
-    torch.distributed.all_gather_object(gathered, obj, group=group.cpu_group)
-    return gathered, group.rank_in_group == 0
+    def __init__(self, rank: RankInfo) -> None:
+        from vllm.distributed import get_world_group
+
+        self.rank, self.group = rank, get_world_group()
+        self.first = self.group.rank_in_group == 0
+
+    def run(self, step: Any, only_first: bool = False) -> list[Any]:
+        """Run ``step`` here (or only on the first worker), exchange results, raise if any failed.
+
+        Every worker reaches the exchange even when its step fails, or the others would hang.
+        """
+        try:
+            outcome: tuple[bool, Any] = (True, step() if self.first or not only_first else None)
+        except Exception as e:
+            outcome = (False, f"{self.rank}: {e}")
+        if self.group.world_size == 1:
+            outcomes = [outcome]
+        else:
+            outcomes = [None] * self.group.world_size
+            torch.distributed.all_gather_object(outcomes, outcome, group=self.group.cpu_group)
+        errors = [value for ok, value in outcomes if not ok]
+        if errors:
+            raise ShardedStateError(" | ".join(errors))
+        return [value for _, value in outcomes]
 
 
 def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
     """Body of vLLM's worker ``save_sharded_state`` hook; runs on every worker at once.
 
-    Every worker writes its own parts, then all workers exchange their entries; the
-    first one writes the manifest, last. If any worker failed, every worker raises
-    and no manifest is written.
+    The steps of :mod:`.saving` across workers: the first worker takes the lock, every
+    worker stages its parts, then swaps them in, and the first worker publishes the
+    manifest. A failure before the swap removes what was staged and the lock, and
+    leaves any previous checkpoint intact.
     """
     rank = current_rank()
-    outcome: RankEntry | str
+    workers = _Workers(rank)
     state: LoadedState | None = getattr(model, LOADED_STATE_ATTRIBUTE, None)
-    try:
-        pattern = pattern or default_pattern(rank.pp_size)
+    pattern = pattern or default_pattern(rank.pp_size)
+    overwrite = os.environ.get(OVERWRITE_ENV, "").lower() in ("1", "true", "yes")
+    path = os.path.abspath(path)
+    token = new_token()
+    lock: SaveLock | None = None
+    staged: StagedRank | None = None
+    swapped = False
+
+    def check_and_lock() -> SaveLock:
         validate_pattern(pattern, rank.tp_size, rank.pp_size)
+        return acquire_save_lock(path, token, overwrite)
+
+    def stage() -> RankEntry:
+        nonlocal staged
         if state is None:
             raise ShardedStateError(
                 "Refusing to save: this model was loaded before vllm_sharded_loader was active, so "
                 "its loaded state is unknown. Check that the plugin is installed (VLLM_PLUGINS)."
             )
-        os.makedirs(path, exist_ok=True)
-        # Unpublish an older checkpoint first: its manifest must never describe a mix.
-        remove_manifest(path)
-        outcome = _write_rank_state(model, state, path, rank, pattern, max_size)
-    except Exception as e:  # every worker must reach the exchange, or the others hang
-        outcome = f"{rank}: {e}"
-    outcomes, first = _all_gather(outcome)
-    errors = [o for o in outcomes if isinstance(o, str)]
-    if errors:
-        raise ShardedStateError(
-            f"Saving the sharded state to {path} failed; no manifest was written. " + " | ".join(errors)
-        )
-    assert state is not None
-    if first:
+        staged = _stage_for_save(model, state, path, rank, pattern, max_size)
+        return staged.entry
+
+    try:
+        lock = workers.run(check_and_lock, only_first=True)[0]
+        entries = workers.run(stage)
+        swapped = True
+        workers.run(lambda: remove_manifest(path), only_first=True)
+        workers.run(lambda: publish_rank(staged))
         manifest = Manifest(
             tp_size=rank.tp_size,
             pp_size=rank.pp_size,
             dtype=state.dtype,
             pattern=pattern,
             source=state.source,
-            ranks=tuple(sorted(outcomes, key=lambda e: (e.pp_rank, e.tp_rank))),
+            ranks=tuple(sorted(entries, key=lambda e: (e.pp_rank, e.tp_rank))),
         )
-        write_manifest(path, manifest)
-        logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(outcomes), manifest.nbytes / 1e6, path)
+        workers.run(lambda: write_manifest(path, manifest, lock), only_first=True)
+    except ShardedStateError as e:
+        if not swapped:
+            if staged is not None and staged is not (state and state.capture):
+                discard_rank(staged)
+            if lock is not None and workers.first:
+                release_save_lock(lock)
+        raise ShardedStateError(
+            f"Saving the sharded state to {path} failed: {e}. "
+            + (
+                "Nothing was published; any previous checkpoint there is intact."
+                if not swapped
+                else f"The directory is left incomplete and locked ({LOCK_NAME}): save it again with overwrite."
+            )
+        ) from e
+    if state.capture is not None and state.capture is not staged:
+        discard_rank(state.capture)  # a capture staged elsewhere, now rewritten and published
+    state.capture = staged  # published in place: a later save can rewrite from it
+    if workers.first:
+        logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(entries), manifest.nbytes / 1e6, path)

@@ -7,8 +7,6 @@ tensors the model has, then calls :func:`write_rank`, :func:`write_manifest` and
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import time
 from collections.abc import Mapping
@@ -19,21 +17,21 @@ import torch
 from . import safetensors_io
 from .format import (
     MANIFEST_NAME,
+    FileChecksum,
     FileEntry,
     Manifest,
     RankEntry,
     ShardedStateError,
     SourceModel,
-    TensorEntry,
     config_differences,
     default_pattern,
     parse_file_name,
-    render_file_name,
     validate_pattern,
 )
-from .planning import TensorSpec, TensorView, check_tensor_sets, plan_parts, unique_tensor_names
+from .integrity import BlockVerifier
+from .planning import TensorSpec, TensorView, check_tensor_sets, unique_tensor_names
 
-DEFAULT_MAX_SIZE = 5 * 1024**3
+VERIFY_MODES = ("size", "checksum")
 
 
 @dataclass(frozen=True)
@@ -87,127 +85,6 @@ def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     return {name: TensorSpec(tuple(t.shape), safetensors_io.dtype_name(t.dtype)) for name, t in tensors.items()}
 
 
-# ------------------------------------------------------------------------ save
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_manifest(directory: str) -> None:
-    """Unpublish a previous checkpoint before its parts are replaced."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(directory, MANIFEST_NAME))
-
-
-def write_rank(
-    directory: str,
-    tensors: Mapping[str, torch.Tensor],
-    rank: RankInfo,
-    pattern: str | None = None,
-    max_size: int | None = None,
-) -> RankEntry:
-    """Write one rank's tensors into size-capped parts; returns the rank's manifest entry.
-
-    Parts are written under temporary names and renamed once all are complete. Files
-    of this rank left by an earlier save with more parts are removed, so a directory
-    never mixes parts of two saves. The manifest is not touched: see
-    :func:`write_manifest`.
-    """
-    pattern = pattern or default_pattern(rank.pp_size)
-    validate_pattern(pattern, rank.tp_size, rank.pp_size)
-    os.makedirs(directory, exist_ok=True)
-    sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
-    parts = plan_parts(sizes, max_size)
-    names = [render_file_name(pattern, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, part=i) for i in range(len(parts))]
-    if len(set(names)) != len(names):
-        raise ShardedStateError(f"File pattern {pattern!r} renders the same name for two parts of {rank}.")
-
-    files: list[FileEntry] = []
-    entries: dict[str, TensorEntry] = {}
-    temporary: list[tuple[str, str]] = []
-    try:
-        for file_name, part in zip(names, parts, strict=True):
-            final = os.path.join(directory, file_name)
-            tmp = os.path.join(directory, f".{file_name}.tmp-{os.getpid()}")
-            temporary.append((tmp, final))
-            items = [(name, tensors[name]) for name in part]
-            size = safetensors_io.write_file(tmp, items, {"format": "pt"})
-            files.append(FileEntry(file_name, size))
-            for name, t in items:
-                entries[name] = TensorEntry(file_name, safetensors_io.dtype_name(t.dtype), tuple(t.shape))
-    except BaseException:
-        for tmp, _ in temporary:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-        raise
-    for tmp, final in temporary:
-        os.replace(tmp, final)
-    _remove_stale_parts(directory, pattern, rank, keep=set(names))
-    _fsync_directory(directory)
-    return RankEntry(rank.tp_rank, rank.pp_rank, tuple(files), entries)
-
-
-def _remove_stale_parts(directory: str, pattern: str, rank: RankInfo, keep: set[str]) -> None:
-    for name in os.listdir(directory):
-        fields = parse_file_name(pattern, name)
-        if (
-            fields is not None
-            and name not in keep
-            and fields.get("tp_rank", 0) == rank.tp_rank
-            and fields.get("pp_rank", 0) == rank.pp_rank
-        ):
-            os.remove(os.path.join(directory, name))
-
-
-def write_manifest(directory: str, manifest: Manifest) -> None:
-    """Publish a checkpoint: check every listed file, then write the manifest atomically.
-
-    Written last, through a temporary file, fsync and rename: a directory without
-    ``sharded_state.json`` is visibly incomplete.
-    """
-    for entry in manifest.ranks:
-        for f in entry.files:
-            _check_file_size(directory, f)
-    path = os.path.join(directory, MANIFEST_NAME)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as out:
-        out.write(manifest.to_json())
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    _fsync_directory(directory)
-
-
-def open_rank_tensors(directory: str, entry: RankEntry) -> dict[str, torch.Tensor]:
-    """The tensors of one saved rank, memory-mapped from its files (no copy is made).
-
-    Used to rewrite a captured state elsewhere; the returned tensors stay valid as
-    long as they are referenced.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    for f in entry.files:
-        header = safetensors_io.read_header(os.path.join(directory, f.name))
-        if header.file_size == header.data_start:
-            mapped = None
-        else:
-            with open(header.path, "rb") as fh:
-                # Copy-on-write: reads come from the page cache, torch gets a writable buffer.
-                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        for name, h in header.tensors.items():
-            dtype = safetensors_io.torch_dtype(h.dtype, header.path)
-            if h.end == h.begin or mapped is None:
-                tensors[name] = torch.empty(h.shape, dtype=dtype)
-            else:
-                flat = torch.frombuffer(mapped, dtype=torch.uint8, count=h.end - h.begin, offset=h.begin)
-                tensors[name] = flat.view(dtype).view(h.shape)
-    return {name: tensors[name] for name in entry.tensors}
-
-
 # ------------------------------------------------------------------------ load
 
 
@@ -222,8 +99,42 @@ def read_manifest(directory: str) -> Manifest | None:
     return Manifest.from_json(text, where=path)
 
 
+def part_path(directory: str, name: str) -> str:
+    """The path of a part file, refusing one that resolves outside the checkpoint directory."""
+    path = os.path.join(directory, name)
+    real, root = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.commonpath([real, root]) != root:
+        raise ShardedStateError(
+            f"{path} resolves to {real}, outside the checkpoint directory {root} (a symlink or path "
+            "that escapes it); refusing to read it. Copy the real file into the checkpoint."
+        )
+    return path
+
+
+def check_not_locked(directory: str) -> None:
+    """Refuse a directory whose save is running or was interrupted."""
+    from .saving import describe_lock, read_lock
+
+    holder = read_lock(directory)
+    if holder is not None:
+        raise ShardedStateError(
+            f"{directory} is being saved or its save was interrupted: {describe_lock(directory, holder)} "
+            f"exists and the checkpoint may mix two saves. Wait for the save to finish, or save it again "
+            "(with overwrite)."
+        )
+
+
+def check_verify_mode(verify: str) -> str:
+    if verify not in VERIFY_MODES:
+        raise ShardedStateError(
+            f"verify={verify!r} is not a verification mode; use 'size' (the default: manifest, file sizes "
+            "and headers) or 'checksum' (also the checksum of every byte read)."
+        )
+    return verify
+
+
 def _check_file_size(directory: str, f: FileEntry) -> None:
-    path = os.path.join(directory, f.name)
+    path = part_path(directory, f.name)
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
@@ -307,16 +218,27 @@ def load_rank(
     manifest: Manifest | None,
     serving: SourceModel | None = None,
     pattern: str | None = None,
+    verify: str = "size",
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
     ``targets`` maps each tensor name to the tensor it loads into (the model's
     :func:`saveable_state`). Every check runs before the first byte is copied, so a
-    refused checkpoint leaves the parameters untouched.
+    refused checkpoint leaves the parameters untouched. With ``verify="checksum"``
+    every byte read is also hashed and compared with the manifest; a mismatch raises
+    before the load returns (the engine then does not start).
     """
     started = time.perf_counter()
     where = f"{directory} ({rank})"
+    check_verify_mode(verify)
+    check_not_locked(directory)
     expected = tensor_specs(targets)
+    checksums: dict[str, FileChecksum | None] = {}
+    if manifest is None and verify == "checksum":
+        raise ShardedStateError(
+            f"{directory} has no {MANIFEST_NAME} (a checkpoint of vLLM's own save), so there are no "
+            "checksums to verify; load it with verify='size' or save it again with vllm-sharded-loader."
+        )
     if manifest is not None:
         check_topology(manifest, rank, directory)
         if serving is not None:
@@ -328,14 +250,22 @@ def load_rank(
         cast = check_tensor_sets(
             expected, saved, where, hint="The checkpoint was saved from a different model; save it again."
         )
-        headers = [safetensors_io.read_header(os.path.join(directory, f.name)) for f in entry.files]
+        headers = [safetensors_io.read_header(part_path(directory, f.name)) for f in entry.files]
         for header in headers:
             _check_header_matches_manifest(header, entry)
+        if verify == "checksum":
+            for f, header in zip(entry.files, headers, strict=True):
+                if f.checksum is None:
+                    raise ShardedStateError(
+                        f"{header.path}: {MANIFEST_NAME} records no checksum for it, so verify='checksum' "
+                        "cannot check it; save the checkpoint again, or load with verify='size'."
+                    )
+                checksums[header.path] = f.checksum
     else:
         pattern = pattern or default_pattern(rank.pp_size)
         validate_pattern(pattern, rank.tp_size, rank.pp_size)
         names = _rank_files_without_manifest(directory, pattern, rank)
-        headers = [safetensors_io.read_header(os.path.join(directory, n)) for n in names]
+        headers = [safetensors_io.read_header(part_path(directory, n)) for n in names]
         saved = {}
         owner: dict[str, str] = {}
         for header in headers:
@@ -356,7 +286,7 @@ def load_rank(
         )
     nbytes = 0
     for header in headers:
-        nbytes += safetensors_io.read_into(header, {n: targets[n] for n in header.tensors})
+        nbytes += safetensors_io.read_into(header, {n: targets[n] for n in header.tensors}, checksums.get(header.path))
     return LoadStats(
         files=tuple(h.path for h in headers),
         tensors=len(targets),
@@ -384,3 +314,62 @@ def _check_header_matches_manifest(header: safetensors_io.Header, entry: RankEnt
                 f"{header.path}: tensor {tensor_name!r} is {h.dtype}{list(h.shape)} in the file but "
                 f"{e.dtype}{list(e.shape)} in {MANIFEST_NAME}; copy or save the checkpoint again."
             )
+
+
+# ---------------------------------------------------------------------- offline
+
+
+def verify_file_checksum(path: str, checksum: FileChecksum) -> None:
+    """Stream a whole file through its block checksums; raises on the first bad block."""
+    verifier = BlockVerifier(path, checksum)
+    buffer = bytearray(safetensors_io.CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            verifier.update(view[:n])
+    verifier.finish()
+
+
+def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
+    """Every problem of a checkpoint on disk, one line each naming the file; empty when sound.
+
+    Checks what a load checks for every rank (lock, manifest, file presence, sizes,
+    symlinks, headers against the manifest) and, with ``checksums``, every byte.
+    Also reports parts the manifest does not list (left by an older save).
+    """
+    problems: list[str] = []
+    try:
+        check_not_locked(directory)
+    except ShardedStateError as e:
+        problems.append(str(e))
+    try:
+        manifest = read_manifest(directory)
+    except ShardedStateError as e:
+        return [*problems, str(e)]
+    if manifest is None:
+        return [
+            *problems,
+            f"{os.path.join(directory, MANIFEST_NAME)}: missing; the checkpoint is incomplete "
+            f"or was written by vLLM's own save, and cannot be verified.",
+        ]
+    listed = set()
+    for entry in manifest.ranks:
+        for f in entry.files:
+            listed.add(f.name)
+            try:
+                _check_file_size(directory, f)
+                header = safetensors_io.read_header(part_path(directory, f.name))
+                _check_header_matches_manifest(header, entry)
+                if checksums:
+                    if f.checksum is None:
+                        raise ShardedStateError(f"{header.path}: {MANIFEST_NAME} records no checksum for it.")
+                    verify_file_checksum(header.path, f.checksum)
+            except ShardedStateError as e:
+                problems.append(str(e))
+    for name in sorted(os.listdir(directory)):
+        if name not in listed and parse_file_name(manifest.pattern, name) is not None:
+            problems.append(
+                f"{os.path.join(directory, name)}: a part that {MANIFEST_NAME} does not list (left by an older "
+                "save?); our loader ignores it but vLLM's own loader would read it. Remove it."
+            )
+    return problems

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MANIFEST_NAME = "sharded_state.json"
+HASH_NAME = "blake3"
+# Present from the start of a save until its manifest is published; also the lock
+# that makes saves into one directory exclusive. A loader refuses a directory that has it.
+LOCK_NAME = ".sharded_state.lock"
 FORMAT_NAME = "vllm-sharded-state"
 FORMAT_VERSION = 1
 
@@ -181,11 +185,24 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class FileChecksum:
+    """Digests of consecutive ``block_size`` blocks of one file (the last may be short)."""
+
+    algorithm: str
+    block_size: int
+    blocks: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"algorithm": self.algorithm, "block_size": self.block_size, "blocks": list(self.blocks)}
+
+
+@dataclass(frozen=True)
 class FileEntry:
-    """One part file and its exact byte size."""
+    """One part file, its exact byte size and, if recorded, its block checksums."""
 
     name: str
     size: int
+    checksum: FileChecksum | None = None
 
 
 @dataclass(frozen=True)
@@ -259,10 +276,7 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> Manifest:
         """Parse and validate a manifest; every defect is a :class:`ShardedStateError`."""
-        try:
-            data = json.loads(text)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise ShardedStateError(f"{where} is not valid JSON ({e}). Save the checkpoint again.") from e
+        data = load_json(text, where)
         reader = _Reader(where)
         obj = reader.mapping(data, "manifest")
         if obj.get("format") != FORMAT_NAME:
@@ -305,11 +319,18 @@ def rank_to_dict(entry: RankEntry) -> dict[str, Any]:
     return {
         "tp_rank": entry.tp_rank,
         "pp_rank": entry.pp_rank,
-        "files": [{"name": f.name, "size": f.size} for f in entry.files],
+        "files": [file_to_dict(f) for f in entry.files],
         "tensors": {
             name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)} for name, t in entry.tensors.items()
         },
     }
+
+
+def file_to_dict(f: FileEntry) -> dict[str, Any]:
+    data: dict[str, Any] = {"name": f.name, "size": f.size}
+    if f.checksum is not None:
+        data["checksum"] = f.checksum.to_dict()
+    return data
 
 
 def rank_from_dict(data: Any, where: str) -> RankEntry:
@@ -359,6 +380,23 @@ def check_plain_file_name(name: str, where: str) -> str:
     return name
 
 
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def load_json(text: str | bytes, where: str) -> Any:
+    """Parse untrusted JSON; duplicate keys (which json would silently merge) are an error."""
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
+        raise ShardedStateError(f"{where} is not valid JSON ({e}). Save the checkpoint again.") from e
+
+
 class _Reader:
     """Typed accessors for untrusted JSON data, raising :class:`ShardedStateError`."""
 
@@ -391,13 +429,22 @@ class _Reader:
             raise self.fail(f"{key!r} must be a string, found {value!r}")
         return value
 
+    def checksum(self, obj: dict[str, Any], file_name: str) -> FileChecksum | None:
+        if "checksum" not in obj:
+            return None
+        c = self.mapping(obj["checksum"], f"checksum of {file_name!r}")
+        blocks = self.sequence(c, "blocks")
+        if not all(isinstance(b, str) for b in blocks):
+            raise self.fail(f"checksum blocks of {file_name!r} must be strings")
+        return FileChecksum(self.string(c, "algorithm"), self.integer(c, "block_size", minimum=1), tuple(blocks))
+
     def rank(self, value: Any) -> RankEntry:
         obj = self.mapping(value, "a rank entry")
         files = []
         for f in self.sequence(obj, "files"):
             f = self.mapping(f, "a file entry")
             name = check_plain_file_name(self.string(f, "name"), self.where)
-            files.append(FileEntry(name=name, size=self.integer(f, "size")))
+            files.append(FileEntry(name=name, size=self.integer(f, "size"), checksum=self.checksum(f, name)))
         tensors = {}
         for name, t in self.mapping(obj.get("tensors"), "tensors").items():
             t = self.mapping(t, f"tensor {name!r}")

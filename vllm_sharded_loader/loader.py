@@ -10,7 +10,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from .checkpoint import RankInfo, load_rank, read_manifest, saveable_state
+from .checkpoint import RankInfo, check_verify_mode, load_rank, read_manifest, saveable_state
 from .format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ logger = init_logger(f"vllm.plugins.{__name__}")
 
 # Set on a model after a load, so tests and tools can prove which loader ran.
 LOAD_STATS_ATTRIBUTE = "_vllm_sharded_loader_stats"
-EXTRA_CONFIG_KEYS = frozenset({"pattern"})
+EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify"})
 
 
 def current_rank() -> RankInfo:
@@ -56,8 +56,11 @@ class ShardedStateLoader(BaseModelLoader):
     do, anything that would load wrong weights: another topology, another model,
     missing, unexpected or reshaped tensors, missing or resized files.
 
-    ``model_loader_extra_config`` accepts ``pattern`` (the file name pattern of a
-    checkpoint saved with a custom one), as vLLM's loader does.
+    ``model_loader_extra_config`` accepts ``verify``: ``"size"`` (the default: manifest
+    complete, every file present with its recorded size, headers consistent with the
+    manifest) or ``"checksum"`` (also the checksum of every byte read), and
+    ``pattern`` (the file name pattern of a checkpoint saved with a custom one), as
+    vLLM's loader does.
     """
 
     def __init__(self, load_config: LoadConfig) -> None:
@@ -74,6 +77,7 @@ class ShardedStateLoader(BaseModelLoader):
                 f"sharded_state; supported keys: {sorted(EXTRA_CONFIG_KEYS)}."
             )
         self.pattern: str | None = extra.get("pattern")
+        self.verify: str = check_verify_mode(extra.get("verify", "size"))
 
     # Save side: vLLM's worker hook calls `ShardedStateLoader.save_model`; the plugin
     # points that name at this class, so the hook writes our format.
@@ -114,6 +118,7 @@ class ShardedStateLoader(BaseModelLoader):
             manifest=manifest,
             serving=source_identity(model, model_config),
             pattern=self.pattern if manifest is None else None,
+            verify=self.verify,
         )
         if stats.cast:
             logger.info(
@@ -139,6 +144,7 @@ class ShardedStateLoader(BaseModelLoader):
             len(stats.files),
             stats.seconds,
             stats.bytes_read / max(stats.seconds, 1e-9) / 1e9,
+            self.verify,
         )
 
 

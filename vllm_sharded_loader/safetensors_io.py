@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from .format import ShardedStateError
+from .format import FileChecksum, ShardedStateError, load_json
+from .integrity import BlockHasher, BlockVerifier
 
 # safetensors dtype names <-> torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
@@ -83,6 +84,7 @@ class Header:
     metadata: dict[str, str]
     data_start: int
     file_size: int
+    raw: bytes  # the first data_start bytes of the file, for checksums
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -113,10 +115,7 @@ def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int
         )
     if len(raw_header) != length:
         raise ShardedStateError(f"{path}: could only read {len(raw_header)} of {length} header bytes.")
-    try:
-        data = json.loads(raw_header)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ShardedStateError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt.") from e
+    data = load_json(raw_header, f"{path}: safetensors header")
     if not isinstance(data, dict):
         raise ShardedStateError(f"{path}: safetensors header is not a JSON object; the file is corrupt.")
     data_start = 8 + length
@@ -150,7 +149,23 @@ def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int
                 "the file is corrupt."
             )
         tensors[name] = HeaderEntry(dtype, tuple(shape), data_start + begin, data_start + end)
-    return Header(path, tensors, {str(k): str(v) for k, v in metadata.items()}, data_start, file_size)
+    # Like the safetensors library: tensors tile the data exactly, no gap, no overlap,
+    # no trailing bytes. Checksums then cover exactly what the tensors are made of.
+    position = data_start
+    for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != position:
+            raise ShardedStateError(
+                f"{path}: tensor {name!r} starts at byte {entry.begin} but the previous data ends at {position} "
+                "(tensors overlap or leave a gap); the file is corrupt or not safetensors."
+            )
+        position = entry.end
+    if position != file_size:
+        raise ShardedStateError(
+            f"{path}: tensor data ends at byte {position} but the file has {file_size}; the file has "
+            "trailing bytes. Copy or save it again."
+        )
+    raw = raw_length + raw_header
+    return Header(path, tensors, {str(k): str(v) for k, v in metadata.items()}, data_start, file_size, raw)
 
 
 def read_header(path: str) -> Header:
@@ -184,29 +199,33 @@ def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str,
     return struct.pack("<Q", len(header)) + header
 
 
-def write_file(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> int:
-    """Write tensors to ``path`` as safetensors, streaming from their memory; returns bytes.
+def write_file(
+    path: str, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]
+) -> tuple[int, FileChecksum]:
+    """Write tensors to ``path`` as safetensors, streaming from their memory.
 
-    CPU contiguous tensors are written straight from their storage; other tensors are
-    copied one at a time, so extra memory is bounded by the largest such tensor.
-    The file is fsynced before returning. The caller picks a temporary name and
-    publishes by rename.
+    Returns the file's size and block checksums, hashed from the same memory as it is
+    written. CPU contiguous tensors are written straight from their storage; other
+    tensors are copied one at a time, so extra memory is bounded by the largest such
+    tensor. The file is fsynced before returning. The caller picks a temporary name
+    and publishes by rename.
     """
-    size = 0
+    hasher = BlockHasher()
     with open(path, "wb") as f:
         head = build_header(tensors, metadata)
         f.write(head)
-        size += len(head)
+        hasher.update(head)
         for _, t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 t = t.detach().to("cpu").contiguous()
             view = byte_view(t)
             for start in range(0, len(view), CHUNK_BYTES):
-                f.write(view[start : start + CHUNK_BYTES])
-            size += len(view)
+                chunk = view[start : start + CHUNK_BYTES]
+                f.write(chunk)
+                hasher.update(chunk)
         f.flush()
         os.fsync(f.fileno())
-    return size
+    return hasher.position, hasher.finish()
 
 
 def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
@@ -221,27 +240,43 @@ def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-def read_into(header: Header, targets: Mapping[str, torch.Tensor]) -> int:
+def read_into(header: Header, targets: Mapping[str, torch.Tensor], checksum: FileChecksum | None = None) -> int:
     """Read tensors of one file into the given tensors; returns bytes read.
 
     A target on the CPU, contiguous and of the stored dtype, receives the bytes
     directly. Others (another device or dtype) are read into a temporary tensor and
     copied, one tensor at a time. Reads go in file order so the disk streams.
+
+    With ``checksum``, every byte of the file is hashed as it arrives (tensors not in
+    ``targets`` are read into a scratch buffer) and a mismatch raises before the
+    caller can use the weights.
     """
+    verifier = BlockVerifier(header.path, checksum) if checksum is not None else None
+    if verifier is not None:
+        verifier.update(header.raw)
     total = 0
     fd = os.open(header.path, os.O_RDONLY)
     try:
-        order = sorted(targets, key=lambda n: header.tensors[n].begin)
-        for name in order:
-            entry, target = header.tensors[name], targets[name]
+        for name, entry in sorted(header.tensors.items(), key=lambda item: item[1].begin):
+            target = targets.get(name)
+            if target is None and verifier is None:
+                continue
             stored = torch_dtype(entry.dtype, header.path)
-            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored
+            direct = (
+                target is not None and target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored
+            )
             buffer = target if direct else torch.empty(entry.shape, dtype=stored)
             if buffer.numel():
-                _read_exact(fd, byte_view(buffer), entry.begin, header.path)
-            if not direct:
-                target.copy_(buffer.view(target.shape))
-            total += entry.end - entry.begin
+                view = byte_view(buffer)
+                _read_exact(fd, view, entry.begin, header.path)
+                if verifier is not None:
+                    verifier.update(view)
+            if target is not None:
+                if not direct:
+                    target.copy_(buffer)
+                total += entry.end - entry.begin
+        if verifier is not None:
+            verifier.finish()
     finally:
         os.close(fd)
     return total

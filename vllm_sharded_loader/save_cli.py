@@ -17,9 +17,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV
-from .checkpoint import DEFAULT_MAX_SIZE, read_manifest
+from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
+from .checkpoint import read_manifest
 from .format import MANIFEST_NAME, ShardedStateError
+from .saving import DEFAULT_MAX_SIZE, describe_lock, directory_holds_checkpoint, read_lock
 
 # Weights of the source model, which the sharded parts replace.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
@@ -81,11 +82,18 @@ def make_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_SIZE,
         help="maximum size of one part in bytes; a larger single tensor gets a part of its own (default 5 GiB)",
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a checkpoint already in --output (default: refuse)"
+    )
     return parser
 
 
 def save_sharded_state(
-    engine_kwargs: dict[str, Any], output: str, pattern: str | None = None, max_size: int | None = DEFAULT_MAX_SIZE
+    engine_kwargs: dict[str, Any],
+    output: str,
+    pattern: str | None = None,
+    max_size: int | None = DEFAULT_MAX_SIZE,
+    overwrite: bool = False,
 ) -> Any:
     """Load ``engine_kwargs['model']`` in an engine and save it sharded to ``output``.
 
@@ -98,11 +106,21 @@ def save_sharded_state(
     os.makedirs(output, exist_ok=True)
     if os.path.samefile(model, output):
         raise ShardedStateError(f"--output {output!r} is the source model's directory; choose another one.")
+    # Refuse before an engine is started for nothing; the save hook checks again under its lock.
+    holder = read_lock(output)
+    if holder is not None and not overwrite:
+        raise ShardedStateError(f"{output}: another save holds {describe_lock(output, holder)}.")
+    if directory_holds_checkpoint(output) and not overwrite:
+        raise ShardedStateError(
+            f"{output} already holds a checkpoint; refusing to overwrite it. Choose another directory or "
+            "pass --overwrite."
+        )
     # Non-weight files first: the manifest, written by the save hook, must come last.
     copy_non_weight_files(model, output)
     os.environ[CAPTURE_DIR_ENV] = os.path.abspath(output)
     os.environ[CAPTURE_PATTERN_ENV] = pattern or ""
     os.environ[CAPTURE_MAX_SIZE_ENV] = "" if max_size is None else str(max_size)
+    os.environ[OVERWRITE_ENV] = "1" if overwrite else ""
 
     from vllm import LLM
 
@@ -110,7 +128,7 @@ def save_sharded_state(
         llm = LLM(**engine_kwargs)
         llm.llm_engine.engine_core.save_sharded_state(path=os.path.abspath(output), pattern=pattern, max_size=max_size)
     finally:
-        for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV):
+        for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV, OVERWRITE_ENV):
             os.environ.pop(name, None)
     return llm
 
@@ -122,7 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
     started = time.perf_counter()
-    llm = save_sharded_state(engine_kwargs(engine_args), args.output, args.file_pattern, args.max_file_size)
+    llm = save_sharded_state(
+        engine_kwargs(engine_args), args.output, args.file_pattern, args.max_file_size, args.overwrite
+    )
     manifest = read_manifest(args.output)
     assert manifest is not None
     print(

@@ -1,0 +1,352 @@
+"""A corpus of bad checkpoints: each is refused with its own clear error, nothing is
+loaded into the model, nothing on disk is lost, and ``vllm-sharded verify`` names it.
+
+Engine-free: real files and tensors, the same `load_rank` the loader calls. The
+truncated-part, bit-flip and stale-part cases also run through a real engine in
+tests/test_engine.py.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from states import CONFIG, assert_untouched, fresh_targets, load, rank_state, save
+
+from vllm_sharded_loader.checkpoint import RankInfo, saveable_state, verify_checkpoint
+from vllm_sharded_loader.cli import main as cli
+from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
+from vllm_sharded_loader.saving import acquire_save_lock, release_save_lock, save_checkpoint
+
+PART0 = "model-rank-0-part-0.safetensors"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    """Every file's content hash: a failed load must leave the directory as it was."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def edit_manifest(directory: Path, edit) -> None:
+    path = directory / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def data_offset(path: Path) -> int:
+    """An offset inside the tensor data of a part (past its header)."""
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    return 8 + header_len + 40
+
+
+def symlink_outside(d: Path) -> None:
+    outside = d.parent / f"{d.name}-outside.safetensors"
+    os.replace(d / PART0, outside)
+    os.symlink(outside, d / PART0)
+
+
+def absurd_header_shape(d: Path) -> None:
+    raw = (d / PART0).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    del header["__metadata__"]  # room for the longer shape, so the header keeps its length
+    header["model.norm.weight"]["shape"] = [10**12, 10**12]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))
+    assert len(text) == n, "the edited header must keep its length"
+    (d / PART0).write_bytes(raw[:8] + text + raw[8 + n :])
+
+
+def header_longer_than_file(d: Path) -> None:
+    raw = (d / PART0).read_bytes()
+    (d / PART0).write_bytes((len(raw) * 2).to_bytes(8, "little") + raw[8:])
+
+
+def duplicate_tensor_across_files(d: Path) -> None:
+    # Parts of 300 bytes; part 0 rewritten to also hold a tensor that part 1 holds.
+    manifest = save(d, max_size=300)
+    entry = manifest.rank(0, 0)
+    state = saveable_state(rank_state(0, 2))
+    in_part0 = [n for n, t in entry.tensors.items() if t.file == PART0]
+    other = next(n for n, t in entry.tensors.items() if t.file != PART0)
+    save_file({n: state[n].contiguous() for n in [*in_part0, other]}, str(d / PART0), metadata={"format": "pt"})
+
+    def patch(m):
+        f = m["ranks"][0]["files"][0]
+        f["size"] = (d / PART0).stat().st_size
+        f.pop("checksum")
+
+    edit_manifest(d, patch)
+
+
+def another_models_checkpoint(d: Path) -> None:
+    other = dict(CONFIG, hidden_size=32)
+    edit_manifest(d, lambda m: m["source"].update(config_sha256=config_sha256(other), config=other))
+
+
+# (name, corruption, error the load raises[, whether `vllm-sharded verify` reports it: default yes])
+CASES = [
+    ("truncated part", lambda d: (d / PART0).write_bytes((d / PART0).read_bytes()[:-7]), r"truncated"),
+    ("empty part", lambda d: (d / PART0).write_bytes(b""), r"0 bytes on disk, but sharded_state.json records"),
+    ("missing part", lambda d: os.remove(d / PART0), r"listed in sharded_state.json .* but missing"),
+    ("bit flip in a header", lambda d: flip_bit(d / PART0, 12), r"model-rank-0-part-0.safetensors"),
+    ("no manifest and a missing rank", lambda d: (os.remove(d / MANIFEST_NAME), os.remove(d / PART0)), r"no file"),
+    ("wrong manifest version", lambda d: edit_manifest(d, lambda m: m.update(format_version=7)), r"format_version 7"),
+    ("not a manifest", lambda d: (d / MANIFEST_NAME).write_text('{"weights": "elsewhere"}'), r"not a vllm-sharded"),
+    ("manifest that does not parse", lambda d: (d / MANIFEST_NAME).write_text("{'tp_size': 2,"), r"not valid JSON"),
+    (
+        "manifest with duplicate keys",
+        lambda d: (d / MANIFEST_NAME).write_text(
+            (d / MANIFEST_NAME).read_text().replace('"tp_size": 2,', '"tp_size": 2, "tp_size": 1,')
+        ),
+        r"duplicate key 'tp_size'",
+    ),
+    (
+        "manifest and file size disagree",
+        lambda d: edit_manifest(
+            d, lambda m: m["ranks"][0]["files"][0].update(size=m["ranks"][0]["files"][0]["size"] + 8)
+        ),
+        r"bytes on disk, but sharded_state.json records",
+    ),
+    (
+        "wrong topology",
+        lambda d: edit_manifest(d, lambda m: (m.update(tp_size=1), m["ranks"].pop())),
+        r"saved with tensor_parallel_size=1",
+    ),
+    # Only the load knows which model it serves: offline, this checkpoint is sound.
+    ("another model's checkpoint", another_models_checkpoint, r"hidden_size: 32 -> 16", False),
+    (
+        "path escaping with ..",
+        lambda d: edit_manifest(d, lambda m: m["ranks"][0]["files"][0].update(name="../x.safetensors")),
+        r"not a plain file name",
+    ),
+    (
+        "absolute path",
+        lambda d: edit_manifest(d, lambda m: m["ranks"][0]["files"][0].update(name="/etc/passwd")),
+        r"not a plain file name",
+    ),
+    ("symlink pointing outside", symlink_outside, r"outside the checkpoint directory"),
+    (
+        "absurd shape in the manifest",
+        lambda d: edit_manifest(
+            d, lambda m: m["ranks"][0]["tensors"]["model.norm.weight"].update(shape=[10**12, 10**12])
+        ),
+        r"model.norm.weight saved \[1000000000000, 1000000000000\] but the model expects \[16\]",
+    ),
+    ("absurd shape in a header", absurd_header_shape, r"needs 2000000000000000000000000 bytes"),
+    ("header longer than its file", header_longer_than_file, r"header claims"),
+    ("tensor stored in two files", duplicate_tensor_across_files, r"holds tensors \['.*'\] not in sharded_state.json"),
+    (
+        "interrupted save (lock left behind)",
+        lambda d: (d / LOCK_NAME).write_text(json.dumps({"pid": 999999999, "host": "elsewhere"})),
+        r"save was interrupted: .*\.sharded_state\.lock",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "error", "offline"), [(*c[1:], True)[:3] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_checkpoint_is_refused_nothing_loaded_nothing_lost(tmp_path, corrupt, error, offline, capsys):
+    directory = tmp_path / "ckpt"
+    save(directory)
+    corrupt(directory)
+    before = snapshot(directory)
+    targets = fresh_targets(0, 2)
+    with pytest.raises(ShardedStateError, match=error):
+        load(directory, targets=targets)
+    assert_untouched(targets)
+    assert snapshot(directory) == before
+    # The offline check names the problem too, and exits 1.
+    assert cli(["verify", str(directory)]) == (1 if offline else 0)
+    assert ("BAD" in capsys.readouterr().out) == offline
+
+
+def test_bit_flip_in_data_is_caught_by_checksums(tmp_path, capsys):
+    save(tmp_path)
+    flip_bit(tmp_path / PART0, data_offset(tmp_path / PART0))
+    load(tmp_path)  # "size" cannot see it: same size, same header
+    with pytest.raises(
+        ShardedStateError, match=r"model-rank-0-part-0.safetensors: checksum mismatch in bytes 0\.\.16777216"
+    ):
+        load(tmp_path, verify="checksum")
+    load(tmp_path, tp_rank=1, verify="checksum")  # the other rank's files are sound
+    assert cli(["verify", str(tmp_path)]) == 1
+    assert "checksum mismatch" in capsys.readouterr().out
+    assert cli(["verify", "--size-only", str(tmp_path)]) == 0
+
+
+def test_checksums_span_blocks_and_catch_a_flip_in_any_block(tmp_path, monkeypatch):
+    import vllm_sharded_loader.integrity as integrity
+
+    monkeypatch.setattr(integrity, "BLOCK_SIZE", 256)  # many blocks in a small file
+    manifest = save(tmp_path)
+    blocks = len(manifest.rank(0, 0).files[0].checksum.blocks)
+    assert blocks > 3
+    load(tmp_path, verify="checksum")
+    flip_bit(tmp_path / PART0, (tmp_path / PART0).stat().st_size - 3)  # in the last block
+    last = blocks - 1
+    with pytest.raises(ShardedStateError, match=rf"bytes {last * 256}\.\.{blocks * 256} \(block {last}\)"):
+        load(tmp_path, verify="checksum")
+
+
+def test_stale_part_is_ignored_by_the_loader_and_reported_by_verify(tmp_path, capsys):
+    save(tmp_path)
+    stale = tmp_path / "model-rank-0-part-1.safetensors"
+    save_file({"model.norm.weight": torch.zeros(16, dtype=torch.bfloat16)}, str(stale))
+    _, targets = load(tmp_path)
+    assert torch.equal(targets["model.norm.weight"], torch.ones(16, dtype=torch.bfloat16))
+    assert cli(["verify", str(tmp_path)]) == 1
+    assert "model-rank-0-part-1.safetensors: a part that sharded_state.json does not list" in capsys.readouterr().out
+    # Without a manifest (vLLM's format), the stale part would be read: refused instead.
+    os.remove(tmp_path / MANIFEST_NAME)
+    with pytest.raises(ShardedStateError, match=r"'model.norm.weight' is stored in both"):
+        load(tmp_path)
+
+
+def test_checksum_verification_needs_checksums(tmp_path):
+    save(tmp_path)
+    edit_manifest(tmp_path, lambda m: [f.pop("checksum") for r in m["ranks"] for f in r["files"]])
+    load(tmp_path)
+    with pytest.raises(ShardedStateError, match="records no checksum"):
+        load(tmp_path, verify="checksum")
+    os.remove(tmp_path / MANIFEST_NAME)
+    with pytest.raises(ShardedStateError, match=r"no sharded_state.json .* no checksums to verify"):
+        load(tmp_path, verify="checksum")
+    with pytest.raises(ShardedStateError, match="verify='bytes' is not a verification mode"):
+        load(tmp_path, verify="bytes")
+
+
+def test_sound_checkpoint_verifies(tmp_path, capsys):
+    save(tmp_path, max_size=300)
+    assert verify_checkpoint(str(tmp_path)) == []
+    assert cli(["verify", str(tmp_path)]) == 0
+    assert "OK" in capsys.readouterr().out
+    load(tmp_path, verify="checksum")
+
+
+# ------------------------------------------------------------------------ saves
+
+
+def test_existing_checkpoint_is_not_overwritten_unless_asked(tmp_path):
+    save(tmp_path, tp_size=4)
+    before = snapshot(tmp_path)
+    with pytest.raises(ShardedStateError, match="already holds a checkpoint; refusing to overwrite"):
+        save(tmp_path, overwrite=False)
+    assert snapshot(tmp_path) == before
+    assert not (tmp_path / LOCK_NAME).exists()
+    # Overwriting a TP=4 save at TP=2 leaves no part of ranks 2 and 3 behind.
+    save(tmp_path, tp_size=2, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PART0, "model-rank-1-part-0.safetensors", MANIFEST_NAME]
+    assert verify_checkpoint(str(tmp_path)) == []
+
+
+def test_save_while_another_runs_fails_clearly_and_takes_nothing(tmp_path):
+    save(tmp_path)
+    before = snapshot(tmp_path)
+    lock = acquire_save_lock(str(tmp_path), "other-save", overwrite=True)  # a save running in this process
+    with pytest.raises(ShardedStateError, match=rf"another save holds .*{LOCK_NAME} \(pid {os.getpid()}.*wait for it"):
+        save(tmp_path, overwrite=True)
+    release_save_lock(lock)
+    assert snapshot(tmp_path) == before
+    load(tmp_path)
+
+
+SAVER = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from states import SOURCE
+    from vllm_sharded_loader.checkpoint import RankInfo
+    from vllm_sharded_loader.saving import save_checkpoint
+    {prelude}
+    big = {{RankInfo(r, 2): {{"w": torch.full((2048, 1024), float(r))}} for r in range(2)}}
+    save_checkpoint({directory!r}, big, dtype="float32", source=SOURCE, max_size=2**20, overwrite=True)
+    print("SAVED", flush=True)
+    """
+)
+
+
+def run_saver(directory: Path, prelude: str = "") -> subprocess.Popen:
+    code = SAVER.format(tests=str(ROOT / "tests"), directory=str(directory), prelude=prelude)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+SLOW_STAGING = (
+    "import time, vllm_sharded_loader.saving as s; stage = s.stage_rank; "
+    "s.stage_rank = lambda *a, **k: (time.sleep(2), stage(*a, **k))[1]"
+)
+
+
+def test_concurrent_saves_one_wins_the_other_fails_clearly(tmp_path):
+    first = run_saver(tmp_path, prelude=SLOW_STAGING)  # holds the lock for a few seconds
+    deadline = time.monotonic() + 60
+    while not (tmp_path / LOCK_NAME).exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.01)
+    second = run_saver(tmp_path)
+    _, err = second.communicate(timeout=120)
+    assert second.returncode != 0 and "another save holds" in err and "wait for it to finish" in err
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert verify_checkpoint(str(tmp_path)) == []
+
+
+def test_interrupted_save_is_refused_and_can_be_redone(tmp_path):
+    save(tmp_path)
+    proc = run_saver(tmp_path, prelude="import time; time.sleep(0)")
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)  # killed while it writes its parts
+    proc.wait()
+    with pytest.raises(ShardedStateError, match="save was interrupted"):
+        load(tmp_path)
+    assert cli(["verify", str(tmp_path)]) == 1
+    # Saving again (overwrite) takes the stale lock over and removes the killed save's partial files.
+    save(tmp_path, overwrite=True)
+    assert verify_checkpoint(str(tmp_path)) == []
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial") or p.name == LOCK_NAME]
+
+
+def test_full_disk_during_save_loses_nothing(tmp_path):
+    save(tmp_path)
+    before = snapshot(tmp_path)
+    # A real write failure: the file size limit makes write() fail with EFBIG mid-save.
+    prelude = (
+        "import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (3 * 2**20, 3 * 2**20))"
+    )
+    proc = run_saver(tmp_path, prelude=prelude)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "ShardedStateError: Writing " in err and "File too large" in err and "previous checkpoint" in err
+    assert snapshot(tmp_path) == before, "the failed save must remove its partial files and its lock"
+    load(tmp_path)
+    assert verify_checkpoint(str(tmp_path)) == []
+
+
+def test_save_refuses_escaping_or_colliding_patterns(tmp_path):
+    ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
+    source = SourceModel("TinyForCausalLM", "0" * 64)
+    with pytest.raises(ShardedStateError, match="plain file"):
+        save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="../w-{rank}-{part}")
+    with pytest.raises(ShardedStateError, match="tensor parallel rank"):
+        save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="w-{part}.safetensors")
+    assert not (tmp_path / LOCK_NAME).exists()

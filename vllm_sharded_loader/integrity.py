@@ -1,0 +1,82 @@
+"""Checksums of part files, computed while the bytes stream through, never in a second pass.
+
+Each file is hashed in fixed-size blocks with BLAKE3 (about 7 GB/s on one core here,
+and cryptographic, so a pinned manifest also pins the weights). Blocks rather than
+one digest per file so that a reader that needs only part of a file (resharding)
+can verify exactly the blocks it touches.
+"""
+
+from __future__ import annotations
+
+import blake3
+
+from .format import HASH_NAME, FileChecksum, ShardedStateError
+
+BLOCK_SIZE = 16 * 1024 * 1024
+
+
+class BlockHasher:
+    """Feed a file's bytes in order; get the digest of every block."""
+
+    def __init__(self, block_size: int | None = None) -> None:
+        self.block_size = block_size or BLOCK_SIZE
+        self.digests: list[str] = []
+        self._hasher = blake3.blake3()
+        self._filled = 0
+        self.position = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.block_size - self._filled)
+            self._hasher.update(view[:take])
+            self._filled += take
+            self.position += take
+            view = view[take:]
+            if self._filled == self.block_size:
+                self._block_done(self._hasher.hexdigest())
+                self._hasher, self._filled = blake3.blake3(), 0
+
+    def _block_done(self, digest: str) -> None:
+        self.digests.append(digest)
+
+    def finish(self) -> FileChecksum:
+        """Close the last (short) block; an empty file has one digest, of no bytes."""
+        if self._filled or not self.digests:
+            self._block_done(self._hasher.hexdigest())
+            self._hasher, self._filled = blake3.blake3(), 0
+        return FileChecksum(HASH_NAME, self.block_size, tuple(self.digests))
+
+
+class BlockVerifier(BlockHasher):
+    """A :class:`BlockHasher` that compares each block with the recorded digest as it completes."""
+
+    def __init__(self, path: str, expected: FileChecksum) -> None:
+        if expected.algorithm != HASH_NAME:
+            raise ShardedStateError(
+                f"{path}: checksum algorithm {expected.algorithm!r} is not supported (this version "
+                f"verifies {HASH_NAME!r}); upgrade vllm-sharded-loader or verify with 'size'."
+            )
+        super().__init__(expected.block_size)
+        self.path, self.expected = path, expected
+
+    def _block_done(self, digest: str) -> None:
+        index = len(self.digests)
+        want = self.expected.blocks[index] if index < len(self.expected.blocks) else None
+        if digest != want:
+            start = index * self.block_size
+            raise ShardedStateError(
+                f"{self.path}: checksum mismatch in bytes {start}..{start + self.block_size} (block {index}): "
+                f"the file is corrupt or was modified after it was saved. Copy it again from the source "
+                "or save the checkpoint again."
+            )
+        super()._block_done(digest)
+
+    def finish(self) -> FileChecksum:
+        result = super().finish()
+        if len(result.blocks) != len(self.expected.blocks):
+            raise ShardedStateError(
+                f"{self.path}: {len(result.blocks)} checksum blocks read, {len(self.expected.blocks)} recorded; "
+                "the file has another length than the one saved. Copy or save it again."
+            )
+        return result

@@ -1,0 +1,369 @@
+"""Saving a sharded checkpoint, engine-free: staged parts, an exclusive lock, the manifest last.
+
+A save goes through four steps, each visible on disk:
+
+1. **lock**: ``.sharded_state.lock`` is created exclusively (O_EXCL). A second save into
+   the directory fails while the first runs; an existing checkpoint is refused unless
+   ``overwrite`` is asked. A loader refuses a directory holding the lock.
+2. **stage**: every rank writes its parts under hidden temporary names
+   (``.model-rank-0-part-0.safetensors.<token>.partial``), hashing them as they are written.
+   The previous checkpoint, if any, is still intact: a failure here (disk full) removes
+   the staged files and the lock, and loses nothing.
+3. **swap**: the old manifest is removed, every rank renames its staged parts into place
+   and removes its parts of the old save that the new one does not have.
+4. **publish**: files of ranks the new topology does not have are removed, the manifest is
+   written (temporary file, fsync, rename) and the lock released.
+
+A crash in 3 or 4 leaves the lock in place, so the directory is refused as interrupted,
+never loaded as a mix. :func:`save_checkpoint` runs the steps in one process; the vLLM
+save hook (:mod:`.capture`) runs them across workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from . import safetensors_io
+from .checkpoint import RankInfo
+from .format import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    PP_AND_TP_PATTERN,
+    TP_ONLY_PATTERN,
+    FileEntry,
+    Manifest,
+    RankEntry,
+    ShardedStateError,
+    SourceModel,
+    TensorEntry,
+    default_pattern,
+    parse_file_name,
+    render_file_name,
+    validate_pattern,
+)
+from .planning import plan_parts
+
+DEFAULT_MAX_SIZE = 5 * 1024**3
+PARTIAL_SUFFIX = ".partial"
+
+
+def new_token() -> str:
+    """A unique id for one save's staged files and lock."""
+    return uuid.uuid4().hex[:12]
+
+
+def fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------ lock
+
+
+@dataclass(frozen=True)
+class SaveLock:
+    """Proof that this process holds a directory's save lock."""
+
+    path: str
+    token: str
+
+
+def read_lock(directory: str) -> dict | None:
+    """What the lock file of a directory says about its holder, or None without one."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        with open(path) as f:
+            data = json.loads(f.read() or "{}")
+        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+
+
+def _holder_is_alive(holder: dict) -> bool:
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return holder.get("host") != socket.gethostname()  # another machine: assume alive
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def describe_lock(directory: str, holder: dict) -> str:
+    started = holder.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return f"{os.path.join(directory, LOCK_NAME)} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, {when})"
+
+
+def directory_holds_checkpoint(directory: str) -> bool:
+    """Whether a directory has a manifest or any part named as vLLM names them."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return False
+    return MANIFEST_NAME in names or any(
+        parse_file_name(p, n) is not None for n in names for p in (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
+    )
+
+
+def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> SaveLock:
+    """Take a directory's save lock, refusing a running save and, unless ``overwrite``, a checkpoint."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK_NAME)
+    info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token, "started": time.time()})
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = read_lock(directory) or {}
+            alive = _holder_is_alive(holder)
+            if alive or not overwrite or attempt:
+                raise ShardedStateError(
+                    f"{directory}: another save holds {describe_lock(directory, holder)}"
+                    + (
+                        "; wait for it to finish."
+                        if alive
+                        else "; that save was interrupted. Save again with overwrite to replace it."
+                    )
+                ) from None
+            # The holder is gone and overwrite was asked: take the stale lock over, and
+            # remove the parts it had staged (no live save can own them: it would hold the lock).
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            for name in os.listdir(directory):
+                if name.startswith(".") and name.endswith(PARTIAL_SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(directory, name))
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(info)
+            f.flush()
+            os.fsync(f.fileno())
+        break
+    lock = SaveLock(path, token)
+    if not overwrite and (os.path.exists(os.path.join(directory, MANIFEST_NAME)) or _has_parts(directory)):
+        release_save_lock(lock)
+        raise ShardedStateError(
+            f"{directory} already holds a checkpoint; refusing to overwrite it. Choose another "
+            "directory, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
+        )
+    return lock
+
+
+def _has_parts(directory: str) -> bool:
+    return any(
+        parse_file_name(p, n) is not None for n in os.listdir(directory) for p in (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
+    )
+
+
+def release_save_lock(lock: SaveLock) -> None:
+    """Remove the lock if it is still ours."""
+    holder = read_lock(os.path.dirname(lock.path))
+    if holder is not None and holder.get("token") == lock.token:
+        os.remove(lock.path)
+
+
+# ----------------------------------------------------------------------- stage
+
+
+@dataclass
+class StagedRank:
+    """One rank's parts, written under temporary names until :func:`publish_rank`."""
+
+    directory: str
+    rank: RankInfo
+    pattern: str
+    max_size: int | None
+    entry: RankEntry
+    temporary: dict[str, str] = field(default_factory=dict)  # final name -> temporary path
+
+    def paths(self) -> list[str]:
+        """Where the parts are now: temporary paths until published, final paths after."""
+        return [self.temporary.get(f.name, os.path.join(self.directory, f.name)) for f in self.entry.files]
+
+
+def stage_rank(
+    directory: str,
+    tensors: Mapping[str, torch.Tensor],
+    rank: RankInfo,
+    pattern: str | None = None,
+    max_size: int | None = None,
+    token: str | None = None,
+) -> StagedRank:
+    """Write one rank's tensors into size-capped parts under temporary names.
+
+    Each part is hashed while it is written. On any failure (disk full) the parts
+    written so far are removed and the error names the file and what to do.
+    """
+    pattern = pattern or default_pattern(rank.pp_size)
+    validate_pattern(pattern, rank.tp_size, rank.pp_size)
+    token = token or new_token()
+    os.makedirs(directory, exist_ok=True)
+    sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
+    parts = plan_parts(sizes, max_size)
+    names = [render_file_name(pattern, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, part=i) for i in range(len(parts))]
+    if len(set(names)) != len(names):
+        raise ShardedStateError(f"File pattern {pattern!r} renders the same name for two parts of {rank}.")
+    files: list[FileEntry] = []
+    entries: dict[str, TensorEntry] = {}
+    staged = StagedRank(directory, rank, pattern, max_size, RankEntry(rank.tp_rank, rank.pp_rank, (), {}))
+    try:
+        for file_name, part in zip(names, parts, strict=True):
+            tmp = os.path.join(directory, f".{file_name}.{token}{PARTIAL_SUFFIX}")
+            staged.temporary[file_name] = tmp
+            items = [(name, tensors[name]) for name in part]
+            try:
+                size, checksum = safetensors_io.write_file(tmp, items, {"format": "pt"})
+            except OSError as e:
+                raise ShardedStateError(
+                    f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "
+                    "checkpoint, if any, is intact; free space (or fix the directory) and save again."
+                ) from e
+            files.append(FileEntry(file_name, size, checksum))
+            for name, t in items:
+                entries[name] = TensorEntry(file_name, safetensors_io.dtype_name(t.dtype), tuple(t.shape))
+    except BaseException:
+        discard_rank(staged)
+        raise
+    staged.entry = RankEntry(rank.tp_rank, rank.pp_rank, tuple(files), entries)
+    return staged
+
+
+def discard_rank(staged: StagedRank) -> None:
+    """Remove a rank's staged (unpublished) parts."""
+    for tmp in staged.temporary.values():
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    staged.temporary.clear()
+
+
+def open_staged_tensors(staged: StagedRank) -> dict[str, torch.Tensor]:
+    """A staged or published rank's tensors, memory-mapped from its files (no copy).
+
+    Used to rewrite a captured state elsewhere or with another size cap; the tensors
+    stay valid as long as they are referenced.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for path in staged.paths():
+        header = safetensors_io.read_header(path)
+        mapped = None
+        if header.file_size > header.data_start:
+            with open(path, "rb") as fh:
+                # Copy-on-write: reads come from the page cache, torch gets a writable buffer.
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        for name, h in header.tensors.items():
+            dtype = safetensors_io.torch_dtype(h.dtype, path)
+            if h.end == h.begin or mapped is None:
+                tensors[name] = torch.empty(h.shape, dtype=dtype)
+            else:
+                flat = torch.frombuffer(mapped, dtype=torch.uint8, count=h.end - h.begin, offset=h.begin)
+                tensors[name] = flat.view(dtype).view(h.shape)
+    return {name: tensors[name] for name in staged.entry.tensors}
+
+
+# ------------------------------------------------------------- swap and publish
+
+
+def remove_manifest(directory: str) -> None:
+    """Unpublish the previous checkpoint, just before its parts are replaced."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, MANIFEST_NAME))
+
+
+def publish_rank(staged: StagedRank) -> RankEntry:
+    """Rename a rank's staged parts into place and remove its parts of an older save."""
+    for name, tmp in list(staged.temporary.items()):
+        os.replace(tmp, os.path.join(staged.directory, name))
+        del staged.temporary[name]
+    keep = {f.name for f in staged.entry.files}
+    for name in os.listdir(staged.directory):
+        fields = parse_file_name(staged.pattern, name)
+        if (
+            fields is not None
+            and name not in keep
+            and (fields.get("tp_rank", 0), fields.get("pp_rank", 0)) == (staged.rank.tp_rank, staged.rank.pp_rank)
+        ):
+            os.remove(os.path.join(staged.directory, name))
+    fsync_directory(staged.directory)
+    return staged.entry
+
+
+def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
+    """Publish a checkpoint: drop parts it does not list, write the manifest atomically, unlock.
+
+    Parts of ranks the new topology does not have (an older save at a larger TP) are
+    removed, so vLLM's own loader cannot pick them up either. The manifest goes
+    through a temporary file, fsync and rename: a directory without it is incomplete.
+    """
+    listed = {f.name for entry in manifest.ranks for f in entry.files}
+    for entry in manifest.ranks:
+        for f in entry.files:
+            size = os.path.getsize(os.path.join(directory, f.name))
+            if size != f.size:
+                raise ShardedStateError(f"{os.path.join(directory, f.name)}: {size} bytes, expected {f.size}.")
+    for name in os.listdir(directory):
+        if name not in listed and any(parse_file_name(p, name) for p in (manifest.pattern, *_default_patterns())):
+            os.remove(os.path.join(directory, name))
+    path = os.path.join(directory, MANIFEST_NAME)
+    tmp = f"{path}.{new_token()}{PARTIAL_SUFFIX}"
+    with open(tmp, "w") as out:
+        out.write(manifest.to_json())
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync_directory(directory)
+    if lock is not None:
+        release_save_lock(lock)
+
+
+def _default_patterns() -> tuple[str, str]:
+    return (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
+
+
+def save_checkpoint(
+    directory: str,
+    ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
+    *,
+    dtype: str,
+    source: SourceModel,
+    pattern: str | None = None,
+    max_size: int | None = None,
+    overwrite: bool = False,
+) -> Manifest:
+    """Save every rank's tensors from one process (tests, offline tools); see the module doc."""
+    infos = sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))
+    tp_size, pp_size = infos[0].tp_size, infos[0].pp_size
+    pattern = pattern or default_pattern(pp_size)
+    token = new_token()
+    lock = acquire_save_lock(directory, token, overwrite)
+    staged: list[StagedRank] = []
+    try:
+        for info in infos:
+            staged.append(stage_rank(directory, ranks[info], info, pattern, max_size, token))
+    except BaseException:
+        for s in staged:
+            discard_rank(s)
+        release_save_lock(lock)
+        raise
+    remove_manifest(directory)
+    entries = tuple(publish_rank(s) for s in staged)
+    manifest = Manifest(tp_size=tp_size, pp_size=pp_size, dtype=dtype, pattern=pattern, source=source, ranks=entries)
+    write_manifest(directory, manifest, lock)
+    return manifest
