@@ -183,3 +183,34 @@ def test_openai_server_answers_from_a_sharded_checkpoint(saved, tmp_path):
             server.kill()
         log.close()
     assert "vllm_sharded_loader.ShardedStateLoader: pp_rank=0 tp_rank=0" in (tmp_path / "server.log").read_text()
+
+
+def flip_data_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 100] ^= 0x40  # inside the first tensor's bytes
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["truncated part", "bit flip", "stale part"])
+def test_bad_checkpoint_through_the_engine(saved, tmp_path, case):
+    checkpoint, reference = saved.get("llama", 1)
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    part = bad / "model-rank-0-part-0.safetensors"
+    spec = {"model": str(bad), "load_format": "sharded_state"}
+    if case == "truncated part":
+        part.write_bytes(part.read_bytes()[:-100])
+        run = run_engine(spec, expect_ok=False)
+        assert run.result is None and "bytes on disk, but sharded_state.json records" in run.output
+        assert "The file is truncated" in run.output
+    elif case == "bit flip":
+        flip_data_byte(part)
+        run = run_engine({**spec, "extra_config": {"verify": "checksum"}}, expect_ok=False)
+        assert run.result is None and "model-rank-0-part-0.safetensors: checksum mismatch" in run.output
+    else:
+        # A part an older save left behind: not in the manifest, so never read.
+        stale = bad / "model-rank-0-part-9.safetensors"
+        shutil.copy(part, stale)
+        flip_data_byte(stale)
+        run = run_engine(spec)
+        assert run.result["token_ids"] == reference["token_ids"]

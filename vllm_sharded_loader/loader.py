@@ -137,7 +137,8 @@ class ShardedStateLoader(BaseModelLoader):
             )
         model.__dict__[LOAD_STATS_ATTRIBUTE] = stats
         logger.info(
-            "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB from %d files in %.2f s (%.2f GB/s)",
+            "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB from %d files in %.2f s "
+            "(%.2f GB/s, verify=%s)",
             rank,
             stats.tensors,
             stats.bytes_read / 1e6,

@@ -428,7 +428,6 @@ def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str
     heads are replicated when ``tp_size`` exceeds their count: rank ``r`` holds head
     ``r // (tp_size // heads)``. Vocabulary padding is split like data.
 
-    >>> from vllm_sharded_loader.resharding import qkv_parallel
     >>> layout = shard_layout(qkv_parallel([12, 4], num_heads=8, num_kv_heads=2, head_size=1), tp_size=4, tp_rank=3)
     >>> [(p.segment, p.start, p.length) for p in layout.pieces]
     [('q', 6, 2), ('k', 1, 1), ('v', 1, 1)]
@@ -626,13 +625,11 @@ def plan_reads(
     without a reshardable geometry is copied whole when the TP size is unchanged, and is
     an error otherwise.
 
-    >>> from vllm_sharded_loader.resharding import SavedRank, SavedTensor, column_parallel
-    >>> g = column_parallel([4, 2])
-    >>> saved = [SavedRank(0, 0, {"w": SavedTensor("f0", 100, 2, (4, 2), g)})]
-    >>> plan = plan_reads(saved, 1, ["w"], tp_size=2, tp_rank=1)
-    >>> plan.tensors["w"].reads
-    (Read(file='f0', source=Strided(offset=108, length=8, stride=8, count=1), dest=Strided(offset=0, length=4, stride=4, count=1)),)
-    """  # noqa: E501
+    >>> saved = [SavedRank(0, 0, {"w": SavedTensor("f0", 100, 2, (4, 2), column_parallel([4, 2]))})]
+    >>> (read,) = plan_reads(saved, 1, ["w"], tp_size=2, tp_rank=1).tensors["w"].reads
+    >>> read.source, read.dest
+    (Strided(offset=108, length=8, stride=8, count=1), Strided(offset=0, length=4, stride=4, count=1))
+    """
     serving = f"pp_rank={pp_rank} tp_rank={tp_rank} (TP={tp_size})"
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ShardedStateError(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
@@ -723,6 +720,8 @@ def _plan_tensor(
         return _whole(name, source, chosen[1])
 
     target = shard_layout(g, tp_size, tp_rank, name)
+    if not math.prod(target.shape):
+        return TensorPlan(name, source, target.shape, first.itemsize, ())
     saved_layouts = {}
     for saved_rank in range(saved_tp_size):
         if saved_rank not in holders:
@@ -796,42 +795,45 @@ def _merge_reads(reads: list[Read]) -> list[Read]:
     """Join reads that continue each other in the same file and in the destination."""
     merged: list[Read] = []
     for r in reads:
-        if merged:
-            p = merged[-1]
-            if (
-                p.file == r.file
-                and p.source.count == r.source.count
-                and (p.source.count == 1 or (p.source.stride, p.dest.stride) == (r.source.stride, r.dest.stride))
-                and r.source.offset == p.source.offset + p.source.length
-                and r.dest.offset == p.dest.offset + p.dest.length
-            ):
-                count = p.source.count
-                merged[-1] = _read(
-                    p.file,
-                    (p.source.offset, p.source.length + r.source.length),
-                    p.source.stride if count > 1 else 0,
-                    (p.dest.offset, p.dest.length + r.dest.length),
-                    p.dest.stride if count > 1 else 0,
-                    count,
-                )
-                continue
-        merged.append(r)
+        p = merged[-1] if merged else None
+        if (
+            p is not None
+            and p.file == r.file
+            and p.source.count == r.source.count
+            and (r.source.count == 1 or (p.source.stride, p.dest.stride) == (r.source.stride, r.dest.stride))
+            and r.source.offset == p.source.offset + p.source.length
+            and r.dest.offset == p.dest.offset + p.dest.length
+        ):
+            merged[-1] = _read(
+                p.file,
+                (p.source.offset, p.source.length + r.source.length),
+                p.source.stride,
+                (p.dest.offset, p.dest.length + r.dest.length),
+                p.dest.stride,
+                p.source.count,
+            )
+        else:
+            merged.append(r)
     return merged
 
 
 def _merge_zeros(zeros: list[Strided]) -> list[Strided]:
     merged: list[Strided] = []
     for z in zeros:
-        if merged:
-            p = merged[-1]
-            if p.count == z.count and (p.count == 1 or p.stride == z.stride) and z.offset == p.offset + p.length:
-                length = p.length + z.length
-                if p.count > 1 and length == p.stride:
-                    merged[-1] = _strided(p.offset, length * p.count, 0, 1)
-                else:
-                    merged[-1] = _strided(p.offset, length, p.stride, p.count)
-                continue
-        merged.append(z)
+        p = merged[-1] if merged else None
+        if (
+            p is not None
+            and p.count == z.count
+            and (z.count == 1 or p.stride == z.stride)
+            and z.offset == p.offset + p.length
+        ):
+            length = p.length + z.length
+            if p.count > 1 and length == p.stride:
+                merged[-1] = _strided(p.offset, length * p.count, 0, 1)
+            else:
+                merged[-1] = _strided(p.offset, length, p.stride, p.count)
+        else:
+            merged.append(z)
     return merged
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,10 +212,12 @@ def write_file(
     and publishes by rename.
     """
     hasher = BlockHasher()
-    with open(path, "wb") as f:
+    # Hashing runs on a second thread, one chunk behind the writes: both release the
+    # GIL, so the checksum costs little more than the write alone.
+    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="checksum") as pool:
         head = build_header(tensors, metadata)
         f.write(head)
-        hasher.update(head)
+        hashing = pool.submit(hasher.update, head)
         for _, t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 t = t.detach().to("cpu").contiguous()
@@ -222,9 +225,11 @@ def write_file(
             for start in range(0, len(view), CHUNK_BYTES):
                 chunk = view[start : start + CHUNK_BYTES]
                 f.write(chunk)
-                hasher.update(chunk)
+                hashing.result()
+                hashing = pool.submit(hasher.update, chunk)
         f.flush()
         os.fsync(f.fileno())
+        hashing.result()
     return hasher.position, hasher.finish()
 
 
@@ -252,31 +257,40 @@ def read_into(header: Header, targets: Mapping[str, torch.Tensor], checksum: Fil
     caller can use the weights.
     """
     verifier = BlockVerifier(header.path, checksum) if checksum is not None else None
-    if verifier is not None:
-        verifier.update(header.raw)
     total = 0
     fd = os.open(header.path, os.O_RDONLY)
-    try:
-        for name, entry in sorted(header.tensors.items(), key=lambda item: item[1].begin):
-            target = targets.get(name)
-            if target is None and verifier is None:
-                continue
-            stored = torch_dtype(entry.dtype, header.path)
-            direct = (
-                target is not None and target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored
-            )
-            buffer = target if direct else torch.empty(entry.shape, dtype=stored)
-            if buffer.numel():
-                view = byte_view(buffer)
-                _read_exact(fd, view, entry.begin, header.path)
-                if verifier is not None:
-                    verifier.update(view)
-            if target is not None:
-                if not direct:
-                    target.copy_(buffer)
-                total += entry.end - entry.begin
-        if verifier is not None:
-            verifier.finish()
-    finally:
-        os.close(fd)
+    # Checksums are computed on a second thread, one tensor behind the reads.
+    with ThreadPoolExecutor(1, thread_name_prefix="checksum") as pool:
+        hashing = pool.submit(verifier.update, header.raw) if verifier is not None else None
+        try:
+            for name, entry in sorted(header.tensors.items(), key=lambda item: item[1].begin):
+                target = targets.get(name)
+                if target is None and verifier is None:
+                    continue
+                stored = torch_dtype(entry.dtype, header.path)
+                direct = (
+                    target is not None
+                    and target.device.type == "cpu"
+                    and target.is_contiguous()
+                    and target.dtype == stored
+                )
+                buffer = target if direct else torch.empty(entry.shape, dtype=stored)
+                if buffer.numel():
+                    view = byte_view(buffer)
+                    _read_exact(fd, view, entry.begin, header.path)
+                    if hashing is not None:
+                        hashing.result()
+                        # Hash before the buffer is cast or reused; the tensor's bytes stay put.
+                        hashing = pool.submit(verifier.update, view)
+                if target is not None:
+                    if not direct:
+                        if hashing is not None:
+                            hashing.result()
+                        target.copy_(buffer)
+                    total += entry.end - entry.begin
+            if hashing is not None:
+                hashing.result()
+                verifier.finish()
+        finally:
+            os.close(fd)
     return total

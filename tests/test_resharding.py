@@ -1,0 +1,817 @@
+"""Resharding at load time, checked against an independent reference of vLLM's rules.
+
+Each test builds global tensors, shards them with :func:`reference_shard` (written from
+vLLM's layer code, not from the module under test), writes every saved rank's local
+tensors at known offsets into per-file byte buffers (junk around them, garbage in the
+vocabulary padding), executes the planned reads on those bytes, and compares the result
+with the reference shard at the serving TP size. The executor also checks that every
+destination element is written exactly once and no saved byte is read twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from dataclasses import dataclass
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.resharding import (
+    Read,
+    SavedRank,
+    SavedTensor,
+    Segment,
+    Strided,
+    TensorGeometry,
+    TensorPlan,
+    column_parallel,
+    layer_index,
+    merged_column_parallel,
+    pad_vocab_size,
+    plan_reads,
+    pp_layer_ranges,
+    pp_stage_of_layer,
+    qkv_parallel,
+    replicated,
+    row_parallel,
+    shard_layout,
+    summarize_reads,
+    vocab_parallel,
+    vocab_parallel_bias,
+)
+
+DTYPES = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+TP_SIZES = (1, 2, 4, 8)
+PP_SIZES = (1, 2, 4)
+PADDING_GARBAGE = 0x5A
+
+
+# ------------------------------------------------------------ reference of vLLM's rules
+
+
+def reference_shard(spec: tuple, data: np.ndarray, tp: int, rank: int, pad_value: int = 0) -> np.ndarray:
+    """The local tensor of ``rank`` at ``tp``, computed the way vLLM's weight loaders do.
+
+    ``data`` is the tensor as a HF checkpoint holds it (vocabulary unpadded).
+    """
+    kind = spec[0]
+    if kind == "replicated":
+        return data.copy()
+    if kind == "column":  # ColumnParallelLinear.weight_loader: narrow(0, tp_rank * shard, shard)
+        assert data.shape[0] % tp == 0
+        size = data.shape[0] // tp
+        return data[rank * size : (rank + 1) * size].copy()
+    if kind == "row":  # RowParallelLinear.weight_loader: narrow(1, ...)
+        assert data.shape[1] % tp == 0
+        size = data.shape[1] // tp
+        return data[:, rank * size : (rank + 1) * size].copy()
+    if kind == "merged":  # MergedColumnParallelLinear: each output size split on its own
+        parts, offset = [], 0
+        for output_size in spec[1]:
+            assert output_size % tp == 0
+            shard = output_size // tp
+            parts.append(data[offset + rank * shard : offset + (rank + 1) * shard])
+            offset += output_size
+        return np.concatenate(parts)
+    if kind == "qkv":  # QKVParallelLinear.__init__ and weight_loader
+        _, total_heads, total_kv_heads, head_size = spec
+        assert total_heads % tp == 0
+        num_heads = total_heads // tp
+        if tp >= total_kv_heads:
+            assert tp % total_kv_heads == 0
+            num_kv_heads, replicas = 1, tp // total_kv_heads
+        else:
+            assert total_kv_heads % tp == 0
+            num_kv_heads, replicas = total_kv_heads // tp, 1
+        q = data[: total_heads * head_size]
+        k = data[total_heads * head_size : (total_heads + total_kv_heads) * head_size]
+        v = data[(total_heads + total_kv_heads) * head_size :]
+        q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+        kv_rank = rank // replicas
+        return np.concatenate(
+            [
+                q[rank * q_size : (rank + 1) * q_size],
+                k[kv_rank * kv_size : (kv_rank + 1) * kv_size],
+                v[kv_rank * kv_size : (kv_rank + 1) * kv_size],
+            ]
+        )
+    if kind == "vocab":  # VocabParallelEmbedding._get_indices and weight_loader
+        _, org, added, pad_to = spec
+        org_padded = -(-org // pad_to) * pad_to
+        total_padded = -(-(org_padded + added) // pad_to) * pad_to
+        assert org_padded % tp == 0 and total_padded % tp == 0
+        org_per_rank = org_padded // tp
+        added_per_rank = (total_padded - org_padded) // tp
+        org_start = min(rank * org_per_rank, org)
+        org_end = min((rank + 1) * org_per_rank, org)
+        added_start = min(org + rank * added_per_rank, org + added)
+        added_end = min(org + (rank + 1) * added_per_rank, org + added)
+        local = np.full((total_padded // tp, *data.shape[1:]), pad_value, dtype=data.dtype)
+        local[: org_end - org_start] = data[org_start:org_end]
+        local[org_per_rank : org_per_rank + added_end - added_start] = data[added_start:added_end]
+        return local
+    raise AssertionError(kind)
+
+
+def reference_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """vllm.distributed.utils.get_pp_indices without VLLM_PP_LAYER_PARTITION."""
+    layers_per_partition = num_hidden_layers // pp_size
+    partitions = [layers_per_partition for _ in range(pp_size)]
+    if remaining_layers := num_hidden_layers % pp_size:
+        for i in range(2, remaining_layers + 2):
+            partitions[-i] += 1
+    start_layer = sum(partitions[:pp_rank])
+    return start_layer, start_layer + partitions[pp_rank]
+
+
+# ----------------------------------------------------------------------- test models
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter of a test model: its reference rule, HF data and recorded geometry."""
+
+    spec: tuple
+    data: np.ndarray
+    geometry: TensorGeometry
+
+
+def data_of(shape: tuple[int, ...], dtype: type, rng: np.random.Generator) -> np.ndarray:
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+
+
+def make_tensor(spec: tuple, shape: tuple[int, ...], dtype: type, rng: np.random.Generator, layer_class: str) -> Tensor:
+    kind = spec[0]
+    if kind == "replicated":
+        geometry = replicated(shape, layer_class)
+    elif kind == "column":
+        geometry = column_parallel(shape, layer_class)
+    elif kind == "row":
+        geometry = row_parallel(shape, layer_class)
+    elif kind == "merged":
+        geometry = merged_column_parallel(shape, spec[1], layer_class=layer_class)
+    elif kind == "qkv":
+        geometry = qkv_parallel(shape, spec[1], spec[2], spec[3], layer_class=layer_class)
+    else:
+        _, org, added, pad_to = spec
+        if len(shape) == 2:
+            geometry = vocab_parallel(org + added, shape[1], org, pad_to, layer_class)
+        else:
+            geometry = vocab_parallel_bias(org + added, org, pad_to, layer_class)
+    tensor = Tensor(spec, data_of(shape, dtype, rng), geometry)
+    # The geometry's TP=1 shape is the reference's TP=1 local shape.
+    assert reference_shard(spec, tensor.data, 1, 0).shape == geometry.shape
+    return tensor
+
+
+@dataclass(frozen=True)
+class Model:
+    tensors: dict[str, Tensor]
+    num_layers: int
+    tied: bool
+
+    @property
+    def tied_groups(self) -> list[tuple[str, str]]:
+        return [("model.embed_tokens.weight", "lm_head.weight")] if self.tied else []
+
+    def stage_names(self, pp_size: int, pp_rank: int) -> list[str]:
+        """What a stage's state dict holds, tied tensors once (under the name that sorts first)."""
+        start, end = reference_pp_indices(self.num_layers, pp_rank, pp_size)
+        first, last = pp_rank == 0, pp_rank == pp_size - 1
+        names = []
+        for name in self.tensors:
+            index = name.split(".")[2] if name.startswith("model.layers.") else None
+            if index is not None:
+                keep = start <= int(index) < end
+            elif name == "model.embed_tokens.weight":
+                keep = first or (self.tied and last)
+            else:
+                keep = last
+            if keep:
+                names.append(name)
+        if self.tied and "lm_head.weight" in names and "model.embed_tokens.weight" in names:
+            names.remove("model.embed_tokens.weight")
+        return names
+
+
+def llama_like(
+    *,
+    itemsize: int = 4,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_size: int = 4,
+    vocab: int = 1000,
+    added_vocab: int = 0,
+    tied: bool = False,
+    num_layers: int = 5,
+    seed: int = 0,
+) -> Model:
+    """A small Llama-style model with every kind of parameter vLLM shards."""
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[itemsize]
+    hidden, inter, extra = heads * head_size, 48, 16
+    qkv_rows = (heads + 2 * kv_heads) * head_size
+    tensors: dict[str, Tensor] = {}
+
+    def add(name: str, spec: tuple, shape: tuple[int, ...], layer_class: str) -> None:
+        tensors[name] = make_tensor(spec, shape, dtype, rng, layer_class)
+
+    vocab_spec = ("vocab", vocab, added_vocab, 64)
+    add("model.embed_tokens.weight", vocab_spec, (vocab + added_vocab, hidden), "VocabParallelEmbedding")
+    qkv = ("qkv", heads, kv_heads, head_size)
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", ("replicated",), (hidden,), "RMSNorm")
+        add(p + "self_attn.qkv_proj.weight", qkv, (qkv_rows, hidden), "QKVParallelLinear")
+        add(p + "self_attn.qkv_proj.bias", qkv, (qkv_rows,), "QKVParallelLinear")
+        add(p + "self_attn.o_proj.weight", ("row",), (hidden, heads * head_size), "RowParallelLinear")
+        add(p + "self_attn.o_proj.bias", ("replicated",), (hidden,), "RowParallelLinear")
+        add(p + "self_attn.attn.k_scale", ("replicated",), (), "Attention")
+        add(p + "post_attention_layernorm.weight", ("replicated",), (hidden,), "RMSNorm")
+        add(
+            p + "mlp.gate_up_proj.weight", ("merged", [inter, inter]), (2 * inter, hidden), "MergedColumnParallelLinear"
+        )
+        add(p + "mlp.gate_up_proj.bias", ("merged", [inter, inter]), (2 * inter,), "MergedColumnParallelLinear")
+        add(p + "mlp.down_proj.weight", ("row",), (hidden, inter), "RowParallelLinear")
+        add(p + "mlp.extra_proj.weight", ("column",), (extra, hidden), "ColumnParallelLinear")
+        add(p + "mlp.extra_proj.bias", ("column",), (extra,), "ColumnParallelLinear")
+    add("model.norm.weight", ("replicated",), (hidden,), "RMSNorm")
+    if tied:
+        embed = tensors["model.embed_tokens.weight"]
+        tensors["lm_head.weight"] = Tensor(
+            vocab_spec, embed.data, vocab_parallel(vocab + added_vocab, hidden, vocab, 64, "ParallelLMHead")
+        )
+    else:
+        add("lm_head.weight", vocab_spec, (vocab + added_vocab, hidden), "ParallelLMHead")
+    return Model(tensors, num_layers, tied)
+
+
+# --------------------------------------------------------------- save and execute
+
+
+@dataclass
+class Checkpoint:
+    tp_size: int
+    pp_size: int
+    files: dict[str, bytearray]
+    ranks: list[SavedRank]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for r in self.ranks for t in r.tensors.values())
+
+
+def save(model: Model, tp_size: int, pp_size: int, seed: int = 1) -> Checkpoint:
+    """Every saved rank's local tensors in two files each, at odd offsets between junk bytes."""
+    rng = np.random.default_rng(seed)
+    files: dict[str, bytearray] = {}
+    ranks = []
+    for pp_rank in range(pp_size):
+        names = model.stage_names(pp_size, pp_rank)
+        for tp_rank in range(tp_size):
+            saved = {}
+            half = (len(names) + 1) // 2
+            for part, part_names in enumerate([names[:half], names[half:]]):
+                file = f"model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+                buf = bytearray(rng.integers(0, 256, size=int(rng.integers(1, 40)), dtype=np.uint8).tobytes())
+                for name in part_names:
+                    t = model.tensors[name]
+                    # Garbage in the padding: a correct plan zero-fills it and never reads it.
+                    local = reference_shard(t.spec, t.data, tp_size, tp_rank, pad_value=PADDING_GARBAGE)
+                    saved[name] = SavedTensor(file, len(buf), local.itemsize, local.shape, t.geometry)
+                    buf += np.ascontiguousarray(local).tobytes()
+                    buf += rng.integers(0, 256, size=int(rng.integers(0, 9)), dtype=np.uint8).tobytes()
+                files[file] = buf
+            ranks.append(SavedRank(tp_rank, pp_rank, saved))
+    return Checkpoint(tp_size, pp_size, files, ranks)
+
+
+def strided_view(array: np.ndarray, runs: Strided) -> np.ndarray:
+    """``runs`` of a flat array as a (count, length) view."""
+    assert array.ndim == 1 and runs.count >= 1 and runs.length > 0
+    assert runs.count == 1 or runs.length <= runs.stride, "runs overlap"
+    assert runs.offset >= 0 and runs.offset + (runs.count - 1) * runs.stride + runs.length <= array.size
+    step = array.strides[0]
+    return np.lib.stride_tricks.as_strided(
+        array[runs.offset :], shape=(runs.count, runs.length), strides=(runs.stride * step, step)
+    )
+
+
+def execute(plan: TensorPlan, files: dict[str, bytearray], read_counts: dict[str, np.ndarray]) -> np.ndarray:
+    """Run one tensor's plan on the saved bytes; counts every byte read in ``read_counts``."""
+    dtype = DTYPES[plan.itemsize]
+    out = np.full(plan.numel, -7, dtype=dtype)
+    written = np.zeros(plan.numel, dtype=np.int64)
+    for read in plan.reads:
+        assert read.source.count == read.dest.count
+        assert read.source.length == read.dest.length * plan.itemsize
+        source = np.frombuffer(files[read.file], dtype=np.uint8)
+        chunk = strided_view(source, read.source).copy().view(dtype)
+        strided_view(out, read.dest)[...] = chunk
+        strided_view(written, read.dest)[...] += 1
+        counts = read_counts.setdefault(read.file, np.zeros(source.size, dtype=np.int64))
+        strided_view(counts, read.source)[...] += 1
+    for zeros in plan.zero_fills:
+        strided_view(out, zeros)[...] = 0
+        strided_view(written, zeros)[...] += 1
+    assert (written == 1).all(), f"{plan.name}: elements written {sorted(set(written.tolist()))} times"
+    zero_count = sum(z.total for z in plan.zero_fills)
+    assert plan.bytes_read == (plan.numel - zero_count) * plan.itemsize
+    return out.reshape(plan.shape)
+
+
+def serve(
+    model: Model, checkpoint: Checkpoint, tp_size: int, pp_size: int
+) -> dict[tuple[int, int], tuple[int, dict[str, TensorPlan]]]:
+    """Plan and execute every serving rank; assert each tensor equals the reference shard."""
+    results = {}
+    for pp_rank in range(pp_size):
+        needed = model.stage_names(pp_size, pp_rank)
+        for tp_rank in range(tp_size):
+            plan = plan_reads(
+                checkpoint.ranks,
+                checkpoint.tp_size,
+                needed,
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+                pp_rank=pp_rank,
+                tied=model.tied_groups,
+            )
+            assert list(plan.tensors) == needed
+            read_counts: dict[str, np.ndarray] = {}
+            for name, tensor_plan in plan.tensors.items():
+                t = model.tensors[name]
+                got = execute(tensor_plan, checkpoint.files, read_counts)
+                want = reference_shard(t.spec, t.data, tp_size, tp_rank)
+                assert got.shape == want.shape, name
+                np.testing.assert_array_equal(got, want, err_msg=f"{name} at TP={tp_size} rank {tp_rank}")
+            for file, counts in read_counts.items():
+                assert counts.max() <= 1, f"pp_rank={pp_rank} tp_rank={tp_rank} read bytes of {file} twice"
+            results[(pp_rank, tp_rank)] = (plan.bytes_read, plan.tensors)
+    return results
+
+
+# ------------------------------------------------------------------------ resharding
+
+
+TP_PAIRS = [(a, b) for a in TP_SIZES for b in TP_SIZES]
+
+
+@pytest.mark.parametrize(("saved_tp", "serving_tp"), TP_PAIRS, ids=[f"tp{a}-to-tp{b}" for a, b in TP_PAIRS])
+def test_tensor_parallel_resharding_in_every_direction(saved_tp, serving_tp):
+    # 8 query heads and 2 KV heads: KV heads are replicated at TP=4 and TP=8, on both sides.
+    model = llama_like(heads=8, kv_heads=2, vocab=1000)
+    serve(model, save(model, saved_tp, 1), serving_tp, 1)
+
+
+PP_PAIRS = [(a, b) for a in PP_SIZES for b in PP_SIZES]
+
+
+@pytest.mark.parametrize(("saved_pp", "serving_pp"), PP_PAIRS, ids=[f"pp{a}-to-pp{b}" for a, b in PP_PAIRS])
+@pytest.mark.parametrize(("saved_tp", "serving_tp"), [(1, 1), (2, 4), (8, 2)])
+def test_pipeline_resharding_in_every_direction(saved_pp, serving_pp, saved_tp, serving_tp):
+    model = llama_like(num_layers=5, tied=False)
+    serve(model, save(model, saved_tp, saved_pp), serving_tp, serving_pp)
+
+
+@pytest.mark.parametrize(("saved", "serving"), [((1, 1), (2, 2)), ((2, 2), (1, 1)), ((4, 1), (1, 4)), ((1, 4), (8, 2))])
+def test_tied_embeddings_are_read_from_the_one_saved_copy(saved, serving):
+    # Saved once as lm_head.weight on the last stage; the first serving stage needs it as
+    # model.embed_tokens.weight, and a first saved stage holds it under that name.
+    model = llama_like(tied=True, num_layers=4)
+    checkpoint = save(model, *saved)
+    names = {n for r in checkpoint.ranks for n in r.tensors}
+    assert "lm_head.weight" in names
+    results = serve(model, checkpoint, *serving)
+    first_stage = results[(0, 0)][1]
+    if serving[1] == 1:
+        assert "model.embed_tokens.weight" not in first_stage  # held once, as lm_head.weight
+    else:
+        expected = "lm_head.weight" if saved[1] == 1 else "model.embed_tokens.weight"
+        assert first_stage["model.embed_tokens.weight"].source_name == expected
+
+
+@pytest.mark.parametrize("vocab", [1000, 100, 64, 1, 1088])
+@pytest.mark.parametrize(("saved_tp", "serving_tp"), [(1, 8), (8, 1), (2, 8), (8, 4), (4, 2)])
+def test_padded_vocabulary_is_zero_filled_never_read(vocab, saved_tp, serving_tp):
+    model = llama_like(vocab=vocab, num_layers=1)
+    results = serve(model, save(model, saved_tp, 1), serving_tp, 1)
+    padded = pad_vocab_size(vocab)
+    rows_zeroed = (
+        sum(z.total for _, plans in results.values() for z in plans["lm_head.weight"].zero_fills)
+        // model.tensors["lm_head.weight"].data.shape[1]
+    )
+    assert rows_zeroed == padded - vocab
+    if vocab == 100 and serving_tp == 8:
+        # Rank 7 holds rows 112..127: all padding, nothing to read.
+        assert results[(0, 7)][1]["lm_head.weight"].reads == ()
+
+
+@pytest.mark.parametrize(("saved_tp", "serving_tp"), [(1, 8), (8, 1), (2, 4), (8, 2), (4, 8)])
+def test_added_vocabulary_is_sharded_after_the_base_vocabulary(saved_tp, serving_tp):
+    # vLLM's docstring example: 1010 base + 16 added tokens, padded to 1024 + 64.
+    model = llama_like(vocab=1010, added_vocab=16, num_layers=1)
+    assert model.tensors["lm_head.weight"].geometry.shape == (1088, 32)
+    serve(model, save(model, saved_tp, 1), serving_tp, 1)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 1), (8, 8), (16, 4), (8, 2)])
+@pytest.mark.parametrize(("saved_tp", "serving_tp"), [(1, 8), (8, 1), (2, 8), (8, 4), (4, 2), (8, 8)])
+def test_grouped_query_attention(heads, kv_heads, saved_tp, serving_tp):
+    model = llama_like(heads=heads, kv_heads=kv_heads, num_layers=1, itemsize=2)
+    serve(model, save(model, saved_tp, 1), serving_tp, 1)
+
+
+def test_replicated_kv_heads_are_read_once_from_one_holder():
+    # 2 KV heads saved at TP=8: saved ranks 0-3 hold head 0 and ranks 4-7 head 1.
+    model = llama_like(heads=8, kv_heads=2, head_size=4, num_layers=1)
+    checkpoint = save(model, 8, 1)
+    plan = plan_reads(checkpoint.ranks, 8, ["model.layers.0.self_attn.qkv_proj.weight"], tp_size=1, tp_rank=0)
+    reads = plan.tensors["model.layers.0.self_attn.qkv_proj.weight"].reads
+    k_reads = [r for r in reads if 32 * 32 <= r.dest.offset < 40 * 32]
+    assert len(k_reads) == 2 and len(reads) == 8 + 2 + 2
+    layout = shard_layout(model.tensors["model.layers.0.self_attn.qkv_proj.weight"].geometry, 8, 5)
+    assert [(p.segment, p.start, p.length, p.local_offset) for p in layout.pieces] == [
+        ("q", 20, 4, 0),
+        ("k", 4, 4, 4),
+        ("v", 4, 4, 8),
+    ]
+
+
+def test_same_topology_reads_each_tensor_in_one_run():
+    model = llama_like(num_layers=2)
+    checkpoint = save(model, 4, 2)
+    for _, plans in serve(model, checkpoint, 4, 2).values():
+        for t in plans.values():
+            assert len(t.reads) == 1 and t.reads[0].source.count == 1
+            assert not t.zero_fills or t.name in ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def test_reads_are_strided_only_for_splits_along_dimension_1():
+    model = llama_like(num_layers=1)
+    checkpoint = save(model, 1, 1)
+    plan = plan_reads(checkpoint.ranks, 1, list(model.tensors), tp_size=2, tp_rank=1)
+    down = plan.tensors["model.layers.0.mlp.down_proj.weight"].reads
+    saved = checkpoint.ranks[0].tensors["model.layers.0.mlp.down_proj.weight"]
+    assert down == (Read(saved.file, Strided(saved.offset + 24 * 4, 24 * 4, 48 * 4, 32), Strided(0, 24, 24, 32)),)
+    gate_up = plan.tensors["model.layers.0.mlp.gate_up_proj.weight"].reads
+    assert [r.source.count for r in gate_up] == [1, 1]
+    assert [r.source.length for r in gate_up] == [24 * 32 * 4] * 2
+
+
+def test_tp1_to_tp2_reads_about_half_the_checkpoint():
+    model = llama_like(num_layers=4, vocab=32000 // 16)
+    checkpoint = save(model, 1, 1)
+    results = serve(model, checkpoint, 2, 1)
+    total = checkpoint.tensor_bytes
+    for (_, tp_rank), (bytes_read, _) in results.items():
+        # Replicated norms, scales and row biases are read whole by both ranks; vocabulary
+        # padding by neither.
+        assert abs(bytes_read / total - 0.5) < 0.02, (tp_rank, bytes_read / total)
+    plans = {
+        rank: plan_reads(checkpoint.ranks, 1, model.stage_names(1, 0), tp_size=2, tp_rank=rank[1]) for rank in results
+    }
+    summary = summarize_reads(plans)
+    assert {k: s.bytes_read for k, s in summary.items()} == {k: v[0] for k, v in results.items()}
+    assert sum(summary[(0, 0)].bytes_by_file.values()) == summary[(0, 0)].bytes_read
+    assert summary[(0, 0)].tensors == len(model.tensors)
+
+
+def test_replicated_tensors_spread_over_saved_copies():
+    model = llama_like(num_layers=1)
+    checkpoint = save(model, 4, 1)
+    files = [
+        plan_reads(checkpoint.ranks, 4, ["model.norm.weight"], tp_size=4, tp_rank=r).tensors["model.norm.weight"]
+        for r in range(4)
+    ]
+    assert [f.reads[0].file for f in files] == [f"model-pp-0-tp-{r}-part-1.safetensors" for r in range(4)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["column", "row", "merged", "qkv", "vocab", "replicated"]),
+    saved_tp=st.sampled_from(TP_SIZES),
+    serving_tp=st.sampled_from(TP_SIZES),
+    itemsize=st.sampled_from(sorted(DTYPES)),
+    units=st.integers(1, 3),
+    trailing=st.sampled_from([(), (3,), (2, 3)]),
+    kv_heads=st.sampled_from([1, 2, 4, 8]),
+    vocab=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
+def test_any_geometry_reshards_to_the_reference(
+    kind, saved_tp, serving_tp, itemsize, units, trailing, kv_heads, vocab, seed
+):
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[itemsize]
+    rows = 8 * units  # divisible by every TP size
+    if kind == "qkv":
+        spec, shape = ("qkv", 8 * units, kv_heads, 2), ((8 * units + 2 * kv_heads) * 2, *trailing)
+    elif kind == "merged":
+        spec, shape = ("merged", [rows, 2 * rows, rows]), (4 * rows, *trailing)
+    elif kind == "vocab":
+        spec, shape = ("vocab", vocab, 0, 16), (vocab, *trailing[:1])
+    elif kind == "row":
+        spec, shape = ("row",), (3, rows, *trailing)
+    else:
+        spec, shape = (kind,), (rows, *trailing)
+    tensor = make_tensor(spec, shape, dtype, rng, "Layer")
+    model = Model({"model.layers.0.x": tensor}, num_layers=1, tied=False)
+    serve(model, save(model, saved_tp, 1, seed=seed), serving_tp, 1)
+
+
+# ---------------------------------------------------------------------- geometry data
+
+
+def test_geometry_round_trips_through_json():
+    geometries = [
+        qkv_parallel([(8 + 2 * 2) * 64, 512], num_heads=8, num_kv_heads=2, head_size=64),
+        qkv_parallel([8 * 64 + 2 * 64 + 2 * 32], 8, 2, 64, v_head_size=32),
+        merged_column_parallel([2 * 1376, 512], [1376, 1376]),
+        row_parallel([512, 1376]),
+        column_parallel([16]),
+        replicated([], "Attention"),
+        vocab_parallel(1010, 32, org_vocab_size=1000),
+        vocab_parallel_bias(1000),
+        TensorGeometry("opaque", "FusedMoE", (8, 16, 4), quantization="fp8"),
+    ]
+    for g in geometries:
+        text = json.dumps(g.to_dict())
+        assert TensorGeometry.from_dict(json.loads(text), "t") == g
+    assert geometries[0].to_dict() == {
+        "kind": "qkv_parallel",
+        "layer_class": "QKVParallelLinear",
+        "shape": [768, 512],
+        "split_dim": 0,
+        "segments": [
+            {"name": "q", "size": 512, "heads": 8, "head_size": 64},
+            {"name": "k", "size": 128, "heads": 2, "head_size": 64, "replicate_heads": True},
+            {"name": "v", "size": 128, "heads": 2, "head_size": 64, "replicate_heads": True},
+        ],
+    }
+    assert vocab_parallel(1010, 32, org_vocab_size=1000).to_dict()["segments"] == [
+        {"name": "vocab", "size": 1000, "padded_size": 1024},
+        {"name": "added", "size": 10, "padded_size": 64},
+    ]
+
+
+def good_qkv() -> dict:
+    return qkv_parallel([12, 4], 8, 2, 1).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(kind="diagonal"), "unknown sharding kind 'diagonal'"),
+        (lambda d: d.update(shape="12x4"), "'shape' must be a list"),
+        (lambda d: d.update(split_dim=1), "along dimension 0, found split_dim=1"),
+        (lambda d: d.update(split_dim=True), "'split_dim' must be an integer"),
+        (lambda d: d.pop("layer_class"), "'layer_class' must be a non-empty string"),
+        (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),
+        (lambda d: d["segments"][0].update(size=-1), "'size' must be an integer >= 0"),
+        (lambda d: d["segments"][0].update(heads=4), "4 heads of 1 but size 8"),
+        (lambda d: d["segments"][1].pop("replicate_heads"), "K and V"),
+        (lambda d: d["segments"].pop(), "segments add up to 10"),
+        (lambda d: d["segments"][0].update(name="k"), "repeat"),
+        (lambda d: d["segments"][0].pop("heads"), "both 'heads' and 'head_size'"),
+        (lambda d: d["segments"][2].update(replicate_heads="yes"), "must be true or false"),
+        (lambda d: d.update(segments={}), "'segments' must be a list"),
+        (lambda d: d.update(kind="replicated"), "no split dimension"),
+        (lambda d: d.update(kind="column_parallel"), "only a QKV tensor is split by heads"),
+    ],
+)
+def test_bad_geometry_data_is_refused_naming_the_tensor(change, message):
+    data = good_qkv()
+    change(data)
+    with pytest.raises(ShardedStateError, match=message) as info:
+        TensorGeometry.from_dict(data, "model.layers.3.self_attn.qkv_proj.weight")
+    assert "model.layers.3.self_attn.qkv_proj.weight" in str(info.value)
+
+
+def test_bad_geometry_objects_are_refused():
+    with pytest.raises(ShardedStateError, match="expected an object"):
+        TensorGeometry.from_dict([], "t")
+    bad_vocab = vocab_parallel(100, 4).to_dict()
+    bad_vocab["segments"][0]["padded_size"] = 50
+    bad_vocab["shape"] = [50, 4]
+    with pytest.raises(ShardedStateError, match="padded_size 50 < size 100"):
+        TensorGeometry.from_dict(bad_vocab, "lm_head.weight")
+
+
+def test_layout_is_the_concatenation_of_segment_pieces():
+    g = vocab_parallel(100, 8)
+    layout = shard_layout(g, 8, 6, "lm_head.weight")
+    assert layout.shape == (16, 8)
+    assert layout.pieces[0].start == 96 and layout.pieces[0].data_length == 4 and layout.pieces[0].padding == 12
+    q = shard_layout(qkv_parallel([12 * 4], 8, 2, 4), 2, 1)
+    assert [(p.segment, p.global_offset, p.local_offset) for p in q.pieces] == [
+        ("q", 16, 0),
+        ("k", 36, 16),
+        ("v", 44, 20),
+    ]
+    assert shard_layout(replicated([3], "RMSNorm"), 8, 7).shape == (3,)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def single(name: str, geometry: TensorGeometry | None, tp_size: int, shape: tuple[int, ...]) -> list[SavedRank]:
+    return [SavedRank(r, 0, {name: SavedTensor(f"f{r}", 8, 2, shape, geometry)}) for r in range(tp_size)]
+
+
+def test_unknown_or_missing_geometry_is_an_error_when_the_tp_size_changes():
+    name = "model.layers.0.mlp.experts.w13_weight"
+    opaque = TensorGeometry("opaque", "FusedMoE", (8, 16, 4))
+    with pytest.raises(ShardedStateError, match=rf"{name} \(FusedMoE\) cannot be resharded from TP=2 to TP=1"):
+        plan_reads(single(name, opaque, 2, (8, 16, 4)), 2, [name], tp_size=1, tp_rank=0)
+    with pytest.raises(ShardedStateError, match=rf"{name} cannot be resharded from TP=2 to TP=4: .* no geometry"):
+        plan_reads(single(name, None, 2, (8, 16, 4)), 2, [name], tp_size=4, tp_rank=0)
+    fp8 = column_parallel([16, 4], "ColumnParallelLinear")
+    fp8 = TensorGeometry(fp8.kind, fp8.layer_class, fp8.shape, fp8.split_dim, fp8.segments, quantization="fp8")
+    with pytest.raises(ShardedStateError, match=r"w \(ColumnParallelLinear\) holds a fp8-quantized layout"):
+        plan_reads(single("w", fp8, 1, (16, 4)), 1, ["w"], tp_size=2, tp_rank=0)
+    # At the same TP size, any tensor is its own shard: copied whole, whatever the PP split.
+    for geometry in (opaque, None):
+        plan = plan_reads(single(name, geometry, 2, (8, 16, 4)), 2, [name], tp_size=2, tp_rank=1)
+        assert plan.tensors[name].reads == (
+            Read("f1", Strided(8, 8 * 16 * 4 * 2, 8 * 16 * 4 * 2), Strided(0, 512, 512)),
+        )
+
+
+def test_tp_sizes_vllm_refuses_are_refused():
+    g = qkv_parallel([(8 + 2 * 3) * 2, 4], 8, 3, 2)
+    with pytest.raises(ShardedStateError, match=r"qkv \(QKVParallelLinear\): segment 'q' of 8 heads .* TP=3"):
+        shard_layout(g, 3, 0, "qkv")
+    with pytest.raises(ShardedStateError, match=r"segment 'k' of 3 heads cannot be split across TP=4"):
+        shard_layout(g, 4, 0, "qkv")
+    with pytest.raises(ShardedStateError, match="tp_rank=4 is not a rank of TP=4"):
+        shard_layout(g, 4, 4, "qkv")
+    g = vocab_parallel(100, 4, padding_size=10)
+    with pytest.raises(ShardedStateError, match="segment 'vocab' of 100 indices"):
+        plan_reads(single("e", g, 1, (100, 4)), 1, ["e"], tp_size=8, tp_rank=0)
+
+
+def test_damaged_or_incomplete_saved_side_is_an_error():
+    g = column_parallel([16, 4])
+    with pytest.raises(ShardedStateError, match=r"needs tensors no saved rank holds: b, c"):
+        plan_reads(single("a", g, 2, (8, 4)), 2, ["a", "b", "c"], tp_size=1, tp_rank=0)
+    with pytest.raises(ShardedStateError, match=r"a of saved pp_rank=0 tp_rank=0 has shape \[16, 4\]"):
+        plan_reads(single("a", g, 2, (16, 4)), 2, ["a"], tp_size=1, tp_rank=0)
+    ranks = single("a", g, 2, (8, 4))
+    ranks[1] = SavedRank(1, 0, {"a": SavedTensor("f1", 8, 2, (8, 4), column_parallel([16, 4], "Other"))})
+    with pytest.raises(ShardedStateError, match="records geometry"):
+        plan_reads(ranks, 2, ["a"], tp_size=1, tp_rank=0)
+    with pytest.raises(ShardedStateError, match="saved tp_rank=1 does not hold it"):
+        plan_reads(single("a", g, 2, (8, 4))[:1], 2, ["a"], tp_size=1, tp_rank=0)
+    with pytest.raises(ShardedStateError, match="listed twice"):
+        plan_reads(single("a", g, 2, (8, 4)) * 2, 2, ["a"], tp_size=1, tp_rank=0)
+    with pytest.raises(ShardedStateError, match="outside TP=1"):
+        plan_reads(single("a", g, 2, (8, 4)), 1, ["a"], tp_size=1, tp_rank=0)
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 4, 5, 7, 10, 11, 32, 61])
+@pytest.mark.parametrize("pp_size", [1, 2, 3, 4, 8])
+def test_pp_layer_ranges_mirror_vllm(num_layers, pp_size):
+    ranges = pp_layer_ranges(num_layers, pp_size)
+    assert [(r.start, r.stop) for r in ranges] == [reference_pp_indices(num_layers, p, pp_size) for p in range(pp_size)]
+    for layer in range(num_layers):
+        assert layer in ranges[pp_stage_of_layer(layer, num_layers, pp_size)]
+
+
+def test_pp_layer_ranges_examples_and_explicit_partition():
+    assert pp_layer_ranges(5, 4) == (range(0, 1), range(1, 2), range(2, 4), range(4, 5))
+    assert pp_layer_ranges(3, 4) == (range(0, 1), range(1, 2), range(2, 3), range(3, 3))
+    assert pp_layer_ranges(10, 2, partition=[6, 4]) == (range(0, 6), range(6, 10))
+    with pytest.raises(ShardedStateError, match="does not split 10 layers into 2 stages"):
+        pp_layer_ranges(10, 2, partition=[5, 4])
+    with pytest.raises(ShardedStateError, match="Layer 10 is not one of the model's 10 layers"):
+        pp_stage_of_layer(10, 10, 2)
+
+
+def test_layer_index():
+    assert layer_index("model.layers.7.mlp.down_proj.weight") == 7
+    assert layer_index("model.language_model.layers.12.self_attn.qkv_proj.weight") == 12
+    assert layer_index("transformer.h.3.attn.c_attn.weight") == 3
+    assert layer_index("model.embed_tokens.weight") is None
+    assert layer_index("model.norm.weight") is None
+    assert layer_index("lm_head.weight") is None
+    assert layer_index("model.layers_extra.3.weight") is None
+
+
+# ---------------------------------------------------- against vLLM's own code
+
+
+@pytest.fixture(scope="module")
+def vllm_layers():
+    """vLLM's layer classes, built on CPU with a fake TP group (importing vLLM takes seconds)."""
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
+
+    def build(cls, tp_size, tp_rank, *args, **kwargs):
+        group = types.SimpleNamespace(world_size=tp_size, rank_in_group=tp_rank)
+        with mock.patch.object(parallel_state, "get_tp_group", return_value=group):
+            return cls(*args, params_dtype=torch.float32, **kwargs)
+
+    return types.SimpleNamespace(
+        torch=torch, build=build, linear=linear, vocab=vocab_parallel_embedding, get_pp_indices=get_pp_indices
+    )
+
+
+def test_reference_and_plans_match_vllms_weight_loaders(vllm_layers):
+    """Load HF tensors with vLLM's real weight loaders at every TP size and rank; the
+    reference shard and the plan from a TP=1 checkpoint give the same local tensors."""
+    torch, build, linear, vocab = vllm_layers.torch, vllm_layers.build, vllm_layers.linear, vllm_layers.vocab
+    heads, kv_heads, head_size, hidden, inter, vocab_size = 8, 2, 4, 32, 48, 1000
+    rng = np.random.default_rng(3)
+
+    def f32(shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q, k, v = f32((heads * head_size, hidden)), f32((kv_heads * head_size, hidden)), f32((kv_heads * head_size, hidden))
+    gate, up, down, embed = f32((inter, hidden)), f32((inter, hidden)), f32((hidden, inter)), f32((vocab_size, hidden))
+    qkv_bias = f32(((heads + 2 * kv_heads) * head_size,))
+    hf = {
+        "qkv.weight": (("qkv", heads, kv_heads, head_size), np.concatenate([q, k, v])),
+        "qkv.bias": (("qkv", heads, kv_heads, head_size), qkv_bias),
+        "gate_up.weight": (("merged", [inter, inter]), np.concatenate([gate, up])),
+        "down.weight": (("row",), down),
+        "embed.weight": (("vocab", vocab_size, 0, 64), embed),
+    }
+    model = Model(
+        {
+            name: Tensor(spec, data, make_tensor(spec, data.shape, np.int32, rng, "L").geometry)
+            for name, (spec, data) in hf.items()
+        },
+        num_layers=0,
+        tied=False,
+    )
+    checkpoint = save(model, 1, 1)
+    for tp_size in TP_SIZES:
+        for tp_rank in range(tp_size):
+            qkv_layer = build(linear.QKVParallelLinear, tp_size, tp_rank, hidden, head_size, heads, kv_heads, bias=True)
+            mlp_layer = build(linear.MergedColumnParallelLinear, tp_size, tp_rank, hidden, [inter, inter], bias=False)
+            down_layer = build(linear.RowParallelLinear, tp_size, tp_rank, inter, hidden, bias=False)
+            embed_layer = build(vocab.VocabParallelEmbedding, tp_size, tp_rank, vocab_size, hidden)
+            b = np.split(qkv_bias, [heads * head_size, (heads + kv_heads) * head_size])
+            for shard_id, w, bias in zip("qkv", (q, k, v), b, strict=True):
+                qkv_layer.weight.weight_loader(qkv_layer.weight, torch.from_numpy(w), shard_id)
+                qkv_layer.bias.weight_loader(qkv_layer.bias, torch.from_numpy(bias), shard_id)
+            for shard_id, w in enumerate((gate, up)):
+                mlp_layer.weight.weight_loader(mlp_layer.weight, torch.from_numpy(w), shard_id)
+            down_layer.weight.weight_loader(down_layer.weight, torch.from_numpy(down))
+            embed_layer.weight.weight_loader(embed_layer.weight, torch.from_numpy(embed))
+            loaded = {
+                "qkv.weight": qkv_layer.weight,
+                "qkv.bias": qkv_layer.bias,
+                "gate_up.weight": mlp_layer.weight,
+                "down.weight": down_layer.weight,
+                "embed.weight": embed_layer.weight,
+            }
+            plan = plan_reads(checkpoint.ranks, 1, list(hf), tp_size=tp_size, tp_rank=tp_rank)
+            for name, (spec, data) in hf.items():
+                vllm_local = loaded[name].detach().numpy()
+                np.testing.assert_array_equal(reference_shard(spec, data, tp_size, tp_rank), vllm_local, err_msg=name)
+                got = execute(plan.tensors[name], checkpoint.files, {}).view(np.float32)
+                np.testing.assert_array_equal(got, vllm_local, err_msg=f"{name} TP={tp_size} rank {tp_rank}")
+
+
+def test_vocab_indices_and_pp_split_match_vllm(vllm_layers):
+    vocab, get_pp_indices = vllm_layers.vocab, vllm_layers.get_pp_indices
+    for size in (1, 63, 64, 100, 1000, 32000, 151936):
+        assert pad_vocab_size(size) == vocab.pad_vocab_size(size)
+        for tp_size in TP_SIZES:
+            geometry = vocab_parallel(size, 4)
+            for tp_rank in range(tp_size):
+                padded = pad_vocab_size(size)
+                indices = vocab.VocabParallelEmbedding._get_indices(padded, padded, size, size, tp_rank, tp_size)
+                (piece,) = shard_layout(geometry, tp_size, tp_rank).pieces
+                assert (piece.start, piece.start + piece.length) == (
+                    indices.padded_org_vocab_start_index,
+                    indices.padded_org_vocab_end_index,
+                )
+                assert piece.data_length == indices.num_org_elements
+    with mock.patch.dict("os.environ", {}, clear=False) as env:
+        env.pop("VLLM_PP_LAYER_PARTITION", None)
+        for num_layers in (1, 3, 5, 10, 11, 32, 61):
+            for pp_size in (1, 2, 3, 4, 8):
+                expected = [get_pp_indices(num_layers, p, pp_size) for p in range(pp_size)]
+                assert [(r.start, r.stop) for r in pp_layer_ranges(num_layers, pp_size)] == expected
+
+
+def test_segment_defaults():
+    assert Segment("x", 5).padded == 5
+    assert Segment("x", 5, padded_size=8).padded == 8
+    assert math.prod(()) == 1
