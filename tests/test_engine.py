@@ -5,6 +5,7 @@ Each engine runs in its own process (tests/engine_runner.py), one at a time.
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -128,12 +129,43 @@ def test_checkpoint_in_vllms_format_loads(saved, tmp_path):
     assert_our_loader_ran(run.output, 2)
 
 
-def test_other_topology_is_refused_by_the_engine(saved):
+def test_other_topology_without_geometry_is_refused_by_the_engine(saved, tmp_path):
+    # vLLM's own loader "loads" this and generates garbage; a manifest without resharding
+    # geometry (as older saves wrote) must be refused, naming both topologies.
     checkpoint, _ = saved.get("tied", 2)
-    run = run_engine({"model": checkpoint, "tp": 1, "load_format": "sharded_state"}, expect_ok=False)
+    old = tmp_path / "no-geometry"
+    shutil.copytree(checkpoint, old)
+    manifest = json.loads((old / MANIFEST_NAME).read_text())
+    del manifest["geometry"]
+    (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    run = run_engine({"model": str(old), "tp": 1, "load_format": "sharded_state"}, expect_ok=False)
     assert run.returncode != 0 and run.result is None
     assert "was saved with tensor_parallel_size=2 and pipeline_parallel_size=1, but the engine runs " in run.output
     assert "tensor_parallel_size=1" in run.output
+
+
+@pytest.mark.parametrize(
+    ("kind", "saved_tp", "saved_pp", "tp", "pp"),
+    [
+        ("llama", 2, 1, 1, 1),
+        ("llama", 1, 1, 2, 1),
+        ("tied", 1, 1, 2, 1),
+        ("tied", 2, 1, 1, 1),
+        ("llama", 1, 2, 1, 1),
+    ],
+)
+def test_resharded_load_matches_default_loader(saved, kind, saved_tp, saved_pp, tp, pp):
+    checkpoint, _ = saved.get(kind, saved_tp, saved_pp)
+    _, reference = saved.get(kind, tp, pp)  # the default loader's tokens at the serving topology
+    run = run_engine({"model": checkpoint, "tp": tp, "pp": pp, "load_format": "sharded_state"})
+    assert run.result["token_ids"] == reference["token_ids"]
+    assert_our_loader_ran(run.output, tp, pp)
+    lines = re.findall(r"resharded from TP=(\d) PP=(\d) to TP=(\d) PP=(\d): read .* \((\d+)%\)", run.output)
+    assert len(lines) == tp * pp
+    for line in lines:
+        assert tuple(map(int, line[:4])) == (saved_tp, saved_pp, tp, pp)
+        if (saved_tp, tp) == (1, 2):
+            assert 40 <= int(line[4]) <= 60, "each of two ranks reads about half the checkpoint"
 
 
 def free_port() -> int:

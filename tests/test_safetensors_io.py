@@ -39,8 +39,11 @@ def header(text: bytes, data: bytes = b"\0" * 4) -> bytes:
 def test_library_reads_what_we_write(tmp_path):
     tensors = sample_tensors()
     path = str(tmp_path / "ours.safetensors")
-    size, checksum = safetensors_io.write_file(path, list(tensors.items()), {"format": "pt"})
+    written = safetensors_io.write_file(path, list(tensors.items()), {"format": "pt"})
+    size, checksum = written.size, written.checksum
     assert size == os.path.getsize(path)
+    header = safetensors_io.read_header(path)
+    assert written.offsets == {name: h.begin for name, h in header.tensors.items()}
     # The checksum hashed while writing is the checksum of the file's bytes.
     with open(path, "rb") as f:
         assert checksum.blocks == (blake3.blake3(f.read()).hexdigest(),)

@@ -31,6 +31,7 @@ from vllm.logger import init_logger
 
 from .checkpoint import RankInfo, saveable_state
 from .format import LOCK_NAME, Manifest, RankEntry, ShardedStateError, SourceModel, default_pattern, validate_pattern
+from .layer_geometry import describe_tensors, tied_groups
 from .loader import current_rank, dtype_label, source_identity
 from .saving import (
     SaveLock,
@@ -64,6 +65,9 @@ class LoadedState:
     source: SourceModel
     dtype: str
     quantization: str | None
+    # How each tensor is split across ranks, and names saved once for several (manifest fields).
+    geometry: dict[str, Any] = field(default_factory=dict)
+    tied: list[list[str]] = field(default_factory=list)
     # The state written at start-up (staged, or published in place by a save).
     capture: StagedRank | None = field(default=None)
 
@@ -83,17 +87,20 @@ def capture_settings() -> tuple[str, str | None, int | None] | None:
 
 def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedState:
     """Record (and, if asked, capture to disk) the state a worker has just loaded."""
-    tensors = saveable_state(model.state_dict())
+    state_dict = model.state_dict()
+    tensors = saveable_state(state_dict)
+    rank = current_rank()
     state = LoadedState(
         signature={n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in tensors.items()},
         source=source_identity(model, model_config),
         dtype=dtype_label(model_config.dtype),
         quantization=getattr(model_config, "quantization", None),
+        geometry=describe_tensors(model, tensors, rank.tp_size, rank.tp_rank),
+        tied=tied_groups(state_dict, tensors),
     )
     settings = capture_settings()
     if settings is not None:
         directory, pattern, max_size = settings
-        rank = current_rank()
         # Staged under temporary names: nothing is published until the save hook runs.
         state.capture = stage_rank(directory, tensors, rank, pattern or default_pattern(rank.pp_size), max_size)
         logger.info(
@@ -220,7 +227,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         validate_pattern(pattern, rank.tp_size, rank.pp_size)
         return acquire_save_lock(path, token, overwrite)
 
-    def stage() -> RankEntry:
+    def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]]]:
         nonlocal staged
         if state is None:
             raise ShardedStateError(
@@ -228,11 +235,12 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
                 "its loaded state is unknown. Check that the plugin is installed (VLLM_PLUGINS)."
             )
         staged = _stage_for_save(model, state, path, rank, pattern, max_size)
-        return staged.entry
+        return staged.entry, state.geometry, state.tied
 
     try:
         lock = workers.run(check_and_lock, only_first=True)[0]
-        entries = workers.run(stage)
+        outcomes = workers.run(stage)
+        entries = [entry for entry, _, _ in outcomes]
         swapped = True
         workers.run(lambda: remove_manifest(path), only_first=True)
         workers.run(lambda: publish_rank(staged))
@@ -243,6 +251,8 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
             pattern=pattern,
             source=state.source,
             ranks=tuple(sorted(entries, key=lambda e: (e.pp_rank, e.tp_rank))),
+            geometry={name: g for _, geometry, _ in outcomes for name, g in geometry.items()},
+            tied=tuple(sorted({tuple(group) for _, _, tied in outcomes for group in tied})),
         )
         workers.run(lambda: write_manifest(path, manifest, lock), only_first=True)
     except ShardedStateError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,9 @@ class LoadStats:
     seconds: float
     cast: tuple[str, ...]
     with_manifest: bool
+    # (tp_size, pp_size) the checkpoint was saved at, when this load resharded it.
+    resharded_from: tuple[int, int] | None = None
+    checkpoint_bytes: int = 0
 
 
 # ----------------------------------------------------------------------- state
@@ -219,6 +222,7 @@ def load_rank(
     serving: SourceModel | None = None,
     pattern: str | None = None,
     verify: str = "size",
+    tied: Sequence[Sequence[str]] = (),
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
@@ -227,6 +231,10 @@ def load_rank(
     refused checkpoint leaves the parameters untouched. With ``verify="checksum"``
     every byte read is also hashed and compared with the manifest; a mismatch raises
     before the load returns (the engine then does not start).
+
+    A checkpoint saved at another TP/PP size is resharded (:func:`load_resharded`) if
+    its manifest records the geometry; ``tied`` names groups of tensors the serving
+    model shares (tied embeddings), so a tensor saved under one name serves the others.
     """
     started = time.perf_counter()
     where = f"{directory} ({rank})"
@@ -239,8 +247,13 @@ def load_rank(
             f"{directory} has no {MANIFEST_NAME} (a checkpoint of vLLM's own save), so there are no "
             "checksums to verify; load it with verify='size' or save it again with vllm-sharded-loader."
         )
+    if manifest is not None and (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size):
+        if not manifest.geometry:
+            check_topology(manifest, rank, directory)  # raises: nothing to reshard with
+        if serving is not None:
+            check_source(manifest, serving, directory)
+        return load_resharded(directory, manifest, targets, rank, verify=verify, tied=tied, started=started)
     if manifest is not None:
-        check_topology(manifest, rank, directory)
         if serving is not None:
             check_source(manifest, serving, directory)
         entry = manifest.rank(rank.tp_rank, rank.pp_rank)
@@ -294,6 +307,107 @@ def load_rank(
         seconds=time.perf_counter() - started,
         cast=tuple(cast),
         with_manifest=manifest is not None,
+    )
+
+
+def load_resharded(
+    directory: str,
+    manifest: Manifest,
+    targets: Mapping[str, torch.Tensor],
+    rank: RankInfo,
+    *,
+    verify: str = "size",
+    tied: Sequence[Sequence[str]] = (),
+    started: float | None = None,
+) -> LoadStats:
+    """Fill a rank's tensors from a checkpoint saved at another TP/PP size.
+
+    Plans with :func:`~.resharding.plan_reads` exactly the byte ranges this rank keeps,
+    checks the files it touches (sizes, headers against the manifest, and with
+    ``verify="checksum"`` their whole content), then reads those ranges straight into
+    the parameters. A rank never reads bytes it does not keep.
+    """
+    from .resharding import SavedRank, SavedTensor, TensorGeometry, plan_reads
+
+    started = time.perf_counter() if started is None else started
+    saved, dtypes, owners = [], {}, {}
+    for entry in manifest.ranks:
+        tensors = {}
+        for name, t in entry.tensors.items():
+            if t.offset is None:
+                raise ShardedStateError(
+                    f"{directory}: {MANIFEST_NAME} records no byte offset for {name!r}, so the checkpoint cannot "
+                    f"be resharded; serve it at TP={manifest.tp_size} PP={manifest.pp_size} or save it again."
+                )
+            g = manifest.geometry.get(name)
+            geometry = None if g is None else TensorGeometry.from_dict(g, name)
+            itemsize = safetensors_io.torch_dtype(t.dtype, name).itemsize
+            tensors[name] = SavedTensor(t.file, t.offset, itemsize, tuple(t.shape), geometry)
+            dtypes[name] = t.dtype
+        for f in entry.files:
+            owners[f.name] = (f, entry)
+        saved.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors))
+    groups = [*manifest.tied, *tied]
+    plan = plan_reads(
+        saved,
+        manifest.tp_size,
+        list(targets),
+        tp_size=rank.tp_size,
+        tp_rank=rank.tp_rank,
+        pp_rank=rank.pp_rank,
+        tied=groups,
+    )
+    where = f"{directory} ({rank}, resharded from TP={manifest.tp_size} PP={manifest.pp_size})"
+    wrong = [
+        f"{n} planned {list(p.shape)} but the model expects {list(targets[n].shape)}"
+        for n, p in plan.tensors.items()
+        if tuple(p.shape) != tuple(targets[n].shape)
+    ]
+    if wrong:
+        raise ShardedStateError(f"{where}: shape mismatch: {'; '.join(wrong[:5])}. Save the checkpoint again.")
+    fds: dict[str, int] = {}
+    try:
+        for name in plan.files:
+            f, entry = owners[name]
+            _check_file_size(directory, f)
+            header = safetensors_io.read_header(part_path(directory, name))
+            _check_header_matches_manifest(header, entry)
+            if verify == "checksum":
+                if f.checksum is None:
+                    raise ShardedStateError(f"{header.path}: {MANIFEST_NAME} records no checksum for it.")
+                verify_file_checksum(header.path, f.checksum)
+            fds[name] = os.open(header.path, os.O_RDONLY)
+        cast = []
+        for name, tensor_plan in plan.tensors.items():
+            target = targets[name]
+            stored = safetensors_io.torch_dtype(dtypes[tensor_plan.source_name], name)
+            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored
+            landing = target if direct else torch.empty(tensor_plan.shape, dtype=stored)
+            view = safetensors_io.byte_view(landing) if landing.numel() else memoryview(b"")
+            itemsize = stored.itemsize
+            for read in tensor_plan.reads:
+                for (src, _), (dst, dst_end) in zip(read.source.runs(), read.dest.runs(), strict=True):
+                    safetensors_io.read_exact(fds[read.file], view[dst * itemsize : dst_end * itemsize], src, read.file)
+            flat = landing.view(-1)
+            for zeros in tensor_plan.zero_fills:
+                for a, b in zeros.runs():
+                    flat[a:b] = 0
+            if not direct:
+                target.copy_(landing)
+                if target.dtype != stored:
+                    cast.append(name)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return LoadStats(
+        files=tuple(os.path.join(directory, n) for n in plan.files),
+        tensors=len(plan.tensors),
+        bytes_read=plan.bytes_read,
+        seconds=time.perf_counter() - started,
+        cast=tuple(cast),
+        with_manifest=True,
+        resharded_from=(manifest.tp_size, manifest.pp_size),
+        checkpoint_bytes=manifest.nbytes,
     )
 
 

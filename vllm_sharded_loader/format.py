@@ -177,11 +177,16 @@ def config_differences(saved: dict[str, Any], serving: dict[str, Any], limit: in
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor of one rank lives: its part file, dtype and shape."""
+    """Where one tensor of one rank lives: its part file, dtype, shape and byte offset.
+
+    ``offset`` is the absolute position of its first byte in the file (None in manifests
+    that did not record it); with it a resharding reader plans reads without headers.
+    """
 
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,11 @@ class Manifest:
     source: SourceModel
     ranks: tuple[RankEntry, ...]
     format_version: int = FORMAT_VERSION
+    # How each tensor is split across TP ranks (JSON of resharding.TensorGeometry, by
+    # name, the same for every rank), and groups of names saved once for several
+    # (tied embeddings). Parsed only when a load reshards.
+    geometry: dict[str, Any] = field(default_factory=dict, compare=False)
+    tied: tuple[tuple[str, ...], ...] = ()
 
     def rank(self, tp_rank: int, pp_rank: int) -> RankEntry:
         """The entry of one worker; a :class:`ShardedStateError` if it is absent."""
@@ -271,6 +281,10 @@ class Manifest:
             },
             "ranks": [rank_to_dict(r) for r in self.ranks],
         }
+        if self.geometry:
+            data["geometry"] = self.geometry
+        if self.tied:
+            data["tied"] = [list(group) for group in self.tied]
         return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -301,6 +315,12 @@ class Manifest:
             config=reader.mapping(src.get("config", {}), "source.config"),
         )
         ranks = tuple(reader.rank(r) for r in reader.sequence(obj, "ranks"))
+        geometry = reader.mapping(obj.get("geometry", {}), "geometry")
+        tied = obj.get("tied", [])
+        if not isinstance(tied, list) or not all(
+            isinstance(g, list) and all(isinstance(n, str) for n in g) for g in tied
+        ):
+            raise reader.fail("'tied' must be a list of lists of tensor names")
         manifest = cls(
             tp_size=tp_size,
             pp_size=pp_size,
@@ -309,6 +329,8 @@ class Manifest:
             source=source,
             ranks=ranks,
             format_version=version,
+            geometry=geometry,
+            tied=tuple(tuple(g) for g in tied),
         )
         check_manifest_consistency(manifest, where)
         return manifest
@@ -321,7 +343,9 @@ def rank_to_dict(entry: RankEntry) -> dict[str, Any]:
         "pp_rank": entry.pp_rank,
         "files": [file_to_dict(f) for f in entry.files],
         "tensors": {
-            name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)} for name, t in entry.tensors.items()
+            name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
+            | ({} if t.offset is None else {"offset": t.offset})
+            for name, t in entry.tensors.items()
         },
     }
 
@@ -453,7 +477,12 @@ class _Reader:
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
             ):
                 raise self.fail(f"tensor {name!r} has shape {shape!r}, expected a list of sizes")
-            tensors[name] = TensorEntry(file=self.string(t, "file"), dtype=self.string(t, "dtype"), shape=tuple(shape))
+            offset = t.get("offset")
+            if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+                raise self.fail(f"tensor {name!r} has offset {offset!r}, expected a byte position")
+            tensors[name] = TensorEntry(
+                file=self.string(t, "file"), dtype=self.string(t, "dtype"), shape=tuple(shape), offset=offset
+            )
         return RankEntry(
             tp_rank=self.integer(obj, "tp_rank"),
             pp_rank=self.integer(obj, "pp_rank"),

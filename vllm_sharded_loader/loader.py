@@ -12,6 +12,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from .checkpoint import RankInfo, check_verify_mode, load_rank, read_manifest, saveable_state
 from .format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
+from .layer_geometry import tied_groups
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -109,7 +110,8 @@ class ShardedStateLoader(BaseModelLoader):
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         directory = self._checkpoint_dir(model_config)
         rank = current_rank()
-        targets = saveable_state(model.state_dict())
+        state_dict = model.state_dict()
+        targets = saveable_state(state_dict)
         manifest = read_manifest(directory)
         stats = load_rank(
             directory,
@@ -119,7 +121,20 @@ class ShardedStateLoader(BaseModelLoader):
             serving=source_identity(model, model_config),
             pattern=self.pattern if manifest is None else None,
             verify=self.verify,
+            tied=tied_groups(state_dict, targets),
         )
+        if stats.resharded_from is not None:
+            logger.info(
+                "sharded_state: %s resharded from TP=%d PP=%d to TP=%d PP=%d: read %.1f MB of the %.1f MB "
+                "checkpoint (%.0f%%)",
+                rank,
+                *stats.resharded_from,
+                rank.tp_size,
+                rank.pp_size,
+                stats.bytes_read / 1e6,
+                stats.checkpoint_bytes / 1e6,
+                100 * stats.bytes_read / max(stats.checkpoint_bytes, 1),
+            )
         if stats.cast:
             logger.info(
                 "sharded_state: %d tensors are stored in another dtype than %s and were cast "

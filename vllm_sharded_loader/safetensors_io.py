@@ -200,13 +200,20 @@ def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str,
     return struct.pack("<Q", len(header)) + header
 
 
-def write_file(
-    path: str, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]
-) -> tuple[int, FileChecksum]:
+@dataclass(frozen=True)
+class WrittenFile:
+    """What :func:`write_file` wrote: size, block checksums, each tensor's absolute byte offset."""
+
+    size: int
+    checksum: FileChecksum
+    offsets: dict[str, int]
+
+
+def write_file(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> WrittenFile:
     """Write tensors to ``path`` as safetensors, streaming from their memory.
 
-    Returns the file's size and block checksums, hashed from the same memory as it is
-    written. CPU contiguous tensors are written straight from their storage; other
+    Returns the file's size, its block checksums (hashed from the same memory as it is
+    written) and where each tensor's bytes start. CPU contiguous tensors are written straight from their storage; other
     tensors are copied one at a time, so extra memory is bounded by the largest such
     tensor. The file is fsynced before returning. The caller picks a temporary name
     and publishes by rename.
@@ -218,7 +225,9 @@ def write_file(
         head = build_header(tensors, metadata)
         f.write(head)
         hashing = pool.submit(hasher.update, head)
-        for _, t in tensors:
+        offsets: dict[str, int] = {}
+        for name, t in tensors:
+            offsets[name] = f.tell()
             if t.device.type != "cpu" or not t.is_contiguous():
                 t = t.detach().to("cpu").contiguous()
             view = byte_view(t)
@@ -230,10 +239,10 @@ def write_file(
         f.flush()
         os.fsync(f.fileno())
         hashing.result()
-    return hasher.position, hasher.finish()
+    return WrittenFile(hasher.position, hasher.finish(), offsets)
 
 
-def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
+def read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done : done + CHUNK_BYTES]], offset + done)
@@ -277,7 +286,7 @@ def read_into(header: Header, targets: Mapping[str, torch.Tensor], checksum: Fil
                 buffer = target if direct else torch.empty(entry.shape, dtype=stored)
                 if buffer.numel():
                     view = byte_view(buffer)
-                    _read_exact(fd, view, entry.begin, header.path)
+                    read_exact(fd, view, entry.begin, header.path)
                     if hashing is not None:
                         hashing.result()
                         # Hash before the buffer is cast or reused; the tensor's bytes stay put.

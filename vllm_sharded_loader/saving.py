@@ -230,15 +230,16 @@ def stage_rank(
             staged.temporary[file_name] = tmp
             items = [(name, tensors[name]) for name in part]
             try:
-                size, checksum = safetensors_io.write_file(tmp, items, {"format": "pt"})
+                written = safetensors_io.write_file(tmp, items, {"format": "pt"})
             except OSError as e:
                 raise ShardedStateError(
                     f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "
                     "checkpoint, if any, is intact; free space (or fix the directory) and save again."
                 ) from e
-            files.append(FileEntry(file_name, size, checksum))
+            files.append(FileEntry(file_name, written.size, written.checksum))
             for name, t in items:
-                entries[name] = TensorEntry(file_name, safetensors_io.dtype_name(t.dtype), tuple(t.shape))
+                dtype = safetensors_io.dtype_name(t.dtype)
+                entries[name] = TensorEntry(file_name, dtype, tuple(t.shape), written.offsets[name])
     except BaseException:
         discard_rank(staged)
         raise
@@ -346,8 +347,14 @@ def save_checkpoint(
     pattern: str | None = None,
     max_size: int | None = None,
     overwrite: bool = False,
+    geometry: Mapping[str, dict] | None = None,
+    tied: tuple[tuple[str, ...], ...] = (),
 ) -> Manifest:
-    """Save every rank's tensors from one process (tests, offline tools); see the module doc."""
+    """Save every rank's tensors from one process (tests, offline tools); see the module doc.
+
+    ``geometry`` (JSON of :class:`~.resharding.TensorGeometry` by tensor name) lets the
+    checkpoint be served at another TP/PP size; ``tied`` lists names saved once for several.
+    """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))
     tp_size, pp_size = infos[0].tp_size, infos[0].pp_size
     pattern = pattern or default_pattern(pp_size)
@@ -364,6 +371,15 @@ def save_checkpoint(
         raise
     remove_manifest(directory)
     entries = tuple(publish_rank(s) for s in staged)
-    manifest = Manifest(tp_size=tp_size, pp_size=pp_size, dtype=dtype, pattern=pattern, source=source, ranks=entries)
+    manifest = Manifest(
+        tp_size=tp_size,
+        pp_size=pp_size,
+        dtype=dtype,
+        pattern=pattern,
+        source=source,
+        ranks=entries,
+        geometry=dict(geometry or {}),
+        tied=tied,
+    )
     write_manifest(directory, manifest, lock)
     return manifest

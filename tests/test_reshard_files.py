@@ -1,0 +1,109 @@
+"""Resharding loads on real files: saved with `save_checkpoint` at one TP/PP size, loaded
+with `load_rank` at another, compared with vLLM's sharding rule applied to the full tensors.
+
+The model and the reference rule come from test_resharding.py (checked there against
+vLLM's own weight loaders).
+"""
+
+import pytest
+import torch
+from states import SOURCE
+from test_resharding import llama_like, reference_pp_indices, reference_shard
+
+from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.saving import save_checkpoint
+
+
+def stage_state(model, tp_size, pp_size, tp_rank, pp_rank):
+    """A rank's local tensors, as a vLLM worker at (tp_size, pp_size) holds them."""
+    return {
+        name: torch.from_numpy(reference_shard(model.tensors[name].spec, model.tensors[name].data, tp_size, tp_rank))
+        for name in model.stage_names(pp_size, pp_rank)
+    }
+
+
+def save_model(directory, model, tp_size, pp_size):
+    ranks = {
+        RankInfo(t, tp_size, p, pp_size): stage_state(model, tp_size, pp_size, t, p)
+        for p in range(pp_size)
+        for t in range(tp_size)
+    }
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    tied = tuple(tuple(g) for g in model.tied_groups)
+    return save_checkpoint(
+        str(directory), ranks, dtype="int32", source=SOURCE, max_size=4096, geometry=geometry, tied=tied
+    )
+
+
+@pytest.mark.parametrize(
+    ("saved", "serving"),
+    [((1, 1), (2, 1)), ((2, 1), (1, 1)), ((2, 1), (4, 1)), ((4, 1), (2, 1)), ((1, 2), (1, 1)), ((2, 2), (1, 4))],
+)
+@pytest.mark.parametrize("tied", [False, True])
+def test_reshard_load_from_files_matches_vllms_rule(tmp_path, saved, serving, tied):
+    model = llama_like(tied=tied, num_layers=4, vocab=1000, kv_heads=2)
+    save_model(tmp_path, model, *saved)
+    manifest = read_manifest(str(tmp_path))
+    tp_size, pp_size = serving
+    for p in range(pp_size):
+        for t in range(tp_size):
+            expected = stage_state(model, tp_size, pp_size, t, p)
+            targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+            stats = load_rank(
+                str(tmp_path),
+                targets,
+                RankInfo(t, tp_size, p, pp_size),
+                manifest=manifest,
+                serving=SOURCE,
+                verify="checksum",
+                tied=model.tied_groups,
+            )
+            assert stats.resharded_from == saved
+            for name, x in expected.items():
+                assert torch.equal(targets[name], x), (name, t, p)
+
+
+def test_tp1_to_tp2_reads_about_half_per_rank(tmp_path):
+    model = llama_like(num_layers=4, vocab=4096)
+    manifest = save_model(tmp_path, model, 1, 1)
+    for t in range(2):
+        targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 2, 1, t, 0).items()}
+        stats = load_rank(str(tmp_path), targets, RankInfo(t, 2), manifest=manifest)
+        assert 0.45 < stats.bytes_read / manifest.nbytes < 0.55
+
+
+def test_layers_move_between_stages(tmp_path):
+    model = llama_like(num_layers=5)
+    save_model(tmp_path, model, 1, 2)
+    start, end = reference_pp_indices(5, 0, 1)
+    assert (start, end) == (0, 5)
+    targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
+    stats = load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+    # A single stage reads both saved stages' files.
+    assert {f.rsplit("/", 1)[1][:12] for f in stats.files} == {"model-pp-0-t", "model-pp-1-t"}
+
+
+def test_without_geometry_another_topology_is_refused(tmp_path):
+    model = llama_like(num_layers=2)
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE)
+    targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
+    with pytest.raises(ShardedStateError, match=r"saved with tensor_parallel_size=2 .* runs tensor_parallel_size=1"):
+        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+
+
+def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
+    model = llama_like(num_layers=2)
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    geometry["model.layers.1.mlp.down_proj.weight"] = {
+        "kind": "opaque",
+        "layer_class": "FusedMoE",
+        "shape": [32, 24],
+        "split_dim": None,
+    }
+    save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE, geometry=geometry)
+    targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
+    with pytest.raises(ShardedStateError, match=r"model.layers.1.mlp.down_proj.weight.*FusedMoE"):
+        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))

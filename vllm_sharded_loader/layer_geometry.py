@@ -1,0 +1,131 @@
+"""How each parameter of a vLLM model is split across tensor-parallel ranks, read off its layer.
+
+The result is a :class:`~.resharding.TensorGeometry` per saved tensor, recorded in the
+manifest so that a checkpoint can be served at another TP/PP size. It is derived from
+vLLM's layer classes, never from model-specific code, and conservatively: a layer this
+module does not know exactly (a subclass with its own sharding, a quantized layout, an
+MoE layer) is recorded as ``opaque`` and loads only at the TP size it was saved at. A
+geometry is also kept only if it reproduces the tensor's actual local shape on this
+rank; otherwise it is recorded as ``opaque``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from . import resharding as rs
+from .format import ShardedStateError
+
+# Layers whose parameters every rank holds whole. Matched on the class and its bases.
+REPLICATED_LAYERS = frozenset(
+    {"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "ReplicatedLinear", "Attention", "Embedding"}
+)
+# Bases of every tensor-parallel layer: a subclass not handled exactly below is opaque.
+PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE"})
+UNQUANTIZED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+
+
+def _class_names(module: torch.nn.Module) -> set[str]:
+    return {c.__name__ for c in type(module).__mro__}
+
+
+def _linear_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
+    bias = param == "bias"
+    if layer_class == "QKVParallelLinear":
+        rows = (module.total_num_heads + module.total_num_kv_heads) * module.head_size
+        rows += module.total_num_kv_heads * module.v_head_size
+        shape = [rows] if bias else [rows, module.input_size]
+        return rs.qkv_parallel(
+            shape, module.total_num_heads, module.total_num_kv_heads, module.head_size, module.v_head_size
+        )
+    if layer_class == "MergedColumnParallelLinear":
+        rows = sum(module.output_sizes)
+        return rs.merged_column_parallel([rows] if bias else [rows, module.input_size], module.output_sizes)
+    if layer_class == "ColumnParallelLinear":
+        return rs.column_parallel([module.output_size] if bias else [module.output_size, module.input_size])
+    if layer_class == "RowParallelLinear":
+        if bias:
+            return rs.replicated([module.output_size], layer_class)
+        return rs.row_parallel([module.output_size, module.input_size])
+    return None
+
+
+def _vocab_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
+    if param == "weight":
+        return rs.vocab_parallel(
+            module.num_embeddings, module.embedding_dim, module.org_vocab_size, module.padding_size, layer_class
+        )
+    if param == "bias":
+        return rs.vocab_parallel_bias(module.num_embeddings, module.org_vocab_size, module.padding_size, layer_class)
+    return None
+
+
+def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...]) -> rs.TensorGeometry:
+    """The geometry of parameter ``param`` of ``module`` (before it is checked against a rank)."""
+    layer_class = type(module).__name__
+    names = _class_names(module)
+    quant_method = type(getattr(module, "quant_method", None)).__name__
+    if names & PARALLEL_BASES:
+        geometry = None
+        if getattr(module, "disable_tp", False):
+            geometry = rs.replicated(shape, layer_class)
+        elif quant_method in UNQUANTIZED_METHODS:
+            if layer_class in {
+                "QKVParallelLinear",
+                "MergedColumnParallelLinear",
+                "ColumnParallelLinear",
+                "RowParallelLinear",
+            }:
+                geometry = _linear_geometry(module, param, layer_class)
+            elif layer_class in {"VocabParallelEmbedding", "ParallelLMHead"}:
+                geometry = _vocab_geometry(module, param, layer_class)
+        return geometry or rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
+    if names & REPLICATED_LAYERS:
+        return rs.replicated(shape, layer_class)
+    return rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
+
+
+def describe_tensors(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tp_size: int, tp_rank: int
+) -> dict[str, dict[str, Any]]:
+    """JSON geometry of each saved tensor of this rank, checked against its local shape."""
+    result: dict[str, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        module_name, _, param = name.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            module = None
+        shape = tuple(tensor.shape)
+        geometry = (
+            module_geometry(module, param, shape) if module is not None else rs.TensorGeometry(rs.OPAQUE, "?", shape)
+        )
+        if geometry.kind != rs.OPAQUE:
+            try:
+                local = rs.shard_layout(geometry, tp_size, tp_rank, name).shape
+            except ShardedStateError:
+                local = None
+            if tuple(local or ()) != shape:
+                # The layer is not split the way its class says: never reshard it.
+                geometry = rs.TensorGeometry(rs.OPAQUE, geometry.layer_class, shape)
+        result[name] = geometry.to_dict()
+    return result
+
+
+def tied_groups(state_dict: Mapping[str, torch.Tensor], kept: Iterable[str]) -> list[list[str]]:
+    """Groups of state-dict names sharing one tensor (tied embeddings), the kept name first."""
+    kept = list(kept)
+    by_storage: dict[tuple[str, int, int, tuple[int, ...]], list[str]] = {}
+    for name, t in state_dict.items():
+        if t.numel():
+            key = (str(t.device), t.data_ptr(), t.numel(), tuple(t.shape))
+            by_storage.setdefault(key, []).append(name)
+    groups = []
+    for names in by_storage.values():
+        if len(names) > 1:
+            first = [n for n in names if n in kept]
+            groups.append(first + [n for n in names if n not in first])
+    return groups
