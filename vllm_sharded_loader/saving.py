@@ -55,6 +55,7 @@ from .planning import plan_parts
 
 DEFAULT_MAX_SIZE = 5 * 1024**3
 PARTIAL_SUFFIX = ".partial"
+DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
 
 
 def new_token() -> str:
@@ -118,9 +119,7 @@ def directory_holds_checkpoint(directory: str) -> bool:
         names = os.listdir(directory)
     except FileNotFoundError:
         return False
-    return MANIFEST_NAME in names or any(
-        parse_file_name(p, n) is not None for n in names for p in (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
-    )
+    return MANIFEST_NAME in names or any(parse_file_name(p, n) is not None for n in names for p in DEFAULT_PATTERNS)
 
 
 def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> SaveLock:
@@ -158,19 +157,13 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> Sa
             os.fsync(f.fileno())
         break
     lock = SaveLock(path, token)
-    if not overwrite and (os.path.exists(os.path.join(directory, MANIFEST_NAME)) or _has_parts(directory)):
+    if not overwrite and directory_holds_checkpoint(directory):
         release_save_lock(lock)
         raise ShardedStateError(
             f"{directory} already holds a checkpoint; refusing to overwrite it. Choose another "
             "directory, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
         )
     return lock
-
-
-def _has_parts(directory: str) -> bool:
-    return any(
-        parse_file_name(p, n) is not None for n in os.listdir(directory) for p in (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
-    )
 
 
 def release_save_lock(lock: SaveLock) -> None:
@@ -320,7 +313,7 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
             if size != f.size:
                 raise ShardedStateError(f"{os.path.join(directory, f.name)}: {size} bytes, expected {f.size}.")
     for name in os.listdir(directory):
-        if name not in listed and any(parse_file_name(p, name) for p in (manifest.pattern, *_default_patterns())):
+        if name not in listed and any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS)):
             os.remove(os.path.join(directory, name))
     path = os.path.join(directory, MANIFEST_NAME)
     tmp = f"{path}.{new_token()}{PARTIAL_SUFFIX}"
@@ -332,10 +325,6 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
     fsync_directory(directory)
     if lock is not None:
         release_save_lock(lock)
-
-
-def _default_patterns() -> tuple[str, str]:
-    return (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
 
 
 def save_checkpoint(
