@@ -11,7 +11,7 @@ from states import SOURCE
 from test_resharding import llama_like, reference_pp_indices, reference_shard
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
-from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format import ShardedStateError, SourceModel, config_sha256, normalize_config
 from vllm_sharded_loader.saving import save_checkpoint
 
 
@@ -32,8 +32,13 @@ def save_model(directory, model, tp_size, pp_size):
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     tied = tuple(tuple(g) for g in model.tied_groups)
     return save_checkpoint(
-        str(directory), ranks, dtype="int32", source=SOURCE, max_size=4096, geometry=geometry, tied=tied
+        str(directory), ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, tied=tied
     )
+
+
+def source_of(model) -> SourceModel:
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": model.num_layers}
+    return SourceModel("LlamaForCausalLM", config_sha256(config), normalize_config(config))
 
 
 @pytest.mark.parametrize(
@@ -55,7 +60,7 @@ def test_reshard_load_from_files_matches_vllms_rule(tmp_path, saved, serving, ti
                 targets,
                 RankInfo(t, tp_size, p, pp_size),
                 manifest=manifest,
-                serving=SOURCE,
+                serving=source_of(model),
                 verify="checksum",
                 tied=model.tied_groups,
             )

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -310,6 +311,98 @@ def load_rank(
     )
 
 
+class ReshardSource:
+    """A checkpoint opened for planned reads at another topology (see :mod:`.resharding`).
+
+    Indexes the manifest's tensors with their geometry, plans a serving rank's reads, and
+    fills tensors from those plans. Each file is checked (size, header against the
+    manifest, with ``verify="checksum"`` its whole content) the first time a plan
+    touches it, and stays open until :meth:`close`.
+    """
+
+    def __init__(self, directory: str, manifest: Manifest, verify: str = "size") -> None:
+        from .resharding import SavedRank, SavedTensor, TensorGeometry
+
+        self.directory, self.manifest, self.verify = directory, manifest, check_verify_mode(verify)
+        self.saved, self.dtypes, self.owners = [], {}, {}
+        self.fds: dict[str, int] = {}
+        for entry in manifest.ranks:
+            tensors = {}
+            for name, t in entry.tensors.items():
+                if t.offset is None:
+                    raise ShardedStateError(
+                        f"{directory}: {MANIFEST_NAME} records no byte offset for {name!r}, so the checkpoint cannot "
+                        f"be resharded; serve it at TP={manifest.tp_size} PP={manifest.pp_size} or save it again."
+                    )
+                g = manifest.geometry.get(name)
+                geometry = None if g is None else TensorGeometry.from_dict(g, name)
+                itemsize = safetensors_io.torch_dtype(t.dtype, name).itemsize
+                tensors[name] = SavedTensor(t.file, t.offset, itemsize, tuple(t.shape), geometry)
+                self.dtypes[name] = t.dtype
+            for f in entry.files:
+                self.owners[f.name] = (f, entry)
+            self.saved.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors))
+
+    def plan(self, needed: Sequence[str], rank: RankInfo, tied: Sequence[Sequence[str]] = ()) -> Any:
+        """The :class:`~.resharding.ReadPlan` giving ``rank`` the tensors ``needed``."""
+        from .resharding import plan_reads
+
+        return plan_reads(
+            self.saved,
+            self.manifest.tp_size,
+            list(needed),
+            tp_size=rank.tp_size,
+            tp_rank=rank.tp_rank,
+            pp_rank=rank.pp_rank,
+            tied=[*self.manifest.tied, *tied],
+        )
+
+    def stored_dtype(self, tensor_plan: Any) -> torch.dtype:
+        return safetensors_io.torch_dtype(self.dtypes[tensor_plan.source_name], tensor_plan.name)
+
+    def _open(self, name: str) -> int:
+        if name not in self.fds:
+            f, entry = self.owners[name]
+            _check_file_size(self.directory, f)
+            header = safetensors_io.read_header(part_path(self.directory, name))
+            _check_header_matches_manifest(header, entry)
+            if self.verify == "checksum":
+                if f.checksum is None:
+                    raise ShardedStateError(f"{header.path}: {MANIFEST_NAME} records no checksum for it.")
+                verify_file_checksum(header.path, f.checksum)
+            self.fds[name] = os.open(header.path, os.O_RDONLY)
+        return self.fds[name]
+
+    def fill(self, tensor_plan: Any, target: torch.Tensor) -> None:
+        """Read one planned tensor into ``target`` (cast if its dtype differs from the saved one)."""
+        stored = self.stored_dtype(tensor_plan)
+        direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored
+        landing = target if direct else torch.empty(tensor_plan.shape, dtype=stored)
+        view = safetensors_io.byte_view(landing) if landing.numel() else memoryview(b"")
+        size = stored.itemsize
+        for read in tensor_plan.reads:
+            fd = self._open(read.file)
+            for (src, _), (dst, dst_end) in zip(read.source.runs(), read.dest.runs(), strict=True):
+                safetensors_io.read_exact(fd, view[dst * size : dst_end * size], src, read.file)
+        flat = landing.view(-1)
+        for zeros in tensor_plan.zero_fills:
+            for a, b in zeros.runs():
+                flat[a:b] = 0
+        if not direct:
+            target.copy_(landing)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def __enter__(self) -> ReshardSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def load_resharded(
     directory: str,
     manifest: Manifest,
@@ -322,83 +415,30 @@ def load_resharded(
 ) -> LoadStats:
     """Fill a rank's tensors from a checkpoint saved at another TP/PP size.
 
-    Plans with :func:`~.resharding.plan_reads` exactly the byte ranges this rank keeps,
-    checks the files it touches (sizes, headers against the manifest, and with
-    ``verify="checksum"`` their whole content), then reads those ranges straight into
-    the parameters. A rank never reads bytes it does not keep.
+    Plans exactly the byte ranges this rank keeps, checks the files it touches, then
+    reads those ranges straight into the parameters: a rank never reads bytes it does
+    not keep. Every planned shape is checked against the model before any read.
     """
-    from .resharding import SavedRank, SavedTensor, TensorGeometry, plan_reads
-
     started = time.perf_counter() if started is None else started
-    saved, dtypes, owners = [], {}, {}
-    for entry in manifest.ranks:
-        tensors = {}
-        for name, t in entry.tensors.items():
-            if t.offset is None:
-                raise ShardedStateError(
-                    f"{directory}: {MANIFEST_NAME} records no byte offset for {name!r}, so the checkpoint cannot "
-                    f"be resharded; serve it at TP={manifest.tp_size} PP={manifest.pp_size} or save it again."
-                )
-            g = manifest.geometry.get(name)
-            geometry = None if g is None else TensorGeometry.from_dict(g, name)
-            itemsize = safetensors_io.torch_dtype(t.dtype, name).itemsize
-            tensors[name] = SavedTensor(t.file, t.offset, itemsize, tuple(t.shape), geometry)
-            dtypes[name] = t.dtype
-        for f in entry.files:
-            owners[f.name] = (f, entry)
-        saved.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors))
-    groups = [*manifest.tied, *tied]
-    plan = plan_reads(
-        saved,
-        manifest.tp_size,
-        list(targets),
-        tp_size=rank.tp_size,
-        tp_rank=rank.tp_rank,
-        pp_rank=rank.pp_rank,
-        tied=groups,
-    )
-    where = f"{directory} ({rank}, resharded from TP={manifest.tp_size} PP={manifest.pp_size})"
-    wrong = [
-        f"{n} planned {list(p.shape)} but the model expects {list(targets[n].shape)}"
-        for n, p in plan.tensors.items()
-        if tuple(p.shape) != tuple(targets[n].shape)
-    ]
-    if wrong:
-        raise ShardedStateError(f"{where}: shape mismatch: {'; '.join(wrong[:5])}. Save the checkpoint again.")
-    fds: dict[str, int] = {}
-    try:
+    with ReshardSource(directory, manifest, verify) as source:
+        plan = source.plan(list(targets), rank, tied)
+        wrong = [
+            f"{n} planned {list(p.shape)} but the model expects {list(targets[n].shape)}"
+            for n, p in plan.tensors.items()
+            if tuple(p.shape) != tuple(targets[n].shape)
+        ]
+        if wrong:
+            raise ShardedStateError(
+                f"{directory} ({rank}, resharded from TP={manifest.tp_size} PP={manifest.pp_size}): shape "
+                f"mismatch: {'; '.join(wrong[:5])}. Save the checkpoint again."
+            )
         for name in plan.files:
-            f, entry = owners[name]
-            _check_file_size(directory, f)
-            header = safetensors_io.read_header(part_path(directory, name))
-            _check_header_matches_manifest(header, entry)
-            if verify == "checksum":
-                if f.checksum is None:
-                    raise ShardedStateError(f"{header.path}: {MANIFEST_NAME} records no checksum for it.")
-                verify_file_checksum(header.path, f.checksum)
-            fds[name] = os.open(header.path, os.O_RDONLY)
+            source._open(name)  # every check before the first byte lands in a parameter
         cast = []
         for name, tensor_plan in plan.tensors.items():
-            target = targets[name]
-            stored = safetensors_io.torch_dtype(dtypes[tensor_plan.source_name], name)
-            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored
-            landing = target if direct else torch.empty(tensor_plan.shape, dtype=stored)
-            view = safetensors_io.byte_view(landing) if landing.numel() else memoryview(b"")
-            itemsize = stored.itemsize
-            for read in tensor_plan.reads:
-                for (src, _), (dst, dst_end) in zip(read.source.runs(), read.dest.runs(), strict=True):
-                    safetensors_io.read_exact(fds[read.file], view[dst * itemsize : dst_end * itemsize], src, read.file)
-            flat = landing.view(-1)
-            for zeros in tensor_plan.zero_fills:
-                for a, b in zeros.runs():
-                    flat[a:b] = 0
-            if not direct:
-                target.copy_(landing)
-                if target.dtype != stored:
-                    cast.append(name)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+            source.fill(tensor_plan, targets[name])
+            if targets[name].dtype != source.stored_dtype(tensor_plan):
+                cast.append(name)
     return LoadStats(
         files=tuple(os.path.join(directory, n) for n in plan.files),
         tensors=len(plan.tensors),

@@ -1,7 +1,10 @@
 """``vllm-sharded``: the command line for sharded checkpoints.
 
+    vllm-sharded save --model SRC -o DIR ...   load a model in vLLM and save it sharded
+    vllm-sharded inspect DIR [--json]          what a checkpoint holds
     vllm-sharded verify DIR [--size-only]      check a checkpoint on disk, exit 0 if sound, 1 if not
-    vllm-sharded save --model SRC -o DIR ...   what examples/save_sharded_state.py does
+    vllm-sharded reshard DIR --tensor-parallel-size N [--pipeline-parallel-size M] --output OUT
+                                               rewrite it for another topology, offline
 
 Errors are one clear line and a non-zero exit, not a traceback.
 """
@@ -29,6 +32,59 @@ def verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from .offline import inspect_checkpoint
+
+    info = inspect_checkpoint(args.directory)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    files = [f for r in info["ranks"] for f in r["files"]]
+    geometry = info["geometry"]
+    print(f"{info['directory']}")
+    print(f"  topology      TP={info['tp_size']} PP={info['pp_size']}, pattern {info['pattern']}")
+    print(f"  source model  {info['source']['architecture']} (config sha256 {info['source']['config_sha256'][:16]})")
+    print(f"  dtype         {info['dtype']}")
+    print(f"  tensors       {info['tensors']} names, {info['tensor_entries']} rank entries")
+    print(
+        f"  files         {len(files)}, {info['bytes'] / 1e6:.1f} MB, checksums: {'yes' if info['checksums'] else 'no'}"
+    )
+    kinds = ", ".join(f"{k} {v}" for k, v in geometry["kinds"].items()) or "none"
+    print(f"  resharding    {'possible' if geometry['reshardable'] else 'not possible'} (geometry: {kinds})")
+    if info["tied"]:
+        print(f"  tied          {'; '.join(' = '.join(g) for g in info['tied'])}")
+    if info["locked"]:
+        print("  LOCKED        a save is running or was interrupted")
+    for r in info["ranks"]:
+        for f in r["files"]:
+            print(f"    pp {r['pp_rank']} tp {r['tp_rank']}  {f['name']:48s} {f['size']:>14,d} bytes")
+    return 0
+
+
+def reshard(args: argparse.Namespace) -> int:
+    import time
+
+    from .offline import reshard_checkpoint
+
+    started = time.perf_counter()
+    manifest = reshard_checkpoint(
+        args.directory,
+        args.output,
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+        max_size=args.max_file_size,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"Resharded {args.directory} to TP={manifest.tp_size} PP={manifest.pp_size} in {args.output}: "
+        f"{sum(len(r.files) for r in manifest.ranks)} files, {manifest.nbytes / 1e6:.1f} MB, "
+        f"{time.perf_counter() - started:.1f} s."
+    )
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-sharded", description="Per-rank sharded checkpoints for vLLM.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -36,6 +92,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--size-only", action="store_true", help="skip the checksums (what a load checks by default)")
     p.set_defaults(run=verify)
+    p = commands.add_parser("inspect", help="topology, files, dtype, tensors, source model, resharding geometry")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=inspect)
+    p = commands.add_parser("reshard", help="rewrite a checkpoint for another TP/PP size, offline, tensor by tensor")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="default: as saved")
+    p.add_argument("--output", "-o", required=True)
+    p.add_argument("--max-file-size", type=int, default=5 * 1024**3, help="bytes per part (default 5 GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --output")
+    p.set_defaults(run=reshard)
     commands.add_parser(
         "save",
         help="load a model in vLLM and save it sharded (same flags as examples/save_sharded_state.py)",

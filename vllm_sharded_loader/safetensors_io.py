@@ -11,9 +11,10 @@ safetensors: ``safe_open`` reads ours and we read the library's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,24 @@ class Header:
     data_start: int
     file_size: int
     raw: bytes  # the first data_start bytes of the file, for checksums
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor made only when it is written, so that a writer holds one tensor at a time.
+
+    Has the few tensor attributes a writer needs before the data exists.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    produce: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -228,6 +247,8 @@ def write_file(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: Map
         offsets: dict[str, int] = {}
         for name, t in tensors:
             offsets[name] = f.tell()
+            if isinstance(t, LazyTensor):
+                t = t.produce()
             if t.device.type != "cpu" or not t.is_contiguous():
                 t = t.detach().to("cpu").contiguous()
             view = byte_view(t)

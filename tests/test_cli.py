@@ -1,0 +1,90 @@
+"""The `vllm-sharded` command on real checkpoints written by the save path."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_reshard_files import save_model, stage_state
+from test_resharding import llama_like
+
+from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.cli import main as cli
+from vllm_sharded_loader.format import MANIFEST_NAME
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    model = llama_like(tied=True, num_layers=4)
+    save_model(tmp_path / "tp2", model, 2, 1)
+    return model, tmp_path / "tp2"
+
+
+def test_help_reads_well():
+    out = subprocess.run([sys.executable, "-m", "vllm_sharded_loader.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for command in ("save", "inspect", "verify", "reshard"):
+        assert command in out.stdout
+
+
+def test_inspect(checkpoint, capsys):
+    _, directory = checkpoint
+    assert cli(["inspect", str(directory)]) == 0
+    text = capsys.readouterr().out
+    assert "TP=2 PP=1" in text and "resharding    possible" in text and "checksums: yes" in text
+    assert cli(["inspect", "--json", str(directory)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["tp_size"], info["pp_size"], info["dtype"]) == (2, 1, "int32")
+    assert (
+        info["geometry"]["reshardable"] and info["geometry"]["kinds"]["qkv_parallel"] == 8
+    )  # weight and bias, 4 layers
+    assert len(info["ranks"]) == 2 and all(f["checksum"] for r in info["ranks"] for f in r["files"])
+
+
+def test_verify_good_and_bad(checkpoint, capsys):
+    _, directory = checkpoint
+    assert cli(["verify", str(directory)]) == 0
+    part = directory / "model-rank-1-part-0.safetensors"
+    part.write_bytes(part.read_bytes()[:-1])
+    assert cli(["verify", str(directory)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD" in out and "model-rank-1-part-0.safetensors" in out and "truncated" in out
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (4, 1), (1, 2), (2, 4)])
+def test_reshard_offline_then_load_without_resharding(checkpoint, tmp_path, tp, pp, capsys):
+    model, directory = checkpoint
+    (directory / "config.json").write_text("{}")  # a non-weight file to carry along
+    out = tmp_path / "out"
+    args = ["reshard", str(directory), "--tensor-parallel-size", str(tp), "--output", str(out)]
+    assert cli([*args, "--pipeline-parallel-size", str(pp), "--max-file-size", "2048"]) == 0
+    assert "Resharded" in capsys.readouterr().out
+    manifest = read_manifest(str(out))
+    assert (manifest.tp_size, manifest.pp_size) == (tp, pp)
+    assert (out / "config.json").exists()
+    assert cli(["verify", str(out)]) == 0
+    for p in range(pp):
+        for t in range(tp):
+            expected = stage_state(model, tp, pp, t, p)
+            targets = {n: torch.zeros_like(x) for n, x in expected.items()}
+            stats = load_rank(str(out), targets, RankInfo(t, tp, p, pp), manifest=manifest)
+            assert stats.resharded_from is None  # written for this topology: a plain load
+            for name, x in expected.items():
+                assert torch.equal(targets[name], x), name
+
+
+def test_reshard_refused_clearly(checkpoint, tmp_path, capsys):
+    _, directory = checkpoint
+    # 2 KV heads cannot be split over 3 ranks: one clear line, non-zero exit, no output left.
+    out = tmp_path / "out"
+    assert cli(["reshard", str(directory), "-tp", "3", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-sharded: error: ") and "Traceback" not in err
+    assert not out.exists()
+    # A checkpoint without geometry cannot be resharded either.
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    del manifest["geometry"]
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert cli(["reshard", str(directory), "-tp", "1", "-o", str(out)]) == 2
+    assert "cannot be resharded from TP=2 to TP=1" in capsys.readouterr().err  # names the tensor and why
