@@ -103,10 +103,23 @@ def read_manifest(directory: str) -> Manifest | None:
     return Manifest.from_json(text, where=path)
 
 
+def containment_root(directory: str) -> str:
+    """The folder a checkpoint's files may resolve into.
+
+    The checkpoint folder itself, except in a Hugging Face cache, where a snapshot's
+    files are symlinks into the same repository's ``blobs`` folder.
+    """
+    real = os.path.realpath(directory)
+    snapshots, repo = os.path.dirname(real), os.path.dirname(os.path.dirname(real))
+    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
+        return repo
+    return real
+
+
 def part_path(directory: str, name: str) -> str:
     """The path of a part file, refusing one that resolves outside the checkpoint directory."""
     path = os.path.join(directory, name)
-    real, root = os.path.realpath(path), os.path.realpath(directory)
+    real, root = os.path.realpath(path), containment_root(directory)
     if os.path.commonpath([real, root]) != root:
         raise ShardedStateError(
             f"{path} resolves to {real}, outside the checkpoint directory {root} (a symlink or path "

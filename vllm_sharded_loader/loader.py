@@ -10,7 +10,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from .checkpoint import RankInfo, check_verify_mode, load_rank, read_manifest, saveable_state
+from . import hub
+from .checkpoint import RankInfo, ReshardSource, check_verify_mode, load_rank, read_manifest, saveable_state
 from .format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
 from .layer_geometry import tied_groups
 
@@ -89,30 +90,57 @@ class ShardedStateLoader(BaseModelLoader):
 
         save_rank_from_hook(model, path, pattern, max_size)
 
-    def _checkpoint_dir(self, model_config: ModelConfig) -> str:
+    def _locate(self, model_config: ModelConfig) -> tuple[str, str | None]:
+        """The checkpoint's local folder, and its Hub repository id if it comes from the Hub.
+
+        For a Hub repository only the small files are fetched here (manifest, config,
+        tokenizer); :meth:`load_weights` then fetches the parts this rank reads.
+        """
         directory = model_config.model_weights or model_config.model
         if os.path.isdir(directory):
-            return directory
-        from huggingface_hub import snapshot_download
-
-        # A Hub repository: fetch the checkpoint into the cache (vLLM already fetched
-        # the config). HF_HUB_OFFLINE makes this resolve from the cache only.
-        return snapshot_download(
+            return directory, None
+        snapshot = hub.fetch(
             directory,
+            hub.METADATA_PATTERNS,
             revision=model_config.revision,
             cache_dir=self.load_config.download_dir,
-            allow_patterns=["*.safetensors", MANIFEST_NAME],
         )
+        return snapshot, directory
 
     def download_model(self, model_config: ModelConfig) -> None:
-        self._checkpoint_dir(model_config)
+        # Which parts a rank needs is known only in the worker (load_weights).
+        self._locate(model_config)
+
+    def _fetch_rank_files(
+        self,
+        repo_id: str,
+        model_config: ModelConfig,
+        manifest: Any,
+        rank: RankInfo,
+        targets: dict[str, torch.Tensor],
+        tied: list[list[str]],
+    ) -> None:
+        if manifest is None:
+            from .format import default_pattern
+
+            patterns = hub.rank_patterns(self.pattern or default_pattern(rank.pp_size), rank.tp_rank, rank.pp_rank)
+        elif (manifest.tp_size, manifest.pp_size) == (rank.tp_size, rank.pp_size):
+            patterns = [f.name for f in manifest.rank(rank.tp_rank, rank.pp_rank).files]
+        else:
+            with ReshardSource("", manifest) as source:
+                patterns = source.plan(list(targets), rank, tied).files
+        hub.fetch(repo_id, patterns, revision=model_config.revision, cache_dir=self.load_config.download_dir)
+        logger.info("sharded_state: %s fetched %d part files of %s from the Hub cache", rank, len(patterns), repo_id)
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
-        directory = self._checkpoint_dir(model_config)
+        directory, repo_id = self._locate(model_config)
         rank = current_rank()
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
+        tied = tied_groups(state_dict, targets)
         manifest = read_manifest(directory)
+        if repo_id is not None:
+            self._fetch_rank_files(repo_id, model_config, manifest, rank, targets, tied)
         stats = load_rank(
             directory,
             targets,
@@ -121,7 +149,7 @@ class ShardedStateLoader(BaseModelLoader):
             serving=source_identity(model, model_config),
             pattern=self.pattern if manifest is None else None,
             verify=self.verify,
-            tied=tied_groups(state_dict, targets),
+            tied=tied,
         )
         if stats.resharded_from is not None:
             logger.info(

@@ -1,0 +1,40 @@
+"""Fetching a sharded checkpoint from the Hugging Face Hub, one rank's files at a time.
+
+vLLM's built-in loader downloads every rank's files on every node. Here a worker first
+fetches the small files (manifest, config, tokenizer), then only the part files its own
+rank reads: its own parts at the saved topology, or the parts its planned reads touch
+when it reshards. ``huggingface_hub`` does the fetching, so revision, cache directory,
+token (``HF_TOKEN``) and ``HF_HUB_OFFLINE`` behave as everywhere else, and files already
+in the cache are not fetched again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .format import MANIFEST_NAME, render_file_name
+
+# Everything but weights: manifest, config, generation config, tokenizer, chat template.
+METADATA_PATTERNS = (MANIFEST_NAME, "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
+
+
+def fetch(
+    repo_id: str,
+    patterns: Sequence[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+) -> str:
+    """Fetch the files of ``repo_id`` matching ``patterns`` into the cache; returns the snapshot folder."""
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=list(patterns))
+
+
+def rank_patterns(pattern: str, tp_rank: int, pp_rank: int) -> list[str]:
+    """Glob of one rank's parts for a checkpoint without manifest (vLLM's own save).
+
+    >>> rank_patterns("model-rank-{rank}-part-{part}.safetensors", 1, 0)
+    ['model-rank-1-part-*.safetensors']
+    """
+    return [render_file_name(pattern, tp_rank=tp_rank, pp_rank=pp_rank, part="*")]  # type: ignore[arg-type]
