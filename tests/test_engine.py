@@ -246,3 +246,33 @@ def test_bad_checkpoint_through_the_engine(saved, tmp_path, case):
         flip_data_byte(stale)
         run = run_engine(spec)
         assert run.result["token_ids"] == reference["token_ids"]
+
+
+def test_offline_reshard_output_serves_without_resharding(saved, tmp_path):
+    checkpoint, _ = saved.get("llama", 2)
+    _, reference = saved.get("llama", 1)
+    out = tmp_path / "tp1"
+    command = [sys.executable, "-m", "vllm_sharded_loader.cli", "reshard", checkpoint, "-tp", "1", "-o", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
+    run = run_engine({"model": str(out), "tp": 1, "load_format": "sharded_state"})
+    assert run.result["token_ids"] == reference["token_ids"]
+    assert_our_loader_ran(run.output, 1)
+    assert "resharded from" not in run.output
+
+
+def test_engine_serves_a_checkpoint_from_a_hub_cache(saved, tmp_path):
+    from test_hub import REPO, lay_out_cache
+
+    checkpoint, reference = saved.get("tied", 2)
+    manifest = json.loads(Path(checkpoint, MANIFEST_NAME).read_text())
+    lay_out_cache(Path(checkpoint), tmp_path / "cache")
+    run = run_engine(
+        {"model": REPO, "tp": 2, "load_format": "sharded_state"},
+        env={"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.result["token_ids"] == reference["token_ids"]
+    for rank in manifest["ranks"]:
+        files = len(rank["files"])
+        assert f"tp_rank={rank['tp_rank']} (TP=2, PP=1) fetched {files} part files of {REPO}" in run.output
