@@ -79,15 +79,18 @@ def test_a_rank_resolves_and_opens_only_its_own_files(hub_cache):
         load_rank(snapshot, stage_state(model, 2, 1, 1, 0), RankInfo(1, 2), manifest=read_manifest(snapshot))
 
 
-def test_a_resharding_rank_needs_only_the_files_its_reads_touch(hub_cache):
-    from vllm_sharded_loader.checkpoint import ReshardSource
-
+def test_fetch_patterns_of_each_rank(hub_cache):
     model, root = hub_cache
     manifest = read_manifest(str(root / "ckpt"))
-    with ReshardSource(str(root / "ckpt"), manifest) as source:
-        # Serving at TP=4, rank 0 holds a quarter: all of it lies in saved rank 0's files.
-        files = source.plan(stage_state(model, 4, 1, 0, 0), RankInfo(0, 4)).files
+    for t in range(2):
+        assert hub.rank_fetch_patterns(manifest, RankInfo(t, 2)) == [f.name for f in manifest.rank(t, 0).files]
+    # Serving at TP=4, rank 0 holds a quarter: all of it lies in saved rank 0's files.
+    files = hub.rank_fetch_patterns(manifest, RankInfo(0, 4), list(stage_state(model, 4, 1, 0, 0)))
     assert files and all(f.startswith("model-rank-0-") for f in files)
+    # Serving at TP=1, the one rank needs every part.
+    files = hub.rank_fetch_patterns(manifest, RankInfo(0, 1), list(stage_state(model, 1, 1, 0, 0)))
+    assert set(files) == {f.name for r in manifest.ranks for f in r.files}
+    assert hub.rank_fetch_patterns(None, RankInfo(1, 2)) == ["model-rank-1-part-*.safetensors"]
 
 
 def test_symlink_out_of_the_repository_is_refused(hub_cache):

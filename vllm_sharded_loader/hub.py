@@ -11,8 +11,9 @@ in the cache are not fetched again.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from .format import MANIFEST_NAME, render_file_name
+from .format import MANIFEST_NAME, Manifest, default_pattern, render_file_name
 
 # Everything but weights: manifest, config, generation config, tokenizer, chat template.
 METADATA_PATTERNS = (MANIFEST_NAME, "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
@@ -38,3 +39,25 @@ def rank_patterns(pattern: str, tp_rank: int, pp_rank: int) -> list[str]:
     ['model-rank-1-part-*.safetensors']
     """
     return [render_file_name(pattern, tp_rank=tp_rank, pp_rank=pp_rank, part="*")]  # type: ignore[arg-type]
+
+
+def rank_fetch_patterns(
+    manifest: Manifest | None,
+    rank: Any,
+    needed: Sequence[str] = (),
+    tied: Sequence[Sequence[str]] = (),
+    pattern: str | None = None,
+) -> list[str]:
+    """The part files (or, without a manifest, globs) one serving rank reads.
+
+    Its own parts at the saved topology; when it reshards, the parts its planned reads
+    of the tensors ``needed`` touch; without a manifest, its parts by vLLM's naming.
+    """
+    if manifest is None:
+        return rank_patterns(pattern or default_pattern(rank.pp_size), rank.tp_rank, rank.pp_rank)
+    if (manifest.tp_size, manifest.pp_size) == (rank.tp_size, rank.pp_size):
+        return [f.name for f in manifest.rank(rank.tp_rank, rank.pp_rank).files]
+    from .checkpoint import ReshardSource
+
+    with ReshardSource("", manifest) as source:  # planning opens no file
+        return source.plan(list(needed), rank, tied).files

@@ -11,7 +11,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from . import hub
-from .checkpoint import RankInfo, ReshardSource, check_verify_mode, load_rank, read_manifest, saveable_state
+from .checkpoint import RankInfo, check_verify_mode, load_rank, read_manifest, saveable_state
 from .format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
 from .layer_geometry import tied_groups
 
@@ -111,27 +111,6 @@ class ShardedStateLoader(BaseModelLoader):
         # Which parts a rank needs is known only in the worker (load_weights).
         self._locate(model_config)
 
-    def _fetch_rank_files(
-        self,
-        repo_id: str,
-        model_config: ModelConfig,
-        manifest: Any,
-        rank: RankInfo,
-        targets: dict[str, torch.Tensor],
-        tied: list[list[str]],
-    ) -> None:
-        if manifest is None:
-            from .format import default_pattern
-
-            patterns = hub.rank_patterns(self.pattern or default_pattern(rank.pp_size), rank.tp_rank, rank.pp_rank)
-        elif (manifest.tp_size, manifest.pp_size) == (rank.tp_size, rank.pp_size):
-            patterns = [f.name for f in manifest.rank(rank.tp_rank, rank.pp_rank).files]
-        else:
-            with ReshardSource("", manifest) as source:
-                patterns = source.plan(list(targets), rank, tied).files
-        hub.fetch(repo_id, patterns, revision=model_config.revision, cache_dir=self.load_config.download_dir)
-        logger.info("sharded_state: %s fetched %d part files of %s from the Hub cache", rank, len(patterns), repo_id)
-
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         directory, repo_id = self._locate(model_config)
         rank = current_rank()
@@ -140,7 +119,11 @@ class ShardedStateLoader(BaseModelLoader):
         tied = tied_groups(state_dict, targets)
         manifest = read_manifest(directory)
         if repo_id is not None:
-            self._fetch_rank_files(repo_id, model_config, manifest, rank, targets, tied)
+            # Online, vLLM leaves a Hub id as it is (offline it substitutes the cached
+            # snapshot, and the files are only opened, never fetched): fetch this rank's parts.
+            patterns = hub.rank_fetch_patterns(manifest, rank, list(targets), tied, self.pattern)
+            hub.fetch(repo_id, patterns, revision=model_config.revision, cache_dir=self.load_config.download_dir)
+            logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
         stats = load_rank(
             directory,
             targets,
