@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, run_engine, run_python
 
 from vllm_sharded_loader.format import MANIFEST_NAME
-from vllm_sharded_loader.save_cli import copy_non_weight_files
+from vllm_sharded_loader.saving import copy_non_weight_files
 from vllm_sharded_loader.testing import PROMPTS, engine_environment
 
 pytestmark = pytest.mark.engine

@@ -119,7 +119,7 @@ def reshard_checkpoint(
     The output loads at the new topology without resharding at load time. Non-weight
     files (config, tokenizer) are copied first; the manifest is written last.
     """
-    from .save_cli import copy_non_weight_files
+    from .saving import copy_non_weight_files
 
     manifest = require_manifest(directory)
     if os.path.exists(os.path.join(directory, LOCK_NAME)):

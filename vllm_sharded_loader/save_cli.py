@@ -10,46 +10,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fnmatch
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
 from .checkpoint import read_manifest
-from .format import MANIFEST_NAME, ShardedStateError
-from .saving import DEFAULT_MAX_SIZE, describe_lock, directory_holds_checkpoint, read_lock
-
-# Weights of the source model, which the sharded parts replace.
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
-SKIPPED_NAMES = (MANIFEST_NAME, ".cache", ".git")
-
-
-def is_weight_file(name: str) -> bool:
-    """Whether a file of the source model is a weight file (or index) not to copy."""
-    return any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS) or name in SKIPPED_NAMES
-
-
-def copy_non_weight_files(source: str, output: str) -> list[str]:
-    """Copy config, generation config, tokenizer files, chat template, ... to ``output``."""
-    copied = []
-    for name in sorted(os.listdir(source)):
-        if is_weight_file(name):
-            continue
-        src, dst = os.path.join(source, name), os.path.join(output, name)
-        if os.path.isdir(src):
-            shutil.copytree(
-                src,
-                dst,
-                dirs_exist_ok=True,
-                ignore=lambda _d, names: [n for n in names if is_weight_file(n)],
-            )
-        else:
-            shutil.copy2(src, dst)
-        copied.append(name)
-    return copied
+from .format import ShardedStateError
+from .saving import DEFAULT_MAX_SIZE, copy_non_weight_files, describe_lock, directory_holds_checkpoint, read_lock
 
 
 def engine_kwargs(engine_args: Any) -> dict[str, Any]:

@@ -22,9 +22,11 @@ save hook (:mod:`.capture`) runs them across workers.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import mmap
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -325,6 +327,36 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
     fsync_directory(directory)
     if lock is not None:
         release_save_lock(lock)
+
+
+# Weights of the source model, which the sharded parts replace.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+SKIPPED_NAMES = (MANIFEST_NAME, LOCK_NAME, ".cache", ".git")
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file of the source model is a weight file (or index) not to copy."""
+    return any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS) or name in SKIPPED_NAMES
+
+
+def copy_non_weight_files(source: str, output: str) -> list[str]:
+    """Copy config, generation config, tokenizer files, chat template, ... to ``output``."""
+    copied = []
+    for name in sorted(os.listdir(source)):
+        if is_weight_file(name):
+            continue
+        src, dst = os.path.join(source, name), os.path.join(output, name)
+        if os.path.isdir(src):
+            shutil.copytree(
+                src,
+                dst,
+                dirs_exist_ok=True,
+                ignore=lambda _d, names: [n for n in names if is_weight_file(n)],
+            )
+        else:
+            shutil.copy2(src, dst)
+        copied.append(name)
+    return copied
 
 
 def save_checkpoint(
