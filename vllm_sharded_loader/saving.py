@@ -144,14 +144,11 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> Sa
                         else "; that save was interrupted. Save again with overwrite to replace it."
                     )
                 ) from None
-            # The holder is gone and overwrite was asked: take the stale lock over, and
-            # remove the parts it had staged (no live save can own them: it would hold the lock).
+            # The holder is gone and overwrite was asked: take the stale lock over. (Its
+            # partial files are removed when this save publishes: parts this save captured
+            # at engine start are partial files too, until then.)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-            for name in os.listdir(directory):
-                if name.startswith(".") and name.endswith(PARTIAL_SUFFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(directory, name))
             continue
         with os.fdopen(fd, "w") as f:
             f.write(info)
@@ -305,7 +302,8 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
     """Publish a checkpoint: drop parts it does not list, write the manifest atomically, unlock.
 
     Parts of ranks the new topology does not have (an older save at a larger TP) are
-    removed, so vLLM's own loader cannot pick them up either. The manifest goes
+    removed, so vLLM's own loader cannot pick them up either, and so are partial files
+    of an interrupted save. The manifest goes
     through a temporary file, fsync and rename: a directory without it is incomplete.
     """
     listed = {f.name for entry in manifest.ranks for f in entry.files}
@@ -315,10 +313,15 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
             if size != f.size:
                 raise ShardedStateError(f"{os.path.join(directory, f.name)}: {size} bytes, expected {f.size}.")
     for name in os.listdir(directory):
-        if name not in listed and any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS)):
-            os.remove(os.path.join(directory, name))
+        stale_part = any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
+        # Every rank of this save has renamed its staged parts by now: partial files left
+        # are those of an interrupted save.
+        dead_partial = name.startswith(".") and name.endswith(PARTIAL_SUFFIX)
+        if (name not in listed and stale_part) or dead_partial:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, name))
     path = os.path.join(directory, MANIFEST_NAME)
-    tmp = f"{path}.{new_token()}{PARTIAL_SUFFIX}"
+    tmp = os.path.join(directory, f".{MANIFEST_NAME}.{new_token()}{PARTIAL_SUFFIX}")
     with open(tmp, "w") as out:
         out.write(manifest.to_json())
         out.flush()
