@@ -276,3 +276,21 @@ def test_engine_serves_a_checkpoint_from_a_hub_cache(saved, tmp_path):
     assert run.result["token_ids"] == reference["token_ids"]
     assert_our_loader_ran(run.output, 2)
     assert f"snapshots/{COMMIT}" in run.output
+
+
+def test_save_command_refuses_an_existing_checkpoint_unless_overwrite(saved, models):
+    checkpoint, reference = saved.get("tied", 1)
+    manifest_before = Path(checkpoint, MANIFEST_NAME).read_text()
+    save = [*("-m", "vllm_sharded_loader.cli", "save", "--model", models["tied"], "-o", checkpoint)]
+    save += ["--max-model-len", "512", "--enforce-eager", "--max-file-size", "300000"]
+    refused = run_python(save)
+    assert refused.returncode == 2 and "already holds a checkpoint; refusing to overwrite it" in refused.output
+    assert "Traceback" not in refused.output
+    assert Path(checkpoint, MANIFEST_NAME).read_text() == manifest_before
+    done = run_python([*save, "--overwrite"])
+    assert done.returncode == 0, done.tail()
+    manifest = json.loads(Path(checkpoint, MANIFEST_NAME).read_text())
+    assert all(len(r["files"]) > 1 for r in manifest["ranks"]), "re-saved with the new size cap"
+    assert not [n for n in os.listdir(checkpoint) if n.endswith(".partial") or n.startswith(".sharded_state.lock")]
+    run = run_engine({"model": checkpoint, "tp": 1, "load_format": "sharded_state"})
+    assert run.result["token_ids"] == reference["token_ids"]

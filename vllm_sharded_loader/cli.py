@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return save_main(argv[1:])
         args = make_parser().parse_args(argv)
         return args.run(args)
-    except ShardedStateError as e:
+    except (ShardedStateError, OSError) as e:
         print(f"vllm-sharded: error: {e}", file=sys.stderr)
         return 2
 
