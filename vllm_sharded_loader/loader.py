@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from copy import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-# Set on a model after a load, so tests and tools can prove which loader ran.
-LOAD_STATS_ATTRIBUTE = "_vllm_sharded_loader_stats"
 EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify"})
 
 
@@ -161,7 +159,6 @@ class ShardedStateLoader(BaseModelLoader):
                 directory,
                 MANIFEST_NAME,
             )
-        model.__dict__[LOAD_STATS_ATTRIBUTE] = stats
         logger.info(
             "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB from %d files in %.2f s "
             "(%.2f GB/s, verify=%s)",
@@ -173,8 +170,3 @@ class ShardedStateLoader(BaseModelLoader):
             stats.bytes_read / max(stats.seconds, 1e-9) / 1e9,
             self.verify,
         )
-
-
-def loaded_stats(model: Any) -> Any:
-    """The :class:`~.checkpoint.LoadStats` our loader left on a model, if it ran."""
-    return getattr(model, LOAD_STATS_ATTRIBUTE, None)
