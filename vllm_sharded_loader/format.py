@@ -139,11 +139,6 @@ def parse_file_name(pattern: str, name: str) -> dict[str, int] | None:
     return None if match is None else {k: int(v) for k, v in match.groupdict().items()}
 
 
-def fragment_name(tp_rank: int, pp_rank: int) -> str:
-    """The per-rank index a worker writes before the manifest is assembled."""
-    return f".sharded_state-pp{pp_rank}-tp{tp_rank}.json"
-
-
 # ------------------------------------------------------------------ source identity
 
 
@@ -355,11 +350,6 @@ def file_to_dict(f: FileEntry) -> dict[str, Any]:
     if f.checksum is not None:
         data["checksum"] = f.checksum.to_dict()
     return data
-
-
-def rank_from_dict(data: Any, where: str) -> RankEntry:
-    """Parse one rank's entry, validating every field."""
-    return _Reader(where).rank(data)
 
 
 def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -> None:
