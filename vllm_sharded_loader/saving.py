@@ -98,13 +98,17 @@ def read_lock(directory: str) -> dict | None:
 
 
 def _holder_is_alive(holder: dict) -> bool:
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return holder.get("host") != socket.gethostname()  # another machine: assume alive
+    """Whether the save that wrote a lock may still run (on another machine we cannot tell: yes)."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
+        return False
     try:
-        os.kill(holder["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # alive, owned by another user
         return True
     return True
 
