@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vllm_sharded_loader import safetensors_io
+from vllm_sharded_loader import reader, safetensors_io
 from vllm_sharded_loader.format import ShardedStateError
 
 
@@ -61,7 +61,7 @@ def test_we_read_what_the_library_writes_straight_into_targets(tmp_path):
     header = safetensors_io.read_header(path)
     targets = {name: torch.empty_like(t) for name, t in tensors.items()}
     pointers = {name: t.data_ptr() for name, t in targets.items()}
-    nbytes = safetensors_io.read_into(header, targets)
+    nbytes = reader.read_files([header], targets).bytes_read
     assert nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
     for name, t in tensors.items():
         assert targets[name].data_ptr() == pointers[name]  # read in place, not replaced
@@ -73,7 +73,7 @@ def test_read_casts_into_targets_of_another_dtype(tmp_path):
     path = str(tmp_path / "f32.safetensors")
     safetensors_io.write_file(path, [("w", t)], {})
     target = torch.empty(16, 4, dtype=torch.bfloat16)
-    safetensors_io.read_into(safetensors_io.read_header(path), {"w": target})
+    reader.read_files([safetensors_io.read_header(path)], {"w": target})
     assert torch.equal(target, t.to(torch.bfloat16))
 
 

@@ -33,6 +33,7 @@ from .checkpoint import RankInfo, saveable_state
 from .format import LOCK_NAME, Manifest, RankEntry, ShardedStateError, SourceModel, default_pattern, validate_pattern
 from .layer_geometry import describe_tensors, tied_groups
 from .loader import current_rank, dtype_label, source_identity
+from .progress import ByteProgress
 from .saving import (
     SaveLock,
     StagedRank,
@@ -85,6 +86,18 @@ def capture_settings() -> tuple[str, str | None, int | None] | None:
     return directory, os.environ.get(CAPTURE_PATTERN_ENV) or None, size
 
 
+def _show_progress() -> bool:
+    """vLLM's rule for load progress bars: rank 0 only, unless ``use_tqdm_on_load`` is off."""
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.model_loader.weight_utils import enable_tqdm
+
+    try:
+        wanted = get_current_vllm_config().load_config.use_tqdm_on_load
+    except Exception:  # outside an engine's config context: vLLM's default
+        wanted = True
+    return enable_tqdm(wanted)
+
+
 def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedState:
     """Record (and, if asked, capture to disk) the state a worker has just loaded."""
     state_dict = model.state_dict()
@@ -102,12 +115,18 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     if settings is not None:
         directory, pattern, max_size = settings
         # Staged under temporary names: nothing is published until the save hook runs.
-        state.capture = stage_rank(directory, tensors, rank, pattern or default_pattern(rank.pp_size), max_size)
+        with ByteProgress(f"Saving sharded_state ({rank})", _show_progress()) as progress:
+            state.capture = stage_rank(
+                directory, tensors, rank, pattern or default_pattern(rank.pp_size), max_size, progress=progress
+            )
         logger.info(
-            "sharded_state: %s captured its loaded state (%.1f MB) in %s",
+            "vllm_sharded_loader: %s saved %.1f MB in %d files to %s in %.3f s (%.2f GB/s, fsynced, checksummed)",
             rank,
-            state.capture.entry.nbytes / 1e6,
+            progress.nbytes / 1e6,
+            len(state.capture.entry.files),
             directory,
+            progress.seconds,
+            progress.rate,
         )
     # Plain attribute, not a module or buffer: it must not show up in state_dict().
     model.__dict__[LOADED_STATE_ATTRIBUTE] = state

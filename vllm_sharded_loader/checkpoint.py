@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import safetensors_io
+from . import reader, safetensors_io
 from .format import (
     MANIFEST_NAME,
     FileChecksum,
@@ -30,7 +30,7 @@ from .format import (
     validate_pattern,
 )
 from .integrity import BlockVerifier
-from .planning import TensorSpec, TensorView, check_tensor_sets, unique_tensor_names
+from .planning import Piece, TensorSpec, TensorView, check_tensor_sets, unique_tensor_names
 
 VERIFY_MODES = ("size", "checksum")
 
@@ -61,6 +61,7 @@ class LoadStats:
     # (tp_size, pp_size) the checkpoint was saved at, when this load resharded it.
     resharded_from: tuple[int, int] | None = None
     checkpoint_bytes: int = 0
+    threads: int = 1
 
 
 # ----------------------------------------------------------------------- state
@@ -237,6 +238,8 @@ def load_rank(
     pattern: str | None = None,
     verify: str = "size",
     tied: Sequence[Sequence[str]] = (),
+    threads: int = reader.DEFAULT_THREADS,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
@@ -249,6 +252,7 @@ def load_rank(
     A checkpoint saved at another TP/PP size is resharded (:func:`load_resharded`) if
     its manifest records the geometry; ``tied`` names groups of tensors the serving
     model shares (tied embeddings), so a tensor saved under one name serves the others.
+    ``threads`` and ``progress`` go to :func:`.reader.read_pieces`.
     """
     started = time.perf_counter()
     where = f"{directory} ({rank})"
@@ -266,7 +270,17 @@ def load_rank(
             check_topology(manifest, rank, directory)  # raises: nothing to reshard with
         if serving is not None:
             check_source(manifest, serving, directory)
-        return load_resharded(directory, manifest, targets, rank, verify=verify, tied=tied, started=started)
+        return load_resharded(
+            directory,
+            manifest,
+            targets,
+            rank,
+            verify=verify,
+            tied=tied,
+            started=started,
+            threads=threads,
+            progress=progress,
+        )
     if manifest is not None:
         if serving is not None:
             check_source(manifest, serving, directory)
@@ -311,16 +325,15 @@ def load_rank(
             hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
             "drops every linear weight. Save it again with examples/save_sharded_state.py.",
         )
-    nbytes = 0
-    for header in headers:
-        nbytes += safetensors_io.read_into(header, {n: targets[n] for n in header.tensors}, checksums.get(header.path))
+    read = reader.read_files(headers, targets, checksums, threads=threads, progress=progress)
     return LoadStats(
         files=tuple(h.path for h in headers),
         tensors=len(targets),
-        bytes_read=nbytes,
+        bytes_read=read.bytes_read,
         seconds=time.perf_counter() - started,
         cast=tuple(cast),
         with_manifest=manifest is not None,
+        threads=read.threads,
     )
 
 
@@ -329,8 +342,8 @@ class ReshardSource:
 
     Indexes the manifest's tensors with their geometry, plans a serving rank's reads, and
     fills tensors from those plans. Each file is checked (size, header against the
-    manifest, with ``verify="checksum"`` its whole content) the first time a plan
-    touches it, and stays open until :meth:`close`.
+    manifest) the first time a plan touches it; with ``verify="checksum"`` every
+    checksum block a read touches is verified as it is read.
     """
 
     def __init__(self, directory: str, manifest: Manifest, verify: str = "size") -> None:
@@ -338,7 +351,7 @@ class ReshardSource:
 
         self.directory, self.manifest, self.verify = directory, manifest, check_verify_mode(verify)
         self.saved, self.dtypes, self.owners = [], {}, {}
-        self.fds: dict[str, int] = {}
+        self.checked: dict[str, str] = {}  # file name -> path, once checked
         for entry in manifest.ranks:
             tensors = {}
             for name, t in entry.tensors.items():
@@ -373,41 +386,55 @@ class ReshardSource:
     def stored_dtype(self, tensor_plan: Any) -> torch.dtype:
         return safetensors_io.torch_dtype(self.dtypes[tensor_plan.source_name], tensor_plan.name)
 
-    def _open(self, name: str) -> int:
-        if name not in self.fds:
+    def check_file(self, name: str) -> str:
+        """Check a saved file the first time a plan touches it (size, header against the manifest); its path."""
+        if name not in self.checked:
             f, entry = self.owners[name]
             _check_file_size(self.directory, f)
             header = safetensors_io.read_header(part_path(self.directory, name))
             _check_header_matches_manifest(header, entry)
-            if self.verify == "checksum":
-                if f.checksum is None:
-                    raise ShardedStateError(f"{header.path}: {MANIFEST_NAME} records no checksum for it.")
-                verify_file_checksum(header.path, f.checksum)
-            self.fds[name] = os.open(header.path, os.O_RDONLY)
-        return self.fds[name]
+            if self.verify == "checksum" and f.checksum is None:
+                raise ShardedStateError(f"{header.path}: {MANIFEST_NAME} records no checksum for it.")
+            self.checked[name] = header.path
+        return self.checked[name]
+
+    def read(
+        self,
+        plans: Mapping[str, Any],
+        targets: Mapping[str, torch.Tensor],
+        *,
+        threads: int = reader.DEFAULT_THREADS,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> reader.ReadStats:
+        """Fill ``targets`` from their :class:`~.resharding.TensorPlan` (cast if the saved dtype differs).
+
+        With ``verify="checksum"`` every checksum block the plans touch is read whole and
+        verified; blocks they do not touch are not read.
+        """
+        files = sorted({r.file for p in plans.values() for r in p.reads})
+        index = {name: i for i, name in enumerate(files)}
+        paths = [self.check_file(name) for name in files]
+        pieces, dests = [], []
+        for name, tensor_plan in plans.items():
+            stored = self.stored_dtype(tensor_plan)
+            size, dest = stored.itemsize, len(dests)
+            zero_runs = [run for zeros in tensor_plan.zero_fills for run in zeros.runs()]
+            dests.append(reader.Target(targets[name], stored, zero_runs))
+            for r in tensor_plan.reads:
+                file = index[r.file]
+                for (src, src_end), (dst, _) in zip(r.source.runs(), r.dest.runs(), strict=True):
+                    pieces.append(Piece(file, src, src_end - src, dest, dst * size, size))
+        checksums = {index[n]: self.owners[n][0].checksum for n in files} if self.verify == "checksum" else {}
+        return reader.read_pieces(
+            paths, pieces, dests, checksums=checksums, verify="touched", threads=threads, progress=progress
+        )
 
     def fill(self, tensor_plan: Any, target: torch.Tensor) -> None:
         """Read one planned tensor into ``target`` (cast if its dtype differs from the saved one)."""
-        stored = self.stored_dtype(tensor_plan)
-        direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored
-        landing = target if direct else torch.empty(tensor_plan.shape, dtype=stored)
-        view = safetensors_io.byte_view(landing) if landing.numel() else memoryview(b"")
-        size = stored.itemsize
-        for read in tensor_plan.reads:
-            fd = self._open(read.file)
-            for (src, _), (dst, dst_end) in zip(read.source.runs(), read.dest.runs(), strict=True):
-                safetensors_io.read_exact(fd, view[dst * size : dst_end * size], src, read.file)
-        flat = landing.view(-1)
-        for zeros in tensor_plan.zero_fills:
-            for a, b in zeros.runs():
-                flat[a:b] = 0
-        if not direct:
-            target.copy_(landing)
+        self.read({tensor_plan.name: tensor_plan}, {tensor_plan.name: target})
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.checked.clear()
 
     def __enter__(self) -> ReshardSource:
         return self
@@ -425,6 +452,8 @@ def load_resharded(
     verify: str = "size",
     tied: Sequence[Sequence[str]] = (),
     started: float | None = None,
+    threads: int = reader.DEFAULT_THREADS,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LoadStats:
     """Fill a rank's tensors from a checkpoint saved at another TP/PP size.
 
@@ -446,12 +475,9 @@ def load_resharded(
                 f"mismatch: {'; '.join(wrong[:5])}. Save the checkpoint again."
             )
         for name in plan.files:
-            source._open(name)  # every check before the first byte lands in a parameter
-        cast = []
-        for name, tensor_plan in plan.tensors.items():
-            source.fill(tensor_plan, targets[name])
-            if targets[name].dtype != source.stored_dtype(tensor_plan):
-                cast.append(name)
+            source.check_file(name)  # every check before the first byte lands in a parameter
+        read = source.read(plan.tensors, targets, threads=threads, progress=progress)
+        cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]
     return LoadStats(
         files=tuple(os.path.join(directory, n) for n in plan.files),
         tensors=len(plan.tensors),
@@ -461,6 +487,7 @@ def load_resharded(
         with_manifest=True,
         resharded_from=(manifest.tp_size, manifest.pp_size),
         checkpoint_bytes=manifest.nbytes,
+        threads=read.threads,
     )
 
 

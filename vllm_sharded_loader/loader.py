@@ -14,6 +14,8 @@ from . import hub
 from .checkpoint import RankInfo, check_verify_mode, load_rank, read_manifest, saveable_state
 from .format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
 from .layer_geometry import tied_groups
+from .progress import ByteProgress
+from .reader import DEFAULT_THREADS
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify"})
+EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify", "threads"})
 
 
 def current_rank() -> RankInfo:
@@ -60,7 +62,8 @@ class ShardedStateLoader(BaseModelLoader):
     complete, every file present with its recorded size, headers consistent with the
     manifest) or ``"checksum"`` (also the checksum of every byte read), and
     ``pattern`` (the file name pattern of a checkpoint saved with a custom one), as
-    vLLM's loader does.
+    vLLM's loader does, and ``threads`` (reader threads per worker, default 8).
+    Rank 0 shows a progress bar unless ``use_tqdm_on_load`` is off.
     """
 
     def __init__(self, load_config: LoadConfig) -> None:
@@ -78,6 +81,12 @@ class ShardedStateLoader(BaseModelLoader):
             )
         self.pattern: str | None = extra.get("pattern")
         self.verify: str = check_verify_mode(extra.get("verify", "size"))
+        threads = extra.get("threads", DEFAULT_THREADS)
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ShardedStateError(
+                f"model_loader_extra_config threads={threads!r} for sharded_state must be a positive integer."
+            )
+        self.threads: int = threads
 
     # Save side: vLLM's worker hook calls `ShardedStateLoader.save_model`; the plugin
     # points that name at this class, so the hook writes our format.
@@ -122,16 +131,22 @@ class ShardedStateLoader(BaseModelLoader):
             patterns = hub.rank_fetch_patterns(manifest, rank, list(targets), tied, self.pattern)
             hub.fetch(repo_id, patterns, revision=model_config.revision, cache_dir=self.load_config.download_dir)
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
-        stats = load_rank(
-            directory,
-            targets,
-            rank,
-            manifest=manifest,
-            serving=source_identity(model, model_config),
-            pattern=self.pattern if manifest is None else None,
-            verify=self.verify,
-            tied=tied,
-        )
+        from vllm.model_executor.model_loader.weight_utils import enable_tqdm
+
+        progress = ByteProgress(f"Loading sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
+        with progress:
+            stats = load_rank(
+                directory,
+                targets,
+                rank,
+                manifest=manifest,
+                serving=source_identity(model, model_config),
+                pattern=self.pattern if manifest is None else None,
+                verify=self.verify,
+                tied=tied,
+                threads=self.threads,
+                progress=progress,
+            )
         if stats.resharded_from is not None:
             logger.info(
                 "sharded_state: %s resharded from TP=%d PP=%d to TP=%d PP=%d: read %.1f MB of the %.1f MB "
@@ -160,8 +175,8 @@ class ShardedStateLoader(BaseModelLoader):
                 MANIFEST_NAME,
             )
         logger.info(
-            "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB from %d files in %.2f s "
-            "(%.2f GB/s, verify=%s)",
+            "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB from %d files in %.3f s "
+            "(%.2f GB/s, verify=%s, %d threads)",
             rank,
             stats.tensors,
             stats.bytes_read / 1e6,
@@ -169,4 +184,5 @@ class ShardedStateLoader(BaseModelLoader):
             stats.seconds,
             stats.bytes_read / max(stats.seconds, 1e-9) / 1e9,
             self.verify,
+            stats.threads,
         )

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .format import FileChecksum, ShardedStateError, load_json
-from .integrity import BlockHasher, BlockVerifier
+from .integrity import BlockHasher
 
 # safetensors dtype names <-> torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
@@ -228,14 +228,19 @@ class WrittenFile:
     offsets: dict[str, int]
 
 
-def write_file(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> WrittenFile:
+def write_file(
+    path: str,
+    tensors: list[tuple[str, torch.Tensor]],
+    metadata: Mapping[str, str],
+    progress: Callable[[int], None] | None = None,
+) -> WrittenFile:
     """Write tensors to ``path`` as safetensors, streaming from their memory.
 
     Returns the file's size, its block checksums (hashed from the same memory as it is
     written) and where each tensor's bytes start. CPU contiguous tensors are written straight from their storage; other
     tensors are copied one at a time, so extra memory is bounded by the largest such
     tensor. The file is fsynced before returning. The caller picks a temporary name
-    and publishes by rename.
+    and publishes by rename. ``progress`` is called with the bytes of each chunk written.
     """
     hasher = BlockHasher()
     # Hashing runs on a second thread, one chunk behind the writes: both release the
@@ -257,70 +262,9 @@ def write_file(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: Map
                 f.write(chunk)
                 hashing.result()
                 hashing = pool.submit(hasher.update, chunk)
+                if progress is not None:
+                    progress(len(chunk))
         f.flush()
         os.fsync(f.fileno())
         hashing.result()
     return WrittenFile(hasher.position, hasher.finish(), offsets)
-
-
-def read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done : done + CHUNK_BYTES]], offset + done)
-        if n <= 0:
-            raise ShardedStateError(
-                f"{path}: file ended at byte {offset + done} while reading; it is truncated. "
-                "Copy or save the checkpoint again."
-            )
-        done += n
-
-
-def read_into(header: Header, targets: Mapping[str, torch.Tensor], checksum: FileChecksum | None = None) -> int:
-    """Read tensors of one file into the given tensors; returns bytes read.
-
-    A target on the CPU, contiguous and of the stored dtype, receives the bytes
-    directly. Others (another device or dtype) are read into a temporary tensor and
-    copied, one tensor at a time. Reads go in file order so the disk streams.
-
-    With ``checksum``, every byte of the file is hashed as it arrives (tensors not in
-    ``targets`` are read into a scratch buffer) and a mismatch raises before the
-    caller can use the weights.
-    """
-    verifier = BlockVerifier(header.path, checksum) if checksum is not None else None
-    total = 0
-    fd = os.open(header.path, os.O_RDONLY)
-    # Checksums are computed on a second thread, one tensor behind the reads.
-    with ThreadPoolExecutor(1, thread_name_prefix="checksum") as pool:
-        hashing = pool.submit(verifier.update, header.raw) if verifier is not None else None
-        try:
-            for name, entry in sorted(header.tensors.items(), key=lambda item: item[1].begin):
-                target = targets.get(name)
-                if target is None and verifier is None:
-                    continue
-                stored = torch_dtype(entry.dtype, header.path)
-                direct = (
-                    target is not None
-                    and target.device.type == "cpu"
-                    and target.is_contiguous()
-                    and target.dtype == stored
-                )
-                buffer = target if direct else torch.empty(entry.shape, dtype=stored)
-                if buffer.numel():
-                    view = byte_view(buffer)
-                    read_exact(fd, view, entry.begin, header.path)
-                    if hashing is not None:
-                        hashing.result()
-                        # Hash before the buffer is cast or reused; the tensor's bytes stay put.
-                        hashing = pool.submit(verifier.update, view)
-                if target is not None:
-                    if not direct:
-                        if hashing is not None:
-                            hashing.result()
-                        target.copy_(buffer)
-                    total += entry.end - entry.begin
-            if hashing is not None:
-                hashing.result()
-                verifier.finish()
-        finally:
-            os.close(fd)
-    return total

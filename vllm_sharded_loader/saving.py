@@ -30,7 +30,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -202,11 +202,13 @@ def stage_rank(
     pattern: str | None = None,
     max_size: int | None = None,
     token: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> StagedRank:
     """Write one rank's tensors into size-capped parts under temporary names.
 
     Each part is hashed while it is written. On any failure (disk full) the parts
     written so far are removed and the error names the file and what to do.
+    ``progress`` is called as ``progress(bytes_written_now, bytes_total)``, first with 0.
     """
     pattern = pattern or default_pattern(rank.pp_size)
     validate_pattern(pattern, rank.tp_size, rank.pp_size)
@@ -220,13 +222,17 @@ def stage_rank(
     files: list[FileEntry] = []
     entries: dict[str, TensorEntry] = {}
     staged = StagedRank(directory, rank, pattern, max_size, RankEntry(rank.tp_rank, rank.pp_rank, (), {}))
+    total = sum(size for _, size in sizes)
+    if progress is not None:
+        progress(0, total)
+    advance = None if progress is None else (lambda n: progress(n, total))
     try:
         for file_name, part in zip(names, parts, strict=True):
             tmp = os.path.join(directory, f".{file_name}.{token}{PARTIAL_SUFFIX}")
             staged.temporary[file_name] = tmp
             items = [(name, tensors[name]) for name in part]
             try:
-                written = safetensors_io.write_file(tmp, items, {"format": "pt"})
+                written = safetensors_io.write_file(tmp, items, {"format": "pt"}, advance)
             except OSError as e:
                 raise ShardedStateError(
                     f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "

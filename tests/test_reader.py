@@ -1,0 +1,232 @@
+"""The parallel reader (:mod:`vllm_sharded_loader.reader`) and its pure span planning, on real files."""
+
+from __future__ import annotations
+
+import os
+
+import blake3
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_sharded_loader import reader, safetensors_io
+from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
+from vllm_sharded_loader.planning import FileGrid, Piece, plan_spans
+
+# ------------------------------------------------------------------ planning
+
+
+def test_spans_cut_pieces_on_the_grid_and_keep_file_order():
+    pieces = [Piece(0, 90, 30, dest=1, start=0), Piece(0, 10, 60, dest=0, start=4), Piece(1, 0, 5, dest=2)]
+    spans = plan_spans(pieces, [FileGrid(200, 50), FileGrid(5, 50)])
+    assert [(s.file, s.index, s.begin, s.end) for s in spans] == [
+        (0, 0, 10, 50),
+        (0, 1, 50, 100),
+        (0, 2, 100, 120),
+        (1, 0, 0, 5),
+    ]
+    # The piece crossing cells 0 and 1 is split with its destination offset carried along.
+    assert spans[0].pieces == (Piece(0, 10, 40, 0, 4),)
+    assert spans[1].pieces == (Piece(0, 50, 20, 0, 44), Piece(0, 90, 10, 1, 0))
+    assert spans[2].pieces == (Piece(0, 100, 20, 1, 10),)
+    assert sum(s.nbytes for s in spans) == 95
+    assert not any(s.verified for s in spans)
+
+
+def test_verified_spans_cover_whole_cells():
+    pieces = [Piece(0, 60, 10, dest=0)]
+    touched = plan_spans(pieces, [FileGrid(130, 50, "touched")])
+    assert [(s.index, s.begin, s.end, s.verified) for s in touched] == [(1, 50, 100, True)]
+    every = plan_spans(pieces, [FileGrid(130, 50, "all")])
+    assert [(s.index, s.begin, s.end) for s in every] == [(0, 0, 50), (1, 50, 100), (2, 100, 130)]
+    assert every[0].pieces == () and every[2].pieces == ()
+    # An empty file still has its one (empty) block.
+    assert [(s.begin, s.end) for s in plan_spans([], [FileGrid(0, 50, "all")])] == [(0, 0)]
+
+
+def test_a_piece_outside_its_file_is_refused():
+    with pytest.raises(
+        ShardedStateError, match=r"file 0: a read of bytes 90\.\.110 falls outside the file's 100 bytes"
+    ):
+        plan_spans([Piece(0, 90, 20, dest=0)], [FileGrid(100, 50)])
+
+
+# ------------------------------------------------------------------ reading
+
+
+def odd_layout(tmp_path, name="odd.safetensors"):
+    """A file whose f32 and f64 tensors start at offsets that are not multiples of their element size."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {
+        "a_bf16": torch.randn(3, 7, generator=g).to(torch.bfloat16),  # 42 bytes
+        "b_f32": torch.randn(33, 5, generator=g),
+        "c_i8": torch.arange(-5, 8, dtype=torch.int8),  # 13 bytes
+        "d_f64": torch.randn(17, generator=g, dtype=torch.float64),
+        "e_bf16": torch.randn(20, 30, generator=g).to(torch.bfloat16),
+    }
+    path = str(tmp_path / name)
+    save_file(tensors, path)
+    return path, tensors
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("span_bytes", [16, 100, 4096])
+def test_direct_cast_and_strided_targets_match_the_library(tmp_path, threads, span_bytes):
+    path, tensors = odd_layout(tmp_path)
+    header = safetensors_io.read_header(path)
+    assert any((e.begin - header.data_start) % 4 for e in header.tensors.values())  # really odd offsets
+    targets = {
+        "a_bf16": torch.empty(3, 7, dtype=torch.bfloat16),  # direct
+        "b_f32": torch.empty(33, 5, dtype=torch.float64),  # cast, elements cut by span boundaries
+        "c_i8": torch.empty(13, dtype=torch.int8),
+        "d_f64": torch.empty(17, dtype=torch.float32),  # cast the other way
+        "e_bf16": torch.empty(30, 20, dtype=torch.bfloat16).t(),  # not contiguous
+    }
+    seen = []
+    stats = reader.read_files(
+        [header], targets, threads=threads, span_bytes=span_bytes, progress=lambda n, total: seen.append((n, total))
+    )
+    nbytes = sum(e.end - e.begin for e in header.tensors.values())
+    assert stats.bytes_read == sum(n for n, _ in seen) == nbytes
+    assert seen[0] == (0, nbytes) and {total for _, total in seen} == {nbytes}
+    assert torch.equal(targets["a_bf16"], tensors["a_bf16"])
+    assert torch.equal(targets["b_f32"], tensors["b_f32"].double())
+    assert torch.equal(targets["c_i8"], tensors["c_i8"])
+    assert torch.equal(targets["d_f64"], tensors["d_f64"].float())
+    assert torch.equal(targets["e_bf16"], tensors["e_bf16"])
+
+
+def test_only_named_tensors_are_read_and_others_untouched(tmp_path):
+    path, tensors = odd_layout(tmp_path)
+    target = torch.empty(17, dtype=torch.float64)
+    stats = reader.read_files([safetensors_io.read_header(path)], {"d_f64": target}, span_bytes=64)
+    assert stats.bytes_read == 17 * 8
+    assert torch.equal(target, tensors["d_f64"])
+
+
+def test_overlapping_pieces_and_zero_runs(tmp_path):
+    path = str(tmp_path / "raw.bin")
+    data = torch.arange(64, dtype=torch.int16)
+    with open(path, "wb") as f:
+        f.write(data.numpy().tobytes())
+    first, second = torch.full((32,), -1, dtype=torch.int16), torch.full((8,), -1, dtype=torch.float32)
+    pieces = [
+        Piece(0, 0, 40, dest=0, start=0, itemsize=2),  # elements 0..19 into first[0:20]
+        Piece(0, 20, 16, dest=1, start=0, itemsize=2),  # elements 10..17 again, cast into second
+    ]
+    targets = [reader.Target(first, torch.int16, zero_runs=[(20, 32)]), reader.Target(second, torch.int16)]
+    reader.read_pieces([path], pieces, targets, span_bytes=24, threads=2)
+    assert torch.equal(first, torch.cat([data[:20], torch.zeros(12, dtype=torch.int16)]))
+    assert torch.equal(second, data[10:18].float())
+
+
+def checksum_of(path: str, block: int) -> FileChecksum:
+    with open(path, "rb") as f:
+        data = f.read()
+    blocks = tuple(blake3.blake3(data[i : i + block]).hexdigest() for i in range(0, max(len(data), 1), block))
+    return FileChecksum(HASH_NAME, block, blocks)
+
+
+def flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_checksums_are_verified_per_block_in_parallel(tmp_path, threads):
+    path, tensors = odd_layout(tmp_path)
+    checksum = checksum_of(path, 128)
+    header = safetensors_io.read_header(path)
+    targets = {n: torch.empty_like(t) for n, t in tensors.items()}
+    reader.read_files([header], targets, {path: checksum}, threads=threads)
+    assert all(torch.equal(targets[n], t) for n, t in tensors.items())
+    # A flip in the header, which no tensor reads, is caught too: "all" hashes every block.
+    flip(path, 20)
+    with pytest.raises(ShardedStateError, match=r"odd.safetensors: checksum mismatch in bytes 0\.\.128 \(block 0\)"):
+        reader.read_files([header], targets, {path: checksum}, threads=threads)
+
+
+def test_touched_verification_reads_only_the_blocks_it_needs(tmp_path):
+    path, tensors = odd_layout(tmp_path)
+    checksum = checksum_of(path, 128)
+    header = safetensors_io.read_header(path)
+    entry = header.tensors["e_bf16"]
+    size = os.path.getsize(path)
+    flip(path, 5)  # in the header's block, which reading e_bf16 does not touch
+    target = torch.empty(20, 30, dtype=torch.bfloat16)
+    piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=2)
+    args = ([path], [piece], [reader.Target(target, torch.bfloat16)])
+    reader.read_pieces(*args, checksums={0: checksum}, verify="touched")
+    assert torch.equal(target, tensors["e_bf16"])
+    with pytest.raises(ShardedStateError, match=r"checksum mismatch in bytes 0\.\.128"):
+        reader.read_pieces(*args, checksums={0: checksum}, verify="all")
+    flip(path, size - 1)  # in a block e_bf16 does touch
+    with pytest.raises(ShardedStateError, match=rf"checksum mismatch in bytes \d+\.\.{size} "):
+        reader.read_pieces(*args, checksums={0: checksum}, verify="touched")
+
+
+def test_a_file_shorter_than_its_reads_names_the_file(tmp_path):
+    path, tensors = odd_layout(tmp_path)
+    header = safetensors_io.read_header(path)
+    os.truncate(path, header.file_size - 100)
+    targets = {n: torch.empty_like(t) for n, t in tensors.items()}
+    with pytest.raises(ShardedStateError, match=r"odd.safetensors: a read of bytes \d+\.\.\d+ falls outside"):
+        reader.read_files([header], targets, threads=2, span_bytes=64)
+    # A file that shrinks while it is read (after planning) fails the same way, named.
+    buffers = [memoryview(bytearray(64)), memoryview(bytearray(64))]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ShardedStateError, match=r"odd.safetensors: file ended at byte \d+ while reading"):
+            reader.preadv_all(fd, buffers, os.path.getsize(path) - 100, path)
+    finally:
+        os.close(fd)
+
+
+def test_a_checksum_of_another_length_is_refused(tmp_path):
+    path, tensors = odd_layout(tmp_path)
+    checksum = checksum_of(path, 128)
+    short = FileChecksum(HASH_NAME, 128, checksum.blocks[:-1])
+    header = safetensors_io.read_header(path)
+    with pytest.raises(ShardedStateError, match=r"odd.safetensors: \d+ checksum blocks of \d+ bytes, but \d+ recorded"):
+        reader.read_files([header], {n: torch.empty_like(t) for n, t in tensors.items()}, {path: short})
+
+
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def anon_huge_bytes(start: int, end: int) -> int:
+    """AnonHugePages of the mappings overlapping ``[start, end)``, from /proc/self/smaps.
+
+    ``madvise`` splits a mapping, so a tensor's memory spans several of them.
+    """
+    inside, total = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                inside = lo < end and start < hi
+            elif inside and first == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(thp_mode() == "never", reason="transparent huge pages are disabled on this machine")
+def test_fresh_targets_are_backed_by_huge_pages(tmp_path):
+    nbytes = 64 * 1024 * 1024
+    path = str(tmp_path / "big.safetensors")
+    save_file({"w": torch.ones(nbytes // 2, dtype=torch.bfloat16)}, path)
+    target = torch.empty(nbytes // 2, dtype=torch.bfloat16)  # fresh, untouched memory
+    stats = reader.read_files([safetensors_io.read_header(path)], {"w": target}, threads=2)
+    assert stats.huge_pages
+    assert torch.equal(target, torch.ones_like(target))
+    # At least half the tensor faulted in as 2 MiB pages (the kernel may fall back for some).
+    assert anon_huge_bytes(target.data_ptr(), target.data_ptr() + nbytes) >= nbytes // 2
