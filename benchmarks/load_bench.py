@@ -200,8 +200,15 @@ def raw_limits(paths: list[str], runs: int) -> dict:
     touched = torch.ones(size, dtype=torch.uint8).numpy()
     out: dict[str, list[float]] = {k: [] for k in ("cold_sequential", "warm_touched_1", "warm_touched_4")}
     out.update({k: [] for k in ("warm_fresh_1", "warm_fresh_huge_4", "reader_warm", "reader_cold")})
-    out.update({"write_fsync_1": [], "write_fsync_2": []})
+    out.update({"write_fsync_1": [], "write_fsync_2": [], "save_1": [], "save_2": []})
     headers = [safetensors_io.read_header(p) for p in paths]
+    # The rank's tensors in memory, as a worker holds them when it saves.
+    weights = [
+        (n, torch.empty(e.shape, dtype=safetensors_io.torch_dtype(e.dtype, n)))
+        for h in headers
+        for n, e in h.tensors.items()
+    ]
+    reader.read_files(headers, dict(weights))
 
     def reader_into_fresh():
         targets = {
@@ -233,6 +240,18 @@ def raw_limits(paths: list[str], runs: int) -> dict:
             for i in range(streams):
                 os.remove(os.path.join(scratch, f"w{i}"))
 
+        def save(ranks: int):
+            # What each worker's save does (safetensors_io.write_file: header, data
+            # streamed from the tensors, BLAKE3 on a second thread, fsync), ranks at once.
+            def one(i):
+                path = os.path.join(scratch, f"s{i}")
+                safetensors_io.write_file(path, weights[i::ranks], {"format": "pt"})
+                return path
+
+            with ThreadPoolExecutor(ranks) as pool:
+                for path in list(pool.map(one, range(ranks))):
+                    os.remove(path)
+
         for _ in range(runs):
             evict(paths)
             out["cold_sequential"].append(size / timed(sequential_read, paths, touched) / GB)
@@ -243,8 +262,11 @@ def raw_limits(paths: list[str], runs: int) -> dict:
             out["reader_warm"].append(size / timed(reader_into_fresh) / GB)
             evict(paths)
             out["reader_cold"].append(size / timed(reader_into_fresh) / GB)
-            out["write_fsync_1"].append(size / timed(write, 1) / GB)
-            out["write_fsync_2"].append(size / timed(write, 2) / GB)
+            for streams in (1, 2):
+                os.sync()
+                out[f"write_fsync_{streams}"].append(size / timed(write, streams) / GB)
+                os.sync()
+                out[f"save_{streams}"].append(size / timed(save, streams) / GB)
     return {k: {"gbps": v, "median": statistics.median(v)} for k, v in out.items()}
 
 
@@ -356,6 +378,9 @@ def markdown(result: dict) -> str:
     for name, v in limits.items():
         lines.append(f"| {name} | {v['median']:.2f} | {', '.join(f'{x:.2f}' for x in v['gbps'])} |")
     lines.append("")
+    for n in (1, 2):
+        save, raw = limits[f"save_{n}"]["median"], limits[f"write_fsync_{n}"]["median"]
+        lines.append(f"Save with {n} rank(s) at once, engine-free: {save:.2f} GB/s = {save / raw:.0%} of write+fsync.")
     if "ours|1|cold" in s:
         cold = s["ours|1|cold"]["gbps"]
         lines.append(f"Cold TP=1, ours / cold sequential read: {cold / limits['cold_sequential']['median']:.0%}.")

@@ -39,6 +39,14 @@ def test_unknown_extra_config_is_refused():
         LoadConfig(load_format="sharded_state", model_loader_extra_config={"pattern": "w-{rank}-{part}.safetensors"})
     )
     assert loader.pattern == "w-{rank}-{part}.safetensors"
+    from vllm_sharded_loader.reader import DEFAULT_THREADS
+
+    assert loader.threads == DEFAULT_THREADS
+    loader = ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"threads": 2}))
+    assert loader.threads == 2
+    for bad in (0, "4", True):
+        with pytest.raises(ShardedStateError, match=r"threads=.* must be a positive integer"):
+            ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"threads": bad}))
 
 
 class Tiny(torch.nn.Module):

@@ -230,3 +230,28 @@ def test_fresh_targets_are_backed_by_huge_pages(tmp_path):
     assert torch.equal(target, torch.ones_like(target))
     # At least half the tensor faulted in as 2 MiB pages (the kernel may fall back for some).
     assert anon_huge_bytes(target.data_ptr(), target.data_ptr() + nbytes) >= nbytes // 2
+
+
+def test_progress_bar_counts_bytes_and_times_the_work(capsys):
+    from vllm_sharded_loader.progress import ByteProgress
+
+    with ByteProgress("Loading sharded_state (test)", enabled=True) as shown:
+        shown(0, 300)
+        shown(100, 300)
+        shown(200, 300)
+    assert shown.nbytes == 300 and shown.seconds > 0 and shown.rate > 0
+    assert "Loading sharded_state (test): 100% Completed | 300B/300B" in capsys.readouterr().err
+    with ByteProgress("hidden", enabled=False) as hidden:
+        hidden(0, 10)
+        hidden(10, 10)
+    assert hidden.nbytes == 10 and hidden.bar is None
+    assert "hidden" not in capsys.readouterr().err
+
+
+def test_streams_are_contiguous_balanced_runs_in_file_order():
+    spans = plan_spans([Piece(0, 0, 1000, dest=0), Piece(1, 0, 300, dest=1)], [FileGrid(1000, 100), FileGrid(300, 100)])
+    runs = reader.split_streams(spans, 3)
+    assert [s for run in runs for s in run] == spans  # every span once, in order
+    assert [sum(s.end - s.begin for s in run) for run in runs] == [500, 400, 400]
+    assert reader.split_streams(spans, 1) == [spans]
+    assert len(reader.split_streams(spans[:2], 8)) == 2

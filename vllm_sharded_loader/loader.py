@@ -62,7 +62,7 @@ class ShardedStateLoader(BaseModelLoader):
     complete, every file present with its recorded size, headers consistent with the
     manifest) or ``"checksum"`` (also the checksum of every byte read), and
     ``pattern`` (the file name pattern of a checkpoint saved with a custom one), as
-    vLLM's loader does, and ``threads`` (reader threads per worker, default 8).
+    vLLM's loader does, and ``threads`` (reader threads per worker, default one per core, 2 to 8).
     Rank 0 shows a progress bar unless ``use_tqdm_on_load`` is off.
     """
 

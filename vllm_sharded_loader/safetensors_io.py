@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from . import oscalls
 from .format import FileChecksum, ShardedStateError, load_json
 from .integrity import BlockHasher
 
@@ -250,6 +251,7 @@ def write_file(
         f.write(head)
         hashing = pool.submit(hasher.update, head)
         offsets: dict[str, int] = {}
+        kicked = 0  # bytes before this are being written back already
         for name, t in tensors:
             offsets[name] = f.tell()
             if isinstance(t, LazyTensor):
@@ -260,6 +262,10 @@ def write_file(
             for start in range(0, len(view), CHUNK_BYTES):
                 chunk = view[start : start + CHUNK_BYTES]
                 f.write(chunk)
+                if f.tell() - kicked >= CHUNK_BYTES:
+                    f.flush()
+                    oscalls.start_writeback(f.fileno(), kicked, f.tell() - kicked)
+                    kicked = f.tell()
                 hashing.result()
                 hashing = pool.submit(hasher.update, chunk)
                 if progress is not None:

@@ -1,0 +1,47 @@
+"""The two Linux calls Python's ``os`` module lacks, through libc; no-ops elsewhere."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from typing import Any
+
+MADV_HUGEPAGE = 14
+SYNC_FILE_RANGE_WRITE = 2
+
+_libc: Any = None
+
+
+def _c() -> Any:
+    """libc with the prototypes we use, or None off Linux."""
+    global _libc
+    if _libc is None:
+        if os.uname().sysname != "Linux":
+            _libc = False
+        else:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.restype = ctypes.c_int
+            libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            libc.sync_file_range.restype = ctypes.c_int
+            _libc = libc
+    return _libc or None
+
+
+def madvise_hugepage(address: int, nbytes: int) -> bool:
+    """``madvise(MADV_HUGEPAGE)`` over a page-aligned range; True if the kernel agreed."""
+    libc = _c()
+    return libc is not None and libc.madvise(address, nbytes, MADV_HUGEPAGE) == 0
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a file range to disk now, without waiting (``sync_file_range``).
+
+    The kernel otherwise holds dirty pages until its background threshold (10% of RAM)
+    or until ``fsync``, so a save would copy everything into the page cache first and
+    only then write it; started early, the disk writes while the next chunk is copied.
+    """
+    libc = _c()
+    if libc is not None:
+        libc.sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
