@@ -47,6 +47,11 @@ def test_unknown_extra_config_is_refused():
     for bad in (0, "4", True):
         with pytest.raises(ShardedStateError, match=r"threads=.* must be a positive integer"):
             ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"threads": bad}))
+    assert not loader.huge_pages
+    config = {"huge_pages": True}
+    assert ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config)).huge_pages
+    with pytest.raises(ShardedStateError, match=r"huge_pages='yes' .* must be true or false"):
+        ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"huge_pages": "yes"}))
 
 
 class Tiny(torch.nn.Module):

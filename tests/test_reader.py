@@ -225,7 +225,7 @@ def test_fresh_targets_are_backed_by_huge_pages(tmp_path):
     path = str(tmp_path / "big.safetensors")
     save_file({"w": torch.ones(nbytes // 2, dtype=torch.bfloat16)}, path)
     target = torch.empty(nbytes // 2, dtype=torch.bfloat16)  # fresh, untouched memory
-    stats = reader.read_files([safetensors_io.read_header(path)], {"w": target}, threads=2)
+    stats = reader.read_files([safetensors_io.read_header(path)], {"w": target}, threads=2, huge_pages=True)
     assert stats.huge_pages
     assert torch.equal(target, torch.ones_like(target))
     # At least half the tensor faulted in as 2 MiB pages (the kernel may fall back for some).
@@ -255,3 +255,15 @@ def test_streams_are_contiguous_balanced_runs_in_file_order():
     assert [sum(s.end - s.begin for s in run) for run in runs] == [500, 400, 400]
     assert reader.split_streams(spans, 1) == [spans]
     assert len(reader.split_streams(spans[:2], 8)) == 2
+
+
+def test_without_asking_targets_keep_their_pages(tmp_path):
+    if thp_mode() != "madvise":
+        pytest.skip("only in madvise mode does the advice decide")
+    nbytes = 16 * 1024 * 1024
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.ones(nbytes // 2, dtype=torch.bfloat16)}, path)
+    target = torch.empty(nbytes // 2, dtype=torch.bfloat16)
+    stats = reader.read_files([safetensors_io.read_header(path)], {"w": target}, threads=2)
+    assert not stats.huge_pages
+    assert anon_huge_bytes(target.data_ptr(), target.data_ptr() + nbytes) == 0

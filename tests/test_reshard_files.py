@@ -112,3 +112,27 @@ def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     with pytest.raises(ShardedStateError, match=r"model.layers.1.mlp.down_proj.weight.*FusedMoE"):
         load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+
+
+def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
+    """TP=2 -> 1 joins dim-1 halves: each half is one read and one strided copy, and the
+    temporaries of one batch stay under GATHER_BYTES (here tiny, so many batches)."""
+    import vllm_sharded_loader.checkpoint as checkpoint
+
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    manifest = save_model(tmp_path, model, 2, 1)
+    batches = []
+    read_pieces = checkpoint.reader.read_pieces
+
+    def counted(*args, **kwargs):
+        batches.append(len(args[1]))
+        return read_pieces(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "GATHER_BYTES", 2048)
+    monkeypatch.setattr(checkpoint.reader, "read_pieces", counted)
+    expected = stage_state(model, 1, 1, 0, 0)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, serving=source_of(model), verify="checksum")
+    assert len(batches) > 4
+    for name, x in expected.items():
+        assert torch.equal(targets[name], x), name

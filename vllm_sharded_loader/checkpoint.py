@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -240,6 +240,7 @@ def load_rank(
     tied: Sequence[Sequence[str]] = (),
     threads: int = reader.DEFAULT_THREADS,
     progress: Callable[[int, int], None] | None = None,
+    huge_pages: bool = False,
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
@@ -252,7 +253,7 @@ def load_rank(
     A checkpoint saved at another TP/PP size is resharded (:func:`load_resharded`) if
     its manifest records the geometry; ``tied`` names groups of tensors the serving
     model shares (tied embeddings), so a tensor saved under one name serves the others.
-    ``threads`` and ``progress`` go to :func:`.reader.read_pieces`.
+    ``threads``, ``progress`` and ``huge_pages`` go to :func:`.reader.read_pieces`.
     """
     started = time.perf_counter()
     where = f"{directory} ({rank})"
@@ -280,6 +281,7 @@ def load_rank(
             started=started,
             threads=threads,
             progress=progress,
+            huge_pages=huge_pages,
         )
     if manifest is not None:
         if serving is not None:
@@ -325,7 +327,7 @@ def load_rank(
             hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
             "drops every linear weight. Save it again with examples/save_sharded_state.py.",
         )
-    read = reader.read_files(headers, targets, checksums, threads=threads, progress=progress)
+    read = reader.read_files(headers, targets, checksums, threads=threads, progress=progress, huge_pages=huge_pages)
     return LoadStats(
         files=tuple(h.path for h in headers),
         tensors=len(targets),
@@ -335,6 +337,31 @@ def load_rank(
         with_manifest=manifest is not None,
         threads=read.threads,
     )
+
+
+# Bytes of temporaries a resharding load holds at once to join rows (see ReshardSource.read).
+GATHER_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class _ReadBatch:
+    """One :func:`.reader.read_pieces` call of a resharding load, and the row joins after it."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    targets: list[reader.Target] = field(default_factory=list)
+    copies: list[tuple[torch.Tensor, Any, torch.Tensor]] = field(default_factory=list)
+    gathered: int = 0
+
+    def add(self, target: reader.Target) -> int:
+        self.targets.append(target)
+        return len(self.targets) - 1
+
+
+def _gathers(read: Any, target: torch.Tensor) -> bool:
+    """Whether a planned read is contiguous in the file but strided (several rows) in the target."""
+    # The planner pairs source and destination runs one to one; rows that follow each
+    # other in the file (stride == length) are one contiguous range.
+    return read.dest.count > 1 and read.source.stride == read.source.length and target.is_contiguous()
 
 
 class ReshardSource:
@@ -405,6 +432,7 @@ class ReshardSource:
         *,
         threads: int = reader.DEFAULT_THREADS,
         progress: Callable[[int, int], None] | None = None,
+        huge_pages: bool = False,
     ) -> reader.ReadStats:
         """Fill ``targets`` from their :class:`~.resharding.TensorPlan` (cast if the saved dtype differs).
 
@@ -414,20 +442,51 @@ class ReshardSource:
         files = sorted({r.file for p in plans.values() for r in p.reads})
         index = {name: i for i, name in enumerate(files)}
         paths = [self.check_file(name) for name in files]
-        pieces, dests = [], []
+        checksums = {index[n]: self.owners[n][0].checksum for n in files} if self.verify == "checksum" else {}
+        batches = [_ReadBatch()]
         for name, tensor_plan in plans.items():
-            stored = self.stored_dtype(tensor_plan)
-            size, dest = stored.itemsize, len(dests)
+            stored, target = self.stored_dtype(tensor_plan), targets[name]
+            size = stored.itemsize
             zero_runs = [run for zeros in tensor_plan.zero_fills for run in zeros.runs()]
-            dests.append(reader.Target(targets[name], stored, zero_runs))
+            dest = batches[-1].add(reader.Target(target, stored, zero_runs))
             for r in tensor_plan.reads:
                 file = index[r.file]
+                if _gathers(r, target):
+                    # Contiguous bytes in the file that land as strided rows (a dim-1 split
+                    # being joined): one read into a temporary, one strided copy, instead
+                    # of a read per row. Temporaries are bounded per batch.
+                    if batches[-1].gathered and batches[-1].gathered + r.source.total > GATHER_BYTES:
+                        batches.append(_ReadBatch())
+                    temp = torch.empty(r.source.total // size, dtype=stored)
+                    at = batches[-1].add(reader.Target(temp, stored))
+                    batches[-1].pieces.append(Piece(file, r.source.offset, r.source.total, at, 0, size))
+                    batches[-1].copies.append((temp, r.dest, target))
+                    batches[-1].gathered += r.source.total
+                    continue
+                if batches[-1].targets[-1].tensor is not target:
+                    dest = batches[-1].add(reader.Target(target, stored))
                 for (src, src_end), (dst, _) in zip(r.source.runs(), r.dest.runs(), strict=True):
-                    pieces.append(Piece(file, src, src_end - src, dest, dst * size, size))
-        checksums = {index[n]: self.owners[n][0].checksum for n in files} if self.verify == "checksum" else {}
-        return reader.read_pieces(
-            paths, pieces, dests, checksums=checksums, verify="touched", threads=threads, progress=progress
-        )
+                    batches[-1].pieces.append(Piece(file, src, src_end - src, dest, dst * size, size))
+        total, spans = 0, 0
+        for batch in batches:
+            stats = reader.read_pieces(
+                paths,
+                batch.pieces,
+                batch.targets,
+                checksums=checksums,
+                verify="touched",
+                threads=threads,
+                progress=progress,
+                huge_pages=huge_pages,
+            )
+            for temp, dest_runs, target in batch.copies:
+                rows = target.view(-1).as_strided(
+                    (dest_runs.count, dest_runs.length), (dest_runs.stride, 1), dest_runs.offset
+                )
+                rows.copy_(temp.view(dest_runs.count, dest_runs.length))
+            batch.copies.clear()
+            total, spans = total + stats.bytes_read, spans + stats.spans
+        return reader.ReadStats(total, spans, threads, False)
 
     def fill(self, tensor_plan: Any, target: torch.Tensor) -> None:
         """Read one planned tensor into ``target`` (cast if its dtype differs from the saved one)."""
@@ -454,6 +513,7 @@ def load_resharded(
     started: float | None = None,
     threads: int = reader.DEFAULT_THREADS,
     progress: Callable[[int, int], None] | None = None,
+    huge_pages: bool = False,
 ) -> LoadStats:
     """Fill a rank's tensors from a checkpoint saved at another TP/PP size.
 
@@ -476,7 +536,7 @@ def load_resharded(
             )
         for name in plan.files:
             source.check_file(name)  # every check before the first byte lands in a parameter
-        read = source.read(plan.tensors, targets, threads=threads, progress=progress)
+        read = source.read(plan.tensors, targets, threads=threads, progress=progress, huge_pages=huge_pages)
         cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]
     return LoadStats(
         files=tuple(os.path.join(directory, n) for n in plan.files),

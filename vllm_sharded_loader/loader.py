@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify", "threads"})
+EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify", "threads", "huge_pages"})
 
 
 def current_rank() -> RankInfo:
@@ -62,7 +62,8 @@ class ShardedStateLoader(BaseModelLoader):
     complete, every file present with its recorded size, headers consistent with the
     manifest) or ``"checksum"`` (also the checksum of every byte read), and
     ``pattern`` (the file name pattern of a checkpoint saved with a custom one), as
-    vLLM's loader does, and ``threads`` (reader threads per worker, default one per core, 2 to 8).
+    vLLM's loader does, and ``threads`` (reader threads per worker, default one per core, 4 to 8) and
+    ``huge_pages`` (ask for transparent huge pages on the parameters, default off).
     Rank 0 shows a progress bar unless ``use_tqdm_on_load`` is off.
     """
 
@@ -87,6 +88,12 @@ class ShardedStateLoader(BaseModelLoader):
                 f"model_loader_extra_config threads={threads!r} for sharded_state must be a positive integer."
             )
         self.threads: int = threads
+        huge_pages = extra.get("huge_pages", False)
+        if not isinstance(huge_pages, bool):
+            raise ShardedStateError(
+                f"model_loader_extra_config huge_pages={huge_pages!r} for sharded_state must be true or false."
+            )
+        self.huge_pages: bool = huge_pages
 
     # Save side: vLLM's worker hook calls `ShardedStateLoader.save_model`; the plugin
     # points that name at this class, so the hook writes our format.
@@ -146,6 +153,7 @@ class ShardedStateLoader(BaseModelLoader):
                 tied=tied,
                 threads=self.threads,
                 progress=progress,
+                huge_pages=self.huge_pages,
             )
         if stats.resharded_from is not None:
             logger.info(

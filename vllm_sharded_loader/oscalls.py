@@ -1,7 +1,8 @@
-"""The two Linux calls Python's ``os`` module lacks, through libc; no-ops elsewhere."""
+"""Linux calls for the reader and writer threads (libc where ``os`` lacks them); no-ops elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -45,3 +46,16 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     libc = _c()
     if libc is not None:
         libc.sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
+
+
+def use_every_cpu() -> None:
+    """Let the calling thread run on any CPU of the machine (a thread-pool initializer).
+
+    vLLM's CPU workers pin their OpenMP threads, the calling thread included, to the
+    rank's cores (``VLLM_CPU_OMP_THREADS_BIND``), and new threads inherit that mask: a
+    TP=1 engine on 2 cores would copy or hash its weights on one. Nothing computes
+    while weights load or save, so our own I/O threads take every core; the pinning of
+    the engine's threads is untouched.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))

@@ -21,11 +21,14 @@ the hardware's limits, measured on the project's 2-core machines:
   only for targets that convert (another dtype or device) and one span of scratch only
   for verified spans.
 - **First touch.** New parameters are untouched memory; every 4 KiB page faults (and is
-  zeroed) on first write, which caps a copy into fresh memory at 1-2 GB/s here. With
-  transparent huge pages in ``madvise`` mode we ask for huge pages on each target
-  (``MADV_HUGEPAGE``): 512 times fewer faults, and the faults of different threads
-  run in parallel. Measured: 1.0 GB/s (one thread, 4 KiB pages) to 13 GB/s (two
-  threads, huge pages) from the page cache into fresh memory.
+  zeroed) on first write, which caps a copy into fresh memory at 1-2 GB/s on one
+  thread here. The faults of different threads run in parallel, so the threads share
+  that cost. ``huge_pages=True`` also asks for transparent huge pages on each target
+  (``MADV_HUGEPAGE``, THP in ``madvise`` mode): 512 times fewer faults. On bare metal
+  that is a large win (measured here, with memory the VM already backed: 12-15 GB/s
+  against 3.5 with 4 threads), but in a VM whose host reclaims free guest memory
+  (free page reporting, as on these machines) a huge page is exactly the memory the
+  host took back, and loads ran 30% slower with it. So it is opt-in.
 - **Accelerators.** A target on another device is filled from pinned staging buffers,
   two per thread, with non-blocking copies on the thread's own stream, so the copy of
   one span overlaps the read of the next.
@@ -35,7 +38,6 @@ the hardware's limits, measured on the project's 2-core machines:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
@@ -51,11 +53,12 @@ from .format import FileChecksum, ShardedStateError
 from .planning import FileGrid, Piece, Span, plan_spans
 from .safetensors_io import Header, byte_view, torch_dtype
 
-# One sequential stream per thread, one thread per core (2 to 8). Measured on the
-# 2-core machines here, cold (evicted) reads of a 365 MB rank: 1 stream 0.4-1.0 GB/s,
-# 2 streams 1.8, 4 streams 1.1, 8 streams 1.2; from the page cache into fresh memory:
-# 5.6, 7.6, 7.1 and 6.5 GB/s.
-DEFAULT_THREADS = min(8, max(2, os.cpu_count() or 1))
+# One sequential stream per thread. On the 2-core VMs here the cost of a warm load is
+# the first touch of fresh parameter memory, which the host backs page by page, and
+# more threads fault in parallel: a 1.5 GB rank from the page cache into fresh memory
+# (new process each time) ran at 1.0-1.4 GB/s with 2 threads, 1.7-2.4 with 4, 1.2-2.1
+# with 8. Cold, 2-4 streams beat one by 1.5-2x on the virtio disk.
+DEFAULT_THREADS = min(8, max(4, os.cpu_count() or 1))
 SPAN_BYTES = 4 * 1024 * 1024
 # A verified span is one checksum block instead (16 MiB), so it hashes to one recorded digest.
 HUGE_PAGE = 2 * 1024 * 1024
@@ -344,6 +347,7 @@ def read_pieces(
     threads: int = DEFAULT_THREADS,
     span_bytes: int = SPAN_BYTES,
     progress: Callable[[int, int], None] | None = None,
+    huge_pages: bool = False,
 ) -> ReadStats:
     """Read ``pieces`` of ``paths`` into ``targets``; returns what was read.
 
@@ -354,14 +358,15 @@ def read_pieces(
     targets may then hold partial data, and the caller must not use them.
 
     ``progress`` is called from the calling thread as ``progress(bytes_done_now, bytes_total)``:
-    once with 0 when the reads are planned, then after each span.
+    once with 0 when the reads are planned, then after each span. ``huge_pages`` asks
+    for transparent huge pages over CPU targets before they are first written.
     """
     if threads < 1:
         raise ShardedStateError(f"threads={threads}: the reader needs at least one thread.")
     checksums = dict(checksums or {})
     destinations = [_Destination(t) for t in targets]
     huge = False
-    for d in destinations:
+    for d in destinations if huge_pages else ():
         if d.view is not None and len(d.view) >= HUGE_PAGE:
             huge = advise_huge_pages(d.landing) or huge
     fds: list[int] = []
@@ -397,19 +402,6 @@ def read_pieces(
     return ReadStats(total, len(spans), threads, huge)
 
 
-def _use_every_cpu() -> None:
-    """Let a reader thread run on any CPU of the machine.
-
-    vLLM's CPU workers pin their OpenMP threads, the calling thread included, to the
-    rank's cores (``VLLM_CPU_OMP_THREADS_BIND``), and new threads inherit that mask: a
-    TP=1 engine on 2 cores would copy its weights with one. Nothing computes while the
-    weights load, so the reader's own threads take every core; the pinning of the
-    engine's threads is untouched.
-    """
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-
-
 def split_streams(spans: Sequence[Span], streams: int) -> list[list[Span]]:
     """Cut spans (in file order) into at most ``streams`` contiguous runs of about equal bytes."""
     total = sum(s.end - s.begin for s in spans)
@@ -436,7 +428,7 @@ def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callabl
     runs = split_streams(spans, threads)
     if len(runs) <= 1:
         return reader.read_stream(spans, lambda n: progress(n, planned) if progress is not None else None)
-    with ThreadPoolExecutor(len(runs), thread_name_prefix="sharded-read", initializer=_use_every_cpu) as pool:
+    with ThreadPoolExecutor(len(runs), thread_name_prefix="sharded-read", initializer=oscalls.use_every_cpu) as pool:
         pending = {pool.submit(reader.read_stream, run, finished.put) for run in runs}
         total = 0
         while pending:

@@ -246,7 +246,10 @@ def write_file(
     hasher = BlockHasher()
     # Hashing runs on a second thread, one chunk behind the writes: both release the
     # GIL, so the checksum costs little more than the write alone.
-    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="checksum") as pool:
+    with (
+        open(path, "wb") as f,
+        ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu) as pool,
+    ):
         head = build_header(tensors, metadata)
         f.write(head)
         hashing = pool.submit(hasher.update, head)
