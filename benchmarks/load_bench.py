@@ -199,7 +199,7 @@ def raw_limits(paths: list[str], runs: int) -> dict:
     size = sum(os.path.getsize(p) for p in paths)
     touched = torch.ones(size, dtype=torch.uint8).numpy()
     out: dict[str, list[float]] = {k: [] for k in ("cold_sequential", "warm_touched_1", "warm_touched_4")}
-    out.update({k: [] for k in ("warm_fresh_1", "warm_fresh_huge_4", "reader_warm", "reader_cold")})
+    out.update({k: [] for k in ("warm_fresh_1", "warm_fresh_4", "warm_fresh_huge_4", "reader_warm", "reader_cold")})
     out.update({"write_fsync_1": [], "write_fsync_2": [], "save_1": [], "save_2": []})
     headers = [safetensors_io.read_header(p) for p in paths]
     # The rank's tensors in memory, as a worker holds them when it saves.
@@ -258,6 +258,7 @@ def raw_limits(paths: list[str], runs: int) -> dict:
             out["warm_touched_1"].append(size / timed(sequential_read, paths, touched) / GB)
             out["warm_touched_4"].append(size / timed(parallel_read, paths, touched, 4) / GB)
             out["warm_fresh_1"].append(size / timed(fresh, 1, False) / GB)
+            out["warm_fresh_4"].append(size / timed(fresh, 4, False) / GB)
             out["warm_fresh_huge_4"].append(size / timed(fresh, 4, True) / GB)
             out["reader_warm"].append(size / timed(reader_into_fresh) / GB)
             evict(paths)
