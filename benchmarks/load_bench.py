@@ -420,6 +420,13 @@ def chart(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_report(result: dict, out: str) -> None:
+    with open(os.path.join(out, "load_bench.md"), "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+    chart(result, os.path.join(out, "load_bench.png"))
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -431,10 +438,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=17, help="17 layers of hidden 2048: a 1.5 GB bf16 model")
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--tp", default="1,2")
+    parser.add_argument("--report", metavar="JSON", help="only write the table and chart of an earlier run's JSON")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
         engine_child(json.loads(args.engine))
+        return
+    if args.report:
+        with open(args.report) as f:
+            result = json.load(f)
+        write_report(result, os.path.dirname(os.path.abspath(args.report)))
         return
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
@@ -478,10 +491,7 @@ def main() -> None:
     }
     with open(os.path.join(args.out, "load_bench.json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "load_bench.md"), "w") as f:
-        f.write(markdown(result))
-    chart(result, os.path.join(args.out, "load_bench.png"))
-    print(markdown(result))
+    write_report(result, args.out)
     if mismatched:
         sys.exit(f"greedy ids differ from the first engine's: {mismatched}")
 
