@@ -443,31 +443,32 @@ class ReshardSource:
         index = {name: i for i, name in enumerate(files)}
         paths = [self.check_file(name) for name in files]
         checksums = {index[n]: self.owners[n][0].checksum for n in files} if self.verify == "checksum" else {}
-        batches = [_ReadBatch()]
+        batch = _ReadBatch()
+        batches = [batch]
         for name, tensor_plan in plans.items():
             stored, target = self.stored_dtype(tensor_plan), targets[name]
             size = stored.itemsize
             zero_runs = [run for zeros in tensor_plan.zero_fills for run in zeros.runs()]
-            dest = batches[-1].add(reader.Target(target, stored, zero_runs))
+            dest = batch.add(reader.Target(target, stored, zero_runs))
             for r in tensor_plan.reads:
                 file = index[r.file]
-                if _gathers(r, target):
-                    # Contiguous bytes in the file that land as strided rows (a dim-1 split
-                    # being joined): one read into a temporary, one strided copy, instead
-                    # of a read per row. Temporaries are bounded per batch.
-                    if batches[-1].gathered and batches[-1].gathered + r.source.total > GATHER_BYTES:
-                        batches.append(_ReadBatch())
-                    temp = torch.empty(r.source.total // size, dtype=stored)
-                    at = batches[-1].add(reader.Target(temp, stored))
-                    batches[-1].pieces.append(Piece(file, r.source.offset, r.source.total, at, 0, size))
-                    batches[-1].copies.append((temp, r.dest, target))
-                    batches[-1].gathered += r.source.total
+                if not _gathers(r, target):
+                    for (src, src_end), (dst, _) in zip(r.source.runs(), r.dest.runs(), strict=True):
+                        batch.pieces.append(Piece(file, src, src_end - src, dest, dst * size, size))
                     continue
-                if batches[-1].targets[-1].tensor is not target:
-                    dest = batches[-1].add(reader.Target(target, stored))
-                for (src, src_end), (dst, _) in zip(r.source.runs(), r.dest.runs(), strict=True):
-                    batches[-1].pieces.append(Piece(file, src, src_end - src, dest, dst * size, size))
-        total, spans = 0, 0
+                # Contiguous bytes in the file that land as strided rows (a dim-1 split being
+                # joined): one read into a temporary, one strided copy, instead of a read per
+                # row. Temporaries are bounded per batch.
+                if batch.gathered and batch.gathered + r.source.total > GATHER_BYTES:
+                    batch = _ReadBatch()
+                    batches.append(batch)
+                    dest = batch.add(reader.Target(target, stored))
+                temp = torch.empty(r.source.total // size, dtype=stored)
+                at = batch.add(reader.Target(temp, stored))
+                batch.pieces.append(Piece(file, r.source.offset, r.source.total, at, 0, size))
+                batch.copies.append((temp, r.dest, target))
+                batch.gathered += r.source.total
+        total, spans, huge = 0, 0, False
         for batch in batches:
             stats = reader.read_pieces(
                 paths,
@@ -485,8 +486,8 @@ class ReshardSource:
                 )
                 rows.copy_(temp.view(dest_runs.count, dest_runs.length))
             batch.copies.clear()
-            total, spans = total + stats.bytes_read, spans + stats.spans
-        return reader.ReadStats(total, spans, threads, False)
+            total, spans, huge = total + stats.bytes_read, spans + stats.spans, huge or stats.huge_pages
+        return reader.ReadStats(total, spans, threads, huge)
 
     def fill(self, tensor_plan: Any, target: torch.Tensor) -> None:
         """Read one planned tensor into ``target`` (cast if its dtype differs from the saved one)."""

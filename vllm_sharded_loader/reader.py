@@ -108,7 +108,6 @@ class _Destination:
     def __init__(self, target: Target) -> None:
         t = target.tensor
         self.target, self.stored = t, target.stored
-        self.itemsize = target.stored.itemsize
         self.temp: torch.Tensor | None = None
         if not t.is_contiguous():
             # Rare (parameters are contiguous): read whole, copy once at the end.
@@ -158,6 +157,11 @@ class _ThreadState:
         if len(self.scratch) < nbytes:
             self.scratch = bytearray(nbytes)
         return memoryview(self.scratch)
+
+
+def _widen(p: Piece) -> tuple[int, int]:
+    """Bytes to add before and after a piece so that it covers whole elements of its destination."""
+    return p.start % p.itemsize, -(p.start + p.length) % p.itemsize
 
 
 def _truncated(path: str, offset: int) -> ShardedStateError:
@@ -265,8 +269,7 @@ class _SpanReader:
                 add(p.offset, dest.view[p.start : p.start + p.length])
             else:
                 # Convert whole elements only: widen to the elements the span cuts.
-                head = p.start % p.itemsize
-                tail = -(p.start + p.length) % p.itemsize
+                head, tail = _widen(p)
                 body = staging_view[cursor + head : cursor + head + p.length]
                 add(p.offset, body)
                 if head:
@@ -329,7 +332,7 @@ class _SpanReader:
         if dest.direct:
             preadv_all(fd, [dest.view[p.start : p.start + p.length]], p.offset, path)
             return
-        head, tail = p.start % p.itemsize, -(p.start + p.length) % p.itemsize
+        head, tail = _widen(p)
         buffer = torch.empty(head + p.length + tail, dtype=torch.uint8)
         preadv_all(fd, [byte_view(buffer)], p.offset - head, path)
         dest.flat[(p.start - head) // p.itemsize : (p.start + p.length + tail) // p.itemsize].copy_(
@@ -369,36 +372,28 @@ def read_pieces(
     for d in destinations if huge_pages else ():
         if d.view is not None and len(d.view) >= HUGE_PAGE:
             huge = advise_huge_pages(d.landing) or huge
-    fds: list[int] = []
-    try:
-        grids = []
-        for index, path in enumerate(paths):
-            fd = os.open(path, os.O_RDONLY)
-            fds.append(fd)
-            size = os.fstat(fd).st_size
-            checksum = checksums.get(index)
-            if checksum is None:
-                grids.append(FileGrid(size, span_bytes, name=path))
-                continue
-            cells = max(1, -(-size // checksum.block_size))
-            if len(checksum.blocks) != cells:
-                raise ShardedStateError(
-                    f"{path}: {cells} checksum blocks of {size} bytes, but {len(checksum.blocks)} recorded; "
-                    "the file has another length than the one saved. Copy or save it again."
-                )
-            grids.append(FileGrid(size, checksum.block_size, verify, path))
-        spans = plan_spans(pieces, grids)
-        pin = any(d.cuda for d in destinations)
-        reader = _SpanReader(paths, destinations, checksums, pin)
-        total = _run(reader, spans, threads, progress)
-        if pin:
-            torch.cuda.synchronize()
-        for d in destinations:
-            if d.temp is not None:
-                d.target.copy_(d.temp)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    grids = []
+    for index, path in enumerate(paths):
+        size = os.stat(path).st_size  # each reading thread opens the file itself
+        checksum = checksums.get(index)
+        if checksum is None:
+            grids.append(FileGrid(size, span_bytes, name=path))
+            continue
+        cells = max(1, -(-size // checksum.block_size))
+        if len(checksum.blocks) != cells:
+            raise ShardedStateError(
+                f"{path}: {cells} checksum blocks of {size} bytes, but {len(checksum.blocks)} recorded; "
+                "the file has another length than the one saved. Copy or save it again."
+            )
+        grids.append(FileGrid(size, checksum.block_size, verify, path))
+    spans = plan_spans(pieces, grids)
+    pin = any(d.cuda for d in destinations)
+    total = _run(_SpanReader(paths, destinations, checksums, pin), spans, threads, progress)
+    if pin:
+        torch.cuda.synchronize()
+    for d in destinations:
+        if d.temp is not None:
+            d.target.copy_(d.temp)
     return ReadStats(total, len(spans), threads, huge)
 
 
@@ -436,10 +431,9 @@ def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callabl
             while progress is not None and not finished.empty():
                 progress(finished.get(), planned)
             for future in done:
-                if future.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    raise future.exception()  # type: ignore[misc]
+                error = future.exception()
+                if error is not None:
+                    raise error
                 total += future.result()
         while progress is not None and not finished.empty():
             progress(finished.get(), planned)
