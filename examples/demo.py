@@ -82,7 +82,8 @@ def main() -> int:
     reference, _ = generate(str(source), args.tp, "auto", work / "default-loader.log")
     print(f"[2/4] vLLM's default loader, TP={args.tp}: engine started in {reference['engine_start_seconds']:.1f} s")
 
-    save = ["examples/save_sharded_state.py", "--model", str(source), "-o", str(sharded), *engine]
+    # --overwrite: the demo's own output from an earlier run is replaced, not an error.
+    save = ["examples/save_sharded_state.py", "--model", str(source), "-o", str(sharded), "--overwrite", *engine]
     output, _ = run(save, args.tp, work / "save.log")
     print(f"[3/4] {next(x for x in output.splitlines() if x.startswith('Saved '))}")
     for name in sorted(os.listdir(sharded)):
