@@ -5,7 +5,9 @@ saves it sharded at TP=1 and TP=2 with our save script, measures the machine's r
 limits, then starts real engines, round-robin so that drifts of the machine hit every
 loader alike:
 
-- ``ours``: ``--load-format sharded_state`` with this plugin;
+- ``ours``: ``--load-format sharded_state`` with this plugin, as configured by default
+  (CPU parameters served from private mappings of the files);
+- ``ours_copy``: the same with ``{"mmap": false}``: every byte copied into the parameters;
 - ``builtin``: vLLM's own ``sharded_state`` on the same files (plugins off: ``VLLM_PLUGINS=""``);
 - ``default``: vLLM's default safetensors loader on the HF checkpoint;
 - ``runai``: ``runai_streamer_sharded`` on the same files (``runai-model-streamer``);
@@ -42,7 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 GB = 1e9
-LOADERS = ("ours", "builtin", "default", "runai", "ours_resharded")
+LOADERS = ("ours", "ours_copy", "builtin", "default", "runai", "ours_resharded")
+EXTRA_CONFIG = {"ours_copy": {"mmap": False}}
 PROMPT = "the model loads every shard"
 
 # --------------------------------------------------------------------- model and save
@@ -200,6 +203,7 @@ def raw_limits(paths: list[str], runs: int) -> dict:
     touched = torch.ones(size, dtype=torch.uint8).numpy()
     out: dict[str, list[float]] = {k: [] for k in ("cold_sequential", "warm_touched_1", "warm_touched_4")}
     out.update({k: [] for k in ("warm_fresh_1", "warm_fresh_4", "warm_fresh_huge_4", "reader_warm", "reader_cold")})
+    out.update({"reader_mapped_warm": [], "reader_mapped_cold": []})
     out.update({"write_fsync_1": [], "write_fsync_2": [], "save_1": [], "save_2": []})
     headers = [safetensors_io.read_header(p) for p in paths]
     # The rank's tensors in memory, as a worker holds them when it saves.
@@ -210,13 +214,14 @@ def raw_limits(paths: list[str], runs: int) -> dict:
     ]
     reader.read_files(headers, dict(weights))
 
-    def reader_into_fresh():
+    def reader_into_fresh(mapped: bool = False):
         targets = {
             n: torch.empty(e.shape, dtype=safetensors_io.torch_dtype(e.dtype, n))
             for h in headers
             for n, e in h.tensors.items()
         }
-        reader.read_files(headers, targets)
+        adopted: list[torch.Tensor] = []  # what the loader's parameter swap would keep
+        reader.read_files(headers, targets, adopt={n: adopted.append for n in targets} if mapped else None)
 
     def fresh(threads: int, huge: bool):
         t = torch.empty(size, dtype=torch.uint8)
@@ -263,6 +268,10 @@ def raw_limits(paths: list[str], runs: int) -> dict:
             out["reader_warm"].append(size / timed(reader_into_fresh) / GB)
             evict(paths)
             out["reader_cold"].append(size / timed(reader_into_fresh) / GB)
+            warm(paths)
+            out["reader_mapped_warm"].append(size / timed(reader_into_fresh, True) / GB)
+            evict(paths)
+            out["reader_mapped_cold"].append(size / timed(reader_into_fresh, True) / GB)
             for streams in (1, 2):
                 os.sync()
                 out[f"write_fsync_{streams}"].append(size / timed(write, streams) / GB)
@@ -285,6 +294,7 @@ def engine_child(spec: dict) -> None:
         tensor_parallel_size=spec["tp"],
         distributed_executor_backend="mp" if spec["tp"] > 1 else None,
         load_format=spec["load_format"],
+        model_loader_extra_config=spec.get("extra_config") or {},
         max_model_len=256,
         enforce_eager=True,
         seed=0,
@@ -297,6 +307,7 @@ def engine_child(spec: dict) -> None:
 def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) -> dict:
     model = {
         "ours": dirs[tp],
+        "ours_copy": dirs[tp],
         "builtin": dirs[tp],
         "runai": dirs[tp],
         "default": hf,
@@ -312,6 +323,7 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     if os.path.exists(timing):
         os.remove(timing)
     spec = {"model": model, "tokenizer": hf, "tp": tp, "load_format": load_format}
+    spec["extra_config"] = EXTRA_CONFIG.get(loader, {})
     proc = subprocess.run(
         [sys.executable, __file__, "--engine", json.dumps(spec)],
         env=engine_env(tp, plugins=loader.startswith("ours"), timing=timing),

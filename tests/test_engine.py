@@ -74,25 +74,42 @@ def saved(models, tmp_path_factory) -> Checkpoints:
     return Checkpoints(models, tmp_path_factory.mktemp("sharded"))
 
 
-def assert_our_loader_ran(output: str, tp: int, pp: int = 1) -> None:
+def assert_our_loader_ran(output: str, tp: int, pp: int = 1) -> list[tuple[float, float]]:
+    """Check every rank logged its load line; returns each rank's (MB loaded, MB of it mapped)."""
+    loaded = []
     for p in range(pp):
         for t in range(tp):
             line = f"vllm_sharded_loader.ShardedStateLoader: pp_rank={p} tp_rank={t} (TP={tp}, PP={pp}) loaded"
             assert line in output, f"no load line of our loader for pp_rank={p} tp_rank={t}"
+            found = re.search(re.escape(line) + r" \d+ tensors, ([\d.]+) MB \(([\d.]+) MB mapped\)", output)
+            assert found, f"load line of pp_rank={p} tp_rank={t} without its sizes"
+            loaded.append((float(found[1]), float(found[2])))
+    return loaded
 
 
 @pytest.mark.parametrize(
-    ("kind", "tp", "pp"), [("llama", 1, 1), ("llama", 2, 1), ("tied", 1, 1), ("tied", 2, 1), ("llama", 1, 2)]
+    ("kind", "tp", "pp", "mmap"),
+    [
+        ("llama", 1, 1, True),
+        ("llama", 2, 1, True),
+        ("llama", 2, 1, False),
+        ("tied", 1, 1, True),
+        ("tied", 2, 1, True),
+        ("llama", 1, 2, True),
+    ],
 )
-def test_sharded_load_matches_default_loader(saved, kind, tp, pp):
+def test_sharded_load_matches_default_loader(saved, kind, tp, pp, mmap):
     checkpoint, reference = saved.get(kind, tp, pp)
     manifest = json.loads(Path(checkpoint, MANIFEST_NAME).read_text())
     assert (manifest["tp_size"], manifest["pp_size"]) == (tp, pp)
     if pp > 1:
         assert any(n.startswith("model-pp-1-tp-0-part-") for n in os.listdir(checkpoint))
-    run = run_engine({"model": checkpoint, "tp": tp, "pp": pp, "load_format": "sharded_state"})
+    spec = {"model": checkpoint, "tp": tp, "pp": pp, "load_format": "sharded_state"}
+    run = run_engine({**spec, "extra_config": {"mmap": mmap}})
     assert run.result["token_ids"] == reference["token_ids"]
-    assert_our_loader_ran(run.output, tp, pp)
+    for loaded, mapped in assert_our_loader_ran(run.output, tp, pp):
+        # Mapped: every parameter is plain here (no layer keeps a view of one), so every byte.
+        assert mapped == (loaded if mmap else 0), run.tail()
 
 
 def test_save_script_output(saved, models):

@@ -52,6 +52,12 @@ def test_unknown_extra_config_is_refused():
     assert ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config)).huge_pages
     with pytest.raises(ShardedStateError, match=r"huge_pages='yes' .* must be true or false"):
         ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"huge_pages": "yes"}))
+    assert loader.mmap
+    assert not ShardedStateLoader(
+        LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": False})
+    ).mmap
+    with pytest.raises(ShardedStateError, match=r"mmap=1 .* must be true or false"):
+        ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": 1}))
 
 
 class Tiny(torch.nn.Module):
@@ -94,3 +100,18 @@ def test_live_state_is_saved_only_if_provably_the_loaded_one():
         _live_state_if_unchanged(model, state)
     with pytest.raises(ShardedStateError, match=r"quantized \(fp8\)"):
         _live_state_if_unchanged(Tiny(), loaded_state(Tiny(), quantization="fp8"))
+
+
+def test_only_parameters_nothing_else_views_are_offered_for_swapping():
+    from vllm_sharded_loader.loader import adoptable_parameters
+
+    model = Tiny()
+    model.keeps_a_view = model.proj.weight.data[:2]  # a layer holding on to a parameter's memory
+    state = model.state_dict()
+    setters = adoptable_parameters(model, state)
+    # proj.weight is left out (swapping it would strand the view); the tied pair is one object.
+    assert sorted(setters) == ["embed.weight", "head.weight", "proj.bias"]
+    mapped = torch.arange(32, dtype=torch.float32).view(8, 4)
+    setters["head.weight"](mapped)
+    assert model.embed.weight.data_ptr() == model.head.weight.data_ptr() == mapped.data_ptr()
+    assert isinstance(model.embed.weight, torch.nn.Parameter)

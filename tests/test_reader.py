@@ -267,3 +267,100 @@ def test_without_asking_targets_keep_their_pages(tmp_path):
     stats = reader.read_files([safetensors_io.read_header(path)], {"w": target}, threads=2)
     assert not stats.huge_pages
     assert anon_huge_bytes(target.data_ptr(), target.data_ptr() + nbytes) == 0
+
+
+# ------------------------------------------------------------------ mapping
+
+
+def mapped_file_of(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds ``tensor``'s memory, from /proc/self/maps (None: anonymous memory)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_adopted_targets_are_served_from_a_private_mapping_of_the_file(tmp_path, threads):
+    path, tensors = odd_layout(tmp_path)
+    header = safetensors_io.read_header(path)
+    targets = {
+        "a_bf16": torch.empty(3, 7, dtype=torch.bfloat16),  # aligned, stored dtype: mapped
+        "b_f32": torch.empty(33, 5, dtype=torch.float32),  # mapped
+        "c_i8": torch.empty(13, dtype=torch.int8),  # mapped
+        "d_f64": torch.empty(17, dtype=torch.float32),  # cast: read
+        "e_bf16": torch.empty(30, 20, dtype=torch.bfloat16).t(),  # not contiguous: read
+    }
+    adopted: dict[str, torch.Tensor] = {}
+    adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
+    stats = reader.read_files([header], targets, adopt=adopt, threads=threads, span_bytes=16)
+    assert sorted(adopted) == ["a_bf16", "b_f32", "c_i8"]
+    assert stats.bytes_mapped == 42 + 33 * 5 * 4 + 13
+    assert stats.bytes_read == sum(e.end - e.begin for e in header.tensors.values())
+    for name, t in adopted.items():
+        assert torch.equal(t, tensors[name]) and t.dtype == tensors[name].dtype
+        assert mapped_file_of(t) == path
+    assert torch.equal(targets["e_bf16"], tensors["e_bf16"])
+    assert torch.equal(targets["d_f64"], tensors["d_f64"].float())
+    # Copy-on-write: writing to an adopted tensor never reaches the file.
+    adopted["a_bf16"].fill_(7)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(path)["a_bf16"], tensors["a_bf16"])
+
+
+def test_only_whole_aligned_tensors_of_the_stored_dtype_are_mapped():
+    def adopt(t: torch.Tensor) -> None:
+        pass
+
+    bf16 = torch.empty(4, dtype=torch.bfloat16)
+    targets = [
+        reader.Target(bf16, torch.bfloat16, adopt=adopt),  # 0: whole, aligned: mapped
+        reader.Target(bf16, torch.bfloat16, adopt=adopt),  # 1: at an odd offset
+        reader.Target(bf16, torch.bfloat16, adopt=adopt),  # 2: in two pieces
+        reader.Target(bf16, torch.bfloat16, adopt=adopt, zero_runs=[(0, 1)]),  # 3: partly zeroed
+        reader.Target(bf16, torch.float32, adopt=adopt),  # 4: cast
+        reader.Target(bf16, torch.bfloat16),  # 5: nobody to adopt it
+        reader.Target(torch.empty(8, dtype=torch.bfloat16)[::2], torch.bfloat16, adopt=adopt),  # 6: strided
+    ]
+    pieces = [
+        Piece(0, 10, 8, dest=0, itemsize=2),
+        Piece(0, 21, 8, dest=1, itemsize=2),
+        Piece(0, 40, 4, dest=2, itemsize=2),
+        Piece(0, 50, 4, dest=2, start=4, itemsize=2),
+        Piece(0, 60, 8, dest=3, itemsize=2),
+        Piece(0, 80, 16, dest=4, itemsize=4),
+        Piece(0, 100, 8, dest=5, itemsize=2),
+        Piece(0, 110, 8, dest=6, itemsize=2),
+    ]
+    assert reader.mapped_pieces(pieces, targets) == {0: pieces[0]}
+
+
+def test_mapped_bytes_are_verified_and_nothing_is_adopted_on_a_mismatch(tmp_path):
+    path, tensors = odd_layout(tmp_path)
+    header = safetensors_io.read_header(path)
+    checksum = checksum_of(path, 64)
+    adopted: list[torch.Tensor] = []
+    targets = {"e_bf16": torch.empty(20, 30, dtype=torch.bfloat16)}
+    stats = reader.read_files([header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, threads=2)
+    assert stats.bytes_mapped == 20 * 30 * 2 and torch.equal(adopted.pop(), tensors["e_bf16"])
+    flip(path, header.tensors["e_bf16"].begin + 100)  # a byte only the mapping delivers
+    with pytest.raises(ShardedStateError, match=r"odd.safetensors: checksum mismatch in bytes \d+\.\.\d+ \(block"):
+        reader.read_files([header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, threads=2)
+    assert adopted == []
+
+
+def test_a_mapped_file_that_shrinks_during_the_load_names_the_file(tmp_path):
+    path = str(tmp_path / "big.safetensors")
+    save_file({"w": torch.ones(1 << 20, dtype=torch.bfloat16)}, path)
+    size = os.path.getsize(path)
+    mapping = reader._map_file(path)
+    os.truncate(path, size // 2)
+    # The kernel reports the pages past the new end (EFAULT) instead of raising SIGBUS later.
+    pager = reader._SpanReader([path], [], {}, False, {0: mapping})
+    with pytest.raises(ShardedStateError, match=r"big.safetensors: file ended at byte \d+ while reading"):
+        pager._page_in(0, [(0, size)])

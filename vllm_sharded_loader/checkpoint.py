@@ -62,6 +62,7 @@ class LoadStats:
     resharded_from: tuple[int, int] | None = None
     checkpoint_bytes: int = 0
     threads: int = 1
+    bytes_mapped: int = 0  # of bytes_read, served from file mappings instead of copied
 
 
 # ----------------------------------------------------------------------- state
@@ -241,6 +242,7 @@ def load_rank(
     threads: int = reader.DEFAULT_THREADS,
     progress: Callable[[int, int], None] | None = None,
     huge_pages: bool = False,
+    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
@@ -254,6 +256,9 @@ def load_rank(
     its manifest records the geometry; ``tied`` names groups of tensors the serving
     model shares (tied embeddings), so a tensor saved under one name serves the others.
     ``threads``, ``progress`` and ``huge_pages`` go to :func:`.reader.read_pieces`.
+    ``adopt`` maps tensor names to callbacks that take a tensor over a private mapping
+    of the file in place of the target (see :func:`.reader.read_pieces`); a
+    same-topology load uses them, a resharding load reads every tensor.
     """
     started = time.perf_counter()
     where = f"{directory} ({rank})"
@@ -327,7 +332,9 @@ def load_rank(
             hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
             "drops every linear weight. Save it again with examples/save_sharded_state.py.",
         )
-    read = reader.read_files(headers, targets, checksums, threads=threads, progress=progress, huge_pages=huge_pages)
+    read = reader.read_files(
+        headers, targets, checksums, adopt, threads=threads, progress=progress, huge_pages=huge_pages
+    )
     return LoadStats(
         files=tuple(h.path for h in headers),
         tensors=len(targets),
@@ -336,6 +343,7 @@ def load_rank(
         cast=tuple(cast),
         with_manifest=manifest is not None,
         threads=read.threads,
+        bytes_mapped=read.bytes_mapped,
     )
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from copy import copy
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify", "threads", "huge_pages"})
+EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify", "threads", "huge_pages", "mmap"})
 
 
 def current_rank() -> RankInfo:
@@ -45,6 +47,42 @@ def source_identity(model: torch.nn.Module, model_config: ModelConfig) -> Source
     )
 
 
+def _storage_uses(tensor: torch.Tensor) -> int | None:
+    """How many tensors share ``tensor``'s memory (torch's count), or None where torch does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(tensor.untyped_storage()._cdata))
+
+
+def adoptable_parameters(
+    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
+) -> dict[str, Callable[[torch.Tensor], None]]:
+    """Callbacks that make a CPU parameter use another tensor as its data, by state-dict name.
+
+    A parameter is offered only if nothing but itself and the ``state_dict`` entries
+    holds its memory: a layer that kept a view of a parameter's memory would otherwise go
+    on reading the old, never-filled memory after the swap. Shared (tied) parameters are
+    one object, so swapping it serves every name.
+    """
+    baseline = _storage_uses(torch.nn.Parameter(torch.empty(1), requires_grad=False))
+    if baseline is None:
+        return {}
+    held: dict[int, int] = {}
+    for t in {id(t): t for t in state_dict.values()}.values():
+        key = t.untyped_storage().data_ptr()
+        held[key] = held.get(key, 0) + 1
+    setters: dict[str, Callable[[torch.Tensor], None]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name not in state_dict or param.device.type != "cpu" or not param.numel():
+            continue
+        if _storage_uses(param) == baseline + held.get(param.untyped_storage().data_ptr(), 0):
+            setters[name] = partial(_swap_data, param)
+    return setters
+
+
+def _swap_data(param: torch.nn.Parameter, data: torch.Tensor) -> None:
+    param.data = data
+
+
 def dtype_label(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -63,7 +101,10 @@ class ShardedStateLoader(BaseModelLoader):
     manifest) or ``"checksum"`` (also the checksum of every byte read), and
     ``pattern`` (the file name pattern of a checkpoint saved with a custom one), as
     vLLM's loader does, and ``threads`` (reader threads per worker, default one per core, 4 to 8) and
-    ``huge_pages`` (ask for transparent huge pages on the parameters, default off).
+    ``huge_pages`` (ask for transparent huge pages on the parameters, default off) and
+    ``mmap`` (default on: CPU parameters stored in their own dtype are served from a
+    private, copy-on-write mapping of the checkpoint file, as ``safetensors`` maps files
+    on CPU, instead of being copied into new memory; ``false`` copies every byte).
     Rank 0 shows a progress bar unless ``use_tqdm_on_load`` is off.
     """
 
@@ -94,6 +135,10 @@ class ShardedStateLoader(BaseModelLoader):
                 f"model_loader_extra_config huge_pages={huge_pages!r} for sharded_state must be true or false."
             )
         self.huge_pages: bool = huge_pages
+        mmap = extra.get("mmap", True)
+        if not isinstance(mmap, bool):
+            raise ShardedStateError(f"model_loader_extra_config mmap={mmap!r} for sharded_state must be true or false.")
+        self.mmap: bool = mmap
 
     # Save side: vLLM's worker hook calls `ShardedStateLoader.save_model`; the plugin
     # points that name at this class, so the hook writes our format.
@@ -154,6 +199,7 @@ class ShardedStateLoader(BaseModelLoader):
                 threads=self.threads,
                 progress=progress,
                 huge_pages=self.huge_pages,
+                adopt=adoptable_parameters(model, state_dict) if self.mmap else None,
             )
         if stats.resharded_from is not None:
             logger.info(
@@ -183,11 +229,12 @@ class ShardedStateLoader(BaseModelLoader):
                 MANIFEST_NAME,
             )
         logger.info(
-            "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB from %d files in %.3f s "
-            "(%.2f GB/s, verify=%s, %d threads)",
+            "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB (%.1f MB mapped) from %d "
+            "files in %.3f s (%.2f GB/s, verify=%s, %d threads)",
             rank,
             stats.tensors,
             stats.bytes_read / 1e6,
+            stats.bytes_mapped / 1e6,
             len(stats.files),
             stats.seconds,
             stats.bytes_read / max(stats.seconds, 1e-9) / 1e9,

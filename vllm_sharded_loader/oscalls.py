@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import os
 from typing import Any
 
 MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22  # Linux 5.14+
 SYNC_FILE_RANGE_WRITE = 2
 
 _libc: Any = None
@@ -34,6 +36,19 @@ def madvise_hugepage(address: int, nbytes: int) -> bool:
     """``madvise(MADV_HUGEPAGE)`` over a page-aligned range; True if the kernel agreed."""
     libc = _c()
     return libc is not None and libc.madvise(address, nbytes, MADV_HUGEPAGE) == 0
+
+
+def populate_read(address: int, nbytes: int) -> int:
+    """``madvise(MADV_POPULATE_READ)``: page in and map a range of a file mapping now.
+
+    Returns 0, or the errno: ``EINVAL`` where the kernel predates the call, ``EFAULT``
+    where a page is beyond the end of the file (it was truncated), ``ENOSYS`` off Linux.
+    The call releases the GIL (ctypes), so several threads page in at once.
+    """
+    libc = _c()
+    if libc is None:
+        return errno.ENOSYS
+    return 0 if libc.madvise(address, nbytes, MADV_POPULATE_READ) == 0 else ctypes.get_errno()
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
