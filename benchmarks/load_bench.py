@@ -91,6 +91,9 @@ def save(hf: str, out: str, tp: int) -> dict:
     # Flush other files' dirty pages first (the model just built): an fsync of ours
     # would otherwise wait for them too.
     os.sync()
+    # The disk's write speed right now, both ways, to compare this save with.
+    probes = {"write_fsync": write_probe(os.path.dirname(out), 1 << 30, direct=False)}
+    probes["write_direct"] = write_probe(os.path.dirname(out), 1 << 30, direct=True)
     started = time.perf_counter()
     proc = subprocess.run(
         [
@@ -118,7 +121,42 @@ def save(hf: str, out: str, tp: int) -> dict:
     return {
         "total_seconds": time.perf_counter() - started,
         "ranks": [{"rank": int(r), "mb": float(mb), "seconds": float(s), "gbps": float(g)} for r, mb, s, g in ranks],
+        "write_before": probes,
     }
+
+
+def write_probe(directory: str, nbytes: int, direct: bool, streams: int = 1) -> float:
+    """GB/s of writing ``nbytes`` of new files in ``streams`` threads from touched memory, fsynced.
+
+    ``direct``: ``O_DIRECT`` from page-aligned buffers, like ``dd oflag=direct bs=64M``;
+    otherwise through the page cache then ``fsync``, like ``dd conv=fsync``.
+    """
+    import mmap
+
+    chunk = 64 << 20
+    os.sync()
+
+    def one(i: int) -> None:
+        buffer = mmap.mmap(-1, chunk)
+        buffer.write(b"\1" * chunk)  # touched
+        path = os.path.join(directory, f"write-probe-{i}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        fd = os.open(path, flags, 0o644)
+        try:
+            for _ in range(nbytes // streams // chunk):
+                os.write(fd, buffer)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            buffer.close()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(one, range(streams)))
+    seconds = time.perf_counter() - started
+    for i in range(streams):
+        os.remove(os.path.join(directory, f"write-probe-{i}"))
+    return nbytes // streams // chunk * chunk * streams / seconds / GB
 
 
 # ------------------------------------------------------------------------ raw limits
@@ -205,6 +243,7 @@ def raw_limits(paths: list[str], runs: int) -> dict:
     out.update({k: [] for k in ("warm_fresh_1", "warm_fresh_4", "warm_fresh_huge_4", "reader_warm", "reader_cold")})
     out.update({"reader_mapped_warm": [], "reader_mapped_cold": []})
     out.update({"write_fsync_1": [], "write_fsync_2": [], "save_1": [], "save_2": []})
+    out.update({"write_direct_1": [], "write_direct_2": []})
     headers = [safetensors_io.read_header(p) for p in paths]
     # The rank's tensors in memory, as a worker holds them when it saves.
     weights = [
@@ -275,6 +314,7 @@ def raw_limits(paths: list[str], runs: int) -> dict:
             for streams in (1, 2):
                 os.sync()
                 out[f"write_fsync_{streams}"].append(size / timed(write, streams) / GB)
+                out[f"write_direct_{streams}"].append(write_probe(scratch, size, True, streams))
                 os.sync()
                 out[f"save_{streams}"].append(size / timed(save, streams) / GB)
     return {k: {"gbps": v, "median": statistics.median(v)} for k, v in out.items()}
@@ -315,7 +355,9 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     }[loader]
     load_format = {"default": "safetensors", "runai": "runai_streamer_sharded"}.get(loader, "sharded_state")
     paths = files_of(model)
+    probe = None
     if mode == "cold":
+        probe = cold_probe(paths)
         evict(paths)
     else:
         warm(paths)
@@ -346,7 +388,31 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     result["rank_seconds"] = sorted(entry["seconds"] for entry in loads)
     result["loader_class"] = sorted({entry["loader"] for entry in loads})
     result["rank_bytes"] = sum(os.path.getsize(p) for p in files_of(dirs[tp])) / tp
+    result["cold_sequential_before"] = probe
     return result
+
+
+def cold_probe(paths: list[str]) -> float:
+    """GB/s of a cold sequential read of ``paths`` just now, like ``dd bs=64M of=/dev/null``.
+
+    The machine's cold read speed drifts minute to minute with the host's state (the page
+    cache's new pages are memory the host may have taken back), so each cold engine run
+    is compared with a read taken right before it, in the same conditions, as well as
+    with the limits measured at the start.
+    """
+    evict(paths)
+    buffer = bytearray(64 << 20)
+    view = memoryview(buffer)
+    started, total = time.perf_counter(), 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while n := os.readv(fd, [view]):
+                total += n
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - started) / GB
 
 
 # --------------------------------------------------------------------------- report
@@ -366,6 +432,12 @@ def summarize(engines: list[dict]) -> dict:
             "gbps": rows[0]["rank_bytes"] / load / GB,
             "runs": len(rows),
         }
+        probes = [r["cold_sequential_before"] for r in rows if r.get("cold_sequential_before")]
+        if probes:
+            # Each run's load GB/s over the cold read just before it, then the median.
+            ratios = [r["rank_bytes"] / r["load_seconds"] / GB / r["cold_sequential_before"] for r in rows]
+            summary[key]["cold_sequential_before"] = statistics.median(probes)
+            summary[key]["of_cold_sequential_before"] = statistics.median(ratios)
     return summary
 
 
@@ -393,19 +465,35 @@ def markdown(result: dict) -> str:
     lines.append("")
     for n in (1, 2):
         save, raw = limits[f"save_{n}"]["median"], limits[f"write_fsync_{n}"]["median"]
-        lines.append(f"Save with {n} rank(s) at once, engine-free: {save:.2f} GB/s = {save / raw:.0%} of write+fsync.")
-    if "ours|1|cold" in s:
-        cold = s["ours|1|cold"]["gbps"]
-        lines.append(f"Cold TP=1, ours / cold sequential read: {cold / limits['cold_sequential']['median']:.0%}.")
-    for tp, saved in result["saves"].items():
-        # Ranks save at the same time: each rank's share of the same number of raw streams.
-        share = limits[f"write_fsync_{tp}"]["median"] / int(tp)
-        for r in saved.get("ranks", []):
-            lines.append(
-                f"Save TP={tp} rank {r['rank']}: {r['mb']:.0f} MB in {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s "
-                f"= {r['gbps'] / share:.0%} of one stream's share of write+fsync with {tp} concurrent stream(s) "
-                f"({share:.2f} GB/s)."
+        direct = limits.get(f"write_direct_{n}", {}).get("median")
+        line = f"Save with {n} rank(s) at once, engine-free: {save:.2f} GB/s = {save / raw:.0%} of write+fsync"
+        lines.append(line + (f", {save / direct:.0%} of O_DIRECT writes." if direct else "."))
+    for loader in LOADERS:
+        if f"{loader}|1|cold" not in s:
+            continue
+        row = s[f"{loader}|1|cold"]
+        start = row["gbps"] / limits["cold_sequential"]["median"]
+        line = f"Cold TP=1, {loader}: {start:.0%} of the cold sequential read"
+        if "of_cold_sequential_before" in row:
+            line += (
+                f" measured at the start; {row['of_cold_sequential_before']:.0%} of the one taken right before each "
+                f"load (median {row['cold_sequential_before']:.2f} GB/s)"
             )
+        lines.append(line + ".")
+    for tp, saved in result["saves"].items():
+        before = saved.get("write_before")
+        if before:
+            # The disk's speed just before this save; ranks share it, so compare their sum.
+            best = max(before.values())
+            total = sum(r["mb"] for r in saved["ranks"]) / 1e3 / max(r["seconds"] for r in saved["ranks"])
+            lines.append(
+                f"Save TP={tp} inside the engine: {total:.2f} GB/s for all ranks together = {total / best:.0%} of "
+                f"the best raw write just before it (write+fsync {before['write_fsync']:.2f} GB/s, O_DIRECT "
+                f"{before['write_direct']:.2f} GB/s)."
+            )
+        for r in saved.get("ranks", []):
+            rate = f"{r['gbps']:.2f} GB/s"
+            lines.append(f"Save TP={tp} rank {r['rank']}: {r['mb']:.0f} MB in {r['seconds']:.2f} s, {rate}.")
     return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vllm_sharded_loader import reader, safetensors_io
+from vllm_sharded_loader import integrity, reader, safetensors_io
 from vllm_sharded_loader.format import ShardedStateError
 
 
@@ -52,6 +52,43 @@ def test_library_reads_what_we_write(tmp_path):
         assert f.metadata() == {"format": "pt"}
         for name, t in tensors.items():
             assert torch.equal(as_bytes(f.get_tensor(name)), as_bytes(t)), name
+
+
+def direct_io_supported(directory) -> bool:
+    probe = str(directory / "probe")
+    sink = safetensors_io._DirectSink.open(probe, 1)
+    if sink is None:
+        return False
+    with sink:
+        pass
+    os.remove(probe)
+    return True
+
+
+@pytest.mark.parametrize("chunk", [4096, 12288, 1 << 20])
+def test_direct_and_buffered_writes_give_the_same_file_and_checksums(tmp_path, monkeypatch, chunk):
+    if not direct_io_supported(tmp_path):
+        pytest.skip("this file system does not take O_DIRECT writes")
+    # Small staging buffers: the two buffers take many turns, tensors cross their edges.
+    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(integrity, "BLOCK_SIZE", 5000)  # checksum blocks that straddle the buffers too
+    g = torch.Generator().manual_seed(3)
+    tensors = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate([1, 3001, 1024, 7, 20000, 5])]
+    tensors.append(("strided", torch.randn(50, 30, generator=g).t()))
+    direct, buffered = str(tmp_path / "direct.safetensors"), str(tmp_path / "buffered.safetensors")
+    counted: list[int] = []
+    a = safetensors_io.write_file(direct, tensors, {"format": "pt"}, counted.append, direct=True)
+    b = safetensors_io.write_file(buffered, tensors, {"format": "pt"}, direct=False)
+    with open(direct, "rb") as f, open(buffered, "rb") as g2:
+        data = f.read()
+        assert data == g2.read()
+    assert a.checksum.block_size == 5000 and len(a.checksum.blocks) > 3
+    assert a == b and a.size == len(data) == os.path.getsize(direct)  # the padding is cut off
+    assert sum(counted) == a.size - safetensors_io.read_header(direct).data_start
+    block = a.checksum.block_size
+    assert a.checksum.blocks == tuple(
+        blake3.blake3(data[i : i + block]).hexdigest() for i in range(0, len(data), block)
+    )
 
 
 def test_we_read_what_the_library_writes_straight_into_targets(tmp_path):

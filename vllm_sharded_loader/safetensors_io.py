@@ -10,12 +10,15 @@ safetensors: ``safe_open`` reads ours and we read the library's.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,29 +237,38 @@ def write_file(
     tensors: list[tuple[str, torch.Tensor]],
     metadata: Mapping[str, str],
     progress: Callable[[int], None] | None = None,
+    direct: bool | None = None,
 ) -> WrittenFile:
     """Write tensors to ``path`` as safetensors, streaming from their memory.
 
     Returns the file's size, its block checksums (hashed from the same memory as it is
-    written) and where each tensor's bytes start. CPU contiguous tensors are written straight from their storage; other
-    tensors are copied one at a time, so extra memory is bounded by the largest such
-    tensor. The file is fsynced before returning. The caller picks a temporary name
-    and publishes by rename. ``progress`` is called with the bytes of each chunk written.
+    written) and where each tensor's bytes start. CPU contiguous tensors are written
+    straight from their storage; other tensors are copied one at a time, so extra memory
+    is bounded by the largest such tensor. The file is fsynced before returning. The
+    caller picks a temporary name and publishes by rename. ``progress`` is called with
+    the bytes of each chunk written.
+
+    ``direct`` (default: where the file system allows it) writes with ``O_DIRECT``
+    through two aligned staging buffers of at most :data:`CHUNK_BYTES`, so the bytes go
+    from memory to the disk without passing through the page cache: a save then costs
+    no new page-cache memory, whose first touch is what slows buffered writes on
+    memory-reclaiming VMs (see ``benchmarks/README.md``). ``False`` writes through the
+    page cache, handing each 64 MiB to the disk at once.
     """
-    hasher = BlockHasher()
-    # Hashing runs on a second thread, one chunk behind the writes: both release the
-    # GIL, so the checksum costs little more than the write alone.
-    with (
-        open(path, "wb") as f,
-        ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu) as pool,
-    ):
-        head = build_header(tensors, metadata)
-        f.write(head)
-        hashing = pool.submit(hasher.update, head)
-        offsets: dict[str, int] = {}
-        kicked = 0  # bytes before this are being written back already
+    head = build_header(tensors, metadata)
+    size = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
+    sink: _BufferedSink | _DirectSink | None = None
+    if direct is not False:
+        sink = _DirectSink.open(path, size)
+        if sink is None and direct:
+            raise ShardedStateError(f"{path}: the file system does not support O_DIRECT writes.")
+    if sink is None:
+        sink = _BufferedSink(path)
+    offsets: dict[str, int] = {}
+    with sink:
+        sink.write(memoryview(head))
         for name, t in tensors:
-            offsets[name] = f.tell()
+            offsets[name] = sink.position
             if isinstance(t, LazyTensor):
                 t = t.produce()
             if t.device.type != "cpu" or not t.is_contiguous():
@@ -264,16 +276,141 @@ def write_file(
             view = byte_view(t)
             for start in range(0, len(view), CHUNK_BYTES):
                 chunk = view[start : start + CHUNK_BYTES]
-                f.write(chunk)
-                if f.tell() - kicked >= CHUNK_BYTES:
-                    f.flush()
-                    oscalls.start_writeback(f.fileno(), kicked, f.tell() - kicked)
-                    kicked = f.tell()
-                hashing.result()
-                hashing = pool.submit(hasher.update, chunk)
+                sink.write(chunk)
                 if progress is not None:
                     progress(len(chunk))
-        f.flush()
-        os.fsync(f.fileno())
-        hashing.result()
-    return WrittenFile(hasher.position, hasher.finish(), offsets)
+        sink.finish()
+    return WrittenFile(sink.hasher.position, sink.hasher.finish(), offsets)
+
+
+class _BufferedSink:
+    """Writes through the page cache; hashes on a second thread, one chunk behind the writes.
+
+    Both the write and BLAKE3 release the GIL, so the checksum costs little more than the
+    write alone. Each 64 MiB is handed to the disk at once (``sync_file_range``) instead
+    of waiting in the page cache for the final ``fsync``.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115 (closed in __exit__)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu)
+        self.hasher = BlockHasher()
+        self.hashing: Future[None] | None = None
+        self.position = self.kicked = 0
+
+    def __enter__(self) -> _BufferedSink:
+        return self
+
+    def write(self, chunk: memoryview) -> None:
+        self.file.write(chunk)
+        self.position += len(chunk)
+        if self.position - self.kicked >= CHUNK_BYTES:
+            self.file.flush()
+            oscalls.start_writeback(self.file.fileno(), self.kicked, self.position - self.kicked)
+            self.kicked = self.position
+        if self.hashing is not None:
+            self.hashing.result()
+        self.hashing = self.pool.submit(self.hasher.update, chunk)
+
+    def finish(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        if self.hashing is not None:
+            self.hashing.result()
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown()
+        self.file.close()
+
+
+class _DirectSink:
+    """Writes with ``O_DIRECT`` from two page-aligned staging buffers, taking turns.
+
+    The caller's bytes are copied into one buffer (memory already touched, so at memory
+    speed) while the other is written by the writer thread and hashed by the checksum
+    thread; the last buffer is padded to the alignment and the file cut to its size.
+    """
+
+    ALIGN = 4096  # covers every logical block size in use
+
+    def __init__(self, fd: int, path: str, size: int) -> None:
+        self.fd, self.path = fd, path
+        capacity = min(CHUNK_BYTES, max(self.ALIGN, -(-size // self.ALIGN) * self.ALIGN))
+        # Anonymous mappings are page-aligned, as O_DIRECT needs.
+        self.buffers = [mmap.mmap(-1, capacity), mmap.mmap(-1, capacity)]
+        self.pending: list[list[Future[None]]] = [[], []]
+        self.turn = self.fill = 0
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write", initializer=oscalls.use_every_cpu)
+        self.hashing = ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu)
+        self.hasher = BlockHasher()
+        self.position = 0  # bytes handed to write()
+
+    @classmethod
+    def open(cls, path: str, size: int) -> _DirectSink | None:
+        """A sink for a new file at ``path``, or None where O_DIRECT is unavailable (tmpfs, other OSes)."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return None
+            raise
+        return cls(fd, path, size)
+
+    def __enter__(self) -> _DirectSink:
+        return self
+
+    def write(self, data: memoryview) -> None:
+        self.position += len(data)
+        while len(data):
+            buffer = self.buffers[self.turn]
+            take = min(len(data), len(buffer) - self.fill)
+            buffer[self.fill : self.fill + take] = data[:take]
+            self.fill += take
+            data = data[take:]
+            if self.fill == len(buffer):
+                self._flush()
+
+    def _flush(self) -> None:
+        """Hand the current buffer to the writer and hasher; take the other one once it is free."""
+        buffer, n = self.buffers[self.turn], self.fill
+        padded = -(-n // self.ALIGN) * self.ALIGN
+        if padded > n:
+            buffer[n:padded] = bytes(padded - n)  # O_DIRECT writes whole blocks; the file is cut after
+        view = memoryview(buffer)
+        self.pending[self.turn] = [
+            self.hashing.submit(self.hasher.update, view[:n]),
+            self.writer.submit(self._write_all, view[:padded]),
+        ]
+        self.turn ^= 1
+        self.fill = 0
+        for job in self.pending[self.turn]:
+            job.result()
+        self.pending[self.turn] = []
+
+    def _write_all(self, view: memoryview) -> None:
+        while len(view):
+            written = os.write(self.fd, view)
+            if written <= 0:
+                raise OSError(errno.EIO, f"write returned {written}", self.path)
+            view = view[written:]
+
+    def finish(self) -> None:
+        if self.fill:
+            self._flush()
+        for jobs in self.pending:
+            for job in jobs:
+                job.result()
+        os.ftruncate(self.fd, self.position)  # drop the padding of the last block
+        os.fsync(self.fd)
+
+    def __exit__(self, *exc: object) -> None:
+        # Let in-flight jobs end before their buffers are unmapped, even after an error.
+        self.writer.shutdown()
+        self.hashing.shutdown()
+        os.close(self.fd)
+        for buffer in self.buffers:
+            with contextlib.suppress(BufferError):  # a view still exported by a failed job
+                buffer.close()
