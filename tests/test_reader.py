@@ -274,7 +274,10 @@ def test_without_asking_targets_keep_their_pages(tmp_path):
 
 def mapped_file_of(tensor: torch.Tensor) -> str | None:
     """The file whose mapping holds ``tensor``'s memory, from /proc/self/maps (None: anonymous memory)."""
-    address = tensor.data_ptr()
+    return mapped_file_of_address(tensor.data_ptr())
+
+
+def mapped_file_of_address(address: int) -> str | None:
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split()
@@ -357,10 +360,31 @@ def test_mapped_bytes_are_verified_and_nothing_is_adopted_on_a_mismatch(tmp_path
 def test_a_mapped_file_that_shrinks_during_the_load_names_the_file(tmp_path):
     path = str(tmp_path / "big.safetensors")
     save_file({"w": torch.ones(1 << 20, dtype=torch.bfloat16)}, path)
-    size = os.path.getsize(path)
-    mapping = reader._map_file(path)
-    os.truncate(path, size // 2)
+    entry = safetensors_io.read_header(path).tensors["w"]
+    piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=2)
+    target = reader.Target(torch.empty(1 << 20, dtype=torch.bfloat16), torch.bfloat16, adopt=lambda t: None)
+    mapped = reader._Destination(target, reader.map_tensor(path, piece, target))
+    os.truncate(path, entry.begin + (entry.end - entry.begin) // 2)
     # The kernel reports the pages past the new end (EFAULT) instead of raising SIGBUS later.
-    pager = reader._SpanReader([path], [], {}, False, {0: mapping})
-    with pytest.raises(ShardedStateError, match=r"big.safetensors: file ended at byte \d+ while reading"):
-        pager._page_in(0, [(0, size)])
+    pager = reader._SpanReader([path], [mapped], {}, False)
+    with pytest.raises(ShardedStateError, match=r"big.safetensors: file ended before byte \d+ while reading"):
+        pager._page_in(0, [(mapped, piece)])
+
+
+def test_a_mapped_tensor_lives_as_long_as_its_views(tmp_path):
+    import gc
+
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.arange(4096, dtype=torch.int32)}, path)
+    entry = safetensors_io.read_header(path).tensors["w"]
+    piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=4)
+    target = reader.Target(torch.empty(4096, dtype=torch.int32), torch.int32, adopt=lambda t: None)
+    tensor = reader.map_tensor(path, piece, target)
+    view = tensor[100:]
+    address = tensor.data_ptr()
+    del tensor
+    gc.collect()
+    assert mapped_file_of(view) == path and torch.equal(view, torch.arange(100, 4096, dtype=torch.int32))
+    del view
+    gc.collect()
+    assert mapped_file_of_address(address) != path  # unmapped with its last view

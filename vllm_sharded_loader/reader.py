@@ -44,6 +44,7 @@ the hardware's limits, measured on the project's 2-core machines:
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import queue
 import threading
@@ -129,6 +130,7 @@ class _Destination:
         self.direct = self.cuda = False
         self.view = None
         if mapped is not None:
+            self.mapped_bytes = mapped.reshape(-1).view(torch.uint8)
             return
         if not t.is_contiguous():
             # Rare (parameters are contiguous): read whole, copy once at the end.
@@ -216,11 +218,9 @@ class _SpanReader:
         destinations: Sequence[_Destination],
         checksums: Mapping[int, FileChecksum],
         pin: bool,
-        mappings: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         self.paths, self.destinations, self.checksums = paths, destinations, checksums
         self.pin = pin
-        self.mappings = mappings or {}  # file index -> the whole file, mapped privately (uint8)
         self.local = threading.local()
 
     def _state(self) -> _ThreadState:
@@ -281,11 +281,11 @@ class _SpanReader:
             staging_view = memoryview(staging.numpy()).cast("B")
         scratch = state.scratch_view(span.end - span.begin) if span.verified else None
         cursor = 0
-        paged: list[tuple[int, int]] = []  # byte ranges of mapped pieces to page in
+        paged: list[tuple[_Destination, Piece]] = []  # mapped bytes to page in
         for p in span.pieces:
             dest = self.destinations[p.dest]
             if dest.mapped is not None:
-                paged.append((p.offset, p.end))
+                paged.append((dest, p))
             if p.offset < position:
                 if dest.mapped is None:
                     alone.append(p)  # the same bytes go to two destinations: read the second copy apart
@@ -294,7 +294,7 @@ class _SpanReader:
                 add(position, scratch[position - span.begin : p.offset - span.begin])
             if dest.mapped is not None:
                 if span.verified:
-                    hashed.append(byte_view(self.mappings[p.file][p.offset : p.end]))
+                    hashed.append(byte_view(dest.mapped_bytes[p.start : p.start + p.length]))
                 group_end = -1  # the next read does not continue this one
             elif dest.direct:
                 add(p.offset, dest.view[p.start : p.start + p.length])
@@ -329,27 +329,24 @@ class _SpanReader:
             self._read_alone(p)
         return span.nbytes
 
-    def _page_in(self, file: int, ranges: list[tuple[int, int]]) -> None:
-        """Page in byte ranges of a file's mapping now, so the load pays for the reads, not the first request."""
-        mapping, path = self.mappings[file], self.paths[file]
-        base = mapping.data_ptr()
-        merged: list[list[int]] = []
-        for a, b in ranges:
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        for a, b in merged:
-            a -= a % PAGE  # madvise takes page-aligned addresses; the mapping starts on a page
-            error = oscalls.populate_read(base + a, b - a)
+    def _page_in(self, file: int, ranges: list[tuple[_Destination, Piece]]) -> None:
+        """Page in bytes of mapped targets now, so that the load pays for the reads, not the first request."""
+        for dest, p in ranges:
+            start, length = p.start, p.length
+            address = dest.mapped_bytes.data_ptr() + start
+            # madvise takes a page-aligned address; the mapping starts on the page holding the tensor's first byte.
+            error = oscalls.populate_read(address - address % PAGE, length + address % PAGE)
             if error in (errno.EINVAL, errno.ENOSYS):
                 # Older kernel: touch one byte per page instead.
-                mapping[a:b:PAGE].sum()
+                dest.mapped_bytes[start : start + length : PAGE].sum()
             elif error == errno.EFAULT:
-                raise _truncated(path, b)
+                raise ShardedStateError(
+                    f"{self.paths[file]}: file ended before byte {p.end} while reading; it is truncated or was "
+                    "replaced during the load. Copy or save the checkpoint again."
+                )
             elif error:
                 raise ShardedStateError(
-                    f"{path}: reading bytes {a}..{b} failed ({os.strerror(error)}). Check the storage, "
+                    f"{self.paths[file]}: reading it failed ({os.strerror(error)}). Check the storage, "
                     "then copy or save the checkpoint again."
                 )
 
@@ -422,7 +419,7 @@ def read_pieces(
     for transparent huge pages over CPU targets before they are first written.
 
     A target with :attr:`Target.adopt` that :func:`mapped_pieces` accepts is not written:
-    its file is mapped privately (copy-on-write, as ``safetensors.safe_open`` maps files
+    its bytes are mapped privately (:func:`map_tensor`, copy-on-write, as ``safetensors.safe_open`` maps files
     on CPU), its pages are brought in by the reading threads (``MADV_POPULATE_READ``) and
     verified like read bytes, and once everything has been read ``adopt`` receives the
     tensor over the mapping. The page cache's pages then serve as the target's memory, so
@@ -433,9 +430,8 @@ def read_pieces(
         raise ShardedStateError(f"threads={threads}: the reader needs at least one thread.")
     checksums = dict(checksums or {})
     served = mapped_pieces(pieces, targets)
-    mappings = {p.file: _map_file(paths[p.file]) for p in served.values()}
     destinations = [
-        _Destination(t, _mapped_tensor(mappings, paths, served[i], t) if i in served else None)
+        _Destination(t, map_tensor(paths[served[i].file], served[i], t) if i in served else None)
         for i, t in enumerate(targets)
     ]
     huge = False
@@ -458,7 +454,7 @@ def read_pieces(
         grids.append(FileGrid(size, checksum.block_size, verify, path))
     spans = plan_spans(pieces, grids)
     pin = any(d.cuda for d in destinations)
-    total = _run(_SpanReader(paths, destinations, checksums, pin, mappings), spans, threads, progress)
+    total = _run(_SpanReader(paths, destinations, checksums, pin), spans, threads, progress)
     if pin:
         torch.cuda.synchronize()
     for d in destinations:
@@ -501,24 +497,28 @@ def mapped_pieces(pieces: Sequence[Piece], targets: Sequence[Target]) -> dict[in
     return served
 
 
-def _map_file(path: str) -> torch.Tensor:
-    """The whole file as a uint8 tensor over a private (copy-on-write) mapping, as safetensors maps it.
+def map_tensor(path: str, p: Piece, target: Target) -> torch.Tensor:
+    """The piece's bytes as a tensor shaped like the target, over a private mapping of just those pages.
 
-    Its pages are the page cache's: no copy and no fresh memory until something writes
-    to them, and writes go to private copies, never to the file.
+    ``MAP_PRIVATE`` (copy-on-write), as ``safetensors.safe_open`` maps files on CPU: the
+    page cache's pages, no copy and no fresh memory until something writes to them, and
+    writes go to private copies, never to the file. One mapping per tensor, which lives
+    exactly as long as the tensor (and its views): when vLLM drops a weight it has
+    repacked, its pages are unmapped and left to the page cache to keep or reclaim.
     """
-    size = os.stat(path).st_size
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(path, False, size))
-
-
-def _mapped_tensor(
-    mappings: Mapping[int, torch.Tensor], paths: Sequence[str], p: Piece, target: Target
-) -> torch.Tensor:
-    """The piece's bytes in its file's mapping as a tensor shaped like the target."""
-    mapping = mappings[p.file]
-    if p.end > mapping.numel():
-        raise _truncated(paths[p.file], mapping.numel())
-    return mapping[p.offset : p.end].view(target.stored).view(target.tensor.shape)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if p.end > size:
+            raise _truncated(path, size)
+        first = p.offset - p.offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(
+            fd, p.end - first, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=first
+        )
+    finally:
+        os.close(fd)
+    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=p.length, offset=p.offset - first)
+    return flat.view(target.stored).view(target.tensor.shape)
 
 
 def split_streams(spans: Sequence[Span], streams: int) -> list[list[Span]]:
