@@ -31,9 +31,9 @@ the hardware's limits, measured on the project's 2-core machines:
   host took back, and loads ran 30% slower with it. So it is opt-in.
 - **Mapping instead of copying.** A CPU target whose caller can take another tensor
   (``Target.adopt``; the vLLM loader swaps the parameter's data) is served from a
-  private mapping of its file: the page cache's pages become its memory, with no copy
-  and no first touch. A warm 1.5 GB rank maps at tens of GB/s where the copy runs at
-  1-3 GB/s here; cold, the threads page the files in at the disk's speed.
+  private mapping of its bytes in the file: the page cache's pages become its memory,
+  with no copy and no first touch. A warm 1.5 GB rank maps at tens of GB/s where the
+  copy runs at 1-3 GB/s here; cold, the threads page the mappings in at the disk's speed.
 - **Accelerators.** A target on another device is filled from pinned staging buffers,
   two per thread, with non-blocking copies on the thread's own stream, so the copy of
   one span overlaps the read of the next.
@@ -419,12 +419,13 @@ def read_pieces(
     for transparent huge pages over CPU targets before they are first written.
 
     A target with :attr:`Target.adopt` that :func:`mapped_pieces` accepts is not written:
-    its bytes are mapped privately (:func:`map_tensor`, copy-on-write, as ``safetensors.safe_open`` maps files
-    on CPU), its pages are brought in by the reading threads (``MADV_POPULATE_READ``) and
-    verified like read bytes, and once everything has been read ``adopt`` receives the
-    tensor over the mapping. The page cache's pages then serve as the target's memory, so
-    the load neither copies the bytes nor first-touches fresh memory, which on the
-    project's VMs is what limits a copying load (see the module docstring).
+    its bytes are mapped privately (:func:`map_tensor`: copy-on-write, as
+    ``safetensors.safe_open`` maps files on CPU), its pages are brought in by the reading
+    threads (``MADV_POPULATE_READ``) and verified like read bytes, and once everything has
+    been read ``adopt`` receives the tensor over the mapping. The page cache's pages then
+    serve as the target's memory, so the load neither copies the bytes nor first-touches
+    fresh memory, which on the project's VMs is what limits a copying load (see the
+    module docstring).
     """
     if threads < 1:
         raise ShardedStateError(f"threads={threads}: the reader needs at least one thread.")
