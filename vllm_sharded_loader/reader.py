@@ -69,7 +69,7 @@ DEFAULT_THREADS = min(8, max(4, os.cpu_count() or 1))
 SPAN_BYTES = 4 * 1024 * 1024
 # A verified span is one checksum block instead (16 MiB), so it hashes to one recorded digest.
 HUGE_PAGE = 2 * 1024 * 1024
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE = mmap.PAGESIZE
 try:
     IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
 except (AttributeError, ValueError, OSError):
@@ -419,7 +419,7 @@ def read_pieces(
     for transparent huge pages over CPU targets before they are first written.
 
     A target with :attr:`Target.adopt` that :func:`mapped_pieces` accepts is not written:
-    its bytes are mapped privately (:func:`map_tensor`: copy-on-write, as
+    its bytes are mapped privately (:func:`map_tensors`: copy-on-write, as
     ``safetensors.safe_open`` maps files on CPU), its pages are brought in by the reading
     threads (``MADV_POPULATE_READ``) and verified like read bytes, and once everything has
     been read ``adopt`` receives the tensor over the mapping. The page cache's pages then
@@ -431,10 +431,8 @@ def read_pieces(
         raise ShardedStateError(f"threads={threads}: the reader needs at least one thread.")
     checksums = dict(checksums or {})
     served = mapped_pieces(pieces, targets)
-    destinations = [
-        _Destination(t, map_tensor(paths[served[i].file], served[i], t) if i in served else None)
-        for i, t in enumerate(targets)
-    ]
+    mapped = map_tensors(paths, served, targets)
+    destinations = [_Destination(t, mapped.get(i)) for i, t in enumerate(targets)]
     huge = False
     for d in destinations if huge_pages else ():
         if d.view is not None and len(d.view) >= HUGE_PAGE:
@@ -498,28 +496,40 @@ def mapped_pieces(pieces: Sequence[Piece], targets: Sequence[Target]) -> dict[in
     return served
 
 
-def map_tensor(path: str, p: Piece, target: Target) -> torch.Tensor:
-    """The piece's bytes as a tensor shaped like the target, over a private mapping of just those pages.
+def map_tensors(
+    paths: Sequence[str], served: Mapping[int, Piece], targets: Sequence[Target]
+) -> dict[int, torch.Tensor]:
+    """The served targets' bytes as tensors shaped like them, each over a private mapping of just its pages.
 
     ``MAP_PRIVATE`` (copy-on-write), as ``safetensors.safe_open`` maps files on CPU: the
     page cache's pages, no copy and no fresh memory until something writes to them, and
     writes go to private copies, never to the file. One mapping per tensor, which lives
     exactly as long as the tensor (and its views): when vLLM drops a weight it has
     repacked, its pages are unmapped and left to the page cache to keep or reclaim.
+    Each file is opened once; ``served`` maps target indices to their pieces.
     """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if p.end > size:
-            raise _truncated(path, size)
-        first = p.offset - p.offset % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(
-            fd, p.end - first, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=first
-        )
-    finally:
-        os.close(fd)
-    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=p.length, offset=p.offset - first)
-    return flat.view(target.stored).view(target.tensor.shape)
+    by_file: dict[int, list[int]] = {}
+    for i, p in served.items():
+        by_file.setdefault(p.file, []).append(i)
+    tensors: dict[int, torch.Tensor] = {}
+    for file, indices in by_file.items():
+        path = paths[file]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            for i in indices:
+                p, target = served[i], targets[i]
+                if p.end > size:
+                    raise _truncated(path, size)
+                first = p.offset - p.offset % mmap.ALLOCATIONGRANULARITY
+                mapping = mmap.mmap(
+                    fd, p.end - first, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=first
+                )
+                flat = torch.frombuffer(mapping, dtype=torch.uint8, count=p.length, offset=p.offset - first)
+                tensors[i] = flat.view(target.stored).view(target.tensor.shape)
+        finally:
+            os.close(fd)
+    return tensors
 
 
 def split_streams(spans: Sequence[Span], streams: int) -> list[list[Span]]:
