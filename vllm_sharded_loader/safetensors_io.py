@@ -257,7 +257,7 @@ def write_file(
     """
     head = build_header(tensors, metadata)
     size = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
-    sink: _BufferedSink | _DirectSink | None = None
+    sink: _Sink | None = None
     if direct is not False:
         sink = _DirectSink.open(path, size)
         if sink is None and direct:
@@ -283,23 +283,43 @@ def write_file(
     return WrittenFile(sink.hasher.position, sink.hasher.finish(), offsets)
 
 
-class _BufferedSink:
-    """Writes through the page cache; hashes on a second thread, one chunk behind the writes.
+class _Sink:
+    """What both writers share: the file's block hasher, fed on its own thread, and the bytes taken so far.
 
-    Both the write and BLAKE3 release the GIL, so the checksum costs little more than the
-    write alone. Each 64 MiB is handed to the disk at once (``sync_file_range``) instead
-    of waiting in the page cache for the final ``fsync``.
+    Both the writes and BLAKE3 release the GIL, so the checksum costs little more than the
+    write alone.
+    """
+
+    def __init__(self) -> None:
+        self.hasher = BlockHasher()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu)
+        self.position = 0  # bytes handed to write()
+
+    def __enter__(self) -> _Sink:
+        return self
+
+    def write(self, chunk: memoryview) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown()
+
+
+class _BufferedSink(_Sink):
+    """Writes through the page cache, hashing one chunk behind the writes.
+
+    Each 64 MiB is handed to the disk at once (``sync_file_range``) instead of waiting in
+    the page cache for the final ``fsync``.
     """
 
     def __init__(self, path: str) -> None:
+        super().__init__()
         self.file = open(path, "wb")  # noqa: SIM115 (closed in __exit__)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu)
-        self.hasher = BlockHasher()
         self.hashing: Future[None] | None = None
-        self.position = self.kicked = 0
-
-    def __enter__(self) -> _BufferedSink:
-        return self
+        self.kicked = 0
 
     def write(self, chunk: memoryview) -> None:
         self.file.write(chunk)
@@ -319,11 +339,11 @@ class _BufferedSink:
             self.hashing.result()
 
     def __exit__(self, *exc: object) -> None:
-        self.pool.shutdown()
+        super().__exit__()
         self.file.close()
 
 
-class _DirectSink:
+class _DirectSink(_Sink):
     """Writes with ``O_DIRECT`` from two page-aligned staging buffers, taking turns.
 
     The caller's bytes are copied into one buffer (memory already touched, so at memory
@@ -334,6 +354,7 @@ class _DirectSink:
     ALIGN = 4096  # covers every logical block size in use
 
     def __init__(self, fd: int, path: str, size: int) -> None:
+        super().__init__()
         self.fd, self.path = fd, path
         capacity = min(CHUNK_BYTES, max(self.ALIGN, -(-size // self.ALIGN) * self.ALIGN))
         # Anonymous mappings are page-aligned, as O_DIRECT needs.
@@ -341,9 +362,6 @@ class _DirectSink:
         self.pending: list[list[Future[None]]] = [[], []]
         self.turn = self.fill = 0
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write", initializer=oscalls.use_every_cpu)
-        self.hashing = ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu)
-        self.hasher = BlockHasher()
-        self.position = 0  # bytes handed to write()
 
     @classmethod
     def open(cls, path: str, size: int) -> _DirectSink | None:
@@ -358,9 +376,6 @@ class _DirectSink:
                 return None
             raise
         return cls(fd, path, size)
-
-    def __enter__(self) -> _DirectSink:
-        return self
 
     def write(self, data: memoryview) -> None:
         self.position += len(data)
@@ -381,7 +396,7 @@ class _DirectSink:
             buffer[n:padded] = bytes(padded - n)  # O_DIRECT writes whole blocks; the file is cut after
         view = memoryview(buffer)
         self.pending[self.turn] = [
-            self.hashing.submit(self.hasher.update, view[:n]),
+            self.pool.submit(self.hasher.update, view[:n]),
             self.writer.submit(self._write_all, view[:padded]),
         ]
         self.turn ^= 1
@@ -409,7 +424,7 @@ class _DirectSink:
     def __exit__(self, *exc: object) -> None:
         # Let in-flight jobs end before their buffers are unmapped, even after an error.
         self.writer.shutdown()
-        self.hashing.shutdown()
+        super().__exit__()
         os.close(self.fd)
         for buffer in self.buffers:
             with contextlib.suppress(BufferError):  # a view still exported by a failed job
