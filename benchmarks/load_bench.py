@@ -270,20 +270,6 @@ def raw_limits(paths: list[str], runs: int) -> dict:
 
     with tempfile.TemporaryDirectory(dir=os.path.dirname(paths[0])) as scratch:
 
-        def write(streams: int):
-            def one(i):
-                path = os.path.join(scratch, f"w{i}")
-                part = memoryview(touched).cast("B")[i * size // streams : (i + 1) * size // streams]
-                with open(path, "wb", buffering=0) as f:
-                    for o in range(0, len(part), 64 << 20):
-                        f.write(part[o : o + (64 << 20)])
-                    os.fsync(f.fileno())
-
-            with ThreadPoolExecutor(streams) as pool:
-                list(pool.map(one, range(streams)))
-            for i in range(streams):
-                os.remove(os.path.join(scratch, f"w{i}"))
-
         def save(ranks: int):
             # What each worker's save does (safetensors_io.write_file: header, data
             # streamed from the tensors, BLAKE3 on a second thread, fsync), ranks at once.
@@ -313,7 +299,7 @@ def raw_limits(paths: list[str], runs: int) -> dict:
             out["reader_mapped_cold"].append(size / timed(reader_into_fresh, True) / GB)
             for streams in (1, 2):
                 os.sync()
-                out[f"write_fsync_{streams}"].append(size / timed(write, streams) / GB)
+                out[f"write_fsync_{streams}"].append(write_probe(scratch, size, False, streams))
                 out[f"write_direct_{streams}"].append(write_probe(scratch, size, True, streams))
                 os.sync()
                 out[f"save_{streams}"].append(size / timed(save, streams) / GB)
