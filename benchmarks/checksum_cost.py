@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel
-from vllm_sharded_loader.integrity import BlockHasher
-from vllm_sharded_loader.safetensors_io import byte_view
-from vllm_sharded_loader.saving import save_checkpoint
+from vllm_sharded_loader.storage.integrity import BlockHasher
+from vllm_sharded_loader.storage.tensors import byte_view
 
 
 def make_tensors(gib: float) -> dict[str, torch.Tensor]:

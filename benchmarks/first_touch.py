@@ -26,7 +26,7 @@ import time
 def child(path: str, mode: str) -> float:
     import torch
 
-    from vllm_sharded_loader import reader, safetensors_io
+    from vllm_sharded_loader.storage import local, tensor_files, tensors
 
     size = os.path.getsize(path)
     with open(path, "rb") as f:  # warm
@@ -34,11 +34,9 @@ def child(path: str, mode: str) -> float:
             pass
     started = time.perf_counter()
     if mode == "read":
-        header = safetensors_io.read_header(path)
-        targets = {
-            n: torch.empty(e.shape, dtype=safetensors_io.torch_dtype(e.dtype, n)) for n, e in header.tensors.items()
-        }
-        reader.read_files([header], targets)
+        header = local.read_header(path)
+        targets = {n: torch.empty(e.shape, dtype=tensors.torch_dtype(e.dtype, n)) for n, e in header.tensors.items()}
+        tensor_files.read_files([header], targets)
     else:
         fd = os.open(path, os.O_RDONLY)
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)

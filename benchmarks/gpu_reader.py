@@ -9,7 +9,7 @@ file in the page cache (warm), measures medians of ``--runs`` runs of:
 
 - ``h2d_pinned``: one pinned host buffer copied to the GPU (the bound);
 - ``safe_open_cuda``: ``safe_open(path, "pt", device="cuda")`` and every ``get_tensor``;
-- ``ours``: :func:`vllm_sharded_loader.reader.read_files` into preallocated CUDA tensors
+- ``ours``: :func:`vllm_sharded_loader.tensor_files.read_files` into preallocated CUDA tensors
   (pinned staging, two buffers per thread, non-blocking copies on per-thread streams).
 
 Checks that our tensors equal safetensors'. Target: ours at 80% or more of ``h2d_pinned``.
@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vllm_sharded_loader import reader, safetensors_io
+from vllm_sharded_loader.storage import local, reader, tensor_files
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     path = os.path.join(work, "weights.safetensors")
     save_file({f"w{i}": torch.randn(elements, dtype=torch.bfloat16) for i in range(count)}, path)
     nbytes = os.path.getsize(path)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     with open(path, "rb") as f:  # warm: the file is in the page cache
         while f.read(64 << 20):
             pass
@@ -73,7 +73,7 @@ def main() -> None:
         targets = {n: torch.empty(e.shape, dtype=torch.bfloat16, device="cuda") for n, e in header.tensors.items()}
         torch.cuda.synchronize()
         started = time.perf_counter()
-        reader.read_files([header], targets, threads=args.threads)
+        tensor_files.read_files([header], targets, threads=args.threads)
         torch.cuda.synchronize()
         ours.tensors = targets  # type: ignore[attr-defined]
         return time.perf_counter() - started

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # tiny_models.py, the demo's model builder
 GB = 1e9
 LOADERS = ("ours", "ours_copy", "builtin", "default", "runai", "ours_resharded")
 EXTRA_CONFIG = {"ours_copy": {"mmap": False}}
@@ -52,7 +53,7 @@ PROMPT = "the model loads every shard"
 
 
 def build(work: str, layers: int) -> str:
-    from vllm_sharded_loader.testing import build_model
+    from tiny_models import build_model
 
     hf = os.path.join(work, "hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
@@ -69,7 +70,7 @@ def build(work: str, layers: int) -> str:
 
 
 def engine_env(tp: int, plugins: bool, timing: str | None = None) -> dict[str, str]:
-    from vllm_sharded_loader.testing import engine_environment
+    from tiny_models import engine_environment
 
     env = dict(os.environ, **engine_environment(tp))
     if tp == 1:
@@ -235,7 +236,7 @@ def raw_limits(paths: list[str], runs: int) -> dict:
     import torch
 
     os.sync()
-    from vllm_sharded_loader import reader, safetensors_io
+    from vllm_sharded_loader.storage import local, memory, tensor_files, tensors, writer
 
     size = sum(os.path.getsize(p) for p in paths)
     touched = torch.ones(size, dtype=torch.uint8).numpy()
@@ -244,38 +245,36 @@ def raw_limits(paths: list[str], runs: int) -> dict:
     out.update({"reader_mapped_warm": [], "reader_mapped_cold": []})
     out.update({"write_fsync_1": [], "write_fsync_2": [], "save_1": [], "save_2": []})
     out.update({"write_direct_1": [], "write_direct_2": []})
-    headers = [safetensors_io.read_header(p) for p in paths]
+    headers = [local.read_header(p) for p in paths]
     # The rank's tensors in memory, as a worker holds them when it saves.
     weights = [
-        (n, torch.empty(e.shape, dtype=safetensors_io.torch_dtype(e.dtype, n)))
-        for h in headers
-        for n, e in h.tensors.items()
+        (n, torch.empty(e.shape, dtype=tensors.torch_dtype(e.dtype, n))) for h in headers for n, e in h.tensors.items()
     ]
-    reader.read_files(headers, dict(weights))
+    tensor_files.read_files(headers, dict(weights))
 
     def reader_into_fresh(mapped: bool = False):
         targets = {
-            n: torch.empty(e.shape, dtype=safetensors_io.torch_dtype(e.dtype, n))
+            n: torch.empty(e.shape, dtype=tensors.torch_dtype(e.dtype, n))
             for h in headers
             for n, e in h.tensors.items()
         }
         adopted: list[torch.Tensor] = []  # what the loader's parameter swap would keep
-        reader.read_files(headers, targets, adopt={n: adopted.append for n in targets} if mapped else None)
+        tensor_files.read_files(headers, targets, adopt={n: adopted.append for n in targets} if mapped else None)
 
     def fresh(threads: int, huge: bool):
         t = torch.empty(size, dtype=torch.uint8)
         if huge:
-            reader.advise_huge_pages(t)
+            memory.advise_huge_pages(t)
         parallel_read(paths, t.numpy(), threads) if threads > 1 else sequential_read(paths, t.numpy())
 
     with tempfile.TemporaryDirectory(dir=os.path.dirname(paths[0])) as scratch:
 
         def save(ranks: int):
-            # What each worker's save does (safetensors_io.write_file: header, data
+            # What each worker's save does (writer.write_file: header, data
             # streamed from the tensors, BLAKE3 on a second thread, fsync), ranks at once.
             def one(i):
                 path = os.path.join(scratch, f"s{i}")
-                safetensors_io.write_file(path, weights[i::ranks], {"format": "pt"})
+                writer.write_file(path, weights[i::ranks], {"format": "pt"})
                 return path
 
             with ThreadPoolExecutor(ranks) as pool:

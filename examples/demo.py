@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_sharded_loader.testing import PROMPTS, build_model, engine_environment  # noqa: E402
+from tiny_models import PROMPTS, build_model, engine_environment  # noqa: E402
 
 LOAD_LINE = re.compile(r"vllm_sharded_loader\.ShardedStateLoader: (.*)")
 

@@ -11,11 +11,11 @@ import json
 import sys
 import time
 
+from tiny_models import PROMPTS
 from vllm import LLM, EngineArgs, SamplingParams
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from vllm_sharded_loader.save_cli import engine_kwargs
-from vllm_sharded_loader.testing import PROMPTS
+from vllm_sharded_loader.engine.save_cli import engine_kwargs
 
 
 def main() -> int:

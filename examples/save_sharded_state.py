@@ -14,7 +14,7 @@ Then serve it::
 
 import sys
 
-from vllm_sharded_loader.save_cli import main
+from vllm_sharded_loader.engine.save_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The demo's tiny models (examples/tiny_models.py) serve the tests too.
+sys.path.insert(0, str(ROOT / "examples"))
 ENGINE_TIMEOUT = 900
 
 
@@ -27,7 +29,7 @@ class EngineRun:
 
 def run_python(args: list[str], tp: int = 1, pp: int = 1, env: dict | None = None) -> EngineRun:
     """Run a Python script that starts an engine, with the environment engines need here."""
-    from vllm_sharded_loader.testing import engine_environment
+    from tiny_models import engine_environment
 
     # The engine core in-process: an engine starts in seconds instead of ~25 s.
     fast = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -58,8 +60,8 @@ def run_engine(spec: dict, expect_ok: bool = True, env: dict | None = None) -> E
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, str]:
-    """The small HF models of every kind in vllm_sharded_loader.testing, built once."""
-    from vllm_sharded_loader.testing import MODEL_KINDS, build_model
+    """The small HF models of every kind in examples/tiny_models.py, built once."""
+    from tiny_models import MODEL_KINDS, build_model
 
     root = tmp_path_factory.mktemp("models")
     return {kind: build_model(str(root / kind), kind) for kind in MODEL_KINDS}

@@ -5,25 +5,27 @@
 Optional keys: ``pp``, ``capture_dir`` (capture the loaded state there at start-up),
 ``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up),
 ``extra_config`` (model_loader_extra_config). Prints one line ``RESULT {json}`` with
-the greedy token ids and texts of :data:`~vllm_sharded_loader.testing.PROMPTS`.
+the greedy token ids and texts of ``PROMPTS`` of ``examples/tiny_models.py``.
 """
 
 import json
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from vllm_sharded_loader.capture import CAPTURE_DIR_ENV
+    from vllm_sharded_loader.engine.capture import CAPTURE_DIR_ENV
 
     if spec.get("capture_dir"):
         os.environ[CAPTURE_DIR_ENV] = spec["capture_dir"]
 
+    from tiny_models import PROMPTS
     from vllm import LLM, SamplingParams
-
-    from vllm_sharded_loader.testing import PROMPTS
 
     tp, pp = spec.get("tp", 1), spec.get("pp", 1)
     started = time.perf_counter()

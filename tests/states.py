@@ -3,8 +3,8 @@
 import torch
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, saveable_state
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import Manifest, SourceModel, config_sha256, normalize_config
-from vllm_sharded_loader.saving import save_checkpoint
 
 CONFIG = {"hidden_size": 16, "vocab_size": 32, "num_hidden_layers": 2}
 SOURCE = SourceModel("TinyForCausalLM", config_sha256(CONFIG), normalize_config(CONFIG))

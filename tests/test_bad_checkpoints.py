@@ -22,9 +22,10 @@ from safetensors.torch import save_file
 from states import CONFIG, assert_untouched, fresh_targets, load, rank_state, save
 
 from vllm_sharded_loader.checkpoint import RankInfo, saveable_state, verify_checkpoint
-from vllm_sharded_loader.cli import main as cli
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
-from vllm_sharded_loader.saving import acquire_save_lock, release_save_lock, save_checkpoint
+from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
+from vllm_sharded_loader.tools.cli import main as cli
 
 PART0 = "model-rank-0-part-0.safetensors"
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,7 +193,7 @@ def test_bit_flip_in_data_is_caught_by_checksums(tmp_path, capsys):
 
 
 def test_checksums_span_blocks_and_catch_a_flip_in_any_block(tmp_path, monkeypatch):
-    import vllm_sharded_loader.integrity as integrity
+    import vllm_sharded_loader.storage.integrity as integrity
 
     monkeypatch.setattr(integrity, "BLOCK_SIZE", 256)  # many blocks in a small file
     manifest = save(tmp_path)
@@ -274,7 +275,7 @@ SAVER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from states import SOURCE
     from vllm_sharded_loader.checkpoint import RankInfo
-    from vllm_sharded_loader.saving import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
     {prelude}
     big = {{RankInfo(r, 2): {{"w": torch.full((2048, 1024), float(r))}} for r in range(2)}}
     save_checkpoint({directory!r}, big, dtype="float32", source=SOURCE, max_size=2**20, overwrite=True)
@@ -289,7 +290,7 @@ def run_saver(directory: Path, prelude: str = "") -> subprocess.Popen:
 
 
 SLOW_STAGING = (
-    "import time, vllm_sharded_loader.saving as s; stage = s.stage_rank; "
+    "import time, vllm_sharded_loader.checkpoint.save as s; stage = s.stage_rank; "
     "s.stage_rank = lambda *a, **k: (time.sleep(2), stage(*a, **k))[1]"
 )
 

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from states import CONFIG, SOURCE, assert_untouched, fresh_targets, load, rank_state, save
 
 from vllm_sharded_loader.checkpoint import RankInfo, saveable_state
+from vllm_sharded_loader.checkpoint.save import StagedRank, open_staged_tensors
 from vllm_sharded_loader.format import (
     MANIFEST_NAME,
     ShardedStateError,
@@ -20,7 +21,6 @@ from vllm_sharded_loader.format import (
     config_sha256,
     normalize_config,
 )
-from vllm_sharded_loader.saving import StagedRank, open_staged_tensors
 
 
 def test_round_trip_every_rank_gets_its_own_bytes(tmp_path):

@@ -10,8 +10,8 @@ from test_reshard_files import save_model, stage_state
 from test_resharding import llama_like
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
-from vllm_sharded_loader.cli import main as cli
 from vllm_sharded_loader.format import MANIFEST_NAME
+from vllm_sharded_loader.tools.cli import main as cli
 
 
 @pytest.fixture
@@ -22,7 +22,9 @@ def checkpoint(tmp_path):
 
 
 def test_help_reads_well():
-    out = subprocess.run([sys.executable, "-m", "vllm_sharded_loader.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "--help"], capture_output=True, text=True
+    )
     assert out.returncode == 0
     for command in ("save", "inspect", "verify", "reshard"):
         assert command in out.stdout

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_engine, run_python
+from tiny_models import PROMPTS, engine_environment
 
 from vllm_sharded_loader.format import MANIFEST_NAME
-from vllm_sharded_loader.saving import copy_non_weight_files
-from vllm_sharded_loader.testing import PROMPTS, engine_environment
+from vllm_sharded_loader.storage.local import copy_non_weight_files
 
 pytestmark = pytest.mark.engine
 
@@ -269,7 +269,7 @@ def test_offline_reshard_output_serves_without_resharding(saved, tmp_path):
     checkpoint, _ = saved.get("llama", 2)
     _, reference = saved.get("llama", 1)
     out = tmp_path / "tp1"
-    command = [sys.executable, "-m", "vllm_sharded_loader.cli", "reshard", checkpoint, "-tp", "1", "-o", str(out)]
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "reshard", checkpoint, "-tp", "1", "-o", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
@@ -298,7 +298,7 @@ def test_engine_serves_a_checkpoint_from_a_hub_cache(saved, tmp_path):
 def test_save_command_refuses_an_existing_checkpoint_unless_overwrite(saved, models):
     checkpoint, reference = saved.get("tied", 1)
     manifest_before = Path(checkpoint, MANIFEST_NAME).read_text()
-    save = [*("-m", "vllm_sharded_loader.cli", "save", "--model", models["tied"], "-o", checkpoint)]
+    save = [*("-m", "vllm_sharded_loader.tools.cli", "save", "--model", models["tied"], "-o", checkpoint)]
     save += ["--max-model-len", "512", "--enforce-eager", "--max-file-size", "300000"]
     refused = run_python(save)
     assert refused.returncode == 2 and "already holds a checkpoint; refusing to overwrite it" in refused.output

@@ -13,9 +13,9 @@ import torch
 from test_reshard_files import save_model, stage_state
 from test_resharding import llama_like
 
-from vllm_sharded_loader import hub
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
+from vllm_sharded_loader.storage import hub
 
 REPO = "acme/tiny-sharded"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

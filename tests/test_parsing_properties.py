@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_format import sample_manifest
 
 from vllm_sharded_loader.format import Manifest, ShardedStateError
-from vllm_sharded_loader.safetensors_io import parse_header
+from vllm_sharded_loader.format.safetensors import parse_header
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),

@@ -3,7 +3,8 @@
 import pytest
 
 from vllm_sharded_loader.format import ShardedStateError
-from vllm_sharded_loader.planning import TensorSpec, TensorView, check_tensor_sets, plan_parts, unique_tensor_names
+from vllm_sharded_loader.planning.parts import TensorView, plan_parts, unique_tensor_names
+from vllm_sharded_loader.planning.tensors import TensorSpec, check_tensor_sets
 
 
 def test_parts_respect_the_cap():

@@ -15,7 +15,7 @@ def test_plugin_registers_our_loader_once_through_the_entry_point():
     from vllm.plugins import load_general_plugins
 
     from vllm_sharded_loader import register
-    from vllm_sharded_loader.loader import ShardedStateLoader
+    from vllm_sharded_loader.engine.loader import ShardedStateLoader
 
     load_general_plugins()  # what every vLLM process does at start-up
     register()  # and again: must be harmless
@@ -31,7 +31,7 @@ def test_plugin_registers_our_loader_once_through_the_entry_point():
 def test_unknown_extra_config_is_refused():
     from vllm.config.load import LoadConfig
 
-    from vllm_sharded_loader.loader import ShardedStateLoader
+    from vllm_sharded_loader.engine.loader import ShardedStateLoader
 
     with pytest.raises(ShardedStateError, match=r"Unexpected model_loader_extra_config keys \['verfy'\]"):
         ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"verfy": "size"}))
@@ -39,7 +39,7 @@ def test_unknown_extra_config_is_refused():
         LoadConfig(load_format="sharded_state", model_loader_extra_config={"pattern": "w-{rank}-{part}.safetensors"})
     )
     assert loader.pattern == "w-{rank}-{part}.safetensors"
-    from vllm_sharded_loader.reader import DEFAULT_THREADS
+    from vllm_sharded_loader.storage.reader import DEFAULT_THREADS
 
     assert loader.threads == DEFAULT_THREADS
     loader = ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"threads": 2}))
@@ -70,8 +70,8 @@ class Tiny(torch.nn.Module):
 
 
 def loaded_state(model, quantization=None):
-    from vllm_sharded_loader.capture import LoadedState
     from vllm_sharded_loader.checkpoint import saveable_state
+    from vllm_sharded_loader.engine.capture import LoadedState
 
     tensors = saveable_state(model.state_dict())
     return LoadedState(
@@ -83,7 +83,7 @@ def loaded_state(model, quantization=None):
 
 
 def test_live_state_is_saved_only_if_provably_the_loaded_one():
-    from vllm_sharded_loader.capture import _live_state_if_unchanged
+    from vllm_sharded_loader.engine.capture import _live_state_if_unchanged
 
     model = Tiny()
     state = loaded_state(model)
@@ -103,7 +103,7 @@ def test_live_state_is_saved_only_if_provably_the_loaded_one():
 
 
 def test_only_parameters_nothing_else_views_are_offered_for_swapping():
-    from vllm_sharded_loader.loader import adoptable_parameters
+    from vllm_sharded_loader.engine.loader import adoptable_parameters
 
     model = Tiny()
     model.keeps_a_view = model.proj.weight.data[:2]  # a layer holding on to a parameter's memory

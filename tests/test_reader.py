@@ -1,4 +1,4 @@
-"""The parallel reader (:mod:`vllm_sharded_loader.reader`) and its pure span planning, on real files."""
+"""The parallel reader (:mod:`vllm_sharded_loader.storage.reader`) and its pure span planning, on real files."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_sharded_loader import reader, safetensors_io
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
-from vllm_sharded_loader.planning import FileGrid, Piece, plan_spans
+from vllm_sharded_loader.planning.spans import FileGrid, Piece, plan_spans, split_streams
+from vllm_sharded_loader.storage import local, memory, reader, tensor_files
 
 # ------------------------------------------------------------------ planning
 
@@ -73,7 +73,7 @@ def odd_layout(tmp_path, name="odd.safetensors"):
 @pytest.mark.parametrize("span_bytes", [16, 100, 4096])
 def test_direct_cast_and_strided_targets_match_the_library(tmp_path, threads, span_bytes):
     path, tensors = odd_layout(tmp_path)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     assert any((e.begin - header.data_start) % 4 for e in header.tensors.values())  # really odd offsets
     targets = {
         "a_bf16": torch.empty(3, 7, dtype=torch.bfloat16),  # direct
@@ -83,7 +83,7 @@ def test_direct_cast_and_strided_targets_match_the_library(tmp_path, threads, sp
         "e_bf16": torch.empty(30, 20, dtype=torch.bfloat16).t(),  # not contiguous
     }
     seen = []
-    stats = reader.read_files(
+    stats = tensor_files.read_files(
         [header], targets, threads=threads, span_bytes=span_bytes, progress=lambda n, total: seen.append((n, total))
     )
     nbytes = sum(e.end - e.begin for e in header.tensors.values())
@@ -99,7 +99,7 @@ def test_direct_cast_and_strided_targets_match_the_library(tmp_path, threads, sp
 def test_only_named_tensors_are_read_and_others_untouched(tmp_path):
     path, tensors = odd_layout(tmp_path)
     target = torch.empty(17, dtype=torch.float64)
-    stats = reader.read_files([safetensors_io.read_header(path)], {"d_f64": target}, span_bytes=64)
+    stats = tensor_files.read_files([local.read_header(path)], {"d_f64": target}, span_bytes=64)
     assert stats.bytes_read == 17 * 8
     assert torch.equal(target, tensors["d_f64"])
 
@@ -114,7 +114,7 @@ def test_overlapping_pieces_and_zero_runs(tmp_path):
         Piece(0, 0, 40, dest=0, start=0, itemsize=2),  # elements 0..19 into first[0:20]
         Piece(0, 20, 16, dest=1, start=0, itemsize=2),  # elements 10..17 again, cast into second
     ]
-    targets = [reader.Target(first, torch.int16, zero_runs=[(20, 32)]), reader.Target(second, torch.int16)]
+    targets = [memory.Target(first, torch.int16, zero_runs=[(20, 32)]), memory.Target(second, torch.int16)]
     reader.read_pieces([path], pieces, targets, span_bytes=24, threads=2)
     assert torch.equal(first, torch.cat([data[:20], torch.zeros(12, dtype=torch.int16)]))
     assert torch.equal(second, data[10:18].float())
@@ -139,26 +139,26 @@ def flip(path: str, offset: int) -> None:
 def test_checksums_are_verified_per_block_in_parallel(tmp_path, threads):
     path, tensors = odd_layout(tmp_path)
     checksum = checksum_of(path, 128)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     targets = {n: torch.empty_like(t) for n, t in tensors.items()}
-    reader.read_files([header], targets, {path: checksum}, threads=threads)
+    tensor_files.read_files([header], targets, {path: checksum}, threads=threads)
     assert all(torch.equal(targets[n], t) for n, t in tensors.items())
     # A flip in the header, which no tensor reads, is caught too: "all" hashes every block.
     flip(path, 20)
     with pytest.raises(ShardedStateError, match=r"odd.safetensors: checksum mismatch in bytes 0\.\.128 \(block 0\)"):
-        reader.read_files([header], targets, {path: checksum}, threads=threads)
+        tensor_files.read_files([header], targets, {path: checksum}, threads=threads)
 
 
 def test_touched_verification_reads_only_the_blocks_it_needs(tmp_path):
     path, tensors = odd_layout(tmp_path)
     checksum = checksum_of(path, 128)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     entry = header.tensors["e_bf16"]
     size = os.path.getsize(path)
     flip(path, 5)  # in the header's block, which reading e_bf16 does not touch
     target = torch.empty(20, 30, dtype=torch.bfloat16)
     piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=2)
-    args = ([path], [piece], [reader.Target(target, torch.bfloat16)])
+    args = ([path], [piece], [memory.Target(target, torch.bfloat16)])
     reader.read_pieces(*args, checksums={0: checksum}, verify="touched")
     assert torch.equal(target, tensors["e_bf16"])
     with pytest.raises(ShardedStateError, match=r"checksum mismatch in bytes 0\.\.128"):
@@ -170,11 +170,11 @@ def test_touched_verification_reads_only_the_blocks_it_needs(tmp_path):
 
 def test_a_file_shorter_than_its_reads_names_the_file(tmp_path):
     path, tensors = odd_layout(tmp_path)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     os.truncate(path, header.file_size - 100)
     targets = {n: torch.empty_like(t) for n, t in tensors.items()}
     with pytest.raises(ShardedStateError, match=r"odd.safetensors: a read of bytes \d+\.\.\d+ falls outside"):
-        reader.read_files([header], targets, threads=2, span_bytes=64)
+        tensor_files.read_files([header], targets, threads=2, span_bytes=64)
     # A file that shrinks while it is read (after planning) fails the same way, named.
     buffers = [memoryview(bytearray(64)), memoryview(bytearray(64))]
     fd = os.open(path, os.O_RDONLY)
@@ -189,9 +189,9 @@ def test_a_checksum_of_another_length_is_refused(tmp_path):
     path, tensors = odd_layout(tmp_path)
     checksum = checksum_of(path, 128)
     short = FileChecksum(HASH_NAME, 128, checksum.blocks[:-1])
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     with pytest.raises(ShardedStateError, match=r"odd.safetensors: \d+ checksum blocks of \d+ bytes, but \d+ recorded"):
-        reader.read_files([header], {n: torch.empty_like(t) for n, t in tensors.items()}, {path: short})
+        tensor_files.read_files([header], {n: torch.empty_like(t) for n, t in tensors.items()}, {path: short})
 
 
 def thp_mode() -> str:
@@ -225,7 +225,7 @@ def test_fresh_targets_are_backed_by_huge_pages(tmp_path):
     path = str(tmp_path / "big.safetensors")
     save_file({"w": torch.ones(nbytes // 2, dtype=torch.bfloat16)}, path)
     target = torch.empty(nbytes // 2, dtype=torch.bfloat16)  # fresh, untouched memory
-    stats = reader.read_files([safetensors_io.read_header(path)], {"w": target}, threads=2, huge_pages=True)
+    stats = tensor_files.read_files([local.read_header(path)], {"w": target}, threads=2, huge_pages=True)
     assert stats.huge_pages
     assert torch.equal(target, torch.ones_like(target))
     # At least half the tensor faulted in as 2 MiB pages (the kernel may fall back for some).
@@ -233,7 +233,7 @@ def test_fresh_targets_are_backed_by_huge_pages(tmp_path):
 
 
 def test_progress_bar_counts_bytes_and_times_the_work(capsys):
-    from vllm_sharded_loader.progress import ByteProgress
+    from vllm_sharded_loader.engine.progress import ByteProgress
 
     with ByteProgress("Loading sharded_state (test)", enabled=True) as shown:
         shown(0, 300)
@@ -250,11 +250,11 @@ def test_progress_bar_counts_bytes_and_times_the_work(capsys):
 
 def test_streams_are_contiguous_balanced_runs_in_file_order():
     spans = plan_spans([Piece(0, 0, 1000, dest=0), Piece(1, 0, 300, dest=1)], [FileGrid(1000, 100), FileGrid(300, 100)])
-    runs = reader.split_streams(spans, 3)
+    runs = split_streams(spans, 3)
     assert [s for run in runs for s in run] == spans  # every span once, in order
     assert [sum(s.end - s.begin for s in run) for run in runs] == [500, 400, 400]
-    assert reader.split_streams(spans, 1) == [spans]
-    assert len(reader.split_streams(spans[:2], 8)) == 2
+    assert split_streams(spans, 1) == [spans]
+    assert len(split_streams(spans[:2], 8)) == 2
 
 
 def test_without_asking_targets_keep_their_pages(tmp_path):
@@ -264,7 +264,7 @@ def test_without_asking_targets_keep_their_pages(tmp_path):
     path = str(tmp_path / "w.safetensors")
     save_file({"w": torch.ones(nbytes // 2, dtype=torch.bfloat16)}, path)
     target = torch.empty(nbytes // 2, dtype=torch.bfloat16)
-    stats = reader.read_files([safetensors_io.read_header(path)], {"w": target}, threads=2)
+    stats = tensor_files.read_files([local.read_header(path)], {"w": target}, threads=2)
     assert not stats.huge_pages
     assert anon_huge_bytes(target.data_ptr(), target.data_ptr() + nbytes) == 0
 
@@ -290,7 +290,7 @@ def mapped_file_of_address(address: int) -> str | None:
 @pytest.mark.parametrize("threads", [1, 3])
 def test_adopted_targets_are_served_from_a_private_mapping_of_the_file(tmp_path, threads):
     path, tensors = odd_layout(tmp_path)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     targets = {
         "a_bf16": torch.empty(3, 7, dtype=torch.bfloat16),  # aligned, stored dtype: mapped
         "b_f32": torch.empty(33, 5, dtype=torch.float32),  # mapped
@@ -300,7 +300,7 @@ def test_adopted_targets_are_served_from_a_private_mapping_of_the_file(tmp_path,
     }
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    stats = reader.read_files([header], targets, adopt=adopt, threads=threads, span_bytes=16)
+    stats = tensor_files.read_files([header], targets, adopt=adopt, threads=threads, span_bytes=16)
     assert sorted(adopted) == ["a_bf16", "b_f32", "c_i8"]
     assert stats.bytes_mapped == 42 + 33 * 5 * 4 + 13
     assert stats.bytes_read == sum(e.end - e.begin for e in header.tensors.values())
@@ -322,13 +322,13 @@ def test_only_whole_aligned_tensors_of_the_stored_dtype_are_mapped():
 
     bf16 = torch.empty(4, dtype=torch.bfloat16)
     targets = [
-        reader.Target(bf16, torch.bfloat16, adopt=adopt),  # 0: whole, aligned: mapped
-        reader.Target(bf16, torch.bfloat16, adopt=adopt),  # 1: at an odd offset
-        reader.Target(bf16, torch.bfloat16, adopt=adopt),  # 2: in two pieces
-        reader.Target(bf16, torch.bfloat16, adopt=adopt, zero_runs=[(0, 1)]),  # 3: partly zeroed
-        reader.Target(bf16, torch.float32, adopt=adopt),  # 4: cast
-        reader.Target(bf16, torch.bfloat16),  # 5: nobody to adopt it
-        reader.Target(torch.empty(8, dtype=torch.bfloat16)[::2], torch.bfloat16, adopt=adopt),  # 6: strided
+        memory.Target(bf16, torch.bfloat16, adopt=adopt),  # 0: whole, aligned: mapped
+        memory.Target(bf16, torch.bfloat16, adopt=adopt),  # 1: at an odd offset
+        memory.Target(bf16, torch.bfloat16, adopt=adopt),  # 2: in two pieces
+        memory.Target(bf16, torch.bfloat16, adopt=adopt, zero_runs=[(0, 1)]),  # 3: partly zeroed
+        memory.Target(bf16, torch.float32, adopt=adopt),  # 4: cast
+        memory.Target(bf16, torch.bfloat16),  # 5: nobody to adopt it
+        memory.Target(torch.empty(8, dtype=torch.bfloat16)[::2], torch.bfloat16, adopt=adopt),  # 6: strided
     ]
     pieces = [
         Piece(0, 10, 8, dest=0, itemsize=2),
@@ -340,35 +340,34 @@ def test_only_whole_aligned_tensors_of_the_stored_dtype_are_mapped():
         Piece(0, 100, 8, dest=5, itemsize=2),
         Piece(0, 110, 8, dest=6, itemsize=2),
     ]
-    assert reader.mapped_pieces(pieces, targets) == {0: pieces[0]}
+    assert memory.mapped_pieces(pieces, targets) == {0: pieces[0]}
 
 
 def test_mapped_bytes_are_verified_and_nothing_is_adopted_on_a_mismatch(tmp_path):
     path, tensors = odd_layout(tmp_path)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     checksum = checksum_of(path, 64)
     adopted: list[torch.Tensor] = []
     targets = {"e_bf16": torch.empty(20, 30, dtype=torch.bfloat16)}
-    stats = reader.read_files([header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, threads=2)
+    stats = tensor_files.read_files([header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, threads=2)
     assert stats.bytes_mapped == 20 * 30 * 2 and torch.equal(adopted.pop(), tensors["e_bf16"])
     flip(path, header.tensors["e_bf16"].begin + 100)  # a byte only the mapping delivers
     with pytest.raises(ShardedStateError, match=r"odd.safetensors: checksum mismatch in bytes \d+\.\.\d+ \(block"):
-        reader.read_files([header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, threads=2)
+        tensor_files.read_files([header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, threads=2)
     assert adopted == []
 
 
 def test_a_mapped_file_that_shrinks_during_the_load_names_the_file(tmp_path):
     path = str(tmp_path / "big.safetensors")
     save_file({"w": torch.ones(1 << 20, dtype=torch.bfloat16)}, path)
-    entry = safetensors_io.read_header(path).tensors["w"]
+    entry = local.read_header(path).tensors["w"]
     piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=2)
-    target = reader.Target(torch.empty(1 << 20, dtype=torch.bfloat16), torch.bfloat16, adopt=lambda t: None)
-    mapped = reader._Destination(target, reader.map_tensors([path], {0: piece}, [target])[0])
+    target = memory.Target(torch.empty(1 << 20, dtype=torch.bfloat16), torch.bfloat16, adopt=lambda t: None)
+    mapped = memory.Destination(target, memory.map_tensors([path], {0: piece}, [target])[0])
     os.truncate(path, entry.begin + (entry.end - entry.begin) // 2)
     # The kernel reports the pages past the new end (EFAULT) instead of raising SIGBUS later.
-    pager = reader._SpanReader([path], [mapped], {}, False)
     with pytest.raises(ShardedStateError, match=r"big.safetensors: file ended before byte \d+ while reading"):
-        pager._page_in(0, [(mapped, piece)])
+        memory.page_in(path, [(mapped, piece)])
 
 
 def test_a_mapped_tensor_lives_as_long_as_its_views(tmp_path):
@@ -376,10 +375,10 @@ def test_a_mapped_tensor_lives_as_long_as_its_views(tmp_path):
 
     path = str(tmp_path / "w.safetensors")
     save_file({"w": torch.arange(4096, dtype=torch.int32)}, path)
-    entry = safetensors_io.read_header(path).tensors["w"]
+    entry = local.read_header(path).tensors["w"]
     piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=4)
-    target = reader.Target(torch.empty(4096, dtype=torch.int32), torch.int32, adopt=lambda t: None)
-    tensor = reader.map_tensors([path], {0: piece}, [target])[0]
+    target = memory.Target(torch.empty(4096, dtype=torch.int32), torch.int32, adopt=lambda t: None)
+    tensor = memory.map_tensors([path], {0: piece}, [target])[0]
     view = tensor[100:]
     address = tensor.data_ptr()
     del tensor

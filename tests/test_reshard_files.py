@@ -11,8 +11,8 @@ from states import SOURCE
 from test_resharding import llama_like, reference_pp_indices, reference_shard
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import ShardedStateError, SourceModel, config_sha256, normalize_config
-from vllm_sharded_loader.saving import save_checkpoint
 
 
 def stage_state(model, tp_size, pp_size, tp_rank, pp_rank):
@@ -117,19 +117,19 @@ def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
 def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
     """TP=2 -> 1 joins dim-1 halves: each half is one read and one strided copy, and the
     temporaries of one batch stay under GATHER_BYTES (here tiny, so many batches)."""
-    import vllm_sharded_loader.checkpoint as checkpoint
+    import vllm_sharded_loader.checkpoint.reshard as reshard
 
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     manifest = save_model(tmp_path, model, 2, 1)
     batches = []
-    read_pieces = checkpoint.reader.read_pieces
+    read_pieces = reshard.read_pieces
 
     def counted(*args, **kwargs):
         batches.append(len(args[1]))
         return read_pieces(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "GATHER_BYTES", 2048)
-    monkeypatch.setattr(checkpoint.reader, "read_pieces", counted)
+    monkeypatch.setattr(reshard, "GATHER_BYTES", 2048)
+    monkeypatch.setattr(reshard, "read_pieces", counted)
     expected = stage_state(model, 1, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, serving=source_of(model), verify="checksum")

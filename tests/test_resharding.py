@@ -22,29 +22,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_sharded_loader.format import ShardedStateError
-from vllm_sharded_loader.resharding import (
-    Read,
-    SavedRank,
-    SavedTensor,
+from vllm_sharded_loader.format.geometry import (
     Segment,
-    Strided,
     TensorGeometry,
-    TensorPlan,
     column_parallel,
-    layer_index,
     merged_column_parallel,
     pad_vocab_size,
-    plan_reads,
-    pp_layer_ranges,
-    pp_stage_of_layer,
     qkv_parallel,
     replicated,
     row_parallel,
-    shard_layout,
-    summarize_reads,
     vocab_parallel,
     vocab_parallel_bias,
 )
+from vllm_sharded_loader.planning.layout import shard_layout
+from vllm_sharded_loader.planning.pipeline import layer_index, pp_layer_ranges
+from vllm_sharded_loader.planning.reads import Read, SavedRank, SavedTensor, Strided, TensorPlan, plan_reads
 
 DTYPES = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 TP_SIZES = (1, 2, 4, 8)
@@ -478,10 +470,10 @@ def test_tp1_to_tp2_reads_about_half_the_checkpoint():
     plans = {
         rank: plan_reads(checkpoint.ranks, 1, model.stage_names(1, 0), tp_size=2, tp_rank=rank[1]) for rank in results
     }
-    summary = summarize_reads(plans)
-    assert {k: s.bytes_read for k, s in summary.items()} == {k: v[0] for k, v in results.items()}
-    assert sum(summary[(0, 0)].bytes_by_file.values()) == summary[(0, 0)].bytes_read
-    assert summary[(0, 0)].tensors == len(model.tensors)
+    assert {k: p.bytes_read for k, p in plans.items()} == {k: v[0] for k, v in results.items()}
+    by_file = [r.source.total for t in plans[(0, 0)].tensors.values() for r in t.reads]
+    assert sum(by_file) == plans[(0, 0)].bytes_read
+    assert len(plans[(0, 0)].tensors) == len(model.tensors)
 
 
 def test_replicated_tensors_spread_over_saved_copies():
@@ -540,7 +532,7 @@ def test_geometry_round_trips_through_json():
         replicated([], "Attention"),
         vocab_parallel(1010, 32, org_vocab_size=1000),
         vocab_parallel_bias(1000),
-        TensorGeometry("opaque", "FusedMoE", (8, 16, 4), quantization="fp8"),
+        TensorGeometry("opaque", "FusedMoE", (8, 16, 4)),
     ]
     for g in geometries:
         text = json.dumps(g.to_dict())
@@ -633,10 +625,6 @@ def test_unknown_or_missing_geometry_is_an_error_when_the_tp_size_changes():
         plan_reads(single(name, opaque, 2, (8, 16, 4)), 2, [name], tp_size=1, tp_rank=0)
     with pytest.raises(ShardedStateError, match=rf"{name} cannot be resharded from TP=2 to TP=4: .* no geometry"):
         plan_reads(single(name, None, 2, (8, 16, 4)), 2, [name], tp_size=4, tp_rank=0)
-    fp8 = column_parallel([16, 4], "ColumnParallelLinear")
-    fp8 = TensorGeometry(fp8.kind, fp8.layer_class, fp8.shape, fp8.split_dim, fp8.segments, quantization="fp8")
-    with pytest.raises(ShardedStateError, match=r"w \(ColumnParallelLinear\) holds a fp8-quantized layout"):
-        plan_reads(single("w", fp8, 1, (16, 4)), 1, ["w"], tp_size=2, tp_rank=0)
     # At the same TP size, any tensor is its own shard: copied whole, whatever the PP split.
     for geometry in (opaque, None):
         plan = plan_reads(single(name, geometry, 2, (8, 16, 4)), 2, [name], tp_size=2, tp_rank=1)
@@ -685,7 +673,7 @@ def test_pp_layer_ranges_mirror_vllm(num_layers, pp_size):
     ranges = pp_layer_ranges(num_layers, pp_size)
     assert [(r.start, r.stop) for r in ranges] == [reference_pp_indices(num_layers, p, pp_size) for p in range(pp_size)]
     for layer in range(num_layers):
-        assert layer in ranges[pp_stage_of_layer(layer, num_layers, pp_size)]
+        assert sum(layer in r for r in ranges) == 1
 
 
 def test_pp_layer_ranges_examples_and_explicit_partition():
@@ -694,8 +682,6 @@ def test_pp_layer_ranges_examples_and_explicit_partition():
     assert pp_layer_ranges(10, 2, partition=[6, 4]) == (range(0, 6), range(6, 10))
     with pytest.raises(ShardedStateError, match="does not split 10 layers into 2 stages"):
         pp_layer_ranges(10, 2, partition=[5, 4])
-    with pytest.raises(ShardedStateError, match="Layer 10 is not one of the model's 10 layers"):
-        pp_stage_of_layer(10, 10, 2)
 
 
 def test_layer_index():

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vllm_sharded_loader import integrity, reader, safetensors_io
 from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.storage import integrity, local, tensor_files, writer
 
 
 def sample_tensors():
@@ -39,10 +39,10 @@ def header(text: bytes, data: bytes = b"\0" * 4) -> bytes:
 def test_library_reads_what_we_write(tmp_path):
     tensors = sample_tensors()
     path = str(tmp_path / "ours.safetensors")
-    written = safetensors_io.write_file(path, list(tensors.items()), {"format": "pt"})
+    written = writer.write_file(path, list(tensors.items()), {"format": "pt"})
     size, checksum = written.size, written.checksum
     assert size == os.path.getsize(path)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     assert written.offsets == {name: h.begin for name, h in header.tensors.items()}
     # The checksum hashed while writing is the checksum of the file's bytes.
     with open(path, "rb") as f:
@@ -56,7 +56,7 @@ def test_library_reads_what_we_write(tmp_path):
 
 def direct_io_supported(directory) -> bool:
     probe = str(directory / "probe")
-    sink = safetensors_io._DirectSink.open(probe, 1)
+    sink = writer._DirectSink.open(probe, 1)
     if sink is None:
         return False
     with sink:
@@ -70,21 +70,21 @@ def test_direct_and_buffered_writes_give_the_same_file_and_checksums(tmp_path, m
     if not direct_io_supported(tmp_path):
         pytest.skip("this file system does not take O_DIRECT writes")
     # Small staging buffers: the two buffers take many turns, tensors cross their edges.
-    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(writer, "CHUNK_BYTES", chunk)
     monkeypatch.setattr(integrity, "BLOCK_SIZE", 5000)  # checksum blocks that straddle the buffers too
     g = torch.Generator().manual_seed(3)
     tensors = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate([1, 3001, 1024, 7, 20000, 5])]
     tensors.append(("strided", torch.randn(50, 30, generator=g).t()))
     direct, buffered = str(tmp_path / "direct.safetensors"), str(tmp_path / "buffered.safetensors")
     counted: list[int] = []
-    a = safetensors_io.write_file(direct, tensors, {"format": "pt"}, counted.append, direct=True)
-    b = safetensors_io.write_file(buffered, tensors, {"format": "pt"}, direct=False)
+    a = writer.write_file(direct, tensors, {"format": "pt"}, counted.append, direct=True)
+    b = writer.write_file(buffered, tensors, {"format": "pt"}, direct=False)
     with open(direct, "rb") as f, open(buffered, "rb") as g2:
         data = f.read()
         assert data == g2.read()
     assert a.checksum.block_size == 5000 and len(a.checksum.blocks) > 3
     assert a == b and a.size == len(data) == os.path.getsize(direct)  # the padding is cut off
-    assert sum(counted) == a.size - safetensors_io.read_header(direct).data_start
+    assert sum(counted) == a.size - local.read_header(direct).data_start
     block = a.checksum.block_size
     assert a.checksum.blocks == tuple(
         blake3.blake3(data[i : i + block]).hexdigest() for i in range(0, len(data), block)
@@ -95,10 +95,10 @@ def test_we_read_what_the_library_writes_straight_into_targets(tmp_path):
     tensors = {k: v.contiguous() for k, v in sample_tensors().items()}
     path = str(tmp_path / "theirs.safetensors")
     save_file(tensors, path)
-    header = safetensors_io.read_header(path)
+    header = local.read_header(path)
     targets = {name: torch.empty_like(t) for name, t in tensors.items()}
     pointers = {name: t.data_ptr() for name, t in targets.items()}
-    nbytes = reader.read_files([header], targets).bytes_read
+    nbytes = tensor_files.read_files([header], targets).bytes_read
     assert nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
     for name, t in tensors.items():
         assert targets[name].data_ptr() == pointers[name]  # read in place, not replaced
@@ -108,15 +108,15 @@ def test_we_read_what_the_library_writes_straight_into_targets(tmp_path):
 def test_read_casts_into_targets_of_another_dtype(tmp_path):
     t = torch.randn(16, 4)
     path = str(tmp_path / "f32.safetensors")
-    safetensors_io.write_file(path, [("w", t)], {})
+    writer.write_file(path, [("w", t)], {})
     target = torch.empty(16, 4, dtype=torch.bfloat16)
-    reader.read_files([safetensors_io.read_header(path)], {"w": target})
+    tensor_files.read_files([local.read_header(path)], {"w": target})
     assert torch.equal(target, t.to(torch.bfloat16))
 
 
 def write_sample(tmp_path) -> str:
     path = str(tmp_path / "x.safetensors")
-    safetensors_io.write_file(path, [("a", torch.ones(64)), ("b", torch.zeros(8))], {})
+    writer.write_file(path, [("a", torch.ones(64)), ("b", torch.zeros(8))], {})
     return path
 
 
@@ -125,7 +125,7 @@ def test_truncated_file_is_refused(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 10)
     with pytest.raises(ShardedStateError, match="truncated"):
-        safetensors_io.read_header(path)
+        local.read_header(path)
 
 
 @pytest.mark.parametrize(
@@ -146,9 +146,9 @@ def test_corrupt_headers_are_refused(tmp_path, data, message):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(data)
     with pytest.raises(ShardedStateError, match=message):
-        safetensors_io.read_header(str(path))
+        local.read_header(str(path))
 
 
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ShardedStateError, match="missing"):
-        safetensors_io.read_header(str(tmp_path / "nope.safetensors"))
+        local.read_header(str(tmp_path / "nope.safetensors"))

@@ -17,6 +17,6 @@ def register() -> None:
 
     Safe to call any number of times.
     """
-    from .plugin import install
+    from .engine.plugin import install
 
     install()

@@ -16,164 +16,44 @@ A save goes through four steps, each visible on disk:
 
 A crash in 3 or 4 leaves the lock in place, so the directory is refused as interrupted,
 never loaded as a mix. :func:`save_checkpoint` runs the steps in one process; the vLLM
-save hook (:mod:`.capture`) runs them across workers.
+save hook (:mod:`..engine.capture`) runs them across workers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import json
-import mmap
 import os
-import shutil
-import socket
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from . import safetensors_io
-from .checkpoint import RankInfo
-from .format import (
-    LOCK_NAME,
+from ..format.errors import ShardedStateError
+from ..format.manifest import FileEntry, Manifest, RankEntry, TensorEntry
+from ..format.names import (
+    DEFAULT_PATTERNS,
     MANIFEST_NAME,
-    PP_AND_TP_PATTERN,
-    TP_ONLY_PATTERN,
-    FileEntry,
-    Manifest,
-    RankEntry,
-    ShardedStateError,
-    SourceModel,
-    TensorEntry,
     default_pattern,
     parse_file_name,
     render_file_name,
     validate_pattern,
 )
-from .planning import plan_parts
+from ..format.source import SourceModel
+from ..planning.parts import plan_parts
+from ..planning.topology import RankInfo
+from ..storage import writer
+from ..storage.local import fsync_directory, read_header
+from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
+from ..storage.tensors import dtype_name, map_file_range, torch_dtype
 
 DEFAULT_MAX_SIZE = 5 * 1024**3
 PARTIAL_SUFFIX = ".partial"
-DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
 
 
 def new_token() -> str:
     """A unique id for one save's staged files and lock."""
     return uuid.uuid4().hex[:12]
-
-
-def fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ------------------------------------------------------------------------ lock
-
-
-@dataclass(frozen=True)
-class SaveLock:
-    """Proof that this process holds a directory's save lock."""
-
-    path: str
-    token: str
-
-
-def read_lock(directory: str) -> dict | None:
-    """What the lock file of a directory says about its holder, or None without one."""
-    path = os.path.join(directory, LOCK_NAME)
-    try:
-        with open(path) as f:
-            data = json.loads(f.read() or "{}")
-        return data if isinstance(data, dict) else {}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
-
-
-def _holder_is_alive(holder: dict) -> bool:
-    """Whether the save that wrote a lock may still run (on another machine we cannot tell: yes)."""
-    if holder.get("host") != socket.gethostname():
-        return True
-    pid = holder.get("pid")
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
-
-
-def describe_lock(directory: str, holder: dict) -> str:
-    started = holder.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
-    return f"{os.path.join(directory, LOCK_NAME)} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, {when})"
-
-
-def directory_holds_checkpoint(directory: str) -> bool:
-    """Whether a directory has a manifest or any part named as vLLM names them."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return False
-    return MANIFEST_NAME in names or any(parse_file_name(p, n) is not None for n in names for p in DEFAULT_PATTERNS)
-
-
-def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> SaveLock:
-    """Take a directory's save lock, refusing a running save and, unless ``overwrite``, a checkpoint."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, LOCK_NAME)
-    info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token, "started": time.time()})
-    for attempt in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = read_lock(directory) or {}
-            alive = _holder_is_alive(holder)
-            if alive or not overwrite or attempt:
-                raise ShardedStateError(
-                    f"{directory}: another save holds {describe_lock(directory, holder)}"
-                    + (
-                        "; wait for it to finish."
-                        if alive
-                        else "; that save was interrupted. Save again with overwrite to replace it."
-                    )
-                ) from None
-            # The holder is gone and overwrite was asked: take the stale lock over. (Its
-            # partial files are removed when this save publishes: parts this save captured
-            # at engine start are partial files too, until then.)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(info)
-            f.flush()
-            os.fsync(f.fileno())
-        break
-    lock = SaveLock(path, token)
-    if not overwrite and directory_holds_checkpoint(directory):
-        release_save_lock(lock)
-        raise ShardedStateError(
-            f"{directory} already holds a checkpoint; refusing to overwrite it. Choose another "
-            "directory, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
-        )
-    return lock
-
-
-def release_save_lock(lock: SaveLock) -> None:
-    """Remove the lock if it is still ours."""
-    holder = read_lock(os.path.dirname(lock.path))
-    if holder is not None and holder.get("token") == lock.token:
-        os.remove(lock.path)
 
 
 # ----------------------------------------------------------------------- stage
@@ -232,7 +112,7 @@ def stage_rank(
             staged.temporary[file_name] = tmp
             items = [(name, tensors[name]) for name in part]
             try:
-                written = safetensors_io.write_file(tmp, items, {"format": "pt"}, advance)
+                written = writer.write_file(tmp, items, {"format": "pt"}, advance)
             except OSError as e:
                 raise ShardedStateError(
                     f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "
@@ -240,7 +120,7 @@ def stage_rank(
                 ) from e
             files.append(FileEntry(file_name, written.size, written.checksum))
             for name, t in items:
-                dtype = safetensors_io.dtype_name(t.dtype)
+                dtype = dtype_name(t.dtype)
                 entries[name] = TensorEntry(file_name, dtype, tuple(t.shape), written.offsets[name])
     except BaseException:
         discard_rank(staged)
@@ -265,19 +145,14 @@ def open_staged_tensors(staged: StagedRank) -> dict[str, torch.Tensor]:
     """
     tensors: dict[str, torch.Tensor] = {}
     for path in staged.paths():
-        header = safetensors_io.read_header(path)
-        mapped = None
-        if header.file_size > header.data_start:
-            with open(path, "rb") as fh:
-                # Copy-on-write: reads come from the page cache, torch gets a writable buffer.
-                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        for name, h in header.tensors.items():
-            dtype = safetensors_io.torch_dtype(h.dtype, path)
-            if h.end == h.begin or mapped is None:
-                tensors[name] = torch.empty(h.shape, dtype=dtype)
-            else:
-                flat = torch.frombuffer(mapped, dtype=torch.uint8, count=h.end - h.begin, offset=h.begin)
-                tensors[name] = flat.view(dtype).view(h.shape)
+        header = read_header(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for name, h in header.tensors.items():
+                dtype = torch_dtype(h.dtype, path)
+                tensors[name] = map_file_range(fd, h.begin, h.end - h.begin, dtype, h.shape)
+        finally:
+            os.close(fd)  # the mappings stay valid without the descriptor
     return {name: tensors[name] for name in staged.entry.tensors}
 
 
@@ -342,36 +217,6 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
         release_save_lock(lock)
 
 
-# Weights of the source model, which the sharded parts replace.
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
-SKIPPED_NAMES = (MANIFEST_NAME, LOCK_NAME, ".cache", ".git")
-
-
-def is_weight_file(name: str) -> bool:
-    """Whether a file of the source model is a weight file (or index) not to copy."""
-    return any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS) or name in SKIPPED_NAMES
-
-
-def copy_non_weight_files(source: str, output: str) -> list[str]:
-    """Copy config, generation config, tokenizer files, chat template, ... to ``output``."""
-    copied = []
-    for name in sorted(os.listdir(source)):
-        if is_weight_file(name):
-            continue
-        src, dst = os.path.join(source, name), os.path.join(output, name)
-        if os.path.isdir(src):
-            shutil.copytree(
-                src,
-                dst,
-                dirs_exist_ok=True,
-                ignore=lambda _d, names: [n for n in names if is_weight_file(n)],
-            )
-        else:
-            shutil.copy2(src, dst)
-        copied.append(name)
-    return copied
-
-
 def save_checkpoint(
     directory: str,
     ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
@@ -386,7 +231,7 @@ def save_checkpoint(
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools); see the module doc.
 
-    ``geometry`` (JSON of :class:`~.resharding.TensorGeometry` by tensor name) lets the
+    ``geometry`` (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name) lets the
     checkpoint be served at another TP/PP size; ``tied`` lists names saved once for several.
     """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))

@@ -11,9 +11,11 @@ in the cache are not fetched again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from .format import MANIFEST_NAME, Manifest, default_pattern, render_file_name
+from ..format.manifest import Manifest
+from ..format.names import MANIFEST_NAME, default_pattern, render_file_name
+from ..planning.reads import plan_manifest_reads
+from ..planning.topology import RankInfo
 
 # Everything but weights: manifest, config, generation config, tokenizer, chat template.
 METADATA_PATTERNS = (MANIFEST_NAME, "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
@@ -43,7 +45,7 @@ def rank_patterns(pattern: str, tp_rank: int, pp_rank: int) -> list[str]:
 
 def rank_fetch_patterns(
     manifest: Manifest | None,
-    rank: Any,
+    rank: RankInfo,
     needed: Sequence[str] = (),
     tied: Sequence[Sequence[str]] = (),
     pattern: str | None = None,
@@ -57,7 +59,7 @@ def rank_fetch_patterns(
         return rank_patterns(pattern or default_pattern(rank.pp_size), rank.tp_rank, rank.pp_rank)
     if (manifest.tp_size, manifest.pp_size) == (rank.tp_size, rank.pp_size):
         return [f.name for f in manifest.rank(rank.tp_rank, rank.pp_rank).files]
-    from .checkpoint import ReshardSource
-
-    with ReshardSource("", manifest) as source:  # planning opens no file
-        return source.plan(list(needed), rank, tied).files
+    plan = plan_manifest_reads(
+        manifest, needed, tp_size=rank.tp_size, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, tied=tied
+    )
+    return plan.files

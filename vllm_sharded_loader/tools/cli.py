@@ -15,11 +15,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .format import ShardedStateError
+from ..format.errors import ShardedStateError
 
 
 def verify(args: argparse.Namespace) -> int:
-    from .checkpoint import verify_checkpoint
+    from ..checkpoint.verify import verify_checkpoint
 
     problems = verify_checkpoint(args.directory, checksums=not args.size_only)
     what = "sizes and headers" if args.size_only else "sizes, headers and checksums"
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["save"]:
-            from .save_cli import main as save_main
+            from ..engine.save_cli import main as save_main
 
             return save_main(argv[1:])
         args = make_parser().parse_args(argv)

@@ -1,7 +1,7 @@
 """Checkpoint tools that need no engine: inspect, and reshard to another TP/PP size on disk.
 
-Resharding offline uses the same plans as resharding at load (:mod:`.resharding`) and the
-same save protocol (:mod:`.saving`), one tensor at a time: memory holds a single tensor,
+Resharding offline uses the same plans as resharding at load (:mod:`..checkpoint.reshard`) and
+the same save protocol (:mod:`..checkpoint.save`), one tensor at a time: memory holds a single tensor,
 never the model.
 """
 
@@ -12,11 +12,18 @@ from typing import Any
 
 import torch
 
-from . import resharding as rs
-from .checkpoint import RankInfo, ReshardSource, read_manifest
-from .format import LOCK_NAME, MANIFEST_NAME, Manifest, ShardedStateError
-from .safetensors_io import LazyTensor
-from .saving import DEFAULT_MAX_SIZE, read_lock, save_checkpoint
+from ..checkpoint.reshard import ReshardSource
+from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
+from ..format.errors import ShardedStateError
+from ..format.geometry import OPAQUE
+from ..format.manifest import Manifest
+from ..format.names import MANIFEST_NAME
+from ..planning.pipeline import stage_names
+from ..planning.reads import TensorPlan
+from ..planning.topology import RankInfo
+from ..storage.local import copy_non_weight_files, read_manifest
+from ..storage.lock import check_not_locked, read_lock
+from ..storage.writer import LazyTensor
 
 
 def require_manifest(directory: str) -> Manifest:
@@ -60,49 +67,11 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
         "geometry": {
             "tensors": len(manifest.geometry),
             "kinds": dict(sorted(kinds.items())),
-            "reshardable": bool(manifest.geometry) and kinds.get(rs.OPAQUE, 0) == 0 and names <= set(manifest.geometry),
+            "reshardable": bool(manifest.geometry) and kinds.get(OPAQUE, 0) == 0 and names <= set(manifest.geometry),
         },
         "tied": [list(g) for g in manifest.tied],
         "locked": read_lock(directory) is not None,
     }
-
-
-def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
-    """The tensors a pipeline stage holds at ``pp_size``, saved under the names a worker would use.
-
-    The same stage of the same PP size: exactly what was saved. Another PP size: decoder
-    layers go to stages as vLLM's ``get_pp_indices`` splits them; the input embedding to
-    the first stage; everything else (final norm, LM head) to the last. Tied names are
-    written once per stage, under the name vLLM keeps (the one that sorts first).
-    """
-    if pp_size == manifest.pp_size:
-        return list(manifest.rank(0, pp_rank).tensors)
-    layers = manifest.source.config.get("num_hidden_layers")
-    if not isinstance(layers, int) or layers < pp_size:
-        raise ShardedStateError(
-            f"Cannot split the layers into {pp_size} pipeline stages: the saved config has num_hidden_layers="
-            f"{layers!r}."
-        )
-    ranges = rs.pp_layer_ranges(layers, pp_size)
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    saved = {n for r in manifest.ranks for n in r.tensors}
-    names = set()
-    for name in saved | {n for g in manifest.tied for n in g}:
-        layer = rs.layer_index(name)
-        if layer is not None:
-            keep = layer in ranges[pp_rank]
-        elif "embed_tokens" in name:
-            keep = first
-        else:
-            keep = last
-        if keep:
-            names.add(name)
-    # Names sharing one tensor on this stage are saved once, as vLLM's state dict dedups them.
-    for group in manifest.tied:
-        present = sorted(n for n in group if n in names)
-        for extra in present[1:]:
-            names.discard(extra)
-    return sorted(names)
 
 
 def reshard_checkpoint(
@@ -119,11 +88,8 @@ def reshard_checkpoint(
     The output loads at the new topology without resharding at load time. Non-weight
     files (config, tokenizer) are copied first; the manifest is written last.
     """
-    from .saving import copy_non_weight_files
-
     manifest = require_manifest(directory)
-    if os.path.exists(os.path.join(directory, LOCK_NAME)):
-        raise ShardedStateError(f"{directory} is being saved or its save was interrupted ({LOCK_NAME} exists).")
+    check_not_locked(directory)
     pp_size = manifest.pp_size if pp_size is None else pp_size
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
@@ -140,7 +106,7 @@ def reshard_checkpoint(
         os.makedirs(output, exist_ok=True)
         copy_non_weight_files(directory, output)
 
-        def lazy(tensor_plan: Any) -> LazyTensor:
+        def lazy(tensor_plan: TensorPlan) -> LazyTensor:
             dtype = source.stored_dtype(tensor_plan)
 
             def produce() -> torch.Tensor:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import blake3
 
-from .format import HASH_NAME, FileChecksum, ShardedStateError
+from ..format.errors import ShardedStateError
+from ..format.manifest import HASH_NAME, FileChecksum
 
 BLOCK_SIZE = 16 * 1024 * 1024
 
@@ -62,14 +63,8 @@ class BlockVerifier(BlockHasher):
 
     def _block_done(self, digest: str) -> None:
         index = len(self.digests)
-        want = self.expected.blocks[index] if index < len(self.expected.blocks) else None
-        if digest != want:
-            start = index * self.block_size
-            raise ShardedStateError(
-                f"{self.path}: checksum mismatch in bytes {start}..{start + self.block_size} (block {index}): "
-                f"the file is corrupt or was modified after it was saved. Copy it again from the source "
-                "or save the checkpoint again."
-            )
+        start = index * self.block_size
+        check_block(self.path, self.expected, index, start, start + self.block_size, digest)
         super()._block_done(digest)
 
     def finish(self) -> FileChecksum:
@@ -80,3 +75,25 @@ class BlockVerifier(BlockHasher):
                 "the file has another length than the one saved. Copy or save it again."
             )
         return result
+
+
+def check_block(path: str, expected: FileChecksum, index: int, start: int, end: int, digest: str) -> None:
+    """Raise unless ``digest`` is the recorded digest of block ``index`` of ``path`` (bytes ``start..end``).
+
+    Every verification goes through here: streamed whole files and blocks read by the loader.
+    """
+    want = expected.blocks[index] if index < len(expected.blocks) else None
+    if digest != want:
+        raise ShardedStateError(
+            f"{path}: checksum mismatch in bytes {start}..{end} (block {index}): "
+            "the file is corrupt or was modified after it was saved. Copy it again from the source "
+            "or save the checkpoint again."
+        )
+
+
+def digest_of(views: list[memoryview]) -> str:
+    """The BLAKE3 digest of consecutive byte views (one checksum block)."""
+    hasher = blake3.blake3()
+    for view in views:
+        hasher.update(view)
+    return hasher.hexdigest()

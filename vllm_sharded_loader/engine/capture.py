@@ -29,24 +29,26 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from .checkpoint import RankInfo, saveable_state
-from .format import LOCK_NAME, Manifest, RankEntry, ShardedStateError, SourceModel, default_pattern, validate_pattern
-from .layer_geometry import describe_tensors, tied_groups
-from .loader import current_rank, dtype_label, source_identity
-from .progress import ByteProgress
-from .saving import (
-    SaveLock,
+from ..checkpoint.save import (
     StagedRank,
-    acquire_save_lock,
     discard_rank,
     new_token,
     open_staged_tensors,
     publish_rank,
-    release_save_lock,
     remove_manifest,
     stage_rank,
     write_manifest,
 )
+from ..checkpoint.state import saveable_state
+from ..format.errors import ShardedStateError
+from ..format.manifest import Manifest, RankEntry
+from ..format.names import LOCK_NAME, default_pattern, validate_pattern
+from ..format.source import SourceModel
+from ..planning.topology import RankInfo
+from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
+from .identity import current_rank, dtype_label, source_identity
+from .layer_geometry import describe_tensors, tied_groups
+from .progress import ByteProgress
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
@@ -226,7 +228,7 @@ class _Workers:
 def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
     """Body of vLLM's worker ``save_sharded_state`` hook; runs on every worker at once.
 
-    The steps of :mod:`.saving` across workers: the first worker takes the lock, every
+    The steps of :mod:`..checkpoint.save` across workers: the first worker takes the lock, every
     worker stages its parts, then swaps them in, and the first worker publishes the
     manifest. A failure before the swap removes what was staged and the lock, and
     leaves any previous checkpoint intact.

@@ -5,9 +5,9 @@ from its files into its parameters. It needs torch but not vLLM, so it can be
 benchmarked alone (``benchmarks/``) and on machines without vLLM. How it gets near
 the hardware's limits, measured on the project's 2-core machines:
 
-- **Several sequential streams.** :func:`~.planning.plan_spans` cuts the reads on a
+- **Several sequential streams.** :func:`~..planning.spans.plan_spans` cuts the reads on a
   fixed 4 MiB grid of each file (the 16 MiB checksum blocks when verifying), and
-  :func:`split_streams` gives each of ``threads`` threads one contiguous run of spans.
+  :func:`~..planning.spans.split_streams` gives each of ``threads`` threads one contiguous run of spans.
   Each thread opens the files itself, so the kernel keeps one readahead state per
   stream (``POSIX_FADV_SEQUENTIAL`` doubles its window) and the storage sees several
   sequential streams at once, while the page faults and copies of different streams
@@ -29,12 +29,12 @@ the hardware's limits, measured on the project's 2-core machines:
   against 3.5 with 4 threads), but in a VM whose host reclaims free guest memory
   (free page reporting, as on these machines) a huge page is exactly the memory the
   host took back, and loads ran 30% slower with it. So it is opt-in.
-- **Mapping instead of copying.** A CPU target whose caller can take another tensor
-  (``Target.adopt``; the vLLM loader swaps the parameter's data) is served from a
-  private mapping of its bytes in the file: the page cache's pages become its memory,
-  with no copy and no first touch. A warm 1.5 GB rank maps at tens of GB/s where the
+- **Mapping instead of copying** (:mod:`.memory`). A CPU target whose caller can take
+  another tensor (``Target.adopt``; the vLLM loader swaps the parameter's data) is served
+  from a private mapping of its bytes in the file: the page cache's pages become its
+  memory, with no copy and no first touch. A warm 1.5 GB rank maps at tens of GB/s where the
   copy runs at 1-3 GB/s here; cold, the threads page the mappings in at the disk's speed.
-- **Accelerators.** A target on another device is filled from pinned staging buffers,
+- **Accelerators** (:mod:`.staging`). A target on another device is filled from pinned staging buffers,
   two per thread, with non-blocking copies on the thread's own stream, so the copy of
   one span overlaps the read of the next.
 - **Checksums.** A verified span is exactly one checksum block, hashed by the thread
@@ -43,22 +43,23 @@ the hardware's limits, measured on the project's 2-core machines:
 
 from __future__ import annotations
 
-import errno
-import mmap
 import os
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import blake3
 import torch
 
+from ..format.errors import ShardedStateError
+from ..format.manifest import FileChecksum
+from ..planning.spans import FileGrid, Piece, Span, plan_spans, split_streams
 from . import oscalls
-from .format import FileChecksum, ShardedStateError
-from .planning import FileGrid, Piece, Span, plan_spans
-from .safetensors_io import Header, byte_view, torch_dtype
+from .integrity import check_block, digest_of
+from .memory import HUGE_PAGE, Destination, Target, advise_huge_pages, map_tensors, mapped_pieces, page_in, truncated
+from .staging import ThreadState, copy_out
+from .tensors import byte_view
 
 # One sequential stream per thread. On the 2-core VMs here the cost of a warm load is
 # the first touch of fresh parameter memory, which the host backs page by page, and
@@ -66,44 +67,12 @@ from .safetensors_io import Header, byte_view, torch_dtype
 # (new process each time) ran at 1.0-1.4 GB/s with 2 threads, 1.7-2.4 with 4, 1.2-2.1
 # with 8. Cold, 2-4 streams beat one by 1.5-2x on the virtio disk.
 DEFAULT_THREADS = min(8, max(4, os.cpu_count() or 1))
-SPAN_BYTES = 4 * 1024 * 1024
 # A verified span is one checksum block instead (16 MiB), so it hashes to one recorded digest.
-HUGE_PAGE = 2 * 1024 * 1024
-PAGE = mmap.PAGESIZE
+SPAN_BYTES = 4 * 1024 * 1024
 try:
     IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
 except (AttributeError, ValueError, OSError):
     IOV_MAX = 16
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask for transparent huge pages over a CPU tensor's memory; True if the kernel agreed.
-
-    Only the 2 MiB-aligned interior is advised, so no memory outside the tensor changes
-    its paging. Pages already touched keep their size; untouched ones (fresh
-    parameters) fault in 2 MiB at a time. A no-op where unsupported.
-    """
-    if tensor.device.type != "cpu":
-        return False
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-    return hi > lo and oscalls.madvise_hugepage(lo, hi - lo)
-
-
-@dataclass
-class Target:
-    """A tensor to fill, the dtype its bytes are stored in, and element runs to zero first.
-
-    ``adopt``, if given, may be called instead of filling ``tensor``: with a tensor of the
-    same shape and dtype served from a private mapping of the file (see :func:`read_pieces`),
-    which the caller then uses in place of ``tensor``.
-    """
-
-    tensor: torch.Tensor
-    stored: torch.dtype
-    zero_runs: Sequence[tuple[int, int]] = ()
-    adopt: Callable[[torch.Tensor], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,80 +87,9 @@ class ReadStats:
     bytes_mapped: int = 0
 
 
-class _Destination:
-    """Where a target's bytes land: straight in its memory, in a temporary, or via staging."""
-
-    def __init__(self, target: Target, mapped: torch.Tensor | None = None) -> None:
-        t = target.tensor
-        self.target, self.stored = t, target.stored
-        self.temp: torch.Tensor | None = None
-        # A mapped target is not written: its bytes are the file's, paged in where they lie.
-        self.mapped = mapped
-        self.direct = self.cuda = False
-        self.view = None
-        if mapped is not None:
-            self.mapped_bytes = mapped.reshape(-1).view(torch.uint8)
-            return
-        if not t.is_contiguous():
-            # Rare (parameters are contiguous): read whole, copy once at the end.
-            self.temp = torch.empty(t.shape, dtype=target.stored)
-            self.landing = self.temp
-        else:
-            self.landing = t
-        self.direct = self.landing.device.type == "cpu" and self.landing.dtype == target.stored
-        self.view = byte_view(self.landing) if self.direct and self.landing.numel() else None
-        self.flat = self.landing.view(-1)
-        self.cuda = self.landing.device.type == "cuda"
-        for a, b in target.zero_runs:
-            self.flat[a:b] = 0
-
-
-@dataclass
-class _ThreadState:
-    """Per-thread buffers: staging (pinned for accelerators) and scratch for verified spans."""
-
-    pin: bool
-    staging: list[torch.Tensor | None] = field(default_factory=lambda: [None, None])
-    events: list[object | None] = field(default_factory=lambda: [None, None])
-    turn: int = 0
-    scratch: bytearray = field(default_factory=bytearray)
-    stream: object | None = None
-    fds: dict[int, int] = field(default_factory=dict)  # this thread's own descriptors
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-    def staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        # Two buffers alternate: the accelerator copies out of one while the next span is read into the other.
-        self.turn ^= 1
-        event = self.events[self.turn]
-        if event is not None:
-            event.synchronize()  # type: ignore[attr-defined]
-            self.events[self.turn] = None
-        buffer = self.staging[self.turn]
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            self.staging[self.turn] = buffer
-        return buffer, self.turn
-
-    def scratch_view(self, nbytes: int) -> memoryview:
-        if len(self.scratch) < nbytes:
-            self.scratch = bytearray(nbytes)
-        return memoryview(self.scratch)
-
-
 def _widen(p: Piece) -> tuple[int, int]:
     """Bytes to add before and after a piece so that it covers whole elements of its destination."""
     return p.start % p.itemsize, -(p.start + p.length) % p.itemsize
-
-
-def _truncated(path: str, offset: int) -> ShardedStateError:
-    return ShardedStateError(
-        f"{path}: file ended at byte {offset} while reading; it is truncated or was replaced during "
-        "the load. Copy or save the checkpoint again."
-    )
 
 
 def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None:
@@ -200,7 +98,7 @@ def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None
     while index < len(views):
         n = os.preadv(fd, views[index : index + IOV_MAX], offset)
         if n <= 0:
-            raise _truncated(path, offset)
+            raise truncated(path, offset)
         offset += n
         while index < len(views) and n >= len(views[index]):
             n -= len(views[index])
@@ -215,7 +113,7 @@ class _SpanReader:
     def __init__(
         self,
         paths: Sequence[str],
-        destinations: Sequence[_Destination],
+        destinations: Sequence[Destination],
         checksums: Mapping[int, FileChecksum],
         pin: bool,
     ) -> None:
@@ -223,15 +121,15 @@ class _SpanReader:
         self.pin = pin
         self.local = threading.local()
 
-    def _state(self) -> _ThreadState:
+    def _state(self) -> ThreadState:
         state = getattr(self.local, "state", None)
         if state is None:
-            state = self.local.state = _ThreadState(self.pin)
+            state = self.local.state = ThreadState(self.pin)
             if self.pin:
                 state.stream = torch.cuda.Stream()
         return state
 
-    def _fd(self, state: _ThreadState, file: int) -> int:
+    def _fd(self, state: ThreadState, file: int) -> int:
         # Each thread opens the file itself: the kernel keeps readahead state per open
         # file, so every thread's stream is recognised as sequential.
         fd = state.fds.get(file)
@@ -259,7 +157,7 @@ class _SpanReader:
         group_end = -1
         hashed: list[memoryview] = []  # the span's bytes in file order, each once (verified spans)
         edges: list[tuple[int, memoryview]] = []  # partial elements just outside a staged piece
-        copies: list[tuple[_Destination, int, int, int, int]] = []
+        copies: list[tuple[Destination, int, int, int, int]] = []
         alone: list[Piece] = []
         position = span.begin
 
@@ -281,7 +179,7 @@ class _SpanReader:
             staging_view = memoryview(staging.numpy()).cast("B")
         scratch = state.scratch_view(span.end - span.begin) if span.verified else None
         cursor = 0
-        paged: list[tuple[_Destination, Piece]] = []  # mapped bytes to page in
+        paged: list[tuple[Destination, Piece]] = []  # mapped bytes to page in
         for p in span.pieces:
             dest = self.destinations[p.dest]
             if dest.mapped is not None:
@@ -318,67 +216,20 @@ class _SpanReader:
         for offset, views in groups:
             preadv_all(fd, views, offset, path)
         if paged:
-            self._page_in(span.file, paged)
+            page_in(path, paged)
         for offset, view in edges:
             preadv_all(fd, [view], offset, path)
         if span.verified:
             self._verify(span, hashed)
         if copies:
-            self._copy_out(state, staging, staging_turn, copies)
+            copy_out(state, staging, staging_turn, copies)
         for p in alone:
             self._read_alone(p)
         return span.nbytes
 
-    def _page_in(self, file: int, ranges: list[tuple[_Destination, Piece]]) -> None:
-        """Page in bytes of mapped targets now, so that the load pays for the reads, not the first request."""
-        for dest, p in ranges:
-            start, length = p.start, p.length
-            address = dest.mapped_bytes.data_ptr() + start
-            # madvise takes a page-aligned address; the mapping starts on the page holding the tensor's first byte.
-            error = oscalls.populate_read(address - address % PAGE, length + address % PAGE)
-            if error in (errno.EINVAL, errno.ENOSYS):
-                # Older kernel: touch one byte per page instead.
-                dest.mapped_bytes[start : start + length : PAGE].sum()
-            elif error == errno.EFAULT:
-                raise ShardedStateError(
-                    f"{self.paths[file]}: file ended before byte {p.end} while reading; it is truncated or was "
-                    "replaced during the load. Copy or save the checkpoint again."
-                )
-            elif error:
-                raise ShardedStateError(
-                    f"{self.paths[file]}: reading it failed ({os.strerror(error)}). Check the storage, "
-                    "then copy or save the checkpoint again."
-                )
-
     def _verify(self, span: Span, hashed: list[memoryview]) -> None:
-        checksum = self.checksums[span.file]
-        hasher = blake3.blake3()
-        for view in hashed:
-            hasher.update(view)
-        if hasher.hexdigest() != checksum.blocks[span.index]:
-            raise ShardedStateError(
-                f"{self.paths[span.file]}: checksum mismatch in bytes {span.begin}..{span.end} (block "
-                f"{span.index}): the file is corrupt or was modified after it was saved. Copy it again "
-                "from the source or save the checkpoint again."
-            )
-
-    def _copy_out(
-        self,
-        state: _ThreadState,
-        staging: torch.Tensor,
-        turn: int,
-        copies: list[tuple[_Destination, int, int, int, int]],
-    ) -> None:
-        if state.stream is not None:
-            with torch.cuda.stream(state.stream):  # type: ignore[arg-type]
-                for dest, a, b, at, n in copies:
-                    dest.flat[a:b].copy_(staging[at : at + n].view(dest.stored), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(state.stream)  # type: ignore[arg-type]
-                state.events[turn] = event
-        else:
-            for dest, a, b, at, n in copies:
-                dest.flat[a:b].copy_(staging[at : at + n].view(dest.stored))
+        path, checksum = self.paths[span.file], self.checksums[span.file]
+        check_block(path, checksum, span.index, span.begin, span.end, digest_of(hashed))
 
     def _read_alone(self, p: Piece) -> None:
         dest = self.destinations[p.dest]
@@ -432,7 +283,7 @@ def read_pieces(
     checksums = dict(checksums or {})
     served = mapped_pieces(pieces, targets)
     mapped = map_tensors(paths, served, targets)
-    destinations = [_Destination(t, mapped.get(i)) for i, t in enumerate(targets)]
+    destinations = [Destination(t, mapped.get(i)) for i, t in enumerate(targets)]
     huge = False
     for d in destinations if huge_pages else ():
         if d.view is not None and len(d.view) >= HUGE_PAGE:
@@ -467,84 +318,6 @@ def read_pieces(
     return ReadStats(total, len(spans), threads, huge, sum(p.length for p in served.values()))
 
 
-def mapped_pieces(pieces: Sequence[Piece], targets: Sequence[Target]) -> dict[int, Piece]:
-    """The targets that can be served from a file mapping instead of read: index -> its piece.
-
-    A target qualifies if it offers ``adopt``, is a contiguous CPU tensor of the stored
-    dtype with no runs to zero, and one piece holds all of its bytes at an offset aligned
-    to its element size (a tensor view of the mapping needs that alignment). Pure.
-    """
-    count: dict[int, int] = {}
-    for p in pieces:
-        count[p.dest] = count.get(p.dest, 0) + 1
-    served = {}
-    for p in pieces:
-        t = targets[p.dest]
-        tensor = t.tensor
-        if (
-            t.adopt is not None
-            and count[p.dest] == 1
-            and not t.zero_runs
-            and tensor.device.type == "cpu"
-            and tensor.dtype == t.stored
-            and tensor.is_contiguous()
-            and p.start == 0
-            and p.length == tensor.numel() * tensor.element_size() > 0
-            and p.offset % t.stored.itemsize == 0
-        ):
-            served[p.dest] = p
-    return served
-
-
-def map_tensors(
-    paths: Sequence[str], served: Mapping[int, Piece], targets: Sequence[Target]
-) -> dict[int, torch.Tensor]:
-    """The served targets' bytes as tensors shaped like them, each over a private mapping of just its pages.
-
-    ``MAP_PRIVATE`` (copy-on-write), as ``safetensors.safe_open`` maps files on CPU: the
-    page cache's pages, no copy and no fresh memory until something writes to them, and
-    writes go to private copies, never to the file. One mapping per tensor, which lives
-    exactly as long as the tensor (and its views): when vLLM drops a weight it has
-    repacked, its pages are unmapped and left to the page cache to keep or reclaim.
-    Each file is opened once; ``served`` maps target indices to their pieces.
-    """
-    by_file: dict[int, list[int]] = {}
-    for i, p in served.items():
-        by_file.setdefault(p.file, []).append(i)
-    tensors: dict[int, torch.Tensor] = {}
-    for file, indices in by_file.items():
-        path = paths[file]
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            for i in indices:
-                p, target = served[i], targets[i]
-                if p.end > size:
-                    raise _truncated(path, size)
-                first = p.offset - p.offset % mmap.ALLOCATIONGRANULARITY
-                mapping = mmap.mmap(
-                    fd, p.end - first, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=first
-                )
-                flat = torch.frombuffer(mapping, dtype=torch.uint8, count=p.length, offset=p.offset - first)
-                tensors[i] = flat.view(target.stored).view(target.tensor.shape)
-        finally:
-            os.close(fd)
-    return tensors
-
-
-def split_streams(spans: Sequence[Span], streams: int) -> list[list[Span]]:
-    """Cut spans (in file order) into at most ``streams`` contiguous runs of about equal bytes."""
-    total = sum(s.end - s.begin for s in spans)
-    runs: list[list[Span]] = [[]]
-    done = 0
-    for span in spans:
-        if runs[-1] and done >= total * len(runs) / streams and len(runs) < streams:
-            runs.append([])
-        runs[-1].append(span)
-        done += span.end - span.begin
-    return [r for r in runs if r]
-
-
 def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callable[[int, int], None] | None) -> int:
     """Read every span: each thread streams one contiguous run of the rank's bytes.
 
@@ -573,45 +346,3 @@ def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callabl
         while progress is not None and not finished.empty():
             progress(finished.get(), planned)
     return total
-
-
-def file_pieces(
-    headers: Sequence[Header],
-    targets: Mapping[str, torch.Tensor],
-    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
-) -> tuple[list[str], list[Piece], list[Target]]:
-    """Pieces and targets to read whole tensors of safetensors files into ``targets``.
-
-    Tensors of a file not in ``targets`` are not read (except into scratch when the file is
-    verified). ``adopt`` gives the :attr:`Target.adopt` of the tensors that may be mapped.
-    """
-    adopt = adopt or {}
-    paths, pieces, dests = [], [], []
-    for file, header in enumerate(headers):
-        paths.append(header.path)
-        for name, entry in sorted(header.tensors.items(), key=lambda item: item[1].begin):
-            target = targets.get(name)
-            if target is None:
-                continue
-            stored = torch_dtype(entry.dtype, header.path)
-            pieces.append(Piece(file, entry.begin, entry.end - entry.begin, len(dests), 0, stored.itemsize))
-            dests.append(Target(target, stored, adopt=adopt.get(name)))
-    return paths, pieces, dests
-
-
-def read_files(
-    headers: Sequence[Header],
-    targets: Mapping[str, torch.Tensor],
-    checksums: Mapping[str, FileChecksum] | None = None,
-    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
-    **options: object,
-) -> ReadStats:
-    """Read the tensors of safetensors files named in ``targets`` into them.
-
-    ``checksums`` maps a file's path to its recorded checksum; such a file is verified
-    whole. ``adopt`` maps names to callbacks that take a mapped tensor in place of
-    reading into the target (see :func:`read_pieces`). ``options`` go to :func:`read_pieces`.
-    """
-    paths, pieces, dests = file_pieces(headers, targets, adopt)
-    by_index = {i: checksums[p] for i, p in enumerate(paths) if checksums and p in checksums}
-    return read_pieces(paths, pieces, dests, checksums=by_index, verify="all", **options)  # type: ignore[arg-type]

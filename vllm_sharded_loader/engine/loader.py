@@ -1,4 +1,4 @@
-"""The ``sharded_state`` model loader: the thin vLLM layer over :mod:`.checkpoint`."""
+"""The ``sharded_state`` model loader: the thin vLLM layer over :mod:`..checkpoint`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from . import hub
-from .checkpoint import RankInfo, check_verify_mode, load_rank, read_manifest, saveable_state
-from .format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
+from ..checkpoint import load_rank, read_manifest, saveable_state
+from ..checkpoint.stats import check_verify_mode
+from ..format.errors import ShardedStateError
+from ..format.names import MANIFEST_NAME
+from ..storage import hub
+from ..storage.reader import DEFAULT_THREADS
+from .identity import current_rank, dtype_label, source_identity
 from .layer_geometry import tied_groups
 from .progress import ByteProgress
-from .reader import DEFAULT_THREADS
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -27,24 +30,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.plugins.{__name__}")
 
 EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify", "threads", "huge_pages", "mmap"})
-
-
-def current_rank() -> RankInfo:
-    """This worker's place in the tensor- and pipeline-parallel grid."""
-    from vllm.distributed import get_pp_group, get_tp_group
-
-    tp, pp = get_tp_group(), get_pp_group()
-    return RankInfo(tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size)
-
-
-def source_identity(model: torch.nn.Module, model_config: ModelConfig) -> SourceModel:
-    """Architecture (the vLLM class that was built) and config hash of a model."""
-    config = model_config.hf_config.to_dict()
-    return SourceModel(
-        architecture=type(model).__name__,
-        config_sha256=config_sha256(config),
-        config=normalize_config(config),
-    )
 
 
 def _storage_uses(tensor: torch.Tensor) -> int | None:
@@ -81,10 +66,6 @@ def adoptable_parameters(
 
 def _swap_data(param: torch.nn.Parameter, data: torch.Tensor) -> None:
     param.data = data
-
-
-def dtype_label(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class ShardedStateLoader(BaseModelLoader):

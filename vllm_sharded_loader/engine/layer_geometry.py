@@ -1,6 +1,6 @@
 """How each parameter of a vLLM model is split across tensor-parallel ranks, read off its layer.
 
-The result is a :class:`~.resharding.TensorGeometry` per saved tensor, recorded in the
+The result is a :class:`~..format.geometry.TensorGeometry` per saved tensor, recorded in the
 manifest so that a checkpoint can be served at another TP/PP size. It is derived from
 vLLM's layer classes, never from model-specific code, and conservatively: a layer this
 module does not know exactly (a subclass with its own sharding, a quantized layout, an
@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 
-from . import resharding as rs
-from .format import ShardedStateError
+from ..format import geometry as rs
+from ..format.errors import ShardedStateError
+from ..planning.layout import shard_layout
 
 # Layers whose parameters every rank holds whole. Matched on the class and its bases.
-REPLICATED_LAYERS = frozenset(
-    {"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "ReplicatedLinear", "Attention", "Embedding"}
-)
+REPLICATED_LAYERS = frozenset({"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "Attention", "Embedding"})
 # Bases of every tensor-parallel layer: a subclass not handled exactly below is opaque.
 PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE"})
 UNQUANTIZED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
@@ -105,7 +104,7 @@ def describe_tensors(
         )
         if geometry.kind != rs.OPAQUE:
             try:
-                local = rs.shard_layout(geometry, tp_size, tp_rank, name).shape
+                local = shard_layout(geometry, tp_size, tp_rank, name).shape
             except ShardedStateError:
                 local = None
             if tuple(local or ()) != shape:

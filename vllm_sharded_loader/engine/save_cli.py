@@ -15,10 +15,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..checkpoint.save import DEFAULT_MAX_SIZE
+from ..format.errors import ShardedStateError
+from ..storage.local import copy_non_weight_files, directory_holds_checkpoint, read_manifest
+from ..storage.lock import describe_lock, read_lock
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
-from .checkpoint import read_manifest
-from .format import ShardedStateError
-from .saving import DEFAULT_MAX_SIZE, copy_non_weight_files, describe_lock, directory_holds_checkpoint, read_lock
 
 
 def engine_kwargs(engine_args: Any) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Small random-weight models and tokenizers built in process, for the demo, tests
-and benchmarks (there is no model hub to download from on the machines we test on).
+"""Example models: small random-weight models and tokenizers built in process, for the
+demo (``examples/demo.py``), the tests and the benchmarks (there is no model hub to
+download from on the machines we test on). Not part of the installed package.
 
 Needs ``transformers`` and ``tokenizers``, which come with vLLM.
 """

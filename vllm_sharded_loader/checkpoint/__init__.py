@@ -1,0 +1,20 @@
+"""One rank's load and save, engine-free: the checks, the plan and the I/O, put together.
+
+- :mod:`.load`: :func:`load_rank`, one rank's checked load (same topology, or resharded
+  by :mod:`.reshard`, or a checkpoint of vLLM's own save by :mod:`.legacy`);
+- :mod:`.rank_files`: every check of a rank's files against the manifest;
+- :mod:`.save`: the save protocol (lock, staged parts, swap, manifest last);
+- :mod:`.verify`: offline verification of a whole checkpoint;
+- :mod:`.state`: which tensors of a model a checkpoint holds.
+
+Needs torch, never vLLM: the engine layer calls in here, and tests do too.
+"""
+
+from ..planning.topology import RankInfo
+from ..storage.local import read_manifest
+from .load import load_rank
+from .state import saveable_state, tensor_specs
+from .stats import LoadStats
+from .verify import verify_checkpoint
+
+__all__ = ["LoadStats", "RankInfo", "load_rank", "read_manifest", "saveable_state", "tensor_specs", "verify_checkpoint"]

@@ -1,0 +1,102 @@
+"""Checkpoints written by vLLM's own save (no manifest): found by file name, checked by header.
+
+There is no manifest to check sizes or checksums against, so a load checks what it can:
+only this rank's files by vLLM's naming, no file of a rank the engine does not have, no
+tensor stored twice, and exactly the model's tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..format.errors import ShardedStateError
+from ..format.names import MANIFEST_NAME, default_pattern, parse_file_name, validate_pattern
+from ..planning.tensors import TensorSpec, check_tensor_sets
+from ..planning.topology import RankInfo
+from ..storage.local import part_path, read_header
+from ..storage.tensor_files import read_files
+from .state import tensor_specs
+from .stats import LoadStats, whole_file_stats
+
+
+def load_without_manifest(
+    directory: str,
+    targets: Mapping[str, torch.Tensor],
+    rank: RankInfo,
+    pattern: str | None,
+    verify: str,
+    started: float,
+    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
+    **options: Any,
+) -> LoadStats:
+    """:func:`.load.load_rank` for a checkpoint of vLLM's own save."""
+    if verify == "checksum":
+        raise ShardedStateError(
+            f"{directory} has no {MANIFEST_NAME} (a checkpoint of vLLM's own save), so there are no "
+            "checksums to verify; load it with verify='size' or save it again with vllm-sharded-loader."
+        )
+    where = f"{directory} ({rank})"
+    pattern = pattern or default_pattern(rank.pp_size)
+    validate_pattern(pattern, rank.tp_size, rank.pp_size)
+    names = rank_files_without_manifest(directory, pattern, rank)
+    headers = [read_header(part_path(directory, n)) for n in names]
+    saved = {}
+    owner: dict[str, str] = {}
+    for header in headers:
+        for name, h in header.tensors.items():
+            if name in owner:
+                raise ShardedStateError(
+                    f"{where}: tensor {name!r} is stored in both {owner[name]} and {header.path}; "
+                    "the directory mixes two saves. Remove the stale files or save it again."
+                )
+            owner[name] = header.path
+            saved[name] = TensorSpec(h.shape, h.dtype)
+    cast = check_tensor_sets(
+        tensor_specs(targets),
+        saved,
+        where,
+        hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
+        "drops every linear weight. Save it again with examples/save_sharded_state.py.",
+    )
+    read = read_files(headers, targets, None, adopt, **options)
+    return whole_file_stats([h.path for h in headers], len(targets), read, started, cast, with_manifest=False)
+
+
+def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) -> list[str]:
+    """This rank's files in a checkpoint written by vLLM's own save (no manifest).
+
+    Files of ranks the engine does not have mean the checkpoint was saved at another
+    topology; vLLM would load those "successfully" into narrowed parameters.
+    """
+    # A checkpoint saved under PP has files a TP-only pattern never matches.
+    patterns = [pattern] if rank.pp_size > 1 else [pattern, default_pattern(2)]
+    mine, foreign = [], []
+    for name in sorted(os.listdir(directory)):
+        for p in patterns:
+            fields = parse_file_name(p, name)
+            if fields is None:
+                continue
+            tp, pp = fields.get("tp_rank", 0), fields.get("pp_rank", 0)
+            if p == pattern and (tp, pp) == (rank.tp_rank, rank.pp_rank):
+                mine.append(name)
+            elif p != pattern or tp >= rank.tp_size or pp >= rank.pp_size:
+                foreign.append(name)
+            break
+    if foreign:
+        raise ShardedStateError(
+            f"{directory} holds files of ranks this engine does not have (for example "
+            f"{foreign[0]!r}) while it runs tensor_parallel_size={rank.tp_size} and "
+            f"pipeline_parallel_size={rank.pp_size}: the checkpoint was saved at another topology. "
+            "Serve it at the sizes it was saved with, or save it again at the new sizes."
+        )
+    if not mine:
+        raise ShardedStateError(
+            f"{directory} has no file for {rank} matching {pattern!r} and no {MANIFEST_NAME}. "
+            "Either this is not a sharded checkpoint (save one with examples/save_sharded_state.py), "
+            "or it was saved at a smaller topology than the engine runs."
+        )
+    return mine

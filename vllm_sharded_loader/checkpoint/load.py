@@ -1,0 +1,95 @@
+"""Loading one rank of a sharded checkpoint, without any engine: the checks, the plan, the read.
+
+The vLLM layer (:mod:`..engine.loader`) finds out which rank it is and which tensors the
+model has, then calls :func:`load_rank`. Tests call it directly on real files and real
+tensors. Each step is a named piece beside this module:
+
+- checks: :mod:`..storage.lock` (no save running), :mod:`..planning.topology` (topology and
+  source model), :mod:`..planning.tensors` (exactly the model's tensors), :mod:`.rank_files`
+  (every file of the rank against the manifest);
+- plan: :func:`..storage.tensor_files.file_pieces` (each tensor's bytes, from its file's
+  header), or :mod:`.reshard` at another topology;
+- read: :func:`..storage.reader.read_pieces`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from ..format.manifest import Manifest
+from ..format.source import SourceModel
+from ..planning.tensors import check_tensor_sets
+from ..planning.topology import RankInfo, check_source, check_topology
+from ..storage.lock import check_not_locked
+from ..storage.reader import DEFAULT_THREADS
+from ..storage.tensor_files import read_files
+from .legacy import load_without_manifest
+from .rank_files import check_rank_files, saved_specs
+from .reshard import load_resharded
+from .state import tensor_specs
+from .stats import LoadStats, check_verify_mode, whole_file_stats
+
+
+def load_rank(
+    directory: str,
+    targets: Mapping[str, torch.Tensor],
+    rank: RankInfo,
+    *,
+    manifest: Manifest | None,
+    serving: SourceModel | None = None,
+    pattern: str | None = None,
+    verify: str = "size",
+    tied: Sequence[Sequence[str]] = (),
+    threads: int = DEFAULT_THREADS,
+    progress: Callable[[int, int], None] | None = None,
+    huge_pages: bool = False,
+    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
+) -> LoadStats:
+    """Check a rank's saved files against the model, then read them into ``targets``.
+
+    ``targets`` maps each tensor name to the tensor it loads into (the model's
+    :func:`.state.saveable_state`). Every check runs before the first byte is copied, so a
+    refused checkpoint leaves the parameters untouched. With ``verify="checksum"``
+    every byte read is also hashed and compared with the manifest; a mismatch raises
+    before the load returns (the engine then does not start).
+
+    A checkpoint saved at another TP/PP size is resharded (:func:`.reshard.load_resharded`)
+    if its manifest records the geometry; ``tied`` names groups of tensors the serving
+    model shares (tied embeddings), so a tensor saved under one name serves the others.
+    ``threads``, ``progress`` and ``huge_pages`` go to the reader. ``adopt`` maps tensor
+    names to callbacks that take a tensor over a private mapping of the file in place of
+    the target (see :func:`..storage.reader.read_pieces`); a same-topology load uses them,
+    a resharding load reads every tensor. ``pattern`` names the files of a checkpoint
+    without manifest (vLLM's own save).
+    """
+    started = time.perf_counter()
+    options = dict(threads=threads, progress=progress, huge_pages=huge_pages)
+    check_verify_mode(verify)
+    check_not_locked(directory)
+    if manifest is None:
+        return load_without_manifest(directory, targets, rank, pattern, verify, started, adopt=adopt, **options)
+    if (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size):
+        if not manifest.geometry:
+            check_topology(manifest, rank, directory)  # raises: nothing to reshard with
+        if serving is not None:
+            check_source(manifest, serving, directory)
+        return load_resharded(directory, manifest, targets, rank, verify=verify, tied=tied, started=started, **options)
+
+    # The checks: the model served, its tensors, then every file of this rank.
+    if serving is not None:
+        check_source(manifest, serving, directory)
+    entry = manifest.rank(rank.tp_rank, rank.pp_rank)
+    cast = check_tensor_sets(
+        tensor_specs(targets),
+        saved_specs(entry),
+        f"{directory} ({rank})",
+        hint="The checkpoint was saved from a different model; save it again.",
+    )
+    headers = check_rank_files(directory, entry, verify)
+    # The plan and the read: each tensor's bytes where its file's header places them.
+    checksums = {h.path: f.checksum for h, f in zip(headers, entry.files, strict=True)} if verify == "checksum" else {}
+    read = read_files(headers, targets, checksums, adopt, **options)
+    return whole_file_stats([h.path for h in headers], len(targets), read, started, cast, with_manifest=True)

@@ -1,0 +1,35 @@
+"""Who this worker is and what it serves, read off vLLM: its rank, the model's identity."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..format.source import SourceModel, config_sha256, normalize_config
+from ..planning.topology import RankInfo
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
+
+
+def current_rank() -> RankInfo:
+    """This worker's place in the tensor- and pipeline-parallel grid."""
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return RankInfo(tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size)
+
+
+def source_identity(model: torch.nn.Module, model_config: ModelConfig) -> SourceModel:
+    """Architecture (the vLLM class that was built) and config hash of a model."""
+    config = model_config.hf_config.to_dict()
+    return SourceModel(
+        architecture=type(model).__name__,
+        config_sha256=config_sha256(config),
+        config=normalize_config(config),
+    )
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,263 @@
+"""``sharded_state.json``, the manifest: topology, files, tensors and source of a checkpoint.
+
+The dataclasses describe what is on disk; :meth:`Manifest.from_json` parses untrusted
+text into them with every field checked. Pure: no I/O beyond ``json`` text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ShardedStateError
+from .names import MANIFEST_NAME, check_plain_file_name, validate_pattern
+from .source import SourceModel
+from .untrusted import JsonReader, is_shape, load_json
+
+HASH_NAME = "blake3"
+FORMAT_NAME = "vllm-sharded-state"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor of one rank lives: its part file, dtype, shape and byte offset.
+
+    ``offset`` is the absolute position of its first byte in the file (None in manifests
+    that did not record it); with it a resharding reader plans reads without headers.
+    """
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int | None = None
+
+
+@dataclass(frozen=True)
+class FileChecksum:
+    """Digests of consecutive ``block_size`` blocks of one file (the last may be short)."""
+
+    algorithm: str
+    block_size: int
+    blocks: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"algorithm": self.algorithm, "block_size": self.block_size, "blocks": list(self.blocks)}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One part file, its exact byte size and, if recorded, its block checksums."""
+
+    name: str
+    size: int
+    checksum: FileChecksum | None = None
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """What one (pp_rank, tp_rank) worker wrote."""
+
+    tp_rank: int
+    pp_rank: int
+    files: tuple[FileEntry, ...]
+    tensors: dict[str, TensorEntry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``sharded_state.json``: topology, files, tensors and source of a checkpoint."""
+
+    tp_size: int
+    pp_size: int
+    dtype: str
+    pattern: str
+    source: SourceModel
+    ranks: tuple[RankEntry, ...]
+    format_version: int = FORMAT_VERSION
+    # How each tensor is split across TP ranks (JSON of geometry.TensorGeometry, by
+    # name, the same for every rank), and groups of names saved once for several
+    # (tied embeddings). Parsed only when a load reshards.
+    geometry: dict[str, Any] = field(default_factory=dict, compare=False)
+    tied: tuple[tuple[str, ...], ...] = ()
+
+    def rank(self, tp_rank: int, pp_rank: int) -> RankEntry:
+        """The entry of one worker; a :class:`ShardedStateError` if it is absent."""
+        for entry in self.ranks:
+            if entry.tp_rank == tp_rank and entry.pp_rank == pp_rank:
+                return entry
+        raise ShardedStateError(
+            f"{MANIFEST_NAME} has no entry for pp_rank={pp_rank} tp_rank={tp_rank} "
+            f"(it lists {len(self.ranks)} ranks for TP={self.tp_size} PP={self.pp_size}). "
+            "The manifest is damaged: save the checkpoint again."
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.ranks)
+
+    def to_json(self) -> str:
+        """Serialize; the inverse of :meth:`from_json`."""
+        data = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "dtype": self.dtype,
+            "pattern": self.pattern,
+            "source": {
+                "architecture": self.source.architecture,
+                "config_sha256": self.source.config_sha256,
+                "config": self.source.config,
+            },
+            "ranks": [rank_to_dict(r) for r in self.ranks],
+        }
+        if self.geometry:
+            data["geometry"] = self.geometry
+        if self.tied:
+            data["tied"] = [list(group) for group in self.tied]
+        return json.dumps(data, indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> Manifest:
+        """Parse and validate a manifest; every defect is a :class:`ShardedStateError`."""
+        data = load_json(text, where)
+        reader = JsonReader(where)
+        obj = reader.mapping(data, "manifest")
+        if obj.get("format") != FORMAT_NAME:
+            raise ShardedStateError(
+                f"{where}: 'format' is {obj.get('format')!r}, expected {FORMAT_NAME!r}; "
+                "this is not a vllm-sharded-loader manifest."
+            )
+        version = reader.integer(obj, "format_version")
+        if version != FORMAT_VERSION:
+            raise ShardedStateError(
+                f"{where}: format_version {version} is not supported (this vllm-sharded-loader "
+                f"reads version {FORMAT_VERSION}); upgrade the package or save the checkpoint again."
+            )
+        tp_size = reader.integer(obj, "tp_size", minimum=1)
+        pp_size = reader.integer(obj, "pp_size", minimum=1)
+        pattern = reader.string(obj, "pattern")
+        validate_pattern(pattern, tp_size, pp_size)
+        src = reader.mapping(obj.get("source"), "source")
+        source = SourceModel(
+            architecture=reader.string(src, "architecture"),
+            config_sha256=reader.string(src, "config_sha256"),
+            config=reader.mapping(src.get("config", {}), "source.config"),
+        )
+        ranks = tuple(_rank(reader, r) for r in reader.sequence(obj, "ranks"))
+        geometry = reader.mapping(obj.get("geometry", {}), "geometry")
+        tied = obj.get("tied", [])
+        if not isinstance(tied, list) or not all(
+            isinstance(g, list) and all(isinstance(n, str) for n in g) for g in tied
+        ):
+            raise reader.fail("'tied' must be a list of lists of tensor names")
+        manifest = cls(
+            tp_size=tp_size,
+            pp_size=pp_size,
+            dtype=reader.string(obj, "dtype"),
+            pattern=pattern,
+            source=source,
+            ranks=ranks,
+            format_version=version,
+            geometry=geometry,
+            tied=tuple(tuple(g) for g in tied),
+        )
+        check_manifest_consistency(manifest, where)
+        return manifest
+
+
+def rank_to_dict(entry: RankEntry) -> dict[str, Any]:
+    """JSON data of one rank's entry."""
+    return {
+        "tp_rank": entry.tp_rank,
+        "pp_rank": entry.pp_rank,
+        "files": [file_to_dict(f) for f in entry.files],
+        "tensors": {
+            name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
+            | ({} if t.offset is None else {"offset": t.offset})
+            for name, t in entry.tensors.items()
+        },
+    }
+
+
+def file_to_dict(f: FileEntry) -> dict[str, Any]:
+    data: dict[str, Any] = {"name": f.name, "size": f.size}
+    if f.checksum is not None:
+        data["checksum"] = f.checksum.to_dict()
+    return data
+
+
+def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -> None:
+    """Cross-field checks: every rank once, files unique, tensors point at listed files."""
+    expected = {(pp, tp) for pp in range(manifest.pp_size) for tp in range(manifest.tp_size)}
+    seen: set[tuple[int, int]] = set()
+    owners: dict[str, tuple[int, int]] = {}
+    for entry in manifest.ranks:
+        key = (entry.pp_rank, entry.tp_rank)
+        if key not in expected or key in seen:
+            raise ShardedStateError(
+                f"{where}: rank pp_rank={entry.pp_rank} tp_rank={entry.tp_rank} is "
+                f"{'listed twice' if key in seen else 'outside the topology'} for "
+                f"TP={manifest.tp_size} PP={manifest.pp_size}. Save the checkpoint again."
+            )
+        seen.add(key)
+        names = {f.name for f in entry.files}
+        for f in entry.files:
+            if f.name in owners:
+                raise ShardedStateError(f"{where}: file {f.name!r} is listed by two ranks {owners[f.name]} and {key}.")
+            owners[f.name] = key
+        for tensor_name, t in entry.tensors.items():
+            if t.file not in names:
+                raise ShardedStateError(
+                    f"{where}: tensor {tensor_name!r} of pp_rank={entry.pp_rank} "
+                    f"tp_rank={entry.tp_rank} points at {t.file!r}, which that rank does not list."
+                )
+    missing = sorted(expected - seen)
+    if missing:
+        raise ShardedStateError(
+            f"{where}: ranks (pp_rank, tp_rank) {missing} are missing for TP={manifest.tp_size} "
+            f"PP={manifest.pp_size}. Save the checkpoint again."
+        )
+
+
+def _checksum(reader: JsonReader, obj: dict[str, Any], file_name: str) -> FileChecksum | None:
+    if "checksum" not in obj:
+        return None
+    c = reader.mapping(obj["checksum"], f"checksum of {file_name!r}")
+    blocks = reader.sequence(c, "blocks")
+    if not all(isinstance(b, str) for b in blocks):
+        raise reader.fail(f"checksum blocks of {file_name!r} must be strings")
+    return FileChecksum(reader.string(c, "algorithm"), reader.integer(c, "block_size", minimum=1), tuple(blocks))
+
+
+def _rank(reader: JsonReader, value: Any) -> RankEntry:
+    obj = reader.mapping(value, "a rank entry")
+    files = []
+    for f in reader.sequence(obj, "files"):
+        f = reader.mapping(f, "a file entry")
+        name = check_plain_file_name(reader.string(f, "name"), reader.where)
+        files.append(FileEntry(name=name, size=reader.integer(f, "size"), checksum=_checksum(reader, f, name)))
+    tensors = {}
+    for name, t in reader.mapping(obj.get("tensors"), "tensors").items():
+        t = reader.mapping(t, f"tensor {name!r}")
+        shape = t.get("shape")
+        if not is_shape(shape):
+            raise reader.fail(f"tensor {name!r} has shape {shape!r}, expected a list of sizes")
+        offset = t.get("offset")
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+            raise reader.fail(f"tensor {name!r} has offset {offset!r}, expected a byte position")
+        tensors[name] = TensorEntry(
+            file=reader.string(t, "file"), dtype=reader.string(t, "dtype"), shape=tuple(shape), offset=offset
+        )
+    return RankEntry(
+        tp_rank=reader.integer(obj, "tp_rank"),
+        pp_rank=reader.integer(obj, "pp_rank"),
+        files=tuple(files),
+        tensors=tensors,
+    )

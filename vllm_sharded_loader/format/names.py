@@ -1,0 +1,128 @@
+"""File names of a sharded checkpoint: the patterns vLLM uses, rendering and parsing them.
+
+A sharded checkpoint is a directory of safetensors files, one or more *parts* per
+(pp_rank, tp_rank) worker, named exactly as vLLM names them, plus ``sharded_state.json``,
+the manifest, written last. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+
+from .errors import ShardedStateError
+
+MANIFEST_NAME = "sharded_state.json"
+# Present from the start of a save until its manifest is published; also the lock
+# that makes saves into one directory exclusive. A loader refuses a directory that has it.
+LOCK_NAME = ".sharded_state.lock"
+
+TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
+PATTERN_FIELDS = frozenset({"pp_rank", "tp_rank", "rank", "part"})
+
+
+def default_pattern(pp_size: int) -> str:
+    """vLLM's default file pattern for a pipeline-parallel size.
+
+    >>> default_pattern(1)
+    'model-rank-{rank}-part-{part}.safetensors'
+    """
+    return PP_AND_TP_PATTERN if pp_size > 1 else TP_ONLY_PATTERN
+
+
+def pattern_fields(pattern: str) -> set[str]:
+    """The format fields a pattern uses; escaped braces (``{{x}}``) are literal text."""
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None}
+    except ValueError as e:
+        raise ShardedStateError(f"File pattern {pattern!r} is not a valid format string: {e}") from e
+
+
+def validate_pattern(pattern: str, tp_size: int, pp_size: int) -> None:
+    """Check a file pattern as vLLM does, plus that it names a plain file.
+
+    Every active parallel dimension needs its rank field, otherwise ranks would write
+    the same file and silently overwrite each other.
+    """
+    fields = pattern_fields(pattern)
+    unsupported = fields - PATTERN_FIELDS
+    if unsupported or "" in fields:
+        raise ShardedStateError(
+            f"File pattern {pattern!r} uses unsupported placeholder(s) {sorted(unsupported)}; "
+            "supported fields are pp_rank, tp_rank, rank and part."
+        )
+    if "/" in pattern or "\\" in pattern or pattern.startswith("."):
+        raise ShardedStateError(
+            f"File pattern {pattern!r} must name a plain file inside the checkpoint directory "
+            "(no path separators, no leading dot)."
+        )
+    if "part" not in fields:
+        raise ShardedStateError(
+            f"File pattern {pattern!r} has no {{part}} field; parts of one rank would overwrite "
+            f"each other. Use {default_pattern(pp_size)!r}."
+        )
+    has_tp = "tp_rank" in fields or "rank" in fields
+    if pp_size > 1:
+        if "pp_rank" not in fields:
+            raise ShardedStateError(
+                f"File pattern {pattern!r} does not embed the pipeline parallel rank; with "
+                f"pipeline parallelism every stage would write the same file. Use {PP_AND_TP_PATTERN!r}."
+            )
+    elif "pp_rank" in fields:
+        raise ShardedStateError(
+            f"File pattern {pattern!r} requires pipeline parallelism, but the pipeline "
+            f"parallel size is 1. Use {TP_ONLY_PATTERN!r}."
+        )
+    if tp_size > 1 and not has_tp:
+        raise ShardedStateError(
+            f"File pattern {pattern!r} does not embed the tensor parallel rank; TP workers "
+            "would overwrite each other's shards."
+        )
+
+
+def render_file_name(pattern: str, *, tp_rank: int, pp_rank: int, part: int) -> str:
+    """The file name of one part of one rank (``rank`` is an alias of ``tp_rank``).
+
+    >>> render_file_name(TP_ONLY_PATTERN, tp_rank=1, pp_rank=0, part=0)
+    'model-rank-1-part-0.safetensors'
+    """
+    return pattern.format(pp_rank=pp_rank, tp_rank=tp_rank, rank=tp_rank, part=part)
+
+
+def file_name_regex(pattern: str) -> re.Pattern[str]:
+    """A regex matching every name the pattern can render, with a group per field.
+
+    A field used twice (``{rank}`` and ``{tp_rank}`` are one value) must match the
+    same number both times.
+    """
+    out: list[str] = []
+    seen: set[str] = set()
+    for literal, name, _, _ in string.Formatter().parse(pattern):
+        out.append(re.escape(literal))
+        if name is None:
+            continue
+        group = "tp_rank" if name == "rank" else name
+        out.append(f"(?P={group})" if group in seen else f"(?P<{group}>[0-9]+)")
+        seen.add(group)
+    return re.compile("".join(out) + r"\Z")
+
+
+def parse_file_name(pattern: str, name: str) -> dict[str, int] | None:
+    """The (tp_rank, pp_rank, part) a file name was rendered from, or None.
+
+    >>> parse_file_name(TP_ONLY_PATTERN, "model-rank-3-part-0.safetensors")
+    {'tp_rank': 3, 'part': 0}
+    """
+    match = file_name_regex(pattern).match(name)
+    return None if match is None else {k: int(v) for k, v in match.groupdict().items()}
+
+
+def check_plain_file_name(name: str, where: str) -> str:
+    """Refuse names that could escape the checkpoint directory."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name or name.startswith("."):
+        raise ShardedStateError(
+            f"{where}: file name {name!r} is not a plain file name inside the checkpoint directory; refusing it."
+        )
+    return name

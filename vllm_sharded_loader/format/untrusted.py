@@ -1,0 +1,74 @@
+"""Parsing untrusted JSON (manifests, safetensors headers): strict types, no silent merges."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import ShardedStateError
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def load_json(text: str | bytes, where: str) -> Any:
+    """Parse untrusted JSON; duplicate keys (which json would silently merge) are an error."""
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
+        raise ShardedStateError(f"{where} is not valid JSON ({e}). Save the checkpoint again.") from e
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (``bool`` is an ``int`` in Python, not in JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_shape(value: Any) -> bool:
+    """A JSON list of non-negative sizes."""
+    return isinstance(value, list) and all(is_int(d) and d >= 0 for d in value)
+
+
+class JsonReader:
+    """Typed accessors for untrusted JSON data, raising :class:`ShardedStateError`.
+
+    Every message starts with ``where`` and ends with ``advice``.
+    """
+
+    def __init__(self, where: str, advice: str = "Save the checkpoint again.") -> None:
+        self.where, self.advice = where, advice
+
+    def fail(self, what: str) -> ShardedStateError:
+        return ShardedStateError(f"{self.where}: {what}. {self.advice}")
+
+    def mapping(self, value: Any, what: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(f"{what} must be an object, found {type(value).__name__}")
+        return value
+
+    def sequence(self, obj: dict[str, Any], key: str) -> list[Any]:
+        value = obj.get(key)
+        if not isinstance(value, list):
+            raise self.fail(f"{key!r} must be a list, found {type(value).__name__}")
+        return value
+
+    def integer(self, obj: dict[str, Any], key: str, minimum: int = 0) -> int:
+        value = obj.get(key)
+        if not is_int(value) or value < minimum:
+            raise self.fail(f"{key!r} must be an integer >= {minimum}, found {value!r}")
+        return value
+
+    def optional_integer(self, obj: dict[str, Any], key: str, minimum: int = 0) -> int | None:
+        return None if obj.get(key) is None else self.integer(obj, key, minimum)
+
+    def string(self, obj: dict[str, Any], key: str, non_empty: bool = False) -> str:
+        value = obj.get(key)
+        if not isinstance(value, str) or (non_empty and not value):
+            raise self.fail(f"{key!r} must be a {'non-empty ' if non_empty else ''}string, found {value!r}")
+        return value

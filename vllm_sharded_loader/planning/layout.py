@@ -1,0 +1,106 @@
+"""vLLM's sharding rule: which index ranges of each segment one rank's local tensor holds.
+
+:func:`shard_layout` applies the rule of a :class:`~vllm_sharded_loader.format.geometry.TensorGeometry`
+at one TP size and rank. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..format.errors import ShardedStateError
+from ..format.geometry import OPAQUE, REPLICATED, SPLIT_KINDS, Segment, TensorGeometry
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one segment a rank holds: ``length`` indices along the split dimension.
+
+    ``start`` counts from the segment's first index, ``global_offset`` from the first
+    index of the TP=1 tensor, ``local_offset`` from the first index of the rank's local
+    tensor. The last ``padding`` of the ``length`` indices are vLLM's zero padding.
+    """
+
+    segment: str
+    start: int
+    length: int
+    local_offset: int
+    global_offset: int
+    padding: int = 0
+
+    @property
+    def data_length(self) -> int:
+        """How many of the piece's indices carry data."""
+        return self.length - self.padding
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What one rank's local tensor holds: its shape and, if split, a piece of each segment."""
+
+    shape: tuple[int, ...]
+    split_dim: int | None
+    pieces: tuple[ShardPiece, ...]
+
+
+def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str = "the tensor") -> ShardLayout:
+    """vLLM's sharding rule: the pieces of each segment rank ``tp_rank`` of ``tp_size`` holds.
+
+    A segment of ``n`` units (heads, or single indices) gives each rank ``n / tp_size``
+    consecutive units; vLLM asserts divisibility, and so do we, with a message. K and V
+    heads are replicated when ``tp_size`` exceeds their count: rank ``r`` holds head
+    ``r // (tp_size // heads)``. Vocabulary padding is split like data.
+
+    >>> layout = shard_layout(qkv_parallel([12, 4], num_heads=8, num_kv_heads=2, head_size=1), tp_size=4, tp_rank=3)
+    >>> [(p.segment, p.start, p.length) for p in layout.pieces]
+    [('q', 6, 2), ('k', 1, 1), ('v', 1, 1)]
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ShardedStateError(f"{name}: tp_rank={tp_rank} is not a rank of TP={tp_size}.")
+    g = geometry
+    if g.kind == REPLICATED:
+        return ShardLayout(g.shape, None, ())
+    check_reshardable(g, name)
+    assert g.split_dim is not None
+    pieces = []
+    local_offset = global_offset = 0
+    for s in g.segments:
+        start, length = _segment_piece(s, tp_size, tp_rank, g, name)
+        padding = max(0, min(length, start + length - s.size))
+        pieces.append(ShardPiece(s.name, start, length, local_offset, global_offset + start, padding))
+        local_offset += length
+        global_offset += s.padded
+    shape = list(g.shape)
+    shape[g.split_dim] = local_offset
+    return ShardLayout(tuple(shape), g.split_dim, tuple(pieces))
+
+
+def _segment_piece(s: Segment, tp_size: int, tp_rank: int, g: TensorGeometry, name: str) -> tuple[int, int]:
+    unit, units, what = (s.head_size, s.heads, "heads") if s.heads and s.head_size else (1, s.padded, "indices")
+    if s.replicate_heads and tp_size >= units:
+        # vLLM's QKVParallelLinear: num_kv_head_replicas = divide(tp_size, total_num_kv_heads),
+        # and a rank loads kv head tp_rank // num_kv_head_replicas.
+        if tp_size % units:
+            raise _indivisible(name, g, s, f"{units} {what}", tp_size, f"TP={tp_size} is not a multiple of {units}")
+        return (tp_rank // (tp_size // units)) * unit, unit
+    if units % tp_size:
+        raise _indivisible(name, g, s, f"{units} {what}", tp_size, f"{units} is not a multiple of TP={tp_size}")
+    per_rank = units // tp_size
+    return tp_rank * per_rank * unit, per_rank * unit
+
+
+def _indivisible(name: str, g: TensorGeometry, s: Segment, what: str, tp_size: int, why: str) -> ShardedStateError:
+    return ShardedStateError(
+        f"{name} ({g.layer_class}): segment {s.name!r} of {what} cannot be split across TP={tp_size} "
+        f"({why}); vLLM itself refuses this size. Serve at a tensor parallel size that divides it."
+    )
+
+
+def check_reshardable(g: TensorGeometry, name: str, why: str = "") -> None:
+    """Raise unless the geometry describes how vLLM splits the tensor (``opaque`` does not)."""
+    if g.kind == OPAQUE:
+        raise ShardedStateError(
+            f"{name} ({g.layer_class}) cannot be resharded{why}: its sharding is not one this version "
+            f"describes (kind {OPAQUE!r}; known: {sorted(SPLIT_KINDS | {REPLICATED})}). Serve it at the tensor "
+            "parallel size it was saved with, or save the checkpoint again at the new size."
+        )

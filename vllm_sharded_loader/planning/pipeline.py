@@ -1,0 +1,99 @@
+"""Pipeline stages: which decoder layers each stage holds, as vLLM splits them. Pure.
+
+:func:`pp_layer_ranges` and :func:`layer_index` mirror vLLM's pipeline split, so an
+offline reshard can tell which tensors a stage at another PP size holds
+(:func:`stage_names`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from ..format.errors import ShardedStateError
+from ..format.manifest import Manifest
+
+
+def pp_layer_ranges(num_hidden_layers: int, pp_size: int, partition: Sequence[int] | None = None) -> tuple[range, ...]:
+    """The layer indices each pipeline stage holds, as vLLM's ``get_pp_indices`` splits them.
+
+    Without ``partition`` (vLLM's ``VLLM_PP_LAYER_PARTITION``), every stage gets
+    ``num_hidden_layers // pp_size`` layers and the remainder goes one each to the stages
+    before the last, from the second-to-last backwards (the last stage holds the final
+    norm and the LM head).
+
+    >>> pp_layer_ranges(11, 4)
+    (range(0, 3), range(3, 6), range(6, 9), range(9, 11))
+    >>> pp_layer_ranges(10, 4)
+    (range(0, 2), range(2, 5), range(5, 8), range(8, 10))
+    """
+    if num_hidden_layers < 0 or pp_size < 1:
+        raise ShardedStateError(
+            f"Cannot split {num_hidden_layers} layers into {pp_size} pipeline stages: both must be positive."
+        )
+    if partition is not None:
+        sizes = list(partition)
+        if len(sizes) != pp_size or sum(sizes) != num_hidden_layers or any(s < 0 for s in sizes):
+            raise ShardedStateError(
+                f"Layer partition {sizes} does not split {num_hidden_layers} layers into {pp_size} stages "
+                "(one non-negative count per stage, adding up to the layer count)."
+            )
+    else:
+        sizes = [num_hidden_layers // pp_size] * pp_size
+        for i in range(2, num_hidden_layers % pp_size + 2):
+            sizes[-i] += 1
+    starts = [sum(sizes[:i]) for i in range(pp_size)]
+    return tuple(range(start, start + size) for start, size in zip(starts, sizes, strict=True))
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a parameter belongs to, or None for embeddings, final norm, LM head.
+
+    >>> layer_index("model.layers.7.mlp.down_proj.weight")
+    7
+    >>> layer_index("lm_head.weight") is None
+    True
+    """
+    match = _LAYER_INDEX.search(name)
+    return None if match is None else int(match.group(1))
+
+
+def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
+    """The tensors a pipeline stage holds at ``pp_size``, saved under the names a worker would use.
+
+    The same stage of the same PP size: exactly what was saved. Another PP size: decoder
+    layers go to stages as vLLM's ``get_pp_indices`` splits them; the input embedding to
+    the first stage; everything else (final norm, LM head) to the last. Tied names are
+    written once per stage, under the name vLLM keeps (the one that sorts first).
+    """
+    if pp_size == manifest.pp_size:
+        return list(manifest.rank(0, pp_rank).tensors)
+    layers = manifest.source.config.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < pp_size:
+        raise ShardedStateError(
+            f"Cannot split the layers into {pp_size} pipeline stages: the saved config has num_hidden_layers="
+            f"{layers!r}."
+        )
+    ranges = pp_layer_ranges(layers, pp_size)
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    saved = {n for r in manifest.ranks for n in r.tensors}
+    names = set()
+    for name in saved | {n for g in manifest.tied for n in g}:
+        layer = layer_index(name)
+        if layer is not None:
+            keep = layer in ranges[pp_rank]
+        elif "embed_tokens" in name:
+            keep = first
+        else:
+            keep = last
+        if keep:
+            names.add(name)
+    # Names sharing one tensor on this stage are saved once, as vLLM's state dict dedups them.
+    for group in manifest.tied:
+        present = sorted(n for n in group if n in names)
+        for extra in present[1:]:
+            names.discard(extra)
+    return sorted(names)

@@ -1,0 +1,413 @@
+"""Which bytes of a checkpoint saved at one TP/PP size a rank serving at another size reads,
+and where they land. Pure: no torch, no vLLM, no I/O.
+
+In the spirit of PyTorch DCP's ``resharding.py`` (overlap of a saved chunk and a wanted
+chunk), :func:`plan_reads` intersects the serving rank's
+:func:`~vllm_sharded_loader.planning.layout.shard_layout` with every saved rank's and
+returns strided byte runs to read (``count`` runs of ``length`` bytes, ``stride`` apart)
+and the element runs they land in, plus the runs to zero-fill (vocabulary padding). A
+rank reads exactly the bytes it keeps, each once. Each tensor is found in whichever saved
+pipeline stage wrote it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..format.errors import ShardedStateError
+from ..format.geometry import OPAQUE, REPLICATED, TensorGeometry
+from ..format.manifest import Manifest
+from ..format.names import MANIFEST_NAME
+from ..format.safetensors import dtype_size
+from .layout import ShardPiece, check_reshardable, shard_layout
+
+
+@dataclass(frozen=True)
+class Strided:
+    """``count`` runs of ``length`` units, the i-th starting at ``offset + i * stride``.
+
+    Bytes of a file on the source side of a :class:`Read`, elements of the row-major
+    local tensor on the destination side. A single run has ``count == 1`` and
+    ``stride == length``.
+    """
+
+    offset: int
+    length: int
+    stride: int
+    count: int = 1
+
+    @property
+    def total(self) -> int:
+        """Units covered by all runs."""
+        return self.length * self.count
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Every run as ``(start, stop)``."""
+        return [(self.offset + i * self.stride, self.offset + i * self.stride + self.length) for i in range(self.count)]
+
+
+def _strided(offset: int, length: int, stride: int, count: int) -> Strided:
+    return Strided(offset, length, length, 1) if count == 1 else Strided(offset, length, stride, count)
+
+
+@dataclass(frozen=True)
+class Read:
+    """Copy ``source`` bytes of ``file`` into ``dest`` elements of the local tensor, run by run."""
+
+    file: str
+    source: Strided
+    dest: Strided
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How to fill one local tensor: reads from saved files, and zero-filled element runs.
+
+    ``shape`` is the local shape at the serving TP size; ``itemsize`` is the saved dtype's
+    (a loader casting to another dtype converts after reading). ``source_name`` is the
+    saved tensor read, which differs from ``name`` for tied tensors.
+    """
+
+    name: str
+    source_name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    reads: tuple[Read, ...]
+    zero_fills: tuple[Strided, ...] = ()
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.source.total for r in self.reads)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Everything one serving rank reads, tensor by tensor."""
+
+    tp_size: int
+    tp_rank: int
+    pp_rank: int
+    saved_tp_size: int
+    tensors: dict[str, TensorPlan] = field(default_factory=dict)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(t.bytes_read for t in self.tensors.values())
+
+    @property
+    def files(self) -> list[str]:
+        """The saved files this rank opens, sorted."""
+        return sorted({r.file for t in self.tensors.values() for r in t.reads})
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor of one saved rank: where its data starts and how it was sharded.
+
+    ``offset`` is the absolute byte offset of its first element in ``file`` (for
+    safetensors: the header length plus the tensor's ``data_offsets`` begin), ``shape``
+    its local shape as saved, ``geometry`` None for a checkpoint that recorded none.
+    """
+
+    file: str
+    offset: int
+    itemsize: int
+    shape: tuple[int, ...]
+    geometry: TensorGeometry | None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True)
+class SavedRank:
+    """The tensors one saved (pp_rank, tp_rank) worker wrote."""
+
+    tp_rank: int
+    pp_rank: int
+    tensors: Mapping[str, SavedTensor]
+
+
+def plan_reads(
+    saved: Sequence[SavedRank],
+    saved_tp_size: int,
+    needed: Iterable[str],
+    *,
+    tp_size: int,
+    tp_rank: int,
+    pp_rank: int = 0,
+    tied: Iterable[Iterable[str]] = (),
+) -> ReadPlan:
+    """The reads that give serving rank ``tp_rank`` of ``tp_size`` each tensor in ``needed``.
+
+    ``saved`` are all the saved ranks (any pipeline stage: a tensor is looked up by name
+    wherever it was written). ``tied`` lists groups of names sharing one tensor (tied
+    embeddings are saved once, under one name): a needed name not saved is read from a
+    tied name that is. ``pp_rank`` only labels the plan and its messages.
+
+    A split tensor is read piece by piece from the saved ranks holding each piece (dim-0
+    splits as contiguous ranges, dim-1 splits as one run per row); a replicated one whole
+    from a single saved rank; vocabulary padding is zero-filled, never read. A tensor
+    without a reshardable geometry is copied whole when the TP size is unchanged, and is
+    an error otherwise.
+
+    >>> saved = [SavedRank(0, 0, {"w": SavedTensor("f0", 100, 2, (4, 2), column_parallel([4, 2]))})]
+    >>> (read,) = plan_reads(saved, 1, ["w"], tp_size=2, tp_rank=1).tensors["w"].reads
+    >>> read.source, read.dest
+    (Strided(offset=108, length=8, stride=8, count=1), Strided(offset=0, length=4, stride=4, count=1))
+    """
+    serving = f"pp_rank={pp_rank} tp_rank={tp_rank} (TP={tp_size})"
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ShardedStateError(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
+    index = _index_saved(saved, saved_tp_size)
+    aliases: dict[str, list[str]] = {}
+    for group in tied:
+        names = list(group)
+        for n in names:
+            aliases.setdefault(n, []).extend(m for m in names if m != n)
+    plans: dict[str, TensorPlan] = {}
+    missing: list[str] = []
+    for name in needed:
+        source = next((n for n in [name, *aliases.get(name, [])] if n in index), None)
+        if source is None:
+            missing.append(name)
+            continue
+        plans[name] = _plan_tensor(name, source, index[source], saved_tp_size, tp_size, tp_rank)
+    if missing:
+        shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        raise ShardedStateError(
+            f"Serving rank {serving} needs tensors no saved rank holds: {shown}. The checkpoint was saved "
+            "from another model or is incomplete: save it again from the model being served."
+        )
+    return ReadPlan(tp_size, tp_rank, pp_rank, saved_tp_size, plans)
+
+
+def _index_saved(saved: Sequence[SavedRank], saved_tp_size: int) -> dict[str, dict[int, tuple[int, SavedTensor]]]:
+    """name -> saved tp_rank -> (pp_rank, tensor), the lowest pipeline stage winning."""
+    if saved_tp_size < 1:
+        raise ShardedStateError(f"The saved tensor parallel size must be >= 1, found {saved_tp_size}.")
+    index: dict[str, dict[int, tuple[int, SavedTensor]]] = {}
+    seen: set[tuple[int, int]] = set()
+    for rank in sorted(saved, key=lambda r: (r.pp_rank, r.tp_rank)):
+        if not 0 <= rank.tp_rank < saved_tp_size or (rank.pp_rank, rank.tp_rank) in seen:
+            raise ShardedStateError(
+                f"Saved rank pp_rank={rank.pp_rank} tp_rank={rank.tp_rank} is "
+                f"{'listed twice' if (rank.pp_rank, rank.tp_rank) in seen else 'outside'} TP={saved_tp_size}. "
+                "The manifest is damaged: save the checkpoint again."
+            )
+        seen.add((rank.pp_rank, rank.tp_rank))
+        for name, tensor in rank.tensors.items():
+            index.setdefault(name, {}).setdefault(rank.tp_rank, (rank.pp_rank, tensor))
+    return index
+
+
+def _plan_tensor(
+    name: str,
+    source: str,
+    holders: dict[int, tuple[int, SavedTensor]],
+    saved_tp_size: int,
+    tp_size: int,
+    tp_rank: int,
+) -> TensorPlan:
+    first = next(iter(holders.values()))[1]
+    for saved_rank, (pp, t) in holders.items():
+        if t.geometry != first.geometry or t.itemsize != first.itemsize:
+            raise ShardedStateError(
+                f"{source}: saved tp_rank={saved_rank} pp_rank={pp} records geometry {_describe(t)}, but another "
+                f"rank records {_describe(first)}. The manifest is damaged: save the checkpoint again."
+            )
+    g = first.geometry
+    reshardable = g is not None and g.kind != OPAQUE
+    if not reshardable:
+        if saved_tp_size == tp_size and tp_rank in holders:
+            # The same TP size gives the same shard whatever the pipeline split: copy it as saved.
+            return _whole(name, source, holders[tp_rank][1])
+        why = f" from TP={saved_tp_size} to TP={tp_size}"
+        if g is None:
+            raise ShardedStateError(
+                f"{name} cannot be resharded{why}: the checkpoint records no geometry for it (layer class "
+                "unknown), so which rows each rank holds is unknown. Serve it at TP="
+                f"{saved_tp_size}, or save the checkpoint again with this version of vllm-sharded-loader."
+            )
+        check_reshardable(g, name, why)
+    assert g is not None
+    for saved_rank, (pp, t) in holders.items():
+        expected = shard_layout(g, saved_tp_size, saved_rank, name).shape
+        if tuple(t.shape) != expected:
+            raise ShardedStateError(
+                f"{source} of saved pp_rank={pp} tp_rank={saved_rank} has shape {list(t.shape)}, but its "
+                f"geometry ({g.layer_class}, shape {list(g.shape)} at TP=1) gives {list(expected)} at "
+                f"TP={saved_tp_size}. The manifest is damaged: save the checkpoint again."
+            )
+    if g.kind == REPLICATED:
+        # One saved copy is enough; spreading serving ranks over the copies spreads the I/O.
+        choice = tp_rank % saved_tp_size
+        chosen = holders.get(choice) or holders[min(holders)]
+        return _whole(name, source, chosen[1])
+
+    target = shard_layout(g, tp_size, tp_rank, name)
+    if not math.prod(target.shape):
+        return TensorPlan(name, source, target.shape, first.itemsize, ())
+    saved_layouts = {}
+    for saved_rank in range(saved_tp_size):
+        if saved_rank not in holders:
+            raise ShardedStateError(
+                f"{source} is split across TP={saved_tp_size}, but saved tp_rank={saved_rank} does not hold it "
+                f"(ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
+            )
+        saved_layouts[saved_rank] = shard_layout(g, saved_tp_size, saved_rank, name)
+    d = g.split_dim
+    assert d is not None
+    outer = math.prod(g.shape[:d])
+    inner = math.prod(g.shape[d + 1 :])
+    isz = first.itemsize
+    dest_row = target.shape[d] * inner
+    reads: list[Read] = []
+    zeros: list[Strided] = []
+    for piece in target.pieces:
+        if piece.padding:
+            offset = (piece.local_offset + piece.data_length) * inner
+            zeros.append(_strided(offset, piece.padding * inner, dest_row, outer))
+        want_start, want_stop = piece.start, piece.start + piece.data_length
+        # Saved pieces of one segment are equal (replicated heads) or disjoint: group equal
+        # ones and read each range from one holder only.
+        by_range: dict[tuple[int, int], list[tuple[int, ShardPiece]]] = {}
+        for saved_rank, layout in saved_layouts.items():
+            for sp in layout.pieces:
+                if sp.segment == piece.segment:
+                    by_range.setdefault((sp.start, sp.start + sp.data_length), []).append((saved_rank, sp))
+        for (have_start, have_stop), candidates in sorted(by_range.items()):
+            lo, hi = max(want_start, have_start), min(want_stop, have_stop)
+            if lo >= hi:
+                continue
+            saved_rank, sp = candidates[tp_rank % len(candidates)]
+            t = holders[saved_rank][1]
+            source_row = t.shape[d] * inner * isz
+            reads.append(
+                _read(
+                    t.file,
+                    source=(t.offset + (sp.local_offset + lo - sp.start) * inner * isz, (hi - lo) * inner * isz),
+                    source_stride=source_row,
+                    dest=((piece.local_offset + lo - piece.start) * inner, (hi - lo) * inner),
+                    dest_stride=dest_row,
+                    count=outer,
+                )
+            )
+    return TensorPlan(name, source, target.shape, isz, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros)))
+
+
+def _describe(t: SavedTensor) -> str:
+    return "none" if t.geometry is None else f"{t.geometry.to_dict()} itemsize {t.itemsize}"
+
+
+def _whole(name: str, source: str, t: SavedTensor) -> TensorPlan:
+    numel = math.prod(t.shape)
+    reads = (Read(t.file, _strided(t.offset, t.nbytes, t.nbytes, 1), _strided(0, numel, numel, 1)),) if numel else ()
+    return TensorPlan(name, source, tuple(t.shape), t.itemsize, reads)
+
+
+def _read(
+    file: str, source: tuple[int, int], source_stride: int, dest: tuple[int, int], dest_stride: int, count: int
+) -> Read:
+    (src_offset, src_length), (dst_offset, dst_length) = source, dest
+    if count > 1 and src_length == source_stride and dst_length == dest_stride:
+        # Whole rows on both sides: one contiguous run.
+        src_length, dst_length, count = src_length * count, dst_length * count, 1
+    source_runs = _strided(src_offset, src_length, source_stride, count)
+    return Read(file, source_runs, _strided(dst_offset, dst_length, dest_stride, count))
+
+
+def _merge_reads(reads: list[Read]) -> list[Read]:
+    """Join reads that continue each other in the same file and in the destination."""
+    merged: list[Read] = []
+    for r in reads:
+        p = merged[-1] if merged else None
+        if (
+            p is not None
+            and p.file == r.file
+            and p.source.count == r.source.count
+            and (r.source.count == 1 or (p.source.stride, p.dest.stride) == (r.source.stride, r.dest.stride))
+            and r.source.offset == p.source.offset + p.source.length
+            and r.dest.offset == p.dest.offset + p.dest.length
+        ):
+            merged[-1] = _read(
+                p.file,
+                (p.source.offset, p.source.length + r.source.length),
+                p.source.stride,
+                (p.dest.offset, p.dest.length + r.dest.length),
+                p.dest.stride,
+                p.source.count,
+            )
+        else:
+            merged.append(r)
+    return merged
+
+
+def _merge_zeros(zeros: list[Strided]) -> list[Strided]:
+    merged: list[Strided] = []
+    for z in zeros:
+        p = merged[-1] if merged else None
+        if (
+            p is not None
+            and p.count == z.count
+            and (z.count == 1 or p.stride == z.stride)
+            and z.offset == p.offset + p.length
+        ):
+            length = p.length + z.length
+            if p.count > 1 and length == p.stride:
+                merged[-1] = _strided(p.offset, length * p.count, 0, 1)
+            else:
+                merged[-1] = _strided(p.offset, length, p.stride, p.count)
+        else:
+            merged.append(z)
+    return merged
+
+
+def saved_ranks(manifest: Manifest, directory: str = "") -> list[SavedRank]:
+    """The manifest's ranks as the planner sees them: each tensor's file, offset, size and geometry.
+
+    A manifest without byte offsets cannot be planned from (vLLM's own save records none).
+    """
+    ranks = []
+    for entry in manifest.ranks:
+        tensors = {}
+        for name, t in entry.tensors.items():
+            if t.offset is None:
+                raise ShardedStateError(
+                    f"{directory}: {MANIFEST_NAME} records no byte offset for {name!r}, so the checkpoint cannot "
+                    f"be resharded; serve it at TP={manifest.tp_size} PP={manifest.pp_size} or save it again."
+                )
+            g = manifest.geometry.get(name)
+            geometry = None if g is None else TensorGeometry.from_dict(g, name)
+            tensors[name] = SavedTensor(t.file, t.offset, dtype_size(t.dtype, name), tuple(t.shape), geometry)
+        ranks.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors))
+    return ranks
+
+
+def plan_manifest_reads(
+    manifest: Manifest,
+    needed: Iterable[str],
+    *,
+    tp_size: int,
+    tp_rank: int,
+    pp_rank: int = 0,
+    tied: Iterable[Iterable[str]] = (),
+    directory: str = "",
+) -> ReadPlan:
+    """:func:`plan_reads` over a manifest's ranks, with the manifest's tied names and ``tied``."""
+    return plan_reads(
+        saved_ranks(manifest, directory),
+        manifest.tp_size,
+        list(needed),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        tied=[*manifest.tied, *tied],
+    )

@@ -1,0 +1,52 @@
+"""Whether a saved rank holds exactly the tensors the serving model expects. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..format.errors import ShardedStateError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor, as saved or as the serving model expects it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def check_tensor_sets(
+    expected: Mapping[str, TensorSpec],
+    saved: Mapping[str, TensorSpec],
+    where: str,
+    hint: str,
+    limit: int = 10,
+) -> list[str]:
+    """Raise unless ``saved`` has exactly the tensors of ``expected`` with their shapes.
+
+    Returns the names whose dtype differs (the caller casts them). ``where`` names the
+    rank and checkpoint, ``hint`` says what to do.
+    """
+
+    def listing(names: Sequence[str]) -> str:
+        shown = ", ".join(names[:limit])
+        return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {listing(unexpected)}")
+    mismatched = [
+        f"{name} saved {list(saved[name].shape)} but the model expects {list(spec.shape)}"
+        for name, spec in expected.items()
+        if name in saved and tuple(saved[name].shape) != tuple(spec.shape)
+    ]
+    if mismatched:
+        problems.append(f"shape mismatch: {listing(mismatched)}")
+    if problems:
+        raise ShardedStateError(f"{where}: " + "; ".join(problems) + f". {hint}")
+    return [name for name, spec in expected.items() if saved[name].dtype != spec.dtype]

@@ -1,0 +1,47 @@
+"""Which worker this is, and whether a checkpoint was saved for the topology and model served. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..format.errors import ShardedStateError
+from ..format.manifest import Manifest
+from ..format.source import SourceModel, config_differences
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Which worker this is in the tensor- and pipeline-parallel grid."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __str__(self) -> str:
+        return f"pp_rank={self.pp_rank} tp_rank={self.tp_rank} (TP={self.tp_size}, PP={self.pp_size})"
+
+
+def check_topology(manifest: Manifest, rank: RankInfo, directory: str) -> None:
+    """Refuse to serve a checkpoint at another TP/PP size than it was saved at."""
+    if (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size):
+        raise ShardedStateError(
+            f"{directory} was saved with tensor_parallel_size={manifest.tp_size} and "
+            f"pipeline_parallel_size={manifest.pp_size}, but the engine runs "
+            f"tensor_parallel_size={rank.tp_size} and pipeline_parallel_size={rank.pp_size}. "
+            f"Serve it with --tensor-parallel-size {manifest.tp_size} --pipeline-parallel-size "
+            f"{manifest.pp_size}, or save it again at the new sizes."
+        )
+
+
+def check_source(manifest: Manifest, serving: SourceModel, directory: str) -> None:
+    """Refuse to load weights saved from another model than the one being served."""
+    if manifest.source.architecture != serving.architecture or (manifest.source.config_sha256 != serving.config_sha256):
+        diff = config_differences(manifest.source.config, serving.config)
+        raise ShardedStateError(
+            f"{directory}: the checkpoint was saved from a {manifest.source.architecture} with config "
+            f"sha256 {manifest.source.config_sha256[:12]}, but the engine serves a "
+            f"{serving.architecture} with config sha256 {serving.config_sha256[:12]}"
+            + (f" (differences: {'; '.join(diff)})" if diff else "")
+            + ". Serve it with the config.json saved beside it, or save the checkpoint again from this model."
+        )

@@ -1,0 +1,173 @@
+"""Where a load's bytes land: the targets, their memory, and private file mappings served in their place.
+
+A CPU target whose caller can take another tensor (:attr:`Target.adopt`; the vLLM loader
+swaps the parameter's data) is served from a private mapping of its bytes in the file:
+the page cache's pages become its memory, with no copy and no first touch of fresh
+memory. Every other target is written in place, or through staging when its bytes are
+converted (another dtype, another device).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..format.errors import ShardedStateError
+from ..planning.spans import Piece
+from . import oscalls
+from .tensors import byte_view, map_file_range
+
+HUGE_PAGE = 2 * 1024 * 1024
+PAGE = mmap.PAGESIZE
+
+
+@dataclass
+class Target:
+    """A tensor to fill, the dtype its bytes are stored in, and element runs to zero first.
+
+    ``adopt``, if given, may be called instead of filling ``tensor``: with a tensor of the
+    same shape and dtype served from a private mapping of the file (see :func:`read_pieces`),
+    which the caller then uses in place of ``tensor``.
+    """
+
+    tensor: torch.Tensor
+    stored: torch.dtype
+    zero_runs: Sequence[tuple[int, int]] = ()
+    adopt: Callable[[torch.Tensor], None] | None = None
+
+
+class Destination:
+    """Where a target's bytes land: straight in its memory, in a temporary, or via staging."""
+
+    def __init__(self, target: Target, mapped: torch.Tensor | None = None) -> None:
+        t = target.tensor
+        self.target, self.stored = t, target.stored
+        self.temp: torch.Tensor | None = None
+        # A mapped target is not written: its bytes are the file's, paged in where they lie.
+        self.mapped = mapped
+        self.direct = self.cuda = False
+        self.view = None
+        if mapped is not None:
+            self.mapped_bytes = mapped.reshape(-1).view(torch.uint8)
+            return
+        if not t.is_contiguous():
+            # Rare (parameters are contiguous): read whole, copy once at the end.
+            self.temp = torch.empty(t.shape, dtype=target.stored)
+            self.landing = self.temp
+        else:
+            self.landing = t
+        self.direct = self.landing.device.type == "cpu" and self.landing.dtype == target.stored
+        self.view = byte_view(self.landing) if self.direct and self.landing.numel() else None
+        self.flat = self.landing.view(-1)
+        self.cuda = self.landing.device.type == "cuda"
+        for a, b in target.zero_runs:
+            self.flat[a:b] = 0
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask for transparent huge pages over a CPU tensor's memory; True if the kernel agreed.
+
+    Only the 2 MiB-aligned interior is advised, so no memory outside the tensor changes
+    its paging. Pages already touched keep their size; untouched ones (fresh
+    parameters) fault in 2 MiB at a time. A no-op where unsupported.
+    """
+    if tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    return hi > lo and oscalls.madvise_hugepage(lo, hi - lo)
+
+
+def mapped_pieces(pieces: Sequence[Piece], targets: Sequence[Target]) -> dict[int, Piece]:
+    """The targets that can be served from a file mapping instead of read: index -> its piece.
+
+    A target qualifies if it offers ``adopt``, is a contiguous CPU tensor of the stored
+    dtype with no runs to zero, and one piece holds all of its bytes at an offset aligned
+    to its element size (a tensor view of the mapping needs that alignment). Pure.
+    """
+    count: dict[int, int] = {}
+    for p in pieces:
+        count[p.dest] = count.get(p.dest, 0) + 1
+    served = {}
+    for p in pieces:
+        t = targets[p.dest]
+        tensor = t.tensor
+        if (
+            t.adopt is not None
+            and count[p.dest] == 1
+            and not t.zero_runs
+            and tensor.device.type == "cpu"
+            and tensor.dtype == t.stored
+            and tensor.is_contiguous()
+            and p.start == 0
+            and p.length == tensor.numel() * tensor.element_size() > 0
+            and p.offset % t.stored.itemsize == 0
+        ):
+            served[p.dest] = p
+    return served
+
+
+def map_tensors(
+    paths: Sequence[str], served: Mapping[int, Piece], targets: Sequence[Target]
+) -> dict[int, torch.Tensor]:
+    """The served targets' bytes as tensors shaped like them, each over a private mapping of just its pages.
+
+    ``MAP_PRIVATE`` (copy-on-write), as ``safetensors.safe_open`` maps files on CPU: the
+    page cache's pages, no copy and no fresh memory until something writes to them, and
+    writes go to private copies, never to the file. One mapping per tensor, which lives
+    exactly as long as the tensor (and its views): when vLLM drops a weight it has
+    repacked, its pages are unmapped and left to the page cache to keep or reclaim.
+    Each file is opened once; ``served`` maps target indices to their pieces.
+    """
+    by_file: dict[int, list[int]] = {}
+    for i, p in served.items():
+        by_file.setdefault(p.file, []).append(i)
+    tensors: dict[int, torch.Tensor] = {}
+    for file, indices in by_file.items():
+        path = paths[file]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            for i in indices:
+                p, target = served[i], targets[i]
+                if p.end > size:
+                    raise truncated(path, size)
+                tensors[i] = map_file_range(fd, p.offset, p.length, target.stored, tuple(target.tensor.shape))
+        finally:
+            os.close(fd)
+    return tensors
+
+
+def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
+    """Page in bytes of mapped targets now, so that the load pays for the reads, not the first request."""
+    for dest, p in ranges:
+        start, length = p.start, p.length
+        address = dest.mapped_bytes.data_ptr() + start
+        # madvise takes a page-aligned address; the mapping starts on the page holding the tensor's first byte.
+        error = oscalls.populate_read(address - address % PAGE, length + address % PAGE)
+        if error in (errno.EINVAL, errno.ENOSYS):
+            # Older kernel: touch one byte per page instead.
+            dest.mapped_bytes[start : start + length : PAGE].sum()
+        elif error == errno.EFAULT:
+            raise ShardedStateError(
+                f"{path}: file ended before byte {p.end} while reading; it is truncated or was "
+                "replaced during the load. Copy or save the checkpoint again."
+            )
+        elif error:
+            raise ShardedStateError(
+                f"{path}: reading it failed ({os.strerror(error)}). Check the storage, "
+                "then copy or save the checkpoint again."
+            )
+
+
+def truncated(path: str, offset: int) -> ShardedStateError:
+    return ShardedStateError(
+        f"{path}: file ended at byte {offset} while reading; it is truncated or was replaced during "
+        "the load. Copy or save the checkpoint again."
+    )

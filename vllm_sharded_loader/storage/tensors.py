@@ -1,0 +1,69 @@
+"""Tensors over bytes: torch dtypes of safetensors names, byte views, and private file mappings."""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from ..format.errors import ShardedStateError
+
+# safetensors dtype names <-> torch dtypes.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ShardedStateError(f"dtype {dtype} cannot be stored in safetensors.") from None
+
+
+def torch_dtype(name: str, where: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ShardedStateError(f"{where}: unknown tensor dtype {name!r}.") from None
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    flat = tensor.detach().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def map_file_range(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Bytes ``[offset, offset + length)`` of an open file as a tensor, over a private mapping of just their pages.
+
+    ``MAP_PRIVATE`` (copy-on-write), as ``safetensors.safe_open`` maps files on CPU: the
+    page cache's pages, no copy and no fresh memory until something writes to them, and
+    writes go to private copies, never to the file. The mapping lives exactly as long as
+    the tensor (and its views). ``offset`` must be aligned to the dtype's element size.
+    """
+    if length == 0:
+        return torch.empty(shape, dtype=dtype)
+    first = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(
+        fd, offset + length - first, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=first
+    )
+    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=length, offset=offset - first)
+    return flat.view(dtype).view(shape)
