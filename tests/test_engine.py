@@ -127,12 +127,25 @@ def test_save_script_output(saved, models):
     assert manifest["source"]["architecture"] == "LlamaForCausalLM"
 
 
-def test_hook_without_capture_refuses_on_cpu_and_writes_nothing(saved):
+def test_hook_without_capture_saves_only_the_loaded_state(saved, models):
+    """Without a capture, the hook saves the live model only if it still is the loaded state.
+
+    Whether it is depends on the CPU: with oneDNN (AVX-512) vLLM repacks every linear
+    weight into new memory and empties ``layer.weight``, and the save must refuse and
+    write nothing; without it (an AVX2-only CPU) vLLM keeps the loaded tensors where they
+    are, and the saved state must reload to the same greedy ids.
+    """
     saved.get("llama", 2)
     result, directory = saved.uncaptured_save["result"], saved.uncaptured_save["directory"]
-    assert "Refusing to save an incomplete state" in result["save_error"]
-    assert "SHARDED_STATE_CAPTURE_DIR" in result["save_error"]
-    assert not os.path.exists(directory) or os.listdir(directory) == []
+    if "save_error" in result:
+        assert "Refusing to save an incomplete state" in result["save_error"]
+        assert "SHARDED_STATE_CAPTURE_DIR" in result["save_error"]
+        assert not os.path.exists(directory) or os.listdir(directory) == []
+        return
+    assert result.get("saved"), result
+    copy_non_weight_files(models["llama"], directory)
+    run = run_engine({"model": directory, "tp": 2, "load_format": "sharded_state"})
+    assert run.result["token_ids"] == result["token_ids"]
 
 
 def test_checkpoint_in_vllms_format_loads(saved, tmp_path):
