@@ -363,7 +363,7 @@ def test_a_mapped_file_that_shrinks_during_the_load_names_the_file(tmp_path):
     entry = local.read_header(path).tensors["w"]
     piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=2)
     target = memory.Target(torch.empty(1 << 20, dtype=torch.bfloat16), torch.bfloat16, adopt=lambda t: None)
-    mapped = memory.Destination(target, memory.map_tensors([path], {0: piece}, [target])[0])
+    mapped = memory.Destination(target, memory.map_tensors([local.OpenFile.open(path)], {0: piece}, [target])[0])
     os.truncate(path, entry.begin + (entry.end - entry.begin) // 2)
     # The kernel reports the pages past the new end (EFAULT) instead of raising SIGBUS later.
     with pytest.raises(ShardedStateError, match=r"big.safetensors: file ended before byte \d+ while reading"):
@@ -378,7 +378,7 @@ def test_a_mapped_tensor_lives_as_long_as_its_views(tmp_path):
     entry = local.read_header(path).tensors["w"]
     piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=4)
     target = memory.Target(torch.empty(4096, dtype=torch.int32), torch.int32, adopt=lambda t: None)
-    tensor = memory.map_tensors([path], {0: piece}, [target])[0]
+    tensor = memory.map_tensors([local.OpenFile.open(path)], {0: piece}, [target])[0]
     view = tensor[100:]
     address = tensor.data_ptr()
     del tensor

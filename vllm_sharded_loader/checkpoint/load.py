@@ -27,7 +27,7 @@ from ..storage.lock import check_not_locked
 from ..storage.reader import DEFAULT_THREADS
 from ..storage.tensor_files import read_files
 from .legacy import load_without_manifest
-from .rank_files import check_rank_files, saved_specs
+from .rank_files import RankFiles, check_not_replaced, saved_specs
 from .reshard import load_resharded
 from .state import tensor_specs
 from .stats import LoadStats, check_verify_mode, whole_file_stats
@@ -78,7 +78,7 @@ def load_rank(
             check_source(manifest, serving, directory)
         return load_resharded(directory, manifest, targets, rank, verify=verify, tied=tied, started=started, **options)
 
-    # The checks: the model served, its tensors, then every file of this rank.
+    # The checks: the model served, its tensors, then every file of this rank, each opened once.
     if serving is not None:
         check_source(manifest, serving, directory)
     entry = manifest.rank(rank.tp_rank, rank.pp_rank)
@@ -88,8 +88,11 @@ def load_rank(
         f"{directory} ({rank})",
         hint="The checkpoint was saved from a different model; save it again.",
     )
-    headers = check_rank_files(directory, entry, verify)
-    # The plan and the read: each tensor's bytes where its file's header places them.
-    checksums = {h.path: f.checksum for h, f in zip(headers, entry.files, strict=True)} if verify == "checksum" else {}
-    read = read_files(headers, targets, checksums, adopt, **options)
-    return whole_file_stats([h.path for h in headers], len(targets), read, started, cast, with_manifest=True)
+    with RankFiles(directory, entry, verify) as files:
+        # The plan and the read: each tensor's bytes where its file's header places them.
+        checksums = {c.file.path: c.entry.checksum for c in files.files} if verify == "checksum" else {}
+        handles = [c.file for c in files.files]
+        read = read_files(files.headers, targets, checksums, adopt, handles, **options)
+        check_not_replaced(directory, manifest, files.check_unchanged)
+    return whole_file_stats([h.path for h in files.headers], len(targets), read, started, cast, with_manifest=True)
+

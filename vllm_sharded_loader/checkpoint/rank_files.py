@@ -1,45 +1,95 @@
 """A rank's saved files: every check before a byte is read.
 
 :func:`check_rank_file` is the one place that checks a saved file against the manifest
-(presence, containment, size, header, checksum record); the same-topology load, the
+(presence, containment, size, header and every tensor's place in it, checksum record), each
+file opened once; the same-topology load, the
 resharding load and ``vllm-sharded verify`` all go through it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
-from ..format.manifest import FileEntry, RankEntry
+from ..format.manifest import FileEntry, Manifest, RankEntry
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import Header
 from ..planning.tensors import TensorSpec
-from ..storage.local import check_file_size, part_path, read_header
+from ..storage.local import OpenFile, open_part, read_header, read_manifest
+from ..storage.lock import check_not_locked
 
 
-def check_rank_file(directory: str, f: FileEntry, entry: RankEntry, verify: str) -> Header:
-    """Check one part file of a rank against the manifest; its validated header.
+@dataclass
+class CheckedFile:
+    """A part file opened once and checked against the manifest, with its validated header."""
+
+    entry: FileEntry
+    file: OpenFile
+    header: Header
+
+
+def check_rank_file(directory: str, f: FileEntry, entry: RankEntry, verify: str) -> CheckedFile:
+    """Open one part file of a rank and check it against the manifest; every later read goes through it.
 
     The file must lie inside the checkpoint, exist with its recorded size, and have a
-    header holding exactly the tensors the manifest places in it, with their dtypes
-    and shapes. With ``verify="checksum"`` the manifest must record its checksum.
+    header holding exactly the tensors the manifest places in it, each at the byte
+    offset, with the dtype and shape, the manifest records. With ``verify="checksum"``
+    the manifest must record its checksum. The caller closes the file.
     """
-    check_file_size(directory, f)
-    header = read_header(part_path(directory, f.name))
+    opened = open_part(directory, f)
+    try:
+        return _check_opened(opened, f, entry, verify)
+    except BaseException:
+        opened.close()
+        raise
+
+
+def _check_opened(opened: OpenFile, f: FileEntry, entry: RankEntry, verify: str) -> CheckedFile:
+    header = read_header(opened)
     check_header_matches_manifest(header, entry)
     if verify == "checksum" and f.checksum is None:
         raise ShardedStateError(
             f"{header.path}: {MANIFEST_NAME} records no checksum for it, so verify='checksum' "
             "cannot check it; save the checkpoint again, or load with verify='size'."
         )
-    return header
+    return CheckedFile(f, opened, header)
 
 
-def check_rank_files(directory: str, entry: RankEntry, verify: str) -> list[Header]:
-    """:func:`check_rank_file` for every part of a rank: sizes of all of them first, then headers."""
-    for f in entry.files:
-        check_file_size(directory, f)
-    return [check_rank_file(directory, f, entry, verify) for f in entry.files]
+class RankFiles:
+    """The part files of one rank, opened and checked (as :func:`check_rank_file` does), closed on exit."""
+
+    def __init__(self, directory: str, entry: RankEntry, verify: str) -> None:
+        opened: list[OpenFile] = []
+        try:
+            # Every file opened and sized before any header is read.
+            for f in entry.files:
+                opened.append(open_part(directory, f))
+            self.files = [_check_opened(o, f, entry, verify) for o, f in zip(opened, entry.files, strict=True)]
+        except BaseException:
+            for o in opened:
+                o.close()
+            raise
+
+    @property
+    def headers(self) -> list[Header]:
+        return [c.header for c in self.files]
+
+    def check_unchanged(self) -> None:
+        """Raise if any file was replaced or modified since it was opened (:meth:`OpenFile.check_unchanged`)."""
+        for checked in self.files:
+            checked.file.check_unchanged()
+
+    def close(self) -> None:
+        for checked in self.files:
+            checked.file.close()
+
+    def __enter__(self) -> RankFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def check_header_matches_manifest(header: Header, entry: RankEntry) -> None:
@@ -59,8 +109,32 @@ def check_header_matches_manifest(header: Header, entry: RankEntry) -> None:
                 f"{header.path}: tensor {tensor_name!r} is {h.dtype}{list(h.shape)} in the file but "
                 f"{e.dtype}{list(e.shape)} in {MANIFEST_NAME}; copy or save the checkpoint again."
             )
+    for tensor_name, e in listed.items():
+        h = header.tensors[tensor_name]
+        # The file's own header says where a tensor's bytes lie; a manifest that places them
+        # elsewhere would have a resharding load read another tensor's bytes.
+        if e.offset is not None and e.offset != h.begin:
+            raise ShardedStateError(
+                f"{header.path}: tensor {tensor_name!r} starts at byte {h.begin} in the file but at {e.offset} "
+                f"in {MANIFEST_NAME}; the manifest is damaged. Copy or save the checkpoint again."
+            )
 
 
 def saved_specs(entry: RankEntry) -> dict[str, TensorSpec]:
     """Shape and dtype of each tensor a rank's manifest entry lists."""
     return {name: TensorSpec(t.shape, t.dtype) for name, t in entry.tensors.items()}
+
+
+def check_not_replaced(directory: str, manifest: Manifest, check_files: Callable[[], None]) -> None:
+    """After the reads: the files read are still the checkpoint's, and so is the manifest.
+
+    A save into the directory during the load (it takes the lock, renames new parts over
+    the old, and rewrites the manifest) is an error here, never weights from two saves.
+    """
+    check_not_locked(directory)
+    check_files()
+    if read_manifest(directory) != manifest:
+        raise ShardedStateError(
+            f"{directory}: {MANIFEST_NAME} changed during the load (another save into the directory?); the "
+            "weights read may belong to the previous checkpoint. Load again once the save is done."
+        )

@@ -20,10 +20,11 @@ from ..format.manifest import Manifest
 from ..planning.reads import Read, ReadPlan, Strided, TensorPlan, plan_manifest_reads
 from ..planning.spans import Piece
 from ..planning.topology import RankInfo
+from ..storage.local import OpenFile
 from ..storage.memory import Target
 from ..storage.reader import DEFAULT_THREADS, ReadStats, read_pieces
 from ..storage.tensors import torch_dtype
-from .rank_files import check_rank_file
+from .rank_files import CheckedFile, check_not_replaced, check_rank_file
 from .stats import LoadStats, check_verify_mode
 
 # Bytes of temporaries a resharding load holds at once to join rows (see ReshardSource.read).
@@ -64,7 +65,7 @@ class ReshardSource:
         self.directory, self.manifest, self.verify = directory, manifest, check_verify_mode(verify)
         self.dtypes = {name: t.dtype for entry in manifest.ranks for name, t in entry.tensors.items()}
         self.owners = {f.name: (f, entry) for entry in manifest.ranks for f in entry.files}
-        self.checked: dict[str, str] = {}  # file name -> path, once checked
+        self.checked: dict[str, CheckedFile] = {}  # file name -> the file, open and checked
 
     def plan(self, needed: Sequence[str], rank: RankInfo, tied: Sequence[Sequence[str]] = ()) -> ReadPlan:
         """The :class:`~..planning.reads.ReadPlan` giving ``rank`` the tensors ``needed``."""
@@ -81,12 +82,17 @@ class ReshardSource:
     def stored_dtype(self, tensor_plan: TensorPlan) -> torch.dtype:
         return torch_dtype(self.dtypes[tensor_plan.source_name], tensor_plan.name)
 
-    def check_file(self, name: str) -> str:
-        """Check a saved file the first time a plan touches it (:func:`.rank_files.check_rank_file`); its path."""
+    def check_file(self, name: str) -> OpenFile:
+        """Open and check a saved file the first time a plan touches it (:func:`.rank_files.check_rank_file`)."""
         if name not in self.checked:
             f, entry = self.owners[name]
-            self.checked[name] = check_rank_file(self.directory, f, entry, self.verify).path
-        return self.checked[name]
+            self.checked[name] = check_rank_file(self.directory, f, entry, self.verify)
+        return self.checked[name].file
+
+    def check_unchanged(self) -> None:
+        """Raise if a file read was replaced or modified since it was opened."""
+        for checked in self.checked.values():
+            checked.file.check_unchanged()
 
     def read(
         self,
@@ -104,7 +110,7 @@ class ReshardSource:
         """
         files = sorted({r.file for p in plans.values() for r in p.reads})
         index = {name: i for i, name in enumerate(files)}
-        paths = [self.check_file(name) for name in files]
+        opened = [self.check_file(name) for name in files]
         checksums = {index[n]: self.owners[n][0].checksum for n in files} if self.verify == "checksum" else {}
         batch = _ReadBatch()
         batches = [batch]
@@ -134,7 +140,7 @@ class ReshardSource:
         total, spans, huge = 0, 0, False
         for batch in batches:
             stats = read_pieces(
-                paths,
+                opened,
                 batch.pieces,
                 batch.targets,
                 checksums=checksums,
@@ -157,6 +163,8 @@ class ReshardSource:
         self.read({tensor_plan.name: tensor_plan}, {tensor_plan.name: target})
 
     def close(self) -> None:
+        for checked in self.checked.values():
+            checked.file.close()
         self.checked.clear()
 
     def __enter__(self) -> ReshardSource:
@@ -201,6 +209,7 @@ def load_resharded(
         for name in plan.files:
             source.check_file(name)  # every check before the first byte lands in a parameter
         read = source.read(plan.tensors, targets, threads=threads, progress=progress, huge_pages=huge_pages)
+        check_not_replaced(directory, manifest, source.check_unchanged)
         cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]
     return LoadStats(
         files=tuple(os.path.join(directory, n) for n in plan.files),

@@ -37,6 +37,8 @@ from ..format.names import (
     default_pattern,
     parse_file_name,
     render_file_name,
+    staged_name,
+    staged_token,
     validate_pattern,
 )
 from ..format.source import SourceModel
@@ -48,7 +50,6 @@ from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from ..storage.tensors import dtype_name, map_file_range, torch_dtype
 
 DEFAULT_MAX_SIZE = 5 * 1024**3
-PARTIAL_SUFFIX = ".partial"
 
 
 def new_token() -> str:
@@ -108,7 +109,7 @@ def stage_rank(
     advance = None if progress is None else (lambda n: progress(n, total))
     try:
         for file_name, part in zip(names, parts, strict=True):
-            tmp = os.path.join(directory, f".{file_name}.{token}{PARTIAL_SUFFIX}")
+            tmp = os.path.join(directory, staged_name(file_name, token))
             staged.temporary[file_name] = tmp
             items = [(name, tensors[name]) for name in part]
             try:
@@ -187,9 +188,10 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
     """Publish a checkpoint: drop parts it does not list, write the manifest atomically, unlock.
 
     Parts of ranks the new topology does not have (an older save at a larger TP) are
-    removed, so vLLM's own loader cannot pick them up either, and so are partial files
-    of an interrupted save. The manifest goes
-    through a temporary file, fsync and rename: a directory without it is incomplete.
+    removed, so vLLM's own loader cannot pick them up either, and so are the staged files
+    of this save and of the interrupted save whose lock it took over; never those of
+    another save. The manifest goes through a temporary file, fsync and rename: a
+    directory without it is incomplete.
     """
     listed = {f.name for entry in manifest.ranks for f in entry.files}
     for entry in manifest.ranks:
@@ -197,16 +199,16 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
             size = os.path.getsize(os.path.join(directory, f.name))
             if size != f.size:
                 raise ShardedStateError(f"{os.path.join(directory, f.name)}: {size} bytes, expected {f.size}.")
+    ours = set() if lock is None else {lock.token, lock.taken_over} - {None}
     for name in os.listdir(directory):
         stale_part = any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
-        # Every rank of this save has renamed its staged parts by now: partial files left
-        # are those of an interrupted save.
-        dead_partial = name.startswith(".") and name.endswith(PARTIAL_SUFFIX)
-        if (name not in listed and stale_part) or dead_partial:
+        # Every rank of this save has renamed its staged parts by now: staged files left
+        # with our tokens are those of the interrupted save this one took over.
+        if (name not in listed and stale_part) or staged_token(name) in ours:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(directory, name))
     path = os.path.join(directory, MANIFEST_NAME)
-    tmp = os.path.join(directory, f".{MANIFEST_NAME}.{new_token()}{PARTIAL_SUFFIX}")
+    tmp = os.path.join(directory, staged_name(MANIFEST_NAME, new_token() if lock is None else lock.token))
     with open(tmp, "w") as out:
         out.write(manifest.to_json())
         out.flush()

@@ -6,22 +6,23 @@ import os
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum
-from ..format.names import MANIFEST_NAME, parse_file_name
+from ..format.names import MANIFEST_NAME, is_staged_name, parse_file_name
 from ..storage.integrity import BlockVerifier
-from ..storage.local import read_manifest
+from ..storage.local import OpenFile, read_manifest
 from ..storage.lock import check_not_locked
 from ..storage.writer import CHUNK_BYTES
 from .rank_files import check_rank_file
 
 
-def verify_file_checksum(path: str, checksum: FileChecksum) -> None:
-    """Stream a whole file through its block checksums; raises on the first bad block."""
-    verifier = BlockVerifier(path, checksum)
+def verify_file_checksum(file: OpenFile, checksum: FileChecksum) -> None:
+    """Stream a whole open file through its block checksums; raises on the first bad block."""
+    verifier = BlockVerifier(file.path, checksum)
     buffer = bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            verifier.update(view[:n])
+    position = 0
+    while n := os.preadv(file.fd, [buffer], position):
+        verifier.update(view[:n])
+        position += n
     verifier.finish()
 
 
@@ -52,9 +53,10 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
         for f in entry.files:
             listed.add(f.name)
             try:
-                header = check_rank_file(directory, f, entry, "checksum" if checksums else "size")
-                if f.checksum is not None and checksums:
-                    verify_file_checksum(header.path, f.checksum)
+                checked = check_rank_file(directory, f, entry, "checksum" if checksums else "size")
+                with checked.file:
+                    if f.checksum is not None and checksums:
+                        verify_file_checksum(checked.file, f.checksum)
             except ShardedStateError as e:
                 problems.append(str(e))
     for name in sorted(os.listdir(directory)):
@@ -62,5 +64,10 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
             problems.append(
                 f"{os.path.join(directory, name)}: a part that {MANIFEST_NAME} does not list (left by an older "
                 "save?); our loader ignores it but vLLM's own loader would read it. Remove it."
+            )
+        elif is_staged_name(name):
+            problems.append(
+                f"{os.path.join(directory, name)}: a staged file of a save that never published it (interrupted?); "
+                "no loader reads it. Remove it."
             )
     return problems

@@ -184,7 +184,13 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
 
 
 def _stage_for_save(
-    model: torch.nn.Module, state: LoadedState, path: str, rank: RankInfo, pattern: str, max_size: int | None
+    model: torch.nn.Module,
+    state: LoadedState,
+    path: str,
+    rank: RankInfo,
+    pattern: str,
+    max_size: int | None,
+    token: str,
 ) -> StagedRank:
     """Stage this rank's loaded state in ``path``: the capture itself if it fits, else a rewrite."""
     capture = state.capture
@@ -192,8 +198,8 @@ def _stage_for_save(
         in_place = os.path.isdir(path) and os.path.samefile(capture.directory, path)
         if in_place and (capture.pattern, capture.max_size) == (pattern, max_size):
             return capture
-        return stage_rank(path, open_staged_tensors(capture), rank, pattern, max_size)
-    return stage_rank(path, _live_state_if_unchanged(model, state), rank, pattern, max_size)
+        return stage_rank(path, open_staged_tensors(capture), rank, pattern, max_size, token)
+    return stage_rank(path, _live_state_if_unchanged(model, state), rank, pattern, max_size, token)
 
 
 class _Workers:
@@ -255,11 +261,12 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
                 "Refusing to save: this model was loaded before vllm_sharded_loader was active, so "
                 "its loaded state is unknown. Check that the plugin is installed (VLLM_PLUGINS)."
             )
-        staged = _stage_for_save(model, state, path, rank, pattern, max_size)
+        staged = _stage_for_save(model, state, path, rank, pattern, max_size, token)
         return staged.entry, state.geometry, state.tied
 
     try:
         lock = workers.run(check_and_lock, only_first=True)[0]
+        token = lock.token  # every worker stages under the lock's token: a takeover finds all of them
         outcomes = workers.run(stage)
         entries = [entry for entry, _, _ in outcomes]
         swapped = True

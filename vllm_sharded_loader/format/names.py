@@ -20,6 +20,10 @@ LOCK_NAME = ".sharded_state.lock"
 TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
+# A file being written by a save, until the save publishes it by rename:
+# ``.<final name>.<save token>.partial``.
+STAGED_SUFFIX = ".partial"
+_STAGED = re.compile(r"\.(?P<final>.+)\.(?P<token>[0-9a-f]{1,64})" + re.escape(STAGED_SUFFIX) + r"\Z")
 PATTERN_FIELDS = frozenset({"pp_rank", "tp_rank", "rank", "part"})
 
 
@@ -126,3 +130,22 @@ def check_plain_file_name(name: str, where: str) -> str:
             f"{where}: file name {name!r} is not a plain file name inside the checkpoint directory; refusing it."
         )
     return name
+
+
+def staged_name(final_name: str, token: str) -> str:
+    """The hidden name a save writes ``final_name`` under until it publishes it.
+
+    >>> staged_name("model-rank-0-part-0.safetensors", "ab12")
+    '.model-rank-0-part-0.safetensors.ab12.partial'
+    """
+    return f".{final_name}.{token}{STAGED_SUFFIX}"
+
+
+def staged_token(name: str) -> str | None:
+    """The token of the save that staged a file of this name, or None for any other name."""
+    match = _STAGED.match(name)
+    return None if match is None else match.group("token")
+
+
+def is_staged_name(name: str) -> bool:
+    return staged_token(name) is not None

@@ -1,7 +1,8 @@
 """A checkpoint in a local directory (or a Hugging Face cache snapshot): its manifest, its part files.
 
-Every path of a part goes through :func:`part_path`, which refuses names that resolve
-outside the checkpoint; every header is read through :func:`read_header`.
+A load opens each part once (:func:`open_part`: inside the checkpoint, present, its
+recorded size) and does everything else through that descriptor (:class:`OpenFile`); every
+header is read through :func:`read_header`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import fnmatch
 import os
 import shutil
 import struct
+from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileEntry, Manifest
@@ -41,45 +43,135 @@ def containment_root(directory: str) -> str:
     return real
 
 
+def _escapes(path: str, real: str, directory: str) -> ShardedStateError | None:
+    root = containment_root(directory)
+    if os.path.commonpath([real, root]) == root:
+        return None
+    return ShardedStateError(
+        f"{path} resolves to {real}, outside the checkpoint directory {root} (a symlink or path "
+        "that escapes it); refusing to read it. Copy the real file into the checkpoint."
+    )
+
+
 def part_path(directory: str, name: str) -> str:
     """The path of a part file, refusing one that resolves outside the checkpoint directory."""
     path = os.path.join(directory, name)
-    real, root = os.path.realpath(path), containment_root(directory)
-    if os.path.commonpath([real, root]) != root:
-        raise ShardedStateError(
-            f"{path} resolves to {real}, outside the checkpoint directory {root} (a symlink or path "
-            "that escapes it); refusing to read it. Copy the real file into the checkpoint."
-        )
+    error = _escapes(path, os.path.realpath(path), directory)
+    if error is not None:
+        raise error
     return path
 
 
-def check_file_size(directory: str, f: FileEntry) -> None:
-    path = part_path(directory, f.name)
+@dataclass(frozen=True)
+class FileIdentity:
+    """What tells one version of a file from another: device, inode, size, modification time."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class OpenFile:
+    """A file opened once: its checks, its reads and its mappings all go through this descriptor.
+
+    A path names whatever file is there when it is opened; a descriptor keeps naming the
+    file that was checked. Reader threads take their own descriptors of the same open
+    file (:meth:`reopen`), never of the path, so a file renamed over the path during a
+    load is never read; :meth:`check_unchanged` then tells that it happened.
+    """
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+        self.identity = FileIdentity.of(os.fstat(fd))
+
+    @classmethod
+    def open(cls, path: str) -> OpenFile:
+        """Open ``path`` for reading; a missing file is a :class:`ShardedStateError` naming it."""
+        try:
+            return cls(path, os.open(path, os.O_RDONLY))
+        except FileNotFoundError:
+            raise ShardedStateError(f"{path}: file is missing. Copy or save the checkpoint again.") from None
+
+    @property
+    def size(self) -> int:
+        return self.identity.size
+
+    def real_path(self) -> str:
+        """Where the opened file really is (after every symlink), read off the descriptor."""
+        try:
+            return os.readlink(f"/proc/self/fd/{self.fd}")
+        except OSError:  # no /proc: resolve the path instead
+            return os.path.realpath(self.path)
+
+    def reopen(self) -> int:
+        """A new descriptor of the same file, with its own file position and readahead."""
+        try:
+            return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY)
+        except OSError:  # no /proc: share this descriptor's open file (reads use pread)
+            return os.dup(self.fd)
+
+    def check_unchanged(self) -> None:
+        """Raise unless the file is still the one opened, unmodified, and still at its path."""
+        now = FileIdentity.of(os.fstat(self.fd))
+        try:
+            at_path: FileIdentity | None = FileIdentity.of(os.stat(self.path))
+        except FileNotFoundError:
+            at_path = None
+        if now != self.identity or at_path != self.identity:
+            raise ShardedStateError(
+                f"{self.path}: the file was replaced or modified during the load (another save into the "
+                "directory?); the weights read may mix two checkpoints. Load again once the save is done."
+            )
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> OpenFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_part(directory: str, f: FileEntry) -> OpenFile:
+    """Open a part file the manifest lists: inside the checkpoint, present, with its recorded size."""
+    path = os.path.join(directory, f.name)
     try:
-        size = os.stat(path).st_size
+        opened = OpenFile(path, os.open(path, os.O_RDONLY))
     except FileNotFoundError:
         raise ShardedStateError(
             f"{path}: listed in {MANIFEST_NAME} ({f.size} bytes) but missing. The checkpoint is "
             "incomplete: copy the missing file or save the checkpoint again."
         ) from None
-    if size != f.size:
-        raise ShardedStateError(
-            f"{path}: {size} bytes on disk, but {MANIFEST_NAME} records {f.size}. The file is "
-            f"{'truncated' if size < f.size else 'not the one that was saved'}: copy or save the checkpoint again."
+    error = _escapes(path, opened.real_path(), directory)
+    if error is None and opened.size != f.size:
+        error = ShardedStateError(
+            f"{path}: {opened.size} bytes on disk, but {MANIFEST_NAME} records {f.size}. The file is "
+            f"{'truncated' if opened.size < f.size else 'not the one that was saved'}: copy or save the "
+            "checkpoint again."
         )
+    if error is not None:
+        opened.close()
+        raise error
+    return opened
 
 
-def read_header(path: str) -> Header:
-    """Read and validate the header of a safetensors file."""
-    try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            raw_length = f.read(8)
-            length = struct.unpack("<Q", raw_length)[0] if len(raw_length) == 8 else 0
-            raw_header = f.read(length) if length <= min(MAX_HEADER_BYTES, file_size) else b""
-    except FileNotFoundError:
-        raise ShardedStateError(f"{path}: file is missing. Copy or save the checkpoint again.") from None
-    return parse_header(raw_length, raw_header, path, file_size)
+def read_header(source: str | OpenFile) -> Header:
+    """Read and validate the header of a safetensors file, given its path or its open descriptor."""
+    if isinstance(source, str):
+        with OpenFile.open(source) as opened:
+            return read_header(opened)
+    raw_length = os.pread(source.fd, 8, 0)
+    length = struct.unpack("<Q", raw_length)[0] if len(raw_length) == 8 else 0
+    raw_header = os.pread(source.fd, length, 8) if length <= min(MAX_HEADER_BYTES, source.size) else b""
+    return parse_header(raw_length, raw_header, source.path, source.size)
 
 
 def directory_holds_checkpoint(directory: str) -> bool:

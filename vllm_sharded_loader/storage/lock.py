@@ -1,14 +1,16 @@
 """The save lock of a checkpoint directory: taken exclusively by a save, refused by loads.
 
-``.sharded_state.lock`` is created with ``O_EXCL`` at the start of a save and removed when
-its manifest is published. It names its holder (pid, host, token, start time), so a
-second save can tell a running save from an interrupted one. Everything that reads the
-lock goes through :func:`read_lock`.
+``.sharded_state.lock`` appears at the start of a save and is removed when its manifest
+is published. Its save holds a ``flock`` on it for as long as it runs, and it names its
+holder (pid, host, token, start time), so a second save can tell a running save from an
+interrupted one, and only one save can take an interrupted one over. Everything that
+reads the lock goes through :func:`read_lock`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -22,10 +24,18 @@ from .local import directory_holds_checkpoint
 
 @dataclass(frozen=True)
 class SaveLock:
-    """Proof that this process holds a directory's save lock."""
+    """Proof that this process holds a directory's save lock.
+
+    ``fd`` is the lock file, open and ``flock``-ed for as long as the save runs: the kernel
+    drops the ``flock`` when the process dies, which is how a later save tells an
+    interrupted save from a running one. ``taken_over`` is the token of the interrupted
+    save whose lock this one took over (its staged files are this save's to remove).
+    """
 
     path: str
     token: str
+    fd: int = -1
+    taken_over: str | None = None
 
 
 def read_lock(directory: str) -> dict | None:
@@ -64,37 +74,24 @@ def describe_lock(directory: str, holder: dict) -> str:
 
 
 def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> SaveLock:
-    """Take a directory's save lock, refusing a running save and, unless ``overwrite``, a checkpoint."""
+    """Take a directory's save lock, refusing a running save and, unless ``overwrite``, a checkpoint.
+
+    The lock file is written and ``flock``-ed under a temporary name, then published with
+    ``link`` (atomic, fails if a lock exists), so a lock is never visible unheld while its
+    save runs. An existing lock whose ``flock`` is free belongs to a save that died; with
+    ``overwrite`` it is taken over by taking that ``flock``, which one process only can
+    win: any other save gets a clear error. Nothing is ever removed to take a lock over.
+    """
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LOCK_NAME)
     info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token, "started": time.time()})
-    for attempt in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = read_lock(directory) or {}
-            alive = _holder_is_alive(holder)
-            if alive or not overwrite or attempt:
-                raise ShardedStateError(
-                    f"{directory}: another save holds {describe_lock(directory, holder)}"
-                    + (
-                        "; wait for it to finish."
-                        if alive
-                        else "; that save was interrupted. Save again with overwrite to replace it."
-                    )
-                ) from None
-            # The holder is gone and overwrite was asked: take the stale lock over. (Its
-            # partial files are removed when this save publishes: parts this save captured
-            # at engine start are partial files too, until then.)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(info)
-            f.flush()
-            os.fsync(f.fileno())
-        break
-    lock = SaveLock(path, token)
+    lock = None
+    for _ in range(8):  # a lock released between our tries makes us try again
+        lock = _create_lock(path, token, info) or _take_over_lock(directory, path, token, info, overwrite)
+        if lock is not None:
+            break
+    if lock is None:
+        raise ShardedStateError(f"{directory}: could not take {path}: other saves keep taking it. Try again.")
     if not overwrite and directory_holds_checkpoint(directory):
         release_save_lock(lock)
         raise ShardedStateError(
@@ -104,11 +101,84 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> Sa
     return lock
 
 
+def _write_holder(fd: int, info: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, info.encode(), 0)
+    os.fsync(fd)
+
+
+def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
+    """A new lock, or None if one exists."""
+    staging = f"{path}.{token}.new"
+    fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _write_holder(fd, info)
+        try:
+            os.link(staging, path)
+        except FileExistsError:
+            os.close(fd)
+            return None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(staging)
+    return SaveLock(path, token, fd)
+
+
+def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite: bool) -> SaveLock | None:
+    """The existing lock, taken over if its save died and ``overwrite``; None if it vanished meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        holder = read_lock(directory) or {}
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = False
+        except BlockingIOError:
+            held = True
+        if not held and os.fstat(fd).st_ino != _inode(path):
+            os.close(fd)  # released and replaced while we looked: try again
+            return None
+        # A lock written by an older version carries no flock: its holder's pid tells.
+        alive = held or _holder_is_alive(holder)
+        if alive or not overwrite:
+            raise ShardedStateError(
+                f"{directory}: another save holds {describe_lock(directory, holder)}"
+                + (
+                    "; wait for it to finish."
+                    if alive
+                    else "; that save was interrupted. Save again with overwrite to replace it."
+                )
+            )
+        _write_holder(fd, info)
+    except BaseException:
+        os.close(fd)
+        raise
+    stale = holder.get("token")
+    return SaveLock(path, token, fd, stale if isinstance(stale, str) else None)
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
 def release_save_lock(lock: SaveLock) -> None:
-    """Remove the lock if it is still ours."""
+    """Remove the lock if it is still ours, then let go of its flock."""
     holder = read_lock(os.path.dirname(lock.path))
     if holder is not None and holder.get("token") == lock.token:
         os.remove(lock.path)
+    if lock.fd >= 0:
+        with contextlib.suppress(OSError):  # closed already (a second release)
+            os.close(lock.fd)
 
 
 def check_not_locked(directory: str) -> None:

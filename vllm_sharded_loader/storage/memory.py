@@ -20,6 +20,7 @@ import torch
 from ..format.errors import ShardedStateError
 from ..planning.spans import Piece
 from . import oscalls
+from .local import OpenFile
 from .tensors import byte_view, map_file_range
 
 HUGE_PAGE = 2 * 1024 * 1024
@@ -114,7 +115,7 @@ def mapped_pieces(pieces: Sequence[Piece], targets: Sequence[Target]) -> dict[in
 
 
 def map_tensors(
-    paths: Sequence[str], served: Mapping[int, Piece], targets: Sequence[Target]
+    files: Sequence[OpenFile], served: Mapping[int, Piece], targets: Sequence[Target]
 ) -> dict[int, torch.Tensor]:
     """The served targets' bytes as tensors shaped like them, each over a private mapping of just its pages.
 
@@ -123,24 +124,20 @@ def map_tensors(
     writes go to private copies, never to the file. One mapping per tensor, which lives
     exactly as long as the tensor (and its views): when vLLM drops a weight it has
     repacked, its pages are unmapped and left to the page cache to keep or reclaim.
-    Each file is opened once; ``served`` maps target indices to their pieces.
+    Each mapping is made from the file's open descriptor; ``served`` maps target indices to their pieces.
     """
     by_file: dict[int, list[int]] = {}
     for i, p in served.items():
         by_file.setdefault(p.file, []).append(i)
     tensors: dict[int, torch.Tensor] = {}
     for file, indices in by_file.items():
-        path = paths[file]
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            for i in indices:
-                p, target = served[i], targets[i]
-                if p.end > size:
-                    raise truncated(path, size)
-                tensors[i] = map_file_range(fd, p.offset, p.length, target.stored, tuple(target.tensor.shape))
-        finally:
-            os.close(fd)
+        path, fd = files[file].path, files[file].fd
+        size = os.fstat(fd).st_size
+        for i in indices:
+            p, target = served[i], targets[i]
+            if p.end > size:
+                raise truncated(path, size)
+            tensors[i] = map_file_range(fd, p.offset, p.length, target.stored, tuple(target.tensor.shape))
     return tensors
 
 

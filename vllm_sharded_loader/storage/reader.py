@@ -57,6 +57,7 @@ from ..format.manifest import FileChecksum
 from ..planning.spans import FileGrid, Piece, Span, plan_spans, split_streams
 from . import oscalls
 from .integrity import check_block, digest_of
+from .local import OpenFile
 from .memory import HUGE_PAGE, Destination, Target, advise_huge_pages, map_tensors, mapped_pieces, page_in, truncated
 from .staging import ThreadState, copy_out
 from .tensors import byte_view
@@ -112,12 +113,13 @@ class _SpanReader:
 
     def __init__(
         self,
-        paths: Sequence[str],
+        files: Sequence[OpenFile],
         destinations: Sequence[Destination],
         checksums: Mapping[int, FileChecksum],
         pin: bool,
     ) -> None:
-        self.paths, self.destinations, self.checksums = paths, destinations, checksums
+        self.files, self.destinations, self.checksums = files, destinations, checksums
+        self.paths = [f.path for f in files]
         self.pin = pin
         self.local = threading.local()
 
@@ -130,11 +132,12 @@ class _SpanReader:
         return state
 
     def _fd(self, state: ThreadState, file: int) -> int:
-        # Each thread opens the file itself: the kernel keeps readahead state per open
-        # file, so every thread's stream is recognised as sequential.
+        # Each thread has its own descriptor of the opened file (never of the path): the
+        # kernel keeps readahead state per open file, so every thread's stream is
+        # recognised as sequential.
         fd = state.fds.get(file)
         if fd is None:
-            fd = state.fds[file] = os.open(self.paths[file], os.O_RDONLY)
+            fd = state.fds[file] = self.files[file].reopen()
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # doubles the readahead window
         return fd
 
@@ -246,7 +249,7 @@ class _SpanReader:
 
 
 def read_pieces(
-    paths: Sequence[str],
+    paths: Sequence[str | OpenFile],
     pieces: Sequence[Piece],
     targets: Sequence[Target],
     *,
@@ -258,6 +261,9 @@ def read_pieces(
     huge_pages: bool = False,
 ) -> ReadStats:
     """Read ``pieces`` of ``paths`` into ``targets``; returns what was read.
+
+    ``paths`` are files opened by the caller (:class:`~.local.OpenFile`: every read and
+    mapping goes through that descriptor) or paths, opened here for this call.
 
     ``checksums`` maps file indices to their recorded block checksums; those files are
     verified, ``verify="all"`` every block of the file, ``"touched"`` only the blocks
@@ -280,17 +286,37 @@ def read_pieces(
     """
     if threads < 1:
         raise ShardedStateError(f"threads={threads}: the reader needs at least one thread.")
-    checksums = dict(checksums or {})
+    opened = [OpenFile.open(p) if isinstance(p, str) else None for p in paths]
+    try:
+        files = [o or p for o, p in zip(opened, paths, strict=True)]
+        return _read_files(files, pieces, targets, checksums or {}, verify, threads, span_bytes, progress, huge_pages)
+    finally:
+        for o in opened:
+            if o is not None:
+                o.close()
+
+
+def _read_files(
+    files: Sequence[OpenFile],
+    pieces: Sequence[Piece],
+    targets: Sequence[Target],
+    checksums: Mapping[int, FileChecksum],
+    verify: str,
+    threads: int,
+    span_bytes: int,
+    progress: Callable[[int, int], None] | None,
+    huge_pages: bool,
+) -> ReadStats:
     served = mapped_pieces(pieces, targets)
-    mapped = map_tensors(paths, served, targets)
+    mapped = map_tensors(files, served, targets)
     destinations = [Destination(t, mapped.get(i)) for i, t in enumerate(targets)]
     huge = False
     for d in destinations if huge_pages else ():
         if d.view is not None and len(d.view) >= HUGE_PAGE:
             huge = advise_huge_pages(d.landing) or huge
     grids = []
-    for index, path in enumerate(paths):
-        size = os.stat(path).st_size  # each reading thread opens the file itself
+    for index, file in enumerate(files):
+        path, size = file.path, file.size
         checksum = checksums.get(index)
         if checksum is None:
             grids.append(FileGrid(size, span_bytes, name=path))
@@ -304,7 +330,7 @@ def read_pieces(
         grids.append(FileGrid(size, checksum.block_size, verify, path))
     spans = plan_spans(pieces, grids)
     pin = any(d.cuda for d in destinations)
-    total = _run(_SpanReader(paths, destinations, checksums, pin), spans, threads, progress)
+    total = _run(_SpanReader(files, destinations, checksums, pin), spans, threads, progress)
     if pin:
         torch.cuda.synchronize()
     for d in destinations:

@@ -13,6 +13,7 @@ import torch
 from ..format.manifest import FileChecksum
 from ..format.safetensors import Header
 from ..planning.spans import Piece
+from .local import OpenFile
 from .memory import Target
 from .reader import ReadStats, read_pieces
 from .tensors import torch_dtype
@@ -47,14 +48,18 @@ def read_files(
     targets: Mapping[str, torch.Tensor],
     checksums: Mapping[str, FileChecksum] | None = None,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
+    files: Sequence[OpenFile] | None = None,
     **options: object,
 ) -> ReadStats:
     """Read the tensors of safetensors files named in ``targets`` into them.
 
     ``checksums`` maps a file's path to its recorded checksum; such a file is verified
     whole. ``adopt`` maps names to callbacks that take a mapped tensor in place of
-    reading into the target (see :func:`read_pieces`). ``options`` go to :func:`read_pieces`.
+    reading into the target (see :func:`read_pieces`). ``files`` are the files the headers
+    were read from, already open (every read then goes through them); without them the
+    headers' paths are opened. ``options`` go to :func:`read_pieces`.
     """
     paths, pieces, dests = file_pieces(headers, targets, adopt)
     by_index = {i: checksums[p] for i, p in enumerate(paths) if checksums and p in checksums}
-    return read_pieces(paths, pieces, dests, checksums=by_index, verify="all", **options)  # type: ignore[arg-type]
+    sources: Sequence[str | OpenFile] = paths if files is None else files
+    return read_pieces(sources, pieces, dests, checksums=by_index, verify="all", **options)  # type: ignore[arg-type]
