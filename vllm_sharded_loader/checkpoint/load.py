@@ -95,4 +95,3 @@ def load_rank(
         read = read_files(files.headers, targets, checksums, adopt, handles, **options)
         check_not_replaced(directory, manifest, files.check_unchanged)
     return whole_file_stats([h.path for h in files.headers], len(targets), read, started, cast, with_manifest=True)
-

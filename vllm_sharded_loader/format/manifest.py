@@ -7,17 +7,30 @@ text into them with every field checked. Pure: no I/O beyond ``json`` text.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ShardedStateError
 from .names import MANIFEST_NAME, check_plain_file_name, validate_pattern
 from .source import SourceModel
-from .untrusted import JsonReader, is_shape, load_json
+from .untrusted import JsonReader, is_int, is_shape, load_json
 
 HASH_NAME = "blake3"
 FORMAT_NAME = "vllm-sharded-state"
 FORMAT_VERSION = 1
+
+# Bounds on what a manifest may claim, checked before anything is allocated from it: a
+# hostile manifest must not make a loader build a billion-rank table, a file-sized
+# scratch buffer per thread, or names of any length.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_RANKS = 1 << 16  # tp_size * pp_size
+MAX_FILES_PER_RANK = 1 << 16
+MAX_TENSORS_PER_RANK = 1 << 20
+MAX_DIMS = 16
+MAX_BYTES = 1 << 60  # a size, offset or dimension
+MAX_BLOCK_SIZE = 256 * 1024 * 1024  # each reader thread holds one block to verify it
+DIGEST_HEX = re.compile(r"[0-9a-f]{64}\Z")
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,8 @@ class Manifest:
             )
         tp_size = reader.integer(obj, "tp_size", minimum=1)
         pp_size = reader.integer(obj, "pp_size", minimum=1)
+        if tp_size * pp_size > MAX_RANKS:
+            raise reader.fail(f"TP={tp_size} x PP={pp_size} is more than {MAX_RANKS} ranks")
         pattern = reader.string(obj, "pattern")
         validate_pattern(pattern, tp_size, pp_size)
         src = reader.mapping(obj.get("source"), "source")
@@ -150,7 +165,10 @@ class Manifest:
             config_sha256=reader.string(src, "config_sha256"),
             config=reader.mapping(src.get("config", {}), "source.config"),
         )
-        ranks = tuple(_rank(reader, r) for r in reader.sequence(obj, "ranks"))
+        raw_ranks = reader.sequence(obj, "ranks")
+        if len(raw_ranks) > MAX_RANKS:
+            raise reader.fail(f"'ranks' lists {len(raw_ranks)} ranks, more than {MAX_RANKS}")
+        ranks = tuple(_rank(reader, r) for r in raw_ranks)
         geometry = reader.mapping(obj.get("geometry", {}), "geometry")
         tied = obj.get("tied", [])
         if not isinstance(tied, list) or not all(
@@ -231,26 +249,44 @@ def _checksum(reader: JsonReader, obj: dict[str, Any], file_name: str) -> FileCh
         return None
     c = reader.mapping(obj["checksum"], f"checksum of {file_name!r}")
     blocks = reader.sequence(c, "blocks")
-    if not all(isinstance(b, str) for b in blocks):
-        raise reader.fail(f"checksum blocks of {file_name!r} must be strings")
-    return FileChecksum(reader.string(c, "algorithm"), reader.integer(c, "block_size", minimum=1), tuple(blocks))
+    if not all(isinstance(b, str) and DIGEST_HEX.match(b) for b in blocks):
+        raise reader.fail(f"checksum blocks of {file_name!r} must be 64 hexadecimal digits each")
+    block_size = reader.integer(c, "block_size", minimum=1)
+    if block_size > MAX_BLOCK_SIZE:
+        raise reader.fail(f"checksum block_size {block_size} of {file_name!r} is above {MAX_BLOCK_SIZE}")
+    cells = max(1, -(-reader.integer(obj, "size") // block_size))
+    if len(blocks) != cells:
+        raise reader.fail(f"{file_name!r} has {len(blocks)} checksum blocks, but its size makes {cells}")
+    return FileChecksum(reader.string(c, "algorithm"), block_size, tuple(blocks))
 
 
 def _rank(reader: JsonReader, value: Any) -> RankEntry:
     obj = reader.mapping(value, "a rank entry")
     files = []
-    for f in reader.sequence(obj, "files"):
+    raw_files, raw_tensors = reader.sequence(obj, "files"), reader.mapping(obj.get("tensors"), "tensors")
+    if len(raw_files) > MAX_FILES_PER_RANK or len(raw_tensors) > MAX_TENSORS_PER_RANK:
+        raise reader.fail(
+            f"a rank lists {len(raw_files)} files and {len(raw_tensors)} tensors; at most "
+            f"{MAX_FILES_PER_RANK} and {MAX_TENSORS_PER_RANK}"
+        )
+    for f in raw_files:
         f = reader.mapping(f, "a file entry")
         name = check_plain_file_name(reader.string(f, "name"), reader.where)
-        files.append(FileEntry(name=name, size=reader.integer(f, "size"), checksum=_checksum(reader, f, name)))
+        size = reader.integer(f, "size")
+        if size > MAX_BYTES:
+            raise reader.fail(f"file {name!r} has size {size}, above {MAX_BYTES}")
+        files.append(FileEntry(name=name, size=size, checksum=_checksum(reader, f, name)))
     tensors = {}
-    for name, t in reader.mapping(obj.get("tensors"), "tensors").items():
+    for name, t in raw_tensors.items():
         t = reader.mapping(t, f"tensor {name!r}")
         shape = t.get("shape")
-        if not is_shape(shape):
-            raise reader.fail(f"tensor {name!r} has shape {shape!r}, expected a list of sizes")
+        if not is_shape(shape) or len(shape) > MAX_DIMS or any(d > MAX_BYTES for d in shape):
+            raise reader.fail(
+                f"tensor {name!r} has shape {shape!r}, expected a list of sizes "
+                f"(at most {MAX_DIMS}, each up to {MAX_BYTES})"
+            )
         offset = t.get("offset")
-        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+        if offset is not None and not (is_int(offset) and 0 <= offset <= MAX_BYTES):
             raise reader.fail(f"tensor {name!r} has offset {offset!r}, expected a byte position")
         tensors[name] = TensorEntry(
             file=reader.string(t, "file"), dtype=reader.string(t, "dtype"), shape=tuple(shape), offset=offset

@@ -25,6 +25,7 @@ DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
 STAGED_SUFFIX = ".partial"
 _STAGED = re.compile(r"\.(?P<final>.+)\.(?P<token>[0-9a-f]{1,64})" + re.escape(STAGED_SUFFIX) + r"\Z")
 PATTERN_FIELDS = frozenset({"pp_rank", "tp_rank", "rank", "part"})
+MAX_PATTERN_LENGTH = 255  # a file name
 
 
 def default_pattern(pp_size: int) -> str:
@@ -50,6 +51,21 @@ def validate_pattern(pattern: str, tp_size: int, pp_size: int) -> None:
     Every active parallel dimension needs its rank field, otherwise ranks would write
     the same file and silently overwrite each other.
     """
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise ShardedStateError(
+            f"File pattern {pattern[:40]!r}... is {len(pattern)} characters; at most {MAX_PATTERN_LENGTH}."
+        )
+    try:
+        parsed = list(string.Formatter().parse(pattern))
+    except ValueError as e:
+        raise ShardedStateError(f"File pattern {pattern!r} is not a valid format string: {e}") from e
+    if any(spec or conversion for _, name, spec, conversion in parsed if name is not None):
+        # A format spec ({rank:>999999999}) could render names of any length, or pad
+        # ranks so that two patterns name the same file; vLLM's patterns have none.
+        raise ShardedStateError(
+            f"File pattern {pattern!r} uses a format spec or conversion; only plain fields such as "
+            "{rank} and {part} are allowed."
+        )
     fields = pattern_fields(pattern)
     unsupported = fields - PATTERN_FIELDS
     if unsupported or "" in fields:

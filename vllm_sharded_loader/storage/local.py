@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
-from ..format.manifest import FileEntry, Manifest
+from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import DEFAULT_PATTERNS, LOCK_NAME, MANIFEST_NAME, parse_file_name
 from ..format.safetensors import MAX_HEADER_BYTES, Header, parse_header
 
@@ -24,7 +24,13 @@ def read_manifest(directory: str) -> Manifest | None:
     path = os.path.join(directory, MANIFEST_NAME)
     try:
         with open(path, "rb") as f:
-            text = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise ShardedStateError(
+                    f"{path}: {size} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES}); it is not one "
+                    "this package wrote. Save the checkpoint again."
+                )
+            text = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         return None
     return Manifest.from_json(text, where=path)
