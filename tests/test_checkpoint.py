@@ -224,3 +224,16 @@ def test_checkpoint_without_manifest_missing_linear_weights_is_refused(tmp_path)
 def test_no_checkpoint_at_all(tmp_path):
     with pytest.raises(ShardedStateError, match=r"no file for .* and no sharded_state.json"):
         load(tmp_path)
+
+
+def test_distinct_meta_tensors_never_look_like_shared_memory():
+    # Every meta tensor has data_ptr 0: only the storage tells two of them apart.
+    from vllm_sharded_loader.checkpoint.state import tied_groups
+
+    a, b = torch.empty(4, 4, device="meta"), torch.empty(4, 4, device="meta")
+    state = {"a": a, "b": b, "a_tied": a}
+    kept = saveable_state(state)
+    assert list(kept) == ["a", "b"]
+    assert tied_groups(state, kept) == [["a", "a_tied"]]
+    cpu = torch.zeros(4, 4)
+    assert tied_groups({"x": cpu, "y": cpu.clone(), "x_view": cpu.view(16).view(4, 4)}, ["x"]) == [["x", "x_view"]]

@@ -39,7 +39,7 @@ from ..checkpoint.save import (
     stage_rank,
     write_manifest,
 )
-from ..checkpoint.state import saveable_state
+from ..checkpoint.state import saveable_state, tied_groups
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import LOCK_NAME, default_pattern, validate_pattern
@@ -47,7 +47,7 @@ from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, source_identity
-from .layer_geometry import describe_tensors, tied_groups
+from .layer_geometry import describe_tensors
 from .progress import ByteProgress
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.

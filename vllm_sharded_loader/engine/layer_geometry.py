@@ -11,7 +11,7 @@ rank; otherwise it is recorded as ``opaque``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -112,19 +112,3 @@ def describe_tensors(
                 geometry = rs.TensorGeometry(rs.OPAQUE, geometry.layer_class, shape)
         result[name] = geometry.to_dict()
     return result
-
-
-def tied_groups(state_dict: Mapping[str, torch.Tensor], kept: Iterable[str]) -> list[list[str]]:
-    """Groups of state-dict names sharing one tensor (tied embeddings), the kept name first."""
-    kept = list(kept)
-    by_storage: dict[tuple[str, int, int, tuple[int, ...]], list[str]] = {}
-    for name, t in state_dict.items():
-        if t.numel():
-            key = (str(t.device), t.data_ptr(), t.numel(), tuple(t.shape))
-            by_storage.setdefault(key, []).append(name)
-    groups = []
-    for names in by_storage.values():
-        if len(names) > 1:
-            first = [n for n in names if n in kept]
-            groups.append(first + [n for n in names if n not in first])
-    return groups

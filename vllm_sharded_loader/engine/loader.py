@@ -13,13 +13,13 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..checkpoint import load_rank, read_manifest, saveable_state
+from ..checkpoint.state import tied_groups
 from ..checkpoint.stats import check_verify_mode
 from ..format.errors import ShardedStateError
 from ..format.names import MANIFEST_NAME
 from ..storage import hub
 from ..storage.reader import DEFAULT_THREADS
 from .identity import current_rank, dtype_label, source_identity
-from .layer_geometry import tied_groups
 from .progress import ByteProgress
 
 if TYPE_CHECKING:
