@@ -19,8 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.source import SourceModel
+from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
 from ..storage.lock import check_not_locked
@@ -40,6 +42,7 @@ def load_rank(
     *,
     manifest: Manifest | None,
     serving: SourceModel | None = None,
+    geometry: Mapping[str, TensorGeometry] | None = None,
     pattern: str | None = None,
     verify: str = "size",
     tied: Sequence[Sequence[str]] = (),
@@ -62,7 +65,9 @@ def load_rank(
     ``threads``, ``progress`` and ``huge_pages`` go to the reader. ``adopt`` maps tensor
     names to callbacks that take a tensor over a private mapping of the file in place of
     the target (see :func:`..storage.reader.read_pieces`); a same-topology load uses them,
-    a resharding load reads every tensor. ``pattern`` names the files of a checkpoint
+    a resharding load reads every tensor. ``serving`` (the model's identity) and
+    ``geometry`` (how its layers split each target) are checked against what the
+    manifest records, when given. ``pattern`` names the files of a checkpoint
     without manifest (vLLM's own save).
     """
     started = time.perf_counter()
@@ -71,16 +76,24 @@ def load_rank(
     check_not_locked(directory)
     if manifest is None:
         return load_without_manifest(directory, targets, rank, pattern, verify, started, adopt=adopt, **options)
-    if (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size):
-        if not manifest.geometry:
-            check_topology(manifest, rank, directory)  # raises: nothing to reshard with
-        if serving is not None:
-            check_source(manifest, serving, directory)
-        return load_resharded(directory, manifest, targets, rank, verify=verify, tied=tied, started=started, **options)
-
-    # The checks: the model served, its tensors, then every file of this rank, each opened once.
+    resharding = (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size)
+    if resharding and not manifest.geometry:
+        check_topology(manifest, rank, directory)  # raises: nothing to reshard with
+    # The checks: the model served and how it splits its tensors, ...
     if serving is not None:
         check_source(manifest, serving, directory)
+    if geometry is not None:
+        check_served_geometry(
+            manifest.geometry,
+            geometry,
+            {name for entry in manifest.ranks for name in entry.tensors},
+            resharding=resharding,
+            tied=[*manifest.tied, *tied],
+            where=directory,
+        )
+    if resharding:
+        return load_resharded(directory, manifest, targets, rank, verify=verify, tied=tied, started=started, **options)
+    # ... its tensors, then every file of this rank, each opened once.
     entry = manifest.rank(rank.tp_rank, rank.pp_rank)
     cast = check_tensor_sets(
         tensor_specs(targets),

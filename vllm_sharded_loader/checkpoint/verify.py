@@ -7,6 +7,7 @@ import os
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum
 from ..format.names import MANIFEST_NAME, is_staged_name, parse_file_name
+from ..planning.reads import check_saved_geometry
 from ..storage.integrity import BlockVerifier
 from ..storage.local import OpenFile, read_manifest
 from ..storage.lock import check_not_locked
@@ -48,6 +49,10 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
             f"{os.path.join(directory, MANIFEST_NAME)}: missing; the checkpoint is incomplete "
             f"or was written by vLLM's own save, and cannot be verified.",
         ]
+    try:
+        check_saved_geometry(manifest, os.path.join(directory, MANIFEST_NAME))
+    except ShardedStateError as e:
+        problems.append(str(e))
     listed = set()
     for entry in manifest.ranks:
         for f in entry.files:

@@ -87,11 +87,15 @@ def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...])
     return rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
 
 
-def describe_tensors(
+def tensor_geometry(
     model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tp_size: int, tp_rank: int
-) -> dict[str, dict[str, Any]]:
-    """JSON geometry of each saved tensor of this rank, checked against its local shape."""
-    result: dict[str, dict[str, Any]] = {}
+) -> dict[str, rs.TensorGeometry]:
+    """The geometry of each of this rank's tensors, checked against its local shape.
+
+    The save records it in the manifest; a load compares it with what the manifest
+    records, so a checkpoint whose geometry is not the served model's is refused.
+    """
+    result: dict[str, rs.TensorGeometry] = {}
     for name, tensor in tensors.items():
         module_name, _, param = name.rpartition(".")
         try:
@@ -110,5 +114,12 @@ def describe_tensors(
             if tuple(local or ()) != shape:
                 # The layer is not split the way its class says: never reshard it.
                 geometry = rs.TensorGeometry(rs.OPAQUE, geometry.layer_class, shape)
-        result[name] = geometry.to_dict()
+        result[name] = geometry
     return result
+
+
+def describe_tensors(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tp_size: int, tp_rank: int
+) -> dict[str, dict[str, Any]]:
+    """JSON geometry of each saved tensor of this rank (:func:`tensor_geometry`), for the manifest."""
+    return {name: g.to_dict() for name, g in tensor_geometry(model, tensors, tp_size, tp_rank).items()}

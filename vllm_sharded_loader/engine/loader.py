@@ -20,6 +20,7 @@ from ..format.names import MANIFEST_NAME
 from ..storage import hub
 from ..storage.reader import DEFAULT_THREADS
 from .identity import current_rank, dtype_label, source_identity
+from .layer_geometry import tensor_geometry
 from .progress import ByteProgress
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ class ShardedStateLoader(BaseModelLoader):
                 rank,
                 manifest=manifest,
                 serving=source_identity(model, model_config),
+                geometry=tensor_geometry(model, targets, rank.tp_size, rank.tp_rank),
                 pattern=self.pattern if manifest is None else None,
                 verify=self.verify,
                 tied=tied,

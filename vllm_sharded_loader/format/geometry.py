@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ShardedStateError
-from .untrusted import JsonReader, is_int
+from .untrusted import MAX_BYTES, MAX_DIMS, JsonReader, is_shape
 
 REPLICATED = "replicated"
 COLUMN_PARALLEL = "column_parallel"
@@ -34,6 +34,9 @@ KINDS = (
     OPAQUE,
 )
 SPLIT_KINDS = frozenset(KINDS) - {REPLICATED, OPAQUE}
+
+# Segments of one tensor (q/k/v, gate/up, or one per merged expert projection).
+MAX_SEGMENTS = 1 << 16
 
 # vLLM's vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE.
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -112,12 +115,13 @@ class TensorGeometry:
         return data
 
     @classmethod
-    def from_dict(cls, data: Any, name: str) -> TensorGeometry:
-        """Parse and validate the geometry recorded for tensor ``name``.
+    def from_dict(cls, data: Any, name: str, where: str = "") -> TensorGeometry:
+        """Parse and validate the geometry recorded for tensor ``name`` (in the manifest ``where``).
 
         Every defect is a :class:`ShardedStateError` naming the tensor.
         """
-        reader = JsonReader(f"geometry of {name}", "The manifest is damaged: save the checkpoint again.")
+        what = f"{where}: geometry of {name}" if where else f"geometry of {name}"
+        reader = JsonReader(what, "The manifest is damaged: save the checkpoint again.")
         fail = reader.fail
 
         if not isinstance(data, dict):
@@ -126,11 +130,11 @@ class TensorGeometry:
         if unknown:
             raise fail(f"unknown keys {sorted(unknown)}")
         shape = data.get("shape")
-        if not isinstance(shape, list) or not all(is_int(d) for d in shape):
-            raise fail(f"'shape' must be a list of sizes, found {shape!r}")
+        if not is_shape(shape):
+            raise fail(f"'shape' must be a list of at most {MAX_DIMS} sizes up to {MAX_BYTES}, found {shape!r}")
         raw_segments = data.get("segments", [])
-        if not isinstance(raw_segments, list):
-            raise fail(f"'segments' must be a list, found {type(raw_segments).__name__}")
+        if not isinstance(raw_segments, list) or len(raw_segments) > MAX_SEGMENTS:
+            raise fail(f"'segments' must be a list of at most {MAX_SEGMENTS}, found {type(raw_segments).__name__}")
         segments = []
         for raw in raw_segments:
             if not isinstance(raw, dict):
@@ -161,17 +165,17 @@ class TensorGeometry:
             split_dim=split_dim,
             segments=tuple(segments),
         )
-        check_geometry(geometry, name)
+        check_geometry(geometry, name, where)
         return geometry
 
 
-def check_geometry(geometry: TensorGeometry, name: str) -> None:
+def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None:
     """Raise a :class:`ShardedStateError` unless the geometry is self-consistent.
 
     An ``opaque`` geometry is valid (the tensor is simply never resharded).
     """
     g = geometry
-    where = f"geometry of {name} ({g.layer_class}, kind {g.kind!r})"
+    where = f"{where + ': ' if where else ''}geometry of {name} ({g.layer_class}, kind {g.kind!r})"
 
     def fail(what: str) -> ShardedStateError:
         return ShardedStateError(f"{where}: {what}. The manifest is damaged: save the checkpoint again.")

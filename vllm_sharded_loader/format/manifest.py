@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ShardedStateError
-from .names import MANIFEST_NAME, check_plain_file_name, validate_pattern
+from .geometry import TensorGeometry
+from .names import MANIFEST_NAME, check_plain_file_name, parse_file_name, validate_pattern
 from .source import SourceModel
-from .untrusted import JsonReader, is_int, is_shape, load_json
+from .untrusted import MAX_BYTES, MAX_DIMS, JsonReader, is_int, is_shape, load_json
 
 HASH_NAME = "blake3"
 FORMAT_NAME = "vllm-sharded-state"
@@ -27,8 +28,6 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_RANKS = 1 << 16  # tp_size * pp_size
 MAX_FILES_PER_RANK = 1 << 16
 MAX_TENSORS_PER_RANK = 1 << 20
-MAX_DIMS = 16
-MAX_BYTES = 1 << 60  # a size, offset or dimension
 MAX_BLOCK_SIZE = 256 * 1024 * 1024  # each reader thread holds one block to verify it
 DIGEST_HEX = re.compile(r"[0-9a-f]{64}\Z")
 
@@ -170,6 +169,8 @@ class Manifest:
             raise reader.fail(f"'ranks' lists {len(raw_ranks)} ranks, more than {MAX_RANKS}")
         ranks = tuple(_rank(reader, r) for r in raw_ranks)
         geometry = reader.mapping(obj.get("geometry", {}), "geometry")
+        for name, g in geometry.items():
+            TensorGeometry.from_dict(g, name, where)
         tied = obj.get("tied", [])
         if not isinstance(tied, list) or not all(
             isinstance(g, list) and all(isinstance(n, str) for n in g) for g in tied
@@ -230,6 +231,17 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
             if f.name in owners:
                 raise ShardedStateError(f"{where}: file {f.name!r} is listed by two ranks {owners[f.name]} and {key}.")
             owners[f.name] = key
+            # The name is the only record of which rank wrote a file: ranks swapped in the
+            # manifest would otherwise serve one rank's shards to another.
+            parsed = parse_file_name(manifest.pattern, f.name)
+            if parsed is None or any(
+                parsed.get(k, v) != v for k, v in (("tp_rank", entry.tp_rank), ("pp_rank", entry.pp_rank))
+            ):
+                raise ShardedStateError(
+                    f"{where}: file {f.name!r} is listed by pp_rank={entry.pp_rank} tp_rank={entry.tp_rank}, "
+                    f"but the pattern {manifest.pattern!r} does not name that rank's files so. The manifest is "
+                    "damaged: save the checkpoint again."
+                )
         for tensor_name, t in entry.tensors.items():
             if t.file not in names:
                 raise ShardedStateError(
@@ -280,7 +292,7 @@ def _rank(reader: JsonReader, value: Any) -> RankEntry:
     for name, t in raw_tensors.items():
         t = reader.mapping(t, f"tensor {name!r}")
         shape = t.get("shape")
-        if not is_shape(shape) or len(shape) > MAX_DIMS or any(d > MAX_BYTES for d in shape):
+        if not is_shape(shape):
             raise reader.fail(
                 f"tensor {name!r} has shape {shape!r}, expected a list of sizes "
                 f"(at most {MAX_DIMS}, each up to {MAX_BYTES})"

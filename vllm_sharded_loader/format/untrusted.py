@@ -7,6 +7,10 @@ from typing import Any
 
 from .errors import ShardedStateError
 
+# Bounds on what untrusted data may claim, checked before anything is sized from it.
+MAX_DIMS = 16
+MAX_BYTES = 1 << 60  # a size, offset or dimension
+
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
@@ -31,8 +35,8 @@ def is_int(value: Any) -> bool:
 
 
 def is_shape(value: Any) -> bool:
-    """A JSON list of non-negative sizes."""
-    return isinstance(value, list) and all(is_int(d) and d >= 0 for d in value)
+    """A JSON list of at most :data:`MAX_DIMS` sizes, each in ``[0, MAX_BYTES]``."""
+    return isinstance(value, list) and len(value) <= MAX_DIMS and all(is_int(d) and 0 <= d <= MAX_BYTES for d in value)
 
 
 class JsonReader:
@@ -58,10 +62,10 @@ class JsonReader:
             raise self.fail(f"{key!r} must be a list, found {type(value).__name__}")
         return value
 
-    def integer(self, obj: dict[str, Any], key: str, minimum: int = 0) -> int:
+    def integer(self, obj: dict[str, Any], key: str, minimum: int = 0, maximum: int = MAX_BYTES) -> int:
         value = obj.get(key)
-        if not is_int(value) or value < minimum:
-            raise self.fail(f"{key!r} must be an integer >= {minimum}, found {value!r}")
+        if not is_int(value) or not minimum <= value <= maximum:
+            raise self.fail(f"{key!r} must be an integer >= {minimum} and <= {maximum}, found {value!r}")
         return value
 
     def optional_integer(self, obj: dict[str, Any], key: str, minimum: int = 0) -> int | None:

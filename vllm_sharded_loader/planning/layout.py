@@ -6,10 +6,13 @@ at one TP size and rank. Pure.
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..format.errors import ShardedStateError
 from ..format.geometry import OPAQUE, REPLICATED, SPLIT_KINDS, Segment, TensorGeometry
+from .tensors import tied_source
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,56 @@ def check_reshardable(g: TensorGeometry, name: str, why: str = "") -> None:
             f"describes (kind {OPAQUE!r}; known: {sorted(SPLIT_KINDS | {REPLICATED})}). Serve it at the tensor "
             "parallel size it was saved with, or save the checkpoint again at the new size."
         )
+
+
+def same_split(a: TensorGeometry, b: TensorGeometry) -> bool:
+    """Whether two geometries split a tensor the same way (the layer class, a label, aside)."""
+    return (a.kind, a.shape, a.split_dim, a.segments) == (b.kind, b.shape, b.split_dim, b.segments)
+
+
+def check_served_geometry(
+    recorded: Mapping[str, Any],
+    served: Mapping[str, TensorGeometry],
+    saved: Container[str],
+    *,
+    resharding: bool,
+    tied: Iterable[Iterable[str]] = (),
+    where: str = "the checkpoint",
+) -> None:
+    """Raise unless the manifest's recorded geometry is the served model's.
+
+    ``recorded`` is the manifest's ``geometry`` (JSON, untrusted), ``served`` what the
+    serving model's layers say (:func:`..engine.layer_geometry.tensor_geometry`),
+    ``saved`` the names the checkpoint holds tensors under. A
+    resharding load cuts saved tensors by the recorded geometry, so a recorded split
+    that is not the model's (segments resized with the same total, a QKV with other
+    head counts) would load other rows silently; and files resharded offline from
+    such a manifest carry it on to a same-topology load. So the two must agree
+    wherever both describe a split; resharding also needs both to describe one. A
+    served name saved under a tied name is compared with that name's record.
+    """
+    saved_as = tied_source(tied)
+    wrong = []
+    for name, mine in served.items():
+        source = saved_as(name, saved)
+        if source is None or source not in recorded:
+            continue
+        theirs = TensorGeometry.from_dict(recorded[source], source)
+        if OPAQUE in (mine.kind, theirs.kind):
+            if resharding and mine.kind != theirs.kind:
+                wrong.append(f"{name}: the checkpoint records {theirs.kind!r}, the served model {mine.kind!r}")
+            continue
+        if not same_split(mine, theirs):
+            wrong.append(f"{name}: the checkpoint records {_split(theirs)}, the served model {_split(mine)}")
+    if wrong:
+        shown = "; ".join(wrong[:5]) + (f"; ... ({len(wrong)} in all)" if len(wrong) > 5 else "")
+        raise ShardedStateError(
+            f"{where}: the manifest's geometry (how each tensor is split across ranks) is not the served "
+            f"model's: {shown}. The checkpoint was saved from another model, or its manifest is damaged: "
+            "save it again from the model being served."
+        )
+
+
+def _split(g: TensorGeometry) -> str:
+    segments = ", ".join(f"{s.name}={s.padded}" for s in g.segments)
+    return f"{g.kind} {list(g.shape)}" + (f" split on dim {g.split_dim} into [{segments}]" if g.segments else "")

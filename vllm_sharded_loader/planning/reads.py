@@ -22,6 +22,7 @@ from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import dtype_size
 from .layout import ShardPiece, check_reshardable, shard_layout
+from .tensors import tied_source
 
 
 @dataclass(frozen=True)
@@ -167,15 +168,11 @@ def plan_reads(
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ShardedStateError(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
     index = _index_saved(saved, saved_tp_size)
-    aliases: dict[str, list[str]] = {}
-    for group in tied:
-        names = list(group)
-        for n in names:
-            aliases.setdefault(n, []).extend(m for m in names if m != n)
+    saved_as = tied_source(tied)
     plans: dict[str, TensorPlan] = {}
     missing: list[str] = []
     for name in needed:
-        source = next((n for n in [name, *aliases.get(name, [])] if n in index), None)
+        source = saved_as(name, index)
         if source is None:
             missing.append(name)
             continue
@@ -239,13 +236,7 @@ def _plan_tensor(
         check_reshardable(g, name, why)
     assert g is not None
     for saved_rank, (pp, t) in holders.items():
-        expected = shard_layout(g, saved_tp_size, saved_rank, name).shape
-        if tuple(t.shape) != expected:
-            raise ShardedStateError(
-                f"{source} of saved pp_rank={pp} tp_rank={saved_rank} has shape {list(t.shape)}, but its "
-                f"geometry ({g.layer_class}, shape {list(g.shape)} at TP=1) gives {list(expected)} at "
-                f"TP={saved_tp_size}. The manifest is damaged: save the checkpoint again."
-            )
+        _check_saved_shape(source, g, t.shape, saved_tp_size, saved_rank, pp)
     if g.kind == REPLICATED:
         # One saved copy is enough; spreading serving ranks over the copies spreads the I/O.
         choice = tp_rank % saved_tp_size
@@ -301,6 +292,34 @@ def _plan_tensor(
                 )
             )
     return TensorPlan(name, source, target.shape, isz, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros)))
+
+
+def _check_saved_shape(
+    name: str, g: TensorGeometry, shape: Sequence[int], saved_tp_size: int, saved_rank: int, pp_rank: int
+) -> None:
+    expected = shard_layout(g, saved_tp_size, saved_rank, name).shape
+    if tuple(shape) != expected:
+        raise ShardedStateError(
+            f"{name} of saved pp_rank={pp_rank} tp_rank={saved_rank} has shape {list(shape)}, but its "
+            f"geometry ({g.layer_class}, shape {list(g.shape)} at TP=1) gives {list(expected)} at "
+            f"TP={saved_tp_size}. The manifest is damaged: save the checkpoint again."
+        )
+
+
+def check_saved_geometry(manifest: Manifest, where: str = "") -> None:
+    """Raise unless every recorded geometry gives each saved rank's shape of its tensor.
+
+    A resharding load checks this for the tensors it plans; ``verify`` for all of them.
+    """
+    parsed: dict[str, TensorGeometry] = {}
+    for entry in manifest.ranks:
+        for name, t in entry.tensors.items():
+            if name not in manifest.geometry:
+                continue
+            if name not in parsed:
+                parsed[name] = TensorGeometry.from_dict(manifest.geometry[name], name, where)
+            if parsed[name].kind != OPAQUE:
+                _check_saved_shape(name, parsed[name], t.shape, manifest.tp_size, entry.tp_rank, entry.pp_rank)
 
 
 def _describe(t: SavedTensor) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
@@ -50,3 +50,22 @@ def check_tensor_sets(
     if problems:
         raise ShardedStateError(f"{where}: " + "; ".join(problems) + f". {hint}")
     return [name for name, spec in expected.items() if saved[name].dtype != spec.dtype]
+
+
+def tied_source(tied: Iterable[Iterable[str]]) -> Callable[[str, Container[str]], str | None]:
+    """A lookup of the name a tensor is saved under: itself, else a name tied to it.
+
+    ``tied`` lists groups of names sharing one tensor (tied embeddings are saved once,
+    under one name). The lookup returns the first of ``name`` and its tied names that
+    ``saved`` holds, or None.
+    """
+    aliases: dict[str, list[str]] = {}
+    for group in tied:
+        names = list(group)
+        for n in names:
+            aliases.setdefault(n, []).extend(m for m in names if m != n)
+
+    def source(name: str, saved: Container[str]) -> str | None:
+        return next((n for n in [name, *aliases.get(name, [])] if n in saved), None)
+
+    return source
