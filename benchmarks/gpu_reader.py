@@ -9,7 +9,7 @@ file in the page cache (warm), measures medians of ``--runs`` runs of:
 
 - ``h2d_pinned``: one pinned host buffer copied to the GPU (the bound);
 - ``safe_open_cuda``: ``safe_open(path, "pt", device="cuda")`` and every ``get_tensor``;
-- ``ours``: :func:`vllm_sharded_loader.tensor_files.read_files` into preallocated CUDA tensors
+- ``ours``: :func:`vllm_sharded_loader.storage.tensor_files.read_files` into preallocated CUDA tensors
   (pinned staging, two buffers per thread, non-blocking copies on per-thread streams).
 
 Checks that our tensors equal safetensors'. Target: ours at 80% or more of ``h2d_pinned``.

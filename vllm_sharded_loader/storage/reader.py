@@ -36,7 +36,8 @@ the hardware's limits, measured on the project's 2-core machines:
   copy runs at 1-3 GB/s here; cold, the threads page the mappings in at the disk's speed.
 - **Accelerators** (:mod:`.staging`). A target on another device is filled from pinned staging buffers,
   two per thread, with non-blocking copies on the thread's own stream, so the copy of
-  one span overlaps the read of the next.
+  one span overlaps the read of the next. Streams, events and copies are all on the
+  targets' device (one per load), whichever thread issues them.
 - **Checksums.** A verified span is exactly one checksum block, hashed by the thread
   that read it (BLAKE3 releases the GIL), so verification runs in parallel too.
 """
@@ -59,7 +60,7 @@ from . import oscalls
 from .integrity import check_block, digest_of
 from .local import OpenFile
 from .memory import HUGE_PAGE, Destination, Target, advise_huge_pages, map_tensors, mapped_pieces, page_in, truncated
-from .staging import ThreadState, copy_out
+from .staging import ThreadState, accelerator_device, copy_out
 from .tensors import byte_view
 
 # One sequential stream per thread. On the 2-core VMs here the cost of a warm load is
@@ -109,27 +110,36 @@ def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None
 
 
 class _SpanReader:
-    """Reads spans into destinations; one instance per load, shared by the threads."""
+    """Reads spans into destinations; one instance per load, made on the caller's thread, shared by the threads."""
 
     def __init__(
         self,
         files: Sequence[OpenFile],
         destinations: Sequence[Destination],
         checksums: Mapping[int, FileChecksum],
-        pin: bool,
     ) -> None:
         self.files, self.destinations, self.checksums = files, destinations, checksums
         self.paths = [f.path for f in files]
-        self.pin = pin
+        # The CUDA targets' one device, or None: then nothing here touches CUDA.
+        self.device = accelerator_device(destinations)
+        # Taken on the caller's thread, where its work on the targets (zeroing) was issued.
+        self.after = torch.cuda.current_stream(self.device) if self.device is not None else None
         self.local = threading.local()
 
     def _state(self) -> ThreadState:
         state = getattr(self.local, "state", None)
         if state is None:
-            state = self.local.state = ThreadState(self.pin)
-            if self.pin:
-                state.stream = torch.cuda.Stream()
+            state = self.local.state = ThreadState(self.device)
+            state.on_device(self.after)
         return state
+
+    def synchronize(self) -> None:
+        """Wait for every copy the threads issued to the accelerator; a no-op without one.
+
+        On the targets' device, named: the caller's current device may be another.
+        """
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
 
     def _fd(self, state: ThreadState, file: int) -> int:
         # Each thread has its own descriptor of the opened file (never of the path): the
@@ -236,16 +246,19 @@ class _SpanReader:
 
     def _read_alone(self, p: Piece) -> None:
         dest = self.destinations[p.dest]
-        fd, path = self._fd(self._state(), p.file), self.paths[p.file]
+        state = self._state()
+        fd, path = self._fd(state, p.file), self.paths[p.file]
         if dest.direct:
             preadv_all(fd, [dest.view[p.start : p.start + p.length]], p.offset, path)
             return
         head, tail = _widen(p)
         buffer = torch.empty(head + p.length + tail, dtype=torch.uint8)
         preadv_all(fd, [byte_view(buffer)], p.offset - head, path)
-        dest.flat[(p.start - head) // p.itemsize : (p.start + p.length + tail) // p.itemsize].copy_(
-            buffer.view(dest.stored)
-        )
+        # On the thread's stream, like the staged copies: after the caller's work on the targets.
+        with state.issuing():
+            dest.flat[(p.start - head) // p.itemsize : (p.start + p.length + tail) // p.itemsize].copy_(
+                buffer.view(dest.stored)
+            )
 
 
 def read_pieces(
@@ -329,10 +342,9 @@ def _read_files(
             )
         grids.append(FileGrid(size, checksum.block_size, verify, path))
     spans = plan_spans(pieces, grids)
-    pin = any(d.cuda for d in destinations)
-    total = _run(_SpanReader(files, destinations, checksums, pin), spans, threads, progress)
-    if pin:
-        torch.cuda.synchronize()
+    span_reader = _SpanReader(files, destinations, checksums)
+    total = _run(span_reader, spans, threads, progress)
+    span_reader.synchronize()
     for d in destinations:
         if d.temp is not None:
             d.target.copy_(d.temp)

@@ -1,26 +1,88 @@
-"""Per-thread buffers of the reader: staging for converted and accelerator targets, scratch, descriptors."""
+"""Per-thread buffers of the reader: staging for converted and accelerator targets, scratch, descriptors.
+
+Everything CUDA that a reader thread makes or issues names the load's one accelerator
+device (:func:`accelerator_device`) explicitly. A fresh thread's current device is 0:
+a stream made there without a device, and an event recorded on it, would not follow
+the copies into ``cuda:N`` (those run on device N's current stream), so a staging buffer
+could be refilled while its copy to a rank with local rank >= 1 still reads it, and the
+rank would make a context (memory) on GPU 0. The device is named per call rather than
+set on the thread, because with one stream the reader runs on the caller's own thread,
+whose current device it must leave as it found it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..format.errors import ShardedStateError
 from .memory import Destination
+
+
+def accelerator_device(destinations: Sequence[Destination]) -> torch.device | None:
+    """The one CUDA device that ``destinations`` land on, or None if none is on CUDA. Pure.
+
+    Destinations on several CUDA devices are refused rather than served per device: a
+    worker loads one rank, whose parameters all live on its own device, so several
+    devices mean a caller's mistake, and one device keeps one stream and one pair of
+    staging buffers per thread.
+    """
+    devices = {d.landing.device for d in destinations if d.cuda}
+    if not devices:
+        return None
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(device) for device in devices))
+        raise ShardedStateError(
+            f"the targets of one load are on several accelerator devices ({names}); the reader fills "
+            "one device per load. Load each device's tensors in a separate call."
+        )
+    (device,) = devices
+    return device
 
 
 @dataclass
 class ThreadState:
-    """Per-thread buffers: staging (pinned for accelerators) and scratch for verified spans."""
+    """Per-thread buffers: staging (pinned for accelerators) and scratch for verified spans.
 
-    pin: bool
+    With a ``device`` (the targets' accelerator), :meth:`on_device` makes the stream
+    that the state's copies and events go on; it must run before the first copy.
+    """
+
+    device: torch.device | None = None
     staging: list[torch.Tensor | None] = field(default_factory=lambda: [None, None])
     events: list[object | None] = field(default_factory=lambda: [None, None])
     turn: int = 0
     scratch: bytearray = field(default_factory=bytearray)
     stream: object | None = None
     fds: dict[int, int] = field(default_factory=dict)  # this thread's own descriptors
+
+    def on_device(self, after: object | None = None) -> None:
+        """Give the calling thread's state its own stream on :attr:`device`; a no-op without a device.
+
+        The new stream first waits for ``after``, the caller's current stream on that
+        device: the caller's pending work on the targets (zeroing, earlier use of their
+        memory) must not race this thread's copies, and a new stream does not wait for
+        any other by itself.
+        """
+        if self.device is None:
+            return
+        stream = torch.cuda.Stream(device=self.device)
+        if after is not None:
+            stream.wait_stream(after)  # type: ignore[arg-type]
+        self.stream = stream
+
+    @contextlib.contextmanager
+    def issuing(self) -> Iterator[None]:
+        """Where this thread issues copies: on its device and its stream, or as it is without a stream."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # type: ignore[arg-type]
+            yield
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -36,7 +98,14 @@ class ThreadState:
             self.events[self.turn] = None
         buffer = self.staging[self.turn]
         if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            if self.device is None:
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+            else:
+                # Pinned under the copies' device: PyTorch's host allocator pins through
+                # the current device's context where that has one, so this is device N's
+                # and never a fresh thread's GPU 0 (another library may have made one there).
+                with torch.cuda.device(self.device):
+                    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             self.staging[self.turn] = buffer
         return buffer, self.turn
 
@@ -52,8 +121,14 @@ def copy_out(
     turn: int,
     copies: list[tuple[Destination, int, int, int, int]],
 ) -> None:
+    """Copy staged runs into their destinations: ``(destination, first, stop, at, nbytes)`` each.
+
+    With a stream the copies are non-blocking on it, and the event recorded after them
+    on that same stream is what :meth:`ThreadState.staging_buffer` waits for before it
+    refills this ``turn``'s buffer. Without one (CPU targets) they are plain copies.
+    """
     if state.stream is not None:
-        with torch.cuda.stream(state.stream):  # type: ignore[arg-type]
+        with state.issuing():
             for dest, a, b, at, n in copies:
                 dest.flat[a:b].copy_(staging[at : at + n].view(dest.stored), non_blocking=True)
             event = torch.cuda.Event()
