@@ -4,7 +4,9 @@
 
 Optional keys: ``pp``, ``capture_dir`` (capture the loaded state there at start-up),
 ``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up),
-``extra_config`` (model_loader_extra_config). Prints one line ``RESULT {json}`` with
+``extra_config`` (model_loader_extra_config), ``update`` (a parameter name: before the
+save, replace that weight with noise through the model's ``load_weights``, as RL loops
+do with ``collective_rpc``; the engine then runs in process). Prints one line ``RESULT {json}`` with
 the greedy token ids and texts of ``PROMPTS`` of ``examples/tiny_models.py``.
 """
 
@@ -23,6 +25,9 @@ def main() -> None:
 
     if spec.get("capture_dir"):
         os.environ[CAPTURE_DIR_ENV] = spec["capture_dir"]
+    if spec.get("update"):
+        # A function sent to the workers is called in this process only without multiprocessing.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from tiny_models import PROMPTS
     from vllm import LLM, SamplingParams
@@ -43,6 +48,8 @@ def main() -> None:
         seed=0,
     )
     result: dict = {"engine_start_seconds": time.perf_counter() - started}
+    if spec.get("update"):
+        llm.collective_rpc(update_weight, args=(spec["update"],))
     if spec.get("save_to"):
         try:
             llm.llm_engine.engine_core.save_sharded_state(
@@ -55,6 +62,17 @@ def main() -> None:
     result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
     result["texts"] = [o.outputs[0].text for o in outputs]
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def update_weight(worker: object, name: str) -> None:
+    """Replace one weight with seeded noise of its scale, through the model's own ``load_weights``."""
+    import torch
+
+    model = getattr(worker, "worker", worker).model_runner.get_model()
+    weight = dict(model.named_parameters())[name]
+    generator = torch.Generator().manual_seed(1)
+    noise = torch.randn(weight.shape, generator=generator) * weight.float().std() * 4
+    model.load_weights([(name, noise.to(weight.dtype))])
 
 
 if __name__ == "__main__":

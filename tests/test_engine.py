@@ -148,6 +148,40 @@ def test_hook_without_capture_saves_only_the_loaded_state(saved, models):
     assert run.result["token_ids"] == result["token_ids"]
 
 
+def test_a_save_after_a_weight_update_saves_the_update_or_refuses(saved, models, tmp_path):
+    """An RL-style update after start-up makes the capture stale: the save writes what is served, or refuses."""
+    _, before = saved.get("llama", 1)
+    out = tmp_path / "updated"
+    os.makedirs(out)
+    copy_non_weight_files(models["llama"], out)
+    spec = {"model": models["llama"], "capture_dir": str(out), "save_to": str(out)}
+    result = run_engine({**spec, "update": "model.layers.0.mlp.down_proj.weight"}).result
+    assert result["token_ids"] != before["token_ids"], "the update must change what the engine serves"
+    if "save_error" in result:
+        # Where post-processing moved or may rewrite the weights (oneDNN repacking).
+        assert "updated 1 time(s) after loading" in result["save_error"], result
+        assert not (out / MANIFEST_NAME).exists()
+        return
+    assert result.get("saved"), result
+    run = run_engine({"model": str(out), "load_format": "sharded_state"})
+    assert run.result["token_ids"] == result["token_ids"]
+
+
+def test_a_failing_capture_never_breaks_another_load_format(saved, models, tmp_path):
+    _, reference = saved.get("llama", 1)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = tmp_path / "out"
+    # The capture cannot write under a regular file (even as root): the default-format
+    # load must serve as usual, and the save must refuse, naming why, publishing nothing.
+    spec = {"model": models["llama"], "capture_dir": str(blocker / "capture"), "save_to": str(out)}
+    run = run_engine(spec)
+    assert run.result["token_ids"] == reference["token_ids"]
+    assert "recording the loaded state failed" in run.output
+    assert "recording the loaded state at start-up failed" in run.result["save_error"]
+    assert not (out / MANIFEST_NAME).exists()
+
+
 def test_checkpoint_in_vllms_format_loads(saved, tmp_path):
     checkpoint, reference = saved.get("tied", 2)
     plain = tmp_path / "vllm-format"

@@ -115,3 +115,60 @@ def test_only_parameters_nothing_else_views_are_offered_for_swapping():
     setters["head.weight"](mapped)
     assert model.embed.weight.data_ptr() == model.head.weight.data_ptr() == mapped.data_ptr()
     assert isinstance(model.embed.weight, torch.nn.Parameter)
+
+
+def test_live_state_with_in_place_post_processing_is_refused():
+    from vllm_sharded_loader.engine.capture import _live_state_if_unchanged
+
+    class Fp8MoEMethod:  # stands for any method that may rewrite weights at their address
+        pass
+
+    model = Tiny()
+    state = loaded_state(model)
+    model.proj.quant_method = Fp8MoEMethod()
+    with pytest.raises(ShardedStateError, match=r"Linear \(Fp8MoEMethod\) may rewrite its weights in place"):
+        _live_state_if_unchanged(model, state)
+
+
+def test_weight_updates_through_load_weights_are_counted():
+    from vllm_sharded_loader.engine.capture import _count_updates
+
+    class Updatable(Tiny):
+        def load_weights(self, weights):
+            params = dict(self.named_parameters())
+            for name, w in weights:
+                params[name].data.copy_(w)
+            return {name for name, _ in weights}
+
+    model = Updatable()
+    state = loaded_state(model)
+    _count_updates(model, state)
+    _count_updates(model, state)  # a second load of the same model: still one count per call
+    assert model.load_weights([("proj.bias", torch.ones(4))]) == {"proj.bias"}
+    assert state.updates == 1
+    assert torch.equal(model.proj.bias, torch.ones(4))
+    assert "load_weights" not in dict(model.named_modules()) and "load_weights" not in model.state_dict()
+
+
+def test_a_failing_record_never_breaks_the_load(caplog):
+    from vllm_sharded_loader.engine.capture import (
+        LOADED_STATE_ATTRIBUTE,
+        RECORD_ERROR_ATTRIBUTE,
+        wrap_process_weights_after_loading,
+    )
+
+    calls = []
+
+    def original(model, model_config, target_device):
+        calls.append(target_device)
+        return "processed"
+
+    wrapper = wrap_process_weights_after_loading(original)
+    model = Tiny()
+    # Outside an engine (no parallel groups) and with a bare model_config the recording
+    # fails; the load goes on, and the save hook will have the reason.
+    assert wrapper(model, object(), "cpu") == "processed"
+    assert calls == ["cpu"]
+    assert LOADED_STATE_ATTRIBUTE not in model.__dict__
+    assert "not initialized" in model.__dict__[RECORD_ERROR_ATTRIBUTE]
+    assert "recording the loaded state failed" in caplog.text

@@ -16,8 +16,15 @@ reloads, because that is exactly what the loader fills in again. So:
   asked, it only writes the manifest; otherwise it rewrites the captured files
   (memory-mapped, so memory stays bounded) at the asked place and size cap.
 * Without a capture, the hook writes the live state only if it is provably the
-  loaded one (every tensor at the same address, shape and dtype, no quantization);
+  loaded one (every tensor at the same address, shape and dtype, no quantization,
+  every layer's post-processing one that never rewrites a weight in place);
   otherwise it refuses with an error saying how to capture, and writes nothing.
+* Weights updated after loading (RL loops: ``collective_rpc``, vLLM's weight-transfer
+  engines and ``reload_weights`` all go through the model's ``load_weights``) make the
+  capture stale: the model's ``load_weights`` is wrapped to count updates, and a save
+  after one writes the live weights under the same proof, or refuses.
+* Recording never breaks a load: any error in it, under any load format, is logged
+  once and kept for the save hook to report.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, source_identity
-from .layer_geometry import describe_tensors
+from .layer_geometry import UNQUANTIZED_METHODS, describe_tensors
 from .progress import ByteProgress
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
@@ -58,6 +65,7 @@ CAPTURE_PATTERN_ENV = "SHARDED_STATE_CAPTURE_PATTERN"
 CAPTURE_MAX_SIZE_ENV = "SHARDED_STATE_CAPTURE_MAX_SIZE"
 OVERWRITE_ENV = "SHARDED_STATE_OVERWRITE"
 LOADED_STATE_ATTRIBUTE = "_vllm_sharded_loaded_state"
+RECORD_ERROR_ATTRIBUTE = "_vllm_sharded_record_error"
 
 
 @dataclass
@@ -73,6 +81,8 @@ class LoadedState:
     tied: list[list[str]] = field(default_factory=list)
     # The state written at start-up (staged, or published in place by a save).
     capture: StagedRank | None = field(default=None)
+    # Calls of the model's load_weights since (weight updates): the capture is stale.
+    updates: int = 0
 
 
 def capture_settings() -> tuple[str, str | None, int | None] | None:
@@ -130,9 +140,31 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
             progress.seconds,
             progress.rate,
         )
-    # Plain attribute, not a module or buffer: it must not show up in state_dict().
+    # Plain attributes, not modules or buffers: they must not show up in state_dict().
     model.__dict__[LOADED_STATE_ATTRIBUTE] = state
+    _count_updates(model, state)
     return state
+
+
+def _count_updates(model: torch.nn.Module, state: LoadedState) -> None:
+    """Count later calls of the model's ``load_weights``: each may change what is served.
+
+    vLLM's in-place ``reload_weights``, its weight-transfer engines (NCCL, IPC) and RL
+    loops calling ``collective_rpc`` update weights through this method. Wrapping the
+    instance (not the class) touches only this model. Counted before the call: an update
+    that fails halfway leaves the state changed too.
+    """
+    original = model.load_weights
+    if getattr(original, "_counts_updates", False):
+        original = original.__wrapped__
+
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        state.updates += 1
+        return original(*args, **kwargs)
+
+    load_weights._counts_updates = True  # type: ignore[attr-defined]
+    load_weights.__wrapped__ = original  # type: ignore[attr-defined]
+    model.__dict__["load_weights"] = load_weights
 
 
 def wrap_process_weights_after_loading(original: Any) -> Any:
@@ -141,7 +173,20 @@ def wrap_process_weights_after_loading(original: Any) -> Any:
         return original
 
     def process_weights_after_loading(model: torch.nn.Module, model_config: Any, target_device: Any) -> Any:
-        record_loaded_state(model, model_config)
+        # This runs for every load format once the plugin is installed: whatever goes
+        # wrong in the recording must leave the load itself untouched.
+        try:
+            model.__dict__.pop(RECORD_ERROR_ATTRIBUTE, None)
+            record_loaded_state(model, model_config)
+        except Exception as e:
+            model.__dict__.pop(LOADED_STATE_ATTRIBUTE, None)
+            model.__dict__[RECORD_ERROR_ATTRIBUTE] = f"{type(e).__name__}: {e}"
+            logger.warning_once(
+                "vllm_sharded_loader: recording the loaded state failed (%s: %s); the model loads and serves "
+                "as usual, but save_sharded_state will refuse to save it.",
+                type(e).__name__,
+                e,
+            )
         return original(model, model_config, target_device)
 
     process_weights_after_loading._records_loaded_state = True  # type: ignore[attr-defined]
@@ -163,6 +208,23 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
             f"Refusing to save: the model is quantized ({state.quantization}) and its post-processed "
             f"parameters are not a state that reloads. {how}"
         )
+    # Post-processing may rewrite a weight in place, keeping its address (for CUDA graphs:
+    # MoE block layouts, EPLB, replace_parameter(prefer_copy=True)): only layers whose
+    # post-processing is known never to do so pass on an unchanged address.
+    rewritten = sorted(
+        {
+            f"{type(module).__name__} ({method})"
+            for name in state.signature
+            if (module := _owner(model, name)) is not None
+            and (method := type(getattr(module, "quant_method", None)).__name__)
+            not in (*UNQUANTIZED_METHODS, "NoneType")
+        }
+    )
+    if rewritten:
+        raise ShardedStateError(
+            f"Refusing to save the live state: post-processing of {', '.join(rewritten[:3])} may rewrite its "
+            f"weights in place, so they may no longer be the state that reloads. {how}"
+        )
     # The whole state dict, not saveable_state(): an emptied tensor must show as such.
     live = model.state_dict()
     changed = []
@@ -183,6 +245,13 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
     return {name: live[name] for name in state.signature}
 
 
+def _owner(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return model.get_submodule(name.rpartition(".")[0])
+    except AttributeError:
+        return None
+
+
 def _stage_for_save(
     model: torch.nn.Module,
     state: LoadedState,
@@ -194,6 +263,19 @@ def _stage_for_save(
 ) -> StagedRank:
     """Stage this rank's loaded state in ``path``: the capture itself if it fits, else a rewrite."""
     capture = state.capture
+    if state.updates:
+        # The capture, and the loaded state, are what the engine served before the
+        # updates: only the live weights are current.
+        try:
+            live = _live_state_if_unchanged(model, state)
+        except ShardedStateError as e:
+            raise ShardedStateError(
+                f"Refusing to save: the weights were updated {state.updates} time(s) after loading (through "
+                "the model's load_weights), so the state captured at start-up is stale, and the live one cannot "
+                f"be proven to reload ({e}). Write the updated weights out in the Hugging Face format, start an "
+                f"engine from them with {CAPTURE_DIR_ENV}=<dir>, and save that engine."
+            ) from e
+        return stage_rank(path, live, rank, pattern, max_size, token)
     if capture is not None:
         in_place = os.path.isdir(path) and os.path.samefile(capture.directory, path)
         if in_place and (capture.pattern, capture.max_size) == (pattern, max_size):
@@ -257,6 +339,13 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]]]:
         nonlocal staged
         if state is None:
+            failed = model.__dict__.get(RECORD_ERROR_ATTRIBUTE)
+            if failed is not None:
+                raise ShardedStateError(
+                    f"Refusing to save: recording the loaded state at start-up failed ({failed}), so the "
+                    f"state that reloads is unknown. Fix the cause (for {CAPTURE_DIR_ENV}: a writable "
+                    "directory with room for the model) and start the engine again."
+                )
             raise ShardedStateError(
                 "Refusing to save: this model was loaded before vllm_sharded_loader was active, so "
                 "its loaded state is unknown. Check that the plugin is installed (VLLM_PLUGINS)."
@@ -300,5 +389,6 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     if state.capture is not None and state.capture is not staged:
         discard_rank(state.capture)  # a capture staged elsewhere, now rewritten and published
     state.capture = staged  # published in place: a later save can rewrite from it
+    state.updates = 0  # what was just published is what is served now
     if workers.first:
         logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(entries), manifest.nbytes / 1e6, path)
