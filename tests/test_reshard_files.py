@@ -136,3 +136,61 @@ def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
     assert len(batches) > 4
     for name, x in expected.items():
         assert torch.equal(targets[name], x), name
+
+
+def edit_manifest(directory, edit):
+    import json
+
+    from vllm_sharded_loader.format import MANIFEST_NAME
+
+    path = directory / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return read_manifest(str(directory))
+
+
+def load_tp1(directory, model, manifest, **options):
+    targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, 1, 1, 0, 0).items()}
+    load_rank(str(directory), targets, RankInfo(0, 1), manifest=manifest, **options)
+    return targets
+
+
+def test_a_tie_added_to_the_manifest_never_stands_in_for_a_saved_tensor(tmp_path):
+    # The LM head is saved; a manifest that drops it and ties it to the embedding would
+    # serve the embedding's bytes as the head. Every file's header is checked when a
+    # tensor is read under a tied name, and the head's file still lists the head.
+    model = llama_like(tied=False, num_layers=2, vocab=128, kv_heads=2)
+    save_model(tmp_path, model, 2, 1)
+
+    def tie_and_drop(data):
+        data["tied"] = [["lm_head.weight", "model.embed_tokens.weight"]]
+        for rank in data["ranks"]:
+            rank["tensors"].pop("lm_head.weight")
+
+    manifest = edit_manifest(tmp_path, tie_and_drop)
+    with pytest.raises(ShardedStateError, match=r"holds tensors \['lm_head.weight'\] not in sharded_state.json"):
+        load_tp1(tmp_path, model, manifest)
+
+
+def test_resharding_refuses_saved_tensors_the_model_does_not_have(tmp_path):
+    saved = llama_like(num_layers=3, vocab=128, kv_heads=2)
+    save_model(tmp_path, saved, 2, 1)
+    served = llama_like(num_layers=2, vocab=128, kv_heads=2)  # the same model, one layer short
+    with pytest.raises(ShardedStateError, match=r"holds tensors the served model does not have: model.layers.2"):
+        load_tp1(tmp_path, served, read_manifest(str(tmp_path)))
+
+
+def test_resharding_refuses_a_geometry_that_is_not_the_served_models(tmp_path):
+    model = llama_like(num_layers=2, vocab=128, kv_heads=2)
+    save_model(tmp_path, model, 2, 1)
+    name = "model.layers.0.mlp.gate_up_proj.weight"
+
+    def resize_segments(data):
+        gate, up = data["geometry"][name]["segments"]
+        gate["size"], up["size"] = gate["size"] - 8, up["size"] + 8  # same total, same local shapes
+
+    manifest = edit_manifest(tmp_path, resize_segments)
+    geometry = {n: t.geometry for n, t in model.tensors.items()}
+    with pytest.raises(ShardedStateError, match=rf"{name}: the checkpoint records merged_column_parallel"):
+        load_tp1(tmp_path, model, manifest, geometry=geometry)

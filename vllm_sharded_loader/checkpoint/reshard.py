@@ -17,7 +17,15 @@ import torch
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest
-from ..planning.reads import Read, ReadPlan, Strided, TensorPlan, plan_manifest_reads
+from ..planning.reads import (
+    Read,
+    ReadPlan,
+    Strided,
+    TensorPlan,
+    files_to_check,
+    plan_manifest_reads,
+    unexpected_tensors,
+)
 from ..planning.spans import Piece
 from ..planning.topology import RankInfo
 from ..storage.local import OpenFile
@@ -206,7 +214,15 @@ def load_resharded(
                 f"{directory} ({rank}, resharded from TP={manifest.tp_size} PP={manifest.pp_size}): shape "
                 f"mismatch: {'; '.join(wrong[:5])}. Save the checkpoint again."
             )
-        for name in plan.files:
+        unexpected = unexpected_tensors(manifest, targets, tied, rank.pp_size)
+        if unexpected:
+            shown = ", ".join(unexpected[:5]) + (f", ... ({len(unexpected)} in all)" if len(unexpected) > 5 else "")
+            raise ShardedStateError(
+                f"{directory} ({rank}, resharded from TP={manifest.tp_size} PP={manifest.pp_size}): the checkpoint "
+                f"holds tensors the served model does not have: {shown}. It was saved from another model: save it "
+                "again from the model being served."
+            )
+        for name in files_to_check(plan, manifest):
             source.check_file(name)  # every check before the first byte lands in a parameter
         read = source.read(plan.tensors, targets, threads=threads, progress=progress, huge_pages=huge_pages)
         check_not_replaced(directory, manifest, source.check_unchanged)

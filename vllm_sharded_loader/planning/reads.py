@@ -22,6 +22,7 @@ from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import dtype_size
 from .layout import ShardPiece, check_reshardable, shard_layout
+from .pipeline import layer_index
 from .tensors import tied_source
 
 
@@ -430,3 +431,40 @@ def plan_manifest_reads(
         pp_rank=pp_rank,
         tied=[*manifest.tied, *tied],
     )
+
+
+def files_to_check(plan: ReadPlan, manifest: Manifest) -> list[str]:
+    """The saved files whose headers a resharding load checks before reading: sorted names.
+
+    The files its reads touch; and every file of the checkpoint when a tensor is read
+    under a tied name. A header lists exactly its file's tensors, so checking all of
+    them proves no saved tensor of the served name was left out of the manifest, where
+    the tie would stand in for it with another tensor's bytes.
+    """
+    if all(t.source_name == t.name for t in plan.tensors.values()):
+        return plan.files
+    return sorted(f.name for entry in manifest.ranks for f in entry.files)
+
+
+def unexpected_tensors(
+    manifest: Manifest, needed: Iterable[str], tied: Iterable[Iterable[str]] = (), pp_size: int = 1
+) -> list[str]:
+    """Saved tensors the serving model has no place for: a sign it is another model. Sorted.
+
+    A serving rank knows only its own tensors (``needed``) and the groups it ties. With
+    one pipeline stage it holds the whole model, so every saved name must be needed or
+    tied to a needed one. With several, only the decoder layers within the stage's range
+    are its to judge.
+    """
+    wanted = set(needed)
+    for group in [*manifest.tied, *tied]:
+        if wanted.intersection(group):
+            wanted.update(group)
+    saved = {name for entry in manifest.ranks for name in entry.tensors}
+    if pp_size == 1:
+        return sorted(saved - wanted)
+    layers = [i for i in map(layer_index, wanted) if i is not None]
+    if not layers:
+        return []
+    lo, hi = min(layers), max(layers)
+    return sorted(n for n in saved - wanted if (i := layer_index(n)) is not None and lo <= i <= hi)

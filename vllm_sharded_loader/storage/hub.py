@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME, default_pattern, render_file_name
-from ..planning.reads import plan_manifest_reads
+from ..planning.reads import files_to_check, plan_manifest_reads
 from ..planning.topology import RankInfo
 
 # Everything but weights: manifest, config, generation config, tokenizer, chat template.
@@ -62,4 +62,4 @@ def rank_fetch_patterns(
     plan = plan_manifest_reads(
         manifest, needed, tp_size=rank.tp_size, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, tied=tied
     )
-    return plan.files
+    return files_to_check(plan, manifest)

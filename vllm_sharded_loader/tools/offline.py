@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
-from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
+from ..checkpoint.save import DEFAULT_MAX_SIZE, remove_manifest, save_checkpoint
 from ..format.errors import ShardedStateError
 from ..format.geometry import OPAQUE
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..planning.pipeline import stage_names
-from ..planning.reads import TensorPlan
+from ..planning.reads import TensorPlan, files_to_check
 from ..planning.topology import RankInfo
 from ..storage.local import copy_non_weight_files, read_manifest
 from ..storage.lock import check_not_locked, read_lock
@@ -103,6 +104,9 @@ def reshard_checkpoint(
             for tp_rank in range(tp_size):
                 rank = RankInfo(tp_rank, tp_size, pp_rank, pp_size)
                 plans[rank] = source.plan(names, rank)
+        for plan in plans.values():
+            for name in files_to_check(plan, manifest):
+                source.check_file(name)  # every file checked before anything is written
         os.makedirs(output, exist_ok=True)
         copy_non_weight_files(directory, output)
 
@@ -117,7 +121,7 @@ def reshard_checkpoint(
             return LazyTensor(tuple(tensor_plan.shape), dtype, produce)
 
         ranks = {rank: {n: lazy(p) for n, p in plan.tensors.items()} for rank, plan in plans.items()}
-        return save_checkpoint(
+        written = save_checkpoint(
             output,
             ranks,
             dtype=manifest.dtype,
@@ -127,3 +131,9 @@ def reshard_checkpoint(
             geometry=manifest.geometry,
             tied=manifest.tied,
         )
+        try:
+            check_not_replaced(directory, manifest, source.check_unchanged)
+        except ShardedStateError:
+            remove_manifest(output)  # written from a source that changed under it: never loadable
+            raise
+        return written
