@@ -9,23 +9,35 @@ tests/test_engine.py.
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from states import CONFIG, assert_untouched, fresh_targets, load, rank_state, save
+from test_reshard_files import source_of, stage_state
+from test_resharding import llama_like
 
-from vllm_sharded_loader.checkpoint import RankInfo, saveable_state, verify_checkpoint
+from vllm_sharded_loader.checkpoint import (
+    RankInfo,
+    load_rank,
+    read_manifest,
+    saveable_state,
+    verify_checkpoint,
+)
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
-from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
+from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, Manifest, ShardedStateError, SourceModel, config_sha256
+from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS
 from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
 from vllm_sharded_loader.tools.cli import main as cli
+from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
 PART0 = "model-rank-0-part-0.safetensors"
 ROOT = Path(__file__).resolve().parent.parent
@@ -352,3 +364,215 @@ def test_save_refuses_escaping_or_colliding_patterns(tmp_path):
     with pytest.raises(ShardedStateError, match="tensor parallel rank"):
         save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="w-{part}.safetensors")
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+# ------------------------------------------------- every path: load, reshard, offline, verify
+#
+# A checkpoint with geometry (servable at another TP size), saved at TP=2 with one part per
+# rank, so that rank 0's part holds several tensors of one shape and dtype. Each corruption
+# must be refused by the same-topology load (TP=2), the resharding load (TP=1), the offline
+# `reshard` and `verify`, with a message naming the file and the field, before any byte
+# reaches a parameter or the output.
+
+RESHARD_MODEL = llama_like(num_layers=2, vocab=128, kv_heads=2)
+RANK0 = "model-rank-0-part-0.safetensors"
+NORM_A, NORM_B = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+
+
+def save_reshardable(directory: Path, max_size: int | None = None) -> Manifest:
+    model = RESHARD_MODEL
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    return save_checkpoint(
+        str(directory), ranks, dtype="int32", source=source_of(model), geometry=geometry, max_size=max_size
+    )
+
+
+def rank0_tensors(m: dict) -> dict[str, dict]:
+    return next(r for r in m["ranks"] if (r["tp_rank"], r["pp_rank"]) == (0, 0))["tensors"]
+
+
+def swap_offsets(m: dict) -> None:
+    tensors = rank0_tensors(m)
+    a, b = tensors[NORM_A], tensors[NORM_B]
+    assert (a["file"], a["dtype"], a["shape"]) == (b["file"], b["dtype"], b["shape"]) and a["offset"] != b["offset"]
+    a["offset"], b["offset"] = b["offset"], a["offset"]
+
+
+def shift_offset(m: dict) -> None:
+    rank0_tensors(m)[NORM_A]["offset"] += 4  # one int32 further, still inside the file
+
+
+def overlap(m: dict) -> None:
+    tensors = rank0_tensors(m)
+    tensors[NORM_B]["offset"] = tensors[NORM_A]["offset"] + 64  # B starts in the middle of A
+
+
+def set_tensor(name: str, **fields: object) -> Callable[[dict], None]:
+    return lambda m: rank0_tensors(m)[name].update(fields)
+
+
+def set_checksum(**fields: object) -> Callable[[dict], None]:
+    return lambda m: next(r for r in m["ranks"] if r["tp_rank"] == 0)["files"][0]["checksum"].update(fields)
+
+
+def huge_shape_with_geometry(m: dict) -> None:
+    """A shape the geometry agrees with: only the file's header can tell it is false."""
+    for r in m["ranks"]:
+        r["tensors"]["model.norm.weight"]["shape"] = [10**15]
+    m["geometry"]["model.norm.weight"]["shape"] = [10**15]
+
+
+IN_RANK0 = rf"{RANK0}: tensor "
+MANIFEST_FIELD = rf"{MANIFEST_NAME}: "
+# (name, manifest edit, error every path raises)
+EVERY_PATH_CASES = [
+    (
+        "offsets of two same-shape tensors swapped",
+        swap_offsets,
+        rf"{IN_RANK0}'({NORM_A}|{NORM_B})' starts at byte \d+ in the file but at \d+ in {MANIFEST_NAME}",
+    ),
+    (
+        "offset shifted within the file",
+        shift_offset,
+        rf"{IN_RANK0}'{NORM_A}' starts at byte (\d+) in the file but at \d+ in {MANIFEST_NAME}; the manifest is "
+        "damaged",
+    ),
+    (
+        "two tensors overlapping",
+        overlap,
+        rf"{IN_RANK0}'{NORM_B}' starts at byte \d+ in the file but at \d+ in {MANIFEST_NAME}",
+    ),
+    (
+        "negative offset",
+        set_tensor(NORM_A, offset=-8),
+        rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset -8, expected a byte position",
+    ),
+    (
+        "fractional offset",
+        set_tensor(NORM_A, offset=12.5),
+        rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset 12.5, expected a byte position",
+    ),
+    (
+        "offset as a string",
+        set_tensor(NORM_A, offset="1024"),
+        rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset '1024', expected a byte position",
+    ),
+    (
+        "offset past any file",
+        set_tensor(NORM_A, offset=2**62),
+        rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset {2**62}, expected a byte position",
+    ),
+    (
+        "huge checksum block_size",
+        set_checksum(block_size=2**40),
+        rf"{MANIFEST_FIELD}checksum block_size {2**40} of '{RANK0}' is above {MAX_BLOCK_SIZE}",
+    ),
+    (
+        "zero checksum block_size",
+        set_checksum(block_size=0),
+        rf"{MANIFEST_FIELD}'block_size' must be an integer >= 1, found 0",
+    ),
+    (
+        "pattern with a format spec",
+        lambda m: m.update(pattern="model-rank-{rank:>999999999}-part-{part}.safetensors"),
+        r"File pattern 'model-rank-\{rank:>999999999\}-part-\{part\}.safetensors' uses a format spec",
+    ),
+    (
+        "pattern with a conversion",
+        lambda m: m.update(pattern="model-rank-{rank!r}-part-{part}.safetensors"),
+        r"uses a format spec or conversion",
+    ),
+    (
+        "huge tp_size",
+        lambda m: m.update(tp_size=2**40),
+        rf"{MANIFEST_FIELD}TP={2**40} x PP=1 is more than {MAX_RANKS} ranks",
+    ),
+    (
+        "huge world size",
+        lambda m: m.update(tp_size=2**9, pp_size=2**9),
+        rf"{MANIFEST_FIELD}TP=512 x PP=512 is more than {MAX_RANKS} ranks",
+    ),
+    (
+        "shape dimension above any size",
+        set_tensor("model.norm.weight", shape=[2**61]),
+        rf"{MANIFEST_FIELD}tensor 'model.norm.weight' has shape \[{2**61}\], expected a list of sizes",
+    ),
+    (
+        "huge shape dimension",
+        set_tensor("model.norm.weight", shape=[10**12, 32]),
+        r"model\.norm\.weight.*\[1000000000000, 32\]",
+    ),
+    (
+        "huge shape dimension, geometry agreeing",
+        huge_shape_with_geometry,
+        r"model\.norm\.weight.*\[1000000000000000\]",
+    ),
+    (
+        "too many dims",
+        set_tensor("model.norm.weight", shape=[1] * 17),
+        rf"{MANIFEST_FIELD}tensor 'model.norm.weight' has shape \[1(, 1){{16}}\], expected a list of sizes "
+        rf"\(at most {MAX_DIMS}",
+    ),
+    (
+        "negative dimension",
+        set_tensor("model.norm.weight", shape=[-32]),
+        rf"{MANIFEST_FIELD}tensor 'model.norm.weight' has shape \[-32\], expected a list of sizes",
+    ),
+]
+
+
+def refused_on_every_path(directory: Path, error: str, out: Path) -> None:
+    """The same-topology load, the resharding load, the offline reshard and verify all refuse it."""
+    model = RESHARD_MODEL
+    for tp_size in (2, 1):  # as saved, then resharded
+        targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, tp_size, 1, 0, 0).items()}
+        with pytest.raises(ShardedStateError, match=error):
+            manifest = read_manifest(str(directory))
+            load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(model))
+        untouched = [n for n, t in targets.items() if not bool((t == -7).all())]
+        assert not untouched, f"written before the TP={tp_size} load was refused: {untouched}"
+    with pytest.raises(ShardedStateError, match=error):
+        reshard_checkpoint(str(directory), str(out), tp_size=1)
+    assert not out.exists() or not os.listdir(out), "a refused reshard must leave no output"
+    problems = verify_checkpoint(str(directory))
+    assert any(re.search(error, p) for p in problems), problems
+
+
+@pytest.mark.parametrize(("corrupt", "error"), [c[1:] for c in EVERY_PATH_CASES], ids=[c[0] for c in EVERY_PATH_CASES])
+def test_bad_manifest_is_refused_on_every_path(tmp_path, corrupt, error, capsys):
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    edit_manifest(directory, corrupt)
+    before = snapshot(directory)
+    refused_on_every_path(directory, error, tmp_path / "out")
+    assert snapshot(directory) == before
+    assert cli(["verify", str(directory)]) == 1
+    assert "BAD" in capsys.readouterr().out
+
+
+def test_sound_reshardable_checkpoint_passes_every_path(tmp_path):
+    """The corpus above fails for its corruption only: the same checkpoint, untouched, passes every path."""
+    directory, model = tmp_path / "ckpt", RESHARD_MODEL
+    save_reshardable(directory)
+    manifest = read_manifest(str(directory))
+    for tp_size in (2, 1):
+        expected = stage_state(model, tp_size, 1, 0, 0)
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(model))
+        assert all(torch.equal(targets[n], x) for n, x in expected.items())
+    reshard_checkpoint(str(directory), str(tmp_path / "out"), tp_size=1)
+    assert verify_checkpoint(str(tmp_path / "out")) == []
+    assert verify_checkpoint(str(directory)) == []
+
+
+def test_offline_reshard_checks_every_file_before_allocating_or_writing(tmp_path):
+    """One tensor per part: the part of model.norm.weight is touched by no other tensor, so only
+    a check of every file before the first tensor is produced refuses its false shape (4 PB)
+    before allocating it, and before writing any output."""
+    directory = tmp_path / "ckpt"
+    manifest = save_reshardable(directory, max_size=1)
+    assert [f for f in manifest.rank(0, 0).files if f.name == manifest.rank(0, 0).tensors["model.norm.weight"].file]
+    assert len({t.file for t in manifest.rank(0, 0).tensors.values()}) == len(manifest.rank(0, 0).tensors)
+    edit_manifest(directory, huge_shape_with_geometry)
+    refused_on_every_path(directory, r"model\.norm\.weight.*\[1000000000000000\]", tmp_path / "out")

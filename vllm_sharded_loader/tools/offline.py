@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..format.errors import ShardedStateError
@@ -103,6 +104,12 @@ def reshard_checkpoint(
             for tp_rank in range(tp_size):
                 rank = RankInfo(tp_rank, tp_size, pp_rank, pp_size)
                 plans[rank] = source.plan(names, rank)
+        # Every file the plans touch, opened and checked against the manifest before a tensor
+        # is allocated from its shape or a byte is written; all reads then go through these
+        # descriptors, which are one checkpoint's files if none was replaced meanwhile.
+        for name in sorted({f for plan in plans.values() for f in plan.files}):
+            source.check_file(name)
+        check_not_replaced(directory, manifest, source.check_unchanged)
         os.makedirs(output, exist_ok=True)
         copy_non_weight_files(directory, output)
 
