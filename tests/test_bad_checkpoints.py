@@ -576,3 +576,100 @@ def test_offline_reshard_checks_every_file_before_allocating_or_writing(tmp_path
     assert len({t.file for t in manifest.rank(0, 0).tensors.values()}) == len(manifest.rank(0, 0).tensors)
     edit_manifest(directory, huge_shape_with_geometry)
     refused_on_every_path(directory, r"model\.norm\.weight.*\[1000000000000000\]", tmp_path / "out")
+
+
+# ------------------------------------------------------- a save during a load
+
+
+def save_other_weights(directory: Path, max_size: int | None = None) -> None:
+    """A real second save over the checkpoint: another model's weights, every shape and offset the same."""
+    model = llama_like(num_layers=2, vocab=128, kv_heads=2, seed=1)
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    source = source_of(model)
+    save_checkpoint(
+        str(directory), ranks, dtype="int32", source=source, geometry=geometry, max_size=max_size, overwrite=True
+    )
+
+
+def first_call_saves_over(directory: Path, real: Callable, calls: list[int], max_size: int | None = None) -> Callable:
+    """``real``, but its first call is preceded by a save over the checkpoint being read."""
+
+    def wrapper(*args: object, **kwargs: object) -> object:
+        if not calls:
+            save_other_weights(directory, max_size)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "read_step"),
+    [(2, "vllm_sharded_loader.checkpoint.load.read_files"), (1, "vllm_sharded_loader.checkpoint.reshard.read_pieces")],
+    ids=["same topology", "resharding"],
+)
+def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, tp_size, read_step):
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    manifest = read_manifest(str(directory))
+    old = stage_state(RESHARD_MODEL, tp_size, 1, 0, 0)
+    module, name = read_step.rsplit(".", 1)
+    calls: list[int] = []
+    monkeypatch.setattr(read_step, first_call_saves_over(directory, getattr(sys.modules[module], name), calls))
+    targets = {n: torch.full_like(x, -7) for n, x in old.items()}
+    with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
+        load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(RESHARD_MODEL))
+    assert calls, "the read step ran"
+    # Not a mix either: every byte was read through the descriptors of the files checked,
+    # which are the first save's, whatever the second renamed over their paths.
+    mixed = [n for n, x in old.items() if not torch.equal(targets[n], x)]
+    assert not mixed, mixed
+    monkeypatch.undo()
+    # Loaded again, the checkpoint is the second save's, whole.
+    new = stage_state(llama_like(num_layers=2, vocab=128, kv_heads=2, seed=1), tp_size, 1, 0, 0)
+    assert any(not torch.equal(new[n], old[n]) for n in new)
+    targets = {n: torch.full_like(x, -7) for n, x in new.items()}
+    load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=read_manifest(str(directory)))
+    assert all(torch.equal(targets[n], x) for n, x in new.items())
+
+
+def test_save_running_when_the_reads_end_is_refused(tmp_path, monkeypatch):
+    """A save that has taken the lock (and may be renaming parts) when the reads end: refused."""
+    import vllm_sharded_loader.checkpoint.load as load_module
+
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    read_files = load_module.read_files
+    locks = []
+
+    def reads_while_a_save_starts(*args: object, **kwargs: object) -> object:
+        locks.append(acquire_save_lock(str(directory), "0123456789ab", overwrite=True))
+        return read_files(*args, **kwargs)
+
+    monkeypatch.setattr(load_module, "read_files", reads_while_a_save_starts)
+    targets = {n: torch.full_like(x, -7) for n, x in stage_state(RESHARD_MODEL, 2, 1, 0, 0).items()}
+    with pytest.raises(ShardedStateError, match=r"is being saved or its save was interrupted: .*\.sharded_state\.lock"):
+        load_rank(str(directory), targets, RankInfo(0, 2), manifest=read_manifest(str(directory)))
+    release_save_lock(locks[0])
+
+
+def test_offline_reshard_during_a_save_writes_one_checkpoint(tmp_path, monkeypatch):
+    """Offline reshard opens every file first: a save over the source afterwards changes nothing it reads.
+
+    One tensor per part, so most parts are first read after the save: had they been opened
+    then, their headers (same shapes and offsets) would pass and the output would mix the two.
+    """
+    import vllm_sharded_loader.checkpoint.reshard as reshard
+
+    directory, out = tmp_path / "ckpt", tmp_path / "out"
+    save_reshardable(directory, max_size=1)
+    calls: list[int] = []
+    saves_over = first_call_saves_over(directory, reshard.read_pieces, calls, max_size=1)
+    monkeypatch.setattr(reshard, "read_pieces", saves_over)
+    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    assert calls
+    expected = stage_state(RESHARD_MODEL, 1, 1, 0, 0)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    load_rank(str(out), targets, RankInfo(0, 1), manifest=read_manifest(str(out)), verify="checksum")
+    assert all(torch.equal(targets[n], x) for n, x in expected.items()), "the output mixes two checkpoints"
