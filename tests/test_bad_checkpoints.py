@@ -32,10 +32,11 @@ from vllm_sharded_loader.checkpoint import (
     saveable_state,
     verify_checkpoint,
 )
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import save_checkpoint, write_manifest
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, Manifest, ShardedStateError, SourceModel, config_sha256
 from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS
-from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
+from vllm_sharded_loader.format.names import staged_name, staged_token
+from vllm_sharded_loader.storage.lock import SaveLock, acquire_save_lock, read_lock, release_save_lock
 from vllm_sharded_loader.tools.cli import main as cli
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
@@ -673,3 +674,184 @@ def test_offline_reshard_during_a_save_writes_one_checkpoint(tmp_path, monkeypat
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     load_rank(str(out), targets, RankInfo(0, 1), manifest=read_manifest(str(out)), verify="checksum")
     assert all(torch.equal(targets[n], x) for n, x in expected.items()), "the output mixes two checkpoints"
+
+
+# ------------------------------------------------------- two saves take over one stale lock
+
+DEAD_SAVE = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    from states import rank_state
+    from vllm_sharded_loader.checkpoint import RankInfo, saveable_state
+    from vllm_sharded_loader.checkpoint.save import stage_rank
+    from vllm_sharded_loader.storage.lock import acquire_save_lock
+    acquire_save_lock({directory!r}, {token!r}, overwrite=True)
+    stage_rank({directory!r}, saveable_state(rank_state(0, 2)), RankInfo(0, 2), token={token!r})
+    os._exit(0)  # dies mid-save: its flock goes with it, its lock file and staged part stay
+    """
+)
+
+# A save that, once it holds the lock and has staged its first rank, waits for the test's
+# "release" flag: the other save then meets a lock that is held, whatever the scheduling.
+RACER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import torch
+    sys.path.insert(0, {tests!r})
+    from states import SOURCE
+    from vllm_sharded_loader.checkpoint import RankInfo
+    import vllm_sharded_loader.checkpoint.save as save
+
+    flags, me = Path({flags!r}), {me!r}
+
+    def wait_for(path):
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"timed out waiting for {{path}}")
+            time.sleep(0.002)
+
+    stage = save.stage_rank
+
+    def stage_and_hold(*args, **kwargs):
+        staged = stage(*args, **kwargs)
+        if not (flags / f"won-{{me}}").exists():
+            (flags / f"won-{{me}}").write_text(str(os.getpid()))
+            wait_for(flags / "release")
+        return staged
+
+    save.stage_rank = stage_and_hold
+    (flags / f"ready-{{me}}").touch()
+    wait_for(flags / "go")  # both saves reach the lock together
+    ranks = {{RankInfo(r, 2): {{"w": torch.full((64, 16), {value})}} for r in range(2)}}
+    save.save_checkpoint({directory!r}, ranks, dtype="float32", source=SOURCE, overwrite=True)
+    print("SAVED", flush=True)
+    """
+)
+
+DEAD_TOKEN = "dead0000beef"
+
+
+def staged_files(directory: Path) -> dict[str, list[str]]:
+    """Staged (unpublished) files in a directory, by the token of the save that wrote them."""
+    found: dict[str, list[str]] = {}
+    for p in sorted(directory.iterdir()):
+        token = staged_token(p.name)
+        if token is not None:
+            found.setdefault(token, []).append(p.name)
+    return found
+
+
+def wait_until(condition: Callable[[], bool], procs: list[subprocess.Popen], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+        time.sleep(0.005)
+
+
+def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_path):
+    directory, flags = tmp_path / "ckpt", tmp_path / "flags"
+    flags.mkdir()
+    save(directory)
+    dead = subprocess.run(
+        [sys.executable, "-c", DEAD_SAVE.format(tests=str(ROOT / "tests"), directory=str(directory), token=DEAD_TOKEN)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dead.returncode == 0, dead.stderr
+    stale = read_lock(str(directory))
+    assert stale is not None and stale["token"] == DEAD_TOKEN
+    assert list(staged_files(directory)) == [DEAD_TOKEN]
+
+    racers: dict[str, subprocess.Popen] = {}
+    try:
+        for me, value in (("a", 1.0), ("b", 2.0)):
+            code = RACER.format(
+                tests=str(ROOT / "tests"), flags=str(flags), me=me, value=value, directory=str(directory)
+            )
+            racers[me] = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        procs = list(racers.values())
+        wait_until(lambda: all((flags / f"ready-{me}").exists() for me in racers), procs, "both saves to start")
+        (flags / "go").touch()
+
+        # The loser fails while the winner holds the lock (the winner waits for "release").
+        deadline = time.monotonic() + 120
+        while all(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "neither save finished: a hang"
+            time.sleep(0.005)
+        (loser,) = [me for me, p in racers.items() if p.poll() is not None]
+        (winner,) = [me for me in racers if me != loser]
+        _, err = racers[loser].communicate(timeout=60)
+        winner_pid = racers[winner].pid
+        assert racers[loser].returncode == 1, err
+        assert "ShardedStateError" in err and f"another save holds {directory / LOCK_NAME} (pid {winner_pid} on" in err
+        assert "wait for it to finish" in err
+        assert not (flags / f"won-{loser}").exists()
+        assert (flags / f"won-{winner}").read_text() == str(winner_pid)
+
+        # The winner took the stale lock over; its staged rank and the dead save's are on disk,
+        # and the loser neither staged nor removed anything.
+        holder = read_lock(str(directory))
+        assert holder is not None and holder["pid"] == winner_pid
+        staged = staged_files(directory)
+        assert set(staged) == {DEAD_TOKEN, holder["token"]}
+        assert staged[holder["token"]] == [staged_name(PART0, holder["token"])]
+
+        (flags / "release").touch()
+        out, err = racers[winner].communicate(timeout=120)
+        assert racers[winner].returncode == 0 and "SAVED" in out, err
+    finally:
+        for p in racers.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    # Published whole: no lock, no staged file (the dead save's removed by the winner), sound.
+    assert verify_checkpoint(str(directory)) == []
+    assert not staged_files(directory) and not (directory / LOCK_NAME).exists()
+    value = {"a": 1.0, "b": 2.0}[winner]
+    for rank in range(2):
+        targets = {"w": torch.zeros(64, 16)}
+        load_rank(str(directory), targets, RankInfo(rank, 2), manifest=read_manifest(str(directory)), verify="checksum")
+        assert bool((targets["w"] == value).all())
+
+
+def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(tmp_path):
+    """write_manifest removes the staged files of its save and of the save whose lock it took
+    over, never those of another token."""
+    manifest = save(tmp_path)
+    ours, taken_over, other = "0123456789ab", DEAD_TOKEN, "feedfacecafe"
+    for token in (ours, taken_over, other):
+        (tmp_path / staged_name(PART0, token)).write_bytes(token.encode())
+    lock = acquire_save_lock(str(tmp_path), ours, overwrite=True)
+    write_manifest(str(tmp_path), manifest, SaveLock(lock.path, ours, lock.fd, taken_over))
+    assert staged_files(tmp_path) == {other: [staged_name(PART0, other)]}
+    assert (tmp_path / staged_name(PART0, other)).read_bytes() == other.encode()
+    assert not (tmp_path / LOCK_NAME).exists()
+    load(tmp_path)
+    # `verify` names the file left behind; the loader ignores it.
+    assert any("a staged file of a save that never published it" in p for p in verify_checkpoint(str(tmp_path)))
+
+
+def test_save_taking_a_stale_lock_over_removes_that_saves_staged_files_only(tmp_path):
+    save(tmp_path)
+    other = "feedfacecafe"
+    dead = subprocess.run(
+        [sys.executable, "-c", DEAD_SAVE.format(tests=str(ROOT / "tests"), directory=str(tmp_path), token=DEAD_TOKEN)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dead.returncode == 0, dead.stderr
+    (tmp_path / staged_name("model-rank-1-part-0.safetensors", other)).write_bytes(b"not ours")
+    assert set(staged_files(tmp_path)) == {DEAD_TOKEN, other}
+    save(tmp_path, overwrite=True)
+    assert staged_files(tmp_path) == {other: [staged_name("model-rank-1-part-0.safetensors", other)]}
+    assert not (tmp_path / LOCK_NAME).exists()
+    load(tmp_path, verify="checksum")
