@@ -3,7 +3,9 @@ loaded into the model, nothing on disk is lost, and ``vllm-sharded verify`` name
 
 Engine-free: real files and tensors, the same `load_rank` the loader calls. The
 truncated-part, bit-flip and stale-part cases also run through a real engine in
-tests/test_engine.py.
+tests/test_engine.py. Damaged manifests of a reshardable checkpoint go through every path
+(same-topology load, resharding load, offline reshard, verify); then a save over a
+checkpoint during its load, and two saves racing for one interrupted save's lock.
 """
 
 import hashlib
@@ -364,6 +366,8 @@ def test_save_refuses_escaping_or_colliding_patterns(tmp_path):
         save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="../w-{rank}-{part}")
     with pytest.raises(ShardedStateError, match="tensor parallel rank"):
         save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="w-{part}.safetensors")
+    with pytest.raises(ShardedStateError, match="uses a format spec"):
+        save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="w-{rank:>999999999}-{part}")
     assert not (tmp_path / LOCK_NAME).exists()
 
 
@@ -436,7 +440,7 @@ EVERY_PATH_CASES = [
     (
         "offset shifted within the file",
         shift_offset,
-        rf"{IN_RANK0}'{NORM_A}' starts at byte (\d+) in the file but at \d+ in {MANIFEST_NAME}; the manifest is "
+        rf"{IN_RANK0}'{NORM_A}' starts at byte \d+ in the file but at \d+ in {MANIFEST_NAME}; the manifest is "
         "damaged",
     ),
     (
