@@ -3,29 +3,44 @@ loaded into the model, nothing on disk is lost, and ``vllm-sharded verify`` name
 
 Engine-free: real files and tensors, the same `load_rank` the loader calls. The
 truncated-part, bit-flip and stale-part cases also run through a real engine in
-tests/test_engine.py.
+tests/test_engine.py. Damaged manifests of a reshardable checkpoint go through every path
+(same-topology load, resharding load, offline reshard, verify); then a save over a
+checkpoint during its load, and two saves racing for one interrupted save's lock.
 """
 
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from states import CONFIG, assert_untouched, fresh_targets, load, rank_state, save
+from test_reshard_files import source_of, stage_state
+from test_resharding import llama_like
 
-from vllm_sharded_loader.checkpoint import RankInfo, saveable_state, verify_checkpoint
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
-from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
-from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
+from vllm_sharded_loader.checkpoint import (
+    RankInfo,
+    load_rank,
+    read_manifest,
+    saveable_state,
+    verify_checkpoint,
+)
+from vllm_sharded_loader.checkpoint.save import save_checkpoint, write_manifest
+from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, Manifest, ShardedStateError, SourceModel, config_sha256
+from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS
+from vllm_sharded_loader.format.names import staged_name, staged_token
+from vllm_sharded_loader.storage.lock import SaveLock, acquire_save_lock, read_lock, release_save_lock
 from vllm_sharded_loader.tools.cli import main as cli
+from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
 PART0 = "model-rank-0-part-0.safetensors"
 ROOT = Path(__file__).resolve().parent.parent
@@ -351,4 +366,496 @@ def test_save_refuses_escaping_or_colliding_patterns(tmp_path):
         save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="../w-{rank}-{part}")
     with pytest.raises(ShardedStateError, match="tensor parallel rank"):
         save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="w-{part}.safetensors")
+    with pytest.raises(ShardedStateError, match="uses a format spec"):
+        save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="w-{rank:>999999999}-{part}")
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+# ------------------------------------------------- every path: load, reshard, offline, verify
+#
+# A checkpoint with geometry (servable at another TP size), saved at TP=2 with one part per
+# rank, so that rank 0's part holds several tensors of one shape and dtype. Each corruption
+# must be refused by the same-topology load (TP=2), the resharding load (TP=1), the offline
+# `reshard` and `verify`, with a message naming the file and the field, before any byte
+# reaches a parameter or the output.
+
+RESHARD_MODEL = llama_like(num_layers=2, vocab=128, kv_heads=2)
+RANK0 = "model-rank-0-part-0.safetensors"
+NORM_A, NORM_B = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+
+
+def save_reshardable(directory: Path, max_size: int | None = None) -> Manifest:
+    model = RESHARD_MODEL
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    return save_checkpoint(
+        str(directory), ranks, dtype="int32", source=source_of(model), geometry=geometry, max_size=max_size
+    )
+
+
+def rank0_tensors(m: dict) -> dict[str, dict]:
+    return next(r for r in m["ranks"] if (r["tp_rank"], r["pp_rank"]) == (0, 0))["tensors"]
+
+
+def swap_offsets(m: dict) -> None:
+    tensors = rank0_tensors(m)
+    a, b = tensors[NORM_A], tensors[NORM_B]
+    assert (a["file"], a["dtype"], a["shape"]) == (b["file"], b["dtype"], b["shape"]) and a["offset"] != b["offset"]
+    a["offset"], b["offset"] = b["offset"], a["offset"]
+
+
+def shift_offset(m: dict) -> None:
+    rank0_tensors(m)[NORM_A]["offset"] += 4  # one int32 further, still inside the file
+
+
+def overlap(m: dict) -> None:
+    tensors = rank0_tensors(m)
+    tensors[NORM_B]["offset"] = tensors[NORM_A]["offset"] + 64  # B starts in the middle of A
+
+
+def set_tensor(name: str, **fields: object) -> Callable[[dict], None]:
+    return lambda m: rank0_tensors(m)[name].update(fields)
+
+
+def set_checksum(**fields: object) -> Callable[[dict], None]:
+    return lambda m: next(r for r in m["ranks"] if r["tp_rank"] == 0)["files"][0]["checksum"].update(fields)
+
+
+def huge_shape_with_geometry(m: dict) -> None:
+    """A shape the geometry agrees with: only the file's header can tell it is false."""
+    for r in m["ranks"]:
+        r["tensors"]["model.norm.weight"]["shape"] = [10**15]
+    m["geometry"]["model.norm.weight"]["shape"] = [10**15]
+
+
+IN_RANK0 = rf"{RANK0}: tensor "
+MANIFEST_FIELD = rf"{MANIFEST_NAME}: "
+# (name, manifest edit, error every path raises)
+EVERY_PATH_CASES = [
+    (
+        "offsets of two same-shape tensors swapped",
+        swap_offsets,
+        rf"{IN_RANK0}'({NORM_A}|{NORM_B})' starts at byte \d+ in the file but at \d+ in {MANIFEST_NAME}",
+    ),
+    (
+        "offset shifted within the file",
+        shift_offset,
+        rf"{IN_RANK0}'{NORM_A}' starts at byte \d+ in the file but at \d+ in {MANIFEST_NAME}; the manifest is "
+        "damaged",
+    ),
+    (
+        "two tensors overlapping",
+        overlap,
+        rf"{IN_RANK0}'{NORM_B}' starts at byte \d+ in the file but at \d+ in {MANIFEST_NAME}",
+    ),
+    (
+        "negative offset",
+        set_tensor(NORM_A, offset=-8),
+        rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset -8, expected a byte position",
+    ),
+    (
+        "fractional offset",
+        set_tensor(NORM_A, offset=12.5),
+        rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset 12.5, expected a byte position",
+    ),
+    (
+        "offset as a string",
+        set_tensor(NORM_A, offset="1024"),
+        rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset '1024', expected a byte position",
+    ),
+    (
+        "offset past any file",
+        set_tensor(NORM_A, offset=2**62),
+        rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset {2**62}, expected a byte position",
+    ),
+    (
+        "huge checksum block_size",
+        set_checksum(block_size=2**40),
+        rf"{MANIFEST_FIELD}checksum block_size {2**40} of '{RANK0}' is above {MAX_BLOCK_SIZE}",
+    ),
+    (
+        "zero checksum block_size",
+        set_checksum(block_size=0),
+        rf"{MANIFEST_FIELD}'block_size' must be an integer >= 1, found 0",
+    ),
+    (
+        "pattern with a format spec",
+        lambda m: m.update(pattern="model-rank-{rank:>999999999}-part-{part}.safetensors"),
+        r"File pattern 'model-rank-\{rank:>999999999\}-part-\{part\}.safetensors' uses a format spec",
+    ),
+    (
+        "pattern with a conversion",
+        lambda m: m.update(pattern="model-rank-{rank!r}-part-{part}.safetensors"),
+        r"uses a format spec or conversion",
+    ),
+    (
+        "huge tp_size",
+        lambda m: m.update(tp_size=2**40),
+        rf"{MANIFEST_FIELD}TP={2**40} x PP=1 is more than {MAX_RANKS} ranks",
+    ),
+    (
+        "huge world size",
+        lambda m: m.update(tp_size=2**9, pp_size=2**9),
+        rf"{MANIFEST_FIELD}TP=512 x PP=512 is more than {MAX_RANKS} ranks",
+    ),
+    (
+        "shape dimension above any size",
+        set_tensor("model.norm.weight", shape=[2**61]),
+        rf"{MANIFEST_FIELD}tensor 'model.norm.weight' has shape \[{2**61}\], expected a list of sizes",
+    ),
+    (
+        "huge shape dimension",
+        set_tensor("model.norm.weight", shape=[10**12, 32]),
+        r"model\.norm\.weight.*\[1000000000000, 32\]",
+    ),
+    (
+        "huge shape dimension, geometry agreeing",
+        huge_shape_with_geometry,
+        r"model\.norm\.weight.*\[1000000000000000\]",
+    ),
+    (
+        "too many dims",
+        set_tensor("model.norm.weight", shape=[1] * 17),
+        rf"{MANIFEST_FIELD}tensor 'model.norm.weight' has shape \[1(, 1){{16}}\], expected a list of sizes "
+        rf"\(at most {MAX_DIMS}",
+    ),
+    (
+        "negative dimension",
+        set_tensor("model.norm.weight", shape=[-32]),
+        rf"{MANIFEST_FIELD}tensor 'model.norm.weight' has shape \[-32\], expected a list of sizes",
+    ),
+]
+
+
+def refused_on_every_path(directory: Path, error: str, out: Path) -> None:
+    """The same-topology load, the resharding load, the offline reshard and verify all refuse it."""
+    model = RESHARD_MODEL
+    for tp_size in (2, 1):  # as saved, then resharded
+        targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, tp_size, 1, 0, 0).items()}
+        with pytest.raises(ShardedStateError, match=error):
+            manifest = read_manifest(str(directory))
+            load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(model))
+        untouched = [n for n, t in targets.items() if not bool((t == -7).all())]
+        assert not untouched, f"written before the TP={tp_size} load was refused: {untouched}"
+    with pytest.raises(ShardedStateError, match=error):
+        reshard_checkpoint(str(directory), str(out), tp_size=1)
+    assert not out.exists() or not os.listdir(out), "a refused reshard must leave no output"
+    problems = verify_checkpoint(str(directory))
+    assert any(re.search(error, p) for p in problems), problems
+
+
+@pytest.mark.parametrize(("corrupt", "error"), [c[1:] for c in EVERY_PATH_CASES], ids=[c[0] for c in EVERY_PATH_CASES])
+def test_bad_manifest_is_refused_on_every_path(tmp_path, corrupt, error, capsys):
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    edit_manifest(directory, corrupt)
+    before = snapshot(directory)
+    refused_on_every_path(directory, error, tmp_path / "out")
+    assert snapshot(directory) == before
+    assert cli(["verify", str(directory)]) == 1
+    assert "BAD" in capsys.readouterr().out
+
+
+def test_sound_reshardable_checkpoint_passes_every_path(tmp_path):
+    """The corpus above fails for its corruption only: the same checkpoint, untouched, passes every path."""
+    directory, model = tmp_path / "ckpt", RESHARD_MODEL
+    save_reshardable(directory)
+    manifest = read_manifest(str(directory))
+    for tp_size in (2, 1):
+        expected = stage_state(model, tp_size, 1, 0, 0)
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(model))
+        assert all(torch.equal(targets[n], x) for n, x in expected.items())
+    reshard_checkpoint(str(directory), str(tmp_path / "out"), tp_size=1)
+    assert verify_checkpoint(str(tmp_path / "out")) == []
+    assert verify_checkpoint(str(directory)) == []
+
+
+def test_offline_reshard_checks_every_file_before_allocating_or_writing(tmp_path):
+    """One tensor per part: the part of model.norm.weight is touched by no other tensor, so only
+    a check of every file before the first tensor is produced refuses its false shape (4 PB)
+    before allocating it, and before writing any output."""
+    directory = tmp_path / "ckpt"
+    manifest = save_reshardable(directory, max_size=1)
+    assert [f for f in manifest.rank(0, 0).files if f.name == manifest.rank(0, 0).tensors["model.norm.weight"].file]
+    assert len({t.file for t in manifest.rank(0, 0).tensors.values()}) == len(manifest.rank(0, 0).tensors)
+    edit_manifest(directory, huge_shape_with_geometry)
+    refused_on_every_path(directory, r"model\.norm\.weight.*\[1000000000000000\]", tmp_path / "out")
+
+
+# ------------------------------------------------------- a save during a load
+
+
+def save_other_weights(directory: Path, max_size: int | None = None) -> None:
+    """A real second save over the checkpoint: another model's weights, every shape and offset the same."""
+    model = llama_like(num_layers=2, vocab=128, kv_heads=2, seed=1)
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    source = source_of(model)
+    save_checkpoint(
+        str(directory), ranks, dtype="int32", source=source, geometry=geometry, max_size=max_size, overwrite=True
+    )
+
+
+def first_call_saves_over(directory: Path, real: Callable, calls: list[int], max_size: int | None = None) -> Callable:
+    """``real``, but its first call is preceded by a save over the checkpoint being read."""
+
+    def wrapper(*args: object, **kwargs: object) -> object:
+        if not calls:
+            save_other_weights(directory, max_size)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "read_step"),
+    [(2, "vllm_sharded_loader.checkpoint.load.read_files"), (1, "vllm_sharded_loader.checkpoint.reshard.read_pieces")],
+    ids=["same topology", "resharding"],
+)
+def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, tp_size, read_step):
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    manifest = read_manifest(str(directory))
+    old = stage_state(RESHARD_MODEL, tp_size, 1, 0, 0)
+    module, name = read_step.rsplit(".", 1)
+    calls: list[int] = []
+    monkeypatch.setattr(read_step, first_call_saves_over(directory, getattr(sys.modules[module], name), calls))
+    targets = {n: torch.full_like(x, -7) for n, x in old.items()}
+    with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
+        load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(RESHARD_MODEL))
+    assert calls, "the read step ran"
+    # Not a mix either: every byte was read through the descriptors of the files checked,
+    # which are the first save's, whatever the second renamed over their paths.
+    mixed = [n for n, x in old.items() if not torch.equal(targets[n], x)]
+    assert not mixed, mixed
+    monkeypatch.undo()
+    # Loaded again, the checkpoint is the second save's, whole.
+    new = stage_state(llama_like(num_layers=2, vocab=128, kv_heads=2, seed=1), tp_size, 1, 0, 0)
+    assert any(not torch.equal(new[n], old[n]) for n in new)
+    targets = {n: torch.full_like(x, -7) for n, x in new.items()}
+    load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=read_manifest(str(directory)))
+    assert all(torch.equal(targets[n], x) for n, x in new.items())
+
+
+def test_save_running_when_the_reads_end_is_refused(tmp_path, monkeypatch):
+    """A save that has taken the lock (and may be renaming parts) when the reads end: refused."""
+    import vllm_sharded_loader.checkpoint.load as load_module
+
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    read_files = load_module.read_files
+    locks = []
+
+    def reads_while_a_save_starts(*args: object, **kwargs: object) -> object:
+        locks.append(acquire_save_lock(str(directory), "0123456789ab", overwrite=True))
+        return read_files(*args, **kwargs)
+
+    monkeypatch.setattr(load_module, "read_files", reads_while_a_save_starts)
+    targets = {n: torch.full_like(x, -7) for n, x in stage_state(RESHARD_MODEL, 2, 1, 0, 0).items()}
+    with pytest.raises(ShardedStateError, match=r"is being saved or its save was interrupted: .*\.sharded_state\.lock"):
+        load_rank(str(directory), targets, RankInfo(0, 2), manifest=read_manifest(str(directory)))
+    release_save_lock(locks[0])
+
+
+def test_offline_reshard_during_a_save_writes_one_checkpoint(tmp_path, monkeypatch):
+    """Offline reshard opens every file first: a save over the source afterwards changes nothing it reads.
+
+    One tensor per part, so most parts are first read after the save: had they been opened
+    then, their headers (same shapes and offsets) would pass and the output would mix the two.
+    """
+    import vllm_sharded_loader.checkpoint.reshard as reshard
+
+    directory, out = tmp_path / "ckpt", tmp_path / "out"
+    save_reshardable(directory, max_size=1)
+    calls: list[int] = []
+    saves_over = first_call_saves_over(directory, reshard.read_pieces, calls, max_size=1)
+    monkeypatch.setattr(reshard, "read_pieces", saves_over)
+    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    assert calls
+    expected = stage_state(RESHARD_MODEL, 1, 1, 0, 0)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    load_rank(str(out), targets, RankInfo(0, 1), manifest=read_manifest(str(out)), verify="checksum")
+    assert all(torch.equal(targets[n], x) for n, x in expected.items()), "the output mixes two checkpoints"
+
+
+# ------------------------------------------------------- two saves take over one stale lock
+
+DEAD_SAVE = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    from states import rank_state
+    from vllm_sharded_loader.checkpoint import RankInfo, saveable_state
+    from vllm_sharded_loader.checkpoint.save import stage_rank
+    from vllm_sharded_loader.storage.lock import acquire_save_lock
+    acquire_save_lock({directory!r}, {token!r}, overwrite=True)
+    stage_rank({directory!r}, saveable_state(rank_state(0, 2)), RankInfo(0, 2), token={token!r})
+    os._exit(0)  # dies mid-save: its flock goes with it, its lock file and staged part stay
+    """
+)
+
+# A save that, once it holds the lock and has staged its first rank, waits for the test's
+# "release" flag: the other save then meets a lock that is held, whatever the scheduling.
+RACER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import torch
+    sys.path.insert(0, {tests!r})
+    from states import SOURCE
+    from vllm_sharded_loader.checkpoint import RankInfo
+    import vllm_sharded_loader.checkpoint.save as save
+
+    flags, me = Path({flags!r}), {me!r}
+
+    def wait_for(path):
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"timed out waiting for {{path}}")
+            time.sleep(0.002)
+
+    stage = save.stage_rank
+
+    def stage_and_hold(*args, **kwargs):
+        staged = stage(*args, **kwargs)
+        if not (flags / f"won-{{me}}").exists():
+            (flags / f"won-{{me}}").write_text(str(os.getpid()))
+            wait_for(flags / "release")
+        return staged
+
+    save.stage_rank = stage_and_hold
+    (flags / f"ready-{{me}}").touch()
+    wait_for(flags / "go")  # both saves reach the lock together
+    ranks = {{RankInfo(r, 2): {{"w": torch.full((64, 16), {value})}} for r in range(2)}}
+    save.save_checkpoint({directory!r}, ranks, dtype="float32", source=SOURCE, overwrite=True)
+    print("SAVED", flush=True)
+    """
+)
+
+DEAD_TOKEN = "dead0000beef"
+
+
+def staged_files(directory: Path) -> dict[str, list[str]]:
+    """Staged (unpublished) files in a directory, by the token of the save that wrote them."""
+    found: dict[str, list[str]] = {}
+    for p in sorted(directory.iterdir()):
+        token = staged_token(p.name)
+        if token is not None:
+            found.setdefault(token, []).append(p.name)
+    return found
+
+
+def wait_until(condition: Callable[[], bool], procs: list[subprocess.Popen], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+        time.sleep(0.005)
+
+
+def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_path):
+    directory, flags = tmp_path / "ckpt", tmp_path / "flags"
+    flags.mkdir()
+    save(directory)
+    dead = subprocess.run(
+        [sys.executable, "-c", DEAD_SAVE.format(tests=str(ROOT / "tests"), directory=str(directory), token=DEAD_TOKEN)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dead.returncode == 0, dead.stderr
+    stale = read_lock(str(directory))
+    assert stale is not None and stale["token"] == DEAD_TOKEN
+    assert list(staged_files(directory)) == [DEAD_TOKEN]
+
+    racers: dict[str, subprocess.Popen] = {}
+    try:
+        for me, value in (("a", 1.0), ("b", 2.0)):
+            code = RACER.format(
+                tests=str(ROOT / "tests"), flags=str(flags), me=me, value=value, directory=str(directory)
+            )
+            racers[me] = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        procs = list(racers.values())
+        wait_until(lambda: all((flags / f"ready-{me}").exists() for me in racers), procs, "both saves to start")
+        (flags / "go").touch()
+
+        # The loser fails while the winner holds the lock (the winner waits for "release").
+        deadline = time.monotonic() + 120
+        while all(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "neither save finished: a hang"
+            time.sleep(0.005)
+        (loser,) = [me for me, p in racers.items() if p.poll() is not None]
+        (winner,) = [me for me in racers if me != loser]
+        _, err = racers[loser].communicate(timeout=60)
+        winner_pid = racers[winner].pid
+        assert racers[loser].returncode == 1, err
+        assert "ShardedStateError" in err and f"another save holds {directory / LOCK_NAME} (pid {winner_pid} on" in err
+        assert "wait for it to finish" in err
+        assert not (flags / f"won-{loser}").exists()
+        assert (flags / f"won-{winner}").read_text() == str(winner_pid)
+
+        # The winner took the stale lock over; its staged rank and the dead save's are on disk,
+        # and the loser neither staged nor removed anything.
+        holder = read_lock(str(directory))
+        assert holder is not None and holder["pid"] == winner_pid
+        staged = staged_files(directory)
+        assert set(staged) == {DEAD_TOKEN, holder["token"]}
+        assert staged[holder["token"]] == [staged_name(PART0, holder["token"])]
+
+        (flags / "release").touch()
+        out, err = racers[winner].communicate(timeout=120)
+        assert racers[winner].returncode == 0 and "SAVED" in out, err
+    finally:
+        for p in racers.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    # Published whole: no lock, no staged file (the dead save's removed by the winner), sound.
+    assert verify_checkpoint(str(directory)) == []
+    assert not staged_files(directory) and not (directory / LOCK_NAME).exists()
+    value = {"a": 1.0, "b": 2.0}[winner]
+    for rank in range(2):
+        targets = {"w": torch.zeros(64, 16)}
+        load_rank(str(directory), targets, RankInfo(rank, 2), manifest=read_manifest(str(directory)), verify="checksum")
+        assert bool((targets["w"] == value).all())
+
+
+def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(tmp_path):
+    """write_manifest removes the staged files of its save and of the save whose lock it took
+    over, never those of another token."""
+    manifest = save(tmp_path)
+    ours, taken_over, other = "0123456789ab", DEAD_TOKEN, "feedfacecafe"
+    for token in (ours, taken_over, other):
+        (tmp_path / staged_name(PART0, token)).write_bytes(token.encode())
+    lock = acquire_save_lock(str(tmp_path), ours, overwrite=True)
+    write_manifest(str(tmp_path), manifest, SaveLock(lock.path, ours, lock.fd, taken_over))
+    assert staged_files(tmp_path) == {other: [staged_name(PART0, other)]}
+    assert (tmp_path / staged_name(PART0, other)).read_bytes() == other.encode()
+    assert not (tmp_path / LOCK_NAME).exists()
+    load(tmp_path)
+    # `verify` names the file left behind; the loader ignores it.
+    assert any("a staged file of a save that never published it" in p for p in verify_checkpoint(str(tmp_path)))
+
+
+def test_save_taking_a_stale_lock_over_removes_that_saves_staged_files_only(tmp_path):
+    save(tmp_path)
+    other = "feedfacecafe"
+    dead = subprocess.run(
+        [sys.executable, "-c", DEAD_SAVE.format(tests=str(ROOT / "tests"), directory=str(tmp_path), token=DEAD_TOKEN)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dead.returncode == 0, dead.stderr
+    (tmp_path / staged_name("model-rank-1-part-0.safetensors", other)).write_bytes(b"not ours")
+    assert set(staged_files(tmp_path)) == {DEAD_TOKEN, other}
+    save(tmp_path, overwrite=True)
+    assert staged_files(tmp_path) == {other: [staged_name("model-rank-1-part-0.safetensors", other)]}
+    assert not (tmp_path / LOCK_NAME).exists()
+    load(tmp_path, verify="checksum")

@@ -21,6 +21,9 @@ from ..format.errors import ShardedStateError
 from ..format.names import LOCK_NAME
 from .local import directory_holds_checkpoint
 
+# How long a save that meets a held lock waits for its holder to name itself (see _running_holder).
+HOLDER_WAIT_S = 2.0
+
 
 @dataclass(frozen=True)
 class SaveLock:
@@ -136,12 +139,13 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
     except FileNotFoundError:
         return None
     try:
-        holder = read_lock(directory) or {}
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             held = False
         except BlockingIOError:
             held = True
+        # Read after the flock: ours, the holder is the save we take over; another's, its own.
+        holder = _running_holder(directory) if held else read_lock(directory) or {}
         if not held and os.fstat(fd).st_ino != _inode(path):
             os.close(fd)  # released and replaced while we looked: try again
             return None
@@ -162,6 +166,21 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
         raise
     stale = holder.get("token")
     return SaveLock(path, token, fd, stale if isinstance(stale, str) else None)
+
+
+def _running_holder(directory: str) -> dict:
+    """Who holds a lock whose flock is taken, once it has written itself into the lock file.
+
+    A save that has just taken an interrupted save's lock over holds the flock a moment
+    before it rewrites the file, which until then names the dead save, or nothing (while
+    it is rewritten). Waits that moment (at most HOLDER_WAIT_S) so errors name the holder.
+    """
+    deadline = time.monotonic() + HOLDER_WAIT_S
+    while True:
+        holder = read_lock(directory) or {}
+        if (isinstance(holder.get("pid"), int) and _holder_is_alive(holder)) or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.01)
 
 
 def _inode(path: str) -> int | None:

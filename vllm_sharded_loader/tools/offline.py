@@ -104,9 +104,12 @@ def reshard_checkpoint(
             for tp_rank in range(tp_size):
                 rank = RankInfo(tp_rank, tp_size, pp_rank, pp_size)
                 plans[rank] = source.plan(names, rank)
-        for plan in plans.values():
-            for name in files_to_check(plan, manifest):
-                source.check_file(name)  # every file checked before anything is written
+        # Every file the plans touch (all of them if a tensor is read under a tied name),
+        # opened and checked against the manifest before a tensor is allocated from its
+        # shape or a byte is written; all reads then go through these descriptors.
+        for name in sorted({f for plan in plans.values() for f in files_to_check(plan, manifest)}):
+            source.check_file(name)
+        check_not_replaced(directory, manifest, source.check_unchanged)
         os.makedirs(output, exist_ok=True)
         copy_non_weight_files(directory, output)
 
