@@ -64,8 +64,10 @@ class JsonReader:
 
     def integer(self, obj: dict[str, Any], key: str, minimum: int = 0, maximum: int = MAX_BYTES) -> int:
         value = obj.get(key)
-        if not is_int(value) or not minimum <= value <= maximum:
-            raise self.fail(f"{key!r} must be an integer >= {minimum} and <= {maximum}, found {value!r}")
+        if not is_int(value) or value < minimum:
+            raise self.fail(f"{key!r} must be an integer >= {minimum}, found {value!r}")
+        if value > maximum:
+            raise self.fail(f"{key!r} must be an integer <= {maximum}, found {value!r}")
         return value
 
     def optional_integer(self, obj: dict[str, Any], key: str, minimum: int = 0) -> int | None:

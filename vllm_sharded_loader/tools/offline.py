@@ -14,7 +14,7 @@ import torch
 
 from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
-from ..checkpoint.save import DEFAULT_MAX_SIZE, remove_manifest, save_checkpoint
+from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..format.errors import ShardedStateError
 from ..format.geometry import OPAQUE
 from ..format.manifest import Manifest
@@ -124,7 +124,7 @@ def reshard_checkpoint(
             return LazyTensor(tuple(tensor_plan.shape), dtype, produce)
 
         ranks = {rank: {n: lazy(p) for n, p in plan.tensors.items()} for rank, plan in plans.items()}
-        written = save_checkpoint(
+        return save_checkpoint(
             output,
             ranks,
             dtype=manifest.dtype,
@@ -134,9 +134,3 @@ def reshard_checkpoint(
             geometry=manifest.geometry,
             tied=manifest.tied,
         )
-        try:
-            check_not_replaced(directory, manifest, source.check_unchanged)
-        except ShardedStateError:
-            remove_manifest(output)  # written from a source that changed under it: never loadable
-            raise
-        return written
