@@ -237,3 +237,46 @@ def test_distinct_meta_tensors_never_look_like_shared_memory():
     assert tied_groups(state, kept) == [["a", "a_tied"]]
     cpu = torch.zeros(4, 4)
     assert tied_groups({"x": cpu, "y": cpu.clone(), "x_view": cpu.view(16).view(4, 4)}, ["x"]) == [["x", "x_view"]]
+
+
+def test_non_weight_files_and_module_folders_are_copied(tmp_path):
+    import json
+
+    from vllm_sharded_loader.storage.local import copy_non_weight_files
+
+    source, out = tmp_path / "model", tmp_path / "out"
+    files = {
+        "config.json": "{}",
+        "tokenizer.json": "{}",
+        "model.safetensors": "weights",
+        "model.safetensors.index.json": "{}",
+        "modules.json": json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+            ]
+        ),
+        "1_Pooling/config.json": "{}",
+        "2_Dense/config.json": "{}",
+        "2_Dense/model.safetensors": "the pooler's projection",
+        "original/params.json": "{}",
+        "original/consolidated.00.pth": "a second copy of the weights",
+        ".git/HEAD": "ref",
+    }
+    for name, text in files.items():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(text)
+    out.mkdir()
+    copy_non_weight_files(str(source), str(out))
+    copied = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert copied == {
+        "config.json",
+        "tokenizer.json",
+        "modules.json",
+        "1_Pooling/config.json",
+        "2_Dense/config.json",
+        "2_Dense/model.safetensors",
+        "original/params.json",
+    }
+    assert (out / "2_Dense/model.safetensors").read_text() == "the pooler's projection"

@@ -8,6 +8,7 @@ header is read through :func:`read_header`.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import shutil
 import struct
@@ -207,19 +208,46 @@ def is_weight_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS) or name in SKIPPED_NAMES
 
 
+def module_folders(source: str) -> set[str]:
+    """Top-level folders holding modules of a sentence-transformers model (``modules.json``).
+
+    Their weights (a ``2_Dense/model.safetensors`` projection, say) are not the
+    transformer's, which the sharded parts replace: vLLM's pooler reads them from the
+    folder itself, so they must come along. An unreadable ``modules.json`` names none.
+    """
+    try:
+        with open(os.path.join(source, "modules.json")) as f:
+            modules = json.load(f)
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(modules, list):
+        return set()
+    paths = (m.get("path") for m in modules if isinstance(m, dict))
+    return {p.strip("/").split("/")[0] for p in paths if isinstance(p, str) and p.strip("/")}
+
+
 def copy_non_weight_files(source: str, output: str) -> list[str]:
-    """Copy config, generation config, tokenizer files, chat template, ... to ``output``."""
+    """Copy config, generation config, tokenizer files, chat template, module folders, ... to ``output``.
+
+    Everything except the transformer's own weights: top-level weight files, and weight
+    files in folders that are not modules of the model (an ``original/`` copy of the
+    weights). A sentence-transformers module folder is copied whole (:func:`module_folders`).
+    """
     copied = []
+    modules = module_folders(source)
     for name in sorted(os.listdir(source)):
         if is_weight_file(name):
             continue
         src, dst = os.path.join(source, name), os.path.join(output, name)
         if os.path.isdir(src):
+            whole = name in modules
             shutil.copytree(
                 src,
                 dst,
                 dirs_exist_ok=True,
-                ignore=lambda _d, names: [n for n in names if is_weight_file(n)],
+                ignore=lambda _d, names, whole=whole: [
+                    n for n in names if n in SKIPPED_NAMES or (not whole and is_weight_file(n))
+                ],
             )
         else:
             shutil.copy2(src, dst)
