@@ -194,3 +194,40 @@ def test_resharding_refuses_a_geometry_that_is_not_the_served_models(tmp_path):
     geometry = {n: t.geometry for n, t in model.tensors.items()}
     with pytest.raises(ShardedStateError, match=rf"{name}: the checkpoint records merged_column_parallel"):
         load_tp1(tmp_path, model, manifest, geometry=geometry)
+
+
+def experts_rank(w1, w3, w2, tp_size, tp_rank):
+    """A rank's stacked experts as vLLM's _load_w13 / _load_w2 cut them: gate then up slice, down's columns."""
+    per = w1.shape[1] // tp_size
+    rows = slice(tp_rank * per, (tp_rank + 1) * per)
+    return {
+        "model.layers.0.mlp.experts.w13_weight": torch.cat([w1[:, rows], w3[:, rows]], dim=1).contiguous(),
+        "model.layers.0.mlp.experts.w2_weight": w2[:, :, rows].contiguous(),
+    }
+
+
+@pytest.mark.parametrize(("saved_tp", "serving_tp"), [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_stacked_experts_reshard_as_vllm_loads_them(tmp_path, saved_tp, serving_tp):
+    from vllm_sharded_loader.format.geometry import merged_column_parallel, row_parallel
+
+    experts, intermediate, hidden = 4, 16, 8
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = (torch.randn(experts, intermediate, hidden, generator=g) for _ in range(2))
+    w2 = torch.randn(experts, hidden, intermediate, generator=g)
+    geometry = {
+        "model.layers.0.mlp.experts.w13_weight": merged_column_parallel(
+            [experts, 2 * intermediate, hidden], [intermediate, intermediate], ["w1", "w3"], "RoutedExperts", stacked=1
+        ).to_dict(),
+        "model.layers.0.mlp.experts.w2_weight": row_parallel(
+            [experts, hidden, intermediate], "RoutedExperts", stacked=1
+        ).to_dict(),
+    }
+    ranks = {RankInfo(t, saved_tp): experts_rank(w1, w3, w2, saved_tp, t) for t in range(saved_tp)}
+    save_checkpoint(str(tmp_path), ranks, dtype="float32", source=SOURCE, max_size=4096, geometry=geometry)
+    manifest = read_manifest(str(tmp_path))
+    for t in range(serving_tp):
+        expected = experts_rank(w1, w3, w2, serving_tp, t)
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        load_rank(str(tmp_path), targets, RankInfo(t, serving_tp), manifest=manifest, verify="checksum")
+        for name, x in expected.items():
+            assert torch.equal(targets[name], x), (name, t)

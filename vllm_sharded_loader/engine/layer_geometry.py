@@ -23,8 +23,9 @@ from ..planning.layout import shard_layout
 # Layers whose parameters every rank holds whole. Matched on the class and its bases.
 REPLICATED_LAYERS = frozenset({"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "Attention", "Embedding"})
 # Bases of every tensor-parallel layer: a subclass not handled exactly below is opaque.
-PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE"})
+PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE", "RoutedExperts"})
 UNQUANTIZED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+UNQUANTIZED_EXPERT_METHODS = frozenset({"UnquantizedFusedMoEMethod"})
 
 
 def _class_names(module: torch.nn.Module) -> set[str]:
@@ -52,6 +53,41 @@ def _linear_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeom
     return None
 
 
+def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
+    """Stacked experts split across TP only (vLLM's ``_load_w13`` / ``_load_w2``).
+
+    ``w13`` ``[experts, gate + up, hidden]`` holds each rank's slice of gate, then of up
+    (merged column parallel along dimension 1); ``w2`` ``[experts, hidden, intermediate]``
+    is split along its last dimension. Expert parallelism, redundant (EPLB) experts and
+    padded sizes are not described: None, so the tensor is opaque.
+    """
+    config = getattr(module, "moe_config", None)
+    parallel = getattr(config, "moe_parallel_config", None)
+    if config is None or parallel is None or getattr(parallel, "use_ep", True):
+        return None
+    experts = module.global_num_experts
+    per_rank = config.intermediate_size_per_partition
+    hidden = module.hidden_size
+    if (
+        module.local_num_experts != experts
+        or per_rank != config.intermediate_size_per_partition_unpadded
+        or hidden != config.hidden_dim_unpadded
+    ):
+        return None
+    intermediate = per_rank * parallel.tp_size
+    halves = [intermediate, intermediate] if config.is_act_and_mul else [intermediate]
+    names = ["w1", "w3"] if config.is_act_and_mul else ["w1"]
+    if param == "w13_weight":
+        return rs.merged_column_parallel([experts, sum(halves), hidden], halves, names, layer_class, stacked=1)
+    if param == "w13_bias":
+        return rs.merged_column_parallel([experts, sum(halves)], halves, names, layer_class, stacked=1)
+    if param == "w2_weight":
+        return rs.row_parallel([experts, hidden, intermediate], layer_class, stacked=1)
+    if param == "w2_bias":
+        return rs.replicated([experts, hidden], layer_class)
+    return None
+
+
 def _vocab_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
     if param == "weight":
         return rs.vocab_parallel(
@@ -69,8 +105,11 @@ def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...])
     quant_method = type(getattr(module, "quant_method", None)).__name__
     if names & PARALLEL_BASES:
         geometry = None
-        if getattr(module, "disable_tp", False):
+        if getattr(module, "disable_tp", False) or "ReplicatedLinear" in names:
+            # Every rank holds the whole layer, its quantized weights and scales included.
             geometry = rs.replicated(shape, layer_class)
+        elif "RoutedExperts" in names and quant_method in UNQUANTIZED_EXPERT_METHODS:
+            geometry = _experts_geometry(module, param, layer_class)
         elif quant_method in UNQUANTIZED_METHODS:
             if layer_class in {
                 "QKVParallelLinear",

@@ -101,6 +101,8 @@ class TensorGeometry:
     shape: tuple[int, ...]
     split_dim: int | None = None
     segments: tuple[Segment, ...] = ()
+    # Leading dimensions that stack one layer per entry (MoE experts): the rule applies after them.
+    stacked: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON data; the inverse of :meth:`from_dict`."""
@@ -112,6 +114,8 @@ class TensorGeometry:
         }
         if self.segments:
             data["segments"] = [s.to_dict() for s in self.segments]
+        if self.stacked:
+            data["stacked"] = self.stacked
         return data
 
     @classmethod
@@ -126,7 +130,7 @@ class TensorGeometry:
 
         if not isinstance(data, dict):
             raise fail(f"expected an object, found {type(data).__name__}")
-        unknown = set(data) - {"kind", "layer_class", "shape", "split_dim", "segments"}
+        unknown = set(data) - {"kind", "layer_class", "shape", "split_dim", "segments", "stacked"}
         if unknown:
             raise fail(f"unknown keys {sorted(unknown)}")
         shape = data.get("shape")
@@ -164,6 +168,7 @@ class TensorGeometry:
             shape=tuple(shape),
             split_dim=split_dim,
             segments=tuple(segments),
+            stacked=reader.integer(data, "stacked", maximum=MAX_DIMS) if "stacked" in data else 0,
         )
         check_geometry(geometry, name, where)
         return geometry
@@ -189,11 +194,15 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
         raise fail(f"shape {list(g.shape)} has a negative size")
     if g.kind == OPAQUE:
         return
+    if g.stacked >= max(len(g.shape), 1):
+        raise fail(f"'stacked' is {g.stacked}, but the shape {list(g.shape)} has {len(g.shape)} dimensions")
     if g.kind == REPLICATED:
         if g.split_dim is not None or g.segments:
             raise fail(f"a replicated tensor has no split dimension or segments, found split_dim={g.split_dim}")
         return
-    expected_dim = 1 if g.kind == ROW_PARALLEL else 0
+    # A row-parallel tensor is split along its input dimension, the others along their
+    # output dimension: 1 and 0 for a linear weight, one further for stacked experts.
+    expected_dim = g.stacked + (1 if g.kind == ROW_PARALLEL else 0)
     if g.split_dim != expected_dim or len(g.shape) <= expected_dim:
         raise fail(
             f"vLLM splits a {g.kind} tensor along dimension {expected_dim}, found split_dim={g.split_dim} "
@@ -260,9 +269,13 @@ def column_parallel(shape: Sequence[int], layer_class: str = "ColumnParallelLine
     return TensorGeometry(COLUMN_PARALLEL, layer_class, tuple(shape), 0, (Segment("output", shape[0]),))
 
 
-def row_parallel(shape: Sequence[int], layer_class: str = "RowParallelLinear") -> TensorGeometry:
-    """A RowParallelLinear weight ``[out, in]``, split along dimension 1 (its bias is :func:`replicated`)."""
-    return TensorGeometry(ROW_PARALLEL, layer_class, tuple(shape), 1, (Segment("input", shape[1]),))
+def row_parallel(shape: Sequence[int], layer_class: str = "RowParallelLinear", stacked: int = 0) -> TensorGeometry:
+    """A RowParallelLinear weight ``[out, in]``, split along dimension 1 (its bias is :func:`replicated`).
+
+    ``stacked=1`` for experts stacked in one tensor (``[experts, hidden, intermediate]``).
+    """
+    dim = stacked + 1
+    return TensorGeometry(ROW_PARALLEL, layer_class, tuple(shape), dim, (Segment("input", shape[dim]),), stacked)
 
 
 def merged_column_parallel(
@@ -270,8 +283,11 @@ def merged_column_parallel(
     output_sizes: Sequence[int],
     names: Sequence[str] | None = None,
     layer_class: str = "MergedColumnParallelLinear",
+    stacked: int = 0,
 ) -> TensorGeometry:
     """A MergedColumnParallelLinear weight or bias: each of ``output_sizes`` (gate, up) split on its own.
+
+    ``stacked=1`` for experts stacked in one tensor (``[experts, gate + up, hidden]``).
 
     >>> [s.size for s in merged_column_parallel([8, 4], [4, 4]).segments]
     [4, 4]
@@ -279,7 +295,7 @@ def merged_column_parallel(
     if names is None:
         names = ["gate", "up"] if len(output_sizes) == 2 else [str(i) for i in range(len(output_sizes))]
     segments = tuple(Segment(n, s) for n, s in zip(names, output_sizes, strict=True))
-    return TensorGeometry(MERGED_COLUMN_PARALLEL, layer_class, tuple(shape), 0, segments)
+    return TensorGeometry(MERGED_COLUMN_PARALLEL, layer_class, tuple(shape), stacked, segments, stacked)
 
 
 def qkv_parallel(

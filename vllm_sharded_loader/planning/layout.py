@@ -111,7 +111,13 @@ def check_reshardable(g: TensorGeometry, name: str, why: str = "") -> None:
 
 def same_split(a: TensorGeometry, b: TensorGeometry) -> bool:
     """Whether two geometries split a tensor the same way (the layer class, a label, aside)."""
-    return (a.kind, a.shape, a.split_dim, a.segments) == (b.kind, b.shape, b.split_dim, b.segments)
+    return (a.kind, a.shape, a.split_dim, a.segments, a.stacked) == (
+        b.kind,
+        b.shape,
+        b.split_dim,
+        b.segments,
+        b.stacked,
+    )
 
 
 def check_served_geometry(
