@@ -123,7 +123,8 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         geometry=describe_tensors(model, tensors, rank.tp_size, rank.tp_rank),
         tied=tied_groups(state_dict, tensors),
     )
-    settings = capture_settings()
+    # Data-parallel replicas hold the same slices: only the first captures them (see the save hook).
+    settings = capture_settings() if _data_parallel_replica()[0] == 0 else None
     if settings is not None:
         directory, pattern, max_size = settings
         # Staged under temporary names: nothing is published until the save hook runs.
@@ -285,13 +286,19 @@ def _stage_for_save(
 
 
 class _Workers:
-    """Steps that every worker of the engine runs together, failing together."""
+    """Steps that every worker of one model replica runs together, failing together.
+
+    The exchange spans this replica's tensor- and pipeline-parallel workers only (its TP
+    group, then its PP group), never vLLM's world group, which with data parallelism
+    also spans replicas that may never reach the save: they would hang it.
+    """
 
     def __init__(self, rank: RankInfo) -> None:
-        from vllm.distributed import get_world_group
+        from vllm.distributed import get_pp_group, get_tp_group
 
-        self.rank, self.group = rank, get_world_group()
-        self.first = self.group.rank_in_group == 0
+        self.rank = rank
+        self.groups = [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+        self.first = rank.tp_rank == 0 and rank.pp_rank == 0
 
     def run(self, step: Any, only_first: bool = False) -> list[Any]:
         """Run ``step`` here (or only on the first worker), exchange results, raise if any failed.
@@ -302,15 +309,35 @@ class _Workers:
             outcome: tuple[bool, Any] = (True, step() if self.first or not only_first else None)
         except Exception as e:
             outcome = (False, f"{self.rank}: {e}")
-        if self.group.world_size == 1:
-            outcomes = [outcome]
-        else:
-            outcomes = [None] * self.group.world_size
-            torch.distributed.all_gather_object(outcomes, outcome, group=self.group.cpu_group)
+        outcomes = [outcome]
+        for group in self.groups:
+            gathered: list[Any] = [None] * group.world_size
+            torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
+            outcomes = [o for part in gathered for o in part]
         errors = [value for ok, value in outcomes if not ok]
         if errors:
             raise ShardedStateError(" | ".join(errors))
         return [value for _, value in outcomes]
+
+
+def _data_parallel_replica() -> tuple[int, int]:
+    """(this replica's data-parallel rank, the data-parallel size)."""
+    from vllm.distributed.parallel_state import get_dp_group
+
+    try:
+        group = get_dp_group()
+    except AssertionError:  # no data-parallel group: a single replica
+        return 0, 1
+    return group.rank_in_group, group.world_size
+
+
+def _expert_parallel() -> bool:
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return bool(get_current_vllm_config().parallel_config.enable_expert_parallel)
+    except Exception:  # outside an engine's config context
+        return False
 
 
 def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
@@ -322,6 +349,18 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     leaves any previous checkpoint intact.
     """
     rank = current_rank()
+    dp_rank, dp_size = _data_parallel_replica()
+    if dp_size > 1:
+        if _expert_parallel():
+            raise ShardedStateError(
+                f"Refusing to save: with expert parallelism across {dp_size} data-parallel replicas each replica "
+                "holds other experts, and this version does not record the expert placement yet. Save from an "
+                "engine without data parallelism (data_parallel_size=1), at the same TP/PP size."
+            )
+        if dp_rank > 0:
+            # Replicas hold the same slices: replica 0 writes them, once.
+            logger.info("sharded_state: data-parallel replica %d leaves the save to replica 0", dp_rank)
+            return
     workers = _Workers(rank)
     state: LoadedState | None = getattr(model, LOADED_STATE_ATTRIBUTE, None)
     pattern = pattern or default_pattern(rank.pp_size)
