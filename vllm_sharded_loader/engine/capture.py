@@ -331,6 +331,10 @@ def _data_parallel_replica() -> tuple[int, int]:
     return group.rank_in_group, group.world_size
 
 
+def _is_experts(module: torch.nn.Module) -> bool:
+    return any(c.__name__ == "RoutedExperts" for c in type(module).__mro__)
+
+
 def _expert_parallel() -> bool:
     from vllm.config import get_current_vllm_config
 
@@ -351,11 +355,12 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     rank = current_rank()
     dp_rank, dp_size = _data_parallel_replica()
     if dp_size > 1:
-        if _expert_parallel():
+        if _expert_parallel() or any(_is_experts(m) for m in model.modules()):
+            # vLLM splits MoE experts across replicas (expert parallel, or TP flattened across DP).
             raise ShardedStateError(
-                f"Refusing to save: with expert parallelism across {dp_size} data-parallel replicas each replica "
-                "holds other experts, and this version does not record the expert placement yet. Save from an "
-                "engine without data parallelism (data_parallel_size=1), at the same TP/PP size."
+                f"Refusing to save: the model's experts are split across its {dp_size} data-parallel replicas, "
+                "and this version does not record that placement yet. Save from an engine without data "
+                "parallelism (data_parallel_size=1); the checkpoint then serves any DP size."
             )
         if dp_rank > 0:
             # Replicas hold the same slices: replica 0 writes them, once.

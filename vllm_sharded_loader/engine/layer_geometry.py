@@ -65,6 +65,11 @@ def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeo
     parallel = getattr(config, "moe_parallel_config", None)
     if config is None or parallel is None or getattr(parallel, "use_ep", True):
         return None
+    if getattr(parallel, "dp_size", 1) * getattr(parallel, "pcp_size", 1) != 1 or getattr(
+        parallel, "enable_eplb", False
+    ):
+        # vLLM splits experts across the data-parallel replicas too (TP flattened across DP).
+        return None
     experts = module.global_num_experts
     per_rank = config.intermediate_size_per_partition
     hidden = module.hidden_size
