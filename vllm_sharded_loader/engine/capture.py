@@ -360,7 +360,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
             raise ShardedStateError(
                 f"Refusing to save: the model's experts are split across its {dp_size} data-parallel replicas, "
                 "and this version does not record that placement yet. Save from an engine without data "
-                "parallelism (data_parallel_size=1); the checkpoint then serves any DP size."
+                "parallelism (data_parallel_size=1)."
             )
         if dp_rank > 0:
             # Replicas hold the same slices: replica 0 writes them, once.
