@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, listing
 from ..format.manifest import Manifest
 from ..planning.reads import (
     Read,
@@ -216,7 +216,7 @@ def load_resharded(
             )
         unexpected = unexpected_tensors(manifest, targets, tied, rank.pp_size)
         if unexpected:
-            shown = ", ".join(unexpected[:5]) + (f", ... ({len(unexpected)} in all)" if len(unexpected) > 5 else "")
+            shown = listing(unexpected, 5)
             raise ShardedStateError(
                 f"{directory} ({rank}, resharded from TP={manifest.tp_size} PP={manifest.pp_size}): the checkpoint "
                 f"holds tensors the served model does not have: {shown}. It was saved from another model: save it "

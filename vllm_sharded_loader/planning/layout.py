@@ -10,7 +10,7 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, listing
 from ..format.geometry import OPAQUE, REPLICATED, SPLIT_KINDS, Segment, TensorGeometry
 from .tensors import tied_source
 
@@ -155,7 +155,7 @@ def check_served_geometry(
         if not same_split(mine, theirs):
             wrong.append(f"{name}: the checkpoint records {_split(theirs)}, the served model {_split(mine)}")
     if wrong:
-        shown = "; ".join(wrong[:5]) + (f"; ... ({len(wrong)} in all)" if len(wrong) > 5 else "")
+        shown = listing(wrong, 5, "; ")
         raise ShardedStateError(
             f"{where}: the manifest's geometry (how each tensor is split across ranks) is not the served "
             f"model's: {shown}. The checkpoint was saved from another model, or its manifest is damaged: "

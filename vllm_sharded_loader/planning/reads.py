@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, listing
 from ..format.geometry import OPAQUE, REPLICATED, TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -179,7 +179,7 @@ def plan_reads(
             continue
         plans[name] = _plan_tensor(name, source, index[source], saved_tp_size, tp_size, tp_rank)
     if missing:
-        shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        shown = listing(missing)
         raise ShardedStateError(
             f"Serving rank {serving} needs tensors no saved rank holds: {shown}. The checkpoint was saved "
             "from another model or is incomplete: save it again from the model being served."

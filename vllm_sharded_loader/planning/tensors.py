@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, listing
 
 
 @dataclass(frozen=True)
@@ -29,24 +29,20 @@ def check_tensor_sets(
     rank and checkpoint, ``hint`` says what to do.
     """
 
-    def listing(names: Sequence[str]) -> str:
-        shown = ", ".join(names[:limit])
-        return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     problems = []
     if missing:
-        problems.append(f"missing tensors: {listing(missing)}")
+        problems.append(f"missing tensors: {listing(missing, limit)}")
     if unexpected:
-        problems.append(f"unexpected tensors: {listing(unexpected)}")
+        problems.append(f"unexpected tensors: {listing(unexpected, limit)}")
     mismatched = [
         f"{name} saved {list(saved[name].shape)} but the model expects {list(spec.shape)}"
         for name, spec in expected.items()
         if name in saved and tuple(saved[name].shape) != tuple(spec.shape)
     ]
     if mismatched:
-        problems.append(f"shape mismatch: {listing(mismatched)}")
+        problems.append(f"shape mismatch: {listing(mismatched, limit)}")
     if problems:
         raise ShardedStateError(f"{where}: " + "; ".join(problems) + f". {hint}")
     return [name for name, spec in expected.items() if saved[name].dtype != spec.dtype]
