@@ -26,6 +26,9 @@ REPLICATED_LAYERS = frozenset({"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormG
 PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE", "RoutedExperts"})
 UNQUANTIZED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
 UNQUANTIZED_EXPERT_METHODS = frozenset({"UnquantizedFusedMoEMethod"})
+LINEAR_LAYERS = frozenset(
+    {"QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear"}
+)
 
 
 def _class_names(module: torch.nn.Module) -> set[str]:
@@ -93,6 +96,38 @@ def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeo
     return None
 
 
+def _quantized_linear_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
+    """A quantized linear layer's parameter, split as vLLM's parameter classes say.
+
+    The weight's sharding rule (q/k/v heads, gate/up, ...) applies along a parameter's
+    ``output_dim`` in a column-parallel layer, along its ``input_dim`` in a row-parallel
+    one, when the parameter has one entry per weight row or column there (int8 weights,
+    per-channel scales). A parameter with neither dimension is loaded whole on every rank
+    (per-tensor scales, one per fused shard; static input scales): replicated. Packed,
+    grouped or block-wise layouts (int4, group and block scales) are None: opaque.
+    """
+    tensor = getattr(module, param, None)
+    weight = _linear_geometry(module, "weight", layer_class)
+    if tensor is None or weight is None or getattr(tensor, "packed_dim", None) is not None:
+        return None
+    output_dim, input_dim = getattr(tensor, "output_dim", None), getattr(tensor, "input_dim", None)
+    shape = list(tensor.shape)
+    if output_dim is None and input_dim is None:
+        whole = type(tensor).__name__ == "PerTensorScaleParameter" or tensor.numel() == 1
+        return rs.replicated(shape, layer_class) if whole else None
+    assert weight.split_dim is not None
+    dim = output_dim if layer_class != "RowParallelLinear" else input_dim
+    if dim is None:
+        # Split along the dimension the layer does not split: every rank holds it whole.
+        return rs.replicated(shape, layer_class)
+    if dim != weight.split_dim or dim >= len(shape):
+        return None
+    global_shape = [*shape[:dim], weight.shape[dim], *shape[dim + 1 :]]
+    # The rows (or columns) this rank holds, scaled back to the whole layer: checked against
+    # the rank's actual shape by tensor_geometry, like every geometry.
+    return rs.TensorGeometry(weight.kind, layer_class, tuple(global_shape), dim, weight.segments)
+
+
 def _vocab_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
     if param == "weight":
         return rs.vocab_parallel(
@@ -115,16 +150,14 @@ def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...])
             geometry = rs.replicated(shape, layer_class)
         elif "RoutedExperts" in names and quant_method in UNQUANTIZED_EXPERT_METHODS:
             geometry = _experts_geometry(module, param, layer_class)
-        elif quant_method in UNQUANTIZED_METHODS:
-            if layer_class in {
-                "QKVParallelLinear",
-                "MergedColumnParallelLinear",
-                "ColumnParallelLinear",
-                "RowParallelLinear",
-            }:
+        elif layer_class in LINEAR_LAYERS:
+            # The bias belongs to the layer, not to its quantization method.
+            if quant_method in UNQUANTIZED_METHODS or param == "bias":
                 geometry = _linear_geometry(module, param, layer_class)
-            elif layer_class in {"VocabParallelEmbedding", "ParallelLMHead"}:
-                geometry = _vocab_geometry(module, param, layer_class)
+            else:
+                geometry = _quantized_linear_geometry(module, param, layer_class)
+        elif layer_class in {"VocabParallelEmbedding", "ParallelLMHead"} and quant_method in UNQUANTIZED_METHODS:
+            geometry = _vocab_geometry(module, param, layer_class)
         return geometry or rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
     if names & REPLICATED_LAYERS:
         return rs.replicated(shape, layer_class)
