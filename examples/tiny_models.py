@@ -136,3 +136,348 @@ def engine_environment(tp_size: int = 1, pp_size: int = 1) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
+
+
+# Model families for the model matrix (``benchmarks/model_matrix.py``, issue 13): one tiny
+# random model per family vLLM serves, sized for TP=2 (heads, KV heads, intermediate sizes
+# and experts divide by 2) and CPU attention (head sizes 32/64). ``build_family`` builds them;
+# ``MODEL_KINDS`` and ``build_model`` above are unchanged. Keys of each entry:
+#   architecture   the HF class (a ``transformers`` model class) and ``architectures`` entry
+#   config         the ``transformers`` config class
+#   fields         config fields
+#   dtype          the checkpoint's dtype (float32: the dtype these families were first run in)
+#   engine         extra ``LLM(...)`` arguments (``runner``, ``convert``, ``speculative_config``)
+#   writer         an extra step after ``save_pretrained`` (quantize, sentence-transformers
+#                  layout, processor, draft model), a function of this module
+_SMALL_ATTENTION = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+_MOE = dict(_SMALL_ATTENTION, num_key_value_heads=2, head_dim=64, num_experts_per_tok=2)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma2": dict(
+        architecture="Gemma2ForCausalLM",
+        config="Gemma2Config",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True),
+    ),
+    "phi3": dict(
+        architecture="Phi3ForCausalLM",
+        config="Phi3Config",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "mixtral": dict(architecture="MixtralForCausalLM", config="MixtralConfig", fields=dict(_MOE, num_local_experts=4)),
+    "qwen2_moe": dict(
+        architecture="Qwen2MoeForCausalLM",
+        config="Qwen2MoeConfig",
+        fields=dict(
+            _MOE,
+            num_experts=4,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=128,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe": dict(
+        architecture="Qwen3MoeForCausalLM",
+        config="Qwen3MoeConfig",
+        fields=dict(_MOE, num_experts=4, moe_intermediate_size=64, tie_word_embeddings=False),
+    ),
+    "deepseek_v2": dict(
+        architecture="DeepseekV2ForCausalLM",
+        config="DeepseekV2Config",
+        fields=dict(
+            _SMALL_ATTENTION,
+            num_key_value_heads=2,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=64,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            n_group=1,
+            topk_group=1,
+            topk_method="greedy",
+            tie_word_embeddings=False,
+        ),
+    ),
+    "int8_w8a8": dict(
+        architecture="LlamaForCausalLM",
+        config="LlamaConfig",
+        fields=dict(MODEL_KINDS["llama"], architecture=None),
+        writer="write_int8_w8a8",
+    ),
+    "bert_embed": dict(
+        architecture="BertModel",
+        config="BertConfig",
+        fields=dict(_SMALL_ATTENTION, max_position_embeddings=512),
+        engine=dict(runner="pooling"),
+    ),
+    "st_embed": dict(
+        architecture="LlamaForCausalLM",
+        config="LlamaConfig",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, tie_word_embeddings=False),
+        engine=dict(runner="pooling", convert="embed"),
+        writer="write_sentence_transformers",
+    ),
+    "mamba": dict(
+        architecture="MambaForCausalLM",
+        config="MambaConfig",
+        fields=dict(hidden_size=128, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4),
+    ),
+    "llava": dict(
+        architecture="LlavaForConditionalGeneration",
+        config="LlavaConfig",
+        fields=dict(),
+        writer=None,  # built by build_llava
+    ),
+    "ngram": dict(
+        architecture="LlamaForCausalLM",
+        config="LlamaConfig",
+        fields=dict(MODEL_KINDS["llama"], architecture=None),
+        engine=dict(speculative_config=dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)),
+    ),
+    "eagle": dict(
+        architecture="LlamaForCausalLM",
+        config="LlamaConfig",
+        fields=dict(MODEL_KINDS["llama"], architecture=None),
+        writer="write_eagle_draft",
+        # speculative_config.model is filled in by build_family: <directory>/eagle-draft
+        engine=dict(speculative_config=dict(method="eagle", num_speculative_tokens=2)),
+    ),
+}
+
+
+def family_engine_args(directory: str, family: str) -> dict[str, Any]:
+    """The extra ``LLM(...)`` arguments a family's model at ``directory`` needs."""
+    import copy
+
+    engine = copy.deepcopy(FAMILIES[family].get("engine", {}))
+    spec = engine.get("speculative_config")
+    if spec and spec.get("method") == "eagle":
+        spec["model"] = os.path.join(os.path.abspath(directory), "eagle-draft")
+    return engine
+
+
+def build_family(directory: str, family: str, *, seed: int = 0) -> str:
+    """Build the tiny random model of ``family`` (a key of ``FAMILIES``) into ``directory``."""
+    import torch
+    import transformers
+
+    entry = FAMILIES[family]
+    os.makedirs(directory, exist_ok=True)
+    if family == "llava":
+        return build_llava(directory, seed=seed)
+    tokenizer = build_tokenizer(directory)
+    fields = {k: v for k, v in entry["fields"].items() if k != "architecture"}
+    dtype = entry.get("dtype", "float32")
+    config = getattr(transformers, entry["config"])(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=fields.pop("max_position_embeddings", 1024),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.15,
+        architectures=[entry["architecture"]],
+        **fields,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, entry["architecture"])(config).to(getattr(torch, dtype))
+    model.save_pretrained(directory, safe_serialization=True)
+    transformers.GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    ).save_pretrained(directory)
+    if entry.get("writer"):
+        globals()[entry["writer"]](directory, model, seed=seed)
+    return directory
+
+
+def _weight_files(directory: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(directory, name)))
+            os.remove(os.path.join(directory, name))
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        os.remove(index)
+    return tensors
+
+
+def write_int8_w8a8(directory: str, model: Any, *, seed: int = 0) -> None:
+    """Rewrite the decoder linears as compressed-tensors int8 W8A8 (per-channel weight scales,
+    dynamic per-token int8 activations; lm_head and embeddings stay float)."""
+    import json
+    import re
+
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = _weight_files(directory)
+    linear = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+    out = {}
+    for name, tensor in tensors.items():
+        if linear.match(name):
+            w = tensor.float()
+            scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+            out[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous()
+            out[name[: -len("weight")] + "weight_scale"] = scale.to(torch.float32).contiguous()
+        else:
+            out[name] = tensor.contiguous()
+    save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "channel",
+                    "dynamic": False,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def write_sentence_transformers(directory: str, model: Any, *, seed: int = 0) -> None:
+    """Add the sentence-transformers layout: modules.json, 1_Pooling/ (mean), 2_Dense/ (a
+    hidden -> 64 projection with its own model.safetensors), 3_Normalize."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    hidden = model.config.hidden_size
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    with open(os.path.join(directory, "modules.json"), "w") as f:
+        json.dump(modules, f, indent=2)
+    os.makedirs(os.path.join(directory, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(directory, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True}, f)
+    os.makedirs(os.path.join(directory, "2_Dense"), exist_ok=True)
+    with open(os.path.join(directory, "2_Dense", "config.json"), "w") as f:
+        json.dump({"in_features": hidden, "out_features": 64, "bias": True}, f)
+    generator = torch.Generator().manual_seed(seed + 1)
+    save_file(
+        {
+            "linear.weight": torch.randn(64, hidden, generator=generator) * 0.1,
+            "linear.bias": torch.randn(64, generator=generator) * 0.1,
+        },
+        os.path.join(directory, "2_Dense", "model.safetensors"),
+    )
+    os.makedirs(os.path.join(directory, "3_Normalize"), exist_ok=True)
+
+
+def write_eagle_draft(directory: str, model: Any, *, seed: int = 0) -> None:
+    """An EAGLE-1 draft for the model at ``directory`` in ``directory/eagle-draft``: one Llama
+    decoder layer (no input norm) after ``fc`` (2 * hidden -> hidden), vLLM's
+    ``EagleLlamaForCausalLM`` naming (no ``model.`` prefix)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    draft = os.path.join(directory, "eagle-draft")
+    os.makedirs(draft, exist_ok=True)
+    hidden = model.config.hidden_size
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "model.embed_tokens.weight" or name.startswith("model.layers.0."):
+            short = name[len("model.") :]
+            if short != "layers.0.input_layernorm.weight":
+                state[short] = tensor.detach().clone().contiguous()
+    generator = torch.Generator().manual_seed(seed + 2)
+    state["fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=generator) * 0.05).to(model.dtype)
+    save_file(state, os.path.join(draft, "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.update(architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1, model_type="llama")
+    with open(os.path.join(draft, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in os.listdir(directory):
+        if name.startswith(("tokenizer", "special_tokens")):
+            import shutil
+
+            shutil.copy2(os.path.join(directory, name), draft)
+
+
+def build_llava(directory: str, *, seed: int = 0) -> str:
+    """A tiny LLaVA-1.5: CLIP vision tower (32x32 images, 16x16 patches) and a Llama text model,
+    with its processor (``<image>`` added to the tokenizer)."""
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer(directory)
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    text = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.15,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        **_SMALL_ATTENTION,
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+        projection_dim=64,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token,
+        architectures=["LlavaForConditionalGeneration"],
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=16,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        num_additional_image_tokens=1,
+        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    processor.save_pretrained(directory)
+    transformers.GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    ).save_pretrained(directory)
+    return directory

