@@ -52,6 +52,10 @@ GENERIC = (
     "died unexpectedly",
     "see stack trace above",
     "Error executing method",
+    "failed to be inspected",
+    "Error raised in subprocess",
+    "CalledProcessError",
+    "validation error for ModelConfig",
 )
 ERROR_LINE = re.compile(r"\b((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Refused|Interrupt)): (.+)$")
 
@@ -208,7 +212,7 @@ def probe(family: str, work: Path, timeout: int) -> dict:
     save = run_engine(spec, fam / "save-tp2.log", timeout)
     row["save_tp2"] = save
     if save["status"] == "ok":
-        row["default_tp2"] = save
+        row["default_tp2"], row["default_tp2_from_save"] = save, True
     else:
         print(f"[{family}] default TP=2 (plain, the save engine failed)", flush=True)
         row["default_tp2"] = run_engine({**base, "model": str(model), "tp": 2}, fam / "default-tp2.log", timeout)
@@ -266,7 +270,7 @@ def render(rows: list[dict]) -> str:
                     row["family"],
                     row["architecture"],
                     cell(row.get("default_tp1")),
-                    cell(row.get("default_tp2")) if row.get("default_tp2") is not save else "ok (the save engine)",
+                    "ok (the save engine)" if row.get("default_tp2_from_save") else cell(row.get("default_tp2")),
                     cell(save, save_text),
                     *cells,
                 ]
@@ -282,15 +286,23 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / "out" / "model_matrix"))
     parser.add_argument("--timeout", type=int, default=240, help="seconds per engine")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "model_matrix.md"))
+    parser.add_argument(
+        "--update", action="store_true", help="keep the other families' rows of the JSON next to --output"
+    )
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     output = Path(args.output)
     json_path = output.with_suffix(".json")
-    rows: list[dict] = []
+    rows: list[dict] = json.loads(json_path.read_text()) if args.update and json_path.exists() else []
     started = time.perf_counter()
     for family in args.families.split(","):
-        rows.append(probe(family, work, args.timeout))
+        row = probe(family, work, args.timeout)
+        where = [i for i, r in enumerate(rows) if r["family"] == family]
+        if where:
+            rows[where[0]] = row
+        else:
+            rows.append(row)
         # Written after every family, so a cut-off run keeps what it probed.
         table = render(rows)
         header = (
