@@ -55,3 +55,17 @@ def test_family_saved_at_tp2_serves_at_tp2_and_tp1(family, tmp_path):
     resharded = run_engine({"model": str(out), "tp": 1, "engine": engine, "load_format": "sharded_state"})
     assert_same(resharded.result, reference)
     assert "resharded from TP=2 PP=1 to TP=1 PP=1" in resharded.output
+
+
+def test_a_drafter_leaves_nothing_in_the_saved_checkpoint(tmp_path):
+    """An EAGLE drafter loads next to the target: only the target is captured and saved."""
+    from vllm_sharded_loader.checkpoint import verify_checkpoint
+
+    model = build_family(str(tmp_path / "model"), "eagle")
+    out = tmp_path / "sharded"
+    os.makedirs(out)
+    copy_non_weight_files(model, str(out))
+    engine = family_engine_args(model, "eagle")
+    saved = run_engine({"model": model, "tp": 2, "engine": engine, "capture_dir": str(out), "save_to": str(out)}).result
+    assert saved.get("saved"), saved
+    assert verify_checkpoint(str(out)) == []  # no staged file of the drafter's left behind
