@@ -159,7 +159,9 @@ def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...])
         elif layer_class in {"VocabParallelEmbedding", "ParallelLMHead"} and quant_method in UNQUANTIZED_METHODS:
             geometry = _vocab_geometry(module, param, layer_class)
         return geometry or rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
-    if names & REPLICATED_LAYERS:
+    if names & REPLICATED_LAYERS or param in getattr(module, "_buffers", {}):
+        # A buffer of a layer that is not tensor-parallel (BERT's position_ids) is never
+        # sharded by vLLM's loaders: every rank holds it whole.
         return rs.replicated(shape, layer_class)
     return rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
 
