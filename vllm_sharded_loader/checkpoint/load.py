@@ -84,7 +84,7 @@ def load_rank(
         check_source(manifest, serving, directory)
     if geometry is not None:
         check_served_geometry(
-            manifest.geometry,
+            manifest.geometries,
             geometry,
             {name for entry in manifest.ranks for name in entry.tensors},
             resharding=resharding,

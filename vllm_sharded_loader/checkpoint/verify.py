@@ -50,7 +50,7 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
             f"or was written by vLLM's own save, and cannot be verified.",
         ]
     try:
-        check_saved_geometry(manifest, os.path.join(directory, MANIFEST_NAME))
+        check_saved_geometry(manifest)
     except ShardedStateError as e:
         problems.append(str(e))
     listed = set()

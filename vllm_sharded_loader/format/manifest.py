@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from .errors import ShardedStateError
@@ -93,10 +94,15 @@ class Manifest:
     ranks: tuple[RankEntry, ...]
     format_version: int = FORMAT_VERSION
     # How each tensor is split across TP ranks (JSON of geometry.TensorGeometry, by
-    # name, the same for every rank), and groups of names saved once for several
-    # (tied embeddings). Parsed only when a load reshards.
+    # name, the same for every rank; parsed: :attr:`geometries`), and groups of names
+    # saved once for several (tied embeddings).
     geometry: dict[str, Any] = field(default_factory=dict, compare=False)
     tied: tuple[tuple[str, ...], ...] = ()
+
+    @cached_property
+    def geometries(self) -> dict[str, TensorGeometry]:
+        """:attr:`geometry` parsed and checked, once (:meth:`from_json` fills it as it validates)."""
+        return {name: TensorGeometry.from_dict(g, name) for name, g in self.geometry.items()}
 
     def rank(self, tp_rank: int, pp_rank: int) -> RankEntry:
         """The entry of one worker; a :class:`ShardedStateError` if it is absent."""
@@ -169,8 +175,7 @@ class Manifest:
             raise reader.fail(f"'ranks' lists {len(raw_ranks)} ranks, more than {MAX_RANKS}")
         ranks = tuple(_rank(reader, r) for r in raw_ranks)
         geometry = reader.mapping(obj.get("geometry", {}), "geometry")
-        for name, g in geometry.items():
-            TensorGeometry.from_dict(g, name, where)
+        geometries = {name: TensorGeometry.from_dict(g, name, where) for name, g in geometry.items()}
         tied = obj.get("tied", [])
         if not isinstance(tied, list) or not all(
             isinstance(g, list) and all(isinstance(n, str) for n in g) for g in tied
@@ -187,6 +192,7 @@ class Manifest:
             geometry=geometry,
             tied=tuple(tuple(g) for g in tied),
         )
+        manifest.__dict__["geometries"] = geometries  # the cached_property, parsed with messages naming `where`
         check_manifest_consistency(manifest, where)
         return manifest
 

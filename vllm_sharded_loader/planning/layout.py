@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..format.errors import ShardedStateError, listing
 from ..format.geometry import OPAQUE, REPLICATED, SPLIT_KINDS, Segment, TensorGeometry
@@ -121,7 +120,7 @@ def same_split(a: TensorGeometry, b: TensorGeometry) -> bool:
 
 
 def check_served_geometry(
-    recorded: Mapping[str, Any],
+    recorded: Mapping[str, TensorGeometry],
     served: Mapping[str, TensorGeometry],
     saved: Container[str],
     *,
@@ -131,7 +130,7 @@ def check_served_geometry(
 ) -> None:
     """Raise unless the manifest's recorded geometry is the served model's.
 
-    ``recorded`` is the manifest's ``geometry`` (JSON, untrusted), ``served`` what the
+    ``recorded`` is the manifest's parsed ``geometries``, ``served`` what the
     serving model's layers say (:func:`..engine.layer_geometry.tensor_geometry`),
     ``saved`` the names the checkpoint holds tensors under. A
     resharding load cuts saved tensors by the recorded geometry, so a recorded split
@@ -147,7 +146,7 @@ def check_served_geometry(
         source = saved_as(name, saved)
         if source is None or source not in recorded:
             continue
-        theirs = TensorGeometry.from_dict(recorded[source], source)
+        theirs = recorded[source]
         if OPAQUE in (mine.kind, theirs.kind):
             if resharding and mine.kind != theirs.kind:
                 wrong.append(f"{name}: the checkpoint records {theirs.kind!r}, the served model {mine.kind!r}")

@@ -307,20 +307,16 @@ def _check_saved_shape(
         )
 
 
-def check_saved_geometry(manifest: Manifest, where: str = "") -> None:
+def check_saved_geometry(manifest: Manifest) -> None:
     """Raise unless every recorded geometry gives each saved rank's shape of its tensor.
 
     A resharding load checks this for the tensors it plans; ``verify`` for all of them.
     """
-    parsed: dict[str, TensorGeometry] = {}
     for entry in manifest.ranks:
         for name, t in entry.tensors.items():
-            if name not in manifest.geometry:
-                continue
-            if name not in parsed:
-                parsed[name] = TensorGeometry.from_dict(manifest.geometry[name], name, where)
-            if parsed[name].kind != OPAQUE:
-                _check_saved_shape(name, parsed[name], t.shape, manifest.tp_size, entry.tp_rank, entry.pp_rank)
+            g = manifest.geometries.get(name)
+            if g is not None and g.kind != OPAQUE:
+                _check_saved_shape(name, g, t.shape, manifest.tp_size, entry.tp_rank, entry.pp_rank)
 
 
 def _describe(t: SavedTensor) -> str:
@@ -404,8 +400,7 @@ def saved_ranks(manifest: Manifest, directory: str = "") -> list[SavedRank]:
                     f"{directory}: {MANIFEST_NAME} records no byte offset for {name!r}, so the checkpoint cannot "
                     f"be resharded; serve it at TP={manifest.tp_size} PP={manifest.pp_size} or save it again."
                 )
-            g = manifest.geometry.get(name)
-            geometry = None if g is None else TensorGeometry.from_dict(g, name)
+            geometry = manifest.geometries.get(name)
             tensors[name] = SavedTensor(t.file, t.offset, dtype_size(t.dtype, name), tuple(t.shape), geometry)
         ranks.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors))
     return ranks
