@@ -68,8 +68,18 @@ class SeaweedS3:
         self.endpoint = f"http://127.0.0.1:{s3_port}"
         self.log = open(os.path.join(self.workdir, "weed.log"), "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
-            [weed, "server", f"-dir={data}", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.config={config}"]
-            + ["-volume.max=0", "-master.volumeSizeLimitMB=1024", *flags],
+            [
+                weed,
+                "server",
+                f"-dir={data}",
+                "-s3",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                f"-s3.config={config}",
+                "-volume.max=0",
+                "-master.volumeSizeLimitMB=1024",
+                *flags,
+            ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )

@@ -180,7 +180,7 @@ def test_a_prefix_held_by_a_save_is_refused(s3):
 
 def test_an_object_replaced_during_the_load_is_never_read(s3):
     """Reads are conditional on the ETag seen when the part was opened."""
-    model, url, manifest, where = saved_url(s3)
+    _model, _url, manifest, where = saved_url(s3)
     part = first_part(manifest)
     opened = objects.open_part(where, part)
     data = bytearray(s3.client().get_object(Bucket=BUCKET, Key=where.key(part.name))["Body"].read())
@@ -277,7 +277,7 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
 
 
 def test_offline_commands_work_on_a_bucket(s3, tmp_path):
-    model, url, manifest, _ = saved_url(s3)
+    model, url, _manifest, _ = saved_url(s3)
     info = inspect_checkpoint(url)
     assert (info["tp_size"], info["directory"], info["locked"]) == (2, url, False)
     # s3 -> local and local -> s3, each loading like the original.
@@ -295,3 +295,32 @@ def test_no_manifest_in_a_bucket_is_refused(s3):
     url = new_prefix()
     with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):
         load_rank(url, {}, RankInfo(0, 1), manifest=None, serving=SOURCE)
+
+
+@pytest.mark.engine
+def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_tp1(s3, models):
+    """examples/save_sharded_state.py -o s3://... at TP=2; LLM(model="s3://...") at TP=2 and TP=1."""
+    from conftest import run_engine, run_python
+
+    url = new_prefix()
+    saved = run_python(
+        [
+            *("examples/save_sharded_state.py", "--model", models["llama"], "-o", url),
+            *("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+            *("--max-model-len", "512", "--enforce-eager", "--max-file-size", str(2 * 1024**2)),
+        ],
+        tp=2,
+    )
+    assert saved.returncode == 0, saved.tail()
+    names = keys(s3, url)
+    assert MANIFEST_NAME in names and "config.json" in names and LOCK_NAME not in names
+    assert not any(n.endswith(".partial") for n in names)
+    assert verify_checkpoint(url) == []
+    for tp in (2, 1):
+        reference = run_engine({"model": models["llama"], "tp": tp}).result
+        served = run_engine(
+            {"model": url, "tp": tp, "load_format": "sharded_state", "extra_config": {"verify": "checksum"}}
+        )
+        assert served.result["token_ids"] == reference["token_ids"]
+        assert ("resharded from TP=2 PP=1 to TP=1 PP=1" in served.output) == (tp == 1)
+        assert "0.0 MB mapped" in served.output  # read from the bucket, not from a local copy
