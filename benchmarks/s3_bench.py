@@ -100,20 +100,39 @@ def raw_get(url: str, tp: int) -> float:
 
 
 READER_MEMORY = """
-import json, resource, sys, time, torch
+import json, sys, threading, time, torch
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
 url, tp = sys.argv[1], int(sys.argv[2])
 manifest = read_manifest(url)
 entry = manifest.rank(0, 0)
 targets = {n: torch.empty(t.shape, dtype=getattr(torch, manifest.dtype)) for n, t in entry.tensors.items()}
 for t in targets.values():
-    t.view(-1)[::1024] = 0  # touched, as parameters are before a load
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t.view(-1)[::1024] = 0  # every page touched, as the parameters are before a load
+before, peak, done = rss(), [0], threading.Event()
+
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+
+
+sampler = threading.Thread(target=sample)
+sampler.start()
 started = time.perf_counter()
 stats = load_rank(url, targets, RankInfo(0, tp), manifest=manifest, verify="size")
 seconds = time.perf_counter() - started
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("RESULT " + json.dumps({"seconds": seconds, "bytes": stats.bytes_read, "extra_peak": peak - before}))
+done.set()
+sampler.join()
+extra = max(peak[0], rss()) - before
+print("RESULT " + json.dumps({"seconds": seconds, "bytes": stats.bytes_read, "extra_peak": extra}))
 """
 
 
