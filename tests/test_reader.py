@@ -180,7 +180,7 @@ def test_a_file_shorter_than_its_reads_names_the_file(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(ShardedStateError, match=r"odd.safetensors: file ended at byte \d+ while reading"):
-            reader.preadv_all(fd, buffers, os.path.getsize(path) - 100, path)
+            local.preadv_all(fd, buffers, os.path.getsize(path) - 100, path)
     finally:
         os.close(fd)
 

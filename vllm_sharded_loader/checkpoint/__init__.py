@@ -11,7 +11,7 @@ Needs torch, never vLLM: the engine layer calls in here, and tests do too.
 """
 
 from ..planning.topology import RankInfo
-from ..storage.local import read_manifest
+from ..storage.location import read_manifest
 from .load import load_rank
 from .state import saveable_state, tensor_specs
 from .stats import LoadStats

@@ -19,13 +19,15 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ..format.errors import ShardedStateError
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
+from ..format.names import MANIFEST_NAME
 from ..format.source import SourceModel
 from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
-from ..storage.lock import check_not_locked
+from ..storage.location import check_not_locked, is_remote
 from ..storage.reader import DEFAULT_THREADS
 from ..storage.tensor_files import read_files
 from .legacy import load_without_manifest
@@ -75,6 +77,11 @@ def load_rank(
     check_verify_mode(verify)
     check_not_locked(directory)
     if manifest is None:
+        if is_remote(directory):
+            raise ShardedStateError(
+                f"{directory}: no {MANIFEST_NAME}. A checkpoint in object storage is served only with the manifest "
+                "this package writes (or the save into it is incomplete): save it with vllm_sharded_loader."
+            )
         return load_without_manifest(directory, targets, rank, pattern, verify, started, adopt=adopt, **options)
     resharding = (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size)
     if resharding and not manifest.geometry:

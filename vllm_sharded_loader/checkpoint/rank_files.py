@@ -17,8 +17,8 @@ from ..format.manifest import FileEntry, Manifest, RankEntry
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import Header
 from ..planning.tensors import TensorSpec
-from ..storage.local import OpenFile, open_part, read_header, read_manifest
-from ..storage.lock import check_not_locked
+from ..storage.local import read_header
+from ..storage.location import StoredFile, check_not_locked, open_part, read_manifest
 
 
 @dataclass
@@ -26,7 +26,7 @@ class CheckedFile:
     """A part file opened once and checked against the manifest, with its validated header."""
 
     entry: FileEntry
-    file: OpenFile
+    file: StoredFile
     header: Header
 
 
@@ -46,7 +46,7 @@ def check_rank_file(directory: str, f: FileEntry, entry: RankEntry, verify: str)
         raise
 
 
-def _check_opened(opened: OpenFile, f: FileEntry, entry: RankEntry, verify: str) -> CheckedFile:
+def _check_opened(opened: StoredFile, f: FileEntry, entry: RankEntry, verify: str) -> CheckedFile:
     header = read_header(opened)
     check_header_matches_manifest(header, entry)
     if verify == "checksum" and f.checksum is None:
@@ -61,7 +61,7 @@ class RankFiles:
     """The part files of one rank, opened and checked (as :func:`check_rank_file` does), closed on exit."""
 
     def __init__(self, directory: str, entry: RankEntry, verify: str) -> None:
-        opened: list[OpenFile] = []
+        opened: list[StoredFile] = []
         try:
             # Every file opened and sized before any header is read.
             for f in entry.files:

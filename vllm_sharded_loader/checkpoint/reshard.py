@@ -8,7 +8,6 @@ bounded batches. The offline ``vllm-sharded reshard`` uses the same source.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from ..planning.reads import (
 )
 from ..planning.spans import Piece
 from ..planning.topology import RankInfo
-from ..storage.local import OpenFile
+from ..storage.location import StoredFile, file_path
 from ..storage.memory import Target
 from ..storage.reader import DEFAULT_THREADS, ReadStats, read_pieces
 from ..storage.tensors import torch_dtype
@@ -90,7 +89,7 @@ class ReshardSource:
     def stored_dtype(self, tensor_plan: TensorPlan) -> torch.dtype:
         return torch_dtype(self.dtypes[tensor_plan.source_name], tensor_plan.name)
 
-    def check_file(self, name: str) -> OpenFile:
+    def check_file(self, name: str) -> StoredFile:
         """Open and check a saved file the first time a plan touches it (:func:`.rank_files.check_rank_file`)."""
         if name not in self.checked:
             f, entry = self.owners[name]
@@ -228,7 +227,7 @@ def load_resharded(
         check_not_replaced(directory, manifest, source.check_unchanged)
         cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]
     return LoadStats(
-        files=tuple(os.path.join(directory, n) for n in plan.files),
+        files=tuple(file_path(directory, n) for n in plan.files),
         tensors=len(plan.tensors),
         bytes_read=plan.bytes_read,
         seconds=time.perf_counter() - started,

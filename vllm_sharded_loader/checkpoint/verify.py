@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import os
-
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum
 from ..format.names import MANIFEST_NAME, is_staged_name, parse_file_name
 from ..planning.reads import check_saved_geometry
 from ..storage.integrity import BlockVerifier
-from ..storage.local import OpenFile, read_manifest
-from ..storage.lock import check_not_locked
+from ..storage.location import StoredFile, check_not_locked, file_path, list_names, read_manifest
 from ..storage.writer import CHUNK_BYTES
 from .rank_files import check_rank_file
 
 
-def verify_file_checksum(file: OpenFile, checksum: FileChecksum) -> None:
+def verify_file_checksum(file: StoredFile, checksum: FileChecksum) -> None:
     """Stream a whole open file through its block checksums; raises on the first bad block."""
     verifier = BlockVerifier(file.path, checksum)
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
     position = 0
-    while n := os.preadv(file.fd, [buffer], position):
-        verifier.update(view[:n])
-        position += n
+    while chunk := file.read_at(position, CHUNK_BYTES):
+        verifier.update(memoryview(chunk))
+        position += len(chunk)
     verifier.finish()
 
 
@@ -46,7 +41,7 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
     if manifest is None:
         return [
             *problems,
-            f"{os.path.join(directory, MANIFEST_NAME)}: missing; the checkpoint is incomplete "
+            f"{file_path(directory, MANIFEST_NAME)}: missing; the checkpoint is incomplete "
             f"or was written by vLLM's own save, and cannot be verified.",
         ]
     try:
@@ -64,15 +59,15 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
                         verify_file_checksum(checked.file, f.checksum)
             except ShardedStateError as e:
                 problems.append(str(e))
-    for name in sorted(os.listdir(directory)):
+    for name in list_names(directory):
         if name not in listed and parse_file_name(manifest.pattern, name) is not None:
             problems.append(
-                f"{os.path.join(directory, name)}: a part that {MANIFEST_NAME} does not list (left by an older "
+                f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list (left by an older "
                 "save?); our loader ignores it but vLLM's own loader would read it. Remove it."
             )
         elif is_staged_name(name):
             problems.append(
-                f"{os.path.join(directory, name)}: a staged file of a save that never published it (interrupted?); "
+                f"{file_path(directory, name)}: a staged file of a save that never published it (interrupted?); "
                 "no loader reads it. Remove it."
             )
     return problems

@@ -30,12 +30,16 @@ reloads, because that is exactly what the loader fills in again. So:
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.logger import init_logger
 
+from ..checkpoint import remote_save
+from ..checkpoint.remote_save import staging_base
 from ..checkpoint.save import (
     StagedRank,
     discard_rank,
@@ -52,6 +56,7 @@ from ..format.manifest import Manifest, RankEntry
 from ..format.names import LOCK_NAME, default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
+from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, source_identity
 from .layer_geometry import UNQUANTIZED_METHODS, describe_tensors
@@ -357,6 +362,106 @@ def _expert_parallel() -> bool:
         return False
 
 
+def _loaded(model: torch.nn.Module, state: LoadedState | None) -> LoadedState:
+    """The state recorded at load time, or the refusal that says why there is none."""
+    if state is not None:
+        return state
+    failed = model.__dict__.get(RECORD_ERROR_ATTRIBUTE)
+    if failed is not None:
+        raise ShardedStateError(
+            f"Refusing to save: recording the loaded state at start-up failed ({failed}), so the "
+            f"state that reloads is unknown. Fix the cause (for {CAPTURE_DIR_ENV}: a writable "
+            "directory with room for the model) and start the engine again."
+        )
+    raise ShardedStateError(
+        "Refusing to save: this model was loaded before vllm_sharded_loader was active, so "
+        "its loaded state is unknown. Check that the plugin is installed (VLLM_PLUGINS)."
+    )
+
+
+def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[Any]) -> Manifest:
+    """The manifest of a save, from every worker's (rank entry, geometry, tied names)."""
+    return Manifest(
+        tp_size=rank.tp_size,
+        pp_size=rank.pp_size,
+        dtype=state.dtype,
+        pattern=pattern,
+        source=state.source,
+        ranks=tuple(sorted((entry for entry, _, _ in outcomes), key=lambda e: (e.pp_rank, e.tp_rank))),
+        geometry={name: g for _, geometry, _ in outcomes for name, g in geometry.items()},
+        tied=tuple(sorted({tuple(group) for _, _, tied in outcomes for group in tied})),
+    )
+
+
+def _save_to_objects(
+    model: torch.nn.Module,
+    state: LoadedState | None,
+    workers: _Workers,
+    url: str,
+    pattern: str,
+    max_size: int | None,
+    overwrite: bool,
+) -> None:
+    """The save hook into object storage: :mod:`..checkpoint.remote_save`'s steps across workers.
+
+    Each worker stages its parts locally (its capture, if one was taken at start-up, is
+    already staged) and uploads them; the first publishes the manifest once all have
+    succeeded. Any failure before that deletes every upload and the lock.
+    """
+    rank = workers.rank
+    token = new_token()
+    begun = False
+    staged: StagedRank | None = None
+    scratch: str | None = None  # a staging folder made here, when there is no capture to use
+
+    def check_and_lock() -> None:
+        validate_pattern(pattern, rank.tp_size, rank.pp_size)
+        remote_save.begin(url, token, overwrite)
+
+    def stage_and_upload() -> tuple[RankEntry, dict[str, Any], list[list[str]]]:
+        nonlocal staged, scratch
+        loaded = _loaded(model, state)
+        if loaded.capture is not None and not loaded.updates:
+            staged = loaded.capture
+        else:
+            if loaded.capture is not None:
+                staging = loaded.capture.directory
+            else:
+                staging = scratch = tempfile.mkdtemp(prefix="sharded-state-upload-", dir=staging_base())
+            staged = _stage_for_save(model, loaded, staging, rank, pattern, max_size, token)
+        if (staged.pattern, staged.max_size) != (pattern, max_size):
+            staged = stage_rank(staged.directory, open_staged_tensors(staged), rank, pattern, max_size, token)
+        entry = remote_save.upload_rank(url, staged)
+        return entry, loaded.geometry, loaded.tied
+
+    outcomes: list[Any] = []
+    try:
+        workers.run(check_and_lock, only_first=True)
+        begun = True
+        outcomes = workers.run(stage_and_upload)
+        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
+        workers.run(lambda: remote_save.publish(url, manifest), only_first=True)
+    except ShardedStateError as e:
+        if staged is not None and staged is not (state and state.capture):
+            discard_rank(staged)
+        if begun and workers.first:
+            remote_save.abandon(url, [entry for entry, _, _ in outcomes])
+        raise ShardedStateError(
+            f"Saving the sharded state to {url} failed: {e}. Nothing was published: this save's uploads and "
+            "lock were deleted."
+        ) from e
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if state is not None:
+        if state.capture is not None:
+            discard_rank(state.capture)
+        state.capture = None  # uploaded: nothing local to rewrite from
+        state.updates = 0
+    if workers.first:
+        logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(outcomes), manifest.nbytes / 1e6, url)
+
+
 def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
     """Body of vLLM's worker ``save_sharded_state`` hook; runs on every worker at once.
 
@@ -383,6 +488,9 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     state: LoadedState | None = getattr(model, LOADED_STATE_ATTRIBUTE, None)
     pattern = pattern or default_pattern(rank.pp_size)
     overwrite = os.environ.get(OVERWRITE_ENV, "").lower() in ("1", "true", "yes")
+    if is_remote(path):
+        _save_to_objects(model, state, workers, path, pattern, max_size, overwrite)
+        return
     path = os.path.abspath(path)
     token = new_token()
     lock: SaveLock | None = None
@@ -395,20 +503,9 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
 
     def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]]]:
         nonlocal staged
-        if state is None:
-            failed = model.__dict__.get(RECORD_ERROR_ATTRIBUTE)
-            if failed is not None:
-                raise ShardedStateError(
-                    f"Refusing to save: recording the loaded state at start-up failed ({failed}), so the "
-                    f"state that reloads is unknown. Fix the cause (for {CAPTURE_DIR_ENV}: a writable "
-                    "directory with room for the model) and start the engine again."
-                )
-            raise ShardedStateError(
-                "Refusing to save: this model was loaded before vllm_sharded_loader was active, so "
-                "its loaded state is unknown. Check that the plugin is installed (VLLM_PLUGINS)."
-            )
-        staged = _stage_for_save(model, state, path, rank, pattern, max_size, token)
-        return staged.entry, state.geometry, state.tied
+        loaded = _loaded(model, state)
+        staged = _stage_for_save(model, loaded, path, rank, pattern, max_size, token)
+        return staged.entry, loaded.geometry, loaded.tied
 
     try:
         lock = workers.run(check_and_lock, only_first=True)[0]
@@ -418,16 +515,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         swapped = True
         workers.run(lambda: remove_manifest(path), only_first=True)
         workers.run(lambda: publish_rank(staged))
-        manifest = Manifest(
-            tp_size=rank.tp_size,
-            pp_size=rank.pp_size,
-            dtype=state.dtype,
-            pattern=pattern,
-            source=state.source,
-            ranks=tuple(sorted(entries, key=lambda e: (e.pp_rank, e.tp_rank))),
-            geometry={name: g for _, geometry, _ in outcomes for name, g in geometry.items()},
-            tied=tuple(sorted({tuple(group) for _, _, tied in outcomes for group in tied})),
-        )
+        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
         workers.run(lambda: write_manifest(path, manifest, lock), only_first=True)
     except ShardedStateError as e:
         if not swapped:

@@ -18,6 +18,7 @@ from ..checkpoint.stats import check_verify_mode
 from ..format.errors import ShardedStateError
 from ..format.names import MANIFEST_NAME
 from ..storage import hub
+from ..storage.location import is_remote
 from ..storage.reader import DEFAULT_THREADS
 from .identity import current_rank, dtype_label, source_identity
 from .layer_geometry import tensor_geometry
@@ -137,8 +138,10 @@ class ShardedStateLoader(BaseModelLoader):
         For a Hub repository only the small files are fetched here (manifest, config,
         tokenizer); :meth:`load_weights` then fetches the parts this rank reads.
         """
+        # For s3://..., vLLM pulls config and tokenizer into a local folder (model) and
+        # keeps the URL (model_weights): the parts are read from the store, never copied.
         directory = model_config.model_weights or model_config.model
-        if os.path.isdir(directory):
+        if os.path.isdir(directory) or is_remote(directory):
             return directory, None
         snapshot = hub.fetch(
             directory,

@@ -11,13 +11,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..checkpoint.remote_save import staging_base, upload_non_weight_files
 from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import ShardedStateError
-from ..storage.local import copy_non_weight_files, directory_holds_checkpoint, read_manifest
+from ..format.names import MANIFEST_NAME
+from ..storage import location, objects
+from ..storage.local import copy_non_weight_files, directory_holds_checkpoint
+from ..storage.location import is_remote
 from ..storage.lock import describe_lock, read_lock
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
 
@@ -38,7 +44,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     parser = FlexibleArgumentParser(description=__doc__.split("\n\n")[0])
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--output", "-o", required=True, type=str, help="directory to write the checkpoint to")
+    parser.add_argument(
+        "--output", "-o", required=True, type=str, help="directory (or s3://bucket/prefix) to write the checkpoint to"
+    )
     parser.add_argument(
         "--file-pattern",
         type=str,
@@ -73,6 +81,31 @@ def save_sharded_state(
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
+    if is_remote(output):
+        capture_dir = _prepare_object_output(model, output, overwrite)
+    else:
+        _prepare_local_output(model, output, overwrite)
+        capture_dir = output = os.path.abspath(output)
+    os.environ[CAPTURE_DIR_ENV] = capture_dir
+    os.environ[CAPTURE_PATTERN_ENV] = pattern or ""
+    os.environ[CAPTURE_MAX_SIZE_ENV] = "" if max_size is None else str(max_size)
+    os.environ[OVERWRITE_ENV] = "1" if overwrite else ""
+
+    from vllm import LLM
+
+    try:
+        llm = LLM(**engine_kwargs)
+        llm.llm_engine.engine_core.save_sharded_state(path=output, pattern=pattern, max_size=max_size)
+    finally:
+        for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV, OVERWRITE_ENV):
+            os.environ.pop(name, None)
+        if capture_dir != output:  # a local staging folder for an upload
+            shutil.rmtree(capture_dir, ignore_errors=True)
+    return llm
+
+
+def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
+    """Refuse a locked or existing output folder, then copy the non-weight files into it."""
     os.makedirs(output, exist_ok=True)
     if os.path.samefile(model, output):
         raise ShardedStateError(f"--output {output!r} is the source model's directory; choose another one.")
@@ -87,20 +120,22 @@ def save_sharded_state(
         )
     # Non-weight files first: the manifest, written by the save hook, must come last.
     copy_non_weight_files(model, output)
-    os.environ[CAPTURE_DIR_ENV] = os.path.abspath(output)
-    os.environ[CAPTURE_PATTERN_ENV] = pattern or ""
-    os.environ[CAPTURE_MAX_SIZE_ENV] = "" if max_size is None else str(max_size)
-    os.environ[OVERWRITE_ENV] = "1" if overwrite else ""
 
-    from vllm import LLM
 
-    try:
-        llm = LLM(**engine_kwargs)
-        llm.llm_engine.engine_core.save_sharded_state(path=os.path.abspath(output), pattern=pattern, max_size=max_size)
-    finally:
-        for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV, OVERWRITE_ENV):
-            os.environ.pop(name, None)
-    return llm
+def _prepare_object_output(model: str, url: str, overwrite: bool) -> str:
+    """Refuse a locked or existing prefix, upload the non-weight files; returns a local staging folder.
+
+    The workers stage their parts there at start-up (hashed as written), and the save
+    hook uploads them.
+    """
+    where = objects.ObjectPrefix.parse(url)
+    objects.check_not_locked(where)
+    if objects.head(where, MANIFEST_NAME) is not None and not overwrite:
+        raise ShardedStateError(
+            f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass --overwrite."
+        )
+    upload_non_weight_files(model, url)
+    return tempfile.mkdtemp(prefix="sharded-state-upload-", dir=staging_base())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm = save_sharded_state(
         engine_kwargs(engine_args), args.output, args.file_pattern, args.max_file_size, args.overwrite
     )
-    manifest = read_manifest(args.output)
+    manifest = location.read_manifest(args.output)
     assert manifest is not None
     print(
         f"Saved {engine_args.model} to {args.output}: TP={manifest.tp_size} PP={manifest.pp_size}, "

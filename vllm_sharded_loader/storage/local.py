@@ -92,6 +92,9 @@ class OpenFile:
     load is never read; :meth:`check_unchanged` then tells that it happened.
     """
 
+    # The reader may serve this file's bytes from private mappings of it.
+    mappable, remote = True, False
+
     def __init__(self, path: str, fd: int) -> None:
         self.path, self.fd = path, fd
         self.identity = FileIdentity.of(os.fstat(fd))
@@ -122,6 +125,14 @@ class OpenFile:
         except OSError:  # no /proc: share this descriptor's open file (reads use pread)
             return os.dup(self.fd)
 
+    def read_at(self, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes from ``offset`` (fewer at the end of the file)."""
+        return os.pread(self.fd, length, offset)
+
+    def stream(self) -> FileStream:
+        """A reader for one thread, with its own descriptor and readahead (:class:`FileStream`)."""
+        return FileStream(self.path, self.reopen())
+
     def check_unchanged(self) -> None:
         """Raise unless the file is still the one opened, unmodified, and still at its path."""
         now = FileIdentity.of(os.fstat(self.fd))
@@ -145,6 +156,51 @@ class OpenFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class FileStream:
+    """One thread's sequential stream through an opened file: its own descriptor, so its own readahead."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # doubles the readahead window
+
+    def readv(self, views: list[memoryview], offset: int) -> None:
+        """Fill ``views`` with consecutive bytes from ``offset``, across short reads."""
+        preadv_all(self.fd, views, offset, self.path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+try:
+    IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
+except (AttributeError, ValueError, OSError):
+    IOV_MAX = 16
+
+
+def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``views`` with consecutive bytes of ``fd`` from ``offset``, across short reads."""
+    index = 0
+    while index < len(views):
+        n = os.preadv(fd, views[index : index + IOV_MAX], offset)
+        if n <= 0:
+            raise truncated(path, offset)
+        offset += n
+        while index < len(views) and n >= len(views[index]):
+            n -= len(views[index])
+            index += 1
+        if n:
+            views[index] = views[index][n:]
+
+
+def truncated(path: str, offset: int) -> ShardedStateError:
+    return ShardedStateError(
+        f"{path}: file ended at byte {offset} while reading; it is truncated or was replaced during "
+        "the load. Copy or save the checkpoint again."
+    )
 
 
 def open_part(directory: str, f: FileEntry) -> OpenFile:
@@ -171,13 +227,17 @@ def open_part(directory: str, f: FileEntry) -> OpenFile:
 
 
 def read_header(source: str | OpenFile) -> Header:
-    """Read and validate the header of a safetensors file, given its path or its open descriptor."""
+    """Read and validate the header of a safetensors file, given its path or the opened file.
+
+    Any opened file with ``read_at``, ``path`` and ``size`` will do (an object in object
+    storage too: two small ranged reads).
+    """
     if isinstance(source, str):
         with OpenFile.open(source) as opened:
             return read_header(opened)
-    raw_length = os.pread(source.fd, 8, 0)
+    raw_length = source.read_at(0, 8)
     length = struct.unpack("<Q", raw_length)[0] if len(raw_length) == 8 else 0
-    raw_header = os.pread(source.fd, length, 8) if length <= min(MAX_HEADER_BYTES, source.size) else b""
+    raw_header = source.read_at(8, length) if length <= min(MAX_HEADER_BYTES, source.size) else b""
     return parse_header(raw_length, raw_header, source.path, source.size)
 
 
@@ -226,30 +286,40 @@ def module_folders(source: str) -> set[str]:
     return {p.strip("/").split("/")[0] for p in paths if isinstance(p, str) and p.strip("/")}
 
 
-def copy_non_weight_files(source: str, output: str) -> list[str]:
-    """Copy config, generation config, tokenizer files, chat template, module folders, ... to ``output``.
+def non_weight_files(source: str) -> list[str]:
+    """Relative paths of the source model's files a checkpoint carries alongside its parts.
 
-    Everything except the transformer's own weights: top-level weight files, and weight
-    files in folders that are not modules of the model (an ``original/`` copy of the
-    weights). A sentence-transformers module folder is copied whole (:func:`module_folders`).
+    Config, generation config, tokenizer files, chat template, module folders, ...:
+    everything except the transformer's own weights, which the sharded parts replace:
+    top-level weight files, and weight files in folders that are not modules of the
+    model (an ``original/`` copy of the weights). A sentence-transformers module folder
+    is carried whole (:func:`module_folders`).
     """
-    copied = []
     modules = module_folders(source)
+    found = []
     for name in sorted(os.listdir(source)):
         if is_weight_file(name):
             continue
-        src, dst = os.path.join(source, name), os.path.join(output, name)
-        if os.path.isdir(src):
-            whole = name in modules
-            shutil.copytree(
-                src,
-                dst,
-                dirs_exist_ok=True,
-                ignore=lambda _d, names, whole=whole: [
-                    n for n in names if n in SKIPPED_NAMES or (not whole and is_weight_file(n))
-                ],
+        path = os.path.join(source, name)
+        if not os.path.isdir(path):
+            found.append(name)
+            continue
+        whole = name in modules
+        for root, dirs, files in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if d not in SKIPPED_NAMES)
+            relative = os.path.relpath(root, source)
+            found.extend(
+                os.path.join(relative, f)
+                for f in sorted(files)
+                if f not in SKIPPED_NAMES and (whole or not is_weight_file(f))
             )
-        else:
-            shutil.copy2(src, dst)
-        copied.append(name)
+    return found
+
+
+def copy_non_weight_files(source: str, output: str) -> list[str]:
+    """Copy the source model's :func:`non_weight_files` to ``output``; returns their relative paths."""
+    copied = non_weight_files(source)
+    for name in copied:
+        os.makedirs(os.path.dirname(os.path.join(output, name)), exist_ok=True)
+        shutil.copy2(os.path.join(source, name), os.path.join(output, name))
     return copied

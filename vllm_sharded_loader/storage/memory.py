@@ -20,7 +20,7 @@ import torch
 from ..format.errors import ShardedStateError
 from ..planning.spans import Piece
 from . import oscalls
-from .local import OpenFile
+from .local import OpenFile, truncated
 from .tensors import byte_view, map_file_range
 
 HUGE_PAGE = 2 * 1024 * 1024
@@ -161,10 +161,3 @@ def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
                 f"{path}: reading it failed ({os.strerror(error)}). Check the storage, "
                 "then copy or save the checkpoint again."
             )
-
-
-def truncated(path: str, offset: int) -> ShardedStateError:
-    return ShardedStateError(
-        f"{path}: file ended at byte {offset} while reading; it is truncated or was replaced during "
-        "the load. Copy or save the checkpoint again."
-    )

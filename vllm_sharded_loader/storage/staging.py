@@ -13,14 +13,17 @@ whose current device it must leave as it found it.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..format.errors import ShardedStateError
 from .memory import Destination
+
+if TYPE_CHECKING:
+    from .location import ByteStream
 
 
 def accelerator_device(destinations: Sequence[Destination]) -> torch.device | None:
@@ -58,7 +61,7 @@ class ThreadState:
     turn: int = 0
     scratch: bytearray = field(default_factory=bytearray)
     stream: object | None = None
-    fds: dict[int, int] = field(default_factory=dict)  # this thread's own descriptors
+    streams: dict[int, ByteStream] = field(default_factory=dict)  # this thread's own stream of each file
 
     def on_device(self, after: object | None = None) -> None:
         """Give the calling thread's state its own stream on :attr:`device`; a no-op without a device.
@@ -85,9 +88,9 @@ class ThreadState:
             yield
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        for stream in self.streams.values():
+            stream.close()
+        self.streams.clear()
 
     def staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, int]:
         # Two buffers alternate: the accelerator copies out of one while the next span is read into the other.

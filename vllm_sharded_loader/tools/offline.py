@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.rank_files import check_not_replaced
+from ..checkpoint.remote_save import save_checkpoint_to_objects
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..format.errors import ShardedStateError
@@ -22,8 +23,7 @@ from ..format.names import MANIFEST_NAME
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan, files_to_check
 from ..planning.topology import RankInfo
-from ..storage.local import copy_non_weight_files, read_manifest
-from ..storage.lock import check_not_locked, read_lock
+from ..storage.location import check_not_locked, copy_non_weight_files, is_locked, is_remote, read_manifest
 from ..storage.writer import LazyTensor
 
 
@@ -45,7 +45,7 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
         kinds[kind] = kinds.get(kind, 0) + 1
     names = {n for r in manifest.ranks for n in r.tensors}
     return {
-        "directory": os.path.abspath(directory),
+        "directory": directory if is_remote(directory) else os.path.abspath(directory),
         "format_version": manifest.format_version,
         "tp_size": manifest.tp_size,
         "pp_size": manifest.pp_size,
@@ -71,7 +71,7 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
             "reshardable": bool(manifest.geometry) and kinds.get(OPAQUE, 0) == 0 and names <= set(manifest.geometry),
         },
         "tied": [list(g) for g in manifest.tied],
-        "locked": read_lock(directory) is not None,
+        "locked": is_locked(directory),
     }
 
 
@@ -94,7 +94,9 @@ def reshard_checkpoint(
     pp_size = manifest.pp_size if pp_size is None else pp_size
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    if os.path.abspath(output) == os.path.abspath(directory):
+    if output.rstrip("/") == directory.rstrip("/") or (
+        not is_remote(output) and not is_remote(directory) and os.path.abspath(output) == os.path.abspath(directory)
+    ):
         raise ShardedStateError("--output must be another directory than the source checkpoint.")
     with ReshardSource(directory, manifest) as source:
         # Plan every rank before writing anything: a refused tensor leaves no output behind.
@@ -110,7 +112,8 @@ def reshard_checkpoint(
         for name in sorted({f for plan in plans.values() for f in files_to_check(plan, manifest)}):
             source.check_file(name)
         check_not_replaced(directory, manifest, source.check_unchanged)
-        os.makedirs(output, exist_ok=True)
+        if not is_remote(output):
+            os.makedirs(output, exist_ok=True)
         copy_non_weight_files(directory, output)
 
         def lazy(tensor_plan: TensorPlan) -> LazyTensor:
@@ -124,7 +127,8 @@ def reshard_checkpoint(
             return LazyTensor(tuple(tensor_plan.shape), dtype, produce)
 
         ranks = {rank: {n: lazy(p) for n, p in plan.tensors.items()} for rank, plan in plans.items()}
-        return save_checkpoint(
+        save = save_checkpoint_to_objects if is_remote(output) else save_checkpoint
+        return save(
             output,
             ranks,
             dtype=manifest.dtype,

@@ -1,0 +1,326 @@
+"""Checkpoints in object storage, against a real S3 server (SeaweedFS on loopback, ``examples/s3_server.py``).
+
+Engine-free: a checkpoint saved straight into a bucket loads at its topology and resharded,
+equal to the saved tensors; every bad case a local load refuses is refused from the bucket
+too (a missing part, a truncated object, a flipped byte, a save still holding the prefix,
+an object replaced during the load); a failing or interrupted save publishes nothing; the
+offline commands work on ``s3://``. With engines: a model saved to the bucket at TP=2 by
+the save script serves from the bucket at TP=2 and, resharded, at TP=1, with the default
+loader's greedy ids.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+from s3_server import SeaweedS3
+from states import SOURCE
+from test_reshard_files import save_model, source_of, stage_state
+from test_resharding import llama_like
+
+from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint.remote_save import save_checkpoint_to_objects
+from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
+from vllm_sharded_loader.format.names import LOCK_NAME
+from vllm_sharded_loader.storage import objects
+from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
+
+BUCKET = "models"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A SeaweedFS S3 server for this module, with the usual AWS settings pointing at it."""
+    with SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server:
+        saved = {k: os.environ.get(k) for k in server.aws_environment()}
+        os.environ.update(server.aws_environment())
+        objects._store.cache_clear()
+        server.create_bucket(BUCKET)
+        try:
+            yield server
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            objects._store.cache_clear()
+
+
+def new_prefix() -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+
+
+def keys(server, url: str) -> list[str]:
+    prefix = objects.ObjectPrefix.parse(url).prefix
+    listed = server.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+    return sorted(o["Key"][len(prefix) :] for o in listed)
+
+
+def save_to_bucket(url, model, tp_size, pp_size=1, max_size=4096):
+    ranks = {
+        RankInfo(t, tp_size, p, pp_size): stage_state(model, tp_size, pp_size, t, p)
+        for p in range(pp_size)
+        for t in range(tp_size)
+    }
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    return save_checkpoint_to_objects(
+        url, ranks, dtype="int32", source=source_of(model), max_size=max_size, geometry=geometry
+    )
+
+
+def load_from(url, model, tp_size, tp_rank=0, pp_size=1, pp_rank=0, **kw):
+    expected = stage_state(model, tp_size, pp_size, tp_rank, pp_rank)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    stats = load_rank(
+        url,
+        targets,
+        RankInfo(tp_rank, tp_size, pp_rank, pp_size),
+        manifest=read_manifest(url),
+        serving=source_of(model),
+        **kw,
+    )
+    return stats, targets, expected
+
+
+@pytest.mark.parametrize(("saved", "serving"), [(2, 2), (2, 1), (1, 2)])
+@pytest.mark.parametrize("verify", ["size", "checksum"])
+def test_a_checkpoint_in_a_bucket_loads_at_its_topology_and_resharded(s3, saved, serving, verify):
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    url = new_prefix()
+    manifest = save_to_bucket(url, model, saved)
+    assert manifest.tp_size == saved and MANIFEST_NAME in keys(s3, url) and LOCK_NAME not in keys(s3, url)
+    for rank in range(serving):
+        stats, targets, expected = load_from(url, model, serving, rank, verify=verify)
+        for name, x in expected.items():
+            assert torch.equal(targets[name], x), name
+        assert stats.bytes_mapped == 0  # objects are read, never mapped
+        assert (stats.resharded_from is None) == (saved == serving)
+
+
+def test_reads_are_ranged_and_only_what_a_resharding_rank_needs(s3, tmp_path):
+    """A TP=1 checkpoint served at TP=2 reads about half of it per rank, not the whole objects."""
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    url = new_prefix()
+    manifest = save_to_bucket(url, model, 1, max_size=None)
+    stats, _, _ = load_from(url, model, 2, 1)
+    assert stats.bytes_read < 0.75 * manifest.nbytes
+
+
+def test_a_local_checkpoint_uploaded_as_is_loads_from_the_bucket(s3, tmp_path):
+    """Any copy tool works: files written locally, uploaded by plain PUTs, then served from the bucket."""
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    save_model(tmp_path, model, 2, 1)
+    url = new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    for name in os.listdir(tmp_path):
+        s3.client().upload_file(str(tmp_path / name), BUCKET, where.key(name))
+    _, targets, expected = load_from(url, model, 2, 1, verify="checksum")
+    assert all(torch.equal(targets[n], x) for n, x in expected.items())
+
+
+def saved_url(s3, tp=2):
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    url = new_prefix()
+    manifest = save_to_bucket(url, model, tp)
+    return model, url, manifest, objects.ObjectPrefix.parse(url)
+
+
+def first_part(manifest):
+    return manifest.rank(0, 0).files[0]
+
+
+def test_a_missing_part_is_refused_naming_it(s3):
+    model, url, manifest, where = saved_url(s3)
+    part = first_part(manifest).name
+    objects.delete(where, [part])
+    with pytest.raises(ShardedStateError, match=f"{part}: listed in {MANIFEST_NAME}.*missing"):
+        load_from(url, model, 2, 0)
+    assert any(part in p and "missing" in p for p in verify_checkpoint(url))
+
+
+def test_a_truncated_object_is_refused_before_a_byte_is_read(s3):
+    model, url, manifest, where = saved_url(s3)
+    part = first_part(manifest)
+    data = s3.client().get_object(Bucket=BUCKET, Key=where.key(part.name))["Body"].read()
+    s3.client().put_object(Bucket=BUCKET, Key=where.key(part.name), Body=data[:-7])
+    expected = stage_state(model, 2, 1, 0, 0)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    with pytest.raises(ShardedStateError, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
+        load_rank(url, targets, RankInfo(0, 2), manifest=read_manifest(url), serving=source_of(model))
+    assert all(bool((t == -7).all()) for t in targets.values())
+
+
+def test_a_flipped_byte_is_refused_by_its_checksum(s3):
+    model, url, manifest, where = saved_url(s3)
+    part = first_part(manifest)
+    data = bytearray(s3.client().get_object(Bucket=BUCKET, Key=where.key(part.name))["Body"].read())
+    data[-3] ^= 0x40  # in the last tensor's bytes, not the header
+    s3.client().put_object(Bucket=BUCKET, Key=where.key(part.name), Body=bytes(data))
+    with pytest.raises(ShardedStateError, match=f"{part.name}.*checksum"):
+        load_from(url, model, 2, 0, verify="checksum")
+    assert any(part.name in p for p in verify_checkpoint(url))
+
+
+def test_a_prefix_held_by_a_save_is_refused(s3):
+    model, url, _, where = saved_url(s3)
+    objects.acquire_lock(where, "someone-else")
+    with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
+        load_from(url, model, 2, 0)
+    with pytest.raises(ShardedStateError, match="another save holds"):
+        save_to_bucket(url, model, 2)
+    objects.release_lock(where)
+    load_from(url, model, 2, 0)
+
+
+def test_an_object_replaced_during_the_load_is_never_read(s3):
+    """Reads are conditional on the ETag seen when the part was opened."""
+    _model, _url, manifest, where = saved_url(s3)
+    part = first_part(manifest)
+    opened = objects.open_part(where, part)
+    data = bytearray(s3.client().get_object(Bucket=BUCKET, Key=where.key(part.name))["Body"].read())
+    data[-1] ^= 1
+    s3.client().put_object(Bucket=BUCKET, Key=where.key(part.name), Body=bytes(data))
+    with pytest.raises(ShardedStateError, match="replaced or deleted during the load"):
+        opened.read_at(0, 8)
+    with pytest.raises(ShardedStateError, match="replaced or deleted during the load"):
+        opened.check_unchanged()
+
+
+def test_an_existing_checkpoint_is_kept_unless_overwrite(s3):
+    model, url, manifest, _ = saved_url(s3)
+    with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
+        save_to_bucket(url, model, 1)
+    assert read_manifest(url) == manifest and LOCK_NAME not in keys(s3, url)
+    # Overwrite at another topology: the old ranks' parts go, the new manifest lists only its own.
+    ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    new = save_checkpoint_to_objects(
+        url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
+    )
+    listed = {f.name for e in new.ranks for f in e.files}
+    assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == listed
+    assert verify_checkpoint(url) == []
+
+
+class Failing(dict):
+    """Tensors of which the fourth cannot be produced (as when an offline reshard's read fails): the
+    save fails part-way, after uploads began."""
+
+    def __init__(self, tensors):
+        super().__init__(tensors)
+        self.served = 0
+
+    def __getitem__(self, name):
+        self.served += 1
+        if self.served > 3:
+            raise OSError(28, "No space left on device")  # what a full staging disk raises
+        return super().__getitem__(name)
+
+
+def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3):
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    url = new_prefix()
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    ranks[RankInfo(1, 2)] = Failing(ranks[RankInfo(1, 2)])  # rank 0 uploads, then rank 1 fails
+    with pytest.raises(OSError, match="No space left on device"):
+        save_checkpoint_to_objects(url, ranks, dtype="int32", source=source_of(model), max_size=4096)
+    assert keys(s3, url) == []  # no manifest, no part, no lock
+    assert s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
+
+
+SAVE_AND_HANG = """
+import sys, torch
+sys.path.insert(0, "tests")
+from test_resharding import llama_like
+from vllm_sharded_loader.checkpoint import RankInfo
+from vllm_sharded_loader.checkpoint.remote_save import save_checkpoint_to_objects
+from vllm_sharded_loader.format import SourceModel
+big = {f"t{i}": torch.randn(4096, 4096) for i in range(6)}  # 6 parts of 64 MiB, multipart uploads
+save_checkpoint_to_objects(sys.argv[1], {RankInfo(0, 1): big}, dtype="float32",
+                           source=SourceModel("X", "0" * 64, {}), max_size=64 << 20)
+"""
+
+
+def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, tmp_path):
+    """A save killed outright: no manifest, the prefix refused as interrupted, then taken back."""
+    url = new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    proc = subprocess.Popen([sys.executable, "-c", SAVE_AND_HANG, url], cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(k.endswith(".safetensors") for k in keys(s3, url)):
+            assert proc.poll() is None, "the save finished before it could be interrupted"
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    names = keys(s3, url)
+    assert MANIFEST_NAME not in names and LOCK_NAME in names
+    with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
+        load_rank(url, {}, RankInfo(0, 1), manifest=read_manifest(url))
+    assert any("a save is running or was interrupted" in p for p in verify_checkpoint(url))
+    # The error of the next save says what to do; done, the next save aborts what was left.
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    with pytest.raises(ShardedStateError, match=f"delete {where.url(LOCK_NAME)}"):
+        save_to_bucket(url, model, 1)
+    objects.release_lock(where)
+    manifest = save_to_bucket(url, model, 1, max_size=None)  # one part: the killed save's others are stale
+    assert s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=where.prefix).get("Uploads", []) == []
+    assert verify_checkpoint(url) == []
+    assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == {f.name for f in manifest.rank(0, 0).files}
+
+
+def test_offline_commands_work_on_a_bucket(s3, tmp_path):
+    model, url, _manifest, _ = saved_url(s3)
+    info = inspect_checkpoint(url)
+    assert (info["tp_size"], info["directory"], info["locked"]) == (2, url, False)
+    # s3 -> local and local -> s3, each loading like the original.
+    reshard_checkpoint(url, str(tmp_path / "tp1"), 1)
+    _, targets, expected = load_from(str(tmp_path / "tp1"), model, 1)
+    assert all(torch.equal(targets[n], x) for n, x in expected.items())
+    back = new_prefix()
+    reshard_checkpoint(str(tmp_path / "tp1"), back, 2)
+    assert verify_checkpoint(back) == []
+    stats, targets, expected = load_from(back, model, 2, 1)
+    assert stats.resharded_from is None and all(torch.equal(targets[n], x) for n, x in expected.items())
+
+
+def test_no_manifest_in_a_bucket_is_refused(s3):
+    url = new_prefix()
+    with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):
+        load_rank(url, {}, RankInfo(0, 1), manifest=None, serving=SOURCE)
+
+
+@pytest.mark.engine
+def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_tp1(s3, models):
+    """examples/save_sharded_state.py -o s3://... at TP=2; LLM(model="s3://...") at TP=2 and TP=1."""
+    from conftest import run_engine, run_python
+
+    url = new_prefix()
+    saved = run_python(
+        [
+            *("examples/save_sharded_state.py", "--model", models["llama"], "-o", url),
+            *("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+            *("--max-model-len", "512", "--enforce-eager", "--max-file-size", str(2 * 1024**2)),
+        ],
+        tp=2,
+    )
+    assert saved.returncode == 0, saved.tail()
+    names = keys(s3, url)
+    assert MANIFEST_NAME in names and "config.json" in names and LOCK_NAME not in names
+    assert not any(n.endswith(".partial") for n in names)
+    assert verify_checkpoint(url) == []
+    for tp in (2, 1):
+        reference = run_engine({"model": models["llama"], "tp": tp}).result
+        served = run_engine(
+            {"model": url, "tp": tp, "load_format": "sharded_state", "extra_config": {"verify": "checksum"}}
+        )
+        assert served.result["token_ids"] == reference["token_ids"]
+        assert ("resharded from TP=2 PP=1 to TP=1 PP=1" in served.output) == (tp == 1)
+        assert "0.0 MB mapped" in served.output  # read from the bucket, not from a local copy
