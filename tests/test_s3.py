@@ -276,8 +276,12 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == {f.name for f in manifest.rank(0, 0).files}
 
 
-def test_offline_commands_work_on_a_bucket(s3, tmp_path):
+def test_offline_commands_work_on_a_bucket(s3, tmp_path, capsys):
+    from vllm_sharded_loader.tools.cli import main
+
     model, url, _manifest, _ = saved_url(s3)
+    assert main(["verify", url]) == 0 and main(["inspect", url]) == 0
+    assert url in capsys.readouterr().out
     info = inspect_checkpoint(url)
     assert (info["tp_size"], info["directory"], info["locked"]) == (2, url, False)
     # s3 -> local and local -> s3, each loading like the original.
