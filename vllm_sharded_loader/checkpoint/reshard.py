@@ -72,11 +72,17 @@ def _copy_rows(source: torch.Tensor, dest_runs: Strided, target: torch.Tensor) -
     rows.copy_(source)
 
 
-def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor) -> None:
+def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor, prefault: torch.Tensor | None) -> None:
     # The reader's threads already copy in parallel: a copy's own OpenMP team would only
     # take the cores from the other readers and from the caller. Only this thread's
     # setting changes.
     torch.set_num_threads(1)
+    if prefault is not None:
+        start = prefault.data_ptr()
+        end = start + prefault.numel() * prefault.element_size()
+        lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+        if hi > lo:
+            oscalls.populate_write(lo, hi - lo)
     copy()
     # Unmapping hundreds of MB of paged-in mappings costs ~0.1 s; here it runs in parallel
     # with the other reads instead of wherever the mapping happens to be freed.
@@ -215,7 +221,10 @@ class ReshardSource:
                 on_cpu = target.device.type == "cpu"
                 at = batch.add(
                     Target(
-                        source, stored, mapped=True, filled=partial(_copy_on_reader, copy, source) if on_cpu else None
+                        source,
+                        stored,
+                        mapped=True,
+                        filled=partial(_copy_on_reader, copy, source, target) if on_cpu else None,
                     )
                 )
                 batch.pieces.append(Piece(file, r.source.offset, span, at, 0, size))

@@ -12,6 +12,7 @@ from typing import Any
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux 5.14+
+MADV_POPULATE_WRITE = 23
 SYNC_FILE_RANGE_WRITE = 2
 
 _libc: Any = None
@@ -57,6 +58,17 @@ def drop_pages(address: int, nbytes: int) -> None:
     libc = _c()
     if libc is not None:
         libc.madvise(address, nbytes, MADV_DONTNEED)
+
+
+def populate_write(address: int, nbytes: int) -> None:
+    """``madvise(MADV_POPULATE_WRITE)``: fault in a page-aligned range of fresh memory now, in one call.
+
+    Before a copy that writes every page (rows joined into a new parameter): one system
+    call instead of a trap per 4 KiB page. Best effort: a no-op where unsupported.
+    """
+    libc = _c()
+    if libc is not None:
+        libc.madvise(address, nbytes, MADV_POPULATE_WRITE)
 
 
 def populate_read(address: int, nbytes: int) -> int:
