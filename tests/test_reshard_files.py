@@ -374,3 +374,28 @@ def test_a_corrupt_block_is_refused_on_the_mapped_paths(tmp_path, tensor):
             adopt=adopt,
         )
     assert not adopted
+
+
+@pytest.mark.parametrize(("saved", "serving"), [(1, 2), (2, 1)])
+def test_row_splits_are_read_per_tensor_not_per_row(tmp_path, monkeypatch, saved, serving):
+    """Cutting (TP=1 -> 2) or joining (TP=2 -> 1) dim-1 splits gives the reader one piece per
+    saved range, whatever the number of rows: 1024 rows here."""
+    import vllm_sharded_loader.checkpoint.reshard as reshard
+
+    model = big_model()
+    manifest = save_model(tmp_path, model, saved, 1)
+    pieces = []
+    read_pieces = reshard.read_pieces
+
+    def counted(*args, **kwargs):
+        pieces.extend(args[1])
+        return read_pieces(*args, **kwargs)
+
+    monkeypatch.setattr(reshard, "read_pieces", counted)
+    expected = stage_state(model, serving, 1, 0, 0)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    load_rank(str(tmp_path), targets, RankInfo(0, serving), manifest=manifest, verify="checksum")
+    for name, x in expected.items():
+        assert torch.equal(targets[name], x), name
+    assert model.tensors["model.layers.0.self_attn.o_proj.weight"].data.shape[0] == 1024
+    assert len(pieces) < 4 * len(expected)
