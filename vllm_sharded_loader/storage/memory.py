@@ -175,7 +175,7 @@ def map_pieces(
     region = mmap.mmap(-1, max(PAGE, -(-(shift + nbytes) // PAGE) * PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region (and what is mapped into it) alive
     base = whole.data_ptr()
-    sizes = [os.fstat(f.fd).st_size for f in files]
+    sizes = {p.file: os.fstat(files[p.file].fd).st_size for p in pieces}  # now, not when opened
     mapped: list[tuple[int, int]] = []
     for p in pieces:
         start, end = p.start, p.start + p.length
