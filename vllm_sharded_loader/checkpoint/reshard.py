@@ -2,8 +2,9 @@
 
 :mod:`..planning.reads` decides which byte ranges of which saved files a serving rank
 needs and where they land; :class:`ReshardSource` checks the files those plans touch and
-executes the plans with the parallel reader, joining rows split along dimension 1 in
-bounded batches. The offline ``vllm-sharded reshard`` uses the same source.
+executes the plans with the parallel reader: pieces along dimension 0 mapped into place
+where the caller can adopt a tensor, rows split along dimension 1 copied out of mappings of
+their file ranges in bounded batches. The offline ``vllm-sharded reshard`` uses the same source.
 """
 
 from __future__ import annotations
