@@ -12,7 +12,9 @@ offers them). Cases, each warm (files in the page cache) and cold (evicted with
 - TP=2 rank 0: the TP=2 files (same topology) and the TP=1 files resharded to TP=2.
 
 Prints a markdown table of medians with the ratio to the same-topology load of the same
-run, and writes it with every run's time to ``--out``::
+run, and the cold sequential read speed of the files each load reads, taken just before each
+cold load (on the project's VMs some files read two or three times faster than others), and
+writes it with every run's time to ``--out``::
 
     python benchmarks/reshard_bench.py --runs 3 --out benchmarks/results/reshard_bench.json
 """
@@ -135,6 +137,25 @@ def warm(paths: list[str]) -> None:
                 pass
 
 
+def sequential_read(paths: list[str]) -> float:
+    """GB/s of one thread reading the files from cold, 64 MiB at a time: what the storage gives now."""
+    evict(paths)
+    buffer = bytearray(64 << 20)
+    total, started = 0, time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                total += n
+    return total / (time.perf_counter() - started) / 1e9
+
+
+def files_read(directory: str, tp: int, saved: int) -> list[str]:
+    """The files a rank-0 load reads: its own at the same TP size, every file when resharding."""
+    if tp == saved:
+        return [p for p in files_of(directory) if "-rank-0-" in os.path.basename(p)]
+    return files_of(directory)
+
+
 def child(spec: dict) -> None:
     """One timed load in this fresh process; prints a JSON line."""
     import torch
@@ -179,12 +200,17 @@ def main() -> None:
         return
     dirs = build(args.work, args.layers)
     times: dict[tuple[str, str], list[float]] = {}
+    probes: dict[str, list[float]] = {}
     info: dict[tuple[str, str], dict] = {}
     for run in range(args.runs):
         for mode in ("warm", "cold"):
             for label, tp, saved in CASES:
                 if mode == "warm":
                     warm(files_of(dirs[saved]))
+                else:
+                    # The same disk reads some files much faster than others (the host's cache):
+                    # the storage's speed for exactly these files, just before the load.
+                    probes.setdefault(label, []).append(sequential_read(files_read(dirs[saved], tp, saved)))
                 spec = dict(
                     directory=dirs[saved], tp=tp, verify=args.verify, mmap=not args.no_mmap, cold=mode == "cold"
                 )
@@ -196,8 +222,9 @@ def main() -> None:
     lines = [
         f"verify={args.verify}, mmap={not args.no_mmap}, {args.runs} runs, medians",
         "",
-        "| load | warm (s) | / same topology | cold (s) | / same topology | MB read | MB mapped |",
-        "|---|---|---|---|---|---|---|",
+        "| load | warm (s) | / same topology | cold (s) | / same topology | MB read | MB in adopted tensors "
+        "| cold GB/s | cold sequential read of its files, GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     medians = {key: statistics.median(v) for key, v in times.items()}
     for label, tp, _saved in CASES:
@@ -208,12 +235,17 @@ def main() -> None:
             row += [f"{m:.3f}", f"{m / medians[(same, mode)]:.2f}x"]
         r = info[(label, "warm")]
         row += [f"{r['bytes_read'] / 1e6:.0f}", f"{r['bytes_mapped'] / 1e6:.0f}"]
+        row += [f"{r['bytes_read'] / medians[(label, 'cold')] / 1e9:.2f}", f"{statistics.median(probes[label]):.2f}"]
         lines.append("| " + " | ".join(row) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"runs": {f"{k[0]}|{k[1]}": v for k, v in times.items()}, "table": table}, f, indent=1)
+            json.dump(
+                {"runs": {f"{k[0]}|{k[1]}": v for k, v in times.items()}, "cold_sequential": probes, "table": table},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
