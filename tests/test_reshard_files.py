@@ -399,3 +399,20 @@ def test_row_splits_are_read_per_tensor_not_per_row(tmp_path, monkeypatch, saved
         assert torch.equal(targets[name], x), name
     assert model.tensors["model.layers.0.self_attn.o_proj.weight"].data.shape[0] == 1024
     assert len(pieces) < 4 * len(expected)
+
+
+def test_a_one_thread_resharding_load_leaves_the_callers_torch_threads_alone(tmp_path):
+    """With one reader thread the row copies run on the caller's thread, which keeps its setting."""
+    model = big_model()
+    manifest = save_model(tmp_path, model, 2, 1)
+    expected = stage_state(model, 1, 1, 0, 0)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    for name, x in expected.items():
+        assert torch.equal(targets[name], x), name

@@ -74,17 +74,22 @@ def _copy_rows(source: torch.Tensor, dest_runs: Strided, target: torch.Tensor) -
 
 
 def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor, prefault: torch.Tensor | None) -> None:
-    # The reader's threads already copy in parallel: a copy's own OpenMP team would only
-    # take the cores from the other readers and from the caller. Only this thread's
-    # setting changes.
-    torch.set_num_threads(1)
     if prefault is not None:
         start = prefault.data_ptr()
         end = start + prefault.numel() * prefault.element_size()
         lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
         if hi > lo:
             oscalls.populate_write(lo, hi - lo)
-    copy()
+    # The reader's threads already copy in parallel: a copy's own OpenMP team would only
+    # take the cores from the other readers and from the caller. The setting is this
+    # thread's (OpenMP's is per thread), and put back: with one stream the reader runs
+    # on the caller's thread.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        copy()
+    finally:
+        torch.set_num_threads(before)
     # Unmapping hundreds of MB of paged-in mappings costs ~0.1 s; here it runs in parallel
     # with the other reads instead of wherever the mapping happens to be freed.
     start = source.data_ptr()
