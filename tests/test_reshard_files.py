@@ -416,3 +416,17 @@ def test_a_one_thread_resharding_load_leaves_the_callers_torch_threads_alone(tmp
         torch.set_num_threads(before)
     for name, x in expected.items():
         assert torch.equal(targets[name], x), name
+
+
+def test_non_contiguous_targets_are_filled_run_by_run(tmp_path):
+    model = big_model()
+    manifest = save_model(tmp_path, model, 1, 1)
+    expected = stage_state(model, 2, 1, 0, 0)
+    name = "model.layers.0.self_attn.o_proj.weight"  # a dim-1 cut
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    rows, columns = expected[name].shape
+    targets[name] = torch.full((columns, rows), -7, dtype=expected[name].dtype).t()  # transposed memory
+    assert not targets[name].is_contiguous()
+    load_rank(str(tmp_path), targets, RankInfo(0, 2), manifest=manifest, verify="checksum")
+    for n, x in expected.items():
+        assert torch.equal(targets[n], x), n

@@ -177,6 +177,7 @@ class ReshardSource:
         checksums = {index[n]: self.owners[n][0].checksum for n in files} if self.verify == "checksum" else {}
         adopt = adopt or {}
         adopted: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = []
+        mapped_bytes = 0
         batch = _ReadBatch()
         batches = [batch]
         for name, tensor_plan in plans.items():
@@ -205,10 +206,16 @@ class ReshardSource:
                             at = batch.add(Target(flat[lo:hi], stored, mapped=True))
                             batch.pieces.append(Piece(p.file, p.offset + lo - p.start, hi - lo, at, 0, size))
                     adopted.append((taker, tensor))
+                    mapped_bytes += sum(hi - lo for lo, hi in ranges)
                     continue
             dest = batch.add(Target(target, stored, zero_runs))
             for r in tensor_plan.reads:
                 file = index[r.file]
+                if not target.is_contiguous():
+                    # Rare (parameters are contiguous): the reader fills a temporary, run by run.
+                    for (src, src_end), (dst, _) in zip(r.source.runs(), r.dest.runs(), strict=True):
+                        batch.pieces.append(Piece(file, src, src_end - src, dest, dst * size, size))
+                    continue
                 if r.source.count == 1 and r.dest.count == 1:
                     batch.pieces.append(Piece(file, r.source.offset, r.source.total, dest, r.dest.offset * size, size))
                     continue
@@ -254,7 +261,7 @@ class ReshardSource:
         # Only now, with every byte read and verified, do callers take the mapped tensors.
         for taker, tensor in adopted:
             taker(tensor)
-        return ReadStats(total, spans, threads, huge, sum(t.numel() * t.element_size() for _, t in adopted))
+        return ReadStats(total, spans, threads, huge, mapped_bytes)
 
     def fill(self, tensor_plan: TensorPlan, target: torch.Tensor) -> None:
         """Read one planned tensor into ``target`` (cast if its dtype differs from the saved one)."""
