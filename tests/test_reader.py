@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import blake3
@@ -263,7 +264,9 @@ def test_without_asking_targets_keep_their_pages(tmp_path):
     nbytes = 16 * 1024 * 1024
     path = str(tmp_path / "w.safetensors")
     save_file({"w": torch.ones(nbytes // 2, dtype=torch.bfloat16)}, path)
-    target = torch.empty(nbytes // 2, dtype=torch.bfloat16)
+    # Fresh memory of its own: from malloc, the target could reuse heap memory an earlier
+    # test advised (glibc serves 16 MiB from the heap once large frees raised its mmap threshold).
+    target = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.bfloat16)
     stats = tensor_files.read_files([local.read_header(path)], {"w": target}, threads=2)
     assert not stats.huge_pages
     assert anon_huge_bytes(target.data_ptr(), target.data_ptr() + nbytes) == 0

@@ -231,3 +231,202 @@ def test_stacked_experts_reshard_as_vllm_loads_them(tmp_path, saved_tp, serving_
         load_rank(str(tmp_path), targets, RankInfo(t, serving_tp), manifest=manifest, verify="checksum")
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, t)
+
+
+# ------------------------------------------------ resharded tensors served from file mappings
+
+
+def big_model():
+    """Rows of 4 KiB (hidden 1024, int32), so that dim-0 pieces are whole pages and files pass
+    the writer's page-alignment threshold."""
+    return llama_like(num_layers=2, vocab=1000, heads=8, kv_heads=2, head_size=128)
+
+
+def file_mappings(tensor: torch.Tensor) -> set[str]:
+    """Names of the files mapped into a tensor's address range (from /proc/self/maps)."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    names = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo < end and hi > start and len(fields) > 5 and fields[5].endswith(".safetensors"):
+                names.add(fields[5].rsplit("/", 1)[1])
+    return names
+
+
+def saved_rank(file_name: str) -> int:
+    """The saved rank of a part file (``model-rank-{rank}-part-{part}.safetensors``)."""
+    return int(file_name.split("-rank-")[1].split("-")[0])
+
+
+def load_adopting(directory, rank, verify="checksum", model=None):
+    """A resharding load offering every tensor for adoption: (targets, adopted tensors, stats)."""
+    expected = stage_state(model, rank.tp_size, 1, rank.tp_rank, 0)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    adopted: dict[str, torch.Tensor] = {}
+    adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
+    stats = load_rank(str(directory), targets, rank, manifest=read_manifest(str(directory)), verify=verify, adopt=adopt)
+    return expected, targets, adopted, stats
+
+
+@pytest.mark.parametrize(("saved", "serving"), [(2, 1), (1, 2), (2, 4)])
+def test_resharded_tensors_are_mapped_and_equal_the_copied_ones(tmp_path, saved, serving):
+    model = big_model()
+    save_model(tmp_path, model, saved, 1)
+    for t in range(serving):
+        expected, targets, adopted, stats = load_adopting(tmp_path, RankInfo(t, serving), model=model)
+        for name, x in expected.items():
+            served = adopted.get(name, targets[name])
+            assert torch.equal(served, x), (name, t)
+        # dim-0 pieces and replicated tensors are mapped; dim-1 splits (o_proj, down_proj) are copied.
+        assert "model.layers.0.self_attn.qkv_proj.weight" in adopted
+        assert "model.embed_tokens.weight" in adopted
+        assert not any("o_proj.weight" in n or "down_proj.weight" in n for n in adopted)
+        assert stats.resharded_from == (saved, 1)
+    if (saved, serving) == (2, 1):
+        # The joined weight lies over pages of both saved ranks' files.
+        qkv = adopted["model.layers.0.self_attn.qkv_proj.weight"]
+        assert {saved_rank(n) for n in file_mappings(qkv)} == {0, 1}, file_mappings(qkv)
+
+
+def test_writes_to_a_mapped_resharded_tensor_never_reach_the_file(tmp_path):
+    model = big_model()
+    save_model(tmp_path, model, 2, 1)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*.safetensors")}
+    _, _, adopted, _ = load_adopting(tmp_path, RankInfo(0, 1), model=model)
+    for tensor in adopted.values():
+        tensor.fill_(3)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.safetensors")} == before
+
+
+def test_misaligned_pieces_fall_back_to_copying(tmp_path, monkeypatch):
+    """Saved without page alignment (as before it existed), with headers of other lengths per
+    rank: the ranks' pieces disagree within a page, so one of them is read, the other mapped;
+    the result is the same."""
+    import vllm_sharded_loader.storage.writer as writer
+
+    write_file = writer.write_file
+
+    def longer_header_for_rank_1(path, tensors, metadata, *args, **kwargs):
+        pad = "x" * (24 if "-rank-1-" in path else 0)
+        return write_file(path, tensors, {**metadata, "pad": pad}, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "PAGE_ALIGN_FROM", 1 << 60)
+    monkeypatch.setattr(writer, "write_file", longer_header_for_rank_1)
+    model = big_model()
+    save_model(tmp_path, model, 2, 1)
+    qkv_name = "model.layers.0.self_attn.qkv_proj.weight"
+    offsets = {e.tensors[qkv_name].offset % 4096 for e in read_manifest(str(tmp_path)).ranks}
+    assert len(offsets) == 2
+    expected, targets, adopted, _ = load_adopting(tmp_path, RankInfo(0, 1), model=model)
+    for name, x in expected.items():
+        assert torch.equal(adopted.get(name, targets[name]), x), name
+    assert len({saved_rank(n) for n in file_mappings(adopted[qkv_name])}) == 1
+
+
+def test_map_pieces_maps_only_pages_a_piece_owns(tmp_path):
+    from vllm_sharded_loader.planning.spans import Piece
+    from vllm_sharded_loader.storage.local import OpenFile
+    from vllm_sharded_loader.storage.memory import PAGE, map_pieces
+
+    data = bytes(range(256)) * (PAGE * 6 // 256)
+    (tmp_path / "f").write_bytes(data)
+    with OpenFile.open(str(tmp_path / "f")) as f:
+        pieces = [
+            Piece(0, 0, 2 * PAGE, 0, 0),  # pages 0-1 of the tensor, aligned: mapped
+            Piece(0, 3 * PAGE + 8, PAGE, 0, 2 * PAGE),  # another offset within a page: not mapped
+            Piece(0, 4 * PAGE, PAGE + 100, 0, 3 * PAGE),  # aligned, ends mid-page where the tensor ends
+        ]
+        tensor, ranges = map_pieces([f], pieces, torch.uint8, (4 * PAGE + 100,))
+        assert ranges == [(0, 2 * PAGE), (2 * PAGE, 2 * PAGE), (3 * PAGE, 4 * PAGE + 100)]
+        raw = tensor.numpy().tobytes()
+        assert raw[: 2 * PAGE] == data[: 2 * PAGE]
+        assert raw[2 * PAGE : 3 * PAGE] == bytes(PAGE)  # left for the reader to fill
+        assert raw[3 * PAGE :] == data[4 * PAGE : 5 * PAGE + 100]
+
+
+@pytest.mark.parametrize(
+    "tensor", ["model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
+)
+def test_a_corrupt_block_is_refused_on_the_mapped_paths(tmp_path, tensor):
+    """A flipped bit under a mapped dim-0 piece, or under the mapped rows of a dim-1 join, is
+    caught by verify="checksum"; nothing is adopted."""
+    model = big_model()
+    manifest = save_model(tmp_path, model, 2, 1)
+    entry = manifest.rank(1, 0).tensors[tensor]
+    path = tmp_path / entry.file
+    data = bytearray(path.read_bytes())
+    data[entry.offset + 5000] ^= 0x10
+    path.write_bytes(bytes(data))
+    expected = stage_state(model, 1, 1, 0, 0)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    adopted: dict[str, torch.Tensor] = {}
+    adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
+    with pytest.raises(ShardedStateError, match=rf"{entry.file}: checksum mismatch"):
+        load_rank(
+            str(tmp_path),
+            targets,
+            RankInfo(0, 1),
+            manifest=read_manifest(str(tmp_path)),
+            verify="checksum",
+            adopt=adopt,
+        )
+    assert not adopted
+
+
+@pytest.mark.parametrize(("saved", "serving"), [(1, 2), (2, 1)])
+def test_row_splits_are_read_per_tensor_not_per_row(tmp_path, monkeypatch, saved, serving):
+    """Cutting (TP=1 -> 2) or joining (TP=2 -> 1) dim-1 splits gives the reader one piece per
+    saved range, whatever the number of rows: 1024 rows here."""
+    import vllm_sharded_loader.checkpoint.reshard as reshard
+
+    model = big_model()
+    manifest = save_model(tmp_path, model, saved, 1)
+    pieces = []
+    read_pieces = reshard.read_pieces
+
+    def counted(*args, **kwargs):
+        pieces.extend(args[1])
+        return read_pieces(*args, **kwargs)
+
+    monkeypatch.setattr(reshard, "read_pieces", counted)
+    expected = stage_state(model, serving, 1, 0, 0)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    load_rank(str(tmp_path), targets, RankInfo(0, serving), manifest=manifest, verify="checksum")
+    for name, x in expected.items():
+        assert torch.equal(targets[name], x), name
+    assert model.tensors["model.layers.0.self_attn.o_proj.weight"].data.shape[0] == 1024
+    assert len(pieces) < 4 * len(expected)
+
+
+def test_a_one_thread_resharding_load_leaves_the_callers_torch_threads_alone(tmp_path):
+    """With one reader thread the row copies run on the caller's thread, which keeps its setting."""
+    model = big_model()
+    manifest = save_model(tmp_path, model, 2, 1)
+    expected = stage_state(model, 1, 1, 0, 0)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    for name, x in expected.items():
+        assert torch.equal(targets[name], x), name
+
+
+def test_non_contiguous_targets_are_filled_run_by_run(tmp_path):
+    model = big_model()
+    manifest = save_model(tmp_path, model, 1, 1)
+    expected = stage_state(model, 2, 1, 0, 0)
+    name = "model.layers.0.self_attn.o_proj.weight"  # a dim-1 cut
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    rows, columns = expected[name].shape
+    targets[name] = torch.full((columns, rows), -7, dtype=expected[name].dtype).t()  # transposed memory
+    assert not targets[name].is_contiguous()
+    load_rank(str(tmp_path), targets, RankInfo(0, 2), manifest=manifest, verify="checksum")
+    for n, x in expected.items():
+        assert torch.equal(targets[n], x), n

@@ -66,10 +66,11 @@ def load_rank(
     model shares (tied embeddings), so a tensor saved under one name serves the others.
     ``threads``, ``progress`` and ``huge_pages`` go to the reader. ``adopt`` maps tensor
     names to callbacks that take a tensor over a private mapping of the file in place of
-    the target (see :func:`..storage.reader.read_pieces`); a same-topology load uses them,
-    a resharding load reads every tensor. ``serving`` (the model's identity) and
-    ``geometry`` (how its layers split each target) are checked against what the
-    manifest records, when given. ``pattern`` names the files of a checkpoint
+    the target (see :func:`..storage.reader.read_pieces`); a resharding load maps the
+    tensors whose saved pieces are whole runs of their files (see
+    :meth:`.reshard.ReshardSource.read`). ``serving`` (the model's identity) and ``geometry``
+    (how its layers split each target) are checked against what the manifest records,
+    when given. ``pattern`` names the files of a checkpoint
     without manifest (vLLM's own save).
     """
     started = time.perf_counter()
@@ -99,7 +100,9 @@ def load_rank(
             where=directory,
         )
     if resharding:
-        return load_resharded(directory, manifest, targets, rank, verify=verify, tied=tied, started=started, **options)
+        return load_resharded(
+            directory, manifest, targets, rank, verify=verify, tied=tied, started=started, adopt=adopt, **options
+        )
     # ... its tensors, then every file of this rank, each opened once.
     entry = manifest.rank(rank.tp_rank, rank.pp_rank)
     cast = check_tensor_sets(

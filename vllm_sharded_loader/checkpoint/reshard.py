@@ -2,8 +2,9 @@
 
 :mod:`..planning.reads` decides which byte ranges of which saved files a serving rank
 needs and where they land; :class:`ReshardSource` checks the files those plans touch and
-executes the plans with the parallel reader, joining rows split along dimension 1 in
-bounded batches. The offline ``vllm-sharded reshard`` uses the same source.
+executes the plans with the parallel reader: pieces along dimension 0 mapped into place
+where the caller can adopt a tensor, rows split along dimension 1 copied out of mappings of
+their file ranges in bounded batches. The offline ``vllm-sharded reshard`` uses the same source.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from ..format.errors import ShardedStateError, listing
 from ..format.manifest import Manifest
 from ..planning.reads import (
-    Read,
     ReadPlan,
     Strided,
     TensorPlan,
@@ -27,36 +28,84 @@ from ..planning.reads import (
 )
 from ..planning.spans import Piece
 from ..planning.topology import RankInfo
+from ..storage import oscalls
 from ..storage.location import StoredFile, file_path
-from ..storage.memory import Target
+from ..storage.memory import PAGE, Target, map_pieces
 from ..storage.reader import DEFAULT_THREADS, ReadStats, read_pieces
-from ..storage.tensors import torch_dtype
+from ..storage.tensors import map_file_range, torch_dtype
 from .rank_files import CheckedFile, check_not_replaced, check_rank_file
 from .stats import LoadStats, check_verify_mode
 
-# Bytes of temporaries a resharding load holds at once to join rows (see ReshardSource.read).
+# Bytes of saved files a resharding load maps at once to join or cut rows (see ReshardSource.read).
 GATHER_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
 class _ReadBatch:
-    """One :func:`.read_pieces` call of a resharding load, and the row joins after it."""
+    """One :func:`.read_pieces` call of a resharding load, and the row copies after it.
+
+    A strided read (rows of a dim-1 split, joined or cut) maps the saved file's
+    contiguous range holding its rows, which the reader pages in and verifies like read
+    bytes; then one strided copy moves the rows from the mapping into the target: on the
+    reader thread that read the range's last bytes for a CPU target (so copies overlap
+    the other reads), after the batch for an accelerator's.
+    """
 
     pieces: list[Piece] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
-    copies: list[tuple[torch.Tensor, Strided, torch.Tensor]] = field(default_factory=list)
+    copies: list[Callable[[], None]] = field(default_factory=list)
     gathered: int = 0
 
     def add(self, target: Target) -> int:
         self.targets.append(target)
         return len(self.targets) - 1
 
+    def copy_rows(self) -> None:
+        for copy in self.copies:
+            copy()
+        self.copies.clear()
+        self.targets.clear()  # and with them the mappings
 
-def _gathers(read: Read, target: torch.Tensor) -> bool:
-    """Whether a planned read is contiguous in the file but strided (several rows) in the target."""
-    # The planner pairs source and destination runs one to one; rows that follow each
-    # other in the file (stride == length) are one contiguous range.
-    return read.dest.count > 1 and read.source.stride == read.source.length and target.is_contiguous()
+
+def _copy_rows(source: torch.Tensor, dest_runs: Strided, target: torch.Tensor) -> None:
+    rows = target.view(-1).as_strided((dest_runs.count, dest_runs.length), (dest_runs.stride, 1), dest_runs.offset)
+    rows.copy_(source)
+
+
+def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor, prefault: torch.Tensor | None) -> None:
+    if prefault is not None:
+        start = prefault.data_ptr()
+        end = start + prefault.numel() * prefault.element_size()
+        lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+        if hi > lo:
+            oscalls.populate_write(lo, hi - lo)
+    # The reader's threads already copy in parallel: a copy's own OpenMP team would only
+    # take the cores from the other readers and from the caller. The setting is this
+    # thread's (OpenMP's is per thread), and put back: with one stream the reader runs
+    # on the caller's thread.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        copy()
+    finally:
+        torch.set_num_threads(before)
+    # Unmapping hundreds of MB of paged-in mappings costs ~0.1 s; here it runs in parallel
+    # with the other reads instead of wherever the mapping happens to be freed.
+    start = source.data_ptr()
+    end = start + source.numel() * source.element_size()
+    lo, hi = start // PAGE * PAGE, -(-end // PAGE) * PAGE
+    oscalls.drop_pages(lo, hi - lo)
+
+
+def _placeable(tensor_plan: TensorPlan, target: torch.Tensor, stored: torch.dtype) -> bool:
+    """Whether a tensor can be served from file mappings: a CPU tensor of the saved dtype, every read one run."""
+    return (
+        target.device.type == "cpu"
+        and target.dtype == stored
+        and target.is_contiguous()
+        and target.numel() > 0
+        and all(r.source.count == 1 and r.dest.count == 1 for r in tensor_plan.reads)
+    )
 
 
 class ReshardSource:
@@ -109,41 +158,95 @@ class ReshardSource:
         threads: int = DEFAULT_THREADS,
         progress: Callable[[int, int], None] | None = None,
         huge_pages: bool = False,
+        adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
     ) -> ReadStats:
         """Fill ``targets`` from their :class:`~..planning.reads.TensorPlan` (cast if the saved dtype differs).
 
         With ``verify="checksum"`` every checksum block the plans touch is read whole and
-        verified; blocks they do not touch are not read.
+        verified; blocks they do not touch are not read. ``adopt`` (tensor name -> callback,
+        as for :func:`.load.load_rank`): a CPU target of the saved dtype whose every piece
+        is one run of a file (dim-0 splits, replicated tensors) is served from private
+        mappings of the files' pages (:func:`..storage.memory.map_pieces`), bytes sharing a
+        page with another piece being read; its callback receives that tensor once every
+        byte is read and verified.
         """
         files = sorted({r.file for p in plans.values() for r in p.reads})
         index = {name: i for i, name in enumerate(files)}
         opened = [self.check_file(name) for name in files]
         checksums = {index[n]: self.owners[n][0].checksum for n in files} if self.verify == "checksum" else {}
+        adopt = adopt or {}
+        adopted: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = []
+        mapped_bytes = 0
         batch = _ReadBatch()
         batches = [batch]
         for name, tensor_plan in plans.items():
             stored, target = self.stored_dtype(tensor_plan), targets[name]
             size = stored.itemsize
             zero_runs = [run for zeros in tensor_plan.zero_fills for run in zeros.runs()]
+            taker = adopt.get(name)
+            mappable = all(opened[index[r.file]].mappable for r in tensor_plan.reads)
+            if taker is not None and mappable and _placeable(tensor_plan, target, stored):
+                # Every saved piece is one run of its file: map the pages that hold them in
+                # place (dim-0 pieces joined or cut), read only what shares a page.
+                placed = [
+                    Piece(index[r.file], r.source.offset, r.source.total, 0, r.dest.offset * size, size)
+                    for r in tensor_plan.reads
+                ]
+                tensor, ranges = map_pieces(opened, placed, stored, tuple(target.shape))
+                if any(hi > lo for lo, hi in ranges):
+                    dest = batch.add(Target(tensor, stored, zero_runs))
+                    flat = tensor.view(-1).view(torch.uint8)
+                    for p, (lo, hi) in zip(placed, ranges, strict=True):
+                        for a, b in (
+                            ((p.start, lo), (hi, p.start + p.length)) if hi > lo else ((p.start, p.start + p.length),)
+                        ):
+                            if b > a:
+                                batch.pieces.append(Piece(p.file, p.offset + a - p.start, b - a, dest, a, size))
+                        if hi > lo:
+                            at = batch.add(Target(flat[lo:hi], stored, mapped=True))
+                            batch.pieces.append(Piece(p.file, p.offset + lo - p.start, hi - lo, at, 0, size))
+                    adopted.append((taker, tensor))
+                    mapped_bytes += sum(hi - lo for lo, hi in ranges)
+                    continue
             dest = batch.add(Target(target, stored, zero_runs))
             for r in tensor_plan.reads:
                 file = index[r.file]
-                if not _gathers(r, target):
+                if not target.is_contiguous():
+                    # Rare (parameters are contiguous): the reader fills a temporary, run by run.
                     for (src, src_end), (dst, _) in zip(r.source.runs(), r.dest.runs(), strict=True):
                         batch.pieces.append(Piece(file, src, src_end - src, dest, dst * size, size))
                     continue
-                # Contiguous bytes in the file that land as strided rows (a dim-1 split being
-                # joined): one read into a temporary, one strided copy, instead of a read per
-                # row. Temporaries are bounded per batch.
-                if batch.gathered and batch.gathered + r.source.total > GATHER_BYTES:
+                if r.source.count == 1 and r.dest.count == 1:
+                    batch.pieces.append(Piece(file, r.source.offset, r.source.total, dest, r.dest.offset * size, size))
+                    continue
+                # Rows of a dim-1 split (joined, or cut from longer saved rows): map the file's
+                # range holding them, page it in with the reads, then one strided copy.
+                # Planning and reading stay per tensor, never per row.
+                span = (r.source.count - 1) * r.source.stride + r.source.length
+                if batch.gathered and batch.gathered + span > GATHER_BYTES:
                     batch = _ReadBatch()
                     batches.append(batch)
                     dest = batch.add(Target(target, stored))
-                temp = torch.empty(r.source.total // size, dtype=stored)
-                at = batch.add(Target(temp, stored))
-                batch.pieces.append(Piece(file, r.source.offset, r.source.total, at, 0, size))
-                batch.copies.append((temp, r.dest, target))
-                batch.gathered += r.source.total
+                handle = opened[file]
+                if handle.mappable:
+                    source = map_file_range(handle.fd, r.source.offset, span, stored, (span // size,))
+                else:  # an object in object storage: fetched into a temporary, then copied the same way
+                    source = torch.empty(span // size, dtype=stored)
+                rows = source.as_strided((r.source.count, r.source.length // size), (r.source.stride // size, 1))
+                copy = partial(_copy_rows, rows, r.dest, target)
+                on_cpu = target.device.type == "cpu"
+                at = batch.add(
+                    Target(
+                        source,
+                        stored,
+                        mapped=handle.mappable,
+                        filled=partial(_copy_on_reader, copy, source, target) if on_cpu else None,
+                    )
+                )
+                batch.pieces.append(Piece(file, r.source.offset, span, at, 0, size))
+                if not on_cpu:
+                    batch.copies.append(copy)
+                batch.gathered += span
         total, spans, huge = 0, 0, False
         for batch in batches:
             stats = read_pieces(
@@ -156,14 +259,12 @@ class ReshardSource:
                 progress=progress,
                 huge_pages=huge_pages,
             )
-            for temp, dest_runs, target in batch.copies:
-                rows = target.view(-1).as_strided(
-                    (dest_runs.count, dest_runs.length), (dest_runs.stride, 1), dest_runs.offset
-                )
-                rows.copy_(temp.view(dest_runs.count, dest_runs.length))
-            batch.copies.clear()
+            batch.copy_rows()
             total, spans, huge = total + stats.bytes_read, spans + stats.spans, huge or stats.huge_pages
-        return ReadStats(total, spans, threads, huge)
+        # Only now, with every byte read and verified, do callers take the mapped tensors.
+        for taker, tensor in adopted:
+            taker(tensor)
+        return ReadStats(total, spans, threads, huge, mapped_bytes)
 
     def fill(self, tensor_plan: TensorPlan, target: torch.Tensor) -> None:
         """Read one planned tensor into ``target`` (cast if its dtype differs from the saved one)."""
@@ -193,12 +294,15 @@ def load_resharded(
     threads: int = DEFAULT_THREADS,
     progress: Callable[[int, int], None] | None = None,
     huge_pages: bool = False,
+    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
 ) -> LoadStats:
     """Fill a rank's tensors from a checkpoint saved at another TP/PP size.
 
     Plans exactly the byte ranges this rank keeps, checks the files it touches, then
-    reads those ranges straight into the parameters: a rank never reads bytes it does
-    not keep. Every planned shape is checked against the model before any read.
+    reads those ranges straight into the parameters, or maps them where ``adopt`` offers
+    (see :meth:`ReshardSource.read`). Rows of a dim-1 split are paged in from a mapping
+    of the file range holding them, so the pages a rank touches may hold bytes of other
+    ranks' rows. Every planned shape is checked against the model before any read.
     """
     started = time.perf_counter() if started is None else started
     with ReshardSource(directory, manifest, verify) as source:
@@ -223,7 +327,9 @@ def load_resharded(
             )
         for name in files_to_check(plan, manifest):
             source.check_file(name)  # every check before the first byte lands in a parameter
-        read = source.read(plan.tensors, targets, threads=threads, progress=progress, huge_pages=huge_pages)
+        read = source.read(
+            plan.tensors, targets, threads=threads, progress=progress, huge_pages=huge_pages, adopt=adopt
+        )
         check_not_replaced(directory, manifest, source.check_unchanged)
         cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]
     return LoadStats(

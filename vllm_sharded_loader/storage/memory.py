@@ -10,6 +10,7 @@ converted (another dtype, another device).
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -33,13 +34,19 @@ class Target:
 
     ``adopt``, if given, may be called instead of filling ``tensor``: with a tensor of the
     same shape and dtype served from a private mapping of the file (see :func:`read_pieces`),
-    which the caller then uses in place of ``tensor``.
+    which the caller then uses in place of ``tensor``. ``mapped`` says that ``tensor`` already
+    lies over a private mapping of its piece's bytes (:func:`map_pieces`): the reader pages
+    it in and verifies it like read bytes, and never writes it. ``filled``, if given, is
+    called on a reader thread as soon as every byte of the target is read (and verified):
+    work on those bytes (a strided copy out of a mapping) then overlaps the other reads.
     """
 
     tensor: torch.Tensor
     stored: torch.dtype
     zero_runs: Sequence[tuple[int, int]] = ()
     adopt: Callable[[torch.Tensor], None] | None = None
+    mapped: bool = False
+    filled: Callable[[], None] | None = None
 
 
 class Destination:
@@ -47,7 +54,7 @@ class Destination:
 
     def __init__(self, target: Target, mapped: torch.Tensor | None = None) -> None:
         t = target.tensor
-        self.target, self.stored = t, target.stored
+        self.target, self.stored, self.filled = t, target.stored, target.filled
         self.temp: torch.Tensor | None = None
         # A mapped target is not written: its bytes are the file's, paged in where they lie.
         self.mapped = mapped
@@ -139,6 +146,50 @@ def map_tensors(
                 raise truncated(path, size)
             tensors[i] = map_file_range(fd, p.offset, p.length, target.stored, tuple(target.tensor.shape))
     return tensors
+
+
+def map_pieces(
+    files: Sequence[OpenFile], pieces: Sequence[Piece], dtype: torch.dtype, shape: tuple[int, ...]
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """A new tensor whose pages are, where they can be, private mappings of the files' pages holding its bytes.
+
+    ``pieces`` place byte ranges of ``files`` at byte ``start`` of the tensor (their
+    ``dest`` is ignored), disjoint; bytes no piece covers are zero. The tensor lies in one
+    anonymous private mapping, and each page whose tensor bytes all come from one piece,
+    at the same offset within the page as in the file, is replaced by a ``MAP_FIXED |
+    MAP_PRIVATE`` mapping of the file's page: the page cache's page, no copy, no first
+    touch (a column-parallel weight joined from two saved ranks, or cut from one). The
+    offset within a page is the same for every piece whose file offset minus its tensor
+    offset is the same modulo the page size; the most bytes' residue wins. Returns the
+    tensor and, per piece, the byte range ``(lo, hi)`` of the tensor that is mapped
+    (``lo == hi``: none); the caller writes everything else, and pages in and verifies
+    the mapped ranges before use. Writes to the tensor go to private copies, never to
+    the files. Mapped from the files' open descriptors.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    weight: dict[int, int] = {}
+    for p in pieces:
+        residue = (p.offset - p.start) % PAGE
+        weight[residue] = weight.get(residue, 0) + p.length
+    shift = max(weight, key=lambda r: (weight[r], -r)) if weight else 0
+    region = mmap.mmap(-1, max(PAGE, -(-(shift + nbytes) // PAGE) * PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region (and what is mapped into it) alive
+    base = whole.data_ptr()
+    sizes = {p.file: os.fstat(files[p.file].fd).st_size for p in pieces}  # now, not when opened
+    mapped: list[tuple[int, int]] = []
+    for p in pieces:
+        start, end = p.start, p.start + p.length
+        if (p.offset - p.start) % PAGE != shift or p.end > sizes[p.file] or not p.length:
+            mapped.append((start, start))
+            continue
+        # A page at either end is the piece's alone only where the tensor starts or ends in it.
+        lo = (shift + start) // PAGE * PAGE if start == 0 else -(-(shift + start) // PAGE) * PAGE
+        hi = -(-(shift + end) // PAGE) * PAGE if end == nbytes else (shift + end) // PAGE * PAGE
+        if hi <= lo or oscalls.map_file_fixed(base + lo, hi - lo, files[p.file].fd, p.offset + lo - shift - start):
+            mapped.append((start, start))
+            continue
+        mapped.append((max(lo - shift, start), min(hi - shift, end)))
+    return whole[shift : shift + nbytes].view(dtype).view(shape), mapped
 
 
 def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:

@@ -117,6 +117,9 @@ class _SpanReader:
         # Taken on the caller's thread, where its work on the targets (zeroing) was issued.
         self.after = torch.cuda.current_stream(self.device) if self.device is not None else None
         self.local = threading.local()
+        # Bytes still to read of each target with a ``filled`` callback.
+        self.remaining: dict[int, int] = {}
+        self.lock = threading.Lock()
 
     def _state(self) -> ThreadState:
         state = getattr(self.local, "state", None)
@@ -229,7 +232,24 @@ class _SpanReader:
             copy_out(state, staging, staging_turn, copies)
         for p in alone:
             self._read_alone(p)
+        if self.remaining:
+            self._count_filled(span)
         return span.nbytes
+
+    def _count_filled(self, span: Span) -> None:
+        """Call the ``filled`` callback of each target whose last bytes this span read, on this thread."""
+        ready = []
+        with self.lock:
+            for p in span.pieces:
+                left = self.remaining.get(p.dest)
+                if left is not None:
+                    self.remaining[p.dest] = left - p.length
+                    if left == p.length:
+                        ready.append(p.dest)
+        for dest in ready:
+            filled = self.destinations[dest].filled
+            assert filled is not None
+            filled()
 
     def _verify(self, span: Span, hashed: list[memoryview]) -> None:
         path, checksum = self.paths[span.file], self.checksums[span.file]
@@ -319,7 +339,7 @@ def _read_files(
     # Only files on a local file system can be mapped (not objects in object storage).
     served = {i: p for i, p in mapped_pieces(pieces, targets).items() if files[p.file].mappable}
     mapped = map_tensors(files, served, targets)
-    destinations = [Destination(t, mapped.get(i)) for i, t in enumerate(targets)]
+    destinations = [Destination(t, mapped.get(i, t.tensor if t.mapped else None)) for i, t in enumerate(targets)]
     huge = False
     for d in destinations if huge_pages else ():
         if d.view is not None and len(d.view) >= HUGE_PAGE:
@@ -340,6 +360,9 @@ def _read_files(
         grids.append(FileGrid(size, checksum.block_size, verify, path))
     spans = plan_spans(pieces, grids)
     span_reader = _SpanReader(files, destinations, checksums)
+    for p in pieces:
+        if targets[p.dest].filled is not None and p.length > 0:
+            span_reader.remaining[p.dest] = span_reader.remaining.get(p.dest, 0) + p.length
     total = _run(span_reader, spans, threads, progress)
     span_reader.synchronize()
     for d in destinations:

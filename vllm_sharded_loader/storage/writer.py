@@ -31,6 +31,15 @@ from .tensors import byte_view, dtype_name
 # Bytes of one write/read call: large enough to stream at disk speed, small enough
 # to bound the staging memory of tensors that need a copy (GPU, dtype cast).
 CHUNK_BYTES = 64 * 1024 * 1024
+# A file with at least this many bytes of tensors starts its data on a page boundary and
+# writes first the tensors that are whole pages long, so that (with page-multiple tensors,
+# as a model's large weights are) every such tensor starts on a page. A load at another TP
+# size then maps each saved rank's piece of a tensor into place instead of copying it
+# (storage/memory.py: map_pieces): that needs the piece's offset in its file and in the
+# tensor to agree within a page, whichever rank saved it. Smaller files keep 8-byte
+# alignment: padding would be a large share of them.
+PAGE_ALIGN_FROM = 1024 * 1024
+PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -51,8 +60,12 @@ class LazyTensor:
         return self.dtype.itemsize
 
 
-def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> bytes:
-    """The length prefix and JSON header for tensors laid out in the given order."""
+def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str], align: int = 8) -> bytes:
+    """The length prefix and JSON header for tensors laid out in the given order.
+
+    The header is padded with spaces (which safetensors allows) so that the data starts
+    at a multiple of ``align`` bytes.
+    """
     entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in tensors:
@@ -64,8 +77,8 @@ def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str,
         }
         offset += nbytes
     header = json.dumps(entries, separators=(",", ":")).encode()
-    # Data starts 8-byte aligned, as the safetensors library writes it.
-    header += b" " * (-len(header) % 8)
+    # Data starts 8-byte aligned, as the safetensors library writes it, or page-aligned.
+    header += b" " * (-(len(header) + 8) % align)
     return struct.pack("<Q", len(header)) + header
 
 
@@ -101,7 +114,12 @@ def write_file(
     memory-reclaiming VMs (see ``benchmarks/README.md``). ``False`` writes through the
     page cache, handing each 64 MiB to the disk at once.
     """
-    head = build_header(tensors, metadata)
+    data = sum(t.numel() * t.element_size() for _, t in tensors)
+    align = PAGE if data >= PAGE_ALIGN_FROM else 8
+    if align == PAGE:
+        # Whole-page tensors first (stable), so that each of them starts on a page.
+        tensors = sorted(tensors, key=lambda item: (item[1].numel() * item[1].element_size()) % PAGE != 0)
+    head = build_header(tensors, metadata, align)
     size = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
     sink: _Sink | None = None
     if direct is not False:
