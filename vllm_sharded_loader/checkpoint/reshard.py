@@ -72,7 +72,12 @@ def _copy_rows(source: torch.Tensor, dest_runs: Strided, target: torch.Tensor) -
     rows.copy_(source)
 
 
-def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor, prefault: torch.Tensor | None) -> None:
+def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor | None, prefault: torch.Tensor | None) -> None:
+    """Copy read rows into their target on the reader thread; then drop ``source``'s pages (a file mapping).
+
+    ``source`` is None for rows fetched into a temporary from the heap: dropping pages
+    there would zero the allocator's neighbouring memory.
+    """
     if prefault is not None:
         start = prefault.data_ptr()
         end = start + prefault.numel() * prefault.element_size()
@@ -91,6 +96,8 @@ def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor, prefault: to
         torch.set_num_threads(before)
     # Unmapping hundreds of MB of paged-in mappings costs ~0.1 s; here it runs in parallel
     # with the other reads instead of wherever the mapping happens to be freed.
+    if source is None:
+        return
     start = source.data_ptr()
     end = start + source.numel() * source.element_size()
     lo, hi = start // PAGE * PAGE, -(-end // PAGE) * PAGE
@@ -232,6 +239,7 @@ class ReshardSource:
                     source = map_file_range(handle.fd, r.source.offset, span, stored, (span // size,))
                 else:  # an object in object storage: fetched into a temporary, then copied the same way
                     source = torch.empty(span // size, dtype=stored)
+                dropped = source if handle.mappable else None  # a temporary's pages are the heap's
                 rows = source.as_strided((r.source.count, r.source.length // size), (r.source.stride // size, 1))
                 copy = partial(_copy_rows, rows, r.dest, target)
                 on_cpu = target.device.type == "cpu"
@@ -240,7 +248,7 @@ class ReshardSource:
                         source,
                         stored,
                         mapped=handle.mappable,
-                        filled=partial(_copy_on_reader, copy, source, target) if on_cpu else None,
+                        filled=partial(_copy_on_reader, copy, dropped, target) if on_cpu else None,
                     )
                 )
                 batch.pieces.append(Piece(file, r.source.offset, span, at, 0, size))
