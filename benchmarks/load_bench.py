@@ -8,6 +8,8 @@ loader alike:
 - ``ours``: ``--load-format sharded_state`` with this plugin, as configured by default
   (CPU parameters served from private mappings of the files);
 - ``ours_copy``: the same with ``{"mmap": false}``: every byte copied into the parameters;
+- ``ours_auto``: the same with ``{"mmap": "auto"}``: weights that vLLM's CPU post-processing
+  repacks are copied, the rest mapped;
 - ``builtin``: vLLM's own ``sharded_state`` on the same files (plugins off: ``VLLM_PLUGINS=""``);
 - ``default``: vLLM's default safetensors loader on the HF checkpoint;
 - ``runai``: ``runai_streamer_sharded`` on the same files (``runai-model-streamer``);
@@ -45,8 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))  # tiny_models.py, the demo's model builder
 GB = 1e9
-LOADERS = ("ours", "ours_copy", "builtin", "default", "runai", "ours_resharded")
-EXTRA_CONFIG = {"ours_copy": {"mmap": False}}
+LOADERS = ("ours", "ours_auto", "ours_copy", "builtin", "default", "runai", "ours_resharded")
+EXTRA_CONFIG = {"ours_copy": {"mmap": False}, "ours_auto": {"mmap": "auto"}}
 PROMPT = "the model loads every shard"
 
 # --------------------------------------------------------------------- model and save
@@ -344,6 +346,7 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     model = {
         "ours": dirs[tp],
         "ours_copy": dirs[tp],
+        "ours_auto": dirs[tp],
         "builtin": dirs[tp],
         "runai": dirs[tp],
         "default": hf,
@@ -391,6 +394,8 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     # ranks' peak together), split into anonymous memory and mapped file pages.
     for key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
         result[f"peak_{key}"] = sum(entry["peak"][key] for entry in loads)
+    # Anonymous memory the load added: parameters copied in, buffers, repacked weights.
+    result["anon_growth"] = sum(e["peak"]["RssAnon"] - e["status_before"]["RssAnon"] for e in loads)
     # The machine: how far MemAvailable fell below its value when the first rank began to load.
     before = max(entry["meminfo_before"]["MemAvailable"] for entry in loads)
     result["available_drop"] = before - min(entry["min_available"] for entry in loads)
@@ -439,7 +444,7 @@ def cold_probe(paths: list[str]) -> float:
 
 
 PHASES = ("engine_start", "load_model", "create_model", "load_weights", "post")
-MEMORY = ("peak_RssAnon", "peak_RssFile", "peak_VmRSS", "available_drop")
+MEMORY = ("peak_RssAnon", "peak_RssFile", "peak_VmRSS", "available_drop", "anon_growth")
 
 
 def key_of(e: dict) -> str:
@@ -569,8 +574,8 @@ def markdown(result: dict) -> str:
         "not extra memory); and how far the machine's `MemAvailable` fell during the load (page cache "
         "filled by the reads counts as available, so this is the memory the load really takes).",
         "",
-        "| GB | TP | loader | peak anon | peak file-mapped | peak RSS | MemAvailable drop |",
-        "|---|---|---|---|---|---|---|",
+        "| GB | TP | loader | peak anon | anon added by the load | peak file-mapped | peak RSS | MemAvailable drop |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for layers, tp, mode in _grid(s):
         if mode != "cold":
@@ -581,6 +586,7 @@ def markdown(result: dict) -> str:
                 continue
             lines.append(
                 f"| {row['rank_bytes'] * tp / GB:.2f} | {tp} | {loader} | {row['peak_RssAnon'] / GB:.2f} | "
+                f"{row.get('anon_growth', float('nan')) / GB:.2f} | "
                 f"{row['peak_RssFile'] / GB:.2f} | {row['peak_VmRSS'] / GB:.2f} | "
                 f"{row['available_drop'] / GB:.2f} |"
             )
