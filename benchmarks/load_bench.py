@@ -325,7 +325,7 @@ def engine_child(spec: dict) -> None:
     """Runs in a subprocess: start one engine, generate, report."""
     from vllm import LLM, SamplingParams
 
-    started = time.perf_counter()
+    started, wall_before = time.perf_counter(), time.time()
     llm = LLM(
         model=spec["model"],
         tokenizer=spec["tokenizer"],
@@ -337,9 +337,11 @@ def engine_child(spec: dict) -> None:
         enforce_eager=True,
         seed=0,
     )
-    start = time.perf_counter() - started
+    start, wall_after = time.perf_counter() - started, time.time()
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))
-    print("RESULT " + json.dumps({"engine_start": start, "ids": list(out[0].outputs[0].token_ids)}), flush=True)
+    result = {"engine_start": start, "ids": list(out[0].outputs[0].token_ids)}
+    result.update(wall_before_llm=wall_before, wall_after_llm=wall_after)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) -> dict:
@@ -389,6 +391,11 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     # The slowest rank's phases (the engine waits for it).
     for phase in ("load_model", "create_model", "load_weights", "post"):
         result[phase] = max(entry.get(phase, 0.0) for entry in loads)
+    if "wall_before_llm" in result and all("wall_start" in entry for entry in loads):
+        # Engine start around load_model: before it (processes, model config) and after it
+        # until LLM(...) returns (KV cache, the profiling forward pass, warm-up).
+        result["before_load_model"] = min(e["wall_start"] for e in loads) - result["wall_before_llm"]
+        result["after_load_model"] = result["wall_after_llm"] - max(e["wall_end"] for e in loads)
     result["ranks"] = sorted(loads, key=lambda entry: entry.get("rank", 0))
     # Memory over all ranks: each worker's peak resident set, summed (an upper bound of the
     # ranks' peak together), split into anonymous memory and mapped file pages.
@@ -443,7 +450,7 @@ def cold_probe(paths: list[str]) -> float:
 # --------------------------------------------------------------------------- report
 
 
-PHASES = ("engine_start", "load_model", "create_model", "load_weights", "post")
+PHASES = ("engine_start", "before_load_model", "load_model", "after_load_model", "create_model", "load_weights", "post")
 MEMORY = ("peak_RssAnon", "peak_RssFile", "peak_VmRSS", "available_drop", "anon_growth")
 
 
@@ -504,7 +511,7 @@ def paired(engines: list[dict], loader: str, against: str = "builtin") -> dict:
         # Of the seconds won in load_weights, the share still won when LLM(...) returns (per pair, median).
         row["kept_share"] = statistics.median(k / w for k, w in zip(kept, won, strict=True)) if won else None
         for name in PHASES:
-            row[name + "_median"] = statistics.median(row[name]) if row[name] else None
+            row[name + "_median"] = statistics.median(row[name]) if row[name] else float("nan")
     return out
 
 
@@ -525,9 +532,9 @@ def markdown(result: dict) -> str:
         "vLLM's whole call in the worker (model init, `load_weights`, post-processing, its `gc.collect`s); "
         "`post` is `process_weights_after_loading` (vLLM's repacking of the weights).",
         "",
-        "| GB | TP | mode | loader | runs | engine start (s) | load_model (s) | load_weights (s) | post (s) | "
-        "load_weights GB/s/rank |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| GB | TP | mode | loader | runs | engine start (s) | before load_model | load_model (s) | "
+        "after load_model | create_model | load_weights (s) | post (s) | load_weights GB/s/rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(row: dict, name: str, digits: int = 2) -> str:
@@ -542,7 +549,9 @@ def markdown(result: dict) -> str:
             size = row["rank_bytes"] * tp / GB
             lines.append(
                 f"| {size:.2f} | {tp} | {mode} | {loader} | {row['runs']} | {cell(row, 'engine_start', 1)} | "
-                f"{cell(row, 'load_model')} | {cell(row, 'load_weights')} | {cell(row, 'post')} | "
+                f"{cell(row, 'before_load_model', 1)} | {cell(row, 'load_model')} | "
+                f"{cell(row, 'after_load_model', 1)} | {cell(row, 'create_model')} | "
+                f"{cell(row, 'load_weights')} | {cell(row, 'post')} | "
                 f"{row['gbps']:.2f} |"
             )
     lines += [
@@ -551,8 +560,9 @@ def markdown(result: dict) -> str:
         "differences built-in minus ours, in seconds, and the share of the `load_weights` seconds won that "
         "is still won when `LLM(...)` returns (target: at least 80%).",
         "",
-        "| GB | TP | mode | pairs | load_weights won | post won | load_model won | engine start won | kept |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| GB | TP | mode | pairs | load_weights won | post won | load_model won | after load_model won | "
+        "engine start won | kept |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     size_of = {int(k.split("|")[3]): v["rank_bytes"] * int(k.split("|")[1]) / GB for k, v in s.items()}
     for loader in ("ours",):
@@ -562,7 +572,8 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {size_of[int(layers)]:.2f} | {tp} | {mode} | {row['pairs']} | "
                 + " | ".join(
-                    f"{row[n + '_median']:+.2f}" for n in ("load_weights", "post", "load_model", "engine_start")
+                    f"{row[n + '_median']:+.2f}"
+                    for n in ("load_weights", "post", "load_model", "after_load_model", "engine_start")
                 )
                 + f" | {kept} |"
             )

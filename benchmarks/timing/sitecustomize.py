@@ -124,6 +124,7 @@ def _patch(module):
         inner = self.load_weights
         record: dict = {"loader": type(self).__name__, "pid": os.getpid()}
         record["affinity"] = sorted(os.sched_getaffinity(0))
+        record["wall_start"] = time.time()
 
         def timed(model, model_config):
             with _Phase(record, "load_weights"):
@@ -148,6 +149,7 @@ def _patch(module):
                 return original(self, *args, **kwargs)
         finally:
             current.pop()
+            record["wall_end"] = time.time()
             sampler.stop.set()
             sampler.join()
             sampler.sample()
