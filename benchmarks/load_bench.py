@@ -409,6 +409,7 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     result["available_drop"] = before - min(entry["min_available"] for entry in loads)
     result["cached_before_engine"] = cached_before
     result["cached_after_load"] = max(entry["meminfo_after"]["Cached"] for entry in loads)
+    result["cached_growth"] = result["cached_after_load"] - cached_before
     result["loader_class"] = sorted({entry["loader"] for entry in loads})
     result["rank_bytes"] = sum(os.path.getsize(p) for p in files_of(dirs[tp])) / tp
     result["cold_sequential_before"] = probe
@@ -461,7 +462,7 @@ PHASES = (
     "load_weights",
     "post",
 )
-MEMORY = ("peak_RssAnon", "peak_RssFile", "peak_VmRSS", "available_drop", "anon_growth")
+MEMORY = ("peak_RssAnon", "peak_RssFile", "peak_VmRSS", "available_drop", "anon_growth", "cached_growth")
 
 
 def key_of(e: dict) -> str:
@@ -605,8 +606,9 @@ def markdown(result: dict) -> str:
         "not extra memory); and how far the machine's `MemAvailable` fell during the load (page cache "
         "filled by the reads counts as available, so this is the memory the load really takes).",
         "",
-        "| GB | TP | loader | peak anon | anon added by the load | peak file-mapped | peak RSS | MemAvailable drop |",
-        "|---|---|---|---|---|---|---|---|",
+        "| GB | TP | loader | peak anon | anon added by the load | peak file-mapped | peak RSS | "
+        "MemAvailable drop | page cache growth |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for layers, tp, mode in _grid(s):
         if mode != "cold":
@@ -619,7 +621,7 @@ def markdown(result: dict) -> str:
                 f"| {row['rank_bytes'] * tp / GB:.2f} | {tp} | {loader} | {row['peak_RssAnon'] / GB:.2f} | "
                 f"{row.get('anon_growth', float('nan')) / GB:.2f} | "
                 f"{row['peak_RssFile'] / GB:.2f} | {row['peak_VmRSS'] / GB:.2f} | "
-                f"{row['available_drop'] / GB:.2f} |"
+                f"{row['available_drop'] / GB:.2f} | {row.get('cached_growth', float('nan')) / GB:.2f} |"
             )
     limits = result.get("limits")
     if limits:
@@ -669,6 +671,8 @@ def chart(result: dict, path: str) -> None:
 def write_report(result: dict, out: str, name: str) -> None:
     for e in result["engines"]:
         e.setdefault("load_weights", e["load_seconds"])
+        if "cached_growth" not in e and "cached_after_load" in e:
+            e["cached_growth"] = e["cached_after_load"] - e["cached_before_engine"]
         ranks = e.get("ranks", [])
         if "after_load_model" not in e and "wall_before_llm" in e and ranks and all("wall_end" in r for r in ranks):
             e["before_load_model"] = min(r["wall_start"] for r in ranks) - e["wall_before_llm"]
