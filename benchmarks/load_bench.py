@@ -516,21 +516,15 @@ def paired(engines: list[dict], loader: str, against: str = "builtin") -> dict:
                 if a.get(name) is not None and b.get(name) is not None:
                     row[name].append(b[name] - a[name])
     for row in out.values():
-        won = row["load_weights"]
-        kept = row["engine_start"]
-        row["pairs"] = len(won)
-        # Of the seconds won in load_weights, the share still won when LLM(...) returns (per pair, median).
-        row["kept_share"] = statistics.median(k / w for k, w in zip(kept, won, strict=True)) if won else None
-        # The same from the start of load_model on: without the process start-up before it,
-        # which no loader touches and whose drift on this shared machine is seconds at TP=2.
-        since = row["from_load_model"]
-        row["kept_share_since_load"] = (
-            statistics.median(k / w for k, w in zip(since, won, strict=True))
-            if len(since) == len(won) and won
-            else None
-        )
+        row["pairs"] = len(row["load_weights"])
         for name in PHASES:
             row[name + "_median"] = statistics.median(row[name]) if row[name] else float("nan")
+        won = row["load_weights_median"]
+        # Of the seconds won in load_weights (median of the pairs), the share still won when
+        # LLM(...) returns, and from the start of load_model on: without the process start-up
+        # before it, which no loader touches and which drifts by seconds at TP=2 here.
+        row["kept_share"] = row["engine_start_median"] / won if won > 0 else None
+        row["kept_share_since_load"] = row["from_load_model_median"] / won if won > 0 else None
     return out
 
 
@@ -708,6 +702,7 @@ def main() -> None:
     parser.add_argument("--limits", action="store_true", help="also measure the raw read/write limits")
     parser.add_argument("--append", action="store_true", help="add this chunk's engines to NAME.json in --out")
     parser.add_argument("--report", metavar="JSON", help="only write the tables and chart of an earlier run's JSON")
+    parser.add_argument("--chunks", help="with --report: only the engines of these chunks (e.g. 2,3)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -716,6 +711,9 @@ def main() -> None:
     if args.report:
         with open(args.report) as f:
             result = json.load(f)
+        if args.chunks:
+            keep = {int(c) for c in args.chunks.split(",")}
+            result["engines"] = [e for e in result["engines"] if e.get("chunk", 0) in keep]
         name = os.path.splitext(os.path.basename(args.report))[0]
         write_report(result, os.path.dirname(os.path.abspath(args.report)), name)
         return
@@ -732,6 +730,9 @@ def main() -> None:
         with open(target) as f:
             result = json.load(f)
     chunk = 1 + max((e.get("chunk", 0) for e in result["engines"]), default=0)
+    commit = subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     loaders, tps = args.loaders.split(","), [int(t) for t in args.tp.split(",")]
     modes = args.modes.split(",")
     models = {}
@@ -758,7 +759,7 @@ def main() -> None:
                     # Alternate the order from round to round: no loader always runs first after an eviction.
                     for loader in loaders if run % 2 == 0 else loaders[::-1]:
                         r = run_engine(loader, tp, mode, dirs, hf, work)
-                        r.update(loader=loader, tp=tp, mode=mode, run=run, layers=layers, chunk=chunk)
+                        r.update(loader=loader, tp=tp, mode=mode, run=run, layers=layers, chunk=chunk, commit=commit)
                         r["time"] = time.time()
                         result["engines"].append(r)
                         print(
