@@ -98,7 +98,7 @@ def engine_env(tp: int, plugins: bool, timing: str | None = None) -> dict[str, s
     return env
 
 
-def save(hf: str, out: str, tp: int) -> dict:
+def save(hf: str, out: str, tp: int, dtype: str = "bfloat16") -> dict:
     """Save with examples/save_sharded_state.py; returns each rank's logged write rate."""
     if os.path.exists(os.path.join(out, "sharded_state.json")):
         return {}
@@ -122,6 +122,8 @@ def save(hf: str, out: str, tp: int) -> dict:
             "--enforce-eager",
             "--max-model-len",
             "256",
+            "--dtype",
+            dtype,
             *([] if tp == 1 else ["--distributed-executor-backend", "mp"]),
         ],
         env=engine_env(tp, plugins=True),
@@ -336,6 +338,8 @@ def engine_child(spec: dict) -> None:
         max_model_len=256,
         enforce_eager=True,
         seed=0,
+        # vLLM serves a float32 checkpoint in bfloat16 on CPU unless told otherwise.
+        dtype=spec.get("dtype", "auto"),
     )
     start, wall_after = time.perf_counter() - started, time.time()
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))
@@ -344,7 +348,7 @@ def engine_child(spec: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) -> dict:
+def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, dtype: str = "auto") -> dict:
     model = {
         "ours": dirs[tp],
         "ours_copy": dirs[tp],
@@ -365,7 +369,7 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     timing = os.path.join(work, "timing.jsonl")
     if os.path.exists(timing):
         os.remove(timing)
-    spec = {"model": model, "tokenizer": hf, "tp": tp, "load_format": load_format}
+    spec = {"model": model, "tokenizer": hf, "tp": tp, "load_format": load_format, "dtype": dtype}
     spec["extra_config"] = EXTRA_CONFIG.get(loader, {})
     cached_before = meminfo()["Cached"]
     proc = subprocess.run(
@@ -743,7 +747,7 @@ def main() -> None:
         hf = build(work, layers)
         dirs = {tp: os.path.join(work, f"tp{tp}") for tp in (1, 2)}
         for tp in (1, 2):
-            saved = save(hf, dirs[tp], tp)
+            saved = save(hf, dirs[tp], tp, args.dtype)
             if saved:
                 result["saves"][f"{layers}|{tp}"] = saved
         models[layers] = (hf, dirs, work)
@@ -758,7 +762,7 @@ def main() -> None:
                 for mode in modes:
                     # Alternate the order from round to round: no loader always runs first after an eviction.
                     for loader in loaders if run % 2 == 0 else loaders[::-1]:
-                        r = run_engine(loader, tp, mode, dirs, hf, work)
+                        r = run_engine(loader, tp, mode, dirs, hf, work, args.dtype)
                         r.update(loader=loader, tp=tp, mode=mode, run=run, layers=layers, chunk=chunk, commit=commit)
                         r["time"] = time.time()
                         result["engines"].append(r)
