@@ -746,12 +746,13 @@ def main() -> None:
         os.makedirs(work, exist_ok=True)
         hf = build(work, layers)
         dirs = {tp: os.path.join(work, f"tp{tp}") for tp in (1, 2)}
-        for tp in (1, 2):
+        # Only the checkpoints this chunk loads (ours_resharded loads the other TP size's).
+        for tp in sorted(set(tps) | ({3 - t for t in tps} if "ours_resharded" in loaders else set())):
             saved = save(hf, dirs[tp], tp, args.dtype)
             if saved:
                 result["saves"][f"{layers}|{tp}"] = saved
         models[layers] = (hf, dirs, work)
-        result["models"][str(layers)] = {"bytes": sum(os.path.getsize(p) for p in files_of(dirs[1]))}
+        result["models"][str(layers)] = {"bytes": sum(os.path.getsize(p) for p in files_of(dirs[min(tps)]))}
     if args.limits:
         layers = min(models)
         result["limits"] = raw_limits(files_of(models[layers][1][1]), args.runs)
