@@ -56,8 +56,11 @@ def test_unknown_extra_config_is_refused():
     assert not ShardedStateLoader(
         LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": False})
     ).mmap
-    with pytest.raises(ShardedStateError, match=r"mmap=1 .* must be true or false"):
-        ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": 1}))
+    config = {"mmap": "auto"}
+    assert ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config)).mmap == "auto"
+    for bad in (1, "yes"):
+        with pytest.raises(ShardedStateError, match=r"mmap=.* must be true, false or \"auto\""):
+            ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": bad}))
 
 
 class Tiny(torch.nn.Module):
