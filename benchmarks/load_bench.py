@@ -8,6 +8,8 @@ loader alike:
 - ``ours``: ``--load-format sharded_state`` with this plugin, as configured by default
   (CPU parameters served from private mappings of the files);
 - ``ours_copy``: the same with ``{"mmap": false}``: every byte copied into the parameters;
+- ``ours_auto``: the same with ``{"mmap": "auto"}``: weights that vLLM's CPU post-processing
+  repacks are copied, the rest mapped;
 - ``builtin``: vLLM's own ``sharded_state`` on the same files (plugins off: ``VLLM_PLUGINS=""``);
 - ``default``: vLLM's default safetensors loader on the HF checkpoint;
 - ``runai``: ``runai_streamer_sharded`` on the same files (``runai-model-streamer``);
@@ -45,14 +47,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))  # tiny_models.py, the demo's model builder
 GB = 1e9
-LOADERS = ("ours", "ours_copy", "builtin", "default", "runai", "ours_resharded")
-EXTRA_CONFIG = {"ours_copy": {"mmap": False}}
+LOADERS = ("ours", "ours_auto", "ours_copy", "builtin", "default", "runai", "ours_resharded")
+EXTRA_CONFIG = {"ours_copy": {"mmap": False}, "ours_auto": {"mmap": "auto"}}
 PROMPT = "the model loads every shard"
 
 # --------------------------------------------------------------------- model and save
 
 
-def build(work: str, layers: int) -> str:
+LAYER_BYTES = 90_185_728  # one layer of hidden 2048, intermediate 5632, 8 KV heads, bf16
+EMBED_BYTES = 3_831_152  # embeddings, lm_head and final norm of the tiny tokenizer's vocabulary
+
+
+def layers_for(gigabytes: float, dtype: str = "bfloat16") -> int:
+    """Decoder layers of the benchmark's model that make about ``gigabytes`` GB of weights in ``dtype``."""
+    scale = {"bfloat16": 1, "float32": 2}[dtype]
+    return max(1, round((gigabytes * GB - EMBED_BYTES * scale) / (LAYER_BYTES * scale)))
+
+
+def build(work: str, layers: int, dtype: str = "bfloat16") -> str:
     from tiny_models import build_model
 
     hf = os.path.join(work, "hf")
@@ -60,6 +72,7 @@ def build(work: str, layers: int) -> str:
         build_model(
             hf,
             "llama",
+            dtype=dtype,
             hidden_size=2048,
             intermediate_size=5632,
             num_hidden_layers=layers,
@@ -85,7 +98,7 @@ def engine_env(tp: int, plugins: bool, timing: str | None = None) -> dict[str, s
     return env
 
 
-def save(hf: str, out: str, tp: int) -> dict:
+def save(hf: str, out: str, tp: int, dtype: str = "bfloat16") -> dict:
     """Save with examples/save_sharded_state.py; returns each rank's logged write rate."""
     if os.path.exists(os.path.join(out, "sharded_state.json")):
         return {}
@@ -109,6 +122,8 @@ def save(hf: str, out: str, tp: int) -> dict:
             "--enforce-eager",
             "--max-model-len",
             "256",
+            "--dtype",
+            dtype,
             *([] if tp == 1 else ["--distributed-executor-backend", "mp"]),
         ],
         env=engine_env(tp, plugins=True),
@@ -312,7 +327,7 @@ def engine_child(spec: dict) -> None:
     """Runs in a subprocess: start one engine, generate, report."""
     from vllm import LLM, SamplingParams
 
-    started = time.perf_counter()
+    started, wall_before = time.perf_counter(), time.time()
     llm = LLM(
         model=spec["model"],
         tokenizer=spec["tokenizer"],
@@ -323,16 +338,21 @@ def engine_child(spec: dict) -> None:
         max_model_len=256,
         enforce_eager=True,
         seed=0,
+        # vLLM serves a float32 checkpoint in bfloat16 on CPU unless told otherwise.
+        dtype=spec.get("dtype", "auto"),
     )
-    start = time.perf_counter() - started
+    start, wall_after = time.perf_counter() - started, time.time()
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))
-    print("RESULT " + json.dumps({"engine_start": start, "ids": list(out[0].outputs[0].token_ids)}), flush=True)
+    result = {"engine_start": start, "ids": list(out[0].outputs[0].token_ids)}
+    result.update(wall_before_llm=wall_before, wall_after_llm=wall_after)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) -> dict:
+def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, dtype: str = "auto") -> dict:
     model = {
         "ours": dirs[tp],
         "ours_copy": dirs[tp],
+        "ours_auto": dirs[tp],
         "builtin": dirs[tp],
         "runai": dirs[tp],
         "default": hf,
@@ -349,8 +369,9 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
     timing = os.path.join(work, "timing.jsonl")
     if os.path.exists(timing):
         os.remove(timing)
-    spec = {"model": model, "tokenizer": hf, "tp": tp, "load_format": load_format}
+    spec = {"model": model, "tokenizer": hf, "tp": tp, "load_format": load_format, "dtype": dtype}
     spec["extra_config"] = EXTRA_CONFIG.get(loader, {})
+    cached_before = meminfo()["Cached"]
     proc = subprocess.run(
         [sys.executable, __file__, "--engine", json.dumps(spec)],
         env=engine_env(tp, plugins=loader.startswith("ours"), timing=timing),
@@ -369,12 +390,44 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str) 
         raise RuntimeError(f"{loader}: our loader did not run:\n{log[-3000:]}")
     if not loader.startswith("ours") and "vllm_sharded_loader" in log:
         raise RuntimeError(f"{loader}: our plugin was active although disabled")
-    result["load_seconds"] = max(entry["seconds"] for entry in loads)
-    result["rank_seconds"] = sorted(entry["seconds"] for entry in loads)
+    result["load_seconds"] = max(entry["load_weights"] for entry in loads)
+    result["rank_seconds"] = sorted(entry["load_weights"] for entry in loads)
+    # The slowest rank's phases (the engine waits for it).
+    for phase in ("load_model", "create_model", "load_weights", "post"):
+        result[phase] = max(entry.get(phase, 0.0) for entry in loads)
+    if "wall_before_llm" in result and all("wall_start" in entry for entry in loads):
+        # Engine start around load_model: before it (processes, model config) and after it
+        # until LLM(...) returns (KV cache, the profiling forward pass, warm-up).
+        result["before_load_model"] = min(e["wall_start"] for e in loads) - result["wall_before_llm"]
+        result["after_load_model"] = result["wall_after_llm"] - max(e["wall_end"] for e in loads)
+        result["from_load_model"] = result["engine_start"] - result["before_load_model"]
+    result["ranks"] = sorted(loads, key=lambda entry: entry.get("rank", 0))
+    # Memory over all ranks: each worker's peak resident set, summed (an upper bound of the
+    # ranks' peak together), split into anonymous memory and mapped file pages.
+    for key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+        result[f"peak_{key}"] = sum(entry["peak"][key] for entry in loads)
+    # Anonymous memory the load added: parameters copied in, buffers, repacked weights.
+    result["anon_growth"] = sum(e["peak"]["RssAnon"] - e["status_before"]["RssAnon"] for e in loads)
+    # The machine: how far MemAvailable fell below its value when the first rank began to load.
+    before = max(entry["meminfo_before"]["MemAvailable"] for entry in loads)
+    result["available_drop"] = before - min(entry["min_available"] for entry in loads)
+    result["cached_before_engine"] = cached_before
+    result["cached_after_load"] = max(entry["meminfo_after"]["Cached"] for entry in loads)
+    result["cached_growth"] = result["cached_after_load"] - cached_before
     result["loader_class"] = sorted({entry["loader"] for entry in loads})
     result["rank_bytes"] = sum(os.path.getsize(p) for p in files_of(dirs[tp])) / tp
     result["cold_sequential_before"] = probe
     return result
+
+
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            out[key] = int(value.split()[0]) * 1024
+    return out
 
 
 def cold_probe(paths: list[str]) -> float:
@@ -403,11 +456,27 @@ def cold_probe(paths: list[str]) -> float:
 # --------------------------------------------------------------------------- report
 
 
+PHASES = (
+    "engine_start",
+    "from_load_model",
+    "before_load_model",
+    "load_model",
+    "after_load_model",
+    "create_model",
+    "load_weights",
+    "post",
+)
+MEMORY = ("peak_RssAnon", "peak_RssFile", "peak_VmRSS", "available_drop", "anon_growth", "cached_growth")
+
+
+def key_of(e: dict) -> str:
+    return f"{e['loader']}|{e['tp']}|{e['mode']}|{e.get('layers', 17)}"
+
+
 def summarize(engines: list[dict]) -> dict:
     table: dict = {}
     for e in engines:
-        key = f"{e['loader']}|{e['tp']}|{e['mode']}"
-        table.setdefault(key, []).append(e)
+        table.setdefault(key_of(e), []).append(e)
     summary = {}
     for key, rows in table.items():
         load = statistics.median(r["load_seconds"] for r in rows)
@@ -415,8 +484,14 @@ def summarize(engines: list[dict]) -> dict:
             "load_seconds": load,
             "engine_start": statistics.median(r["engine_start"] for r in rows),
             "gbps": rows[0]["rank_bytes"] / load / GB,
+            "rank_bytes": rows[0]["rank_bytes"],
             "runs": len(rows),
         }
+        for name in PHASES + MEMORY:
+            values = [r[name] for r in rows if r.get(name) is not None]
+            if values:
+                summary[key][name] = statistics.median(values)
+                summary[key][name + "_range"] = [min(values), max(values)]
         probes = [r["cold_sequential_before"] for r in rows if r.get("cold_sequential_before")]
         if probes:
             # Each run's load GB/s over the cold read just before it, then the median.
@@ -426,90 +501,187 @@ def summarize(engines: list[dict]) -> dict:
     return summary
 
 
+def paired(engines: list[dict], loader: str, against: str = "builtin") -> dict:
+    """Per (TP, mode, size): the differences ``against - loader`` of each phase within the same round.
+
+    Both engines of a pair ran back to back in the same round, so a drift of the shared
+    machine hits both; the median of the per-round differences resolves less than the
+    spread of either loader's own times.
+    """
+    rounds: dict = {}
+    for e in engines:
+        rounds.setdefault((e["tp"], e["mode"], e.get("layers", 17), e["run"], e.get("chunk", 0)), {})[e["loader"]] = e
+    out: dict = {}
+    for (tp, mode, layers, _, _), by_loader in rounds.items():
+        if loader in by_loader and against in by_loader:
+            a, b = by_loader[loader], by_loader[against]
+            row = out.setdefault(f"{tp}|{mode}|{layers}", {name: [] for name in PHASES})
+            for name in PHASES:
+                if a.get(name) is not None and b.get(name) is not None:
+                    row[name].append(b[name] - a[name])
+    for row in out.values():
+        row["pairs"] = len(row["load_weights"])
+        for name in PHASES:
+            row[name + "_median"] = statistics.median(row[name]) if row[name] else float("nan")
+        won = row["load_weights_median"]
+        # Of the seconds won in load_weights (median of the pairs), the share still won when
+        # LLM(...) returns, and from the start of load_model on: without the process start-up
+        # before it, which no loader touches and which drifts by seconds at TP=2 here.
+        row["kept_share"] = row["engine_start_median"] / won if won > 0 else None
+        row["kept_share_since_load"] = row["from_load_model_median"] / won if won > 0 else None
+    return out
+
+
+def _loaders(s: dict, tp: int, mode: str, layers: int) -> list[str]:
+    return [n for n in LOADERS if f"{n}|{tp}|{mode}|{layers}" in s]
+
+
+def _grid(s: dict) -> list[tuple[int, int, str]]:
+    """(layers, tp, mode) present in a summary, in report order."""
+    found = {(int(k.split("|")[3]), int(k.split("|")[1]), k.split("|")[2]) for k in s}
+    return sorted(found, key=lambda g: (g[0], g[1], g[2] != "cold"))
+
+
 def markdown(result: dict) -> str:
-    s, limits = result["summary"], result["limits"]
+    s, engines = result["summary"], result["engines"]
     lines = [
-        "| loader | TP | warm load (s) | warm GB/s/rank | cold load (s) | cold GB/s/rank | "
-        "built-in / this, warm | built-in / this, cold | engine start warm (s) | engine start cold (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Median seconds (fastest-slowest) per loader; a TP=2 phase is its slowest rank's. `load_model` is "
+        "vLLM's whole call in the worker (model init, `load_weights`, post-processing, its `gc.collect`s); "
+        "`post` is `process_weights_after_loading` (vLLM's repacking of the weights).",
+        "",
+        "| GB | TP | mode | loader | runs | engine start (s) | before load_model | load_model (s) | "
+        "after load_model | create_model | load_weights (s) | post (s) | load_weights GB/s/rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for tp in (1, 2):
-        for loader in LOADERS:
-            w, c = s.get(f"{loader}|{tp}|warm"), s.get(f"{loader}|{tp}|cold")
-            bw, bc = s.get(f"builtin|{tp}|warm"), s.get(f"builtin|{tp}|cold")
-            if not (w and c and bw and bc):
+
+    def cell(row: dict, name: str, digits: int = 2) -> str:
+        if name not in row:
+            return "-"
+        lo, hi = row[name + "_range"]
+        return f"{row[name]:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+    for layers, tp, mode in _grid(s):
+        for loader in _loaders(s, tp, mode, layers):
+            row = s[f"{loader}|{tp}|{mode}|{layers}"]
+            size = row["rank_bytes"] * tp / GB
+            lines.append(
+                f"| {size:.2f} | {tp} | {mode} | {loader} | {row['runs']} | {cell(row, 'engine_start', 1)} | "
+                f"{cell(row, 'before_load_model', 1)} | {cell(row, 'load_model')} | "
+                f"{cell(row, 'after_load_model', 1)} | {cell(row, 'create_model')} | "
+                f"{cell(row, 'load_weights')} | {cell(row, 'post')} | "
+                f"{row['gbps']:.2f} |"
+            )
+    lines += [
+        "",
+        "Paired with the built-in loader (each pair ran back to back in one round): medians of the per-round "
+        "differences built-in minus ours, in seconds, and the share of the `load_weights` seconds won that "
+        "is still won when `LLM(...)` returns (target: at least 80%).",
+        "",
+        "| GB | TP | mode | pairs | load_weights won | post won | load_model won | after load_model won | "
+        "engine start won | kept | load_model start to LLM return won | kept from load_model on |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    size_of = {int(k.split("|")[3]): v["rank_bytes"] * int(k.split("|")[1]) / GB for k, v in s.items()}
+    for loader in ("ours",):
+        for key, row in sorted(paired(engines, loader).items(), key=lambda kv: (int(kv[0].split("|")[2]), kv[0])):
+            tp, mode, layers = key.split("|")
+            kept = f"{row['kept_share']:.0%}" if row["kept_share"] is not None else "-"
+            since = row["kept_share_since_load"]
+            since_text = f"{row['from_load_model_median']:+.2f} | " + (f"{since:.0%}" if since is not None else "-")
+            lines.append(
+                f"| {size_of[int(layers)]:.2f} | {tp} | {mode} | {row['pairs']} | "
+                + " | ".join(
+                    f"{row[n + '_median']:+.2f}"
+                    for n in ("load_weights", "post", "load_model", "after_load_model", "engine_start")
+                )
+                + f" | {kept} | {since_text} |"
+            )
+    lines += [
+        "",
+        "Memory during `load_model` (cold runs, medians; GB): each worker's peak resident set sampled every "
+        "10 ms, summed over the ranks, split into anonymous memory (private: parameters copied in, "
+        "copy-on-write copies, repacked weights) and mapped file pages (page cache shared with the file, "
+        "not extra memory); and how far the machine's `MemAvailable` fell during the load (page cache "
+        "filled by the reads counts as available, so this is the memory the load really takes).",
+        "",
+        "| GB | TP | loader | peak anon | anon added by the load | peak file-mapped | peak RSS | "
+        "MemAvailable drop | page cache growth |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for layers, tp, mode in _grid(s):
+        if mode != "cold":
+            continue
+        for loader in _loaders(s, tp, mode, layers):
+            row = s[f"{loader}|{tp}|{mode}|{layers}"]
+            if "peak_RssAnon" not in row:
                 continue
             lines.append(
-                f"| {loader} | {tp} | {w['load_seconds']:.3f} | {w['gbps']:.2f} | {c['load_seconds']:.3f} | "
-                f"{c['gbps']:.2f} | {bw['load_seconds'] / w['load_seconds']:.2f}x | "
-                f"{bc['load_seconds'] / c['load_seconds']:.2f}x | {w['engine_start']:.1f} | {c['engine_start']:.1f} |"
+                f"| {row['rank_bytes'] * tp / GB:.2f} | {tp} | {loader} | {row['peak_RssAnon'] / GB:.2f} | "
+                f"{row.get('anon_growth', float('nan')) / GB:.2f} | "
+                f"{row['peak_RssFile'] / GB:.2f} | {row['peak_VmRSS'] / GB:.2f} | "
+                f"{row['available_drop'] / GB:.2f} | {row.get('cached_growth', float('nan')) / GB:.2f} |"
             )
-    lines += ["", "| raw limit (TP=1 files) | GB/s, median | runs |", "|---|---|---|"]
-    for name, v in limits.items():
-        lines.append(f"| {name} | {v['median']:.2f} | {', '.join(f'{x:.2f}' for x in v['gbps'])} |")
-    lines.append("")
-    for n in (1, 2):
-        save, raw = limits[f"save_{n}"]["median"], limits[f"write_fsync_{n}"]["median"]
-        direct = limits.get(f"write_direct_{n}", {}).get("median")
-        line = f"Save with {n} rank(s) at once, engine-free: {save:.2f} GB/s = {save / raw:.0%} of write+fsync"
-        lines.append(line + (f", {save / direct:.0%} of O_DIRECT writes." if direct else "."))
-    for loader in LOADERS:
-        if f"{loader}|1|cold" not in s:
-            continue
-        row = s[f"{loader}|1|cold"]
-        start = row["gbps"] / limits["cold_sequential"]["median"]
-        line = f"Cold TP=1, {loader}: {start:.0%} of the cold sequential read"
-        if "of_cold_sequential_before" in row:
-            line += (
-                f" measured at the start; {row['of_cold_sequential_before']:.0%} of the one taken right before each "
-                f"load (median {row['cold_sequential_before']:.2f} GB/s)"
-            )
-        lines.append(line + ".")
-    for tp, saved in result["saves"].items():
-        before = saved.get("write_before")
-        if before:
-            # The disk's speed just before this save; ranks share it, so compare their sum.
-            best = max(before.values())
-            total = sum(r["mb"] for r in saved["ranks"]) / 1e3 / max(r["seconds"] for r in saved["ranks"])
-            lines.append(
-                f"Save TP={tp} inside the engine: {total:.2f} GB/s for all ranks together = {total / best:.0%} of "
-                f"the best raw write just before it (write+fsync {before['write_fsync']:.2f} GB/s, O_DIRECT "
-                f"{before['write_direct']:.2f} GB/s)."
-            )
-        for r in saved.get("ranks", []):
-            rate = f"{r['gbps']:.2f} GB/s"
-            lines.append(f"Save TP={tp} rank {r['rank']}: {r['mb']:.0f} MB in {r['seconds']:.2f} s, {rate}.")
+    limits = result.get("limits")
+    if limits:
+        lines += ["", "| raw limit (TP=1 files) | GB/s, median | runs |", "|---|---|---|"]
+        for name, v in limits.items():
+            lines.append(f"| {name} | {v['median']:.2f} | {', '.join(f'{x:.2f}' for x in v['gbps'])} |")
     return "\n".join(lines) + "\n"
 
 
 def chart(result: dict, path: str) -> None:
+    """Seconds and GB/s of ``load_weights`` (cold) against model size, per TP, for ours, built-in and default."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     s = result["summary"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, tp in zip(axes, (1, 2), strict=True):
-        names = [n for n in LOADERS if f"{n}|{tp}|warm" in s]
-        x = range(len(names))
-        ax.bar([i - 0.2 for i in x], [s[f"{n}|{tp}|warm"]["gbps"] for n in names], 0.4, label="warm")
-        ax.bar([i + 0.2 for i in x], [s[f"{n}|{tp}|cold"]["gbps"] for n in names], 0.4, label="cold")
-        limit = result["limits"]["cold_sequential"]["median"]
-        ax.axhline(limit, color="k", ls="--", lw=1, label="cold sequential read")
-        ax.set_xticks(list(x), names, rotation=20)
-        ax.set_title(f"TP={tp}: weight loading, GB/s per rank (median)")
-        ax.legend()
-    axes[0].set_ylabel("GB/s")
+    tps = sorted({int(k.split("|")[1]) for k in s})
+    fig, axes = plt.subplots(len(tps), 2, figsize=(11, 4 * len(tps)), squeeze=False)
+    for row, tp in zip(axes, tps, strict=True):
+        for loader, color in (("ours", "C0"), ("builtin", "C1"), ("default", "C2")):
+            keys = sorted((k for k in s if k.startswith(f"{loader}|{tp}|cold|")), key=lambda k: s[k]["rank_bytes"])
+            if not keys:
+                continue
+            sizes = [s[k]["rank_bytes"] * tp / GB for k in keys]
+            row[0].plot(sizes, [s[k]["load_weights"] for k in keys], "o-", color=color, label=f"{loader} load_weights")
+            row[0].plot(sizes, [s[k]["load_model"] for k in keys], "s--", color=color, label=f"{loader} load_model")
+            row[1].plot(
+                sizes,
+                [s[k]["rank_bytes"] * tp / s[k]["load_weights"] / GB for k in keys],
+                "o-",
+                color=color,
+                label=loader,
+            )
+        row[0].set_title(f"TP={tp}, cold: seconds (median)")
+        row[1].set_title(f"TP={tp}, cold: load_weights GB/s, all ranks")
+        for ax in row:
+            ax.set_xlabel("model size (GB, bf16)")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel("s")
+        row[1].set_ylabel("GB/s")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
-def write_report(result: dict, out: str) -> None:
-    with open(os.path.join(out, "load_bench.md"), "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
-    chart(result, os.path.join(out, "load_bench.png"))
+def write_report(result: dict, out: str, name: str) -> None:
+    for e in result["engines"]:
+        e.setdefault("load_weights", e["load_seconds"])
+        if "cached_growth" not in e and "cached_after_load" in e:
+            e["cached_growth"] = e["cached_after_load"] - e["cached_before_engine"]
+        ranks = e.get("ranks", [])
+        if "after_load_model" not in e and "wall_before_llm" in e and ranks and all("wall_end" in r for r in ranks):
+            e["before_load_model"] = min(r["wall_start"] for r in ranks) - e["wall_before_llm"]
+            e["after_load_model"] = e["wall_after_llm"] - max(r["wall_end"] for r in ranks)
+            e["from_load_model"] = e["engine_start"] - e["before_load_model"]
+    result["summary"] = summarize(result["engines"])
+    text = markdown(result)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    chart(result, os.path.join(out, f"{name}.png"))
 
 
 # ----------------------------------------------------------------------------- main
@@ -518,12 +690,23 @@ def write_report(result: dict, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--name", default="load_bench", help="results are NAME.json, NAME.md, NAME.png in --out")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "sharded-load-bench"))
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=17, help="17 layers of hidden 2048: a 1.5 GB bf16 model")
+    parser.add_argument("--sizes", default="1.5", help="model sizes in GB (bf16), e.g. 0.5,1.5,5")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="float32: vLLM's CPU backend repacks the linear weights after loading on AVX2 machines too",
+    )
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--tp", default="1,2")
-    parser.add_argument("--report", metavar="JSON", help="only write the table and chart of an earlier run's JSON")
+    parser.add_argument("--modes", default="warm,cold")
+    parser.add_argument("--limits", action="store_true", help="also measure the raw read/write limits")
+    parser.add_argument("--append", action="store_true", help="add this chunk's engines to NAME.json in --out")
+    parser.add_argument("--report", metavar="JSON", help="only write the tables and chart of an earlier run's JSON")
+    parser.add_argument("--chunks", help="with --report: only the engines of these chunks (e.g. 2,3)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -532,53 +715,88 @@ def main() -> None:
     if args.report:
         with open(args.report) as f:
             result = json.load(f)
-        write_report(result, os.path.dirname(os.path.abspath(args.report)))
+        if args.chunks:
+            keep = {int(c) for c in args.chunks.split(",")}
+            result["engines"] = [e for e in result["engines"] if e.get("chunk", 0) in keep]
+        name = os.path.splitext(os.path.basename(args.report))[0]
+        write_report(result, os.path.dirname(os.path.abspath(args.report)), name)
         return
     os.makedirs(args.out, exist_ok=True)
-    os.makedirs(args.work, exist_ok=True)
-    hf = build(args.work, args.layers)
-    dirs = {tp: os.path.join(args.work, f"tp{tp}") for tp in (1, 2)}
-    saves = {str(tp): save(hf, dirs[tp], tp) for tp in (1, 2)}
-    print(f"saved: {json.dumps(saves)}", flush=True)
-    limits = raw_limits(files_of(dirs[1]), args.runs)
-    print(f"limits: {json.dumps({k: v['median'] for k, v in limits.items()})}", flush=True)
-    engines = []
+    # Byte-compile the plugin, as pip does when it installs it: engines run with
+    # PYTHONDONTWRITEBYTECODE here, and a source checkout on PYTHONPATH would otherwise be
+    # compiled again in every engine process (0.1-0.3 s each, before any loading).
+    import compileall
+
+    compileall.compile_dir(os.path.join(ROOT, "vllm_sharded_loader"), quiet=1)
+    target = os.path.join(args.out, f"{args.name}.json")
+    result = {"engines": [], "saves": {}, "models": {}}
+    if args.append and os.path.exists(target):
+        with open(target) as f:
+            result = json.load(f)
+    chunk = 1 + max((e.get("chunk", 0) for e in result["engines"]), default=0)
+    commit = subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     loaders, tps = args.loaders.split(","), [int(t) for t in args.tp.split(",")]
+    modes = args.modes.split(",")
+    models = {}
+    for size in (float(x) for x in args.sizes.split(",")):
+        layers = layers_for(size, args.dtype)
+        work = os.path.join(args.work, f"L{layers}" + ("" if args.dtype == "bfloat16" else f"-{args.dtype}"))
+        os.makedirs(work, exist_ok=True)
+        hf = build(work, layers)
+        dirs = {tp: os.path.join(work, f"tp{tp}") for tp in (1, 2)}
+        # Only the checkpoints this chunk loads (ours_resharded loads the other TP size's).
+        for tp in sorted(set(tps) | ({3 - t for t in tps} if "ours_resharded" in loaders else set())):
+            saved = save(hf, dirs[tp], tp, args.dtype)
+            if saved:
+                result["saves"][f"{layers}|{tp}"] = saved
+        models[layers] = (hf, dirs, work)
+        result["models"][str(layers)] = {"bytes": sum(os.path.getsize(p) for p in files_of(dirs[min(tps)]))}
+    if args.limits:
+        layers = min(models)
+        result["limits"] = raw_limits(files_of(models[layers][1][1]), args.runs)
+        print(f"limits: {json.dumps({k: v['median'] for k, v in result['limits'].items()})}", flush=True)
     for run in range(args.runs):
-        for tp in tps:
-            for mode in ("warm", "cold"):
-                for loader in loaders:
-                    r = run_engine(loader, tp, mode, dirs, hf, args.work)
-                    r.update(loader=loader, tp=tp, mode=mode, run=run)
-                    engines.append(r)
-                    print(
-                        f"run {run} TP={tp} {mode:4s} {loader:15s} load {r['load_seconds']:.3f} s "
-                        f"start {r['engine_start']:.1f} s ids {r['ids']}",
-                        flush=True,
-                    )
-    reference = engines[0]["ids"]
-    mismatched = [f"{e['loader']} TP={e['tp']}" for e in engines if e["ids"] != reference]
-    result = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "python": platform.python_version(),
-        },
-        "model": {"hf": hf, "bytes_tp1": sum(os.path.getsize(p) for p in files_of(dirs[1])), "layers": args.layers},
-        "runs": args.runs,
-        "saves": saves,
-        "limits": limits,
-        "engines": engines,
-        "summary": summarize(engines),
-        "same_greedy_ids": not mismatched,
-        "mismatched": mismatched,
+        for layers, (hf, dirs, work) in models.items():
+            for tp in tps:
+                for mode in modes:
+                    # Alternate the order from round to round: no loader always runs first after an eviction.
+                    for loader in loaders if run % 2 == 0 else loaders[::-1]:
+                        r = run_engine(loader, tp, mode, dirs, hf, work, args.dtype)
+                        r.update(loader=loader, tp=tp, mode=mode, run=run, layers=layers, chunk=chunk, commit=commit)
+                        r["time"] = time.time()
+                        result["engines"].append(r)
+                        print(
+                            f"run {run} L{layers} TP={tp} {mode:4s} {loader:15s} start {r['engine_start']:.1f} s "
+                            f"load_model {r['load_model']:.2f} load_weights {r['load_weights']:.2f} "
+                            f"post {r['post']:.2f} anon {r['peak_RssAnon'] / GB:.2f} GB ids {r['ids']}",
+                            flush=True,
+                        )
+                        # Saved after every engine: a chunk cut short keeps what it measured.
+                        with open(target, "w") as f:
+                            json.dump(result, f, indent=1)
+    reference: dict = {}
+    mismatched = []
+    for e in result["engines"]:
+        # Per model and TP size: a TP=2 engine sums in another order, and a random model's
+        # greedy tokens may part from TP=1's after a few steps.
+        first = reference.setdefault((e.get("layers", 17), e["tp"]), e["ids"])
+        if e["ids"] != first:
+            mismatched.append(f"{e['loader']} TP={e['tp']} L{e.get('layers')}")
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
     }
-    with open(os.path.join(args.out, "load_bench.json"), "w") as f:
+    result["same_greedy_ids"] = not mismatched
+    result["mismatched"] = mismatched
+    with open(target, "w") as f:
         json.dump(result, f, indent=1)
-    write_report(result, args.out)
+    write_report(result, args.out, args.name)
     if mismatched:
-        sys.exit(f"greedy ids differ from the first engine's: {mismatched}")
+        sys.exit(f"greedy ids differ from the first engine's of the same model and TP size: {mismatched}")
 
 
 if __name__ == "__main__":

@@ -56,8 +56,11 @@ def test_unknown_extra_config_is_refused():
     assert not ShardedStateLoader(
         LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": False})
     ).mmap
-    with pytest.raises(ShardedStateError, match=r"mmap=1 .* must be true or false"):
-        ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": 1}))
+    config = {"mmap": "auto"}
+    assert ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config)).mmap == "auto"
+    for bad in (1, "yes"):
+        with pytest.raises(ShardedStateError, match=r"mmap=.* must be true, false or \"auto\""):
+            ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": bad}))
 
 
 class Tiny(torch.nn.Module):
@@ -172,3 +175,24 @@ def test_a_failing_record_never_breaks_the_load(caplog):
     assert LOADED_STATE_ATTRIBUTE not in model.__dict__
     assert "not initialized" in model.__dict__[RECORD_ERROR_ATTRIBUTE]
     assert "recording the loaded state failed" in caplog.text
+
+
+def test_load_model_leaves_nothing_frozen_even_when_it_fails():
+    import gc
+
+    from vllm.config.load import LoadConfig
+
+    from vllm_sharded_loader.engine.loader import ShardedStateLoader
+
+    loader = ShardedStateLoader(LoadConfig(load_format="sharded_state"))
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(AttributeError):
+        loader.load_model(vllm_config=None, model_config=None)  # fails inside vLLM's load_model
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # frozen by someone else (vLLM's freeze_gc_heap): left as it is
+    try:
+        with pytest.raises(AttributeError):
+            loader.load_model(vllm_config=None, model_config=None)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

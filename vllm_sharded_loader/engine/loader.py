@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Mapping
 from copy import copy
-from functools import partial
-from typing import TYPE_CHECKING
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
@@ -70,6 +71,54 @@ def _swap_data(param: torch.nn.Parameter, data: torch.Tensor) -> None:
     param.data = data
 
 
+@cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether vLLM's CPU backend builds a oneDNN matmul for weights of ``dtype`` (it then packs a copy).
+
+    Asked the way vLLM asks, on a small weight: oneDNN refuses dtypes the CPU has no kernel
+    for (bfloat16 without AVX-512), and vLLM then keeps the weight as it is.
+    """
+    from vllm import _custom_ops as ops
+
+    if not getattr(ops, "_supports_onednn", False):
+        return False
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 64, dtype=dtype).t(), 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def repacked_parameters(model: torch.nn.Module) -> set[str]:
+    """Names of the CPU weights that vLLM's post-processing will rewrite into new memory and drop.
+
+    vLLM's CPU backend repacks the weight of every unquantized linear layer for its GEMM
+    kernel (``dispatch_cpu_unquantized_gemm`` with ``remove_weight=True``) where its
+    kernel takes the dtype, then replaces the weight with an empty one. Mapping such a
+    weight saves the copy at load time but not the bytes: the repack reads it once and
+    writes every byte into freshly faulted memory on the one core vLLM pins the worker to,
+    where a copied weight's freed memory would have been reused. Mirrors vLLM 0.32's
+    decision; a layer it cannot judge is left out (mapped, as before).
+    """
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return set()
+    names = set()
+    for prefix, module in model.named_modules():
+        if not isinstance(module, LinearBase) or not isinstance(
+            getattr(module, "quant_method", None), UnquantizedLinearMethod
+        ):
+            continue
+        weight = getattr(module, "weight", None)
+        if getattr(module, "_cpu_skip_gemm_dispatch", False) or not isinstance(weight, torch.Tensor):
+            continue
+        if weight.ndim == 2 and weight.device.type == "cpu" and _onednn_packs(weight.dtype):
+            names.add(f"{prefix}.weight" if prefix else "weight")
+    return names
+
+
 class ShardedStateLoader(BaseModelLoader):
     """Loads each worker's own files of a sharded checkpoint straight into its parameters.
 
@@ -87,7 +136,9 @@ class ShardedStateLoader(BaseModelLoader):
     ``huge_pages`` (ask for transparent huge pages on the parameters, default off) and
     ``mmap`` (default on: CPU parameters stored in their own dtype are served from a
     private, copy-on-write mapping of the checkpoint file, as ``safetensors`` maps files
-    on CPU, instead of being copied into new memory; ``false`` copies every byte).
+    on CPU, instead of being copied into new memory; ``false`` copies every byte;
+    ``"auto"`` copies the weights vLLM's CPU post-processing repacks, see
+    :func:`repacked_parameters`, and maps the rest).
     Rank 0 shows a progress bar unless ``use_tqdm_on_load`` is off.
     """
 
@@ -119,9 +170,11 @@ class ShardedStateLoader(BaseModelLoader):
             )
         self.huge_pages: bool = huge_pages
         mmap = extra.get("mmap", True)
-        if not isinstance(mmap, bool):
-            raise ShardedStateError(f"model_loader_extra_config mmap={mmap!r} for sharded_state must be true or false.")
-        self.mmap: bool = mmap
+        if not isinstance(mmap, bool) and mmap != "auto":
+            raise ShardedStateError(
+                f'model_loader_extra_config mmap={mmap!r} for sharded_state must be true, false or "auto".'
+            )
+        self.mmap: bool | str = mmap
 
     # Save side: vLLM's worker hook calls `ShardedStateLoader.save_model`; the plugin
     # points that name at this class, so the hook writes our format.
@@ -150,6 +203,38 @@ class ShardedStateLoader(BaseModelLoader):
             cache_dir=self.load_config.download_dir,
         )
         return snapshot, directory
+
+    def load_model(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        """vLLM's ``load_model``, with the objects that exist before it kept out of its ``gc.collect`` calls.
+
+        vLLM collects garbage twice inside ``load_model`` (after the weights, after
+        post-processing), to free transient tensors of the load. Each full collection
+        walks every object of the process (about 600,000 once vLLM is imported: 0.5-0.8 s
+        of one core here), although only objects made during the load can be such
+        garbage. Frozen (``gc.freeze``), the older objects are skipped; they are unfrozen
+        right after, so that any garbage among them is collected later as usual. vLLM
+        freezes its whole heap once the engine is up (``freeze_gc_heap``); where something
+        has frozen objects already, nothing is changed.
+        """
+        if gc.get_freeze_count():
+            return super().load_model(*args, **kwargs)
+        gc.freeze()
+        try:
+            return super().load_model(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    def _adoptable(
+        self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
+    ) -> dict[str, Callable[[torch.Tensor], None]] | None:
+        """The parameters to serve from file mappings (``mmap``), by state-dict name."""
+        if not self.mmap:
+            return None
+        setters = adoptable_parameters(model, state_dict)
+        if self.mmap == "auto":
+            repacked = repacked_parameters(model)
+            setters = {name: setter for name, setter in setters.items() if name not in repacked}
+        return setters
 
     def download_model(self, model_config: ModelConfig) -> None:
         # Which parts a rank needs is known only in the worker (load_weights).
@@ -185,7 +270,7 @@ class ShardedStateLoader(BaseModelLoader):
                 threads=self.threads,
                 progress=progress,
                 huge_pages=self.huge_pages,
-                adopt=adoptable_parameters(model, state_dict) if self.mmap else None,
+                adopt=self._adoptable(model, state_dict),
             )
         if stats.resharded_from is not None:
             logger.info(
