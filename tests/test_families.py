@@ -57,8 +57,10 @@ def test_family_saved_at_tp2_serves_at_tp2_and_tp1(family, tmp_path):
     assert "resharded from TP=2 PP=1 to TP=1 PP=1" in resharded.output
 
 
-def test_a_drafter_leaves_nothing_in_the_saved_checkpoint(tmp_path):
-    """An EAGLE drafter loads next to the target: only the target is captured and saved."""
+def test_an_eagle_drafter_next_to_a_sharded_target(tmp_path):
+    """An EAGLE drafter loads next to the target: only the target is captured and saved, and
+    the saved target serves again with its drafter (which `sharded_state` loads from the
+    drafter's own folder with vLLM's default loader), as the default loader serves both."""
     from vllm_sharded_loader.checkpoint import verify_checkpoint
 
     model = build_family(str(tmp_path / "model"), "eagle")
@@ -69,3 +71,6 @@ def test_a_drafter_leaves_nothing_in_the_saved_checkpoint(tmp_path):
     saved = run_engine({"model": model, "tp": 2, "engine": engine, "capture_dir": str(out), "save_to": str(out)}).result
     assert saved.get("saved"), saved
     assert verify_checkpoint(str(out)) == []  # no staged file of the drafter's left behind
+    served = run_engine({"model": str(out), "tp": 2, "engine": engine, "load_format": "sharded_state"})
+    assert served.result["token_ids"] == saved["token_ids"]
+    assert "speculative drafter" in served.output and "holds no sharded checkpoint" in served.output

@@ -66,6 +66,22 @@ def load_without_manifest(
     return whole_file_stats([h.path for h in headers], len(targets), read, started, cast, with_manifest=False)
 
 
+def holds_sharded_checkpoint(directory: str, pattern: str | None = None) -> bool:
+    """Whether ``directory`` holds a sharded checkpoint: a manifest, or part files by name.
+
+    Part files are recognized by ``pattern`` and by both default patterns (vLLM's own save
+    writes them without a manifest). A Hugging Face model folder holds neither.
+    """
+    if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+        return True
+    patterns = {pattern or default_pattern(1), default_pattern(1), default_pattern(2)}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(parse_file_name(p, name) is not None for name in names for p in patterns)
+
+
 def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) -> list[str]:
     """This rank's files in a checkpoint written by vLLM's own save (no manifest).
 

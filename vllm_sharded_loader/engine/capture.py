@@ -53,7 +53,7 @@ from ..format.names import LOCK_NAME, default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
-from .identity import current_rank, dtype_label, source_identity
+from .identity import current_rank, dtype_label, is_drafter, source_identity
 from .layer_geometry import UNQUANTIZED_METHODS, describe_tensors
 from .progress import ByteProgress
 
@@ -126,7 +126,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     # Data-parallel replicas hold the same slices: only the first captures them (see the save
     # hook). A speculative drafter loads too, with its own config: the capture (and the save)
     # are the served model's, and a drafter's staged files would be left in the checkpoint.
-    settings = capture_settings() if _data_parallel_replica()[0] == 0 and not _is_drafter(model_config) else None
+    settings = capture_settings() if _data_parallel_replica()[0] == 0 and not is_drafter(model_config) else None
     if settings is not None:
         directory, pattern, max_size = settings
         # Staged under temporary names: nothing is published until the save hook runs.
@@ -331,17 +331,6 @@ def _data_parallel_replica() -> tuple[int, int]:
     except AssertionError:  # no data-parallel group: a single replica
         return 0, 1
     return group.rank_in_group, group.world_size
-
-
-def _is_drafter(model_config: Any) -> bool:
-    """Whether the model being loaded is not the engine's own (a speculative drafter)."""
-    from vllm.config import get_current_vllm_config
-
-    try:
-        served = get_current_vllm_config().model_config
-    except Exception:  # outside an engine's config context: nothing to tell it from
-        return False
-    return served is not None and model_config is not served
 
 
 def _is_experts(module: torch.nn.Module) -> bool:
