@@ -48,13 +48,14 @@ from ..checkpoint.save import (
 )
 from ..checkpoint.state import saveable_state, tied_groups
 from ..format.errors import ShardedStateError
+from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import LOCK_NAME, default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, is_drafter, source_identity
-from .layer_geometry import UNQUANTIZED_METHODS, describe_tensors
+from .layer_geometry import UNQUANTIZED_METHODS, describe_tensors, model_expert_placement
 from .progress import ByteProgress
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
@@ -79,6 +80,8 @@ class LoadedState:
     # How each tensor is split across ranks, and names saved once for several (manifest fields).
     geometry: dict[str, Any] = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
+    # Where the routed experts live under expert parallelism (None: without).
+    experts: ExpertPlacement | None = None
     # The state written at start-up (staged, or published in place by a save).
     capture: StagedRank | None = field(default=None)
     # Calls of the model's load_weights since (weight updates): the capture is stale.
@@ -122,6 +125,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         quantization=getattr(model_config, "quantization", None),
         geometry=describe_tensors(model, tensors, rank.tp_size, rank.tp_rank),
         tied=tied_groups(state_dict, tensors),
+        experts=model_expert_placement(model)[0],
     )
     # Data-parallel replicas hold the same slices: only the first captures them (see the save
     # hook). A speculative drafter loads too, with its own config: the capture (and the save)
@@ -382,7 +386,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         validate_pattern(pattern, rank.tp_size, rank.pp_size)
         return acquire_save_lock(path, token, overwrite)
 
-    def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]]]:
+    def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]], ExpertPlacement | None]:
         nonlocal staged
         if state is None:
             failed = model.__dict__.get(RECORD_ERROR_ATTRIBUTE)
@@ -397,13 +401,16 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
                 "its loaded state is unknown. Check that the plugin is installed (VLLM_PLUGINS)."
             )
         staged = _stage_for_save(model, state, path, rank, pattern, max_size, token)
-        return staged.entry, state.geometry, state.tied
+        return staged.entry, state.geometry, state.tied, state.experts
 
     try:
         lock = workers.run(check_and_lock, only_first=True)[0]
         token = lock.token  # every worker stages under the lock's token: a takeover finds all of them
         outcomes = workers.run(stage)
-        entries = [entry for entry, _, _ in outcomes]
+        entries = [entry for entry, _, _, _ in outcomes]
+        placements = {p for _, _, _, p in outcomes if p is not None}
+        if len(placements) > 1:
+            raise ShardedStateError(f"the ranks place their experts differently: {sorted(map(str, placements))}")
         swapped = True
         workers.run(lambda: remove_manifest(path), only_first=True)
         workers.run(lambda: publish_rank(staged))
@@ -414,8 +421,10 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
             pattern=pattern,
             source=state.source,
             ranks=tuple(sorted(entries, key=lambda e: (e.pp_rank, e.tp_rank))),
-            geometry={name: g for _, geometry, _ in outcomes for name, g in geometry.items()},
-            tied=tuple(sorted({tuple(group) for _, _, tied in outcomes for group in tied})),
+            geometry={name: g for _, geometry, _, _ in outcomes for name, g in geometry.items()},
+            tied=tuple(sorted({tuple(group) for _, _, tied, _ in outcomes for group in tied})),
+            experts=next(iter(placements), None),
+            dp_size=dp_size,
         )
         workers.run(lambda: write_manifest(path, manifest, lock), only_first=True)
     except ShardedStateError as e:

@@ -22,7 +22,7 @@ from ..format.names import MANIFEST_NAME
 from ..storage import hub
 from ..storage.reader import DEFAULT_THREADS
 from .identity import current_rank, dtype_label, is_drafter, source_identity
-from .layer_geometry import tensor_geometry
+from .layer_geometry import model_expert_placement, tensor_geometry
 from .progress import ByteProgress
 
 if TYPE_CHECKING:
@@ -198,6 +198,7 @@ class ShardedStateLoader(BaseModelLoader):
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
         from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
+        experts, ep_rank = model_expert_placement(model)
         progress = ByteProgress(f"Loading sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
         with progress:
             stats = load_rank(
@@ -214,6 +215,8 @@ class ShardedStateLoader(BaseModelLoader):
                 progress=progress,
                 huge_pages=self.huge_pages,
                 adopt=adoptable_parameters(model, state_dict) if self.mmap else None,
+                experts=experts,
+                ep_rank=ep_rank,
             )
         if stats.resharded_from is not None:
             logger.info(
