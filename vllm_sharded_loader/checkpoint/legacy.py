@@ -18,6 +18,7 @@ from ..format.names import MANIFEST_NAME, default_pattern, parse_file_name, vali
 from ..planning.tensors import TensorSpec, check_tensor_sets
 from ..planning.topology import RankInfo
 from ..storage.local import part_path, read_header
+from ..storage.location import is_remote, read_manifest
 from ..storage.tensor_files import read_files
 from .state import tensor_specs
 from .stats import LoadStats, whole_file_stats
@@ -64,6 +65,24 @@ def load_without_manifest(
     )
     read = read_files(headers, targets, None, adopt, **options)
     return whole_file_stats([h.path for h in headers], len(targets), read, started, cast, with_manifest=False)
+
+
+def holds_sharded_checkpoint(directory: str, pattern: str | None = None) -> bool:
+    """Whether ``directory`` holds a sharded checkpoint: a manifest, or part files by name.
+
+    Part files are recognized by ``pattern`` and by both default patterns (vLLM's own save
+    writes them without a manifest). A Hugging Face model folder holds neither.
+    """
+    if is_remote(directory):  # served from object storage only with a manifest
+        return read_manifest(directory) is not None
+    if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+        return True
+    patterns = {pattern or default_pattern(1), default_pattern(1), default_pattern(2)}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(parse_file_name(p, name) is not None for name in names for p in patterns)
 
 
 def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) -> list[str]:

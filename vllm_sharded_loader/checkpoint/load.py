@@ -20,10 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ..format.errors import ShardedStateError
+from ..format.experts import ExpertPlacement
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.source import SourceModel
+from ..planning.experts import check_expert_placement
 from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
@@ -52,6 +54,8 @@ def load_rank(
     progress: Callable[[int, int], None] | None = None,
     huge_pages: bool = False,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
+    experts: ExpertPlacement | None = None,
+    ep_rank: int = 0,
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
@@ -70,7 +74,9 @@ def load_rank(
     tensors whose saved pieces are whole runs of their files (see
     :meth:`.reshard.ReshardSource.read`). ``serving`` (the model's identity) and ``geometry``
     (how its layers split each target) are checked against what the manifest records,
-    when given. ``pattern`` names the files of a checkpoint
+    when given. ``experts`` is where the served model places its routed experts (None: no
+    expert parallelism) and ``ep_rank`` this rank's place among them; they must be the
+    manifest's. ``pattern`` names the files of a checkpoint
     without manifest (vLLM's own save).
     """
     started = time.perf_counter()
@@ -90,6 +96,9 @@ def load_rank(
     # The checks: the model served and how it splits its tensors, ...
     if serving is not None:
         check_source(manifest, serving, directory)
+    check_expert_placement(
+        manifest.experts, experts, serving_ep_rank=ep_rank, tp_rank=rank.tp_rank, where=f"{directory} ({rank})"
+    )
     if geometry is not None:
         check_served_geometry(
             manifest.geometries,

@@ -52,14 +52,15 @@ from ..checkpoint.save import (
 )
 from ..checkpoint.state import saveable_state, tied_groups
 from ..format.errors import ShardedStateError
+from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import LOCK_NAME, default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
-from .identity import current_rank, dtype_label, source_identity
-from .layer_geometry import UNQUANTIZED_METHODS, describe_tensors
+from .identity import current_rank, dtype_label, is_drafter, source_identity
+from .layer_geometry import UNQUANTIZED_METHODS, describe_tensors, model_expert_placement
 from .progress import ByteProgress
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
@@ -84,6 +85,8 @@ class LoadedState:
     # How each tensor is split across ranks, and names saved once for several (manifest fields).
     geometry: dict[str, Any] = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
+    # Where the routed experts live under expert parallelism (None: without).
+    experts: ExpertPlacement | None = None
     # The state written at start-up (staged, or published in place by a save).
     capture: StagedRank | None = field(default=None)
     # Calls of the model's load_weights since (weight updates): the capture is stale.
@@ -127,11 +130,12 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         quantization=getattr(model_config, "quantization", None),
         geometry=describe_tensors(model, tensors, rank.tp_size, rank.tp_rank),
         tied=tied_groups(state_dict, tensors),
+        experts=model_expert_placement(model)[0],
     )
     # Data-parallel replicas hold the same slices: only the first captures them (see the save
     # hook). A speculative drafter loads too, with its own config: the capture (and the save)
     # are the served model's, and a drafter's staged files would be left in the checkpoint.
-    settings = capture_settings() if _data_parallel_replica()[0] == 0 and not _is_drafter(model_config) else None
+    settings = capture_settings() if _data_parallel_replica()[0] == 0 and not is_drafter(model_config) else None
     if settings is not None:
         directory, pattern, max_size = settings
         # Staged under temporary names: nothing is published until the save hook runs.
@@ -338,17 +342,6 @@ def _data_parallel_replica() -> tuple[int, int]:
     return group.rank_in_group, group.world_size
 
 
-def _is_drafter(model_config: Any) -> bool:
-    """Whether the model being loaded is not the engine's own (a speculative drafter)."""
-    from vllm.config import get_current_vllm_config
-
-    try:
-        served = get_current_vllm_config().model_config
-    except Exception:  # outside an engine's config context: nothing to tell it from
-        return False
-    return served is not None and model_config is not served
-
-
 def _is_experts(module: torch.nn.Module) -> bool:
     return any(c.__name__ == "RoutedExperts" for c in type(module).__mro__)
 
@@ -379,17 +372,22 @@ def _loaded(model: torch.nn.Module, state: LoadedState | None) -> LoadedState:
     )
 
 
-def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[Any]) -> Manifest:
-    """The manifest of a save, from every worker's (rank entry, geometry, tied names)."""
+def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[Any], dp_size: int = 1) -> Manifest:
+    """The manifest of a save, from every worker's (rank entry, geometry, tied names, expert placement)."""
+    placements = {p for _, _, _, p in outcomes if p is not None}
+    if len(placements) > 1:
+        raise ShardedStateError(f"the ranks place their experts differently: {sorted(map(str, placements))}")
     return Manifest(
         tp_size=rank.tp_size,
         pp_size=rank.pp_size,
         dtype=state.dtype,
         pattern=pattern,
         source=state.source,
-        ranks=tuple(sorted((entry for entry, _, _ in outcomes), key=lambda e: (e.pp_rank, e.tp_rank))),
-        geometry={name: g for _, geometry, _ in outcomes for name, g in geometry.items()},
-        tied=tuple(sorted({tuple(group) for _, _, tied in outcomes for group in tied})),
+        ranks=tuple(sorted((entry for entry, _, _, _ in outcomes), key=lambda e: (e.pp_rank, e.tp_rank))),
+        geometry={name: g for _, geometry, _, _ in outcomes for name, g in geometry.items()},
+        tied=tuple(sorted({tuple(group) for _, _, tied, _ in outcomes for group in tied})),
+        experts=next(iter(placements), None),
+        dp_size=dp_size,
     )
 
 
@@ -401,6 +399,7 @@ def _save_to_objects(
     pattern: str,
     max_size: int | None,
     overwrite: bool,
+    dp_size: int = 1,
 ) -> None:
     """The save hook into object storage: :mod:`..checkpoint.remote_save`'s steps across workers.
 
@@ -418,7 +417,7 @@ def _save_to_objects(
         validate_pattern(pattern, rank.tp_size, rank.pp_size)
         remote_save.begin(url, token, overwrite)
 
-    def stage_and_upload() -> tuple[RankEntry, dict[str, Any], list[list[str]]]:
+    def stage_and_upload() -> tuple[RankEntry, dict[str, Any], list[list[str]], ExpertPlacement | None]:
         nonlocal staged, scratch
         loaded = _loaded(model, state)
         if loaded.capture is not None and not loaded.updates:
@@ -432,20 +431,20 @@ def _save_to_objects(
         if (staged.pattern, staged.max_size) != (pattern, max_size):
             staged = stage_rank(staged.directory, open_staged_tensors(staged), rank, pattern, max_size, token)
         entry = remote_save.upload_rank(url, staged)
-        return entry, loaded.geometry, loaded.tied
+        return entry, loaded.geometry, loaded.tied, loaded.experts
 
     outcomes: list[Any] = []
     try:
         workers.run(check_and_lock, only_first=True)
         begun = True
         outcomes = workers.run(stage_and_upload)
-        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
+        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes, dp_size)
         workers.run(lambda: remote_save.publish(url, manifest), only_first=True)
     except ShardedStateError as e:
         if staged is not None and staged is not (state and state.capture):
             discard_rank(staged)
         if begun and workers.first:
-            remote_save.abandon(url, [entry for entry, _, _ in outcomes])
+            remote_save.abandon(url, [entry for entry, _, _, _ in outcomes])
         raise ShardedStateError(
             f"Saving the sharded state to {url} failed: {e}. Nothing was published: this save's uploads and "
             "lock were deleted."
@@ -489,7 +488,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     pattern = pattern or default_pattern(rank.pp_size)
     overwrite = os.environ.get(OVERWRITE_ENV, "").lower() in ("1", "true", "yes")
     if is_remote(path):
-        _save_to_objects(model, state, workers, path, pattern, max_size, overwrite)
+        _save_to_objects(model, state, workers, path, pattern, max_size, overwrite, dp_size)
         return
     path = os.path.abspath(path)
     token = new_token()
@@ -501,21 +500,21 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         validate_pattern(pattern, rank.tp_size, rank.pp_size)
         return acquire_save_lock(path, token, overwrite)
 
-    def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]]]:
+    def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]], ExpertPlacement | None]:
         nonlocal staged
         loaded = _loaded(model, state)
         staged = _stage_for_save(model, loaded, path, rank, pattern, max_size, token)
-        return staged.entry, loaded.geometry, loaded.tied
+        return staged.entry, loaded.geometry, loaded.tied, loaded.experts
 
     try:
         lock = workers.run(check_and_lock, only_first=True)[0]
         token = lock.token  # every worker stages under the lock's token: a takeover finds all of them
         outcomes = workers.run(stage)
-        entries = [entry for entry, _, _ in outcomes]
+        entries = [entry for entry, _, _, _ in outcomes]
         swapped = True
         workers.run(lambda: remove_manifest(path), only_first=True)
         workers.run(lambda: publish_rank(staged))
-        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
+        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes, dp_size)
         workers.run(lambda: write_manifest(path, manifest, lock), only_first=True)
     except ShardedStateError as e:
         if not swapped:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,21 @@ def current_rank() -> RankInfo:
 
     tp, pp = get_tp_group(), get_pp_group()
     return RankInfo(tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size)
+
+
+def is_drafter(model_config: Any) -> bool:
+    """Whether the model being loaded is not the engine's own (a speculative drafter).
+
+    vLLM loads a drafter with its own ``ModelConfig`` while the engine's config (the
+    target's) is current.
+    """
+    from vllm.config import get_current_vllm_config
+
+    try:
+        served = get_current_vllm_config().model_config
+    except Exception:  # outside an engine's config context: nothing to tell it from
+        return False
+    return served is not None and model_config is not served
 
 
 def source_identity(model: torch.nn.Module, model_config: ModelConfig) -> SourceModel:

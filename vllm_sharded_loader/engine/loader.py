@@ -6,6 +6,7 @@ import gc
 import os
 from collections.abc import Callable, Mapping
 from copy import copy
+from dataclasses import replace
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..checkpoint import load_rank, read_manifest, saveable_state
+from ..checkpoint.legacy import holds_sharded_checkpoint
 from ..checkpoint.state import tied_groups
 from ..checkpoint.stats import check_verify_mode
 from ..format.errors import ShardedStateError
@@ -21,8 +23,8 @@ from ..format.names import MANIFEST_NAME
 from ..storage import hub
 from ..storage.location import is_remote
 from ..storage.reader import DEFAULT_THREADS
-from .identity import current_rank, dtype_label, source_identity
-from .layer_geometry import tensor_geometry
+from .identity import current_rank, dtype_label, is_drafter, source_identity
+from .layer_geometry import model_expert_placement, tensor_geometry
 from .progress import ByteProgress
 
 if TYPE_CHECKING:
@@ -240,8 +242,37 @@ class ShardedStateLoader(BaseModelLoader):
         # Which parts a rank needs is known only in the worker (load_weights).
         self._locate(model_config)
 
+    def _load_drafter(self, model: torch.nn.Module, model_config: ModelConfig, directory: str) -> None:
+        """Load a speculative drafter's weights from its Hugging Face folder, with vLLM's default loader.
+
+        vLLM loads the drafter (EAGLE, MTP, a draft model) with the target's load format
+        unless ``speculative_config`` names a ``draft_load_config``; a drafter's own folder
+        holds its original weights, not a sharded checkpoint.
+        """
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        logger.info(
+            "sharded_state: the speculative drafter %s holds no sharded checkpoint; loading its weights with "
+            "vLLM's default loader",
+            directory,
+        )
+        config = replace(self.load_config, load_format="auto", model_loader_extra_config={})
+        try:
+            DefaultModelLoader(config).load_weights(model, model_config)
+        except Exception as e:
+            raise ShardedStateError(
+                f"The speculative drafter {directory} holds no sharded checkpoint ({MANIFEST_NAME} or part "
+                f"files), and vLLM's default loader could not load its weights either ({type(e).__name__}: {e}). "
+                "Point speculative_config['model'] at the drafter's Hugging Face folder (its *.safetensors), "
+                "or at a sharded checkpoint of the drafter saved with examples/save_sharded_state.py."
+            ) from e
+
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         directory, repo_id = self._locate(model_config)
+        if is_drafter(model_config) and not holds_sharded_checkpoint(directory, self.pattern):
+            # The target is the sharded checkpoint; its drafter comes from its own folder.
+            self._load_drafter(model, model_config, directory)
+            return
         rank = current_rank()
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
@@ -255,6 +286,7 @@ class ShardedStateLoader(BaseModelLoader):
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
         from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
+        experts, ep_rank = model_expert_placement(model)
         progress = ByteProgress(f"Loading sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
         with progress:
             stats = load_rank(
@@ -271,6 +303,8 @@ class ShardedStateLoader(BaseModelLoader):
                 progress=progress,
                 huge_pages=self.huge_pages,
                 adopt=self._adoptable(model, state_dict),
+                experts=experts,
+                ep_rank=ep_rank,
             )
         if stats.resharded_from is not None:
             logger.info(

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any
 
 from .errors import ShardedStateError
+from .experts import ExpertPlacement
 from .geometry import TensorGeometry
 from .names import MANIFEST_NAME, check_plain_file_name, parse_file_name, validate_pattern
 from .source import SourceModel
@@ -98,6 +99,11 @@ class Manifest:
     # saved once for several (tied embeddings).
     geometry: dict[str, Any] = field(default_factory=dict, compare=False)
     tied: tuple[tuple[str, ...], ...] = ()
+    # Where the routed experts live when saved with expert parallelism (None: without), and
+    # the data-parallel size of the saving engine (its replicas hold the same slices; one
+    # wrote them).
+    experts: ExpertPlacement | None = None
+    dp_size: int = 1
 
     @cached_property
     def geometries(self) -> dict[str, TensorGeometry]:
@@ -139,6 +145,10 @@ class Manifest:
             data["geometry"] = self.geometry
         if self.tied:
             data["tied"] = [list(group) for group in self.tied]
+        if self.experts is not None:
+            data["expert_placement"] = self.experts.to_dict()
+        if self.dp_size != 1:
+            data["dp_size"] = self.dp_size
         return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -181,6 +191,7 @@ class Manifest:
             isinstance(g, list) and all(isinstance(n, str) for n in g) for g in tied
         ):
             raise reader.fail("'tied' must be a list of lists of tensor names")
+        experts = obj.get("expert_placement")
         manifest = cls(
             tp_size=tp_size,
             pp_size=pp_size,
@@ -191,6 +202,8 @@ class Manifest:
             format_version=version,
             geometry=geometry,
             tied=tuple(tuple(g) for g in tied),
+            experts=None if experts is None else ExpertPlacement.from_dict(experts, where),
+            dp_size=reader.integer(obj, "dp_size", minimum=1, maximum=MAX_RANKS) if "dp_size" in obj else 1,
         )
         manifest.__dict__["geometries"] = geometries  # the cached_property, parsed with messages naming `where`
         check_manifest_consistency(manifest, where)
