@@ -133,9 +133,10 @@ class SeaweedS3:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            # weed finishes its graceful shutdown only after ~20 s; the data needs no flush here.
             self.process.terminate()
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
