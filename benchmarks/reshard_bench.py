@@ -31,6 +31,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from load_bench import evict, warm  # noqa: E402  (the same eviction and warming as the engine benchmark)
+
 CASES = (
     # (label, serving TP, saved TP)
     ("TP=1 same topology", 1, 1),
@@ -118,23 +121,6 @@ def build(work: str, layers: int) -> dict[int, str]:
 
 def files_of(directory: str) -> list[str]:
     return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
-
-
-def evict(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def warm(paths: list[str]) -> None:
-    buffer = bytearray(64 << 20)
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buffer):
-                pass
 
 
 def sequential_read(paths: list[str]) -> float:

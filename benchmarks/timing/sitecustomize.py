@@ -34,24 +34,23 @@ TARGET = "vllm.model_executor.model_loader.base_loader"
 KB = 1024
 
 
-def _status() -> dict:
+def _proc_fields(path: str, keys: tuple[str, ...]) -> dict:
+    """Fields of a /proc file of "Key:  value kB" lines, in bytes."""
     out = {}
-    with open("/proc/self/status") as f:
+    with open(path) as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
+            if key in keys:
                 out[key] = int(value.split()[0]) * KB
     return out
+
+
+def _status() -> dict:
+    return _proc_fields("/proc/self/status", ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"))
 
 
 def _meminfo() -> dict:
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("MemTotal", "MemAvailable", "Cached", "AnonPages", "Mapped"):
-                out[key] = int(value.split()[0]) * KB
-    return out
+    return _proc_fields("/proc/meminfo", ("MemTotal", "MemAvailable", "Cached", "AnonPages", "Mapped"))
 
 
 class _Sampler(threading.Thread):
