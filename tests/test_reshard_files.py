@@ -430,3 +430,17 @@ def test_non_contiguous_targets_are_filled_run_by_run(tmp_path):
     load_rank(str(tmp_path), targets, RankInfo(0, 2), manifest=manifest, verify="checksum")
     for n, x in expected.items():
         assert torch.equal(targets[n], x), n
+
+
+def test_a_piece_at_an_offset_its_dtype_cannot_view_is_read_not_mapped(tmp_path):
+    """A float32 tensor may start at any byte of a safetensors file (after int8 weights, say)."""
+    from vllm_sharded_loader.planning.spans import Piece
+    from vllm_sharded_loader.storage.local import OpenFile
+    from vllm_sharded_loader.storage.memory import map_pieces
+
+    path = tmp_path / "unaligned.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    with OpenFile.open(str(path)) as opened:
+        tensor, ranges = map_pieces([opened], [Piece(0, 1058, 8192, 0, 0, 4)], torch.float32, (2048,))
+    assert ranges == [(0, 0)]  # nothing mapped: the caller reads all of it
+    assert tensor.shape == (2048,) and bool((tensor == 0).all())

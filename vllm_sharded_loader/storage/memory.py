@@ -170,7 +170,10 @@ def map_pieces(
     weight: dict[int, int] = {}
     for p in pieces:
         residue = (p.offset - p.start) % PAGE
-        weight[residue] = weight.get(residue, 0) + p.length
+        # The tensor starts at ``residue`` in the region: a view of its dtype needs that aligned
+        # (a float32 scale may lie at any byte of a safetensors file). Others are read instead.
+        if residue % dtype.itemsize == 0:
+            weight[residue] = weight.get(residue, 0) + p.length
     shift = max(weight, key=lambda r: (weight[r], -r)) if weight else 0
     region = mmap.mmap(-1, max(PAGE, -(-(shift + nbytes) // PAGE) * PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region (and what is mapped into it) alive
