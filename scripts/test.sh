@@ -7,4 +7,6 @@ bash scripts/setup.sh
 . "${VENV:-.venv}/bin/activate"
 ruff check .
 ruff format --check .
+# The examples in the package's docstrings are tests too.
+python -m pytest -q -p no:cacheprovider --doctest-modules vllm_sharded_loader
 python -m pytest -q -p no:cacheprovider tests "$@"

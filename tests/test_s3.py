@@ -24,7 +24,7 @@ from test_reshard_files import save_model, source_of, stage_state
 from test_resharding import llama_like
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
-from vllm_sharded_loader.checkpoint.remote_save import save_checkpoint_to_objects
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import objects
@@ -69,9 +69,7 @@ def save_to_bucket(url, model, tp_size, pp_size=1, max_size=4096):
         for t in range(tp_size)
     }
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    return save_checkpoint_to_objects(
-        url, ranks, dtype="int32", source=source_of(model), max_size=max_size, geometry=geometry
-    )
+    return save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=max_size, geometry=geometry)
 
 
 def load_from(url, model, tp_size, tp_rank=0, pp_size=1, pp_rank=0, **kw):
@@ -200,7 +198,7 @@ def test_an_existing_checkpoint_is_kept_unless_overwrite(s3):
     # Overwrite at another topology: the old ranks' parts go, the new manifest lists only its own.
     ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    new = save_checkpoint_to_objects(
+    new = save_checkpoint(
         url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
     )
     listed = {f.name for e in new.ranks for f in e.files}
@@ -229,7 +227,7 @@ def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3):
     ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
     ranks[RankInfo(1, 2)] = Failing(ranks[RankInfo(1, 2)])  # rank 0 uploads, then rank 1 fails
     with pytest.raises(OSError, match="No space left on device"):
-        save_checkpoint_to_objects(url, ranks, dtype="int32", source=source_of(model), max_size=4096)
+        save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=4096)
     assert keys(s3, url) == []  # no manifest, no part, no lock
     assert s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
 
@@ -239,10 +237,10 @@ import sys, torch
 sys.path.insert(0, "tests")
 from test_resharding import llama_like
 from vllm_sharded_loader.checkpoint import RankInfo
-from vllm_sharded_loader.checkpoint.remote_save import save_checkpoint_to_objects
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel
 big = {f"t{i}": torch.randn(4096, 4096) for i in range(6)}  # 6 parts of 64 MiB, multipart uploads
-save_checkpoint_to_objects(sys.argv[1], {RankInfo(0, 1): big}, dtype="float32",
+save_checkpoint(sys.argv[1], {RankInfo(0, 1): big}, dtype="float32",
                            source=SourceModel("X", "0" * 64, {}), max_size=64 << 20)
 """
 

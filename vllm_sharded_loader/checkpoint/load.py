@@ -20,12 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ..format.errors import ShardedStateError
-from ..format.experts import ExpertPlacement
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.source import SourceModel
-from ..planning.experts import check_expert_placement
+from ..planning.experts import check_expert_placement, experts_moved
 from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
@@ -54,8 +53,6 @@ def load_rank(
     progress: Callable[[int, int], None] | None = None,
     huge_pages: bool = False,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
-    experts: ExpertPlacement | None = None,
-    ep_rank: int = 0,
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
@@ -65,8 +62,10 @@ def load_rank(
     every byte read is also hashed and compared with the manifest; a mismatch raises
     before the load returns (the engine then does not start).
 
-    A checkpoint saved at another TP/PP size is resharded (:func:`.reshard.load_resharded`)
-    if its manifest records the geometry; ``tied`` names groups of tensors the serving
+    A checkpoint saved at another TP/PP size, or with its routed experts placed otherwise
+    than ``rank.experts`` places them (another EP size or strategy, or expert parallelism
+    on one side only), is resharded (:func:`.reshard.load_resharded`) if its manifest
+    records the geometry; ``tied`` names groups of tensors the serving
     model shares (tied embeddings), so a tensor saved under one name serves the others.
     ``threads``, ``progress`` and ``huge_pages`` go to the reader. ``adopt`` maps tensor
     names to callbacks that take a tensor over a private mapping of the file in place of
@@ -74,9 +73,7 @@ def load_rank(
     tensors whose saved pieces are whole runs of their files (see
     :meth:`.reshard.ReshardSource.read`). ``serving`` (the model's identity) and ``geometry``
     (how its layers split each target) are checked against what the manifest records,
-    when given. ``experts`` is where the served model places its routed experts (None: no
-    expert parallelism) and ``ep_rank`` this rank's place among them; they must be the
-    manifest's. ``pattern`` names the files of a checkpoint
+    when given. ``pattern`` names the files of a checkpoint
     without manifest (vLLM's own save).
     """
     started = time.perf_counter()
@@ -90,15 +87,17 @@ def load_rank(
                 "this package writes (or the save into it is incomplete): save it with vllm_sharded_loader."
             )
         return load_without_manifest(directory, targets, rank, pattern, verify, started, adopt=adopt, **options)
-    resharding = (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size)
+    moved = experts_moved(manifest.experts, rank.experts, serving_ep_rank=rank.ep_rank, tp_rank=rank.tp_rank)
+    resharding = moved or (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size)
     if resharding and not manifest.geometry:
-        check_topology(manifest, rank, directory)  # raises: nothing to reshard with
+        # Raise: nothing to reshard with.
+        check_topology(manifest, rank, directory)
+        check_expert_placement(
+            manifest.experts, rank.experts, serving_ep_rank=rank.ep_rank, tp_rank=rank.tp_rank, where=directory
+        )
     # The checks: the model served and how it splits its tensors, ...
     if serving is not None:
         check_source(manifest, serving, directory)
-    check_expert_placement(
-        manifest.experts, experts, serving_ep_rank=ep_rank, tp_rank=rank.tp_rank, where=f"{directory} ({rank})"
-    )
     if geometry is not None:
         check_served_geometry(
             manifest.geometries,

@@ -25,15 +25,14 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
-from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, default_pattern, parse_file_name
-from ..format.source import SourceModel
+from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name
 from ..planning.topology import RankInfo
 from ..storage import objects
 from ..storage.local import non_weight_files
@@ -133,44 +132,28 @@ def upload_non_weight_files(source: str, url: str) -> list[str]:
     return names
 
 
-def save_checkpoint_to_objects(
+def save_ranks_to_objects(
     url: str,
-    ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
-    *,
-    dtype: str,
-    source: SourceModel,
-    pattern: str | None = None,
-    max_size: int | None = None,
-    overwrite: bool = False,
-    geometry: Mapping[str, dict] | None = None,
-    tied: tuple[tuple[str, ...], ...] = (),
+    ranks: Sequence[tuple[RankInfo, Mapping[str, torch.Tensor]]],
+    pattern: str,
+    max_size: int | None,
+    overwrite: bool,
+    manifest_of: Callable[[Sequence[RankEntry]], Manifest],
 ) -> Manifest:
-    """:func:`.save.save_checkpoint` into object storage, from one process (tests, offline tools)."""
-    infos = sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))
-    pattern = pattern or default_pattern(infos[0].pp_size)
+    """The steps above from one process, for :func:`.save.save_checkpoint` given an ``s3://`` URL.
+
+    ``manifest_of`` builds the manifest from the uploaded ranks' entries.
+    """
     token = new_token()
     begin(url, token, overwrite)
     entries: list[RankEntry] = []
     try:
         with staging_directory() as staging:
-            for info in infos:
-                staged = stage_rank(staging, ranks[info], info, pattern, max_size, token)
+            for info, tensors in ranks:
+                staged = stage_rank(staging, tensors, info, pattern, max_size, token)
                 entries.append(staged.entry)
                 upload_rank(url, staged)
-    except BaseException:
-        abandon(url, entries)
-        raise
-    manifest = Manifest(
-        tp_size=infos[0].tp_size,
-        pp_size=infos[0].pp_size,
-        dtype=dtype,
-        pattern=pattern,
-        source=source,
-        ranks=tuple(entries),
-        geometry=dict(geometry or {}),
-        tied=tied,
-    )
-    try:
+        manifest = manifest_of(entries)
         publish(url, manifest)
     except BaseException:
         abandon(url, entries)

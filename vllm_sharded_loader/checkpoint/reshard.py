@@ -140,6 +140,8 @@ class ReshardSource:
             pp_rank=rank.pp_rank,
             tied=tied,
             directory=self.directory,
+            experts=rank.experts,
+            ep_rank=rank.ep_rank,
         )
 
     def stored_dtype(self, tensor_plan: TensorPlan) -> torch.dtype:

@@ -24,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..format.errors import ShardedStateError
+from ..format.experts import ExpertPlacement
 from ..format.manifest import FileEntry, Manifest, RankEntry, TensorEntry
 from ..format.names import (
     DEFAULT_PATTERNS,
@@ -46,6 +47,7 @@ from ..planning.parts import plan_parts
 from ..planning.topology import RankInfo
 from ..storage import writer
 from ..storage.local import fsync_directory, read_header
+from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from ..storage.tensors import dtype_name, map_file_range, torch_dtype
 
@@ -230,15 +232,38 @@ def save_checkpoint(
     overwrite: bool = False,
     geometry: Mapping[str, dict] | None = None,
     tied: tuple[tuple[str, ...], ...] = (),
+    experts: ExpertPlacement | None = None,
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools); see the module doc.
 
-    ``geometry`` (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name) lets the
-    checkpoint be served at another TP/PP size; ``tied`` lists names saved once for several.
+    ``directory`` may be an ``s3://bucket/prefix`` URL (:mod:`.remote_save`). ``geometry``
+    (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name) lets the
+    checkpoint be served at another TP/PP size; ``tied`` lists names saved once for several;
+    ``experts`` is where the ranks' routed experts are placed (expert parallelism; EP rank =
+    TP rank).
     """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))
-    tp_size, pp_size = infos[0].tp_size, infos[0].pp_size
-    pattern = pattern or default_pattern(pp_size)
+    pattern = pattern or default_pattern(infos[0].pp_size)
+
+    def manifest_of(entries: Sequence[RankEntry]) -> Manifest:
+        return Manifest(
+            tp_size=infos[0].tp_size,
+            pp_size=infos[0].pp_size,
+            dtype=dtype,
+            pattern=pattern,
+            source=source,
+            ranks=tuple(entries),
+            geometry=dict(geometry or {}),
+            tied=tied,
+            experts=experts,
+        )
+
+    if is_remote(directory):
+        from .remote_save import save_ranks_to_objects
+
+        return save_ranks_to_objects(
+            directory, [(info, ranks[info]) for info in infos], pattern, max_size, overwrite, manifest_of
+        )
     token = new_token()
     lock = acquire_save_lock(directory, token, overwrite)
     staged: list[StagedRank] = []
@@ -251,16 +276,6 @@ def save_checkpoint(
         release_save_lock(lock)
         raise
     remove_manifest(directory)
-    entries = tuple(publish_rank(s) for s in staged)
-    manifest = Manifest(
-        tp_size=tp_size,
-        pp_size=pp_size,
-        dtype=dtype,
-        pattern=pattern,
-        source=source,
-        ranks=entries,
-        geometry=dict(geometry or {}),
-        tied=tied,
-    )
+    manifest = manifest_of([publish_rank(s) for s in staged])
     write_manifest(directory, manifest, lock)
     return manifest

@@ -123,14 +123,15 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     state_dict = model.state_dict()
     tensors = saveable_state(state_dict)
     rank = current_rank()
+    experts, ep_rank = model_expert_placement(model)
     state = LoadedState(
         signature={n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in tensors.items()},
         source=source_identity(model, model_config),
         dtype=dtype_label(model_config.dtype),
         quantization=getattr(model_config, "quantization", None),
-        geometry=describe_tensors(model, tensors, rank.tp_size, rank.tp_rank),
+        geometry=describe_tensors(model, tensors, rank.tp_size, rank.tp_rank, experts, ep_rank),
         tied=tied_groups(state_dict, tensors),
-        experts=model_expert_placement(model)[0],
+        experts=experts,
     )
     # Data-parallel replicas hold the same slices: only the first captures them (see the save
     # hook). A speculative drafter loads too, with its own config: the capture (and the save)

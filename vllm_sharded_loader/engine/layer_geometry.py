@@ -19,8 +19,7 @@ import torch
 from ..format import geometry as rs
 from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
-from ..planning.experts import expert_placement
-from ..planning.layout import shard_layout
+from ..planning.experts import expert_placement, rank_shape
 
 # Layers whose parameters every rank holds whole. Matched on the class and its bases.
 REPLICATED_LAYERS = frozenset({"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "Attention", "Embedding"})
@@ -59,27 +58,30 @@ def _linear_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeom
 
 
 def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
-    """Stacked experts split across TP only (vLLM's ``_load_w13`` / ``_load_w2``).
+    """Stacked experts, as vLLM's ``_load_w13`` / ``_load_w2`` cut them.
 
     ``w13`` ``[experts, gate + up, hidden]`` holds each rank's slice of gate, then of up
     (merged column parallel along dimension 1); ``w2`` ``[experts, hidden, intermediate]``
-    is split along its last dimension. Expert parallelism, redundant (EPLB) experts and
-    padded sizes are not described: None, so the tensor is opaque.
+    is split along its last dimension. The geometry describes all the experts, whatever the
+    placement: under expert parallelism a rank holds some of them whole (the layer's TP
+    size is 1), and which ones is the manifest's ``expert_placement``
+    (:func:`..planning.experts.expert_slots`). Experts split across data-parallel replicas
+    without expert parallelism, redundant (EPLB) experts and padded sizes are not
+    described: None, so the tensor is opaque.
     """
     config = getattr(module, "moe_config", None)
     parallel = getattr(config, "moe_parallel_config", None)
-    if config is None or parallel is None or getattr(parallel, "use_ep", True):
+    if config is None or parallel is None or getattr(parallel, "enable_eplb", False):
         return None
-    if getattr(parallel, "dp_size", 1) * getattr(parallel, "pcp_size", 1) != 1 or getattr(
-        parallel, "enable_eplb", False
-    ):
+    use_ep = bool(getattr(parallel, "use_ep", False))
+    if not use_ep and getattr(parallel, "dp_size", 1) * getattr(parallel, "pcp_size", 1) != 1:
         # vLLM splits experts across the data-parallel replicas too (TP flattened across DP).
         return None
     experts = module.global_num_experts
     per_rank = config.intermediate_size_per_partition
     hidden = module.hidden_size
     if (
-        module.local_num_experts != experts
+        (module.local_num_experts != experts and not use_ep)
         or per_rank != config.intermediate_size_per_partition_unpadded
         or hidden != config.hidden_dim_unpadded
     ):
@@ -94,7 +96,8 @@ def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeo
     if param == "w2_weight":
         return rs.row_parallel([experts, hidden, intermediate], layer_class, stacked=1)
     if param == "w2_bias":
-        return rs.replicated([experts, hidden], layer_class)
+        # Whole on every rank that holds the expert.
+        return rs.TensorGeometry(rs.REPLICATED, layer_class, (experts, hidden), stacked=1)
     return None
 
 
@@ -169,12 +172,18 @@ def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...])
 
 
 def tensor_geometry(
-    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tp_size: int, tp_rank: int
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    tp_size: int,
+    tp_rank: int,
+    experts: ExpertPlacement | None = None,
+    ep_rank: int = 0,
 ) -> dict[str, rs.TensorGeometry]:
     """The geometry of each of this rank's tensors, checked against its local shape.
 
     The save records it in the manifest; a load compares it with what the manifest
     records, so a checkpoint whose geometry is not the served model's is refused.
+    ``experts`` and ``ep_rank``: the model's expert placement (:func:`model_expert_placement`).
     """
     result: dict[str, rs.TensorGeometry] = {}
     for name, tensor in tensors.items():
@@ -189,7 +198,7 @@ def tensor_geometry(
         )
         if geometry.kind != rs.OPAQUE:
             try:
-                local = shard_layout(geometry, tp_size, tp_rank, name).shape
+                local = rank_shape(geometry, tp_size, tp_rank, experts, ep_rank, name)
             except ShardedStateError:
                 local = None
             if tuple(local or ()) != shape:
@@ -200,10 +209,17 @@ def tensor_geometry(
 
 
 def describe_tensors(
-    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tp_size: int, tp_rank: int
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    tp_size: int,
+    tp_rank: int,
+    experts: ExpertPlacement | None = None,
+    ep_rank: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """JSON geometry of each saved tensor of this rank (:func:`tensor_geometry`), for the manifest."""
-    return {name: g.to_dict() for name, g in tensor_geometry(model, tensors, tp_size, tp_rank).items()}
+    return {
+        name: g.to_dict() for name, g in tensor_geometry(model, tensors, tp_size, tp_rank, experts, ep_rank).items()
+    }
 
 
 def model_expert_placement(model: torch.nn.Module) -> tuple[ExpertPlacement | None, int]:

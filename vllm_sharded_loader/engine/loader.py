@@ -19,6 +19,8 @@ from ..checkpoint.legacy import holds_sharded_checkpoint
 from ..checkpoint.state import tied_groups
 from ..checkpoint.stats import check_verify_mode
 from ..format.errors import ShardedStateError
+from ..format.experts import ExpertPlacement
+from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..storage import hub
 from ..storage.location import is_remote
@@ -119,6 +121,16 @@ def repacked_parameters(model: torch.nn.Module) -> set[str]:
         if weight.ndim == 2 and weight.device.type == "cpu" and _onednn_packs(weight.dtype):
             names.add(f"{prefix}.weight" if prefix else "weight")
     return names
+
+
+def _experts_change(manifest: Manifest | None, experts: ExpertPlacement | None) -> str:
+    """`` (experts: saved EP=2 linear, served without expert parallelism)`` when the placement changed."""
+    saved = None if manifest is None else manifest.experts
+    if saved == experts:
+        return ""
+    have = "without expert parallelism" if saved is None else saved.describe()
+    want = "without expert parallelism" if experts is None else experts.describe()
+    return f" (experts: saved {have}, served {want})"
 
 
 class ShardedStateLoader(BaseModelLoader):
@@ -273,7 +285,8 @@ class ShardedStateLoader(BaseModelLoader):
             # The target is the sharded checkpoint; its drafter comes from its own folder.
             self._load_drafter(model, model_config, directory)
             return
-        rank = current_rank()
+        experts, ep_rank = model_expert_placement(model)
+        rank = replace(current_rank(), experts=experts, ep_rank=ep_rank)
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
         tied = tied_groups(state_dict, targets)
@@ -286,7 +299,6 @@ class ShardedStateLoader(BaseModelLoader):
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
         from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
-        experts, ep_rank = model_expert_placement(model)
         progress = ByteProgress(f"Loading sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
         with progress:
             stats = load_rank(
@@ -295,7 +307,7 @@ class ShardedStateLoader(BaseModelLoader):
                 rank,
                 manifest=manifest,
                 serving=source_identity(model, model_config),
-                geometry=tensor_geometry(model, targets, rank.tp_size, rank.tp_rank),
+                geometry=tensor_geometry(model, targets, rank.tp_size, rank.tp_rank, experts, ep_rank),
                 pattern=self.pattern if manifest is None else None,
                 verify=self.verify,
                 tied=tied,
@@ -303,17 +315,16 @@ class ShardedStateLoader(BaseModelLoader):
                 progress=progress,
                 huge_pages=self.huge_pages,
                 adopt=self._adoptable(model, state_dict),
-                experts=experts,
-                ep_rank=ep_rank,
             )
         if stats.resharded_from is not None:
             logger.info(
-                "sharded_state: %s resharded from TP=%d PP=%d to TP=%d PP=%d: read %.1f MB of the %.1f MB "
+                "sharded_state: %s resharded from TP=%d PP=%d to TP=%d PP=%d%s: read %.1f MB of the %.1f MB "
                 "checkpoint (%.0f%%)",
                 rank,
                 *stats.resharded_from,
                 rank.tp_size,
                 rank.pp_size,
+                _experts_change(manifest, experts),
                 stats.bytes_read / 1e6,
                 stats.checkpoint_bytes / 1e6,
                 100 * stats.bytes_read / max(stats.checkpoint_bytes, 1),

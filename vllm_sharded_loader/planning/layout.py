@@ -53,6 +53,7 @@ def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str
     heads are replicated when ``tp_size`` exceeds their count: rank ``r`` holds head
     ``r // (tp_size // heads)``. Vocabulary padding is split like data.
 
+    >>> from vllm_sharded_loader.format.geometry import qkv_parallel
     >>> layout = shard_layout(qkv_parallel([12, 4], num_heads=8, num_kv_heads=2, head_size=1), tp_size=4, tp_rank=3)
     >>> [(p.segment, p.start, p.length) for p in layout.pieces]
     [('q', 6, 2), ('k', 1, 1), ('v', 1, 1)]

@@ -17,11 +17,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..format.errors import ShardedStateError, listing
+from ..format.experts import ExpertPlacement
 from ..format.geometry import OPAQUE, REPLICATED, TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import dtype_size
-from .layout import ShardPiece, check_reshardable, shard_layout
+from .experts import check_expert_placement, expert_slots, experts_moved, rank_shape
+from .layout import ShardLayout, ShardPiece, check_reshardable, shard_layout
 from .pipeline import layer_index
 from .tensors import tied_source
 
@@ -146,6 +148,9 @@ def plan_reads(
     tp_rank: int,
     pp_rank: int = 0,
     tied: Iterable[Iterable[str]] = (),
+    saved_experts: ExpertPlacement | None = None,
+    experts: ExpertPlacement | None = None,
+    ep_rank: int = 0,
 ) -> ReadPlan:
     """The reads that give serving rank ``tp_rank`` of ``tp_size`` each tensor in ``needed``.
 
@@ -160,6 +165,13 @@ def plan_reads(
     without a reshardable geometry is copied whole when the TP size is unchanged, and is
     an error otherwise.
 
+    Stacked experts are planned by global expert id: ``saved_experts`` is the placement
+    they were saved with (saved EP rank = saved TP rank) and ``experts`` and ``ep_rank`` the
+    serving one (None: no expert parallelism; see :func:`.experts.expert_slots`). Another
+    EP size or strategy, or none on either side, gives each serving slot its expert's
+    bytes wherever they were saved.
+
+    >>> from vllm_sharded_loader.format.geometry import column_parallel
     >>> saved = [SavedRank(0, 0, {"w": SavedTensor("f0", 100, 2, (4, 2), column_parallel([4, 2]))})]
     >>> (read,) = plan_reads(saved, 1, ["w"], tp_size=2, tp_rank=1).tensors["w"].reads
     >>> read.source, read.dest
@@ -169,6 +181,15 @@ def plan_reads(
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ShardedStateError(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
     index = _index_saved(saved, saved_tp_size)
+    if saved_experts is not None and saved_experts.ep_size != saved_tp_size:
+        raise ShardedStateError(
+            f"The experts were saved {saved_experts.describe()} by TP={saved_tp_size} ranks; this version reads "
+            "only checkpoints saved without data parallelism (EP size = TP size). Save the checkpoint again "
+            "with data_parallel_size=1."
+        )
+    places = _Places(
+        saved_experts, experts, ep_rank, experts_moved(saved_experts, experts, serving_ep_rank=ep_rank, tp_rank=tp_rank)
+    )
     saved_as = tied_source(tied)
     plans: dict[str, TensorPlan] = {}
     missing: list[str] = []
@@ -177,7 +198,7 @@ def plan_reads(
         if source is None:
             missing.append(name)
             continue
-        plans[name] = _plan_tensor(name, source, index[source], saved_tp_size, tp_size, tp_rank)
+        plans[name] = _plan_tensor(name, source, index[source], saved_tp_size, tp_size, tp_rank, places)
     if missing:
         shown = listing(missing)
         raise ShardedStateError(
@@ -206,6 +227,16 @@ def _index_saved(saved: Sequence[SavedRank], saved_tp_size: int) -> dict[str, di
     return index
 
 
+@dataclass(frozen=True)
+class _Places:
+    """Where the routed experts were saved and are served, and whether this rank's differ."""
+
+    saved: ExpertPlacement | None = None
+    serving: ExpertPlacement | None = None
+    ep_rank: int = 0
+    moved: bool = False
+
+
 def _plan_tensor(
     name: str,
     source: str,
@@ -213,6 +244,7 @@ def _plan_tensor(
     saved_tp_size: int,
     tp_size: int,
     tp_rank: int,
+    places: _Places = _Places(),
 ) -> TensorPlan:
     first = next(iter(holders.values()))[1]
     for saved_rank, (pp, t) in holders.items():
@@ -224,9 +256,21 @@ def _plan_tensor(
     g = first.geometry
     reshardable = g is not None and g.kind != OPAQUE
     if not reshardable:
-        if saved_tp_size == tp_size and tp_rank in holders:
+        if saved_tp_size == tp_size and tp_rank in holders and not places.moved:
             # The same TP size gives the same shard whatever the pipeline split: copy it as saved.
             return _whole(name, source, holders[tp_rank][1])
+        if places.moved:
+            # It may be a tensor of experts (a quantized one): copied as saved, it would
+            # hold the saved rank's experts.
+            layer = "unknown layer" if g is None else f"{g.layer_class}, kind {g.kind!r}"
+            check_expert_placement(
+                places.saved,
+                places.serving,
+                serving_ep_rank=places.ep_rank,
+                tp_rank=tp_rank,
+                where=f"Serving rank tp_rank={tp_rank} (TP={tp_size})",
+                why=f"{name} ({layer}) has no geometry this version can split",
+            )
         why = f" from TP={saved_tp_size} to TP={tp_size}"
         if g is None:
             raise ShardedStateError(
@@ -237,7 +281,9 @@ def _plan_tensor(
         check_reshardable(g, name, why)
     assert g is not None
     for saved_rank, (pp, t) in holders.items():
-        _check_saved_shape(source, g, t.shape, saved_tp_size, saved_rank, pp)
+        _check_saved_shape(source, g, t.shape, saved_tp_size, saved_rank, pp, places.saved)
+    if g.stacked and (places.saved is not None or places.serving is not None):
+        return _plan_experts(name, source, holders, g, saved_tp_size, tp_size, tp_rank, places)
     if g.kind == REPLICATED:
         # One saved copy is enough; spreading serving ranks over the copies spreads the I/O.
         choice = tp_rank % saved_tp_size
@@ -247,31 +293,50 @@ def _plan_tensor(
     target = shard_layout(g, tp_size, tp_rank, name)
     if not math.prod(target.shape):
         return TensorPlan(name, source, target.shape, first.itemsize, ())
-    saved_layouts = {}
+    sources = {}
     for saved_rank in range(saved_tp_size):
         if saved_rank not in holders:
             raise ShardedStateError(
                 f"{source} is split across TP={saved_tp_size}, but saved tp_rank={saved_rank} does not hold it "
                 f"(ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
             )
-        saved_layouts[saved_rank] = shard_layout(g, saved_tp_size, saved_rank, name)
-    d = g.split_dim
+        t = holders[saved_rank][1]
+        sources[saved_rank] = (t.file, t.offset, shard_layout(g, saved_tp_size, saved_rank, name))
+    reads, zeros = _split_reads(target, sources, first.itemsize, 0, tp_rank)
+    return TensorPlan(
+        name, source, target.shape, first.itemsize, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros))
+    )
+
+
+def _split_reads(
+    target: ShardLayout,
+    sources: Mapping[int, tuple[str, int, ShardLayout]],
+    isz: int,
+    dest_base: int,
+    tp_rank: int,
+) -> tuple[list[Read], list[Strided]]:
+    """The reads (and zero fills) that fill a split tensor's ``target`` layout from saved layouts.
+
+    ``sources`` maps each saved rank to its file, the byte offset where its tensor starts
+    and its layout; ``dest_base`` is the element offset of the target within the local
+    tensor (a stacked expert's slot). Each range is read from one holder only: saved
+    pieces of one segment are equal (replicated heads) or disjoint.
+    """
+    d = target.split_dim
     assert d is not None
-    outer = math.prod(g.shape[:d])
-    inner = math.prod(g.shape[d + 1 :])
-    isz = first.itemsize
-    dest_row = target.shape[d] * inner
+    shape = target.shape
+    outer = math.prod(shape[:d])
+    inner = math.prod(shape[d + 1 :])
+    dest_row = shape[d] * inner
     reads: list[Read] = []
     zeros: list[Strided] = []
     for piece in target.pieces:
         if piece.padding:
-            offset = (piece.local_offset + piece.data_length) * inner
+            offset = dest_base + (piece.local_offset + piece.data_length) * inner
             zeros.append(_strided(offset, piece.padding * inner, dest_row, outer))
         want_start, want_stop = piece.start, piece.start + piece.data_length
-        # Saved pieces of one segment are equal (replicated heads) or disjoint: group equal
-        # ones and read each range from one holder only.
         by_range: dict[tuple[int, int], list[tuple[int, ShardPiece]]] = {}
-        for saved_rank, layout in saved_layouts.items():
+        for saved_rank, (_, _, layout) in sources.items():
             for sp in layout.pieces:
                 if sp.segment == piece.segment:
                     by_range.setdefault((sp.start, sp.start + sp.data_length), []).append((saved_rank, sp))
@@ -280,25 +345,84 @@ def _plan_tensor(
             if lo >= hi:
                 continue
             saved_rank, sp = candidates[tp_rank % len(candidates)]
-            t = holders[saved_rank][1]
-            source_row = t.shape[d] * inner * isz
+            file, offset, layout = sources[saved_rank]
+            source_row = layout.shape[d] * inner * isz
             reads.append(
                 _read(
-                    t.file,
-                    source=(t.offset + (sp.local_offset + lo - sp.start) * inner * isz, (hi - lo) * inner * isz),
+                    file,
+                    source=(offset + (sp.local_offset + lo - sp.start) * inner * isz, (hi - lo) * inner * isz),
                     source_stride=source_row,
-                    dest=((piece.local_offset + lo - piece.start) * inner, (hi - lo) * inner),
+                    dest=(dest_base + (piece.local_offset + lo - piece.start) * inner, (hi - lo) * inner),
                     dest_stride=dest_row,
                     count=outer,
                 )
             )
-    return TensorPlan(name, source, target.shape, isz, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros)))
+    return reads, zeros
+
+
+def _plan_experts(
+    name: str,
+    source: str,
+    holders: dict[int, tuple[int, SavedTensor]],
+    g: TensorGeometry,
+    saved_tp_size: int,
+    tp_size: int,
+    tp_rank: int,
+    places: _Places,
+) -> TensorPlan:
+    """Stacked experts, slot by slot: each serving expert's bytes from the saved rank(s) holding it.
+
+    Saved with expert parallelism, an expert is whole on one rank; without, split across
+    all of them. Consecutive experts that continue each other in a file and in the target
+    merge into one read.
+    """
+    ids, target = expert_slots(g, tp_size, tp_rank, places.serving, places.ep_rank, name)
+    isz = next(iter(holders.values()))[1].itemsize
+    shape = (len(ids), *target.shape)
+    holding: dict[int, dict[int, tuple[str, int, ShardLayout]]] = {}  # expert -> saved rank -> source
+    for saved_rank in range(saved_tp_size):
+        if saved_rank not in holders:
+            raise ShardedStateError(
+                f"{source} holds experts of every saved rank, but saved tp_rank={saved_rank} does not hold it "
+                f"(ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
+            )
+        t = holders[saved_rank][1]
+        saved_ids, layout = expert_slots(g, saved_tp_size, saved_rank, places.saved, saved_rank, name)
+        expert_bytes = math.prod(layout.shape) * isz
+        for local, expert in enumerate(saved_ids):
+            holding.setdefault(expert, {})[saved_rank] = (t.file, t.offset + local * expert_bytes, layout)
+    slot = math.prod(target.shape)
+    reads: list[Read] = []
+    zeros: list[Strided] = []
+    for local, expert in enumerate(ids):
+        sources = holding.get(expert)
+        if not sources:
+            raise ShardedStateError(
+                f"{source}: no saved rank holds expert {expert}. The manifest is damaged: save the checkpoint again."
+            )
+        if target.split_dim is None:
+            # Replicated within an expert (a down projection's bias): one holder's copy, whole.
+            file, offset, _ = sources[min(sources)]
+            reads.append(_read(file, (offset, slot * isz), slot * isz, (local * slot, slot), slot, 1))
+            continue
+        more_reads, more_zeros = _split_reads(target, sources, isz, local * slot, tp_rank)
+        reads += more_reads
+        zeros += more_zeros
+    if not math.prod(shape):
+        reads, zeros = [], []
+    return TensorPlan(name, source, shape, isz, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros)))
 
 
 def _check_saved_shape(
-    name: str, g: TensorGeometry, shape: Sequence[int], saved_tp_size: int, saved_rank: int, pp_rank: int
+    name: str,
+    g: TensorGeometry,
+    shape: Sequence[int],
+    saved_tp_size: int,
+    saved_rank: int,
+    pp_rank: int,
+    saved_experts: ExpertPlacement | None = None,
 ) -> None:
-    expected = shard_layout(g, saved_tp_size, saved_rank, name).shape
+    expected = rank_shape(g, saved_tp_size, saved_rank, saved_experts, saved_rank, name)
     if tuple(shape) != expected:
         raise ShardedStateError(
             f"{name} of saved pp_rank={pp_rank} tp_rank={saved_rank} has shape {list(shape)}, but its "
@@ -316,7 +440,7 @@ def check_saved_geometry(manifest: Manifest) -> None:
         for name, t in entry.tensors.items():
             g = manifest.geometries.get(name)
             if g is not None and g.kind != OPAQUE:
-                _check_saved_shape(name, g, t.shape, manifest.tp_size, entry.tp_rank, entry.pp_rank)
+                _check_saved_shape(name, g, t.shape, manifest.tp_size, entry.tp_rank, entry.pp_rank, manifest.experts)
 
 
 def _describe(t: SavedTensor) -> str:
@@ -415,8 +539,13 @@ def plan_manifest_reads(
     pp_rank: int = 0,
     tied: Iterable[Iterable[str]] = (),
     directory: str = "",
+    experts: ExpertPlacement | None = None,
+    ep_rank: int = 0,
 ) -> ReadPlan:
-    """:func:`plan_reads` over a manifest's ranks, with the manifest's tied names and ``tied``."""
+    """:func:`plan_reads` over a manifest's ranks, with the manifest's tied names and ``tied``.
+
+    ``experts`` and ``ep_rank``: the serving expert placement (the saved one is the manifest's).
+    """
     return plan_reads(
         saved_ranks(manifest, directory),
         manifest.tp_size,
@@ -425,6 +554,9 @@ def plan_manifest_reads(
         tp_rank=tp_rank,
         pp_rank=pp_rank,
         tied=[*manifest.tied, *tied],
+        saved_experts=manifest.experts,
+        experts=experts,
+        ep_rank=ep_rank,
     )
 
 

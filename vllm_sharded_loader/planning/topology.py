@@ -5,18 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
+from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest
 from ..format.source import SourceModel, config_differences
 
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Which worker this is in the tensor- and pipeline-parallel grid."""
+    """Which worker this is in the tensor- and pipeline-parallel grid.
+
+    Under expert parallelism, ``experts`` is where the model places its routed experts
+    on every EP rank and ``ep_rank`` this worker's place among them (None and 0 without).
+    """
 
     tp_rank: int
     tp_size: int
     pp_rank: int = 0
     pp_size: int = 1
+    experts: ExpertPlacement | None = None
+    ep_rank: int = 0
 
     def __str__(self) -> str:
         return f"pp_rank={self.pp_rank} tp_rank={self.tp_rank} (TP={self.tp_size}, PP={self.pp_size})"

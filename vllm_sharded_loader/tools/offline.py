@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from ..checkpoint.rank_files import check_not_replaced
-from ..checkpoint.remote_save import save_checkpoint_to_objects
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..format.errors import ShardedStateError
@@ -127,8 +126,7 @@ def reshard_checkpoint(
             return LazyTensor(tuple(tensor_plan.shape), dtype, produce)
 
         ranks = {rank: {n: lazy(p) for n, p in plan.tensors.items()} for rank, plan in plans.items()}
-        save = save_checkpoint_to_objects if is_remote(output) else save_checkpoint
-        return save(
+        return save_checkpoint(
             output,
             ranks,
             dtype=manifest.dtype,
