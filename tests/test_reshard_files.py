@@ -583,3 +583,19 @@ def test_a_piece_at_an_offset_its_dtype_cannot_view_is_read_not_mapped(tmp_path)
         tensor, ranges = map_pieces([opened], [Piece(0, 1058, 8192, 0, 0, 4)], torch.float32, (2048,))
     assert ranges == [(0, 0)]  # nothing mapped: the caller reads all of it
     assert tensor.shape == (2048,) and bool((tensor == 0).all())
+
+
+def test_a_hub_rank_fetches_only_the_files_of_its_experts(tmp_path):
+    """Per-rank Hub fetches follow the expert plan: an EP=4 rank of experts saved EP=2 linear
+    fetches parts of the one saved rank holding its experts."""
+    from vllm_sharded_loader.storage.hub import rank_fetch_patterns
+
+    weights = moe_weights()
+    manifest = save_moe(tmp_path, weights, 2, "linear")
+    rank, expected = moe_rank(weights, 4, "round_robin", 1)  # experts 1 and 5: saved ranks 0 and 1
+    both = rank_fetch_patterns(manifest, rank, list(expected))
+    rank, expected = moe_rank(weights, 4, "linear", 0)  # experts 0 and 1: saved rank 0 only
+    mine = rank_fetch_patterns(manifest, rank, list(expected))
+    rank0 = {f.name for f in manifest.rank(0, 0).files}
+    assert mine and set(mine) <= rank0
+    assert set(both) - rank0
