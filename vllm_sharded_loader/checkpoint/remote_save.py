@@ -36,7 +36,7 @@ from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name
 from ..planning.topology import RankInfo
 from ..storage import objects
 from ..storage.local import non_weight_files
-from .save import StagedRank, discard_rank, new_token, stage_rank
+from .staged import StagedRank, discard_rank, new_token, stage_rank
 
 STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
 

@@ -132,17 +132,7 @@ class ReshardSource:
 
     def plan(self, needed: Sequence[str], rank: RankInfo, tied: Sequence[Sequence[str]] = ()) -> ReadPlan:
         """The :class:`~..planning.reads.ReadPlan` giving ``rank`` the tensors ``needed``."""
-        return plan_manifest_reads(
-            self.manifest,
-            needed,
-            tp_size=rank.tp_size,
-            tp_rank=rank.tp_rank,
-            pp_rank=rank.pp_rank,
-            tied=tied,
-            directory=self.directory,
-            experts=rank.experts,
-            ep_rank=rank.ep_rank,
-        )
+        return plan_manifest_reads(self.manifest, needed, rank, tied=tied, directory=self.directory)
 
     def stored_dtype(self, tensor_plan: TensorPlan) -> torch.dtype:
         return torch_dtype(self.dtypes[tensor_plan.source_name], tensor_plan.name)

@@ -60,7 +60,7 @@ from ..planning.topology import RankInfo
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, is_drafter, source_identity
-from .layer_geometry import UNQUANTIZED_METHODS, describe_tensors, model_expert_placement
+from .layer_geometry import UNQUANTIZED_METHODS, model_expert_placement, tensor_geometry
 from .progress import ByteProgress
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
@@ -129,7 +129,10 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         source=source_identity(model, model_config),
         dtype=dtype_label(model_config.dtype),
         quantization=getattr(model_config, "quantization", None),
-        geometry=describe_tensors(model, tensors, rank.tp_size, rank.tp_rank, experts, ep_rank),
+        geometry={
+            n: g.to_dict()
+            for n, g in tensor_geometry(model, tensors, rank.tp_size, rank.tp_rank, experts, ep_rank).items()
+        },
         tied=tied_groups(state_dict, tensors),
         experts=experts,
     )

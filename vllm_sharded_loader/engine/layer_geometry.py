@@ -208,20 +208,6 @@ def tensor_geometry(
     return result
 
 
-def describe_tensors(
-    model: torch.nn.Module,
-    tensors: Mapping[str, torch.Tensor],
-    tp_size: int,
-    tp_rank: int,
-    experts: ExpertPlacement | None = None,
-    ep_rank: int = 0,
-) -> dict[str, dict[str, Any]]:
-    """JSON geometry of each saved tensor of this rank (:func:`tensor_geometry`), for the manifest."""
-    return {
-        name: g.to_dict() for name, g in tensor_geometry(model, tensors, tp_size, tp_rank, experts, ep_rank).items()
-    }
-
-
 def model_expert_placement(model: torch.nn.Module) -> tuple[ExpertPlacement | None, int]:
     """Where this model's routed experts live under expert parallelism, and this rank's EP rank.
 

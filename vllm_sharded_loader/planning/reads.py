@@ -26,6 +26,7 @@ from .experts import check_expert_placement, expert_slots, experts_moved, rank_s
 from .layout import ShardLayout, ShardPiece, check_reshardable, shard_layout
 from .pipeline import layer_index
 from .tensors import tied_source
+from .topology import RankInfo
 
 
 @dataclass(frozen=True)
@@ -295,17 +296,24 @@ def _plan_tensor(
         return TensorPlan(name, source, target.shape, first.itemsize, ())
     sources = {}
     for saved_rank in range(saved_tp_size):
-        if saved_rank not in holders:
-            raise ShardedStateError(
-                f"{source} is split across TP={saved_tp_size}, but saved tp_rank={saved_rank} does not hold it "
-                f"(ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
-            )
-        t = holders[saved_rank][1]
+        t = _holder(holders, saved_rank, source, saved_tp_size)
         sources[saved_rank] = (t.file, t.offset, shard_layout(g, saved_tp_size, saved_rank, name))
     reads, zeros = _split_reads(target, sources, first.itemsize, 0, tp_rank)
     return TensorPlan(
         name, source, target.shape, first.itemsize, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros))
     )
+
+
+def _holder(
+    holders: Mapping[int, tuple[int, SavedTensor]], saved_rank: int, source: str, saved_tp_size: int
+) -> SavedTensor:
+    """Saved rank ``saved_rank``'s copy of a tensor every saved rank holds a part of."""
+    if saved_rank not in holders:
+        raise ShardedStateError(
+            f"{source} is split across TP={saved_tp_size}, but saved tp_rank={saved_rank} does not hold it "
+            f"(ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
+        )
+    return holders[saved_rank][1]
 
 
 def _split_reads(
@@ -381,12 +389,7 @@ def _plan_experts(
     shape = (len(ids), *target.shape)
     holding: dict[int, dict[int, tuple[str, int, ShardLayout]]] = {}  # expert -> saved rank -> source
     for saved_rank in range(saved_tp_size):
-        if saved_rank not in holders:
-            raise ShardedStateError(
-                f"{source} holds experts of every saved rank, but saved tp_rank={saved_rank} does not hold it "
-                f"(ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
-            )
-        t = holders[saved_rank][1]
+        t = _holder(holders, saved_rank, source, saved_tp_size)
         saved_ids, layout = expert_slots(g, saved_tp_size, saved_rank, places.saved, saved_rank, name)
         expert_bytes = math.prod(layout.shape) * isz
         for local, expert in enumerate(saved_ids):
@@ -533,30 +536,26 @@ def saved_ranks(manifest: Manifest, directory: str = "") -> list[SavedRank]:
 def plan_manifest_reads(
     manifest: Manifest,
     needed: Iterable[str],
+    rank: RankInfo,
     *,
-    tp_size: int,
-    tp_rank: int,
-    pp_rank: int = 0,
     tied: Iterable[Iterable[str]] = (),
     directory: str = "",
-    experts: ExpertPlacement | None = None,
-    ep_rank: int = 0,
 ) -> ReadPlan:
-    """:func:`plan_reads` over a manifest's ranks, with the manifest's tied names and ``tied``.
+    """:func:`plan_reads` over a manifest's ranks for serving ``rank`` (its topology and expert placement).
 
-    ``experts`` and ``ep_rank``: the serving expert placement (the saved one is the manifest's).
+    The manifest's tied names are added to ``tied``; the saved expert placement is the manifest's.
     """
     return plan_reads(
         saved_ranks(manifest, directory),
         manifest.tp_size,
         list(needed),
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        pp_rank=pp_rank,
+        tp_size=rank.tp_size,
+        tp_rank=rank.tp_rank,
+        pp_rank=rank.pp_rank,
         tied=[*manifest.tied, *tied],
         saved_experts=manifest.experts,
-        experts=experts,
-        ep_rank=ep_rank,
+        experts=rank.experts,
+        ep_rank=rank.ep_rank,
     )
 
 

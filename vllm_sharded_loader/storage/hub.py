@@ -61,14 +61,5 @@ def rank_fetch_patterns(
     moved = experts_moved(manifest.experts, rank.experts, serving_ep_rank=rank.ep_rank, tp_rank=rank.tp_rank)
     if (manifest.tp_size, manifest.pp_size) == (rank.tp_size, rank.pp_size) and not moved:
         return [f.name for f in manifest.rank(rank.tp_rank, rank.pp_rank).files]
-    plan = plan_manifest_reads(
-        manifest,
-        needed,
-        tp_size=rank.tp_size,
-        tp_rank=rank.tp_rank,
-        pp_rank=rank.pp_rank,
-        tied=tied,
-        experts=rank.experts,
-        ep_rank=rank.ep_rank,
-    )
+    plan = plan_manifest_reads(manifest, needed, rank, tied=tied)
     return files_to_check(plan, manifest)

@@ -1,0 +1,127 @@
+"""One rank's parts written under temporary names: the *stage* step of every save.
+
+A local save (:mod:`.save`) renames staged parts into place; a save into object storage
+(:mod:`.remote_save`) uploads them from a local staging folder. Each part is hashed while
+it is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..format.errors import ShardedStateError
+from ..format.manifest import FileEntry, RankEntry, TensorEntry
+from ..format.names import default_pattern, render_file_name, staged_name, validate_pattern
+from ..planning.parts import plan_parts
+from ..planning.topology import RankInfo
+from ..storage import writer
+from ..storage.local import read_header
+from ..storage.tensors import dtype_name, map_file_range, torch_dtype
+
+
+def new_token() -> str:
+    """A unique id for one save's staged files and lock."""
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class StagedRank:
+    """One rank's parts, written under temporary names until :func:`publish_rank`."""
+
+    directory: str
+    rank: RankInfo
+    pattern: str
+    max_size: int | None
+    entry: RankEntry
+    temporary: dict[str, str] = field(default_factory=dict)  # final name -> temporary path
+
+    def paths(self) -> list[str]:
+        """Where the parts are now: temporary paths until published, final paths after."""
+        return [self.temporary.get(f.name, os.path.join(self.directory, f.name)) for f in self.entry.files]
+
+
+def stage_rank(
+    directory: str,
+    tensors: Mapping[str, torch.Tensor],
+    rank: RankInfo,
+    pattern: str | None = None,
+    max_size: int | None = None,
+    token: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> StagedRank:
+    """Write one rank's tensors into size-capped parts under temporary names.
+
+    Each part is hashed while it is written. On any failure (disk full) the parts
+    written so far are removed and the error names the file and what to do.
+    ``progress`` is called as ``progress(bytes_written_now, bytes_total)``, first with 0.
+    """
+    pattern = pattern or default_pattern(rank.pp_size)
+    validate_pattern(pattern, rank.tp_size, rank.pp_size)
+    token = token or new_token()
+    os.makedirs(directory, exist_ok=True)
+    sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
+    parts = plan_parts(sizes, max_size)
+    names = [render_file_name(pattern, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, part=i) for i in range(len(parts))]
+    if len(set(names)) != len(names):
+        raise ShardedStateError(f"File pattern {pattern!r} renders the same name for two parts of {rank}.")
+    files: list[FileEntry] = []
+    entries: dict[str, TensorEntry] = {}
+    staged = StagedRank(directory, rank, pattern, max_size, RankEntry(rank.tp_rank, rank.pp_rank, (), {}))
+    total = sum(size for _, size in sizes)
+    if progress is not None:
+        progress(0, total)
+    advance = None if progress is None else (lambda n: progress(n, total))
+    try:
+        for file_name, part in zip(names, parts, strict=True):
+            tmp = os.path.join(directory, staged_name(file_name, token))
+            staged.temporary[file_name] = tmp
+            items = [(name, tensors[name]) for name in part]
+            try:
+                written = writer.write_file(tmp, items, {"format": "pt"}, advance)
+            except OSError as e:
+                raise ShardedStateError(
+                    f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "
+                    "checkpoint, if any, is intact; free space (or fix the directory) and save again."
+                ) from e
+            files.append(FileEntry(file_name, written.size, written.checksum))
+            for name, t in items:
+                dtype = dtype_name(t.dtype)
+                entries[name] = TensorEntry(file_name, dtype, tuple(t.shape), written.offsets[name])
+    except BaseException:
+        discard_rank(staged)
+        raise
+    staged.entry = RankEntry(rank.tp_rank, rank.pp_rank, tuple(files), entries)
+    return staged
+
+
+def discard_rank(staged: StagedRank) -> None:
+    """Remove a rank's staged (unpublished) parts."""
+    for tmp in staged.temporary.values():
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    staged.temporary.clear()
+
+
+def open_staged_tensors(staged: StagedRank) -> dict[str, torch.Tensor]:
+    """A staged or published rank's tensors, memory-mapped from its files (no copy).
+
+    Used to rewrite a captured state elsewhere or with another size cap; the tensors
+    stay valid as long as they are referenced.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for path in staged.paths():
+        header = read_header(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for name, h in header.tensors.items():
+                dtype = torch_dtype(h.dtype, path)
+                tensors[name] = map_file_range(fd, h.begin, h.end - h.begin, dtype, h.shape)
+        finally:
+            os.close(fd)  # the mappings stay valid without the descriptor
+    return {name: tensors[name] for name in staged.entry.tensors}
