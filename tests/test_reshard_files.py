@@ -323,6 +323,20 @@ def test_experts_move_between_placements_by_global_id(tmp_path, saved, serving):
             assert stats.bytes_read == sum(x.numel() * 4 for x in expected.values())
 
 
+def test_a_data_parallel_replica_reads_the_experts_of_its_ep_rank(tmp_path):
+    """EP=2 served as TP=1 x DP=2: the second replica's only worker (tp_rank 0) is EP rank 1,
+    so it reads the experts saved by tp_rank 1, not its own TP rank's."""
+    from vllm_sharded_loader.planning.experts import expert_placement
+
+    weights = moe_weights()
+    save_moe(tmp_path, weights, 2, "linear")
+    _, expected = moe_rank(weights, 2, "linear", 1)
+    rank = RankInfo(0, 1, experts=expert_placement(EXPERTS, 2, "linear"), ep_rank=1)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    load_rank(str(tmp_path), targets, rank, manifest=read_manifest(str(tmp_path)), verify="checksum")
+    assert all(torch.equal(targets[n], x) for n, x in expected.items())
+
+
 def test_moved_experts_are_mapped_from_the_files(tmp_path):
     """Whole experts, saved with expert parallelism, are contiguous runs of the files: a
     serving rank with another placement is served from mappings of them, as resharded
