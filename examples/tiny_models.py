@@ -209,6 +209,30 @@ FAMILIES: dict[str, dict[str, Any]] = {
         fields=dict(MODEL_KINDS["llama"], architecture=None),
         writer="write_int8_w8a8",
     ),
+    # 4-bit weight-only, written by hand (``write_awq``, ``write_gptq``): packed int32 weights,
+    # group-wise scales and zero points. vLLM's AWQ and GPTQ methods take float16/bfloat16 only.
+    "awq_int4": dict(
+        architecture="LlamaForCausalLM",
+        config="LlamaConfig",
+        fields=dict(MODEL_KINDS["llama"], architecture=None),
+        dtype="bfloat16",
+        writer="write_awq",
+    ),
+    "gptq_int4": dict(
+        architecture="LlamaForCausalLM",
+        config="LlamaConfig",
+        fields=dict(MODEL_KINDS["llama"], architecture=None),
+        dtype="bfloat16",
+        writer="write_gptq",
+    ),
+    # FP8 weights with a per-tensor scale (vLLM's own ``fp8`` checkpoint format), dynamic activations.
+    "fp8": dict(
+        architecture="LlamaForCausalLM",
+        config="LlamaConfig",
+        fields=dict(MODEL_KINDS["llama"], architecture=None),
+        dtype="bfloat16",
+        writer="write_fp8",
+    ),
     "bert_embed": dict(
         architecture="BertModel",
         config="BertConfig",
@@ -359,6 +383,128 @@ def write_int8_w8a8(directory: str, model: Any, *, seed: int = 0) -> None:
     }
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
+
+
+# The decoder linears a hand-written quantized checkpoint quantizes (lm_head and embeddings stay float).
+_DECODER_LINEAR = r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+# Group size of the hand-written int4 checkpoints: it divides every layer's input size at TP=1 and TP=2.
+INT4_GROUP_SIZE = 64
+# AWQ's order of the eight 4-bit values in an int32: the value of column ``8 * j + i`` sits at
+# bits ``4 * AWQ_SHIFT[i]`` (vLLM's ``_REVERSE_AWQ_PACK_ORDER``).
+_AWQ_SHIFT = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def _pack_int4(values: Any, dim: int, order: list[int] | None = None) -> Any:
+    """Pack 4-bit values (0..15, any integer dtype) eight to an int32 along ``dim``."""
+    import torch
+
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
+    shifts = torch.tensor([4 * p for p in (order or range(8))], dtype=torch.int64)
+    packed = (v << shifts).sum(dim=-1)
+    # Two's complement: bit 31 set is a negative int32.
+    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+    return packed.movedim(-1, dim).contiguous()
+
+
+def _quantize_int4(weight: Any, group_size: int, zero: int) -> tuple[Any, Any]:
+    """Group-wise 4-bit quantization of an ``[out, in]`` weight: ``q [in, out]`` (0..15) and
+    ``scales [in // group_size, out]``, such that ``weight.T ~= (q - zero) * scales``."""
+    import torch
+
+    w = weight.float().t()  # [in, out]
+    groups = w.reshape(w.shape[0] // group_size, group_size, w.shape[1])
+    scales = groups.abs().amax(dim=1).clamp(min=1e-8) / 7.0  # [groups, out]
+    q = torch.round(groups / scales[:, None, :]).clamp(-8, 7) + zero
+    return q.clamp(0, 15).reshape(w.shape).to(torch.int32), scales
+
+
+def _rewrite_quantized(directory: str, convert: Any, quantization_config: dict[str, Any]) -> None:
+    """Replace each decoder linear weight by ``convert(name_prefix, weight)``'s tensors, and
+    record ``quantization_config`` in config.json."""
+    import json
+    import re
+
+    from safetensors.torch import save_file
+
+    tensors = _weight_files(directory)
+    linear = re.compile(_DECODER_LINEAR)
+    out = {}
+    for name, tensor in tensors.items():
+        if linear.match(name):
+            out.update(convert(name[: -len("weight")], tensor))
+        else:
+            out[name] = tensor.contiguous()
+    save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def write_awq(directory: str, model: Any, *, seed: int = 0) -> None:
+    """Rewrite the decoder linears as AutoAWQ GEMM int4 (asymmetric, zero point 8): ``qweight``
+    ``[in, out / 8]`` packed along the output dimension in AWQ's order, ``qzeros``
+    ``[in / group, out / 8]`` packed the same way, ``scales`` ``[in / group, out]`` float16."""
+    import torch
+
+    def convert(prefix: str, weight: Any) -> dict[str, Any]:
+        q, scales = _quantize_int4(weight, INT4_GROUP_SIZE, zero=8)
+        zeros = torch.full_like(scales, 8, dtype=torch.int32)
+        return {
+            prefix + "qweight": _pack_int4(q, 1, _AWQ_SHIFT),
+            prefix + "qzeros": _pack_int4(zeros, 1, _AWQ_SHIFT),
+            prefix + "scales": scales.to(torch.float16).contiguous(),
+        }
+
+    config = {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP_SIZE, "zero_point": True, "version": "gemm"}
+    _rewrite_quantized(directory, convert, config)
+
+
+def write_gptq(directory: str, model: Any, *, seed: int = 0) -> None:
+    """Rewrite the decoder linears as AutoGPTQ int4 (symmetric, ``desc_act`` off): ``qweight``
+    ``[in / 8, out]`` packed along the input dimension, ``qzeros`` ``[in / group, out / 8]``
+    (GPTQ's stored zero point 7 = 8 - 1), ``scales`` ``[in / group, out]`` float16 and
+    ``g_idx`` ``[in]`` (the group of each input)."""
+    import torch
+
+    def convert(prefix: str, weight: Any) -> dict[str, Any]:
+        q, scales = _quantize_int4(weight, INT4_GROUP_SIZE, zero=8)
+        zeros = torch.full_like(scales, 7, dtype=torch.int32)
+        return {
+            prefix + "qweight": _pack_int4(q, 0),
+            prefix + "qzeros": _pack_int4(zeros, 1),
+            prefix + "scales": scales.to(torch.float16).contiguous(),
+            prefix + "g_idx": (torch.arange(q.shape[0], dtype=torch.int32) // INT4_GROUP_SIZE).contiguous(),
+        }
+
+    config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": INT4_GROUP_SIZE,
+        "desc_act": False,
+        "sym": True,
+        "lm_head": False,
+    }
+    _rewrite_quantized(directory, convert, config)
+
+
+def write_fp8(directory: str, model: Any, *, seed: int = 0) -> None:
+    """Rewrite the decoder linears as vLLM's ``fp8`` checkpoint format: float8_e4m3fn weights
+    with a float32 per-tensor ``weight_scale``, dynamic activation scales."""
+    import torch
+
+    def convert(prefix: str, weight: Any) -> dict[str, Any]:
+        w = weight.float()
+        scale = w.abs().amax().clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
+        return {
+            prefix + "weight": (w / scale).to(torch.float8_e4m3fn).contiguous(),
+            prefix + "weight_scale": scale.reshape(()).to(torch.float32),
+        }
+
+    _rewrite_quantized(directory, convert, {"quant_method": "fp8", "activation_scheme": "dynamic"})
 
 
 def write_sentence_transformers(directory: str, model: Any, *, seed: int = 0) -> None:

@@ -563,7 +563,9 @@ def good_qkv() -> dict:
     [
         (lambda d: d.update(kind="diagonal"), "unknown sharding kind 'diagonal'"),
         (lambda d: d.update(shape="12x4"), "'shape' must be a list"),
-        (lambda d: d.update(split_dim=1), "along dimension 0, found split_dim=1"),
+        (lambda d: d.update(split_dim=2), "along dimension 0, found split_dim=2"),
+        # A 2-D tensor may be laid out [in, out] (AWQ, GPTQ), but its segments must then fit dimension 1.
+        (lambda d: d.update(split_dim=1), "segments add up to 12 rows in units of 1 along dimension 1"),
         (lambda d: d.update(split_dim=True), "'split_dim' must be an integer"),
         (lambda d: d.pop("layer_class"), "'layer_class' must be a non-empty string"),
         (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),

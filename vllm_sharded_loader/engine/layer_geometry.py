@@ -3,8 +3,8 @@
 The result is a :class:`~..format.geometry.TensorGeometry` per saved tensor, recorded in the
 manifest so that a checkpoint can be served at another TP/PP size. It is derived from
 vLLM's layer classes, never from model-specific code, and conservatively: a layer this
-module does not know exactly (a subclass with its own sharding, a quantized layout, an
-MoE layer) is recorded as ``opaque`` and loads only at the TP size it was saved at. A
+module does not know exactly (a subclass with its own sharding, a block-quantized layout,
+quantized experts) is recorded as ``opaque`` and loads only at the TP size it was saved at. A
 geometry is also kept only if it reproduces the tensor's actual local shape on this
 rank; otherwise it is recorded as ``opaque``.
 """
@@ -27,6 +27,9 @@ REPLICATED_LAYERS = frozenset({"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormG
 PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE", "RoutedExperts"})
 UNQUANTIZED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
 UNQUANTIZED_EXPERT_METHODS = frozenset({"UnquantizedFusedMoEMethod"})
+# vLLM parameter classes with one entry per group of inputs along their input_dim (group-wise
+# scales; packed zero points, whose packing is along the output dimension).
+GROUPED_PARAMETERS = frozenset({"GroupQuantScaleParameter", "PackedvLLMParameter"})
 LINEAR_LAYERS = frozenset(
     {"QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear"}
 )
@@ -106,31 +109,54 @@ def _quantized_linear_geometry(module: Any, param: str, layer_class: str) -> rs.
 
     The weight's sharding rule (q/k/v heads, gate/up, ...) applies along a parameter's
     ``output_dim`` in a column-parallel layer, along its ``input_dim`` in a row-parallel
-    one, when the parameter has one entry per weight row or column there (int8 weights,
-    per-channel scales). A parameter with neither dimension is loaded whole on every rank
-    (per-tensor scales, one per fused shard; static input scales): replicated. Packed,
-    grouped or block-wise layouts (int4, group and block scales) are None: opaque.
+    one, whichever index of the tensor that is (AWQ and GPTQ lay weights out ``[in, out]``).
+    One index there may stand for several of the layer's rows: the ``packed_factor`` when
+    the parameter is packed along it (``packed_dim``: int4 in int32), the group size for
+    group-wise scales and zero points (``GroupQuantScaleParameter``, or zero points with an
+    ``input_dim``, split along it). That number, the ``unit``, is read off the rank's own
+    shape (its rows over the tensor's entries) and must be the pack factor for packed
+    dimensions; the planner then splits rows by the layer's rule and refuses a TP size
+    whose per-rank rows cut a unit. A parameter with neither dimension is loaded whole on
+    every rank (per-tensor scales, one per fused shard; static input scales):
+    replicated. Anything else (block-wise scales, a unit that does not divide) is None:
+    opaque.
     """
     tensor = getattr(module, param, None)
     weight = _linear_geometry(module, "weight", layer_class)
-    if tensor is None or weight is None or getattr(tensor, "packed_dim", None) is not None:
+    if tensor is None or weight is None:
         return None
     output_dim, input_dim = getattr(tensor, "output_dim", None), getattr(tensor, "input_dim", None)
+    packed_dim = getattr(tensor, "packed_dim", None)
     shape = list(tensor.shape)
     if output_dim is None and input_dim is None:
         whole = type(tensor).__name__ == "PerTensorScaleParameter" or tensor.numel() == 1
-        return rs.replicated(shape, layer_class) if whole else None
-    assert weight.split_dim is not None
-    dim = output_dim if layer_class != "RowParallelLinear" else input_dim
+        return rs.replicated(shape, layer_class) if whole and packed_dim is None else None
+    row = layer_class == "RowParallelLinear"
+    dim = input_dim if row else output_dim
     if dim is None:
-        # Split along the dimension the layer does not split: every rank holds it whole.
+        # Split along the dimension the layer does not split: every rank holds it whole
+        # (GPTQ's scales and zero points of a row-parallel layer without groups).
         return rs.replicated(shape, layer_class)
-    if dim != weight.split_dim or dim >= len(shape):
+    if dim >= len(shape) or not shape[dim] or (dim != weight.split_dim and len(shape) != 2):
+        # Only a 2-D tensor may be laid out the other way round ([in, out]).
         return None
-    global_shape = [*shape[:dim], weight.shape[dim], *shape[dim + 1 :]]
-    # The rows (or columns) this rank holds, scaled back to the whole layer: checked against
-    # the rank's actual shape by tensor_geometry, like every geometry.
-    return rs.TensorGeometry(weight.kind, layer_class, tuple(global_shape), dim, weight.segments)
+    rows = module.input_size_per_partition if row else module.output_size_per_partition
+    if rows % shape[dim]:
+        return None
+    unit = rows // shape[dim]
+    if packed_dim == dim:
+        if unit != getattr(tensor, "packed_factor", None):
+            return None
+    elif unit != 1 and not (dim == input_dim and type(tensor).__name__ in GROUPED_PARAMETERS):
+        # Block-wise scales (one entry per block of rows and columns) and unknown layouts.
+        return None
+    assert weight.split_dim is not None
+    total = weight.shape[weight.split_dim]
+    if any(s.padded % unit for s in weight.segments):
+        return None
+    global_shape = [*shape[:dim], total // unit, *shape[dim + 1 :]]
+    # Checked against the rank's actual shape by tensor_geometry, like every geometry.
+    return rs.TensorGeometry(weight.kind, layer_class, tuple(global_shape), dim, weight.segments, unit=unit)
 
 
 def _vocab_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:

@@ -4,7 +4,9 @@
 TP size: its shape at TP=1, the dimension vLLM splits it along, and for fused parameters
 the logical sub-tensors (*segments*: q/k/v, gate/up, vocabulary) it is made of. It is
 JSON data, recorded beside the tensor in the manifest; the constructors below build it
-for each of vLLM's parallel layers. Which rows a rank holds at a given TP size is
+for each of vLLM's parallel layers. A quantized tensor whose index along the split dimension
+stands for several of the layer's rows or columns (int4 packed eight to an int32, a scale per
+group of inputs) records that number as its ``unit``. Which rows a rank holds at a given TP size is
 :func:`~vllm_sharded_loader.planning.layout.shard_layout`. Pure.
 """
 
@@ -90,6 +92,16 @@ class TensorGeometry:
     a rank's local tensor being the concatenation of its piece of each), ``kind`` the
     sharding rule and ``layer_class`` the vLLM layer it comes from, for messages.
 
+    ``unit`` is how many of the layer's rows (or columns) one index along ``split_dim``
+    stands for: 1 for a plain tensor, the pack factor for packed int4 (8 values to an
+    int32), the group size for group-wise scales and zero points. Segments are then
+    counted in the layer's rows, as for its unquantized weight, and ``shape[split_dim]``
+    is their total divided by ``unit``: a rank's rows are split by the layer's rule, and
+    a rank whose rows do not start and end on a whole unit cannot hold them
+    (:func:`~vllm_sharded_loader.planning.layout.shard_layout` refuses). A 2-D tensor may
+    also be laid out ``[in, out]`` (AWQ, GPTQ): then a column-parallel rule splits
+    dimension 1 and a row-parallel one dimension 0.
+
     >>> g = TensorGeometry.from_dict({"kind": "row_parallel", "layer_class": "RowParallelLinear",
     ...     "shape": [8, 16], "split_dim": 1, "segments": [{"name": "weight", "size": 16}]}, "o_proj.weight")
     >>> g.segments[0].size
@@ -103,6 +115,8 @@ class TensorGeometry:
     segments: tuple[Segment, ...] = ()
     # Leading dimensions that stack one layer per entry (MoE experts): the rule applies after them.
     stacked: int = 0
+    # How many of the layer's rows one index along split_dim stands for (packing, groups).
+    unit: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """JSON data; the inverse of :meth:`from_dict`."""
@@ -116,6 +130,8 @@ class TensorGeometry:
             data["segments"] = [s.to_dict() for s in self.segments]
         if self.stacked:
             data["stacked"] = self.stacked
+        if self.unit != 1:
+            data["unit"] = self.unit
         return data
 
     @classmethod
@@ -130,7 +146,7 @@ class TensorGeometry:
 
         if not isinstance(data, dict):
             raise fail(f"expected an object, found {type(data).__name__}")
-        unknown = set(data) - {"kind", "layer_class", "shape", "split_dim", "segments", "stacked"}
+        unknown = set(data) - {"kind", "layer_class", "shape", "split_dim", "segments", "stacked", "unit"}
         if unknown:
             raise fail(f"unknown keys {sorted(unknown)}")
         shape = data.get("shape")
@@ -169,6 +185,7 @@ class TensorGeometry:
             split_dim=split_dim,
             segments=tuple(segments),
             stacked=reader.integer(data, "stacked", maximum=MAX_DIMS) if "stacked" in data else 0,
+            unit=reader.integer(data, "unit", 1) if "unit" in data else 1,
         )
         check_geometry(geometry, name, where)
         return geometry
@@ -196,16 +213,20 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
         return
     if g.stacked >= max(len(g.shape), 1):
         raise fail(f"'stacked' is {g.stacked}, but the shape {list(g.shape)} has {len(g.shape)} dimensions")
+    if g.unit < 1:
+        raise fail(f"'unit' must be at least 1, found {g.unit}")
     if g.kind == REPLICATED:
-        if g.split_dim is not None or g.segments:
-            raise fail(f"a replicated tensor has no split dimension or segments, found split_dim={g.split_dim}")
+        if g.split_dim is not None or g.segments or g.unit != 1:
+            raise fail(f"a replicated tensor has no split dimension, segments or unit, found split_dim={g.split_dim}")
         return
     # A row-parallel tensor is split along its input dimension, the others along their
-    # output dimension: 1 and 0 for a linear weight, one further for stacked experts.
-    expected_dim = g.stacked + (1 if g.kind == ROW_PARALLEL else 0)
-    if g.split_dim != expected_dim or len(g.shape) <= expected_dim:
+    # output dimension: 1 and 0 for a linear weight, one further for stacked experts. A 2-D
+    # quantized tensor laid out [in, out] (AWQ, GPTQ) is split along the other one.
+    expected = g.stacked + (1 if g.kind == ROW_PARALLEL else 0)
+    allowed = {expected, 1 - expected} if not g.stacked and len(g.shape) == 2 else {expected}
+    if g.split_dim not in allowed or len(g.shape) <= g.split_dim:
         raise fail(
-            f"vLLM splits a {g.kind} tensor along dimension {expected_dim}, found split_dim={g.split_dim} "
+            f"vLLM splits a {g.kind} tensor along dimension {expected}, found split_dim={g.split_dim} "
             f"for shape {list(g.shape)}"
         )
     segments = g.segments
@@ -215,8 +236,11 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
     if len(set(names)) != len(names):
         raise fail(f"segment names {names} repeat")
     total = sum(s.padded for s in segments)
-    if total != g.shape[expected_dim]:
-        raise fail(f"segments add up to {total} along dimension {expected_dim}, but the shape is {list(g.shape)}")
+    if any(s.padded % g.unit for s in segments) or total // g.unit != g.shape[g.split_dim]:
+        raise fail(
+            f"segments add up to {total} rows in units of {g.unit} along dimension {g.split_dim}, "
+            f"but the shape is {list(g.shape)}"
+        )
     for s in segments:
         if s.padded < s.size:
             raise fail(f"segment {s.name!r} has padded_size {s.padded_size} < size {s.size}")
@@ -242,6 +266,8 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
             raise fail(f"a vocabulary tensor has segments vocab and optionally added, found {names}")
     elif any(s.padded_size not in (None, s.size) for s in segments):
         raise fail("only a vocabulary tensor is padded")
+    if g.kind == VOCAB_PARALLEL and g.unit != 1:
+        raise fail("a vocabulary tensor has unit 1")
     if g.kind in (COLUMN_PARALLEL, ROW_PARALLEL) and len(segments) != 1:
         raise fail(f"a {g.kind} tensor has a single segment, found {names}")
 

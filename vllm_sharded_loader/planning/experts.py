@@ -93,6 +93,7 @@ def expert_slots(
         geometry.shape[1:],
         None if geometry.split_dim is None else geometry.split_dim - 1,
         geometry.segments,
+        unit=geometry.unit,
     )
     if placement is None:
         return tuple(range(geometry.shape[0])), shard_layout(inner, tp_size, tp_rank, name)

@@ -53,6 +53,11 @@ def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str
     heads are replicated when ``tp_size`` exceeds their count: rank ``r`` holds head
     ``r // (tp_size // heads)``. Vocabulary padding is split like data.
 
+    With a ``unit`` above 1 (packed int4, group-wise scales), the rule is applied to the
+    layer's rows and each piece is then divided by the unit: a piece that does not start
+    and end on a whole unit is refused, because its rows share an int32 or a group with
+    another rank's rows.
+
     >>> from vllm_sharded_loader.format.geometry import qkv_parallel
     >>> layout = shard_layout(qkv_parallel([12, 4], num_heads=8, num_kv_heads=2, head_size=1), tp_size=4, tp_rank=3)
     >>> [(p.segment, p.start, p.length) for p in layout.pieces]
@@ -70,9 +75,14 @@ def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str
     for s in g.segments:
         start, length = _segment_piece(s, tp_size, tp_rank, g, name)
         padding = max(0, min(length, start + length - s.size))
+        if g.unit != 1:
+            if start % g.unit or length % g.unit:
+                raise _split_unit(name, g, s, tp_size, tp_rank, start, length)
+            # Padding only exists in vocabularies, whose unit is 1 (check_geometry).
+            start, length, padding = start // g.unit, length // g.unit, 0
         pieces.append(ShardPiece(s.name, start, length, local_offset, global_offset + start, padding))
         local_offset += length
-        global_offset += s.padded
+        global_offset += s.padded // g.unit
     shape = list(g.shape)
     shape[g.split_dim] = local_offset
     return ShardLayout(tuple(shape), g.split_dim, tuple(pieces))
@@ -90,6 +100,19 @@ def _segment_piece(s: Segment, tp_size: int, tp_rank: int, g: TensorGeometry, na
         raise _indivisible(name, g, s, f"{units} {what}", tp_size, f"{units} is not a multiple of TP={tp_size}")
     per_rank = units // tp_size
     return tp_rank * per_rank * unit, per_rank * unit
+
+
+def _split_unit(
+    name: str, g: TensorGeometry, s: Segment, tp_size: int, tp_rank: int, start: int, length: int
+) -> ShardedStateError:
+    return ShardedStateError(
+        f"{name} ({g.layer_class}) cannot be split across TP={tp_size}: rank {tp_rank} would hold rows "
+        f"[{start}, {start + length}) of segment {s.name!r}, but each index of this quantized tensor along "
+        f"dimension {g.split_dim} stands for {g.unit} rows (values packed into one integer, or one quantization "
+        f"group), and {start if start % g.unit else length} is not a multiple of {g.unit}. Serve it at a tensor "
+        "parallel size whose per-rank rows are whole multiples of it (the size it was saved at works), or save "
+        "the checkpoint again at the new size."
+    )
 
 
 def _indivisible(name: str, g: TensorGeometry, s: Segment, what: str, tp_size: int, why: str) -> ShardedStateError:
@@ -111,12 +134,13 @@ def check_reshardable(g: TensorGeometry, name: str, why: str = "") -> None:
 
 def same_split(a: TensorGeometry, b: TensorGeometry) -> bool:
     """Whether two geometries split a tensor the same way (the layer class, a label, aside)."""
-    return (a.kind, a.shape, a.split_dim, a.segments, a.stacked) == (
+    return (a.kind, a.shape, a.split_dim, a.segments, a.stacked, a.unit) == (
         b.kind,
         b.shape,
         b.split_dim,
         b.segments,
         b.stacked,
+        b.unit,
     )
 
 
@@ -168,4 +192,5 @@ def check_served_geometry(
 
 def _split(g: TensorGeometry) -> str:
     segments = ", ".join(f"{s.name}={s.padded}" for s in g.segments)
-    return f"{g.kind} {list(g.shape)}" + (f" split on dim {g.split_dim} into [{segments}]" if g.segments else "")
+    unit = f" in units of {g.unit} rows" if g.unit != 1 else ""
+    return f"{g.kind} {list(g.shape)}" + (f" split on dim {g.split_dim} into [{segments}]{unit}" if g.segments else "")

@@ -1,0 +1,203 @@
+"""Packed int4 weights and group-wise scales and zero points reshard as vLLM's own loaders split them.
+
+Without an engine: vLLM's real linear layers (QKV, gate/up, row-parallel) are built with its
+AWQ and GPTQ quantization methods on a fake TP group, and filled from full Hugging Face
+tensors by their own ``weight_loader`` at TP=1, 2 and 4. The geometry our save records
+(:func:`~vllm_sharded_loader.engine.layer_geometry.tensor_geometry`, read off the TP=2
+layers) must plan reads that give every serving rank exactly the tensor vLLM's loader gave
+it, and the served layers must describe the same split (the check a load makes). Sizes
+that would cut a packed integer or a quantization group are refused by the pure planner.
+"""
+
+from __future__ import annotations
+
+import types
+from unittest import mock
+
+import numpy as np
+import pytest
+from test_resharding import execute
+
+from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format.geometry import OPAQUE, ROW_PARALLEL, Segment, TensorGeometry
+from vllm_sharded_loader.planning.layout import same_split, shard_layout
+from vllm_sharded_loader.planning.reads import SavedRank, SavedTensor, plan_reads
+
+# The awq_int4 / gptq_int4 families' Llama layers (examples/tiny_models.py), group size 64.
+HIDDEN, HEADS, KV_HEADS, HEAD, INTER, GROUP = 256, 4, 2, 64, 512, 64
+CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True},
+}
+SAVED_TP = 2
+SERVING_TP = (1, 2, 4)
+# Each fused layer's logical shards, in rows of its output: (shard id, rows).
+SHARDS = {
+    "qkv": [("q", HEADS * HEAD), ("k", KV_HEADS * HEAD), ("v", KV_HEADS * HEAD)],
+    "gate_up": [(0, INTER), (1, INTER)],
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_quant():
+    """vLLM's linear layers and its AWQ/GPTQ configs (importing vLLM takes seconds)."""
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+
+    from vllm_sharded_loader.engine.layer_geometry import tensor_geometry
+
+    configs = {"awq": AutoAWQConfig.from_config(CONFIGS["awq"]), "gptq": AutoGPTQConfig.from_config(CONFIGS["gptq"])}
+
+    def model(method: str, tp_size: int, tp_rank: int):
+        group = types.SimpleNamespace(world_size=tp_size, rank_in_group=tp_rank)
+        q = configs[method]
+        with mock.patch.object(parallel_state, "get_tp_group", return_value=group):
+            args = dict(bias=False, quant_config=q, params_dtype=torch.bfloat16)
+            return torch.nn.ModuleDict(
+                {
+                    "qkv": linear.QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, prefix="qkv", **args),
+                    "gate_up": linear.MergedColumnParallelLinear(HIDDEN, [INTER, INTER], prefix="gate_up", **args),
+                    "down": linear.RowParallelLinear(INTER, HIDDEN, prefix="down", **args),
+                    "o": linear.RowParallelLinear(HEADS * HEAD, HIDDEN, prefix="o", **args),
+                }
+            )
+
+    return types.SimpleNamespace(torch=torch, model=model, tensor_geometry=tensor_geometry)
+
+
+def checkpoint_tensors(vq, method: str) -> dict[str, object]:
+    """Random full (TP=1) tensors, in the layers' own layout: the TP=1 layers' shapes."""
+    torch = vq.torch
+    generator = torch.Generator().manual_seed(5)
+    full = {}
+    for name, param in vq.model(method, 1, 0).named_parameters():
+        if param.dtype == torch.int32:
+            full[name] = torch.randint(-(2**31), 2**31 - 1, tuple(param.shape), dtype=torch.int32, generator=generator)
+        else:
+            full[name] = torch.randn(tuple(param.shape), generator=generator).to(param.dtype)
+    return full
+
+
+def load_with_vllm(vq, method: str, full: dict, tp_size: int, tp_rank: int):
+    """The layers at ``tp_size``, filled by vLLM's weight loaders from the Hugging Face tensors
+    (q/k/v and gate/up are separate tensors in a checkpoint, each cut along its output
+    dimension: packed columns for a tensor packed there)."""
+    model = vq.model(method, tp_size, tp_rank)
+    for name, param in model.named_parameters():
+        layer, _, _ = name.partition(".")
+        tensor = full[name]
+        if layer not in SHARDS:
+            param.weight_loader(param, tensor)
+            continue
+        unit = param.packed_factor if getattr(param, "packed_dim", None) == param.output_dim else 1
+        start = 0
+        for shard_id, rows in SHARDS[layer]:
+            piece = tensor.narrow(param.output_dim, start // unit, rows // unit)
+            param.weight_loader(param, piece.contiguous(), shard_id)
+            start += rows
+    return model
+
+
+def as_array(tensor) -> np.ndarray:
+    """The tensor's bytes as integers of its item size (what the planner's executor yields)."""
+    raw = tensor.detach().contiguous().view(-1).view(dtype=_int_dtype(tensor.element_size()))
+    return raw.numpy().reshape(tuple(tensor.shape))
+
+
+def _int_dtype(itemsize: int):
+    import torch
+
+    return {2: torch.int16, 4: torch.int32}[itemsize]
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_packed_int4_and_group_scales_reshard_like_vllms_loaders(vllm_quant, method):
+    vq = vllm_quant
+    full = checkpoint_tensors(vq, method)
+    loaded = {tp: [load_with_vllm(vq, method, full, tp, rank) for rank in range(tp)] for tp in (*SERVING_TP, SAVED_TP)}
+    # The save at TP=2: each rank's tensors and the geometry our save hook records for them.
+    files: dict[str, bytearray] = {}
+    ranks = []
+    recorded = None
+    for rank, model in enumerate(loaded[SAVED_TP]):
+        tensors = dict(model.named_parameters())
+        geometry = vq.tensor_geometry(model, tensors, SAVED_TP, rank)
+        opaque = [n for n, g in geometry.items() if g.kind == OPAQUE]
+        assert not opaque, f"{method}: {opaque} recorded opaque"
+        # Through the manifest's JSON, as a load reads it.
+        geometry = {n: TensorGeometry.from_dict(g.to_dict(), n) for n, g in geometry.items()}
+        assert recorded is None or geometry == recorded
+        recorded = geometry
+        buf = bytearray(b"\x11" * (rank + 3))
+        saved = {}
+        for name, tensor in tensors.items():
+            data = as_array(tensor)
+            saved[name] = SavedTensor(f"f{rank}", len(buf), data.itemsize, data.shape, geometry[name])
+            buf += data.tobytes() + b"\x22" * 5
+        files[f"f{rank}"] = buf
+        ranks.append(SavedRank(rank, 0, saved))
+    assert recorded is not None
+    units = {name: g.unit for name, g in recorded.items()}
+    packed, grouped = ("qweight" if method == "awq" else "qzeros"), "scales"
+    assert units[f"qkv.{packed}"] == 8 and units[f"gate_up.{packed}"] == 8  # packed along the output rows
+    assert units[f"down.{grouped}"] == GROUP and units["down.qzeros"] == GROUP  # one entry per group of inputs
+    if method == "gptq":
+        assert units["down.qweight"] == 8  # packed along the input columns
+
+    for tp in SERVING_TP:
+        for rank, model in enumerate(loaded[tp]):
+            tensors = dict(model.named_parameters())
+            # The load compares the served layers' geometry with the manifest's.
+            served = vq.tensor_geometry(model, tensors, tp, rank)
+            for name, g in served.items():
+                assert same_split(g, recorded[name]), (name, g, recorded[name])
+            plan = plan_reads(ranks, SAVED_TP, list(tensors), tp_size=tp, tp_rank=rank)
+            for name, tensor in tensors.items():
+                got = execute(plan.tensors[name], files, {})
+                np.testing.assert_array_equal(got, as_array(tensor), err_msg=f"{method} {name} TP={tp} rank {rank}")
+
+
+def test_a_rank_that_would_cut_a_packed_integer_is_refused():
+    """96 output rows packed eight to an int32: TP=4 gives 24 rows (3 integers) per rank, TP=8
+    gives 12, which cut an integer: refused, naming the tensor, the unit and the rows."""
+    g = TensorGeometry("column_parallel", "ColumnParallelLinear", (64, 12), 1, (Segment("output", 96),), unit=8)
+    assert [p.length for p in shard_layout(g, 4, 3).pieces] == [3]
+    assert shard_layout(g, 4, 3).shape == (64, 3)
+    with pytest.raises(ShardedStateError, match=r"proj.qweight \(ColumnParallelLinear\) cannot be split across TP=8"):
+        shard_layout(g, 8, 1, "proj.qweight")
+    with pytest.raises(ShardedStateError, match=r"stands for 8 rows .* 12 is not a multiple of 8"):
+        shard_layout(g, 8, 1, "proj.qweight")
+
+
+def test_a_rank_that_would_cut_a_quantization_group_is_refused_before_planning_any_read():
+    """Scales of a row-parallel layer, one per group of 128 inputs (256 inputs, 2 groups):
+    TP=2 splits whole groups; TP=4 would give each rank half a group."""
+    g = TensorGeometry(ROW_PARALLEL, "RowParallelLinear", (2, 32), 0, (Segment("input", 256),), unit=128)
+    tensors = {0: (1, 32), 1: (1, 32)}
+    ranks = [SavedRank(r, 0, {"down.scales": SavedTensor(f"f{r}", 0, 2, shape, g)}) for r, shape in tensors.items()]
+    plan = plan_reads(ranks, 2, ["down.scales"], tp_size=1, tp_rank=0)
+    assert plan.tensors["down.scales"].shape == (2, 32)
+    with pytest.raises(ShardedStateError, match=r"down.scales \(RowParallelLinear\) cannot be split across TP=4"):
+        plan_reads(ranks, 2, ["down.scales"], tp_size=4, tp_rank=1)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(unit=0), "'unit' must be an integer >= 1"),
+        (dict(unit=3), "in units of 3"),  # 96 rows are not whole units of 3 entries of 12 columns
+        (dict(split_dim=2, shape=(64, 12, 1)), "vLLM splits a column_parallel tensor along dimension 0"),
+    ],
+)
+def test_bad_units_in_a_manifest_are_refused(change, message):
+    data = TensorGeometry(
+        "column_parallel", "ColumnParallelLinear", (64, 12), 1, (Segment("output", 96),), unit=8
+    ).to_dict()
+    assert data["unit"] == 8 and TensorGeometry.from_dict(data, "w").unit == 8
+    data.update({k: list(v) if isinstance(v, tuple) else v for k, v in change.items()})
+    with pytest.raises(ShardedStateError, match=message):
+        TensorGeometry.from_dict(data, "w")
