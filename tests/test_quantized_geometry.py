@@ -181,8 +181,10 @@ def test_a_rank_that_would_cut_a_quantization_group_is_refused_before_planning_a
     ranks = [SavedRank(r, 0, {"down.scales": SavedTensor(f"f{r}", 0, 2, shape, g)}) for r, shape in tensors.items()]
     plan = plan_reads(ranks, 2, ["down.scales"], tp_size=1, tp_rank=0)
     assert plan.tensors["down.scales"].shape == (2, 32)
-    with pytest.raises(ShardedStateError, match=r"down.scales \(RowParallelLinear\) cannot be split across TP=4"):
+    refusal = r"down.scales \(RowParallelLinear\) cannot be split across TP=4"
+    with pytest.raises(ShardedStateError, match=refusal) as info:
         plan_reads(ranks, 2, ["down.scales"], tp_size=4, tp_rank=1)
+    assert "the layer's columns [64, 128)" in str(info.value) and "stands for 128 columns" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError, listing
-from ..format.geometry import OPAQUE, REPLICATED, SPLIT_KINDS, Segment, TensorGeometry
+from ..format.geometry import OPAQUE, REPLICATED, ROW_PARALLEL, SPLIT_KINDS, Segment, TensorGeometry
 from .tensors import tied_source
 
 
@@ -105,12 +105,14 @@ def _segment_piece(s: Segment, tp_size: int, tp_rank: int, g: TensorGeometry, na
 def _split_unit(
     name: str, g: TensorGeometry, s: Segment, tp_size: int, tp_rank: int, start: int, length: int
 ) -> ShardedStateError:
+    # A row-parallel layer is split along its weight's columns (inputs), the others along rows.
+    rows = "columns" if g.kind == ROW_PARALLEL else "rows"
     return ShardedStateError(
-        f"{name} ({g.layer_class}) cannot be split across TP={tp_size}: rank {tp_rank} would hold rows "
-        f"[{start}, {start + length}) of segment {s.name!r}, but each index of this quantized tensor along "
-        f"dimension {g.split_dim} stands for {g.unit} rows (values packed into one integer, or one quantization "
+        f"{name} ({g.layer_class}) cannot be split across TP={tp_size}: rank {tp_rank} would hold the layer's "
+        f"{rows} [{start}, {start + length}) of segment {s.name!r}, but each index of this quantized tensor along "
+        f"dimension {g.split_dim} stands for {g.unit} {rows} (values packed into one integer, or one quantization "
         f"group), and {start if start % g.unit else length} is not a multiple of {g.unit}. Serve it at a tensor "
-        "parallel size whose per-rank rows are whole multiples of it (the size it was saved at works), or save "
+        f"parallel size whose per-rank {rows} are whole multiples of it (the size it was saved at works), or save "
         "the checkpoint again at the new size."
     )
 
