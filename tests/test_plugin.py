@@ -28,6 +28,34 @@ def test_plugin_registers_our_loader_once_through_the_entry_point():
     assert not getattr(wrapper.__wrapped__, "_records_loaded_state", False), "wrapped twice"
 
 
+def test_register_defers_the_hooks_until_vllm_imports_what_they_patch():
+    """A process that never loads a model (vLLM's front end, its engine core beside
+    separate workers) must not pay for importing vLLM's model loaders (seconds): the hooks
+    are applied when vLLM imports those modules, before any of its code can use them."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from vllm_sharded_loader import register
+register()
+assert "vllm.model_executor.model_loader" not in sys.modules
+assert "vllm_sharded_loader.engine.loader" not in sys.modules
+from vllm.config import VllmConfig
+assert VllmConfig.try_verify_and_update_config._sharded_state
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import base_loader, get_model_loader
+from vllm_sharded_loader.engine.loader import ShardedStateLoader
+assert type(get_model_loader(LoadConfig(load_format="sharded_state"))) is ShardedStateLoader
+assert base_loader.process_weights_after_loading._records_loaded_state
+register()
+assert not getattr(base_loader.process_weights_after_loading.__wrapped__, "_records_loaded_state", False)
+print("hooked")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "hooked" in run.stdout, run.stderr[-3000:]
+
+
 def test_unknown_extra_config_is_refused():
     from vllm.config.load import LoadConfig
 

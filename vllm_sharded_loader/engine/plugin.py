@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import threading
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from ..storage.objects import is_object_url
+
+LOADERS_MODULE = "vllm.model_executor.model_loader"
+CONFIG_MODULE = "vllm.config"
 
 
 def install() -> None:
@@ -22,8 +31,19 @@ def install() -> None:
        so a model loaded from a HF checkpoint can be saved.
     4. ``VllmConfig.try_verify_and_update_config`` -> a wrapper that lets ``sharded_state``
        serve ``s3://`` models (see :func:`allow_object_storage`).
+
+    vLLM calls this in every process, and most of them (the front end; the engine core
+    when workers run apart) never load a model: importing vLLM's model loaders (its
+    layers, quantization methods and compiler, with our loader and torch) costs seconds
+    there, on the path to ``LLM(...)`` returning. So each hook is applied when vLLM itself
+    imports the module it patches, and at once where it already has (:func:`after_import`).
     """
-    from vllm.model_executor import model_loader
+    after_import(LOADERS_MODULE, _install_loader)
+    after_import(CONFIG_MODULE, _install_config_check)
+
+
+def _install_loader(model_loader: ModuleType) -> None:
+    """Hooks 1-3 of :func:`install`."""
     from vllm.model_executor.model_loader import base_loader
 
     from .capture import wrap_process_weights_after_loading
@@ -36,10 +56,82 @@ def install() -> None:
     base_loader.process_weights_after_loading = wrap_process_weights_after_loading(
         base_loader.process_weights_after_loading
     )
-    from vllm.config import VllmConfig
 
-    if not getattr(VllmConfig.try_verify_and_update_config, "_sharded_state", False):
-        VllmConfig.try_verify_and_update_config = allow_object_storage(VllmConfig.try_verify_and_update_config)
+
+def _install_config_check(config: ModuleType) -> None:
+    """Hook 4 of :func:`install`."""
+    verify = config.VllmConfig.try_verify_and_update_config
+    if not getattr(verify, "_sharded_state", False):
+        config.VllmConfig.try_verify_and_update_config = allow_object_storage(verify)
+
+
+_pending: dict[str, list[Callable[[ModuleType], None]]] = {}
+_pending_lock = threading.RLock()
+
+
+def after_import(name: str, hook: Callable[[ModuleType], None]) -> None:
+    """Call ``hook(module)`` once module ``name`` is imported: now if it is, else right after its import.
+
+    A finder placed first on ``sys.meta_path`` wraps the loader of that one module; the
+    hook runs when the module's code has run, before the import statement returns, so no
+    code of vLLM sees the module unpatched. The hooks must be idempotent (vLLM may call
+    :func:`install` again).
+    """
+    module = sys.modules.get(name)
+    if module is not None:
+        hook(module)
+        return
+    with _pending_lock:
+        _pending.setdefault(name, []).append(hook)
+        if not any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImportFinder())
+
+
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a module with pending hooks it wraps the spec the other finders give."""
+
+    def __init__(self) -> None:
+        self._finding = threading.local()
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _pending or getattr(self._finding, "active", False):
+            return None
+        self._finding.active = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding.active = False
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _HookedLoader(spec.loader, fullname)
+        return spec
+
+
+class _HookedLoader(importlib.abc.Loader):
+    """A module's own loader, then the hooks pending for it."""
+
+    def __init__(self, loader: Any, name: str) -> None:
+        self._loader, self._name = loader, name
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        # The module keeps its own loader (inspect, reload); only this import was hooked.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        with _pending_lock:
+            hooks = _pending.pop(self._name, [])
+        for hook in hooks:
+            hook(module)
+
+    def __getattr__(self, attr: str) -> Any:
+        # get_resource_reader, is_package, ...: the module's own loader answers.
+        return getattr(self._loader, attr)
 
 
 def allow_object_storage(verify: Callable[[Any], None]) -> Callable[[Any], None]:
