@@ -126,6 +126,9 @@ class _HookedLoader(importlib.abc.Loader):
             module.__spec__.loader = self._loader
         with _pending_lock:
             hooks = _pending.pop(self._name, [])
+            if not _pending:
+                # Nothing left to wait for: no finder on the path of every later import.
+                sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImportFinder)]
         for hook in hooks:
             hook(module)
 

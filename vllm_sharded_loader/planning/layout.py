@@ -7,7 +7,7 @@ at one TP size and rank. Pure.
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..format.errors import ShardedStateError, listing
 from ..format.geometry import OPAQUE, REPLICATED, ROW_PARALLEL, SPLIT_KINDS, Segment, TensorGeometry
@@ -136,14 +136,7 @@ def check_reshardable(g: TensorGeometry, name: str, why: str = "") -> None:
 
 def same_split(a: TensorGeometry, b: TensorGeometry) -> bool:
     """Whether two geometries split a tensor the same way (the layer class, a label, aside)."""
-    return (a.kind, a.shape, a.split_dim, a.segments, a.stacked, a.unit) == (
-        b.kind,
-        b.shape,
-        b.split_dim,
-        b.segments,
-        b.stacked,
-        b.unit,
-    )
+    return replace(a, layer_class=b.layer_class) == b
 
 
 def check_served_geometry(

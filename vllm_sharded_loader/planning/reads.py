@@ -188,9 +188,7 @@ def plan_reads(
             "only checkpoints saved without data parallelism (EP size = TP size). Save the checkpoint again "
             "with data_parallel_size=1."
         )
-    places = _Places(
-        saved_experts, experts, ep_rank, experts_moved(saved_experts, experts, serving_ep_rank=ep_rank, tp_rank=tp_rank)
-    )
+    places = _Places(saved_experts, experts, ep_rank, tp_rank)
     saved_as = tied_source(tied)
     plans: dict[str, TensorPlan] = {}
     missing: list[str] = []
@@ -230,12 +228,17 @@ def _index_saved(saved: Sequence[SavedRank], saved_tp_size: int) -> dict[str, di
 
 @dataclass(frozen=True)
 class _Places:
-    """Where the routed experts were saved and are served, and whether this rank's differ."""
+    """Where the routed experts were saved and are served (by this rank: ``ep_rank``, ``tp_rank``)."""
 
     saved: ExpertPlacement | None = None
     serving: ExpertPlacement | None = None
     ep_rank: int = 0
-    moved: bool = False
+    tp_rank: int = 0
+
+    @property
+    def moved(self) -> bool:
+        """Whether this rank holds other experts than the saved rank of its TP rank."""
+        return experts_moved(self.saved, self.serving, serving_ep_rank=self.ep_rank, tp_rank=self.tp_rank)
 
 
 def _plan_tensor(
@@ -387,6 +390,8 @@ def _plan_experts(
     ids, target = expert_slots(g, tp_size, tp_rank, places.serving, places.ep_rank, name)
     isz = next(iter(holders.values()))[1].itemsize
     shape = (len(ids), *target.shape)
+    if not math.prod(shape):
+        return TensorPlan(name, source, shape, isz, ())
     holding: dict[int, dict[int, tuple[str, int, ShardLayout]]] = {}  # expert -> saved rank -> source
     for saved_rank in range(saved_tp_size):
         t = _holder(holders, saved_rank, source, saved_tp_size)
@@ -411,8 +416,6 @@ def _plan_experts(
         more_reads, more_zeros = _split_reads(target, sources, isz, local * slot, tp_rank)
         reads += more_reads
         zeros += more_zeros
-    if not math.prod(shape):
-        reads, zeros = [], []
     return TensorPlan(name, source, shape, isz, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros)))
 
 
