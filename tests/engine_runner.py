@@ -2,7 +2,8 @@
 
     python tests/engine_runner.py '{"model": DIR, "tp": 2, "load_format": "sharded_state"}'
 
-Optional keys: ``pp``, ``capture_dir`` (capture the loaded state there at start-up),
+Optional keys: ``pp``, ``env`` (environment variables to set first), ``capture_dir`` (capture
+the loaded state there at start-up),
 ``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up),
 ``extra_config`` (model_loader_extra_config), ``update`` (a parameter name: before the
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
@@ -27,6 +28,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm_sharded_loader.engine.capture import CAPTURE_DIR_ENV
 
+    os.environ.update(spec.get("env") or {})
     if spec.get("capture_dir"):
         os.environ[CAPTURE_DIR_ENV] = spec["capture_dir"]
     if spec.get("update"):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from test_reshard_files import save_model, stage_state
+from test_reshard_files import moe_weights, save_model, save_replicas, stage_state
 from test_resharding import llama_like
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
@@ -42,6 +42,15 @@ def test_inspect(checkpoint, capsys):
         info["geometry"]["reshardable"] and info["geometry"]["kinds"]["qkv_parallel"] == 8
     )  # weight and bias, 4 layers
     assert len(info["ranks"]) == 2 and all(f["checksum"] for r in info["ranks"] for f in r["files"])
+
+
+def test_inspect_and_verify_show_experts_saved_per_replica(tmp_path, capsys):
+    save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
+    assert cli(["inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "TP=1 PP=1 DP=2" in text and "EP=2 linear" in text and "written by each of 2 replicas" in text
+    assert "pp 0 dp 1 tp 0  model-dp-1-rank-0-part-0.safetensors" in text
+    assert cli(["verify", str(tmp_path)]) == 0
 
 
 def test_verify_good_and_bad(checkpoint, capsys):

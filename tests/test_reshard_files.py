@@ -613,3 +613,148 @@ def test_a_hub_rank_fetches_only_the_files_of_its_experts(tmp_path):
     rank0 = {f.name for f in manifest.rank(0, 0).files}
     assert mine and set(mine) <= rank0
     assert set(both) - rank0
+
+
+# ------------------------------------------------ experts saved per data-parallel replica (DP x EP)
+
+NORM = "model.norm.weight"
+
+
+def replica_rank(weights, tp_size, dp_size, strategy, dp_rank, tp_rank):
+    """RankInfo and local tensors of one worker of an engine at TP x DP under expert parallelism
+    (EP size = TP x DP, EP rank = dp_rank * tp_size + tp_rank), with a replicated norm beside
+    its experts: every replica holds the same norm."""
+    from vllm_sharded_loader.planning.experts import expert_placement
+
+    w1, w3, w2, bias = weights
+    placement = expert_placement(w1.shape[0], tp_size * dp_size, strategy)
+    ep_rank = dp_rank * tp_size + tp_rank
+    ids = list(placement.experts[ep_rank])
+    prefix = "model.layers.0.mlp.experts."
+    state = {
+        prefix + "w13_weight": torch.cat([w1[ids], w3[ids]], dim=1).contiguous(),
+        prefix + "w2_weight": w2[ids].contiguous(),
+        prefix + "w2_bias": bias[ids].contiguous(),
+        NORM: torch.arange(w1.shape[2], dtype=torch.float32),
+    }
+    return RankInfo(tp_rank, tp_size, experts=placement, ep_rank=ep_rank, dp_rank=dp_rank, dp_size=dp_size), state
+
+
+def save_replicas(directory, weights, tp_size, dp_size, strategy, opaque_w2=False):
+    """Save as the hook does under TP x DP with expert parallelism: replica 0 writes all it
+    holds, each later replica only its experts."""
+    from vllm_sharded_loader.format.geometry import replicated
+
+    ranks = {}
+    for d in range(dp_size):
+        for t in range(tp_size):
+            rank, state = replica_rank(weights, tp_size, dp_size, strategy, d, t)
+            ranks[rank] = state if d == 0 else {n: x for n, x in state.items() if n != NORM}
+    geometry = moe_geometry(*weights[0].shape, opaque_w2=opaque_w2)
+    geometry[NORM] = replicated([weights[0].shape[2]], "RMSNorm").to_dict()
+    return save_checkpoint(
+        str(directory),
+        ranks,
+        dtype="float32",
+        source=SOURCE,
+        max_size=4096,
+        geometry=geometry,
+        experts=next(iter(ranks)).experts,
+    )
+
+
+def serving_ranks(weights, serving):
+    """Every worker of a serving topology: (TP, DP, strategy), or (TP, strategy) from PLACEMENTS."""
+    if len(serving) == 3:
+        tp, dp, strategy = serving
+        return [replica_rank(weights, tp, dp, strategy, d, t) for d in range(dp) for t in range(tp)]
+    ranks = []
+    for t in range(serving[0]):
+        rank, state = moe_rank(weights, serving[0], serving[1], t)
+        state[NORM] = torch.arange(weights[0].shape[2], dtype=torch.float32)
+        ranks.append((rank, state))
+    return ranks
+
+
+REPLICA_SAVES = [(1, 2, "linear"), (2, 2, "round_robin"), (1, 4, "linear")]
+
+
+@pytest.mark.parametrize(
+    "serving", [*REPLICA_SAVES, (2, 3, "linear"), *PLACEMENTS], ids=lambda p: "to-" + "-".join(map(str, p))
+)
+@pytest.mark.parametrize("saved", REPLICA_SAVES, ids=lambda p: "tp{}-dp{}-{}".format(*p))
+def test_experts_saved_per_replica_load_at_every_placement(tmp_path, saved, serving):
+    """A save under TP x DP with expert parallelism: each replica wrote its own experts, once,
+    and the norm only once. Every serving worker, of any replica, placement or TP size,
+    gets its experts byte for byte."""
+    weights = moe_weights()
+    manifest = save_replicas(tmp_path, weights, *saved)
+    tp, dp, _ = saved
+    assert manifest.replicas == dp and len(manifest.ranks) == tp * dp
+    assert [e.dp_rank for e in manifest.ranks] == [d for d in range(dp) for _ in range(tp)]
+    assert sum(NORM in e.tensors for e in manifest.ranks) == tp  # the first replica's ranks only
+    files = [f.name for e in manifest.ranks for f in e.files]
+    assert len(files) == len(set(files)) and all("-dp-" in f for f in files)
+    manifest = read_manifest(str(tmp_path))  # and it parses back, checked
+    for rank, expected in serving_ranks(weights, serving):
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        for name, x in expected.items():
+            assert torch.equal(targets[name], x), (name, rank)
+
+
+def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(tmp_path):
+    """Experts without geometry (a quantized MoE's) saved per replica: each worker of the saved
+    placement copies its own EP rank's, a later replica's included; another placement is refused."""
+    weights = moe_weights()
+    save_replicas(tmp_path, weights, 1, 2, "linear", opaque_w2=True)
+    manifest = read_manifest(str(tmp_path))
+    for rank, expected in serving_ranks(weights, (1, 2, "linear")):
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
+    rank, expected = serving_ranks(weights, (1, 2, "round_robin"))[1]
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    with pytest.raises(ShardedStateError, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry"):
+        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+    assert all(bool((x == -7).all()) for x in targets.values())
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d["ranks"].pop(), r"ranks \(pp_rank, dp_rank, tp_rank\) \[\(0, 1, 0\)\] are missing"),
+        (lambda d: d["ranks"][1].__setitem__("dp_rank", 0), "listed twice"),
+        (lambda d: d["ranks"][1]["tensors"].__setitem__(NORM, d["ranks"][0]["tensors"][NORM]), "points at"),
+        (lambda d: d.__setitem__("pattern", "model-rank-{rank}-part-{part}.safetensors"), "data-parallel rank"),
+        (lambda d: d["expert_placement"].__setitem__("ep_size", 1), "lists 2 ranks for ep_size 1"),
+    ],
+    ids=["replica-missing", "replica-duplicated", "foreign-file", "pattern-without-dp", "ep-size"],
+)
+def test_a_damaged_replica_manifest_is_refused(tmp_path, edit, match):
+    save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
+    with pytest.raises(ShardedStateError, match=match):
+        edit_manifest(tmp_path, edit)
+
+
+def test_a_later_replica_holding_more_than_its_experts_is_refused(tmp_path):
+    """A later replica's entry may hold only what the first replica's same rank holds (its
+    experts): a tensor only it lists is refused when the manifest is read."""
+    save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
+
+    def add(data):
+        entry = data["ranks"][1]
+        entry["tensors"]["model.extra"] = dict(next(iter(entry["tensors"].values())))
+
+    with pytest.raises(ShardedStateError, match=r"replica 1 .* lists tensors replica 0 does not: \['model.extra'\]"):
+        edit_manifest(tmp_path, add)
+
+
+def test_only_the_first_replica_saves_without_experts_placed_across_replicas(tmp_path):
+    weights = moe_weights()
+    ranks = dict(moe_rank(weights, 1, None, 0) for _ in range(1))
+    (rank,) = ranks
+    ranks[RankInfo(0, 1, dp_rank=1, dp_size=2)] = ranks[rank]
+    with pytest.raises(ShardedStateError, match="Only the first data-parallel replica writes"):
+        save_checkpoint(str(tmp_path), ranks, dtype="float32", source=SOURCE)
+    assert not list(tmp_path.iterdir())

@@ -20,7 +20,7 @@ import pytest
 import torch
 from s3_server import SeaweedS3
 from states import SOURCE
-from test_reshard_files import save_model, source_of, stage_state
+from test_reshard_files import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
 from test_resharding import llama_like
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
@@ -99,6 +99,19 @@ def test_a_checkpoint_in_a_bucket_loads_at_its_topology_and_resharded(s3, saved,
             assert torch.equal(targets[name], x), name
         assert stats.bytes_mapped == 0  # objects are read, never mapped
         assert (stats.resharded_from is None) == (saved == serving)
+
+
+def test_experts_saved_per_replica_into_a_bucket_load_at_every_rank(s3):
+    """Experts saved under DP=2 x EP=2 into a bucket (each replica's own objects), loaded by both
+    replicas at the saved placement and by TP=2 ranks without expert parallelism."""
+    weights, url = moe_weights(), new_prefix()
+    manifest = save_replicas(url, weights, 1, 2, "linear")
+    assert manifest.replicas == 2 and "model-dp-1-rank-0-part-0.safetensors" in keys(s3, url)
+    for serving in [(1, 2, "linear"), (2, None)]:
+        for rank, expected in serving_ranks(weights, serving):
+            targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+            load_rank(url, targets, rank, manifest=read_manifest(url), verify="checksum")
+            assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
 
 
 def test_reads_are_ranged_and_only_what_a_resharding_rank_needs(s3, tmp_path):

@@ -93,7 +93,12 @@ def load_rank(
         # Raise: nothing to reshard with.
         check_topology(manifest, rank, directory)
         check_expert_placement(
-            manifest.experts, rank.experts, serving_ep_rank=rank.ep_rank, tp_rank=rank.tp_rank, where=directory
+            manifest.experts,
+            rank.experts,
+            serving_ep_rank=rank.ep_rank,
+            tp_rank=rank.tp_rank,
+            saved_tp_size=manifest.tp_size,
+            where=directory,
         )
     # The checks: the model served and how it splits its tensors, ...
     if serving is not None:

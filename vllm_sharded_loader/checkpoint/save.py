@@ -83,7 +83,8 @@ def publish_rank(staged: StagedRank) -> RankEntry:
         if (
             fields is not None
             and name not in keep
-            and (fields.get("tp_rank", 0), fields.get("pp_rank", 0)) == (staged.rank.tp_rank, staged.rank.pp_rank)
+            and (fields.get("tp_rank", 0), fields.get("pp_rank", 0), fields.get("dp_rank", 0))
+            == (staged.rank.tp_rank, staged.rank.pp_rank, staged.rank.saved_dp_rank)
         ):
             os.remove(os.path.join(staged.directory, name))
     fsync_directory(staged.directory)
@@ -144,10 +145,17 @@ def save_checkpoint(
     (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name) lets the
     checkpoint be served at another TP/PP size; ``tied`` lists names saved once for several;
     ``experts`` is where the ranks' routed experts are placed (expert parallelism; EP rank =
-    TP rank).
+    TP rank, or, with ranks of several data-parallel replicas, ``dp_rank * tp_size + tp_rank``:
+    then each replica after the first gives only its expert tensors).
     """
-    infos = sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))
-    pattern = pattern or default_pattern(infos[0].pp_size)
+    infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
+    replicas = infos[0].replicas
+    if any(r.dp_rank >= replicas for r in infos):
+        raise ShardedStateError(
+            "Only the first data-parallel replica writes a save, unless its experts are placed across the "
+            f"replicas (EP size = TP x DP); ranks of replica {max(r.dp_rank for r in infos)} were given."
+        )
+    pattern = pattern or default_pattern(infos[0].pp_size, replicas)
 
     def manifest_of(entries: Sequence[RankEntry]) -> Manifest:
         return Manifest(
@@ -160,6 +168,7 @@ def save_checkpoint(
             geometry=dict(geometry or {}),
             tied=tied,
             experts=experts,
+            dp_size=infos[0].dp_size,
         )
 
     if is_remote(directory):

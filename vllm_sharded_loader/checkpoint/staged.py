@@ -61,18 +61,22 @@ def stage_rank(
     written so far are removed and the error names the file and what to do.
     ``progress`` is called as ``progress(bytes_written_now, bytes_total)``, first with 0.
     """
-    pattern = pattern or default_pattern(rank.pp_size)
-    validate_pattern(pattern, rank.tp_size, rank.pp_size)
+    pattern = pattern or default_pattern(rank.pp_size, rank.replicas)
+    validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
     token = token or new_token()
     os.makedirs(directory, exist_ok=True)
     sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
     parts = plan_parts(sizes, max_size)
-    names = [render_file_name(pattern, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, part=i) for i in range(len(parts))]
+    dp_rank = rank.saved_dp_rank
+    names = [
+        render_file_name(pattern, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=dp_rank, part=i)
+        for i in range(len(parts))
+    ]
     if len(set(names)) != len(names):
         raise ShardedStateError(f"File pattern {pattern!r} renders the same name for two parts of {rank}.")
     files: list[FileEntry] = []
     entries: dict[str, TensorEntry] = {}
-    staged = StagedRank(directory, rank, pattern, max_size, RankEntry(rank.tp_rank, rank.pp_rank, (), {}))
+    staged = StagedRank(directory, rank, pattern, max_size, RankEntry(rank.tp_rank, rank.pp_rank, (), {}, dp_rank))
     total = sum(size for _, size in sizes)
     if progress is not None:
         progress(0, total)
@@ -96,7 +100,7 @@ def stage_rank(
     except BaseException:
         discard_rank(staged)
         raise
-    staged.entry = RankEntry(rank.tp_rank, rank.pp_rank, tuple(files), entries)
+    staged.entry = RankEntry(rank.tp_rank, rank.pp_rank, tuple(files), entries, dp_rank)
     return staged
 
 

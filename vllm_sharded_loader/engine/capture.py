@@ -32,7 +32,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,6 +71,9 @@ CAPTURE_DIR_ENV = "SHARDED_STATE_CAPTURE_DIR"
 CAPTURE_PATTERN_ENV = "SHARDED_STATE_CAPTURE_PATTERN"
 CAPTURE_MAX_SIZE_ENV = "SHARDED_STATE_CAPTURE_MAX_SIZE"
 OVERWRITE_ENV = "SHARDED_STATE_OVERWRITE"
+# How long a save under data + expert parallelism waits for every replica to call it.
+REPLICA_TIMEOUT_ENV = "SHARDED_STATE_REPLICA_TIMEOUT"
+DEFAULT_REPLICA_TIMEOUT = 600.0
 LOADED_STATE_ATTRIBUTE = "_vllm_sharded_loaded_state"
 RECORD_ERROR_ATTRIBUTE = "_vllm_sharded_record_error"
 
@@ -87,6 +91,8 @@ class LoadedState:
     tied: list[list[str]] = field(default_factory=list)
     # Where the routed experts live under expert parallelism (None: without).
     experts: ExpertPlacement | None = None
+    # The names a later data-parallel replica writes (its own experts; empty: it writes nothing).
+    per_replica: frozenset[str] = frozenset()
     # The state written at start-up (staged, or published in place by a save).
     capture: StagedRank | None = field(default=None)
     # Calls of the model's load_weights since (weight updates): the capture is stale.
@@ -122,8 +128,8 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     """Record (and, if asked, capture to disk) the state a worker has just loaded."""
     state_dict = model.state_dict()
     tensors = saveable_state(state_dict)
-    rank = current_rank()
     experts, ep_rank = model_expert_placement(model)
+    rank = replace(current_rank(), experts=experts, ep_rank=ep_rank)
     state = LoadedState(
         signature={n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in tensors.items()},
         source=source_identity(model, model_config),
@@ -135,17 +141,25 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         },
         tied=tied_groups(state_dict, tensors),
         experts=experts,
+        per_replica=frozenset(_expert_tensors(model, tensors)) if rank.replicas > 1 else frozenset(),
     )
-    # Data-parallel replicas hold the same slices: only the first captures them (see the save
-    # hook). A speculative drafter loads too, with its own config: the capture (and the save)
-    # are the served model's, and a drafter's staged files would be left in the checkpoint.
-    settings = capture_settings() if _data_parallel_replica()[0] == 0 and not is_drafter(model_config) else None
+    # Data-parallel replicas hold the same slices: only the first captures them, the others
+    # only their own experts, if placed across replicas (see the save hook). A speculative
+    # drafter loads too, with its own config: the capture (and the save) are the served
+    # model's, and a drafter's staged files would be left in the checkpoint.
+    writes = rank.dp_rank == 0 or bool(state.per_replica)
+    settings = capture_settings() if writes and not is_drafter(model_config) else None
     if settings is not None:
         directory, pattern, max_size = settings
         # Staged under temporary names: nothing is published until the save hook runs.
         with ByteProgress(f"Saving sharded_state ({rank})", _show_progress()) as progress:
             state.capture = stage_rank(
-                directory, tensors, rank, pattern or default_pattern(rank.pp_size), max_size, progress=progress
+                directory,
+                _written(rank, state, tensors),
+                rank,
+                pattern or default_pattern(rank.pp_size, rank.replicas),
+                max_size,
+                progress=progress,
             )
         logger.info(
             "vllm_sharded_loader: %s saved %.1f MB in %d files to %s in %.3f s (%.2f GB/s, fsynced, checksummed)",
@@ -291,29 +305,68 @@ def _stage_for_save(
                 f"be proven to reload ({e}). Write the updated weights out in the Hugging Face format, start an "
                 f"engine from them with {CAPTURE_DIR_ENV}=<dir>, and save that engine."
             ) from e
-        return stage_rank(path, live, rank, pattern, max_size, token)
+        return stage_rank(path, _written(rank, state, live), rank, pattern, max_size, token)
     if capture is not None:
         in_place = os.path.isdir(path) and os.path.samefile(capture.directory, path)
         if in_place and (capture.pattern, capture.max_size) == (pattern, max_size):
             return capture
         return stage_rank(path, open_staged_tensors(capture), rank, pattern, max_size, token)
-    return stage_rank(path, _live_state_if_unchanged(model, state), rank, pattern, max_size, token)
+    live = _live_state_if_unchanged(model, state)
+    return stage_rank(path, _written(rank, state, live), rank, pattern, max_size, token)
+
+
+def _expert_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of ``tensors`` that routed-expert layers hold: each EP rank's own experts."""
+    return [name for name in tensors if (module := _owner(model, name)) is not None and _is_experts(module)]
+
+
+def _written(rank: RankInfo, state: LoadedState, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What this worker writes of its state: all of it in the first data-parallel replica;
+    in a later one, which holds the same slices but for its experts, only those."""
+    if rank.saved_dp_rank == 0:
+        return tensors
+    return {name: t for name, t in tensors.items() if name in state.per_replica}
 
 
 class _Workers:
-    """Steps that every worker of one model replica runs together, failing together.
+    """Steps that every worker of one save runs together, failing together.
 
-    The exchange spans this replica's tensor- and pipeline-parallel workers only (its TP
-    group, then its PP group), never vLLM's world group, which with data parallelism
-    also spans replicas that may never reach the save: they would hang it.
+    The exchange spans this replica's tensor- and pipeline-parallel workers (its TP group,
+    then its PP group), and the data-parallel replicas only when each writes its own
+    experts. Never vLLM's world group otherwise: with data parallelism it also spans
+    replicas that may never reach the save, and they would hang it. When the replicas
+    take part, :meth:`wait_for_replicas` bounds the wait for them.
     """
 
     def __init__(self, rank: RankInfo) -> None:
         from vllm.distributed import get_pp_group, get_tp_group
+        from vllm.distributed.parallel_state import get_dp_group
 
         self.rank = rank
-        self.groups = [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
-        self.first = rank.tp_rank == 0 and rank.pp_rank == 0
+        groups = [get_tp_group(), get_pp_group()] + ([get_dp_group()] if rank.replicas > 1 else [])
+        self.groups = [g for g in groups if g.world_size > 1]
+        self.first = rank.tp_rank == 0 and rank.pp_rank == 0 and rank.dp_rank == 0
+
+    def wait_for_replicas(self) -> None:
+        """Wait, at most ``SHARDED_STATE_REPLICA_TIMEOUT`` seconds, until every data-parallel replica
+        has called the save; raise naming the ones that did not (each writes its own experts)."""
+        if self.rank.replicas == 1:
+            return
+        from vllm.distributed.parallel_state import get_dp_group
+
+        seconds = float(os.environ.get(REPLICA_TIMEOUT_ENV) or DEFAULT_REPLICA_TIMEOUT)
+        try:
+            # Gloo's monitored barrier: every rank that arrived raises once the timeout passes.
+            torch.distributed.monitored_barrier(
+                group=get_dp_group().cpu_group, timeout=timedelta(seconds=seconds), wait_all_ranks=True
+            )
+        except RuntimeError as e:
+            raise ShardedStateError(
+                f"Refusing to save: under expert parallelism each of the {self.rank.dp_size} data-parallel replicas "
+                f"writes its own experts, and not all of them called save_sharded_state within {seconds:g} s "
+                f"({REPLICA_TIMEOUT_ENV}; {e}). Call it on every replica: in each data-parallel process of an "
+                "offline engine (vLLM's serve reaches them all through collective_rpc). Nothing was written."
+            ) from e
 
     def run(self, step: Any, only_first: bool = False) -> list[Any]:
         """Run ``step`` here (or only on the first worker), exchange results, raise if any failed.
@@ -335,28 +388,8 @@ class _Workers:
         return [value for _, value in outcomes]
 
 
-def _data_parallel_replica() -> tuple[int, int]:
-    """(this replica's data-parallel rank, the data-parallel size)."""
-    from vllm.distributed.parallel_state import get_dp_group
-
-    try:
-        group = get_dp_group()
-    except AssertionError:  # no data-parallel group: a single replica
-        return 0, 1
-    return group.rank_in_group, group.world_size
-
-
 def _is_experts(module: torch.nn.Module) -> bool:
     return any(c.__name__ == "RoutedExperts" for c in type(module).__mro__)
-
-
-def _expert_parallel() -> bool:
-    from vllm.config import get_current_vllm_config
-
-    try:
-        return bool(get_current_vllm_config().parallel_config.enable_expert_parallel)
-    except Exception:  # outside an engine's config context
-        return False
 
 
 def _loaded(model: torch.nn.Module, state: LoadedState | None) -> LoadedState:
@@ -376,7 +409,7 @@ def _loaded(model: torch.nn.Module, state: LoadedState | None) -> LoadedState:
     )
 
 
-def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[Any], dp_size: int = 1) -> Manifest:
+def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[Any]) -> Manifest:
     """The manifest of a save, from every worker's (rank entry, geometry, tied names, expert placement)."""
     placements = {p for _, _, _, p in outcomes if p is not None}
     if len(placements) > 1:
@@ -387,11 +420,11 @@ def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[A
         dtype=state.dtype,
         pattern=pattern,
         source=state.source,
-        ranks=tuple(sorted((entry for entry, _, _, _ in outcomes), key=lambda e: (e.pp_rank, e.tp_rank))),
+        ranks=tuple(sorted((entry for entry, _, _, _ in outcomes), key=lambda e: (e.pp_rank, e.dp_rank, e.tp_rank))),
         geometry={name: g for _, geometry, _, _ in outcomes for name, g in geometry.items()},
         tied=tuple(sorted({tuple(group) for _, _, tied, _ in outcomes for group in tied})),
         experts=next(iter(placements), None),
-        dp_size=dp_size,
+        dp_size=rank.dp_size,
     )
 
 
@@ -403,7 +436,6 @@ def _save_to_objects(
     pattern: str,
     max_size: int | None,
     overwrite: bool,
-    dp_size: int = 1,
 ) -> None:
     """The save hook into object storage: :mod:`..checkpoint.remote_save`'s steps across workers.
 
@@ -418,7 +450,7 @@ def _save_to_objects(
     scratch: str | None = None  # a staging folder made here, when there is no capture to use
 
     def check_and_lock() -> None:
-        validate_pattern(pattern, rank.tp_size, rank.pp_size)
+        validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
         remote_save.begin(url, token, overwrite)
 
     def stage_and_upload() -> tuple[RankEntry, dict[str, Any], list[list[str]], ExpertPlacement | None]:
@@ -442,7 +474,7 @@ def _save_to_objects(
         workers.run(check_and_lock, only_first=True)
         begun = True
         outcomes = workers.run(stage_and_upload)
-        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes, dp_size)
+        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
         workers.run(lambda: remote_save.publish(url, manifest), only_first=True)
     except ShardedStateError as e:
         if staged is not None and staged is not (state and state.capture):
@@ -473,26 +505,29 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     manifest. A failure before the swap removes what was staged and the lock, and
     leaves any previous checkpoint intact.
     """
-    rank = current_rank()
-    dp_rank, dp_size = _data_parallel_replica()
-    if dp_size > 1:
-        if _expert_parallel() or any(_is_experts(m) for m in model.modules()):
-            # vLLM splits MoE experts across replicas (expert parallel, or TP flattened across DP).
+    state: LoadedState | None = getattr(model, LOADED_STATE_ATTRIBUTE, None)
+    rank = replace(current_rank(), experts=None if state is None else state.experts)
+    if rank.dp_size > 1 and rank.replicas == 1:
+        if any(_is_experts(m) for m in model.modules()):
+            _loaded(model, state)  # without a recorded state (and placement), that is the reason to give
+            # Without expert parallelism vLLM flattens TP across the replicas for the experts:
+            # each replica holds a slice of every expert, a layout this version does not record.
             raise ShardedStateError(
-                f"Refusing to save: the model's experts are split across its {dp_size} data-parallel replicas, "
-                "and this version does not record that placement yet. Save from an engine without data "
+                f"Refusing to save: the model's experts are split across its {rank.dp_size} data-parallel replicas "
+                "without expert parallelism (vLLM then splits each expert across TP x DP ranks), a layout this "
+                "version does not record. Save from an engine with enable_expert_parallel=True, or without data "
                 "parallelism (data_parallel_size=1)."
             )
-        if dp_rank > 0:
+        if rank.dp_rank > 0:
             # Replicas hold the same slices: replica 0 writes them, once.
-            logger.info("sharded_state: data-parallel replica %d leaves the save to replica 0", dp_rank)
+            logger.info("sharded_state: data-parallel replica %d leaves the save to replica 0", rank.dp_rank)
             return
     workers = _Workers(rank)
-    state: LoadedState | None = getattr(model, LOADED_STATE_ATTRIBUTE, None)
-    pattern = pattern or default_pattern(rank.pp_size)
+    workers.wait_for_replicas()
+    pattern = pattern or default_pattern(rank.pp_size, rank.replicas)
     overwrite = os.environ.get(OVERWRITE_ENV, "").lower() in ("1", "true", "yes")
     if is_remote(path):
-        _save_to_objects(model, state, workers, path, pattern, max_size, overwrite, dp_size)
+        _save_to_objects(model, state, workers, path, pattern, max_size, overwrite)
         return
     path = os.path.abspath(path)
     token = new_token()
@@ -501,7 +536,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     swapped = False
 
     def check_and_lock() -> SaveLock:
-        validate_pattern(pattern, rank.tp_size, rank.pp_size)
+        validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
         return acquire_save_lock(path, token, overwrite)
 
     def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]], ExpertPlacement | None]:
@@ -518,7 +553,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         swapped = True
         workers.run(lambda: remove_manifest(path), only_first=True)
         workers.run(lambda: publish_rank(staged))
-        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes, dp_size)
+        manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
         workers.run(lambda: write_manifest(path, manifest, lock), only_first=True)
     except ShardedStateError as e:
         if not swapped:

@@ -14,11 +14,23 @@ if TYPE_CHECKING:
 
 
 def current_rank() -> RankInfo:
-    """This worker's place in the tensor- and pipeline-parallel grid."""
+    """This worker's place in the tensor- and pipeline-parallel grid, and its data-parallel replica."""
     from vllm.distributed import get_pp_group, get_tp_group
 
     tp, pp = get_tp_group(), get_pp_group()
-    return RankInfo(tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size)
+    dp_rank, dp_size = data_parallel_replica()
+    return RankInfo(tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def data_parallel_replica() -> tuple[int, int]:
+    """(this replica's data-parallel rank, the data-parallel size)."""
+    from vllm.distributed.parallel_state import get_dp_group
+
+    try:
+        group = get_dp_group()
+    except AssertionError:  # no data-parallel group: a single replica
+        return 0, 1
+    return group.rank_in_group, group.world_size
 
 
 def is_drafter(model_config: Any) -> bool:

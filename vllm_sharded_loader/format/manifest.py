@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Any
 
 from .errors import ShardedStateError
-from .experts import ExpertPlacement
+from .experts import ExpertPlacement, writing_replicas
 from .geometry import TensorGeometry
 from .names import MANIFEST_NAME, check_plain_file_name, parse_file_name, validate_pattern
 from .source import SourceModel
@@ -71,12 +71,17 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class RankEntry:
-    """What one (pp_rank, tp_rank) worker wrote."""
+    """What one (pp_rank, tp_rank) worker wrote.
+
+    ``dp_rank`` is the data-parallel replica, 0 unless each replica wrote its own experts
+    (:attr:`Manifest.replicas`); a later replica's entry holds only its expert tensors.
+    """
 
     tp_rank: int
     pp_rank: int
     files: tuple[FileEntry, ...]
     tensors: dict[str, TensorEntry]
+    dp_rank: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -100,23 +105,29 @@ class Manifest:
     geometry: dict[str, Any] = field(default_factory=dict, compare=False)
     tied: tuple[tuple[str, ...], ...] = ()
     # Where the routed experts live when saved with expert parallelism (None: without), and
-    # the data-parallel size of the saving engine (its replicas hold the same slices; one
-    # wrote them).
+    # the data-parallel size of the saving engine (its replicas hold the same slices but
+    # for their experts; see :attr:`replicas`).
     experts: ExpertPlacement | None = None
     dp_size: int = 1
+
+    @property
+    def replicas(self) -> int:
+        """How many data-parallel replicas wrote files: each its own experts when the expert-parallel
+        group spans them (EP size = TP x DP), otherwise only the first."""
+        return writing_replicas(self.experts, self.tp_size, self.dp_size)
 
     @cached_property
     def geometries(self) -> dict[str, TensorGeometry]:
         """:attr:`geometry` parsed and checked, once (:meth:`from_json` fills it as it validates)."""
         return {name: TensorGeometry.from_dict(g, name) for name, g in self.geometry.items()}
 
-    def rank(self, tp_rank: int, pp_rank: int) -> RankEntry:
+    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> RankEntry:
         """The entry of one worker; a :class:`ShardedStateError` if it is absent."""
         for entry in self.ranks:
-            if entry.tp_rank == tp_rank and entry.pp_rank == pp_rank:
+            if (entry.tp_rank, entry.pp_rank, entry.dp_rank) == (tp_rank, pp_rank, dp_rank):
                 return entry
         raise ShardedStateError(
-            f"{MANIFEST_NAME} has no entry for pp_rank={pp_rank} tp_rank={tp_rank} "
+            f"{MANIFEST_NAME} has no entry for {rank_label(pp_rank, tp_rank, dp_rank)} "
             f"(it lists {len(self.ranks)} ranks for TP={self.tp_size} PP={self.pp_size}). "
             "The manifest is damaged: save the checkpoint again."
         )
@@ -173,7 +184,6 @@ class Manifest:
         if tp_size * pp_size > MAX_RANKS:
             raise reader.fail(f"TP={tp_size} x PP={pp_size} is more than {MAX_RANKS} ranks")
         pattern = reader.string(obj, "pattern")
-        validate_pattern(pattern, tp_size, pp_size)
         src = reader.mapping(obj.get("source"), "source")
         source = SourceModel(
             architecture=reader.string(src, "architecture"),
@@ -210,11 +220,17 @@ class Manifest:
         return manifest
 
 
+def rank_label(pp_rank: int, tp_rank: int, dp_rank: int = 0) -> str:
+    """``pp_rank=0 tp_rank=1``, with `` dp_rank=1`` for a later data-parallel replica's entry."""
+    return f"pp_rank={pp_rank} tp_rank={tp_rank}" + (f" dp_rank={dp_rank}" if dp_rank else "")
+
+
 def rank_to_dict(entry: RankEntry) -> dict[str, Any]:
     """JSON data of one rank's entry."""
     return {
         "tp_rank": entry.tp_rank,
         "pp_rank": entry.pp_rank,
+        **({"dp_rank": entry.dp_rank} if entry.dp_rank else {}),
         "files": [file_to_dict(f) for f in entry.files],
         "tensors": {
             name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
@@ -232,19 +248,34 @@ def file_to_dict(f: FileEntry) -> dict[str, Any]:
 
 
 def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -> None:
-    """Cross-field checks: every rank once, files unique, tensors point at listed files."""
-    expected = {(pp, tp) for pp in range(manifest.pp_size) for tp in range(manifest.tp_size)}
-    seen: set[tuple[int, int]] = set()
-    owners: dict[str, tuple[int, int]] = {}
+    """Cross-field checks: every rank once, files unique and named for their rank, tensors
+    point at listed files, and a later replica's entry holds only what the first one's does."""
+    replicas = manifest.replicas
+    if manifest.tp_size * manifest.pp_size * replicas > MAX_RANKS:
+        raise ShardedStateError(
+            f"{where}: TP={manifest.tp_size} x PP={manifest.pp_size} x {replicas} replicas is more than "
+            f"{MAX_RANKS} ranks. The manifest is damaged: save the checkpoint again."
+        )
+    validate_pattern(manifest.pattern, manifest.tp_size, manifest.pp_size, replicas)
+    expected = {
+        (pp, dp, tp) for pp in range(manifest.pp_size) for dp in range(replicas) for tp in range(manifest.tp_size)
+    }
+    seen: set[tuple[int, int, int]] = set()
+    owners: dict[str, tuple[int, int, int]] = {}
+    first: dict[tuple[int, int], set[str]] = {}
     for entry in manifest.ranks:
-        key = (entry.pp_rank, entry.tp_rank)
+        key = (entry.pp_rank, entry.dp_rank, entry.tp_rank)
+        rank = rank_label(entry.pp_rank, entry.tp_rank, entry.dp_rank)
         if key not in expected or key in seen:
             raise ShardedStateError(
-                f"{where}: rank pp_rank={entry.pp_rank} tp_rank={entry.tp_rank} is "
-                f"{'listed twice' if key in seen else 'outside the topology'} for "
-                f"TP={manifest.tp_size} PP={manifest.pp_size}. Save the checkpoint again."
+                f"{where}: rank {rank} is {'listed twice' if key in seen else 'outside the topology'} for "
+                f"TP={manifest.tp_size} PP={manifest.pp_size}"
+                + (f" and {replicas} data-parallel replicas" if replicas > 1 else "")
+                + ". Save the checkpoint again."
             )
         seen.add(key)
+        if entry.dp_rank == 0:
+            first[(entry.pp_rank, entry.tp_rank)] = set(entry.tensors)
         names = {f.name for f in entry.files}
         for f in entry.files:
             if f.name in owners:
@@ -254,25 +285,35 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
             # manifest would otherwise serve one rank's shards to another.
             parsed = parse_file_name(manifest.pattern, f.name)
             if parsed is None or any(
-                parsed.get(k, v) != v for k, v in (("tp_rank", entry.tp_rank), ("pp_rank", entry.pp_rank))
+                parsed.get(k, v) != v
+                for k, v in (("tp_rank", entry.tp_rank), ("pp_rank", entry.pp_rank), ("dp_rank", entry.dp_rank))
             ):
                 raise ShardedStateError(
-                    f"{where}: file {f.name!r} is listed by pp_rank={entry.pp_rank} tp_rank={entry.tp_rank}, "
-                    f"but the pattern {manifest.pattern!r} does not name that rank's files so. The manifest is "
-                    "damaged: save the checkpoint again."
+                    f"{where}: file {f.name!r} is listed by {rank}, but the pattern {manifest.pattern!r} does not "
+                    "name that rank's files so. The manifest is damaged: save the checkpoint again."
                 )
         for tensor_name, t in entry.tensors.items():
             if t.file not in names:
                 raise ShardedStateError(
-                    f"{where}: tensor {tensor_name!r} of pp_rank={entry.pp_rank} "
-                    f"tp_rank={entry.tp_rank} points at {t.file!r}, which that rank does not list."
+                    f"{where}: tensor {tensor_name!r} of {rank} points at {t.file!r}, which that rank does not list."
                 )
     missing = sorted(expected - seen)
     if missing:
         raise ShardedStateError(
-            f"{where}: ranks (pp_rank, tp_rank) {missing} are missing for TP={manifest.tp_size} "
-            f"PP={manifest.pp_size}. Save the checkpoint again."
+            f"{where}: ranks (pp_rank, dp_rank, tp_rank) {missing[:8]} are missing for TP={manifest.tp_size} "
+            f"PP={manifest.pp_size}"
+            + (f" and {replicas} data-parallel replicas" if replicas > 1 else "")
+            + ". Save the checkpoint again."
         )
+    for entry in manifest.ranks:
+        # A later replica writes only its experts, which the first replica's same rank holds too.
+        extra = sorted(set(entry.tensors) - first[(entry.pp_rank, entry.tp_rank)]) if entry.dp_rank else []
+        if extra:
+            raise ShardedStateError(
+                f"{where}: data-parallel replica {entry.dp_rank} (pp_rank={entry.pp_rank} tp_rank={entry.tp_rank}) "
+                f"lists tensors replica 0 does not: {extra[:3]}. A later replica writes only its own experts. "
+                "The manifest is damaged: save the checkpoint again."
+            )
 
 
 def _checksum(reader: JsonReader, obj: dict[str, Any], file_name: str) -> FileChecksum | None:
@@ -327,4 +368,5 @@ def _rank(reader: JsonReader, value: Any) -> RankEntry:
         pp_rank=reader.integer(obj, "pp_rank"),
         files=tuple(files),
         tensors=tensors,
+        dp_rank=reader.integer(obj, "dp_rank") if "dp_rank" in obj else 0,
     )

@@ -2,7 +2,9 @@
 
 A sharded checkpoint is a directory of safetensors files, one or more *parts* per
 (pp_rank, tp_rank) worker, named exactly as vLLM names them, plus ``sharded_state.json``,
-the manifest, written last. Pure: no I/O.
+the manifest, written last. A mixture-of-experts model saved under data and expert
+parallelism has experts that differ per data-parallel replica: each replica writes its
+own, and the names carry ``{dp_rank}`` too. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -19,21 +21,29 @@ LOCK_NAME = ".sharded_state.lock"
 
 TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
-DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN)
+# Under data + expert parallelism (each replica writes its own experts).
+DP_AND_TP_PATTERN = "model-dp-{dp_rank}-rank-{rank}-part-{part}.safetensors"
+PP_DP_AND_TP_PATTERN = "model-pp-{pp_rank}-dp-{dp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN, DP_AND_TP_PATTERN, PP_DP_AND_TP_PATTERN)
 # A file being written by a save, until the save publishes it by rename:
 # ``.<final name>.<save token>.partial``.
 STAGED_SUFFIX = ".partial"
 _STAGED = re.compile(r"\.(?P<final>.+)\.(?P<token>[0-9a-f]{1,64})" + re.escape(STAGED_SUFFIX) + r"\Z")
-PATTERN_FIELDS = frozenset({"pp_rank", "tp_rank", "rank", "part"})
+PATTERN_FIELDS = frozenset({"pp_rank", "dp_rank", "tp_rank", "rank", "part"})
 MAX_PATTERN_LENGTH = 255  # a file name
 
 
-def default_pattern(pp_size: int) -> str:
-    """vLLM's default file pattern for a pipeline-parallel size.
+def default_pattern(pp_size: int, replicas: int = 1) -> str:
+    """vLLM's default file pattern for a pipeline-parallel size; with ``{dp_rank}`` when
+    ``replicas`` data-parallel replicas write files (experts under expert parallelism).
 
     >>> default_pattern(1)
     'model-rank-{rank}-part-{part}.safetensors'
+    >>> default_pattern(1, replicas=2)
+    'model-dp-{dp_rank}-rank-{rank}-part-{part}.safetensors'
     """
+    if replicas > 1:
+        return PP_DP_AND_TP_PATTERN if pp_size > 1 else DP_AND_TP_PATTERN
     return PP_AND_TP_PATTERN if pp_size > 1 else TP_ONLY_PATTERN
 
 
@@ -45,11 +55,13 @@ def pattern_fields(pattern: str) -> set[str]:
         raise ShardedStateError(f"File pattern {pattern!r} is not a valid format string: {e}") from e
 
 
-def validate_pattern(pattern: str, tp_size: int, pp_size: int) -> None:
+def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1) -> None:
     """Check a file pattern as vLLM does, plus that it names a plain file.
 
     Every active parallel dimension needs its rank field, otherwise ranks would write
-    the same file and silently overwrite each other.
+    the same file and silently overwrite each other. ``replicas`` is how many
+    data-parallel replicas write files (more than 1 only for experts under expert
+    parallelism).
     """
     if len(pattern) > MAX_PATTERN_LENGTH:
         raise ShardedStateError(
@@ -71,7 +83,7 @@ def validate_pattern(pattern: str, tp_size: int, pp_size: int) -> None:
     if unsupported or "" in fields:
         raise ShardedStateError(
             f"File pattern {pattern!r} uses unsupported placeholder(s) {sorted(unsupported)}; "
-            "supported fields are pp_rank, tp_rank, rank and part."
+            "supported fields are pp_rank, dp_rank, tp_rank, rank and part."
         )
     if "/" in pattern or "\\" in pattern or pattern.startswith("."):
         raise ShardedStateError(
@@ -100,15 +112,26 @@ def validate_pattern(pattern: str, tp_size: int, pp_size: int) -> None:
             f"File pattern {pattern!r} does not embed the tensor parallel rank; TP workers "
             "would overwrite each other's shards."
         )
+    if replicas > 1 and "dp_rank" not in fields:
+        raise ShardedStateError(
+            f"File pattern {pattern!r} does not embed the data-parallel rank; under expert parallelism each of "
+            f"the {replicas} replicas writes its own experts, and they would overwrite each other. Use "
+            f"{default_pattern(pp_size, replicas)!r}."
+        )
+    if replicas == 1 and "dp_rank" in fields:
+        raise ShardedStateError(
+            f"File pattern {pattern!r} embeds the data-parallel rank, but only one replica writes files (each "
+            f"replica writes its own only for experts under expert parallelism). Use {default_pattern(pp_size)!r}."
+        )
 
 
-def render_file_name(pattern: str, *, tp_rank: int, pp_rank: int, part: int) -> str:
+def render_file_name(pattern: str, *, tp_rank: int, pp_rank: int, part: int, dp_rank: int = 0) -> str:
     """The file name of one part of one rank (``rank`` is an alias of ``tp_rank``).
 
     >>> render_file_name(TP_ONLY_PATTERN, tp_rank=1, pp_rank=0, part=0)
     'model-rank-1-part-0.safetensors'
     """
-    return pattern.format(pp_rank=pp_rank, tp_rank=tp_rank, rank=tp_rank, part=part)
+    return pattern.format(pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank, rank=tp_rank, part=part)
 
 
 def file_name_regex(pattern: str) -> re.Pattern[str]:
@@ -130,7 +153,7 @@ def file_name_regex(pattern: str) -> re.Pattern[str]:
 
 
 def parse_file_name(pattern: str, name: str) -> dict[str, int] | None:
-    """The (tp_rank, pp_rank, part) a file name was rendered from, or None.
+    """The (tp_rank, pp_rank, dp_rank, part) fields a file name was rendered from, or None.
 
     >>> parse_file_name(TP_ONLY_PATTERN, "model-rank-3-part-0.safetensors")
     {'tp_rank': 3, 'part': 0}

@@ -128,6 +128,7 @@ def check_expert_placement(
     *,
     serving_ep_rank: int = 0,
     tp_rank: int = 0,
+    saved_tp_size: int | None = None,
     where: str = "the checkpoint",
     why: str = "",
 ) -> None:
@@ -137,7 +138,8 @@ def check_expert_placement(
     geometry, or a tensor of experts whose layout it does not describe (``why`` says
     which). ``None`` is a model without expert parallelism (or without experts): each rank
     then holds a tensor-parallel slice of every expert. Serving the saved EP size as TP x DP
-    puts another EP rank on the saved TP rank, and is refused too.
+    puts another EP rank on the saved TP rank, and is refused too. ``saved_tp_size`` (default:
+    the saved EP size, no data parallelism) names the saved topology in the advice.
     """
     if not experts_moved(saved, serving, serving_ep_rank=serving_ep_rank, tp_rank=tp_rank):
         return
@@ -152,10 +154,11 @@ def check_expert_placement(
             "expert parallelism."
         )
     else:
+        tp = saved_tp_size or saved.ep_size
         advice = (
-            f"Serve it with enable_expert_parallel=True, tensor_parallel_size={saved.ep_size}, "
-            f"data_parallel_size=1 and expert_placement_strategy={saved.strategy!r}, or save it again from an "
-            "engine with the serving expert parallelism."
+            f"Serve it with enable_expert_parallel=True, tensor_parallel_size={tp}, "
+            f"data_parallel_size={saved.ep_size // tp} and expert_placement_strategy={saved.strategy!r}, or save "
+            "it again from an engine with the serving expert parallelism."
         )
     why = why or "the checkpoint records no geometry"
     raise ShardedStateError(

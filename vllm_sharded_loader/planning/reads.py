@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ..format.errors import ShardedStateError, listing
 from ..format.experts import ExpertPlacement
 from ..format.geometry import OPAQUE, REPLICATED, TensorGeometry
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, rank_label
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import dtype_size
 from .experts import check_expert_placement, expert_slots, experts_moved, rank_shape
@@ -133,11 +133,12 @@ class SavedTensor:
 
 @dataclass(frozen=True)
 class SavedRank:
-    """The tensors one saved (pp_rank, tp_rank) worker wrote."""
+    """The tensors one saved (pp_rank, tp_rank) worker of data-parallel replica ``dp_rank`` wrote."""
 
     tp_rank: int
     pp_rank: int
     tensors: Mapping[str, SavedTensor]
+    dp_rank: int = 0
 
 
 def plan_reads(
@@ -152,6 +153,7 @@ def plan_reads(
     saved_experts: ExpertPlacement | None = None,
     experts: ExpertPlacement | None = None,
     ep_rank: int = 0,
+    saved_replicas: int = 1,
 ) -> ReadPlan:
     """The reads that give serving rank ``tp_rank`` of ``tp_size`` each tensor in ``needed``.
 
@@ -167,10 +169,11 @@ def plan_reads(
     an error otherwise.
 
     Stacked experts are planned by global expert id: ``saved_experts`` is the placement
-    they were saved with (saved EP rank = saved TP rank) and ``experts`` and ``ep_rank`` the
-    serving one (None: no expert parallelism; see :func:`.experts.expert_slots`). Another
-    EP size or strategy, or none on either side, gives each serving slot its expert's
-    bytes wherever they were saved.
+    they were saved with and ``experts`` and ``ep_rank`` the serving one (None: no expert
+    parallelism; see :func:`.experts.expert_slots`). Another EP size or strategy, or none
+    on either side, gives each serving slot its expert's bytes wherever they were saved.
+    Saved EP rank ``dp_rank * saved_tp_size + tp_rank`` is the saved rank of that data-parallel
+    replica (``saved_replicas`` of them wrote their experts; 1: EP rank = TP rank).
 
     >>> from vllm_sharded_loader.format.geometry import column_parallel
     >>> saved = [SavedRank(0, 0, {"w": SavedTensor("f0", 100, 2, (4, 2), column_parallel([4, 2]))})]
@@ -181,12 +184,12 @@ def plan_reads(
     serving = f"pp_rank={pp_rank} tp_rank={tp_rank} (TP={tp_size})"
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ShardedStateError(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
-    index = _index_saved(saved, saved_tp_size)
-    if saved_experts is not None and saved_experts.ep_size != saved_tp_size:
+    index = _index_saved(saved, saved_tp_size, saved_replicas)
+    if saved_experts is not None and saved_experts.ep_size != saved_tp_size * saved_replicas:
         raise ShardedStateError(
-            f"The experts were saved {saved_experts.describe()} by TP={saved_tp_size} ranks; this version reads "
-            "only checkpoints saved without data parallelism (EP size = TP size). Save the checkpoint again "
-            "with data_parallel_size=1."
+            f"The experts were saved {saved_experts.describe()}, but TP={saved_tp_size} ranks of {saved_replicas} "
+            "data-parallel replica(s) wrote them; the EP size must be their product. The manifest is damaged: "
+            "save the checkpoint again."
         )
     places = _Places(saved_experts, experts, ep_rank, tp_rank)
     saved_as = tied_source(tied)
@@ -207,22 +210,33 @@ def plan_reads(
     return ReadPlan(tp_size, tp_rank, pp_rank, saved_tp_size, plans)
 
 
-def _index_saved(saved: Sequence[SavedRank], saved_tp_size: int) -> dict[str, dict[int, tuple[int, SavedTensor]]]:
-    """name -> saved tp_rank -> (pp_rank, tensor), the lowest pipeline stage winning."""
-    if saved_tp_size < 1:
-        raise ShardedStateError(f"The saved tensor parallel size must be >= 1, found {saved_tp_size}.")
+def _index_saved(
+    saved: Sequence[SavedRank], saved_tp_size: int, saved_replicas: int = 1
+) -> dict[str, dict[int, tuple[int, SavedTensor]]]:
+    """name -> saved rank -> (pp_rank, tensor), the lowest pipeline stage winning.
+
+    The saved rank of replica ``dp_rank``'s ``tp_rank`` is ``dp_rank * saved_tp_size + tp_rank``
+    (its EP rank): ranks below ``saved_tp_size`` are the first replica's, which hold every
+    tensor; later replicas hold only their experts.
+    """
+    if saved_tp_size < 1 or saved_replicas < 1:
+        raise ShardedStateError(
+            f"The saved tensor parallel size and replicas must be >= 1, found {saved_tp_size} and {saved_replicas}."
+        )
     index: dict[str, dict[int, tuple[int, SavedTensor]]] = {}
-    seen: set[tuple[int, int]] = set()
-    for rank in sorted(saved, key=lambda r: (r.pp_rank, r.tp_rank)):
-        if not 0 <= rank.tp_rank < saved_tp_size or (rank.pp_rank, rank.tp_rank) in seen:
+    seen: set[tuple[int, int, int]] = set()
+    for rank in sorted(saved, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank)):
+        key = (rank.pp_rank, rank.dp_rank, rank.tp_rank)
+        if not (0 <= rank.tp_rank < saved_tp_size and 0 <= rank.dp_rank < saved_replicas) or key in seen:
             raise ShardedStateError(
-                f"Saved rank pp_rank={rank.pp_rank} tp_rank={rank.tp_rank} is "
-                f"{'listed twice' if (rank.pp_rank, rank.tp_rank) in seen else 'outside'} TP={saved_tp_size}. "
-                "The manifest is damaged: save the checkpoint again."
+                f"Saved rank {rank_label(rank.pp_rank, rank.tp_rank, rank.dp_rank)} is "
+                f"{'listed twice' if key in seen else 'outside'} TP={saved_tp_size}"
+                + (f" x {saved_replicas} replicas" if saved_replicas > 1 else "")
+                + ". The manifest is damaged: save the checkpoint again."
             )
-        seen.add((rank.pp_rank, rank.tp_rank))
+        seen.add(key)
         for name, tensor in rank.tensors.items():
-            index.setdefault(name, {}).setdefault(rank.tp_rank, (rank.pp_rank, tensor))
+            index.setdefault(name, {}).setdefault(rank.dp_rank * saved_tp_size + rank.tp_rank, (rank.pp_rank, tensor))
     return index
 
 
@@ -240,6 +254,11 @@ class _Places:
         """Whether this rank holds other experts than the saved rank of its TP rank."""
         return experts_moved(self.saved, self.serving, serving_ep_rank=self.ep_rank, tp_rank=self.tp_rank)
 
+    @property
+    def same(self) -> bool:
+        """Whether the experts are served at the placement they were saved with (each EP rank its saved experts)."""
+        return self.saved is not None and self.serving is not None and self.saved.experts == self.serving.experts
+
 
 def _plan_tensor(
     name: str,
@@ -254,8 +273,9 @@ def _plan_tensor(
     for saved_rank, (pp, t) in holders.items():
         if t.geometry != first.geometry or t.itemsize != first.itemsize:
             raise ShardedStateError(
-                f"{source}: saved tp_rank={saved_rank} pp_rank={pp} records geometry {_describe(t)}, but another "
-                f"rank records {_describe(first)}. The manifest is damaged: save the checkpoint again."
+                f"{source}: saved {rank_label(pp, *_tp_dp(saved_rank, saved_tp_size))} records geometry "
+                f"{_describe(t)}, but another rank records {_describe(first)}. The manifest is damaged: save the "
+                "checkpoint again."
             )
     g = first.geometry
     reshardable = g is not None and g.kind != OPAQUE
@@ -263,6 +283,10 @@ def _plan_tensor(
         if saved_tp_size == tp_size and tp_rank in holders and not places.moved:
             # The same TP size gives the same shard whatever the pipeline split: copy it as saved.
             return _whole(name, source, holders[tp_rank][1])
+        if places.same and max(holders) >= saved_tp_size and places.ep_rank in holders:
+            # Held per replica (only experts are: saved under data + expert parallelism), and
+            # served at the saved placement: the saved rank of this EP rank wrote exactly its copy.
+            return _whole(name, source, holders[places.ep_rank][1])
         if places.moved:
             # It may be a tensor of experts (a quantized one): copied as saved, it would
             # hold the saved rank's experts.
@@ -272,6 +296,7 @@ def _plan_tensor(
                 places.serving,
                 serving_ep_rank=places.ep_rank,
                 tp_rank=tp_rank,
+                saved_tp_size=saved_tp_size,
                 where=f"Serving rank tp_rank={tp_rank} (TP={tp_size})",
                 why=f"{name} ({layer}) has no geometry this version can split",
             )
@@ -312,11 +337,19 @@ def _holder(
 ) -> SavedTensor:
     """Saved rank ``saved_rank``'s copy of a tensor every saved rank holds a part of."""
     if saved_rank not in holders:
+        tp, dp = _tp_dp(saved_rank, saved_tp_size)
         raise ShardedStateError(
-            f"{source} is split across TP={saved_tp_size}, but saved tp_rank={saved_rank} does not hold it "
-            f"(ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
+            f"{source} is split across the saved ranks, but saved tp_rank={tp}"
+            + (f" of data-parallel replica {dp}" if dp else "")
+            + f" does not hold it (EP/TP ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
         )
     return holders[saved_rank][1]
+
+
+def _tp_dp(saved_rank: int, saved_tp_size: int) -> tuple[int, int]:
+    """(tp_rank, dp_rank) of a saved rank ``dp_rank * saved_tp_size + tp_rank``."""
+    dp, tp = divmod(saved_rank, saved_tp_size)
+    return tp, dp
 
 
 def _split_reads(
@@ -393,7 +426,8 @@ def _plan_experts(
     if not math.prod(shape):
         return TensorPlan(name, source, shape, isz, ())
     holding: dict[int, dict[int, tuple[str, int, ShardLayout]]] = {}  # expert -> saved rank -> source
-    for saved_rank in range(saved_tp_size):
+    # Saved with expert parallelism, the saved EP ranks (the replicas' ranks in turn); without, the TP ranks.
+    for saved_rank in range(saved_tp_size if places.saved is None else places.saved.ep_size):
         t = _holder(holders, saved_rank, source, saved_tp_size)
         saved_ids, layout = expert_slots(g, saved_tp_size, saved_rank, places.saved, saved_rank, name)
         expert_bytes = math.prod(layout.shape) * isz
@@ -428,10 +462,11 @@ def _check_saved_shape(
     pp_rank: int,
     saved_experts: ExpertPlacement | None = None,
 ) -> None:
-    expected = rank_shape(g, saved_tp_size, saved_rank, saved_experts, saved_rank, name)
+    expected = rank_shape(g, saved_tp_size, saved_rank % saved_tp_size, saved_experts, saved_rank, name)
     if tuple(shape) != expected:
         raise ShardedStateError(
-            f"{name} of saved pp_rank={pp_rank} tp_rank={saved_rank} has shape {list(shape)}, but its "
+            f"{name} of saved {rank_label(pp_rank, *_tp_dp(saved_rank, saved_tp_size))} has shape {list(shape)}, "
+            "but its "
             f"geometry ({g.layer_class}, shape {list(g.shape)} at TP=1) gives {list(expected)} at "
             f"TP={saved_tp_size}. The manifest is damaged: save the checkpoint again."
         )
@@ -446,7 +481,8 @@ def check_saved_geometry(manifest: Manifest) -> None:
         for name, t in entry.tensors.items():
             g = manifest.geometries.get(name)
             if g is not None and g.kind != OPAQUE:
-                _check_saved_shape(name, g, t.shape, manifest.tp_size, entry.tp_rank, entry.pp_rank, manifest.experts)
+                saved_rank = entry.dp_rank * manifest.tp_size + entry.tp_rank
+                _check_saved_shape(name, g, t.shape, manifest.tp_size, saved_rank, entry.pp_rank, manifest.experts)
 
 
 def _describe(t: SavedTensor) -> str:
@@ -532,7 +568,7 @@ def saved_ranks(manifest: Manifest, directory: str = "") -> list[SavedRank]:
                 )
             geometry = manifest.geometries.get(name)
             tensors[name] = SavedTensor(t.file, t.offset, dtype_size(t.dtype, name), tuple(t.shape), geometry)
-        ranks.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors))
+        ranks.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors, entry.dp_rank))
     return ranks
 
 
@@ -559,6 +595,7 @@ def plan_manifest_reads(
         saved_experts=manifest.experts,
         experts=rank.experts,
         ep_rank=rank.ep_rank,
+        saved_replicas=manifest.replicas,
     )
 
 

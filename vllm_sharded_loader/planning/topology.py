@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
-from ..format.experts import ExpertPlacement
+from ..format.experts import ExpertPlacement, writing_replicas
 from ..format.manifest import Manifest
 from ..format.source import SourceModel, config_differences
 
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Which worker this is in the tensor- and pipeline-parallel grid.
+    """Which worker this is in the tensor- and pipeline-parallel grid, and in which data-parallel replica.
 
     Under expert parallelism, ``experts`` is where the model places its routed experts
     on every EP rank and ``ep_rank`` this worker's place among them (None and 0 without).
@@ -24,9 +24,28 @@ class RankInfo:
     pp_size: int = 1
     experts: ExpertPlacement | None = None
     ep_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def replicas(self) -> int:
+        """How many data-parallel replicas write files when this engine saves: each its own experts
+        when the expert-parallel group spans them, else only the first (they hold the same slices).
+
+        >>> from ..planning.experts import expert_placement
+        >>> RankInfo(0, 1, experts=expert_placement(4, 2), ep_rank=1, dp_rank=1, dp_size=2).replicas
+        2
+        """
+        return writing_replicas(self.experts, self.tp_size, self.dp_size)
+
+    @property
+    def saved_dp_rank(self) -> int:
+        """The ``dp_rank`` this worker's saved files carry (0 unless :attr:`replicas` > 1)."""
+        return self.dp_rank if self.replicas > 1 else 0
 
     def __str__(self) -> str:
-        return f"pp_rank={self.pp_rank} tp_rank={self.tp_rank} (TP={self.tp_size}, PP={self.pp_size})"
+        dp = f", dp_rank={self.dp_rank} of DP={self.dp_size}" if self.dp_size > 1 else ""
+        return f"pp_rank={self.pp_rank} tp_rank={self.tp_rank} (TP={self.tp_size}, PP={self.pp_size}{dp})"
 
 
 def check_topology(manifest: Manifest, rank: RankInfo, directory: str) -> None:

@@ -44,7 +44,11 @@ def inspect(args: argparse.Namespace) -> int:
     files = [f for r in info["ranks"] for f in r["files"]]
     geometry = info["geometry"]
     print(f"{info['directory']}")
-    print(f"  topology      TP={info['tp_size']} PP={info['pp_size']}, pattern {info['pattern']}")
+    dp = f" DP={info['dp_size']}" if info["dp_size"] > 1 else ""
+    print(f"  topology      TP={info['tp_size']} PP={info['pp_size']}{dp}, pattern {info['pattern']}")
+    if info["experts"]:
+        writers = f", written by each of {info['replicas']} replicas" if info["replicas"] > 1 else ""
+        print(f"  experts       {info['experts']}{writers}")
     print(f"  source model  {info['source']['architecture']} (config sha256 {info['source']['config_sha256'][:16]})")
     print(f"  dtype         {info['dtype']}")
     print(f"  tensors       {info['tensors']} names, {info['tensor_entries']} rank entries")
@@ -59,7 +63,8 @@ def inspect(args: argparse.Namespace) -> int:
         print("  LOCKED        a save is running or was interrupted")
     for r in info["ranks"]:
         for f in r["files"]:
-            print(f"    pp {r['pp_rank']} tp {r['tp_rank']}  {f['name']:48s} {f['size']:>14,d} bytes")
+            dp = f" dp {r['dp_rank']}" if r["dp_rank"] else ""
+            print(f"    pp {r['pp_rank']}{dp} tp {r['tp_rank']}  {f['name']:48s} {f['size']:>14,d} bytes")
     return 0
 
 

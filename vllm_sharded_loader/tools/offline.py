@@ -48,6 +48,9 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
         "format_version": manifest.format_version,
         "tp_size": manifest.tp_size,
         "pp_size": manifest.pp_size,
+        "dp_size": manifest.dp_size,
+        "replicas": manifest.replicas,
+        "experts": None if manifest.experts is None else manifest.experts.describe(),
         "dtype": manifest.dtype,
         "pattern": manifest.pattern,
         "source": {"architecture": manifest.source.architecture, "config_sha256": manifest.source.config_sha256},
@@ -58,6 +61,7 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
             {
                 "pp_rank": r.pp_rank,
                 "tp_rank": r.tp_rank,
+                "dp_rank": r.dp_rank,
                 "tensors": len(r.tensors),
                 "files": [{"name": f.name, "size": f.size, "checksum": f.checksum is not None} for f in r.files],
             }
