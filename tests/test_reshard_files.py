@@ -640,7 +640,7 @@ def replica_rank(weights, tp_size, dp_size, strategy, dp_rank, tp_rank):
     return RankInfo(tp_rank, tp_size, experts=placement, ep_rank=ep_rank, dp_rank=dp_rank, dp_size=dp_size), state
 
 
-def save_replicas(directory, weights, tp_size, dp_size, strategy, opaque_w2=False):
+def save_replicas(directory, weights, tp_size, dp_size, strategy, opaque_w2=False, opaque_norm=False):
     """Save as the hook does under TP x DP with expert parallelism: replica 0 writes all it
     holds, each later replica only its experts."""
     from vllm_sharded_loader.format.geometry import replicated
@@ -652,6 +652,9 @@ def save_replicas(directory, weights, tp_size, dp_size, strategy, opaque_w2=Fals
             ranks[rank] = state if d == 0 else {n: x for n, x in state.items() if n != NORM}
     geometry = moe_geometry(*weights[0].shape, opaque_w2=opaque_w2)
     geometry[NORM] = replicated([weights[0].shape[2]], "RMSNorm").to_dict()
+    if opaque_norm:
+        # A tensor outside the experts that this version cannot split (FP8 block scales).
+        geometry[NORM] = {**geometry[NORM], "kind": "opaque"}
     return save_checkpoint(
         str(directory),
         ranks,
@@ -705,9 +708,10 @@ def test_experts_saved_per_replica_load_at_every_placement(tmp_path, saved, serv
 
 def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(tmp_path):
     """Experts without geometry (a quantized MoE's) saved per replica: each worker of the saved
-    placement copies its own EP rank's, a later replica's included; another placement is refused."""
+    placement copies its own EP rank's, a later replica's included, and a tensor outside the
+    experts without geometry from the first replica; another placement is refused."""
     weights = moe_weights()
-    save_replicas(tmp_path, weights, 1, 2, "linear", opaque_w2=True)
+    save_replicas(tmp_path, weights, 1, 2, "linear", opaque_w2=True, opaque_norm=True)
     manifest = read_manifest(str(tmp_path))
     for rank, expected in serving_ranks(weights, (1, 2, "linear")):
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
@@ -758,3 +762,21 @@ def test_only_the_first_replica_saves_without_experts_placed_across_replicas(tmp
     with pytest.raises(ShardedStateError, match="Only the first data-parallel replica writes"):
         save_checkpoint(str(tmp_path), ranks, dtype="float32", source=SOURCE)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_hub_rank_of_a_later_replica_fetches_its_own_experts(tmp_path):
+    """Per-rank Hub fetches of a checkpoint saved per replica (TP=2 x DP=2): a worker of the
+    second replica at the saved placement fetches its own expert parts and the first
+    replica's parts of its TP rank (the norm), never another rank's; a worker of the first
+    replica only its own parts."""
+    from vllm_sharded_loader.storage.hub import rank_fetch_patterns
+
+    weights = moe_weights()
+    manifest = save_replicas(tmp_path, weights, 2, 2, "linear")
+    files = {(d, t): {f.name for f in manifest.rank(t, 0, d).files} for d in range(2) for t in range(2)}
+    workers = serving_ranks(weights, (2, 2, "linear"))
+    for rank, expected in workers:
+        fetched = set(rank_fetch_patterns(manifest, rank, list(expected)))
+        own = files[(rank.dp_rank, rank.tp_rank)]
+        assert own <= fetched, rank
+        assert fetched - own <= files[(0, rank.tp_rank)], rank  # only the first replica's, for the norm

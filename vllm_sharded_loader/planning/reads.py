@@ -191,7 +191,7 @@ def plan_reads(
             "data-parallel replica(s) wrote them; the EP size must be their product. The manifest is damaged: "
             "save the checkpoint again."
         )
-    places = _Places(saved_experts, experts, ep_rank, tp_rank)
+    places = _Places(saved_experts, experts, ep_rank, tp_rank, saved_replicas)
     saved_as = tied_source(tied)
     plans: dict[str, TensorPlan] = {}
     missing: list[str] = []
@@ -248,6 +248,8 @@ class _Places:
     serving: ExpertPlacement | None = None
     ep_rank: int = 0
     tp_rank: int = 0
+    # How many data-parallel replicas wrote their experts (1: the first wrote everything).
+    replicas: int = 1
 
     @property
     def moved(self) -> bool:
@@ -280,10 +282,14 @@ def _plan_tensor(
     g = first.geometry
     reshardable = g is not None and g.kind != OPAQUE
     if not reshardable:
-        if saved_tp_size == tp_size and tp_rank in holders and not places.moved:
+        # Only experts are saved per replica; when replicas wrote them, a tensor of the first
+        # replica alone is no expert, and is the same on every replica.
+        per_replica = max(holders) >= saved_tp_size
+        not_experts = places.replicas > 1 and not per_replica
+        if saved_tp_size == tp_size and tp_rank in holders and (not places.moved or not_experts):
             # The same TP size gives the same shard whatever the pipeline split: copy it as saved.
             return _whole(name, source, holders[tp_rank][1])
-        if places.same and max(holders) >= saved_tp_size and places.ep_rank in holders:
+        if places.same and per_replica and places.ep_rank in holders:
             # Held per replica (only experts are: saved under data + expert parallelism), and
             # served at the saved placement: the saved rank of this EP rank wrote exactly its copy.
             return _whole(name, source, holders[places.ep_rank][1])
