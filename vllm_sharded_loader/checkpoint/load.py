@@ -24,7 +24,7 @@ from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.source import SourceModel
-from ..planning.experts import check_expert_placement, experts_moved
+from ..planning.experts import check_expert_placement, rank_experts_moved
 from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
@@ -87,7 +87,7 @@ def load_rank(
                 "this package writes (or the save into it is incomplete): save it with vllm_sharded_loader."
             )
         return load_without_manifest(directory, targets, rank, pattern, verify, started, adopt=adopt, **options)
-    moved = experts_moved(manifest.experts, rank.experts, serving_ep_rank=rank.ep_rank, tp_rank=rank.tp_rank)
+    moved = rank_experts_moved(manifest, rank)
     resharding = moved or (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size)
     if resharding and not manifest.geometry:
         # Raise: nothing to reshard with.

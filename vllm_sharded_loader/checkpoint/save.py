@@ -146,14 +146,16 @@ def save_checkpoint(
     checkpoint be served at another TP/PP size; ``tied`` lists names saved once for several;
     ``experts`` is where the ranks' routed experts are placed (expert parallelism; EP rank =
     TP rank, or, with ranks of several data-parallel replicas, ``dp_rank * tp_size + tp_rank``:
-    then each replica after the first gives only its expert tensors).
+    then each replica after the first gives only its expert tensors; likewise when the ranks'
+    ``experts_over_dp`` says that their experts are cut across TP x DP).
     """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
     if any(r.dp_rank >= replicas for r in infos):
         raise ShardedStateError(
-            "Only the first data-parallel replica writes a save, unless its experts are placed across the "
-            f"replicas (EP size = TP x DP); ranks of replica {max(r.dp_rank for r in infos)} were given."
+            "Only the first data-parallel replica writes a save, unless its experts are split across the "
+            f"replicas (EP size = TP x DP, or experts_over_dp); ranks of replica {max(r.dp_rank for r in infos)} "
+            "were given."
         )
     pattern = pattern or default_pattern(infos[0].pp_size, replicas)
 
@@ -169,6 +171,7 @@ def save_checkpoint(
             tied=tied,
             experts=experts,
             dp_size=infos[0].dp_size,
+            experts_over_dp=infos[0].experts_over_dp,
         )
 
     if is_remote(directory):

@@ -61,7 +61,7 @@ from ..planning.topology import RankInfo
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, is_drafter, source_identity
-from .layer_geometry import UNQUANTIZED_METHODS, model_expert_placement, tensor_geometry
+from .layer_geometry import UNQUANTIZED_METHODS, model_rank, tensor_geometry
 from .progress import ByteProgress
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
@@ -91,6 +91,8 @@ class LoadedState:
     tied: list[list[str]] = field(default_factory=list)
     # Where the routed experts live under expert parallelism (None: without).
     experts: ExpertPlacement | None = None
+    # Whether the experts are cut across TP x DP (data parallelism without expert parallelism).
+    experts_over_dp: bool = False
     # The names a later data-parallel replica writes (its own experts; empty: it writes nothing).
     per_replica: frozenset[str] = frozenset()
     # The state written at start-up (staged, or published in place by a save).
@@ -128,8 +130,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     """Record (and, if asked, capture to disk) the state a worker has just loaded."""
     state_dict = model.state_dict()
     tensors = saveable_state(state_dict)
-    experts, ep_rank = model_expert_placement(model)
-    rank = replace(current_rank(), experts=experts, ep_rank=ep_rank)
+    rank = model_rank(model)
     state = LoadedState(
         signature={n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in tensors.items()},
         source=source_identity(model, model_config),
@@ -137,10 +138,13 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         quantization=getattr(model_config, "quantization", None),
         geometry={
             n: g.to_dict()
-            for n, g in tensor_geometry(model, tensors, rank.tp_size, rank.tp_rank, experts, ep_rank).items()
+            for n, g in tensor_geometry(
+                model, tensors, rank.tp_size, rank.tp_rank, rank.experts, rank.ep_rank, rank.expert_tp
+            ).items()
         },
         tied=tied_groups(state_dict, tensors),
-        experts=experts,
+        experts=rank.experts,
+        experts_over_dp=rank.experts_over_dp,
         per_replica=frozenset(_expert_tensors(model, tensors)) if rank.replicas > 1 else frozenset(),
     )
     # Data-parallel replicas hold the same slices: only the first captures them, the others
@@ -425,6 +429,7 @@ def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[A
         tied=tuple(sorted({tuple(group) for _, _, tied, _ in outcomes for group in tied})),
         experts=next(iter(placements), None),
         dp_size=rank.dp_size,
+        experts_over_dp=rank.experts_over_dp,
     )
 
 
@@ -506,17 +511,18 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     leaves any previous checkpoint intact.
     """
     state: LoadedState | None = getattr(model, LOADED_STATE_ATTRIBUTE, None)
-    rank = replace(current_rank(), experts=None if state is None else state.experts)
+    rank = current_rank()
+    if state is not None:
+        rank = replace(rank, experts=state.experts, experts_over_dp=state.experts_over_dp)
     if rank.dp_size > 1 and rank.replicas == 1:
         if any(_is_experts(m) for m in model.modules()):
             _loaded(model, state)  # without a recorded state (and placement), that is the reason to give
-            # Without expert parallelism vLLM flattens TP across the replicas for the experts:
-            # each replica holds a slice of every expert, a layout this version does not record.
+            # Experts held alike by every replica would be written by the first alone, but
+            # vLLM splits them across the replicas in every layout this version records.
             raise ShardedStateError(
                 f"Refusing to save: the model's experts are split across its {rank.dp_size} data-parallel replicas "
-                "without expert parallelism (vLLM then splits each expert across TP x DP ranks), a layout this "
-                "version does not record. Save from an engine with enable_expert_parallel=True, or without data "
-                "parallelism (data_parallel_size=1)."
+                "in a way this version does not record (with prefill context parallelism, or an expert-parallel "
+                "size other than TP x DP). Save from an engine without data parallelism (data_parallel_size=1)."
             )
         if rank.dp_rank > 0:
             # Replicas hold the same slices: replica 0 writes them, once.

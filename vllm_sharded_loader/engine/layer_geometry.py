@@ -12,6 +12,7 @@ rank; otherwise it is recorded as ``opaque``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from ..format import geometry as rs
 from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
 from ..planning.experts import expert_placement, rank_shape
+from ..planning.topology import RankInfo
+from .identity import current_rank
 
 # Layers whose parameters every rank holds whole. Matched on the class and its bases.
 REPLICATED_LAYERS = frozenset({"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "Attention", "Embedding"})
@@ -68,17 +71,19 @@ def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeo
     is split along its last dimension. The geometry describes all the experts, whatever the
     placement: under expert parallelism a rank holds some of them whole (the layer's TP
     size is 1), and which ones is the manifest's ``expert_placement``
-    (:func:`..planning.experts.expert_slots`). Experts split across data-parallel replicas
-    without expert parallelism, redundant (EPLB) experts and padded sizes are not
-    described: None, so the tensor is opaque.
+    (:func:`..planning.experts.expert_slots`). Under data parallelism without expert
+    parallelism vLLM cuts each expert across all TP x DP ranks (the layer's TP size); the
+    geometry is the same, and :attr:`..planning.topology.RankInfo.expert_tp` says where a
+    rank is in that cut. Redundant (EPLB) experts and padded sizes are not described: None,
+    so the tensor is opaque.
     """
     config = getattr(module, "moe_config", None)
     parallel = getattr(config, "moe_parallel_config", None)
     if config is None or parallel is None or getattr(parallel, "enable_eplb", False):
         return None
     use_ep = bool(getattr(parallel, "use_ep", False))
-    if not use_ep and getattr(parallel, "dp_size", 1) * getattr(parallel, "pcp_size", 1) != 1:
-        # vLLM splits experts across the data-parallel replicas too (TP flattened across DP).
+    if getattr(parallel, "pcp_size", 1) != 1:
+        # Prefill context parallelism cuts the experts across its ranks too: not described.
         return None
     experts = module.global_num_experts
     per_rank = config.intermediate_size_per_partition
@@ -204,12 +209,14 @@ def tensor_geometry(
     tp_rank: int,
     experts: ExpertPlacement | None = None,
     ep_rank: int = 0,
+    expert_tp: tuple[int, int] | None = None,
 ) -> dict[str, rs.TensorGeometry]:
     """The geometry of each of this rank's tensors, checked against its local shape.
 
     The save records it in the manifest; a load compares it with what the manifest
     records, so a checkpoint whose geometry is not the served model's is refused.
-    ``experts`` and ``ep_rank``: the model's expert placement (:func:`model_expert_placement`).
+    ``experts`` and ``ep_rank``: the model's expert placement (:func:`model_expert_placement`);
+    ``expert_tp``: (size, rank) of the experts' TP cut without it (default: the TP split).
     """
     result: dict[str, rs.TensorGeometry] = {}
     for name, tensor in tensors.items():
@@ -223,8 +230,9 @@ def tensor_geometry(
             module_geometry(module, param, shape) if module is not None else rs.TensorGeometry(rs.OPAQUE, "?", shape)
         )
         if geometry.kind != rs.OPAQUE:
+            size, index = expert_tp if geometry.stacked and expert_tp else (tp_size, tp_rank)
             try:
-                local = rank_shape(geometry, tp_size, tp_rank, experts, ep_rank, name)
+                local = rank_shape(geometry, size, index, experts, ep_rank, name)
             except ShardedStateError:
                 local = None
             if tuple(local or ()) != shape:
@@ -232,6 +240,19 @@ def tensor_geometry(
                 geometry = rs.TensorGeometry(rs.OPAQUE, geometry.layer_class, shape)
         result[name] = geometry
     return result
+
+
+def model_rank(model: torch.nn.Module) -> RankInfo:
+    """This worker's :class:`RankInfo` for ``model``: its place in TP, PP and DP, where the model
+    places its experts under expert parallelism, and whether it cuts them across TP x DP without."""
+    experts, ep_rank = model_expert_placement(model)
+    over_dp = any(
+        "RoutedExperts" in _class_names(m)
+        and not m.moe_config.moe_parallel_config.use_ep
+        and m.moe_config.moe_parallel_config.dp_size > 1
+        for m in model.modules()
+    )
+    return replace(current_rank(), experts=experts, ep_rank=ep_rank, experts_over_dp=over_dp)
 
 
 def model_expert_placement(model: torch.nn.Module) -> tuple[ExpertPlacement | None, int]:

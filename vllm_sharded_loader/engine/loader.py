@@ -25,8 +25,8 @@ from ..format.names import MANIFEST_NAME
 from ..storage import hub
 from ..storage.location import is_remote
 from ..storage.reader import DEFAULT_THREADS
-from .identity import current_rank, dtype_label, is_drafter, source_identity
-from .layer_geometry import model_expert_placement, tensor_geometry
+from .identity import dtype_label, is_drafter, source_identity
+from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
 
 if TYPE_CHECKING:
@@ -285,8 +285,7 @@ class ShardedStateLoader(BaseModelLoader):
             # The target is the sharded checkpoint; its drafter comes from its own folder.
             self._load_drafter(model, model_config, directory)
             return
-        experts, ep_rank = model_expert_placement(model)
-        rank = replace(current_rank(), experts=experts, ep_rank=ep_rank)
+        rank = model_rank(model)
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
         tied = tied_groups(state_dict, targets)
@@ -307,7 +306,9 @@ class ShardedStateLoader(BaseModelLoader):
                 rank,
                 manifest=manifest,
                 serving=source_identity(model, model_config),
-                geometry=tensor_geometry(model, targets, rank.tp_size, rank.tp_rank, experts, ep_rank),
+                geometry=tensor_geometry(
+                    model, targets, rank.tp_size, rank.tp_rank, rank.experts, rank.ep_rank, rank.expert_tp
+                ),
                 pattern=self.pattern if manifest is None else None,
                 verify=self.verify,
                 tied=tied,
@@ -324,7 +325,7 @@ class ShardedStateLoader(BaseModelLoader):
                 *stats.resharded_from,
                 rank.tp_size,
                 rank.pp_size,
-                _experts_change(manifest, experts),
+                _experts_change(manifest, rank.experts),
                 stats.bytes_read / 1e6,
                 stats.checkpoint_bytes / 1e6,
                 100 * stats.bytes_read / max(stats.checkpoint_bytes, 1),

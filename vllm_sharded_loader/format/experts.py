@@ -85,19 +85,20 @@ class ExpertPlacement:
         return placement
 
 
-def writing_replicas(experts: ExpertPlacement | None, tp_size: int, dp_size: int) -> int:
+def writing_replicas(experts: ExpertPlacement | None, tp_size: int, dp_size: int, over_dp: bool = False) -> int:
     """How many data-parallel replicas write files of one save.
 
     Replicas hold the same slices, so the first writes them, except for routed experts
-    placed across the replicas (expert parallelism with EP size = TP x DP): then each
-    replica writes its own experts too.
+    split across the replicas: placed on them by expert parallelism (EP size = TP x DP), or,
+    without it (``over_dp``), each expert cut across all TP x DP ranks as vLLM does. Then
+    each replica writes its own experts too.
 
     >>> writing_replicas(ExpertPlacement(2, "linear", 4, ((0, 1), (2, 3))), tp_size=1, dp_size=2)
     2
     >>> writing_replicas(None, tp_size=1, dp_size=2)
     1
     """
-    if dp_size > 1 and experts is not None and experts.ep_size == tp_size * dp_size:
+    if dp_size > 1 and ((experts is not None and experts.ep_size == tp_size * dp_size) or over_dp):
         return dp_size
     return 1
 

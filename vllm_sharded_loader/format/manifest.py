@@ -109,12 +109,20 @@ class Manifest:
     # for their experts; see :attr:`replicas`).
     experts: ExpertPlacement | None = None
     dp_size: int = 1
+    # Saved without expert parallelism under data parallelism: each expert cut across all
+    # TP x DP ranks (:attr:`expert_tp_size`), each replica writing its slices.
+    experts_over_dp: bool = False
+
+    @property
+    def expert_tp_size(self) -> int:
+        """The TP size the stacked experts are cut at without expert parallelism (TP, or TP x DP)."""
+        return self.tp_size * self.dp_size if self.experts_over_dp else self.tp_size
 
     @property
     def replicas(self) -> int:
         """How many data-parallel replicas wrote files: each its own experts when the expert-parallel
         group spans them (EP size = TP x DP), otherwise only the first."""
-        return writing_replicas(self.experts, self.tp_size, self.dp_size)
+        return writing_replicas(self.experts, self.tp_size, self.dp_size, self.experts_over_dp)
 
     @cached_property
     def geometries(self) -> dict[str, TensorGeometry]:
@@ -160,6 +168,8 @@ class Manifest:
             data["expert_placement"] = self.experts.to_dict()
         if self.dp_size != 1:
             data["dp_size"] = self.dp_size
+        if self.experts_over_dp:
+            data["experts_over_dp"] = True
         return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -214,6 +224,7 @@ class Manifest:
             tied=tuple(tuple(g) for g in tied),
             experts=None if experts is None else ExpertPlacement.from_dict(experts, where),
             dp_size=reader.integer(obj, "dp_size", minimum=1, maximum=MAX_RANKS) if "dp_size" in obj else 1,
+            experts_over_dp=reader.boolean(obj, "experts_over_dp") if "experts_over_dp" in obj else False,
         )
         manifest.__dict__["geometries"] = geometries  # the cached_property, parsed with messages naming `where`
         check_manifest_consistency(manifest, where)
@@ -251,6 +262,12 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
     """Cross-field checks: every rank once, files unique and named for their rank, tensors
     point at listed files, and a later replica's entry holds only what the first one's does."""
     replicas = manifest.replicas
+    if manifest.experts_over_dp and (manifest.dp_size == 1 or manifest.experts is not None):
+        raise ShardedStateError(
+            f"{where}: 'experts_over_dp' needs data parallelism without expert parallelism, but the manifest "
+            f"records dp_size {manifest.dp_size} and expert placement {manifest.experts}. The manifest is damaged: "
+            "save the checkpoint again."
+        )
     if manifest.tp_size * manifest.pp_size * replicas > MAX_RANKS:
         raise ShardedStateError(
             f"{where}: TP={manifest.tp_size} x PP={manifest.pp_size} x {replicas} replicas is more than "

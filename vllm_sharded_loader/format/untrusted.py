@@ -73,6 +73,12 @@ class JsonReader:
     def optional_integer(self, obj: dict[str, Any], key: str, minimum: int = 0) -> int | None:
         return None if obj.get(key) is None else self.integer(obj, key, minimum)
 
+    def boolean(self, obj: dict[str, Any], key: str) -> bool:
+        value = obj.get(key)
+        if not isinstance(value, bool):
+            raise self.fail(f"{key!r} must be true or false, found {value!r}")
+        return value
+
     def string(self, obj: dict[str, Any], key: str, non_empty: bool = False) -> str:
         value = obj.get(key)
         if not isinstance(value, str) or (non_empty and not value):

@@ -15,7 +15,9 @@ from __future__ import annotations
 from ..format.errors import ShardedStateError
 from ..format.experts import PLACEMENTS, ExpertPlacement
 from ..format.geometry import TensorGeometry
+from ..format.manifest import Manifest
 from .layout import ShardLayout, shard_layout
+from .topology import RankInfo
 
 
 def expert_placement(num_experts: int, ep_size: int, strategy: str = "linear") -> ExpertPlacement:
@@ -46,21 +48,46 @@ def expert_placement(num_experts: int, ep_size: int, strategy: str = "linear") -
 
 
 def experts_moved(
-    saved: ExpertPlacement | None, serving: ExpertPlacement | None, *, serving_ep_rank: int = 0, tp_rank: int = 0
+    saved: ExpertPlacement | None,
+    serving: ExpertPlacement | None,
+    *,
+    serving_ep_rank: int = 0,
+    tp_rank: int = 0,
+    saved_expert_tp: int | None = None,
+    serving_expert_tp: tuple[int, int] | None = None,
 ) -> bool:
     """Whether serving rank ``tp_rank`` (EP rank ``serving_ep_rank``) holds other experts than saved ``tp_rank``.
 
-    A checkpoint is saved without data parallelism, where the EP rank is the TP rank, and
-    a load at the saved topology reads the saved rank of its own TP rank.
+    A load at the saved topology reads the saved rank of its own TP rank (of the first
+    data-parallel replica). Without expert parallelism on either side, the experts are cut
+    at ``saved_expert_tp`` and served at ``serving_expert_tp`` (size, rank), which differ from
+    the TP split when vLLM cuts them across TP x DP (:attr:`..planning.topology.RankInfo.expert_tp`).
 
     >>> experts_moved(expert_placement(4, 2), expert_placement(4, 2, "round_robin"))
     True
+    >>> experts_moved(None, None, tp_rank=0, saved_expert_tp=2, serving_expert_tp=(2, 1))
+    True
     """
     if saved is None and serving is None:
-        return False
+        if saved_expert_tp is None or serving_expert_tp is None:
+            return False
+        return serving_expert_tp != (saved_expert_tp, tp_rank)
     same = saved is not None and serving is not None and saved.experts == serving.experts
     # The expert lists fix the EP size and expert count; the strategy's name alone does not matter.
     return not (same and serving_ep_rank == tp_rank)
+
+
+def rank_experts_moved(manifest: Manifest, rank: RankInfo) -> bool:
+    """:func:`experts_moved` for serving ``rank`` from a checkpoint: whether it must be planned
+    by expert rather than read from the files of its own TP rank."""
+    return experts_moved(
+        manifest.experts,
+        rank.experts,
+        serving_ep_rank=rank.ep_rank,
+        tp_rank=rank.tp_rank,
+        saved_expert_tp=manifest.expert_tp_size,
+        serving_expert_tp=rank.expert_tp,
+    )
 
 
 def expert_slots(

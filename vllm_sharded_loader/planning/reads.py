@@ -154,6 +154,8 @@ def plan_reads(
     experts: ExpertPlacement | None = None,
     ep_rank: int = 0,
     saved_replicas: int = 1,
+    saved_expert_tp: int | None = None,
+    expert_tp: tuple[int, int] | None = None,
 ) -> ReadPlan:
     """The reads that give serving rank ``tp_rank`` of ``tp_size`` each tensor in ``needed``.
 
@@ -173,7 +175,10 @@ def plan_reads(
     parallelism; see :func:`.experts.expert_slots`). Another EP size or strategy, or none
     on either side, gives each serving slot its expert's bytes wherever they were saved.
     Saved EP rank ``dp_rank * saved_tp_size + tp_rank`` is the saved rank of that data-parallel
-    replica (``saved_replicas`` of them wrote their experts; 1: EP rank = TP rank).
+    replica (``saved_replicas`` of them wrote their experts; 1: EP rank = TP rank). Without
+    expert parallelism, stacked experts are cut at ``saved_expert_tp`` (default: the saved TP
+    size; TP x DP when each replica wrote its slices, the same index) and served at
+    ``expert_tp`` (size, rank; default: this rank's TP split).
 
     >>> from vllm_sharded_loader.format.geometry import column_parallel
     >>> saved = [SavedRank(0, 0, {"w": SavedTensor("f0", 100, 2, (4, 2), column_parallel([4, 2]))})]
@@ -191,7 +196,15 @@ def plan_reads(
             "data-parallel replica(s) wrote them; the EP size must be their product. The manifest is damaged: "
             "save the checkpoint again."
         )
-    places = _Places(saved_experts, experts, ep_rank, tp_rank, saved_replicas)
+    places = _Places(
+        saved_experts,
+        experts,
+        ep_rank,
+        tp_rank,
+        saved_replicas,
+        saved_expert_tp or saved_tp_size,
+        expert_tp or (tp_size, tp_rank),
+    )
     saved_as = tied_source(tied)
     plans: dict[str, TensorPlan] = {}
     missing: list[str] = []
@@ -250,16 +263,26 @@ class _Places:
     tp_rank: int = 0
     # How many data-parallel replicas wrote their experts (1: the first wrote everything).
     replicas: int = 1
+    # Without expert parallelism: the TP size the experts were saved cut at, and the (size,
+    # rank) this rank holds them at (TP, or TP x DP: see RankInfo.expert_tp).
+    saved_tp: int = 1
+    serving_tp: tuple[int, int] = (1, 0)
 
     @property
     def moved(self) -> bool:
-        """Whether this rank holds other experts than the saved rank of its TP rank."""
+        """Whether this rank holds other experts than the saved rank of its TP rank (by placement:
+        a different cut across TP x DP also changes the experts' shape, which the load checks)."""
         return experts_moved(self.saved, self.serving, serving_ep_rank=self.ep_rank, tp_rank=self.tp_rank)
 
     @property
-    def same(self) -> bool:
-        """Whether the experts are served at the placement they were saved with (each EP rank its saved experts)."""
-        return self.saved is not None and self.serving is not None and self.saved.experts == self.serving.experts
+    def own(self) -> int | None:
+        """The saved rank holding exactly this rank's experts, or None: at the saved placement its
+        EP rank; cut at the saved TP x DP size, its index there."""
+        if self.saved is not None and self.serving is not None and self.saved.experts == self.serving.experts:
+            return self.ep_rank
+        if self.saved is None and self.serving is None and self.serving_tp[0] == self.saved_tp:
+            return self.serving_tp[1]
+        return None
 
 
 def _plan_tensor(
@@ -269,7 +292,7 @@ def _plan_tensor(
     saved_tp_size: int,
     tp_size: int,
     tp_rank: int,
-    places: _Places = _Places(),
+    places: _Places,
 ) -> TensorPlan:
     first = next(iter(holders.values()))[1]
     for saved_rank, (pp, t) in holders.items():
@@ -282,30 +305,27 @@ def _plan_tensor(
     g = first.geometry
     reshardable = g is not None and g.kind != OPAQUE
     if not reshardable:
-        # Only experts are saved per replica; when replicas wrote them, a tensor of the first
-        # replica alone is no expert, and is the same on every replica.
-        per_replica = max(holders) >= saved_tp_size
-        not_experts = places.replicas > 1 and not per_replica
-        if saved_tp_size == tp_size and tp_rank in holders and (not places.moved or not_experts):
+        layer = "unknown layer" if g is None else f"{g.layer_class}, kind {g.kind!r}"
+        if max(holders) >= saved_tp_size:
+            # Held per replica: only experts are (saved under data parallelism).
+            if places.own in holders:
+                # Served as saved: the saved rank of this rank's experts wrote exactly its copy.
+                return _whole(name, source, holders[places.own][1])
+            _refuse_moved_experts(name, layer, places, tp_size, saved_tp_size)
+            raise ShardedStateError(
+                f"{name} ({layer}) holds experts each data-parallel replica saved, with no geometry this version "
+                f"can split, and serving rank tp_rank={tp_rank} (TP={tp_size}) holds other experts or another cut "
+                "of them. Serve it at the saved topology (tensor, data and expert parallel sizes), or save it "
+                "again from an engine with the serving topology."
+            )
+        # When replicas wrote their experts, a tensor of the first replica alone is no expert.
+        if saved_tp_size == tp_size and tp_rank in holders and (not places.moved or places.replicas > 1):
             # The same TP size gives the same shard whatever the pipeline split: copy it as saved.
             return _whole(name, source, holders[tp_rank][1])
-        if places.same and per_replica and places.ep_rank in holders:
-            # Held per replica (only experts are: saved under data + expert parallelism), and
-            # served at the saved placement: the saved rank of this EP rank wrote exactly its copy.
-            return _whole(name, source, holders[places.ep_rank][1])
         if places.moved:
             # It may be a tensor of experts (a quantized one): copied as saved, it would
             # hold the saved rank's experts.
-            layer = "unknown layer" if g is None else f"{g.layer_class}, kind {g.kind!r}"
-            check_expert_placement(
-                places.saved,
-                places.serving,
-                serving_ep_rank=places.ep_rank,
-                tp_rank=tp_rank,
-                saved_tp_size=saved_tp_size,
-                where=f"Serving rank tp_rank={tp_rank} (TP={tp_size})",
-                why=f"{name} ({layer}) has no geometry this version can split",
-            )
+            _refuse_moved_experts(name, layer, places, tp_size, saved_tp_size)
         why = f" from TP={saved_tp_size} to TP={tp_size}"
         if g is None:
             raise ShardedStateError(
@@ -316,8 +336,9 @@ def _plan_tensor(
         check_reshardable(g, name, why)
     assert g is not None
     for saved_rank, (pp, t) in holders.items():
-        _check_saved_shape(source, g, t.shape, saved_tp_size, saved_rank, pp, places.saved)
-    if g.stacked and (places.saved is not None or places.serving is not None):
+        _check_saved_shape(source, g, t.shape, saved_tp_size, saved_rank, pp, places.saved, places.saved_tp)
+    by_expert = places.saved is not None or places.serving is not None
+    if g.stacked and (by_expert or (places.saved_tp, places.serving_tp) != (saved_tp_size, (tp_size, tp_rank))):
         return _plan_experts(name, source, holders, g, saved_tp_size, tp_size, tp_rank, places)
     if g.kind == REPLICATED:
         # One saved copy is enough; spreading serving ranks over the copies spreads the I/O.
@@ -335,6 +356,19 @@ def _plan_tensor(
     reads, zeros = _split_reads(target, sources, first.itemsize, 0, tp_rank)
     return TensorPlan(
         name, source, target.shape, first.itemsize, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros))
+    )
+
+
+def _refuse_moved_experts(name: str, layer: str, places: _Places, tp_size: int, saved_tp_size: int) -> None:
+    """Raise, saying how the experts moved, if this rank places experts otherwise than saved."""
+    check_expert_placement(
+        places.saved,
+        places.serving,
+        serving_ep_rank=places.ep_rank,
+        tp_rank=places.tp_rank,
+        saved_tp_size=saved_tp_size,
+        where=f"Serving rank tp_rank={places.tp_rank} (TP={tp_size})",
+        why=f"{name} ({layer}) has no geometry this version can split",
     )
 
 
@@ -426,16 +460,17 @@ def _plan_experts(
     all of them. Consecutive experts that continue each other in a file and in the target
     merge into one read.
     """
-    ids, target = expert_slots(g, tp_size, tp_rank, places.serving, places.ep_rank, name)
+    ids, target = expert_slots(g, *places.serving_tp, places.serving, places.ep_rank, name)
     isz = next(iter(holders.values()))[1].itemsize
     shape = (len(ids), *target.shape)
     if not math.prod(shape):
         return TensorPlan(name, source, shape, isz, ())
     holding: dict[int, dict[int, tuple[str, int, ShardLayout]]] = {}  # expert -> saved rank -> source
-    # Saved with expert parallelism, the saved EP ranks (the replicas' ranks in turn); without, the TP ranks.
-    for saved_rank in range(saved_tp_size if places.saved is None else places.saved.ep_size):
+    # Saved with expert parallelism, the saved EP ranks (the replicas' ranks in turn); without, the
+    # ranks of the TP split of the experts (TP, or TP x DP: the same index).
+    for saved_rank in range(places.saved_tp if places.saved is None else places.saved.ep_size):
         t = _holder(holders, saved_rank, source, saved_tp_size)
-        saved_ids, layout = expert_slots(g, saved_tp_size, saved_rank, places.saved, saved_rank, name)
+        saved_ids, layout = expert_slots(g, places.saved_tp, saved_rank, places.saved, saved_rank, name)
         expert_bytes = math.prod(layout.shape) * isz
         for local, expert in enumerate(saved_ids):
             holding.setdefault(expert, {})[saved_rank] = (t.file, t.offset + local * expert_bytes, layout)
@@ -467,8 +502,13 @@ def _check_saved_shape(
     saved_rank: int,
     pp_rank: int,
     saved_experts: ExpertPlacement | None = None,
+    saved_expert_tp: int | None = None,
 ) -> None:
-    expected = rank_shape(g, saved_tp_size, saved_rank % saved_tp_size, saved_experts, saved_rank, name)
+    if g.stacked and saved_experts is None and saved_expert_tp:
+        # Experts cut across TP x DP: the saved rank is its index there.
+        expected = rank_shape(g, saved_expert_tp, saved_rank, name=name)
+    else:
+        expected = rank_shape(g, saved_tp_size, saved_rank % saved_tp_size, saved_experts, saved_rank, name)
     if tuple(shape) != expected:
         raise ShardedStateError(
             f"{name} of saved {rank_label(pp_rank, *_tp_dp(saved_rank, saved_tp_size))} has shape {list(shape)}, "
@@ -488,7 +528,16 @@ def check_saved_geometry(manifest: Manifest) -> None:
             g = manifest.geometries.get(name)
             if g is not None and g.kind != OPAQUE:
                 saved_rank = entry.dp_rank * manifest.tp_size + entry.tp_rank
-                _check_saved_shape(name, g, t.shape, manifest.tp_size, saved_rank, entry.pp_rank, manifest.experts)
+                _check_saved_shape(
+                    name,
+                    g,
+                    t.shape,
+                    manifest.tp_size,
+                    saved_rank,
+                    entry.pp_rank,
+                    manifest.experts,
+                    manifest.expert_tp_size,
+                )
 
 
 def _describe(t: SavedTensor) -> str:
@@ -602,6 +651,8 @@ def plan_manifest_reads(
         experts=rank.experts,
         ep_rank=rank.ep_rank,
         saved_replicas=manifest.replicas,
+        saved_expert_tp=manifest.expert_tp_size,
+        expert_tp=rank.expert_tp,
     )
 
 

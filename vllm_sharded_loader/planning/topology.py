@@ -26,6 +26,21 @@ class RankInfo:
     ep_rank: int = 0
     dp_rank: int = 0
     dp_size: int = 1
+    # Without expert parallelism under data parallelism, vLLM cuts each expert across all
+    # TP x DP ranks (its MoE layers' TP size is TP x DP): see :attr:`expert_tp`.
+    experts_over_dp: bool = False
+
+    @property
+    def expert_tp(self) -> tuple[int, int]:
+        """(size, rank) of the tensor-parallel split of the experts without expert parallelism:
+        this worker's TP split, or, with ``experts_over_dp``, its place in TP x DP.
+
+        >>> RankInfo(1, 2, dp_rank=1, dp_size=2, experts_over_dp=True).expert_tp
+        (4, 3)
+        """
+        if self.experts_over_dp:
+            return self.tp_size * self.dp_size, self.dp_rank * self.tp_size + self.tp_rank
+        return self.tp_size, self.tp_rank
 
     @property
     def replicas(self) -> int:
@@ -36,7 +51,7 @@ class RankInfo:
         >>> RankInfo(0, 1, experts=expert_placement(4, 2), ep_rank=1, dp_rank=1, dp_size=2).replicas
         2
         """
-        return writing_replicas(self.experts, self.tp_size, self.dp_size)
+        return writing_replicas(self.experts, self.tp_size, self.dp_size, self.experts_over_dp)
 
     @property
     def saved_dp_rank(self) -> int:

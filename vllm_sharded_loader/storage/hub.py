@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME, default_pattern, render_file_name
-from ..planning.experts import experts_moved
+from ..planning.experts import rank_experts_moved
 from ..planning.reads import files_to_check, plan_manifest_reads
 from ..planning.topology import RankInfo
 
@@ -58,7 +58,7 @@ def rank_fetch_patterns(
     """
     if manifest is None:
         return rank_patterns(pattern or default_pattern(rank.pp_size), rank.tp_rank, rank.pp_rank)
-    moved = experts_moved(manifest.experts, rank.experts, serving_ep_rank=rank.ep_rank, tp_rank=rank.tp_rank)
+    moved = rank_experts_moved(manifest, rank)
     if (manifest.tp_size, manifest.pp_size) == (rank.tp_size, rank.pp_size) and not moved:
         return [f.name for f in manifest.rank(rank.tp_rank, rank.pp_rank).files]
     plan = plan_manifest_reads(manifest, needed, rank, tied=tied)

@@ -50,7 +50,13 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
         "pp_size": manifest.pp_size,
         "dp_size": manifest.dp_size,
         "replicas": manifest.replicas,
-        "experts": None if manifest.experts is None else manifest.experts.describe(),
+        "experts": (
+            manifest.experts.describe()
+            if manifest.experts is not None
+            else f"cut across TP x DP ({manifest.expert_tp_size} ranks)"
+            if manifest.experts_over_dp
+            else None
+        ),
         "dtype": manifest.dtype,
         "pattern": manifest.pattern,
         "source": {"architecture": manifest.source.architecture, "config_sha256": manifest.source.config_sha256},
