@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -89,10 +89,8 @@ class LoadedState:
     # How each tensor is split across ranks, and names saved once for several (manifest fields).
     geometry: dict[str, Any] = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
-    # Where the routed experts live under expert parallelism (None: without).
-    experts: ExpertPlacement | None = None
-    # Whether the experts are cut across TP x DP (data parallelism without expert parallelism).
-    experts_over_dp: bool = False
+    # The recording worker: its place in TP, PP and DP, and how it holds the routed experts.
+    rank: RankInfo | None = None
     # The names a later data-parallel replica writes (its own experts; empty: it writes nothing).
     per_replica: frozenset[str] = frozenset()
     # The state written at start-up (staged, or published in place by a save).
@@ -143,8 +141,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
             ).items()
         },
         tied=tied_groups(state_dict, tensors),
-        experts=rank.experts,
-        experts_over_dp=rank.experts_over_dp,
+        rank=rank,
         per_replica=frozenset(_expert_tensors(model, tensors)) if rank.replicas > 1 else frozenset(),
     )
     # Data-parallel replicas hold the same slices: only the first captures them, the others
@@ -472,7 +469,7 @@ def _save_to_objects(
         if (staged.pattern, staged.max_size) != (pattern, max_size):
             staged = stage_rank(staged.directory, open_staged_tensors(staged), rank, pattern, max_size, token)
         entry = remote_save.upload_rank(url, staged)
-        return entry, loaded.geometry, loaded.tied, loaded.experts
+        return entry, loaded.geometry, loaded.tied, loaded.rank and loaded.rank.experts
 
     outcomes: list[Any] = []
     try:
@@ -511,9 +508,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     leaves any previous checkpoint intact.
     """
     state: LoadedState | None = getattr(model, LOADED_STATE_ATTRIBUTE, None)
-    rank = current_rank()
-    if state is not None:
-        rank = replace(rank, experts=state.experts, experts_over_dp=state.experts_over_dp)
+    rank = state.rank if state is not None and state.rank is not None else current_rank()
     if rank.dp_size > 1 and rank.replicas == 1:
         if any(_is_experts(m) for m in model.modules()):
             _loaded(model, state)  # without a recorded state (and placement), that is the reason to give
@@ -549,7 +544,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         nonlocal staged
         loaded = _loaded(model, state)
         staged = _stage_for_save(model, loaded, path, rank, pattern, max_size, token)
-        return staged.entry, loaded.geometry, loaded.tied, loaded.experts
+        return staged.entry, loaded.geometry, loaded.tied, loaded.rank and loaded.rank.experts
 
     try:
         lock = workers.run(check_and_lock, only_first=True)[0]
