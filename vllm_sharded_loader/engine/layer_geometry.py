@@ -3,10 +3,10 @@
 The result is a :class:`~..format.geometry.TensorGeometry` per saved tensor, recorded in the
 manifest so that a checkpoint can be served at another TP/PP size. It is derived from
 vLLM's layer classes, never from model-specific code, and conservatively: a layer this
-module does not know exactly (a subclass with its own sharding, a block-quantized layout,
-quantized experts) is recorded as ``opaque`` and loads only at the TP size it was saved at. A
-geometry is also kept only if it reproduces the tensor's actual local shape on this
-rank; otherwise it is recorded as ``opaque``.
+module does not know exactly (a subclass with its own sharding, packed int4 experts, a
+quantization method it has not been checked against) is recorded as ``opaque`` and loads
+only at the TP size it was saved at. A geometry is also kept only if it reproduces the
+tensor's actual local shape on this rank; otherwise it is recorded as ``opaque``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ REPLICATED_LAYERS = frozenset({"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormG
 PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE", "RoutedExperts"})
 UNQUANTIZED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
 UNQUANTIZED_EXPERT_METHODS = frozenset({"UnquantizedFusedMoEMethod"})
+# Quantized experts whose values are stored one per weight (int8, FP8), cut by vLLM's FusedMoE
+# loader like unquantized experts, with scales per tensor, per channel or per block
+# (the parameter's ``quant_method`` attribute). Each is checked against vLLM's own loaders in
+# tests/test_quantized_experts.py; any other method (packed int4, MXFP4, NVFP4) stays opaque.
+QUANTIZED_EXPERT_METHODS = frozenset(
+    {"CompressedTensorsW8A8Int8MoEMethod", "CompressedTensorsW8A8Fp8MoEMethod", "Fp8MoEMethod"}
+)
 # vLLM parameter classes with one entry per group of inputs along their input_dim (group-wise
 # scales; packed zero points, whose packing is along the output dimension).
 GROUPED_PARAMETERS = frozenset({"GroupQuantScaleParameter", "PackedvLLMParameter"})
@@ -109,6 +116,71 @@ def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeo
     return None
 
 
+def _quantized_experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
+    """Quantized stacked experts (int8, FP8), as vLLM's FusedMoE loader cuts them.
+
+    The weights hold one value per weight and are cut as unquantized experts are
+    (:func:`_experts_geometry`). Scales follow the parameter's ``quant_method`` attribute
+    (vLLM's ``FusedMoeWeightScaleSupported``): ``tensor`` scales (one per expert, and per
+    gate/up shard) and static input scales (one per expert) are loaded whole by every rank
+    holding the expert; ``channel`` scales follow the weight's output rows: gate/up rows are
+    cut like ``w13``, and ``w2``'s rows (the hidden size) are not cut at all; ``block``
+    scales hold one entry per block of rows and columns, so along the cut dimension each
+    entry stands for one block (the geometry's ``unit``: a rank must hold whole blocks).
+    Anything else is None (opaque): a padded or transposed layout, global input scales, a
+    block grid that does not divide the rank's rows, another scale scheme.
+    """
+    tensor = getattr(module, param, None)
+    config = getattr(module, "moe_config", None)
+    if tensor is None or getattr(tensor, "is_transposed", False) or getattr(config, "tp_shard_with_padding", True):
+        return None
+    stem, _, kind = param.partition("_")
+    weight = _experts_geometry(module, f"{stem}_weight", layer_class) if stem in ("w13", "w2") else None
+    scheme = getattr(tensor, "quant_method", None)
+    if weight is None or (kind in ("weight", "bias") and scheme is not None):
+        return None
+    if kind in ("weight", "bias"):
+        # One int8 or FP8 value per weight; the rank's shape is checked against this.
+        return _experts_geometry(module, param, layer_class)
+    experts, shape = weight.shape[0], tuple(tensor.shape)
+    whole = rs.TensorGeometry(rs.REPLICATED, layer_class, (experts, *shape[1:]), stacked=1)
+    if kind == "input_scale":
+        # Global (not per-expert) input scales are indexed by global expert id on every rank.
+        return None if getattr(module.quant_method, "use_global_sf", False) else whole
+    if kind not in ("weight_scale", "weight_scale_inv"):
+        return None
+    if scheme == "tensor" or (scheme == "channel" and stem == "w2"):
+        return whole
+    if scheme not in ("channel", "block") or len(shape) != len(weight.shape):
+        return None
+    dim = weight.split_dim
+    assert dim is not None
+    rows = sum(s.padded for s in weight.segments) // _experts_tp(module)
+    if not shape[dim] or rows % shape[dim]:
+        return None
+    unit = rows // shape[dim]
+    if scheme == "channel" and unit != 1:
+        return None
+    if scheme == "block" and unit not in _block_sizes(module.quant_method, 0 if stem == "w13" else 1):
+        # A block grid rounded up (ceil) at this TP size shares a block between ranks.
+        return None
+    global_shape = list(shape)
+    global_shape[0], global_shape[dim] = experts, weight.shape[dim] // unit
+    return replace(weight, shape=tuple(global_shape), unit=unit)
+
+
+def _experts_tp(module: Any) -> int:
+    """The TP size vLLM cuts the experts at (1 under expert parallelism)."""
+    return module.moe_config.moe_parallel_config.tp_size
+
+
+def _block_sizes(method: Any, dim: int) -> set[int]:
+    """The block sizes along ``dim`` (0: output rows, 1: input columns) that an FP8 block
+    method may use for its scales: the checkpoint's, or the grid refined for the TP size."""
+    shapes = (getattr(method, "weight_block_size", None), getattr(method, "moe_block_shape", None))
+    return {int(s[dim]) for s in shapes if s is not None and len(s) == 2}
+
+
 def _quantized_linear_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
     """A quantized linear layer's parameter, split as vLLM's parameter classes say.
 
@@ -123,8 +195,9 @@ def _quantized_linear_geometry(module: Any, param: str, layer_class: str) -> rs.
     dimensions; the planner then splits rows by the layer's rule and refuses a TP size
     whose per-rank rows cut a unit. A parameter with neither dimension is loaded whole on
     every rank (per-tensor scales, one per fused shard; static input scales):
-    replicated. Anything else (block-wise scales, a unit that does not divide) is None:
-    opaque.
+    replicated. FP8 block-wise scales (``BlockQuantScaleParameter``) hold one entry per
+    block along the cut dimension: their unit is the layer's block size there. Anything
+    else (a unit that does not divide, or is not the block size) is None: opaque.
     """
     tensor = getattr(module, param, None)
     weight = _linear_geometry(module, "weight", layer_class)
@@ -149,11 +222,18 @@ def _quantized_linear_geometry(module: Any, param: str, layer_class: str) -> rs.
     if rows % shape[dim]:
         return None
     unit = rows // shape[dim]
+    block = getattr(module, "weight_block_size", None)
     if packed_dim == dim:
         if unit != getattr(tensor, "packed_factor", None):
             return None
+    elif type(tensor).__name__ == "BlockQuantScaleParameter":
+        # One entry per block of rows and columns (FP8 block quantization): along the cut
+        # dimension one entry stands for one block. vLLM rounds a rank's blocks up, so a rank
+        # whose rows end inside a block shares that block's scale: the unit then is no block size.
+        if not block or len(block) != 2 or unit != block[1 if row else 0]:
+            return None
     elif unit != 1 and not (dim == input_dim and type(tensor).__name__ in GROUPED_PARAMETERS):
-        # Block-wise scales (one entry per block of rows and columns) and unknown layouts.
+        # Unknown layouts.
         return None
     assert weight.split_dim is not None
     total = weight.shape[weight.split_dim]
@@ -186,6 +266,8 @@ def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...])
             geometry = rs.replicated(shape, layer_class)
         elif "RoutedExperts" in names and quant_method in UNQUANTIZED_EXPERT_METHODS:
             geometry = _experts_geometry(module, param, layer_class)
+        elif "RoutedExperts" in names and quant_method in QUANTIZED_EXPERT_METHODS:
+            geometry = _quantized_experts_geometry(module, param, layer_class)
         elif layer_class in LINEAR_LAYERS:
             # The bias belongs to the layer, not to its quantization method.
             if quant_method in UNQUANTIZED_METHODS or param == "bias":

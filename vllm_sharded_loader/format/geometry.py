@@ -211,7 +211,8 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
         raise fail(f"shape {list(g.shape)} has a negative size")
     if g.kind == OPAQUE:
         return
-    if g.stacked >= max(len(g.shape), 1):
+    # A replicated tensor may be all stacked dimensions (one scale per expert).
+    if g.stacked and (g.stacked > len(g.shape) or (g.stacked == len(g.shape) and g.kind != REPLICATED)):
         raise fail(f"'stacked' is {g.stacked}, but the shape {list(g.shape)} has {len(g.shape)} dimensions")
     if g.unit < 1:
         raise fail(f"'unit' must be at least 1, found {g.unit}")

@@ -162,6 +162,7 @@ def check_served_geometry(
     """
     saved_as = tied_source(tied)
     wrong = []
+    regrid = []
     for name, mine in served.items():
         source = saved_as(name, saved)
         if source is None or source not in recorded:
@@ -174,8 +175,19 @@ def check_served_geometry(
             if resharding and mine.kind == OPAQUE and theirs.kind != OPAQUE:
                 wrong.append(f"{name}: the checkpoint records {theirs.kind!r}, the served model {mine.kind!r}")
             continue
-        if not same_split(mine, theirs):
+        if mine.unit != theirs.unit and same_split(replace(mine, shape=theirs.shape, unit=theirs.unit), theirs):
+            # The same rows, quantized on another grid: vLLM refines FP8 blocks at some TP sizes.
+            regrid.append(f"{name}: one entry per {theirs.unit} rows saved, per {mine.unit} served")
+        elif not same_split(mine, theirs):
             wrong.append(f"{name}: the checkpoint records {_split(theirs)}, the served model {_split(mine)}")
+    if regrid and not wrong:
+        raise ShardedStateError(
+            f"{where}: the served model keeps quantization scales on another grid than the checkpoint "
+            f"({listing(regrid, 5, '; ')}): vLLM refines its FP8 blocks where a rank would hold part of "
+            "one, and a saved scale cannot be spread over a finer grid. Serve at a tensor parallel size "
+            "with the saved grid (the saved size works), or save the checkpoint again at this one."
+        )
+    wrong += regrid
     if wrong:
         shown = listing(wrong, 5, "; ")
         raise ShardedStateError(
