@@ -22,13 +22,13 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from test_quantized_geometry import as_array
+from test_quantized_geometry import as_array, save_rank
 from test_resharding import execute
 
 from vllm_sharded_loader.format import ShardedStateError
 from vllm_sharded_loader.format.geometry import OPAQUE, REPLICATED, TensorGeometry
 from vllm_sharded_loader.planning.layout import check_served_geometry, same_split
-from vllm_sharded_loader.planning.reads import SavedRank, SavedTensor, plan_reads
+from vllm_sharded_loader.planning.reads import plan_reads
 
 EXPERTS, HIDDEN, INTER, BLOCK = 4, 64, 256, 32
 
@@ -187,19 +187,10 @@ def test_quantized_experts_reshard_like_vllms_loader(vllm_moe, method, saved):
         saved_experts = args["experts"]
         assert (saved_experts is not None) == saved[1]
         geometry = vm.tensor_geometry(layer, tensors, tp_saved, rank, **args)
-        opaque = [n for n, g in geometry.items() if g.kind == OPAQUE]
-        assert not opaque, f"{method}: {opaque} recorded opaque"
-        geometry = {n: TensorGeometry.from_dict(g.to_dict(), n) for n, g in geometry.items()}
+        geometry, saved_rank = save_rank(geometry, tensors, rank, files, method)
         assert recorded is None or geometry == recorded
         recorded = geometry
-        buf = bytearray(b"\x11" * (rank + 3))
-        entries = {}
-        for name, tensor in tensors.items():
-            data = as_array(tensor)
-            entries[name] = SavedTensor(f"f{rank}", len(buf), data.itemsize, data.shape, geometry[name])
-            buf += data.tobytes() + b"\x22" * 5
-        files[f"f{rank}"] = buf
-        ranks.append(SavedRank(rank, 0, entries))
+        ranks.append(saved_rank)
     assert recorded is not None
     expected_kinds = {
         "int8_channel": {"w13_weight_scale": "merged_column_parallel", "w2_weight_scale": REPLICATED},

@@ -144,6 +144,25 @@ def _int_dtype(itemsize: int):
     return {1: torch.int8, 2: torch.int16, 4: torch.int32}[itemsize]
 
 
+def save_rank(
+    geometry: dict[str, TensorGeometry], tensors: dict, rank: int, files: dict[str, bytearray], what: str
+) -> tuple[dict[str, TensorGeometry], SavedRank]:
+    """Saved rank ``rank`` as our save writes it: the geometry recorded for its tensors (none
+    opaque; through the manifest's JSON, as a load reads it), and their bytes in file
+    ``f{rank}`` of ``files``, between filler bytes a wrong offset would read."""
+    opaque = [n for n, g in geometry.items() if g.kind == OPAQUE]
+    assert not opaque, f"{what}: {opaque} recorded opaque"
+    geometry = {n: TensorGeometry.from_dict(g.to_dict(), n) for n, g in geometry.items()}
+    buf = bytearray(b"\x11" * (rank + 3))
+    saved = {}
+    for name, tensor in tensors.items():
+        data = as_array(tensor)
+        saved[name] = SavedTensor(f"f{rank}", len(buf), data.itemsize, data.shape, geometry[name])
+        buf += data.tobytes() + b"\x22" * 5
+    files[f"f{rank}"] = buf
+    return geometry, SavedRank(rank, 0, saved)
+
+
 @pytest.mark.parametrize("method", sorted(CONFIGS))
 def test_packed_int4_and_group_scales_reshard_like_vllms_loaders(vllm_quant, method):
     vq = vllm_quant
@@ -155,21 +174,10 @@ def test_packed_int4_and_group_scales_reshard_like_vllms_loaders(vllm_quant, met
     recorded = None
     for rank, model in enumerate(loaded[SAVED_TP]):
         tensors = dict(model.named_parameters())
-        geometry = vq.tensor_geometry(model, tensors, SAVED_TP, rank)
-        opaque = [n for n, g in geometry.items() if g.kind == OPAQUE]
-        assert not opaque, f"{method}: {opaque} recorded opaque"
-        # Through the manifest's JSON, as a load reads it.
-        geometry = {n: TensorGeometry.from_dict(g.to_dict(), n) for n, g in geometry.items()}
+        geometry, saved = save_rank(vq.tensor_geometry(model, tensors, SAVED_TP, rank), tensors, rank, files, method)
         assert recorded is None or geometry == recorded
         recorded = geometry
-        buf = bytearray(b"\x11" * (rank + 3))
-        saved = {}
-        for name, tensor in tensors.items():
-            data = as_array(tensor)
-            saved[name] = SavedTensor(f"f{rank}", len(buf), data.itemsize, data.shape, geometry[name])
-            buf += data.tobytes() + b"\x22" * 5
-        files[f"f{rank}"] = buf
-        ranks.append(SavedRank(rank, 0, saved))
+        ranks.append(saved)
     assert recorded is not None
     units = {name: g.unit for name, g in recorded.items()}
     if method == "fp8_block":
