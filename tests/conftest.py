@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +116,51 @@ def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
     if None in runs:
         pytest.fail(f"data-parallel engine {specs} did not finish within {ENGINE_TIMEOUT} s")
     return [run for run in runs if run is not None]
+
+
+@contextlib.contextmanager
+def openai_server(args: list[str], log: Path, tp: int = 1, env: dict | None = None) -> Iterator[str]:
+    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with ``args``, in its
+    own session; yields its base URL once ``/health`` answers, and kills it with every process it
+    started (data-parallel engine cores) afterwards. Its output goes to ``log``."""
+    from tiny_models import engine_environment
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args),
+                *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager"),
+            ],
+            cwd=ROOT,
+            env={**os.environ, **engine_environment(tp), **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:
+                assert server.poll() is None, log.read_text()[-4000:]
+                try:
+                    urllib.request.urlopen(f"{url}/health", timeout=2)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "server did not come up in 300 s"
+                    time.sleep(1)
+            yield url
+        finally:
+            _kill_group(server)
+
+
+def post_json(url: str, body: dict, timeout: float = 120) -> dict:
+    """POST ``body`` as JSON; the JSON answer (``{}`` for an empty one)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    answer = urllib.request.urlopen(request, timeout=timeout).read()
+    return json.loads(answer) if answer else {}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -7,16 +7,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_engine, run_python
-from tiny_models import PROMPTS, engine_environment
+from conftest import ROOT, openai_server, post_json, run_engine, run_python
+from tiny_models import PROMPTS
 
 from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.storage.local import copy_non_weight_files
@@ -58,9 +55,7 @@ class Checkpoints:
                 ref = run_engine({"model": self.models[kind], "tp": 2, "save_to": refused}).result
                 self.uncaptured_save = {"result": ref, "directory": refused}
             else:
-                # The hook writes weights only; config and tokenizer come as the script copies them.
-                os.makedirs(out)
-                copy_non_weight_files(self.models[kind], out)
+                # The hook carries config and tokenizer into the capture's folder itself.
                 spec = {"model": self.models[kind], "tp": tp, "pp": pp, "capture_dir": out, "save_to": out}
                 ref = run_engine(spec).result
                 assert ref.get("saved"), ref
@@ -149,7 +144,8 @@ def test_hook_without_capture_saves_only_the_loaded_state(saved, models):
         assert not os.path.exists(directory) or os.listdir(directory) == []
         return
     assert result.get("saved"), result
-    copy_non_weight_files(models["llama"], directory)
+    # The hook carried the model's config and tokenizer: the folder serves by itself.
+    assert {"config.json", "tokenizer.json"} <= set(os.listdir(directory))
     run = run_engine({"model": directory, "tp": 2, "load_format": "sharded_state"})
     assert run.result["token_ids"] == result["token_ids"]
 
@@ -238,53 +234,14 @@ def test_resharded_load_matches_default_loader(saved, kind, saved_tp, saved_pp, 
             assert 40 <= int(line[4]) <= 60, "each of two ranks reads about half the checkpoint"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_openai_server_answers_from_a_sharded_checkpoint(saved, tmp_path):
     checkpoint, reference = saved.get("llama", 1)
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed in finally, after the server)
-    server = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint),
-            *("--load-format", "sharded_state", "--host", "127.0.0.1", "--port", str(port)),
-            *("--max-model-len", "512", "--enforce-eager"),
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, **engine_environment(1)),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not come up in 300 s"
-                time.sleep(1)
+    log = tmp_path / "server.log"
+    with openai_server(["--model", checkpoint, "--load-format", "sharded_state"], log) as url:
         body = {"model": checkpoint, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        answer = post_json(f"{url}/v1/completions", body, timeout=60)
         assert answer["choices"][0]["text"] == reference["texts"][0]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-    assert "vllm_sharded_loader.ShardedStateLoader: pp_rank=0 tp_rank=0" in (tmp_path / "server.log").read_text()
+    assert "vllm_sharded_loader.ShardedStateLoader: pp_rank=0 tp_rank=0" in log.read_text()
 
 
 def flip_data_byte(path: Path) -> None:

