@@ -17,12 +17,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..checkpoint.remote_save import staging_base, upload_non_weight_files
+from ..checkpoint.remote_save import staging_base
 from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import ShardedStateError
 from ..format.names import MANIFEST_NAME
 from ..storage import location, objects
-from ..storage.local import copy_non_weight_files, directory_holds_checkpoint
+from ..storage.local import directory_holds_checkpoint
 from ..storage.location import is_remote
 from ..storage.lock import describe_lock, read_lock
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
@@ -82,7 +82,7 @@ def save_sharded_state(
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
     if is_remote(output):
-        capture_dir = _prepare_object_output(model, output, overwrite)
+        capture_dir = _prepare_object_output(output, overwrite)
     else:
         _prepare_local_output(model, output, overwrite)
         capture_dir = output = os.path.abspath(output)
@@ -105,7 +105,10 @@ def save_sharded_state(
 
 
 def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
-    """Refuse a locked or existing output folder, then copy the non-weight files into it."""
+    """Refuse a locked or existing output folder before an engine starts for nothing.
+
+    The save hook copies the non-weight files (config, tokenizer, ...) before the manifest.
+    """
     os.makedirs(output, exist_ok=True)
     if os.path.samefile(model, output):
         raise ShardedStateError(f"--output {output!r} is the source model's directory; choose another one.")
@@ -118,15 +121,13 @@ def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
             f"{output} already holds a checkpoint; refusing to overwrite it. Choose another directory or "
             "pass --overwrite."
         )
-    # Non-weight files first: the manifest, written by the save hook, must come last.
-    copy_non_weight_files(model, output)
 
 
-def _prepare_object_output(model: str, url: str, overwrite: bool) -> str:
-    """Refuse a locked or existing prefix, upload the non-weight files; returns a local staging folder.
+def _prepare_object_output(url: str, overwrite: bool) -> str:
+    """Refuse a locked or existing prefix; returns a local staging folder.
 
     The workers stage their parts there at start-up (hashed as written), and the save
-    hook uploads them.
+    hook uploads them, with the non-weight files, before the manifest.
     """
     where = objects.ObjectPrefix.parse(url)
     objects.check_not_locked(where)
@@ -134,7 +135,6 @@ def _prepare_object_output(model: str, url: str, overwrite: bool) -> str:
         raise ShardedStateError(
             f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass --overwrite."
         )
-    upload_non_weight_files(model, url)
     return tempfile.mkdtemp(prefix="sharded-state-upload-", dir=staging_base())
 
 
