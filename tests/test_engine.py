@@ -291,18 +291,24 @@ def test_offline_reshard_output_serves_without_resharding(saved, tmp_path):
 
 def test_engine_serves_a_checkpoint_from_a_hub_cache(saved, tmp_path):
     # Offline, vLLM substitutes the cached snapshot for the repository id; our loader reads
-    # through the cache's symlinks into its blobs (allowed: they stay inside the repository).
+    # through the cache's symlinks into its blobs (allowed: they stay inside the repository),
+    # and a save carries the snapshot's non-weight files.
     from test_hub import COMMIT, REPO, lay_out_cache
 
     checkpoint, reference = saved.get("tied", 2)
     lay_out_cache(Path(checkpoint), tmp_path / "cache")
+    out = tmp_path / "saved-again"
     run = run_engine(
-        {"model": REPO, "tp": 2, "load_format": "sharded_state"},
+        {"model": REPO, "tp": 2, "load_format": "sharded_state", "capture_dir": str(out), "save_to": str(out)},
         env={"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"},
     )
     assert run.result["token_ids"] == reference["token_ids"]
     assert_our_loader_ran(run.output, 2)
     assert f"snapshots/{COMMIT}" in run.output
+    # Saved again by the hook: the snapshot's config and tokenizer came along (through its links).
+    assert run.result.get("saved"), run.result
+    for name in ("config.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == Path(checkpoint, name).read_bytes()
 
 
 def test_save_command_refuses_an_existing_checkpoint_unless_overwrite(saved, models):
