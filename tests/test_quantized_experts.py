@@ -157,7 +157,8 @@ def load_with_vllm(vm, method: str, full: dict, tp_size: int, tp_rank: int, ep: 
     return layer
 
 
-def topology_args(vm, layer, tp_size: int, tp_rank: int) -> dict:
+def topology_args(vm, layer) -> dict:
+    """The layer's expert placement and EP rank, as the planner and the geometry take them."""
     placement, ep_rank = vm.placement(layer)
     return {"experts": placement, "ep_rank": ep_rank}
 
@@ -183,7 +184,7 @@ def test_quantized_experts_reshard_like_vllms_loader(vllm_moe, method, saved):
     saved_experts = None
     for rank, layer in enumerate(layers[saved]):
         tensors = dict(layer.named_parameters())
-        args = topology_args(vm, layer, tp_saved, rank)
+        args = topology_args(vm, layer)
         saved_experts = args["experts"]
         assert (saved_experts is not None) == saved[1]
         geometry = vm.tensor_geometry(layer, tensors, tp_saved, rank, **args)
@@ -209,7 +210,7 @@ def test_quantized_experts_reshard_like_vllms_loader(vllm_moe, method, saved):
         tp = topology[0]
         for rank, layer in enumerate(served_layers):
             tensors = dict(layer.named_parameters())
-            args = topology_args(vm, layer, tp, rank)
+            args = topology_args(vm, layer)
             assert (args["experts"] is not None) == topology[1]
             served = vm.tensor_geometry(layer, tensors, tp, rank, **args)
             for name, g in served.items():
