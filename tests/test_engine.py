@@ -16,7 +16,6 @@ from conftest import ROOT, openai_server, post_json, run_engine, run_python
 from tiny_models import PROMPTS
 
 from vllm_sharded_loader.format import MANIFEST_NAME
-from vllm_sharded_loader.storage.local import copy_non_weight_files
 
 pytestmark = pytest.mark.engine
 
@@ -155,7 +154,6 @@ def test_a_save_after_a_weight_update_saves_the_update_or_refuses(saved, models,
     _, before = saved.get("llama", 1)
     out = tmp_path / "updated"
     os.makedirs(out)
-    copy_non_weight_files(models["llama"], out)
     spec = {"model": models["llama"], "capture_dir": str(out), "save_to": str(out)}
     result = run_engine({**spec, "update": "model.layers.0.mlp.down_proj.weight"}).result
     assert result["token_ids"] != before["token_ids"], "the update must change what the engine serves"

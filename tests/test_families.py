@@ -18,8 +18,6 @@ import torch
 from conftest import openai_server, post_json, run_data_parallel, run_engine
 from tiny_models import build_family, family_engine_args
 
-from vllm_sharded_loader.storage.local import copy_non_weight_files
-
 pytestmark = pytest.mark.engine
 
 # MoE experts and the router (a ReplicatedLinear), compressed-tensors int8 with per-channel
@@ -47,7 +45,6 @@ def test_family_saved_at_tp2_serves_at_tp2_and_tp1(family, tmp_path):
     engine = family_engine_args(model, family)
     out = tmp_path / "sharded"
     os.makedirs(out)
-    copy_non_weight_files(model, str(out))
     saved = run_engine({"model": model, "tp": 2, "engine": engine, "capture_dir": str(out), "save_to": str(out)}).result
     assert saved.get("saved"), saved
     served = run_engine({"model": str(out), "tp": 2, "engine": engine, "load_format": "sharded_state"}).result
@@ -67,7 +64,6 @@ def test_an_eagle_drafter_next_to_a_sharded_target(tmp_path):
     model = build_family(str(tmp_path / "model"), "eagle")
     out = tmp_path / "sharded"
     os.makedirs(out)
-    copy_non_weight_files(model, str(out))
     engine = family_engine_args(model, "eagle")
     saved = run_engine({"model": model, "tp": 2, "engine": engine, "capture_dir": str(out), "save_to": str(out)}).result
     assert saved.get("saved"), saved
@@ -105,7 +101,6 @@ def test_experts_move_between_expert_parallel_and_tensor_parallel(tmp_path):
     ep_dir, tp_dir, again_dir = (tmp_path / n for n in ("ep", "tp", "again"))
     for d in (ep_dir, tp_dir, again_dir):
         os.makedirs(d)
-        copy_non_weight_files(model, str(d))
     ep = {"engine": {"enable_expert_parallel": True}, "generate": False}
 
     def save(spec: dict, out) -> None:
@@ -183,7 +178,6 @@ def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
     first, again, lone, flat, recut = (tmp_path / n for n in ("first", "again", "lone", "flat", "recut"))
     for d in (first, again, lone, flat, recut):
         os.makedirs(d)
-        copy_non_weight_files(model, str(d))
     ep = {"tp": 1, "engine": {"enable_expert_parallel": True}, "generate": False}
 
     def save_both(spec: dict, out) -> None:
@@ -277,7 +271,6 @@ def test_packed_int4_saved_at_tp2_loads_resharded_at_tp1_as_the_default_loader_l
     dirs = {n: tmp_path / n for n in ("tp2", "default_tp1", "resharded_tp1")}
     for d in dirs.values():
         os.makedirs(d)
-        copy_non_weight_files(model, str(d))
 
     def save(spec: dict, out) -> str:
         run = run_engine({**spec, "generate": False, "capture_dir": str(out), "save_to": str(out)})

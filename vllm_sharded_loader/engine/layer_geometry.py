@@ -135,13 +135,13 @@ def _quantized_experts_geometry(module: Any, param: str, layer_class: str) -> rs
     if tensor is None or getattr(tensor, "is_transposed", False) or getattr(config, "tp_shard_with_padding", True):
         return None
     stem, _, kind = param.partition("_")
-    weight = _experts_geometry(module, f"{stem}_weight", layer_class) if stem in ("w13", "w2") else None
     scheme = getattr(tensor, "quant_method", None)
-    if weight is None or (kind in ("weight", "bias") and scheme is not None):
-        return None
     if kind in ("weight", "bias"):
         # One int8 or FP8 value per weight; the rank's shape is checked against this.
-        return _experts_geometry(module, param, layer_class)
+        return _experts_geometry(module, param, layer_class) if scheme is None else None
+    weight = _experts_geometry(module, f"{stem}_weight", layer_class) if stem in ("w13", "w2") else None
+    if weight is None:
+        return None
     experts, shape = weight.shape[0], tuple(tensor.shape)
     whole = rs.TensorGeometry(rs.REPLICATED, layer_class, (experts, *shape[1:]), stacked=1)
     if kind == "input_scale":
