@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Iterable
 
 from .errors import ShardedStateError
 
@@ -162,6 +163,11 @@ def parse_file_name(pattern: str, name: str) -> dict[str, int] | None:
     return None if match is None else {k: int(v) for k, v in match.groupdict().items()}
 
 
+def file_rank(fields: dict[str, int]) -> tuple[int, int, int]:
+    """The (tp_rank, pp_rank, dp_rank) of a parsed file name (fields a pattern lacks are 0)."""
+    return fields.get("tp_rank", 0), fields.get("pp_rank", 0), fields.get("dp_rank", 0)
+
+
 def check_plain_file_name(name: str, where: str) -> str:
     """Refuse names that could escape the checkpoint directory."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name or name.startswith("."):
@@ -188,3 +194,42 @@ def staged_token(name: str) -> str | None:
 
 def is_staged_name(name: str) -> bool:
     return staged_token(name) is not None
+
+
+def fresh_part_names(
+    pattern: str, count: int, taken: Iterable[str], *, tp_rank: int, pp_rank: int, dp_rank: int = 0
+) -> list[str]:
+    """Names for a rank's ``count`` new parts that collide with none of ``taken``.
+
+    A save that replaces a checkpoint writes its parts beside the old ones, under names
+    the old manifest does not list, so that the old checkpoint loads until the new
+    manifest is published (replace last). The names keep vLLM's pattern; only the part
+    numbers move: from 0 where those are free, else from one past the highest part of
+    this rank among ``taken`` (the existing files and the old manifest's). Saves over
+    one directory thus alternate between two ranges of part numbers.
+
+    >>> fresh_part_names(TP_ONLY_PATTERN, 2, [], tp_rank=0, pp_rank=0)
+    ['model-rank-0-part-0.safetensors', 'model-rank-0-part-1.safetensors']
+    >>> old = ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
+    >>> fresh_part_names(TP_ONLY_PATTERN, 2, old, tp_rank=0, pp_rank=0)
+    ['model-rank-0-part-1.safetensors', 'model-rank-0-part-2.safetensors']
+    >>> fresh_part_names(TP_ONLY_PATTERN, 1, ["model-rank-0-part-1.safetensors"], tp_rank=0, pp_rank=0)
+    ['model-rank-0-part-0.safetensors']
+    """
+    taken = set(taken)
+
+    def names(first: int) -> list[str]:
+        return [
+            render_file_name(pattern, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, part=first + i)
+            for i in range(count)
+        ]
+
+    if not taken.intersection(names(0)):
+        return names(0)
+    mine = (tp_rank, pp_rank, dp_rank)
+    highest = -1
+    for name in taken:
+        fields = parse_file_name(pattern, name)
+        if fields is not None and file_rank(fields) == mine:
+            highest = max(highest, fields["part"])
+    return names(highest + 1)
