@@ -37,7 +37,7 @@ from vllm_sharded_loader.checkpoint import (
 from vllm_sharded_loader.checkpoint.save import save_checkpoint, write_manifest
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, Manifest, ShardedStateError, SourceModel, config_sha256
 from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS
-from vllm_sharded_loader.format.names import staged_name, staged_token
+from vllm_sharded_loader.format.names import parse_file_name, staged_name, staged_token
 from vllm_sharded_loader.storage.lock import SaveLock, acquire_save_lock, read_lock, release_save_lock
 from vllm_sharded_loader.tools.cli import main as cli
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
@@ -97,14 +97,15 @@ def duplicate_tensor_across_files(d: Path) -> None:
     # Parts of 300 bytes; part 0 rewritten to also hold a tensor that part 1 holds.
     manifest = save(d, max_size=300)
     entry = manifest.rank(0, 0)
+    part0 = entry.files[0].name  # a save over a checkpoint numbers its parts past the old ones
     state = saveable_state(rank_state(0, 2))
-    in_part0 = [n for n, t in entry.tensors.items() if t.file == PART0]
-    other = next(n for n, t in entry.tensors.items() if t.file != PART0)
-    save_file({n: state[n].contiguous() for n in [*in_part0, other]}, str(d / PART0), metadata={"format": "pt"})
+    in_part0 = [n for n, t in entry.tensors.items() if t.file == part0]
+    other = next(n for n, t in entry.tensors.items() if t.file != part0)
+    save_file({n: state[n].contiguous() for n in [*in_part0, other]}, str(d / part0), metadata={"format": "pt"})
 
     def patch(m):
         f = m["ranks"][0]["files"][0]
-        f["size"] = (d / PART0).stat().st_size
+        f["size"] = (d / part0).stat().st_size
         f.pop("checksum")
 
     edit_manifest(d, patch)
@@ -168,8 +169,12 @@ CASES = [
     ("header longer than its file", header_longer_than_file, r"header claims"),
     ("tensor stored in two files", duplicate_tensor_across_files, r"holds tensors \['.*'\] not in sharded_state.json"),
     (
-        "interrupted save (lock left behind)",
-        lambda d: (d / LOCK_NAME).write_text(json.dumps({"pid": 999999999, "host": "elsewhere"})),
+        # A save dies before its first manifest: the lock stays, and nothing is published.
+        "interrupted first save (lock left, no manifest)",
+        lambda d: (
+            (d / LOCK_NAME).write_text(json.dumps({"pid": 999999999, "host": "elsewhere"})),
+            (d / MANIFEST_NAME).unlink(),
+        ),
         r"save was interrupted: .*\.sharded_state\.lock",
     ),
 ]
@@ -268,8 +273,10 @@ def test_existing_checkpoint_is_not_overwritten_unless_asked(tmp_path):
     assert snapshot(tmp_path) == before
     assert not (tmp_path / LOCK_NAME).exists()
     # Overwriting a TP=4 save at TP=2 leaves no part of ranks 2 and 3 behind.
-    save(tmp_path, tp_size=2, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [PART0, "model-rank-1-part-0.safetensors", MANIFEST_NAME]
+    manifest = save(tmp_path, tp_size=2, overwrite=True)
+    listed = sorted(f.name for entry in manifest.ranks for f in entry.files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*listed, MANIFEST_NAME])
+    assert [parse_file_name(manifest.pattern, n)["tp_rank"] for n in listed] == [0, 1]
     assert verify_checkpoint(str(tmp_path)) == []
 
 
@@ -324,8 +331,9 @@ def test_concurrent_saves_one_wins_the_other_fails_clearly(tmp_path):
     assert verify_checkpoint(str(tmp_path)) == []
 
 
-def test_interrupted_save_is_refused_and_can_be_redone(tmp_path):
+def test_interrupted_save_loses_nothing_and_can_be_redone(tmp_path):
     save(tmp_path)
+    before = snapshot(tmp_path)
     proc = run_saver(tmp_path, prelude="import time; time.sleep(0)")
     deadline = time.monotonic() + 60
     while not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
@@ -333,9 +341,12 @@ def test_interrupted_save_is_refused_and_can_be_redone(tmp_path):
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)  # killed while it writes its parts
     proc.wait()
-    with pytest.raises(ShardedStateError, match="save was interrupted"):
-        load(tmp_path)
-    assert cli(["verify", str(tmp_path)]) == 1
+    # The published checkpoint is untouched, and loads: the killed save never reached its manifest.
+    assert {k: v for k, v in snapshot(tmp_path).items() if k in before} == before
+    load(tmp_path)
+    # verify names the dead save's leftovers (exit 1), not the checkpoint's files.
+    problems = verify_checkpoint(str(tmp_path))
+    assert problems and all(".partial" in p for p in problems), problems
     # Saving again (overwrite) takes the stale lock over and removes the killed save's partial files.
     save(tmp_path, overwrite=True)
     assert verify_checkpoint(str(tmp_path)) == []
@@ -639,8 +650,12 @@ def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, t
     assert all(torch.equal(targets[n], x) for n, x in new.items())
 
 
-def test_save_running_when_the_reads_end_is_refused(tmp_path, monkeypatch):
-    """A save that has taken the lock (and may be renaming parts) when the reads end: refused."""
+def test_save_running_when_the_reads_end_leaves_the_load_whole(tmp_path, monkeypatch):
+    """A save that has taken the lock when the reads end: the load has the published checkpoint, whole.
+
+    A save replaces a checkpoint last (new part names, then the manifest's rename), so a
+    running save changes nothing a load of the published manifest reads.
+    """
     import vllm_sharded_loader.checkpoint.load as load_module
 
     directory = tmp_path / "ckpt"
@@ -653,9 +668,11 @@ def test_save_running_when_the_reads_end_is_refused(tmp_path, monkeypatch):
         return read_files(*args, **kwargs)
 
     monkeypatch.setattr(load_module, "read_files", reads_while_a_save_starts)
-    targets = {n: torch.full_like(x, -7) for n, x in stage_state(RESHARD_MODEL, 2, 1, 0, 0).items()}
-    with pytest.raises(ShardedStateError, match=r"is being saved or its save was interrupted: .*\.sharded_state\.lock"):
-        load_rank(str(directory), targets, RankInfo(0, 2), manifest=read_manifest(str(directory)))
+    expected = stage_state(RESHARD_MODEL, 2, 1, 0, 0)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    load_rank(str(directory), targets, RankInfo(0, 2), manifest=read_manifest(str(directory)))
+    assert locks, "the save started during the load"
+    assert all(torch.equal(targets[n], x) for n, x in expected.items())
     release_save_lock(locks[0])
 
 

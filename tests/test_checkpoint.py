@@ -72,12 +72,22 @@ def test_parts_are_size_capped(tmp_path):
 def test_resave_with_fewer_parts_leaves_no_stale_part(tmp_path):
     save(tmp_path, max_size=300)
     assert len([n for n in os.listdir(tmp_path) if n.startswith("model-rank-0-")]) > 1
-    save(tmp_path, max_size=None)
+    manifest = save(tmp_path, max_size=None)
+    # Replaced last: the new parts took part numbers the old save did not use.
+    listed = sorted(f.name for entry in manifest.ranks for f in entry.files)
+    assert listed == ["model-rank-0-part-4.safetensors", "model-rank-1-part-4.safetensors"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("model-rank-")) == listed
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == []
+    # The next save takes the lowest part numbers again, now free.
+    manifest = save(tmp_path, max_size=None)
+    assert sorted(f.name for entry in manifest.ranks for f in entry.files) == [
+        "model-rank-0-part-0.safetensors",
+        "model-rank-1-part-0.safetensors",
+    ]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("model-rank-")) == [
         "model-rank-0-part-0.safetensors",
         "model-rank-1-part-0.safetensors",
     ]
-    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
 def test_custom_pattern(tmp_path):

@@ -1,22 +1,28 @@
 """Saving a sharded checkpoint, engine-free: staged parts, an exclusive lock, the manifest last.
 
-A save goes through four steps, each visible on disk:
+A save replaces a checkpoint last. Its steps, each visible on disk:
 
-1. **lock**: ``.sharded_state.lock`` is created exclusively (O_EXCL). A second save into
-   the directory fails while the first runs; an existing checkpoint is refused unless
-   ``overwrite`` is asked. A loader refuses a directory holding the lock.
+1. **lock**: ``.sharded_state.lock`` is created exclusively. A second save into the
+   directory fails while the first runs; an existing checkpoint is refused unless
+   ``overwrite`` is asked.
 2. **stage**: every rank writes its parts under hidden temporary names
    (``.model-rank-0-part-0.safetensors.<token>.partial``), hashing them as they are written.
-   The previous checkpoint, if any, is still intact: a failure here (disk full) removes
-   the staged files and the lock, and loses nothing.
-3. **swap**: the old manifest is removed, every rank renames its staged parts into place
-   and removes its parts of the old save that the new one does not have.
-4. **publish**: files of ranks the new topology does not have are removed, the manifest is
-   written (temporary file, fsync, rename) and the lock released.
+3. **place**: every rank renames its staged parts to final names in vLLM's pattern that
+   nothing in the directory has (:func:`..format.names.fresh_part_names`): the old
+   manifest's parts are never touched, and saves over one checkpoint alternate between two
+   ranges of part numbers.
+4. **publish**: the manifest is written to a temporary file, fsynced and renamed over
+   ``sharded_state.json``: the one atomic step.
+5. **clean**: parts the new manifest does not list (the old save's, ranks of a larger TP),
+   the staged files of this save and of the interrupted save it took over are removed,
+   and the lock released.
 
-A crash in 3 or 4 leaves the lock in place, so the directory is refused as interrupted,
-never loaded as a mix. :func:`save_checkpoint` runs the steps in one process; the vLLM
-save hook (:mod:`..engine.capture`) runs them across workers.
+Before step 4 the previous checkpoint, if any, is the published one and loads and
+verifies, whatever fails or dies (loads do not wait for the lock when a manifest exists);
+from step 4 on the new one does. A save that dies leaves its lock, and staged or placed
+files that no manifest lists; the next save takes the lock over (with overwrite) and
+removes them. :func:`save_checkpoint` runs the steps in one process; the vLLM save hook
+(:mod:`..engine.capture`) runs them across workers.
 """
 
 from __future__ import annotations
@@ -29,17 +35,19 @@ import torch
 
 from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
-from ..format.manifest import Manifest, RankEntry
+from ..format.manifest import FileEntry, Manifest, RankEntry, TensorEntry
 from ..format.names import (
     DEFAULT_PATTERNS,
     MANIFEST_NAME,
     default_pattern,
+    fresh_part_names,
     parse_file_name,
     staged_name,
     staged_token,
 )
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
+from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
@@ -50,11 +58,12 @@ from .staged import StagedRank, discard_rank, new_token, open_staged_tensors, st
 __all__ = [
     "DEFAULT_MAX_SIZE",
     "StagedRank",
+    "clean_after_publish",
     "discard_rank",
     "new_token",
     "open_staged_tensors",
+    "publish_manifest",
     "publish_rank",
-    "remove_manifest",
     "save_checkpoint",
     "stage_rank",
     "write_manifest",
@@ -63,67 +72,123 @@ __all__ = [
 DEFAULT_MAX_SIZE = 5 * 1024**3
 
 
-# ------------------------------------------------------------- swap and publish
+# The steps where a test kills a local save (storage/faults.py), in protocol order.
+KILL_LOCKED = declare("local.locked", "checkpoint/save.py: the lock is taken, nothing staged")
+KILL_STAGED = declare("local.staged", "checkpoint/save.py: a rank's parts are staged under hidden names")
+KILL_PLACED = declare("local.placed", "checkpoint/save.py: one staged part was renamed to its fresh final name")
+KILL_MANIFEST_WRITTEN = declare("local.manifest_written", "checkpoint/save.py: temporary manifest fsynced, not renamed")
+KILL_PUBLISHED = declare("local.published", "checkpoint/save.py: the manifest is renamed into place, nothing cleaned")
+KILL_CLEANING = declare("local.cleaning", "checkpoint/save.py: one file of the old save was removed after the publish")
+KILL_CLEANED = declare("local.cleaned", "checkpoint/save.py: cleaned, the lock not yet released")
 
 
-def remove_manifest(directory: str) -> None:
-    """Unpublish the previous checkpoint, just before its parts are replaced."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(directory, MANIFEST_NAME))
+# ------------------------------------------------------------- place and publish
 
 
 def publish_rank(staged: StagedRank) -> RankEntry:
-    """Rename a rank's staged parts into place and remove its parts of an older save."""
-    for name, tmp in list(staged.temporary.items()):
-        os.replace(tmp, os.path.join(staged.directory, name))
-        del staged.temporary[name]
-    keep = {f.name for f in staged.entry.files}
-    for name in os.listdir(staged.directory):
-        fields = parse_file_name(staged.pattern, name)
-        if (
-            fields is not None
-            and name not in keep
-            and (fields.get("tp_rank", 0), fields.get("pp_rank", 0), fields.get("dp_rank", 0))
-            == (staged.rank.tp_rank, staged.rank.pp_rank, staged.rank.saved_dp_rank)
-        ):
-            os.remove(os.path.join(staged.directory, name))
-    fsync_directory(staged.directory)
+    """Step 3: rename a rank's staged parts to fresh final names; the rank's entry names them.
+
+    The names collide with nothing in the directory, so the published checkpoint's parts
+    stay as they are until the new manifest replaces it. Called under the save's lock:
+    no other save renames into the directory meanwhile.
+    """
+    directory = staged.directory
+    old = [f.name for f in staged.entry.files]
+    rank = staged.rank
+    new = fresh_part_names(
+        staged.pattern,
+        len(old),
+        os.listdir(directory),
+        tp_rank=rank.tp_rank,
+        pp_rank=rank.pp_rank,
+        dp_rank=rank.saved_dp_rank,
+    )
+    renamed = dict(zip(old, new, strict=True))
+    for name in old:
+        if name in staged.temporary:
+            final = os.path.join(directory, renamed[name])
+            os.replace(staged.temporary[name], final)
+            staged.placed.append(final)
+            del staged.temporary[name]
+            kill_point(KILL_PLACED)
+    fsync_directory(directory)
+    entry = staged.entry
+    staged.entry = RankEntry(
+        entry.tp_rank,
+        entry.pp_rank,
+        tuple(FileEntry(renamed[f.name], f.size, f.checksum) for f in entry.files),
+        {n: TensorEntry(renamed[t.file], t.dtype, t.shape, t.offset) for n, t in entry.tensors.items()},
+        entry.dp_rank,
+    )
     return staged.entry
 
 
-def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
-    """Publish a checkpoint: drop parts it does not list, write the manifest atomically, unlock.
+def publish_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
+    """Step 4: publish the manifest atomically (temporary file, fsync, rename).
 
-    Parts of ranks the new topology does not have (an older save at a larger TP) are
-    removed, so vLLM's own loader cannot pick them up either, and so are the staged files
-    of this save and of the interrupted save whose lock it took over; never those of
-    another save. The manifest goes through a temporary file, fsync and rename: a
-    directory without it is incomplete.
+    Every listed part must be in place with its size first: a manifest never names an
+    absent part. An error from here means nothing was published.
     """
-    listed = {f.name for entry in manifest.ranks for f in entry.files}
     for entry in manifest.ranks:
         for f in entry.files:
-            size = os.path.getsize(os.path.join(directory, f.name))
+            path = os.path.join(directory, f.name)
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                raise ShardedStateError(
+                    f"{path}: missing, yet the manifest being published lists it. Nothing was published; the "
+                    "previous checkpoint, if any, is intact. Is the directory shared by every worker?"
+                ) from None
             if size != f.size:
-                raise ShardedStateError(f"{os.path.join(directory, f.name)}: {size} bytes, expected {f.size}.")
+                raise ShardedStateError(
+                    f"{path}: {size} bytes, expected {f.size}. Nothing was published; the previous checkpoint, "
+                    "if any, is intact."
+                )
+    path = os.path.join(directory, MANIFEST_NAME)
+    tmp = os.path.join(directory, staged_name(MANIFEST_NAME, new_token() if lock is None else lock.token))
+    try:
+        with open(tmp, "w") as out:
+            out.write(manifest.to_json())
+            out.flush()
+            os.fsync(out.fileno())
+        kill_point(KILL_MANIFEST_WRITTEN)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ShardedStateError(
+            f"Writing the manifest {path} failed: {e}. Nothing was published; the previous checkpoint, if any, "
+            "is intact. Free space (or fix the directory) and save again."
+        ) from e
+    fsync_directory(directory)
+    kill_point(KILL_PUBLISHED)
+
+
+def clean_after_publish(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
+    """Step 5: remove what the published manifest does not list, then release the lock.
+
+    Parts of the old save that the new one does not list (and of ranks the new topology
+    lacks) go, so vLLM's own loader cannot pick them up either, and so do the staged
+    files of this save and of the interrupted save whose lock it took over; never those
+    of another save. A failure here leaves the new checkpoint published and whole.
+    """
+    listed = {f.name for entry in manifest.ranks for f in entry.files}
     ours = set() if lock is None else {lock.token, lock.taken_over} - {None}
     for name in os.listdir(directory):
         stale_part = any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
-        # Every rank of this save has renamed its staged parts by now: staged files left
-        # with our tokens are those of the interrupted save this one took over.
         if (name not in listed and stale_part) or staged_token(name) in ours:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(directory, name))
-    path = os.path.join(directory, MANIFEST_NAME)
-    tmp = os.path.join(directory, staged_name(MANIFEST_NAME, new_token() if lock is None else lock.token))
-    with open(tmp, "w") as out:
-        out.write(manifest.to_json())
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    fsync_directory(directory)
+            kill_point(KILL_CLEANING)
+    kill_point(KILL_CLEANED)
     if lock is not None:
         release_save_lock(lock)
+
+
+def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
+    """Steps 4 and 5: publish the manifest, then clean and unlock."""
+    publish_manifest(directory, manifest, lock)
+    clean_after_publish(directory, manifest, lock)
 
 
 def save_checkpoint(
@@ -180,16 +245,19 @@ def save_checkpoint(
         )
     token = new_token()
     lock = acquire_save_lock(directory, token, overwrite)
+    kill_point(KILL_LOCKED)
     staged: list[StagedRank] = []
     try:
         for info in infos:
             staged.append(stage_rank(directory, ranks[info], info, pattern, max_size, token))
+            kill_point(KILL_STAGED)
+        manifest = manifest_of([publish_rank(s) for s in staged])
+        publish_manifest(directory, manifest, lock)
     except BaseException:
+        # Nothing was published: what this save staged or placed goes, the old checkpoint stands.
         for s in staged:
             discard_rank(s)
         release_save_lock(lock)
         raise
-    remove_manifest(directory)
-    manifest = manifest_of([publish_rank(s) for s in staged])
-    write_manifest(directory, manifest, lock)
+    clean_after_publish(directory, manifest, lock)
     return manifest

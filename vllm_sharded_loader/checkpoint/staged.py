@@ -40,6 +40,9 @@ class StagedRank:
     max_size: int | None
     entry: RankEntry
     temporary: dict[str, str] = field(default_factory=dict)  # final name -> temporary path
+    # Parts renamed to their final names but not yet published by a manifest: a failed
+    # save removes them too (they are its own; the published checkpoint lists none of them).
+    placed: list[str] = field(default_factory=list)
 
     def paths(self) -> list[str]:
         """Where the parts are now: temporary paths until published, final paths after."""
@@ -105,11 +108,12 @@ def stage_rank(
 
 
 def discard_rank(staged: StagedRank) -> None:
-    """Remove a rank's staged (unpublished) parts."""
-    for tmp in staged.temporary.values():
+    """Remove a rank's staged and placed parts (never published: no manifest lists them)."""
+    for path in [*staged.temporary.values(), *staged.placed]:
         with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+            os.remove(path)
     staged.temporary.clear()
+    staged.placed.clear()
 
 
 def open_staged_tensors(staged: StagedRank) -> dict[str, torch.Tensor]:

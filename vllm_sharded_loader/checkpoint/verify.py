@@ -7,7 +7,8 @@ from ..format.manifest import FileChecksum
 from ..format.names import MANIFEST_NAME, is_staged_name, parse_file_name
 from ..planning.reads import check_saved_geometry
 from ..storage.integrity import BlockVerifier
-from ..storage.location import StoredFile, check_not_locked, file_path, list_names, read_manifest
+from ..storage.location import StoredFile, check_not_locked, file_path, is_remote, list_names, read_manifest
+from ..storage.lock import save_is_running
 from ..storage.writer import CHUNK_BYTES
 from .rank_files import check_rank_file
 
@@ -59,6 +60,10 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
                         verify_file_checksum(checked.file, f.checksum)
             except ShardedStateError as e:
                 problems.append(str(e))
+    if not is_remote(directory) and save_is_running(directory):
+        # A running save's staged and placed files are not the published checkpoint's
+        # problem: it removes them itself, or publishes them.
+        return problems
     for name in list_names(directory):
         if name not in listed and parse_file_name(manifest.pattern, name) is not None:
             problems.append(

@@ -43,22 +43,23 @@ from ..checkpoint import remote_save
 from ..checkpoint.remote_save import staging_base
 from ..checkpoint.save import (
     StagedRank,
+    clean_after_publish,
     discard_rank,
     new_token,
     open_staged_tensors,
+    publish_manifest,
     publish_rank,
-    remove_manifest,
     stage_rank,
-    write_manifest,
 )
 from ..checkpoint.state import saveable_state, tied_groups
+from ..checkpoint.verify import verify_file_checksum
 from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest, RankEntry
-from ..format.names import LOCK_NAME, default_pattern, validate_pattern
+from ..format.names import default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
-from ..storage.local import copy_non_weight_files
+from ..storage.local import OpenFile, copy_non_weight_files
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, is_drafter, source_identity
@@ -311,6 +312,12 @@ def _stage_for_save(
                 f"engine from them with {CAPTURE_DIR_ENV}=<dir>, and save that engine."
             ) from e
         return stage_rank(path, _written(rank, state, live), rank, pattern, max_size, token)
+    if capture is not None and not capture.temporary:
+        # Published by an earlier save: its files now belong to a checkpoint that another
+        # save may have replaced since, even under the same names. Only their content,
+        # checked against the checksums taken as they were written, proves them ours.
+        _check_capture_content(capture)
+        return stage_rank(path, open_staged_tensors(capture), rank, pattern, max_size, token)
     if capture is not None:
         in_place = os.path.isdir(path) and os.path.samefile(capture.directory, path)
         if in_place and (capture.pattern, capture.max_size) == (pattern, max_size):
@@ -318,6 +325,24 @@ def _stage_for_save(
         return stage_rank(path, open_staged_tensors(capture), rank, pattern, max_size, token)
     live = _live_state_if_unchanged(model, state)
     return stage_rank(path, _written(rank, state, live), rank, pattern, max_size, token)
+
+
+def _check_capture_content(capture: StagedRank) -> None:
+    """Refuse to save from a published capture whose files no longer hold what was captured."""
+    how = (
+        f"Another save has replaced the checkpoint this engine saved at start-up; restart the engine (with "
+        f"{CAPTURE_DIR_ENV}) to save what it serves."
+    )
+    for path, f in zip(capture.paths(), capture.entry.files, strict=True):
+        if f.checksum is None:
+            raise ShardedStateError(f"Refusing to save: {path} has no recorded checksum to prove it unchanged. {how}")
+        try:
+            with OpenFile.open(path) as opened:
+                if opened.size != f.size:
+                    raise ShardedStateError(f"{path}: {opened.size} bytes, captured {f.size}")
+                verify_file_checksum(opened, f.checksum)
+        except (OSError, ShardedStateError) as e:
+            raise ShardedStateError(f"Refusing to save: the captured state is gone ({e}). {how}") from e
 
 
 def _expert_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -527,6 +552,22 @@ def _carry_non_weight_files(state: LoadedState | None, where: str) -> None:
     logger.info("sharded_state: copied %d non-weight files of %s (config, tokenizer, ...)", len(carried), source)
 
 
+def _abandon_local_stage(state: LoadedState | None, staged: StagedRank | None) -> None:
+    """After a failed local save, before its publish: remove what this save staged or placed.
+
+    A start-up capture that was only staged stays for the next try. One already placed
+    under final names is removed: no manifest lists those files, and a retry rewrites
+    from the live weights or refuses.
+    """
+    if staged is None:
+        return
+    if state is not None and staged is state.capture:
+        if not staged.placed:
+            return
+        state.capture = None
+    discard_rank(staged)
+
+
 def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
     """Body of vLLM's worker ``save_sharded_state`` hook; runs on every worker at once.
 
@@ -562,7 +603,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     token = new_token()
     lock: SaveLock | None = None
     staged: StagedRank | None = None
-    swapped = False
+    published = False
 
     def check_and_lock() -> SaveLock:
         validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
@@ -578,30 +619,35 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         lock = workers.run(check_and_lock, only_first=True)[0]
         token = lock.token  # every worker stages under the lock's token: a takeover finds all of them
         outcomes = workers.run(stage)
-        entries = [entry for entry, _, _, _ in outcomes]
-        swapped = True
-        workers.run(lambda: remove_manifest(path), only_first=True)
-        workers.run(lambda: publish_rank(staged))
+        # Placed under fresh names: the published checkpoint's parts are untouched until the manifest.
+        entries = workers.run(lambda: publish_rank(staged))
+        outcomes = [(entry, *rest) for entry, (_, *rest) in zip(entries, outcomes, strict=True)]
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
         workers.run(lambda: _carry_non_weight_files(state, path), only_first=True)
-        workers.run(lambda: write_manifest(path, manifest, lock), only_first=True)
+        workers.run(lambda: publish_manifest(path, manifest, lock), only_first=True)
+        published = True
+        if staged is not None:
+            staged.placed.clear()  # published: no longer this save's to remove
+        workers.run(lambda: clean_after_publish(path, manifest, lock), only_first=True)
     except ShardedStateError as e:
-        if not swapped:
-            if staged is not None and staged is not (state and state.capture):
-                discard_rank(staged)
+        if not published:
+            _abandon_local_stage(state, staged)
             if lock is not None and workers.first:
                 release_save_lock(lock)
         raise ShardedStateError(
             f"Saving the sharded state to {path} failed: {e}. "
             + (
                 "Nothing was published; any previous checkpoint there is intact."
-                if not swapped
-                else f"The directory is left incomplete and locked ({LOCK_NAME}): save it again with overwrite."
+                if not published
+                else "The new checkpoint is published and complete; removing the old save's files failed: "
+                "save again to clean up."
             )
         ) from e
     if state.capture is not None and state.capture is not staged:
         discard_rank(state.capture)  # a capture staged elsewhere, now rewritten and published
-    state.capture = staged  # published in place: a later save can rewrite from it
+    # Published: its files now belong to the checkpoint, which a later save may replace.
+    # The next save rewrites from them only once their content is proven the capture's.
+    state.capture = staged
     state.updates = 0  # what was just published is what is served now
     if workers.first:
         logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(entries), manifest.nbytes / 1e6, path)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
-from ..format.names import DEFAULT_PATTERNS, LOCK_NAME, MANIFEST_NAME, parse_file_name
+from ..format.names import DEFAULT_PATTERNS, LOCK_NAME, MANIFEST_NAME, is_staged_name, parse_file_name
 from ..format.safetensors import MAX_HEADER_BYTES, Header, parse_header
 
 
@@ -264,8 +264,17 @@ SKIPPED_NAMES = (MANIFEST_NAME, LOCK_NAME, ".cache", ".git")
 
 
 def is_weight_file(name: str) -> bool:
-    """Whether a file of the source model is a weight file (or index) not to copy."""
-    return any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS) or name in SKIPPED_NAMES
+    """Whether a file of the source model is a weight file (or index) not to copy.
+
+    Our own bookkeeping is never carried either: a save's staged ``.partial`` files (a
+    start-up capture into the model's folder) and lock files.
+    """
+    return (
+        any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)
+        or name in SKIPPED_NAMES
+        or is_staged_name(name)
+        or name.startswith(LOCK_NAME)
+    )
 
 
 def module_folders(source: str) -> set[str]:

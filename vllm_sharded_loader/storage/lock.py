@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
-from ..format.names import LOCK_NAME
+from ..format.names import LOCK_NAME, MANIFEST_NAME
 from .local import directory_holds_checkpoint
 
 # How long a save that meets a held lock waits for its holder to name itself (see _running_holder).
@@ -200,12 +200,39 @@ def release_save_lock(lock: SaveLock) -> None:
             os.close(lock.fd)
 
 
+def save_is_running(directory: str) -> bool:
+    """Whether a live save holds the directory's lock (its ``flock`` is taken).
+
+    Probed with a shared ``flock``, which conflicts with the holder's exclusive one;
+    a lock written by an older version (no ``flock``) is judged by its holder's pid.
+    """
+    try:
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        holder = read_lock(directory) or {}
+        return isinstance(holder.get("pid"), int) and "token" not in holder and _holder_is_alive(holder)
+    finally:
+        os.close(fd)
+
+
 def check_not_locked(directory: str) -> None:
-    """Refuse a directory whose save is running or was interrupted."""
+    """Refuse a directory without a manifest whose save is running or was interrupted.
+
+    A save replaces a checkpoint last (its parts go under names the old manifest does not
+    list, and the manifest's rename publishes them): while it runs, or after it died, the
+    published manifest still names a complete checkpoint, which loads as usual. Only a
+    directory with a lock and no manifest is refused: its first save has not published.
+    """
     holder = read_lock(directory)
-    if holder is not None:
+    if holder is not None and not os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
         raise ShardedStateError(
             f"{directory} is being saved or its save was interrupted: {describe_lock(directory, holder)} "
-            f"exists and the checkpoint may mix two saves. Wait for the save to finish, or save it again "
+            "exists and no manifest has been published yet. Wait for the save to finish, or save it again "
             "(with overwrite)."
         )
