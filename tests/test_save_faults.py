@@ -1,0 +1,188 @@
+"""A local save killed at every step of its protocol, or starved of disk: nothing is ever lost.
+
+Each test saves checkpoint A, then runs a real save of checkpoint B over it in another
+process and makes that process die (``SIGKILL`` at a named kill point of
+``vllm_sharded_loader.storage.faults``) or fail (a full file system). Whatever the step,
+exactly one of A and B is published, bit-exact and verified: A before the manifest's
+rename, B from it on. Files that are not ours, in the directory and beside it, are
+byte-identical (``tests/faultkit.py: tree_digest``), and the next save cleans up after
+the dead one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from faultkit import tree_digest
+from states import SOURCE
+
+from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError
+from vllm_sharded_loader.format.names import is_staged_name
+from vllm_sharded_loader.storage import faults
+
+TESTS = Path(__file__).resolve().parent
+# Steps before the manifest's rename leave A published; from it on, B.
+BEFORE_PUBLISH = ("local.locked", "local.staged", "local.placed", "local.manifest_written")
+AFTER_PUBLISH = ("local.published", "local.cleaning", "local.cleaned")
+# Steps reached more than once (per rank, per part, per removed file) are also killed the second time.
+REPEATED = ("local.staged:2", "local.placed:2", "local.placed:4", "local.cleaning:2")
+
+
+def states(value: float) -> dict[RankInfo, dict[str, torch.Tensor]]:
+    """Two ranks of distinct tensors, in parts of one or two tensors (max_size below)."""
+    return {RankInfo(r, 2): {f"w{i}": torch.full((64, 32), value + 10 * r + i) for i in range(4)} for r in range(2)}
+
+
+SAVER = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from states import SOURCE
+    from test_save_faults import states
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    save_checkpoint({directory!r}, states({value}), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    """
+)
+
+
+def save_in_process(directory: Path, value: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    code = SAVER.format(tests=str(TESTS), directory=str(directory), value=value)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_published(directory: Path, value: float) -> None:
+    """The directory's manifest is the save of ``value``'s, and every rank loads it bit-exactly."""
+    manifest = read_manifest(str(directory))
+    assert manifest is not None
+    for info, tensors in states(value).items():
+        targets = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        load_rank(str(directory), targets, info, manifest=manifest, serving=SOURCE, verify="checksum")
+        assert all(torch.equal(targets[n], t) for n, t in tensors.items()), f"rank {info} is not save {value}'s"
+
+
+def listed(directory: Path) -> set[str]:
+    manifest = read_manifest(str(directory))
+    return {f.name for entry in manifest.ranks for f in entry.files} | {MANIFEST_NAME}
+
+
+@pytest.fixture
+def checkpoint_a(tmp_path: Path) -> tuple[Path, Path]:
+    """Checkpoint A, a foreign file inside it, and a neighbour folder beside it."""
+    directory, neighbour = tmp_path / "ckpt", tmp_path / "neighbour"
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192)
+    (directory / "notes.txt").write_text("the user's own file")
+    neighbour.mkdir()
+    (neighbour / "model-rank-0-part-9.safetensors").write_bytes(b"not ours")
+    return directory, neighbour
+
+
+def test_every_local_kill_point_is_covered():
+    """A kill point added to the protocol without a place in these tests fails here."""
+    local = {step for step in faults.KILL_POINTS if step.startswith("local.")}
+    assert local == set(BEFORE_PUBLISH) | set(AFTER_PUBLISH)
+
+
+@pytest.mark.parametrize("kill_at", [*BEFORE_PUBLISH, *AFTER_PUBLISH, *REPEATED])
+def test_save_killed_at_each_step_loses_nothing(checkpoint_a, kill_at):
+    directory, neighbour = checkpoint_a
+    before, beside = tree_digest(str(directory)), tree_digest(str(neighbour))
+    a_files = listed(directory)
+
+    result = save_in_process(directory, 2.0, {faults.KILL_ENV: kill_at})
+    assert result.returncode == -signal.SIGKILL, (kill_at, result.returncode, result.stderr[-2000:])
+
+    after = tree_digest(str(directory))
+    assert tree_digest(str(neighbour)) == beside
+    assert after["notes.txt"] == before["notes.txt"]
+    if kill_at.partition(":")[0] in BEFORE_PUBLISH:
+        # A is published, and each of its files is byte-identical.
+        assert {n: after.get(n) for n in a_files} == {n: before[n] for n in a_files}
+        assert_published(directory, 1.0)
+    else:
+        assert_published(directory, 2.0)
+    # Anything else left is the dead save's own: its lock, staged or placed files, A's old parts.
+    for name in set(after) - set(before) - listed(directory):
+        assert name == LOCK_NAME or is_staged_name(name) or name.startswith("model-rank-"), name
+
+    # The next save takes the dead save's lock over and leaves nothing of it behind.
+    again = save_in_process(directory, 3.0)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert_published(directory, 3.0)
+    assert verify_checkpoint(str(directory)) == []
+    assert sorted(tree_digest(str(directory))) == sorted(listed(directory) | {"notes.txt"})
+    assert tree_digest(str(directory))["notes.txt"] == before["notes.txt"]
+    assert tree_digest(str(neighbour)) == beside
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path):
+    """A real file system of 256 KiB of its own (tmpfs), unmounted afterwards; skipped where mounting is denied."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); test_full_disk_during_save covers EFBIG")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_file_system_loses_nothing(small_filesystem):
+    """A save that runs out of space (ENOSPC, a real full tmpfs) fails clearly; A stays whole."""
+    directory = small_filesystem / "ckpt"
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192)
+    (small_filesystem / "filler").write_bytes(b"\0" * (256 * 1024 - 3 * 64 * 1024))  # room for less than B
+    before = tree_digest(str(small_filesystem))
+    with pytest.raises(ShardedStateError, match=r"No space left on device.*previous checkpoint, if any, is intact"):
+        big = {info: {n: t.repeat(4, 1) for n, t in tensors.items()} for info, tensors in states(2.0).items()}
+        save_checkpoint(str(directory), big, dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    assert tree_digest(str(small_filesystem)) == before
+    assert_published(directory, 1.0)
+    assert verify_checkpoint(str(directory)) == []
+
+
+def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_path):
+    """The silent wrong weights of issue 25: an engine's second save reused its start-up capture's
+    files by name after other saves had rewritten them (same names, same sizes). The capture is
+    now reused only when its content matches the checksums taken as it was written."""
+    from vllm_sharded_loader.checkpoint.save import publish_rank, stage_rank, write_manifest
+    from vllm_sharded_loader.engine.capture import _check_capture_content
+    from vllm_sharded_loader.format import Manifest
+
+    directory = tmp_path / "ckpt"
+    info = RankInfo(0, 1)
+    captured = stage_rank(str(directory), {"w": torch.full((64, 32), 1.0)}, info, max_size=8192)
+    entry = publish_rank(captured)  # the engine's first save publishes its capture in place
+    write_manifest(str(directory), Manifest(1, 1, "float32", captured.pattern, SOURCE, (entry,)))
+    _check_capture_content(captured)  # untouched: reusable
+    # Two saves of other weights alternate the part names back to the capture's, same sizes.
+    for value in (5.0, 6.0):
+        save_checkpoint(
+            str(directory),
+            {info: {"w": torch.full((64, 32), value)}},
+            dtype="float32",
+            source=SOURCE,
+            max_size=8192,
+            overwrite=True,
+        )
+    assert os.path.getsize(captured.paths()[0]) == entry.files[0].size  # same name, same size: sizes cannot tell
+    with pytest.raises(ShardedStateError, match="Refusing to save: the captured state is gone"):
+        _check_capture_content(captured)
