@@ -57,6 +57,63 @@ print("hooked")
     assert run.returncode == 0 and "hooked" in run.stdout, run.stderr[-3000:]
 
 
+def test_a_failing_hook_breaks_no_load_format_and_never_hands_sharded_state_to_vllm():
+    """A real exception inside the deferred hook, raised during vLLM's own import of its model
+    loaders: the import succeeds, every other format loads as without us, the failure is logged,
+    and ``sharded_state`` refuses loudly instead of silently becoming vLLM's built-in loader."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import vllm_sharded_loader.engine.capture as capture
+del capture.wrap_process_weights_after_loading  # the hook's own import now fails, for real
+from vllm_sharded_loader import register
+register()
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import DefaultModelLoader, get_model_loader
+from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader as BuiltIn
+assert type(get_model_loader(LoadConfig(load_format="auto"))) is DefaultModelLoader
+assert type(get_model_loader(LoadConfig(load_format="safetensors"))) is DefaultModelLoader
+try:
+    loader = get_model_loader(LoadConfig(load_format="sharded_state"))
+except RuntimeError as e:
+    print("REFUSED", e)
+else:
+    print("LOADER", type(loader).__module__, isinstance(loader, BuiltIn))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "REFUSED vllm_sharded_loader failed to install its sharded_state loader (ImportError" in run.stdout, (
+        run.stdout + run.stderr[-3000:]
+    )
+    assert "Refusing to fall back to vLLM's built-in loader" in run.stdout
+    assert "its hook _install_loader on vllm.model_executor.model_loader failed" in run.stderr
+
+
+def test_our_loader_keeps_the_public_surface_of_the_class_it_replaces():
+    """Code written for vLLM's ShardedStateLoader runs with ours (vLLM's own tests of it among it)."""
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader as BuiltIn
+
+    from vllm_sharded_loader.engine.loader import ShardedStateLoader
+
+    missing = [name for name in vars(BuiltIn) if not name.startswith("__") and not hasattr(ShardedStateLoader, name)]
+    assert not missing
+    assert ShardedStateLoader.TP_ONLY_PATTERN == "model-rank-{rank}-part-{part}.safetensors"
+    assert ShardedStateLoader.PP_AND_TP_PATTERN == "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+    # vLLM's tests/model_executor/model_loader/test_sharded_state_loader.py::test_filter_subtensors (Apache-2.0).
+    state_dict = {"a": torch.empty(2), "b": torch.empty((2, 4)), "c": torch.empty((2, 4, 8))}
+    state_dict.update({"x": state_dict["b"], "y": state_dict["c"][1, 2, :], "z": state_dict["c"][1, :, 4]})
+    filtered = ShardedStateLoader._filter_subtensors(state_dict)
+    assert tuple(filtered) == ("a", "b", "c")
+    assert all(tensor is state_dict[key] for key, tensor in filtered.items())
+    # Instance helpers work on an instance of ours.
+    from vllm.config.load import LoadConfig
+
+    loader = ShardedStateLoader(LoadConfig(load_format="sharded_state"))
+    assert loader._prepare_weights(".", None) == "."
+
+
 def test_unknown_extra_config_is_refused():
     from vllm.config.load import LoadConfig
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
+from vllm.model_executor.model_loader import sharded_state_loader as builtin_sharded_state
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..checkpoint import load_rank, read_manifest, saveable_state
@@ -358,3 +359,12 @@ class ShardedStateLoader(BaseModelLoader):
             self.verify,
             stats.threads,
         )
+
+
+# The rest of the public surface of vLLM's class that ours replaces (its patterns and helpers,
+# used by code written for it, vLLM's own tests among it), taken from vLLM's class itself so
+# that it behaves the same in every version that has it. The raw class attributes keep
+# their static-method wrappers.
+for _name, _value in vars(builtin_sharded_state.ShardedStateLoader).items():
+    if not _name.startswith("__") and _name not in vars(ShardedStateLoader):
+        setattr(ShardedStateLoader, _name, _value)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -16,6 +18,10 @@ from ..storage.objects import is_object_url
 
 LOADERS_MODULE = "vllm.model_executor.model_loader"
 CONFIG_MODULE = "vllm.config"
+
+# Under the "vllm" logger, so that vLLM's logging configuration shows our lines; plain
+# logging, since vLLM's logger would import vLLM here, in every process.
+logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
 
 def install() -> None:
@@ -43,7 +49,44 @@ def install() -> None:
 
 
 def _install_loader(model_loader: ModuleType) -> None:
-    """Hooks 1-3 of :func:`install`."""
+    """Hooks 1-3 of :func:`install`; if they fail, ``sharded_state`` refuses to load, loudly.
+
+    vLLM's built-in class must never take the format over unannounced: it loads a
+    checkpoint saved at another size as garbage. Every other load format is left as vLLM
+    has it (the failure is logged once by :func:`_run_hook`).
+    """
+    try:
+        _register_loader(model_loader)
+    except Exception as e:
+        _refuse_sharded_state(model_loader, e)
+        raise
+
+
+def _refuse_sharded_state(model_loader: ModuleType, error: Exception) -> None:
+    """Register, in place of our loader, a ``sharded_state`` loader that raises ``error``'s story."""
+    message = (
+        f"vllm_sharded_loader failed to install its sharded_state loader ({type(error).__name__}: {error}). "
+        "Refusing to fall back to vLLM's built-in loader of that name, which loads a checkpoint saved at another "
+        "size as wrong weights without an error. Fix the installation (pip check; vLLM version), or disable the "
+        "plugin with VLLM_PLUGINS set to a list without 'sharded_state' to use vLLM's own loader knowingly."
+    )
+
+    class ShardedStatePluginFailed:
+        """Stands for ``sharded_state`` when the plugin could not install: every use raises."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(message)
+
+        @staticmethod
+        def save_model(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(message)
+
+    with contextlib.suppress(Exception):
+        model_loader._LOAD_FORMAT_TO_MODEL_LOADER["sharded_state"] = ShardedStatePluginFailed
+        model_loader.ShardedStateLoader = ShardedStatePluginFailed
+
+
+def _register_loader(model_loader: ModuleType) -> None:
     from vllm.model_executor.model_loader import base_loader
 
     from .capture import wrap_process_weights_after_loading
@@ -79,12 +122,38 @@ def after_import(name: str, hook: Callable[[ModuleType], None]) -> None:
     """
     module = sys.modules.get(name)
     if module is not None:
-        hook(module)
+        _run_hook(hook, module)
         return
     with _pending_lock:
         _pending.setdefault(name, []).append(hook)
         if not any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
             sys.meta_path.insert(0, _AfterImportFinder())
+
+
+def _run_hook(hook: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """Run one hook; a failure is logged (once per hook) and never breaks vLLM's import of ``module``.
+
+    An exception here would otherwise escape from vLLM's own ``import`` statement and
+    break every load format. Each hook leaves vLLM as it was, or refuses its own format.
+    """
+    try:
+        hook(module)
+    except Exception as e:
+        key = (getattr(hook, "__name__", repr(hook)), module.__name__)
+        if key not in _failed_hooks:
+            _failed_hooks.add(key)
+            logger.error(
+                "vllm_sharded_loader: its hook %s on %s failed (%s: %s); vLLM runs without it%s.",
+                key[0],
+                key[1],
+                type(e).__name__,
+                e,
+                ", and load_format='sharded_state' refuses to load" if hook is _install_loader else "",
+                exc_info=True,
+            )
+
+
+_failed_hooks: set[tuple[str, str]] = set()
 
 
 class _AfterImportFinder(importlib.abc.MetaPathFinder):
@@ -130,7 +199,7 @@ class _HookedLoader(importlib.abc.Loader):
                 # Nothing left to wait for: no finder on the path of every later import.
                 sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImportFinder)]
         for hook in hooks:
-            hook(module)
+            _run_hook(hook, module)
 
     def __getattr__(self, attr: str) -> Any:
         # get_resource_reader, is_package, ...: the module's own loader answers.
