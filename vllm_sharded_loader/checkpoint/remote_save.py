@@ -4,19 +4,21 @@ Object storage has no rename and no ``flock``, so the steps of :mod:`.save` beco
 
 1. **lock**: the lock object is written with a conditional put (``If-None-Match: *``):
    exactly one save holds the prefix. A manifest already there is refused unless
-   ``overwrite``; with it, the manifest is deleted first, so the old checkpoint is
-   never served mixed with new parts.
+   ``overwrite``; with it, the old checkpoint stays published and untouched.
 2. **stage and upload**: every rank writes its parts to a local staging folder (hashed as
-   written, as for a local save), then uploads each under its final name, large ones as
+   written, as for a local save), then uploads each under a final name in vLLM's pattern
+   that no object under the prefix has (:func:`.staged.fresh_names`), large ones as
    parallel multipart uploads, and deletes the staged copy.
-3. **publish**: parts of an older save that the new one does not list are deleted, every
-   listed part is checked by ``HEAD`` for its size, the manifest is put conditionally
-   (never over another save's), and the lock is deleted.
+3. **publish**: every listed part is checked by ``HEAD`` for its size, then the manifest
+   is put conditionally: created, or replacing exactly the manifest it read
+   (``If-Match`` its ETag), never another save's: the one atomic step.
+4. **clean**: parts the new manifest does not list are deleted, and the lock.
 
-A failure in 1-2 deletes what this save uploaded, aborts its unfinished multipart
-uploads and releases the lock: nothing is published. A save killed outright leaves its
-lock (and no manifest), so the prefix is refused as interrupted until the lock is deleted;
-the next save then aborts the unfinished uploads it left.
+Before step 3 the previous checkpoint stays published and whole, whatever fails; a
+failure deletes what this save uploaded (only its own keys), aborts its own unfinished
+multipart uploads and releases the lock. A save killed outright leaves its lock (and
+objects no manifest lists), so the prefix is refused to other saves until the lock is
+deleted; loads of a published checkpoint go on meanwhile.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name
 from ..planning.topology import RankInfo
 from ..storage import objects
 from ..storage.local import non_weight_files
-from .staged import StagedRank, discard_rank, new_token, stage_rank
+from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry, stage_rank
 
 STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
 
@@ -60,55 +62,71 @@ def staging_directory() -> Iterator[str]:
 
 
 def begin(url: str, token: str, overwrite: bool) -> None:
-    """Step 1: hold the prefix (conditional put of the lock) and unpublish an old checkpoint if asked."""
+    """Step 1: hold the prefix (conditional put of the lock); an old checkpoint needs ``overwrite``."""
     where = objects.ObjectPrefix.parse(url)
     objects.acquire_lock(where, token)
     try:
-        if objects.head(where, MANIFEST_NAME) is not None:
-            if not overwrite:
-                raise ShardedStateError(
-                    f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass "
-                    "--overwrite."
-                )
-            objects.delete(where, [MANIFEST_NAME])
-        objects.abort_incomplete_uploads(where)  # an interrupted save's
+        if objects.head(where, MANIFEST_NAME) is not None and not overwrite:
+            raise ShardedStateError(
+                f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass "
+                "--overwrite."
+            )
+        # An interrupted save's unfinished uploads: only of part names in our patterns,
+        # directly under this prefix, that the published manifest does not list.
+        manifest = objects.read_manifest(where)
+        listed = set() if manifest is None else {f.name for e in manifest.ranks for f in e.files}
+        objects.abort_incomplete_uploads(
+            where, lambda name: name not in listed and any(parse_file_name(p, name) for p in DEFAULT_PATTERNS)
+        )
     except BaseException:
         objects.release_lock(where)
         raise
 
 
 def upload_rank(url: str, staged: StagedRank) -> RankEntry:
-    """Step 2: upload a rank's staged parts under their final names, then drop the staged copies.
+    """Step 2: upload a rank's staged parts under fresh final names, then drop the staged copies.
 
-    On failure the parts this call uploaded are deleted again (and the staged ones kept
-    for :func:`abandon` to remove).
+    The names collide with no object under the prefix: the published checkpoint's parts
+    are never overwritten. On failure the parts this call uploaded are deleted again (and
+    the staged ones kept for :func:`abandon` to remove). Returns the entry naming the uploads.
     """
     where = objects.ObjectPrefix.parse(url)
+    renamed = fresh_names(staged, objects.list_names(where))
     uploaded: list[str] = []
     try:
         for name, tmp in list(staged.temporary.items()):
-            uploaded.append(name)
-            objects.put(where, name, Path(tmp))
+            uploaded.append(renamed[name])
+            objects.put(where, renamed[name], Path(tmp))
     except BaseException:
         with contextlib.suppress(ShardedStateError):
             objects.delete(where, uploaded)
+            objects.abort_incomplete_uploads(where, uploaded)
         raise
     discard_rank(staged)
-    return staged.entry
+    return renamed_entry(staged.entry, renamed)
 
 
 def abandon(url: str, entries: Sequence[RankEntry] = ()) -> None:
     """After a failed save: delete the parts it uploaded, abort its multipart uploads, release the lock."""
     where = objects.ObjectPrefix.parse(url)
+    names = [f.name for e in entries for f in e.files]
     with contextlib.suppress(ShardedStateError):
-        objects.delete(where, [f.name for e in entries for f in e.files])
-        objects.abort_incomplete_uploads(where)
+        objects.delete(where, names)
+        objects.abort_incomplete_uploads(where, names)
     objects.release_lock(where)
 
 
 def publish(url: str, manifest: Manifest) -> None:
-    """Step 3: drop parts the manifest does not list, check every listed size, put the manifest, unlock."""
+    """Steps 3 and 4: check every listed part, put the manifest conditionally, then drop what it does not list."""
     where = objects.ObjectPrefix.parse(url)
+    for entry in manifest.ranks:
+        for f in entry.files:
+            objects.open_part(where, f)  # present, with the size recorded
+    old = objects.head(where, MANIFEST_NAME)
+    if old is None:
+        objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), create=True)
+    else:
+        objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), match=old["e_tag"])
     listed = {f.name for entry in manifest.ranks for f in entry.files}
     stale = [
         name
@@ -116,10 +134,6 @@ def publish(url: str, manifest: Manifest) -> None:
         if name not in listed and any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
     ]
     objects.delete(where, stale)
-    for entry in manifest.ranks:
-        for f in entry.files:
-            objects.open_part(where, f)  # present, with the size recorded
-    objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), create=True)
     objects.release_lock(where)
 
 
@@ -151,8 +165,7 @@ def save_ranks_to_objects(
         with staging_directory() as staging:
             for info, tensors in ranks:
                 staged = stage_rank(staging, tensors, info, pattern, max_size, token)
-                entries.append(staged.entry)
-                upload_rank(url, staged)
+                entries.append(upload_rank(url, staged))
         manifest = manifest_of(entries)
         publish(url, manifest)
     except BaseException:

@@ -35,12 +35,11 @@ import torch
 
 from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
-from ..format.manifest import FileEntry, Manifest, RankEntry, TensorEntry
+from ..format.manifest import Manifest, RankEntry
 from ..format.names import (
     DEFAULT_PATTERNS,
     MANIFEST_NAME,
     default_pattern,
-    fresh_part_names,
     parse_file_name,
     staged_name,
     staged_token,
@@ -52,7 +51,7 @@ from ..storage.local import fsync_directory
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .remote_save import save_ranks_to_objects
-from .staged import StagedRank, discard_rank, new_token, open_staged_tensors, stage_rank
+from .staged import StagedRank, discard_rank, fresh_names, new_token, open_staged_tensors, renamed_entry, stage_rank
 
 # Re-exported: the save protocol's steps, in the order they run.
 __all__ = [
@@ -93,18 +92,8 @@ def publish_rank(staged: StagedRank) -> RankEntry:
     no other save renames into the directory meanwhile.
     """
     directory = staged.directory
-    old = [f.name for f in staged.entry.files]
-    rank = staged.rank
-    new = fresh_part_names(
-        staged.pattern,
-        len(old),
-        os.listdir(directory),
-        tp_rank=rank.tp_rank,
-        pp_rank=rank.pp_rank,
-        dp_rank=rank.saved_dp_rank,
-    )
-    renamed = dict(zip(old, new, strict=True))
-    for name in old:
+    renamed = fresh_names(staged, os.listdir(directory))
+    for name in renamed:
         if name in staged.temporary:
             final = os.path.join(directory, renamed[name])
             os.replace(staged.temporary[name], final)
@@ -112,14 +101,7 @@ def publish_rank(staged: StagedRank) -> RankEntry:
             del staged.temporary[name]
             kill_point(KILL_PLACED)
     fsync_directory(directory)
-    entry = staged.entry
-    staged.entry = RankEntry(
-        entry.tp_rank,
-        entry.pp_rank,
-        tuple(FileEntry(renamed[f.name], f.size, f.checksum) for f in entry.files),
-        {n: TensorEntry(renamed[t.file], t.dtype, t.shape, t.offset) for n, t in entry.tensors.items()},
-        entry.dp_rank,
-    )
+    staged.entry = renamed_entry(staged.entry, renamed)
     return staged.entry
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileEntry, RankEntry, TensorEntry
-from ..format.names import default_pattern, render_file_name, staged_name, validate_pattern
+from ..format.names import default_pattern, fresh_part_names, render_file_name, staged_name, validate_pattern
 from ..planning.parts import plan_parts
 from ..planning.topology import RankInfo
 from ..storage import writer
@@ -105,6 +105,27 @@ def stage_rank(
         raise
     staged.entry = RankEntry(rank.tp_rank, rank.pp_rank, tuple(files), entries, dp_rank)
     return staged
+
+
+def renamed_entry(entry: RankEntry, names: Mapping[str, str]) -> RankEntry:
+    """A rank's entry with its files renamed (``old name -> new name``), tensors following their files."""
+    return RankEntry(
+        entry.tp_rank,
+        entry.pp_rank,
+        tuple(FileEntry(names[f.name], f.size, f.checksum) for f in entry.files),
+        {n: TensorEntry(names[t.file], t.dtype, t.shape, t.offset) for n, t in entry.tensors.items()},
+        entry.dp_rank,
+    )
+
+
+def fresh_names(staged: StagedRank, taken: Iterable[str]) -> dict[str, str]:
+    """``staged name -> final name`` for a rank's parts: vLLM's pattern, colliding with nothing ``taken``."""
+    old = [f.name for f in staged.entry.files]
+    rank = staged.rank
+    new = fresh_part_names(
+        staged.pattern, len(old), taken, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=rank.saved_dp_rank
+    )
+    return dict(zip(old, new, strict=True))
 
 
 def discard_rank(staged: StagedRank) -> None:

@@ -21,7 +21,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,25 +266,29 @@ class AlreadyExists(ShardedStateError):
     """A conditional put found the object there already."""
 
 
-def put(where: ObjectPrefix, name: str, data: bytes | Path, *, create: bool = False) -> None:
+def put(where: ObjectPrefix, name: str, data: bytes | Path, *, create: bool = False, match: str | None = None) -> None:
     """Write one object, from bytes or a local file; large files go up as parallel multipart uploads.
 
     ``create``: only if no object has that name (a conditional put, ``If-None-Match: *``);
-    otherwise a :class:`ShardedStateError` says who was first.
+    ``match``: only over the object of that ETag (``If-Match``); otherwise a
+    :class:`ShardedStateError` says who was first.
     """
     import obstore
 
+    mode: Any = "create" if create else "overwrite" if match is None else {"e_tag": match}
     try:
         obstore.put(
             _store(where.bucket),
             where.key(name),
             data,
-            mode="create" if create else "overwrite",
+            mode=mode,
             chunk_size=UPLOAD_CHUNK_BYTES,
             max_concurrency=UPLOAD_CONCURRENCY,
         )
     except obstore.exceptions.AlreadyExistsError:
         raise AlreadyExists(f"{where.url(name)}: already exists; another save published or holds it first.") from None
+    except obstore.exceptions.PreconditionError:
+        raise AlreadyExists(f"{where.url(name)}: replaced by another save meanwhile; it published first.") from None
     except Exception as e:
         raise _fail(where.url(name), "upload", e) from e
 
@@ -304,24 +308,38 @@ def delete(where: ObjectPrefix, names: Iterable[str]) -> None:
         raise _fail(where.url(), f"DELETE of {len(keys)} objects", e) from e
 
 
-def abort_incomplete_uploads(where: ObjectPrefix) -> int:
-    """Abort multipart uploads under the prefix that never completed (an interrupted save's); returns how many.
+def abort_incomplete_uploads(where: ObjectPrefix, names: Iterable[str] | Callable[[str], bool]) -> int:
+    """Abort the unfinished multipart uploads of these objects (a failed save's own); returns how many.
 
-    Needs ``boto3`` (``obstore`` cannot list uploads); without it, none are aborted and
-    the store's lifecycle rules have to collect them.
+    ``names``: the names under the prefix, or a test of a name directly under it. Only
+    those uploads are touched, never another writer's under the same prefix or bucket;
+    the listing is paged to its end. Needs ``boto3`` (``obstore`` cannot list uploads);
+    without it, none are aborted and the store's lifecycle rules collect them.
     """
+    if callable(names):
+        wanted = names
+    else:
+        keys = {where.key(n) for n in names}
+        if not keys:
+            return 0
+        wanted = lambda name: where.key(name) in keys  # noqa: E731
+    prefix_length = len(where.key(""))
     try:
         import boto3
     except ImportError:
         return 0
     client = boto3.Session().client("s3")
+    aborted = 0
     try:
-        uploads = client.list_multipart_uploads(Bucket=where.bucket, Prefix=where.prefix).get("Uploads", [])
-        for upload in uploads:
-            client.abort_multipart_upload(Bucket=where.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=where.bucket, Prefix=where.prefix):
+            for upload in page.get("Uploads", []):
+                name = upload["Key"][prefix_length:]
+                if "/" not in name and wanted(name):
+                    client.abort_multipart_upload(Bucket=where.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted += 1
     except Exception as e:
         raise _fail(where.url(), "aborting unfinished multipart uploads", e) from e
-    return len(uploads)
+    return aborted
 
 
 # ------------------------------------------------------------------------ lock
@@ -367,10 +385,14 @@ def release_lock(where: ObjectPrefix) -> None:
 
 
 def check_not_locked(where: ObjectPrefix) -> None:
-    """Refuse a prefix that a save holds: its files may be half-written."""
+    """Refuse a prefix without a manifest that a save holds: its first save has not published.
+
+    A save replaces a checkpoint last (new part names, then the manifest's conditional
+    put), so a published manifest names a whole checkpoint while a save runs or after it died.
+    """
     holder = read_lock(where)
-    if holder is not None:
+    if holder is not None and head(where, MANIFEST_NAME) is None:
         raise ShardedStateError(
-            f"{where.url()}: a save is running or was interrupted there ({describe_lock(where, holder)}); its "
-            "objects may be incomplete. Wait for the save to finish, or save the checkpoint again."
+            f"{where.url()}: a save is running or was interrupted there ({describe_lock(where, holder)}) and no "
+            "manifest has been published yet. Wait for the save to finish, or save the checkpoint again."
         )
