@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import ShardedStateError
-from .untrusted import load_json
+from .untrusted import MAX_BYTES, MAX_DIMS, is_int, is_shape, load_json
 
 # Element sizes of safetensors dtype names.
 DTYPE_SIZES: dict[str, int] = {
@@ -69,6 +69,7 @@ class Header:
 
 
 def _element_count(shape: Iterable[int]) -> int:
+    """The product of a shape already checked by :func:`.untrusted.is_shape` (so it stays below 2^(60*16))."""
     n = 1
     for d in shape:
         n *= d
@@ -101,16 +102,21 @@ def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int
     for name, info in data.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            # Bounded before any arithmetic: a shape of many huge dimensions would
+            # otherwise cost time quadratic in its length (big-integer products).
             ok = (
                 isinstance(dtype, str)
-                and isinstance(shape, list)
-                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-                and all(isinstance(o, int) and not isinstance(o, bool) for o in (begin, end))
+                and is_shape(shape)
+                and all(is_int(o) and 0 <= o <= MAX_BYTES for o in (begin, end))
             )
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
-            raise ShardedStateError(f"{path}: header entry of {name!r} is malformed; the file is corrupt.")
+            raise ShardedStateError(
+                f"{path}: header entry of {str(name)[:200]!r} is malformed (expected a dtype name, a shape of at "
+                f"most {MAX_DIMS} dimensions each below 2^60, and two data offsets below 2^60); the file is corrupt "
+                "or hostile. Copy or save the checkpoint again."
+            )
         element = dtype_size(dtype, f"{path}: tensor {name!r}")
         if not 0 <= begin <= end or data_start + end > file_size:
             raise ShardedStateError(

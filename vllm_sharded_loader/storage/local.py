@@ -11,6 +11,7 @@ import fnmatch
 import json
 import os
 import shutil
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -19,12 +20,47 @@ from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import DEFAULT_PATTERNS, LOCK_NAME, MANIFEST_NAME, is_staged_name, parse_file_name
 from ..format.safetensors import MAX_HEADER_BYTES, Header, parse_header
 
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def open_regular(path: str) -> int:
+    """Open an untrusted path for reading, refusing anything but a regular file, without blocking.
+
+    ``O_NONBLOCK`` makes the open of a FIFO return at once (a plain open waits for a
+    writer forever); ``fstat`` on the descriptor then tells what was opened, and only a
+    regular file is kept, switched back to blocking reads. Callers check containment first,
+    so a link out of the checkpoint is refused before anything is opened.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+            raise ShardedStateError(
+                f"{path} is {kind}, where a regular file was expected; refusing to read it. Replace it with the "
+                "real file (copy or save the checkpoint again)."
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
 
 def read_manifest(directory: str) -> Manifest | None:
     """The checkpoint's manifest, or None for a checkpoint written by vLLM's own save."""
     path = os.path.join(directory, MANIFEST_NAME)
+    if not os.path.lexists(path):
+        return None
+    part_path(directory, MANIFEST_NAME)  # inside the checkpoint, before it is opened
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > MAX_MANIFEST_BYTES:
                 raise ShardedStateError(
@@ -103,7 +139,7 @@ class OpenFile:
     def open(cls, path: str) -> OpenFile:
         """Open ``path`` for reading; a missing file is a :class:`ShardedStateError` naming it."""
         try:
-            return cls(path, os.open(path, os.O_RDONLY))
+            return cls(path, open_regular(path))
         except FileNotFoundError:
             raise ShardedStateError(f"{path}: file is missing. Copy or save the checkpoint again.") from None
 
@@ -207,7 +243,9 @@ def open_part(directory: str, f: FileEntry) -> OpenFile:
     """Open a part file the manifest lists: inside the checkpoint, present, with its recorded size."""
     path = os.path.join(directory, f.name)
     try:
-        opened = OpenFile(path, os.open(path, os.O_RDONLY))
+        # Containment first: a link out of the checkpoint (to a device, say) is never opened.
+        part_path(directory, f.name)
+        opened = OpenFile(path, open_regular(path))
     except FileNotFoundError:
         raise ShardedStateError(
             f"{path}: listed in {MANIFEST_NAME} ({f.size} bytes) but missing. The checkpoint is "
@@ -285,9 +323,9 @@ def module_folders(source: str) -> set[str]:
     folder itself, so they must come along. An unreadable ``modules.json`` names none.
     """
     try:
-        with open(os.path.join(source, "modules.json")) as f:
+        with os.fdopen(open_regular(os.path.join(source, "modules.json"))) as f:
             modules = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, ShardedStateError):
         return set()
     if not isinstance(modules, list):
         return set()
@@ -330,5 +368,11 @@ def copy_non_weight_files(source: str, output: str) -> list[str]:
     copied = non_weight_files(source)
     for name in copied:
         os.makedirs(os.path.dirname(os.path.join(output, name)), exist_ok=True)
-        shutil.copy2(os.path.join(source, name), os.path.join(output, name))
+        # Opened without blocking and refused unless regular: a FIFO there must not hang the save.
+        with (
+            os.fdopen(open_regular(os.path.join(source, name)), "rb") as src,
+            open(os.path.join(output, name), "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, 1 << 20)
+        shutil.copystat(os.path.join(source, name), os.path.join(output, name))
     return copied

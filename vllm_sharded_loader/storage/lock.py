@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
 from ..format.names import LOCK_NAME, MANIFEST_NAME
-from .local import directory_holds_checkpoint
+from .local import directory_holds_checkpoint, open_regular
+
+# A lock names its holder in a line of JSON; more is not a lock of ours.
+MAX_LOCK_BYTES = 64 * 1024
 
 # How long a save that meets a held lock waits for its holder to name itself (see _running_holder).
 HOLDER_WAIT_S = 2.0
@@ -45,8 +48,8 @@ def read_lock(directory: str) -> dict | None:
     """What the lock file of a directory says about its holder, or None without one."""
     path = os.path.join(directory, LOCK_NAME)
     try:
-        with open(path) as f:
-            data = json.loads(f.read() or "{}")
+        with os.fdopen(open_regular(path)) as f:
+            data = json.loads(f.read(MAX_LOCK_BYTES) or "{}")
         return data if isinstance(data, dict) else {}
     except FileNotFoundError:
         return None
