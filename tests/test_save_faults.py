@@ -186,3 +186,26 @@ def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_
     assert os.path.getsize(captured.paths()[0]) == entry.files[0].size  # same name, same size: sizes cannot tell
     with pytest.raises(ShardedStateError, match="Refusing to save: the captured state is gone"):
         _check_capture_content(captured)
+
+
+def test_reshard_into_an_existing_checkpoint_writes_nothing_before_the_overwrite_rule(tmp_path):
+    """``vllm-sharded reshard SRC --output OUT`` copied SRC's config and tokenizer into OUT before
+    refusing to overwrite OUT's checkpoint: the refusal now leaves OUT byte-identical."""
+    from test_bad_checkpoints import save_reshardable
+
+    from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+    source, output = tmp_path / "src", tmp_path / "out"
+    save_reshardable(source)
+    (source / "config.json").write_text('{"model": "the source"}')
+    (source / "tokenizer.json").write_text("{}")
+    save_reshardable(output)
+    (output / "config.json").write_text('{"model": "the output\'s own"}')
+    before = tree_digest(str(output))
+    with pytest.raises(ShardedStateError, match="already holds a checkpoint; refusing to overwrite"):
+        reshard_checkpoint(str(source), str(output), tp_size=1)
+    assert tree_digest(str(output)) == before
+    # With overwrite, the files come along with the parts.
+    reshard_checkpoint(str(source), str(output), tp_size=1, overwrite=True)
+    assert (output / "config.json").read_text() == '{"model": "the source"}' and (output / "tokenizer.json").exists()
+    assert verify_checkpoint(str(output)) == []

@@ -153,6 +153,7 @@ def save_ranks_to_objects(
     max_size: int | None,
     overwrite: bool,
     manifest_of: Callable[[Sequence[RankEntry]], Manifest],
+    carry: Callable[[], object] | None = None,
 ) -> Manifest:
     """The steps above from one process, for :func:`.save.save_checkpoint` given an ``s3://`` URL.
 
@@ -166,6 +167,8 @@ def save_ranks_to_objects(
             for info, tensors in ranks:
                 staged = stage_rank(staging, tensors, info, pattern, max_size, token)
                 entries.append(upload_rank(url, staged))
+        if carry is not None:
+            carry()  # under the lock, after the overwrite rule: see save.save_checkpoint
         manifest = manifest_of(entries)
         publish(url, manifest)
     except BaseException:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -185,8 +185,14 @@ def save_checkpoint(
     geometry: Mapping[str, dict] | None = None,
     tied: tuple[tuple[str, ...], ...] = (),
     experts: ExpertPlacement | None = None,
+    carry: Callable[[], object] | None = None,
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools); see the module doc.
+
+    ``carry`` copies the files that go with the parts (config, tokenizer) into the output:
+    it runs under the lock, once the overwrite rule has passed and the parts are staged,
+    before the publish, so that nothing is written into an existing output that the
+    save may not replace, and its failure publishes nothing.
 
     ``directory`` may be an ``s3://bucket/prefix`` URL (:mod:`.remote_save`). ``geometry``
     (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name) lets the
@@ -223,7 +229,7 @@ def save_checkpoint(
 
     if is_remote(directory):
         return save_ranks_to_objects(
-            directory, [(info, ranks[info]) for info in infos], pattern, max_size, overwrite, manifest_of
+            directory, [(info, ranks[info]) for info in infos], pattern, max_size, overwrite, manifest_of, carry
         )
     token = new_token()
     lock = acquire_save_lock(directory, token, overwrite)
@@ -233,6 +239,8 @@ def save_checkpoint(
         for info in infos:
             staged.append(stage_rank(directory, ranks[info], info, pattern, max_size, token))
             kill_point(KILL_STAGED)
+        if carry is not None:
+            carry()
         manifest = manifest_of([publish_rank(s) for s in staged])
         publish_manifest(directory, manifest, lock)
     except BaseException:

@@ -96,7 +96,7 @@ def reshard_checkpoint(
     """Write ``directory``'s checkpoint resharded to ``tp_size`` x ``pp_size`` into ``output``.
 
     The output loads at the new topology without resharding at load time. Non-weight
-    files (config, tokenizer) are copied first; the manifest is written last.
+    files (config, tokenizer) are copied under the save's lock; the manifest is written last.
     """
     manifest = require_manifest(directory)
     check_not_locked(directory)
@@ -121,9 +121,6 @@ def reshard_checkpoint(
         for name in sorted({f for plan in plans.values() for f in files_to_check(plan, manifest)}):
             source.check_file(name)
         check_not_replaced(directory, manifest, source.check_unchanged)
-        if not is_remote(output):
-            os.makedirs(output, exist_ok=True)
-        copy_non_weight_files(directory, output)
 
         def lazy(tensor_plan: TensorPlan) -> LazyTensor:
             dtype = source.stored_dtype(tensor_plan)
@@ -145,4 +142,6 @@ def reshard_checkpoint(
             overwrite=overwrite,
             geometry=manifest.geometry,
             tied=manifest.tied,
+            # Config and tokenizer go in under the lock, once the overwrite rule has passed.
+            carry=lambda: copy_non_weight_files(directory, output),
         )
