@@ -9,10 +9,12 @@ the save script serves from the bucket at TP=2 and, resharded, at TP=1, with the
 loader's greedy ids.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -341,3 +343,87 @@ def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_
         assert served.result["token_ids"] == reference["token_ids"]
         assert ("resharded from TP=2 PP=1 to TP=1 PP=1" in served.output) == (tp == 1)
         assert "0.0 MB mapped" in served.output  # read from the bucket, not from a local copy
+
+
+# ------------------------------------------------------------- network faults (a real proxy)
+
+
+def bucket_digest(server) -> dict[str, str]:
+    """Every object in the bucket (all prefixes) and its ETag, plus unfinished multipart uploads."""
+    client = server.client()
+    found = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+        found.update({o["Key"]: o["ETag"] for o in page.get("Contents", [])})
+    uploads = client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+    found.update({f"upload:{u['Key']}:{u['UploadId']}": "" for u in uploads})
+    return found
+
+
+@contextlib.contextmanager
+def through_proxy(server, mode: str, limit: int = 0, **settings: str):
+    """Point every S3 client of this process at a fault proxy in front of the server."""
+    from faultproxy import FaultProxy
+
+    port = int(server.endpoint.rsplit(":", 1)[1])
+    with FaultProxy(port, mode, limit) as proxy:
+        saved = {k: os.environ.get(k) for k in ["AWS_ENDPOINT_URL", *settings]}
+        os.environ.update({"AWS_ENDPOINT_URL": proxy.url, **settings})
+        objects._store.cache_clear()
+        try:
+            yield proxy
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            objects._store.cache_clear()
+
+
+def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(s3):
+    """A save over a checkpoint whose uploads die mid-body (the proxy cuts every connection that
+    sends more than 3000 bytes): the save fails clearly, the old checkpoint stays published and
+    whole, and nothing in the bucket changed - a foreign object and a foreign unfinished upload included."""
+    model, url, _, where = saved_url(s3)
+    client = s3.client()
+    client.put_object(Bucket=BUCKET, Key="someone-else/data.bin", Body=b"theirs")
+    client.create_multipart_upload(Bucket=BUCKET, Key=where.key("model-rank-0-part-99.safetensors.theirs"))
+    before = bucket_digest(s3)
+    with through_proxy(s3, "drop_after", 3000, AWS_MAX_ATTEMPTS="2", SHARDED_STATE_S3_RETRY_TIMEOUT="10") as proxy:
+        with pytest.raises(ShardedStateError, match="upload failed"):
+            save_checkpoint(
+                url,
+                {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)},
+                dtype="int32",
+                source=source_of(model),
+                max_size=4096,
+                overwrite=True,
+            )
+        assert proxy.dropped, "the proxy cut an upload"
+    assert bucket_digest(s3) == before
+    load_from(url, model, 2, 0)
+    assert verify_checkpoint(url) == []
+
+
+def test_a_server_that_stops_answering_fails_the_load_in_bounded_time(s3):
+    """Every request has a timeout and bounded retries: a stalled server is an error, not a hang."""
+    model, url, _, _ = saved_url(s3)
+    settings = {"SHARDED_STATE_S3_TIMEOUT": "1", "AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "5"}
+    with through_proxy(s3, "stall", **settings):
+        outcome: list[BaseException | None] = []
+
+        def load() -> None:
+            try:
+                load_from(url, model, 2, 0)
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=load, daemon=True)
+        started = time.monotonic()
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "the load hung on a stalled server"
+    assert isinstance(outcome[0], ShardedStateError), outcome
+    assert "Check the endpoint" in str(outcome[0])
+    assert time.monotonic() - started < 120

@@ -23,6 +23,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -66,6 +67,46 @@ class ObjectPrefix:
         return f"s3://{self.bucket}/{self.prefix}{name}"
 
 
+# Every request is bounded: per-request and connect timeouts, and retries with exponential
+# backoff (with jitter) bounded in count and in total time, in obstore's own settings. Ours
+# are the defaults; these variables set them (seconds; retries as AWS_MAX_ATTEMPTS counts attempts).
+TIMEOUT_ENV = "SHARDED_STATE_S3_TIMEOUT"
+CONNECT_TIMEOUT_ENV = "SHARDED_STATE_S3_CONNECT_TIMEOUT"
+RETRY_TIMEOUT_ENV = "SHARDED_STATE_S3_RETRY_TIMEOUT"
+DEFAULT_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_RETRY_TIMEOUT_S, DEFAULT_ATTEMPTS = 60.0, 10.0, 180.0, 6
+
+
+def _seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    try:
+        seconds = float(value) if value else default
+    except ValueError:
+        raise ShardedStateError(f"{name}={value!r} is not a number of seconds.") from None
+    if not seconds > 0:
+        raise ShardedStateError(f"{name}={value!r} must be a positive number of seconds.")
+    return seconds
+
+
+def client_settings(allow_http: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """obstore's ``client_options`` and ``retry_config`` for every store of ours (see the constants above)."""
+    attempts = os.environ.get("AWS_MAX_ATTEMPTS")
+    try:
+        retries = max(int(attempts) - 1, 0) if attempts else DEFAULT_ATTEMPTS - 1
+    except ValueError:
+        raise ShardedStateError(f"AWS_MAX_ATTEMPTS={attempts!r} is not a whole number.") from None
+    client_options = {
+        "allow_http": allow_http,
+        "timeout": timedelta(seconds=_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)),
+        "connect_timeout": timedelta(seconds=_seconds(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S)),
+    }
+    retry_config = {
+        "max_retries": retries,
+        "retry_timeout": timedelta(seconds=_seconds(RETRY_TIMEOUT_ENV, DEFAULT_RETRY_TIMEOUT_S)),
+        "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2},
+    }
+    return client_options, retry_config
+
+
 @functools.cache
 def _store(bucket: str) -> Any:
     """The client of one bucket, configured from the usual AWS settings (see the module doc)."""
@@ -74,7 +115,8 @@ def _store(bucket: str) -> Any:
     try:
         import boto3
     except ImportError:  # obstore reads the AWS_* environment variables itself
-        return S3Store(bucket, client_options={"allow_http": True})
+        client_options, retry_config = client_settings(allow_http=True)
+        return S3Store(bucket, client_options=client_options, retry_config=retry_config)
     from obstore.auth.boto3 import Boto3CredentialProvider
 
     session = boto3.Session()
@@ -86,12 +128,14 @@ def _store(bucket: str) -> Any:
         # A store of its own (MinIO, SeaweedFS, Ceph...): path-style requests to its endpoint.
         config.update(endpoint=endpoint, virtual_hosted_style_request=False)
     credentials = Boto3CredentialProvider(session) if session.get_credentials() is not None else None
+    client_options, retry_config = client_settings(allow_http=endpoint.startswith("http://"))
     return S3Store(
         bucket,
         config=config,
         credential_provider=credentials,
         skip_signature=credentials is None,
-        client_options={"allow_http": endpoint.startswith("http://")},
+        client_options=client_options,
+        retry_config=retry_config,
     )
 
 

@@ -1,0 +1,86 @@
+"""A TCP proxy on loopback that injects network faults between a client and a real server.
+
+Modes, per connection:
+
+- ``pass``: forwards both ways;
+- ``drop_after``: closes both sides once the client has sent more than ``limit`` bytes
+  (large uploads die mid-body; small requests pass);
+- ``stall``: forwards the request but never a byte of the answer (a server that hangs).
+
+Bounded: one thread per connection, all closed with the proxy; it stops by itself when
+the ``with`` block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+
+
+class FaultProxy:
+    def __init__(self, target_port: int, mode: str = "pass", limit: int = 0) -> None:
+        self.target_port, self.mode, self.limit = target_port, mode, limit
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.dropped = 0
+        self._closing = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FaultProxy:
+        thread = threading.Thread(target=self._accept, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing.set()
+        for s in [self.listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                s.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self._closing.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            self._sockets += [client, server]
+            thread = threading.Thread(target=self._relay, args=(client, server), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        sent = 0
+        try:
+            while not self._closing.is_set():
+                ready, _, _ = select.select([client, server], [], [], 0.2)
+                for source in ready:
+                    data = source.recv(65536)
+                    if not data:
+                        return
+                    if source is client:
+                        sent += len(data)
+                        if self.mode == "drop_after" and sent > self.limit:
+                            self.dropped += 1
+                            return
+                        server.sendall(data)
+                    elif self.mode != "stall":
+                        client.sendall(data)
+        except OSError:
+            return
+        finally:
+            for s in (client, server):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                    s.close()
