@@ -427,3 +427,22 @@ def test_a_server_that_stops_answering_fails_the_load_in_bounded_time(s3):
     assert isinstance(outcome[0], ShardedStateError), outcome
     assert "Check the endpoint" in str(outcome[0])
     assert time.monotonic() - started < 120
+
+
+def test_a_save_whose_lock_was_taken_over_neither_publishes_nor_frees_the_new_lock(s3):
+    """Fencing: the lock carries the save's token, checked at publish and at release."""
+    from vllm_sharded_loader.checkpoint import remote_save
+
+    _, url, manifest, where = saved_url(s3)
+    remote_save.begin(url, "aaaa", overwrite=True)
+    # The lock is deleted by hand (the save looked dead) and another save takes the prefix.
+    s3.client().delete_object(Bucket=BUCKET, Key=where.key(LOCK_NAME))
+    objects.acquire_lock(where, "bbbb")
+    before = bucket_digest(s3)
+    with pytest.raises(ShardedStateError, match="taken over by another save"):
+        remote_save.publish(url, manifest, "aaaa")
+    remote_save.abandon(url, (), "aaaa")
+    assert bucket_digest(s3) == before, "the old save published or deleted the new holder's lock"
+    assert objects.read_lock(where)["token"] == "bbbb"
+    objects.release_lock(where, "bbbb")
+    assert objects.read_lock(where) is None

@@ -79,7 +79,7 @@ def begin(url: str, token: str, overwrite: bool) -> None:
             where, lambda name: name not in listed and any(parse_file_name(p, name) for p in DEFAULT_PATTERNS)
         )
     except BaseException:
-        objects.release_lock(where)
+        objects.release_lock(where, token)
         raise
 
 
@@ -106,19 +106,24 @@ def upload_rank(url: str, staged: StagedRank) -> RankEntry:
     return renamed_entry(staged.entry, renamed)
 
 
-def abandon(url: str, entries: Sequence[RankEntry] = ()) -> None:
+def abandon(url: str, entries: Sequence[RankEntry] = (), token: str | None = None) -> None:
     """After a failed save: delete the parts it uploaded, abort its multipart uploads, release the lock."""
     where = objects.ObjectPrefix.parse(url)
     names = [f.name for e in entries for f in e.files]
     with contextlib.suppress(ShardedStateError):
         objects.delete(where, names)
         objects.abort_incomplete_uploads(where, names)
-    objects.release_lock(where)
+    objects.release_lock(where, token)
 
 
-def publish(url: str, manifest: Manifest) -> None:
-    """Steps 3 and 4: check every listed part, put the manifest conditionally, then drop what it does not list."""
+def publish(url: str, manifest: Manifest, token: str | None = None) -> None:
+    """Step 3: check every listed part, then put the manifest conditionally: the one atomic step.
+
+    With ``token`` (the lock's), a save whose lock was taken over does not publish.
+    """
     where = objects.ObjectPrefix.parse(url)
+    if token is not None:
+        objects.check_lock_holder(where, token)
     for entry in manifest.ranks:
         for f in entry.files:
             objects.open_part(where, f)  # present, with the size recorded
@@ -127,6 +132,14 @@ def publish(url: str, manifest: Manifest) -> None:
         objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), create=True)
     else:
         objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), match=old["e_tag"])
+
+
+def clean_after_publish(url: str, manifest: Manifest, token: str | None = None) -> None:
+    """Step 4: delete the parts the published manifest does not list, then release the lock (if still ours).
+
+    A failure here leaves the new checkpoint published and whole.
+    """
+    where = objects.ObjectPrefix.parse(url)
     listed = {f.name for entry in manifest.ranks for f in entry.files}
     stale = [
         name
@@ -134,7 +147,7 @@ def publish(url: str, manifest: Manifest) -> None:
         if name not in listed and any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
     ]
     objects.delete(where, stale)
-    objects.release_lock(where)
+    objects.release_lock(where, token)
 
 
 def upload_non_weight_files(source: str, url: str) -> list[str]:
@@ -170,8 +183,9 @@ def save_ranks_to_objects(
         if carry is not None:
             carry()  # under the lock, after the overwrite rule: see save.save_checkpoint
         manifest = manifest_of(entries)
-        publish(url, manifest)
+        publish(url, manifest, token)
     except BaseException:
-        abandon(url, entries)
+        abandon(url, entries, token)
         raise
+    clean_after_publish(url, manifest, token)
     return manifest

@@ -507,12 +507,12 @@ def _save_to_objects(
         outcomes = workers.run(stage_and_upload)
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
         workers.run(lambda: _carry_non_weight_files(state, url), only_first=True)
-        workers.run(lambda: remote_save.publish(url, manifest), only_first=True)
+        workers.run(lambda: remote_save.publish(url, manifest, token), only_first=True)
     except ShardedStateError as e:
         if staged is not None and staged is not (state and state.capture):
             discard_rank(staged)
         if begun and workers.first:
-            remote_save.abandon(url, [entry for entry, _, _, _ in outcomes])
+            remote_save.abandon(url, [entry for entry, _, _, _ in outcomes], token)
         raise ShardedStateError(
             f"Saving the sharded state to {url} failed: {e}. Nothing was published: this save's uploads and "
             "lock were deleted."
@@ -520,6 +520,13 @@ def _save_to_objects(
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        workers.run(lambda: remote_save.clean_after_publish(url, manifest, token), only_first=True)
+    except ShardedStateError as e:
+        raise ShardedStateError(
+            f"Saving the sharded state to {url}: the new checkpoint is published and complete, but removing the "
+            f"old save's objects failed: {e}. Save again to clean up."
+        ) from e
     if state is not None:
         if state.capture is not None:
             discard_rank(state.capture)

@@ -424,7 +424,31 @@ def acquire_lock(where: ObjectPrefix, token: str) -> None:
         ) from None
 
 
-def release_lock(where: ObjectPrefix) -> None:
+def check_lock_holder(where: ObjectPrefix, token: str) -> None:
+    """Fencing: refuse to go on unless the lock is still this save's (``token``).
+
+    A lock can be deleted by hand and taken by another save while this one stalls; this
+    save must then neither publish nor delete the new holder's lock.
+    """
+    holder = read_lock(where)
+    if holder is None or holder.get("token") != token:
+        raise ShardedStateError(
+            f"{where.url()}: this save's lock was "
+            + ("deleted" if holder is None else f"taken over by another save ({describe_lock(where, holder)})")
+            + " while it ran; it does not publish. Save again once no other save runs."
+        )
+
+
+def release_lock(where: ObjectPrefix, token: str | None = None) -> None:
+    """Delete the lock; with ``token``, only if it is still this save's.
+
+    The read and the delete are two requests (S3 has no conditional delete everywhere):
+    a lock taken over between them is the one case not fenced.
+    """
+    if token is not None:
+        holder = read_lock(where)
+        if holder is None or holder.get("token") != token:
+            return
     delete(where, [LOCK_NAME])
 
 
