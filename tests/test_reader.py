@@ -390,3 +390,20 @@ def test_a_mapped_tensor_lives_as_long_as_its_views(tmp_path):
     del view
     gc.collect()
     assert mapped_file_of_address(address) != path  # unmapped with its last view
+
+
+def test_one_failing_stream_stops_the_others(tmp_path):
+    """A checksum mismatch at the start of the first stream ends the whole read: the other stream
+    stops at its next span instead of reading (and hashing) its half of the file to the end.
+    What it read shows in the target: its bytes are zeros in the file, 7 before the read."""
+    size = 256 * 2**20  # two streams of 128 MiB, 1 MiB blocks
+    path = str(tmp_path / "big.safetensors")
+    save_file({"w": torch.zeros(size, dtype=torch.uint8)}, path)
+    checksum = checksum_of(path, 2**20)
+    flip(path, 200)  # in the first block: the first stream fails on its first span
+    header = local.read_header(path)
+    target = torch.full((size,), 7, dtype=torch.uint8)
+    with pytest.raises(ShardedStateError, match="checksum mismatch"):
+        tensor_files.read_files([header], {"w": target}, {path: checksum}, threads=2)
+    read_by_the_other = int((target[size // 2 :] == 0).sum())
+    assert read_by_the_other < size // 4, f"{read_by_the_other / 2**20:.0f} MiB read after the first stream failed"

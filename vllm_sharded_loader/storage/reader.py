@@ -117,6 +117,8 @@ class _SpanReader:
         # Taken on the caller's thread, where its work on the targets (zeroing) was issued.
         self.after = torch.cuda.current_stream(self.device) if self.device is not None else None
         self.local = threading.local()
+        # Set when one stream fails: the others stop at their next span instead of reading to the end.
+        self.cancelled = threading.Event()
         # Bytes still to read of each target with a ``filled`` callback.
         self.remaining: dict[int, int] = {}
         self.lock = threading.Lock()
@@ -150,6 +152,8 @@ class _SpanReader:
         total = 0
         try:
             for span in spans:
+                if self.cancelled.is_set():
+                    break
                 n = self.read(span)
                 total += n
                 done(n)
@@ -399,6 +403,9 @@ def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callabl
             for future in done:
                 error = future.exception()
                 if error is not None:
+                    # One failure ends the read: the other streams stop at their next span
+                    # (the pool's exit waits only for the spans in flight).
+                    reader.cancelled.set()
                     raise error
                 total += future.result()
         while progress is not None and not finished.empty():
