@@ -31,10 +31,27 @@ from vllm_sharded_loader.storage import faults
 
 TESTS = Path(__file__).resolve().parent
 # Steps before the manifest's rename leave A published; from it on, B.
-BEFORE_PUBLISH = ("local.locked", "local.staged", "local.placed", "local.manifest_written")
+BEFORE_PUBLISH = ("local.locked", "local.staged", "local.placed", "local.manifest_written", "local.carried")
 AFTER_PUBLISH = ("local.published", "local.cleaning", "local.cleaned")
 # Steps reached more than once (per rank, per part, per removed file) are also killed the second time.
-REPEATED = ("local.staged:2", "local.placed:2", "local.placed:4", "local.cleaning:2")
+REPEATED = ("local.staged:2", "local.placed:2", "local.placed:4", "local.carried:2", "local.cleaning:2")
+# The one step that is not atomic with the manifest: changed config and tokenizer files are
+# renamed into place one by one between the manifest's fsync and its rename. A kill between leaves A's parts (whole, and
+# verified) beside some of B's non-weight files: a load then refuses the config loudly
+# (its hash is in the manifest), and the next save puts everything right.
+CARRIED = ("local.carried", "local.carried:2")
+
+
+def model_folder(root: Path, value: float) -> Path:
+    """The non-weight files of model ``value``: a config, a tokenizer, a nested one, one of B's own."""
+    folder = root / f"model-{value:g}"
+    (folder / "tok").mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(f'{{"value": {value:g}}}')
+    (folder / "tokenizer.json").write_text("{}")  # the same in every model: never replaced
+    (folder / "tok" / "vocab.txt").write_text(f"vocab of {value:g}")
+    if value > 1:
+        (folder / "chat_template.jinja").write_text("only in later models")
+    return folder
 
 
 def states(value: float) -> dict[RankInfo, dict[str, torch.Tensor]]:
@@ -49,13 +66,16 @@ SAVER = textwrap.dedent(
     from states import SOURCE
     from test_save_faults import states
     from vllm_sharded_loader.checkpoint.save import save_checkpoint
-    save_checkpoint({directory!r}, states({value}), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    save_checkpoint(
+        {directory!r}, states({value}), dtype="float32", source=SOURCE, max_size=8192, overwrite=True, carry={carry!r}
+    )
     """
 )
 
 
 def save_in_process(directory: Path, value: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    code = SAVER.format(tests=str(TESTS), directory=str(directory), value=value)
+    carry = str(model_folder(directory.parent, value))
+    code = SAVER.format(tests=str(TESTS), directory=str(directory), value=value, carry=carry)
     return subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **(env or {})},
@@ -80,11 +100,25 @@ def listed(directory: Path) -> set[str]:
     return {f.name for entry in manifest.ranks for f in entry.files} | {MANIFEST_NAME}
 
 
+def carried_of(value: float) -> dict[str, str]:
+    """The non-weight files a save of model ``value`` leaves, by relative path."""
+    files = {"config.json": f'{{"value": {value:g}}}', "tokenizer.json": "{}", "tok/vocab.txt": f"vocab of {value:g}"}
+    return files | ({"chat_template.jinja": "only in later models"} if value > 1 else {})
+
+
+def assert_carried(directory: Path, value: float) -> None:
+    for name, text in carried_of(value).items():
+        assert (directory / name).read_text() == text, (name, value)
+
+
 @pytest.fixture
 def checkpoint_a(tmp_path: Path) -> tuple[Path, Path]:
     """Checkpoint A, a foreign file inside it, and a neighbour folder beside it."""
     directory, neighbour = tmp_path / "ckpt", tmp_path / "neighbour"
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192)
+    save_checkpoint(
+        str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192, carry=str(model_folder(tmp_path, 1))
+    )
+    assert_carried(directory, 1.0)
     (directory / "notes.txt").write_text("the user's own file")
     neighbour.mkdir()
     (neighbour / "model-rank-0-part-9.safetensors").write_bytes(b"not ours")
@@ -113,18 +147,28 @@ def test_save_killed_at_each_step_loses_nothing(checkpoint_a, kill_at):
         # A is published, and each of its files is byte-identical.
         assert {n: after.get(n) for n in a_files} == {n: before[n] for n in a_files}
         assert_published(directory, 1.0)
+        # verify finds only the dead save's leftovers, nothing wrong with A's files.
+        assert not [p for p in verify_checkpoint(str(directory)) if any(f"/{n}:" in p for n in a_files)]
+        if kill_at not in CARRIED:
+            assert_carried(directory, 1.0)
+            assert not (directory / "chat_template.jinja").exists()
     else:
         assert_published(directory, 2.0)
-    # Anything else left is the dead save's own: its lock, staged or placed files, A's old parts.
+        assert_carried(directory, 2.0)
+    # Anything else left is the dead save's own: its lock, staged or placed files, A's old parts,
+    # and, killed while carrying, the non-weight files it placed.
     for name in set(after) - set(before) - listed(directory):
-        assert name == LOCK_NAME or is_staged_name(name) or name.startswith("model-rank-"), name
+        assert name == LOCK_NAME or is_staged_name(name) or name.startswith("model-rank-") or name in carried_of(2), (
+            name
+        )
 
     # The next save takes the dead save's lock over and leaves nothing of it behind.
     again = save_in_process(directory, 3.0)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(directory, 3.0)
+    assert_carried(directory, 3.0)
     assert verify_checkpoint(str(directory)) == []
-    assert sorted(tree_digest(str(directory))) == sorted(listed(directory) | {"notes.txt"})
+    assert sorted(tree_digest(str(directory))) == sorted(listed(directory) | {"notes.txt", "tok"} | set(carried_of(3)))
     assert tree_digest(str(directory))["notes.txt"] == before["notes.txt"]
     assert tree_digest(str(neighbour)) == beside
 
@@ -157,6 +201,17 @@ def test_full_file_system_loses_nothing(small_filesystem):
     assert tree_digest(str(small_filesystem)) == before
     assert_published(directory, 1.0)
     assert verify_checkpoint(str(directory)) == []
+    # Parts that fit, a tokenizer that does not: the save stops before its manifest, A's files as they were.
+    model = small_filesystem.parent / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_bytes(b"t" * 200 * 1024)
+    with pytest.raises(ShardedStateError, match=r"No space left on device"):
+        save_checkpoint(
+            str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True, carry=str(model)
+        )
+    assert tree_digest(str(small_filesystem)) == before
+    assert_published(directory, 1.0)
 
 
 def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_path):

@@ -37,7 +37,7 @@ from ..format.manifest import Manifest, RankEntry
 from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name
 from ..planning.topology import RankInfo
 from ..storage import objects
-from ..storage.local import non_weight_files
+from .carry import CarriedFiles
 from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry, stage_rank
 
 STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
@@ -116,10 +116,12 @@ def abandon(url: str, entries: Sequence[RankEntry] = (), token: str | None = Non
     objects.release_lock(where, token)
 
 
-def publish(url: str, manifest: Manifest, token: str | None = None) -> None:
+def publish(url: str, manifest: Manifest, token: str | None = None, carried: CarriedFiles | None = None) -> None:
     """Step 3: check every listed part, then put the manifest conditionally: the one atomic step.
 
     With ``token`` (the lock's), a save whose lock was taken over does not publish.
+    ``carried`` non-weight files are put just before the manifest (the caller restores
+    them if this fails).
     """
     where = objects.ObjectPrefix.parse(url)
     if token is not None:
@@ -127,6 +129,8 @@ def publish(url: str, manifest: Manifest, token: str | None = None) -> None:
     for entry in manifest.ranks:
         for f in entry.files:
             objects.open_part(where, f)  # present, with the size recorded
+    if carried is not None:
+        carried.place()
     old = objects.head(where, MANIFEST_NAME)
     if old is None:
         objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), create=True)
@@ -150,15 +154,6 @@ def clean_after_publish(url: str, manifest: Manifest, token: str | None = None) 
     objects.release_lock(where, token)
 
 
-def upload_non_weight_files(source: str, url: str) -> list[str]:
-    """Upload config, tokenizer, module folders, ... of ``source`` (:func:`..storage.local.non_weight_files`)."""
-    where = objects.ObjectPrefix.parse(url)
-    names = non_weight_files(source)
-    for name in names:
-        objects.put(where, name, Path(os.path.join(source, name)))
-    return names
-
-
 def save_ranks_to_objects(
     url: str,
     ranks: Sequence[tuple[RankInfo, Mapping[str, torch.Tensor]]],
@@ -166,7 +161,7 @@ def save_ranks_to_objects(
     max_size: int | None,
     overwrite: bool,
     manifest_of: Callable[[Sequence[RankEntry]], Manifest],
-    carry: Callable[[], object] | None = None,
+    carry: str | None = None,
 ) -> Manifest:
     """The steps above from one process, for :func:`.save.save_checkpoint` given an ``s3://`` URL.
 
@@ -175,16 +170,18 @@ def save_ranks_to_objects(
     token = new_token()
     begin(url, token, overwrite)
     entries: list[RankEntry] = []
+    carried = CarriedFiles(url, token)
     try:
         with staging_directory() as staging:
             for info, tensors in ranks:
                 staged = stage_rank(staging, tensors, info, pattern, max_size, token)
                 entries.append(upload_rank(url, staged))
         if carry is not None:
-            carry()  # under the lock, after the overwrite rule: see save.save_checkpoint
+            carried.stage(carry)  # under the lock, after the overwrite rule: see save.save_checkpoint
         manifest = manifest_of(entries)
-        publish(url, manifest, token)
+        publish(url, manifest, token, carried)
     except BaseException:
+        carried.restore()
         abandon(url, entries, token)
         raise
     clean_after_publish(url, manifest, token)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
+from .carry import CarriedFiles
 from .remote_save import save_ranks_to_objects
 from .staged import StagedRank, discard_rank, fresh_names, new_token, open_staged_tensors, renamed_entry, stage_rank
 
@@ -105,11 +106,15 @@ def publish_rank(staged: StagedRank) -> RankEntry:
     return staged.entry
 
 
-def publish_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
+def publish_manifest(
+    directory: str, manifest: Manifest, lock: SaveLock | None = None, carried: CarriedFiles | None = None
+) -> None:
     """Step 4: publish the manifest atomically (temporary file, fsync, rename).
 
     Every listed part must be in place with its size first: a manifest never names an
-    absent part. An error from here means nothing was published.
+    absent part. ``carried`` non-weight files are renamed into place between the
+    manifest's fsync and its rename, the shortest window there is (the caller restores
+    them if this fails). An error from here means nothing was published.
     """
     for entry in manifest.ranks:
         for f in entry.files:
@@ -134,6 +139,8 @@ def publish_manifest(directory: str, manifest: Manifest, lock: SaveLock | None =
             out.flush()
             os.fsync(out.fileno())
         kill_point(KILL_MANIFEST_WRITTEN)
+        if carried is not None:
+            carried.place()
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
@@ -185,14 +192,15 @@ def save_checkpoint(
     geometry: Mapping[str, dict] | None = None,
     tied: tuple[tuple[str, ...], ...] = (),
     experts: ExpertPlacement | None = None,
-    carry: Callable[[], object] | None = None,
+    carry: str | None = None,
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools); see the module doc.
 
-    ``carry`` copies the files that go with the parts (config, tokenizer) into the output:
-    it runs under the lock, once the overwrite rule has passed and the parts are staged,
-    before the publish, so that nothing is written into an existing output that the
-    save may not replace, and its failure publishes nothing.
+    ``carry`` names a model (folder or URL) whose files that go with the parts (config,
+    tokenizer) the save puts beside them (:mod:`.carry`): staged under the lock, once the
+    overwrite rule has passed, and placed just before the publish, so that nothing is
+    written into an existing output that the save may not replace, and a failure puts
+    back what they replaced.
 
     ``directory`` may be an ``s3://bucket/prefix`` URL (:mod:`.remote_save`). ``geometry``
     (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name) lets the
@@ -235,19 +243,22 @@ def save_checkpoint(
     lock = acquire_save_lock(directory, token, overwrite)
     kill_point(KILL_LOCKED)
     staged: list[StagedRank] = []
+    carried = CarriedFiles(directory, lock.token)
     try:
         for info in infos:
             staged.append(stage_rank(directory, ranks[info], info, pattern, max_size, token))
             kill_point(KILL_STAGED)
         if carry is not None:
-            carry()
+            carried.stage(carry)
         manifest = manifest_of([publish_rank(s) for s in staged])
-        publish_manifest(directory, manifest, lock)
+        publish_manifest(directory, manifest, lock, carried)
     except BaseException:
         # Nothing was published: what this save staged or placed goes, the old checkpoint stands.
+        carried.restore()
         for s in staged:
             discard_rank(s)
         release_save_lock(lock)
         raise
+    carried.finish()
     clean_after_publish(directory, manifest, lock)
     return manifest

@@ -40,6 +40,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint import remote_save
+from ..checkpoint.carry import CarriedFiles
 from ..checkpoint.remote_save import staging_base
 from ..checkpoint.save import (
     StagedRank,
@@ -59,7 +60,7 @@ from ..format.manifest import Manifest, RankEntry
 from ..format.names import default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
-from ..storage.local import OpenFile, copy_non_weight_files
+from ..storage.local import OpenFile
 from ..storage.location import is_remote
 from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
 from .identity import current_rank, dtype_label, is_drafter, source_identity
@@ -479,6 +480,7 @@ def _save_to_objects(
     begun = False
     staged: StagedRank | None = None
     scratch: str | None = None  # a staging folder made here, when there is no capture to use
+    carried = CarriedFiles(url, token)
 
     def check_and_lock() -> None:
         validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
@@ -506,9 +508,10 @@ def _save_to_objects(
         begun = True
         outcomes = workers.run(stage_and_upload)
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
-        workers.run(lambda: _carry_non_weight_files(state, url), only_first=True)
-        workers.run(lambda: remote_save.publish(url, manifest, token), only_first=True)
+        workers.run(lambda: _stage_non_weight_files(state, carried), only_first=True)
+        workers.run(lambda: remote_save.publish(url, manifest, token, carried), only_first=True)
     except ShardedStateError as e:
+        carried.restore()
         if staged is not None and staged is not (state and state.capture):
             discard_rank(staged)
         if begun and workers.first:
@@ -536,27 +539,23 @@ def _save_to_objects(
         logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(outcomes), manifest.nbytes / 1e6, url)
 
 
-def _carry_non_weight_files(state: LoadedState | None, where: str) -> None:
-    """Give a save the served model's config, tokenizer and other non-weight files, before its
-    manifest, so that a checkpoint saved by the hook alone (a server's ``/collective_rpc``,
-    ``LLM``'s engine) serves by itself. They are the served model's, so they replace what the
-    output holds (the save script's copies of the same files, or a previous checkpoint's)."""
+def _stage_non_weight_files(state: LoadedState | None, carried: CarriedFiles) -> None:
+    """Stage the served model's config, tokenizer and other non-weight files for a save, so that a
+    checkpoint saved by the hook alone (a server's ``/collective_rpc``, ``LLM``'s engine) serves by
+    itself. They are the served model's, so they replace what the output holds (the save
+    script's copies of the same files, or a previous checkpoint's), but only just before the
+    manifest (:mod:`..checkpoint.carry`)."""
     source = state.model_dir if state is not None else None
     if source is None:
         logger.warning(
-            "sharded_state: the served model is not a local folder; copy its config and tokenizer files to %s", where
+            "sharded_state: the served model is not a local folder; copy its config and tokenizer files to %s",
+            carried.output,
         )
         return
-    try:
-        if is_remote(where):
-            carried = remote_save.upload_non_weight_files(source, where)
-        elif os.path.samefile(source, where):
-            return
-        else:
-            carried = copy_non_weight_files(source, where)
-    except OSError as e:  # a full disk, a permission: the save stops before its manifest
-        raise ShardedStateError(f"copying the non-weight files of {source} to {where} failed: {e}") from e
-    logger.info("sharded_state: copied %d non-weight files of %s (config, tokenizer, ...)", len(carried), source)
+    if not is_remote(carried.output) and os.path.samefile(source, carried.output):
+        return
+    changed = carried.stage(source)
+    logger.info("sharded_state: %d non-weight files of %s (config, tokenizer, ...) to replace", len(changed), source)
 
 
 def _abandon_local_stage(state: LoadedState | None, staged: StagedRank | None) -> None:
@@ -610,6 +609,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     token = new_token()
     lock: SaveLock | None = None
     staged: StagedRank | None = None
+    carried = CarriedFiles(path, token)
     published = False
 
     def check_and_lock() -> SaveLock:
@@ -624,20 +624,22 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
 
     try:
         lock = workers.run(check_and_lock, only_first=True)[0]
-        token = lock.token  # every worker stages under the lock's token: a takeover finds all of them
+        token = carried.token = lock.token  # every worker stages under the lock's token: a takeover finds them
         outcomes = workers.run(stage)
         # Placed under fresh names: the published checkpoint's parts are untouched until the manifest.
         entries = workers.run(lambda: publish_rank(staged))
         outcomes = [(entry, *rest) for entry, (_, *rest) in zip(entries, outcomes, strict=True)]
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
-        workers.run(lambda: _carry_non_weight_files(state, path), only_first=True)
-        workers.run(lambda: publish_manifest(path, manifest, lock), only_first=True)
+        workers.run(lambda: _stage_non_weight_files(state, carried), only_first=True)
+        workers.run(lambda: publish_manifest(path, manifest, lock, carried), only_first=True)
         published = True
+        carried.finish()
         if staged is not None:
             staged.placed.clear()  # published: no longer this save's to remove
         workers.run(lambda: clean_after_publish(path, manifest, lock), only_first=True)
     except ShardedStateError as e:
         if not published:
+            carried.restore()
             _abandon_local_stage(state, staged)
             if lock is not None and workers.first:
                 release_save_lock(lock)

@@ -22,7 +22,7 @@ from ..format.names import MANIFEST_NAME
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan, files_to_check
 from ..planning.topology import RankInfo
-from ..storage.location import check_not_locked, copy_non_weight_files, is_locked, is_remote, read_manifest
+from ..storage.location import check_not_locked, is_locked, is_remote, read_manifest
 from ..storage.writer import LazyTensor
 
 
@@ -143,5 +143,5 @@ def reshard_checkpoint(
             geometry=manifest.geometry,
             tied=manifest.tied,
             # Config and tokenizer go in under the lock, once the overwrite rule has passed.
-            carry=lambda: copy_non_weight_files(directory, output),
+            carry=directory,
         )

@@ -1,0 +1,186 @@
+"""The files a save carries beside its parts (config, tokenizer, ...), replaced last.
+
+A checkpoint's config is part of what loads: the manifest records its hash, and a load
+refuses a config that differs. So a save must not replace the old checkpoint's config
+before it publishes its own manifest. The non-weight files follow the parts' protocol:
+
+- **stage** (:meth:`CarriedFiles.stage`): each file that differs from what the output
+  holds is copied to a hidden staged name at the output's top level (object storage: kept
+  aside, in memory); files already identical are left alone, so saving the same model
+  again replaces nothing;
+- **place** (:meth:`CarriedFiles.place`), just before the manifest's publish: each staged
+  file is renamed over its final name (object storage: put). The file it replaces is first
+  hard-linked to a backup (object storage: read), so that :meth:`CarriedFiles.restore`
+  puts the old files back if the publish then fails;
+- after the publish, :meth:`CarriedFiles.finish` drops the backups; the save's cleanup
+  removes any staged name of its token that a kill left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..format.errors import ShardedStateError
+from ..format.names import staged_name
+from ..storage import objects
+from ..storage.faults import declare, kill_point
+from ..storage.local import fsync_directory, open_regular
+from ..storage.location import is_remote
+from ..storage.location import non_weight_files as list_non_weight_files
+
+KILL_CARRIED = declare("local.carried", "checkpoint/carry.py: one non-weight file placed, the manifest not yet")
+
+
+def _read_source(source: str, name: str) -> bytes | Path:
+    if is_remote(source):
+        return objects.read_object(objects.ObjectPrefix.parse(source), name)
+    return Path(os.path.join(source, name))
+
+
+def _read_bytes(data: bytes | Path) -> bytes:
+    if isinstance(data, bytes):
+        return data
+    # Opened without blocking and refused unless regular: a FIFO there must not hang the save.
+    with os.fdopen(open_regular(str(data)), "rb") as f:
+        return f.read()
+
+
+def _same_local(path: str, data: bytes | Path) -> bool:
+    """Whether the regular file at ``path`` holds ``data`` (anything but a regular file: no)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        with os.fdopen(open_regular(path), "rb") as f:
+            if isinstance(data, bytes):
+                return f.read(len(data) + 1) == data
+            with os.fdopen(open_regular(str(data)), "rb") as g:
+                while True:
+                    a, b = f.read(1 << 20), g.read(1 << 20)
+                    if a != b:
+                        return False
+                    if not a:
+                        return True
+    except (OSError, ShardedStateError):
+        return False
+
+
+@dataclass
+class CarriedFiles:
+    """The non-weight files of one save into ``output``, staged under ``token``."""
+
+    output: str
+    token: str
+    #: final relative name -> staged local path, or the bytes to put (object storage)
+    staged: dict[str, str | bytes] = field(default_factory=dict)
+    #: final relative name -> its backup (a local path or the old bytes), None where there was none
+    backups: dict[str, str | bytes | None] = field(default_factory=dict)
+
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.output)
+
+    def stage(self, source: str) -> list[str]:
+        """Copy ``source``'s non-weight files aside; returns the names that will change."""
+        names = list_non_weight_files(source)
+        try:
+            for index, name in enumerate(names):
+                data = _read_source(source, name)
+                if self.remote:
+                    self._stage_object(name, data)
+                else:
+                    self._stage_local(index, name, data)
+        except OSError as e:  # a full disk, a permission: the save stops before its manifest
+            self.restore()
+            raise ShardedStateError(f"copying the non-weight files of {source} to {self.output} failed: {e}") from e
+        except BaseException:
+            self.restore()
+            raise
+        return sorted(self.staged)
+
+    def _stage_local(self, index: int, name: str, data: bytes | Path) -> None:
+        if _same_local(os.path.join(self.output, name), data):
+            return
+        tmp = os.path.join(self.output, staged_name(f"carried-{index}", self.token))
+        self.staged[name] = tmp
+        with open(tmp, "wb") as dst:
+            if isinstance(data, bytes):
+                dst.write(data)
+            else:
+                # Opened without blocking and refused unless regular: a FIFO there must not hang the save.
+                with os.fdopen(open_regular(str(data)), "rb") as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+
+    def _stage_object(self, name: str, data: bytes | Path) -> None:
+        where = objects.ObjectPrefix.parse(self.output)
+        content = _read_bytes(data)
+        with contextlib.suppress(ShardedStateError):
+            if objects.head(where, name) is not None and objects.read_object(where, name) == content:
+                return
+        self.staged[name] = content
+
+    def place(self) -> None:
+        """Put every staged file under its final name, keeping what it replaces; just before the publish."""
+        for name in sorted(self.staged):
+            if self.remote:
+                self._place_object(name)
+            else:
+                self._place_local(name)
+            kill_point(KILL_CARRIED)
+        if not self.remote:
+            fsync_directory(self.output)
+
+    def _place_local(self, name: str) -> None:
+        final = os.path.join(self.output, name)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        backup = None
+        if os.path.lexists(final) and not os.path.isdir(final):
+            backup = os.path.join(self.output, staged_name(f"replaced-{len(self.backups)}", self.token))
+            os.link(final, backup, follow_symlinks=False)
+        self.backups[name] = backup
+        os.replace(self.staged.pop(name), final)  # type: ignore[arg-type]
+
+    def _place_object(self, name: str) -> None:
+        where = objects.ObjectPrefix.parse(self.output)
+        old = objects.read_object(where, name) if objects.head(where, name) is not None else None
+        self.backups[name] = old
+        objects.put(where, name, self.staged.pop(name))  # type: ignore[arg-type]
+
+    def restore(self) -> None:
+        """After a failure before the publish: the old files back, the staged copies gone. Best effort."""
+        for name, backup in self.backups.items():
+            with contextlib.suppress(OSError, ShardedStateError):
+                if self.remote:
+                    where = objects.ObjectPrefix.parse(self.output)
+                    if backup is None:
+                        objects.delete(where, [name])
+                    else:
+                        objects.put(where, name, backup)  # type: ignore[arg-type]
+                elif backup is None:
+                    os.remove(os.path.join(self.output, name))
+                else:
+                    os.replace(backup, os.path.join(self.output, name))  # type: ignore[arg-type]
+        self.backups.clear()
+        self._drop_staged()
+
+    def finish(self) -> None:
+        """After the publish: the backups go (the save's cleanup removes any a kill left)."""
+        for backup in self.backups.values():
+            if isinstance(backup, str):
+                with contextlib.suppress(OSError):
+                    os.remove(backup)
+        self.backups.clear()
+        self._drop_staged()
+
+    def _drop_staged(self) -> None:
+        for tmp in self.staged.values():
+            if isinstance(tmp, str):
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+        self.staged.clear()
