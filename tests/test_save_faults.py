@@ -264,3 +264,47 @@ def test_reshard_into_an_existing_checkpoint_writes_nothing_before_the_overwrite
     reshard_checkpoint(str(source), str(output), tp_size=1, overwrite=True)
     assert (output / "config.json").read_text() == '{"model": "the source"}' and (output / "tokenizer.json").exists()
     assert verify_checkpoint(str(output)) == []
+
+
+@pytest.mark.engine
+def test_a_worker_killed_mid_save_ends_the_save_promptly_and_loses_nothing(models, tmp_path):
+    """A TP=2 engine's save whose second worker dies (SIGKILL) after placing a part: the save
+    ends in bounded time, not at the 30-minute collective timeout; the checkpoint that was
+    there is byte-identical and verifies; no process of the engine is left; the next save
+    takes the dead save's lock over and publishes."""
+    import json
+    import time
+
+    from conftest import run_engine, run_python
+
+    from vllm_sharded_loader.engine.capture import CAPTURE_DIR_ENV, OVERWRITE_ENV
+
+    out = tmp_path / "ckpt"
+    spec = {"model": models["llama"], "tp": 2, "save_to": str(out), "generate": False}
+    spec["env"] = {CAPTURE_DIR_ENV: str(tmp_path / "capture-a")}
+    assert run_engine(spec).result.get("saved")
+    before = tree_digest(str(out))
+
+    killed = {**spec, "env": {CAPTURE_DIR_ENV: str(tmp_path / "capture-b"), OVERWRITE_ENV: "1"}}
+    killed["env"][faults.KILL_ENV] = "local.placed@1"
+    started = time.monotonic()
+    run = run_python(["tests/engine_runner.py", json.dumps(killed)], tp=2)
+    elapsed = time.monotonic() - started
+    assert elapsed < 240, f"the save took {elapsed:.0f} s to end after its worker died"
+    result = run.result or {}
+    assert not result.get("saved"), run.tail()
+    assert "another worker of this save stopped answering" in result.get("save_error", ""), run.tail()
+    assert "previous checkpoint there is intact" in result["save_error"]
+    assert not (out / LOCK_NAME).exists()  # the surviving worker released the lock
+    after = tree_digest(str(out))
+    assert {n: after.get(n) for n in before} == before  # every file of the checkpoint as it was
+    # verify finds the dead save's leftovers only, nothing wrong with the checkpoint's own files.
+    assert not [p for p in verify_checkpoint(str(out)) if any(f"/{n}:" in p for n in before)]
+    print(f"the save ended {elapsed:.1f} s after its start; exit code {run.returncode}; {result}")
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "capture-b")], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"engine processes left running: {leftover.stdout}"
+
+    again = {**spec, "env": {CAPTURE_DIR_ENV: str(tmp_path / "capture-c"), OVERWRITE_ENV: "1"}}
+    assert run_engine(again).result.get("saved")
+    assert verify_checkpoint(str(out)) == []
+    assert not [n for n in os.listdir(out) if is_staged_name(n) or n == LOCK_NAME]

@@ -411,7 +411,16 @@ class _Workers:
         outcomes = [outcome]
         for group in self.groups:
             gathered: list[Any] = [None] * group.world_size
-            torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
+            try:
+                torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
+            except RuntimeError as e:
+                # A worker that died mid-save resets its connections: the exchange fails at once
+                # (gloo), and this worker's own cleanup (the lock, what it staged) still runs.
+                failed = outcome[1] if not outcome[0] else ""
+                raise ShardedStateError(
+                    f"another worker of this save stopped answering (did it die? see its log): {e}"
+                    + (f" | {failed}" if failed else "")
+                ) from e
             outcomes = [o for part in gathered for o in part]
         errors = [value for ok, value in outcomes if not ok]
         if errors:

@@ -3,7 +3,8 @@
 A save must be survivable wherever it dies: the previous checkpoint still loads, or the
 new one is complete, and nothing else changed. The fault tests prove that for every step
 by running a real save with ``SHARDED_STATE_KILL_AT=<step>`` (or ``<step>:<n>`` for the
-n-th time the step is reached, counting from 1): the process sends itself ``SIGKILL`` there,
+n-th time the step is reached, counting from 1; ``<step>[:<n>]@<rank>`` only in the worker of
+that ``torch.distributed`` rank): the process sends itself ``SIGKILL`` there,
 so no ``finally`` block, ``atexit`` handler or lock release of ours runs, as when the
 machine loses power or the OOM killer strikes. Without the variable a kill point costs one
 dictionary look-up.
@@ -33,6 +34,12 @@ def declare(step: str, where: str) -> str:
     return step
 
 
+def _distributed_rank() -> int | None:
+    import torch.distributed
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else None
+
+
 def kill_point(step: str) -> None:
     """Die by ``SIGKILL`` here when ``$SHARDED_STATE_KILL_AT`` names this step (and count)."""
     if step not in KILL_POINTS:
@@ -40,8 +47,9 @@ def kill_point(step: str) -> None:
     wanted = os.environ.get(KILL_ENV)
     if not wanted:
         return
+    wanted, _, rank = wanted.partition("@")
     name, _, nth = wanted.partition(":")
-    if name != step:
+    if name != step or (rank and str(_distributed_rank()) != rank):
         return
     _reached[step] = _reached.get(step, 0) + 1
     if _reached[step] == (int(nth) if nth else 1):
