@@ -446,3 +446,63 @@ def test_a_save_whose_lock_was_taken_over_neither_publishes_nor_frees_the_new_lo
     assert objects.read_lock(where)["token"] == "bbbb"
     objects.release_lock(where, "bbbb")
     assert objects.read_lock(where) is None
+
+
+RACER = """
+import sys
+sys.path.insert(0, "tests")
+from test_save_faults import states
+from states import SOURCE
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.format import ShardedStateError
+try:
+    save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE, max_size=8192,
+                    overwrite=True)
+except ShardedStateError as e:
+    print("REFUSED", e)
+    sys.exit(3)
+"""
+
+
+def test_two_saves_racing_for_one_prefix_publish_one_whole_checkpoint(s3):
+    """Two processes save over the same prefix at once, three times: each save either publishes
+    or is refused by the other's lock (never both half), the published checkpoint is one
+    whole save's, bit-exact and verified, and nothing else is left: no part it does not
+    list, no unfinished upload, no lock."""
+    from test_save_faults import assert_published
+
+    url = new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    root = os.path.dirname(os.path.dirname(__file__))
+    for round_ in range(3):
+        values = (10.0 * round_ + 1, 10.0 * round_ + 2)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RACER, url, str(v)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+            for v in values
+        ]
+        outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
+        codes = [p.returncode for p in procs]
+        assert all(c in (0, 3) for c in codes), outputs
+        for code, out in zip(codes, outputs, strict=True):
+            if code == 3:
+                assert "another save holds" in out, out
+        winners = [v for v, c in zip(values, codes, strict=True) if c == 0]
+        assert winners, outputs
+        manifest = read_manifest(url)
+        published = [v for v in winners if _holds(url, v, assert_published)]
+        assert len(published) == 1, (outputs, winners)
+        assert verify_checkpoint(url) == []
+        listed = {f.name for e in manifest.ranks for f in e.files}
+        assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == listed, (round_, published)
+        assert LOCK_NAME not in keys(s3, url)
+        assert s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=where.prefix).get("Uploads", []) == []
+
+
+def _holds(url, value, assert_published) -> bool:
+    try:
+        assert_published(url, value)
+        return True
+    except AssertionError:
+        return False
