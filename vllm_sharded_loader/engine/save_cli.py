@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -145,9 +146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
     started = time.perf_counter()
-    llm = save_sharded_state(
-        engine_kwargs(engine_args), args.output, args.file_pattern, args.max_file_size, args.overwrite
-    )
+    try:
+        llm = save_sharded_state(
+            engine_kwargs(engine_args), args.output, args.file_pattern, args.max_file_size, args.overwrite
+        )
+    except Exception as e:  # ours, or vLLM's wrapping of a worker's: the message is what matters, not our stack
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     manifest = location.read_manifest(args.output)
     assert manifest is not None
     print(
