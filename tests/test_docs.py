@@ -38,7 +38,7 @@ RUNNABLE = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "s
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
 ANNOTATION = re.compile(r"^\s*<!-- test: (?P<kind>engine|skip)(?P<rest>.*?)-->\s*$")
 PLACEHOLDER = re.compile(r"/path/to/(?P<name>[\w.-]+)")
-TP_SIZE = re.compile(r"(?:tensor_parallel_size=|--tensor-parallel-size\s+|-tp\s+)(\d+)")
+TP_SIZE = re.compile(r"(?:tensor_parallel_size[\"']?\s*[=:]\s*|--tensor-parallel-size\s+|-tp\s+)(\d+)")
 SNIPPET_TIMEOUT = 900
 
 
@@ -247,6 +247,7 @@ def test_snippet_runs(snippet: Snippet, workspace: Path):
         text=True,
         timeout=SNIPPET_TIMEOUT,
     )
+    (workspace / f"snippet-{Path(snippet.path).stem}-{snippet.line}.log").write_text(out.stdout)
     tail = "\n".join(out.stdout.splitlines()[-60:])
     assert out.returncode == 0, f"{snippet} failed (exit {out.returncode}):\n{code}\n--- output ---\n{tail}"
     _passed[key] = str(snippet)
