@@ -285,8 +285,13 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     with pytest.raises(ShardedStateError, match=f"delete {where.url(LOCK_NAME)}"):
         save_to_bucket(url, model, 1)
     objects.release_lock(where)
+    # Another writer's unfinished upload under a name of our pattern: not the dead save's (it did
+    # not record it), so left alone.
+    theirs = s3.client().create_multipart_upload(Bucket=BUCKET, Key=where.key("model-rank-0-part-77.safetensors"))
     manifest = save_to_bucket(url, model, 1, max_size=None)  # one part: the killed save's others are stale
-    assert s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=where.prefix).get("Uploads", []) == []
+    left = s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=where.prefix).get("Uploads", [])
+    assert [u["UploadId"] for u in left] == [theirs["UploadId"]]
+    s3.client().abort_multipart_upload(Bucket=BUCKET, Key=theirs["Key"], UploadId=theirs["UploadId"])
     assert verify_checkpoint(url) == []
     assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == {f.name for f in manifest.rank(0, 0).files}
 

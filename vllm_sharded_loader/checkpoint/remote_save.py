@@ -8,7 +8,10 @@ Object storage has no rename and no ``flock``, so the steps of :mod:`.save` beco
 2. **stage and upload**: every rank writes its parts to a local staging folder (hashed as
    written, as for a local save), then uploads each under a final name in vLLM's pattern
    that no object under the prefix has (:func:`.staged.fresh_names`), large ones as
-   parallel multipart uploads, and deletes the staged copy.
+   parallel multipart uploads, and deletes the staged copy. Each rank first records the
+   names it will upload in a small hidden object of the save's token
+   (``.uploads-pp0-dp0-tp1.<token>.partial``): what a failed or dead save leaves is
+   removed from these records alone, never by guessing from names.
 3. **publish**: every listed part is checked by ``HEAD`` for its size, then the manifest
    is put conditionally: created, or replacing exactly the manifest it read
    (``If-Match`` its ETag), never another save's: the one atomic step.
@@ -18,12 +21,14 @@ Before step 3 the previous checkpoint stays published and whole, whatever fails;
 failure deletes what this save uploaded (only its own keys), aborts its own unfinished
 multipart uploads and releases the lock. A save killed outright leaves its lock (and
 objects no manifest lists), so the prefix is refused to other saves until the lock is
-deleted; loads of a published checkpoint go on meanwhile.
+deleted; loads of a published checkpoint go on meanwhile. The next save removes the
+uploads, finished or not, that the dead save recorded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -34,7 +39,7 @@ import torch
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
-from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name
+from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name, staged_name, staged_token
 from ..planning.topology import RankInfo
 from ..storage import objects
 from .carry import CarriedFiles
@@ -71,27 +76,48 @@ def begin(url: str, token: str, overwrite: bool) -> None:
                 f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass "
                 "--overwrite."
             )
-        # An interrupted save's unfinished uploads: only of part names in our patterns,
-        # directly under this prefix, that the published manifest does not list.
+        # An interrupted save's uploads: only those it recorded as its own before it began them.
         manifest = objects.read_manifest(where)
         listed = set() if manifest is None else {f.name for e in manifest.ranks for f in e.files}
-        objects.abort_incomplete_uploads(
-            where, lambda name: name not in listed and any(parse_file_name(p, name) for p in DEFAULT_PATTERNS)
-        )
+        _remove_recorded_uploads(where, lambda t: t != token, keep=listed)
     except BaseException:
         objects.release_lock(where, token)
         raise
 
 
-def upload_rank(url: str, staged: StagedRank) -> RankEntry:
+def _intent_name(staged: StagedRank, token: str) -> str:
+    r = staged.rank
+    return staged_name(f"uploads-pp{r.pp_rank}-dp{r.saved_dp_rank}-tp{r.tp_rank}", token)
+
+
+def _remove_recorded_uploads(where: objects.ObjectPrefix, whose: Callable[[str], bool], keep: set[str]) -> None:
+    """Delete the uploads that saves of the tokens ``whose`` accepts recorded as their own, finished
+    (objects not in ``keep``) or not (multipart uploads), then their records."""
+    records = [n for n in objects.list_names(where) if (t := staged_token(n)) is not None and whose(t)]
+    for record in records:
+        try:
+            names = [str(n) for n in json.loads(objects.read_object(where, record))]
+        except (ValueError, TypeError) as e:
+            raise ShardedStateError(f"{where.url(record)}: not a record of a save's uploads ({e}); delete it.") from e
+        names = [n for n in names if "/" not in n and n not in keep]
+        objects.abort_incomplete_uploads(where, names)
+        objects.delete(where, names)
+    objects.delete(where, records)
+
+
+def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
     """Step 2: upload a rank's staged parts under fresh final names, then drop the staged copies.
 
     The names collide with no object under the prefix: the published checkpoint's parts
-    are never overwritten. On failure the parts this call uploaded are deleted again (and
-    the staged ones kept for :func:`abandon` to remove). Returns the entry naming the uploads.
+    are never overwritten. Before the first byte, the names are recorded under the save's
+    ``token`` (a small hidden object), so that a failure on any rank, or the save that takes
+    over after this one died, deletes exactly these uploads and never another writer's.
+    On failure the parts this call uploaded are deleted again (and the staged ones kept
+    for :func:`abandon` to remove). Returns the entry naming the uploads.
     """
     where = objects.ObjectPrefix.parse(url)
     renamed = fresh_names(staged, objects.list_names(where))
+    objects.put(where, _intent_name(staged, token), json.dumps(sorted(renamed.values())).encode())
     uploaded: list[str] = []
     try:
         for name, tmp in list(staged.temporary.items()):
@@ -107,12 +133,15 @@ def upload_rank(url: str, staged: StagedRank) -> RankEntry:
 
 
 def abandon(url: str, entries: Sequence[RankEntry] = (), token: str | None = None) -> None:
-    """After a failed save: delete the parts it uploaded, abort its multipart uploads, release the lock."""
+    """After a failed save: delete the parts it uploaded (every rank's, as recorded under its
+    ``token``), abort its multipart uploads, release the lock."""
     where = objects.ObjectPrefix.parse(url)
     names = [f.name for e in entries for f in e.files]
     with contextlib.suppress(ShardedStateError):
         objects.delete(where, names)
         objects.abort_incomplete_uploads(where, names)
+        if token is not None:
+            _remove_recorded_uploads(where, lambda t: t == token, keep=set())
     objects.release_lock(where, token)
 
 
@@ -151,6 +180,8 @@ def clean_after_publish(url: str, manifest: Manifest, token: str | None = None) 
         if name not in listed and any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
     ]
     objects.delete(where, stale)
+    if token is not None:
+        objects.delete(where, [n for n in objects.list_names(where) if staged_token(n) == token])
     objects.release_lock(where, token)
 
 
@@ -175,7 +206,7 @@ def save_ranks_to_objects(
         with staging_directory() as staging:
             for info, tensors in ranks:
                 staged = stage_rank(staging, tensors, info, pattern, max_size, token)
-                entries.append(upload_rank(url, staged))
+                entries.append(upload_rank(url, staged, token))
         if carry is not None:
             carried.stage(carry)  # under the lock, after the overwrite rule: see save.save_checkpoint
         manifest = manifest_of(entries)

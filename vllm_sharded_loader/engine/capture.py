@@ -508,7 +508,7 @@ def _save_to_objects(
             staged = _stage_for_save(model, loaded, staging, rank, pattern, max_size, token)
         if (staged.pattern, staged.max_size) != (pattern, max_size):
             staged = stage_rank(staged.directory, open_staged_tensors(staged), rank, pattern, max_size, token)
-        entry = remote_save.upload_rank(url, staged)
+        entry = remote_save.upload_rank(url, staged, token)
         return entry, loaded.geometry, loaded.tied, loaded.rank and loaded.rank.experts
 
     outcomes: list[Any] = []
