@@ -844,23 +844,30 @@ def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_p
 
 
 def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(tmp_path):
-    """write_manifest removes the staged files of its save and of the save whose lock it took
-    over, never those of another token."""
+    """write_manifest removes the staged files of its save, of the save whose lock it took
+    over and of owners that are gone, never those of a live owner (an engine's capture)."""
+    from vllm_sharded_loader.storage.lock import OWNER_MARKER, hold_owner_marker, release_owner_marker
+
     manifest = save(tmp_path)
-    ours, taken_over, other = "0123456789ab", DEAD_TOKEN, "feedfacecafe"
-    for token in (ours, taken_over, other):
+    ours, taken_over, other, gone = "0123456789ab", DEAD_TOKEN, "feedfacecafe", "0ddba11"
+    for token in (ours, taken_over, other, gone):
         (tmp_path / staged_name(PART0, token)).write_bytes(token.encode())
+    owner = hold_owner_marker(str(tmp_path), other)  # a live engine's capture
     lock = acquire_save_lock(str(tmp_path), ours, overwrite=True)
     write_manifest(str(tmp_path), manifest, SaveLock(lock.path, ours, lock.fd, taken_over))
-    assert staged_files(tmp_path) == {other: [staged_name(PART0, other)]}
+    assert staged_files(tmp_path) == {other: sorted([staged_name(PART0, other), staged_name(OWNER_MARKER, other)])}
     assert (tmp_path / staged_name(PART0, other)).read_bytes() == other.encode()
     assert not (tmp_path / LOCK_NAME).exists()
     load(tmp_path)
-    # `verify` names the file left behind; the loader ignores it.
+    # `verify` does not list a live owner's files; once the owner is gone, it names them.
+    assert verify_checkpoint(str(tmp_path)) == []
+    release_owner_marker(str(tmp_path), other, owner)
     assert any("a staged file of a save that never published it" in p for p in verify_checkpoint(str(tmp_path)))
 
 
 def test_save_taking_a_stale_lock_over_removes_that_saves_staged_files_only(tmp_path):
+    from vllm_sharded_loader.storage.lock import OWNER_MARKER, hold_owner_marker
+
     save(tmp_path)
     other = "feedfacecafe"
     dead = subprocess.run(
@@ -871,8 +878,12 @@ def test_save_taking_a_stale_lock_over_removes_that_saves_staged_files_only(tmp_
     )
     assert dead.returncode == 0, dead.stderr
     (tmp_path / staged_name("model-rank-1-part-0.safetensors", other)).write_bytes(b"not ours")
+    owner = hold_owner_marker(str(tmp_path), other)  # a live engine's start-up capture
     assert set(staged_files(tmp_path)) == {DEAD_TOKEN, other}
     save(tmp_path, overwrite=True)
-    assert staged_files(tmp_path) == {other: [staged_name("model-rank-1-part-0.safetensors", other)]}
+    assert staged_files(tmp_path) == {
+        other: sorted([staged_name("model-rank-1-part-0.safetensors", other), staged_name(OWNER_MARKER, other)])
+    }
+    os.close(owner)
     assert not (tmp_path / LOCK_NAME).exists()
     load(tmp_path, verify="checksum")

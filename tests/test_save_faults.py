@@ -308,3 +308,48 @@ def test_a_worker_killed_mid_save_ends_the_save_promptly_and_loses_nothing(model
     assert run_engine(again).result.get("saved")
     assert verify_checkpoint(str(out)) == []
     assert not [n for n in os.listdir(out) if is_staged_name(n) or n == LOCK_NAME]
+
+
+OWNER = textwrap.dedent(
+    """
+    import sys, time, torch
+    from vllm_sharded_loader.checkpoint import RankInfo
+    from vllm_sharded_loader.checkpoint.staged import stage_rank
+    from vllm_sharded_loader.storage.lock import hold_owner_marker
+    directory, token = sys.argv[1], sys.argv[2]
+    hold_owner_marker(directory, token)
+    stage_rank(directory, {"w": torch.ones(8)}, RankInfo(0, 1), token=token)  # as an engine's capture
+    print("staged", flush=True)
+    time.sleep(float(sys.argv[3]))
+    """
+)
+
+
+def test_a_dead_engines_capture_is_cleaned_and_a_live_ones_kept(checkpoint_a):
+    """Start-up captures (staged files outside any save) were never removed. Each capture's
+    process now holds a marker's flock: a save into the folder removes the staged files of a
+    capture whose process is gone, never those of a live one, and verify reports only the dead."""
+    directory, _ = checkpoint_a
+    live = subprocess.Popen([sys.executable, "-c", OWNER, str(directory), "aaaa1111", "600"], stdout=subprocess.PIPE)
+    try:
+        assert live.stdout.readline().strip() == b"staged"
+        dead = subprocess.run([sys.executable, "-c", OWNER, str(directory), "bbbb2222", "0"], capture_output=True)
+        assert dead.returncode == 0, dead.stderr
+        names = os.listdir(directory)
+        assert any("aaaa1111" in n for n in names) and any("bbbb2222" in n for n in names)
+        problems = verify_checkpoint(str(directory))
+        assert any("bbbb2222" in p for p in problems) and not any("aaaa1111" in p for p in problems), problems
+
+        result = save_in_process(directory, 2.0)
+        assert result.returncode == 0, result.stderr[-2000:]
+        names = os.listdir(directory)
+        assert not any("bbbb2222" in n for n in names), names  # the dead engine's capture and marker are gone
+        assert len([n for n in names if "aaaa1111" in n]) == 2, names  # the live one's part and marker stay
+        assert_published(directory, 2.0)
+    finally:
+        live.kill()
+        live.wait()
+    again = save_in_process(directory, 3.0)  # now that it is gone, its files go too
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not any("aaaa1111" in n for n in os.listdir(directory))
+    assert verify_checkpoint(str(directory)) == []

@@ -14,7 +14,8 @@ A save replaces a checkpoint last. Its steps, each visible on disk:
 4. **publish**: the manifest is written to a temporary file, fsynced and renamed over
    ``sharded_state.json``: the one atomic step.
 5. **clean**: parts the new manifest does not list (the old save's, ranks of a larger TP),
-   the staged files of this save and of the interrupted save it took over are removed,
+   the staged files of this save, of the interrupted save it took over and of engines
+   that captured here and are gone (:func:`..storage.lock.owner_is_alive`) are removed,
    and the lock released.
 
 Before step 4 the previous checkpoint, if any, is the published one and loads and
@@ -49,7 +50,7 @@ from ..planning.topology import RankInfo
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory
 from ..storage.location import is_remote
-from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
+from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, release_save_lock
 from .carry import CarriedFiles
 from .remote_save import save_ranks_to_objects
 from .staged import StagedRank, discard_rank, fresh_names, new_token, open_staged_tensors, renamed_entry, stage_rank
@@ -165,7 +166,11 @@ def clean_after_publish(directory: str, manifest: Manifest, lock: SaveLock | Non
     ours = set() if lock is None else {lock.token, lock.taken_over} - {None}
     for name in os.listdir(directory):
         stale_part = any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
-        if (name not in listed and stale_part) or staged_token(name) in ours:
+        token = staged_token(name)
+        # Staged files: this save's, the save it took over, and those of any other owner now
+        # gone (a killed engine's start-up capture); never a live engine's.
+        leftover = token is not None and (token in ours or (lock is not None and not owner_is_alive(directory, token)))
+        if (name not in listed and stale_part) or leftover:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(directory, name))
             kill_point(KILL_CLEANING)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum
-from ..format.names import MANIFEST_NAME, is_staged_name, parse_file_name
+from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.reads import check_saved_geometry
 from ..storage.integrity import BlockVerifier
 from ..storage.location import StoredFile, check_not_locked, file_path, is_remote, list_names, read_manifest
-from ..storage.lock import save_is_running
+from ..storage.lock import owner_is_alive, save_is_running
 from ..storage.writer import CHUNK_BYTES
 from .rank_files import check_rank_file
 
@@ -70,7 +70,10 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
                 f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list (left by an older "
                 "save?); our loader ignores it but vLLM's own loader would read it. Remove it."
             )
-        elif is_staged_name(name):
+        elif (token := staged_token(name)) is not None and (
+            is_remote(directory) or not owner_is_alive(directory, token)
+        ):
+            # (A live engine's start-up capture is its own, not a leftover.)
             problems.append(
                 f"{file_path(directory, name)}: a staged file of a save that never published it (interrupted?); "
                 "no loader reads it. Remove it."

@@ -29,6 +29,7 @@ reloads, because that is exactly what the loader fills in again. So:
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -62,7 +63,13 @@ from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.local import OpenFile
 from ..storage.location import is_remote
-from ..storage.lock import SaveLock, acquire_save_lock, release_save_lock
+from ..storage.lock import (
+    SaveLock,
+    acquire_save_lock,
+    hold_owner_marker,
+    release_owner_marker,
+    release_save_lock,
+)
 from .identity import current_rank, dtype_label, is_drafter, source_identity
 from .layer_geometry import UNQUANTIZED_METHODS, model_rank, tensor_geometry
 from .progress import ByteProgress
@@ -158,7 +165,12 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     settings = capture_settings() if writes and not is_drafter(model_config) else None
     if settings is not None:
         directory, pattern, max_size = settings
-        # Staged under temporary names: nothing is published until the save hook runs.
+        # Staged under temporary names: nothing is published until the save hook runs. The
+        # marker tells saves into the same folder that these files are a live engine's.
+        token = new_token()
+        os.makedirs(directory, exist_ok=True)
+        owner = hold_owner_marker(directory, token)
+        atexit.register(_drop_capture, state, directory, token, owner)
         with ByteProgress(f"Saving sharded_state ({rank})", _show_progress()) as progress:
             state.capture = stage_rank(
                 directory,
@@ -166,6 +178,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
                 rank,
                 pattern or default_pattern(rank.pp_size, rank.replicas),
                 max_size,
+                token,
                 progress=progress,
             )
         logger.info(
@@ -181,6 +194,16 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     model.__dict__[LOADED_STATE_ATTRIBUTE] = state
     _count_updates(model, state)
     return state
+
+
+def _drop_capture(state: LoadedState, directory: str, token: str, owner: int) -> None:
+    """At the worker's exit: a start-up capture that no save published goes, then its marker.
+
+    A worker killed outright leaves both; the next save into the folder removes them.
+    """
+    if state.capture is not None and state.capture.temporary:
+        discard_rank(state.capture)
+    release_owner_marker(directory, token, owner)
 
 
 def _count_updates(model: torch.nn.Module, state: LoadedState) -> None:

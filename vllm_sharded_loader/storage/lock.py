@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from ..format.errors import ShardedStateError
-from ..format.names import LOCK_NAME, MANIFEST_NAME
+from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name
 from .local import directory_holds_checkpoint, open_regular
 
 # A lock names its holder in a line of JSON; more is not a lock of ours.
@@ -239,3 +239,48 @@ def check_not_locked(directory: str) -> None:
             "exists and no manifest has been published yet. Wait for the save to finish, or save it again "
             "(with overwrite)."
         )
+
+
+# ------------------------------------------------------------------ owner markers
+#
+# Files staged outside a save (an engine's start-up capture) belong to a live process
+# that no lock names. Each such owner holds an exclusive ``flock`` on a marker of its
+# token for as long as it lives: a save's cleanup removes staged files whose owner is
+# gone, and never those of a live engine.
+
+OWNER_MARKER = "owner"
+
+
+def hold_owner_marker(directory: str, token: str) -> int:
+    """Create and ``flock`` the marker of ``token`` in ``directory``; the descriptor stays open
+    (the lock goes with the process, however it ends)."""
+    path = os.path.join(directory, staged_name(OWNER_MARKER, token))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def release_owner_marker(directory: str, token: str, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(directory, staged_name(OWNER_MARKER, token)))
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def owner_is_alive(directory: str, token: str) -> bool:
+    """Whether a live process holds the marker of ``token`` (staged files of a running engine)."""
+    try:
+        fd = os.open(
+            os.path.join(directory, staged_name(OWNER_MARKER, token)), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+        )
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
