@@ -162,3 +162,64 @@ def test_special_file_among_the_non_weight_files_is_refused_without_blocking(tmp
         """
     )
     assert f"REFUSED {source / 'tokenizer.json'} is a" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("filler", ["[]", "{}", '""'])
+def test_a_manifest_that_would_take_gigabytes_to_parse_is_refused_before_parsing(tmp_path, filler):
+    """Parsing a manifest took about 22x its size in memory for a file of empty lists (a 256 MiB
+    manifest: 5.6 GB per worker), more for empty objects. Such a file is now refused, naming
+    it, in a child process whose peak memory stays within a few times the file's size."""
+    save(tmp_path, tp_size=1)
+    manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    manifest["source"]["config"]["padding"] = json.loads("[" + ",".join([filler] * 4_000_000) + "]")
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest, separators=(",", ":")))
+    size = (tmp_path / MANIFEST_NAME).stat().st_size
+    done = run(
+        f"""
+        import resource
+        from vllm_sharded_loader.checkpoint import read_manifest
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        try:
+            read_manifest({str(tmp_path)!r})
+        except Exception as e:
+            print(type(e).__name__, e)
+        print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+        """
+    )
+    assert "ShardedStateError" in done.stdout and "would take about" in done.stdout, done.stdout + done.stderr
+    assert MANIFEST_NAME in done.stdout
+    peak = int(done.stdout.split("PEAK")[1])
+    assert peak < 4 * size, f"reading a {size}-byte manifest took {peak} bytes"
+
+
+def test_our_own_large_manifests_parse_within_the_bound(tmp_path):
+    """The bound refuses no manifest this package writes: many tensors, many checksum blocks, compact or indented."""
+    from states import SOURCE
+
+    from vllm_sharded_loader.format.manifest import (
+        MAX_PARSE_EXPANSION,
+        FileChecksum,
+        FileEntry,
+        Manifest,
+        RankEntry,
+        TensorEntry,
+    )
+    from vllm_sharded_loader.format.untrusted import parse_cost
+
+    part = "model-rank-0-part-{}.safetensors"
+    tensors = {
+        f"model.layers.{i}.mlp.experts.{e}.w{k}": TensorEntry(part.format(i % 9), "bfloat16", (1408, 2048), 1 << 30)
+        for i in range(60)
+        for e in range(64)
+        for k in range(3)
+    }
+    blocks = FileChecksum("blake3", 16 << 20, tuple("ab" * 32 for _ in range(320)))
+    files = tuple(FileEntry(part.format(p), 5 << 30, blocks) for p in range(9))
+    text = Manifest(
+        1, 1, "bfloat16", "model-rank-{rank}-part-{part}.safetensors", SOURCE, (RankEntry(0, 0, files, tensors),)
+    ).to_json()
+    compact = json.dumps(json.loads(text), separators=(",", ":"))
+    for form in (text, compact):
+        assert len(form) > 1 << 20
+        assert parse_cost(form) < MAX_PARSE_EXPANSION * len(form)
+        assert len(Manifest.from_json(form).ranks[0].tensors) == len(tensors)

@@ -27,6 +27,9 @@ FORMAT_VERSION = 1
 # hostile manifest must not make a loader build a billion-rank table, a file-sized
 # scratch buffer per thread, or names of any length.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+# Parsing costs at most about this many times the manifest's size in memory, per worker
+# (ours, written with indentation, cost 3-4x; compact ones without checksums up to 8x).
+MAX_PARSE_EXPANSION = 12
 MAX_RANKS = 1 << 16  # tp_size * pp_size
 MAX_FILES_PER_RANK = 1 << 16
 MAX_TENSORS_PER_RANK = 1 << 20
@@ -175,7 +178,7 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> Manifest:
         """Parse and validate a manifest; every defect is a :class:`ShardedStateError`."""
-        data = load_json(text, where)
+        data = load_json(text, where, max_expansion=MAX_PARSE_EXPANSION)
         reader = JsonReader(where)
         obj = reader.mapping(data, "manifest")
         if obj.get("format") != FORMAT_NAME:

@@ -21,8 +21,40 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def load_json(text: str | bytes, where: str) -> Any:
-    """Parse untrusted JSON; duplicate keys (which json would silently merge) are an error."""
+# Python objects cost far more than their JSON text: ``[]`` (2 bytes) is a 56-byte list, ``{}``
+# a dict of over 200. Conservative costs per container, string and element, counted in the
+# text before parsing, bound the memory a file can make a parser take (see load_json).
+_OBJECT_COSTS = {"{": 240, "[": 64, '"': 30, ",": 24}
+# Below this size any content is cheap enough to parse as it is.
+_CHEAP_JSON_BYTES = 1 << 20
+
+
+def parse_cost(text: str | bytes) -> int:
+    """An upper estimate of the bytes of Python objects that parsing ``text`` makes.
+
+    >>> parse_cost('[[], [], []]') > 10 * len('[[], [], []]')
+    True
+    """
+    if isinstance(text, str):
+        return sum(cost * text.count(char) for char, cost in _OBJECT_COSTS.items())
+    return sum(cost * text.count(char.encode()) for char, cost in _OBJECT_COSTS.items())
+
+
+def load_json(text: str | bytes, where: str, max_expansion: float | None = None) -> Any:
+    """Parse untrusted JSON; duplicate keys (which json would silently merge) are an error.
+
+    With ``max_expansion``, a text over 1 MiB whose objects would cost more than that many
+    times its size in memory (:func:`parse_cost`: a hostile file of empty lists or dicts)
+    is refused before it is parsed.
+    """
+    if max_expansion is not None and len(text) > _CHEAP_JSON_BYTES:
+        cost = parse_cost(text)
+        if cost > max_expansion * len(text):
+            raise ShardedStateError(
+                f"{where}: {len(text)} bytes of JSON that would take about {cost / 1e6:.0f} MB of memory to "
+                f"parse (more than {max_expansion:g}x its size: mostly empty lists, objects or strings); it is "
+                "not a manifest this package wrote. Save the checkpoint again."
+            )
     try:
         return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
