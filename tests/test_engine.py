@@ -127,21 +127,17 @@ def test_save_script_output(saved, models):
     assert manifest["source"]["architecture"] == "LlamaForCausalLM"
 
 
-def test_hook_without_capture_saves_only_the_loaded_state(saved, models):
-    """Without a capture, the hook saves the live model only if it still is the loaded state.
+def test_hook_without_capture_saves_the_loaded_state(saved, models):
+    """Without a capture, vLLM's engine API save (the flow of vLLM's example) saves what was loaded.
 
-    Whether it is depends on the CPU: with oneDNN (AVX-512) vLLM repacks every linear
-    weight into new memory and empties ``layer.weight``, and the save must refuse and
-    write nothing; without it (an AVX2-only CPU) vLLM keeps the loaded tensors where they
-    are, and the saved state must reload to the same greedy ids.
+    Where the live model still is the loaded state (an AVX2-only CPU, where vLLM keeps the
+    loaded tensors), it is written directly; where post-processing replaced it (oneDNN on
+    AVX-512 repacks every linear weight and empties ``layer.weight``), each worker reads its
+    source again into a fresh model, without post-processing. Either way the saved state
+    reloads to the same greedy ids.
     """
     saved.get("llama", 2)
     result, directory = saved.uncaptured_save["result"], saved.uncaptured_save["directory"]
-    if "save_error" in result:
-        assert "Refusing to save an incomplete state" in result["save_error"]
-        assert "SHARDED_STATE_CAPTURE_DIR" in result["save_error"]
-        assert not os.path.exists(directory) or os.listdir(directory) == []
-        return
     assert result.get("saved"), result
     # The hook carried the model's config and tokenizer: the folder serves by itself.
     assert {"config.json", "tokenizer.json"} <= set(os.listdir(directory))

@@ -109,6 +109,9 @@ class LoadedState:
     updates: int = 0
     # The served model's local folder, whose non-weight files a save carries (None: not local).
     model_dir: str | None = None
+    # The engine's configuration at load time: a save without a capture re-reads the source with it.
+    vllm_config: Any = field(default=None, repr=False)
+    model_config: Any = field(default=None, repr=False)
 
 
 def capture_settings() -> tuple[str, str | None, int | None] | None:
@@ -136,6 +139,50 @@ def _show_progress() -> bool:
     return enable_tqdm(wanted)
 
 
+def _current_vllm_config() -> Any:
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return get_current_vllm_config()
+    except Exception:  # loaded outside an engine's config context: no re-read
+        return None
+
+
+def _reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
+    """The state this worker loaded at start-up, read again from the source the engine loaded.
+
+    For a save without a capture when the live weights are not the loaded state (CPU
+    repacking, quantized layouts) and no update came since: a fresh model of the same
+    configuration is built on the CPU and given the same loader's ``load_weights``, without
+    the post-processing, so it holds exactly what the engine held before it. Costs one more
+    copy of this rank's weights in memory while the save runs.
+    """
+    import copy
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vllm_config, model_config = state.vllm_config, state.model_config
+    if vllm_config is None or model_config is None:
+        raise ShardedStateError("the engine's configuration at load time is unknown")
+    # A configuration of its own: the fresh model's layers register themselves by name.
+    fresh = copy.copy(vllm_config)
+    fresh.compilation_config = copy.copy(vllm_config.compilation_config)
+    fresh.compilation_config.static_forward_context = {}
+    loader = get_model_loader(vllm_config.load_config)
+    with set_current_vllm_config(fresh), set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        model = loader.create_model(vllm_config=fresh, model_config=model_config)
+        loader.load_weights(model, model_config)
+    tensors = saveable_state(model.state_dict())
+    loaded = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    expected = {name: (shape, dtype) for name, (_, shape, dtype) in state.signature.items()}
+    if loaded != expected:
+        differing = sorted(set(loaded.items()) ^ set(expected.items()))[:3]
+        raise ShardedStateError(f"reading the source again gave another state (for example {differing})")
+    return tensors
+
+
 def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedState:
     """Record (and, if asked, capture to disk) the state a worker has just loaded."""
     state_dict = model.state_dict()
@@ -156,6 +203,8 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         rank=rank,
         per_replica=frozenset(_expert_tensors(model, tensors)) if rank.replicas > 1 else frozenset(),
         model_dir=model_config.model if os.path.isdir(str(getattr(model_config, "model", ""))) else None,
+        vllm_config=_current_vllm_config(),
+        model_config=model_config,
     )
     # Data-parallel replicas hold the same slices: only the first captures them, the others
     # only their own experts, if placed across replicas (see the save hook). A speculative
@@ -347,7 +396,15 @@ def _stage_for_save(
         if in_place and (capture.pattern, capture.max_size) == (pattern, max_size):
             return capture
         return stage_rank(path, open_staged_tensors(capture), rank, pattern, max_size, token)
-    live = _live_state_if_unchanged(model, state)
+    try:
+        live = _live_state_if_unchanged(model, state)
+    except ShardedStateError as refused:
+        # No capture, and the live weights are not the loaded state: the source still is.
+        try:
+            live = _reread_loaded_state(state)
+        except Exception as e:
+            raise ShardedStateError(f"{refused} (Reading the source again failed too: {e}.)") from e
+        logger.info("sharded_state: %s re-read its loaded state from %s to save it", rank, state.source.architecture)
     return stage_rank(path, _written(rank, state, live), rank, pattern, max_size, token)
 
 
@@ -514,9 +571,10 @@ def _save_to_objects(
     scratch: str | None = None  # a staging folder made here, when there is no capture to use
     carried = CarriedFiles(url, token)
 
-    def check_and_lock() -> None:
+    def check_and_lock() -> str:
         validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
         remote_save.begin(url, token, overwrite)
+        return token
 
     def stage_and_upload() -> tuple[RankEntry, dict[str, Any], list[list[str]], ExpertPlacement | None]:
         nonlocal staged, scratch
@@ -536,7 +594,8 @@ def _save_to_objects(
 
     outcomes: list[Any] = []
     try:
-        workers.run(check_and_lock, only_first=True)
+        # Every worker records its uploads under the lock's token: the cleanup and the next save find them all.
+        token = carried.token = workers.run(check_and_lock, only_first=True)[0]
         begun = True
         outcomes = workers.run(stage_and_upload)
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
