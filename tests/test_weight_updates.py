@@ -197,8 +197,10 @@ def test_update_over_http_at_tp2(updates, tmp_path):
             assert _post(f"{url}/pause")[0] == 200
             assert _post(f"{url}/start_weight_update")[0] == 200
             status, body = _post(f"{url}/update_weights", {"update_info": {"path": path}})
-            if status == 200:
-                assert _post(f"{url}/finish_weight_update")[0] == 200
+            # Called after a refused update too: at TP>1 it ends the session on the workers
+            # that did not raise the refusal (it answers 500 then: none left on the last one).
+            finished = _post(f"{url}/finish_weight_update")[0]
+            assert finished == 200 or status != 200
             assert _post(f"{url}/resume")[0] == 200
             return status, body
 

@@ -16,6 +16,7 @@ arguments). Prints one line ``RESULT {json}``: the token ids at start, then for 
 token ids, its seconds and its error (if refused).
 """
 
+import contextlib
 import json
 import sys
 import time
@@ -59,8 +60,13 @@ def main() -> None:
             else:
                 llm.start_weight_update()
                 update = {"path": path} | ({"verify": rest[0]} if rest and rest[0] else {})
-                llm.update_weights({"update_info": update})
-                llm.finish_weight_update()
+                try:
+                    llm.update_weights({"update_info": update})
+                finally:
+                    # After a refusal too: at TP>1 only the last worker raised it, the others
+                    # still hold the session (see vllm_sharded_loader.engine.reload).
+                    with contextlib.suppress(Exception):
+                        llm.finish_weight_update()
         except Exception as e:  # reported to the test, which asserts on it
             error = f"{type(e).__name__}: {e}"
         seconds = time.perf_counter() - started

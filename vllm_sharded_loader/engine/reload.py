@@ -42,6 +42,7 @@ from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import ShardedStateError
 from ..storage.location import is_remote
 from .capture import LOADED_STATE_ATTRIBUTE
+from .layer_geometry import model_rank
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -84,6 +85,37 @@ def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_object.setdefault(id(param), []).append(name)
     return [names for names in by_object.values() if len(names) > 1]
+
+
+def _groups() -> list[Any]:
+    """The model-parallel groups of this worker (TP, then PP) that span more than one worker."""
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    return [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+
+
+def _raises_for_all() -> bool:
+    """Whether this worker is the one that raises a refusal for all: the last of the engine's workers.
+
+    vLLM 0.32's multiprocessing executor reads the workers' answers in rank order and stops
+    at the first failure: the answers of the workers after it stay queued and are taken
+    for the answers to the next call (``/pause`` then fails with this update's error).
+    Failing on the last worker alone keeps every answer read.
+    """
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1
+
+
+def _agree(error: str | None) -> list[str]:
+    """Every worker's error (None: read and checked), exchanged among the model's workers."""
+    outcomes = [error]
+    for group in _groups():
+        gathered: list[Any] = [None] * group.world_size
+        torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
+        outcomes = [o for part in gathered for o in part]
+    return [e for e in outcomes if e is not None]
 
 
 class CheckpointReader(Protocol):
@@ -173,30 +205,42 @@ class InPlaceUpdate:
             return iter(())
         self.done = True
         try:
-            self.run()
+            updated = self.run()
         except BaseException:
-            saved = self.model.__dict__.get(SERVED_FROM_ATTRIBUTE)
-            if saved is not None:
-                self.model_config.model, self.model_config.model_weights, self.model_config.revision = saved
+            self._restore_config()
             raise
-        remember_served_from(self.model, self.model_config)
+        if updated:
+            remember_served_from(self.model, self.model_config)
+        else:
+            self._restore_config()
         return iter(())
 
-    def run_layerwise(self) -> None:
-        """The whole update, with vLLM's layerwise reload set up and finished around it."""
+    def _restore_config(self) -> None:
+        saved = self.model.__dict__.get(SERVED_FROM_ATTRIBUTE)
+        if saved is not None:
+            self.model_config.model, self.model_config.model_weights, self.model_config.revision = saved
+
+    def run_layerwise(self) -> bool:
+        """The whole update, with vLLM's layerwise reload set up and finished around it (see :meth:`run`)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
         try:
-            self.run()
+            return self.run()
         finally:
             # After a refusal every layer is back already; this restores vLLM's own flags.
             finalize_layerwise_reload(self.model, self.model_config)
 
     # ------------------------------------------------------------------ the update
 
-    def run(self) -> None:
-        """Materialize, read, process (see the module's docstring); on a refusal, put everything back."""
+    def run(self) -> bool:
+        """Materialize, read, process (see the module's docstring); on a refusal, put everything back.
+
+        Every worker reads and checks its own files, then all agree before any processes:
+        a file that only one rank finds corrupt must leave every rank as served, not some
+        updated and some not. A refusal is raised by one worker only, the last one (see
+        :func:`_agree`); the others put their layers back and return False.
+        """
         layerwise = _layerwise()
         layers = [
             (prefix, module, info)
@@ -205,17 +249,36 @@ class InPlaceUpdate:
         ]
         if not layers:
             raise ShardedStateError("The model's layers were not prepared for a reload (vLLM's layerwise reload).")
+        rank = model_rank(self.model)
+        failure: Exception | None = None
         try:
             filled = self._read(layers)
+        except Exception as e:
+            failure = e
         except BaseException:
-            for _, module, info in layers:
-                layerwise._place_kernel_tensors(module, info)
-                info.reset()
+            self._put_back(layers)
             raise
+        errors = _agree(None if failure is None else f"{rank}: {failure}")
+        if errors:
+            self._put_back(layers)
+            if len(errors) == 1 and failure is not None and _raises_for_all():
+                raise failure
+            if _raises_for_all():
+                raise ShardedStateError(" | ".join(errors) + " (no rank's weights were changed)")
+            logger.warning("sharded_state: %s put its weights back: another rank refused the update", rank)
+            return False
         state = self.model.__dict__.get(LOADED_STATE_ATTRIBUTE)
         if state is not None:
             state.updates += 1  # what a save would find at start-up is no longer what is served
         self._process(layers, filled)
+        return True
+
+    @staticmethod
+    def _put_back(layers: list[tuple[str, torch.nn.Module, Any]]) -> None:
+        layerwise = _layerwise()
+        for _, module, info in layers:
+            layerwise._place_kernel_tensors(module, info)
+            info.reset()
 
     def _located(self) -> tuple[str, str | None]:
         """The checkpoint's folder (and Hub id), refusing at once a local path that does not exist."""
