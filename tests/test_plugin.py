@@ -48,6 +48,9 @@ from vllm.model_executor.model_loader import base_loader, get_model_loader
 from vllm_sharded_loader.engine.loader import ShardedStateLoader
 assert type(get_model_loader(LoadConfig(load_format="sharded_state"))) is ShardedStateLoader
 assert base_loader.process_weights_after_loading._records_loaded_state
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+assert "sharded_state" in WeightTransferEngineFactory._registry
+assert "vllm_sharded_loader.engine.weight_transfer" not in sys.modules  # imported only when used
 assert not any(type(f).__name__ == "_AfterImportFinder" for f in sys.meta_path)
 register()
 assert not getattr(base_loader.process_weights_after_loading.__wrapped__, "_records_loaded_state", False)

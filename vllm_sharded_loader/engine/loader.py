@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from copy import copy
 from dataclasses import replace
 from functools import cache, partial
@@ -18,11 +18,12 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from ..checkpoint import load_rank, read_manifest, saveable_state
 from ..checkpoint.legacy import holds_sharded_checkpoint
 from ..checkpoint.state import tied_groups
-from ..checkpoint.stats import check_verify_mode
+from ..checkpoint.stats import LoadStats, check_verify_mode
 from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
+from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import is_remote
 from ..storage.reader import DEFAULT_THREADS
@@ -208,13 +209,16 @@ class ShardedStateLoader(BaseModelLoader):
         """
         # For s3://..., vLLM pulls config and tokenizer into a local folder (model) and
         # keeps the URL (model_weights): the parts are read from the store, never copied.
-        directory = model_config.model_weights or model_config.model
+        return self.locate(model_config.model_weights or model_config.model, model_config.revision)
+
+    def locate(self, directory: str, revision: str | None = None) -> tuple[str, str | None]:
+        """:meth:`_locate` for a checkpoint named by a folder, an ``s3://`` URL or a Hub id."""
         if os.path.isdir(directory) or is_remote(directory):
             return directory, None
         snapshot = hub.fetch(
             directory,
             hub.METADATA_PATTERNS,
-            revision=model_config.revision,
+            revision=revision,
             cache_dir=self.load_config.download_dir,
         )
         return snapshot, directory
@@ -239,7 +243,7 @@ class ShardedStateLoader(BaseModelLoader):
         finally:
             gc.unfreeze()
 
-    def _adoptable(
+    def adoptable(
         self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
     ) -> dict[str, Callable[[torch.Tensor], None]] | None:
         """The parameters to serve from file mappings (``mmap``), by state-dict name."""
@@ -286,11 +290,59 @@ class ShardedStateLoader(BaseModelLoader):
             # The target is the sharded checkpoint; its drafter comes from its own folder.
             self._load_drafter(model, model_config, directory)
             return
-        rank = model_rank(model)
+        from .reload import remember_served_from
+
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
-        tied = tied_groups(state_dict, targets)
+        remember_served_from(model, model_config)
+        self.read_checkpoint(
+            model,
+            model_config,
+            (directory, repo_id),
+            targets,
+            tied_groups(state_dict, targets),
+            self.adoptable(model, state_dict),
+        )
+
+    def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+        """vLLM's in-place ``reload_weights`` entry point (``collective_rpc("reload_weights")``).
+
+        vLLM asks a loader for the checkpoint's weights in Hugging Face form and feeds them
+        to the model's ``load_weights``, which shards them. A sharded checkpoint is already
+        each rank's slice in the loaded layout, so the returned iterable yields nothing:
+        iterated (inside the model's ``load_weights``, once vLLM has put the layers back in
+        their loaded layout), it reads this rank's files straight into them and
+        post-processes each layer (see :class:`.reload.InPlaceUpdate`). With
+        ``weights_path``, vLLM has pointed ``model_config`` at the new checkpoint.
+        """
+        from .reload import InPlaceUpdate
+
+        return InPlaceUpdate(self, model, model_config).for_reload_weights()
+
+    def read_checkpoint(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        located: tuple[str, str | None],
+        targets: Mapping[str, torch.Tensor],
+        tied: list[list[str]],
+        adopt: Mapping[str, Callable[[torch.Tensor], None]] | None,
+        *,
+        verify: str | None = None,
+        update: bool = False,
+    ) -> LoadStats:
+        """Check this rank's files of the checkpoint at ``located`` (folder, Hub id) and read them into ``targets``.
+
+        The start-up load and a weight update share it. ``update`` also refuses a checkpoint
+        stored in another dtype than the served one (a start-up load casts it): an update
+        must be the served model, as served. ``verify`` overrides the loader's setting.
+        """
+        directory, repo_id = located
+        verify = self.verify if verify is None else check_verify_mode(verify)
+        rank = model_rank(model)
         manifest = read_manifest(directory)
+        if update and manifest is not None:
+            check_dtype(manifest, dtype_label(model_config.dtype), directory)
         if repo_id is not None:
             # Online, vLLM leaves a Hub id as it is (offline it substitutes the cached
             # snapshot, and the files are only opened, never fetched): fetch this rank's parts.
@@ -299,7 +351,8 @@ class ShardedStateLoader(BaseModelLoader):
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
         from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
-        progress = ByteProgress(f"Loading sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
+        action = "Updating from" if update else "Loading"
+        progress = ByteProgress(f"{action} sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
         with progress:
             stats = load_rank(
                 directory,
@@ -311,12 +364,12 @@ class ShardedStateLoader(BaseModelLoader):
                     model, targets, rank.tp_size, rank.tp_rank, rank.experts, rank.ep_rank, rank.expert_tp
                 ),
                 pattern=self.pattern if manifest is None else None,
-                verify=self.verify,
+                verify=verify,
                 tied=tied,
                 threads=self.threads,
                 progress=progress,
                 huge_pages=self.huge_pages,
-                adopt=self._adoptable(model, state_dict),
+                adopt=adopt,
             )
         if stats.resharded_from is not None:
             logger.info(
@@ -347,18 +400,20 @@ class ShardedStateLoader(BaseModelLoader):
                 MANIFEST_NAME,
             )
         logger.info(
-            "vllm_sharded_loader.ShardedStateLoader: %s loaded %d tensors, %.1f MB (%.1f MB mapped) from %d "
+            "vllm_sharded_loader.ShardedStateLoader: %s %s %d tensors, %.1f MB (%.1f MB mapped) from %d "
             "files in %.3f s (%.2f GB/s, verify=%s, %d threads)",
             rank,
+            f"read an update of {directory}:" if update else "loaded",
             stats.tensors,
             stats.bytes_read / 1e6,
             stats.bytes_mapped / 1e6,
             len(stats.files),
             stats.seconds,
             stats.bytes_read / max(stats.seconds, 1e-9) / 1e9,
-            self.verify,
+            verify,
             stats.threads,
         )
+        return stats
 
 
 # The rest of the public surface of vLLM's class that ours replaces (its patterns and helpers,

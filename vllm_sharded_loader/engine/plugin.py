@@ -18,6 +18,7 @@ from ..storage.objects import is_object_url
 
 LOADERS_MODULE = "vllm.model_executor.model_loader"
 CONFIG_MODULE = "vllm.config"
+WEIGHT_TRANSFER_MODULE = "vllm.distributed.weight_transfer.factory"
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines; plain
 # logging, since vLLM's logger would import vLLM here, in every process.
@@ -37,6 +38,8 @@ def install() -> None:
        so a model loaded from a HF checkpoint can be saved.
     4. ``VllmConfig.try_verify_and_update_config`` -> a wrapper that lets ``sharded_state``
        serve ``s3://`` models (see :func:`allow_object_storage`).
+    5. ``WeightTransferEngineFactory`` gets a ``sharded_state`` engine (vLLM's registry for
+       custom engines; see :mod:`.weight_transfer`), imported only when an engine uses it.
 
     vLLM calls this in every process, and most of them (the front end; the engine core
     when workers run apart) never load a model: importing vLLM's model loaders (its
@@ -46,6 +49,7 @@ def install() -> None:
     """
     after_import(LOADERS_MODULE, _install_loader)
     after_import(CONFIG_MODULE, _install_config_check)
+    after_import(WEIGHT_TRANSFER_MODULE, _register_weight_transfer)
 
 
 def _install_loader(model_loader: ModuleType) -> None:
@@ -106,6 +110,16 @@ def _install_config_check(config: ModuleType) -> None:
     verify = config.VllmConfig.try_verify_and_update_config
     if not getattr(verify, "_sharded_state", False):
         config.VllmConfig.try_verify_and_update_config = allow_object_storage(verify)
+
+
+def _register_weight_transfer(factory: ModuleType) -> None:
+    """Hook 5 of :func:`install`; by module path, so that vLLM imports the engine only when used."""
+    # ValueError: already registered, by an earlier install() in this process (idempotent),
+    # or by vLLM itself under that name, whose engine then stays.
+    with contextlib.suppress(ValueError):
+        factory.WeightTransferEngineFactory.register_engine(
+            "sharded_state", "vllm_sharded_loader.engine.weight_transfer", "ShardedStateWeightTransferEngine"
+        )
 
 
 _pending: dict[str, list[Callable[[ModuleType], None]]] = {}

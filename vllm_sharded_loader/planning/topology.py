@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement, writing_replicas
 from ..format.manifest import Manifest
+from ..format.names import MANIFEST_NAME
 from ..format.source import SourceModel, config_differences
 
 
@@ -72,6 +73,21 @@ def check_topology(manifest: Manifest, rank: RankInfo, directory: str) -> None:
             f"tensor_parallel_size={rank.tp_size} and pipeline_parallel_size={rank.pp_size}. "
             f"Serve it with --tensor-parallel-size {manifest.tp_size} --pipeline-parallel-size "
             f"{manifest.pp_size}, or save it again at the new sizes."
+        )
+
+
+def check_dtype(manifest: Manifest, serving: str, directory: str) -> None:
+    """Refuse a weight update stored in another dtype than the served weights.
+
+    A start-up load casts such a checkpoint (the engine's ``dtype`` is the user's choice);
+    an update is meant to be the served model as served, so a dtype that differs means the
+    trainer wrote the wrong thing.
+    """
+    if manifest.dtype != serving:
+        raise ShardedStateError(
+            f"{directory}/{MANIFEST_NAME}: the checkpoint holds {manifest.dtype} weights, but the engine serves "
+            f"{serving}. Save the update in {serving} (the dtype the server was started with), or restart the "
+            f"server with --dtype {manifest.dtype}."
         )
 
 

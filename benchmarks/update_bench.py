@@ -1,0 +1,265 @@
+"""Weight updates in a running engine (issue 27): our in-place update against vLLM's default-loader
+``reload_weights`` and against a restart, on the ~1.3 GB bfloat16 model of ``load_bench.py``.
+
+One run builds the model (random weights, in process) and saves it sharded at TP=1 with our
+save script (both reused when present under ``--work``), then, for ``--runs`` rounds, in
+separate processes, one at a time (warm: the files are in the page cache after the first read):
+
+- ``restart``: a new engine on the sharded checkpoint: the seconds until ``LLM(...)`` returns,
+  its own ``Model loading took`` (our start-up ``load_weights`` plus post-processing), and the
+  process's wall time to its first token;
+- ``ours``: in an engine serving the sharded checkpoint, ``collective_rpc("reload_weights",
+  weights_path=...)`` and the ``sharded_state`` weight-transfer engine's round
+  (``start_weight_update``, ``update_weights``, ``finish_weight_update``), ``--updates`` each,
+  with the peak resident memory during each update above the resident memory before it;
+- ``default``: in an engine serving the Hugging Face checkpoint with vLLM's default loader,
+  ``collective_rpc("reload_weights")`` (vLLM's own reload, from the same weights in safetensors).
+
+Every engine runs in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1), so the worker's
+memory is the process's. Each update is checked by the greedy tokens after it.
+
+    python benchmarks/update_bench.py --out benchmarks/results    # about 5 minutes here
+
+Writes ``update_bench.json`` (every raw number) and ``update_bench.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+PROMPT = "the model loads every shard"
+
+
+def _rss() -> tuple[int, int]:
+    """(resident memory, its anonymous part) of this process, in bytes.
+
+    The anonymous part is memory of the process's own; the rest is mapped files (the page
+    cache, shared with every reader of the checkpoint, and freed under pressure).
+    """
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values["VmRSS"], values["RssAnon"]
+
+
+class PeakRss:
+    """The highest resident (and anonymous resident) memory of this process while the block runs,
+    sampled every 5 ms."""
+
+    def __enter__(self) -> PeakRss:
+        self.before, self.anon_before = self.peak, self.anon_peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            rss, anon = _rss()
+            self.peak, self.anon_peak = max(self.peak, rss), max(self.anon_peak, anon)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        rss, anon = _rss()
+        self.peak, self.anon_peak = max(self.peak, rss), max(self.anon_peak, anon)
+
+
+def child(spec: dict) -> None:
+    """One engine: start it, then time the updates of ``spec["mode"]``; prints ``RESULT {json}``."""
+    from vllm import LLM, SamplingParams
+
+    mode = spec["mode"]
+    result: dict = {}
+    if mode != "default":
+        # The loader's load_model: build the model, load_weights, post-process (timed here, in
+        # the one process of a TP=1 engine: vLLM's CPU runner does not log it).
+        from vllm_sharded_loader.engine.loader import ShardedStateLoader
+
+        load_model = ShardedStateLoader.load_model
+
+        def timed(self: ShardedStateLoader, *args: object, **kwargs: object) -> object:
+            t = time.perf_counter()
+            model = load_model(self, *args, **kwargs)
+            result["model_loading"] = time.perf_counter() - t
+            return model
+
+        ShardedStateLoader.load_model = timed  # type: ignore[method-assign]
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        load_format="auto" if mode == "default" else "sharded_state",
+        weight_transfer_config=None if mode == "default" else {"backend": "sharded_state"},
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+    )
+    result["engine_start"] = time.perf_counter() - started
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    def tokens() -> list[int]:
+        return list(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    result["tokens"] = tokens()
+    result["first_token"] = time.perf_counter() - spec["spawned"]
+    if mode == "restart":
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    rounds = {"reload": [], "transfer": []} if mode == "ours" else {"reload": []}
+    if "transfer" in rounds:
+        llm.init_weight_transfer_engine({"init_info": {}})
+    for _ in range(spec["updates"]):
+        for kind, timings in rounds.items():
+            with PeakRss() as memory:
+                t = time.perf_counter()
+                if kind == "reload":
+                    kwargs = {"weights_path": spec["model"]} if mode == "ours" else {}
+                    llm.collective_rpc("reload_weights", kwargs=kwargs)
+                else:
+                    llm.start_weight_update()
+                    llm.update_weights({"update_info": {"path": spec["model"]}})
+                    llm.finish_weight_update()
+                seconds = time.perf_counter() - t
+            timings.append(
+                {
+                    "seconds": seconds,
+                    "rss_before": memory.before,
+                    "rss_peak": memory.peak,
+                    "anon_before": memory.anon_before,
+                    "anon_peak": memory.anon_peak,
+                }
+            )
+            assert tokens() == result["tokens"], f"{kind}: other tokens after the update"
+    result["updates"] = rounds
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_child(spec: dict) -> dict:
+    from load_bench import engine_env
+
+    spec = {**spec, "spawned": time.time()}
+    env = engine_env(1, plugins=True)
+    # time.time() across processes: perf_counter has no common origin.
+    code = (
+        f"import json, sys, time; sys.path.insert(0, {HERE!r}); import update_bench as b; "
+        "spec = json.loads(sys.argv[1]); spec['spawned'] = time.perf_counter() - (time.time() - spec['spawned']); "
+        "b.child(spec)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not found:
+        sys.exit(f"{spec['mode']} failed:\n{log[-4000:]}")
+    result = json.loads(found[0][len("RESULT ") :])
+    weights = re.search(r"ShardedStateLoader: .* loaded \d+ tensors, ([\d.]+) MB .* in ([\d.]+) s", log)
+    if weights:
+        result["load_weights"] = {"mb": float(weights[1]), "seconds": float(weights[2])}
+    return result
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    s: dict = {}
+    restart = runs["restart"]
+    s["restart_engine_start"] = median([r["engine_start"] for r in restart])
+    s["restart_to_first_token"] = median([r["first_token"] for r in restart])
+    s["startup_model_loading"] = median([r["model_loading"] for r in restart])
+    s["startup_load_weights"] = median([r["load_weights"]["seconds"] for r in restart if "load_weights" in r])
+    s["weights_mb"] = restart[0].get("load_weights", {}).get("mb")
+    for mode, kinds in (("ours", ("reload", "transfer")), ("default", ("reload",))):
+        for kind in kinds:
+            timings = [u for r in runs[mode] for u in r["updates"][kind]]
+            s[f"{mode}_{kind}"] = median([u["seconds"] for u in timings])
+            s[f"{mode}_{kind}_peak_extra_mb"] = max((u["rss_peak"] - u["rss_before"]) / 1e6 for u in timings)
+            s[f"{mode}_{kind}_peak_anon_mb"] = max((u["anon_peak"] - u["anon_before"]) / 1e6 for u in timings)
+    s["default_over_ours"] = s["default_reload"] / s["ours_reload"]
+    s["restart_over_ours"] = s["restart_engine_start"] / s["ours_reload"]
+    s["ours_over_startup"] = s["ours_reload"] / s["startup_model_loading"]
+    return s
+
+
+def markdown(result: dict) -> str:
+    s = result["summary"]
+    lines = [
+        f"Model: {s['weights_mb']:.0f} MB of bfloat16 weights, TP=1, warm page cache; medians of "
+        f"{result['runs']} engines x {result['updates']} updates each (restart: {result['runs']} engines).",
+        "",
+        "| what | seconds (median) | peak RSS above before (MB, max) | of it anonymous (MB, max) |",
+        "|---|---|---|---|",
+        *(
+            f"| {label} | {s[key]:.3f} | {s[key + '_peak_extra_mb']:.0f} | {s[key + '_peak_anon_mb']:.0f} |"
+            for label, key in (
+                ("ours: `reload_weights(weights_path=...)`", "ours_reload"),
+                ("ours: weight-transfer round (`sharded_state` engine)", "ours_transfer"),
+                ("vLLM default loader: `reload_weights()` from HF safetensors", "default_reload"),
+            )
+        ),
+        f"| restart: `LLM(...)` with our loader | {s['restart_engine_start']:.3f} | | |",
+        f"| restart: process start to first token | {s['restart_to_first_token']:.3f} | | |",
+        f"| start-up `load_model` (build, our load_weights, post-processing) | {s['startup_model_loading']:.3f} | | |",
+        f"| start-up: our `load_weights` alone | {s['startup_load_weights']:.3f} | | |",
+        "",
+        f"- default-loader reload / ours: {s['default_over_ours']:.1f}x (target: at least 3x)",
+        f"- restart (`LLM(...)`) / ours: {s['restart_over_ours']:.1f}x (target: at least 5x)",
+        f"- ours / start-up model loading: {s['ours_over_startup']:.2f}x (target: at most 1.2x)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    from load_bench import build, layers_for, save
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", default="/tmp/update-bench", help="model and checkpoint folder (kept)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--gigabytes", type=float, default=1.3)
+    parser.add_argument("--runs", type=int, default=3, help="engines per mode")
+    parser.add_argument("--updates", type=int, default=3, help="updates per engine and kind")
+    args = parser.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    hf = build(args.work, layers_for(args.gigabytes))
+    sharded = os.path.join(args.work, "sharded-tp1")
+    save(hf, sharded, 1)
+    runs: dict[str, list[dict]] = {"restart": [], "ours": [], "default": []}
+    for _ in range(args.runs):  # round-robin: a drift of the machine hits every mode alike
+        runs["restart"].append(run_child({"mode": "restart", "model": sharded}))
+        runs["ours"].append(run_child({"mode": "ours", "model": sharded, "updates": args.updates}))
+        runs["default"].append(run_child({"mode": "default", "model": hf, "updates": args.updates}))
+    tokens = {json.dumps(r["tokens"]) for rs in runs.values() for r in rs}
+    assert len(tokens) == 1, f"the modes generated different tokens: {tokens}"
+    result = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "runs": args.runs,
+        "updates": args.updates,
+        "raw": runs,
+        "summary": summarize(runs),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "update_bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "update_bench.md"), "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The ``sharded_state`` weight-transfer engine: vLLM's RL weight-update API, fed from a sharded checkpoint.
+
+vLLM's RL API (``LLM.init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update`` offline; ``/pause``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``, ``/resume`` on the server) hands each update
+to a weight-transfer engine on every worker. vLLM's own engines receive the trainer's
+tensors over a wire (NCCL, CUDA IPC). This one receives a path: the trainer saved a
+sharded checkpoint there, and every worker reads its own slice of it, in place
+(:class:`.reload.InPlaceUpdate`), with every check of a start-up load::
+
+    llm = LLM(model=CKPT, load_format="sharded_state", weight_transfer_config={"backend": "sharded_state"})
+    llm.init_weight_transfer_engine({"init_info": {}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"path": NEW_CKPT}})
+    llm.finish_weight_update()
+
+``update_info`` takes ``path`` (a folder, ``s3://`` URL or Hub id) and optionally
+``verify`` (``"size"`` or ``"checksum"``; default: the one given at init, else the loader's).
+Registered by the plugin (:mod:`.plugin`) under ``sharded_state``; the served model may have
+been loaded by any load format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from ..checkpoint.stats import check_verify_mode
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(f"vllm.plugins.{__name__}")
+
+BACKEND = "sharded_state"
+
+
+@dataclass
+class ShardedStateInitInfo(WeightTransferInitInfo):
+    """``init_info`` of the ``sharded_state`` backend: nothing to connect to; the default ``verify``."""
+
+    verify: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.verify is not None:
+            check_verify_mode(self.verify)
+
+
+@dataclass
+class ShardedStateUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of the ``sharded_state`` backend: the checkpoint to serve from now on."""
+
+    path: str
+    verify: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"update_info path={self.path!r}: expected the folder or URL of a sharded checkpoint.")
+        if self.verify is not None:
+            check_verify_mode(self.verify)
+
+
+class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo, ShardedStateUpdateInfo]):
+    """Each worker reads its own slice of a sharded checkpoint into the served model, in place.
+
+    vLLM's checkpoint-format engines set up the layerwise reload in ``start_weight_update``
+    and finish it in ``finish_weight_update``, because their weights arrive in chunks
+    between the two. Here one ``update_weights`` carries a whole checkpoint, so it runs
+    the whole reload itself: between the calls the model stays as served, and a refused
+    update (another model, another dtype, a missing or corrupt file) leaves it so.
+    """
+
+    init_info_cls = ShardedStateInitInfo
+    update_info_cls = ShardedStateUpdateInfo
+    # A drafter's weights are not in the target's checkpoint.
+    supports_draft_weight_update = False
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.verify: str | None = None
+
+    def init_transfer_engine(self, init_info: ShardedStateInitInfo) -> None:
+        self.verify = init_info.verify
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: the update happens whole in :meth:`update_weights`."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finish: :meth:`update_weights` returns once the weights are served."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Read the checkpoint ``update_info["path"]`` into the model (the base class's, without its
+        accelerator synchronization on machines that have none)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: ShardedStateUpdateInfo) -> None:
+        from .loader import ShardedStateLoader
+        from .reload import InPlaceUpdate
+
+        load_config = self.vllm_config.load_config
+        if load_config.load_format != BACKEND:
+            # Served from another format: the sharded loader's defaults, not that format's options.
+            load_config = replace(load_config, load_format=BACKEND, model_loader_extra_config={})
+        update = InPlaceUpdate(
+            ShardedStateLoader(load_config),
+            self.model,
+            self.model_config,
+            path=update_info.path,
+            verify=update_info.verify or self.verify,
+        )
+        update.run_layerwise()
+
+    def shutdown(self) -> None:
+        """Nothing held between updates."""
