@@ -38,6 +38,7 @@ class Updates:
     other_dtype: str
     corrupt: str
     missing: str
+    saved_after_update: str
     tokens: dict[str, list[list[int]]]
     texts: dict[str, list[str]]
 
@@ -94,6 +95,7 @@ def updates(tmp_path_factory) -> Updates:
         other_dtype=_derive(saved["a"], str(root / "other-dtype"), dtype=torch.bfloat16),
         corrupt=str(corrupt),
         missing=str(root / "never-saved"),
+        saved_after_update=str(root / "saved-after-update"),
         tokens=tokens,
         texts=texts,
     )
@@ -122,6 +124,11 @@ def offline(updates) -> dict:
         ["transfer", u.b, None],
         *(["transfer", getattr(u, bad), "checksum"] for bad in BAD),
         ["transfer", u.a, None],
+        # A save after an update publishes what is served: B's weights, read again from B's checkpoint.
+        ["reload", u.b],
+        ["save", u.saved_after_update],
+        ["reload", u.a],
+        ["reload", u.saved_after_update],
     ]
     spec = {"model": u.a, "steps": steps, "extra_config": {"verify": "checksum"}, "engine": {"dtype": "float32"}}
     run = run_python(["tests/update_runner.py", json.dumps(spec)])
@@ -152,12 +159,22 @@ def test_bad_reload_is_refused_and_a_is_still_served(updates, offline, index):
 
 
 def test_weight_transfer_engine_offline(updates, offline):
-    steps = offline["steps"][4 + len(BAD) :]
+    steps = offline["steps"][4 + len(BAD) : 6 + 2 * len(BAD)]
     assert steps[0]["error"] is None and steps[0]["token_ids"] == updates.tokens["b"]
     for bad, step in zip(BAD, steps[1 : 1 + len(BAD)], strict=True):
         assert step["error"] is not None and BAD_MESSAGES[bad] in step["error"], (bad, step["error"])
         assert step["token_ids"] == updates.tokens["b"], bad
     assert steps[-1]["error"] is None and steps[-1]["token_ids"] == updates.tokens["a"]
+
+
+def test_a_save_after_an_update_publishes_the_updated_weights(updates, offline):
+    """After ``reload_weights`` from B, vLLM's engine-API save (no capture dir) writes B as served:
+    reloading that checkpoint later gives B's tokens (the engine is on A again in between)."""
+    reload_b, save, reload_a, reload_saved = offline["steps"][-4:]
+    assert reload_b["error"] is None and reload_b["token_ids"] == updates.tokens["b"]
+    assert save["error"] is None, save["error"]
+    assert reload_a["token_ids"] == updates.tokens["a"]
+    assert reload_saved["error"] is None and reload_saved["token_ids"] == updates.tokens["b"]
 
 
 def _completions(url: str) -> list[str]:

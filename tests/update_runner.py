@@ -57,6 +57,8 @@ def main() -> None:
         try:
             if kind == "reload":
                 llm.collective_rpc("reload_weights", kwargs={} if path is None else {"weights_path": path})
+            elif kind == "save":  # vLLM's engine-API save of what is served now
+                llm.llm_engine.engine_core.save_sharded_state(path=path)
             else:
                 llm.start_weight_update()
                 update = {"path": path} | ({"verify": rest[0]} if rest and rest[0] else {})

@@ -112,6 +112,8 @@ class LoadedState:
     # The engine's configuration at load time: a save without a capture re-reads the source with it.
     vllm_config: Any = field(default=None, repr=False)
     model_config: Any = field(default=None, repr=False)
+    # The sharded checkpoint a weight update replaced every tensor from (a save re-reads it).
+    reloaded_from: str | None = None
 
 
 def capture_settings() -> tuple[str, str | None, int | None] | None:
@@ -148,6 +150,17 @@ def _current_vllm_config() -> Any:
         return None
 
 
+def served_from_checkpoint(state: LoadedState, checkpoint: str) -> None:
+    """After a weight update replaced every tensor from the sharded ``checkpoint`` (and post-processed
+    them as at start-up): that checkpoint's state is the loaded state now. The start-up capture is
+    stale and goes; a save re-reads this rank's state from ``checkpoint``."""
+    if state.capture is not None and state.capture.temporary:
+        discard_rank(state.capture)
+    state.capture = None
+    state.reloaded_from = checkpoint
+    state.updates = 0
+
+
 def _reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     """The state this worker loaded at start-up, read again from the source the engine loaded.
 
@@ -170,7 +183,17 @@ def _reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     fresh = copy.copy(vllm_config)
     fresh.compilation_config = copy.copy(vllm_config.compilation_config)
     fresh.compilation_config.static_forward_context = {}
-    loader = get_model_loader(vllm_config.load_config)
+    if state.reloaded_from is None:
+        loader = get_model_loader(vllm_config.load_config)
+    else:
+        # Updated since start-up: the checkpoint of the update, through our loader.
+        from .loader import ShardedStateLoader
+
+        load_config = copy.copy(vllm_config.load_config)
+        load_config.load_format, load_config.model_loader_extra_config = "sharded_state", {}
+        loader = ShardedStateLoader(load_config)
+        model_config = copy.copy(model_config)
+        model_config.model_weights = state.reloaded_from
     with set_current_vllm_config(fresh), set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
         model = loader.create_model(vllm_config=fresh, model_config=model_config)
         loader.load_weights(model, model_config)

@@ -41,7 +41,7 @@ from vllm.logger import init_logger
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import ShardedStateError
 from ..storage.location import is_remote
-from .capture import LOADED_STATE_ATTRIBUTE
+from .capture import LOADED_STATE_ATTRIBUTE, served_from_checkpoint
 from .layer_geometry import model_rank
 
 if TYPE_CHECKING:
@@ -269,8 +269,11 @@ class InPlaceUpdate:
             return False
         state = self.model.__dict__.get(LOADED_STATE_ATTRIBUTE)
         if state is not None:
-            state.updates += 1  # what a save would find at start-up is no longer what is served
+            state.updates += 1  # until processed, what is served is neither the old state nor the new
         self._process(layers, filled)
+        if state is not None:
+            # Every tensor now is this checkpoint's, as loaded: a save re-reads it from there.
+            served_from_checkpoint(state, self.located[1] or self.located[0])
         return True
 
     @staticmethod
@@ -298,6 +301,7 @@ class InPlaceUpdate:
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
         located = self._located()  # before any memory is taken: a missing path is refused at once
+        self.located = located
         kernel = set()
         for _, module, info in layers:
             params, buffers = info.kernel_tensors or ({}, {})
