@@ -164,7 +164,7 @@ def publish(url: str, manifest: Manifest, token: str | None = None, carried: Car
     if old is None:
         objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), create=True)
     else:
-        objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), match=old["e_tag"])
+        objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), match=old)
 
 
 def clean_after_publish(url: str, manifest: Manifest, token: str | None = None) -> None:
