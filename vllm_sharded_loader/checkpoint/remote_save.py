@@ -1,9 +1,9 @@
-"""Saving a sharded checkpoint into object storage (``s3://bucket/prefix``).
+"""Saving a sharded checkpoint into object storage (``s3://``, ``gs://``, ``az://`` prefixes).
 
 Object storage has no rename and no ``flock``, so the steps of :mod:`.save` become:
 
-1. **lock**: the lock object is written with a conditional put (``If-None-Match: *``):
-   exactly one save holds the prefix. A manifest already there is refused unless
+1. **lock**: the lock object is written with a conditional put (``If-None-Match: *``; on
+   GCS ``x-goog-if-generation-match: 0``): exactly one save holds the prefix. A manifest already there is refused unless
    ``overwrite``; with it, the old checkpoint stays published and untouched.
 2. **stage and upload**: every rank writes its parts to a local staging folder (hashed as
    written, as for a local save), then uploads each under a final name in vLLM's pattern
@@ -14,7 +14,7 @@ Object storage has no rename and no ``flock``, so the steps of :mod:`.save` beco
    removed from these records alone, never by guessing from names.
 3. **publish**: every listed part is checked by ``HEAD`` for its size, then the manifest
    is put conditionally: created, or replacing exactly the manifest it read
-   (``If-Match`` its ETag), never another save's: the one atomic step.
+   (``If-Match`` its ETag; on GCS its generation), never another save's: the one atomic step.
 4. **clean**: parts the new manifest does not list are deleted, and the lock.
 
 Before step 3 the previous checkpoint stays published and whole, whatever fails; a
@@ -164,7 +164,7 @@ def publish(url: str, manifest: Manifest, token: str | None = None, carried: Car
     if old is None:
         objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), create=True)
     else:
-        objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), match=old["e_tag"])
+        objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), match=old)
 
 
 def clean_after_publish(url: str, manifest: Manifest, token: str | None = None) -> None:
@@ -194,7 +194,7 @@ def save_ranks_to_objects(
     manifest_of: Callable[[Sequence[RankEntry]], Manifest],
     carry: str | None = None,
 ) -> Manifest:
-    """The steps above from one process, for :func:`.save.save_checkpoint` given an ``s3://`` URL.
+    """The steps above from one process, for :func:`.save.save_checkpoint` given an object-storage URL.
 
     ``manifest_of`` builds the manifest from the uploaded ranks' entries.
     """

@@ -207,7 +207,7 @@ def save_checkpoint(
     written into an existing output that the save may not replace, and a failure puts
     back what they replaced.
 
-    ``directory`` may be an ``s3://bucket/prefix`` URL (:mod:`.remote_save`). ``geometry``
+    ``directory`` may be an object-storage URL (``s3://``, ``gs://``, ``az://``: :mod:`.remote_save`). ``geometry``
     (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name) lets the
     checkpoint be served at another TP/PP size; ``tied`` lists names saved once for several;
     ``experts`` is where the ranks' routed experts are placed (expert parallelism; EP rank =

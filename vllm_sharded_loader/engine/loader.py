@@ -207,7 +207,7 @@ class ShardedStateLoader(BaseModelLoader):
         For a Hub repository only the small files are fetched here (manifest, config,
         tokenizer); :meth:`load_weights` then fetches the parts this rank reads.
         """
-        # For s3://..., vLLM pulls config and tokenizer into a local folder (model) and
+        # For s3://, gs://, az://..., vLLM pulls config and tokenizer into a local folder (model) and
         # keeps the URL (model_weights): the parts are read from the store, never copied.
         return self.locate(model_config.model_weights or model_config.model, model_config.revision)
 

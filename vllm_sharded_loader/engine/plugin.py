@@ -37,7 +37,7 @@ def install() -> None:
        loaded state first (see :mod:`.capture`); it applies to every load format,
        so a model loaded from a HF checkpoint can be saved.
     4. ``VllmConfig.try_verify_and_update_config`` -> a wrapper that lets ``sharded_state``
-       serve ``s3://`` models (see :func:`allow_object_storage`).
+       serve ``s3://``, ``gs://`` and ``az://`` models (see :func:`allow_object_storage`).
     5. ``WeightTransferEngineFactory`` gets a ``sharded_state`` engine (vLLM's registry for
        custom engines; see :mod:`.weight_transfer`), imported only when an engine uses it.
 
@@ -223,7 +223,7 @@ class _HookedLoader(importlib.abc.Loader):
 def allow_object_storage(verify: Callable[[Any], None]) -> Callable[[Any], None]:
     """Let ``load_format="sharded_state"`` pass vLLM's check on object-storage models.
 
-    For ``model="s3://..."`` vLLM pulls config and tokenizer into a local folder, keeps
+    For ``model="s3://..."`` (or ``gs://``, ``az://``) vLLM pulls config and tokenizer into a local folder, keeps
     the URL as ``model_weights``, and then refuses every load format but the Run:ai ones
     (a fixed list in ``VllmConfig.try_verify_and_update_config``). Our loader reads the
     URL itself (:mod:`..storage.objects`), so during that one check the load format is

@@ -46,7 +46,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser = FlexibleArgumentParser(description=__doc__.split("\n\n")[0])
     EngineArgs.add_cli_args(parser)
     parser.add_argument(
-        "--output", "-o", required=True, type=str, help="directory (or s3://bucket/prefix) to write the checkpoint to"
+        "--output",
+        "-o",
+        required=True,
+        type=str,
+        help="directory (or s3://, gs://, az:// prefix) to write the checkpoint to",
     )
     parser.add_argument(
         "--file-pattern",

@@ -3,7 +3,7 @@
 The checks and the planned reads of :mod:`..checkpoint` never look at paths
 themselves: they ask this module for the manifest, for an opened part (a
 :class:`StoredFile`), for the lock, and for the names beside the parts. A local folder
-is served by :mod:`.local` and :mod:`.lock`; ``s3://bucket/prefix`` by :mod:`.objects`.
+is served by :mod:`.local` and :mod:`.lock`; ``s3://``, ``gs://`` and ``az://`` prefixes by :mod:`.objects`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,29 @@
-"""A checkpoint in object storage (``s3://bucket/prefix``): its manifest, its parts, its lock.
+"""A checkpoint in object storage (``s3://``, ``gs://``, ``az://``): its manifest, its parts, its lock.
 
 The client is `obstore <https://developmentseed.org/obstore>`_ (Rust's ``object_store``
-crate): every request releases the GIL, so the reader's threads run their ranged GETs
-truly in parallel, and multipart uploads and conditional puts are built in. Credentials,
-region and endpoint are resolved by ``boto3`` when it is installed, so every usual AWS
-setting applies (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and
-``~/.aws/config``, SSO, instance roles), and otherwise by ``obstore`` from the
-``AWS_*`` environment variables. Nothing here has settings of its own.
+crate) for all three clouds: every request releases the GIL, so the reader's threads run
+their ranged GETs truly in parallel, and multipart uploads and conditional puts are built
+in. Each cloud's usual settings apply, and nothing here has settings of its own:
+
+- ``s3://bucket/prefix``: credentials, region and endpoint are resolved by ``boto3`` when
+  it is installed, so every usual AWS setting applies (``AWS_ACCESS_KEY_ID``,
+  ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and ``~/.aws/config``, SSO, instance roles), and
+  otherwise by ``obstore`` from the ``AWS_*`` environment variables.
+- ``gs://bucket/prefix``: Google's application default credentials
+  (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud auth application-default login``, the
+  metadata server), ``GOOGLE_SERVICE_ACCOUNT(_KEY)``, ``GOOGLE_BASE_URL``; an emulator by
+  ``STORAGE_EMULATOR_HOST`` (the variable Google's own clients read).
+- ``az://container/prefix`` or ``https://ACCOUNT.blob.core.windows.net/container/prefix``:
+  ``AZURE_STORAGE_ACCOUNT_NAME`` (or the account in the URL) with
+  ``AZURE_STORAGE_ACCOUNT_KEY``, a SAS (``AZURE_STORAGE_SAS_KEY``), a service principal or
+  managed identity (``AZURE_CLIENT_ID``...), or ``AZURE_STORAGE_CONNECTION_STRING``;
+  Azurite by ``AZURE_STORAGE_USE_EMULATOR=true`` (``AZURITE_BLOB_STORAGE_URL`` for its
+  address) or ``AZURE_STORAGE_ENDPOINT``.
 
 A part is opened once (:class:`ObjectFile`: one ``HEAD``), and every later read of it is
-a ranged ``GET`` conditional on the ETag seen then (``If-Match``): an object replaced
-during a load is never read, it fails the read. :meth:`ObjectFile.check_unchanged` tells
-the same after the reads.
+a ranged ``GET`` conditional on the version seen then (``If-Match`` its ETag, and on GCS
+its generation): an object replaced during a load is never read, it fails the read.
+:meth:`ObjectFile.check_unchanged` tells the same after the reads.
 """
 
 from __future__ import annotations
@@ -32,39 +44,79 @@ from ..format.errors import ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME
 
-SCHEMES = ("s3://",)
+# The URL schemes of the three clouds' stores; Azure is also named by its blob endpoint.
+SCHEMES = ("s3://", "gs://", "az://")
+AZURE_BLOB_HOST = ".blob.core.windows.net"
 # Parts are uploaded in chunks of this size (S3's minimum is 5 MiB), several at once.
 UPLOAD_CHUNK_BYTES = 64 * 1024 * 1024
 UPLOAD_CONCURRENCY = 8
 # Non-weight files (config, tokenizer) are read whole; none comes near this.
 MAX_SMALL_FILE_BYTES = 1 << 31
+# What to check when a request fails, per store: the settings its client reads.
+SETTINGS = {
+    "s3": "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS, GOOGLE_SERVICE_ACCOUNT, STORAGE_EMULATOR_HOST",
+    "az": "AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_CONNECTION_STRING, "
+    "AZURE_STORAGE_USE_EMULATOR",
+}
+
+
+def _is_azure_https(url: str) -> bool:
+    parsed = urlparse(url)
+    return parsed.scheme.lower() == "https" and (parsed.hostname or "").lower().endswith(AZURE_BLOB_HOST)
 
 
 def is_object_url(where: str) -> bool:
     """Whether ``where`` names a checkpoint in object storage rather than a local folder."""
-    return where.lower().startswith(SCHEMES)
+    return where.lower().startswith(SCHEMES) or _is_azure_https(where)
 
 
 @dataclass(frozen=True)
 class ObjectPrefix:
-    """``s3://bucket/prefix``: a bucket and a key prefix acting as the checkpoint's folder."""
+    """A bucket (an Azure container) and a key prefix acting as the checkpoint's folder.
+
+    ``scheme`` picks the store's client: ``s3``, ``gs`` or ``az``. ``account`` is the Azure
+    storage account an ``https://ACCOUNT.blob.core.windows.net/...`` URL names (``None``
+    for ``az://``, whose account comes from the environment).
+    """
 
     bucket: str
     prefix: str  # "" or ending in "/"
+    scheme: str = "s3"
+    account: str | None = None
 
     @classmethod
     def parse(cls, url: str) -> ObjectPrefix:
         parsed = urlparse(url)
-        if parsed.scheme.lower() != "s3" or not parsed.netloc:
-            raise ShardedStateError(f"{url}: not an object storage URL of the form s3://bucket/prefix.")
-        prefix = parsed.path.strip("/")
-        return cls(parsed.netloc, prefix + "/" if prefix else "")
+        scheme = parsed.scheme.lower()
+        path = parsed.path.strip("/")
+        if _is_azure_https(url):
+            container, _, prefix = path.partition("/")
+            account = (parsed.hostname or "")[: -len(AZURE_BLOB_HOST)]
+            if not container or not account:
+                raise ShardedStateError(
+                    f"{url}: an Azure blob URL must name the container: "
+                    "https://ACCOUNT.blob.core.windows.net/CONTAINER/prefix."
+                )
+            return cls(container, prefix + "/" if prefix else "", "az", account)
+        if scheme + "://" not in SCHEMES or not parsed.netloc:
+            raise ShardedStateError(
+                f"{url}: not an object storage URL of the form s3://bucket/prefix, gs://bucket/prefix, "
+                "az://container/prefix or https://ACCOUNT.blob.core.windows.net/container/prefix."
+            )
+        return cls(parsed.netloc, path + "/" if path else "", scheme)
 
     def key(self, name: str) -> str:
         return self.prefix + name
 
     def url(self, name: str = "") -> str:
-        return f"s3://{self.bucket}/{self.prefix}{name}"
+        if self.account is not None:
+            return f"https://{self.account}{AZURE_BLOB_HOST}/{self.bucket}/{self.prefix}{name}"
+        return f"{self.scheme}://{self.bucket}/{self.prefix}{name}"
+
+    def store(self) -> Any:
+        """The obstore client of this bucket (one per bucket and process, shared by every thread)."""
+        return _store(self.scheme, self.bucket, self.account)
 
 
 # Every request is bounded: per-request and connect timeouts, and retries with exponential
@@ -108,8 +160,16 @@ def client_settings(allow_http: bool) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @functools.cache
-def _store(bucket: str) -> Any:
-    """The client of one bucket, configured from the usual AWS settings (see the module doc)."""
+def _store(scheme: str, bucket: str, account: str | None = None) -> Any:
+    """The client of one bucket, configured from its cloud's usual settings (see the module doc)."""
+    if scheme == "gs":
+        return _gcs_store(bucket)
+    if scheme == "az":
+        return _azure_store(bucket, account)
+    return _s3_store(bucket)
+
+
+def _s3_store(bucket: str) -> Any:
     from obstore.store import S3Store
 
     try:
@@ -139,11 +199,105 @@ def _store(bucket: str) -> Any:
     )
 
 
+# Google's clients reach an emulator through this variable (host:port or a URL); obstore's own
+# variable is GOOGLE_BASE_URL.
+GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+GCS_CREDENTIAL_ENVS = (
+    "GOOGLE_SERVICE_ACCOUNT",
+    "GOOGLE_SERVICE_ACCOUNT_PATH",
+    "GOOGLE_SERVICE_ACCOUNT_KEY",
+    "GOOGLE_BEARER_TOKEN",
+)
+
+
+def _gcs_store(bucket: str) -> Any:
+    """obstore reads ``GOOGLE_*`` itself (application default credentials included); an emulator
+    named by ``STORAGE_EMULATOR_HOST`` is reached over plain HTTP with a placeholder token,
+    as Google's clients do, unless credentials are given."""
+    from obstore.store import GCSStore
+
+    config: dict[str, Any] = {}
+    emulator = os.environ.get(GCS_EMULATOR_ENV)
+    if emulator:
+        config["base_url"] = (emulator if "://" in emulator else f"http://{emulator}").rstrip("/")
+        if not any(os.environ.get(name) for name in GCS_CREDENTIAL_ENVS):
+            # Without it obstore asks the GCE metadata server for a token before every write.
+            config["bearer_token"] = "emulator"
+    base_url = config.get("base_url") or os.environ.get("GOOGLE_BASE_URL", "")
+    client_options, retry_config = client_settings(allow_http=base_url.startswith("http://"))
+    return GCSStore(bucket, config=config, client_options=client_options, retry_config=retry_config)
+
+
+AZURE_CONNECTION_STRING_ENV = "AZURE_STORAGE_CONNECTION_STRING"
+# The fields of an Azure connection string, as obstore's settings.
+_CONNECTION_STRING_FIELDS = {
+    "accountname": "account_name",
+    "accountkey": "account_key",
+    "blobendpoint": "endpoint",
+    "sharedaccesssignature": "sas_key",
+}
+
+
+def azure_connection_string(value: str) -> dict[str, Any]:
+    """obstore's Azure settings from a connection string (``AccountName=...;AccountKey=...;...``).
+
+    obstore does not read ``AZURE_STORAGE_CONNECTION_STRING`` itself; Azure's own tools
+    and SDKs do, so a machine set up for them works here too.
+
+    >>> azure_connection_string("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=a2V5")
+    {'account_name': 'acct', 'account_key': 'a2V5'}
+    """
+    fields = {}
+    for field in value.split(";"):
+        name, _, setting = field.partition("=")  # values (keys, signatures) may hold "="
+        if setting.strip():
+            fields[name.strip().lower()] = setting.strip()
+    config: dict[str, Any] = {ours: fields[key] for key, ours in _CONNECTION_STRING_FIELDS.items() if key in fields}
+    if fields.get("usedevelopmentstorage", "").lower() == "true":
+        config["use_emulator"] = True
+    elif "endpoint" not in config and "account_name" in config:
+        protocol = fields.get("defaultendpointsprotocol", "https").lower()
+        suffix = fields.get("endpointsuffix", "core.windows.net")
+        if (protocol, suffix) != ("https", "core.windows.net"):  # obstore's default endpoint otherwise
+            config["endpoint"] = f"{protocol}://{config['account_name']}.blob.{suffix}"
+    return config
+
+
+def _azure_store(container: str, account: str | None) -> Any:
+    """obstore reads ``AZURE_STORAGE_*`` and ``AZURE_CLIENT_*`` itself; a connection string and the
+    account of an ``https://`` URL are added here, and plain HTTP is allowed for an emulator."""
+    from obstore.store import AzureStore
+
+    connection = os.environ.get(AZURE_CONNECTION_STRING_ENV)
+    config: dict[str, Any] = azure_connection_string(connection) if connection else {}
+    if account is not None and account != config.get("account_name"):
+        # The URL names the account; a connection string for another account does not apply.
+        config = {"account_name": account}
+    if not (config.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")) and not (
+        config.get("use_emulator") or _true(os.environ.get("AZURE_STORAGE_USE_EMULATOR"))
+    ):
+        raise ShardedStateError(
+            f"az://{container}/: no Azure storage account. Set AZURE_STORAGE_ACCOUNT_NAME (or "
+            f"{AZURE_CONNECTION_STRING_ENV}), or name it in the URL: "
+            f"https://ACCOUNT{AZURE_BLOB_HOST}/{container}/..."
+        )
+    endpoint = config.get("endpoint") or os.environ.get("AZURE_STORAGE_ENDPOINT") or ""
+    emulator = config.get("use_emulator") or _true(os.environ.get("AZURE_STORAGE_USE_EMULATOR"))
+    client_options, retry_config = client_settings(allow_http=bool(emulator) or endpoint.startswith("http://"))
+    return AzureStore(container, config=config, client_options=client_options, retry_config=retry_config)
+
+
+def _true(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
 def _fail(url: str, what: str, error: Exception) -> ShardedStateError:
+    if isinstance(error, ShardedStateError):  # ours already (no account configured...)
+        return error
+    settings = SETTINGS[ObjectPrefix.parse(url).scheme]
     return ShardedStateError(
         f"{url}: {what} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-        "Check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE) and that "
-        "the object storage is reachable."
+        f"Check the endpoint and credentials ({settings}) and that the object storage is reachable."
     )
 
 
@@ -152,7 +306,7 @@ def head(where: ObjectPrefix, name: str) -> dict[str, Any] | None:
     import obstore
 
     try:
-        return obstore.head(_store(where.bucket), where.key(name))
+        return obstore.head(where.store(), where.key(name))
     except FileNotFoundError:
         return None
     except Exception as e:
@@ -173,6 +327,9 @@ class ObjectFile:
         self.key = where.key(name)
         self.size: int = meta["size"]
         self.etag: str | None = meta.get("e_tag")
+        # GCS: the generation. Reads name it as well as the ETag, so that a store (or an
+        # emulator) that ignores If-Match still never serves another object's bytes.
+        self.version: str | None = meta.get("version") if where.scheme == "gs" else None
 
     @classmethod
     def open(cls, where: ObjectPrefix, name: str, missing: str | None = None) -> ObjectFile:
@@ -195,8 +352,10 @@ class ObjectFile:
         options: dict[str, Any] = {"range": (offset, end)}
         if self.etag:
             options["if_match"] = self.etag
+        if self.version:
+            options["version"] = self.version
         try:
-            return memoryview(obstore.get(_store(self.where.bucket), self.key, options=options).bytes())
+            return memoryview(obstore.get(self.where.store(), self.key, options=options).bytes())
         except obstore.exceptions.PreconditionError:
             raise self._replaced() from None
         except FileNotFoundError:
@@ -226,6 +385,8 @@ class ObjectFile:
         """Raise unless the object is still the one opened (same ETag and size)."""
         meta = head(self.where, self.name)
         if meta is None or meta["size"] != self.size or meta.get("e_tag") != self.etag:
+            raise self._replaced()
+        if self.version is not None and meta.get("version") != self.version:
             raise self._replaced()
 
     def _replaced(self) -> ShardedStateError:
@@ -281,7 +442,7 @@ def list_names(where: ObjectPrefix) -> list[str]:
     import obstore
 
     try:
-        listing = obstore.list_with_delimiter(_store(where.bucket), where.prefix or None)
+        listing = obstore.list_with_delimiter(where.store(), where.prefix or None)
     except Exception as e:
         raise _fail(where.url(), "LIST", e) from e
     return sorted(o["path"][len(where.prefix) :] for o in listing["objects"])
@@ -292,7 +453,7 @@ def list_tree(where: ObjectPrefix) -> list[str]:
     import obstore
 
     try:
-        batches = obstore.list(_store(where.bucket), where.prefix or None)
+        batches = obstore.list(where.store(), where.prefix or None)
         return sorted(o["path"][len(where.prefix) :] for batch in batches for o in batch)
     except Exception as e:
         raise _fail(where.url(), "LIST", e) from e
@@ -310,19 +471,25 @@ class AlreadyExists(ShardedStateError):
     """A conditional put found the object there already."""
 
 
-def put(where: ObjectPrefix, name: str, data: bytes | Path, *, create: bool = False, match: str | None = None) -> None:
+def put(
+    where: ObjectPrefix, name: str, data: bytes | Path, *, create: bool = False, match: dict[str, Any] | None = None
+) -> None:
     """Write one object, from bytes or a local file; large files go up as parallel multipart uploads.
 
-    ``create``: only if no object has that name (a conditional put, ``If-None-Match: *``);
-    ``match``: only over the object of that ETag (``If-Match``); otherwise a
+    ``create``: only if no object has that name (a conditional put, ``If-None-Match: *``,
+    on GCS ``x-goog-if-generation-match: 0``); ``match``: only over the object that
+    :func:`head` described (``If-Match`` its ETag, on GCS its generation); otherwise a
     :class:`ShardedStateError` says who was first.
     """
     import obstore
 
-    mode: Any = "create" if create else "overwrite" if match is None else {"e_tag": match}
+    mode: Any = "create" if create else "overwrite"
+    if match is not None:
+        # S3 and Azure compare the ETag, GCS the generation (obstore's "version").
+        mode = {k: match[k] for k in ("e_tag", "version") if match.get(k) is not None}
     try:
         obstore.put(
-            _store(where.bucket),
+            where.store(),
             where.key(name),
             data,
             mode=mode,
@@ -345,9 +512,17 @@ def delete(where: ObjectPrefix, names: Iterable[str]) -> None:
     if not keys:
         return
     try:
-        obstore.delete(_store(where.bucket), keys)
+        obstore.delete(where.store(), keys)
     except FileNotFoundError:
-        pass
+        # S3 deletes the rest of a batch around a missing key; Azure's and GCS's batches may
+        # stop at it, so what is left goes one by one.
+        for key in keys:
+            try:
+                obstore.delete(where.store(), key)
+            except FileNotFoundError:
+                pass
+            except Exception as e:
+                raise _fail(where.url(), f"DELETE of {key}", e) from e
     except Exception as e:
         raise _fail(where.url(), f"DELETE of {len(keys)} objects", e) from e
 
@@ -355,11 +530,23 @@ def delete(where: ObjectPrefix, names: Iterable[str]) -> None:
 def abort_incomplete_uploads(where: ObjectPrefix, names: Iterable[str] | Callable[[str], bool]) -> int:
     """Abort the unfinished multipart uploads of these objects (a failed save's own); returns how many.
 
-    ``names``: the names under the prefix, or a test of a name directly under it. Only
-    those uploads are touched, never another writer's under the same prefix or bucket;
-    the listing is paged to its end. Needs ``boto3`` (``obstore`` cannot list uploads);
-    without it, none are aborted and the store's lifecycle rules collect them.
+    ``names``: the names under the prefix, or (S3 only) a test of a name directly under it.
+    Only those uploads are touched, never another writer's under the same prefix or bucket.
+
+    - S3: the uploads are listed (paged to the end) and aborted; this needs ``boto3``
+      (``obstore`` cannot list uploads): without it, none are aborted and the bucket's
+      lifecycle rules (``AbortIncompleteMultipartUpload``) collect them.
+    - Azure: an unfinished upload is blocks staged under the blob's name, which
+      ``obstore`` cannot list or drop; Azure discards staged blocks never committed after
+      7 days.
+    - GCS: ``obstore`` can neither list nor abort another process's XML multipart uploads;
+      a bucket lifecycle rule (``AbortIncompleteMultipartUpload``) collects them.
+
+    A failing ``put`` aborts its own upload on S3 and GCS (obstore does); this is for the
+    uploads of a process that died.
     """
+    if where.scheme != "s3":
+        return 0
     if callable(names):
         wanted = names
     else:
