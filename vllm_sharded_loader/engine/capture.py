@@ -183,17 +183,14 @@ def _reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     fresh = copy.copy(vllm_config)
     fresh.compilation_config = copy.copy(vllm_config.compilation_config)
     fresh.compilation_config.static_forward_context = {}
-    if state.reloaded_from is None:
-        loader = get_model_loader(vllm_config.load_config)
-    else:
-        # Updated since start-up: the checkpoint of the update, through our loader.
-        from .loader import ShardedStateLoader
-
-        load_config = copy.copy(vllm_config.load_config)
+    load_config = vllm_config.load_config
+    if state.reloaded_from is not None:
+        # Updated since start-up: the checkpoint of the update, through our loader (vLLM's registry).
+        load_config = copy.copy(load_config)
         load_config.load_format, load_config.model_loader_extra_config = "sharded_state", {}
-        loader = ShardedStateLoader(load_config)
         model_config = copy.copy(model_config)
         model_config.model_weights = state.reloaded_from
+    loader = get_model_loader(load_config)
     with set_current_vllm_config(fresh), set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
         model = loader.create_model(vllm_config=fresh, model_config=model_config)
         loader.load_weights(model, model_config)
