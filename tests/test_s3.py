@@ -29,7 +29,7 @@ from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, v
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
-from vllm_sharded_loader.storage import objects
+from vllm_sharded_loader.storage import faults, objects
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
 BUCKET = "models"
@@ -511,3 +511,78 @@ def _holds(url, value, assert_published) -> bool:
         return True
     except AssertionError:
         return False
+
+
+S3_BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "local.carried")
+S3_AFTER_PUBLISH = ("s3.published", "s3.cleaned")
+S3_SAVER = """
+import sys
+sys.path.insert(0, "tests")
+from states import SOURCE
+from test_save_faults import states
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
+save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE, max_size=8192,
+                overwrite=True, carry=sys.argv[3])
+"""
+
+
+def test_every_s3_kill_point_is_covered():
+    s3_points = {step for step in faults.KILL_POINTS if step.startswith("s3.")}
+    assert s3_points == {p.partition(":")[0] for p in S3_BEFORE_PUBLISH + S3_AFTER_PUBLISH if p.startswith("s3.")}
+
+
+@pytest.mark.parametrize("kill_at", S3_BEFORE_PUBLISH + S3_AFTER_PUBLISH)
+def test_an_s3_save_killed_at_each_step_loses_nothing(s3, tmp_path, kill_at):
+    """Checkpoint A in the bucket; a save of B over it is killed (SIGKILL) at each step of the
+    object-storage protocol. Before the manifest's put, A is published and every object of it
+    is unchanged; from it on, B is. Nothing outside the prefix changes. Once the dead save's lock
+    is deleted (object storage cannot tell a dead save from a slow one), the next save publishes
+    and leaves no stray part, upload record or unfinished upload."""
+    from test_save_faults import assert_published, carried_of, model_folder
+
+    url = new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    root = os.path.dirname(os.path.dirname(__file__))
+
+    def save(value: float, env: dict | None = None) -> subprocess.CompletedProcess:
+        carry = str(model_folder(tmp_path, value))
+        return subprocess.run(
+            [sys.executable, "-c", S3_SAVER, url, str(value), carry],
+            cwd=root,
+            env={**os.environ, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    assert save(1.0).returncode == 0
+    s3.client().put_object(Bucket=BUCKET, Key=where.key("notes.txt"), Body=b"the user's own")
+    before = bucket_digest(s3)
+    a_objects = {k: v for k, v in before.items() if k.startswith(where.prefix)}
+
+    killed = save(2.0, {faults.KILL_ENV: kill_at})
+    assert killed.returncode == -signal.SIGKILL, (kill_at, killed.returncode, killed.stderr[-2000:])
+    after = bucket_digest(s3)
+    assert {k: v for k, v in after.items() if not k.startswith(where.prefix)} == {
+        k: v for k, v in before.items() if not k.startswith(where.prefix)
+    }
+    if kill_at in S3_BEFORE_PUBLISH:
+        if kill_at != "local.carried":  # the carried objects are put one by one just before the manifest
+            assert {k: after.get(k) for k in a_objects} == a_objects
+        assert_published(url, 1.0)
+    else:
+        assert_published(url, 2.0)
+
+    objects.release_lock(where)
+    again = save(3.0)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert_published(url, 3.0)
+    manifest = read_manifest(url)
+    listed = {f.name for e in manifest.ranks for f in e.files}
+    names = set(keys(s3, url))
+    assert {n for n in names if n.endswith(".safetensors")} == listed
+    assert not [n for n in names if n.startswith(".")], names  # no upload record, lock or staged object
+    assert {"notes.txt", MANIFEST_NAME, *carried_of(3)} <= names
+    assert s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=where.prefix).get("Uploads", []) == []
+    assert verify_checkpoint(url) == []
+    assert {n: objects.read_object(where, n).decode() for n in carried_of(3)} == carried_of(3)

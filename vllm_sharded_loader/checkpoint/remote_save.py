@@ -15,7 +15,10 @@ Object storage has no rename and no ``flock``, so the steps of :mod:`.save` beco
 3. **publish**: every listed part is checked by ``HEAD`` for its size, then the manifest
    is put conditionally: created, or replacing exactly the manifest it read
    (``If-Match`` its ETag; on GCS its generation), never another save's: the one atomic step.
-4. **clean**: parts the new manifest does not list are deleted, and the lock.
+4. **clean**: parts of the replaced manifest that the new one does not list are deleted
+   (recorded under the save's token before the publish, so that the save after a dead one
+   deletes them too), then this save's records, and the lock. An object that no manifest
+   of ours listed is never deleted, whatever its name.
 
 Before step 3 the previous checkpoint stays published and whole, whatever fails; a
 failure deletes what this save uploaded (only its own keys), aborts its own unfinished
@@ -32,20 +35,28 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
-from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name, staged_name, staged_token
+from ..format.names import MANIFEST_NAME, staged_name, staged_token
 from ..planning.topology import RankInfo
 from ..storage import objects
+from ..storage.faults import declare, kill_point
 from .carry import CarriedFiles
 from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry, stage_rank
 
 STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
+
+# The steps where a test kills an object-storage save (storage/faults.py), in protocol order.
+KILL_LOCKED = declare("s3.locked", "checkpoint/remote_save.py: the lock object is put, nothing uploaded")
+KILL_RECORDED = declare("s3.recorded", "checkpoint/remote_save.py: a rank's upload names recorded, nothing uploaded")
+KILL_UPLOADED = declare("s3.uploaded", "checkpoint/remote_save.py: one part uploaded under its fresh name")
+KILL_PUBLISHED = declare("s3.published", "checkpoint/remote_save.py: the manifest is put, nothing cleaned")
+KILL_CLEANED = declare("s3.cleaned", "checkpoint/remote_save.py: stale parts deleted, the lock not yet released")
 
 
 def staging_base() -> str | None:
@@ -70,6 +81,7 @@ def begin(url: str, token: str, overwrite: bool) -> None:
     """Step 1: hold the prefix (conditional put of the lock); an old checkpoint needs ``overwrite``."""
     where = objects.ObjectPrefix.parse(url)
     objects.acquire_lock(where, token)
+    kill_point(KILL_LOCKED)
     try:
         if objects.head(where, MANIFEST_NAME) is not None and not overwrite:
             raise ShardedStateError(
@@ -91,8 +103,9 @@ def _intent_name(staged: StagedRank, token: str) -> str:
 
 
 def _remove_recorded_uploads(where: objects.ObjectPrefix, whose: Callable[[str], bool], keep: set[str]) -> None:
-    """Delete the uploads that saves of the tokens ``whose`` accepts recorded as their own, finished
-    (objects not in ``keep``) or not (multipart uploads), then their records."""
+    """Delete what saves of the tokens ``whose`` accepts recorded as theirs to delete: their uploads,
+    finished or not (multipart), and the parts their publish replaced; never a name in ``keep``
+    (the published manifest's). Then the records themselves."""
     records = [n for n in objects.list_names(where) if (t := staged_token(n)) is not None and whose(t)]
     for record in records:
         try:
@@ -118,11 +131,13 @@ def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
     where = objects.ObjectPrefix.parse(url)
     renamed = fresh_names(staged, objects.list_names(where))
     objects.put(where, _intent_name(staged, token), json.dumps(sorted(renamed.values())).encode())
+    kill_point(KILL_RECORDED)
     uploaded: list[str] = []
     try:
         for name, tmp in list(staged.temporary.items()):
             uploaded.append(renamed[name])
             objects.put(where, renamed[name], Path(tmp))
+            kill_point(KILL_UPLOADED)
     except BaseException:
         with contextlib.suppress(ShardedStateError):
             objects.delete(where, uploaded)
@@ -145,12 +160,15 @@ def abandon(url: str, entries: Sequence[RankEntry] = (), token: str | None = Non
     objects.release_lock(where, token)
 
 
-def publish(url: str, manifest: Manifest, token: str | None = None, carried: CarriedFiles | None = None) -> None:
+def publish(
+    url: str, manifest: Manifest, token: str | None = None, carried: CarriedFiles | None = None
+) -> frozenset[str]:
     """Step 3: check every listed part, then put the manifest conditionally: the one atomic step.
 
     With ``token`` (the lock's), a save whose lock was taken over does not publish.
     ``carried`` non-weight files are put just before the manifest (the caller restores
-    them if this fails).
+    them if this fails). Returns the part names the replaced manifest listed, for
+    :func:`clean_after_publish`.
     """
     where = objects.ObjectPrefix.parse(url)
     if token is not None:
@@ -162,26 +180,37 @@ def publish(url: str, manifest: Manifest, token: str | None = None, carried: Car
         carried.place()
     old = objects.head(where, MANIFEST_NAME)
     if old is None:
+        replaced: frozenset[str] = frozenset()
         objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), create=True)
     else:
+        # Read under the lock: only a save holding it replaces the manifest, and the put below
+        # fails if the manifest changed meanwhile all the same (its ETag or generation).
+        previous = objects.read_manifest(where)
+        replaced = frozenset() if previous is None else frozenset(f.name for e in previous.ranks for f in e.files)
+        if token is not None:
+            # Recorded before the put: if this save dies between the put and its cleanup, the
+            # next save deletes the old parts from this record (those the manifest then lists stay).
+            listed = {f.name for e in manifest.ranks for f in e.files}
+            objects.put(where, staged_name("replaced", token), json.dumps(sorted(replaced - listed)).encode())
         objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), match=old)
+    kill_point(KILL_PUBLISHED)
+    return replaced
 
 
-def clean_after_publish(url: str, manifest: Manifest, token: str | None = None) -> None:
-    """Step 4: delete the parts the published manifest does not list, then release the lock (if still ours).
+def clean_after_publish(url: str, manifest: Manifest, token: str | None = None, replaced: Iterable[str] = ()) -> None:
+    """Step 4: delete the parts of the ``replaced`` manifest that the new one does not list, this
+    save's upload records, then release the lock (if still ours).
 
-    A failure here leaves the new checkpoint published and whole.
+    Only what the old manifest listed goes: an object under the prefix that no manifest of
+    ours named is another writer's, even under a name of our pattern. A failure here leaves
+    the new checkpoint published and whole.
     """
     where = objects.ObjectPrefix.parse(url)
     listed = {f.name for entry in manifest.ranks for f in entry.files}
-    stale = [
-        name
-        for name in objects.list_names(where)
-        if name not in listed and any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
-    ]
-    objects.delete(where, stale)
+    objects.delete(where, sorted(set(replaced) - listed))
     if token is not None:
         objects.delete(where, [n for n in objects.list_names(where) if staged_token(n) == token])
+    kill_point(KILL_CLEANED)
     objects.release_lock(where, token)
 
 
@@ -210,10 +239,10 @@ def save_ranks_to_objects(
         if carry is not None:
             carried.stage(carry)  # under the lock, after the overwrite rule: see save.save_checkpoint
         manifest = manifest_of(entries)
-        publish(url, manifest, token, carried)
+        replaced = publish(url, manifest, token, carried)
     except BaseException:
         carried.restore()
         abandon(url, entries, token)
         raise
-    clean_after_publish(url, manifest, token)
+    clean_after_publish(url, manifest, token, replaced)
     return manifest

@@ -620,7 +620,7 @@ def _save_to_objects(
         outcomes = workers.run(stage_and_upload)
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
         workers.run(lambda: _stage_non_weight_files(state, carried), only_first=True)
-        workers.run(lambda: remote_save.publish(url, manifest, token, carried), only_first=True)
+        replaced = workers.run(lambda: remote_save.publish(url, manifest, token, carried), only_first=True)[0]
     except ShardedStateError as e:
         carried.restore()
         if staged is not None and staged is not (state and state.capture):
@@ -635,7 +635,7 @@ def _save_to_objects(
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     try:
-        workers.run(lambda: remote_save.clean_after_publish(url, manifest, token), only_first=True)
+        workers.run(lambda: remote_save.clean_after_publish(url, manifest, token, replaced), only_first=True)
     except ShardedStateError as e:
         raise ShardedStateError(
             f"Saving the sharded state to {url}: the new checkpoint is published and complete, but removing the "
