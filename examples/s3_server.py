@@ -37,13 +37,46 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-class SeaweedS3:
-    """``weed server -s3`` on free loopback ports, with one access key; a context manager."""
+class LocalServer:
+    """A server process of the tests on loopback: stopped (terminated, then killed after
+    ``stop_grace`` seconds) on exit of its ``with`` block; subclasses define ``start``."""
+
+    stop_grace = 5.0
 
     def __init__(self, workdir: str, start_timeout: float = 60.0) -> None:
         self.workdir, self.start_timeout = workdir, start_timeout
         self.process: subprocess.Popen[bytes] | None = None
+        self.log: Any = None
         self.endpoint = ""
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=self.stop_grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def __enter__(self) -> Any:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SeaweedS3(LocalServer):
+    """``weed server -s3`` on free loopback ports, with one access key; a context manager."""
+
+    # weed finishes its graceful shutdown only after ~20 s; the data needs no flush here.
+    stop_grace = 2.0
 
     def start(self) -> SeaweedS3:
         weed = shutil.which("weed")
@@ -130,22 +163,3 @@ class SeaweedS3:
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            # weed finishes its graceful shutdown only after ~20 s; the data needs no flush here.
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-        if getattr(self, "log", None) is not None:
-            self.log.close()
-
-    def __enter__(self) -> SeaweedS3:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

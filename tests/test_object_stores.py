@@ -26,7 +26,7 @@ from cloud_servers import Azurite, FakeGCS
 from s3_server import SeaweedS3
 from test_reshard_files import save_model, source_of, stage_state
 from test_resharding import llama_like
-from test_s3 import Failing, load_from, save_to_bucket
+from test_s3 import Failing, load_from, save_to_bucket, stores_pointed_at
 
 from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
@@ -91,19 +91,9 @@ def store(request, tmp_path_factory):
     server = {"s3": SeaweedS3, "az": Azurite, "gs": FakeGCS}[scheme](workdir)
     with server:
         environment = server.aws_environment() if scheme == "s3" else server.environment()
-        saved = {k: os.environ.get(k) for k in environment}
-        os.environ.update(environment)
-        objects._store.cache_clear()
-        server.create_bucket(BUCKET)
-        try:
+        with stores_pointed_at(environment):
+            server.create_bucket(BUCKET)
             yield Store(scheme, server, writes=scheme != "gs")
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            objects._store.cache_clear()
 
 
 def writing(store: Store) -> None:

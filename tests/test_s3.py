@@ -35,23 +35,30 @@ from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkp
 BUCKET = "models"
 
 
+@contextlib.contextmanager
+def stores_pointed_at(environment: dict[str, str]):
+    """Set ``environment`` for every object-store client of this process (the cached stores are
+    rebuilt), and put the previous settings back on exit."""
+    saved = {k: os.environ.get(k) for k in environment}
+    os.environ.update(environment)
+    objects._store.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        objects._store.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A SeaweedFS S3 server for this module, with the usual AWS settings pointing at it."""
-    with SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server:
-        saved = {k: os.environ.get(k) for k in server.aws_environment()}
-        os.environ.update(server.aws_environment())
-        objects._store.cache_clear()
+    with SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server, stores_pointed_at(server.aws_environment()):
         server.create_bucket(BUCKET)
-        try:
-            yield server
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            objects._store.cache_clear()
+        yield server
 
 
 def new_prefix() -> str:
@@ -370,19 +377,8 @@ def through_proxy(server, mode: str, limit: int = 0, **settings: str):
     from faultproxy import FaultProxy
 
     port = int(server.endpoint.rsplit(":", 1)[1])
-    with FaultProxy(port, mode, limit) as proxy:
-        saved = {k: os.environ.get(k) for k in ["AWS_ENDPOINT_URL", *settings]}
-        os.environ.update({"AWS_ENDPOINT_URL": proxy.url, **settings})
-        objects._store.cache_clear()
-        try:
-            yield proxy
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            objects._store.cache_clear()
+    with FaultProxy(port, mode, limit) as proxy, stores_pointed_at({"AWS_ENDPOINT_URL": proxy.url, **settings}):
+        yield proxy
 
 
 def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(s3):

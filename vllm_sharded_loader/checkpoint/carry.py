@@ -79,6 +79,8 @@ class CarriedFiles:
     staged: dict[str, str | bytes] = field(default_factory=dict)
     #: final relative name -> its backup (a local path or the old bytes), None where there was none
     backups: dict[str, str | bytes | None] = field(default_factory=dict)
+    #: object storage: final relative name -> the object's bytes when staged (None: absent)
+    previous: dict[str, bytes | None] = field(default_factory=dict)
 
     @property
     def remote(self) -> bool:
@@ -120,10 +122,12 @@ class CarriedFiles:
     def _stage_object(self, name: str, data: bytes | Path) -> None:
         where = objects.ObjectPrefix.parse(self.output)
         content = _read_bytes(data)
-        with contextlib.suppress(ShardedStateError):
-            if objects.head(where, name) is not None and objects.read_object(where, name) == content:
-                return
+        old = objects.read_object(where, name) if objects.head(where, name) is not None else None
+        if old == content:
+            return
         self.staged[name] = content
+        # Read under the lock, so unchanged until place() keeps it as the backup.
+        self.previous[name] = old
 
     def place(self) -> None:
         """Put every staged file under its final name, keeping what it replaces; just before the publish."""
@@ -148,8 +152,7 @@ class CarriedFiles:
 
     def _place_object(self, name: str) -> None:
         where = objects.ObjectPrefix.parse(self.output)
-        old = objects.read_object(where, name) if objects.head(where, name) is not None else None
-        self.backups[name] = old
+        self.backups[name] = self.previous.pop(name)
         objects.put(where, name, self.staged.pop(name))  # type: ignore[arg-type]
 
     def restore(self) -> None:
@@ -184,3 +187,4 @@ class CarriedFiles:
                 with contextlib.suppress(OSError):
                     os.remove(tmp)
         self.staged.clear()
+        self.previous.clear()

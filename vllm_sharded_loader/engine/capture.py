@@ -459,6 +459,22 @@ def _written(rank: RankInfo, state: LoadedState, tensors: dict[str, torch.Tensor
     return {name: t for name, t in tensors.items() if name in state.per_replica}
 
 
+def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
+    """Every worker's ``outcomes`` (picklable), gathered over vLLM's ``groups`` (their CPU groups) in turn.
+
+    A worker that died resets its connections: the exchange fails at once (gloo), raised
+    here as our error naming ``what`` stopped, so that the caller's cleanup runs.
+    """
+    for group in groups:
+        gathered: list[Any] = [None] * group.world_size
+        try:
+            torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
+        except RuntimeError as e:
+            raise ShardedStateError(f"another worker of {what} stopped answering (did it die? see its log): {e}") from e
+        outcomes = [o for part in gathered for o in part]
+    return outcomes
+
+
 class _Workers:
     """Steps that every worker of one save runs together, failing together.
 
@@ -508,20 +524,11 @@ class _Workers:
             outcome: tuple[bool, Any] = (True, step() if self.first or not only_first else None)
         except Exception as e:
             outcome = (False, f"{self.rank}: {e}")
-        outcomes = [outcome]
-        for group in self.groups:
-            gathered: list[Any] = [None] * group.world_size
-            try:
-                torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
-            except RuntimeError as e:
-                # A worker that died mid-save resets its connections: the exchange fails at once
-                # (gloo), and this worker's own cleanup (the lock, what it staged) still runs.
-                failed = outcome[1] if not outcome[0] else ""
-                raise ShardedStateError(
-                    f"another worker of this save stopped answering (did it die? see its log): {e}"
-                    + (f" | {failed}" if failed else "")
-                ) from e
-            outcomes = [o for part in gathered for o in part]
+        try:
+            outcomes = gather_over(self.groups, [outcome], "this save")
+        except ShardedStateError as e:
+            # This worker's own cleanup (the lock, what it staged) runs on this error.
+            raise ShardedStateError(f"{e}" + ("" if outcome[0] else f" | {outcome[1]}")) from e
         errors = [value for ok, value in outcomes if not ok]
         if errors:
             raise ShardedStateError(" | ".join(errors))

@@ -41,7 +41,7 @@ from vllm.logger import init_logger
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import ShardedStateError
 from ..storage.location import is_remote
-from .capture import LOADED_STATE_ATTRIBUTE, served_from_checkpoint
+from .capture import LOADED_STATE_ATTRIBUTE, gather_over, served_from_checkpoint
 from .layer_geometry import model_rank
 
 if TYPE_CHECKING:
@@ -110,12 +110,7 @@ def _raises_for_all() -> bool:
 
 def _agree(error: str | None) -> list[str]:
     """Every worker's error (None: read and checked), exchanged among the model's workers."""
-    outcomes = [error]
-    for group in _groups():
-        gathered: list[Any] = [None] * group.world_size
-        torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
-        outcomes = [o for part in gathered for o in part]
-    return [e for e in outcomes if e is not None]
+    return [e for e in gather_over(_groups(), [error], "this update") if e is not None]
 
 
 class CheckpointReader(Protocol):
