@@ -4,7 +4,8 @@
 
 Optional keys: ``pp``, ``env`` (environment variables to set first), ``capture_dir`` (capture
 the loaded state there at start-up),
-``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up),
+``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up), ``saves`` (a list
+of paths to save to in turn, each reported as ``"ok"`` or its error in ``result["saves"]``),
 ``extra_config`` (model_loader_extra_config), ``update`` (a parameter name: before the
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
 do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra ``LLM(...)``
@@ -66,6 +67,14 @@ def main() -> None:
             result["saved"] = True
         except Exception as e:  # reported to the test, which asserts on it
             result["save_error"] = str(e)
+    if spec.get("saves"):
+        result["saves"] = []
+        for path in spec["saves"]:
+            try:
+                llm.llm_engine.engine_core.save_sharded_state(path=path)
+                result["saves"].append("ok")
+            except Exception as e:
+                result["saves"].append(str(e))
     if spec.get("generate", True) is False:
         pass
     elif engine.get("runner") == "pooling":

@@ -7,6 +7,10 @@ Modes, per connection:
   (large uploads die mid-body; small requests pass);
 - ``stall``: forwards the request but never a byte of the answer (a server that hangs).
 
+It counts the bytes each way (``sent``: client to server; ``received``: server to
+client), so a test can tell how much one client read. ``host`` is the address it listens
+on (loopback by default; a bridge's address for clients in other network namespaces).
+
 Bounded: one thread per connection, all closed with the proxy; it stops by itself when
 the ``with`` block ends.
 """
@@ -20,18 +24,20 @@ import threading
 
 
 class FaultProxy:
-    def __init__(self, target_port: int, mode: str = "pass", limit: int = 0) -> None:
-        self.target_port, self.mode, self.limit = target_port, mode, limit
-        self.listener = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, target_port: int, mode: str = "pass", limit: int = 0, host: str = "127.0.0.1") -> None:
+        self.target_port, self.mode, self.limit, self.host = target_port, mode, limit, host
+        self.listener = socket.create_server((host, 0))
         self.port = self.listener.getsockname()[1]
         self.dropped = 0
+        self.sent = self.received = 0
+        self._count = threading.Lock()
         self._closing = threading.Event()
         self._sockets: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def __enter__(self) -> FaultProxy:
         thread = threading.Thread(target=self._accept, daemon=True)
@@ -75,8 +81,12 @@ class FaultProxy:
                             self.dropped += 1
                             return
                         server.sendall(data)
+                        with self._count:
+                            self.sent += len(data)
                     elif self.mode != "stall":
                         client.sendall(data)
+                        with self._count:
+                            self.received += len(data)
         except OSError:
             return
         finally:

@@ -30,8 +30,10 @@ reloads, because that is exactly what the loader fills in again. So:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -67,6 +69,7 @@ from ..storage.lock import (
     SaveLock,
     acquire_save_lock,
     hold_owner_marker,
+    read_lock,
     release_owner_marker,
     release_save_lock,
 )
@@ -141,7 +144,8 @@ def _show_progress() -> bool:
     return enable_tqdm(wanted)
 
 
-def _current_vllm_config() -> Any:
+def current_vllm_config() -> Any:
+    """vLLM's config of the engine being built or run here, or None outside one."""
     from vllm.config import get_current_vllm_config
 
     try:
@@ -223,7 +227,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         rank=rank,
         per_replica=frozenset(_expert_tensors(model, tensors)) if rank.replicas > 1 else frozenset(),
         model_dir=model_config.model if os.path.isdir(str(getattr(model_config, "model", ""))) else None,
-        vllm_config=_current_vllm_config(),
+        vllm_config=current_vllm_config(),
         model_config=model_config,
     )
     # Data-parallel replicas hold the same slices: only the first captures them, the others
@@ -535,6 +539,29 @@ class _Workers:
         return [value for _, value in outcomes]
 
 
+def _check_folder_shared(workers: _Workers, path: str, token: str) -> None:
+    """Refuse a local save unless every worker sees the folder the first one locked.
+
+    The lock file that the first worker just took, with this save's token, is the marker:
+    a worker that does not find it there sees another folder under the same path (another
+    node's disk), where its parts would be written out of the manifest's reach.
+    Decided from the file system, not from host names, so that two nodes sharing a file
+    system save, and two containers on one host that do not are refused.
+    """
+    seen = workers.run(lambda: (socket.gethostname(), str(workers.rank), (read_lock(path) or {}).get("token") == token))
+    blind = [f"{rank} on {host}" for host, rank, sees in seen if not sees]
+    if not blind:
+        return
+    holder = next(f"{rank} on {host}" for host, rank, sees in seen if sees)
+    raise ShardedStateError(
+        f"Refusing to save to {path}: the workers do not share that folder. {holder} locked it for this save, "
+        f"but {'; '.join(blind)} cannot see that lock there: each of these nodes has its own {path}, and a "
+        "checkpoint written there would lack the other nodes' parts. Save to object storage (s3://, gs://, "
+        "az://) or to a folder that every node mounts (a shared file system), then copy the checkpoint to "
+        "where it is served. Nothing was written"
+    )
+
+
 def _is_experts(module: torch.nn.Module) -> bool:
     return any(c.__name__ == "RoutedExperts" for c in type(module).__mro__)
 
@@ -725,13 +752,16 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
         return
     path = os.path.abspath(path)
     token = new_token()
+    made_folder = False
     lock: SaveLock | None = None
     staged: StagedRank | None = None
     carried = CarriedFiles(path, token)
     published = False
 
     def check_and_lock() -> SaveLock:
+        nonlocal made_folder
         validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
+        made_folder = not os.path.lexists(path)
         return acquire_save_lock(path, token, overwrite)
 
     def stage() -> tuple[RankEntry, dict[str, Any], list[list[str]], ExpertPlacement | None]:
@@ -743,6 +773,7 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
     try:
         lock = workers.run(check_and_lock, only_first=True)[0]
         token = carried.token = lock.token  # every worker stages under the lock's token: a takeover finds them
+        _check_folder_shared(workers, path, token)
         outcomes = workers.run(stage)
         # Placed under fresh names: the published checkpoint's parts are untouched until the manifest.
         entries = workers.run(lambda: publish_rank(staged))
@@ -761,6 +792,9 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
             _abandon_local_stage(state, staged)
             if lock is not None and workers.first:
                 release_save_lock(lock)
+                if made_folder:
+                    with contextlib.suppress(OSError):  # only if nothing else was put there meanwhile
+                        os.rmdir(path)
         raise ShardedStateError(
             f"Saving the sharded state to {path} failed: {e}. "
             + (

@@ -1,0 +1,196 @@
+"""Several "nodes" on one machine, for the multi-node tests: each node its own process tree,
+host name, file system view and, where the machine allows, network.
+
+- **Network.** Each node runs in a network namespace of its own, joined to the host by a
+  veth pair on a bridge: node ``i`` is ``10.S.0.(i+1)``, the host ``10.S.0.254``. Servers of
+  the tests (object storage) listen on the host's loopback, reached through a proxy per
+  node on the host's bridge address, which also counts each node's bytes. Without
+  ``CAP_NET_ADMIN`` (or ``ip``), every node shares the host's loopback.
+- **Disk.** Each node runs in a mount namespace of its own in which its folder
+  ``ROOT/node-i`` is mounted over ``ROOT/local``: every node sees the same path with its
+  own contents, as separate machines do. ``ROOT/shared`` is the same for all (a shared
+  file system). Without mount namespaces, ``isolated_disks`` is False and the tests that
+  need them skip.
+- **Host name.** Each node has its own UTS namespace, named ``node-i``, so that errors
+  naming nodes can be told apart.
+
+Everything made here (namespaces, links, processes) is removed by :meth:`Nodes.close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT_DIR = Path(__file__).resolve().parent.parent
+
+
+def _run(*argv: str) -> bool:
+    return subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+
+def _can_unshare(*flags: str) -> bool:
+    return shutil.which("unshare") is not None and _run("unshare", *flags, "true")
+
+
+class Nodes:
+    """``count`` nodes under ``root``; use as a context manager."""
+
+    def __init__(self, root: Path, count: int = 2) -> None:
+        self.root, self.count = root, count
+        self.local = root / "local"  # the per-node path
+        self.shared = root / "shared"
+        for path in [self.local, self.shared, *(self.node_dir(i) for i in range(count))]:
+            path.mkdir(parents=True, exist_ok=True)
+        self.isolated_disks = os.geteuid() == 0 and _can_unshare("--mount", "--uts")
+        tag = os.getpid() % 10000
+        self._names = [f"vsl{tag}n{i}" for i in range(count)]
+        self._bridge = f"vsl{tag}br"
+        self._subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self.isolated_network = self.isolated_disks and shutil.which("ip") is not None and self._make_network()
+        self.processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Nodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- addresses ---------------------------------------------------------------------------
+
+    def ip(self, node: int) -> str:
+        """The address other nodes reach ``node`` at."""
+        return f"{self._subnet}.{node + 1}" if self.isolated_network else "127.0.0.1"
+
+    @property
+    def host_ip(self) -> str:
+        """The address nodes reach the host's servers (through proxies) at."""
+        return f"{self._subnet}.254" if self.isolated_network else "127.0.0.1"
+
+    def interface(self, node: int) -> str:
+        return self._names[node] if self.isolated_network else "lo"
+
+    def node_dir(self, node: int) -> Path:
+        """What ``node`` sees at :attr:`local`, as seen from the host."""
+        return self.root / f"node-{node}"
+
+    def environment(self, node: int) -> dict[str, str]:
+        """The variables a vLLM process on ``node`` needs: its address for vLLM, gloo and ZeroMQ."""
+        return {
+            "VLLM_HOST_IP": self.ip(node),
+            "GLOO_SOCKET_IFNAME": self.interface(node),
+            "HOSTNAME": f"node-{node}",
+        }
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def command(self, node: int, argv: list[str]) -> list[str]:
+        """``argv`` wrapped to run on ``node``."""
+        if not self.isolated_disks:
+            return argv
+        inner = (
+            f"mount --bind {shlex.quote(str(self.node_dir(node)))} {shlex.quote(str(self.local))}"
+            f" && hostname node-{node} && exec {shlex.join(argv)}"
+        )
+        wrapped = ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", inner]
+        if self.isolated_network:
+            wrapped = ["nsenter", f"--net=/run/netns/{self._names[node]}", *wrapped]
+        return wrapped
+
+    def start(self, node: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        """Start ``argv`` on ``node`` in a process group of its own, output to ``log``."""
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                self.command(node, argv),
+                cwd=ROOT_DIR,
+                env={**os.environ, **env, **self.environment(node)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.processes.append(proc)
+        return proc
+
+    def run(self, node: int, argv: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> str:
+        """Run a short command on ``node`` and return its output; raise if it fails."""
+        done = subprocess.run(
+            self.command(node, argv),
+            cwd=ROOT_DIR,
+            env={**os.environ, **(env or {}), **self.environment(node)},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode:
+            raise RuntimeError(f"{argv} on node {node} failed: {done.stdout}{done.stderr}")
+        return done.stdout
+
+    def python(self, node: int, code: str, env: dict[str, str] | None = None) -> str:
+        return self.run(node, [sys.executable, "-c", code], env)
+
+    def close(self) -> None:
+        for proc in self.processes:
+            stop_group(proc)
+        if self.isolated_network:
+            for name in self._names:
+                _run("ip", "netns", "del", name)
+                _run("ip", "link", "del", f"{name}h")
+            _run("ip", "link", "del", self._bridge)
+
+    # -- network -----------------------------------------------------------------------------
+
+    def _make_network(self) -> bool:
+        steps = [
+            ["ip", "link", "add", self._bridge, "type", "bridge"],
+            ["ip", "addr", "add", f"{self._subnet}.254/24", "dev", self._bridge],
+            ["ip", "link", "set", self._bridge, "up"],
+        ]
+        for i, name in enumerate(self._names):
+            steps += [
+                ["ip", "netns", "add", name],
+                ["ip", "link", "add", name, "type", "veth", "peer", "name", f"{name}h"],
+                ["ip", "link", "set", name, "netns", name],
+                ["ip", "-n", name, "addr", "add", f"{self._subnet}.{i + 1}/24", "dev", name],
+                ["ip", "-n", name, "link", "set", name, "up"],
+                ["ip", "-n", name, "link", "set", "lo", "up"],
+                ["ip", "link", "set", f"{name}h", "master", self._bridge],
+                ["ip", "link", "set", f"{name}h", "up"],
+            ]
+        for step in steps:
+            if not _run(*step):
+                self.isolated_network = True  # so that close() removes what was made
+                self.close()
+                return False
+        return True
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 10) -> None:
+    """Stop a process and everything it started (its session), politely first."""
+    if proc.poll() is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of an ended leader
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def wait_until(predicate, timeout: float, every: float = 0.5) -> bool:
+    """Whether ``predicate()`` became true within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return bool(predicate())
