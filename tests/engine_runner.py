@@ -6,6 +6,7 @@ Optional keys: ``pp``, ``env`` (environment variables to set first), ``capture_d
 the loaded state there at start-up),
 ``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up), ``saves`` (a list
 of paths to save to in turn, each reported as ``"ok"`` or its error in ``result["saves"]``),
+``hold`` (seconds to keep the engine up after the result),
 ``extra_config`` (model_loader_extra_config), ``update`` (a parameter name: before the
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
 do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra ``LLM(...)``
@@ -84,6 +85,8 @@ def main() -> None:
         result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
         result["texts"] = [o.outputs[0].text for o in outputs]
     print("RESULT " + json.dumps(result), flush=True)
+    if spec.get("hold"):
+        time.sleep(spec["hold"])  # serving on, until the test stops (or kills) this engine
 
 
 def update_weight(worker: object, name: str) -> None:

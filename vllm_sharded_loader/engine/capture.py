@@ -479,6 +479,32 @@ def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
     return outcomes
 
 
+class AgreedFailure(ShardedStateError):
+    """A failure every worker of the exchange knows alike (they gathered it): one of them reports it."""
+
+
+def raises_for_all() -> bool:
+    """Whether this worker is the one that raises an agreed failure for all: the last of the engine's workers.
+
+    vLLM 0.32's multiprocessing executor reads the workers' answers in rank order and stops
+    at the first failure: the answers of the workers after it stay queued and are taken
+    for the answers to the next call (a second save, or ``/pause``, then fails with this
+    call's error). Failing on the last worker alone keeps every answer read.
+    """
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1
+
+
+def _is_agreed(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, AgreedFailure):
+            return True
+        error = error.__cause__
+    return False
+
+
 class _Workers:
     """Steps that every worker of one save runs together, failing together.
 
@@ -535,7 +561,7 @@ class _Workers:
             raise ShardedStateError(f"{e}" + ("" if outcome[0] else f" | {outcome[1]}")) from e
         errors = [value for ok, value in outcomes if not ok]
         if errors:
-            raise ShardedStateError(" | ".join(errors))
+            raise AgreedFailure(" | ".join(errors))
         return [value for _, value in outcomes]
 
 
@@ -553,7 +579,7 @@ def _check_folder_shared(workers: _Workers, path: str, token: str) -> None:
     if not blind:
         return
     holder = next(f"{rank} on {host}" for host, rank, sees in seen if sees)
-    raise ShardedStateError(
+    raise AgreedFailure(
         f"Refusing to save to {path}: the workers do not share that folder. {holder} locked it for this save, "
         f"but {'; '.join(blind)} cannot see that lock there: each of these nodes has its own {path}, and a "
         "checkpoint written there would lack the other nodes' parts. Save to object storage (s3://, gs://, "
@@ -633,12 +659,14 @@ def _save_to_objects(
     def stage_and_upload() -> tuple[RankEntry, dict[str, Any], list[list[str]], ExpertPlacement | None]:
         nonlocal staged, scratch
         loaded = _loaded(model, state)
-        if loaded.capture is not None and not loaded.updates:
-            staged = loaded.capture
+        capture = loaded.capture
+        if capture is not None and capture.temporary and not loaded.updates:
+            staged = capture  # staged at start-up, never published: upload it as it is
         else:
-            if loaded.capture is not None:
-                staging = loaded.capture.directory
+            if capture is not None and capture.temporary:
+                staging = capture.directory
             else:
+                # Not into a checkpoint an earlier save published here: that folder is not this save's.
                 staging = scratch = tempfile.mkdtemp(prefix="sharded-state-upload-", dir=staging_base())
             staged = _stage_for_save(model, loaded, staging, rank, pattern, max_size, token)
         if (staged.pattern, staged.max_size) != (pattern, max_size):
@@ -676,9 +704,10 @@ def _save_to_objects(
             f"old save's objects failed: {e}. Save again to clean up."
         ) from e
     if state is not None:
-        if state.capture is not None:
+        if state.capture is not None and (state.capture.temporary or state.updates):
             discard_rank(state.capture)
-        state.capture = None  # uploaded: nothing local to rewrite from
+            state.capture = None  # uploaded, or stale: nothing local to rewrite from
+        # Else a capture that an earlier local save published stays: its content is checked before each use.
         state.updates = 0
     if workers.first:
         logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(outcomes), manifest.nbytes / 1e6, url)
@@ -721,6 +750,20 @@ def _abandon_local_stage(state: LoadedState | None, staged: StagedRank | None) -
 
 def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
     """Body of vLLM's worker ``save_sharded_state`` hook; runs on every worker at once.
+
+    A failure that every worker knows alike is raised by one of them (:func:`raises_for_all`)
+    and logged by the others, so that vLLM reads every worker's answer to this call.
+    """
+    try:
+        _save_rank(model, path, pattern, max_size)
+    except ShardedStateError as e:
+        if not _is_agreed(e) or raises_for_all():
+            raise
+        logger.error("sharded_state: %s (raised by the engine's last worker)", e)
+
+
+def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
+    """The save of :func:`save_rank_from_hook`, on this worker.
 
     The steps of :mod:`..checkpoint.save` across workers: the first worker takes the lock, every
     worker stages its parts, then swaps them in, and the first worker publishes the

@@ -41,7 +41,7 @@ from vllm.logger import init_logger
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import ShardedStateError
 from ..storage.location import is_remote
-from .capture import LOADED_STATE_ATTRIBUTE, gather_over, served_from_checkpoint
+from .capture import LOADED_STATE_ATTRIBUTE, gather_over, raises_for_all, served_from_checkpoint
 from .layer_geometry import model_rank
 
 if TYPE_CHECKING:
@@ -92,20 +92,6 @@ def _groups() -> list[Any]:
     from vllm.distributed import get_pp_group, get_tp_group
 
     return [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
-
-
-def _raises_for_all() -> bool:
-    """Whether this worker is the one that raises a refusal for all: the last of the engine's workers.
-
-    vLLM 0.32's multiprocessing executor reads the workers' answers in rank order and stops
-    at the first failure: the answers of the workers after it stay queued and are taken
-    for the answers to the next call (``/pause`` then fails with this update's error).
-    Failing on the last worker alone keeps every answer read.
-    """
-    from vllm.distributed import get_pp_group, get_tp_group
-
-    tp, pp = get_tp_group(), get_pp_group()
-    return tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1
 
 
 def _agree(error: str | None) -> list[str]:
@@ -234,7 +220,7 @@ class InPlaceUpdate:
         Every worker reads and checks its own files, then all agree before any processes:
         a file that only one rank finds corrupt must leave every rank as served, not some
         updated and some not. A refusal is raised by one worker only, the last one (see
-        :func:`_agree`); the others put their layers back and return False.
+        :func:`.capture.raises_for_all`); the others put their layers back and return False.
         """
         layerwise = _layerwise()
         layers = [
@@ -256,9 +242,9 @@ class InPlaceUpdate:
         errors = _agree(None if failure is None else f"{rank}: {failure}")
         if errors:
             self._put_back(layers)
-            if len(errors) == 1 and failure is not None and _raises_for_all():
+            if len(errors) == 1 and failure is not None and raises_for_all():
                 raise failure
-            if _raises_for_all():
+            if raises_for_all():
                 raise ShardedStateError(" | ".join(errors) + " (no rank's weights were changed)")
             logger.warning("sharded_state: %s put its weights back: another rank refused the update", rank)
             return False

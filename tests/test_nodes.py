@@ -1,0 +1,271 @@
+"""Two nodes on one machine, through vLLM's own multiprocessing executor: TP=2 across them, one
+worker each, the leader an offline ``LLM`` (``tests/engine_runner.py``) and the follower
+``vllm-sharded-serve ... --headless`` (vLLM's ``vllm serve``).
+
+Each node is its own process tree with its own host name, disk view and network
+(``tests/nodes.py``: mount, UTS and network namespaces, a veth pair each on a bridge), so that
+a path means different folders on each node, as on separate machines. The object-storage
+server (SeaweedFS) runs on the host; each node reaches it through its own counting proxy,
+which tells how many bytes that node read.
+
+One engine runs at a time: the default loader first (the reference token ids, and saves
+from two nodes), then ``sharded_state`` loads from per-node disks, from the bucket and,
+resharded, from per-node Hub caches. Every run ends with no process left on either node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ENGINE_TIMEOUT
+from faultproxy import FaultProxy
+from nodes import Nodes, stop_group, wait_until
+from s3_server import SeaweedS3, free_ports
+from test_hub import REPO, lay_out_cache
+from test_s3 import stores_pointed_at
+
+from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
+from vllm_sharded_loader.format import MANIFEST_NAME
+from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "nodes"
+# A follower that has lost its leader stops within the watch's 3 checks 2 s apart, then
+# vLLM's own shutdown of its workers (up to about 10 s).
+FOLLOWER_EXIT_SECONDS = 60
+
+
+@dataclass
+class Served:
+    """One run of the two-node engine."""
+
+    result: dict
+    follower_ended: bool  # by itself, after the leader ended
+    leftovers: list[str]  # processes still running on either node afterwards
+    logs: list[Path]
+
+
+@dataclass
+class Bucket:
+    server: SeaweedS3
+    proxies: list[FaultProxy]  # one per node
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    nodes = Nodes(tmp_path_factory.mktemp("nodes"))
+    if not nodes.isolated_disks:
+        nodes.close()
+        pytest.skip("two nodes on one machine need mount and UTS namespaces (unshare, as root)")
+    with nodes:
+        yield nodes
+
+
+@pytest.fixture(scope="module")
+def bucket(cluster, tmp_path_factory):
+    with (
+        SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server,
+        stores_pointed_at(server.aws_environment()),
+        contextlib.ExitStack() as stack,
+    ):
+        server.create_bucket(BUCKET)
+        port = int(server.endpoint.rsplit(":", 1)[1])
+        proxies = [stack.enter_context(FaultProxy(port, host=cluster.host_ip)) for _ in range(cluster.count)]
+        yield Bucket(server, proxies)
+
+
+def node_environment(bucket: Bucket, node: int) -> dict[str, str]:
+    """What every process on ``node`` gets: the engine settings and the bucket through its proxy."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_models import engine_environment
+
+    return {
+        **engine_environment(1),
+        "VLLM_CPU_OMP_THREADS_BIND": str(node),  # one worker per node, each on its own core
+        **bucket.server.aws_environment(),
+        "AWS_ENDPOINT_URL": bucket.proxies[node].url,
+    }
+
+
+def session_processes(session: int) -> list[str]:
+    """Live (not zombie) processes of a session, as ``pid command``."""
+    listing = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+    found = []
+    for line in listing.splitlines():
+        pid, sid, stat, *args = line.split(None, 3)
+        if int(sid) == session and not stat.startswith("Z"):
+            found.append(f"{pid} {' '.join(args)}")
+    return found
+
+
+def serve(
+    cluster: Nodes,
+    bucket: Bucket,
+    model: str,
+    load_format: str,
+    name: str,
+    env: dict[str, str] | None = None,
+    kill_leader: bool = False,
+    **spec: object,
+) -> Served:
+    """Start the follower, then the leader (its ``spec``: ``saves``, ...), wait for the leader, then
+    for the follower to end by itself; stop whatever is left and report it.
+
+    With ``kill_leader``, the leader serves on after its result until its whole process tree
+    is killed (``SIGKILL``), as when its machine fails."""
+    port = free_ports(1)[0]
+    follower_args = ["--load-format", load_format, "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"]
+    follower_args += ["--master-addr", cluster.ip(0), "--master-port", str(port), "--headless"]
+    # The leader's settings (tests/engine_runner.py), which every node must share.
+    follower_args += ["--max-model-len", "512", "--enforce-eager", "--seed", "0"]
+    logs = [cluster.root / f"{name}-node-{i}.log" for i in range(2)]
+    envs = [{**node_environment(bucket, i), **(env or {})} for i in range(2)]
+    follower = cluster.start(
+        1,
+        [sys.executable, "-m", "vllm_sharded_loader.engine.serve_cli", model, *follower_args],
+        envs[1],
+        logs[1],
+    )
+    leader_spec = {
+        "model": model,
+        "tp": 2,
+        "load_format": load_format,
+        "engine": {"nnodes": 2, "node_rank": 0, "master_addr": cluster.ip(0), "master_port": port},
+        **spec,
+        **({"hold": ENGINE_TIMEOUT} if kill_leader else {}),
+    }
+    leader = cluster.start(
+        0,
+        [sys.executable, "tests/engine_runner.py", json.dumps(leader_spec)],
+        {**envs[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        logs[0],
+    )
+    try:
+
+        def result() -> dict | None:
+            lines = logs[0].read_text(errors="replace").splitlines()
+            return next((json.loads(line[7:]) for line in lines if line.startswith("RESULT ")), None)
+
+        if kill_leader:
+            wait_until(lambda: result() is not None or leader.poll() is not None, ENGINE_TIMEOUT)
+            os.killpg(leader.pid, signal.SIGKILL)
+        try:
+            leader.wait(timeout=ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the leader did not end within {ENGINE_TIMEOUT} s:\n{tails(logs)}")
+        if (leader.returncode and not kill_leader) or result() is None:
+            pytest.fail(f"the two-node engine failed (leader exit {leader.returncode}):\n{tails(logs)}")
+        ended = wait_until(lambda: follower.poll() is not None, FOLLOWER_EXIT_SECONDS)
+        wait_until(lambda: not session_processes(follower.pid) and not session_processes(leader.pid), 20)
+        leftovers = session_processes(follower.pid) + session_processes(leader.pid)
+    finally:
+        stop_group(follower)
+        stop_group(leader)
+    return Served(result(), ended, leftovers, logs)
+
+
+def tails(logs: list[Path], lines: int = 40) -> str:
+    return "\n".join(
+        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) for log in logs
+    )
+
+
+def assert_all_ended(served: Served) -> None:
+    assert served.follower_ended, f"the follower did not end after the leader:\n{tails(served.logs)}"
+    assert not served.leftovers, served.leftovers
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, bucket, models) -> Served:
+    """vLLM's default loader on the two nodes, each with its own copy of the HF model: the token ids
+    every sharded load must give. The same engine then saves three times: to a path that is
+    each node's own disk, to the shared folder, and to the bucket."""
+    for i in range(cluster.count):
+        shutil.copytree(models["llama"], cluster.node_dir(i) / "hf")
+    served = serve(
+        cluster,
+        bucket,
+        str(cluster.local / "hf"),
+        "auto",
+        "default",
+        saves=[str(cluster.local / "out"), str(cluster.shared / "tp2"), f"s3://{BUCKET}/tp2"],
+    )
+    assert len(served.result["token_ids"]) == 4 and all(len(ids) == 16 for ids in served.result["token_ids"])
+    return served
+
+
+def test_a_save_to_a_folder_the_nodes_do_not_share_is_refused_and_leaves_nothing(cluster, reference):
+    refusal = reference.result["saves"][0]
+    assert "do not share" in refusal and "node-0" in refusal and "node-1" in refusal, refusal
+    assert "s3://" in refusal and "Nothing was written" in refusal
+    # No lock, staging file or manifest on either node; the folder the save made is gone too.
+    for i in range(cluster.count):
+        assert not (cluster.node_dir(i) / "out").exists(), list((cluster.node_dir(i) / "out").iterdir())
+
+
+def test_a_save_to_a_shared_folder_from_two_nodes_needs_no_setting(cluster, reference):
+    assert reference.result["saves"][1] == "ok", reference.result["saves"][1]
+    checkpoint = cluster.shared / "tp2"
+    assert verify_checkpoint(str(checkpoint)) == []
+    manifest = read_manifest(str(checkpoint))
+    assert (manifest.tp_size, len(manifest.ranks)) == (2, 2)
+    # Parts, manifest and the served model's non-weight files: no lock or staging file left.
+    parts = {f.name for rank in manifest.ranks for f in rank.files}
+    carried = {p.name for p in (cluster.node_dir(0) / "hf").iterdir() if not p.name.endswith(".safetensors")}
+    assert {p.name for p in checkpoint.iterdir()} == parts | carried | {MANIFEST_NAME}
+
+
+def test_a_save_to_a_bucket_from_two_nodes(bucket, reference):
+    assert reference.result["saves"][2] == "ok", reference.result["saves"][2]
+    assert verify_checkpoint(f"s3://{BUCKET}/tp2") == []
+
+
+def test_each_node_serves_from_its_own_disk_and_the_follower_ends_when_the_leader_is_killed(cluster, bucket, reference):
+    saved = cluster.shared / "tp2"
+    manifest = read_manifest(str(saved))
+    for i in range(cluster.count):
+        own = cluster.node_dir(i) / "ckpt"
+        own.mkdir()
+        keep = {f.name for f in manifest.rank(i, 0).files}
+        for f in saved.iterdir():
+            if f.name in keep or not f.name.endswith(".safetensors"):
+                shutil.copy(f, own / f.name)
+    served = serve(cluster, bucket, str(cluster.local / "ckpt"), "sharded_state", "own-disks", kill_leader=True)
+    assert served.result["token_ids"] == reference.result["token_ids"]
+    assert_all_ended(served)
+
+
+def test_each_node_reads_only_its_share_from_the_bucket(bucket, cluster, reference):
+    manifest = read_manifest(f"s3://{BUCKET}/tp2")
+    shares = [sum(f.size for f in manifest.rank(i, 0).files) for i in range(2)]
+    for proxy in bucket.proxies:
+        proxy.sent = proxy.received = 0
+    served = serve(cluster, bucket, f"s3://{BUCKET}/tp2", "sharded_state", "bucket")
+    assert served.result["token_ids"] == reference.result["token_ids"]
+    assert_all_ended(served)
+    received = [proxy.received for proxy in bucket.proxies]
+    print(f"bytes read per node: {received}; each rank's parts: {shares}")
+    for i in range(2):
+        # Its own parts (plus manifest, config and tokenizer, and HTTP headers), never the other's.
+        assert shares[i] <= received[i] < shares[i] + shares[1 - i] / 2, (i, received, shares)
+
+
+def test_a_resharded_load_from_each_nodes_hub_cache(cluster, bucket, reference):
+    tp1 = cluster.shared / "tp1"
+    reshard_checkpoint(str(cluster.shared / "tp2"), str(tp1), 1)
+    for i in range(cluster.count):
+        lay_out_cache(tp1, cluster.node_dir(i) / "hub")
+    hub = {"HF_HUB_CACHE": str(cluster.local / "hub"), "HF_HUB_OFFLINE": "1"}
+    served = serve(cluster, bucket, REPO, "sharded_state", "hub", env=hub)
+    assert served.result["token_ids"] == reference.result["token_ids"]
+    assert_all_ended(served)
