@@ -49,7 +49,8 @@ FOLLOWER_EXIT_SECONDS = 60
 class Served:
     """One run of the two-node engine."""
 
-    result: dict
+    result: dict | None  # the leader's RESULT line (tests/engine_runner.py)
+    leader_exit: int | None
     follower_ended: bool  # by itself, after the leader ended
     leftovers: list[str]  # processes still running on either node afterwards
     logs: list[Path]
@@ -116,18 +117,20 @@ def serve(
     name: str,
     env: dict[str, str] | None = None,
     kill_leader: bool = False,
+    leader_argv: list[str] | None = None,
     **spec: object,
 ) -> Served:
     """Start the follower, then the leader (its ``spec``: ``saves``, ...), wait for the leader, then
     for the follower to end by itself; stop whatever is left and report it.
 
     With ``kill_leader``, the leader serves on after its result until its whole process tree
-    is killed (``SIGKILL``), as when its machine fails."""
+    is killed (``SIGKILL``), as when its machine fails. ``leader_argv`` runs another leader (with
+    the leader's options of the follower's command line added) instead of the engine runner."""
     port = free_ports(1)[0]
-    follower_args = ["--load-format", load_format, "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"]
-    follower_args += ["--master-addr", cluster.ip(0), "--master-port", str(port), "--headless"]
+    spans = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", cluster.ip(0), "--master-port", str(port)]
     # The leader's settings (tests/engine_runner.py), which every node must share.
-    follower_args += ["--max-model-len", "512", "--enforce-eager", "--seed", "0"]
+    same = ["--max-model-len", "512", "--enforce-eager", "--seed", "0"]
+    follower_args = ["--load-format", load_format, *spans, "--node-rank", "1", "--headless", *same]
     logs = [cluster.root / f"{name}-node-{i}.log" for i in range(2)]
     envs = [{**node_environment(bucket, i), **(env or {})} for i in range(2)]
     follower = cluster.start(
@@ -144,9 +147,11 @@ def serve(
         **spec,
         **({"hold": ENGINE_TIMEOUT} if kill_leader else {}),
     }
+    if leader_argv is not None:
+        leader_argv = [*leader_argv, *spans, "--node-rank", "0", *same]
     leader = cluster.start(
         0,
-        [sys.executable, "tests/engine_runner.py", json.dumps(leader_spec)],
+        leader_argv or [sys.executable, "tests/engine_runner.py", json.dumps(leader_spec)],
         {**envs[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         logs[0],
     )
@@ -163,7 +168,7 @@ def serve(
             leader.wait(timeout=ENGINE_TIMEOUT)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the leader did not end within {ENGINE_TIMEOUT} s:\n{tails(logs)}")
-        if (leader.returncode and not kill_leader) or result() is None:
+        if leader_argv is None and ((leader.returncode and not kill_leader) or result() is None):
             pytest.fail(f"the two-node engine failed (leader exit {leader.returncode}):\n{tails(logs)}")
         ended = wait_until(lambda: follower.poll() is not None, FOLLOWER_EXIT_SECONDS)
         wait_until(lambda: not session_processes(follower.pid) and not session_processes(leader.pid), 20)
@@ -171,7 +176,7 @@ def serve(
     finally:
         stop_group(follower)
         stop_group(leader)
-    return Served(result(), ended, leftovers, logs)
+    return Served(result(), leader.returncode, ended, leftovers, logs)
 
 
 def tails(logs: list[Path], lines: int = 40) -> str:
@@ -201,6 +206,7 @@ def reference(cluster, bucket, models) -> Served:
         saves=[str(cluster.local / "out"), str(cluster.shared / "tp2"), f"s3://{BUCKET}/tp2"],
     )
     assert len(served.result["token_ids"]) == 4 and all(len(ids) == 16 for ids in served.result["token_ids"])
+    assert_all_ended(served)  # the plugin stops a follower whatever it loaded
     return served
 
 
@@ -269,3 +275,18 @@ def test_a_resharded_load_from_each_nodes_hub_cache(cluster, bucket, reference):
     served = serve(cluster, bucket, REPO, "sharded_state", "hub", env=hub)
     assert served.result["token_ids"] == reference.result["token_ids"]
     assert_all_ended(served)
+
+
+def test_the_save_script_across_nodes_refuses_a_folder_they_do_not_share_and_leaves_nothing(cluster, bucket, reference):
+    """The save script as the leader (it captures the loaded state into the output folder at
+    start-up, on its own node only): refused before the manifest, with no capture, lock or
+    folder left on either node."""
+    script = [sys.executable, "examples/save_sharded_state.py", "--model", str(cluster.local / "hf")]
+    script += ["--output", str(cluster.local / "by-script")]
+    served = serve(cluster, bucket, str(cluster.local / "hf"), "auto", "script", leader_argv=script)
+    output = served.logs[0].read_text(errors="replace")
+    assert served.leader_exit == 2, tails(served.logs)
+    assert "error: " in output and "do not share" in output and "node-1" in output, tails(served.logs)
+    for i in range(cluster.count):
+        assert not (cluster.node_dir(i) / "by-script").exists(), list((cluster.node_dir(i) / "by-script").iterdir())
+    assert not served.leftovers, served.leftovers

@@ -35,8 +35,10 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -73,6 +75,7 @@ from ..storage.lock import (
     release_owner_marker,
     release_save_lock,
 )
+from .follower import watch_leader
 from .identity import current_rank, dtype_label, is_drafter, source_identity
 from .layer_geometry import UNQUANTIZED_METHODS, model_rank, tensor_geometry
 from .progress import ByteProgress
@@ -117,6 +120,8 @@ class LoadedState:
     model_config: Any = field(default=None, repr=False)
     # The sharded checkpoint a weight update replaced every tensor from (a save re-reads it).
     reloaded_from: str | None = None
+    # Removes the start-up capture and its owner marker (at exit at the latest); None once done.
+    drop_capture: Callable[[], None] | None = field(default=None, repr=False)
 
 
 def capture_settings() -> tuple[str, str | None, int | None] | None:
@@ -243,7 +248,8 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         token = new_token()
         os.makedirs(directory, exist_ok=True)
         owner = hold_owner_marker(directory, token)
-        atexit.register(_drop_capture, state, directory, token, owner)
+        state.drop_capture = partial(_drop_capture, state, directory, token, owner)
+        atexit.register(state.drop_capture)
         with ByteProgress(f"Saving sharded_state ({rank})", _show_progress()) as progress:
             state.capture = stage_rank(
                 directory,
@@ -270,12 +276,16 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
 
 
 def _drop_capture(state: LoadedState, directory: str, token: str, owner: int) -> None:
-    """At the worker's exit: a start-up capture that no save published goes, then its marker.
+    """At the worker's exit (or once a save shows the folder unusable): a start-up capture that
+    no save published goes, then its marker.
 
     A worker killed outright leaves both; the next save into the folder removes them.
     """
+    atexit.unregister(state.drop_capture)
+    state.drop_capture = None
     if state.capture is not None and state.capture.temporary:
         discard_rank(state.capture)
+        state.capture = None
     release_owner_marker(directory, token, owner)
 
 
@@ -308,6 +318,9 @@ def wrap_process_weights_after_loading(original: Any) -> Any:
     def process_weights_after_loading(model: torch.nn.Module, model_config: Any, target_device: Any) -> Any:
         # This runs for every load format once the plugin is installed: whatever goes
         # wrong in the recording must leave the load itself untouched.
+        config = current_vllm_config()
+        if config is not None:
+            watch_leader(config.parallel_config)  # a follower node ends with its leader, whatever it loaded
         try:
             model.__dict__.pop(RECORD_ERROR_ATTRIBUTE, None)
             record_loaded_state(model, model_config)
@@ -565,6 +578,10 @@ class _Workers:
         return [value for _, value in outcomes]
 
 
+class FolderNotShared(AgreedFailure):
+    """A local save's folder is not the same folder for every worker (each node has its own)."""
+
+
 def _check_folder_shared(workers: _Workers, path: str, token: str) -> None:
     """Refuse a local save unless every worker sees the folder the first one locked.
 
@@ -579,7 +596,7 @@ def _check_folder_shared(workers: _Workers, path: str, token: str) -> None:
     if not blind:
         return
     holder = next(f"{rank} on {host}" for host, rank, sees in seen if sees)
-    raise AgreedFailure(
+    raise FolderNotShared(
         f"Refusing to save to {path}: the workers do not share that folder. {holder} locked it for this save, "
         f"but {'; '.join(blind)} cannot see that lock there: each of these nodes has its own {path}, and a "
         "checkpoint written there would lack the other nodes' parts. Save to object storage (s3://, gs://, "
@@ -833,6 +850,9 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
         if not published:
             carried.restore()
             _abandon_local_stage(state, staged)
+            if isinstance(e, FolderNotShared) and state is not None and state.drop_capture is not None:
+                # Staged at start-up in that folder, for a save there that can never succeed.
+                state.drop_capture()
             if lock is not None and workers.first:
                 release_save_lock(lock)
                 if made_folder:

@@ -6,9 +6,10 @@ workers, which wait for the leader's next call on a ZeroMQ socket with no timeou
 the leader's process ends, nothing tells them: the follower runs on, holding its memory
 and its accelerators, until someone stops it.
 
-In every follower worker that loads with ``sharded_state``, a daemon thread watches the
-leader: the world group's store, hosted by global rank 0 at ``--master-addr:--master-port``,
-listens for as long as the leader's engine lives. Once it has refused
+Once the plugin is installed, every follower worker, whatever its load format, starts a
+daemon thread when its weights are loaded, which watches the leader: the world group's
+store, hosted by global rank 0 at ``--master-addr:--master-port``, listens for as long as
+the leader's engine lives. Once it has refused
 ``SHARDED_STATE_LEADER_CHECKS`` connections in a row, ``SHARDED_STATE_LEADER_INTERVAL``
 seconds apart, the thread stops the follower as ``Ctrl-C`` would: ``SIGTERM`` to the
 process that started the workers (vLLM's headless command, which then shuts its

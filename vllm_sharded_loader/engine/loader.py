@@ -27,7 +27,6 @@ from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import is_remote
 from ..storage.reader import DEFAULT_THREADS
-from .follower import watch_leader
 from .identity import dtype_label, is_drafter, source_identity
 from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
@@ -291,12 +290,8 @@ class ShardedStateLoader(BaseModelLoader):
             # The target is the sharded checkpoint; its drafter comes from its own folder.
             self._load_drafter(model, model_config, directory)
             return
-        from .capture import current_vllm_config
         from .reload import remember_served_from
 
-        config = current_vllm_config()
-        if config is not None:
-            watch_leader(config.parallel_config)
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
         remember_served_from(model, model_config)

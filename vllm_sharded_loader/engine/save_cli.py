@@ -9,6 +9,7 @@ start-up (see :mod:`.capture`), and vLLM's save hook then publishes the manifest
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -86,10 +87,16 @@ def save_sharded_state(
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
+    made = False  # the output folder, made here: removed again if the save fails and leaves it empty
     if is_remote(output):
         capture_dir = _prepare_object_output(output, overwrite)
     else:
-        _prepare_local_output(model, output, overwrite)
+        made = not os.path.lexists(output)
+        try:
+            _prepare_local_output(model, output, overwrite)
+        except ShardedStateError:
+            _remove_if_empty(output, made)
+            raise
         capture_dir = output = os.path.abspath(output)
     os.environ[CAPTURE_DIR_ENV] = capture_dir
     os.environ[CAPTURE_PATTERN_ENV] = pattern or ""
@@ -101,12 +108,21 @@ def save_sharded_state(
     try:
         llm = LLM(**engine_kwargs)
         llm.llm_engine.engine_core.save_sharded_state(path=output, pattern=pattern, max_size=max_size)
+    except BaseException:
+        _remove_if_empty(output, made)
+        raise
     finally:
         for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV, OVERWRITE_ENV):
             os.environ.pop(name, None)
         if capture_dir != output:  # a local staging folder for an upload
             shutil.rmtree(capture_dir, ignore_errors=True)
     return llm
+
+
+def _remove_if_empty(folder: str, made: bool) -> None:
+    if made:
+        with contextlib.suppress(OSError):  # not empty: something is there that is not ours to remove
+            os.rmdir(folder)
 
 
 def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
