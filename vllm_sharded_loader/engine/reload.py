@@ -31,6 +31,7 @@ engine (:mod:`.weight_transfer`, see :meth:`InPlaceUpdate.run_layerwise`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -92,6 +93,42 @@ def _groups() -> list[Any]:
     from vllm.distributed import get_pp_group, get_tp_group
 
     return [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+
+
+@contextlib.contextmanager
+def _experts_processed_as_at_start_up(module: torch.nn.Module) -> Iterator[None]:
+    """Post-process an unquantized routed-experts layer during an update as at start-up.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod`` runs its experts' own post-processing
+    (``fused_experts.process_weights_after_loading``) on the first call only: on a weight
+    update it skips it. On CPU that step is the prepacking into the grouped-GEMM layout, so
+    an update would copy unpacked weights into the packed kernel tensors and serve wrong
+    tokens without an error (vLLM's own ``reload_weights`` does so too). Here the step runs
+    after the method's own, on the layer's new weights, before their copy into the kernel
+    tensors. Other methods rebuild their kernel, and this step with it, on every call.
+    """
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    method = getattr(module, "quant_method", None)
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if (
+        type(method).__name__ != "UnquantizedFusedMoEMethod"
+        or experts is None
+        or type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading
+    ):
+        yield
+        return
+    original = method.process_weights_after_loading
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        original(layer)
+        experts.process_weights_after_loading(layer)
+
+    method.process_weights_after_loading = process_weights_after_loading
+    try:
+        yield
+    finally:
+        del method.process_weights_after_loading  # the class's again
 
 
 def _agree(error: str | None) -> list[str]:
@@ -335,7 +372,8 @@ class InPlaceUpdate:
                     attention.append((module, info, holds))
                     continue
                 if holds:
-                    layerwise._layerwise_process(module, info)  # process, copy into the kernel tensors
+                    with _experts_processed_as_at_start_up(module):
+                        layerwise._layerwise_process(module, info)  # process, copy into the kernel tensors
                 else:
                     layerwise._place_kernel_tensors(module, info)
                     info.reset()
