@@ -5,18 +5,22 @@ objects: it builds a bfloat16 Llama-style model in process (``load_bench.build``
 it sharded at TP=1 and TP=2 (``examples/save_sharded_state.py``), uploads both checkpoints
 to the bucket, then, round-robin so that the machine's drift hits every row alike:
 
-- ``raw_get``: the server's bandwidth for the same bytes, measured here: every part of the
-  checkpoint fetched by parallel ranged GETs (16 MiB ranges, 16 threads per rank, through
-  the same client as our loader) into one preallocated buffer per rank;
+- ``raw_get``: the server's bandwidth for the same bytes, in the shape of the load: one
+  process per rank, all ranks at once (as vLLM's workers), each fetching its own rank's
+  parts by parallel ranged GETs through the same client as our loader, with as many
+  requests in flight as our loader uses at that TP (16 MiB ranges, ``remote_threads``),
+  into one buffer touched beforehand (the network and the server, not first-touch
+  faults); the rate is all ranks' bytes over the slowest rank's time;
 - ``ours``: ``LLM(model="s3://...", load_format="sharded_state")`` with this plugin (each rank
   reads its own parts by ranged GETs straight into its parameters);
 - ``runai``: vLLM's ``runai_streamer_sharded`` on the same objects (``runai-model-streamer``).
 
 ``load_weights`` is timed the same way for both loaders by ``timing/sitecustomize.py``
-(a TP=2 run counts its slowest rank); engine start is the time until ``LLM(...)`` returns.
-Every engine must give the same greedy token ids. Peak extra memory of our reader is
-measured engine-free: peak RSS of a process that loads one rank from the bucket into
-freshly allocated tensors, minus the tensors' bytes.
+(a TP=2 run counts its slowest rank), with the CPU seconds its processes spent in it;
+engine start is the time until ``LLM(...)`` returns, what a user waits for. Every engine
+must give the same greedy token ids. Peak extra memory of our reader is measured
+engine-free: peak RSS of a process that loads one rank from the bucket into freshly
+allocated tensors, minus the tensors' bytes.
 
     python benchmarks/s3_bench.py --out benchmarks/results          # ~15 minutes here
     python benchmarks/s3_bench.py --report benchmarks/results/s3_bench.json
@@ -34,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,7 +50,6 @@ GB = 1e9
 BUCKET = "models"
 LOADERS = ("ours", "runai")
 RANGE = 16 << 20
-THREADS = 16
 
 
 def upload(directory: str, url: str) -> None:
@@ -70,33 +72,87 @@ def rank_parts(url: str, tp: int) -> list[list[tuple[str, int]]]:
     return [[(f.name, f.size) for f in manifest.rank(r, 0).files] for r in range(tp)]
 
 
-def raw_get(url: str, tp: int) -> float:
-    """GB/s of fetching every rank's parts by parallel ranged GETs into preallocated memory."""
-    from vllm_sharded_loader.storage import objects
+# One rank's raw GETs, in a process of its own, started at a given time so that all ranks run at once.
+RAW_GET = """
+import json, resource, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from vllm_sharded_loader.storage import objects
+from vllm_sharded_loader.storage.location import read_manifest
 
-    where = objects.ObjectPrefix.parse(url)
-    ranks = rank_parts(url, tp)
-    buffers = [bytearray(sum(size for _, size in parts)) for parts in ranks]
-    for b in buffers:  # touched: measure the network, not first-touch faults
-        b[::4096] = b"\1" * len(b[::4096])
-    jobs = []
-    for r, parts in enumerate(ranks):
-        base = 0
-        for name, size in parts:
-            opened = objects.ObjectFile.open(where, name)
-            for start in range(0, size, RANGE):
-                jobs.append((opened, start, min(RANGE, size - start), r, base + start))
-            base += size
+url, rank, threads, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+start_at = float(sys.argv[5])
+where = objects.ObjectPrefix.parse(url)
+parts = [(f.name, f.size) for f in read_manifest(url).rank(rank, 0).files]
+buffer = bytearray(sum(n for _, n in parts))
+buffer[::4096] = b"\\1" * len(buffer[::4096])  # touched: measure the network, not first-touch faults
+jobs, base = [], 0
+for name, n in parts:
+    opened = objects.ObjectFile.open(where, name)
+    jobs += [(opened, start, min(size, n - start), base + start) for start in range(0, n, size)]
+    base += n
 
-    def fetch(job) -> int:
-        opened, start, length, r, at = job
-        memoryview(buffers[r])[at : at + length] = opened._get(start, length)
-        return length
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(THREADS * tp) as pool:
-        total = sum(pool.map(fetch, jobs))
-    return total / (time.perf_counter() - started) / GB
+def fetch(job):
+    opened, start, length, at = job
+    memoryview(buffer)[at : at + length] = opened._get(start, length)
+    return length
+
+
+time.sleep(max(0.0, start_at - time.time()))
+usage, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+with ThreadPoolExecutor(threads) as pool:
+    total = sum(pool.map(fetch, jobs))
+seconds, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
+cpu = after.ru_utime - usage.ru_utime + after.ru_stime - usage.ru_stime
+print("RESULT " + json.dumps({"seconds": seconds, "bytes": total, "cpu": cpu}))
+"""
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds a process has used so far (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def raw_get(url: str, tp: int, server_pid: int | None = None) -> dict:
+    """Every rank's parts by parallel ranged GETs, one process per rank, all at once (see the module doc).
+
+    Returns GB/s (all ranks' bytes over the slowest rank's time), the clients' CPU seconds,
+    and the server's CPU seconds over the same time when its ``server_pid`` is given.
+    """
+    from vllm_sharded_loader.storage.reader import remote_threads
+
+    start_at = time.time() + 5.0  # every process imported and its buffer touched by then
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RAW_GET, url, str(r), str(remote_threads(tp)), str(RANGE), str(start_at)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(tp)
+    ]
+    time.sleep(max(0.0, start_at - time.time()))
+    server_before = process_cpu_seconds(server_pid) if server_pid else None
+    ranks = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        found = re.search(r"^RESULT (.*)$", out, re.M)
+        if proc.returncode or not found:
+            raise RuntimeError(f"raw GET of {url} failed:\n{out[-2000:]}\n{err[-3000:]}")
+        ranks.append(json.loads(found.group(1)))
+    seconds = max(r["seconds"] for r in ranks)
+    total = sum(r["bytes"] for r in ranks)
+    row = {
+        "gbps": total / seconds / GB,
+        "seconds": seconds,
+        "threads_per_rank": remote_threads(tp),
+        "client_cpu_seconds": sum(r["cpu"] for r in ranks),
+    }
+    if server_before is not None:
+        row["server_cpu_seconds"] = process_cpu_seconds(server_pid) - server_before
+    return row
 
 
 READER_MEMORY = """
@@ -157,8 +213,26 @@ def run_engine(loader: str, tp: int, url: str, hf: str, work: str) -> dict:
         raise RuntimeError(f"{loader}: our loader ran when it should not, or did not when it should:\n{log[-3000:]}")
     result["load_seconds"] = max(entry["seconds"] for entry in loads)
     result["rank_seconds"] = sorted(entry["seconds"] for entry in loads)
+    # CPU seconds of every rank's process inside load_weights (all its threads).
+    result["cpu_seconds"] = sum(e["load_weights_cpu"]["user"] + e["load_weights_cpu"]["sys"] for e in loads)
     result["loader_class"] = sorted({entry["loader"] for entry in loads})
     return result
+
+
+def machine() -> dict:
+    """The machine the figures come from: platform, cores, CPU model and its vector extensions."""
+    info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return info
+    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    info["cpu_model"] = model.group(1).strip() if model else "?"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    info["cpu_flags"] = [flag for flag in wanted if flags and flag in flags.group(1).split()]
+    return info
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -170,7 +244,7 @@ def measure(args: argparse.Namespace) -> dict:
     for tp, out in dirs.items():
         load_bench.save(hf, out, tp)
     result: dict = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "command": " ".join(sys.argv),
         "layers": args.layers,
         "rows": [],
@@ -185,7 +259,7 @@ def measure(args: argparse.Namespace) -> dict:
         reference: dict[int, list] = {}
         for run in range(args.runs):
             for tp in (1, 2):
-                row = {"run": run, "tp": tp, "loader": "raw_get", "gbps": raw_get(urls[tp], tp)}
+                row = {"run": run, "tp": tp, "loader": "raw_get", **raw_get(urls[tp], tp, server.process.pid)}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 for loader in LOADERS if run % 2 == 0 else reversed(LOADERS):
@@ -200,6 +274,7 @@ def measure(args: argparse.Namespace) -> dict:
                         "load_seconds": engine["load_seconds"],
                         "rank_seconds": engine["rank_seconds"],
                         "engine_start_seconds": engine["engine_start"],
+                        "cpu_seconds": engine["cpu_seconds"],
                         "gbps": result["bytes"][tp] / tp / engine["load_seconds"] / GB,
                     }
                     result["rows"].append(row)
@@ -216,27 +291,60 @@ def median(rows: list[dict], key: str) -> float:
 
 def markdown(result: dict) -> str:
     rows = result["rows"]
+    m = result["machine"]
+    runs = len({r["run"] for r in rows})
     lines = [
-        "| TP | loader | `load_weights` (s), median | GB/s per rank | runs (s) | engine start (s) "
+        "# Object storage (S3) load inside vLLM: ours, Run:ai, raw parallel GET",
+        "",
+        f"Re-run: `PYTHONPATH=. python {result.get('command', 'benchmarks/s3_bench.py --out benchmarks/results')}` "
+        "(under `flock /tmp/vsl-engine.lock` on a shared machine).",
+        "",
+        f"Machine: {m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}; "
+        f"{m['platform']}, Python {m['python']}. SeaweedFS runs on the same 2 cores as the engines. "
+        f"Model: {result['layers']} layers, bfloat16, {result['bytes']['1'] / 1e6:.0f} MB. Medians of {runs} runs, "
+        "engines round-robin with the raw GETs. GB/s are all ranks together (a TP=2 load: both ranks' bytes over "
+        "the slowest rank's `load_weights`).",
+        "",
+        "| TP | loader | `load_weights` (s), median | GB/s | runs (s) | engine start (s) | CPU s per GB "
         "| vs Run:ai | vs raw GET |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for tp in (1, 2):
+        total = result["bytes"][str(tp)]
         raw = [r for r in rows if r["tp"] == tp and r["loader"] == "raw_get"]
         raw_gbps = median(raw, "gbps")
         runai = median([r for r in rows if r["tp"] == tp and r["loader"] == "runai"], "load_seconds")
         for loader in LOADERS:
             mine = [r for r in rows if r["tp"] == tp and r["loader"] == loader]
             seconds = median(mine, "load_seconds")
-            per_rank = result["bytes"][str(tp)] / tp / seconds / GB
-            runs = ", ".join(f"{r['load_seconds']:.2f}" for r in mine)
+            gbps = total / seconds / GB
+            times = ", ".join(f"{r['load_seconds']:.2f}" for r in mine)
+            cpu = statistics.median(r["cpu_seconds"] / (total / GB) for r in mine) if "cpu_seconds" in mine[0] else None
             lines.append(
-                f"| {tp} | {loader} | {seconds:.3f} | {per_rank:.2f} | {runs} | "
-                f"{median(mine, 'engine_start_seconds'):.1f} | {runai / seconds:.2f}x | "
-                f"{100 * per_rank * tp / raw_gbps:.0f}% |"
+                f"| {tp} | {loader} | {seconds:.3f} | {gbps:.2f} | {times} | "
+                f"{median(mine, 'engine_start_seconds'):.1f} | {'' if cpu is None else f'{cpu:.2f}'} | "
+                f"{runai / seconds:.2f}x | {100 * gbps / raw_gbps:.0f}% |"
             )
-        runs = ", ".join(f"{r['gbps']:.2f}" for r in raw)
-        lines.append(f"| {tp} | raw parallel GET | | {raw_gbps / tp:.2f} | {runs} GB/s | | | 100% |")
+        times = ", ".join(f"{r['gbps']:.2f}" for r in raw)
+        cpu = (
+            statistics.median(r["client_cpu_seconds"] / (total / GB) for r in raw)
+            if "client_cpu_seconds" in raw[0]
+            else None
+        )
+        threads = raw[0].get("threads_per_rank", "?")
+        lines.append(
+            f"| {tp} | raw parallel GET ({tp} process{'es' if tp > 1 else ''} x {threads} requests) | "
+            f"{total / raw_gbps / GB:.3f} | {raw_gbps:.2f} | {times} GB/s | | {'' if cpu is None else f'{cpu:.2f}'} "
+            "| | 100% |"
+        )
+    server = [r for r in rows if "server_cpu_seconds" in r]
+    if server:
+        per_gb = statistics.median(r["server_cpu_seconds"] / (result["bytes"][str(r["tp"])] / GB) for r in server)
+        lines += [
+            "",
+            f"CPU s per GB: the loading processes' CPU time (user + system, all threads) per GB loaded; the server "
+            f"(SeaweedFS) spent another {per_gb:.2f} CPU s per GB serving the raw GETs (median over TP=1 and TP=2).",
+        ]
     free = [r for r in rows if r["loader"] == "ours_engine_free"]
     if free:
         extra = max(r["extra_peak"] for r in free)

@@ -17,6 +17,31 @@ from vllm_sharded_loader.storage import local, memory, reader, tensor_files
 # ------------------------------------------------------------------ planning
 
 
+def test_the_ranks_of_one_host_split_its_budget_of_requests_to_object_storage():
+    assert [reader.remote_threads(n) for n in (1, 2, 3, 4, 8, 64)] == [16, 8, 5, 4, 4, 4]
+    assert reader.remote_threads() == reader.REMOTE_THREADS
+    with pytest.raises(ShardedStateError, match="at least one rank"):
+        reader.remote_threads(0)
+
+
+def test_only_whole_pages_inside_a_range_are_prefaulted():
+    page = mmap.PAGESIZE
+    assert memory.page_interior(page, 3 * page) == (page, 3 * page)
+    assert memory.page_interior(100, 3 * page) == (page, 2 * page)
+    assert memory.page_interior(100, page) is None  # no whole page inside
+    assert memory.page_interior(0, 0) is None
+
+
+def test_prefaulting_keeps_the_bytes_already_there_and_those_beside():
+    data = torch.arange(3 * mmap.PAGESIZE, dtype=torch.int32)
+    expected = data.clone()
+    fresh = torch.empty(3 * mmap.PAGESIZE, dtype=torch.int32)  # fresh pages among them
+    memory.prefault_pages([(data.data_ptr() + 12, data.numel() * 4 - 24), (fresh.data_ptr(), fresh.numel() * 4)])
+    assert torch.equal(data, expected)
+    fresh.fill_(5)
+    assert torch.equal(fresh, torch.full_like(fresh, 5))
+
+
 def test_spans_cut_pieces_on_the_grid_and_keep_file_order():
     pieces = [Piece(0, 90, 30, dest=1, start=0), Piece(0, 10, 60, dest=0, start=4), Piece(1, 0, 5, dest=2)]
     spans = plan_spans(pieces, [FileGrid(200, 50), FileGrid(5, 50)])

@@ -29,7 +29,7 @@ from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, v
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
-from vllm_sharded_loader.storage import faults, objects
+from vllm_sharded_loader.storage import faults, objects, reader
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
 BUCKET = "models"
@@ -108,6 +108,19 @@ def test_a_checkpoint_in_a_bucket_loads_at_its_topology_and_resharded(s3, saved,
             assert torch.equal(targets[name], x), name
         assert stats.bytes_mapped == 0  # objects are read, never mapped
         assert (stats.resharded_from is None) == (saved == serving)
+
+
+@pytest.mark.parametrize(("saved", "ranks_on_host"), [(2, 1), (2, 2), (1, 2), (2, 8)])
+def test_the_ranks_of_one_host_split_its_requests_to_the_bucket(s3, saved, ranks_on_host):
+    """Ranks loading together on one host each keep their share of the host's requests in
+    flight (at the saved topology and resharded), and load the same bytes."""
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    url = new_prefix()
+    save_to_bucket(url, model, saved)
+    for rank in range(2):
+        stats, targets, expected = load_from(url, model, 2, rank, threads=1, ranks_on_host=ranks_on_host)
+        assert all(torch.equal(targets[name], x) for name, x in expected.items()), rank
+        assert stats.threads == reader.remote_threads(ranks_on_host) == max(16 // ranks_on_host, 4)
 
 
 def test_experts_saved_per_replica_into_a_bucket_load_at_every_rank(s3):

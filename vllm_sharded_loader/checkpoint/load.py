@@ -52,6 +52,7 @@ def load_rank(
     threads: int = DEFAULT_THREADS,
     progress: Callable[[int, int], None] | None = None,
     huge_pages: bool = False,
+    ranks_on_host: int = 1,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
@@ -67,7 +68,8 @@ def load_rank(
     on one side only), is resharded (:func:`.reshard.load_resharded`) if its manifest
     records the geometry; ``tied`` names groups of tensors the serving
     model shares (tied embeddings), so a tensor saved under one name serves the others.
-    ``threads``, ``progress`` and ``huge_pages`` go to the reader. ``adopt`` maps tensor
+    ``threads``, ``progress``, ``huge_pages`` and ``ranks_on_host`` (the ranks loading on this
+    host at once, which share its budget of requests to object storage) go to the reader. ``adopt`` maps tensor
     names to callbacks that take a tensor over a private mapping of the file in place of
     the target (see :func:`..storage.reader.read_pieces`); a resharding load maps the
     tensors whose saved pieces are whole runs of their files (see
@@ -77,7 +79,7 @@ def load_rank(
     without manifest (vLLM's own save).
     """
     started = time.perf_counter()
-    options = dict(threads=threads, progress=progress, huge_pages=huge_pages)
+    options = dict(threads=threads, progress=progress, huge_pages=huge_pages, ranks_on_host=ranks_on_host)
     check_verify_mode(verify)
     check_not_locked(directory)
     if manifest is None:

@@ -157,6 +157,7 @@ class ReshardSource:
         threads: int = DEFAULT_THREADS,
         progress: Callable[[int, int], None] | None = None,
         huge_pages: bool = False,
+        ranks_on_host: int = 1,
         adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
     ) -> ReadStats:
         """Fill ``targets`` from their :class:`~..planning.reads.TensorPlan` (cast if the saved dtype differs).
@@ -247,7 +248,7 @@ class ReshardSource:
                 if not on_cpu:
                     batch.copies.append(copy)
                 batch.gathered += span
-        total, spans, huge = 0, 0, False
+        total, spans, huge, used = 0, 0, False, threads
         for batch in batches:
             stats = read_pieces(
                 opened,
@@ -258,13 +259,15 @@ class ReshardSource:
                 threads=threads,
                 progress=progress,
                 huge_pages=huge_pages,
+                ranks_on_host=ranks_on_host,
             )
             batch.copy_rows()
             total, spans, huge = total + stats.bytes_read, spans + stats.spans, huge or stats.huge_pages
+            used = stats.threads  # the reader's own count (more for objects in object storage)
         # Only now, with every byte read and verified, do callers take the mapped tensors.
         for taker, tensor in adopted:
             taker(tensor)
-        return ReadStats(total, spans, threads, huge, mapped_bytes)
+        return ReadStats(total, spans, used, huge, mapped_bytes)
 
     def fill(self, tensor_plan: TensorPlan, target: torch.Tensor) -> None:
         """Read one planned tensor into ``target`` (cast if its dtype differs from the saved one)."""
@@ -294,6 +297,7 @@ def load_resharded(
     threads: int = DEFAULT_THREADS,
     progress: Callable[[int, int], None] | None = None,
     huge_pages: bool = False,
+    ranks_on_host: int = 1,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
 ) -> LoadStats:
     """Fill a rank's tensors from a checkpoint saved at another TP/PP size.
@@ -328,7 +332,13 @@ def load_resharded(
         for name in files_to_check(plan, manifest):
             source.check_file(name)  # every check before the first byte lands in a parameter
         read = source.read(
-            plan.tensors, targets, threads=threads, progress=progress, huge_pages=huge_pages, adopt=adopt
+            plan.tensors,
+            targets,
+            threads=threads,
+            progress=progress,
+            huge_pages=huge_pages,
+            adopt=adopt,
+            ranks_on_host=ranks_on_host,
         )
         check_not_replaced(directory, manifest, source.check_unchanged)
         cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]

@@ -125,6 +125,19 @@ def repacked_parameters(model: torch.nn.Module) -> set[str]:
     return names
 
 
+def ranks_on_host() -> int:
+    """How many workers of this engine run on this host (vLLM's local world size); 1 outside an engine.
+
+    They load at the same time, so they split the host's budget of requests to object
+    storage (:func:`..storage.reader.remote_threads`) instead of each taking all of it.
+    """
+    from .capture import current_vllm_config
+
+    config = current_vllm_config()
+    size = getattr(getattr(config, "parallel_config", None), "local_world_size", None)
+    return size if isinstance(size, int) and size >= 1 else 1
+
+
 def _experts_change(manifest: Manifest | None, experts: ExpertPlacement | None) -> str:
     """`` (experts: saved EP=2 linear, served without expert parallelism)`` when the placement changed."""
     saved = None if manifest is None else manifest.experts
@@ -370,6 +383,7 @@ class ShardedStateLoader(BaseModelLoader):
                 progress=progress,
                 huge_pages=self.huge_pages,
                 adopt=adopt,
+                ranks_on_host=ranks_on_host(),
             )
         if stats.resharded_from is not None:
             logger.info(

@@ -92,6 +92,28 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return hi > lo and oscalls.madvise_hugepage(lo, hi - lo)
 
 
+def page_interior(address: int, nbytes: int) -> tuple[int, int] | None:
+    """The whole pages inside ``[address, address + nbytes)``, as (start, length), or None if none. Pure."""
+    start, end = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+    return (start, end - start) if end > start else None
+
+
+def prefault_pages(ranges: Sequence[tuple[int, int]]) -> None:
+    """Fault in the fresh memory of (address, length) ranges about to be written, one system call each.
+
+    A response from object storage is copied into the parameters by a memory copy in this
+    process, where every untouched 4 KiB page of a fresh parameter traps on its first
+    write: ~90,000 traps per GB. ``MADV_POPULATE_WRITE`` maps the same pages in one call
+    (measured on the 2-core VMs here, loading 0.36-0.73 GB ranks from SeaweedFS: 15-20%
+    less CPU per byte in the loading process, 5-15% faster loads). Only whole pages inside
+    each range are touched, so memory beside a tensor is never written. Best effort.
+    """
+    for address, nbytes in ranges:
+        interior = page_interior(address, nbytes)
+        if interior is not None:
+            oscalls.populate_write(*interior)
+
+
 def mapped_pieces(pieces: Sequence[Piece], targets: Sequence[Target]) -> dict[int, Piece]:
     """The targets that can be served from a file mapping instead of read: index -> its piece.
 
