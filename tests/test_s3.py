@@ -30,6 +30,7 @@ from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import faults, objects, reader
+from vllm_sharded_loader.storage.tensors import DTYPES
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
 BUCKET = "models"
@@ -368,6 +369,38 @@ def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_
         assert served.result["token_ids"] == reference["token_ids"]
         assert ("resharded from TP=2 PP=1 to TP=1 PP=1" in served.output) == (tp == 1)
         assert "0.0 MB mapped" in served.output  # read from the bucket, not from a local copy
+
+
+@pytest.mark.engine
+def test_one_engine_saves_again_and_again_locally_and_to_buckets(s3, models, tmp_path):
+    """Saves in turn from one engine, each from what the one before left: the start-up capture
+    published in place, then uploaded from its published files, uploaded again, saved elsewhere;
+    and, in a second engine, a capture staged for an upload, then a second upload (which has no
+    capture left to use: it reads the loaded state again). Every checkpoint verifies and holds
+    the same tensors."""
+    from conftest import run_engine
+
+    local, again = str(tmp_path / "local"), str(tmp_path / "again")
+    urls = [new_prefix() for _ in range(4)]
+    first = run_engine({"model": models["llama"], "capture_dir": local, "saves": [local, urls[0], urls[1], again]})
+    second = run_engine({"model": models["llama"], "capture_dir": str(tmp_path / "staging"), "saves": urls[2:]})
+    assert first.result["saves"] == ["ok"] * 4, first.result["saves"]
+    assert second.result["saves"] == ["ok"] * 2, second.result["saves"]
+    checkpoints = [local, again, *urls]
+    assert all(verify_checkpoint(c) == [] for c in checkpoints)
+    tensors = [load_rank_tensors(c) for c in checkpoints]
+    for other in tensors[1:]:
+        assert other.keys() == tensors[0].keys()
+        assert all(torch.equal(other[name], t) for name, t in tensors[0].items())
+
+
+def load_rank_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
+    """The one rank's tensors of a TP=1 checkpoint, read by the loader into fresh tensors."""
+    manifest = read_manifest(checkpoint)
+    entries = manifest.rank(0, 0).tensors.items()
+    targets = {name: torch.empty(e.shape, dtype=DTYPES[e.dtype]) for name, e in entries}
+    load_rank(checkpoint, targets, RankInfo(0, 1), manifest=manifest, serving=manifest.source)
+    return targets
 
 
 # ------------------------------------------------------------- network faults (a real proxy)

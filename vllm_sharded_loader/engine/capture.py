@@ -721,8 +721,9 @@ def _save_to_objects(
             f"old save's objects failed: {e}. Save again to clean up."
         ) from e
     if state is not None:
-        if state.capture is not None and (state.capture.temporary or state.updates):
-            discard_rank(state.capture)
+        capture = state.capture
+        if capture is not None and (capture is staged or capture.temporary or state.updates):
+            discard_rank(capture)
             state.capture = None  # uploaded, or stale: nothing local to rewrite from
         # Else a capture that an earlier local save published stays: its content is checked before each use.
         state.updates = 0
