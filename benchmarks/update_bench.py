@@ -15,10 +15,13 @@ separate processes, one at a time (warm: the files are in the page cache after t
 - ``default``: in an engine serving the Hugging Face checkpoint with vLLM's default loader,
   ``collective_rpc("reload_weights")`` (vLLM's own reload, from the same weights in safetensors).
 
-Every engine runs in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1), so the worker's
+Then, with ``--tp2-runs`` (default 1), ``ours`` and ``default`` again at TP=2 (the model saved
+sharded at TP=2; seconds only).
+
+Every TP=1 engine runs in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the worker's
 memory is the process's. Each update is checked by the greedy tokens after it.
 
-    python benchmarks/update_bench.py --out benchmarks/results    # about 5 minutes here
+    python benchmarks/update_bench.py --out benchmarks/results    # about 8 minutes here
 
 Writes ``update_bench.json`` (every raw number) and ``update_bench.md`` into ``--out``.
 """
@@ -26,6 +29,7 @@ Writes ``update_bench.json`` (every raw number) and ``update_bench.md`` into ``-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,7 +37,6 @@ import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,42 +46,91 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 PROMPT = "the model loads every shard"
 
 
-def _rss() -> tuple[int, int]:
-    """(resident memory, its anonymous part) of this process, in bytes.
+def _status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS, VmHWM (the peak since the last reset), RssAnon of a process, in bytes.
 
-    The anonymous part is memory of the process's own; the rest is mapped files (the page
-    cache, shared with every reader of the checkpoint, and freed under pressure).
+    The anonymous part is memory of the process's own; the rest of the resident memory is
+    mapped files (the page cache, shared with every reader of the checkpoint, freed under
+    pressure).
     """
     values = {}
-    with open("/proc/self/status") as f:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("VmRSS", "RssAnon"):
+            if key in ("VmRSS", "VmHWM", "RssAnon"):
                 values[key] = int(rest.split()[0]) * 1024
-    return values["VmRSS"], values["RssAnon"]
+    return values
+
+
+# A separate process that samples the engine's anonymous memory every 5 ms while told to.
+_SAMPLER = r"""
+import json, os, select, sys
+pid, cores = int(sys.argv[1]), json.loads(sys.argv[2])
+if cores:
+    os.sched_setaffinity(0, cores)
+def anon():
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+peak = None
+while True:
+    if select.select([sys.stdin], [], [], 0.005)[0]:
+        command = sys.stdin.readline().strip()
+        if command == "start":
+            peak = anon()
+            print("started", flush=True)
+        elif command == "stop":
+            print(max(peak, anon()), flush=True)
+            peak = None
+        else:
+            break
+    elif peak is not None:
+        peak = max(peak, anon())
+"""
 
 
 class PeakRss:
-    """The highest resident (and anonymous resident) memory of this process while the block runs,
-    sampled every 5 ms."""
+    """The peak resident memory of this process while the block runs, and its anonymous part.
+
+    The total is the kernel's own high-water mark (``VmHWM``, reset at the start through
+    ``/proc/self/clear_refs``): exact, and nothing runs beside the update to get it. The
+    kernel keeps no such mark for the anonymous part: a separate process samples it every
+    5 ms, on a core this process is not bound to where there is one (vLLM binds a TP=1
+    worker, here the engine's one process, to core 0: a sampling thread in it would take
+    its turns on the core of the update it measures).
+    """
+
+    _process: subprocess.Popen | None = None
+
+    @classmethod
+    def _sampler(cls) -> subprocess.Popen:
+        if cls._process is None:
+            others = sorted(set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0))
+            cls._process = subprocess.Popen(
+                [sys.executable, "-c", _SAMPLER, str(os.getpid()), json.dumps(others)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        return cls._process
 
     def __enter__(self) -> PeakRss:
-        self.before, self.anon_before = self.peak, self.anon_peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        sampler = self._sampler()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        status = _status()
+        self.before, self.anon_before = status["VmRSS"], status["RssAnon"]
+        sampler.stdin.write("start\n")
+        sampler.stdin.flush()
+        sampler.stdout.readline()  # sampling from now on
         return self
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            rss, anon = _rss()
-            self.peak, self.anon_peak = max(self.peak, rss), max(self.anon_peak, anon)
-
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        rss, anon = _rss()
-        self.peak, self.anon_peak = max(self.peak, rss), max(self.anon_peak, anon)
+        sampler = self._sampler()
+        sampler.stdin.write("stop\n")
+        sampler.stdin.flush()
+        self.anon_peak = int(sampler.stdout.readline())
+        status = _status()
+        self.peak, self.after, self.anon_after = status["VmHWM"], status["VmRSS"], status["RssAnon"]
 
 
 def child(spec: dict) -> None:
@@ -109,6 +161,8 @@ def child(spec: dict) -> None:
         max_model_len=256,
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=spec.get("tp", 1),
+        distributed_executor_backend="mp" if spec.get("tp", 1) > 1 else None,
     )
     result["engine_start"] = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -126,7 +180,8 @@ def child(spec: dict) -> None:
         llm.init_weight_transfer_engine({"init_info": {}})
     for _ in range(spec["updates"]):
         for kind, timings in rounds.items():
-            with PeakRss() as memory:
+            # At TP>1 the weights live in the workers' processes: seconds only.
+            with PeakRss() if spec.get("tp", 1) == 1 else contextlib.nullcontext() as memory:
                 t = time.perf_counter()
                 if kind == "reload":
                     kwargs = {"weights_path": spec["model"]} if mode == "ours" else {}
@@ -136,17 +191,19 @@ def child(spec: dict) -> None:
                     llm.update_weights({"update_info": {"path": spec["model"]}})
                     llm.finish_weight_update()
                 seconds = time.perf_counter() - t
-            timings.append(
-                {
-                    "seconds": seconds,
-                    "rss_before": memory.before,
-                    "rss_peak": memory.peak,
-                    "anon_before": memory.anon_before,
-                    "anon_peak": memory.anon_peak,
-                }
-            )
+            timings.append({"seconds": seconds})
+            if memory is not None:
+                timings[-1].update(
+                    rss_before=memory.before,
+                    rss_peak=memory.peak,
+                    anon_before=memory.anon_before,
+                    anon_peak=memory.anon_peak,
+                    anon_after=memory.anon_after,
+                )
             assert tokens() == result["tokens"], f"{kind}: other tokens after the update"
     result["updates"] = rounds
+    if spec.get("tp", 1) == 1:
+        result["anon_kept"] = _status()["RssAnon"] - rounds["reload"][0]["anon_before"]
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -154,7 +211,7 @@ def run_child(spec: dict) -> dict:
     from load_bench import engine_env
 
     spec = {**spec, "spawned": time.time()}
-    env = engine_env(1, plugins=True)
+    env = engine_env(spec.get("tp", 1), plugins=True)
     # time.time() across processes: perf_counter has no common origin.
     code = (
         f"import json, sys, time; sys.path.insert(0, {HERE!r}); import update_bench as b; "
@@ -191,9 +248,20 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             s[f"{mode}_{kind}"] = median([u["seconds"] for u in timings])
             s[f"{mode}_{kind}_peak_extra_mb"] = max((u["rss_peak"] - u["rss_before"]) / 1e6 for u in timings)
             s[f"{mode}_{kind}_peak_anon_mb"] = max((u["anon_peak"] - u["anon_before"]) / 1e6 for u in timings)
+        # Anonymous memory an engine holds after all its updates above what it held before the first
+        # (freed memory the allocator keeps counts: the process holds it).
+        s[f"{mode}_anon_kept_mb"] = max(r["anon_kept"] / 1e6 for r in runs[mode])
     s["default_over_ours"] = s["default_reload"] / s["ours_reload"]
     s["restart_over_ours"] = s["restart_engine_start"] / s["ours_reload"]
     s["ours_over_startup"] = s["ours_reload"] / s["startup_model_loading"]
+    if runs.get("tp2_ours"):
+        for mode, kinds in (("ours", ("reload", "transfer")), ("default", ("reload",))):
+            for kind in kinds:
+                seconds = [u["seconds"] for r in runs[f"tp2_{mode}"] for u in r["updates"][kind]]
+                s[f"tp2_{mode}_{kind}"] = median(seconds)
+        s["tp2_default_over_ours"] = s["tp2_default_reload"] / s["tp2_ours_reload"]
+        s["tp2_restart_engine_start"] = median([r["engine_start"] for r in runs["tp2_ours"]])
+        s["tp2_restart_over_ours"] = s["tp2_restart_engine_start"] / s["tp2_ours_reload"]
     return s
 
 
@@ -221,7 +289,26 @@ def markdown(result: dict) -> str:
         f"- default-loader reload / ours: {s['default_over_ours']:.1f}x (target: at least 3x)",
         f"- restart (`LLM(...)`) / ours: {s['restart_over_ours']:.1f}x (target: at least 5x)",
         f"- ours / start-up model loading: {s['ours_over_startup']:.2f}x (target: at most 1.2x)",
+        f"- anonymous memory an engine kept after its {2 * result['updates']} updates, above before the first: "
+        f"ours {s['ours_anon_kept_mb']:.0f} MB, default loader ({result['updates']} updates) "
+        f"{s['default_anon_kept_mb']:.0f} MB (max over engines)",
     ]
+    if "tp2_ours_reload" in s:
+        lines += [
+            "",
+            f"TP=2 (two workers, one core each; {result['tp2_runs']} engine(s) per mode x {result['updates']} "
+            "updates, seconds only: the weights live in the workers' processes):",
+            "",
+            "| what | seconds (median) |",
+            "|---|---|",
+            f"| ours: `reload_weights(weights_path=...)` | {s['tp2_ours_reload']:.3f} |",
+            f"| ours: weight-transfer round | {s['tp2_ours_transfer']:.3f} |",
+            f"| vLLM default loader: `reload_weights()` from HF safetensors | {s['tp2_default_reload']:.3f} |",
+            f"| `LLM(...)` with our loader (the engine of the ours row) | {s['tp2_restart_engine_start']:.3f} |",
+            "",
+            f"- TP=2 default-loader reload / ours: {s['tp2_default_over_ours']:.1f}x (target: at least 3x)",
+            f"- TP=2 `LLM(...)` / ours: {s['tp2_restart_over_ours']:.1f}x (target: at least 5x)",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -234,6 +321,7 @@ def main() -> None:
     parser.add_argument("--gigabytes", type=float, default=1.3)
     parser.add_argument("--runs", type=int, default=3, help="engines per mode")
     parser.add_argument("--updates", type=int, default=3, help="updates per engine and kind")
+    parser.add_argument("--tp2-runs", type=int, default=1, help="TP=2 engines per mode (0: no TP=2 rows)")
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     hf = build(args.work, layers_for(args.gigabytes))
@@ -244,12 +332,22 @@ def main() -> None:
         runs["restart"].append(run_child({"mode": "restart", "model": sharded}))
         runs["ours"].append(run_child({"mode": "ours", "model": sharded, "updates": args.updates}))
         runs["default"].append(run_child({"mode": "default", "model": hf, "updates": args.updates}))
-    tokens = {json.dumps(r["tokens"]) for rs in runs.values() for r in rs}
-    assert len(tokens) == 1, f"the modes generated different tokens: {tokens}"
+    if args.tp2_runs:
+        sharded2 = os.path.join(args.work, "sharded-tp2")
+        save(hf, sharded2, 2)
+        runs["tp2_ours"], runs["tp2_default"] = [], []
+        for _ in range(args.tp2_runs):
+            spec = {"mode": "ours", "model": sharded2, "updates": args.updates, "tp": 2}
+            runs["tp2_ours"].append(run_child(spec))
+            runs["tp2_default"].append(run_child({**spec, "mode": "default", "model": hf}))
+    for tp2 in (False, True):  # bfloat16 sums in another order at TP=2: compare within each size
+        tokens = {json.dumps(r["tokens"]) for mode, rs in runs.items() if mode.startswith("tp2_") == tp2 for r in rs}
+        assert len(tokens) <= 1, f"the modes generated different tokens: {tokens}"
     result = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "runs": args.runs,
         "updates": args.updates,
+        "tp2_runs": args.tp2_runs,
         "raw": runs,
         "summary": summarize(runs),
     }

@@ -41,6 +41,7 @@ from vllm.logger import init_logger
 
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import ShardedStateError
+from ..storage import oscalls
 from ..storage.location import is_remote
 from .capture import LOADED_STATE_ATTRIBUTE, gather_over, raises_for_all, served_from_checkpoint
 from .layer_geometry import model_rank
@@ -288,7 +289,11 @@ class InPlaceUpdate:
         state = self.model.__dict__.get(LOADED_STATE_ATTRIBUTE)
         if state is not None:
             state.updates += 1  # until processed, what is served is neither the old state nor the new
-        self._process(layers, filled)
+        try:
+            self._process(layers, filled)
+        finally:
+            # The previous packings just freed: to the system, not kept by the allocator (see release_free_heap).
+            oscalls.release_free_heap()
         if state is not None:
             # Every tensor now is this checkpoint's, as loaded: a save re-reads it from there.
             served_from_checkpoint(state, self.located[1] or self.located[0])

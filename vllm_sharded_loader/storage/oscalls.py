@@ -124,3 +124,18 @@ def use_every_cpu() -> None:
     """
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
+def release_free_heap() -> None:
+    """``malloc_trim(0)``: hand the C heap's free pages back to the system (glibc); a no-op elsewhere.
+
+    vLLM's CPU post-processing packs every linear weight into new memory that oneDNN takes
+    from ``malloc`` and frees the previous packing: glibc keeps most of the freed memory,
+    fragmented, for later allocations, and a worker doing one weight update after another
+    held about 0.15 GB more at each (1 GB after six updates of a 1.3 GB model, measured),
+    growing towards a second copy of the weights.
+    """
+    libc = _c()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:
+        trim(0)
