@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,6 +51,29 @@ GB = 1e9
 LOADERS = ("ours", "ours_auto", "ours_copy", "builtin", "default", "runai", "ours_resharded")
 EXTRA_CONFIG = {"ours_copy": {"mmap": False}, "ours_auto": {"mmap": "auto"}}
 PROMPT = "the model loads every shard"
+
+# --------------------------------------------------------------------- the result files
+
+
+def report_or_measure(
+    args: argparse.Namespace, name: str, measure: Callable[[argparse.Namespace], dict], markdown: Callable[[dict], str]
+) -> None:
+    """The ``main`` of a benchmark with ``--report``/``--out``: print the table of a saved
+    ``NAME.json``, or measure, print the table and write ``NAME.json`` and ``NAME.md`` to ``--out``."""
+    if args.report:
+        with open(args.report) as f:
+            print(markdown(json.load(f)))
+        return
+    result = json.loads(json.dumps(measure(args)))  # int keys as the saved file has them
+    table = markdown(result)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+            f.write(table)
+
 
 # --------------------------------------------------------------------- model and save
 

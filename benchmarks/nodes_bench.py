@@ -68,7 +68,6 @@ def measure(args: argparse.Namespace) -> dict:
     from faultproxy import FaultProxy
     from nodes import Nodes, serve_tp2
     from s3_server import SeaweedS3
-    from tiny_models import engine_environment
 
     from vllm_sharded_loader.storage.location import read_manifest
 
@@ -108,14 +107,9 @@ def measure(args: argparse.Namespace) -> dict:
                     engine = one_node(url, alone, server.aws_environment(), Path(work) / f"one-{run}.log")
                     read = [alone.received]
                 else:
+                    aws = server.aws_environment()
                     envs = [
-                        {
-                            **engine_environment(1),
-                            "VLLM_CPU_OMP_THREADS_BIND": str(i),
-                            **server.aws_environment(),
-                            "AWS_ENDPOINT_URL": proxies[i].url,
-                        }
-                        for i in range(2)
+                        {**cluster.engine_environment(i), **aws, "AWS_ENDPOINT_URL": proxies[i].url} for i in range(2)
                     ]
                     served = serve_tp2(cluster, url, "sharded_state", f"run-{run}", envs)
                     if not served.follower_ended or served.leftovers:
@@ -171,20 +165,7 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=0.5, help="GB of weights of the model")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--report", default=None, help="print the table of a saved nodes_bench.json")
-    args = parser.parse_args()
-    if args.report:
-        with open(args.report) as f:
-            print(markdown(json.load(f)))
-        return
-    result = measure(args)
-    table = markdown(result)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "nodes_bench.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "nodes_bench.md"), "w") as f:
-            f.write(table)
+    load_bench.report_or_measure(parser.parse_args(), "nodes_bench", measure, markdown)
 
 
 if __name__ == "__main__":

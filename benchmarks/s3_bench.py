@@ -364,20 +364,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the model (8: 0.8 GB)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--report", default=None, help="print the table of a saved s3_bench.json")
-    args = parser.parse_args()
-    if args.report:
-        with open(args.report) as f:
-            print(markdown(json.load(f)))
-        return
-    result = json.loads(json.dumps(measure(args)))  # int keys as the saved file has them
-    table = markdown(result)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "s3_bench.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "s3_bench.md"), "w") as f:
-            f.write(table)
+    load_bench.report_or_measure(parser.parse_args(), "s3_bench", measure, markdown)
 
 
 if __name__ == "__main__":

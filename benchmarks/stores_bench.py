@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+import load_bench  # noqa: E402  (report_or_measure)
 from s3_bench import GB, rank_parts, raw_get  # noqa: E402  (the same raw GET measure)
 
 BUCKET = "models"
@@ -211,20 +212,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES))
     parser.add_argument("--report", default=None, help="print the table of a saved stores_bench.json")
-    args = parser.parse_args()
-    if args.report:
-        with open(args.report) as f:
-            print(markdown(json.load(f)))
-        return
-    result = json.loads(json.dumps(measure(args)))  # int keys as the saved file has them
-    table = markdown(result)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "stores_bench.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "stores_bench.md"), "w") as f:
-            f.write(table)
+    load_bench.report_or_measure(parser.parse_args(), "stores_bench", measure, markdown)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,13 @@ class Nodes:
         """What ``node`` sees at :attr:`local`, as seen from the host."""
         return self.root / f"node-{node}"
 
+    def engine_environment(self, node: int) -> dict[str, str]:
+        """What a vLLM engine on ``node`` needs on this machine: one worker, on its own core."""
+        sys.path.insert(0, str(ROOT_DIR / "examples"))
+        from tiny_models import engine_environment
+
+        return {**engine_environment(1), "VLLM_CPU_OMP_THREADS_BIND": str(node % (os.cpu_count() or 1))}
+
     def environment(self, node: int) -> dict[str, str]:
         """The variables a vLLM process on ``node`` needs: its address for vLLM, gloo and ZeroMQ."""
         return {

@@ -19,7 +19,6 @@ import contextlib
 import shutil
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from faultproxy import FaultProxy
@@ -33,7 +32,6 @@ from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
 pytestmark = pytest.mark.engine
-ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "nodes"
 
 
@@ -66,23 +64,16 @@ def bucket(cluster, tmp_path_factory):
         yield Bucket(server, proxies)
 
 
-def node_environment(bucket: Bucket, node: int) -> dict[str, str]:
+def node_environment(cluster: Nodes, bucket: Bucket, node: int) -> dict[str, str]:
     """What every process on ``node`` gets: the engine settings and the bucket through its proxy."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from tiny_models import engine_environment
-
-    return {
-        **engine_environment(1),
-        "VLLM_CPU_OMP_THREADS_BIND": str(node),  # one worker per node, each on its own core
-        **bucket.server.aws_environment(),
-        "AWS_ENDPOINT_URL": bucket.proxies[node].url,
-    }
+    bucket_settings = {**bucket.server.aws_environment(), "AWS_ENDPOINT_URL": bucket.proxies[node].url}
+    return {**cluster.engine_environment(node), **bucket_settings}
 
 
 def serve(cluster: Nodes, bucket: Bucket, model: str, load_format: str, name: str, env=None, **options) -> Served:
     """:func:`nodes.serve_tp2` with each node's environment (engine settings, the bucket through its
     proxy, ``env``); a failure of the cluster fails the test with both nodes' logs."""
-    envs = [{**node_environment(bucket, i), **(env or {})} for i in range(cluster.count)]
+    envs = [{**node_environment(cluster, bucket, i), **(env or {})} for i in range(cluster.count)]
     try:
         return serve_tp2(cluster, model, load_format, name, envs, **options)
     except ClusterFailed as e:
