@@ -226,6 +226,7 @@ def serve_tp2(
     envs: list[dict[str, str]],
     kill_leader: bool = False,
     leader_argv: list[str] | None = None,
+    timeout: float = ENGINE_TIMEOUT,
     **spec: object,
 ) -> Served:
     """TP=2 across nodes 0 and 1, one worker each, each node's processes with its ``envs``: start
@@ -236,7 +237,8 @@ def serve_tp2(
     With ``kill_leader``, the leader serves on after its result until its whole process tree
     is killed (``SIGKILL``), as when its machine fails; the follower must outlive those 15 s of
     serving. ``leader_argv`` runs another leader (with
-    the leader's options of the follower's command line added) instead of the engine runner."""
+    the leader's options of the follower's command line added) instead of the engine runner.
+    ``timeout`` bounds the leader's run (and its serving with ``kill_leader``)."""
     port = free_port()
     spans = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", cluster.ip(0), "--master-port", str(port)]
     # The leader's settings (tests/engine_runner.py), which every node must share.
@@ -255,7 +257,7 @@ def serve_tp2(
         "load_format": load_format,
         "engine": {"nnodes": 2, "node_rank": 0, "master_addr": cluster.ip(0), "master_port": port},
         **spec,
-        **({"hold": ENGINE_TIMEOUT} if kill_leader else {}),
+        **({"hold": timeout} if kill_leader else {}),
     }
     if leader_argv is not None:
         leader_argv = [*leader_argv, *spans, "--node-rank", "0", *same]
@@ -272,16 +274,16 @@ def serve_tp2(
             return next((json.loads(line[7:]) for line in lines if line.startswith("RESULT ")), None)
 
         if kill_leader:
-            wait_until(lambda: result() is not None or leader.poll() is not None, ENGINE_TIMEOUT)
+            wait_until(lambda: result() is not None or leader.poll() is not None, timeout)
             # While the leader serves, its follower stays: longer than the watch needs to act.
             time.sleep(FOLLOWER_EXIT_SECONDS / 4)
             if follower.poll() is not None:
                 raise ClusterFailed(f"the follower ended while its leader still served:\n{tails(logs)}")
             os.killpg(leader.pid, signal.SIGKILL)
         try:
-            leader.wait(timeout=ENGINE_TIMEOUT)
+            leader.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise ClusterFailed(f"the leader did not end within {ENGINE_TIMEOUT} s:\n{tails(logs)}") from None
+            raise ClusterFailed(f"the leader did not end within {timeout} s:\n{tails(logs)}") from None
         if leader_argv is None and ((leader.returncode and not kill_leader) or result() is None):
             raise ClusterFailed(f"the two-node engine failed (leader exit {leader.returncode}):\n{tails(logs)}")
         ended = wait_until(lambda: follower.poll() is not None, FOLLOWER_EXIT_SECONDS)

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 
 import pytest
+from faultkit import tree_digest
 from faultproxy import FaultProxy
 from nodes import ClusterFailed, Nodes, Served, serve_tp2, tails
 from s3_server import SeaweedS3
@@ -28,7 +30,9 @@ from test_hub import REPO, lay_out_cache
 from test_s3 import stores_pointed_at
 
 from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
+from vllm_sharded_loader.engine.capture import OVERWRITE_ENV
 from vllm_sharded_loader.format import MANIFEST_NAME
+from vllm_sharded_loader.storage import faults
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -185,3 +189,35 @@ def test_the_save_script_across_nodes_refuses_a_folder_they_do_not_share_and_lea
     for i in range(cluster.count):
         assert not (cluster.node_dir(i) / "by-script").exists(), list((cluster.node_dir(i) / "by-script").iterdir())
     assert not served.leftovers, served.leftovers
+
+
+def test_a_follower_killed_mid_save_ends_the_save_promptly_and_loses_nothing(cluster, bucket, reference):
+    """Node 1's worker dies (``SIGKILL``) after placing one part of a save over the checkpoint
+    in the shared folder, as when that machine fails: the leader's save ends in bounded time,
+    not at the collective timeout, with an error that says so; the checkpoint there is
+    byte-identical and verifies; every process on both nodes ends. The next save publishes,
+    and leaves in the folder only what its manifest lists (the dead save's part is gone)."""
+    target = cluster.shared / "tp2"
+    before = tree_digest(str(target))
+    kill = {faults.KILL_ENV: "local.placed@1", OVERWRITE_ENV: "1"}
+    started = time.monotonic()
+    model = str(cluster.local / "hf")
+    once = {"saves": [str(target)], "generate": False}
+    served = serve(cluster, bucket, model, "auto", "killed-save", env=kill, timeout=240, **once)
+    elapsed = time.monotonic() - started
+    error = served.result["saves"][0]
+    print(f"the two-node save ended {elapsed:.0f} s after the engines started: {error}")
+    assert "another worker of this save stopped answering" in error and "intact" in error, error
+    after = tree_digest(str(target))
+    assert {n: after.get(n) for n in before} == before  # every file of the checkpoint as it was
+    assert not [p for p in verify_checkpoint(str(target)) if any(f"/{n}:" in p for n in before)]
+    assert not served.leftovers, served.leftovers
+
+    served = serve(cluster, bucket, model, "auto", "save-after-kill", env={OVERWRITE_ENV: "1"}, **once)
+    assert served.result["saves"] == ["ok"], served.result["saves"]
+    assert verify_checkpoint(str(target)) == []
+    manifest = read_manifest(str(target))
+    parts = {f.name for rank in manifest.ranks for f in rank.files}
+    carried = {p.name for p in (cluster.node_dir(0) / "hf").iterdir() if not p.name.endswith(".safetensors")}
+    assert {p.name for p in target.iterdir()} == parts | carried | {MANIFEST_NAME}
+    assert_all_ended(served)
