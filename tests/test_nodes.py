@@ -10,7 +10,8 @@ which tells how many bytes that node read.
 
 One engine runs at a time: the default loader first (the reference token ids, and saves
 from two nodes), then ``sharded_state`` loads from per-node disks, from the bucket and,
-resharded, from per-node Hub caches. Every run ends with no process left on either node.
+resharded, from per-node Hub caches; a save whose follower dies; PP=2 across the nodes. Every
+run ends with no process left on either node.
 """
 
 from __future__ import annotations
@@ -221,3 +222,27 @@ def test_a_follower_killed_mid_save_ends_the_save_promptly_and_loses_nothing(clu
     carried = {p.name for p in (cluster.node_dir(0) / "hf").iterdir() if not p.name.endswith(".safetensors")}
     assert {p.name for p in target.iterdir()} == parts | carried | {MANIFEST_NAME}
     assert_all_ended(served)
+
+
+def test_pipeline_stages_on_two_nodes_each_read_their_own_layers_resharded_from_the_bucket(bucket, cluster, reference):
+    """PP=2 across the nodes, one stage each: vLLM's default loader gives the reference ids and
+    saves at PP=2 to the bucket; then the TP=2 checkpoint, resharded to PP=2 at load, and the PP=2
+    save load from the bucket with the same ids, each node reading its own stage's bytes."""
+    pp = serve(
+        cluster, bucket, str(cluster.local / "hf"), "auto", "pp-default", pipeline=True, saves=[f"s3://{BUCKET}/pp2"]
+    )
+    assert pp.result["saves"] == ["ok"], pp.result["saves"]
+    assert_all_ended(pp)
+    manifest = read_manifest(f"s3://{BUCKET}/pp2")
+    assert (manifest.tp_size, manifest.pp_size) == (1, 2)
+    shares = [sum(f.size for f in manifest.rank(0, i).files) for i in range(2)]
+    for source in ("pp2", "tp2"):
+        for proxy in bucket.proxies:
+            proxy.sent = proxy.received = 0
+        served = serve(cluster, bucket, f"s3://{BUCKET}/{source}", "sharded_state", f"pp-from-{source}", pipeline=True)
+        assert served.result["token_ids"] == pp.result["token_ids"], source
+        assert_all_ended(served)
+        received = [proxy.received for proxy in bucket.proxies]
+        print(f"PP=2 from {source}: bytes read per node {received}; each stage's share {shares}")
+        for i in range(2):
+            assert shares[i] <= received[i] < shares[i] + shares[1 - i] / 2, (source, i, received, shares)
