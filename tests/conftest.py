@@ -183,3 +183,18 @@ def models(tmp_path_factory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("models")
     return {kind: build_model(str(root / kind), kind) for kind in MODEL_KINDS}
+
+
+@pytest.fixture(autouse=True)
+def staging_dir(tmp_path_factory, monkeypatch) -> Iterator[Path]:
+    """Every test's saves into object storage stage under a folder of its own (``SHARDED_STATE_STAGING_DIR``,
+    inherited by the engines and save processes it starts). A staging folder still there after
+    the test was left by a process that survived, or by a killed one that no later save
+    removed: the test fails."""
+    from vllm_sharded_loader.storage.staging_folders import STAGING_ENV
+
+    base = tmp_path_factory.mktemp("staging")
+    monkeypatch.setenv(STAGING_ENV, str(base))
+    yield base
+    left = sorted(p.name for p in base.iterdir())
+    assert not left, f"staging folders left behind in {base}: {left}"

@@ -217,7 +217,7 @@ def test_the_manifest_put_refuses_a_manifest_replaced_meanwhile(store, tmp_path)
     assert read_manifest(url) == manifest
 
 
-def test_a_failed_save_publishes_nothing_and_leaves_nothing(store):
+def test_a_failed_save_publishes_nothing_and_leaves_nothing(store, staging_dir):
     writing(store)
     model = model_of()
     url = store.new_url()
@@ -226,6 +226,7 @@ def test_a_failed_save_publishes_nothing_and_leaves_nothing(store):
     with pytest.raises(OSError, match="No space left on device"):
         save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=4096)
     assert store.keys(url) == []  # no manifest, no part, no upload record, no lock
+    assert list(staging_dir.iterdir()) == []  # nor a local staging folder
 
 
 def test_a_save_to_the_gcs_emulator_fails_naming_the_object_and_leaves_nothing(store):

@@ -259,7 +259,7 @@ class Failing(dict):
         return super().__getitem__(name)
 
 
-def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3):
+def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3, staging_dir):
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     url = new_prefix()
     ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
@@ -268,6 +268,7 @@ def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3):
         save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=4096)
     assert keys(s3, url) == []  # no manifest, no part, no lock
     assert s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
+    assert list(staging_dir.iterdir()) == []  # nor a local staging folder
 
 
 SAVE_AND_HANG = """
@@ -283,8 +284,9 @@ save_checkpoint(sys.argv[1], {RankInfo(0, 1): big}, dtype="float32",
 """
 
 
-def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, tmp_path):
-    """A save killed outright: no manifest, the prefix refused as interrupted, then taken back."""
+def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, tmp_path, staging_dir):
+    """A save killed outright: no manifest, the prefix refused as interrupted, then taken back.
+    Its local staging folder stays until the next save on the host removes it."""
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)
     proc = subprocess.Popen([sys.executable, "-c", SAVE_AND_HANG, url], cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -298,6 +300,8 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
         proc.wait()
     names = keys(s3, url)
     assert MANIFEST_NAME not in names and LOCK_NAME in names
+    (left,) = staging_dir.iterdir()  # the killed save's staged parts, a model's worth
+    assert any(p.name.endswith(".partial") for p in left.iterdir())
     with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
         load_rank(url, {}, RankInfo(0, 1), manifest=read_manifest(url))
     assert any("a save is running or was interrupted" in p for p in verify_checkpoint(url))
@@ -310,6 +314,7 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     # not record it), so left alone.
     theirs = s3.client().create_multipart_upload(Bucket=BUCKET, Key=where.key("model-rank-0-part-77.safetensors"))
     manifest = save_to_bucket(url, model, 1, max_size=None)  # one part: the killed save's others are stale
+    assert list(staging_dir.iterdir()) == []  # the dead save's staging folder went with this save
     left = s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=where.prefix).get("Uploads", [])
     assert [u["UploadId"] for u in left] == [theirs["UploadId"]]
     s3.client().abort_multipart_upload(Bucket=BUCKET, Key=theirs["Key"], UploadId=theirs["UploadId"])
@@ -369,6 +374,50 @@ def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_
         assert served.result["token_ids"] == reference["token_ids"]
         assert ("resharded from TP=2 PP=1 to TP=1 PP=1" in served.output) == (tp == 1)
         assert "0.0 MB mapped" in served.output  # read from the bucket, not from a local copy
+
+
+@pytest.mark.engine
+def test_the_save_script_killed_mid_upload_leaves_its_capture_folder_to_the_next_save(s3, models, staging_dir):
+    """examples/save_sharded_state.py -o s3://... killed (SIGKILL) once the worker's start-up capture,
+    staged in the script's staging folder, is recorded for upload: the folder stays with the
+    capture in it (the script's process held it; nothing of ours runs after a kill). Once the
+    dead save's lock object is deleted, the next save script on the host removes the folder,
+    publishes, and leaves no staging folder of its own."""
+    from conftest import run_python
+
+    url = new_prefix()
+    args = [
+        *("examples/save_sharded_state.py", "--model", models["llama"], "-o", url),
+        *("--max-model-len", "512", "--enforce-eager"),
+    ]
+    killed = run_python(args, env={faults.KILL_ENV: "s3.recorded"})
+    assert killed.returncode == -signal.SIGKILL, killed.tail()
+    (left,) = staging_dir.iterdir()
+    assert any(".safetensors." in p.name and p.name.endswith(".partial") for p in left.iterdir()), list(left.iterdir())
+    objects.release_lock(objects.ObjectPrefix.parse(url))
+    saved = run_python(args)
+    assert saved.returncode == 0, saved.tail()
+    assert list(staging_dir.iterdir()) == []
+    assert verify_checkpoint(url) == []
+
+
+@pytest.mark.engine
+def test_the_save_script_that_survives_a_dead_worker_removes_its_staging_folder(s3, models, staging_dir):
+    """At TP=2 the save script's process holds the staging folder that its two worker processes
+    capture into. Worker 1 killed (SIGKILL) once its upload is recorded: the save fails, publishes
+    nothing, and the script, which survives, removes the folder, capture and all."""
+    from conftest import run_python
+
+    url = new_prefix()
+    args = [
+        *("examples/save_sharded_state.py", "--model", models["llama"], "-o", url),
+        *("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+        *("--max-model-len", "512", "--enforce-eager"),
+    ]
+    failed = run_python(args, tp=2, env={faults.KILL_ENV: "s3.recorded@1"})
+    assert failed.returncode not in (0, -signal.SIGKILL), failed.tail()
+    assert MANIFEST_NAME not in keys(s3, url)
+    assert list(staging_dir.iterdir()) == []
 
 
 @pytest.mark.engine
@@ -557,6 +606,8 @@ def _holds(url, value, assert_published) -> bool:
 
 S3_BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "local.carried")
 S3_AFTER_PUBLISH = ("s3.published", "s3.cleaned")
+# The steps at which the save's local staging folder exists (it is removed before the carried files are put).
+S3_WHILE_STAGED = ("s3.recorded", "s3.uploaded", "s3.uploaded:3")
 S3_SAVER = """
 import sys
 sys.path.insert(0, "tests")
@@ -574,12 +625,13 @@ def test_every_s3_kill_point_is_covered():
 
 
 @pytest.mark.parametrize("kill_at", S3_BEFORE_PUBLISH + S3_AFTER_PUBLISH)
-def test_an_s3_save_killed_at_each_step_loses_nothing(s3, tmp_path, kill_at):
+def test_an_s3_save_killed_at_each_step_loses_nothing(s3, tmp_path, kill_at, staging_dir):
     """Checkpoint A in the bucket; a save of B over it is killed (SIGKILL) at each step of the
     object-storage protocol. Before the manifest's put, A is published and every object of it
     is unchanged; from it on, B is. Nothing outside the prefix changes. Once the dead save's lock
     is deleted (object storage cannot tell a dead save from a slow one), the next save publishes
-    and leaves no stray part, upload record or unfinished upload."""
+    and leaves no stray part, upload record or unfinished upload, and no local staging folder:
+    the saves that survive remove their own, the next save the killed one's."""
     from test_save_faults import assert_published, carried_of, model_folder
 
     url = new_prefix()
@@ -598,12 +650,15 @@ def test_an_s3_save_killed_at_each_step_loses_nothing(s3, tmp_path, kill_at):
         )
 
     assert save(1.0).returncode == 0
+    assert list(staging_dir.iterdir()) == []
     s3.client().put_object(Bucket=BUCKET, Key=where.key("notes.txt"), Body=b"the user's own")
     before = bucket_digest(s3)
     a_objects = {k: v for k, v in before.items() if k.startswith(where.prefix)}
 
     killed = save(2.0, {faults.KILL_ENV: kill_at})
     assert killed.returncode == -signal.SIGKILL, (kill_at, killed.returncode, killed.stderr[-2000:])
+    # Killed while its parts were staged (they are uploaded from there), it leaves its folder.
+    assert len(list(staging_dir.iterdir())) == (kill_at in S3_WHILE_STAGED)
     after = bucket_digest(s3)
     assert {k: v for k, v in after.items() if not k.startswith(where.prefix)} == {
         k: v for k, v in before.items() if not k.startswith(where.prefix)
@@ -619,6 +674,7 @@ def test_an_s3_save_killed_at_each_step_loses_nothing(s3, tmp_path, kill_at):
     again = save(3.0)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(url, 3.0)
+    assert list(staging_dir.iterdir()) == []
     manifest = read_manifest(url)
     listed = {f.name for e in manifest.ranks for f in e.files}
     names = set(keys(s3, url))

@@ -25,17 +25,16 @@ failure deletes what this save uploaded (only its own keys), aborts its own unfi
 multipart uploads and releases the lock. A save killed outright leaves its lock (and
 objects no manifest lists), so the prefix is refused to other saves until the lock is
 deleted; loads of a published checkpoint go on meanwhile. The next save removes the
-uploads, finished or not, that the dead save recorded.
+uploads, finished or not, that the dead save recorded. Its local staging folder stays too,
+until the next save into object storage on that host removes it
+(:mod:`..storage.staging_folders`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -46,10 +45,9 @@ from ..format.names import MANIFEST_NAME, staged_name, staged_token
 from ..planning.topology import RankInfo
 from ..storage import objects
 from ..storage.faults import declare, kill_point
+from ..storage.staging_folders import staging_folder
 from .carry import CarriedFiles
 from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry, stage_rank
-
-STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
 
 # The steps where a test kills an object-storage save (storage/faults.py), in protocol order.
 KILL_LOCKED = declare("s3.locked", "checkpoint/remote_save.py: the lock object is put, nothing uploaded")
@@ -57,24 +55,6 @@ KILL_RECORDED = declare("s3.recorded", "checkpoint/remote_save.py: a rank's uplo
 KILL_UPLOADED = declare("s3.uploaded", "checkpoint/remote_save.py: one part uploaded under its fresh name")
 KILL_PUBLISHED = declare("s3.published", "checkpoint/remote_save.py: the manifest is put, nothing cleaned")
 KILL_CLEANED = declare("s3.cleaned", "checkpoint/remote_save.py: stale parts deleted, the lock not yet released")
-
-
-def staging_base() -> str | None:
-    """Where parts wait on their way to object storage: ``$SHARDED_STATE_STAGING_DIR``, else the temp dir."""
-    base = os.environ.get(STAGING_ENV) or None
-    if base is not None:
-        os.makedirs(base, exist_ok=True)
-    return base
-
-
-@contextlib.contextmanager
-def staging_directory() -> Iterator[str]:
-    """A local folder of its own under :func:`staging_base`, removed on exit."""
-    directory = tempfile.mkdtemp(prefix="sharded-state-upload-", dir=staging_base())
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def begin(url: str, token: str, overwrite: bool) -> None:
@@ -232,7 +212,7 @@ def save_ranks_to_objects(
     entries: list[RankEntry] = []
     carried = CarriedFiles(url, token)
     try:
-        with staging_directory() as staging:
+        with staging_folder() as staging:
             for info, tensors in ranks:
                 staged = stage_rank(staging, tensors, info, pattern, max_size, token)
                 entries.append(upload_rank(url, staged, token))

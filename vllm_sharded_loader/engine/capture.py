@@ -32,9 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,7 +44,6 @@ from vllm.logger import init_logger
 
 from ..checkpoint import remote_save
 from ..checkpoint.carry import CarriedFiles
-from ..checkpoint.remote_save import staging_base
 from ..checkpoint.save import (
     StagedRank,
     clean_after_publish,
@@ -75,6 +72,7 @@ from ..storage.lock import (
     release_owner_marker,
     release_save_lock,
 )
+from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .follower import watch_leader
 from .identity import current_rank, dtype_label, is_drafter, source_identity
 from .layer_geometry import UNQUANTIZED_METHODS, model_rank, tensor_geometry
@@ -665,7 +663,7 @@ def _save_to_objects(
     token = new_token()
     begun = False
     staged: StagedRank | None = None
-    scratch: str | None = None  # a staging folder made here, when there is no capture to use
+    scratch: StagingFolder | None = None  # a staging folder made here, when there is no capture to use
     carried = CarriedFiles(url, token)
 
     def check_and_lock() -> str:
@@ -684,7 +682,8 @@ def _save_to_objects(
                 staging = capture.directory
             else:
                 # Not into a checkpoint an earlier save published here: that folder is not this save's.
-                staging = scratch = tempfile.mkdtemp(prefix="sharded-state-upload-", dir=staging_base())
+                scratch = make_staging_folder()
+                staging = scratch.path
             staged = _stage_for_save(model, loaded, staging, rank, pattern, max_size, token)
         if (staged.pattern, staged.max_size) != (pattern, max_size):
             staged = stage_rank(staged.directory, open_staged_tensors(staged), rank, pattern, max_size, token)
@@ -712,7 +711,7 @@ def _save_to_objects(
         ) from e
     finally:
         if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.remove()
     try:
         workers.run(lambda: remote_save.clean_after_publish(url, manifest, token, replaced), only_first=True)
     except ShardedStateError as e:

@@ -12,14 +12,11 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..checkpoint.remote_save import staging_base
 from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import ShardedStateError
 from ..format.names import MANIFEST_NAME
@@ -27,6 +24,7 @@ from ..storage import location, objects
 from ..storage.local import directory_holds_checkpoint
 from ..storage.location import is_remote
 from ..storage.lock import describe_lock, read_lock
+from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
 
 
@@ -88,8 +86,10 @@ def save_sharded_state(
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
     made = False  # the output folder, made here: removed again if the save fails and leaves it empty
+    staging: StagingFolder | None = None  # for an upload: where the workers capture, held here until it is done
     if is_remote(output):
-        capture_dir = _prepare_object_output(output, overwrite)
+        staging = _prepare_object_output(output, overwrite)
+        capture_dir = staging.path
     else:
         made = not os.path.lexists(output)
         try:
@@ -114,8 +114,8 @@ def save_sharded_state(
     finally:
         for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV, OVERWRITE_ENV):
             os.environ.pop(name, None)
-        if capture_dir != output:  # a local staging folder for an upload
-            shutil.rmtree(capture_dir, ignore_errors=True)
+        if staging is not None:
+            staging.remove()
     return llm
 
 
@@ -144,11 +144,14 @@ def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
         )
 
 
-def _prepare_object_output(url: str, overwrite: bool) -> str:
+def _prepare_object_output(url: str, overwrite: bool) -> StagingFolder:
     """Refuse a locked or existing prefix; returns a local staging folder.
 
     The workers stage their parts there at start-up (hashed as written), and the save
-    hook uploads them, with the non-weight files, before the manifest.
+    hook uploads them, with the non-weight files, before the manifest. This process holds
+    the folder (its marker's lock) from before the engine starts until the save is over,
+    since the workers only fill it: if it is killed, the next save on the host removes the
+    folder, once no worker's capture marker in it is held either.
     """
     where = objects.ObjectPrefix.parse(url)
     objects.check_not_locked(where)
@@ -156,7 +159,7 @@ def _prepare_object_output(url: str, overwrite: bool) -> str:
         raise ShardedStateError(
             f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass --overwrite."
         )
-    return tempfile.mkdtemp(prefix="sharded-state-upload-", dir=staging_base())
+    return make_staging_folder()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,201 @@
+"""Local staging folders of saves into object storage: made in one place, removed even after a kill.
+
+A save into ``s3://``, ``gs://`` or ``az://`` writes its parts to a local folder
+``sharded-state-upload-*`` under :func:`staging_base` first, and uploads them from there.
+Its process removes the folder when it is done, whether the save succeeded or failed. A
+process killed outright (``SIGKILL``, the OOM killer, a power cut) cannot: its folder,
+up to a model's size, stays. So every folder carries a marker file that its owner holds
+an exclusive ``flock`` on for the folder's whole life. The kernel drops that lock with
+the process, however it ends, and :func:`make_staging_folder` first removes the folders
+beside it whose marker's lock is free: the next save on the host cleans up after a dead
+one, with no pid or host name to trust.
+
+Only folders that are provably ours and dead go: a real folder (not a symbolic link)
+directly under the staging base, named with our prefix, owned by this user, holding our
+marker, and whose marker's lock, and the lock of every engine's capture marker inside it
+(:func:`.lock.hold_owner_marker`), can be taken. A live save's folder is never touched,
+so concurrent saves on one host do not disturb each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..format.names import staged_name, staged_token
+from .lock import OWNER_MARKER
+
+STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
+STAGING_PREFIX = "sharded-state-upload-"
+# Held (flock, exclusive) by the folder's owner for as long as the folder is in use.
+FOLDER_MARKER = ".sharded-state-staging.owner"
+# The marker's name while it is being made: a folder with only this is not (yet) ours to judge.
+_NEW_MARKER = FOLDER_MARKER + ".new"
+
+
+def staging_base() -> str:
+    """Where staging folders are made: ``$SHARDED_STATE_STAGING_DIR`` (created if missing), else the temp dir."""
+    base = os.environ.get(STAGING_ENV) or None
+    if base is None:
+        return tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+@dataclass
+class StagingFolder:
+    """A staging folder of this process: ``path``, and the ``flock``-ed marker ``fd`` that says it is in use.
+
+    :meth:`remove` deletes it; a process that dies without doing so leaves it to the
+    next :func:`make_staging_folder` on the host.
+    """
+
+    path: str
+    fd: int
+
+    def remove(self) -> None:
+        """Delete the folder and everything in it, then let go of its marker (a second call does nothing)."""
+        if self.fd < 0:
+            return
+        # Removed while the lock is still held: a concurrent sweep never sees it half-deleted and free.
+        shutil.rmtree(self.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
+
+
+def make_staging_folder(base: str | None = None) -> StagingFolder:
+    """A new staging folder under ``base`` (default :func:`staging_base`), marked as this process's.
+
+    First removes the staging folders beside it that dead processes left
+    (:func:`remove_dead_staging_folders`). The marker is made and locked under a
+    temporary name, then renamed: a folder is never seen marked and unlocked while its
+    owner lives. Its fd is not inherited by child processes (spawned workers): the folder
+    lives as long as this process holds it, and no longer than :meth:`StagingFolder.remove`.
+    """
+    base = base or staging_base()
+    remove_dead_staging_folders(base)
+    path = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=base)
+    try:
+        fd = os.open(os.path.join(path, _NEW_MARKER), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # For a person who finds the folder: whose it is. The lock, not this, is what counts.
+            owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+            os.write(fd, json.dumps(owner).encode())
+            os.rename(os.path.join(path, _NEW_MARKER), os.path.join(path, FOLDER_MARKER))
+        except BaseException:
+            os.close(fd)
+            raise
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return StagingFolder(path, fd)
+
+
+@contextlib.contextmanager
+def staging_folder(base: str | None = None) -> Iterator[str]:
+    """:func:`make_staging_folder` as a context: yields its path, removes it on exit."""
+    folder = make_staging_folder(base)
+    try:
+        yield folder.path
+    finally:
+        folder.remove()
+
+
+def remove_dead_staging_folders(base: str) -> list[str]:
+    """Remove the staging folders directly under ``base`` whose owner is gone; returns their paths.
+
+    A folder goes only if :func:`_take_if_dead` proves it ours and its owners dead. It is
+    removed while this process holds its marker's lock, so that two saves sweeping at
+    once never both judge it. Failures to remove are left for a later sweep: a sweep
+    never fails a save.
+    """
+    removed = []
+    try:
+        base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return removed
+    try:
+        with os.scandir(base_fd) as entries:
+            names = [e.name for e in entries if e.name.startswith(STAGING_PREFIX)]
+        for name in names:
+            marker = _take_if_dead(base_fd, name)
+            if marker is None:
+                continue
+            try:
+                # rmtree with dir_fd walks by descriptors and never follows a symbolic link.
+                shutil.rmtree(name, dir_fd=base_fd)
+                removed.append(os.path.join(base, name))
+            except OSError:
+                pass
+            finally:
+                os.close(marker)
+    finally:
+        os.close(base_fd)
+    return removed
+
+
+def _take_if_dead(base_fd: int, name: str) -> int | None:
+    """The locked marker of folder ``name`` (under ``base_fd``) if it is ours and no process uses it, else None.
+
+    Ours: a directory (a symbolic link is never followed), owned by this user, holding our
+    marker as a regular file. Unused: the marker's ``flock`` is free, and so is that of
+    every capture marker inside (an engine's workers staging their start-up capture into a
+    folder that the save script's process made: they may outlive it for a moment).
+    """
+    try:
+        folder = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=base_fd)
+    except OSError:
+        return None  # gone, a symbolic link, not a directory, or not ours to open
+    marker = -1
+    try:
+        if os.fstat(folder).st_uid != os.geteuid():
+            return None
+        try:
+            marker = os.open(FOLDER_MARKER, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+        except OSError:
+            return None  # no marker: another program's folder, or one whose owner died while making it
+        if not stat.S_ISREG(os.fstat(marker).st_mode):
+            return None
+        try:
+            fcntl.flock(marker, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return None  # held: a live owner
+        if any(_capture_owner_alive(folder, n) for n in os.listdir(folder)):
+            return None
+        taken, marker = marker, -1
+        return taken
+    finally:
+        if marker >= 0:
+            os.close(marker)
+        os.close(folder)
+
+
+def _capture_owner_alive(folder: int, name: str) -> bool:
+    """Whether ``name`` in the open ``folder`` is a capture's owner marker that a live process holds."""
+    token = staged_token(name)
+    if token is None or name != staged_name(OWNER_MARKER, token):
+        return False
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
