@@ -311,20 +311,30 @@ def run_saver(directory: Path, prelude: str = "") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-SLOW_STAGING = (
-    "import time, vllm_sharded_loader.checkpoint.save as s; stage = s.stage_rank; "
-    "s.stage_rank = lambda *a, **k: (time.sleep(2), stage(*a, **k))[1]"
-)
+# The saver holds its lock, before staging, until the file ``gate`` exists (at most 120 s): a
+# concurrent save meets it held however slowly its own process starts on a busy machine.
+STAGING_AFTER_GATE = """
+import os, time, vllm_sharded_loader.checkpoint.save as s
+stage = s.stage_rank
+def gated_stage(*a, **k):
+    deadline = time.monotonic() + 120
+    while not os.path.exists({gate!r}) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return stage(*a, **k)
+s.stage_rank = gated_stage
+"""
 
 
 def test_concurrent_saves_one_wins_the_other_fails_clearly(tmp_path):
-    first = run_saver(tmp_path, prelude=SLOW_STAGING)  # holds the lock for a few seconds
+    gate = tmp_path.parent / f"{tmp_path.name}-gate"
+    first = run_saver(tmp_path, prelude=STAGING_AFTER_GATE.format(gate=str(gate)))  # holds the lock until the gate
     deadline = time.monotonic() + 60
     while not (tmp_path / LOCK_NAME).exists():
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.01)
     second = run_saver(tmp_path)
     _, err = second.communicate(timeout=120)
+    gate.touch()
     assert second.returncode != 0 and "another save holds" in err and "wait for it to finish" in err
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
