@@ -267,11 +267,16 @@ def release_owner_marker(directory: str, token: str, fd: int) -> None:
         os.close(fd)
 
 
-def owner_is_alive(directory: str, token: str) -> bool:
-    """Whether a live process holds the marker of ``token`` (staged files of a running engine)."""
+def owner_is_alive(directory: str, token: str, dir_fd: int | None = None) -> bool:
+    """Whether a live process holds the marker of ``token`` (staged files of a running engine).
+
+    ``directory`` is relative to the open folder ``dir_fd`` when given (``""``: that folder).
+    """
     try:
         fd = os.open(
-            os.path.join(directory, staged_name(OWNER_MARKER, token)), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+            os.path.join(directory, staged_name(OWNER_MARKER, token)),
+            os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW,
+            dir_fd=dir_fd,
         )
     except OSError:
         return False

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..format.names import staged_name, staged_token
-from .lock import OWNER_MARKER
+from .lock import OWNER_MARKER, owner_is_alive
 
 STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
 STAGING_PREFIX = "sharded-state-upload-"
@@ -184,18 +184,4 @@ def _take_if_dead(base_fd: int, name: str) -> int | None:
 def _capture_owner_alive(folder: int, name: str) -> bool:
     """Whether ``name`` in the open ``folder`` is a capture's owner marker that a live process holds."""
     token = staged_token(name)
-    if token is None or name != staged_name(OWNER_MARKER, token):
-        return False
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
+    return token is not None and name == staged_name(OWNER_MARKER, token) and owner_is_alive("", token, dir_fd=folder)
