@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -249,6 +250,9 @@ def measure(args: argparse.Namespace) -> dict:
         "layers": args.layers,
         "rows": [],
     }
+    # A fresh server each run (the checkpoints are uploaded again): SeaweedFS restarted on an
+    # earlier run's data refuses its readiness probe (the probe bucket exists already).
+    shutil.rmtree(os.path.join(work, "seaweed"), ignore_errors=True)
     with SeaweedS3(os.path.join(work, "seaweed")) as server:
         os.environ.update(server.aws_environment())
         server.create_bucket(BUCKET)

@@ -28,10 +28,12 @@ its generation): an object replaced during a load is never read, it fails the re
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ from urllib.parse import urlparse
 from ..format.errors import ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME
+from . import oscalls
 
 # The URL schemes of the three clouds' stores; Azure is also named by its blob endpoint.
 SCHEMES = ("s3://", "gs://", "az://")
@@ -162,6 +165,7 @@ def client_settings(allow_http: bool) -> tuple[dict[str, Any], dict[str, Any]]:
 @functools.cache
 def _store(scheme: str, bucket: str, account: str | None = None) -> Any:
     """The client of one bucket, configured from its cloud's usual settings (see the module doc)."""
+    _start_runtime()
     if scheme == "gs":
         return _gcs_store(bucket)
     if scheme == "az":
@@ -169,26 +173,55 @@ def _store(scheme: str, bucket: str, account: str | None = None) -> Any:
     return _s3_store(bucket)
 
 
+@functools.cache
+def _start_runtime() -> None:
+    """Start obstore's I/O runtime from a thread that may run on every CPU, once per process.
+
+    obstore runs every request on one tokio runtime per process, made by the first request
+    with as many I/O threads as the CPUs its thread may use, and those threads keep that
+    thread's CPU mask. vLLM pins a CPU worker's main thread to the rank's cores
+    (``VLLM_CPU_OMP_THREADS_BIND``): at TP=2 on 2 cores each rank's first request came
+    from a thread pinned to one core, so all its socket reads ran on one I/O thread on that
+    one core, behind that core's other work (measured in the workers: one
+    ``tokio-rt-worker``, CPU mask ``[0]`` or ``[1]``). Made here, from a thread let onto every
+    core, the runtime has one I/O thread per CPU of the machine, free to run on any.
+    """
+
+    def start() -> None:
+        from obstore.store import MemoryStore
+
+        oscalls.use_every_cpu()
+        # Any request starts the runtime; a missing key in an in-memory store is the cheapest.
+        with contextlib.suppress(Exception):
+            obstore.head(MemoryStore(), "runtime-start")
+
+    import obstore
+
+    thread = threading.Thread(target=start, name="obstore-runtime-start")
+    thread.start()
+    thread.join()
+
+
 def _s3_store(bucket: str) -> Any:
     from obstore.store import S3Store
 
     try:
         import boto3
+        import botocore.session
     except ImportError:  # obstore reads the AWS_* environment variables itself
         client_options, retry_config = client_settings(allow_http=True)
         return S3Store(bucket, client_options=client_options, retry_config=retry_config)
     from obstore.auth.boto3 import Boto3CredentialProvider
 
-    session = boto3.Session()
-    # The endpoint botocore would use: AWS_ENDPOINT_URL(_S3), or the profile's endpoint_url.
-    endpoint = session.client("s3").meta.endpoint_url
-    host = urlparse(endpoint).hostname or ""
+    core = botocore.session.get_session()
+    session = boto3.Session(botocore_session=core)
+    endpoint = _configured_s3_endpoint(core)
     config: dict[str, Any] = {"region": session.region_name or "us-east-1"}
-    if not host.endswith("amazonaws.com"):
+    if endpoint is not None and not (urlparse(endpoint).hostname or "").endswith("amazonaws.com"):
         # A store of its own (MinIO, SeaweedFS, Ceph...): path-style requests to its endpoint.
         config.update(endpoint=endpoint, virtual_hosted_style_request=False)
     credentials = Boto3CredentialProvider(session) if session.get_credentials() is not None else None
-    client_options, retry_config = client_settings(allow_http=endpoint.startswith("http://"))
+    client_options, retry_config = client_settings(allow_http=(endpoint or "").startswith("http://"))
     return S3Store(
         bucket,
         config=config,
@@ -197,6 +230,25 @@ def _s3_store(bucket: str) -> Any:
         client_options=client_options,
         retry_config=retry_config,
     )
+
+
+def _configured_s3_endpoint(core: Any) -> str | None:
+    """The endpoint URL an S3 client of botocore's session ``core`` would be given, or None for AWS's own.
+
+    The same lookup as botocore's when it makes a client: ``AWS_ENDPOINT_URL_S3``, then
+    ``AWS_ENDPOINT_URL``, then the profile's ``s3`` section and ``endpoint_url``, unless
+    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``. Making a client only to ask it (what this did
+    before) loads S3's whole service model: 0.07 s of every process that opens a bucket,
+    measured inside vLLM's workers here, 8% of a TP=2 worker's load of 0.36 GB.
+    """
+    from botocore.configprovider import ConfiguredEndpointProvider
+
+    if core.get_config_variable("ignore_configured_endpoint_urls"):
+        return None
+    provider = ConfiguredEndpointProvider(
+        full_config=core.full_config, scoped_config=core.get_scoped_config(), client_name="s3"
+    )
+    return provider.provide()
 
 
 # Google's clients reach an emulator through this variable (host:port or a URL); obstore's own
