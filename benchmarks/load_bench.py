@@ -82,6 +82,27 @@ LAYER_BYTES = 90_185_728  # one layer of hidden 2048, intermediate 5632, 8 KV he
 EMBED_BYTES = 3_831_152  # embeddings, lm_head and final norm of the tiny tokenizer's vocabulary
 
 
+def machine() -> dict:
+    """The machine the figures come from: platform, cores, CPU model and its vector extensions."""
+    info = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return info
+    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    info["cpu_model"] = model.group(1).strip() if model else "?"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    info["cpu_flags"] = [flag for flag in wanted if flags and flag in flags.group(1).split()]
+    return info
+
+
 def layers_for(gigabytes: float, dtype: str = "bfloat16") -> int:
     """Decoder layers of the benchmark's model that make about ``gigabytes`` GB of weights in ``dtype``."""
     scale = {"bfloat16": 1, "float32": 2}[dtype]
@@ -860,12 +881,7 @@ def main() -> None:
         first = reference.setdefault((e.get("layers", 17), e["tp"]), e["ids"])
         if e["ids"] != first:
             mismatched.append(f"{e['loader']} TP={e['tp']} L{e.get('layers')}")
-    result["machine"] = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-    }
+    result["machine"] = machine()
     result["same_greedy_ids"] = not mismatched
     result["mismatched"] = mismatched
     with open(target, "w") as f:

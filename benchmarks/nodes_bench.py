@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -76,7 +75,7 @@ def measure(args: argparse.Namespace) -> dict:
     local = os.path.join(work, "sharded-tp2")
     load_bench.save(hf, local, 2)
     result: dict = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": load_bench.machine(),
         "command": " ".join(sys.argv),
         "rows": [],
     }

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -220,22 +219,6 @@ def run_engine(loader: str, tp: int, url: str, hf: str, work: str) -> dict:
     return result
 
 
-def machine() -> dict:
-    """The machine the figures come from: platform, cores, CPU model and its vector extensions."""
-    info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return info
-    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
-    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-    info["cpu_model"] = model.group(1).strip() if model else "?"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    info["cpu_flags"] = [flag for flag in wanted if flags and flag in flags.group(1).split()]
-    return info
-
-
 def measure(args: argparse.Namespace) -> dict:
     from s3_server import SeaweedS3
 
@@ -245,7 +228,7 @@ def measure(args: argparse.Namespace) -> dict:
     for tp, out in dirs.items():
         load_bench.save(hf, out, tp)
     result: dict = {
-        "machine": machine(),
+        "machine": load_bench.machine(),
         "command": " ".join(sys.argv),
         "layers": args.layers,
         "rows": [],

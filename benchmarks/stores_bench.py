@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -137,7 +136,7 @@ def measure(args: argparse.Namespace) -> dict:
     work = args.work or tempfile.mkdtemp(prefix="stores-bench-")
     dirs = build(work, args.mib)
     result: dict = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": load_bench.machine(),
         "command": " ".join(sys.argv),
         "mib": args.mib,
         "rows": [],

@@ -346,8 +346,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    from load_bench import build, layers_for, save
-    from s3_bench import machine
+    from load_bench import build, layers_for, machine, save
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default="/tmp/update-bench", help="model and checkpoint folder (kept)")
