@@ -45,15 +45,15 @@ OWNER = textwrap.dedent(
 )
 
 
-def start_owner(base: Path) -> tuple[subprocess.Popen, Path]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", OWNER, str(base)],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+def child(code: str, *args: str, **pipes: int) -> subprocess.Popen:
+    """``code`` run by this Python in a process of its own, with the repository importable."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], cwd=ROOT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, **pipes
     )
+
+
+def start_owner(base: Path) -> tuple[subprocess.Popen, Path]:
+    proc = child(OWNER, str(base), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     return proc, Path(proc.stdout.readline().strip())
 
 
@@ -139,14 +139,7 @@ def test_a_folder_whose_owner_died_is_kept_while_an_engine_worker_still_holds_it
     owner marker. Killed, the script leaves workers that may live on a moment: the folder
     waits for them."""
     script, folder = start_owner(tmp_path)
-    worker = subprocess.Popen(
-        [sys.executable, "-c", CAPTURER, str(folder)],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    worker = child(CAPTURER, str(folder), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert worker.stdout.readline().strip() == "held"
         script.send_signal(signal.SIGKILL)
@@ -188,16 +181,7 @@ SWEEPER = textwrap.dedent(
 def test_concurrent_saves_on_one_host_never_remove_each_others_folders(tmp_path):
     """Two processes make, fill, read back and remove staging folders as fast as they can, each
     sweeping the other's on every make: both succeed, and nothing is left."""
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SWEEPER, str(tmp_path), "2000"],
-            cwd=ROOT,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        for _ in range(2)
-    ]
+    runs = [child(SWEEPER, str(tmp_path), "2000", stderr=subprocess.PIPE) for _ in range(2)]
     for run in runs:
         _, err = run.communicate(timeout=120)
         assert run.returncode == 0, err[-2000:]
