@@ -1,4 +1,21 @@
-"""The one error type of the package, and how its messages list things."""
+"""The package's error types, and how their messages list things.
+
+Every error is a :class:`ShardedStateError` (a ``ValueError``, as vLLM's own loader errors
+are); the subclasses let a caller branch on what went wrong without reading the message:
+
+- :class:`CheckpointNotFound`: no checkpoint (or no file, object or manifest) where one was asked for;
+- :class:`CheckpointLocked`: a save holds the checkpoint (a live owner's lock);
+- :class:`CheckpointMismatch`: the checkpoint is sound but not for this model, topology or dtype;
+- :class:`CheckpointCorrupt`: a file is truncated, replaced, hostile or fails its checksum;
+- :class:`SaveRefused`: a save was refused before anything was published; nothing changed;
+- :class:`SaveFailedAfterPublish`: the manifest is published (the checkpoint is complete and
+  sound), but a step after it (removing the old parts, the lock) failed;
+- :class:`WorkerLost`: another worker of the same load, save or update stopped answering.
+
+``agreed`` is true on an error that a worker raises because another worker failed (the
+exchange of outcomes across workers); ``origin`` is then the failing worker's own error where
+it is known.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +28,52 @@ class ShardedStateError(ValueError):
     The message names the file or tensor, what was expected, what was found, and
     what to do. A ``ValueError`` so that vLLM reports it like its own loader errors.
     """
+
+    #: Raised because another worker failed, after the workers exchanged their outcomes.
+    agreed: bool = False
+    #: The failing worker's own error, where an agreed error carries it.
+    origin: BaseException | None = None
+
+
+class CheckpointNotFound(ShardedStateError):
+    """No checkpoint, file, object or manifest where one was asked for."""
+
+
+class CheckpointLocked(ShardedStateError):
+    """A live save holds the checkpoint's lock."""
+
+
+class CheckpointMismatch(ShardedStateError):
+    """A sound checkpoint that does not fit the served model, topology, dtype or options."""
+
+
+class CheckpointCorrupt(ShardedStateError):
+    """A file is truncated, replaced, hostile, of the wrong kind, or fails its checksum."""
+
+
+class SaveRefused(ShardedStateError):
+    """A save refused before its publish: the checkpoint and the engine are as they were."""
+
+
+class SaveFailedAfterPublish(ShardedStateError):
+    """The manifest was published (the new checkpoint is complete), but a later step failed."""
+
+
+class WorkerLost(ShardedStateError):
+    """Another worker of the same load, save or update stopped answering."""
+
+
+def agreed_error(cls: type[ShardedStateError], message: str, origin: BaseException | None = None) -> ShardedStateError:
+    """An error of type ``cls`` raised because another worker failed.
+
+    >>> e = agreed_error(SaveRefused, "rank 1 failed")
+    >>> (type(e).__name__, e.agreed, isinstance(e, ShardedStateError))
+    ('SaveRefused', True, True)
+    """
+    error = cls(message)
+    error.agreed = True
+    error.origin = origin
+    return error
 
 
 def listing(items: Sequence[str], limit: int = 10, sep: str = ", ") -> str:
