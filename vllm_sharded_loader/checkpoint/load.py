@@ -29,6 +29,7 @@ from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
 from ..storage.location import check_not_locked, is_remote
+from ..storage.memory import check_materialized
 from ..storage.reader import DEFAULT_THREADS
 from ..storage.tensor_files import read_files
 from .legacy import load_without_manifest
@@ -81,6 +82,7 @@ def load_rank(
     started = time.perf_counter()
     options = dict(threads=threads, progress=progress, huge_pages=huge_pages, ranks_on_host=ranks_on_host)
     check_verify_mode(verify)
+    check_materialized(targets, f"{directory} ({rank})")
     check_not_locked(directory)
     if manifest is None:
         if is_remote(directory):
