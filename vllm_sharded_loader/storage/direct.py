@@ -11,10 +11,14 @@ they are copied to their targets (or to the pinned staging of an accelerator tar
 Nothing is cached, so memory stays the parameters'.
 
 Which path a load takes (:func:`choose_direct`): ``SHARDED_STATE_DIRECT_IO=auto`` (the
-default) reads directly when less than half of the files' pages are resident in the page
-cache (``mincore`` over a mapping of each file, no read), ``on`` always where the file
-system supports it, ``off`` never. Warm files keep the page-cache path: copying out of
-the cache is faster than any device. File systems without ``O_DIRECT`` (tmpfs) fall back
+default) reads directly when the targets are on an accelerator and less than half of the
+files' pages are resident in the page cache (``mincore`` over a mapping of each file, no
+read); ``on`` always where the file system supports it, ``off`` never. Warm files keep the
+page-cache path: copying out of the cache is faster than any device. CPU loads keep it
+too: on the project's 2-core VMs (virtio disk, ``benchmarks/direct_bench.py``) a cold load
+through the page cache was as fast as or faster than the direct one, so ``auto`` does not
+pick the direct path there; on a GPU host it is the bet that the GPU command
+(``benchmarks/gpu_bench.py``) measures. File systems without ``O_DIRECT`` (tmpfs) fall back
 to the page cache per file.
 """
 
@@ -25,6 +29,7 @@ import ctypes
 import mmap
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..format.errors import ShardedStateError
 from .local import truncated
@@ -85,10 +90,15 @@ def resident_bytes(fd: int, size: int) -> int | None:
     return min(size, resident * mmap.PAGESIZE)
 
 
-def choose_direct(fds_and_sizes: Sequence[tuple[int, int]], mode: str | None = None) -> bool:
-    """Whether a load of these local files reads them with ``O_DIRECT`` (see the module docstring)."""
+def choose_direct(
+    fds_and_sizes: Sequence[tuple[int, int]], mode: str | None = None, *, accelerator: bool = False
+) -> bool:
+    """Whether a load of these local files reads them with ``O_DIRECT`` (see the module docstring).
+
+    ``accelerator``: the targets are on a GPU (``auto`` reads cold files directly only then).
+    """
     mode = direct_mode() if mode is None else mode
-    if mode != "auto" or not fds_and_sizes:
+    if mode != "auto" or not fds_and_sizes or not accelerator:
         return mode == "on" and bool(fds_and_sizes)
     total = sum(size for _, size in fds_and_sizes)
     resident = 0
@@ -132,6 +142,10 @@ class DirectStream:
         self.path, self.fd, self.size, self.window = path, fd, size, window
         self.buffer: AlignedBuffer | None = None
         self.begin = self.end = 0  # the file bytes the buffer holds
+        # The next window, read ahead by one helper thread while this one copies out of the current.
+        self.spare: AlignedBuffer | None = None
+        self.ahead: tuple[int, int, Future[int]] | None = None
+        self.helper: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(cls, path: str, fd: int, size: int, window: int = WINDOW_BYTES) -> DirectStream | None:
@@ -145,18 +159,11 @@ class DirectStream:
             return None
         return cls(path, direct_fd, size, window)
 
-    def prefetch(self, begin: int, end: int) -> None:
-        """Read the file bytes ``[begin, end)`` (aligned outwards) into the window, with one request."""
-        begin = begin // ALIGN * ALIGN
-        end = min(-(-end // ALIGN) * ALIGN, -(-self.size // ALIGN) * ALIGN)
-        if self.begin <= begin and end <= self.end:
-            return
-        need = end - begin
-        if self.buffer is None or self.buffer.nbytes < need:
-            if self.buffer is not None:
-                self.buffer.close()
-            self.buffer = AlignedBuffer(max(need, self.window))
-        view, offset, got = self.buffer.view, begin, 0
+    def _aligned(self, begin: int, end: int) -> tuple[int, int]:
+        return begin // ALIGN * ALIGN, min(-(-end // ALIGN) * ALIGN, -(-self.size // ALIGN) * ALIGN)
+
+    def _fill(self, buffer: AlignedBuffer, begin: int, need: int) -> int:
+        view, offset, got = buffer.view, begin, 0
         while got < need:
             n = os.preadv(self.fd, [view[got:need]], offset)
             if n <= 0:
@@ -165,7 +172,41 @@ class DirectStream:
             offset += n
             if n % ALIGN:
                 break  # a short read ends at the end of the file
-        self.begin, self.end = begin, begin + got
+        return got
+
+    @staticmethod
+    def _sized(buffer: AlignedBuffer | None, need: int, window: int) -> AlignedBuffer:
+        if buffer is None or buffer.nbytes < need:
+            if buffer is not None:
+                buffer.close()
+            buffer = AlignedBuffer(max(need, window))
+        return buffer
+
+    def prefetch(self, begin: int, end: int) -> None:
+        """Have the file bytes ``[begin, end)`` (aligned outwards) in the window: read ahead, or one request now."""
+        begin, end = self._aligned(begin, end)
+        if self.begin <= begin and end <= self.end:
+            return
+        if self.ahead is not None:
+            a_begin, _, future = self.ahead
+            self.ahead = None
+            got = future.result()
+            if a_begin <= begin and end <= a_begin + got:
+                self.buffer, self.spare = self.spare, self.buffer
+                self.begin, self.end = a_begin, a_begin + got
+                return
+        self.buffer = self._sized(self.buffer, end - begin, self.window)
+        self.begin, self.end = begin, begin + self._fill(self.buffer, begin, end - begin)
+
+    def read_ahead(self, begin: int, end: int) -> None:
+        """Start reading ``[begin, end)`` on the helper thread, for the :meth:`prefetch` after the current one."""
+        begin, end = self._aligned(begin, end)
+        if self.ahead is not None or end <= begin or (self.begin <= begin and end <= self.end):
+            return
+        self.spare = self._sized(self.spare, end - begin, self.window)
+        if self.helper is None:
+            self.helper = ThreadPoolExecutor(1, thread_name_prefix="sharded-direct")
+        self.ahead = (begin, end, self.helper.submit(self._fill, self.spare, begin, end - begin))
 
     def readv(self, views: list[memoryview], offset: int) -> None:
         """Fill ``views`` with consecutive bytes from ``offset``."""
@@ -183,9 +224,17 @@ class DirectStream:
                 source += len(v)
 
     def close(self) -> None:
-        if self.buffer is not None:
-            self.buffer.close()
-            self.buffer = None
+        if self.ahead is not None:
+            with contextlib.suppress(Exception):
+                self.ahead[2].result()  # never unmap a buffer a read is still filling
+            self.ahead = None
+        if self.helper is not None:
+            self.helper.shutdown()
+            self.helper = None
+        for buffer in (self.buffer, self.spare):
+            if buffer is not None:
+                buffer.close()
+        self.buffer = self.spare = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

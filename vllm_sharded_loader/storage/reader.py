@@ -39,11 +39,12 @@ the hardware's limits, measured on the project's 2-core machines:
   two per thread, with non-blocking copies on the thread's own stream, so the copy of
   one span overlaps the read of the next. Streams, events and copies are all on the
   targets' device (one per load), whichever thread issues them.
-- **Cold files bypass the page cache** (:mod:`.direct`). Where less than half of a load's
-  files is in the page cache, each thread reads whole 16 MiB windows with ``O_DIRECT``
-  into a page-aligned buffer and copies the tensors out (``SHARDED_STATE_DIRECT_IO``:
-  ``auto``, ``on``, ``off``): one large request per window instead of the readahead's
-  few small ones, and no checkpoint left in the page cache. Warm files are read through it.
+- **Cold files can bypass the page cache** (:mod:`.direct`). Where less than half of a
+  load's files is in the page cache and the targets are on a GPU (or always, with
+  ``SHARDED_STATE_DIRECT_IO=on``), each thread reads whole 16 MiB windows with ``O_DIRECT``
+  into page-aligned buffers, the next window in flight while the current one is copied
+  out: large requests instead of the readahead's few small ones, and no checkpoint left
+  in the page cache. Warm files, and CPU loads (measured no faster here), use the page cache.
 - **Checksums.** A verified span is exactly one checksum block, hashed by the thread
   that read it (BLAKE3 releases the GIL), so verification runs in parallel too.
 """
@@ -198,17 +199,17 @@ class _SpanReader:
         """Read spans in order on this thread, with its own descriptors; ``done`` after each."""
         total = 0
         try:
-            for span in spans:
+            for i, span in enumerate(spans):
                 if self.cancelled.is_set():
                     break
-                n = self.read(span)
+                n = self.read(span, spans[i + 1] if i + 1 < len(spans) else None)
                 total += n
                 done(n)
         finally:
             self._state().close()
         return total
 
-    def read(self, span: Span) -> int:
+    def read(self, span: Span, upcoming: Span | None = None) -> int:
         state = self._state()
         stream, path = self._stream(state, span.file), self.paths[span.file]
         groups: list[tuple[int, list[memoryview]]] = []  # (file offset, consecutive buffers) per preadv
@@ -281,6 +282,9 @@ class _SpanReader:
             # The whole span (and the partial elements at its ends) in one direct request.
             reads = [(o, sum(len(v) for v in views)) for o, views in groups] + [(o, len(v)) for o, v in edges]
             stream.prefetch(min(o for o, _ in reads), max(o + n for o, n in reads))
+            if upcoming is not None and upcoming.file == span.file:
+                # The next span's request is in flight while this one's bytes are copied out.
+                stream.read_ahead(upcoming.begin - 16, upcoming.end + 16)
         for offset, views in groups:
             stream.readv(views, offset)
         if paged:
@@ -405,7 +409,8 @@ def _read_files(
     # Local files with bytes to copy (not only mapped ones): cold, they are read with O_DIRECT.
     copied = {p.file for p in pieces if p.dest not in served and not targets[p.dest].mapped and p.length}
     local = [f for i, f in enumerate(files) if i in copied and f.mappable and getattr(f, "fd", None) is not None]
-    direct = direct_io.choose_direct([(f.fd, f.size) for f in local])  # type: ignore[attr-defined]
+    on_accelerator = any(t.tensor.device.type == "cuda" for t in targets)
+    direct = direct_io.choose_direct([(f.fd, f.size) for f in local], accelerator=on_accelerator)  # type: ignore[attr-defined]
     if direct:
         span_bytes = max(span_bytes, direct_io.WINDOW_BYTES)
     destinations = [Destination(t, mapped.get(i, t.tensor if t.mapped else None)) for i, t in enumerate(targets)]
