@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.state import saveable_state, tied_groups
-from ..format.errors import ShardedStateError, listing
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError, listing
 from ..format.geometry import TensorGeometry
 from ..format.safetensors import Header
 from ..format.source import SourceModel
@@ -49,7 +49,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
 
 
-class ConvertRefused(ShardedStateError):
+class ConvertRefused(SaveRefused):
     """The source cannot be converted without running the model; nothing was written."""
 
 
@@ -78,7 +78,7 @@ class SourceFiles:
     def open(cls, directory: str) -> SourceFiles:
         """Index ``directory``'s weights; a missing shard, a corrupt header or a duplicated tensor is an error."""
         if not os.path.isdir(directory):
-            raise ShardedStateError(f"{directory}: not a folder. Give a Hugging Face model folder or Hub repo id.")
+            raise CheckpointNotFound(f"{directory}: not a folder. Give a Hugging Face model folder or Hub repo id.")
         names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
         index_path = os.path.join(directory, INDEX_NAME)
         if os.path.exists(index_path):
@@ -87,12 +87,12 @@ class SourceFiles:
                     weight_map = json.load(f)["weight_map"]
                 listed = sorted(set(weight_map.values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ShardedStateError(
+                raise CheckpointCorrupt(
                     f"{index_path}: not a safetensors index ({e}). Download the model again."
                 ) from None
             missing = [n for n in listed if n not in names]
             if missing:
-                raise ShardedStateError(
+                raise CheckpointNotFound(
                     f"{directory}: the index {INDEX_NAME} lists {listing(missing, 5)}, which the folder lacks. "
                     "The download is incomplete: fetch the missing files (or the model) again."
                 )
@@ -100,7 +100,7 @@ class SourceFiles:
         if not names:
             held = [n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth"))]
             other = f" (it holds {listing(held, 3)}: convert reads safetensors only; use `vllm-sharded save`)"
-            raise ShardedStateError(f"{directory}: no *.safetensors weights{other if held else ''}.")
+            raise CheckpointNotFound(f"{directory}: no *.safetensors weights{other if held else ''}.")
         tensors: dict[str, SourceTensor] = {}
         headers: dict[str, Header] = {}
         for name in names:
@@ -109,7 +109,7 @@ class SourceFiles:
             headers[name] = header
             for tensor, h in header.tensors.items():
                 if tensor in tensors:
-                    raise ShardedStateError(
+                    raise CheckpointCorrupt(
                         f"{path}: tensor {tensor} is also in {tensors[tensor].file}. The checkpoint is "
                         "inconsistent: download the model again."
                     )

@@ -114,7 +114,8 @@ def convert(args: argparse.Namespace) -> int:
     print(
         f"Converted {args.source} to TP={manifest.tp_size} PP={manifest.pp_size} in {args.output}: "
         f"{sum(len(r.files) for r in manifest.ranks)} files, {manifest.nbytes / 1e6:.1f} MB from "
-        f"{result.source_bytes / 1e6:.1f} MB of source weights, {time.perf_counter() - started:.1f} s."
+        f"{result.source_bytes / 1e6:.1f} MB of source weights, {time.perf_counter() - started:.1f} s: "
+        f"written in {result.write_seconds:.1f} s after {result.build_seconds:.1f} s building vLLM's model."
     )
     return 0
 

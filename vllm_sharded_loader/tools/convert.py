@@ -13,8 +13,10 @@ Memory holds a few components, never the model.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -147,6 +149,8 @@ class ConvertResult:
     source_bytes: int
     peak_component_bytes: int
     remade: int
+    build_seconds: float  # vLLM's configuration and model on the meta device, the dry run
+    write_seconds: float  # reading, cutting and writing every rank, published
 
 
 def plan_ranks(
@@ -206,8 +210,6 @@ def convert_checkpoint(
     that every rank's split exists) runs before a byte is written; the output is published
     by the save protocol (lock, staged parts, manifest last), config and tokenizer carried.
     """
-    from ..engine.convert import converting
-
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     folder = resolve_source(source)
@@ -215,7 +217,47 @@ def convert_checkpoint(
         raise ShardedStateError("--output must be another folder than the source model.")
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
         raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
+    made = not is_remote(output) and not os.path.lexists(output)
+    try:
+        return _convert(
+            folder,
+            output,
+            tp_size,
+            pp_size,
+            dtype,
+            quantization,
+            max_size,
+            pattern,
+            overwrite,
+            trust_remote_code,
+            budget,
+        )
+    except BaseException:
+        if made:
+            # The folder this run made, left empty by the failed save: nothing of ours stays at OUT.
+            with contextlib.suppress(OSError):
+                os.rmdir(output)
+        raise
+
+
+def _convert(
+    folder: str,
+    output: str,
+    tp_size: int,
+    pp_size: int,
+    dtype: str,
+    quantization: str | None,
+    max_size: int | None,
+    pattern: str | None,
+    overwrite: bool,
+    trust_remote_code: bool,
+    budget: int,
+) -> ConvertResult:
+    from ..engine.convert import converting
+
+    started = time.perf_counter()
     with converting(folder, dtype=dtype, quantization=quantization, trust_remote_code=trust_remote_code) as model:
+        built = time.perf_counter()
         layers = model.identity.config.get("num_hidden_layers")
         if not isinstance(layers, int):
             layers = getattr(model.model_config.hf_text_config, "num_hidden_layers", None)
@@ -263,4 +305,5 @@ def convert_checkpoint(
             carry=folder,
             parallel=True,
         )
-        return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes)
+        done = time.perf_counter()
+        return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes, built - started, done - built)
