@@ -30,6 +30,7 @@ from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import stage_split
 from ..planning.topology import RankInfo
 from ..storage.location import is_locked, is_remote, read_manifest
+from ..storage.oscalls import release_free_heap
 from ..storage.writer import LazyTensor
 
 # Components kept made beyond the one being cut, in bytes: ranks that run ahead wait for the others.
@@ -128,6 +129,13 @@ class ComponentCache:
                 del self.made[key]
                 self.free(name)
                 self.cond.notify_all()
+                freed = True
+            else:
+                freed = False
+        if freed:
+            # glibc keeps freed blocks of the sizes that recur here, fragmented across the
+            # threads' arenas: handed back, memory stays at a few components.
+            release_free_heap()
         return tensor
 
     def _evict(self, keep: int) -> None:
