@@ -821,7 +821,7 @@ def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_p
         _, err = racers[loser].communicate(timeout=60)
         winner_pid = racers[winner].pid
         assert racers[loser].returncode == 1, err
-        assert "ShardedStateError" in err and f"another save holds {directory / LOCK_NAME} (pid {winner_pid} on" in err
+        assert "CheckpointLocked" in err and f"another save holds {directory / LOCK_NAME} (pid {winner_pid} on" in err
         assert "wait for it to finish" in err
         assert not (flags / f"won-{loser}").exists()
         assert (flags / f"won-{winner}").read_text() == str(winner_pid)
