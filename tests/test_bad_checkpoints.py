@@ -374,7 +374,7 @@ def test_full_disk_during_save_loses_nothing(tmp_path):
     proc = run_saver(tmp_path, prelude=prelude)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "ShardedStateError: Writing " in err and "File too large" in err and "previous checkpoint" in err
+    assert "SaveRefused: Writing " in err and "File too large" in err and "previous checkpoint" in err
     assert snapshot(tmp_path) == before, "the failed save must remove its partial files and its lock"
     load(tmp_path)
     assert verify_checkpoint(str(tmp_path)) == []
