@@ -4,7 +4,7 @@
         [--work out/model_matrix] [--timeout 240] [--output benchmarks/results/model_matrix.md]
 
 For each family of ``examples/tiny_models.py`` ``FAMILIES`` (a tiny random model built in
-process), it runs real engines through ``tests/engine_runner.py``, each in its own process,
+process), it runs real engines through ``tests/support/engine_runner.py``, each in its own process,
 one at a time (never two engines at once on this machine), with a wall-clock limit each:
 
 1. vLLM's default loader at TP=1;
@@ -89,7 +89,7 @@ def run_engine(spec: dict, log: Path, timeout: int) -> dict:
     started = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "tests/engine_runner.py", json.dumps(spec)],
+            [sys.executable, "-m", "tests.support.engine_runner", json.dumps(spec)],
             cwd=ROOT,
             env=env,
             stdout=out,

@@ -6,7 +6,7 @@ at TP=2 and uploads it, then, for ``--runs`` rounds, alternating the order:
 
 - ``one node``: ``LLM(model="s3://...", load_format="sharded_state", tensor_parallel_size=2)``
   on one node, both workers on it, reading through one counting proxy;
-- ``two nodes``: the same engine across two nodes (``tests/nodes.py``: each its own mount,
+- ``two nodes``: the same engine across two nodes (``tests/support/nodes.py``: each its own mount,
   UTS and network namespace, joined by veth pairs), one worker each, through vLLM's
   multiprocessing executor (``--nnodes 2``; the follower is ``vllm-sharded-serve --headless``),
   each node reading through its own counting proxy.
@@ -54,7 +54,11 @@ def one_node(url: str, proxy, env: dict[str, str], log: Path) -> dict:
     run_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with open(log, "wb") as out:
         done = subprocess.run(
-            [sys.executable, "tests/engine_runner.py", json.dumps(spec)], cwd=ROOT, env=run_env, stdout=out, stderr=out
+            [sys.executable, "-m", "tests.support.engine_runner", json.dumps(spec)],
+            cwd=ROOT,
+            env=run_env,
+            stdout=out,
+            stderr=out,
         )
     lines = log.read_text(errors="replace").splitlines()
     result = next((json.loads(line[7:]) for line in lines if line.startswith("RESULT ")), None)

@@ -29,10 +29,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "docs"))
-
-import gen_docs  # noqa: E402
+from docs import gen_docs
+from examples.tiny_models import build_model, engine_environment
+from tests.support import ROOT
 
 RUNNABLE = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
@@ -203,17 +202,11 @@ _passed: dict[tuple[str, str], str] = {}
 
 def _prepare(code: str, workspace: Path) -> str:
     if "/path/to/hf-model" in code and not (workspace / "hf-model").exists():
-        sys.path.insert(0, str(ROOT / "examples"))
-        from tiny_models import build_model
-
         build_model(str(workspace / "hf-model"))
     return PLACEHOLDER.sub(lambda m: str(workspace / m.group("name")), code)
 
 
 def _environment(code: str) -> dict[str, str]:
-    sys.path.insert(0, str(ROOT / "examples"))
-    from tiny_models import engine_environment
-
     tp = max([int(n) for n in TP_SIZE.findall(code)] or [1])
     bin_dir = os.path.dirname(sys.executable)
     return {
