@@ -176,12 +176,15 @@ def test_every_snippet_is_annotated_sensibly():
 
 def test_benchmark_commands_name_real_scripts_and_flags():
     """The re-run commands are not run (benchmarks take many minutes), but each names a script
-    that exists and only flags that script defines."""
-    commands = [s for s in SNIPPETS if "benchmarks/" in s.code]
+    that exists (``python -m benchmarks.NAME``) and only flags that script defines."""
+    commands = [s for s in SNIPPETS if re.search(r"benchmarks[/.]", s.code)]
     assert commands
     for s in commands:
-        for match in re.finditer(r"benchmarks/(?P<script>\w+\.py)(?P<args>[^\n#]*)", s.code.replace("\\\n", " ")):
-            script = ROOT / "benchmarks" / match.group("script")
+        code = s.code.replace("\\\n", " ")
+        for match in re.finditer(
+            r"(?:benchmarks/|-m benchmarks\.)(?P<script>\w+)(?:\.py)?(?![\w/.])(?P<args>[^\n#]*)", code
+        ):
+            script = ROOT / "benchmarks" / f"{match.group('script')}.py"
             assert script.exists(), f"{s}: {script} does not exist"
             source = script.read_text()
             for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", match.group("args")):
