@@ -5,7 +5,7 @@ container restarted with a new PID namespace) leaves a lock naming a host and pi
 nothing here; its ``flock`` is free, so the next save with overwrite takes it over and
 publishes. A live owner in such a namespace is never taken over. Where a mount's ``flock``
 is not shared between hosts, a free ``flock`` proves nothing: the save says so and refuses.
-Real processes, real namespaces (``unshare``, as root, like tests/nodes.py), real kills.
+Real processes, real namespaces (``unshare``, as root, like tests/support/nodes.py), real kills.
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
+from tests.support.states import load, save
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.errors import CheckpointLocked, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage.lock import flock_problem, owner_is_alive, read_lock, save_is_running
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from states import load, save  # noqa: E402
 
 
 def snapshot(directory: Path) -> dict[str, str]:
@@ -44,9 +42,8 @@ def snapshot(directory: Path) -> dict[str, str]:
 SAVER = textwrap.dedent(
     """
     import os, sys, time
-    sys.path.insert(0, {tests!r})
     import vllm_sharded_loader.checkpoint.save as save
-    from states import save as save_states
+    from tests.support.states import save as save_states
     stage = save.stage_rank
     def stage_and_wait(*args, **kwargs):
         staged = stage(*args, **kwargs)
@@ -73,7 +70,7 @@ needs_namespaces = pytest.mark.skipif(
 
 def start_elsewhere(directory: Path) -> subprocess.Popen:
     """A save of ``directory`` on "another node": its own hostname and PID namespace; returns once it staged."""
-    code = SAVER.format(tests=str(ROOT / "tests"), directory=str(directory))
+    code = SAVER.format(directory=str(directory))
     proc = subprocess.Popen(
         [
             "unshare",
@@ -89,6 +86,7 @@ def start_elsewhere(directory: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        cwd=ROOT,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     line = proc.stdout.readline()
