@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_engine
 from safetensors.torch import load_file, save_file
 
+from tests.support import ROOT
+from tests.support.engines import run_engine
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound
 from vllm_sharded_loader.tools.convert import convert_checkpoint
 
@@ -32,7 +33,7 @@ def convert(
     source: str, output: str, tp: int, pp: int = 1, *extra: str, ok: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """``vllm-sharded convert`` in its own process (it sets up vLLM's one-process distributed world)."""
-    from tiny_models import engine_environment
+    from examples.tiny_models import engine_environment
 
     args = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "convert", source, "-tp", str(tp)]
     args += ["-pp", str(pp), "-o", output, *extra]
@@ -67,7 +68,7 @@ def rank_tensors(directory: str) -> dict[tuple[int, int, str], torch.Tensor]:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, str]:
     """Tiny models: Llama (8 heads, 2 KV heads: splits up to TP=8), Qwen2 (biases, tied), Mixtral."""
-    from tiny_models import build_family, build_model
+    from examples.tiny_models import build_family, build_model
 
     root = tmp_path_factory.mktemp("convert-sources")
     return {
