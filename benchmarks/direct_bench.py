@@ -17,7 +17,7 @@ Each load runs in a new process (fresh parameter memory, as at engine start), ro
 ``--runs`` times; files are evicted with ``posix_fadvise(DONTNEED)`` after an ``fsync``.
 Reported: seconds, GB/s and CPU seconds of the process during the load.
 
-    python benchmarks/direct_bench.py --out benchmarks/results       # about 5 minutes here
+    python -m benchmarks.direct_bench --out benchmarks/results       # about 10 minutes here
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -34,10 +33,11 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-GB = 1e9
+from benchmarks import harness
+
+HERE = harness.HERE
+ROOT = harness.ROOT
+GB = harness.GB
 MODES = ("cold_pagecache", "cold_direct", "cold_auto", "warm_auto")
 
 
@@ -76,21 +76,7 @@ def build(work: str, layers: int) -> list[str]:
     return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
 
 
-def evict(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def warm(paths: list[str]) -> None:
-    for path in paths:
-        with open(path, "rb") as f:
-            while f.read(64 * 1024**2):
-                pass
+evict, warm = harness.evict, harness.warm
 
 
 def limit_dd(paths: list[str]) -> dict:
@@ -167,8 +153,19 @@ def run_child(directory: str, paths: list[str], mode: str, threads: int) -> dict
     env = dict(os.environ, SHARDED_STATE_DIRECT_IO={"cold_pagecache": "off", "cold_direct": "on"}.get(mode, "auto"))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(
-        [sys.executable, __file__, "--child", directory, "--mode", mode, "--threads", str(threads)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.direct_bench",
+            "--child",
+            directory,
+            "--mode",
+            mode,
+            "--threads",
+            str(threads),
+        ],
         env=env,
+        cwd=ROOT,
         capture_output=True,
         text=True,
     )
@@ -192,7 +189,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# Cold loads: page cache against O_DIRECT (engine-free `load_rank`, copying mode)",
         "",
-        f"Machine: {result['machine']}. Rank: {result['bytes'] / GB:.2f} GB in {result['files']} parts, "
+        f"Machine: {result['machine'].get('cpu_model', '?')}, {result['machine']['cpus']} CPUs. Rank: {result['bytes'] / GB:.2f} GB in {result['files']} parts, "
         f"{result['threads']} reader threads, {result['runs']} runs each (new process per load).",
         "",
         "| what | GB/s (median) | seconds | CPU s | every run (GB/s) |",
@@ -235,8 +232,8 @@ def main() -> None:
         medians = ", ".join(f"{k} {summary(v)['gb_per_s_median']}" for k, v in rows.items())
         print(f"run {run + 1}/{args.runs}: {medians}", flush=True)
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
-        "command": "python benchmarks/direct_bench.py " + " ".join(sys.argv[1:]),
+        "machine": harness.machine(),
+        "command": harness.command(),
         "bytes": sum(os.path.getsize(p) for p in paths),
         "files": len(paths),
         "threads": threads,

@@ -3,7 +3,7 @@
 Runs with what the lent machines have (one GPU, torch, safetensors, numpy; no vLLM, no
 blake3), from the repository root:
 
-    python benchmarks/gpu_bench.py --gb 8 --json $OUT/gpu_bench.json     # about 10 minutes on an H100
+    python -m benchmarks.gpu_bench --gb 8 --runs 2 --json $OUT/gpu_bench.json
 
 Builds an ``--gb`` GB rank of a realistic shape in ``--work``: several safetensors files,
 bfloat16 embeddings and small norms, FP8 (``float8_e4m3fn``) linear weights each with its
@@ -36,23 +36,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from vllm_sharded_loader.storage import direct, local, tensor_files  # noqa: E402
-from vllm_sharded_loader.storage.tensors import DTYPES  # noqa: E402
+from benchmarks import harness
+from vllm_sharded_loader.storage import direct, local, tensor_files
+from vllm_sharded_loader.storage.tensors import DTYPES
 
 GB = 1e9
 MiB = 1024 * 1024
@@ -116,21 +112,7 @@ def _save(work: str, index: int, part: dict[str, torch.Tensor]) -> str:
     return path
 
 
-def evict(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def warm(paths: list[str]) -> None:
-    for path in paths:
-        with open(path, "rb") as f:
-            while f.read(64 * MiB):
-                pass
+evict, warm = harness.evict, harness.warm
 
 
 def cpu_seconds() -> float:
@@ -309,9 +291,9 @@ def main() -> None:
     }
     result = {
         "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu (dry run)",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
+        "machine": harness.machine(),
         "torch": torch.__version__,
-        "command": "python benchmarks/gpu_bench.py " + " ".join(sys.argv[1:]),
+        "command": harness.command(),
         "bytes": nbytes,
         "files": len(paths),
         "runs": args.runs,
