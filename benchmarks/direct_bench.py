@@ -189,7 +189,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# Cold loads: page cache against O_DIRECT (engine-free `load_rank`, copying mode)",
         "",
-        f"Machine: {result['machine'].get('cpu_model', '?')}, {result['machine']['cpus']} CPUs. Rank: {result['bytes'] / GB:.2f} GB in {result['files']} parts, "
+        f"Machine: {result['machine'].get('cpu_model', '?')}, {result['machine']['cpus']} CPUs. "
+        f"Rank: {result['bytes'] / GB:.2f} GB in {result['files']} parts, "
         f"{result['threads']} reader threads, {result['runs']} runs each (new process per load).",
         "",
         "| what | GB/s (median) | seconds | CPU s | every run (GB/s) |",

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 import torch
-from states import assert_untouched, fresh_targets, load, save
 
+from tests.support.states import assert_untouched, fresh_targets, load, save
 from vllm_sharded_loader.format.errors import CheckpointMismatch
 from vllm_sharded_loader.planning.spans import Piece
 from vllm_sharded_loader.storage import memory, oscalls, reader

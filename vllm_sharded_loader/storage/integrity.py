@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from ..format.manifest import HASH_NAME, FileChecksum
 
 BLOCK_SIZE = 16 * 1024 * 1024
