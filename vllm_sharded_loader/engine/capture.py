@@ -73,6 +73,7 @@ from ..storage.lock import (
     release_save_lock,
 )
 from ..storage.staging_folders import StagingFolder, make_staging_folder
+from .compile_cache import save_startup_artifacts
 from .follower import watch_leader
 from .identity import current_rank, dtype_label, is_drafter, source_identity
 from .layer_geometry import UNQUANTIZED_METHODS, model_rank, tensor_geometry
@@ -836,7 +837,7 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
         _check_folder_shared(workers, path, token)
         outcomes = workers.run(stage)
         # Placed under fresh names: the published checkpoint's parts are untouched until the manifest.
-        entries = workers.run(lambda: publish_rank(staged))
+        entries = workers.run(lambda: save_startup_artifacts(model, path, publish_rank(staged), rank))
         outcomes = [(entry, *rest) for entry, (_, *rest) in zip(entries, outcomes, strict=True)]
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
         workers.run(lambda: _stage_non_weight_files(state, carried), only_first=True)
