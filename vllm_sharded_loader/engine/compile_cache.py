@@ -171,7 +171,7 @@ def save_startup_artifacts(model: torch.nn.Module, directory: str, entry: RankEn
         record = startup_artifacts.write_rank_artifacts(
             directory, data, key, entry.tp_rank, entry.pp_rank, entry.dp_rank
         )
-    except (OSError, ShardedStateError, RuntimeError) as e:
+    except Exception as e:  # optional: vLLM internals that moved, a full disk; never a reason to fail the save
         logger.warning("sharded_state: %s start-up artifacts not saved (%s); the weights are saved as usual", rank, e)
         return entry
     logger.info("sharded_state: %s start-up artifacts: %s, %.1f MB", rank, record.file, record.size / 1e6)
@@ -199,6 +199,20 @@ def restore_startup_artifacts(
     if not startup_artifacts.enabled() or manifest is None:
         return False
     try:
+        return _restore(model, where, manifest, rank, hub_fetch)
+    except Exception as e:  # optional: vLLM compiles as it would without them; never a failed start
+        logger.warning("sharded_state: %s start-up artifacts not used (%s); vLLM compiles as usual", rank, e)
+        return False
+
+
+def _restore(
+    model: torch.nn.Module,
+    where: str,
+    manifest: Manifest,
+    rank: RankInfo,
+    hub_fetch: tuple[str, str | None, str | None] | None,
+) -> bool:
+    try:
         entry = manifest.rank(rank.tp_rank, rank.pp_rank, rank.saved_dp_rank)
     except ShardedStateError:
         entry = None
@@ -214,15 +228,11 @@ def restore_startup_artifacts(
         logger.info("sharded_state: %s start-up artifacts not used, saved for another setup (%s)", rank, differs)
         return False
     root = aot_cache_root()
-    try:
-        if hub_fetch is not None and not is_remote(where):
-            repo_id, revision, cache_dir = hub_fetch
-            where = hub.fetch(repo_id, [record.file], revision=revision, cache_dir=cache_dir)
-        data = startup_artifacts.read_rank_artifacts(where, record)
-        written, kept = startup_artifacts.restore(data, root)
-    except (OSError, ShardedStateError) as e:
-        logger.warning("sharded_state: %s start-up artifacts not used (%s); vLLM compiles as usual", rank, e)
-        return False
+    if hub_fetch is not None and not is_remote(where):
+        repo_id, revision, cache_dir = hub_fetch
+        where = hub.fetch(repo_id, [record.file], revision=revision, cache_dir=cache_dir)
+    data = startup_artifacts.read_rank_artifacts(where, record)
+    written, kept = startup_artifacts.restore(data, root)
     logger.info(
         "sharded_state: %s restored start-up artifacts %s (%.1f MB, %d files, %d already there) into %s",
         rank,
