@@ -210,7 +210,7 @@ class ShardedStateLoader(BaseModelLoader):
     @staticmethod
     def save_model(model: torch.nn.Module, path: str, pattern: str | None = None, max_size: int | None = None) -> None:
         """Write this worker's loaded state to ``path`` (see :mod:`.capture`)."""
-        from .capture import save_rank_from_hook
+        from .save_hook import save_rank_from_hook
 
         save_rank_from_hook(model, path, pattern, max_size)
 
