@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel
 from vllm_sharded_loader.storage.integrity import BlockHasher
@@ -99,7 +99,7 @@ def main() -> int:
                 times[f"load_{mode}"].append(
                     timed(
                         lambda mode=mode, ckpt=ckpt, targets=targets, manifest=manifest: load_rank(
-                            ckpt, targets, rank, manifest=manifest, verify=mode
+                            LoadRequest(ckpt, manifest, verify=mode), targets, rank
                         )
                     )
                 )

@@ -23,7 +23,7 @@ import torch
 from faultkit import tree_digest
 from states import SOURCE
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import is_staged_name
@@ -91,7 +91,7 @@ def assert_published(directory: Path, value: float) -> None:
     assert manifest is not None
     for info, tensors in states(value).items():
         targets = {n: torch.zeros_like(t) for n, t in tensors.items()}
-        load_rank(str(directory), targets, info, manifest=manifest, serving=SOURCE, verify="checksum")
+        load_rank(LoadRequest(str(directory), manifest, verify="checksum", serving=SOURCE), targets, info)
         assert all(torch.equal(targets[n], t) for n, t in tensors.items()), f"rank {info} is not save {value}'s"
 
 
