@@ -1,6 +1,6 @@
 """What checksums cost: on save (hashed while writing) and with ``verify: checksum`` on load.
 
-    python benchmarks/checksum_cost.py [--gib 1.0] [--runs 3] [--dir DIR] [--json OUT]
+    python -m benchmarks.checksum_cost [--gib 1.0] [--runs 3] [--dir DIR] [--json OUT]
 
 Engine-free: the same save and load functions the vLLM layer calls, on one rank's worth of
 bfloat16 tensors (a Llama-style layer mix). In one run it measures, medians of ``--runs``:
@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint

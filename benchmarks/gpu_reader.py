@@ -2,7 +2,7 @@
 
 Needs torch with CUDA and safetensors, not vLLM (the lent GPU machines have no vLLM):
 
-    python benchmarks/gpu_reader.py --gb 2 --runs 3 --json gpu_reader.json
+    python -m benchmarks.gpu_reader --gb 2 --runs 3 --json gpu_reader.json
 
 Builds a bfloat16 safetensors file of ``--gb`` GB (Llama-like tensor sizes), then, with the
 file in the page cache (warm), measures medians of ``--runs`` runs of:

@@ -16,7 +16,7 @@ run, and the cold sequential read speed of the files each load reads, taken just
 cold load (on the project's VMs some files read two or three times faster than others), and
 writes it with every run's time to ``--out``::
 
-    python benchmarks/reshard_bench.py --runs 3 --out benchmarks/results/reshard_bench.json
+    python -m benchmarks.reshard_bench --runs 3 --out benchmarks/results/reshard_bench.json
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from load_bench import evict, warm  # noqa: E402  (the same eviction and warming as the engine benchmark)
+from benchmarks.harness import ROOT, evict, warm
 
 CASES = (
     # (label, serving TP, saved TP)
@@ -166,7 +164,11 @@ def child(spec: dict) -> None:
 
 def run_child(spec: dict) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], check=True, capture_output=True, text=True
+        [sys.executable, "-m", "benchmarks.reshard_bench", "--child", json.dumps(spec)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

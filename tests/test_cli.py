@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-from test_reshard_files import moe_weights, save_model, save_replicas, stage_state
-from test_resharding import llama_like
 
+from tests.support.checkpoints import moe_weights, save_model, save_replicas, stage_state
+from tests.support.reference import llama_like
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.tools.cli import main as cli
@@ -102,7 +102,7 @@ def test_reshard_refused_clearly(checkpoint, tmp_path, capsys):
 
 
 def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
-    from test_reshard_files import save_flat
+    from tests.support.checkpoints import save_flat
 
     save_flat(tmp_path, moe_weights(intermediate=32), 1, 2)
     assert cli(["inspect", str(tmp_path)]) == 0

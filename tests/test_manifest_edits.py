@@ -40,10 +40,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_reshard_files import save_model, source_of, stage_state
-from test_resharding import Model, llama_like
 
 import vllm_sharded_loader.checkpoint.verify as verify_module
+from tests.support.checkpoints import save_model, source_of, stage_state
+from tests.support.reference import Model, llama_like
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.geometry import KINDS

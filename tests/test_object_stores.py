@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 import torch
-from cloud_servers import Azurite, FakeGCS
-from s3_server import SeaweedS3
-from test_reshard_files import save_model, source_of, stage_state
-from test_resharding import llama_like
-from test_s3 import Failing, load_from, save_to_bucket, stores_pointed_at
 
+from examples.cloud_servers import Azurite, FakeGCS
+from examples.s3_server import SeaweedS3
+from tests.support.checkpoints import save_model, source_of, stage_state
+from tests.support.reference import llama_like
+from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError

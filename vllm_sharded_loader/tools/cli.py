@@ -21,8 +21,12 @@ from ..format.errors import ShardedStateError
 def verify(args: argparse.Namespace) -> int:
     from ..checkpoint.verify import verify_checkpoint
 
-    problems = verify_checkpoint(args.directory, checksums=not args.size_only)
+    notes: list[str] = []
+    problems = verify_checkpoint(args.directory, checksums=not args.size_only, notes=notes)
     what = "sizes and headers" if args.size_only else "sizes, headers and checksums"
+    # Leftovers of a save or engine that died are not the checkpoint's problems (see verify_checkpoint).
+    for note in notes:
+        print(f"NOTE: {note}")
     if not problems:
         print(f"OK: {args.directory} is sound ({what} checked).")
         return 0
