@@ -28,7 +28,7 @@ from examples.cloud_servers import Azurite, FakeGCS
 from tests.support.checkpoints import save_model, source_of, stage_state
 from tests.support.reference import llama_like
 from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
@@ -141,7 +141,7 @@ def test_a_truncated_object_is_refused_before_a_byte_is_read(store, tmp_path):
     store.raw_put(url, part.name, store.raw_get(url, part.name)[:-7])
     targets = {name: torch.full_like(x, -7) for name, x in stage_state(model, 2, 1, 0, 0).items()}
     with pytest.raises(ShardedStateError, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
-        load_rank(url, targets, RankInfo(0, 2), manifest=read_manifest(url), serving=source_of(model))
+        load_rank(LoadRequest(url, read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
     assert all(bool((t == -7).all()) for t in targets.values())
 
 
@@ -173,7 +173,7 @@ def test_an_object_replaced_during_the_load_is_never_read(store, tmp_path):
 
 def test_no_manifest_is_refused(store):
     with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):
-        load_rank(store.new_url(), {}, RankInfo(0, 1), manifest=None, serving=source_of(model_of()))
+        load_rank(LoadRequest(store.new_url(), None, serving=source_of(model_of())), {}, RankInfo(0, 1))
 
 
 # ------------------------------------------------------------------------------ saves

@@ -25,7 +25,7 @@ from tests.support.checkpoints import moe_weights, save_model, save_replicas, se
 from tests.support.reference import llama_like
 from tests.support.states import SOURCE
 from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
@@ -91,7 +91,7 @@ def test_experts_saved_per_replica_into_a_bucket_load_at_every_rank(s3):
     for serving in [(1, 2, "linear"), (2, None)]:
         for rank, expected in serving_ranks(weights, serving):
             targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-            load_rank(url, targets, rank, manifest=read_manifest(url), verify="checksum")
+            load_rank(LoadRequest(url, read_manifest(url), verify="checksum"), targets, rank)
             assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
 
 
@@ -144,7 +144,7 @@ def test_a_truncated_object_is_refused_before_a_byte_is_read(s3):
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     with pytest.raises(ShardedStateError, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
-        load_rank(url, targets, RankInfo(0, 2), manifest=read_manifest(url), serving=source_of(model))
+        load_rank(LoadRequest(url, read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
     assert all(bool((t == -7).all()) for t in targets.values())
 
 
@@ -245,7 +245,7 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     (left,) = staging_dir.iterdir()  # the killed save's staged parts, a model's worth
     assert any(p.name.endswith(".partial") for p in left.iterdir())
     with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
-        load_rank(url, {}, RankInfo(0, 1), manifest=read_manifest(url))
+        load_rank(LoadRequest(url, read_manifest(url)), {}, RankInfo(0, 1))
     assert any("a save is running or was interrupted" in p for p in verify_checkpoint(url))
     # The error of the next save says what to do; done, the next save aborts what was left.
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
@@ -286,7 +286,7 @@ def test_offline_commands_work_on_a_bucket(s3, tmp_path, capsys):
 def test_no_manifest_in_a_bucket_is_refused(s3):
     url = new_prefix()
     with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):
-        load_rank(url, {}, RankInfo(0, 1), manifest=None, serving=SOURCE)
+        load_rank(LoadRequest(url, None, serving=SOURCE), {}, RankInfo(0, 1))
 
 
 @pytest.mark.engine
@@ -390,7 +390,7 @@ def load_rank_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
     manifest = read_manifest(checkpoint)
     entries = manifest.rank(0, 0).tensors.items()
     targets = {name: torch.empty(e.shape, dtype=DTYPES[e.dtype]) for name, e in entries}
-    load_rank(checkpoint, targets, RankInfo(0, 1), manifest=manifest, serving=manifest.source)
+    load_rank(LoadRequest(checkpoint, manifest, serving=manifest.source), targets, RankInfo(0, 1))
     return targets
 
 
