@@ -16,8 +16,8 @@ The phases of each start come from vLLM's log with millisecond stamps (a logging
 the load, set-up after it, compile (vLLM's warm-up until its AOT artifact is saved or
 loaded), the profiling/warm-up run, and the KV cache until ``LLM(...)`` returns.
 
-    flock /tmp/vsl-engine.lock python benchmarks/startup_bench.py --tp 1 --runs 1
-    flock /tmp/vsl-engine.lock python benchmarks/startup_bench.py --tp 2 --runs 1
+    python -m benchmarks.startup_bench --tp 1 --runs 1 --out benchmarks/results
+    python -m benchmarks.startup_bench --tp 2 --runs 1 --out benchmarks/results
 
 Each writes ``startup_bench_tp{N}.json`` into ``--out``; ``startup_bench.md`` is the table of
 every TP size measured there.
@@ -36,10 +36,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+from benchmarks.harness import HERE, ROOT, build, command, engine_env, layers_for, machine
+
 CASES = ("a_fresh", "b_fresh_artifacts", "c_warm", "d_default_fresh", "e_eager")
 PROMPT = "the model loads every shard"
 LOGGING = {
@@ -113,8 +111,6 @@ def phases(result: dict, log: str) -> dict:
 
 
 def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int) -> dict:
-    from load_bench import engine_env
-
     cache = os.path.join(caches, "a_fresh" if case == "c_warm" else case, f"run{run}")
     if case != "c_warm":
         shutil.rmtree(cache, ignore_errors=True)
@@ -133,7 +129,12 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int) -> d
     }
     env["STARTUP_BENCH_SPAWNED"] = repr(time.time())
     proc = subprocess.run(
-        [sys.executable, __file__, "--engine", json.dumps(spec)], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "benchmarks.startup_bench", "--engine", json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     log = proc.stdout + proc.stderr
     found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
@@ -151,8 +152,6 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int) -> d
 
 def save(hf: str, out: str, tp: int, caches: str) -> float:
     """Save from a compiled engine (the save carries its compile cache); returns its seconds."""
-    from load_bench import engine_env
-
     if os.path.exists(os.path.join(out, "sharded_state.json")):
         return 0.0
     env = engine_env(tp, plugins=True)
@@ -258,8 +257,6 @@ def main() -> None:
     if args.engine:
         engine_child(json.loads(args.engine))
         return
-    from load_bench import build, layers_for, machine
-
     layers = layers_for(args.size)
     work = os.path.join(args.work, f"L{layers}")
     os.makedirs(work, exist_ok=True)
@@ -286,8 +283,7 @@ def main() -> None:
         "model": f"Llama-style, hidden 2048, {layers} layers, bfloat16, ~{args.size} GB",
         "machine": machine(),
         "save_seconds": save_seconds,
-        "command": "flock /tmp/vsl-engine.lock python benchmarks/startup_bench.py "
-        + " ".join(a for a in sys.argv[1:] if not a.startswith("--work")),
+        "command": command(),
         "engines": engines,
         "summary": summarize(engines),
     }

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_engine
+from tests.support.engines import run_engine
 from vllm_sharded_loader.checkpoint.startup_artifacts import ENABLE_ENV
 from vllm_sharded_loader.format.manifest import Manifest
 from vllm_sharded_loader.format.names import MANIFEST_NAME
