@@ -10,6 +10,7 @@ back share one cache folder: only the first compiles from nothing.
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -53,8 +54,10 @@ def test_a_fresh_node_restores_the_artifacts_and_serves_the_same_ids(carried):
     assert record.key["topology"] == "tp=1 pp=1 dp=1" and record.key["device"]
     fresh = carried["root"] / "fresh-cache"
     run = run_engine(_compiled(str(carried["ckpt"]), fresh, load_format="sharded_state"))
-    assert RESTORED in run.output, run.tail()
-    assert "finalize_loading" in run.output or "Directly load AOT" in run.output  # vLLM read the restored cache
+    restored = re.search(RESTORED + r" \S+ \([\d.]+ MB, (\d+) files, 0 already there\) into (\S+)", run.output)
+    assert restored and int(restored.group(1)) > 0, run.tail()
+    # Into the folder vLLM compiled in: the one it then wrote its own AOT artifact beside.
+    assert f"saved AOT compiled function to {restored.group(2)}" in run.output, run.tail()
     assert run.result["token_ids"] == carried["reference"]
 
 

