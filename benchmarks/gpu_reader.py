@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from vllm_sharded_loader.storage import local, reader, tensor_files
+from vllm_sharded_loader.storage.reader import ReadOptions
 
 
 def main() -> None:
@@ -73,7 +74,7 @@ def main() -> None:
         targets = {n: torch.empty(e.shape, dtype=torch.bfloat16, device="cuda") for n, e in header.tensors.items()}
         torch.cuda.synchronize()
         started = time.perf_counter()
-        tensor_files.read_files([header], targets, threads=args.threads)
+        tensor_files.read_files([header], targets, options=ReadOptions(threads=args.threads))
         torch.cuda.synchronize()
         ours.tensors = targets  # type: ignore[attr-defined]
         return time.perf_counter() - started
