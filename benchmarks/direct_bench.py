@@ -126,6 +126,8 @@ def child(directory: str, mode: str, threads: int) -> dict:
     import torch
 
     from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+    from vllm_sharded_loader.checkpoint.request import LoadRequest
+    from vllm_sharded_loader.storage.reader import ReadOptions
 
     manifest = read_manifest(directory)
     entry = manifest.rank(0, 0)
@@ -133,7 +135,7 @@ def child(directory: str, mode: str, threads: int) -> dict:
     targets = {name: torch.empty(spec.shape, dtype=dtypes[spec.dtype]) for name, spec in entry.tensors.items()}
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
-    stats = load_rank(directory, targets, RankInfo(0, 1), manifest=manifest, threads=threads)
+    stats = load_rank(LoadRequest(directory, manifest), targets, RankInfo(0, 1), ReadOptions(threads=threads))
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     return {

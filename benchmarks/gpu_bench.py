@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 
 from benchmarks import harness
 from vllm_sharded_loader.storage import direct, local, tensor_files
+from vllm_sharded_loader.storage.reader import ReadOptions
 from vllm_sharded_loader.storage.tensors import DTYPES
 
 GB = 1e9
@@ -210,7 +211,7 @@ def methods(paths: list[str], device: str, threads: list[int], spans: list[int])
                     }
                     os.environ[direct.ENV] = "on" if way == "direct" else "off"
                     try:
-                        tensor_files.read_files(headers, targets, threads=t, span_bytes=s * MiB)
+                        tensor_files.read_files(headers, targets, options=ReadOptions(threads=t), span_bytes=s * MiB)
                     finally:
                         os.environ.pop(direct.ENV, None)
                     return targets

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
 from vllm_sharded_loader.planning.spans import Piece
 from vllm_sharded_loader.storage import direct, local, memory, reader, tensor_files
+from vllm_sharded_loader.storage.reader import ReadOptions
 
 BLOCK = 64 * 1024
 
@@ -104,7 +105,9 @@ def test_a_cold_load_reads_every_tensor_exactly_with_casts_and_checksums(tmp_pat
         "e.ids": torch.zeros(5000, dtype=torch.int64),
     }
     checksum = FileChecksum(HASH_NAME, BLOCK, tuple(blocks))
-    stats = tensor_files.read_files(headers, targets, {path: checksum}, threads=3, span_bytes=BLOCK)
+    stats = tensor_files.read_files(
+        headers, targets, {path: checksum}, options=ReadOptions(threads=3), span_bytes=BLOCK
+    )
     assert stats.direct == (mode == "on")  # auto: CPU targets keep the page cache
     for name, t in state.items():
         assert torch.equal(targets[name], t.to(targets[name].dtype)), name
@@ -115,7 +118,7 @@ def test_a_cold_load_reads_every_tensor_exactly_with_casts_and_checksums(tmp_pat
         f.write(bytes(10))
     evict(path)
     with pytest.raises(ShardedStateError, match="checksum"):
-        tensor_files.read_files(headers, targets, {path: checksum}, threads=2, span_bytes=BLOCK)
+        tensor_files.read_files(headers, targets, {path: checksum}, options=ReadOptions(threads=2), span_bytes=BLOCK)
 
 
 def test_mapped_targets_keep_the_page_cache_and_the_rest_is_read_directly(tmp_path, monkeypatch):
@@ -127,7 +130,7 @@ def test_mapped_targets_keep_the_page_cache_and_the_rest_is_read_directly(tmp_pa
     adopted: dict[str, torch.Tensor] = {}
     targets = {k: torch.zeros_like(v) for k, v in state.items()}
     adopt = {"c.weight": lambda t: adopted.__setitem__("c.weight", t)}
-    stats = tensor_files.read_files([local.read_header(path)], targets, adopt=adopt, threads=2)
+    stats = tensor_files.read_files([local.read_header(path)], targets, adopt=adopt, options=ReadOptions(threads=2))
     assert stats.direct and stats.bytes_mapped == state["c.weight"].numel() * 2
     assert torch.equal(adopted.pop("c.weight"), state["c.weight"])
     for name in ("a.weight", "b.norm", "d.scale", "e.ids"):

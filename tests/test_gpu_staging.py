@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
 from vllm_sharded_loader.storage import direct, local, tensor_files
+from vllm_sharded_loader.storage.reader import ReadOptions
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the staging path copies into device memory)"
@@ -65,7 +66,9 @@ def test_every_tensor_lands_exactly_on_the_gpu(tmp_path, monkeypatch, mode, thre
         "norm.weight": torch.empty(96, dtype=torch.bfloat16, device=device),
         "down.weight": torch.empty(300, 128, dtype=torch.bfloat16, device=device).t(),  # not contiguous
     }
-    stats = tensor_files.read_files([local.read_header(path)], targets, threads=threads, span_bytes=BLOCK)
+    stats = tensor_files.read_files(
+        [local.read_header(path)], targets, options=ReadOptions(threads=threads), span_bytes=BLOCK
+    )
     torch.cuda.synchronize()
     assert stats.direct == (mode == "on")
     assert torch.equal(targets["embed.weight"].cpu(), state["embed.weight"].float())
@@ -83,7 +86,7 @@ def test_checksums_are_verified_on_the_way_to_the_gpu(tmp_path):
     checksum = FileChecksum(HASH_NAME, BLOCK, blocks)
     header = local.read_header(path)
     targets = {n: torch.empty(t.shape, dtype=t.dtype, device="cuda") for n, t in state.items()}
-    tensor_files.read_files([header], targets, {path: checksum}, threads=2)
+    tensor_files.read_files([header], targets, {path: checksum}, options=ReadOptions(threads=2))
     torch.cuda.synchronize()
     for name, t in state.items():
         assert torch.equal(as_bytes(targets[name]), as_bytes(t)), name
@@ -92,4 +95,4 @@ def test_checksums_are_verified_on_the_way_to_the_gpu(tmp_path):
         f.write(bytes(16))
     evict(path)
     with pytest.raises(ShardedStateError, match="checksum"):
-        tensor_files.read_files([header], targets, {path: checksum}, threads=2)
+        tensor_files.read_files([header], targets, {path: checksum}, options=ReadOptions(threads=2))
