@@ -42,6 +42,7 @@ from .capture import (
     reread_loaded_state,
     written_tensors,
 )
+from .compile_cache import save_startup_artifacts
 from .identity import current_rank, dtype_label
 from .layer_geometry import UNQUANTIZED_METHODS
 from .workers import FolderNotShared, Workers, check_folder_shared, is_agreed, raises_for_all
@@ -392,7 +393,7 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
         check_folder_shared(workers, path, token)
         outcomes = workers.run(stage)
         # Placed under fresh names: the published checkpoint's parts are untouched until the manifest.
-        entries = workers.run(lambda: publish_rank(staged))
+        entries = workers.run(lambda: save_startup_artifacts(model, path, publish_rank(staged), rank))
         outcomes = [(entry, *rest) for entry, (_, *rest) in zip(entries, outcomes, strict=True)]
         manifest = _manifest(rank, _loaded(model, state), pattern, outcomes)
         workers.run(lambda: _stage_non_weight_files(state, carried), only_first=True)
