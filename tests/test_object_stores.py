@@ -15,6 +15,7 @@ the save protocol's writes are covered by the other two stores (see docs/serving
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass
@@ -24,7 +25,6 @@ import pytest
 import torch
 
 from examples.cloud_servers import Azurite, FakeGCS
-from examples.s3_server import SeaweedS3
 from tests.support.checkpoints import save_model, source_of, stage_state
 from tests.support.reference import llama_like
 from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
@@ -35,7 +35,7 @@ from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import objects
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
-BUCKET = "models"
+BUCKET = "stores"  # its own bucket in the session's SeaweedFS (tests/conftest.py: seaweed)
 STORES = ("s3", "az", "gs")
 
 
@@ -85,11 +85,14 @@ class Store:
 
 @pytest.fixture(scope="module", params=STORES)
 def store(request, tmp_path_factory):
-    """One server per store for this module, with that cloud's usual settings pointing at it."""
+    """One server per store (S3: the session's SeaweedFS), with that cloud's usual settings pointing at it."""
     scheme = request.param
-    workdir = str(tmp_path_factory.mktemp(f"store-{scheme}"))
-    server = {"s3": SeaweedS3, "az": Azurite, "gs": FakeGCS}[scheme](workdir)
-    with server:
+    with contextlib.ExitStack() as stack:
+        if scheme == "s3":
+            server = request.getfixturevalue("seaweed")
+        else:
+            workdir = str(tmp_path_factory.mktemp(f"store-{scheme}"))
+            server = stack.enter_context({"az": Azurite, "gs": FakeGCS}[scheme](workdir))
         environment = server.aws_environment() if scheme == "s3" else server.environment()
         with stores_pointed_at(environment):
             server.create_bucket(BUCKET)

@@ -21,7 +21,6 @@ import uuid
 import pytest
 import torch
 
-from examples.s3_server import SeaweedS3
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
 from tests.support.reference import llama_like
 from tests.support.states import SOURCE
@@ -38,11 +37,11 @@ BUCKET = "models"
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A SeaweedFS S3 server for this module, with the usual AWS settings pointing at it."""
-    with SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server, stores_pointed_at(server.aws_environment()):
-        server.create_bucket(BUCKET)
-        yield server
+def s3(seaweed):
+    """The session's SeaweedFS S3 server with this module's bucket, and the usual AWS settings pointing at it."""
+    with stores_pointed_at(seaweed.aws_environment()):
+        seaweed.create_bucket(BUCKET)
+        yield seaweed
 
 
 def new_prefix() -> str:
@@ -291,7 +290,7 @@ def test_no_manifest_in_a_bucket_is_refused(s3):
 
 
 @pytest.mark.engine
-def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_tp1(s3, models):
+def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_tp1(s3, models, default_outputs):
     """examples/save_sharded_state.py -o s3://... at TP=2; LLM(model="s3://...") at TP=2 and TP=1."""
     from tests.support.engines import run_engine, run_python
 
@@ -310,7 +309,7 @@ def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_
     assert not any(n.endswith(".partial") for n in names)
     assert verify_checkpoint(url) == []
     for tp in (2, 1):
-        reference = run_engine({"model": models["llama"], "tp": tp}).result
+        reference = default_outputs.get("llama", tp)
         served = run_engine(
             {"model": url, "tp": tp, "load_format": "sharded_state", "extra_config": {"verify": "checksum"}}
         )

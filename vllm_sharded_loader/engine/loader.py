@@ -27,6 +27,7 @@ from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import is_remote
 from ..storage.reader import DEFAULT_THREADS, ReadOptions
+from .compile_cache import restore_startup_artifacts
 from .identity import dtype_label, is_drafter, source_identity
 from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
@@ -210,7 +211,7 @@ class ShardedStateLoader(BaseModelLoader):
     @staticmethod
     def save_model(model: torch.nn.Module, path: str, pattern: str | None = None, max_size: int | None = None) -> None:
         """Write this worker's loaded state to ``path`` (see :mod:`.capture`)."""
-        from .capture import save_rank_from_hook
+        from .save_hook import save_rank_from_hook
 
         save_rank_from_hook(model, path, pattern, max_size)
 
@@ -316,6 +317,9 @@ class ShardedStateLoader(BaseModelLoader):
             tied_groups(state_dict, targets),
             self.adoptable(model, state_dict),
         )
+        # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
+        hub_fetch = None if repo_id is None else (repo_id, model_config.revision, self.load_config.download_dir)
+        restore_startup_artifacts(model, directory, read_manifest(directory), model_rank(model), hub_fetch)
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         """vLLM's in-place ``reload_weights`` entry point (``collective_rpc("reload_weights")``).

@@ -43,8 +43,9 @@ from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
 from ..storage import oscalls
 from ..storage.location import is_remote
-from .capture import LOADED_STATE_ATTRIBUTE, gather_over, raises_for_all, served_from_checkpoint
+from .capture import LOADED_STATE_ATTRIBUTE, served_from_checkpoint
 from .layer_geometry import model_rank
+from .workers import gather_over, raises_for_all
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -258,7 +259,7 @@ class InPlaceUpdate:
         Every worker reads and checks its own files, then all agree before any processes:
         a file that only one rank finds corrupt must leave every rank as served, not some
         updated and some not. A refusal is raised by one worker only, the last one (see
-        :func:`.capture.raises_for_all`); the others put their layers back and return False.
+        :func:`.workers.raises_for_all`); the others put their layers back and return False.
         """
         layerwise = _layerwise()
         layers = [

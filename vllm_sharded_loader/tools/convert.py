@@ -86,11 +86,14 @@ class ComponentCache:
     free: Callable[[str], None]
     component_of: Callable[[str], int]
     takes: dict[str, int]  # tensor -> how many ranks take a slice of it
-    working: int  # ranks writing
     budget: int = DEFAULT_BUDGET
     made: dict[int, _Made] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
     waiting: dict[int, int] = field(default_factory=dict)  # thread -> component it waits to make
+    # Ranks written at once and not finished: all of them for a local save, which stages every
+    # rank in its own thread; one for a save into object storage, which stages one after another.
+    running: int = 1
+    failed: BaseException | None = None
     remakes: int = 0
     peak: int = 0
 
@@ -104,39 +107,52 @@ class ComponentCache:
         return sum(m.nbytes for m in self.made.values())
 
     def take(self, name: str) -> torch.Tensor:
-        key = self.component_of(name)
+        """The TP=1 tensor ``name`` (made with its component if no rank made it yet) for one rank's slice."""
         me = threading.get_ident()
         with self.cond:
-            while key not in self.made:
-                others = self.working - 1 - len(self.waiting)
-                if self._bytes() <= self.budget or not self.made or others <= 0:
-                    if self._bytes() > self.budget and others <= 0:
-                        self._evict(key)
-                    tensors = self.make(name)
-                    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-                    self.made[key] = _Made(tensors, nbytes, self.pending[key])
-                    self.peak = max(self.peak, self._bytes())
-                    self.cond.notify_all()
-                    break
-                self.waiting[me] = key
-                self.cond.wait()
-                self.waiting.pop(me, None)
-            made = self.made[key]
-            tensor = made.tensors[name]
-            made.pending -= 1
-            self.pending[key] -= 1
-            if made.pending == 0:
-                del self.made[key]
-                self.free(name)
+            try:
+                tensor, freed = self._take(name, me)
+            except BaseException as e:
+                # Every other rank stops at its next tensor: the save then discards them all.
+                self.failed = self.failed or e
+                self.running -= 1
                 self.cond.notify_all()
-                freed = True
-            else:
-                freed = False
+                raise
         if freed:
             # glibc keeps freed blocks of the sizes that recur here, fragmented across the
             # threads' arenas: handed back, memory stays at a few components.
             release_free_heap()
         return tensor
+
+    def _take(self, name: str, me: int) -> tuple[torch.Tensor, bool]:
+        key = self.component_of(name)
+        while key not in self.made:
+            if self.failed is not None:
+                raise ShardedStateError(f"stopped: another rank's conversion failed ({self.failed})")
+            # Ranks that can still take a slice: those not waiting for a component nobody made yet.
+            others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
+            if self._bytes() <= self.budget or not self.made or others <= 0:
+                if self._bytes() > self.budget:
+                    self._evict(key)
+                tensors = self.make(name)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                self.made[key] = _Made(tensors, nbytes, self.pending[key])
+                self.peak = max(self.peak, self._bytes())
+                self.cond.notify_all()
+                break
+            self.waiting[me] = key
+            self.cond.wait()
+            self.waiting.pop(me, None)
+        made = self.made[key]
+        tensor = made.tensors[name]
+        made.pending -= 1
+        self.pending[key] -= 1
+        if made.pending:
+            return tensor, False
+        del self.made[key]
+        self.free(name)
+        self.cond.notify_all()
+        return tensor, True
 
     def _evict(self, keep: int) -> None:
         wanted = set(self.waiting.values()) | {keep}
@@ -147,7 +163,7 @@ class ComponentCache:
 
     def rank_done(self) -> None:
         with self.cond:
-            self.working -= 1
+            self.running -= 1
             self.cond.notify_all()
 
 
@@ -279,8 +295,8 @@ def _convert(
             free=model.free,
             component_of=lambda n: id(model.components[n]),
             takes=takes,
-            working=len(plans),
             budget=budget,
+            running=1 if is_remote(output) else len(plans),
         )
 
         def lazy(state_name: str, layout: ShardLayout, last: bool) -> LazyTensor:
