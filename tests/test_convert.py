@@ -187,6 +187,20 @@ def test_a_partly_filled_tensor_is_refused_and_nothing_is_published(sources, tmp
     assert not out.exists()
 
 
+def test_int8_w8a8_converts_with_its_kv_cache_scales_as_vllm_creates_them(tmp_path):
+    """compressed-tensors int8: int8 weights and per-channel scales cut per rank; the attention
+    layers' KV-cache scales, which no file holds, made by vLLM's own KV-cache method."""
+    from examples.tiny_models import build_family
+
+    source = build_family(str(tmp_path / "src"), "int8_w8a8")
+    out = tmp_path / "out"
+    convert(source, str(out), 2)
+    verify(str(out))
+    manifest = json.loads((out / MANIFEST).read_text())
+    dtypes = {t["dtype"] for r in manifest["ranks"] for t in r["tensors"].values()}
+    assert "I8" in dtypes and all(g["kind"] != "opaque" for g in manifest["geometry"].values())
+
+
 def test_an_existing_checkpoint_is_not_replaced_without_overwrite(sources, tmp_path):
     out = tmp_path / "out"
     convert(sources["tied"], str(out), 1)

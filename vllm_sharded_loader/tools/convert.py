@@ -33,6 +33,8 @@ from ..storage.location import is_locked, is_remote, read_manifest
 from ..storage.oscalls import release_free_heap
 from ..storage.writer import LazyTensor
 
+SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
+
 # Components kept made beyond the one being cut, in bytes: ranks that run ahead wait for the others.
 DEFAULT_BUDGET = 1024**3
 
@@ -306,6 +308,12 @@ def _convert(
                 local = cut(cache.take(state_name), layout)
                 if last:
                     cache.rank_done()
+                if tuple(local.shape) != tuple(layout.shape) or local.dtype != meta.dtype:
+                    # The header already written says otherwise: the save fails, nothing is published.
+                    raise ShardedStateError(
+                        f"{state_name}: vLLM's loader made {list(local.shape)} {local.dtype}, but the model declares "
+                        f"{list(layout.shape)} {meta.dtype} for this rank. {SAVE_INSTEAD}"
+                    )
                 return local
 
             return LazyTensor(tuple(layout.shape), meta.dtype, produce)
