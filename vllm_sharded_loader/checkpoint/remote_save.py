@@ -34,20 +34,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-
-import torch
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import MANIFEST_NAME, staged_name, staged_token
-from ..planning.topology import RankInfo
 from ..storage import objects
 from ..storage.faults import declare, kill_point
-from ..storage.staging_folders import staging_folder
+from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .carry import CarriedFiles
-from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry, stage_rank
+from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry
 
 # The steps where a test kills an object-storage save (storage/faults.py), in protocol order.
 KILL_LOCKED = declare("s3.locked", "checkpoint/remote_save.py: the lock object is put, nothing uploaded")
@@ -194,35 +191,51 @@ def clean_after_publish(url: str, manifest: Manifest, token: str | None = None, 
     objects.release_lock(where, token)
 
 
-def save_ranks_to_objects(
-    url: str,
-    ranks: Sequence[tuple[RankInfo, Mapping[str, torch.Tensor]]],
-    pattern: str,
-    max_size: int | None,
-    overwrite: bool,
-    manifest_of: Callable[[Sequence[RankEntry]], Manifest],
-    carry: str | None = None,
-) -> Manifest:
-    """The steps above from one process, for :func:`.save.save_checkpoint` given an object-storage URL.
+class ObjectTarget:
+    """An object-storage prefix as the target of the save protocol (:mod:`.protocol`): the steps above.
 
-    ``manifest_of`` builds the manifest from the uploaded ranks' entries.
+    Every member stages in a local folder of its own (made on first use, removed at the end),
+    unless its caller stages elsewhere (an engine's start-up capture).
     """
-    token = new_token()
-    begin(url, token, overwrite)
-    entries: list[RankEntry] = []
-    carried = CarriedFiles(url, token)
-    try:
-        with staging_folder() as staging:
-            for info, tensors in ranks:
-                staged = stage_rank(staging, tensors, info, pattern, max_size, token)
-                entries.append(upload_rank(url, staged, token))
-        if carry is not None:
-            carried.stage(carry)  # under the lock, after the overwrite rule: see save.save_checkpoint
-        manifest = manifest_of(entries)
-        replaced = publish(url, manifest, token, carried)
-    except BaseException:
-        carried.restore()
-        abandon(url, entries, token)
-        raise
-    clean_after_publish(url, manifest, token, replaced)
-    return manifest
+
+    stages_in_place = False
+    abandoned = "Nothing was published: this save's uploads and lock were deleted."
+
+    def __init__(self, url: str, overwrite: bool = False) -> None:
+        self.where = url
+        self.overwrite = overwrite
+        self.token = new_token()
+        self.replaced: frozenset[str] = frozenset()
+        self.scratch: StagingFolder | None = None
+
+    def lock(self) -> str:
+        begin(self.where, self.token, self.overwrite)
+        return self.token
+
+    def join(self, token: str, member: str) -> None:
+        self.token = token  # every member records its uploads under the lock's token: cleanups find them all
+
+    def check_joined(self, seen: list[None]) -> None:
+        pass  # every member reaches the same prefix
+
+    def staging(self) -> str:
+        if self.scratch is None:
+            self.scratch = make_staging_folder()
+        return self.scratch.path
+
+    def place(self, staged: StagedRank) -> RankEntry:
+        return upload_rank(self.where, staged, self.token)
+
+    def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
+        self.replaced = publish(self.where, manifest, self.token, carried)
+
+    def clean(self, manifest: Manifest) -> None:
+        clean_after_publish(self.where, manifest, self.token, self.replaced)
+
+    def abandon(self, entries: Sequence[RankEntry]) -> None:
+        abandon(self.where, entries, self.token)
+
+    def close(self) -> None:
+        if self.scratch is not None:
+            self.scratch.remove()
+            self.scratch = None
