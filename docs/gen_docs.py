@@ -1,7 +1,8 @@
-"""Generated parts of the documentation: the CLI reference (from the argument parsers) and the
-model-family table (from ``benchmarks/results/model_matrix.json``).
+"""Generated parts of the documentation: the CLI reference (from the argument parsers), the
+model-family table (from ``benchmarks/results/model_matrix.json``) and the error types with
+their messages (from the package's raise sites).
 
-    python docs/gen_docs.py            # rewrite the generated blocks of docs/cli.md and docs/model-families.md
+    python docs/gen_docs.py            # rewrite the generated blocks of the three pages
     python docs/gen_docs.py --check    # exit 1 if a committed page differs from what is generated
 
 A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``; the
@@ -11,6 +12,8 @@ prose around it is written by hand. ``tests/test_docs.py`` runs the check.
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
 import re
 import sys
@@ -166,6 +169,89 @@ def model_matrix() -> str:
 
 # ---------------------------------------------------------------------------- pages
 
+# ---------------------------------------------------------------------------- error types and messages
+# Every call of an error class of vllm_sharded_loader.format.errors (``raise X(...)``,
+# ``return X(...)``, ``agreed_error(X, ...)``) in the package is one message; an f-string's
+# fields are shown as ``{expression}``.
+
+PACKAGE = ROOT / "vllm_sharded_loader"
+
+
+def _error_classes() -> dict[str, str]:
+    """Each error class's name and its docstring's first line, base class first."""
+    from vllm_sharded_loader.format import errors
+
+    found = {
+        name: (inspect.getdoc(cls) or "").splitlines()[0]
+        for name, cls in vars(errors).items()
+        if isinstance(cls, type) and issubclass(cls, errors.ShardedStateError)
+    }
+    return found
+
+
+def _text(node: ast.expr) -> str | None:
+    """A message argument as text: literal parts as they are, fields as ``{expression}``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        out = []
+        for part in node.values:
+            if isinstance(part, ast.Constant):
+                out.append(str(part.value))
+            else:
+                assert isinstance(part, ast.FormattedValue)
+                conversion = "" if part.conversion < 0 else "!" + chr(part.conversion)
+                spec = "" if part.format_spec is None else ":" + (_text(part.format_spec) or "")
+                out.append("{" + ast.unparse(part.value) + conversion + spec + "}")
+        return "".join(out)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _text(node.left), _text(node.right)
+        return None if left is None or right is None else left + right
+    if isinstance(node, ast.BoolOp):  # missing or f"..."
+        return " or ".join(t if (t := _text(v)) is not None else "{" + ast.unparse(v) + "}" for v in node.values)
+    return "{" + ast.unparse(node) + "}"
+
+
+def _messages(classes: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+    """Each class's messages, with the module (and function) that raises them."""
+    found: dict[str, list[tuple[str, str]]] = {name: [] for name in classes}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        module = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for call in ast.walk(function):
+                if not isinstance(call, ast.Call) or not call.args:
+                    continue
+                name, args = getattr(call.func, "id", None), call.args
+                if name == "agreed_error" and isinstance(args[0], ast.Name) and len(args) > 1:
+                    name, args = args[0].id, args[1:]
+                if name not in classes:
+                    continue
+                message = _text(args[0])
+                where = f"{module}.{function.name}"
+                if message is not None and (where, message) not in found[name]:
+                    found[name].append((where, message))
+    return found
+
+
+def error_list() -> str:
+    """Each error type with its docstring and every message the package raises it with."""
+    classes = _error_classes()
+    lines = [""]
+    for name, found in _messages(classes).items():
+        if name == "AlreadyExists":
+            continue  # internal to the object-storage save (a create-only put lost): see the table above
+        lines += [f"### `{name}`", "", classes[name], ""]
+        if not found:
+            lines += ["(no message of its own in this version)", ""]
+        for where, message in sorted(found):
+            lines.append(f"- `{where}`: {message.replace('|', '&#124;')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "cli-commands": cli_commands,
     "cli-verify": lambda: cli_command("verify"),
@@ -173,8 +259,9 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "cli-reshard": lambda: cli_command("reshard"),
     "cli-save": cli_save,
     "model-matrix": model_matrix,
+    "errors": error_list,
 }
-PAGES = [DOCS / "cli.md", DOCS / "model-families.md"]
+PAGES = [DOCS / "cli.md", DOCS / "model-families.md", DOCS / "troubleshooting.md"]
 
 
 def render(text: str) -> str:

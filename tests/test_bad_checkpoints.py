@@ -374,7 +374,7 @@ def test_full_disk_during_save_loses_nothing(tmp_path):
     proc = run_saver(tmp_path, prelude=prelude)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "ShardedStateError: Writing " in err and "File too large" in err and "previous checkpoint" in err
+    assert "SaveRefused: Writing " in err and "File too large" in err and "previous checkpoint" in err
     assert snapshot(tmp_path) == before, "the failed save must remove its partial files and its lock"
     load(tmp_path)
     assert verify_checkpoint(str(tmp_path)) == []
@@ -821,7 +821,7 @@ def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_p
         _, err = racers[loser].communicate(timeout=60)
         winner_pid = racers[winner].pid
         assert racers[loser].returncode == 1, err
-        assert "ShardedStateError" in err and f"another save holds {directory / LOCK_NAME} (pid {winner_pid} on" in err
+        assert "CheckpointLocked" in err and f"another save holds {directory / LOCK_NAME} (pid {winner_pid} on" in err
         assert "wait for it to finish" in err
         assert not (flags / f"won-{loser}").exists()
         assert (flags / f"won-{winner}").read_text() == str(winner_pid)

@@ -182,7 +182,7 @@ def test_a_manifest_that_would_take_gigabytes_to_parse_is_refused_before_parsing
         try:
             read_manifest({str(tmp_path)!r})
         except Exception as e:
-            print(type(e).__name__, e)
+            print(*[c.__name__ for c in type(e).__mro__[:-3]], e)  # CheckpointCorrupt ShardedStateError
         print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
         """
     )

@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..format.errors import ShardedStateError
+from ..format.errors import SaveRefused, ShardedStateError
 from ..format.names import staged_name
 from ..storage import objects
 from ..storage.faults import declare, kill_point
@@ -98,7 +98,7 @@ class CarriedFiles:
                     self._stage_local(index, name, data)
         except OSError as e:  # a full disk, a permission: the save stops before its manifest
             self.restore()
-            raise ShardedStateError(f"copying the non-weight files of {source} to {self.output} failed: {e}") from e
+            raise SaveRefused(f"copying the non-weight files of {source} to {self.output} failed: {e}") from e
         except BaseException:
             self.restore()
             raise

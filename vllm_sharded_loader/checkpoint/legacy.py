@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
 from ..format.names import MANIFEST_NAME, default_pattern, parse_file_name, validate_pattern
 from ..planning.tensors import TensorSpec, check_tensor_sets
 from ..planning.topology import RankInfo
@@ -36,7 +36,7 @@ def load_without_manifest(
 ) -> LoadStats:
     """:func:`.load.load_rank` for a checkpoint of vLLM's own save."""
     if verify == "checksum":
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{directory} has no {MANIFEST_NAME} (a checkpoint of vLLM's own save), so there are no "
             "checksums to verify; load it with verify='size' or save it again with vllm-sharded-loader."
         )
@@ -50,7 +50,7 @@ def load_without_manifest(
     for header in headers:
         for name, h in header.tensors.items():
             if name in owner:
-                raise ShardedStateError(
+                raise CheckpointCorrupt(
                     f"{where}: tensor {name!r} is stored in both {owner[name]} and {header.path}; "
                     "the directory mixes two saves. Remove the stale files or save it again."
                 )
@@ -106,14 +106,14 @@ def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) ->
                 foreign.append(name)
             break
     if foreign:
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{directory} holds files of ranks this engine does not have (for example "
             f"{foreign[0]!r}) while it runs tensor_parallel_size={rank.tp_size} and "
             f"pipeline_parallel_size={rank.pp_size}: the checkpoint was saved at another topology. "
             "Serve it at the sizes it was saved with, or save it again at the new sizes."
         )
     if not mine:
-        raise ShardedStateError(
+        raise CheckpointNotFound(
             f"{directory} has no file for {rank} matching {pattern!r} and no {MANIFEST_NAME}. "
             "Either this is not a sharded checkpoint (save one with examples/save_sharded_state.py), "
             "or it was saved at a smaller topology than the engine runs."

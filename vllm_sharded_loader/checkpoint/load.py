@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointNotFound
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -84,7 +84,7 @@ def load_rank(
     check_not_locked(directory)
     if manifest is None:
         if is_remote(directory):
-            raise ShardedStateError(
+            raise CheckpointNotFound(
                 f"{directory}: no {MANIFEST_NAME}. A checkpoint in object storage is served only with the manifest "
                 "this package writes (or the save into it is incomplete): save it with vllm_sharded_loader."
             )

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch
 from ..format.manifest import FileEntry, Manifest, RankEntry
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import Header
@@ -50,7 +50,7 @@ def _check_opened(opened: StoredFile, f: FileEntry, entry: RankEntry, verify: st
     header = read_header(opened)
     check_header_matches_manifest(header, entry)
     if verify == "checksum" and f.checksum is None:
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{header.path}: {MANIFEST_NAME} records no checksum for it, so verify='checksum' "
             "cannot check it; save the checkpoint again, or load with verify='size'."
         )
@@ -98,14 +98,14 @@ def check_header_matches_manifest(header: Header, entry: RankEntry) -> None:
     if set(listed) != set(header.tensors):
         extra = sorted(set(header.tensors) - set(listed))
         absent = sorted(set(listed) - set(header.tensors))
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{header.path}: holds tensors {extra[:5]} not in {MANIFEST_NAME} and lacks {absent[:5]} "
             "that it lists; the file is not the one that was saved. Copy or save the checkpoint again."
         )
     for tensor_name, e in listed.items():
         h = header.tensors[tensor_name]
         if (h.dtype, h.shape) != (e.dtype, tuple(e.shape)):
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{header.path}: tensor {tensor_name!r} is {h.dtype}{list(h.shape)} in the file but "
                 f"{e.dtype}{list(e.shape)} in {MANIFEST_NAME}; copy or save the checkpoint again."
             )
@@ -114,7 +114,7 @@ def check_header_matches_manifest(header: Header, entry: RankEntry) -> None:
         # The file's own header says where a tensor's bytes lie; a manifest that places them
         # elsewhere would have a resharding load read another tensor's bytes.
         if e.offset is not None and e.offset != h.begin:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{header.path}: tensor {tensor_name!r} starts at byte {h.begin} in the file but at {e.offset} "
                 f"in {MANIFEST_NAME}; the manifest is damaged. Copy or save the checkpoint again."
             )
@@ -134,7 +134,7 @@ def check_not_replaced(directory: str, manifest: Manifest, check_files: Callable
     check_not_locked(directory)
     check_files()
     if read_manifest(directory) != manifest:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{directory}: {MANIFEST_NAME} changed during the load (another save into the directory?); the "
             "weights read may belong to the previous checkpoint. Load again once the save is done."
         )

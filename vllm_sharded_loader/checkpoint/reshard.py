@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from ..format.errors import ShardedStateError, listing
+from ..format.errors import CheckpointMismatch, listing
 from ..format.manifest import Manifest
 from ..planning.reads import (
     ReadPlan,
@@ -317,14 +317,14 @@ def load_resharded(
             if tuple(p.shape) != tuple(targets[n].shape)
         ]
         if wrong:
-            raise ShardedStateError(
+            raise CheckpointMismatch(
                 f"{directory} ({rank}, resharded from TP={manifest.tp_size} PP={manifest.pp_size}): shape "
                 f"mismatch: {'; '.join(wrong[:5])}. Save the checkpoint again."
             )
         unexpected = unexpected_tensors(manifest, targets, tied, rank.pp_size)
         if unexpected:
             shown = listing(unexpected, 5)
-            raise ShardedStateError(
+            raise CheckpointMismatch(
                 f"{directory} ({rank}, resharded from TP={manifest.tp_size} PP={manifest.pp_size}): the checkpoint "
                 f"holds tensors the served model does not have: {shown}. It was saved from another model: save it "
                 "again from the model being served."

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import SaveRefused, ShardedStateError
 from ..format.manifest import FileEntry, RankEntry, TensorEntry
 from ..format.names import default_pattern, fresh_part_names, render_file_name, staged_name, validate_pattern
 from ..planning.parts import plan_parts
@@ -92,7 +92,7 @@ def stage_rank(
             try:
                 written = writer.write_file(tmp, items, {"format": "pt"}, advance)
             except OSError as e:
-                raise ShardedStateError(
+                raise SaveRefused(
                     f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "
                     "checkpoint, if any, is intact; free space (or fix the directory) and save again."
                 ) from e

@@ -19,7 +19,7 @@ from ..checkpoint import load_rank, read_manifest, saveable_state
 from ..checkpoint.legacy import holds_sharded_checkpoint
 from ..checkpoint.state import tied_groups
 from ..checkpoint.stats import LoadStats, check_verify_mode
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointNotFound, ShardedStateError
 from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -290,7 +290,7 @@ class ShardedStateLoader(BaseModelLoader):
         try:
             DefaultModelLoader(config).load_weights(model, model_config)
         except Exception as e:
-            raise ShardedStateError(
+            raise CheckpointNotFound(
                 f"The speculative drafter {directory} holds no sharded checkpoint ({MANIFEST_NAME} or part "
                 f"files), and vLLM's default loader could not load its weights either ({type(e).__name__}: {e}). "
                 "Point speculative_config['model'] at the drafter's Hugging Face folder (its *.safetensors), "

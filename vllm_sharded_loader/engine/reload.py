@@ -40,7 +40,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
 from ..storage import oscalls
 from ..storage.location import is_remote
 from .capture import LOADED_STATE_ATTRIBUTE, served_from_checkpoint
@@ -284,7 +284,8 @@ class InPlaceUpdate:
             if len(errors) == 1 and failure is not None and raises_for_all():
                 raise failure
             if raises_for_all():
-                raise ShardedStateError(" | ".join(errors) + " (no rank's weights were changed)")
+                kind = type(failure) if isinstance(failure, ShardedStateError) else ShardedStateError
+                raise agreed_error(kind, " | ".join(errors) + " (no rank's weights were changed)", failure)
             logger.warning("sharded_state: %s put its weights back: another rank refused the update", rank)
             return False
         state = self.model.__dict__.get(LOADED_STATE_ATTRIBUTE)
@@ -314,7 +315,7 @@ class InPlaceUpdate:
         if os.path.isdir(path) or is_remote(path):
             return path, None
         if os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path):
-            raise ShardedStateError(
+            raise CheckpointNotFound(
                 f"{path}: no such checkpoint directory for the weight update. Save the update first "
                 "(examples/save_sharded_state.py, or vLLM's save_sharded_state hook) and pass its folder."
             )

@@ -10,7 +10,17 @@
 Pure: no torch, no vLLM, no file I/O. The most used names are re-exported here.
 """
 
-from .errors import ShardedStateError
+from .errors import (
+    CheckpointCorrupt,
+    CheckpointLocked,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    SaveFailedAfterPublish,
+    SaveRefused,
+    ShardedStateError,
+    WorkerLost,
+    agreed_error,
+)
 from .manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -45,13 +55,21 @@ __all__ = [
     "MANIFEST_NAME",
     "PP_AND_TP_PATTERN",
     "TP_ONLY_PATTERN",
+    "CheckpointCorrupt",
+    "CheckpointLocked",
+    "CheckpointMismatch",
+    "CheckpointNotFound",
     "FileChecksum",
     "FileEntry",
     "Manifest",
     "RankEntry",
+    "SaveFailedAfterPublish",
+    "SaveRefused",
     "ShardedStateError",
     "SourceModel",
     "TensorEntry",
+    "WorkerLost",
+    "agreed_error",
     "check_manifest_consistency",
     "check_plain_file_name",
     "config_differences",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ShardedStateError
+from .errors import CheckpointCorrupt
 from .untrusted import JsonReader
 
 # vLLM's ExpertPlacementStrategy values.
@@ -107,7 +107,7 @@ def check_placement(p: ExpertPlacement, where: str = "") -> None:
     """Raise unless every expert is on exactly one rank (vLLM's placements; EPLB's redundant copies are not)."""
     held = sorted(e for ids in p.experts for e in ids)
     if len(p.experts) != p.ep_size or held != list(range(p.num_experts)):
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{where + ': ' if where else ''}expert placement {p.describe()} does not hold each of the "
             f"{p.num_experts} experts exactly once. The manifest is damaged: save the checkpoint again."
         )

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ShardedStateError
+from .errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from .untrusted import MAX_BYTES, MAX_DIMS, JsonReader, is_shape
 
 REPLICATED = "replicated"
@@ -200,10 +200,10 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
     where = f"{where + ': ' if where else ''}geometry of {name} ({g.layer_class}, kind {g.kind!r})"
 
     def fail(what: str) -> ShardedStateError:
-        return ShardedStateError(f"{where}: {what}. The manifest is damaged: save the checkpoint again.")
+        return CheckpointCorrupt(f"{where}: {what}. The manifest is damaged: save the checkpoint again.")
 
     if g.kind not in KINDS:
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{where}: unknown sharding kind {g.kind!r}; this version knows {list(KINDS)}. "
             "Upgrade vllm-sharded-loader, or save the checkpoint again with this version."
         )

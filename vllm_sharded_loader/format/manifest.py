@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .errors import ShardedStateError
+from .errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from .experts import ExpertPlacement, writing_replicas
 from .geometry import TensorGeometry
 from .names import MANIFEST_NAME, check_plain_file_name, parse_file_name, validate_pattern
@@ -137,7 +137,7 @@ class Manifest:
         for entry in self.ranks:
             if (entry.tp_rank, entry.pp_rank, entry.dp_rank) == (tp_rank, pp_rank, dp_rank):
                 return entry
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{MANIFEST_NAME} has no entry for {rank_label(pp_rank, tp_rank, dp_rank)} "
             f"(it lists {len(self.ranks)} ranks for TP={self.tp_size} PP={self.pp_size}). "
             "The manifest is damaged: save the checkpoint again."
@@ -182,13 +182,13 @@ class Manifest:
         reader = JsonReader(where)
         obj = reader.mapping(data, "manifest")
         if obj.get("format") != FORMAT_NAME:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{where}: 'format' is {obj.get('format')!r}, expected {FORMAT_NAME!r}; "
                 "this is not a vllm-sharded-loader manifest."
             )
         version = reader.integer(obj, "format_version")
         if version != FORMAT_VERSION:
-            raise ShardedStateError(
+            raise CheckpointMismatch(
                 f"{where}: format_version {version} is not supported (this vllm-sharded-loader "
                 f"reads version {FORMAT_VERSION}); upgrade the package or save the checkpoint again."
             )
@@ -266,17 +266,20 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
     point at listed files, and a later replica's entry holds only what the first one's does."""
     replicas = manifest.replicas
     if manifest.experts_over_dp and (manifest.dp_size == 1 or manifest.experts is not None):
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{where}: 'experts_over_dp' needs data parallelism without expert parallelism, but the manifest "
             f"records dp_size {manifest.dp_size} and expert placement {manifest.experts}. The manifest is damaged: "
             "save the checkpoint again."
         )
     if manifest.tp_size * manifest.pp_size * replicas > MAX_RANKS:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{where}: TP={manifest.tp_size} x PP={manifest.pp_size} x {replicas} replicas is more than "
             f"{MAX_RANKS} ranks. The manifest is damaged: save the checkpoint again."
         )
-    validate_pattern(manifest.pattern, manifest.tp_size, manifest.pp_size, replicas)
+    try:
+        validate_pattern(manifest.pattern, manifest.tp_size, manifest.pp_size, replicas)
+    except ShardedStateError as e:  # a bad option when saving; in a published manifest, damage
+        raise CheckpointCorrupt(str(e)) from e
     expected = {
         (pp, dp, tp) for pp in range(manifest.pp_size) for dp in range(replicas) for tp in range(manifest.tp_size)
     }
@@ -287,7 +290,7 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
         key = (entry.pp_rank, entry.dp_rank, entry.tp_rank)
         rank = rank_label(entry.pp_rank, entry.tp_rank, entry.dp_rank)
         if key not in expected or key in seen:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{where}: rank {rank} is {'listed twice' if key in seen else 'outside the topology'} for "
                 f"TP={manifest.tp_size} PP={manifest.pp_size}"
                 + (f" and {replicas} data-parallel replicas" if replicas > 1 else "")
@@ -299,7 +302,7 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
         names = {f.name for f in entry.files}
         for f in entry.files:
             if f.name in owners:
-                raise ShardedStateError(f"{where}: file {f.name!r} is listed by two ranks {owners[f.name]} and {key}.")
+                raise CheckpointCorrupt(f"{where}: file {f.name!r} is listed by two ranks {owners[f.name]} and {key}.")
             owners[f.name] = key
             # The name is the only record of which rank wrote a file: ranks swapped in the
             # manifest would otherwise serve one rank's shards to another.
@@ -308,18 +311,18 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
                 parsed.get(k, v) != v
                 for k, v in (("tp_rank", entry.tp_rank), ("pp_rank", entry.pp_rank), ("dp_rank", entry.dp_rank))
             ):
-                raise ShardedStateError(
+                raise CheckpointCorrupt(
                     f"{where}: file {f.name!r} is listed by {rank}, but the pattern {manifest.pattern!r} does not "
                     "name that rank's files so. The manifest is damaged: save the checkpoint again."
                 )
         for tensor_name, t in entry.tensors.items():
             if t.file not in names:
-                raise ShardedStateError(
+                raise CheckpointCorrupt(
                     f"{where}: tensor {tensor_name!r} of {rank} points at {t.file!r}, which that rank does not list."
                 )
     missing = sorted(expected - seen)
     if missing:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{where}: ranks (pp_rank, dp_rank, tp_rank) {missing[:8]} are missing for TP={manifest.tp_size} "
             f"PP={manifest.pp_size}"
             + (f" and {replicas} data-parallel replicas" if replicas > 1 else "")
@@ -329,7 +332,7 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
         # A later replica writes only its experts, which the first replica's same rank holds too.
         extra = sorted(set(entry.tensors) - first[(entry.pp_rank, entry.tp_rank)]) if entry.dp_rank else []
         if extra:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{where}: data-parallel replica {entry.dp_rank} (pp_rank={entry.pp_rank} tp_rank={entry.tp_rank}) "
                 f"lists tensors replica 0 does not: {extra[:3]}. A later replica writes only its own experts. "
                 "The manifest is damaged: save the checkpoint again."

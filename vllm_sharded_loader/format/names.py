@@ -13,7 +13,7 @@ import re
 import string
 from collections.abc import Iterable
 
-from .errors import ShardedStateError
+from .errors import CheckpointCorrupt, ShardedStateError
 
 MANIFEST_NAME = "sharded_state.json"
 # Present from the start of a save until its manifest is published; also the lock
@@ -171,7 +171,7 @@ def file_rank(fields: dict[str, int]) -> tuple[int, int, int]:
 def check_plain_file_name(name: str, where: str) -> str:
     """Refuse names that could escape the checkpoint directory."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name or name.startswith("."):
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{where}: file name {name!r} is not a plain file name inside the checkpoint directory; refusing it."
         )
     return name

@@ -11,7 +11,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import ShardedStateError
+from .errors import CheckpointCorrupt
 from .untrusted import MAX_BYTES, MAX_DIMS, is_int, is_shape, load_json
 
 # Element sizes of safetensors dtype names.
@@ -43,7 +43,7 @@ def dtype_size(name: str, where: str) -> int:
     try:
         return DTYPE_SIZES[name]
     except KeyError:
-        raise ShardedStateError(f"{where}: unknown tensor dtype {name!r}.") from None
+        raise CheckpointCorrupt(f"{where}: unknown tensor dtype {name!r}.") from None
 
 
 @dataclass(frozen=True)
@@ -79,25 +79,25 @@ def _element_count(shape: Iterable[int]) -> int:
 def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int) -> Header:
     """Validate a safetensors header given its bytes; pure, for reuse and fuzzing."""
     if len(raw_length) != 8:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{path}: file is {file_size} bytes, too short for a safetensors header; it is "
             "truncated. Copy or save the checkpoint again."
         )
     (length,) = struct.unpack("<Q", raw_length)
     if length > MAX_HEADER_BYTES or 8 + length > file_size:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{path}: header claims {length} bytes but the file has {file_size}; the file is "
             "truncated or not safetensors. Copy or save the checkpoint again."
         )
     if len(raw_header) != length:
-        raise ShardedStateError(f"{path}: could only read {len(raw_header)} of {length} header bytes.")
+        raise CheckpointCorrupt(f"{path}: could only read {len(raw_header)} of {length} header bytes.")
     data = load_json(raw_header, f"{path}: safetensors header")
     if not isinstance(data, dict):
-        raise ShardedStateError(f"{path}: safetensors header is not a JSON object; the file is corrupt.")
+        raise CheckpointCorrupt(f"{path}: safetensors header is not a JSON object; the file is corrupt.")
     data_start = 8 + length
     metadata = data.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
-        raise ShardedStateError(f"{path}: safetensors __metadata__ is not an object; the file is corrupt.")
+        raise CheckpointCorrupt(f"{path}: safetensors __metadata__ is not an object; the file is corrupt.")
     tensors: dict[str, HeaderEntry] = {}
     for name, info in data.items():
         try:
@@ -112,19 +112,19 @@ def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{path}: header entry of {str(name)[:200]!r} is malformed (expected a dtype name, a shape of at "
                 f"most {MAX_DIMS} dimensions each below 2^60, and two data offsets below 2^60); the file is corrupt "
                 "or hostile. Copy or save the checkpoint again."
             )
         element = dtype_size(dtype, f"{path}: tensor {name!r}")
         if not 0 <= begin <= end or data_start + end > file_size:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{path}: tensor {name!r} claims bytes {begin}..{end} of the data, but the file "
                 f"holds only {file_size - data_start}; the file is truncated. Copy or save it again."
             )
         if (end - begin) != _element_count(shape) * element:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{path}: tensor {name!r} of shape {shape} and dtype {dtype} needs "
                 f"{_element_count(shape) * element} bytes but its offsets span {end - begin}; "
                 "the file is corrupt."
@@ -135,13 +135,13 @@ def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int
     position = data_start
     for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if entry.begin != position:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{path}: tensor {name!r} starts at byte {entry.begin} but the previous data ends at {position} "
                 "(tensors overlap or leave a gap); the file is corrupt or not safetensors."
             )
         position = entry.end
     if position != file_size:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{path}: tensor data ends at byte {position} but the file has {file_size}; the file has "
             "trailing bytes. Copy or save it again."
         )

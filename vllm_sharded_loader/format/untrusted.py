@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import ShardedStateError
+from .errors import CheckpointCorrupt, ShardedStateError
 
 # Bounds on what untrusted data may claim, checked before anything is sized from it.
 MAX_DIMS = 16
@@ -50,7 +50,7 @@ def load_json(text: str | bytes, where: str, max_expansion: float | None = None)
     if max_expansion is not None and len(text) > _CHEAP_JSON_BYTES:
         cost = parse_cost(text)
         if cost > max_expansion * len(text):
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{where}: {len(text)} bytes of JSON that would take about {cost / 1e6:.0f} MB of memory to "
                 f"parse (more than {max_expansion:g}x its size: mostly empty lists, objects or strings); it is "
                 "not a manifest this package wrote. Save the checkpoint again."
@@ -58,7 +58,7 @@ def load_json(text: str | bytes, where: str, max_expansion: float | None = None)
     try:
         return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
-        raise ShardedStateError(f"{where} is not valid JSON ({e}). Save the checkpoint again.") from e
+        raise CheckpointCorrupt(f"{where} is not valid JSON ({e}). Save the checkpoint again.") from e
 
 
 def is_int(value: Any) -> bool:
@@ -81,7 +81,7 @@ class JsonReader:
         self.where, self.advice = where, advice
 
     def fail(self, what: str) -> ShardedStateError:
-        return ShardedStateError(f"{self.where}: {what}. {self.advice}")
+        return CheckpointCorrupt(f"{self.where}: {what}. {self.advice}")
 
     def mapping(self, value: Any, what: str) -> dict[str, Any]:
         if not isinstance(value, dict):

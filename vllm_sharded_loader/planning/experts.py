@@ -12,7 +12,7 @@ is read.
 
 from __future__ import annotations
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from ..format.experts import PLACEMENTS, ExpertPlacement
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
@@ -110,7 +110,7 @@ def expert_slots(
     ((2, 3), (8, 6))
     """
     if geometry.stacked != 1:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{name} ({geometry.layer_class}) stacks {geometry.stacked} dimensions; only one (the experts) is "
             "known. The manifest is damaged: save the checkpoint again."
         )
@@ -125,7 +125,7 @@ def expert_slots(
     if placement is None:
         return tuple(range(geometry.shape[0])), shard_layout(inner, tp_size, tp_rank, name)
     if placement.num_experts != geometry.shape[0] or not 0 <= ep_rank < placement.ep_size:
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{name} ({geometry.layer_class}) stacks {geometry.shape[0]} experts, but the expert placement "
             f"{placement.describe()} places {placement.num_experts} (EP rank {ep_rank}). The checkpoint was saved "
             "from another model, or its manifest is damaged: save it again."
@@ -188,7 +188,7 @@ def check_expert_placement(
             "it again from an engine with the serving expert parallelism."
         )
     why = why or "the checkpoint records no geometry"
-    raise ShardedStateError(
+    raise CheckpointMismatch(
         f"{where}: the experts were saved {have}, but the engine serves them {want}. The tensors may have the "
         f"same shapes, but tokens would be routed to other experts' weights, and {why}, so its experts cannot "
         f"be moved between placements. {advice}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from ..format.errors import ShardedStateError, listing
+from ..format.errors import CheckpointMismatch, ShardedStateError, listing
 from ..format.geometry import OPAQUE, REPLICATED, ROW_PARALLEL, SPLIT_KINDS, Segment, TensorGeometry
 from .tensors import tied_source
 
@@ -107,7 +107,7 @@ def _split_unit(
 ) -> ShardedStateError:
     # A row-parallel layer is split along its weight's columns (inputs), the others along rows.
     rows = "columns" if g.kind == ROW_PARALLEL else "rows"
-    return ShardedStateError(
+    return CheckpointMismatch(
         f"{name} ({g.layer_class}) cannot be split across TP={tp_size}: rank {tp_rank} would hold the layer's "
         f"{rows} [{start}, {start + length}) of segment {s.name!r}, but each index of this quantized tensor along "
         f"dimension {g.split_dim} stands for {g.unit} {rows} (values packed into one integer, or one quantization "
@@ -118,7 +118,7 @@ def _split_unit(
 
 
 def _indivisible(name: str, g: TensorGeometry, s: Segment, what: str, tp_size: int, why: str) -> ShardedStateError:
-    return ShardedStateError(
+    return CheckpointMismatch(
         f"{name} ({g.layer_class}): segment {s.name!r} of {what} cannot be split across TP={tp_size} "
         f"({why}); vLLM itself refuses this size. Serve at a tensor parallel size that divides it."
     )
@@ -127,7 +127,7 @@ def _indivisible(name: str, g: TensorGeometry, s: Segment, what: str, tp_size: i
 def check_reshardable(g: TensorGeometry, name: str, why: str = "") -> None:
     """Raise unless the geometry describes how vLLM splits the tensor (``opaque`` does not)."""
     if g.kind == OPAQUE:
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{name} ({g.layer_class}) cannot be resharded{why}: its sharding is not one this version "
             f"describes (kind {OPAQUE!r}; known: {sorted(SPLIT_KINDS | {REPLICATED})}). Serve it at the tensor "
             "parallel size it was saved with, or save the checkpoint again at the new size."
@@ -181,7 +181,7 @@ def check_served_geometry(
         elif not same_split(mine, theirs):
             wrong.append(f"{name}: the checkpoint records {_split(theirs)}, the served model {_split(mine)}")
     if regrid and not wrong:
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{where}: the served model keeps quantization scales on another grid than the checkpoint "
             f"({listing(regrid, 5, '; ')}): vLLM refines its FP8 blocks where a rank would hold part of "
             "one, and a saved scale cannot be spread over a finer grid. Serve at a tensor parallel size "
@@ -190,7 +190,7 @@ def check_served_geometry(
     wrong += regrid
     if wrong:
         shown = listing(wrong, 5, "; ")
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{where}: the manifest's geometry (how each tensor is split across ranks) is not the served "
             f"model's: {shown}. The checkpoint was saved from another model, or its manifest is damaged: "
             "save it again from the model being served."

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointMismatch, ShardedStateError
 from ..format.manifest import Manifest
 
 
@@ -73,7 +73,7 @@ def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
         return list(manifest.rank(0, pp_rank).tensors)
     layers = manifest.source.config.get("num_hidden_layers")
     if not isinstance(layers, int) or layers < pp_size:
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"Cannot split the layers into {pp_size} pipeline stages: the saved config has num_hidden_layers="
             f"{layers!r}."
         )

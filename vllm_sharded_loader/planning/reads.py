@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..format.errors import ShardedStateError, listing
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError, listing
 from ..format.experts import ExpertPlacement
 from ..format.geometry import OPAQUE, REPLICATED, TensorGeometry
 from ..format.manifest import Manifest, rank_label
@@ -191,7 +191,7 @@ def plan_reads(
         raise ShardedStateError(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
     index = _index_saved(saved, saved_tp_size, saved_replicas)
     if saved_experts is not None and saved_experts.ep_size != saved_tp_size * saved_replicas:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"The experts were saved {saved_experts.describe()}, but TP={saved_tp_size} ranks of {saved_replicas} "
             "data-parallel replica(s) wrote them; the EP size must be their product. The manifest is damaged: "
             "save the checkpoint again."
@@ -216,7 +216,7 @@ def plan_reads(
         plans[name] = _plan_tensor(name, source, index[source], saved_tp_size, tp_size, tp_rank, places)
     if missing:
         shown = listing(missing)
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"Serving rank {serving} needs tensors no saved rank holds: {shown}. The checkpoint was saved "
             "from another model or is incomplete: save it again from the model being served."
         )
@@ -241,7 +241,7 @@ def _index_saved(
     for rank in sorted(saved, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank)):
         key = (rank.pp_rank, rank.dp_rank, rank.tp_rank)
         if not (0 <= rank.tp_rank < saved_tp_size and 0 <= rank.dp_rank < saved_replicas) or key in seen:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"Saved rank {rank_label(rank.pp_rank, rank.tp_rank, rank.dp_rank)} is "
                 f"{'listed twice' if key in seen else 'outside'} TP={saved_tp_size}"
                 + (f" x {saved_replicas} replicas" if saved_replicas > 1 else "")
@@ -297,7 +297,7 @@ def _plan_tensor(
     first = next(iter(holders.values()))[1]
     for saved_rank, (pp, t) in holders.items():
         if t.geometry != first.geometry or t.itemsize != first.itemsize:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{source}: saved {rank_label(pp, *_tp_dp(saved_rank, saved_tp_size))} records geometry "
                 f"{_describe(t)}, but another rank records {_describe(first)}. The manifest is damaged: save the "
                 "checkpoint again."
@@ -312,7 +312,7 @@ def _plan_tensor(
                 # Served as saved: the saved rank of this rank's experts wrote exactly its copy.
                 return _whole(name, source, holders[places.own][1])
             _refuse_moved_experts(name, layer, places, tp_size, saved_tp_size)
-            raise ShardedStateError(
+            raise CheckpointMismatch(
                 f"{name} ({layer}) holds experts each data-parallel replica saved, with no geometry this version "
                 f"can split, and serving rank tp_rank={tp_rank} (TP={tp_size}) holds other experts or another cut "
                 "of them. Serve it at the saved topology (tensor, data and expert parallel sizes), or save it "
@@ -328,7 +328,7 @@ def _plan_tensor(
             _refuse_moved_experts(name, layer, places, tp_size, saved_tp_size)
         why = f" from TP={saved_tp_size} to TP={tp_size}"
         if g is None:
-            raise ShardedStateError(
+            raise CheckpointMismatch(
                 f"{name} cannot be resharded{why}: the checkpoint records no geometry for it (layer class "
                 "unknown), so which rows each rank holds is unknown. Serve it at TP="
                 f"{saved_tp_size}, or save the checkpoint again with this version of vllm-sharded-loader."
@@ -378,7 +378,7 @@ def _holder(
     """Saved rank ``saved_rank``'s copy of a tensor every saved rank holds a part of."""
     if saved_rank not in holders:
         tp, dp = _tp_dp(saved_rank, saved_tp_size)
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{source} is split across the saved ranks, but saved tp_rank={tp}"
             + (f" of data-parallel replica {dp}" if dp else "")
             + f" does not hold it (EP/TP ranks {sorted(holders)} do). The checkpoint is incomplete: save it again."
@@ -480,7 +480,7 @@ def _plan_experts(
     for local, expert in enumerate(ids):
         sources = holding.get(expert)
         if not sources:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{source}: no saved rank holds expert {expert}. The manifest is damaged: save the checkpoint again."
             )
         if target.split_dim is None:
@@ -510,7 +510,7 @@ def _check_saved_shape(
     else:
         expected = rank_shape(g, saved_tp_size, saved_rank % saved_tp_size, saved_experts, saved_rank, name)
     if tuple(shape) != expected:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{name} of saved {rank_label(pp_rank, *_tp_dp(saved_rank, saved_tp_size))} has shape {list(shape)}, "
             "but its "
             f"geometry ({g.layer_class}, shape {list(g.shape)} at TP=1) gives {list(expected)} at "
@@ -617,7 +617,7 @@ def saved_ranks(manifest: Manifest, directory: str = "") -> list[SavedRank]:
         tensors = {}
         for name, t in entry.tensors.items():
             if t.offset is None:
-                raise ShardedStateError(
+                raise CheckpointMismatch(
                     f"{directory}: {MANIFEST_NAME} records no byte offset for {name!r}, so the checkpoint cannot "
                     f"be resharded; serve it at TP={manifest.tp_size} PP={manifest.pp_size} or save it again."
                 )

@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, ShardedStateError
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def plan_spans(pieces: Iterable[Piece], files: Sequence[FileGrid]) -> list[Span]
             continue
         grid = files[p.file]
         if p.offset < 0 or p.end > grid.size:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{grid.name or f'file {p.file}'}: a read of bytes {p.offset}..{p.end} falls outside the file's "
                 f"{grid.size} bytes; the file is truncated or was replaced. Copy or save the checkpoint again."
             )

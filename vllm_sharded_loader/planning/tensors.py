@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError, listing
+from ..format.errors import CheckpointMismatch, listing
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def check_tensor_sets(
     if mismatched:
         problems.append(f"shape mismatch: {listing(mismatched, limit)}")
     if problems:
-        raise ShardedStateError(f"{where}: " + "; ".join(problems) + f". {hint}")
+        raise CheckpointMismatch(f"{where}: " + "; ".join(problems) + f". {hint}")
     return [name for name, spec in expected.items() if saved[name].dtype != spec.dtype]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointMismatch
 from ..format.experts import ExpertPlacement, writing_replicas
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -67,7 +67,7 @@ class RankInfo:
 def check_topology(manifest: Manifest, rank: RankInfo, directory: str) -> None:
     """Refuse to serve a checkpoint at another TP/PP size than it was saved at."""
     if (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size):
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{directory} was saved with tensor_parallel_size={manifest.tp_size} and "
             f"pipeline_parallel_size={manifest.pp_size}, but the engine runs "
             f"tensor_parallel_size={rank.tp_size} and pipeline_parallel_size={rank.pp_size}. "
@@ -84,7 +84,7 @@ def check_dtype(manifest: Manifest, serving: str, directory: str) -> None:
     trainer wrote the wrong thing.
     """
     if manifest.dtype != serving:
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{directory}/{MANIFEST_NAME}: the checkpoint holds {manifest.dtype} weights, but the engine serves "
             f"{serving}. Save the update in {serving} (the dtype the server was started with), or restart the "
             f"server with --dtype {manifest.dtype}."
@@ -95,7 +95,7 @@ def check_source(manifest: Manifest, serving: SourceModel, directory: str) -> No
     """Refuse to load weights saved from another model than the one being served."""
     if manifest.source.architecture != serving.architecture or (manifest.source.config_sha256 != serving.config_sha256):
         diff = config_differences(manifest.source.config, serving.config)
-        raise ShardedStateError(
+        raise CheckpointMismatch(
             f"{directory}: the checkpoint was saved from a {manifest.source.architecture} with config "
             f"sha256 {manifest.source.config_sha256[:12]}, but the engine serves a "
             f"{serving.architecture} with config sha256 {serving.config_sha256[:12]}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import blake3
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch
 from ..format.manifest import HASH_NAME, FileChecksum
 
 BLOCK_SIZE = 16 * 1024 * 1024
@@ -54,7 +54,7 @@ class BlockVerifier(BlockHasher):
 
     def __init__(self, path: str, expected: FileChecksum) -> None:
         if expected.algorithm != HASH_NAME:
-            raise ShardedStateError(
+            raise CheckpointMismatch(
                 f"{path}: checksum algorithm {expected.algorithm!r} is not supported (this version "
                 f"verifies {HASH_NAME!r}); upgrade vllm-sharded-loader or verify with 'size'."
             )
@@ -70,7 +70,7 @@ class BlockVerifier(BlockHasher):
     def finish(self) -> FileChecksum:
         result = super().finish()
         if len(result.blocks) != len(self.expected.blocks):
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{self.path}: {len(result.blocks)} checksum blocks read, {len(self.expected.blocks)} recorded; "
                 "the file has another length than the one saved. Copy or save it again."
             )
@@ -84,7 +84,7 @@ def check_block(path: str, expected: FileChecksum, index: int, start: int, end: 
     """
     want = expected.blocks[index] if index < len(expected.blocks) else None
     if digest != want:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{path}: checksum mismatch in bytes {start}..{end} (block {index}): "
             "the file is corrupt or was modified after it was saved. Copy it again from the source "
             "or save the checkpoint again."

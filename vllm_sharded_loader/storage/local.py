@@ -15,7 +15,7 @@ import stat
 import struct
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import DEFAULT_PATTERNS, LOCK_NAME, MANIFEST_NAME, is_staged_name, parse_file_name
 from ..format.safetensors import MAX_HEADER_BYTES, Header, parse_header
@@ -42,7 +42,7 @@ def open_regular(path: str) -> int:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{path} is {kind}, where a regular file was expected; refusing to read it. Replace it with the "
                 "real file (copy or save the checkpoint again)."
             )
@@ -63,7 +63,7 @@ def read_manifest(directory: str) -> Manifest | None:
         with os.fdopen(open_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > MAX_MANIFEST_BYTES:
-                raise ShardedStateError(
+                raise CheckpointCorrupt(
                     f"{path}: {size} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES}); it is not one "
                     "this package wrote. Save the checkpoint again."
                 )
@@ -90,7 +90,7 @@ def _escapes(path: str, real: str, directory: str) -> ShardedStateError | None:
     root = containment_root(directory)
     if os.path.commonpath([real, root]) == root:
         return None
-    return ShardedStateError(
+    return CheckpointCorrupt(
         f"{path} resolves to {real}, outside the checkpoint directory {root} (a symlink or path "
         "that escapes it); refusing to read it. Copy the real file into the checkpoint."
     )
@@ -141,7 +141,7 @@ class OpenFile:
         try:
             return cls(path, open_regular(path))
         except FileNotFoundError:
-            raise ShardedStateError(f"{path}: file is missing. Copy or save the checkpoint again.") from None
+            raise CheckpointNotFound(f"{path}: file is missing. Copy or save the checkpoint again.") from None
 
     @property
     def size(self) -> int:
@@ -177,7 +177,7 @@ class OpenFile:
         except FileNotFoundError:
             at_path = None
         if now != self.identity or at_path != self.identity:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{self.path}: the file was replaced or modified during the load (another save into the "
                 "directory?); the weights read may mix two checkpoints. Load again once the save is done."
             )
@@ -233,7 +233,7 @@ def preadv_all(fd: int, views: list[memoryview], offset: int, path: str) -> None
 
 
 def truncated(path: str, offset: int) -> ShardedStateError:
-    return ShardedStateError(
+    return CheckpointCorrupt(
         f"{path}: file ended at byte {offset} while reading; it is truncated or was replaced during "
         "the load. Copy or save the checkpoint again."
     )
@@ -247,13 +247,13 @@ def open_part(directory: str, f: FileEntry) -> OpenFile:
         part_path(directory, f.name)
         opened = OpenFile(path, open_regular(path))
     except FileNotFoundError:
-        raise ShardedStateError(
+        raise CheckpointNotFound(
             f"{path}: listed in {MANIFEST_NAME} ({f.size} bytes) but missing. The checkpoint is "
             "incomplete: copy the missing file or save the checkpoint again."
         ) from None
     error = _escapes(path, opened.real_path(), directory)
     if error is None and opened.size != f.size:
-        error = ShardedStateError(
+        error = CheckpointCorrupt(
             f"{path}: {opened.size} bytes on disk, but {MANIFEST_NAME} records {f.size}. The file is "
             f"{'truncated' if opened.size < f.size else 'not the one that was saved'}: copy or save the "
             "checkpoint again."

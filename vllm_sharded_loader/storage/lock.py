@@ -17,7 +17,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointLocked, SaveRefused
 from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name
 from .local import directory_holds_checkpoint, open_regular
 
@@ -97,10 +97,10 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> Sa
         if lock is not None:
             break
     if lock is None:
-        raise ShardedStateError(f"{directory}: could not take {path}: other saves keep taking it. Try again.")
+        raise CheckpointLocked(f"{directory}: could not take {path}: other saves keep taking it. Try again.")
     if not overwrite and directory_holds_checkpoint(directory):
         release_save_lock(lock)
-        raise ShardedStateError(
+        raise SaveRefused(
             f"{directory} already holds a checkpoint; refusing to overwrite it. Choose another "
             "directory, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
         )
@@ -155,7 +155,7 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
         # A lock written by an older version carries no flock: its holder's pid tells.
         alive = held or _holder_is_alive(holder)
         if alive or not overwrite:
-            raise ShardedStateError(
+            raise CheckpointLocked(
                 f"{directory}: another save holds {describe_lock(directory, holder)}"
                 + (
                     "; wait for it to finish."
@@ -234,7 +234,7 @@ def check_not_locked(directory: str) -> None:
     """
     holder = read_lock(directory)
     if holder is not None and not os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
-        raise ShardedStateError(
+        raise CheckpointLocked(
             f"{directory} is being saved or its save was interrupted: {describe_lock(directory, holder)} "
             "exists and no manifest has been published yet. Wait for the save to finish, or save it again "
             "(with overwrite)."

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, ShardedStateError
 from ..planning.spans import Piece
 from . import oscalls
 from .local import OpenFile, truncated
@@ -228,7 +228,7 @@ def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
             # Older kernel: touch one byte per page instead.
             dest.mapped_bytes[start : start + length : PAGE].sum()
         elif error == errno.EFAULT:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{path}: file ended before byte {p.end} while reading; it is truncated or was "
                 "replaced during the load. Copy or save the checkpoint again."
             )

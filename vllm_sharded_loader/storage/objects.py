@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME
 from . import oscalls
@@ -343,11 +343,28 @@ def _true(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes")
 
 
+def _error_type(error: Exception) -> type[ShardedStateError]:
+    """The error type a caller branches on for one of obstore's typed errors.
+
+    Not found and precondition failures say something about the checkpoint; the rest
+    (credentials, network, a store that refuses the call) stay the base type.
+    """
+    import obstore.exceptions as oe
+
+    if isinstance(error, (FileNotFoundError, oe.NotFoundError)):
+        return CheckpointNotFound
+    if isinstance(error, oe.PreconditionError):  # an If-Match read: the object changed since it was opened
+        return CheckpointCorrupt
+    if isinstance(error, oe.AlreadyExistsError):  # a create-only put: another save holds or published it
+        return CheckpointLocked
+    return ShardedStateError
+
+
 def _fail(url: str, what: str, error: Exception) -> ShardedStateError:
     if isinstance(error, ShardedStateError):  # ours already (no account configured...)
         return error
     settings = SETTINGS[ObjectPrefix.parse(url).scheme]
-    return ShardedStateError(
+    return _error_type(error)(
         f"{url}: {what} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
         f"Check the endpoint and credentials ({settings}) and that the object storage is reachable."
     )
@@ -387,7 +404,7 @@ class ObjectFile:
     def open(cls, where: ObjectPrefix, name: str, missing: str | None = None) -> ObjectFile:
         meta = head(where, name)
         if meta is None:
-            raise ShardedStateError(missing or f"{where.url(name)}: object is missing. Save the checkpoint again.")
+            raise CheckpointNotFound(missing or f"{where.url(name)}: object is missing. Save the checkpoint again.")
         return cls(where, name, meta)
 
     def read_at(self, offset: int, length: int) -> bytes:
@@ -424,7 +441,7 @@ class ObjectFile:
         total = sum(len(v) for v in views)
         data = self._get(offset, total)
         if len(data) < total:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{self.path}: object ended at byte {offset + len(data)} while reading; it is truncated or was "
                 "replaced during the load. Copy or save the checkpoint again."
             )
@@ -442,7 +459,7 @@ class ObjectFile:
             raise self._replaced()
 
     def _replaced(self) -> ShardedStateError:
-        return ShardedStateError(
+        return CheckpointCorrupt(
             f"{self.path}: the object was replaced or deleted during the load (another save into the "
             "prefix?); the weights read may mix two checkpoints. Load again once the save is done."
         )
@@ -466,7 +483,7 @@ def open_part(where: ObjectPrefix, f: FileEntry) -> ObjectFile:
         "incomplete: upload the missing object or save the checkpoint again.",
     )
     if opened.size != f.size:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{opened.path}: {opened.size} bytes in the store, but {MANIFEST_NAME} records {f.size}. The object is "
             f"{'truncated' if opened.size < f.size else 'not the one that was saved'}: upload it again or save the "
             "checkpoint again."
@@ -481,7 +498,7 @@ def read_manifest(where: ObjectPrefix) -> Manifest | None:
         return None
     url = where.url(MANIFEST_NAME)
     if meta["size"] > MAX_MANIFEST_BYTES:
-        raise ShardedStateError(
+        raise CheckpointCorrupt(
             f"{url}: {meta['size']} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES}); it is not one "
             "this package wrote. Save the checkpoint again."
         )
@@ -699,7 +716,7 @@ def check_not_locked(where: ObjectPrefix) -> None:
     """
     holder = read_lock(where)
     if holder is not None and head(where, MANIFEST_NAME) is None:
-        raise ShardedStateError(
+        raise CheckpointLocked(
             f"{where.url()}: a save is running or was interrupted there ({describe_lock(where, holder)}) and no "
             "manifest has been published yet. Wait for the save to finish, or save the checkpoint again."
         )

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, ShardedStateError
 from ..format.manifest import FileChecksum
 from ..planning.spans import FileGrid, Piece, Span, plan_spans, split_streams
 from . import oscalls
@@ -394,7 +394,7 @@ def _read_files(
             continue
         cells = max(1, -(-size // checksum.block_size))
         if len(checksum.blocks) != cells:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{path}: {cells} checksum blocks of {size} bytes, but {len(checksum.blocks)} recorded; "
                 "the file has another length than the one saved. Copy or save it again."
             )

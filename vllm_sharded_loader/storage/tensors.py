@@ -6,7 +6,7 @@ import mmap
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, ShardedStateError
 
 # safetensors dtype names <-> torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
@@ -42,7 +42,7 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ShardedStateError(f"{where}: unknown tensor dtype {name!r}.") from None
+        raise CheckpointCorrupt(f"{where}: unknown tensor dtype {name!r}.") from None
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -15,7 +15,7 @@ import torch
 from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointNotFound, ShardedStateError
 from ..format.geometry import OPAQUE
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -29,7 +29,7 @@ from ..storage.writer import LazyTensor
 def require_manifest(directory: str) -> Manifest:
     manifest = read_manifest(directory)
     if manifest is None:
-        raise ShardedStateError(
+        raise CheckpointNotFound(
             f"{directory} has no {MANIFEST_NAME}: not a checkpoint of vllm-sharded-loader (or an incomplete one)."
         )
     return manifest
