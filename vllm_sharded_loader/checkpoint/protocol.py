@@ -108,7 +108,8 @@ class SaveTarget(Protocol):
         ...
 
     def close(self) -> None:
-        """Every member, at the end: local resources (a staging folder made for the save)."""
+        """Every member, once its parts are placed (or the save failed): local resources (a staging
+        folder made for the save). May be called again."""
         ...
 
 
@@ -161,6 +162,7 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
         carried = CarriedFiles(target.where, token)
         notes = group.run(stage)
         placed = group.run(lambda: [target.place(s) for s in staged])
+        target.close()  # staged and placed: a staging folder of the save's own is done with
         entries = [pair for es, ns in zip(placed, notes, strict=True) for pair in zip(es, ns, strict=True)]
         manifest = job.manifest(entries)
         if job.carry is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -50,7 +50,7 @@ from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory
-from ..storage.location import is_remote
+from ..storage.location import LocalStore, ObjectStore, open_store
 from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, read_lock, release_save_lock
 from .carry import CarriedFiles
 from .protocol import OneProcess, SaveJob, SaveTarget, run_save
@@ -125,12 +125,12 @@ def publish_manifest(
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
-                raise ShardedStateError(
+                raise SaveRefused(
                     f"{path}: missing, yet the manifest being published lists it. Nothing was published; the "
                     "previous checkpoint, if any, is intact. Is the directory shared by every worker?"
                 ) from None
             if size != f.size:
-                raise ShardedStateError(
+                raise SaveRefused(
                     f"{path}: {size} bytes, expected {f.size}. Nothing was published; the previous checkpoint, "
                     "if any, is intact."
                 )
@@ -148,7 +148,7 @@ def publish_manifest(
     except OSError as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise ShardedStateError(
+        raise SaveRefused(
             f"Writing the manifest {path} failed: {e}. Nothing was published; the previous checkpoint, if any, "
             "is intact. Free space (or fix the directory) and save again."
         ) from e
@@ -257,11 +257,13 @@ class LocalTarget:
         pass
 
 
+# The save protocol's target for each kind of store (:func:`..storage.location.open_store`).
+TARGETS: dict[type, Callable[[str, bool], SaveTarget]] = {LocalStore: LocalTarget, ObjectStore: ObjectTarget}
+
+
 def open_target(where: str, overwrite: bool = False) -> SaveTarget:
     """The save protocol's target for a local folder or an object-storage URL."""
-    if is_remote(where):
-        return ObjectTarget(where, overwrite)
-    return LocalTarget(where, overwrite)
+    return TARGETS[type(open_store(where))](where, overwrite)
 
 
 def save_checkpoint(

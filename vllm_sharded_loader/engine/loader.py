@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Iterable, Mapping
 from copy import copy
 from dataclasses import replace
@@ -25,7 +24,7 @@ from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..planning.topology import check_dtype
 from ..storage import hub
-from ..storage.location import is_remote
+from ..storage.location import open_store
 from ..storage.reader import DEFAULT_THREADS
 from .identity import dtype_label, is_drafter, source_identity
 from .layer_geometry import model_rank, tensor_geometry
@@ -226,7 +225,7 @@ class ShardedStateLoader(BaseModelLoader):
 
     def locate(self, directory: str, revision: str | None = None) -> tuple[str, str | None]:
         """:meth:`_locate` for a checkpoint named by a folder, an ``s3://`` URL or a Hub id."""
-        if os.path.isdir(directory) or is_remote(directory):
+        if open_store(directory).exists():
             return directory, None
         snapshot = hub.fetch(
             directory,

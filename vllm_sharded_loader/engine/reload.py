@@ -42,7 +42,7 @@ from vllm.logger import init_logger
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
 from ..storage import oscalls
-from ..storage.location import is_remote
+from ..storage.location import open_store
 from .capture import LOADED_STATE_ATTRIBUTE, served_from_checkpoint
 from .layer_geometry import model_rank
 from .workers import gather_over, raises_for_all
@@ -312,7 +312,7 @@ class InPlaceUpdate:
         """The checkpoint's folder (and Hub id), refusing at once a local path that does not exist."""
         config = self.model_config
         path = self.path if self.path is not None else config.model_weights or config.model
-        if os.path.isdir(path) or is_remote(path):
+        if open_store(path).exists():
             return path, None
         if os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path):
             raise CheckpointNotFound(

@@ -14,7 +14,7 @@ from ..checkpoint.carry import CarriedFiles
 from ..checkpoint.protocol import SaveJob, SaveTarget, refusal, run_save
 from ..checkpoint.save import FolderNotShared, StagedRank, discard_rank, open_staged_tensors, open_target, stage_rank
 from ..checkpoint.verify import verify_file_checksum
-from ..format.errors import SaveFailedAfterPublish, ShardedStateError
+from ..format.errors import SaveFailedAfterPublish, SaveRefused, ShardedStateError
 from ..format.manifest import Manifest
 from ..format.names import default_pattern, validate_pattern
 from ..planning.topology import RankInfo
@@ -45,7 +45,7 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
         "captures its loaded state at start-up (examples/save_sharded_state.py does this), then save."
     )
     if state.quantization:
-        raise ShardedStateError(
+        raise SaveRefused(
             f"Refusing to save: the model is quantized ({state.quantization}) and its post-processed "
             f"parameters are not a state that reloads. {how}"
         )
@@ -62,7 +62,7 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
         }
     )
     if rewritten:
-        raise ShardedStateError(
+        raise SaveRefused(
             f"Refusing to save the live state: post-processing of {', '.join(rewritten[:3])} may rewrite its "
             f"weights in place, so they may no longer be the state that reloads. {how}"
         )
@@ -78,7 +78,7 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
                 f"{name} (loaded {list(shape)} {dtype_label(dtype)}, now {list(t.shape)} {dtype_label(t.dtype)})"
             )
     if changed:
-        raise ShardedStateError(
+        raise SaveRefused(
             f"Refusing to save an incomplete state: post-processing after loading replaced "
             f"{len(changed)} parameters (for example {'; '.join(changed[:3])}); on CPU vLLM repacks "
             f"every linear weight and empties layer.weight. {how}"
@@ -103,7 +103,7 @@ def _stage_for_save(
         try:
             live = _live_state_if_unchanged(model, state)
         except ShardedStateError as e:
-            raise ShardedStateError(
+            raise SaveRefused(
                 f"Refusing to save: the weights were updated {state.updates} time(s) after loading (through "
                 "the model's load_weights), so the state captured at start-up is stale, and the live one cannot "
                 f"be proven to reload ({e}). Write the updated weights out in the Hugging Face format, start an "
@@ -128,7 +128,7 @@ def _stage_for_save(
         try:
             live = reread_loaded_state(state)
         except Exception as e:
-            raise ShardedStateError(f"{refused} (Reading the source again failed too: {e}.)") from e
+            raise SaveRefused(f"{refused} (Reading the source again failed too: {e}.)") from e
         logger.info("sharded_state: %s re-read its loaded state from %s to save it", rank, state.source.architecture)
     return stage_rank(path, written_tensors(rank, state, live), rank, pattern, max_size, token)
 
@@ -141,14 +141,14 @@ def _check_capture_content(capture: StagedRank) -> None:
     )
     for path, f in zip(capture.paths(), capture.entry.files, strict=True):
         if f.checksum is None:
-            raise ShardedStateError(f"Refusing to save: {path} has no recorded checksum to prove it unchanged. {how}")
+            raise SaveRefused(f"Refusing to save: {path} has no recorded checksum to prove it unchanged. {how}")
         try:
             with OpenFile.open(path) as opened:
                 if opened.size != f.size:
-                    raise ShardedStateError(f"{path}: {opened.size} bytes, captured {f.size}")
+                    raise SaveRefused(f"{path}: {opened.size} bytes, captured {f.size}")
                 verify_file_checksum(opened, f.checksum)
         except (OSError, ShardedStateError) as e:
-            raise ShardedStateError(f"Refusing to save: the captured state is gone ({e}). {how}") from e
+            raise SaveRefused(f"Refusing to save: the captured state is gone ({e}). {how}") from e
 
 
 def _loaded(model: torch.nn.Module, state: LoadedState | None) -> LoadedState:
@@ -157,12 +157,12 @@ def _loaded(model: torch.nn.Module, state: LoadedState | None) -> LoadedState:
         return state
     failed = model.__dict__.get(RECORD_ERROR_ATTRIBUTE)
     if failed is not None:
-        raise ShardedStateError(
+        raise SaveRefused(
             f"Refusing to save: recording the loaded state at start-up failed ({failed}), so the "
             f"state that reloads is unknown. Fix the cause (for {CAPTURE_DIR_ENV}: a writable "
             "directory with room for the model) and start the engine again."
         )
-    raise ShardedStateError(
+    raise SaveRefused(
         "Refusing to save: this model was loaded before vllm_sharded_loader was active, so "
         "its loaded state is unknown. Check that the plugin is installed (VLLM_PLUGINS)."
     )
@@ -172,7 +172,7 @@ def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[A
     """The manifest of a save, from every worker's (rank entry, (geometry, tied names, expert placement))."""
     placements = {p for _, (_, _, p) in outcomes if p is not None}
     if len(placements) > 1:
-        raise ShardedStateError(f"the ranks place their experts differently: {sorted(map(str, placements))}")
+        raise SaveRefused(f"the ranks place their experts differently: {sorted(map(str, placements))}")
     return Manifest(
         tp_size=rank.tp_size,
         pp_size=rank.pp_size,
@@ -247,7 +247,7 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
             _loaded(model, state)  # without a recorded state (and placement), that is the reason to give
             # Experts held alike by every replica would be written by the first alone, but
             # vLLM splits them across the replicas in every layout this version records.
-            raise ShardedStateError(
+            raise SaveRefused(
                 f"Refusing to save: the model's experts are split across its {rank.dp_size} data-parallel replicas "
                 "in a way this version does not record (with prefill context parallelism, or an expert-parallel "
                 "size other than TP x DP). Save from an engine without data parallelism (data_parallel_size=1)."
