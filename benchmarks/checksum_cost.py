@@ -1,6 +1,6 @@
 """What checksums cost: on save (hashed while writing) and with ``verify: checksum`` on load.
 
-    python benchmarks/checksum_cost.py [--gib 1.0] [--runs 3] [--dir DIR] [--json OUT]
+    python -m benchmarks.checksum_cost [--gib 1.0] [--runs 3] [--dir DIR] [--json OUT]
 
 Engine-free: the same save and load functions the vLLM layer calls, on one rank's worth of
 bfloat16 tensors (a Llama-style layer mix). In one run it measures, medians of ``--runs``:
@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel
 from vllm_sharded_loader.storage.integrity import BlockHasher
@@ -99,7 +97,7 @@ def main() -> int:
                 times[f"load_{mode}"].append(
                     timed(
                         lambda mode=mode, ckpt=ckpt, targets=targets, manifest=manifest: load_rank(
-                            ckpt, targets, rank, manifest=manifest, verify=mode
+                            LoadRequest(ckpt, manifest, verify=mode), targets, rank
                         )
                     )
                 )

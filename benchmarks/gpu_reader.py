@@ -2,7 +2,7 @@
 
 Needs torch with CUDA and safetensors, not vLLM (the lent GPU machines have no vLLM):
 
-    python benchmarks/gpu_reader.py --gb 2 --runs 3 --json gpu_reader.json
+    python -m benchmarks.gpu_reader --gb 2 --runs 3 --json gpu_reader.json
 
 Builds a bfloat16 safetensors file of ``--gb`` GB (Llama-like tensor sizes), then, with the
 file in the page cache (warm), measures medians of ``--runs`` runs of:
@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from vllm_sharded_loader.storage import local, reader, tensor_files
+from vllm_sharded_loader.storage.reader import ReadOptions
 
 
 def main() -> None:
@@ -73,7 +74,7 @@ def main() -> None:
         targets = {n: torch.empty(e.shape, dtype=torch.bfloat16, device="cuda") for n, e in header.tensors.items()}
         torch.cuda.synchronize()
         started = time.perf_counter()
-        tensor_files.read_files([header], targets, threads=args.threads)
+        tensor_files.read_files([header], targets, options=ReadOptions(threads=args.threads))
         torch.cuda.synchronize()
         ours.tensors = targets  # type: ignore[attr-defined]
         return time.perf_counter() - started

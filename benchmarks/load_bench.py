@@ -21,8 +21,8 @@ each ``warm`` (files read once before) and ``cold`` (files evicted with
 (per rank; a TP=2 run reports its slowest rank). Engine start is the time until
 ``LLM(...)`` returns. Every engine generates the same greedy tokens, checked here.
 
-    python benchmarks/load_bench.py --out benchmarks/results          # about 45 minutes here
-    python benchmarks/load_bench.py --runs 3 --layers 17 --out DIR    # the defaults
+    python -m benchmarks.load_bench --out benchmarks/results          # about 45 minutes here
+    python -m benchmarks.load_bench --runs 3 --layers 17 --out DIR    # the defaults
 
 Writes ``load_bench.json`` (every raw number), ``load_bench.png`` and ``load_bench.md``
 (the tables of ``benchmarks/README.md``) into ``--out``.
@@ -31,218 +31,35 @@ Writes ``load_bench.json`` (every raw number), ``load_bench.png`` and ``load_ben
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))  # tiny_models.py, the demo's model builder
-GB = 1e9
+from benchmarks.harness import (
+    GB,
+    HERE,
+    ROOT,
+    build,
+    engine_env,
+    evict,
+    files_of,
+    layers_for,
+    machine,
+    save,
+    start_engine,
+    warm,
+    write_probe,
+)
+
 LOADERS = ("ours", "ours_auto", "ours_copy", "builtin", "default", "runai", "ours_resharded")
 EXTRA_CONFIG = {"ours_copy": {"mmap": False}, "ours_auto": {"mmap": "auto"}}
-PROMPT = "the model loads every shard"
-
-# --------------------------------------------------------------------- the result files
-
-
-def report_or_measure(
-    args: argparse.Namespace, name: str, measure: Callable[[argparse.Namespace], dict], markdown: Callable[[dict], str]
-) -> None:
-    """The ``main`` of a benchmark with ``--report``/``--out``: print the table of a saved
-    ``NAME.json``, or measure, print the table and write ``NAME.json`` and ``NAME.md`` to ``--out``."""
-    if args.report:
-        with open(args.report) as f:
-            print(markdown(json.load(f)))
-        return
-    result = json.loads(json.dumps(measure(args)))  # int keys as the saved file has them
-    table = markdown(result)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-            f.write(table)
-
-
-# --------------------------------------------------------------------- model and save
-
-
-LAYER_BYTES = 90_185_728  # one layer of hidden 2048, intermediate 5632, 8 KV heads, bf16
-EMBED_BYTES = 3_831_152  # embeddings, lm_head and final norm of the tiny tokenizer's vocabulary
-
-
-def machine() -> dict:
-    """The machine the figures come from: platform, cores, CPU model and its vector extensions."""
-    info = {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return info
-    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
-    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-    info["cpu_model"] = model.group(1).strip() if model else "?"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    info["cpu_flags"] = [flag for flag in wanted if flags and flag in flags.group(1).split()]
-    return info
-
-
-def layers_for(gigabytes: float, dtype: str = "bfloat16") -> int:
-    """Decoder layers of the benchmark's model that make about ``gigabytes`` GB of weights in ``dtype``."""
-    scale = {"bfloat16": 1, "float32": 2}[dtype]
-    return max(1, round((gigabytes * GB - EMBED_BYTES * scale) / (LAYER_BYTES * scale)))
-
-
-def build(work: str, layers: int, dtype: str = "bfloat16") -> str:
-    from tiny_models import build_model
-
-    hf = os.path.join(work, "hf")
-    if not os.path.exists(os.path.join(hf, "config.json")):
-        build_model(
-            hf,
-            "llama",
-            dtype=dtype,
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=layers,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-        )
-    return hf
-
-
-def engine_env(tp: int, plugins: bool, timing: str | None = None) -> dict[str, str]:
-    from tiny_models import engine_environment
-
-    env = dict(os.environ, **engine_environment(tp))
-    if tp == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if plugins:
-        env.pop("VLLM_PLUGINS", None)
-    else:
-        env["VLLM_PLUGINS"] = ""  # parses to [""]: an allowlist that matches no plugin
-    if timing:
-        env["SHARDED_BENCH_TIMING"] = timing
-        env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "timing"), ROOT, env.get("PYTHONPATH", "")])
-    return env
-
-
-def save(hf: str, out: str, tp: int, dtype: str = "bfloat16") -> dict:
-    """Save with examples/save_sharded_state.py; returns each rank's logged write rate."""
-    if os.path.exists(os.path.join(out, "sharded_state.json")):
-        return {}
-    # Flush other files' dirty pages first (the model just built): an fsync of ours
-    # would otherwise wait for them too.
-    os.sync()
-    # The disk's write speed right now, both ways, to compare this save with.
-    probes = {"write_fsync": write_probe(os.path.dirname(out), 1 << 30, direct=False)}
-    probes["write_direct"] = write_probe(os.path.dirname(out), 1 << 30, direct=True)
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "examples", "save_sharded_state.py"),
-            "--model",
-            hf,
-            "--output",
-            out,
-            "--tensor-parallel-size",
-            str(tp),
-            "--enforce-eager",
-            "--max-model-len",
-            "256",
-            "--dtype",
-            dtype,
-            *([] if tp == 1 else ["--distributed-executor-backend", "mp"]),
-        ],
-        env=engine_env(tp, plugins=True),
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode:
-        sys.exit(f"save at TP={tp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    log = proc.stdout + proc.stderr
-    ranks = re.findall(r"tp_rank=(\d+) .*?saved ([\d.]+) MB in \d+ files to .* in ([\d.]+) s \(([\d.]+) GB/s", log)
-    return {
-        "total_seconds": time.perf_counter() - started,
-        "ranks": [{"rank": int(r), "mb": float(mb), "seconds": float(s), "gbps": float(g)} for r, mb, s, g in ranks],
-        "write_before": probes,
-    }
-
-
-def write_probe(directory: str, nbytes: int, direct: bool, streams: int = 1) -> float:
-    """GB/s of writing ``nbytes`` of new files in ``streams`` threads from touched memory, fsynced.
-
-    ``direct``: ``O_DIRECT`` from page-aligned buffers, like ``dd oflag=direct bs=64M``;
-    otherwise through the page cache then ``fsync``, like ``dd conv=fsync``.
-    """
-    import mmap
-
-    chunk = 64 << 20
-    os.sync()
-
-    def one(i: int) -> None:
-        buffer = mmap.mmap(-1, chunk)
-        buffer.write(b"\1" * chunk)  # touched
-        path = os.path.join(directory, f"write-probe-{i}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-        fd = os.open(path, flags, 0o644)
-        try:
-            for _ in range(nbytes // streams // chunk):
-                os.write(fd, buffer)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            buffer.close()
-
-    started = time.perf_counter()
-    with ThreadPoolExecutor(streams) as pool:
-        list(pool.map(one, range(streams)))
-    seconds = time.perf_counter() - started
-    for i in range(streams):
-        os.remove(os.path.join(directory, f"write-probe-{i}"))
-    return nbytes // streams // chunk * chunk * streams / seconds / GB
-
 
 # ------------------------------------------------------------------------ raw limits
-
-
-def files_of(directory: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-
-
-def evict(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def warm(paths: list[str]) -> None:
-    buffer = bytearray(64 << 20)
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buffer):
-                pass
 
 
 def sequential_read(paths: list[str], buffer) -> int:
@@ -366,51 +183,6 @@ def raw_limits(paths: list[str], runs: int) -> dict:
 
 
 # --------------------------------------------------------------------------- engines
-
-
-def engine_child(spec: dict) -> None:
-    """Runs in a subprocess: start one engine, generate, report."""
-    from vllm import LLM, SamplingParams
-
-    started, wall_before = time.perf_counter(), time.time()
-    llm = LLM(
-        model=spec["model"],
-        tokenizer=spec["tokenizer"],
-        tensor_parallel_size=spec["tp"],
-        distributed_executor_backend="mp" if spec["tp"] > 1 else None,
-        load_format=spec["load_format"],
-        model_loader_extra_config=spec.get("extra_config") or {},
-        max_model_len=256,
-        enforce_eager=True,
-        seed=0,
-        # vLLM serves a float32 checkpoint in bfloat16 on CPU unless told otherwise.
-        dtype=spec.get("dtype", "auto"),
-    )
-    start, wall_after = time.perf_counter() - started, time.time()
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))
-    result = {"engine_start": start, "ids": list(out[0].outputs[0].token_ids)}
-    result.update(wall_before_llm=wall_before, wall_after_llm=wall_after)
-    print("RESULT " + json.dumps(result), flush=True)
-
-
-def start_engine(spec: dict, env: dict, timing: str, label: str) -> tuple[dict, list[dict], str]:
-    """Run one engine in its own process (this file's ``--engine`` mode) and wait for it.
-
-    Returns its ``RESULT`` line, the timing entries its ranks wrote to ``timing`` (one per
-    load) and its log; raises with the log's tail, labelled ``label``, if it failed.
-    """
-    if os.path.exists(timing):
-        os.remove(timing)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--engine", json.dumps(spec)], env=env, capture_output=True, text=True, timeout=900
-    )
-    log = proc.stdout + proc.stderr
-    found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
-    if proc.returncode or not found:
-        raise RuntimeError(f"{label} failed:\n{log[-4000:]}")
-    with open(timing) as f:
-        loads = [json.loads(line) for line in f]
-    return json.loads(found.group(1)), loads, log
 
 
 def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, dtype: str = "auto") -> dict:
@@ -804,11 +576,7 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="add this chunk's engines to NAME.json in --out")
     parser.add_argument("--report", metavar="JSON", help="only write the tables and chart of an earlier run's JSON")
     parser.add_argument("--chunks", help="with --report: only the engines of these chunks (e.g. 2,3)")
-    parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.engine:
-        engine_child(json.loads(args.engine))
-        return
     if args.report:
         with open(args.report) as f:
             result = json.load(f)

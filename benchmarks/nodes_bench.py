@@ -6,7 +6,7 @@ at TP=2 and uploads it, then, for ``--runs`` rounds, alternating the order:
 
 - ``one node``: ``LLM(model="s3://...", load_format="sharded_state", tensor_parallel_size=2)``
   on one node, both workers on it, reading through one counting proxy;
-- ``two nodes``: the same engine across two nodes (``tests/nodes.py``: each its own mount,
+- ``two nodes``: the same engine across two nodes (``tests/support/nodes.py``: each its own mount,
   UTS and network namespace, joined by veth pairs), one worker each, through vLLM's
   multiprocessing executor (``--nnodes 2``; the follower is ``vllm-sharded-serve --headless``),
   each node reading through its own counting proxy.
@@ -17,7 +17,7 @@ checkpoint, and the seconds until ``LLM(...)`` returned on the leader (medians).
 must give the same greedy token ids. Needs root (namespaces); without them the two-node rows
 share the host's network and disks, and say so.
 
-    python benchmarks/nodes_bench.py --out benchmarks/results       # about 10 minutes here
+    python -m benchmarks.nodes_bench --out benchmarks/results       # about 10 minutes here
 
 Writes ``nodes_bench.json`` and ``nodes_bench.md`` into ``--out``.
 """
@@ -34,12 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for path in (HERE, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests")):
-    sys.path.insert(0, path)
-import load_bench  # noqa: E402  (the model and the save of load_bench)
-from s3_bench import upload  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import ROOT, upload
 
 BUCKET = "nodes"
 MB = 1e6
@@ -47,14 +43,18 @@ MB = 1e6
 
 def one_node(url: str, proxy, env: dict[str, str], log: Path) -> dict:
     """TP=2 on this machine alone, through ``proxy``."""
-    from tiny_models import engine_environment
+    from examples.tiny_models import engine_environment
 
     spec = {"model": url, "tp": 2, "load_format": "sharded_state"}
     run_env = {**os.environ, **engine_environment(2), **env, "AWS_ENDPOINT_URL": proxy.url}
     run_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with open(log, "wb") as out:
         done = subprocess.run(
-            [sys.executable, "tests/engine_runner.py", json.dumps(spec)], cwd=ROOT, env=run_env, stdout=out, stderr=out
+            [sys.executable, "-m", "tests.support.engine_runner", json.dumps(spec)],
+            cwd=ROOT,
+            env=run_env,
+            stdout=out,
+            stderr=out,
         )
     lines = log.read_text(errors="replace").splitlines()
     result = next((json.loads(line[7:]) for line in lines if line.startswith("RESULT ")), None)
@@ -64,19 +64,18 @@ def one_node(url: str, proxy, env: dict[str, str], log: Path) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from faultproxy import FaultProxy
-    from nodes import Nodes, serve_tp2
-    from s3_server import SeaweedS3
-
+    from examples.s3_server import SeaweedS3
+    from tests.support.faultproxy import FaultProxy
+    from tests.support.nodes import Nodes, serve_tp2
     from vllm_sharded_loader.storage.location import read_manifest
 
     work = args.work or tempfile.mkdtemp(prefix="nodes-bench-")
-    hf = load_bench.build(work, load_bench.layers_for(args.gb))
+    hf = harness.build(work, harness.layers_for(args.gb))
     local = os.path.join(work, "sharded-tp2")
-    load_bench.save(hf, local, 2)
+    harness.save(hf, local, 2)
     result: dict = {
-        "machine": load_bench.machine(),
-        "command": " ".join(sys.argv),
+        "machine": harness.machine(),
+        "command": harness.command(),
         "rows": [],
     }
     with (
@@ -164,7 +163,7 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=0.5, help="GB of weights of the model")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--report", default=None, help="print the table of a saved nodes_bench.json")
-    load_bench.report_or_measure(parser.parse_args(), "nodes_bench", measure, markdown)
+    harness.report_or_measure(parser.parse_args(), "nodes_bench", measure, markdown)
 
 
 if __name__ == "__main__":

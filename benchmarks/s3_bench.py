@@ -1,7 +1,7 @@
 """Loading from object storage inside real vLLM: our ``s3://`` load against the Run:ai streamer and raw GETs.
 
 One run, on one S3 server (SeaweedFS on loopback, ``examples/s3_server.py``) and the same
-objects: it builds a bfloat16 Llama-style model in process (``load_bench.build``), saves
+objects: it builds a bfloat16 Llama-style model in process (``harness.build``), saves
 it sharded at TP=1 and TP=2 (``examples/save_sharded_state.py``), uploads both checkpoints
 to the bucket, then, round-robin so that the machine's drift hits every row alike:
 
@@ -22,8 +22,8 @@ must give the same greedy token ids. Peak extra memory of our reader is measured
 engine-free: peak RSS of a process that loads one rank from the bucket into freshly
 allocated tensors, minus the tensors' bytes.
 
-    python benchmarks/s3_bench.py --out benchmarks/results          # ~15 minutes here
-    python benchmarks/s3_bench.py --report benchmarks/results/s3_bench.json
+    python -m benchmarks.s3_bench --out benchmarks/results          # ~15 minutes here
+    python -m benchmarks.s3_bench --report benchmarks/results/s3_bench.json
 """
 
 from __future__ import annotations
@@ -37,127 +37,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import load_bench  # noqa: E402  (build, save, engine_env: the same model and engines as load_bench)
+from benchmarks import harness
+from benchmarks.harness import rank_parts, raw_get, upload
 
 GB = 1e9
 BUCKET = "models"
 LOADERS = ("ours", "runai")
-RANGE = 16 << 20
-
-
-def upload(directory: str, url: str) -> None:
-    from vllm_sharded_loader.storage import objects
-    from vllm_sharded_loader.storage.location import copy_non_weight_files
-
-    where = objects.ObjectPrefix.parse(url)
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors") or name == "sharded_state.json":
-            objects.put(where, name, Path(os.path.join(directory, name)))
-    copy_non_weight_files(directory, url)
-
-
-def rank_parts(url: str, tp: int) -> list[list[tuple[str, int]]]:
-    """(object name, size) of each rank's parts, from the manifest."""
-    from vllm_sharded_loader.storage.location import read_manifest
-
-    manifest = read_manifest(url)
-    assert manifest is not None
-    return [[(f.name, f.size) for f in manifest.rank(r, 0).files] for r in range(tp)]
-
-
-# One rank's raw GETs, in a process of its own, started at a given time so that all ranks run at once.
-RAW_GET = """
-import json, resource, sys, time
-from concurrent.futures import ThreadPoolExecutor
-from vllm_sharded_loader.storage import objects
-from vllm_sharded_loader.storage.location import read_manifest
-
-url, rank, threads, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-start_at = float(sys.argv[5])
-where = objects.ObjectPrefix.parse(url)
-parts = [(f.name, f.size) for f in read_manifest(url).rank(rank, 0).files]
-buffer = bytearray(sum(n for _, n in parts))
-buffer[::4096] = b"\\1" * len(buffer[::4096])  # touched: measure the network, not first-touch faults
-jobs, base = [], 0
-for name, n in parts:
-    opened = objects.ObjectFile.open(where, name)
-    jobs += [(opened, start, min(size, n - start), base + start) for start in range(0, n, size)]
-    base += n
-
-
-def fetch(job):
-    opened, start, length, at = job
-    memoryview(buffer)[at : at + length] = opened._get(start, length)
-    return length
-
-
-time.sleep(max(0.0, start_at - time.time()))
-usage, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-with ThreadPoolExecutor(threads) as pool:
-    total = sum(pool.map(fetch, jobs))
-seconds, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
-cpu = after.ru_utime - usage.ru_utime + after.ru_stime - usage.ru_stime
-print("RESULT " + json.dumps({"seconds": seconds, "bytes": total, "cpu": cpu}))
-"""
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds a process has used so far (``/proc/PID/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def raw_get(url: str, tp: int, server_pid: int | None = None) -> dict:
-    """Every rank's parts by parallel ranged GETs, one process per rank, all at once (see the module doc).
-
-    Returns GB/s (all ranks' bytes over the slowest rank's time), the clients' CPU seconds,
-    and the server's CPU seconds over the same time when its ``server_pid`` is given.
-    """
-    from vllm_sharded_loader.storage.reader import remote_threads
-
-    start_at = time.time() + 5.0  # every process imported and its buffer touched by then
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RAW_GET, url, str(r), str(remote_threads(tp)), str(RANGE), str(start_at)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(tp)
-    ]
-    time.sleep(max(0.0, start_at - time.time()))
-    server_before = process_cpu_seconds(server_pid) if server_pid else None
-    ranks = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=900)
-        found = re.search(r"^RESULT (.*)$", out, re.M)
-        if proc.returncode or not found:
-            raise RuntimeError(f"raw GET of {url} failed:\n{out[-2000:]}\n{err[-3000:]}")
-        ranks.append(json.loads(found.group(1)))
-    seconds = max(r["seconds"] for r in ranks)
-    total = sum(r["bytes"] for r in ranks)
-    row = {
-        "gbps": total / seconds / GB,
-        "seconds": seconds,
-        "threads_per_rank": remote_threads(tp),
-        "client_cpu_seconds": sum(r["cpu"] for r in ranks),
-    }
-    if server_before is not None:
-        row["server_cpu_seconds"] = process_cpu_seconds(server_pid) - server_before
-    return row
 
 
 READER_MEMORY = """
 import json, sys, threading, time, torch
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 
 
 def rss():
@@ -183,7 +74,7 @@ def sample():
 sampler = threading.Thread(target=sample)
 sampler.start()
 started = time.perf_counter()
-stats = load_rank(url, targets, RankInfo(0, tp), manifest=manifest, verify="size")
+stats = load_rank(LoadRequest(url, manifest, verify="size"), targets, RankInfo(0, tp))
 seconds = time.perf_counter() - started
 done.set()
 sampler.join()
@@ -206,9 +97,9 @@ def run_engine(loader: str, tp: int, url: str, hf: str, work: str) -> dict:
     timing = os.path.join(work, "timing.jsonl")
     load_format = "sharded_state" if loader == "ours" else "runai_streamer_sharded"
     spec = {"model": url, "tokenizer": hf, "tp": tp, "load_format": load_format, "extra_config": {}}
-    env = load_bench.engine_env(tp, plugins=loader == "ours", timing=timing)
+    env = harness.engine_env(tp, plugins=loader == "ours", timing=timing)
     env["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"  # path-style requests to the loopback endpoint
-    result, loads, log = load_bench.start_engine(spec, env, timing, f"{loader} TP={tp}")
+    result, loads, log = harness.start_engine(spec, env, timing, f"{loader} TP={tp}")
     if (loader == "ours") != ("vllm_sharded_loader.ShardedStateLoader" in log):
         raise RuntimeError(f"{loader}: our loader ran when it should not, or did not when it should:\n{log[-3000:]}")
     result["load_seconds"] = max(entry["seconds"] for entry in loads)
@@ -220,16 +111,16 @@ def run_engine(loader: str, tp: int, url: str, hf: str, work: str) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from s3_server import SeaweedS3
+    from examples.s3_server import SeaweedS3
 
     work = args.work or tempfile.mkdtemp(prefix="s3-bench-")
-    hf = load_bench.build(work, args.layers)
+    hf = harness.build(work, args.layers)
     dirs = {tp: os.path.join(work, f"sharded-tp{tp}") for tp in (1, 2)}
     for tp, out in dirs.items():
-        load_bench.save(hf, out, tp)
+        harness.save(hf, out, tp)
     result: dict = {
-        "machine": load_bench.machine(),
-        "command": " ".join(sys.argv),
+        "machine": harness.machine(),
+        "command": harness.command(),
         "layers": args.layers,
         "rows": [],
     }
@@ -280,11 +171,13 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     m = result["machine"]
     runs = len({r["run"] for r in rows})
+    command = result.get("command", "python -m benchmarks.s3_bench --out benchmarks/results")
+    if not command.startswith("python"):  # recorded as the script's path, before benchmarks/ was a package
+        command = f"PYTHONPATH=. python {command}"
     lines = [
         "# Object storage (S3) load inside vLLM: ours, Run:ai, raw parallel GET",
         "",
-        f"Re-run: `PYTHONPATH=. python {result.get('command', 'benchmarks/s3_bench.py --out benchmarks/results')}` "
-        "(under `flock /tmp/vsl-engine.lock` on a shared machine).",
+        f"Re-run: `{command}` (under `flock /tmp/vsl-engine.lock` on a shared machine).",
         "",
         f"Machine: {m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}; "
         f"{m['platform']}, Python {m['python']}. SeaweedFS runs on the same 2 cores as the engines. "
@@ -351,7 +244,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the model (8: 0.8 GB)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--report", default=None, help="print the table of a saved s3_bench.json")
-    load_bench.report_or_measure(parser.parse_args(), "s3_bench", measure, markdown)
+    harness.report_or_measure(parser.parse_args(), "s3_bench", measure, markdown)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ machine's drift hits every row alike, ``--runs`` times:
 Engine-level rows (``LLM(model=URL)``, Run:ai's loader) are ``s3_bench.py``'s on S3. These are
 emulators on one shared machine: the figures compare the stores' code paths here, not the clouds.
 
-    python benchmarks/stores_bench.py --out benchmarks/results        # ~5 minutes here
-    python benchmarks/stores_bench.py --report benchmarks/results/stores_bench.json
+    python -m benchmarks.stores_bench --out benchmarks/results        # ~5 minutes here
+    python -m benchmarks.stores_bench --report benchmarks/results/stores_bench.json
 """
 
 from __future__ import annotations
@@ -32,12 +32,8 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import load_bench  # noqa: E402  (report_or_measure)
-from s3_bench import GB, rank_parts, raw_get  # noqa: E402  (the same raw GET measure)
+from benchmarks import harness
+from benchmarks.harness import GB, rank_parts, raw_get
 
 BUCKET = "models"
 STORES = ("s3", "az", "gs")
@@ -46,7 +42,7 @@ NAMES = {"s3": "S3 (SeaweedFS)", "az": "Azure (Azurite)", "gs": "GCS (fake-gcs-s
 # One rank's engine-free load, timed inside its process (imports and manifest excluded).
 RANK_LOAD = """
 import json, sys, time, torch
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 
 url, tp, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 manifest = read_manifest(url)
@@ -55,7 +51,7 @@ targets = {n: torch.empty(t.shape, dtype=getattr(torch, manifest.dtype)) for n, 
 for t in targets.values():
     t.view(-1)[::1024] = 0  # every page touched, as the parameters are before a load
 started = time.perf_counter()
-stats = load_rank(url, targets, RankInfo(rank, tp), manifest=manifest, verify="size")
+stats = load_rank(LoadRequest(url, manifest, verify="size"), targets, RankInfo(rank, tp))
 print("RESULT " + json.dumps({"seconds": time.perf_counter() - started, "bytes": stats.bytes_read}))
 """
 
@@ -84,8 +80,8 @@ def build(work: str, mib: int) -> dict[int, str]:
 
 
 def start(scheme: str, work: str):
-    from cloud_servers import Azurite, FakeGCS
-    from s3_server import SeaweedS3
+    from examples.cloud_servers import Azurite, FakeGCS
+    from examples.s3_server import SeaweedS3
 
     server = {"s3": SeaweedS3, "az": Azurite, "gs": FakeGCS}[scheme](os.path.join(work, f"server-{scheme}"))
     os.makedirs(server.workdir, exist_ok=True)
@@ -136,8 +132,8 @@ def measure(args: argparse.Namespace) -> dict:
     work = args.work or tempfile.mkdtemp(prefix="stores-bench-")
     dirs = build(work, args.mib)
     result: dict = {
-        "machine": load_bench.machine(),
-        "command": " ".join(sys.argv),
+        "machine": harness.machine(),
+        "command": harness.command(),
         "mib": args.mib,
         "rows": [],
     }
@@ -198,7 +194,7 @@ def markdown(result: dict) -> str:
         "`raw parallel GET` runs one process per rank, all at once, with as many requests in flight as our "
         "loader; its buffers are touched beforehand, our targets too.",
         "",
-        "Re-run: `python benchmarks/stores_bench.py --out benchmarks/results` (about 3 minutes here).",
+        "Re-run: `python -m benchmarks.stores_bench --out benchmarks/results` (about 3 minutes here).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -211,7 +207,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES))
     parser.add_argument("--report", default=None, help="print the table of a saved stores_bench.json")
-    load_bench.report_or_measure(parser.parse_args(), "stores_bench", measure, markdown)
+    harness.report_or_measure(parser.parse_args(), "stores_bench", measure, markdown)
 
 
 if __name__ == "__main__":

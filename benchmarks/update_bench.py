@@ -21,7 +21,7 @@ sharded at TP=2; seconds only).
 Every TP=1 engine runs in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the worker's
 memory is the process's. Each update is checked by the greedy tokens after it.
 
-    python benchmarks/update_bench.py --out benchmarks/results    # about 8 minutes here
+    python -m benchmarks.update_bench --out benchmarks/results    # about 8 minutes here
 
 Writes ``update_bench.json`` (every raw number) and ``update_bench.md`` into ``--out``.
 """
@@ -38,10 +38,8 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+from benchmarks.harness import ROOT, build, command, engine_env, layers_for, machine, save
+
 PROMPT = "the model loads every shard"
 
 
@@ -224,17 +222,17 @@ def child(spec: dict) -> None:
 
 
 def run_child(spec: dict) -> dict:
-    from load_bench import engine_env
-
     spec = {**spec, "spawned": time.time()}
     env = engine_env(spec.get("tp", 1), plugins=True)
     # time.time() across processes: perf_counter has no common origin.
     code = (
-        f"import json, sys, time; sys.path.insert(0, {HERE!r}); import update_bench as b; "
+        "import json, sys, time; from benchmarks import update_bench as b; "
         "spec = json.loads(sys.argv[1]); spec['spawned'] = time.perf_counter() - (time.time() - spec['spawned']); "
         "b.child(spec)"
     )
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     log = proc.stdout + proc.stderr
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not found:
@@ -290,7 +288,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 def markdown(result: dict) -> str:
     s, m = result["summary"], result["machine"]
     lines = [
-        f"Re-run: `{result.get('command', 'python benchmarks/update_bench.py --out benchmarks/results')}` (about "
+        f"Re-run: `{result.get('command', 'python -m benchmarks.update_bench --out benchmarks/results')}` (about "
         "6 minutes here; under `flock /tmp/vsl-engine.lock` on a shared machine).",
         "",
         f"Machine: {m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}; "
@@ -346,11 +344,9 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    from load_bench import build, layers_for, machine, save
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default="/tmp/update-bench", help="model and checkpoint folder (kept)")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--gigabytes", type=float, default=1.3)
     parser.add_argument("--runs", type=int, default=3, help="engines per mode")
     parser.add_argument("--updates", type=int, default=3, help="updates per engine and kind")
@@ -378,7 +374,7 @@ def main() -> None:
         assert len(tokens) <= 1, f"the modes generated different tokens: {tokens}"
     result = {
         "machine": machine(),
-        "command": "python benchmarks/update_bench.py " + " ".join(sys.argv[1:]),
+        "command": command(),
         "runs": args.runs,
         "updates": args.updates,
         "tp2_runs": args.tp2_runs,

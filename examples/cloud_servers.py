@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from s3_server import LocalServer, free_ports
+from examples.s3_server import LocalServer, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 # Azurite's well-known development account (public, the same in every Azurite).

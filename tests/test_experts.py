@@ -6,8 +6,8 @@ import json
 import os
 
 import pytest
-from states import assert_untouched, fresh_targets, load, save
 
+from tests.support.states import assert_untouched, fresh_targets, load, save
 from vllm_sharded_loader.format import Manifest, ShardedStateError
 from vllm_sharded_loader.format.experts import ExpertPlacement
 from vllm_sharded_loader.planning.experts import check_expert_placement, expert_placement

@@ -15,8 +15,9 @@ import os
 
 import pytest
 import torch
-from conftest import openai_server, post_json, run_data_parallel, run_engine
-from tiny_models import build_family, family_engine_args
+
+from examples.tiny_models import build_family, family_engine_args
+from tests.support.engines import openai_server, post_json, run_data_parallel, run_engine
 
 pytestmark = pytest.mark.engine
 

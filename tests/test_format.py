@@ -4,15 +4,12 @@ import json
 
 import pytest
 
+from tests.support.manifests import sample_manifest
 from vllm_sharded_loader.format import (
     PP_AND_TP_PATTERN,
     TP_ONLY_PATTERN,
-    FileEntry,
     Manifest,
-    RankEntry,
     ShardedStateError,
-    SourceModel,
-    TensorEntry,
     config_differences,
     config_sha256,
     default_pattern,
@@ -101,29 +98,6 @@ def test_good_patterns_pass():
     validate_pattern(PP_AND_TP_PATTERN, 8, 4)
     validate_pattern("model-{part}.safetensors", 1, 1)
     validate_pattern("m-{{literal}}-{rank}-{part}.safetensors", 2, 1)
-
-
-def sample_manifest(tp=2, pp=1) -> Manifest:
-    ranks = []
-    for p in range(pp):
-        for t in range(tp):
-            name = render_file_name(default_pattern(pp), tp_rank=t, pp_rank=p, part=0)
-            ranks.append(
-                RankEntry(
-                    t,
-                    p,
-                    (FileEntry(name, 1234),),
-                    {"w": TensorEntry(name, "BF16", (4, 8)), "b": TensorEntry(name, "F32", ())},
-                )
-            )
-    return Manifest(
-        tp_size=tp,
-        pp_size=pp,
-        dtype="bfloat16",
-        pattern=default_pattern(pp),
-        source=SourceModel("LlamaForCausalLM", "ab" * 32, {"hidden_size": 8}),
-        ranks=tuple(ranks),
-    )
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2), (1, 4)])

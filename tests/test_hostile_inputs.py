@@ -17,20 +17,20 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from states import save
 
+from tests.support import ROOT
+from tests.support.states import save
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME
 
-TESTS = Path(__file__).resolve().parent
 BOUND_S = 60  # generous: each case takes well under a second when it does not hang
 
 
 def run(code: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter (tests/ on the path); a hang fails the test at BOUND_S."""
-    prelude = f"import sys; sys.path.insert(0, {str(TESTS)!r})\n"
+    """``code`` in a fresh interpreter, started in the repository (``tests.support`` importable); a hang fails
+    the test at BOUND_S."""
     try:
         return subprocess.run(
-            [sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=BOUND_S
+            [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=BOUND_S
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"hung for {BOUND_S} s: {code.strip().splitlines()[-1]}")
@@ -109,7 +109,7 @@ SLOTS = {
     "manifest (inspect)": (MANIFEST_NAME, "inspect_checkpoint(D)", MANIFEST_NAME),
 }
 CODE = """
-from states import load
+from tests.support.states import load
 from vllm_sharded_loader.checkpoint import verify_checkpoint
 from vllm_sharded_loader.tools.offline import inspect_checkpoint
 from vllm_sharded_loader.format import ShardedStateError
@@ -194,8 +194,7 @@ def test_a_manifest_that_would_take_gigabytes_to_parse_is_refused_before_parsing
 
 def test_our_own_large_manifests_parse_within_the_bound(tmp_path):
     """The bound refuses no manifest this package writes: many tensors, many checksum blocks, compact or indented."""
-    from states import SOURCE
-
+    from tests.support.states import SOURCE
     from vllm_sharded_loader.format.manifest import (
         MAX_PARSE_EXPANSION,
         FileChecksum,

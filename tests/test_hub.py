@@ -4,38 +4,18 @@ The cache is laid out as huggingface_hub lays it out: content in ``blobs/``, a s
 symlinks per commit, ``refs/main`` naming the commit.
 """
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from test_reshard_files import save_model, stage_state
-from test_resharding import llama_like
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from tests.support.checkpoints import save_model, stage_state
+from tests.support.hub import COMMIT, REPO, lay_out_cache
+from tests.support.reference import llama_like
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.storage import hub
-
-REPO = "acme/tiny-sharded"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def lay_out_cache(checkpoint: Path, cache: Path, leave_out: set[str] = frozenset()) -> Path:
-    """Put a checkpoint into a Hub cache; files in ``leave_out`` are dangling links (never fetched)."""
-    repo = cache / f"models--{REPO.replace('/', '--')}"
-    (repo / "blobs").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    snapshot = repo / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    for f in sorted(checkpoint.iterdir()):
-        data = f.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        if f.name not in leave_out:
-            blob.write_bytes(data)
-        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
-    return snapshot
 
 
 @pytest.fixture
@@ -71,12 +51,12 @@ def test_a_rank_resolves_and_opens_only_its_own_files(hub_cache):
     assert not set(mine) & rank1_files
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {n: torch.zeros_like(x) for n, x in expected.items()}
-    stats = load_rank(snapshot, targets, RankInfo(0, 2), manifest=read_manifest(snapshot), verify="checksum")
+    stats = load_rank(LoadRequest(snapshot, read_manifest(snapshot), verify="checksum"), targets, RankInfo(0, 2))
     assert {os.path.basename(f) for f in stats.files} == set(mine)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     # Rank 1 would need the files that are not there, and says which.
     with pytest.raises(ShardedStateError, match=r"model-rank-1-part-0.safetensors: listed in .* but missing"):
-        load_rank(snapshot, stage_state(model, 2, 1, 1, 0), RankInfo(1, 2), manifest=read_manifest(snapshot))
+        load_rank(LoadRequest(snapshot, read_manifest(snapshot)), stage_state(model, 2, 1, 1, 0), RankInfo(1, 2))
 
 
 def test_fetch_patterns_of_each_rank(hub_cache):
@@ -103,4 +83,6 @@ def test_symlink_out_of_the_repository_is_refused(hub_cache):
     os.symlink(outside, part)
     model = llama_like(num_layers=2)
     with pytest.raises(ShardedStateError, match="outside the checkpoint directory"):
-        load_rank(str(snapshot), stage_state(model, 2, 1, 0, 0), RankInfo(0, 2), manifest=read_manifest(str(snapshot)))
+        load_rank(
+            LoadRequest(str(snapshot), read_manifest(str(snapshot))), stage_state(model, 2, 1, 0, 0), RankInfo(0, 2)
+        )

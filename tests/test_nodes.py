@@ -1,9 +1,9 @@
 """Two nodes on one machine, through vLLM's own multiprocessing executor: TP=2 across them, one
-worker each, the leader an offline ``LLM`` (``tests/engine_runner.py``) and the follower
+worker each, the leader an offline ``LLM`` (``tests/support/engine_runner.py``) and the follower
 ``vllm-sharded-serve ... --headless`` (vLLM's ``vllm serve``).
 
 Each node is its own process tree with its own host name, disk view and network
-(``tests/nodes.py``: mount, UTS and network namespaces, a veth pair each on a bridge), so that
+(``tests/support/nodes.py``: mount, UTS and network namespaces, a veth pair each on a bridge), so that
 a path means different folders on each node, as on separate machines. The object-storage
 server (SeaweedFS) runs on the host; each node reaches it through its own counting proxy,
 which tells how many bytes that node read.
@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from faultkit import tree_digest
-from faultproxy import FaultProxy
-from nodes import ClusterFailed, Nodes, Served, serve_tp2, tails
-from s3_server import SeaweedS3
-from test_hub import REPO, lay_out_cache
-from test_s3 import stores_pointed_at
 
+from examples.s3_server import SeaweedS3
+from tests.support.faultkit import tree_digest
+from tests.support.faultproxy import FaultProxy
+from tests.support.hub import REPO, lay_out_cache
+from tests.support.nodes import ClusterFailed, Nodes, Served, serve_tp2, tails
+from tests.support.stores import stores_pointed_at
 from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
 from vllm_sharded_loader.engine.capture import OVERWRITE_ENV
 from vllm_sharded_loader.format import MANIFEST_NAME
@@ -57,9 +57,9 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bucket(cluster, tmp_path_factory):
+def bucket(cluster, seaweed):
+    server = seaweed  # the session's SeaweedFS, with this module's bucket
     with (
-        SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server,
         stores_pointed_at(server.aws_environment()),
         contextlib.ExitStack() as stack,
     ):

@@ -6,8 +6,8 @@ import struct
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_format import sample_manifest
 
+from tests.support.manifests import sample_manifest
 from vllm_sharded_loader.format import Manifest, ShardedStateError
 from vllm_sharded_loader.format.safetensors import parse_header
 

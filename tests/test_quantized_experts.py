@@ -22,9 +22,9 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from test_quantized_geometry import as_array, save_rank
-from test_resharding import execute
 
+from tests.support.quantized import as_array, save_rank
+from tests.support.reference import execute
 from vllm_sharded_loader.format import ShardedStateError
 from vllm_sharded_loader.format.geometry import OPAQUE, REPLICATED, TensorGeometry
 from vllm_sharded_loader.planning.layout import check_served_geometry, same_split

@@ -18,8 +18,9 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from test_resharding import execute
 
+from tests.support.quantized import as_array, save_rank
+from tests.support.reference import execute
 from vllm_sharded_loader.format import ShardedStateError
 from vllm_sharded_loader.format.geometry import OPAQUE, ROW_PARALLEL, Segment, TensorGeometry
 from vllm_sharded_loader.planning.layout import same_split, shard_layout
@@ -130,37 +131,6 @@ def load_with_vllm(vq, method: str, full: dict, tp_size: int, tp_rank: int):
             param.weight_loader(param, piece.contiguous(), shard_id)
             start += rows
     return model
-
-
-def as_array(tensor) -> np.ndarray:
-    """The tensor's bytes as integers of its item size (what the planner's executor yields)."""
-    raw = tensor.detach().contiguous().view(-1).view(dtype=_int_dtype(tensor.element_size()))
-    return raw.numpy().reshape(tuple(tensor.shape))
-
-
-def _int_dtype(itemsize: int):
-    import torch
-
-    return {1: torch.int8, 2: torch.int16, 4: torch.int32}[itemsize]
-
-
-def save_rank(
-    geometry: dict[str, TensorGeometry], tensors: dict, rank: int, files: dict[str, bytearray], what: str
-) -> tuple[dict[str, TensorGeometry], SavedRank]:
-    """Saved rank ``rank`` as our save writes it: the geometry recorded for its tensors (none
-    opaque; through the manifest's JSON, as a load reads it), and their bytes in file
-    ``f{rank}`` of ``files``, between filler bytes a wrong offset would read."""
-    opaque = [n for n, g in geometry.items() if g.kind == OPAQUE]
-    assert not opaque, f"{what}: {opaque} recorded opaque"
-    geometry = {n: TensorGeometry.from_dict(g.to_dict(), n) for n, g in geometry.items()}
-    buf = bytearray(b"\x11" * (rank + 3))
-    saved = {}
-    for name, tensor in tensors.items():
-        data = as_array(tensor)
-        saved[name] = SavedTensor(f"f{rank}", len(buf), data.itemsize, data.shape, geometry[name])
-        buf += data.tobytes() + b"\x22" * 5
-    files[f"f{rank}"] = buf
-    return geometry, SavedRank(rank, 0, saved)
 
 
 @pytest.mark.parametrize("method", sorted(CONFIGS))

@@ -13,7 +13,8 @@ import time
 
 import psutil
 import pytest
-from conftest import run_engine
+
+from tests.support.engines import run_engine
 
 pytestmark = pytest.mark.engine
 

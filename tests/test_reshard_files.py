@@ -1,44 +1,34 @@
 """Resharding loads on real files: saved with `save_checkpoint` at one TP/PP size, loaded
 with `load_rank` at another, compared with vLLM's sharding rule applied to the full tensors.
 
-The model and the reference rule come from test_resharding.py (checked there against
+The model and the reference rule come from tests/support/reference.py (checked in test_resharding.py against
 vLLM's own weight loaders).
 """
 
 import pytest
 import torch
-from states import SOURCE
-from test_resharding import llama_like, reference_pp_indices, reference_shard
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from tests.support.checkpoints import (
+    EXPERTS,
+    NORM,
+    experts_rank,
+    flat_rank,
+    moe_geometry,
+    moe_rank,
+    moe_weights,
+    save_flat,
+    save_model,
+    save_replicas,
+    serving_ranks,
+    source_of,
+    stage_state,
+)
+from tests.support.reference import llama_like, reference_pp_indices
+from tests.support.states import SOURCE
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
-from vllm_sharded_loader.format import ShardedStateError, SourceModel, config_sha256, normalize_config
-
-
-def stage_state(model, tp_size, pp_size, tp_rank, pp_rank):
-    """A rank's local tensors, as a vLLM worker at (tp_size, pp_size) holds them."""
-    return {
-        name: torch.from_numpy(reference_shard(model.tensors[name].spec, model.tensors[name].data, tp_size, tp_rank))
-        for name in model.stage_names(pp_size, pp_rank)
-    }
-
-
-def save_model(directory, model, tp_size, pp_size):
-    ranks = {
-        RankInfo(t, tp_size, p, pp_size): stage_state(model, tp_size, pp_size, t, p)
-        for p in range(pp_size)
-        for t in range(tp_size)
-    }
-    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    tied = tuple(tuple(g) for g in model.tied_groups)
-    return save_checkpoint(
-        str(directory), ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, tied=tied
-    )
-
-
-def source_of(model) -> SourceModel:
-    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": model.num_layers}
-    return SourceModel("LlamaForCausalLM", config_sha256(config), normalize_config(config))
+from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.storage.reader import ReadOptions
 
 
 @pytest.mark.parametrize(
@@ -56,13 +46,11 @@ def test_reshard_load_from_files_matches_vllms_rule(tmp_path, saved, serving, ti
             expected = stage_state(model, tp_size, pp_size, t, p)
             targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
             stats = load_rank(
-                str(tmp_path),
+                LoadRequest(
+                    str(tmp_path), manifest, verify="checksum", serving=source_of(model), tied=model.tied_groups
+                ),
                 targets,
                 RankInfo(t, tp_size, p, pp_size),
-                manifest=manifest,
-                serving=source_of(model),
-                verify="checksum",
-                tied=model.tied_groups,
             )
             assert stats.resharded_from == saved
             for name, x in expected.items():
@@ -74,7 +62,7 @@ def test_tp1_to_tp2_reads_about_half_per_rank(tmp_path):
     manifest = save_model(tmp_path, model, 1, 1)
     for t in range(2):
         targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 2, 1, t, 0).items()}
-        stats = load_rank(str(tmp_path), targets, RankInfo(t, 2), manifest=manifest)
+        stats = load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(t, 2))
         assert 0.45 < stats.bytes_read / manifest.nbytes < 0.55
 
 
@@ -84,7 +72,7 @@ def test_layers_move_between_stages(tmp_path):
     start, end = reference_pp_indices(5, 0, 1)
     assert (start, end) == (0, 5)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
-    stats = load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+    stats = load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
     # A single stage reads both saved stages' files.
     assert {f.rsplit("/", 1)[1][:12] for f in stats.files} == {"model-pp-0-t", "model-pp-1-t"}
 
@@ -95,7 +83,7 @@ def test_without_geometry_another_topology_is_refused(tmp_path):
     save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     with pytest.raises(ShardedStateError, match=r"saved with tensor_parallel_size=2 .* runs tensor_parallel_size=1"):
-        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+        load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
 
 
 def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
@@ -111,7 +99,7 @@ def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
     save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE, geometry=geometry)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     with pytest.raises(ShardedStateError, match=r"model.layers.1.mlp.down_proj.weight.*FusedMoE"):
-        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+        load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
 
 
 def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
@@ -132,7 +120,9 @@ def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(reshard, "read_pieces", counted)
     expected = stage_state(model, 1, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
-    load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, serving=source_of(model), verify="checksum")
+    load_rank(
+        LoadRequest(str(tmp_path), manifest, verify="checksum", serving=source_of(model)), targets, RankInfo(0, 1)
+    )
     assert len(batches) > 4
     for name, x in expected.items():
         assert torch.equal(targets[name], x), name
@@ -152,7 +142,7 @@ def edit_manifest(directory, edit):
 
 def load_tp1(directory, model, manifest, **options):
     targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, 1, 1, 0, 0).items()}
-    load_rank(str(directory), targets, RankInfo(0, 1), manifest=manifest, **options)
+    load_rank(LoadRequest(str(directory), manifest, **options), targets, RankInfo(0, 1))
     return targets
 
 
@@ -196,16 +186,6 @@ def test_resharding_refuses_a_geometry_that_is_not_the_served_models(tmp_path):
         load_tp1(tmp_path, model, manifest, geometry=geometry)
 
 
-def experts_rank(w1, w3, w2, tp_size, tp_rank):
-    """A rank's stacked experts as vLLM's _load_w13 / _load_w2 cut them: gate then up slice, down's columns."""
-    per = w1.shape[1] // tp_size
-    rows = slice(tp_rank * per, (tp_rank + 1) * per)
-    return {
-        "model.layers.0.mlp.experts.w13_weight": torch.cat([w1[:, rows], w3[:, rows]], dim=1).contiguous(),
-        "model.layers.0.mlp.experts.w2_weight": w2[:, :, rows].contiguous(),
-    }
-
-
 @pytest.mark.parametrize(("saved_tp", "serving_tp"), [(2, 1), (1, 2), (2, 4), (4, 2)])
 def test_stacked_experts_reshard_as_vllm_loads_them(tmp_path, saved_tp, serving_tp):
     from vllm_sharded_loader.format.geometry import merged_column_parallel, row_parallel
@@ -228,65 +208,16 @@ def test_stacked_experts_reshard_as_vllm_loads_them(tmp_path, saved_tp, serving_
     for t in range(serving_tp):
         expected = experts_rank(w1, w3, w2, serving_tp, t)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, RankInfo(t, serving_tp), manifest=manifest, verify="checksum")
+        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(t, serving_tp))
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, t)
 
 
 # ------------------------------------------------ experts moved between expert-parallel placements
 
-EXPERTS, INTERMEDIATE, HIDDEN = 6, 16, 8
 # (TP size, placement strategy): None is no expert parallelism (every rank holds a TP
 # slice of every expert); otherwise EP size = TP size, each rank holding whole experts.
 PLACEMENTS = [(1, None), (2, None), (2, "linear"), (2, "round_robin"), (3, "linear"), (4, "round_robin")]
-
-
-def moe_weights(experts=EXPERTS, intermediate=INTERMEDIATE, hidden=HIDDEN):
-    """Full w1, w3 ``[experts, intermediate, hidden]``, w2 ``[experts, hidden, intermediate]`` and w2's bias."""
-    g = torch.Generator().manual_seed(3)
-    w1, w3 = (torch.randn(experts, intermediate, hidden, generator=g) for _ in range(2))
-    return w1, w3, torch.randn(experts, hidden, intermediate, generator=g), torch.randn(experts, hidden, generator=g)
-
-
-def moe_rank(weights, tp_size, strategy, tp_rank):
-    """RankInfo and local tensors of one rank, as vLLM's fused-MoE layer holds them.
-
-    Under expert parallelism each rank's experts whole, in vLLM's placement order; without,
-    every expert cut by ``experts_rank`` (gate then up slice, down's columns).
-    """
-    from vllm_sharded_loader.planning.experts import expert_placement
-
-    w1, w3, w2, bias = weights
-    prefix = "model.layers.0.mlp.experts."
-    if strategy is None:
-        state = experts_rank(w1, w3, w2, tp_size, tp_rank)
-        state[prefix + "w2_bias"] = bias.clone()
-        return RankInfo(tp_rank, tp_size), state
-    placement = expert_placement(w1.shape[0], tp_size, strategy)
-    ids = list(placement.experts[tp_rank])
-    state = {
-        prefix + "w13_weight": torch.cat([w1[ids], w3[ids]], dim=1).contiguous(),
-        prefix + "w2_weight": w2[ids].contiguous(),
-        prefix + "w2_bias": bias[ids].contiguous(),
-    }
-    return RankInfo(tp_rank, tp_size, experts=placement, ep_rank=tp_rank), state
-
-
-def moe_geometry(experts, intermediate, hidden, opaque_w2=False):
-    from vllm_sharded_loader.format.geometry import REPLICATED, TensorGeometry, merged_column_parallel, row_parallel
-
-    prefix = "model.layers.0.mlp.experts."
-    w2 = row_parallel([experts, hidden, intermediate], "FusedMoE", stacked=1)
-    if opaque_w2:
-        # A layout this version does not describe (a quantized MoE's packed weights).
-        w2 = TensorGeometry("opaque", "FusedMoE", (experts, hidden, intermediate))
-    return {
-        prefix + "w13_weight": merged_column_parallel(
-            [experts, 2 * intermediate, hidden], [intermediate] * 2, ["w1", "w3"], "FusedMoE", stacked=1
-        ).to_dict(),
-        prefix + "w2_weight": w2.to_dict(),
-        prefix + "w2_bias": TensorGeometry(REPLICATED, "FusedMoE", (experts, hidden), stacked=1).to_dict(),
-    }
 
 
 def save_moe(directory, weights, tp_size, strategy, opaque_w2=False, max_size=4096):
@@ -315,7 +246,7 @@ def test_experts_move_between_placements_by_global_id(tmp_path, saved, serving):
     for t in range(serving[0]):
         rank, expected = moe_rank(weights, serving[0], serving[1], t)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        stats = load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        stats = load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, t)
         if saved[1] is not None and serving[1] is not None:
@@ -333,7 +264,7 @@ def test_a_data_parallel_replica_reads_the_experts_of_its_ep_rank(tmp_path):
     _, expected = moe_rank(weights, 2, "linear", 1)
     rank = RankInfo(0, 1, experts=expert_placement(EXPERTS, 2, "linear"), ep_rank=1)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(str(tmp_path), targets, rank, manifest=read_manifest(str(tmp_path)), verify="checksum")
+    load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"), targets, rank)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
@@ -347,7 +278,7 @@ def test_moved_experts_are_mapped_from_the_files(tmp_path):
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    load_rank(str(tmp_path), targets, rank, manifest=read_manifest(str(tmp_path)), verify="checksum", adopt=adopt)
+    load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"), targets, rank, adopt=adopt)
     for name, x in expected.items():
         assert torch.equal(adopted.get(name, targets[name]), x), name
     assert "model.layers.0.mlp.experts.w13_weight" in adopted
@@ -363,12 +294,12 @@ def test_experts_without_geometry_are_refused_when_they_would_move(tmp_path, ser
     rank, expected = moe_rank(weights, serving[0], serving[1], 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(ShardedStateError, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry|cannot be"):
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())
     # At the saved placement it loads.
     rank, expected = moe_rank(weights, 2, "linear", 1)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(str(tmp_path), targets, rank, manifest=manifest)
+    load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
@@ -382,7 +313,7 @@ def test_a_placement_that_is_not_the_geometrys_is_refused(tmp_path):
     wrong = RankInfo(0, 2, experts=expert_placement(EXPERTS + 2, 2), ep_rank=0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(ShardedStateError, match="stacks 6 experts, but the expert placement EP=2 linear"):
-        load_rank(str(tmp_path), targets, wrong, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, wrong)
     assert all(bool((x == -7).all()) for x in targets.values())
 
 
@@ -420,7 +351,9 @@ def load_adopting(directory, rank, verify="checksum", model=None):
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    stats = load_rank(str(directory), targets, rank, manifest=read_manifest(str(directory)), verify=verify, adopt=adopt)
+    stats = load_rank(
+        LoadRequest(str(directory), read_manifest(str(directory)), verify=verify), targets, rank, adopt=adopt
+    )
     return expected, targets, adopted, stats
 
 
@@ -519,11 +452,9 @@ def test_a_corrupt_block_is_refused_on_the_mapped_paths(tmp_path, tensor):
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
     with pytest.raises(ShardedStateError, match=rf"{entry.file}: checksum mismatch"):
         load_rank(
-            str(tmp_path),
+            LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"),
             targets,
             RankInfo(0, 1),
-            manifest=read_manifest(str(tmp_path)),
-            verify="checksum",
             adopt=adopt,
         )
     assert not adopted
@@ -547,7 +478,7 @@ def test_row_splits_are_read_per_tensor_not_per_row(tmp_path, monkeypatch, saved
     monkeypatch.setattr(reshard, "read_pieces", counted)
     expected = stage_state(model, serving, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
-    load_rank(str(tmp_path), targets, RankInfo(0, serving), manifest=manifest, verify="checksum")
+    load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(0, serving))
     for name, x in expected.items():
         assert torch.equal(targets[name], x), name
     assert model.tensors["model.layers.0.self_attn.o_proj.weight"].data.shape[0] == 1024
@@ -563,7 +494,7 @@ def test_a_one_thread_resharding_load_leaves_the_callers_torch_threads_alone(tmp
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, threads=1)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(0, 1), options=ReadOptions(threads=1))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -580,7 +511,7 @@ def test_non_contiguous_targets_are_filled_run_by_run(tmp_path):
     rows, columns = expected[name].shape
     targets[name] = torch.full((columns, rows), -7, dtype=expected[name].dtype).t()  # transposed memory
     assert not targets[name].is_contiguous()
-    load_rank(str(tmp_path), targets, RankInfo(0, 2), manifest=manifest, verify="checksum")
+    load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(0, 2))
     for n, x in expected.items():
         assert torch.equal(targets[n], x), n
 
@@ -617,71 +548,6 @@ def test_a_hub_rank_fetches_only_the_files_of_its_experts(tmp_path):
 
 # ------------------------------------------------ experts saved per data-parallel replica (DP x EP)
 
-NORM = "model.norm.weight"
-
-
-def replica_rank(weights, tp_size, dp_size, strategy, dp_rank, tp_rank):
-    """RankInfo and local tensors of one worker of an engine at TP x DP under expert parallelism
-    (EP size = TP x DP, EP rank = dp_rank * tp_size + tp_rank), with a replicated norm beside
-    its experts: every replica holds the same norm."""
-    from vllm_sharded_loader.planning.experts import expert_placement
-
-    w1, w3, w2, bias = weights
-    placement = expert_placement(w1.shape[0], tp_size * dp_size, strategy)
-    ep_rank = dp_rank * tp_size + tp_rank
-    ids = list(placement.experts[ep_rank])
-    prefix = "model.layers.0.mlp.experts."
-    state = {
-        prefix + "w13_weight": torch.cat([w1[ids], w3[ids]], dim=1).contiguous(),
-        prefix + "w2_weight": w2[ids].contiguous(),
-        prefix + "w2_bias": bias[ids].contiguous(),
-        NORM: torch.arange(w1.shape[2], dtype=torch.float32),
-    }
-    return RankInfo(tp_rank, tp_size, experts=placement, ep_rank=ep_rank, dp_rank=dp_rank, dp_size=dp_size), state
-
-
-def save_replicas(directory, weights, tp_size, dp_size, strategy, opaque_w2=False, opaque_norm=False):
-    """Save as the hook does under TP x DP with expert parallelism: replica 0 writes all it
-    holds, each later replica only its experts."""
-    from vllm_sharded_loader.format.geometry import replicated
-
-    ranks = {}
-    for d in range(dp_size):
-        for t in range(tp_size):
-            rank, state = replica_rank(weights, tp_size, dp_size, strategy, d, t)
-            ranks[rank] = state if d == 0 else {n: x for n, x in state.items() if n != NORM}
-    geometry = moe_geometry(*weights[0].shape, opaque_w2=opaque_w2)
-    geometry[NORM] = replicated([weights[0].shape[2]], "RMSNorm").to_dict()
-    if opaque_norm:
-        # A tensor outside the experts that this version cannot split (FP8 block scales).
-        geometry[NORM] = {**geometry[NORM], "kind": "opaque"}
-    return save_checkpoint(
-        str(directory),
-        ranks,
-        dtype="float32",
-        source=SOURCE,
-        max_size=4096,
-        geometry=geometry,
-        experts=next(iter(ranks)).experts,
-    )
-
-
-def serving_ranks(weights, serving):
-    """Every worker of a serving topology: (TP, DP, strategy), ("flat", TP, DP) without expert
-    parallelism (experts cut across TP x DP), or (TP, strategy) from PLACEMENTS."""
-    if serving[0] == "flat":
-        _, tp, dp = serving
-        return [flat_rank(weights, tp, dp, d, t) for d in range(dp) for t in range(tp)]
-    if len(serving) == 3:
-        tp, dp, strategy = serving
-        return [replica_rank(weights, tp, dp, strategy, d, t) for d in range(dp) for t in range(tp)]
-    ranks = []
-    for t in range(serving[0]):
-        rank, state = moe_rank(weights, serving[0], serving[1], t)
-        state[NORM] = torch.arange(weights[0].shape[2], dtype=torch.float32)
-        ranks.append((rank, state))
-    return ranks
-
 
 REPLICA_SAVES = [(1, 2, "linear"), (2, 2, "round_robin"), (1, 4, "linear")]
 
@@ -707,7 +573,7 @@ def test_experts_saved_per_replica_load_at_every_placement(tmp_path, saved, serv
     manifest = read_manifest(str(tmp_path))  # and it parses back, checked
     for rank, expected in serving_ranks(weights, serving):
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, rank)
 
@@ -721,12 +587,12 @@ def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(t
     manifest = read_manifest(str(tmp_path))
     for rank, expected in serving_ranks(weights, (1, 2, "linear")):
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
     rank, expected = serving_ranks(weights, (1, 2, "round_robin"))[1]
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(ShardedStateError, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry"):
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())
 
 
@@ -793,29 +659,6 @@ def test_a_hub_rank_of_a_later_replica_fetches_its_own_experts(tmp_path):
 # ------------------------------------------------ experts cut across TP x DP (data parallelism without EP)
 
 
-def flat_rank(weights, tp_size, dp_size, dp_rank, tp_rank):
-    """A worker of an engine at TP x DP without expert parallelism: vLLM cuts every expert at
-    TP size ``tp_size * dp_size``, this worker holding index ``dp_rank * tp_size + tp_rank``."""
-    w1, w3, w2, bias = weights
-    state = experts_rank(w1, w3, w2, tp_size * dp_size, dp_rank * tp_size + tp_rank)
-    state["model.layers.0.mlp.experts.w2_bias"] = bias.clone()
-    state[NORM] = torch.arange(w1.shape[2], dtype=torch.float32)
-    return RankInfo(tp_rank, tp_size, dp_rank=dp_rank, dp_size=dp_size, experts_over_dp=dp_size > 1), state
-
-
-def save_flat(directory, weights, tp_size, dp_size, opaque_w2=False):
-    from vllm_sharded_loader.format.geometry import replicated
-
-    ranks = {}
-    for d in range(dp_size):
-        for t in range(tp_size):
-            rank, state = flat_rank(weights, tp_size, dp_size, d, t)
-            ranks[rank] = state if d == 0 else {n: x for n, x in state.items() if n != NORM}
-    geometry = moe_geometry(*weights[0].shape, opaque_w2=opaque_w2)
-    geometry[NORM] = replicated([weights[0].shape[2]], "RMSNorm").to_dict()
-    return save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, max_size=4096, geometry=geometry)
-
-
 FLAT = [(1, 2), (2, 2), (1, 4)]
 
 
@@ -843,7 +686,7 @@ def test_experts_cut_across_tp_and_dp_load_at_every_topology(tmp_path, saved, se
         workers = serving_ranks(weights, (serving[0], None))
     for rank, expected in workers:
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, rank)
 
@@ -858,7 +701,7 @@ def test_a_checkpoint_without_dp_serves_experts_cut_across_tp_and_dp(tmp_path):
         rank, expected = flat_rank(weights, 1, 2, d, 0)
         del expected[NORM]  # save_moe saves the experts only
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), d
 
 
@@ -872,10 +715,10 @@ def test_an_opaque_expert_tensor_cut_across_tp_and_dp_loads_only_at_its_cut(tmp_
     workers = [flat_rank(weights, 1, 2, d, 0) for d in range(2)] + serving_ranks(weights, (2, None))
     for rank, expected in workers:
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
     rank, expected = serving_ranks(weights, (1, None))[0]
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(ShardedStateError, match="holds experts each data-parallel replica saved"):
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())

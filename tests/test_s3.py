@@ -20,12 +20,12 @@ import uuid
 
 import pytest
 import torch
-from s3_server import SeaweedS3
-from states import SOURCE
-from test_reshard_files import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
-from test_resharding import llama_like
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from tests.support.checkpoints import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
+from tests.support.reference import llama_like
+from tests.support.states import SOURCE
+from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
@@ -36,30 +36,12 @@ from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkp
 BUCKET = "models"
 
 
-@contextlib.contextmanager
-def stores_pointed_at(environment: dict[str, str]):
-    """Set ``environment`` for every object-store client of this process (the cached stores are
-    rebuilt), and put the previous settings back on exit."""
-    saved = {k: os.environ.get(k) for k in environment}
-    os.environ.update(environment)
-    objects._store.cache_clear()
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        objects._store.cache_clear()
-
-
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A SeaweedFS S3 server for this module, with the usual AWS settings pointing at it."""
-    with SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server, stores_pointed_at(server.aws_environment()):
-        server.create_bucket(BUCKET)
-        yield server
+def s3(seaweed):
+    """The session's SeaweedFS S3 server with this module's bucket, and the usual AWS settings pointing at it."""
+    with stores_pointed_at(seaweed.aws_environment()):
+        seaweed.create_bucket(BUCKET)
+        yield seaweed
 
 
 def new_prefix() -> str:
@@ -70,30 +52,6 @@ def keys(server, url: str) -> list[str]:
     prefix = objects.ObjectPrefix.parse(url).prefix
     listed = server.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
     return sorted(o["Key"][len(prefix) :] for o in listed)
-
-
-def save_to_bucket(url, model, tp_size, pp_size=1, max_size=4096):
-    ranks = {
-        RankInfo(t, tp_size, p, pp_size): stage_state(model, tp_size, pp_size, t, p)
-        for p in range(pp_size)
-        for t in range(tp_size)
-    }
-    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    return save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=max_size, geometry=geometry)
-
-
-def load_from(url, model, tp_size, tp_rank=0, pp_size=1, pp_rank=0, **kw):
-    expected = stage_state(model, tp_size, pp_size, tp_rank, pp_rank)
-    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
-    stats = load_rank(
-        url,
-        targets,
-        RankInfo(tp_rank, tp_size, pp_rank, pp_size),
-        manifest=read_manifest(url),
-        serving=source_of(model),
-        **kw,
-    )
-    return stats, targets, expected
 
 
 @pytest.mark.parametrize(("saved", "serving"), [(2, 2), (2, 1), (1, 2)])
@@ -133,7 +91,7 @@ def test_experts_saved_per_replica_into_a_bucket_load_at_every_rank(s3):
     for serving in [(1, 2, "linear"), (2, None)]:
         for rank, expected in serving_ranks(weights, serving):
             targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-            load_rank(url, targets, rank, manifest=read_manifest(url), verify="checksum")
+            load_rank(LoadRequest(url, read_manifest(url), verify="checksum"), targets, rank)
             assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
 
 
@@ -186,7 +144,7 @@ def test_a_truncated_object_is_refused_before_a_byte_is_read(s3):
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     with pytest.raises(ShardedStateError, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
-        load_rank(url, targets, RankInfo(0, 2), manifest=read_manifest(url), serving=source_of(model))
+        load_rank(LoadRequest(url, read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
     assert all(bool((t == -7).all()) for t in targets.values())
 
 
@@ -244,21 +202,6 @@ def test_an_existing_checkpoint_is_kept_unless_overwrite(s3):
     assert verify_checkpoint(url) == []
 
 
-class Failing(dict):
-    """Tensors of which the fourth cannot be produced (as when an offline reshard's read fails): the
-    save fails part-way, after uploads began."""
-
-    def __init__(self, tensors):
-        super().__init__(tensors)
-        self.served = 0
-
-    def __getitem__(self, name):
-        self.served += 1
-        if self.served > 3:
-            raise OSError(28, "No space left on device")  # what a full staging disk raises
-        return super().__getitem__(name)
-
-
 def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3, staging_dir):
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     url = new_prefix()
@@ -273,8 +216,7 @@ def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3, staging_dir):
 
 SAVE_AND_HANG = """
 import sys, torch
-sys.path.insert(0, "tests")
-from test_resharding import llama_like
+from tests.support.reference import llama_like
 from vllm_sharded_loader.checkpoint import RankInfo
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel
@@ -303,7 +245,7 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     (left,) = staging_dir.iterdir()  # the killed save's staged parts, a model's worth
     assert any(p.name.endswith(".partial") for p in left.iterdir())
     with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
-        load_rank(url, {}, RankInfo(0, 1), manifest=read_manifest(url))
+        load_rank(LoadRequest(url, read_manifest(url)), {}, RankInfo(0, 1))
     assert any("a save is running or was interrupted" in p for p in verify_checkpoint(url))
     # The error of the next save says what to do; done, the next save aborts what was left.
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
@@ -344,13 +286,13 @@ def test_offline_commands_work_on_a_bucket(s3, tmp_path, capsys):
 def test_no_manifest_in_a_bucket_is_refused(s3):
     url = new_prefix()
     with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):
-        load_rank(url, {}, RankInfo(0, 1), manifest=None, serving=SOURCE)
+        load_rank(LoadRequest(url, None, serving=SOURCE), {}, RankInfo(0, 1))
 
 
 @pytest.mark.engine
-def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_tp1(s3, models):
+def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_tp1(s3, models, default_outputs):
     """examples/save_sharded_state.py -o s3://... at TP=2; LLM(model="s3://...") at TP=2 and TP=1."""
-    from conftest import run_engine, run_python
+    from tests.support.engines import run_engine, run_python
 
     url = new_prefix()
     saved = run_python(
@@ -367,7 +309,7 @@ def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_
     assert not any(n.endswith(".partial") for n in names)
     assert verify_checkpoint(url) == []
     for tp in (2, 1):
-        reference = run_engine({"model": models["llama"], "tp": tp}).result
+        reference = default_outputs.get("llama", tp)
         served = run_engine(
             {"model": url, "tp": tp, "load_format": "sharded_state", "extra_config": {"verify": "checksum"}}
         )
@@ -383,7 +325,7 @@ def test_the_save_script_killed_mid_upload_leaves_its_capture_folder_to_the_next
     capture in it (the script's process held it; nothing of ours runs after a kill). Once the
     dead save's lock object is deleted, the next save script on the host removes the folder,
     publishes, and leaves no staging folder of its own."""
-    from conftest import run_python
+    from tests.support.engines import run_python
 
     url = new_prefix()
     args = [
@@ -406,7 +348,7 @@ def test_the_save_script_that_survives_a_dead_worker_removes_its_staging_folder(
     """At TP=2 the save script's process holds the staging folder that its two worker processes
     capture into. Worker 1 killed (SIGKILL) once its upload is recorded: the save fails, publishes
     nothing, and the script, which survives, removes the folder, capture and all."""
-    from conftest import run_python
+    from tests.support.engines import run_python
 
     url = new_prefix()
     args = [
@@ -427,7 +369,7 @@ def test_one_engine_saves_again_and_again_locally_and_to_buckets(s3, models, tmp
     and, in a second engine, a capture staged for an upload, then a second upload (which has no
     capture left to use: it reads the loaded state again). Every checkpoint verifies and holds
     the same tensors."""
-    from conftest import run_engine
+    from tests.support.engines import run_engine
 
     local, again = str(tmp_path / "local"), str(tmp_path / "again")
     urls = [new_prefix() for _ in range(4)]
@@ -448,7 +390,7 @@ def load_rank_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
     manifest = read_manifest(checkpoint)
     entries = manifest.rank(0, 0).tensors.items()
     targets = {name: torch.empty(e.shape, dtype=DTYPES[e.dtype]) for name, e in entries}
-    load_rank(checkpoint, targets, RankInfo(0, 1), manifest=manifest, serving=manifest.source)
+    load_rank(LoadRequest(checkpoint, manifest, serving=manifest.source), targets, RankInfo(0, 1))
     return targets
 
 
@@ -469,7 +411,7 @@ def bucket_digest(server) -> dict[str, str]:
 @contextlib.contextmanager
 def through_proxy(server, mode: str, limit: int = 0, **settings: str):
     """Point every S3 client of this process at a fault proxy in front of the server."""
-    from faultproxy import FaultProxy
+    from tests.support.faultproxy import FaultProxy
 
     port = int(server.endpoint.rsplit(":", 1)[1])
     with FaultProxy(port, mode, limit) as proxy, stores_pointed_at({"AWS_ENDPOINT_URL": proxy.url, **settings}):
@@ -546,9 +488,8 @@ def test_a_save_whose_lock_was_taken_over_neither_publishes_nor_frees_the_new_lo
 
 RACER = """
 import sys
-sys.path.insert(0, "tests")
-from test_save_faults import states
-from states import SOURCE
+from tests.support.faultkit import states
+from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import ShardedStateError
 try:
@@ -565,7 +506,7 @@ def test_two_saves_racing_for_one_prefix_publish_one_whole_checkpoint(s3):
     or is refused by the other's lock (never both half), the published checkpoint is one
     whole save's, bit-exact and verified, and nothing else is left: no part it does not
     list, no unfinished upload, no lock."""
-    from test_save_faults import assert_published
+    from tests.support.faultkit import assert_published
 
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)
@@ -610,9 +551,8 @@ S3_AFTER_PUBLISH = ("s3.published", "s3.cleaned")
 S3_WHILE_STAGED = ("s3.recorded", "s3.uploaded", "s3.uploaded:3")
 S3_SAVER = """
 import sys
-sys.path.insert(0, "tests")
-from states import SOURCE
-from test_save_faults import states
+from tests.support.states import SOURCE
+from tests.support.faultkit import states
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE, max_size=8192,
                 overwrite=True, carry=sys.argv[3])
@@ -632,7 +572,7 @@ def test_an_s3_save_killed_at_each_step_loses_nothing(s3, tmp_path, kill_at, sta
     is deleted (object storage cannot tell a dead save from a slow one), the next save publishes
     and leaves no stray part, upload record or unfinished upload, and no local staging folder:
     the saves that survive remove their own, the next save the killed one's."""
-    from test_save_faults import assert_published, carried_of, model_folder
+    from tests.support.faultkit import assert_published, carried_of, model_folder
 
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)

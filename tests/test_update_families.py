@@ -14,8 +14,9 @@ import json
 import os
 
 import pytest
-from conftest import run_engine, run_python
-from tiny_models import build_family, family_engine_args
+
+from examples.tiny_models import build_family, family_engine_args
+from tests.support.engines import run_engine, run_python
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +34,7 @@ def test_reload_in_place_redoes_the_post_processing(family, tmp_path):
         tokens[name], saved[name] = result["token_ids"], str(out)
     assert tokens["a"] != tokens["b"]
     spec = {"model": saved["a"], "steps": [["reload", saved["b"]], ["reload", saved["a"]]], "engine": engine}
-    run = run_python(["tests/update_runner.py", json.dumps(spec)])
+    run = run_python(["-m", "tests.support.update_runner", json.dumps(spec)])
     assert run.returncode == 0 and run.result is not None, run.tail()
     assert run.result["token_ids"] == tokens["a"]
     reload_b, reload_a = run.result["steps"]

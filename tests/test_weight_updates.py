@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import openai_server, post_json, run_engine, run_python
 from safetensors.torch import load_file
-from tiny_models import PROMPTS, build_model
 
+from examples.tiny_models import PROMPTS, build_model
+from tests.support.engines import openai_server, post_json, run_engine, run_python
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel, config_sha256, normalize_config
@@ -131,7 +131,7 @@ def offline(updates) -> dict:
         ["reload", u.saved_after_update],
     ]
     spec = {"model": u.a, "steps": steps, "extra_config": {"verify": "checksum"}, "engine": {"dtype": "float32"}}
-    run = run_python(["tests/update_runner.py", json.dumps(spec)])
+    run = run_python(["-m", "tests.support.update_runner", json.dumps(spec)])
     assert run.returncode == 0 and run.result is not None, run.tail()
     return {"steps": run.result["steps"], "start": run.result["token_ids"], "output": run.output}
 

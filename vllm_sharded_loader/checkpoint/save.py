@@ -266,6 +266,33 @@ def open_target(where: str, overwrite: bool = False) -> SaveTarget:
     return TARGETS[type(open_store(where))](where, overwrite)
 
 
+def _stage_in_parallel(
+    directory: str,
+    ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
+    infos: Sequence[RankInfo],
+    pattern: str,
+    max_size: int | None,
+    token: str,
+) -> list[StagedRank]:
+    """Stage every rank at once, one thread each; on any failure every staged rank is discarded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(infos), thread_name_prefix="stage") as pool:
+        futures = [pool.submit(stage_rank, directory, ranks[i], i, pattern, max_size, token) for i in infos]
+        staged, errors = [], []
+        for future in futures:
+            try:
+                staged.append(future.result())
+            except BaseException as e:  # every thread is waited for, then the first error raised
+                errors.append(e)
+    if errors:
+        for s in staged:
+            discard_rank(s)
+        raise errors[0]
+    kill_point(KILL_STAGED)
+    return staged
+
+
 def save_checkpoint(
     directory: str,
     ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
@@ -279,6 +306,7 @@ def save_checkpoint(
     tied: tuple[tuple[str, ...], ...] = (),
     experts: ExpertPlacement | None = None,
     carry: str | None = None,
+    parallel: bool = False,
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools): :func:`.protocol.run_save`
     over :class:`.protocol.OneProcess`; see the module doc.
@@ -296,6 +324,9 @@ def save_checkpoint(
     TP rank, or, with ranks of several data-parallel replicas, ``dp_rank * tp_size + tp_rank``:
     then each replica after the first gives only its expert tensors; likewise when the ranks'
     ``experts_over_dp`` says that their experts are cut across TP x DP).
+
+    ``parallel`` stages the ranks of a local save at once, one thread each (``convert``'s lazy
+    tensors are cut from one source tensor for every rank, so the ranks must advance together).
     """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
@@ -308,6 +339,10 @@ def save_checkpoint(
     pattern = pattern or default_pattern(infos[0].pp_size, replicas)
 
     def stage(target: SaveTarget) -> Iterator[tuple[StagedRank, None]]:
+        if parallel and len(infos) > 1:
+            staged = _stage_in_parallel(target.staging(), ranks, infos, pattern, max_size, target.token)
+            yield from ((s, None) for s in staged)
+            return
         for info in infos:
             yield stage_rank(target.staging(), ranks[info], info, pattern, max_size, target.token), None
             kill_point(KILL_STAGED)

@@ -8,6 +8,7 @@ from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.reads import check_saved_geometry
 from ..storage.integrity import BlockVerifier
 from ..storage.location import StoredFile, check_not_locked, file_path, list_names, open_store, read_manifest
+from ..storage.lock import describe_lock, read_lock
 from ..storage.writer import CHUNK_BYTES
 from .rank_files import check_rank_file
 
@@ -22,13 +23,20 @@ def verify_file_checksum(file: StoredFile, checksum: FileChecksum) -> None:
     verifier.finish()
 
 
-def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
+def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] | None = None) -> list[str]:
     """Every problem of a checkpoint on disk, one line each naming the file; empty when sound.
 
     Checks what a load checks for every rank (lock, manifest, file presence, sizes,
     symlinks, headers against the manifest) and, with ``checksums``, every byte.
     Also reports parts the manifest does not list (left by an older save).
+
+    What a save or an engine that died left of its own bookkeeping beside a published
+    checkpoint (staged files and owner markers of processes that are gone, the lock of a
+    save that died after its publish, and the replaced parts it had not removed yet) is
+    no problem of the checkpoint: no load reads it and the next save removes it. It is
+    appended to ``notes`` (when given), one line each, and never makes the checkpoint unsound.
     """
+    notes = [] if notes is None else notes
     problems: list[str] = []
     try:
         check_not_locked(directory)
@@ -64,16 +72,32 @@ def verify_checkpoint(directory: str, checksums: bool = True) -> list[str]:
         # A running save's staged and placed files are not the published checkpoint's
         # problem: it removes them itself, or publishes them.
         return problems
+    # A save that died (its lock's flock is free) beside a published manifest leaves its lock,
+    # and the parts it placed (died before its publish) or replaced (died after it, before its
+    # cleanup): its own leftovers, not the checkpoint's.
+    dead_lock = None if store.remote else read_lock(directory)
+    if dead_lock is not None:
+        notes.append(
+            f"{describe_lock(directory, dead_lock)}: the lock of a save that died; the published checkpoint is "
+            "the one verified here. The next save (with overwrite) takes it over and removes what it left."
+        )
     for name in list_names(directory):
         if name not in listed and parse_file_name(manifest.pattern, name) is not None:
+            if dead_lock is not None:
+                notes.append(
+                    f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list, left by the save that "
+                    "died; our loader ignores it, the next save removes it (vLLM's own loader would read it: "
+                    "remove it before loading with vLLM's built-in sharded_state)."
+                )
+                continue
             problems.append(
                 f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list (left by an older "
                 "save?); our loader ignores it but vLLM's own loader would read it. Remove it."
             )
         elif (token := staged_token(name)) is not None and not store.owner_is_alive(token):
-            # (A live engine's start-up capture is its own, not a leftover.)
-            problems.append(
-                f"{file_path(directory, name)}: a staged file of a save that never published it (interrupted?); "
-                "no loader reads it. Remove it."
+            # (A live engine's start-up capture is its own, not a leftover, and not noted.)
+            notes.append(
+                f"{file_path(directory, name)}: a staged file or owner marker of a save or engine that is gone "
+                "(it never published it); no loader reads it, and the next save into this folder removes it."
             )
     return problems

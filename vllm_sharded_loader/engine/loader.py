@@ -14,7 +14,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import sharded_state_loader as builtin_sharded_state
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from ..checkpoint import load_rank, read_manifest, saveable_state
+from ..checkpoint import LoadRequest, load_rank, read_manifest, saveable_state
 from ..checkpoint.legacy import holds_sharded_checkpoint
 from ..checkpoint.state import tied_groups
 from ..checkpoint.stats import LoadStats, check_verify_mode
@@ -25,7 +25,7 @@ from ..format.names import MANIFEST_NAME
 from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import open_store
-from ..storage.reader import DEFAULT_THREADS
+from ..storage.reader import DEFAULT_THREADS, ReadOptions
 from .identity import dtype_label, is_drafter, source_identity
 from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
@@ -366,24 +366,19 @@ class ShardedStateLoader(BaseModelLoader):
         action = "Updating from" if update else "Loading"
         progress = ByteProgress(f"{action} sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
         with progress:
-            stats = load_rank(
+            request = LoadRequest(
                 directory,
-                targets,
-                rank,
-                manifest=manifest,
+                manifest,
+                verify,
                 serving=source_identity(model, model_config),
                 geometry=tensor_geometry(
                     model, targets, rank.tp_size, rank.tp_rank, rank.experts, rank.ep_rank, rank.expert_tp
                 ),
-                pattern=self.pattern if manifest is None else None,
-                verify=verify,
                 tied=tied,
-                threads=self.threads,
-                progress=progress,
-                huge_pages=self.huge_pages,
-                adopt=adopt,
-                ranks_on_host=ranks_on_host(),
+                pattern=self.pattern if manifest is None else None,
             )
+            options = ReadOptions(self.threads, progress, self.huge_pages, ranks_on_host())
+            stats = load_rank(request, targets, rank, options, adopt)
         if stats.resharded_from is not None:
             logger.info(
                 "sharded_state: %s resharded from TP=%d PP=%d to TP=%d PP=%d%s: read %.1f MB of the %.1f MB "

@@ -2,14 +2,21 @@
 
 ``.sharded_state.lock`` appears at the start of a save and is removed when its manifest
 is published. Its save holds a ``flock`` on it for as long as it runs, and it names its
-holder (pid, host, token, start time), so a second save can tell a running save from an
-interrupted one, and only one save can take an interrupted one over. Everything that
-reads the lock goes through :func:`read_lock`.
+holder (pid, host, token, start time) for the messages. Whether its save still runs is
+decided by the ``flock`` alone, never by the host name or process id it names: a save
+killed on another node of a shared folder, or in a container with its own PID namespace,
+leaves a lock whose ``flock`` is free, and the next save allowed to (overwrite) takes it
+over; a running save's lock is never taken over, wherever it runs. Where a mount's
+``flock`` is not shared between its clients (an NFS mount with ``nolock`` or
+``local_lock``, CIFS with ``nobrl``, a FUSE file system), a free ``flock`` proves nothing,
+and a lock is never taken over there (:func:`flock_problem`). Everything that reads the
+lock goes through :func:`read_lock`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -57,8 +64,9 @@ def read_lock(directory: str) -> dict | None:
         return {}
 
 
-def _holder_is_alive(holder: dict) -> bool:
-    """Whether the save that wrote a lock may still run (on another machine we cannot tell: yes)."""
+def _named_process_runs(holder: dict) -> bool:
+    """Whether the process a lock names runs here: only to name a lock's holder in messages
+    (see :func:`_running_holder`), never to decide whether its save runs (its ``flock`` does)."""
     if holder.get("host") != socket.gethostname():
         return True
     pid = holder.get("pid")
@@ -70,6 +78,81 @@ def _holder_is_alive(holder: dict) -> bool:
         return False
     except PermissionError:  # alive, owned by another user
         return True
+    return True
+
+
+# File systems whose flock is not shared between the hosts that mount them (or not at all):
+# the kernel then grants it locally, so a free flock says nothing of a process elsewhere.
+_LOCAL_FLOCK_OPTIONS = {
+    "nfs": ("nolock", "local_lock=flock", "local_lock=all"),
+    "nfs4": ("nolock", "local_lock=flock", "local_lock=all"),
+    "cifs": ("nobrl", "local_lock"),
+    "smb3": ("nobrl", "local_lock"),
+}
+
+
+def _mount_of(path: str, mountinfo: str) -> tuple[str, str, set[str]] | None:
+    """(mount point, file system type, options) of the mount that holds ``path``, from ``/proc/self/mountinfo``."""
+    best: tuple[str, str, set[str]] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        dash = fields.index("-")
+        if len(fields) < dash + 4 or len(fields) < 6:
+            continue
+        point = fields[4].encode().decode("unicode_escape")  # spaces are written as \040
+        fstype = fields[dash + 1]
+        options = set(fields[5].split(",")) | set(fields[dash + 3].split(","))
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, fstype, options)
+    return best
+
+
+def flock_problem(directory: str, mountinfo: str | None = None) -> str | None:
+    """Why ``flock`` on ``directory``'s mount cannot tell a running save from a dead one, or None.
+
+    ``mountinfo`` is the text of ``/proc/self/mountinfo`` (read when not given; without it,
+    nothing is known against the mount). A mount whose ``flock`` each host grants on its own
+    (NFS with ``nolock`` or ``local_lock``, CIFS with ``nobrl``, FUSE file systems, which
+    lock in the local kernel unless the file system implements locks) is named here.
+    """
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    mount = _mount_of(os.path.realpath(directory), mountinfo)
+    if mount is None:
+        return None
+    point, fstype, options = mount
+    local = [
+        o for o in _LOCAL_FLOCK_OPTIONS.get(fstype, ()) if o in options or any(x.startswith(o + "=") for x in options)
+    ]
+    if local:
+        return f"{point} is a {fstype} mount with {local[0]}: flock is granted by each host on its own"
+    if fstype == "fuse" or fstype.startswith("fuse."):
+        return f"{point} is a FUSE mount ({fstype}): its flock may be granted by each host on its own"
+    return None
+
+
+def _flock(fd: int, operation: int, directory: str) -> bool:
+    """``flock`` without blocking: True if taken, False if another holds it; a file system without
+    ``flock`` is refused, saying so (a save cannot run safely where locks are not kept)."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
+            raise CheckpointLocked(
+                f"{directory}: the file system does not keep flock locks ({os.strerror(e.errno)}), so a running "
+                "save cannot be told from an interrupted one. Save to a local disk or to a mount whose flock "
+                "works across hosts (NFSv4, or NFSv3 with lockd), then copy the checkpoint."
+            ) from e
+        raise
     return True
 
 
@@ -118,7 +201,7 @@ def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
     staging = f"{path}.{token}.new"
     fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock(fd, fcntl.LOCK_EX, os.path.dirname(path))  # nobody else knows the staging name
         _write_holder(fd, info)
         try:
             os.link(staging, path)
@@ -142,27 +225,27 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
     except FileNotFoundError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            held = False
-        except BlockingIOError:
-            held = True
+        held = not _flock(fd, fcntl.LOCK_EX, directory)
         # Read after the flock: ours, the holder is the save we take over; another's, its own.
         holder = _running_holder(directory) if held else read_lock(directory) or {}
         if not held and os.fstat(fd).st_ino != _inode(path):
             os.close(fd)  # released and replaced while we looked: try again
             return None
-        # A lock written by an older version carries no flock: its holder's pid tells.
-        alive = held or _holder_is_alive(holder)
-        if alive or not overwrite:
-            raise CheckpointLocked(
-                f"{directory}: another save holds {describe_lock(directory, holder)}"
-                + (
-                    "; wait for it to finish."
-                    if alive
-                    else "; that save was interrupted. Save again with overwrite to replace it."
+        problem = None if held else flock_problem(directory)
+        if held or problem is not None or not overwrite:
+            if held:
+                advice = "; wait for it to finish."
+            elif problem is not None:
+                # A free flock proves nothing here: the save may run on another host.
+                advice = (
+                    f"; {problem}, so whether that save still runs cannot be told. If no save runs, remove "
+                    f"{path} and save again."
                 )
-            )
+            elif "token" not in holder:
+                advice = "; that save was interrupted (or is one of an older version). Save again with overwrite."
+            else:
+                advice = "; that save was interrupted. Save again with overwrite to replace it."
+            raise CheckpointLocked(f"{directory}: another save holds {describe_lock(directory, holder)}{advice}")
         _write_holder(fd, info)
     except BaseException:
         os.close(fd)
@@ -181,7 +264,7 @@ def _running_holder(directory: str) -> dict:
     deadline = time.monotonic() + HOLDER_WAIT_S
     while True:
         holder = read_lock(directory) or {}
-        if (isinstance(holder.get("pid"), int) and _holder_is_alive(holder)) or time.monotonic() > deadline:
+        if (isinstance(holder.get("pid"), int) and _named_process_runs(holder)) or time.monotonic() > deadline:
             return holder
         time.sleep(0.01)
 
@@ -204,10 +287,11 @@ def release_save_lock(lock: SaveLock) -> None:
 
 
 def save_is_running(directory: str) -> bool:
-    """Whether a live save holds the directory's lock (its ``flock`` is taken).
+    """Whether a live save holds the directory's lock: its ``flock`` is taken.
 
-    Probed with a shared ``flock``, which conflicts with the holder's exclusive one;
-    a lock written by an older version (no ``flock``) is judged by its holder's pid.
+    Probed with a shared ``flock``, which conflicts with the holder's exclusive one. Where
+    the mount's ``flock`` is not shared between hosts (:func:`flock_problem`), a lock is
+    taken to be held: that save may run elsewhere.
     """
     try:
         fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
@@ -218,8 +302,9 @@ def save_is_running(directory: str) -> bool:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
-        holder = read_lock(directory) or {}
-        return isinstance(holder.get("pid"), int) and "token" not in holder and _holder_is_alive(holder)
+        except OSError:
+            return True  # no flock here: cannot be told, so not called interrupted
+        return flock_problem(directory) is not None
     finally:
         os.close(fd)
 
@@ -256,7 +341,13 @@ def hold_owner_marker(directory: str, token: str) -> int:
     (the lock goes with the process, however it ends)."""
     path = os.path.join(directory, staged_name(OWNER_MARKER, token))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        _flock(fd, fcntl.LOCK_EX, directory)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
     return fd
 
 
@@ -271,6 +362,8 @@ def owner_is_alive(directory: str, token: str, dir_fd: int | None = None) -> boo
     """Whether a live process holds the marker of ``token`` (staged files of a running engine).
 
     ``directory`` is relative to the open folder ``dir_fd`` when given (``""``: that folder).
+    Where the mount's ``flock`` is not shared between hosts (:func:`flock_problem`), a free
+    marker may be an engine's on another host: it is taken to be alive, its files kept.
     """
     try:
         fd = os.open(
@@ -285,7 +378,8 @@ def owner_is_alive(directory: str, token: str, dir_fd: int | None = None) -> boo
     except BlockingIOError:
         return True
     except OSError:
-        return False
+        return True  # no flock here: whether it lives cannot be told, so its files are kept
     finally:
         os.close(fd)
-    return False
+    where = directory if dir_fd is None else os.path.join(f"/proc/self/fd/{dir_fd}", directory)
+    return flock_problem(where) is not None

@@ -114,6 +114,31 @@ SPAN_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+class ReadOptions:
+    """How the reader runs, the same for every route of a load (whole files, resharded, without manifest).
+
+    ``threads`` read at once (more for objects in object storage: :func:`remote_threads`,
+    whose budget the ``ranks_on_host`` ranks loading on this host at once share);
+    ``progress`` is called from the calling thread as ``progress(bytes_done_now, bytes_total)``:
+    once with 0 when the reads are planned, then after each span; ``huge_pages`` asks for
+    transparent huge pages over CPU targets before they are first written.
+    """
+
+    threads: int = DEFAULT_THREADS
+    progress: Callable[[int, int], None] | None = None
+    huge_pages: bool = False
+    ranks_on_host: int = 1
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ShardedStateError(f"threads={self.threads}: the reader needs at least one thread.")
+
+
+#: The reader's defaults: one thread per core (4 to 8), no progress, no huge pages, one rank on the host.
+DEFAULT_READ = ReadOptions()
+
+
+@dataclass(frozen=True)
 class ReadStats:
     """What :func:`read_pieces` did."""
 
@@ -318,30 +343,22 @@ def read_pieces(
     *,
     checksums: Mapping[int, FileChecksum] | None = None,
     verify: str = "all",
-    threads: int = DEFAULT_THREADS,
+    options: ReadOptions = DEFAULT_READ,
     span_bytes: int = SPAN_BYTES,
-    progress: Callable[[int, int], None] | None = None,
-    huge_pages: bool = False,
-    ranks_on_host: int = 1,
 ) -> ReadStats:
     """Read ``pieces`` of ``paths`` into ``targets``; returns what was read.
 
     ``paths`` are files opened by the caller (:class:`~.local.OpenFile`: every read and
     mapping goes through that descriptor; or an object in object storage,
     :class:`~.objects.ObjectFile`: every read a conditional ranged GET) or local paths,
-    opened here for this call. Objects are read by at least :func:`remote_threads`
-    threads (the host's budget of requests in flight split among the ``ranks_on_host``
-    ranks that load on this host at the same time), and never mapped.
+    opened here for this call; ``options`` say how (:class:`ReadOptions`). Objects are read
+    by at least :func:`remote_threads` threads, and never mapped.
 
     ``checksums`` maps file indices to their recorded block checksums; those files are
     verified, ``verify="all"`` every block of the file, ``"touched"`` only the blocks
     the pieces touch (a resharding load). A mismatch, a truncated file or any other
     error raises :class:`ShardedStateError` naming the file before this returns; the
     targets may then hold partial data, and the caller must not use them.
-
-    ``progress`` is called from the calling thread as ``progress(bytes_done_now, bytes_total)``:
-    once with 0 when the reads are planned, then after each span. ``huge_pages`` asks
-    for transparent huge pages over CPU targets before they are first written.
 
     A target with :attr:`Target.adopt` that :func:`mapped_pieces` accepts is not written:
     its bytes are mapped privately (:func:`map_tensors`: copy-on-write, as
@@ -352,14 +369,15 @@ def read_pieces(
     fresh memory, which on the project's VMs is what limits a copying load (see the
     module docstring).
     """
-    if threads < 1:
-        raise ShardedStateError(f"threads={threads}: the reader needs at least one thread.")
+    threads = options.threads
     if any(not isinstance(p, str) and p.remote for p in paths):
-        threads = max(threads, remote_threads(ranks_on_host))
+        threads = max(threads, remote_threads(options.ranks_on_host))
     opened = [OpenFile.open(p) if isinstance(p, str) else None for p in paths]
     try:
         files = [o or p for o, p in zip(opened, paths, strict=True)]
-        return _read_files(files, pieces, targets, checksums or {}, verify, threads, span_bytes, progress, huge_pages)
+        return _read_files(
+            files, pieces, targets, checksums or {}, verify, threads, span_bytes, options.progress, options.huge_pages
+        )
     finally:
         for o in opened:
             if o is not None:

@@ -1,6 +1,6 @@
 """Runs one real vLLM engine through a list of weight updates, for tests/test_weight_updates.py.
 
-    python tests/update_runner.py '{"model": DIR, "tp": 1, "steps": [["reload", PATH], ["transfer", PATH]]}'
+    python -m tests.support.update_runner '{"model": DIR, "tp": 1, "steps": [["reload", PATH], ["transfer", PATH]]}'
 
 The engine serves ``model`` with ``load_format="sharded_state"`` and the ``sharded_state``
 weight-transfer engine. Each step is one update, followed by greedy generation of
@@ -20,15 +20,13 @@ import contextlib
 import json
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from tiny_models import PROMPTS
     from vllm import LLM, SamplingParams
+
+    from examples.tiny_models import PROMPTS
 
     tp = spec.get("tp", 1)
     llm = LLM(

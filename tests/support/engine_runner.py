@@ -1,6 +1,6 @@
 """Runs one real vLLM engine for the engine tests, in its own process.
 
-    python tests/engine_runner.py '{"model": DIR, "tp": 2, "load_format": "sharded_state"}'
+    python -m tests.support.engine_runner '{"model": DIR, "tp": 2, "load_format": "sharded_state"}'
 
 Optional keys: ``pp``, ``env`` (environment variables to set first), ``capture_dir`` (capture
 the loaded state there at start-up),
@@ -22,9 +22,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 
 def main() -> None:
@@ -38,8 +35,9 @@ def main() -> None:
         # A function sent to the workers is called in this process only without multiprocessing.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from tiny_models import PROMPTS
     from vllm import LLM, SamplingParams
+
+    from examples.tiny_models import PROMPTS
 
     tp, pp = spec.get("tp", 1), spec.get("pp", 1)
     engine = dict(spec.get("engine") or {})

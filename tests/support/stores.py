@@ -1,0 +1,67 @@
+"""Object stores in the tests: settings pointed at an emulator, a save to and a load from a bucket,
+tensors that fail part-way through a save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from tests.support.checkpoints import source_of, stage_state
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, ReadOptions, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.storage import objects
+
+
+@contextlib.contextmanager
+def stores_pointed_at(environment: dict[str, str]):
+    """Set ``environment`` for every object-store client of this process (the cached stores are
+    rebuilt), and put the previous settings back on exit."""
+    saved = {k: os.environ.get(k) for k in environment}
+    os.environ.update(environment)
+    objects._store.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        objects._store.cache_clear()
+
+
+def save_to_bucket(url, model, tp_size, pp_size=1, max_size=4096):
+    ranks = {
+        RankInfo(t, tp_size, p, pp_size): stage_state(model, tp_size, pp_size, t, p)
+        for p in range(pp_size)
+        for t in range(tp_size)
+    }
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    return save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=max_size, geometry=geometry)
+
+
+def load_from(url, model, tp_size, tp_rank=0, pp_size=1, pp_rank=0, **kw):
+    expected = stage_state(model, tp_size, pp_size, tp_rank, pp_rank)
+    targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
+    options = ReadOptions(**{k: kw.pop(k) for k in list(kw) if k in ReadOptions.__dataclass_fields__})
+    request = LoadRequest(url, read_manifest(url), serving=source_of(model), **kw)
+    stats = load_rank(request, targets, RankInfo(tp_rank, tp_size, pp_rank, pp_size), options)
+    return stats, targets, expected
+
+
+class Failing(dict):
+    """Tensors of which the fourth cannot be produced (as when an offline reshard's read fails): the
+    save fails part-way, after uploads began."""
+
+    def __init__(self, tensors):
+        super().__init__(tensors)
+        self.served = 0
+
+    def __getitem__(self, name):
+        self.served += 1
+        if self.served > 3:
+            raise OSError(28, "No space left on device")  # what a full staging disk raises
+        return super().__getitem__(name)
