@@ -225,7 +225,7 @@ def convert_checkpoint(
         raise ShardedStateError("--output must be another folder than the source model.")
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
         raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
-    made = not open_store(output).exists()
+    made = not open_store(output).remote and not os.path.lexists(output)
     try:
         return _convert(
             folder,
