@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from faultkit import tree_digest
-from states import SOURCE
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from tests.support.faultkit import tree_digest
+from tests.support.states import SOURCE
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, SaveTarget, run_save
 from vllm_sharded_loader.checkpoint.save import FolderNotShared, LocalTarget, save_checkpoint, stage_rank
 from vllm_sharded_loader.format import Manifest, ShardedStateError
@@ -58,6 +58,26 @@ class ThreadGroup:
         return [value for _, value in outcomes]
 
 
+def in_threads(member: Callable[[int, ThreadGroup], Any]) -> list[Any]:
+    """Run ``member(index, group)`` for every member at once; returns each one's result or error."""
+    shared: dict[str, Any] = {"barrier": threading.Barrier(MEMBERS)}
+    results: list[Any] = [None] * MEMBERS
+
+    def run(index: int) -> None:
+        try:
+            results[index] = member(index, ThreadGroup(index, shared))
+        except Exception as e:
+            results[index] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(MEMBERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a member hangs"
+    return results
+
+
 class FailingTarget(LocalTarget):
     """A local target whose ``fail_at`` step fails on one member (a real error, raised there)."""
 
@@ -93,10 +113,8 @@ class FailingTarget(LocalTarget):
 
 def save_in_threads(directory: Path, value: float, fail_at: str | None = None, failing: int = 1) -> list[Any]:
     """Every member saves its rank of ``value``'s state; returns each member's result or error."""
-    shared: dict[str, Any] = {"barrier": threading.Barrier(MEMBERS)}
-    results: list[Any] = [None] * MEMBERS
 
-    def member(index: int) -> None:
+    def member(index: int, group: ThreadGroup) -> Any:
         target = FailingTarget(str(directory), fail_at if index == failing else None)
         info = RankInfo(index, MEMBERS)
 
@@ -110,18 +128,9 @@ def save_in_threads(directory: Path, value: float, fail_at: str | None = None, f
                 MEMBERS, 1, "float32", "model-rank-{rank}-part-{part}.safetensors", SOURCE, tuple(e for e, _ in entries)
             )
 
-        try:
-            results[index] = run_save(target, ThreadGroup(index, shared), SaveJob(stage, manifest))
-        except Exception as e:
-            results[index] = e
+        return run_save(target, group, SaveJob(stage, manifest))
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(MEMBERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a member hangs"
-    return results
+    return in_threads(member)
 
 
 def assert_published(directory: Path, value: float) -> None:
@@ -131,7 +140,7 @@ def assert_published(directory: Path, value: float) -> None:
         expected = tensors(value, index)
         loaded = {n: torch.zeros_like(t) for n, t in expected.items()}
         load_rank(
-            str(directory), loaded, RankInfo(index, MEMBERS), manifest=manifest, serving=SOURCE, verify="checksum"
+            LoadRequest(str(directory), manifest, verify="checksum", serving=SOURCE), loaded, RankInfo(index, MEMBERS)
         )
         assert all(torch.equal(loaded[n], t) for n, t in expected.items())
 
@@ -184,22 +193,9 @@ def test_a_folder_not_shared_is_refused_before_a_part_is_written(tmp_path):
             host, member, _ = super().join(token, member)
             return host, member, member != "member 2"
 
-    shared: dict[str, Any] = {"barrier": threading.Barrier(MEMBERS)}
-    results: list[Any] = [None] * MEMBERS
     directory = tmp_path / "ckpt"
-
-    def member(index: int) -> None:
-        job = SaveJob(lambda target: iter(()), lambda entries: pytest.fail("no manifest is built"))
-        try:
-            run_save(OwnDisk(str(directory)), ThreadGroup(index, shared), job)
-        except ShardedStateError as e:
-            results[index] = e
-
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(MEMBERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    job = SaveJob(lambda target: iter(()), lambda entries: pytest.fail("no manifest is built"))
+    results = in_threads(lambda index, group: run_save(OwnDisk(str(directory)), group, job))
     assert all(isinstance(r, FolderNotShared) and r.agreed for r in results)
     assert "member 2 on" in str(results[0]) and "Nothing was written" in str(results[0])
     assert not directory.exists()  # made by the save's lock, removed again by its abandon
