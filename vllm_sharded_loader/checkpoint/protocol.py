@@ -191,8 +191,6 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
 
 def refusal(target: SaveTarget, error: ShardedStateError) -> SaveRefused:
     """The error a save hook reports for a save abandoned before its publish (keeps ``agreed``)."""
-    if isinstance(error, SaveRefused) and str(error).startswith("Saving the sharded state"):
-        return error
     wrapped = SaveRefused(f"Saving the sharded state to {target.where} failed: {error}. {target.abandoned}")
     wrapped.agreed, wrapped.origin = error.agreed, error.origin
     return wrapped

@@ -294,7 +294,8 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
         raise refusal(target, e) from e
     _keep_capture(_loaded(model, state), staged, target.stages_in_place)
     if workers.first:
-        logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(manifest.ranks), manifest.nbytes / 1e6, path)
+        nbytes = manifest.nbytes / 1e6
+        logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(manifest.ranks), nbytes, target.where)
 
 
 def _keep_capture(state: LoadedState, staged: StagedRank, in_place: bool) -> None:
