@@ -26,6 +26,7 @@ from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
 from ..storage.location import check_not_locked, open_store
+from ..storage.memory import check_materialized
 from ..storage.reader import DEFAULT_READ, ReadOptions
 from ..storage.tensor_files import read_files
 from .legacy import load_without_manifest
@@ -65,6 +66,7 @@ def load_rank(
     started = time.perf_counter()
     directory, manifest, verify = request.directory, request.manifest, request.verify
     check_verify_mode(verify)
+    check_materialized(targets, f"{directory} ({rank})")
     check_not_locked(directory)
     if manifest is None:
         if open_store(directory).remote:

@@ -127,6 +127,9 @@ class SaveJob:
     check: Callable[[], None] | None = None
     #: First member, before the publish: stage the non-weight files to carry.
     carry: Callable[[CarriedFiles], None] | None = None
+    #: Every member, for each rank it placed: the entry with what else it records (the start-up
+    #: artifacts an engine writes beside the parts).
+    placed: Callable[[SaveTarget, RankEntry], RankEntry] | None = None
     #: Every member, after a failure before the publish, for each rank it staged.
     discard: Callable[[StagedRank], None] = discard_rank
 
@@ -155,13 +158,17 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
             notes.append(note)
         return notes
 
+    def place(rank: StagedRank) -> RankEntry:
+        entry = target.place(rank)
+        return entry if job.placed is None else job.placed(target, entry)
+
     try:
         token = group.run(lock, only_first=True)[0]
         locked = True
         target.check_joined(group.run(lambda: target.join(token, group.member)))
         carried = CarriedFiles(target.where, token)
         notes = group.run(stage)
-        placed = group.run(lambda: [target.place(s) for s in staged])
+        placed = group.run(lambda: [place(s) for s in staged])
         target.close()  # staged and placed: a staging folder of the save's own is done with
         entries = [pair for es, ns in zip(placed, notes, strict=True) for pair in zip(es, ns, strict=True)]
         manifest = job.manifest(entries)

@@ -26,6 +26,7 @@ from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import open_store
 from ..storage.reader import DEFAULT_THREADS, ReadOptions
+from .compile_cache import restore_startup_artifacts
 from .identity import dtype_label, is_drafter, source_identity
 from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
@@ -70,6 +71,13 @@ def adoptable_parameters(
         if _storage_uses(param) == baseline + held.get(param.untyped_storage().data_ptr(), 0):
             setters[name] = partial(_swap_data, param)
     return setters
+
+
+def serves_on_cpu() -> bool:
+    """Whether vLLM runs this engine on its CPU platform (the only one whose parameters are mapped)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _swap_data(param: torch.nn.Parameter, data: torch.Tensor) -> None:
@@ -162,7 +170,7 @@ class ShardedStateLoader(BaseModelLoader):
     ``pattern`` (the file name pattern of a checkpoint saved with a custom one), as
     vLLM's loader does, and ``threads`` (reader threads per worker, default one per core, 4 to 8) and
     ``huge_pages`` (ask for transparent huge pages on the parameters, default off) and
-    ``mmap`` (default on: CPU parameters stored in their own dtype are served from a
+    ``mmap`` (default on, on vLLM's CPU platform only: CPU parameters stored in their own dtype are served from a
     private, copy-on-write mapping of the checkpoint file, as ``safetensors`` maps files
     on CPU, instead of being copied into new memory; ``false`` copies every byte;
     ``"auto"`` copies the weights vLLM's CPU post-processing repacks, see
@@ -258,8 +266,13 @@ class ShardedStateLoader(BaseModelLoader):
     def adoptable(
         self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
     ) -> dict[str, Callable[[torch.Tensor], None]] | None:
-        """The parameters to serve from file mappings (``mmap``), by state-dict name."""
-        if not self.mmap:
+        """The parameters to serve from file mappings (``mmap``), by state-dict name.
+
+        Only on vLLM's CPU platform: on an accelerator, the CPU parameters are offloaded
+        ones (``cpu_offload_gb``), which vLLM keeps in pinned memory for fast copies to the
+        device; a mapping of the file would take that pinning away.
+        """
+        if not self.mmap or not serves_on_cpu():
             return None
         setters = adoptable_parameters(model, state_dict)
         if self.mmap == "auto":
@@ -315,6 +328,9 @@ class ShardedStateLoader(BaseModelLoader):
             tied_groups(state_dict, targets),
             self.adoptable(model, state_dict),
         )
+        # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
+        hub_fetch = None if repo_id is None else (repo_id, model_config.revision, self.load_config.download_dir)
+        restore_startup_artifacts(model, directory, read_manifest(directory), model_rank(model), hub_fetch)
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         """vLLM's in-place ``reload_weights`` entry point (``collective_rpc("reload_weights")``).

@@ -30,6 +30,7 @@ from .capture import (
     reread_loaded_state,
     written_tensors,
 )
+from .compile_cache import save_startup_artifacts
 from .identity import current_rank, dtype_label
 from .layer_geometry import UNQUANTIZED_METHODS
 from .workers import Workers, raises_for_all
@@ -283,6 +284,10 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
         check=lambda: validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas),
         carry=lambda carried: _stage_non_weight_files(state, carried),
         discard=partial(_discard, state),
+        # Start-up artifacts go beside parts placed in a local folder (optional: never fail the save).
+        placed=lambda target, entry: (
+            save_startup_artifacts(model, target.where, entry, rank) if target.stages_in_place else entry
+        ),
     )
     try:
         manifest, (staged,) = run_save(target, workers, job)
