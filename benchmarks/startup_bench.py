@@ -50,7 +50,7 @@ LOGGING = {
 # (phase end, log text marking it; the last rank to reach it counts)
 MARKS = {
     "load_start": r"Starting to load model",
-    "load_end": r"Loading weights took|ShardedStateLoader: .* loaded|restored start-up artifacts",
+    "load_end": r"Loading weights took|ShardedStateLoader: .* loaded",
     "compile_start": r"Warming up model for the compilation",
     "compile_end": r"saved AOT compiled function|Directly load AOT compilation",
     "profile_end": r"Warming up done",
