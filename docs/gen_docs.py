@@ -257,6 +257,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "cli-verify": lambda: cli_command("verify"),
     "cli-inspect": lambda: cli_command("inspect"),
     "cli-reshard": lambda: cli_command("reshard"),
+    "cli-convert": lambda: cli_command("convert"),
     "cli-save": cli_save,
     "model-matrix": model_matrix,
     "errors": error_list,

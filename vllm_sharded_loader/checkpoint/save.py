@@ -185,6 +185,33 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
     clean_after_publish(directory, manifest, lock)
 
 
+def _stage_in_parallel(
+    directory: str,
+    ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
+    infos: Sequence[RankInfo],
+    pattern: str,
+    max_size: int | None,
+    token: str,
+) -> list[StagedRank]:
+    """Stage every rank at once, one thread each; on any failure every staged rank is discarded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(infos), thread_name_prefix="stage") as pool:
+        futures = [pool.submit(stage_rank, directory, ranks[i], i, pattern, max_size, token) for i in infos]
+        staged, errors = [], []
+        for future in futures:
+            try:
+                staged.append(future.result())
+            except BaseException as e:  # every thread is waited for, then the first error raised
+                errors.append(e)
+    if errors:
+        for s in staged:
+            discard_rank(s)
+        raise errors[0]
+    kill_point(KILL_STAGED)
+    return staged
+
+
 def save_checkpoint(
     directory: str,
     ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
@@ -198,6 +225,7 @@ def save_checkpoint(
     tied: tuple[tuple[str, ...], ...] = (),
     experts: ExpertPlacement | None = None,
     carry: str | None = None,
+    parallel: bool = False,
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools); see the module doc.
 
@@ -214,6 +242,9 @@ def save_checkpoint(
     TP rank, or, with ranks of several data-parallel replicas, ``dp_rank * tp_size + tp_rank``:
     then each replica after the first gives only its expert tensors; likewise when the ranks'
     ``experts_over_dp`` says that their experts are cut across TP x DP).
+
+    ``parallel`` stages the ranks of a local save at once, one thread each (``convert``'s lazy
+    tensors are cut from one source tensor for every rank, so the ranks must advance together).
     """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
@@ -250,9 +281,12 @@ def save_checkpoint(
     staged: list[StagedRank] = []
     carried = CarriedFiles(directory, lock.token)
     try:
-        for info in infos:
-            staged.append(stage_rank(directory, ranks[info], info, pattern, max_size, token))
-            kill_point(KILL_STAGED)
+        if parallel and len(infos) > 1:
+            staged.extend(_stage_in_parallel(directory, ranks, infos, pattern, max_size, token))
+        else:
+            for info in infos:
+                staged.append(stage_rank(directory, ranks[info], info, pattern, max_size, token))
+                kill_point(KILL_STAGED)
         if carry is not None:
             carried.stage(carry)
         manifest = manifest_of([publish_rank(s) for s in staged])

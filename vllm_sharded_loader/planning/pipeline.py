@@ -77,11 +77,26 @@ def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
             f"Cannot split the layers into {pp_size} pipeline stages: the saved config has num_hidden_layers="
             f"{layers!r}."
         )
+    saved = [n for r in manifest.ranks for n in r.tensors]
+    return stage_split(saved, manifest.tied, layers, pp_size, pp_rank)
+
+
+def stage_split(
+    saved: Sequence[str], tied: Sequence[Sequence[str]], layers: int, pp_size: int, pp_rank: int
+) -> list[str]:
+    """The names of ``saved`` (and of their ``tied`` groups) that stage ``pp_rank`` of ``pp_size`` holds.
+
+    Decoder layers as vLLM's ``get_pp_indices`` splits them, the input embedding on the first
+    stage, everything else on the last; names sharing one tensor are kept once per stage.
+
+    >>> stage_split(["model.embed_tokens.weight", "model.layers.0.w", "model.layers.1.w", "lm_head.weight"],
+    ...     [], 2, 2, 1)
+    ['lm_head.weight', 'model.layers.1.w']
+    """
     ranges = pp_layer_ranges(layers, pp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
-    saved = {n for r in manifest.ranks for n in r.tensors}
     names = set()
-    for name in saved | {n for g in manifest.tied for n in g}:
+    for name in set(saved) | {n for g in tied for n in g}:
         layer = layer_index(name)
         if layer is not None:
             keep = layer in ranges[pp_rank]
@@ -92,7 +107,7 @@ def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
         if keep:
             names.add(name)
     # Names sharing one tensor on this stage are saved once, as vLLM's state dict dedups them.
-    for group in manifest.tied:
+    for group in tied:
         present = sorted(n for n in group if n in names)
         for extra in present[1:]:
             names.discard(extra)

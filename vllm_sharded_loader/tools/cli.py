@@ -5,6 +5,8 @@
     vllm-sharded verify DIR [--size-only]      check a checkpoint on disk, exit 0 if sound, 1 if not
     vllm-sharded reshard DIR --tensor-parallel-size N [--pipeline-parallel-size M] --output OUT
                                                rewrite it for another topology, offline
+    vllm-sharded convert SRC -tp N [-pp M] -o OUT
+                                               write a Hugging Face model's per-rank files, no engine
 
 Errors are one clear line and a non-zero exit, not a traceback.
 """
@@ -94,6 +96,34 @@ def reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def convert(args: argparse.Namespace) -> int:
+    import time
+
+    from .convert import convert_checkpoint
+
+    started = time.perf_counter()
+    result = convert_checkpoint(
+        args.source,
+        args.output,
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_size=args.max_file_size,
+        pattern=args.file_pattern,
+        overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code,
+    )
+    manifest = result.manifest
+    print(
+        f"Converted {args.source} to TP={manifest.tp_size} PP={manifest.pp_size} in {args.output}: "
+        f"{sum(len(r.files) for r in manifest.ranks)} files, {manifest.nbytes / 1e6:.1f} MB from "
+        f"{result.source_bytes / 1e6:.1f} MB of source weights, {time.perf_counter() - started:.1f} s: "
+        f"written in {result.write_seconds:.1f} s after {result.build_seconds:.1f} s building vLLM's model."
+    )
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-sharded", description="Per-rank sharded checkpoints for vLLM.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -113,6 +143,20 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-file-size", type=int, default=5 * 1024**3, help="bytes per part (default 5 GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --output")
     p.set_defaults(run=reshard)
+    p = commands.add_parser(
+        "convert", help="write a Hugging Face model as per-rank files for a TP/PP size, without an engine"
+    )
+    p.add_argument("source", metavar="SOURCE", help="a Hugging Face model folder or Hub repo id (safetensors)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--output", "-o", required=True)
+    p.add_argument("--dtype", default="auto", help="the dtype vLLM would load the model in (default: auto)")
+    p.add_argument("--quantization", default=None, help="the quantization the source already has, as vLLM names it")
+    p.add_argument("--max-file-size", type=int, default=5 * 1024**3, help="bytes per part (default 5 GiB)")
+    p.add_argument("--file-pattern", default=None, help="part names (default: vLLM's)")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --output")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(run=convert)
     commands.add_parser(
         "save",
         help="load a model in vLLM and save it sharded (same flags as examples/save_sharded_state.py)",

@@ -1,0 +1,172 @@
+"""``vllm-sharded convert`` against ``vllm-sharded save`` and a plain copy of the same bytes.
+
+One run builds the Llama-style bf16 model of ``load_bench.py`` (hidden 2048, intermediate 5632,
+32 heads, 8 KV heads; 1.3 GB by default), then times, each in a fresh process:
+
+- ``cp``: ``cp`` of the model's safetensors files into a new folder, then ``sync`` of the copies
+  (a convert's parts are fsynced before its manifest is published), warm and cold;
+- ``convert``: ``vllm-sharded convert HF -tp N -o OUT`` (no engine), warm and cold: the whole
+  command (vLLM's import and configuration included), and the part of it after vLLM's model
+  is built (reading, cutting and writing), as the command reports it;
+- ``save``: ``vllm-sharded save --model HF -tp N -o OUT``: an engine started at TP=N, the model
+  loaded by vLLM's default loader, saved; the whole command, engine start included (warm).
+
+Warm: the source files read once before; cold: evicted with ``posix_fadvise(DONTNEED)`` first.
+Peak resident memory is the largest of the command's processes (``RUSAGE_CHILDREN``). The
+converted and saved checkpoints are checked to hold the same files (sizes and checksums).
+
+    flock /tmp/vsl-engine.lock python benchmarks/convert_bench.py --tp 2 --out benchmarks/results
+
+Writes ``convert_bench.json`` and ``convert_bench.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from load_bench import build, engine_env, evict, files_of, layers_for, machine, report_or_measure, warm  # noqa: E402
+
+GB = 1e9
+
+
+def run(args: list[str], env: dict[str, str]) -> dict:
+    """Run a command in a fresh process: wall seconds, its peak RSS, its output."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    started = time.perf_counter()
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, cwd=ROOT)
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if proc.returncode:
+        sys.exit(f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    # ru_maxrss of the children is the largest any of them reached so far: a smaller one
+    # later does not show, so each measured command runs before any larger one of its kind.
+    return {"seconds": seconds, "peak_rss_kb": peak if peak > before else None, "output": proc.stdout + proc.stderr}
+
+
+def copy(hf: str, work: str, cold: bool) -> dict:
+    dest = os.path.join(work, "copy")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    paths = files_of(hf)
+    evict(paths) if cold else warm(paths)
+    result = run(["bash", "-c", f"cp {' '.join(paths)} {dest}/ && sync {dest}/*"], dict(os.environ))
+    result.pop("output")
+    result["bytes"] = sum(os.path.getsize(p) for p in paths)
+    return result
+
+
+def convert(hf: str, work: str, tp: int, cold: bool) -> dict:
+    out = os.path.join(work, f"converted-tp{tp}")
+    shutil.rmtree(out, ignore_errors=True)
+    paths = files_of(hf)
+    evict(paths) if cold else warm(paths)
+    args = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "convert", hf, "-tp", str(tp), "-o", out]
+    result = run(args, engine_env(1, plugins=True))
+    reported = re.search(r"written in ([\d.]+) s after ([\d.]+) s building vLLM's model", result.pop("output"))
+    if reported:
+        result["write_seconds"], result["build_seconds"] = float(reported.group(1)), float(reported.group(2))
+    return result
+
+
+def save(hf: str, work: str, tp: int) -> dict:
+    out = os.path.join(work, f"saved-tp{tp}")
+    shutil.rmtree(out, ignore_errors=True)
+    warm(files_of(hf))
+    args = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "save", "--model", hf, "-o", out]
+    args += ["--tensor-parallel-size", str(tp), "--enforce-eager", "--max-model-len", "256"]
+    args += [] if tp == 1 else ["--distributed-executor-backend", "mp"]
+    result = run(args, engine_env(tp, plugins=True))
+    result.pop("output")
+    return result
+
+
+def same_files(a: str, b: str) -> bool:
+    def files(d: str) -> list:
+        with open(os.path.join(d, "sharded_state.json")) as f:
+            manifest = json.load(f)
+        return [[(f["size"], f["checksum"]) for f in r["files"]] for r in manifest["ranks"]]
+
+    return files(a) == files(b)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    work = args.work or tempfile.mkdtemp(prefix="convert-bench-")
+    hf = build(work, layers_for(args.gigabytes))
+    nbytes = sum(os.path.getsize(p) for p in files_of(hf))
+    result: dict = {
+        "machine": machine(),
+        "command": " ".join(["python", "benchmarks/convert_bench.py", *sys.argv[1:]]),
+        "model_bytes": nbytes,
+        "tp": args.tp,
+    }
+    # Smallest peak first (see run()): the copy, the convert, then the engine's save.
+    for mode in ("warm", "cold"):
+        result[f"cp_{mode}"] = copy(hf, work, mode == "cold")
+    for mode in ("warm", "cold"):
+        result[f"convert_{mode}"] = convert(hf, work, args.tp, mode == "cold")
+    result["save_warm"] = save(hf, work, args.tp)
+    result["same_files_as_save"] = same_files(
+        os.path.join(work, f"converted-tp{args.tp}"), os.path.join(work, f"saved-tp{args.tp}")
+    )
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def markdown(r: dict) -> str:
+    nbytes = r["model_bytes"]
+
+    def row(label: str, m: dict) -> str:
+        rss = f"{m['peak_rss_kb'] / 1024**2:.2f} GiB" if m.get("peak_rss_kb") else "-"
+        write = (
+            f"{m['write_seconds']:.1f} s ({nbytes / GB / m['write_seconds']:.2f} GB/s)" if "write_seconds" in m else "-"
+        )
+        return f"| {label} | {m['seconds']:.1f} s | {nbytes / GB / m['seconds']:.2f} GB/s | {write} | {rss} |"
+
+    tp = r["tp"]
+    lines = [
+        f"Model: {nbytes / GB:.2f} GB bf16 Llama-style, to TP={tp}; {r['machine'].get('cpu_model', '?')}, "
+        f"{r['machine']['cpus']} cores.",
+        "",
+        "| what | whole command | of the model's bytes | after vLLM's model is built | peak RSS |",
+        "|---|---|---|---|---|",
+        row("cp + sync, warm", r["cp_warm"]),
+        row("cp + sync, cold", r["cp_cold"]),
+        row(f"convert TP={tp}, warm", r["convert_warm"]),
+        row(f"convert TP={tp}, cold", r["convert_cold"]),
+        row(f"save TP={tp} (engine start included), warm", r["save_warm"]),
+        "",
+        f"convert vs save: {r['save_warm']['seconds'] / r['convert_warm']['seconds']:.2f}x faster "
+        "(warm, whole commands); "
+        f"same files and checksums as the save: {r['same_files_as_save']}.",
+        "",
+        f"Re-run: `flock /tmp/vsl-engine.lock {r['command']}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gigabytes", type=float, default=1.3)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--work", default=None, help="folder for the model and outputs (default: a temporary one)")
+    parser.add_argument("--out", default=None, help="folder for convert_bench.json and .md")
+    parser.add_argument("--report", default=None, help="print the table of a saved convert_bench.json")
+    report_or_measure(parser.parse_args(), "convert_bench", measure, markdown)
+
+
+if __name__ == "__main__":
+    main()

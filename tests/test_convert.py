@@ -1,0 +1,209 @@
+"""``vllm-sharded convert``: Hugging Face weights written per rank without an engine, then served.
+
+Engine tests compare the greedy ids of the converted checkpoint, served with ``sharded_state``
+(at its own size, and resharded at load), with vLLM's default loader on the source model; one
+compares it tensor by tensor with what ``vllm-sharded save`` writes at the same size. The bad
+sources (a missing shard file, a corrupt header, a config that does not describe its weights,
+a tensor nothing in the checkpoint fills, a partly filled one) each give a clear error and
+leave nothing at the output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.support import ROOT
+from tests.support.engines import run_engine
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound
+from vllm_sharded_loader.tools.convert import convert_checkpoint
+
+MANIFEST = "sharded_state.json"
+
+
+def convert(
+    source: str, output: str, tp: int, pp: int = 1, *extra: str, ok: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """``vllm-sharded convert`` in its own process (it sets up vLLM's one-process distributed world)."""
+    from examples.tiny_models import engine_environment
+
+    args = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "convert", source, "-tp", str(tp)]
+    args += ["-pp", str(pp), "-o", output, *extra]
+    env = {**os.environ, **engine_environment()}
+    run = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if ok:
+        assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def verify(directory: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "verify", directory],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def rank_tensors(directory: str) -> dict[tuple[int, int, str], torch.Tensor]:
+    manifest = json.loads(Path(directory, MANIFEST).read_text())
+    out = {}
+    for r in manifest["ranks"]:
+        for f in r["files"]:
+            for name, t in load_file(os.path.join(directory, f["name"])).items():
+                out[(r["pp_rank"], r["tp_rank"], name)] = t
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, str]:
+    """Tiny models: Llama (8 heads, 2 KV heads: splits up to TP=8), Qwen2 (biases, tied), Mixtral."""
+    from examples.tiny_models import build_family, build_model
+
+    root = tmp_path_factory.mktemp("convert-sources")
+    return {
+        "llama": build_model(str(root / "llama"), "llama"),
+        "llama8": build_model(str(root / "llama8"), "llama", num_attention_heads=8),
+        "tied": build_model(str(root / "tied"), "tied"),
+        "mixtral": build_family(str(root / "mixtral"), "mixtral"),
+    }
+
+
+def copy_source(source: str, to: Path) -> Path:
+    shutil.copytree(source, to)
+    return to
+
+
+# ----------------------------------------------------------------- bad sources, engine-free
+
+
+def test_a_missing_shard_file_is_named_and_nothing_is_written(sources, tmp_path):
+    bad = copy_source(sources["tied"], tmp_path / "src")
+    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointNotFound, match=r"model-00002-of-00002\.safetensors.*download is incomplete"):
+        convert_checkpoint(str(bad), str(out), 2)
+    assert not out.exists()
+
+
+def test_a_corrupt_header_is_named_and_nothing_is_written(sources, tmp_path):
+    bad = copy_source(sources["tied"], tmp_path / "src")
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.write(b"\xff" * 16)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointCorrupt, match=r"model\.safetensors"):
+        convert_checkpoint(str(bad), str(out), 2)
+    assert not out.exists()
+
+
+def test_a_config_that_does_not_describe_the_weights_is_refused(sources, tmp_path):
+    bad = copy_source(sources["tied"], tmp_path / "src")
+    config = json.loads((bad / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (bad / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    run = convert(str(bad), str(out), 2, ok=False)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "cannot place model.layers.0.mlp" in run.stderr and "vllm-sharded save" in run.stderr
+    assert not out.exists()
+
+
+def test_a_tensor_nothing_fills_is_refused_by_name_before_a_byte_is_written(sources, tmp_path):
+    bad = copy_source(sources["tied"], tmp_path / "src")
+    tensors = load_file(bad / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    run = convert(str(bad), str(out), 2, ok=False)
+    assert run.returncode == 2
+    assert "no tensor of the checkpoint fills: model.norm.weight" in run.stderr and "vllm-sharded save" in run.stderr
+    assert not out.exists()
+
+
+def test_a_partly_filled_tensor_is_refused_and_nothing_is_published(sources, tmp_path):
+    bad = copy_source(sources["llama"], tmp_path / "src")
+    tensors = load_file(bad / "model.safetensors")
+    del tensors["model.layers.2.self_attn.v_proj.weight"]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    run = convert(str(bad), str(out), 2, ok=False)
+    assert run.returncode == 2
+    assert "left part of model.layers.2.self_attn.qkv_proj.weight unfilled" in run.stderr
+    assert not out.exists()
+
+
+def test_an_existing_checkpoint_is_not_replaced_without_overwrite(sources, tmp_path):
+    out = tmp_path / "out"
+    convert(sources["tied"], str(out), 1)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    run = convert(sources["tied"], str(out), 2, ok=False)
+    assert run.returncode == 2 and "--overwrite" in run.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    verify(str(out))
+
+
+# ----------------------------------------------------------------- served, against vLLM's default loader
+
+
+REFERENCES: dict[tuple[str, int], list] = {}
+
+
+def reference_ids(source: str, tp: int) -> list:
+    """Greedy ids of vLLM's default loader on the source model (one engine per model and size)."""
+    if (source, tp) not in REFERENCES:
+        REFERENCES[(source, tp)] = run_engine({"model": source, "tp": tp}).result["token_ids"]
+    return REFERENCES[(source, tp)]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_converted_at_tp2_serves_as_the_source_does(sources, tmp_path, family):
+    out = tmp_path / "out"
+    convert(sources[family], str(out), 2)
+    verify(str(out))
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    served = run_engine({"model": str(out), "tp": 2, "load_format": "sharded_state"}).result
+    assert served["token_ids"] == reference_ids(sources[family], 2)
+
+
+@pytest.mark.engine
+def test_converted_is_the_checkpoint_save_writes(sources, tmp_path):
+    """Qwen2 (q/k/v biases, tied embeddings, one KV head for two ranks) at TP=2: the same tensors in
+    the same files (so the same checksums), geometry, ties and source as `save`; served alike."""
+    converted, saved = tmp_path / "converted", tmp_path / "saved"
+    convert(sources["tied"], str(converted), 2)
+    reference = run_engine({"model": sources["tied"], "tp": 2, "save_to": str(saved)}).result
+    ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (converted, saved))
+    for key in ("tp_size", "pp_size", "dtype", "pattern", "source", "geometry", "tied"):
+        assert ours[key] == theirs[key], key
+    files = [[(f["size"], f["checksum"]) for f in r["files"]] for r in ours["ranks"]]
+    assert files == [[(f["size"], f["checksum"]) for f in r["files"]] for r in theirs["ranks"]]
+    a, b = rank_tensors(str(converted)), rank_tensors(str(saved))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    served = run_engine({"model": str(converted), "tp": 2, "load_format": "sharded_state"}).result
+    assert served["token_ids"] == reference["token_ids"]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("tp, pp", [(8, 1), (1, 2)])
+def test_converted_at_sizes_beyond_the_machine_serve_resharded(sources, tmp_path, tp, pp):
+    out = tmp_path / "out"
+    convert(sources["llama8"], str(out), tp, pp)
+    verify(str(out))
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert (manifest["tp_size"], manifest["pp_size"], len(manifest["ranks"])) == (tp, pp, tp * pp)
+    for serving in (2, 1):
+        served = run_engine({"model": str(out), "tp": serving, "load_format": "sharded_state"}).result
+        assert served["token_ids"] == reference_ids(sources["llama8"], serving), serving

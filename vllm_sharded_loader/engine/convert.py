@@ -1,0 +1,393 @@
+"""A Hugging Face checkpoint turned into vLLM's loaded state, without an engine: the vLLM side of ``convert``.
+
+vLLM's own model class is built at TP=1 on the meta device (nothing allocated), inside a
+one-process distributed world, so that every name, fusion (q/k/v, gate/up, stacked experts),
+vocabulary padding and split geometry is vLLM's own (:func:`..layer_geometry.tensor_geometry`).
+Then, before a byte of weights is read:
+
+- a **dry run** feeds each source tensor, as a meta tensor of its shape and dtype, to the
+  model's own ``load_weights``: what it returns is the parameters that tensor fills (the
+  model's name mapping, ``stacked_params_mapping``, expert mapping). Source tensors and the
+  parameters they fill fall into small *components* (one fused parameter and its sources);
+- a parameter no source tensor fills, and that vLLM does not initialise to a known value
+  itself (attention's default quantization scales), cannot be derived: it is refused by name.
+
+A component is then made for real on the CPU, one at a time (:meth:`ConvertModel.make`): its
+parameters allocated (floating ones filled with NaN), its source tensors mapped from their
+files and given to the same ``load_weights``; a parameter left partly unfilled (NaN) is refused
+by name. The result is exactly what vLLM's default loader holds at TP=1 before post-processing,
+which is what ``vllm-sharded save`` captures; the target ranks' slices follow from the geometry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..checkpoint.state import saveable_state, tied_groups
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError, listing
+from ..format.geometry import TensorGeometry
+from ..format.safetensors import Header
+from ..format.source import SourceModel
+from ..storage.local import OpenFile, read_header
+from ..storage.tensors import map_file_range, torch_dtype
+from .identity import dtype_label, source_identity
+from .layer_geometry import tensor_geometry
+
+# Buffers vLLM's attention layers register with a fixed value (set_default_quant_scales): 1.0
+# unless the checkpoint holds KV-cache scales, which the dry run then shows.
+DEFAULT_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+INDEX_NAME = "model.safetensors.index.json"
+
+SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
+
+
+class ConvertRefused(SaveRefused):
+    """The source cannot be converted without running the model; nothing was written."""
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of the source checkpoint: where its bytes are."""
+
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass
+class SourceFiles:
+    """A Hugging Face folder's safetensors files, their headers read and checked, nothing else read."""
+
+    directory: str
+    tensors: dict[str, SourceTensor]
+    headers: dict[str, Header]
+    opened: dict[str, OpenFile] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, directory: str) -> SourceFiles:
+        """Index ``directory``'s weights; a missing shard, a corrupt header or a duplicated tensor is an error."""
+        if not os.path.isdir(directory):
+            raise CheckpointNotFound(f"{directory}: not a folder. Give a Hugging Face model folder or Hub repo id.")
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+        index_path = os.path.join(directory, INDEX_NAME)
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+                listed = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointCorrupt(
+                    f"{index_path}: not a safetensors index ({e}). Download the model again."
+                ) from None
+            missing = [n for n in listed if n not in names]
+            if missing:
+                raise CheckpointNotFound(
+                    f"{directory}: the index {INDEX_NAME} lists {listing(missing, 5)}, which the folder lacks. "
+                    "The download is incomplete: fetch the missing files (or the model) again."
+                )
+            names = listed
+        if not names:
+            held = [n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth"))]
+            other = f" (it holds {listing(held, 3)}: convert reads safetensors only; use `vllm-sharded save`)"
+            raise CheckpointNotFound(f"{directory}: no *.safetensors weights{other if held else ''}.")
+        tensors: dict[str, SourceTensor] = {}
+        headers: dict[str, Header] = {}
+        for name in names:
+            path = os.path.join(directory, name)
+            header = read_header(path)
+            headers[name] = header
+            for tensor, h in header.tensors.items():
+                if tensor in tensors:
+                    raise CheckpointCorrupt(
+                        f"{path}: tensor {tensor} is also in {tensors[tensor].file}. The checkpoint is "
+                        "inconsistent: download the model again."
+                    )
+                tensors[tensor] = SourceTensor(tensor, name, torch_dtype(h.dtype, path), h.shape, h.begin, h.end)
+        return cls(directory, tensors, headers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.end - t.begin for t in self.tensors.values())
+
+    def meta(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor over a private mapping of its file's pages: read as it is used, never copied here."""
+        t = self.tensors[name]
+        if t.file not in self.opened:
+            self.opened[t.file] = OpenFile.open(os.path.join(self.directory, t.file))
+        opened = self.opened[t.file]
+        if opened.size != self.headers[t.file].file_size:
+            raise ShardedStateError(f"{opened.path}: changed while converting ({opened.size} bytes). Convert again.")
+        return map_file_range(opened.fd, t.begin, t.end - t.begin, t.dtype, t.shape)
+
+    def close(self) -> None:
+        for opened in self.opened.values():
+            opened.close()
+        self.opened.clear()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_config(source: str, dtype: str, quantization: str | None, trust_remote_code: bool) -> Any:
+    """vLLM's configuration of ``source`` at TP=1 (what its model class is built from)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=source,
+        dtype=dtype,
+        quantization=quantization,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        enforce_eager=True,
+        trust_remote_code=trust_remote_code,
+        load_format="dummy",
+    )
+    return args.create_engine_config()
+
+
+_WORLD: list[Any] = []
+
+
+def build_meta_model(vllm_config: Any) -> torch.nn.Module:
+    """vLLM's model class for ``vllm_config``, at TP=1, every parameter on the meta device."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(vllm_config):
+        if not model_parallel_is_initialized():
+            # A world of one process on the loopback: vLLM's layers ask it for their TP rank and size.
+            os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                backend="gloo",
+            )
+            initialize_model_parallel(1, 1)
+        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+            return initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+
+
+@dataclass
+class Component:
+    """Source tensors and the model tensors they fill together (one fused parameter, say)."""
+
+    sources: list[str]
+    targets: list[str]
+
+
+def _components(fills: Mapping[str, set[str]], defaults: Sequence[str]) -> dict[str, Component]:
+    """Each model tensor's component: union of every source and the tensors it fills."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for source, targets in fills.items():
+        for t in targets:
+            parent[find("s:" + source)] = find("t:" + t)
+    for t in defaults:
+        find("t:" + t)
+    groups: dict[str, Component] = {}
+    for key in list(parent):
+        root = find(key)
+        c = groups.setdefault(root, Component([], []))
+        (c.sources if key.startswith("s:") else c.targets).append(key[2:])
+    return {t: c for c in groups.values() for t in c.targets}
+
+
+class ConvertModel:
+    """vLLM's model of a source checkpoint on the meta device, planned, made one component at a time."""
+
+    def __init__(
+        self,
+        source: SourceFiles,
+        *,
+        dtype: str = "auto",
+        quantization: str | None = None,
+        trust_remote_code: bool = False,
+        vllm_config: Any = None,
+    ) -> None:
+        self.source = source
+        self.vllm_config = vllm_config or engine_config(source.directory, dtype, quantization, trust_remote_code)
+        self.model_config = self.vllm_config.model_config
+        self.model = build_meta_model(self.vllm_config)
+        state_dict = self.model.state_dict(keep_vars=True)
+        self.state = saveable_state(state_dict)
+        self.tied = tied_groups(state_dict, self.state)
+        self.dtype = dtype_label(self.model_config.dtype)
+        self.identity: SourceModel = source_identity(self.model, self.model_config)
+        self.geometry: dict[str, TensorGeometry] = tensor_geometry(self.model, self.state, 1, 0)
+        self._slots = self._tensor_slots()
+        self.fills = self._dry_run()
+        defaults = [n for n in self.state if n.rpartition(".")[2] in DEFAULT_SCALES]
+        filled = {t for targets in self.fills.values() for t in targets}
+        unfilled = [n for n in self.state if n not in filled and n not in defaults]
+        if unfilled:
+            raise ConvertRefused(
+                f"{source.directory}: vLLM's {type(self.model).__name__} has tensors that no tensor of the checkpoint "
+                f"fills: {listing(unfilled, 5)}; their values come from running the model, not from its files "
+                f"(or the config does not describe these weights). {SAVE_INSTEAD}"
+            )
+        self.components = _components(self.fills, defaults)
+        self._made: dict[int, dict[str, torch.Tensor]] = {}
+
+    # ----------------------------------------------------------------- planning
+
+    def _tensor_slots(self) -> dict[str, list[tuple[torch.nn.Module, str, bool]]]:
+        """Every (module, attribute, is_parameter) holding each state tensor (tied ones held twice)."""
+        by_id: dict[int, list[tuple[torch.nn.Module, str, bool]]] = {}
+        for _, module in self.model.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    by_id.setdefault(id(p), []).append((module, attr, True))
+            for attr, b in module._buffers.items():
+                if b is not None:
+                    by_id.setdefault(id(b), []).append((module, attr, False))
+        slots = {}
+        for name in self.state:
+            module_name, _, attr = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            held = module._parameters.get(attr)
+            held = held if held is not None else module._buffers.get(attr)
+            slots[name] = by_id[id(held)]
+        return slots
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]], what: str) -> set[str]:
+        from vllm.config import set_current_vllm_config
+
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                loaded = self.model.load_weights(iter(weights))
+        except Exception as e:  # vLLM's loader asserts on what it cannot place
+            raise ConvertRefused(
+                f"{self.source.directory}: vLLM's {type(self.model).__name__}.load_weights cannot place {what}: "
+                f"{type(e).__name__}: {e}. The config does not describe these weights, or loading them needs the "
+                f"model running. {SAVE_INSTEAD}"
+            ) from e
+        if loaded is None:
+            raise ConvertRefused(
+                f"{self.source.directory}: vLLM's {type(self.model).__name__}.load_weights does not say which "
+                f"parameters it filled, so convert cannot follow it. {SAVE_INSTEAD}"
+            )
+        return {self._saved_name(n) for n in loaded}
+
+    def _saved_name(self, name: str) -> str:
+        if name in self.state:
+            return name
+        for group in self.tied:
+            if name in group:
+                return group[0]
+        return name
+
+    def _dry_run(self) -> dict[str, set[str]]:
+        """Which model tensors each source tensor fills, from vLLM's load_weights on meta tensors."""
+        fills = {}
+        for name in self.source.tensors:
+            loaded = self._load([(name, self.source.meta(name))], name)
+            foreign = sorted(loaded - set(self.state))
+            if foreign:
+                raise ConvertRefused(
+                    f"{self.source.directory}: {name} fills {listing(foreign, 3)}, which is not in the model's "
+                    f"state. {SAVE_INSTEAD}"
+                )
+            fills[name] = loaded
+        return fills
+
+    # ----------------------------------------------------------------- making
+
+    def _set(self, name: str, tensor: torch.Tensor) -> None:
+        """Hold ``tensor`` as state tensor ``name``, in every module that holds it (tied ones too).
+
+        A parameter is replaced by one of its own class with its attributes (vLLM's weight
+        loader, its dimensions), since a meta parameter's data cannot be set to a CPU tensor.
+        """
+        slots = self._slots[name]
+        module, attr, is_parameter = slots[0]
+        held: torch.Tensor = tensor
+        if is_parameter:
+            old = module._parameters[attr]
+            assert old is not None
+            held = torch.nn.Parameter._make_subclass(type(old), tensor, False)
+            held.__dict__.update(old.__dict__)
+        for module, attr, is_parameter in slots:
+            (module._parameters if is_parameter else module._buffers)[attr] = held
+
+    def _current(self, name: str) -> torch.Tensor:
+        module, attr, is_parameter = self._slots[name][0]
+        return (module._parameters if is_parameter else module._buffers)[attr]
+
+    def make(self, name: str) -> dict[str, torch.Tensor]:
+        """The component holding ``name``, made on the CPU: each of its tensors as vLLM's TP=1 load holds it.
+
+        The caller frees it with :meth:`free` once every rank has taken its slices.
+        """
+        component = self.components[name]
+        with torch.no_grad():
+            for target in component.targets:
+                meta = self._current(target)
+                tensor = torch.empty(meta.shape, dtype=meta.dtype)
+                if tensor.is_floating_point():
+                    tensor.fill_(float("nan"))  # what stays NaN was not filled
+                self._set(target, tensor)
+                attr = self._slots[target][0][1]
+                if attr in DEFAULT_SCALES:
+                    tensor.fill_(1.0)  # vLLM's set_default_quant_scales
+            weights = [(s, self.source.read(s)) for s in component.sources]
+            if weights:
+                self._load(weights, listing(component.sources, 3))
+            made = {t: self._current(t).detach() for t in component.targets}
+            del weights
+        partial = [t for t, v in made.items() if v.is_floating_point() and bool(v.isnan().any())]
+        if partial:
+            self.free(name)
+            raise ConvertRefused(
+                f"{self.source.directory}: vLLM's loader left part of {listing(partial, 3)} unfilled from "
+                f"{listing(component.sources, 5)}: the checkpoint lacks weights the model has. {SAVE_INSTEAD}"
+            )
+        return made
+
+    def free(self, name: str) -> None:
+        """Put a component's tensors back on the meta device (their memory goes)."""
+        for target in self.components[name].targets:
+            current = self._current(target)
+            self._set(target, torch.empty(current.shape, dtype=current.dtype, device="meta"))
+
+    def close(self) -> None:
+        self.source.close()
+
+
+@contextlib.contextmanager
+def converting(directory: str, **kwargs: Any) -> Iterator[ConvertModel]:
+    """A :class:`ConvertModel` of the Hugging Face folder ``directory``, its files closed after."""
+    source = SourceFiles.open(directory)
+    try:
+        yield ConvertModel(source, **kwargs)
+    finally:
+        source.close()

@@ -1,0 +1,317 @@
+"""``vllm-sharded convert``: a Hugging Face checkpoint written as per-rank sharded files, without an engine.
+
+vLLM's model class is built at TP=1 on the meta device (:mod:`..engine.convert`), which gives
+every tensor's name, fused layout and split geometry as vLLM's own layers define them. Each
+target rank's tensor is then the rank's slice of the TP=1 tensor by vLLM's sharding rule
+(:func:`..planning.layout.shard_layout`, the rule resharding loads use), its pipeline stage's
+tensors by vLLM's layer split (:func:`..planning.pipeline.stage_split`). Written by the save
+protocol (:func:`..checkpoint.save.save_checkpoint`), every rank at once: a component (one
+fused parameter and the source tensors it is made of) is made once, from one read of its
+source bytes, cut for every rank that holds it, and freed when every rank has taken its slice.
+Memory holds a few components, never the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
+from ..format.errors import ShardedStateError, listing
+from ..format.geometry import OPAQUE, TensorGeometry
+from ..format.manifest import Manifest
+from ..planning.layout import ShardLayout, shard_layout
+from ..planning.pipeline import stage_split
+from ..planning.topology import RankInfo
+from ..storage.location import is_locked, is_remote, read_manifest
+from ..storage.oscalls import release_free_heap
+from ..storage.writer import LazyTensor
+
+# Components kept made beyond the one being cut, in bytes: ranks that run ahead wait for the others.
+DEFAULT_BUDGET = 1024**3
+
+
+def resolve_source(source: str) -> str:
+    """A local folder as is; a Hub repo id through the Hub cache (weights and config fetched once)."""
+    if os.path.isdir(source):
+        return source
+    if is_remote(source):
+        raise ShardedStateError(
+            f"{source}: converting from object storage is not supported yet; download the model to a local "
+            "folder first (or use `vllm-sharded save`)."
+        )
+    if os.path.exists(source) or source.startswith((".", "/")) or source.count("/") != 1:
+        raise ShardedStateError(f"{source}: no such model folder (nor a Hub repo id of the form owner/name).")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja"])
+    except Exception as e:  # the Hub client's errors: offline, not found, gated
+        raise ShardedStateError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
+
+
+def cut(tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """A rank's local tensor from the TP=1 tensor: its piece of each segment, joined along the split dim."""
+    if layout.split_dim is None:
+        return tensor
+    pieces = [tensor.narrow(layout.split_dim, p.global_offset, p.length) for p in layout.pieces]
+    local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.split_dim)
+    return local.contiguous()
+
+
+@dataclass
+class _Made:
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    pending: int  # slices of its tensors not yet taken, over every rank
+
+
+@dataclass
+class ComponentCache:
+    """Components made once and shared by the ranks' writer threads, freed after their last slice.
+
+    A thread that would make a component while more than ``budget`` bytes of others are
+    still waiting for slower ranks waits for them, unless every other working rank waits
+    too; then components no waiting rank needs next are freed (and made again later if a
+    rank still needs them: a source read twice rather than memory without bound).
+    """
+
+    make: Callable[[str], dict[str, torch.Tensor]]
+    free: Callable[[str], None]
+    component_of: Callable[[str], int]
+    takes: dict[str, int]  # tensor -> how many ranks take a slice of it
+    working: int  # ranks writing
+    budget: int = DEFAULT_BUDGET
+    made: dict[int, _Made] = field(default_factory=dict)
+    pending: dict[int, int] = field(default_factory=dict)
+    waiting: dict[int, int] = field(default_factory=dict)  # thread -> component it waits to make
+    remakes: int = 0
+    peak: int = 0
+
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition()
+        for name, count in self.takes.items():
+            key = self.component_of(name)
+            self.pending[key] = self.pending.get(key, 0) + count
+
+    def _bytes(self) -> int:
+        return sum(m.nbytes for m in self.made.values())
+
+    def take(self, name: str) -> torch.Tensor:
+        key = self.component_of(name)
+        me = threading.get_ident()
+        with self.cond:
+            while key not in self.made:
+                others = self.working - 1 - len(self.waiting)
+                if self._bytes() <= self.budget or not self.made or others <= 0:
+                    if self._bytes() > self.budget and others <= 0:
+                        self._evict(key)
+                    tensors = self.make(name)
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                    self.made[key] = _Made(tensors, nbytes, self.pending[key])
+                    self.peak = max(self.peak, self._bytes())
+                    self.cond.notify_all()
+                    break
+                self.waiting[me] = key
+                self.cond.wait()
+                self.waiting.pop(me, None)
+            made = self.made[key]
+            tensor = made.tensors[name]
+            made.pending -= 1
+            self.pending[key] -= 1
+            if made.pending == 0:
+                del self.made[key]
+                self.free(name)
+                self.cond.notify_all()
+                freed = True
+            else:
+                freed = False
+        if freed:
+            # glibc keeps freed blocks of the sizes that recur here, fragmented across the
+            # threads' arenas: handed back, memory stays at a few components.
+            release_free_heap()
+        return tensor
+
+    def _evict(self, keep: int) -> None:
+        wanted = set(self.waiting.values()) | {keep}
+        for key in [k for k in self.made if k not in wanted]:
+            made = self.made.pop(key)
+            self.free(next(iter(made.tensors)))
+            self.remakes += 1
+
+    def rank_done(self) -> None:
+        with self.cond:
+            self.working -= 1
+            self.cond.notify_all()
+
+
+@dataclass
+class ConvertResult:
+    manifest: Manifest
+    source_bytes: int
+    peak_component_bytes: int
+    remade: int
+    build_seconds: float  # vLLM's configuration and model on the meta device, the dry run
+    write_seconds: float  # reading, cutting and writing every rank, published
+
+
+def plan_ranks(
+    state: dict[str, torch.Tensor],
+    geometry: dict[str, TensorGeometry],
+    tied: list[list[str]],
+    layers: int | None,
+    tp_size: int,
+    pp_size: int,
+) -> dict[RankInfo, dict[str, tuple[str, ShardLayout]]]:
+    """Every target rank's tensors: name -> (the state tensor it is cut from, the rank's layout).
+
+    Refuses, naming them, tensors whose split vLLM's layer classes do not describe at a TP size
+    above 1, and sizes vLLM itself refuses (heads or rows that do not divide).
+    """
+    alias = {n: group[0] for group in tied for n in group[1:]}
+    order = {name: i for i, name in enumerate(state)}
+    if pp_size > 1 and not isinstance(layers, int):
+        raise ShardedStateError(f"Cannot split into {pp_size} pipeline stages: the config has no num_hidden_layers.")
+    opaque = [n for n, g in geometry.items() if g.kind == OPAQUE]
+    if tp_size > 1 and opaque:
+        shown = listing([f"{n} ({geometry[n].layer_class})" for n in opaque], 5)
+        raise ShardedStateError(
+            f"Cannot convert to TP={tp_size}: vLLM's layers do not describe how {shown} split across ranks "
+            "(a layer this version does not know). Convert at TP=1, or make the checkpoint with "
+            "`vllm-sharded save` at the target size."
+        )
+    ranks: dict[RankInfo, dict[str, tuple[str, ShardLayout]]] = {}
+    for pp_rank in range(pp_size):
+        names = list(state) if pp_size == 1 else stage_split(list(state), tied, layers or 0, pp_size, pp_rank)
+        names.sort(key=lambda n: order.get(alias.get(n, n), len(order)))
+        for tp_rank in range(tp_size):
+            info = RankInfo(tp_rank, tp_size, pp_rank, pp_size)
+            ranks[info] = {
+                n: (alias.get(n, n), shard_layout(geometry[alias.get(n, n)], tp_size, tp_rank, n)) for n in names
+            }
+    return ranks
+
+
+def convert_checkpoint(
+    source: str,
+    output: str,
+    tp_size: int,
+    pp_size: int = 1,
+    *,
+    dtype: str = "auto",
+    quantization: str | None = None,
+    max_size: int | None = DEFAULT_MAX_SIZE,
+    pattern: str | None = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    budget: int = DEFAULT_BUDGET,
+) -> ConvertResult:
+    """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``.
+
+    Every check (the source's files and headers, that vLLM's loader places every tensor,
+    that every rank's split exists) runs before a byte is written; the output is published
+    by the save protocol (lock, staged parts, manifest last), config and tokenizer carried.
+    """
+    if tp_size < 1 or pp_size < 1:
+        raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
+    folder = resolve_source(source)
+    if not is_remote(output) and os.path.abspath(output) == os.path.abspath(folder):
+        raise ShardedStateError("--output must be another folder than the source model.")
+    if not overwrite and not is_locked(output) and read_manifest(output) is not None:
+        raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
+    made = not is_remote(output) and not os.path.lexists(output)
+    try:
+        return _convert(
+            folder,
+            output,
+            tp_size,
+            pp_size,
+            dtype,
+            quantization,
+            max_size,
+            pattern,
+            overwrite,
+            trust_remote_code,
+            budget,
+        )
+    except BaseException:
+        if made:
+            # The folder this run made, left empty by the failed save: nothing of ours stays at OUT.
+            with contextlib.suppress(OSError):
+                os.rmdir(output)
+        raise
+
+
+def _convert(
+    folder: str,
+    output: str,
+    tp_size: int,
+    pp_size: int,
+    dtype: str,
+    quantization: str | None,
+    max_size: int | None,
+    pattern: str | None,
+    overwrite: bool,
+    trust_remote_code: bool,
+    budget: int,
+) -> ConvertResult:
+    from ..engine.convert import converting
+
+    started = time.perf_counter()
+    with converting(folder, dtype=dtype, quantization=quantization, trust_remote_code=trust_remote_code) as model:
+        built = time.perf_counter()
+        layers = model.identity.config.get("num_hidden_layers")
+        if not isinstance(layers, int):
+            layers = getattr(model.model_config.hf_text_config, "num_hidden_layers", None)
+        plans = plan_ranks(model.state, model.geometry, model.tied, layers, tp_size, pp_size)
+        takes: dict[str, int] = {}
+        for plan in plans.values():
+            for state_name, _ in plan.values():
+                takes[state_name] = takes.get(state_name, 0) + 1
+        cache = ComponentCache(
+            make=model.make,
+            free=model.free,
+            component_of=lambda n: id(model.components[n]),
+            takes=takes,
+            working=len(plans),
+            budget=budget,
+        )
+
+        def lazy(state_name: str, layout: ShardLayout, last: bool) -> LazyTensor:
+            meta = model.state[state_name]
+
+            def produce() -> torch.Tensor:
+                local = cut(cache.take(state_name), layout)
+                if last:
+                    cache.rank_done()
+                return local
+
+            return LazyTensor(tuple(layout.shape), meta.dtype, produce)
+
+        ranks = {}
+        for info, plan in plans.items():
+            items = list(plan.items())
+            ranks[info] = {
+                n: lazy(state_name, layout, i == len(items) - 1) for i, (n, (state_name, layout)) in enumerate(items)
+            }
+        manifest = save_checkpoint(
+            output,
+            ranks,
+            dtype=model.dtype,
+            source=model.identity,
+            pattern=pattern,
+            max_size=max_size,
+            overwrite=overwrite,
+            geometry={n: model.geometry[s].to_dict() for plan in plans.values() for n, (s, _) in plan.items()},
+            tied=tuple(tuple(g) for g in model.tied),
+            carry=folder,
+            parallel=True,
+        )
+        done = time.perf_counter()
+        return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes, built - started, done - built)
