@@ -5,7 +5,7 @@
 For tests/test_refused_updates.py (issue 34): a refused update must change nothing anywhere. The
 engine serves ``model`` (``load_format="sharded_state"``, the ``sharded_state`` weight-transfer
 engine). At start and after each step, every worker reports a fingerprint of everything it
-serves: for every module, each parameter, buffer and tensor attribute (of the module, of its
+serves: for every module, each parameter, buffer and tensor attribute (but the KV cache) (of the module, of its
 quantization method, of a routed-experts kernel), its address, shape, dtype and the SHA-256 of
 its bytes; and the capture's bookkeeping (update count, where it re-reads from, the capture).
 
@@ -52,7 +52,8 @@ def served_tensors(worker) -> dict:
                 tensors.update(owner._parameters)
                 tensors.update(owner._buffers)
             for key, value in tensors.items():
-                if isinstance(value, torch.Tensor):
+                # The KV cache is what generation writes, not a served weight.
+                if isinstance(value, torch.Tensor) and key != "kv_cache":
                     record(f"{prefix}.{label}{key}", value)
     state = model.__dict__.get("_vllm_sharded_loaded_state")
     bookkeeping = None
