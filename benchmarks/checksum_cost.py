@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel
 from vllm_sharded_loader.storage.integrity import BlockHasher
@@ -97,7 +97,7 @@ def main() -> int:
                 times[f"load_{mode}"].append(
                     timed(
                         lambda mode=mode, ckpt=ckpt, targets=targets, manifest=manifest: load_rank(
-                            ckpt, targets, rank, manifest=manifest, verify=mode
+                            LoadRequest(ckpt, manifest, verify=mode), targets, rank
                         )
                     )
                 )

@@ -15,7 +15,7 @@ Warm: the source files read once before; cold: evicted with ``posix_fadvise(DONT
 Peak resident memory is the largest of the command's processes (``RUSAGE_CHILDREN``). The
 converted and saved checkpoints are checked to hold the same files (sizes and checksums).
 
-    flock /tmp/vsl-engine.lock python benchmarks/convert_bench.py --tp 2 --out benchmarks/results
+    flock /tmp/vsl-engine.lock python -m benchmarks.convert_bench --tp 2 --out benchmarks/results
 
 Writes ``convert_bench.json`` and ``convert_bench.md`` into ``--out``.
 """
@@ -33,10 +33,18 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from load_bench import build, engine_env, evict, files_of, layers_for, machine, report_or_measure, warm  # noqa: E402
+from benchmarks.harness import (
+    ROOT,
+    build,
+    command,
+    engine_env,
+    evict,
+    files_of,
+    layers_for,
+    machine,
+    report_or_measure,
+    warm,
+)
 
 GB = 1e9
 
@@ -107,7 +115,7 @@ def measure(args: argparse.Namespace) -> dict:
     nbytes = sum(os.path.getsize(p) for p in files_of(hf))
     result: dict = {
         "machine": machine(),
-        "command": " ".join(["python", "benchmarks/convert_bench.py", *sys.argv[1:]]),
+        "command": command(),
         "model_bytes": nbytes,
         "tp": args.tp,
     }

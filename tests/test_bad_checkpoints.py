@@ -28,6 +28,7 @@ from tests.support.checkpoints import RESHARD_MODEL, save_reshardable, source_of
 from tests.support.reference import llama_like
 from tests.support.states import CONFIG, assert_untouched, fresh_targets, load, rank_state, save
 from vllm_sharded_loader.checkpoint import (
+    LoadRequest,
     RankInfo,
     load_rank,
     read_manifest,
@@ -547,7 +548,7 @@ def refused_on_every_path(directory: Path, error: str, out: Path) -> None:
         targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, tp_size, 1, 0, 0).items()}
         with pytest.raises(ShardedStateError, match=error):
             manifest = read_manifest(str(directory))
-            load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(model))
+            load_rank(LoadRequest(str(directory), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size))
         untouched = [n for n, t in targets.items() if not bool((t == -7).all())]
         assert not untouched, f"written before the TP={tp_size} load was refused: {untouched}"
     with pytest.raises(ShardedStateError, match=error):
@@ -577,7 +578,7 @@ def test_sound_reshardable_checkpoint_passes_every_path(tmp_path):
     for tp_size in (2, 1):
         expected = stage_state(model, tp_size, 1, 0, 0)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(model))
+        load_rank(LoadRequest(str(directory), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size))
         assert all(torch.equal(targets[n], x) for n, x in expected.items())
     reshard_checkpoint(str(directory), str(tmp_path / "out"), tp_size=1)
     assert verify_checkpoint(str(tmp_path / "out")) == []
@@ -637,7 +638,9 @@ def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, t
     monkeypatch.setattr(read_step, first_call_saves_over(directory, getattr(sys.modules[module], name), calls))
     targets = {n: torch.full_like(x, -7) for n, x in old.items()}
     with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
-        load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=manifest, serving=source_of(RESHARD_MODEL))
+        load_rank(
+            LoadRequest(str(directory), manifest, serving=source_of(RESHARD_MODEL)), targets, RankInfo(0, tp_size)
+        )
     assert calls, "the read step ran"
     # Not a mix either: every byte was read through the descriptors of the files checked,
     # which are the first save's, whatever the second renamed over their paths.
@@ -648,7 +651,7 @@ def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, t
     new = stage_state(llama_like(num_layers=2, vocab=128, kv_heads=2, seed=1), tp_size, 1, 0, 0)
     assert any(not torch.equal(new[n], old[n]) for n in new)
     targets = {n: torch.full_like(x, -7) for n, x in new.items()}
-    load_rank(str(directory), targets, RankInfo(0, tp_size), manifest=read_manifest(str(directory)))
+    load_rank(LoadRequest(str(directory), read_manifest(str(directory))), targets, RankInfo(0, tp_size))
     assert all(torch.equal(targets[n], x) for n, x in new.items())
 
 
@@ -672,7 +675,7 @@ def test_save_running_when_the_reads_end_leaves_the_load_whole(tmp_path, monkeyp
     monkeypatch.setattr(load_module, "read_files", reads_while_a_save_starts)
     expected = stage_state(RESHARD_MODEL, 2, 1, 0, 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(str(directory), targets, RankInfo(0, 2), manifest=read_manifest(str(directory)))
+    load_rank(LoadRequest(str(directory), read_manifest(str(directory))), targets, RankInfo(0, 2))
     assert locks, "the save started during the load"
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     release_save_lock(locks[0])
@@ -695,7 +698,7 @@ def test_offline_reshard_during_a_save_writes_one_checkpoint(tmp_path, monkeypat
     assert calls
     expected = stage_state(RESHARD_MODEL, 1, 1, 0, 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(str(out), targets, RankInfo(0, 1), manifest=read_manifest(str(out)), verify="checksum")
+    load_rank(LoadRequest(str(out), read_manifest(str(out)), verify="checksum"), targets, RankInfo(0, 1))
     assert all(torch.equal(targets[n], x) for n, x in expected.items()), "the output mixes two checkpoints"
 
 
@@ -838,7 +841,9 @@ def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_p
     value = {"a": 1.0, "b": 2.0}[winner]
     for rank in range(2):
         targets = {"w": torch.zeros(64, 16)}
-        load_rank(str(directory), targets, RankInfo(rank, 2), manifest=read_manifest(str(directory)), verify="checksum")
+        load_rank(
+            LoadRequest(str(directory), read_manifest(str(directory)), verify="checksum"), targets, RankInfo(rank, 2)
+        )
         assert bool((targets["w"] == value).all())
 
 

@@ -9,7 +9,7 @@ import torch
 
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, stage_state
 from tests.support.reference import llama_like
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.tools.cli import main as cli
 
@@ -79,7 +79,7 @@ def test_reshard_offline_then_load_without_resharding(checkpoint, tmp_path, tp, 
         for t in range(tp):
             expected = stage_state(model, tp, pp, t, p)
             targets = {n: torch.zeros_like(x) for n, x in expected.items()}
-            stats = load_rank(str(out), targets, RankInfo(t, tp, p, pp), manifest=manifest)
+            stats = load_rank(LoadRequest(str(out), manifest), targets, RankInfo(t, tp, p, pp))
             assert stats.resharded_from is None  # written for this topology: a plain load
             for name, x in expected.items():
                 assert torch.equal(targets[name], x), name

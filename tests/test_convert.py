@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from tests.support import ROOT
 from tests.support.engines import run_engine
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound
-from vllm_sharded_loader.tools.convert import convert_checkpoint
+from vllm_sharded_loader.tools.convert import ComponentCache, convert_checkpoint
 
 MANIFEST = "sharded_state.json"
 
@@ -84,6 +84,50 @@ def copy_source(source: str, to: Path) -> Path:
     return to
 
 
+# ----------------------------------------------------------------- the shared components, engine-free
+
+
+def _cache(budget: int, ranks: int, running: int = 1) -> tuple[ComponentCache, list[str]]:
+    made: list[str] = []
+    names = [f"t{i}" for i in range(12)]
+
+    def make(name: str) -> dict[str, torch.Tensor]:
+        made.append(name)
+        return {name: torch.full((256,), float(int(name[1:])))}
+
+    cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes=dict.fromkeys(names, ranks))
+    cache.budget, cache.running = budget, running
+    return cache, made
+
+
+def test_ranks_written_together_make_each_component_once():
+    import threading
+
+    cache, made = _cache(budget=2048, ranks=4, running=4)
+    seen: dict[int, list[float]] = {}
+
+    def rank(r: int) -> None:
+        seen[r] = [float(cache.take(f"t{i}")[0]) for i in range(12)]
+        cache.rank_done()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(seen[r] == [float(i) for i in range(12)] for r in range(4))
+    assert sorted(made) == sorted(f"t{i}" for i in range(12)) and not cache.made
+    assert cache.peak <= 2048 + 1024  # a few components, never all twelve
+
+
+def test_ranks_written_one_after_the_other_stay_within_the_budget():
+    cache, _ = _cache(budget=2048, ranks=3)
+    for _ in range(3):
+        assert [float(cache.take(f"t{i}")[0]) for i in range(12)] == [float(i) for i in range(12)]
+        cache.rank_done()
+    assert cache.peak <= 2048 + 1024 and cache.remakes > 0 and not cache.made
+
+
 # ----------------------------------------------------------------- bad sources, engine-free
 
 
@@ -141,6 +185,20 @@ def test_a_partly_filled_tensor_is_refused_and_nothing_is_published(sources, tmp
     assert run.returncode == 2
     assert "left part of model.layers.2.self_attn.qkv_proj.weight unfilled" in run.stderr
     assert not out.exists()
+
+
+def test_int8_w8a8_converts_with_its_kv_cache_scales_as_vllm_creates_them(tmp_path):
+    """compressed-tensors int8: int8 weights and per-channel scales cut per rank; the attention
+    layers' KV-cache scales, which no file holds, made by vLLM's own KV-cache method."""
+    from examples.tiny_models import build_family
+
+    source = build_family(str(tmp_path / "src"), "int8_w8a8")
+    out = tmp_path / "out"
+    convert(source, str(out), 2)
+    verify(str(out))
+    manifest = json.loads((out / MANIFEST).read_text())
+    dtypes = {t["dtype"] for r in manifest["ranks"] for t in r["tensors"].values()}
+    assert "I8" in dtypes and all(g["kind"] != "opaque" for g in manifest["geometry"].values())
 
 
 def test_an_existing_checkpoint_is_not_replaced_without_overwrite(sources, tmp_path):

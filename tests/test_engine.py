@@ -15,7 +15,7 @@ import pytest
 
 from examples.tiny_models import PROMPTS
 from tests.support import ROOT
-from tests.support.engines import openai_server, post_json, run_engine, run_python
+from tests.support.engines import DefaultOutputs, openai_server, post_json, run_engine, run_python
 from vllm_sharded_loader.format import MANIFEST_NAME
 
 pytestmark = pytest.mark.engine
@@ -31,8 +31,8 @@ class Checkpoints:
       default-loader engine, which also tries the hook without capture.
     """
 
-    def __init__(self, models: dict[str, str], root: Path) -> None:
-        self.models, self.root = models, root
+    def __init__(self, models: dict[str, str], root: Path, default_outputs: DefaultOutputs) -> None:
+        self.models, self.root, self.default_outputs = models, root, default_outputs
         self.references: dict[tuple[str, int, int], dict] = {}
         self.checkpoints: dict[tuple[str, int, int], str] = {}
         self.uncaptured_save: dict = {}
@@ -61,12 +61,14 @@ class Checkpoints:
                 assert ref.get("saved"), ref
             self.references[key] = ref
             self.checkpoints[key] = out
+            # The default loader's tokens: other modules compare with them too.
+            self.default_outputs.record(kind, tp, pp, ref)
         return self.checkpoints[key], self.references[key]
 
 
 @pytest.fixture(scope="session")
-def saved(models, tmp_path_factory) -> Checkpoints:
-    return Checkpoints(models, tmp_path_factory.mktemp("sharded"))
+def saved(models, tmp_path_factory, default_outputs) -> Checkpoints:
+    return Checkpoints(models, tmp_path_factory.mktemp("sharded"), default_outputs)
 
 
 def assert_our_loader_ran(output: str, tp: int, pp: int = 1) -> list[tuple[float, float]]:

@@ -15,7 +15,7 @@ import obstore.exceptions
 import pytest
 import torch
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, saveable_state
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, saveable_state
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
 from vllm_sharded_loader.format.errors import (
@@ -52,7 +52,7 @@ def save(directory, tp_size: int = 1, overwrite: bool = True):
 def load(directory, tp_rank: int = 0, tp_size: int = 1):
     targets = saveable_state(state(tp_rank, tp_size, fill=7))
     rank = RankInfo(tp_rank, tp_size)
-    return load_rank(str(directory), targets, rank, manifest=read_manifest(str(directory)), serving=SOURCE)
+    return load_rank(LoadRequest(str(directory), read_manifest(str(directory)), serving=SOURCE), targets, rank)
 
 
 def raised(kind: type[ShardedStateError], call, *args, **kw) -> ShardedStateError:
@@ -123,7 +123,7 @@ def test_another_model_is_a_mismatch(tmp_path):
     manifest = read_manifest(str(tmp_path))
     other = SourceModel("OtherForCausalLM", config_sha256({"x": 1}), normalize_config({"x": 1}))
     targets = saveable_state(state(0, 1, fill=7))
-    raised(CheckpointMismatch, load_rank, str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, serving=other)
+    raised(CheckpointMismatch, load_rank, LoadRequest(str(tmp_path), manifest, serving=other), targets, RankInfo(0, 1))
 
 
 def test_a_running_save_locks_the_folder(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from tests.support.checkpoints import save_model, stage_state
 from tests.support.hub import COMMIT, REPO, lay_out_cache
 from tests.support.reference import llama_like
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.storage import hub
 
@@ -51,12 +51,12 @@ def test_a_rank_resolves_and_opens_only_its_own_files(hub_cache):
     assert not set(mine) & rank1_files
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {n: torch.zeros_like(x) for n, x in expected.items()}
-    stats = load_rank(snapshot, targets, RankInfo(0, 2), manifest=read_manifest(snapshot), verify="checksum")
+    stats = load_rank(LoadRequest(snapshot, read_manifest(snapshot), verify="checksum"), targets, RankInfo(0, 2))
     assert {os.path.basename(f) for f in stats.files} == set(mine)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     # Rank 1 would need the files that are not there, and says which.
     with pytest.raises(ShardedStateError, match=r"model-rank-1-part-0.safetensors: listed in .* but missing"):
-        load_rank(snapshot, stage_state(model, 2, 1, 1, 0), RankInfo(1, 2), manifest=read_manifest(snapshot))
+        load_rank(LoadRequest(snapshot, read_manifest(snapshot)), stage_state(model, 2, 1, 1, 0), RankInfo(1, 2))
 
 
 def test_fetch_patterns_of_each_rank(hub_cache):
@@ -83,4 +83,6 @@ def test_symlink_out_of_the_repository_is_refused(hub_cache):
     os.symlink(outside, part)
     model = llama_like(num_layers=2)
     with pytest.raises(ShardedStateError, match="outside the checkpoint directory"):
-        load_rank(str(snapshot), stage_state(model, 2, 1, 0, 0), RankInfo(0, 2), manifest=read_manifest(str(snapshot)))
+        load_rank(
+            LoadRequest(str(snapshot), read_manifest(str(snapshot))), stage_state(model, 2, 1, 0, 0), RankInfo(0, 2)
+        )

@@ -44,9 +44,10 @@ from hypothesis import strategies as st
 import vllm_sharded_loader.checkpoint.verify as verify_module
 from tests.support.checkpoints import save_model, source_of, stage_state
 from tests.support.reference import Model, llama_like
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.geometry import KINDS
+from vllm_sharded_loader.storage.reader import ReadOptions
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
 MODEL: Model = llama_like(num_layers=2, vocab=100, kv_heads=2)
@@ -77,15 +78,17 @@ def as_bytes(targets: dict[str, torch.Tensor]) -> Loaded:
 def load(directory: str, tp_size: int, tp_rank: int, verify: str) -> Loaded:
     targets = fresh_targets(tp_size, tp_rank)
     load_rank(
-        directory,
+        LoadRequest(
+            directory,
+            read_manifest(directory),
+            verify=verify,
+            serving=source_of(MODEL),
+            geometry=GEOMETRY,
+            tied=MODEL.tied_groups,
+        ),
         targets,
         RankInfo(tp_rank, tp_size),
-        manifest=read_manifest(directory),
-        serving=source_of(MODEL),
-        geometry=GEOMETRY,
-        verify=verify,
-        tied=MODEL.tied_groups,
-        threads=2,
+        options=ReadOptions(threads=2),
     )
     return as_bytes(targets)
 

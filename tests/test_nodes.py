@@ -57,9 +57,9 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bucket(cluster, tmp_path_factory):
+def bucket(cluster, seaweed):
+    server = seaweed  # the session's SeaweedFS, with this module's bucket
     with (
-        SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server,
         stores_pointed_at(server.aws_environment()),
         contextlib.ExitStack() as stack,
     ):

@@ -15,6 +15,7 @@ the save protocol's writes are covered by the other two stores (see docs/serving
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass
@@ -24,18 +25,17 @@ import pytest
 import torch
 
 from examples.cloud_servers import Azurite, FakeGCS
-from examples.s3_server import SeaweedS3
 from tests.support.checkpoints import save_model, source_of, stage_state
 from tests.support.reference import llama_like
 from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import objects
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
-BUCKET = "models"
+BUCKET = "stores"  # its own bucket in the session's SeaweedFS (tests/conftest.py: seaweed)
 STORES = ("s3", "az", "gs")
 
 
@@ -85,11 +85,14 @@ class Store:
 
 @pytest.fixture(scope="module", params=STORES)
 def store(request, tmp_path_factory):
-    """One server per store for this module, with that cloud's usual settings pointing at it."""
+    """One server per store (S3: the session's SeaweedFS), with that cloud's usual settings pointing at it."""
     scheme = request.param
-    workdir = str(tmp_path_factory.mktemp(f"store-{scheme}"))
-    server = {"s3": SeaweedS3, "az": Azurite, "gs": FakeGCS}[scheme](workdir)
-    with server:
+    with contextlib.ExitStack() as stack:
+        if scheme == "s3":
+            server = request.getfixturevalue("seaweed")
+        else:
+            workdir = str(tmp_path_factory.mktemp(f"store-{scheme}"))
+            server = stack.enter_context({"az": Azurite, "gs": FakeGCS}[scheme](workdir))
         environment = server.aws_environment() if scheme == "s3" else server.environment()
         with stores_pointed_at(environment):
             server.create_bucket(BUCKET)
@@ -138,7 +141,7 @@ def test_a_truncated_object_is_refused_before_a_byte_is_read(store, tmp_path):
     store.raw_put(url, part.name, store.raw_get(url, part.name)[:-7])
     targets = {name: torch.full_like(x, -7) for name, x in stage_state(model, 2, 1, 0, 0).items()}
     with pytest.raises(ShardedStateError, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
-        load_rank(url, targets, RankInfo(0, 2), manifest=read_manifest(url), serving=source_of(model))
+        load_rank(LoadRequest(url, read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
     assert all(bool((t == -7).all()) for t in targets.values())
 
 
@@ -170,7 +173,7 @@ def test_an_object_replaced_during_the_load_is_never_read(store, tmp_path):
 
 def test_no_manifest_is_refused(store):
     with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):
-        load_rank(store.new_url(), {}, RankInfo(0, 1), manifest=None, serving=source_of(model_of()))
+        load_rank(LoadRequest(store.new_url(), None, serving=source_of(model_of())), {}, RankInfo(0, 1))
 
 
 # ------------------------------------------------------------------------------ saves

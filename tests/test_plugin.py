@@ -175,7 +175,7 @@ def loaded_state(model, quantization=None):
 
 
 def test_live_state_is_saved_only_if_provably_the_loaded_one():
-    from vllm_sharded_loader.engine.capture import _live_state_if_unchanged
+    from vllm_sharded_loader.engine.save_hook import _live_state_if_unchanged
 
     model = Tiny()
     state = loaded_state(model)
@@ -210,7 +210,7 @@ def test_only_parameters_nothing_else_views_are_offered_for_swapping():
 
 
 def test_live_state_with_in_place_post_processing_is_refused():
-    from vllm_sharded_loader.engine.capture import _live_state_if_unchanged
+    from vllm_sharded_loader.engine.save_hook import _live_state_if_unchanged
 
     class Fp8MoEMethod:  # stands for any method that may rewrite weights at their address
         pass

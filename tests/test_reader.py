@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
 from vllm_sharded_loader.planning.spans import FileGrid, Piece, plan_spans, split_streams
 from vllm_sharded_loader.storage import local, memory, reader, tensor_files
+from vllm_sharded_loader.storage.reader import ReadOptions
 
 # ------------------------------------------------------------------ planning
 
@@ -110,7 +111,10 @@ def test_direct_cast_and_strided_targets_match_the_library(tmp_path, threads, sp
     }
     seen = []
     stats = tensor_files.read_files(
-        [header], targets, threads=threads, span_bytes=span_bytes, progress=lambda n, total: seen.append((n, total))
+        [header],
+        targets,
+        span_bytes=span_bytes,
+        options=ReadOptions(threads=threads, progress=lambda n, total: seen.append((n, total))),
     )
     nbytes = sum(e.end - e.begin for e in header.tensors.values())
     assert stats.bytes_read == sum(n for n, _ in seen) == nbytes
@@ -141,7 +145,7 @@ def test_overlapping_pieces_and_zero_runs(tmp_path):
         Piece(0, 20, 16, dest=1, start=0, itemsize=2),  # elements 10..17 again, cast into second
     ]
     targets = [memory.Target(first, torch.int16, zero_runs=[(20, 32)]), memory.Target(second, torch.int16)]
-    reader.read_pieces([path], pieces, targets, span_bytes=24, threads=2)
+    reader.read_pieces([path], pieces, targets, span_bytes=24, options=ReadOptions(threads=2))
     assert torch.equal(first, torch.cat([data[:20], torch.zeros(12, dtype=torch.int16)]))
     assert torch.equal(second, data[10:18].float())
 
@@ -167,12 +171,12 @@ def test_checksums_are_verified_per_block_in_parallel(tmp_path, threads):
     checksum = checksum_of(path, 128)
     header = local.read_header(path)
     targets = {n: torch.empty_like(t) for n, t in tensors.items()}
-    tensor_files.read_files([header], targets, {path: checksum}, threads=threads)
+    tensor_files.read_files([header], targets, {path: checksum}, options=ReadOptions(threads=threads))
     assert all(torch.equal(targets[n], t) for n, t in tensors.items())
     # A flip in the header, which no tensor reads, is caught too: "all" hashes every block.
     flip(path, 20)
     with pytest.raises(ShardedStateError, match=r"odd.safetensors: checksum mismatch in bytes 0\.\.128 \(block 0\)"):
-        tensor_files.read_files([header], targets, {path: checksum}, threads=threads)
+        tensor_files.read_files([header], targets, {path: checksum}, options=ReadOptions(threads=threads))
 
 
 def test_touched_verification_reads_only_the_blocks_it_needs(tmp_path):
@@ -200,7 +204,7 @@ def test_a_file_shorter_than_its_reads_names_the_file(tmp_path):
     os.truncate(path, header.file_size - 100)
     targets = {n: torch.empty_like(t) for n, t in tensors.items()}
     with pytest.raises(ShardedStateError, match=r"odd.safetensors: a read of bytes \d+\.\.\d+ falls outside"):
-        tensor_files.read_files([header], targets, threads=2, span_bytes=64)
+        tensor_files.read_files([header], targets, span_bytes=64, options=ReadOptions(threads=2))
     # A file that shrinks while it is read (after planning) fails the same way, named.
     buffers = [memoryview(bytearray(64)), memoryview(bytearray(64))]
     fd = os.open(path, os.O_RDONLY)
@@ -251,7 +255,9 @@ def test_fresh_targets_are_backed_by_huge_pages(tmp_path):
     path = str(tmp_path / "big.safetensors")
     save_file({"w": torch.ones(nbytes // 2, dtype=torch.bfloat16)}, path)
     target = torch.empty(nbytes // 2, dtype=torch.bfloat16)  # fresh, untouched memory
-    stats = tensor_files.read_files([local.read_header(path)], {"w": target}, threads=2, huge_pages=True)
+    stats = tensor_files.read_files(
+        [local.read_header(path)], {"w": target}, options=ReadOptions(threads=2, huge_pages=True)
+    )
     assert stats.huge_pages
     assert torch.equal(target, torch.ones_like(target))
     # At least half the tensor faulted in as 2 MiB pages (the kernel may fall back for some).
@@ -292,7 +298,7 @@ def test_without_asking_targets_keep_their_pages(tmp_path):
     # Fresh memory of its own: from malloc, the target could reuse heap memory an earlier
     # test advised (glibc serves 16 MiB from the heap once large frees raised its mmap threshold).
     target = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.bfloat16)
-    stats = tensor_files.read_files([local.read_header(path)], {"w": target}, threads=2)
+    stats = tensor_files.read_files([local.read_header(path)], {"w": target}, options=ReadOptions(threads=2))
     assert not stats.huge_pages
     assert anon_huge_bytes(target.data_ptr(), target.data_ptr() + nbytes) == 0
 
@@ -328,7 +334,7 @@ def test_adopted_targets_are_served_from_a_private_mapping_of_the_file(tmp_path,
     }
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    stats = tensor_files.read_files([header], targets, adopt=adopt, threads=threads, span_bytes=16)
+    stats = tensor_files.read_files([header], targets, adopt=adopt, span_bytes=16, options=ReadOptions(threads=threads))
     assert sorted(adopted) == ["a_bf16", "b_f32", "c_i8"]
     assert stats.bytes_mapped == 42 + 33 * 5 * 4 + 13
     assert stats.bytes_read == sum(e.end - e.begin for e in header.tensors.values())
@@ -377,11 +383,15 @@ def test_mapped_bytes_are_verified_and_nothing_is_adopted_on_a_mismatch(tmp_path
     checksum = checksum_of(path, 64)
     adopted: list[torch.Tensor] = []
     targets = {"e_bf16": torch.empty(20, 30, dtype=torch.bfloat16)}
-    stats = tensor_files.read_files([header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, threads=2)
+    stats = tensor_files.read_files(
+        [header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, options=ReadOptions(threads=2)
+    )
     assert stats.bytes_mapped == 20 * 30 * 2 and torch.equal(adopted.pop(), tensors["e_bf16"])
     flip(path, header.tensors["e_bf16"].begin + 100)  # a byte only the mapping delivers
     with pytest.raises(ShardedStateError, match=r"odd.safetensors: checksum mismatch in bytes \d+\.\.\d+ \(block"):
-        tensor_files.read_files([header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, threads=2)
+        tensor_files.read_files(
+            [header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, options=ReadOptions(threads=2)
+        )
     assert adopted == []
 
 
@@ -429,6 +439,6 @@ def test_one_failing_stream_stops_the_others(tmp_path):
     header = local.read_header(path)
     target = torch.full((size,), 7, dtype=torch.uint8)
     with pytest.raises(ShardedStateError, match="checksum mismatch"):
-        tensor_files.read_files([header], {"w": target}, {path: checksum}, threads=2)
+        tensor_files.read_files([header], {"w": target}, {path: checksum}, options=ReadOptions(threads=2))
     read_by_the_other = int((target[size // 2 :] == 0).sum())
     assert read_by_the_other < size // 4, f"{read_by_the_other / 2**20:.0f} MiB read after the first stream failed"

@@ -25,9 +25,10 @@ from tests.support.checkpoints import (
 )
 from tests.support.reference import llama_like, reference_pp_indices
 from tests.support.states import SOURCE
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.storage.reader import ReadOptions
 
 
 @pytest.mark.parametrize(
@@ -45,13 +46,11 @@ def test_reshard_load_from_files_matches_vllms_rule(tmp_path, saved, serving, ti
             expected = stage_state(model, tp_size, pp_size, t, p)
             targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
             stats = load_rank(
-                str(tmp_path),
+                LoadRequest(
+                    str(tmp_path), manifest, verify="checksum", serving=source_of(model), tied=model.tied_groups
+                ),
                 targets,
                 RankInfo(t, tp_size, p, pp_size),
-                manifest=manifest,
-                serving=source_of(model),
-                verify="checksum",
-                tied=model.tied_groups,
             )
             assert stats.resharded_from == saved
             for name, x in expected.items():
@@ -63,7 +62,7 @@ def test_tp1_to_tp2_reads_about_half_per_rank(tmp_path):
     manifest = save_model(tmp_path, model, 1, 1)
     for t in range(2):
         targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 2, 1, t, 0).items()}
-        stats = load_rank(str(tmp_path), targets, RankInfo(t, 2), manifest=manifest)
+        stats = load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(t, 2))
         assert 0.45 < stats.bytes_read / manifest.nbytes < 0.55
 
 
@@ -73,7 +72,7 @@ def test_layers_move_between_stages(tmp_path):
     start, end = reference_pp_indices(5, 0, 1)
     assert (start, end) == (0, 5)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
-    stats = load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+    stats = load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
     # A single stage reads both saved stages' files.
     assert {f.rsplit("/", 1)[1][:12] for f in stats.files} == {"model-pp-0-t", "model-pp-1-t"}
 
@@ -84,7 +83,7 @@ def test_without_geometry_another_topology_is_refused(tmp_path):
     save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     with pytest.raises(ShardedStateError, match=r"saved with tensor_parallel_size=2 .* runs tensor_parallel_size=1"):
-        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+        load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
 
 
 def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
@@ -100,7 +99,7 @@ def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
     save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE, geometry=geometry)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     with pytest.raises(ShardedStateError, match=r"model.layers.1.mlp.down_proj.weight.*FusedMoE"):
-        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=read_manifest(str(tmp_path)))
+        load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
 
 
 def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
@@ -121,7 +120,9 @@ def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(reshard, "read_pieces", counted)
     expected = stage_state(model, 1, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
-    load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, serving=source_of(model), verify="checksum")
+    load_rank(
+        LoadRequest(str(tmp_path), manifest, verify="checksum", serving=source_of(model)), targets, RankInfo(0, 1)
+    )
     assert len(batches) > 4
     for name, x in expected.items():
         assert torch.equal(targets[name], x), name
@@ -141,7 +142,7 @@ def edit_manifest(directory, edit):
 
 def load_tp1(directory, model, manifest, **options):
     targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, 1, 1, 0, 0).items()}
-    load_rank(str(directory), targets, RankInfo(0, 1), manifest=manifest, **options)
+    load_rank(LoadRequest(str(directory), manifest, **options), targets, RankInfo(0, 1))
     return targets
 
 
@@ -207,7 +208,7 @@ def test_stacked_experts_reshard_as_vllm_loads_them(tmp_path, saved_tp, serving_
     for t in range(serving_tp):
         expected = experts_rank(w1, w3, w2, serving_tp, t)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, RankInfo(t, serving_tp), manifest=manifest, verify="checksum")
+        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(t, serving_tp))
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, t)
 
@@ -245,7 +246,7 @@ def test_experts_move_between_placements_by_global_id(tmp_path, saved, serving):
     for t in range(serving[0]):
         rank, expected = moe_rank(weights, serving[0], serving[1], t)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        stats = load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        stats = load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, t)
         if saved[1] is not None and serving[1] is not None:
@@ -263,7 +264,7 @@ def test_a_data_parallel_replica_reads_the_experts_of_its_ep_rank(tmp_path):
     _, expected = moe_rank(weights, 2, "linear", 1)
     rank = RankInfo(0, 1, experts=expert_placement(EXPERTS, 2, "linear"), ep_rank=1)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(str(tmp_path), targets, rank, manifest=read_manifest(str(tmp_path)), verify="checksum")
+    load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"), targets, rank)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
@@ -277,7 +278,7 @@ def test_moved_experts_are_mapped_from_the_files(tmp_path):
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    load_rank(str(tmp_path), targets, rank, manifest=read_manifest(str(tmp_path)), verify="checksum", adopt=adopt)
+    load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"), targets, rank, adopt=adopt)
     for name, x in expected.items():
         assert torch.equal(adopted.get(name, targets[name]), x), name
     assert "model.layers.0.mlp.experts.w13_weight" in adopted
@@ -293,12 +294,12 @@ def test_experts_without_geometry_are_refused_when_they_would_move(tmp_path, ser
     rank, expected = moe_rank(weights, serving[0], serving[1], 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(ShardedStateError, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry|cannot be"):
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())
     # At the saved placement it loads.
     rank, expected = moe_rank(weights, 2, "linear", 1)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(str(tmp_path), targets, rank, manifest=manifest)
+    load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
@@ -312,7 +313,7 @@ def test_a_placement_that_is_not_the_geometrys_is_refused(tmp_path):
     wrong = RankInfo(0, 2, experts=expert_placement(EXPERTS + 2, 2), ep_rank=0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(ShardedStateError, match="stacks 6 experts, but the expert placement EP=2 linear"):
-        load_rank(str(tmp_path), targets, wrong, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, wrong)
     assert all(bool((x == -7).all()) for x in targets.values())
 
 
@@ -350,7 +351,9 @@ def load_adopting(directory, rank, verify="checksum", model=None):
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    stats = load_rank(str(directory), targets, rank, manifest=read_manifest(str(directory)), verify=verify, adopt=adopt)
+    stats = load_rank(
+        LoadRequest(str(directory), read_manifest(str(directory)), verify=verify), targets, rank, adopt=adopt
+    )
     return expected, targets, adopted, stats
 
 
@@ -449,11 +452,9 @@ def test_a_corrupt_block_is_refused_on_the_mapped_paths(tmp_path, tensor):
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
     with pytest.raises(ShardedStateError, match=rf"{entry.file}: checksum mismatch"):
         load_rank(
-            str(tmp_path),
+            LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"),
             targets,
             RankInfo(0, 1),
-            manifest=read_manifest(str(tmp_path)),
-            verify="checksum",
             adopt=adopt,
         )
     assert not adopted
@@ -477,7 +478,7 @@ def test_row_splits_are_read_per_tensor_not_per_row(tmp_path, monkeypatch, saved
     monkeypatch.setattr(reshard, "read_pieces", counted)
     expected = stage_state(model, serving, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
-    load_rank(str(tmp_path), targets, RankInfo(0, serving), manifest=manifest, verify="checksum")
+    load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(0, serving))
     for name, x in expected.items():
         assert torch.equal(targets[name], x), name
     assert model.tensors["model.layers.0.self_attn.o_proj.weight"].data.shape[0] == 1024
@@ -493,7 +494,7 @@ def test_a_one_thread_resharding_load_leaves_the_callers_torch_threads_alone(tmp
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        load_rank(str(tmp_path), targets, RankInfo(0, 1), manifest=manifest, threads=1)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(0, 1), options=ReadOptions(threads=1))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -510,7 +511,7 @@ def test_non_contiguous_targets_are_filled_run_by_run(tmp_path):
     rows, columns = expected[name].shape
     targets[name] = torch.full((columns, rows), -7, dtype=expected[name].dtype).t()  # transposed memory
     assert not targets[name].is_contiguous()
-    load_rank(str(tmp_path), targets, RankInfo(0, 2), manifest=manifest, verify="checksum")
+    load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(0, 2))
     for n, x in expected.items():
         assert torch.equal(targets[n], x), n
 
@@ -572,7 +573,7 @@ def test_experts_saved_per_replica_load_at_every_placement(tmp_path, saved, serv
     manifest = read_manifest(str(tmp_path))  # and it parses back, checked
     for rank, expected in serving_ranks(weights, serving):
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, rank)
 
@@ -586,12 +587,12 @@ def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(t
     manifest = read_manifest(str(tmp_path))
     for rank, expected in serving_ranks(weights, (1, 2, "linear")):
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
     rank, expected = serving_ranks(weights, (1, 2, "round_robin"))[1]
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(ShardedStateError, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry"):
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())
 
 
@@ -685,7 +686,7 @@ def test_experts_cut_across_tp_and_dp_load_at_every_topology(tmp_path, saved, se
         workers = serving_ranks(weights, (serving[0], None))
     for rank, expected in workers:
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, rank)
 
@@ -700,7 +701,7 @@ def test_a_checkpoint_without_dp_serves_experts_cut_across_tp_and_dp(tmp_path):
         rank, expected = flat_rank(weights, 1, 2, d, 0)
         del expected[NORM]  # save_moe saves the experts only
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest, verify="checksum")
+        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), d
 
 
@@ -714,10 +715,10 @@ def test_an_opaque_expert_tensor_cut_across_tp_and_dp_loads_only_at_its_cut(tmp_
     workers = [flat_rank(weights, 1, 2, d, 0) for d in range(2)] + serving_ranks(weights, (2, None))
     for rank, expected in workers:
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
     rank, expected = serving_ranks(weights, (1, None))[0]
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(ShardedStateError, match="holds experts each data-parallel replica saved"):
-        load_rank(str(tmp_path), targets, rank, manifest=manifest)
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())

@@ -21,12 +21,11 @@ import uuid
 import pytest
 import torch
 
-from examples.s3_server import SeaweedS3
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
 from tests.support.reference import llama_like
 from tests.support.states import SOURCE
 from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
@@ -38,11 +37,11 @@ BUCKET = "models"
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A SeaweedFS S3 server for this module, with the usual AWS settings pointing at it."""
-    with SeaweedS3(str(tmp_path_factory.mktemp("seaweed"))) as server, stores_pointed_at(server.aws_environment()):
-        server.create_bucket(BUCKET)
-        yield server
+def s3(seaweed):
+    """The session's SeaweedFS S3 server with this module's bucket, and the usual AWS settings pointing at it."""
+    with stores_pointed_at(seaweed.aws_environment()):
+        seaweed.create_bucket(BUCKET)
+        yield seaweed
 
 
 def new_prefix() -> str:
@@ -92,7 +91,7 @@ def test_experts_saved_per_replica_into_a_bucket_load_at_every_rank(s3):
     for serving in [(1, 2, "linear"), (2, None)]:
         for rank, expected in serving_ranks(weights, serving):
             targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-            load_rank(url, targets, rank, manifest=read_manifest(url), verify="checksum")
+            load_rank(LoadRequest(url, read_manifest(url), verify="checksum"), targets, rank)
             assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
 
 
@@ -145,7 +144,7 @@ def test_a_truncated_object_is_refused_before_a_byte_is_read(s3):
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     with pytest.raises(ShardedStateError, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
-        load_rank(url, targets, RankInfo(0, 2), manifest=read_manifest(url), serving=source_of(model))
+        load_rank(LoadRequest(url, read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
     assert all(bool((t == -7).all()) for t in targets.values())
 
 
@@ -246,7 +245,7 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     (left,) = staging_dir.iterdir()  # the killed save's staged parts, a model's worth
     assert any(p.name.endswith(".partial") for p in left.iterdir())
     with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
-        load_rank(url, {}, RankInfo(0, 1), manifest=read_manifest(url))
+        load_rank(LoadRequest(url, read_manifest(url)), {}, RankInfo(0, 1))
     assert any("a save is running or was interrupted" in p for p in verify_checkpoint(url))
     # The error of the next save says what to do; done, the next save aborts what was left.
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
@@ -287,11 +286,11 @@ def test_offline_commands_work_on_a_bucket(s3, tmp_path, capsys):
 def test_no_manifest_in_a_bucket_is_refused(s3):
     url = new_prefix()
     with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):
-        load_rank(url, {}, RankInfo(0, 1), manifest=None, serving=SOURCE)
+        load_rank(LoadRequest(url, None, serving=SOURCE), {}, RankInfo(0, 1))
 
 
 @pytest.mark.engine
-def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_tp1(s3, models):
+def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_tp1(s3, models, default_outputs):
     """examples/save_sharded_state.py -o s3://... at TP=2; LLM(model="s3://...") at TP=2 and TP=1."""
     from tests.support.engines import run_engine, run_python
 
@@ -310,7 +309,7 @@ def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_
     assert not any(n.endswith(".partial") for n in names)
     assert verify_checkpoint(url) == []
     for tp in (2, 1):
-        reference = run_engine({"model": models["llama"], "tp": tp}).result
+        reference = default_outputs.get("llama", tp)
         served = run_engine(
             {"model": url, "tp": tp, "load_format": "sharded_state", "extra_config": {"verify": "checksum"}}
         )
@@ -391,7 +390,7 @@ def load_rank_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
     manifest = read_manifest(checkpoint)
     entries = manifest.rank(0, 0).tensors.items()
     targets = {name: torch.empty(e.shape, dtype=DTYPES[e.dtype]) for name, e in entries}
-    load_rank(checkpoint, targets, RankInfo(0, 1), manifest=manifest, serving=manifest.source)
+    load_rank(LoadRequest(checkpoint, manifest, serving=manifest.source), targets, RankInfo(0, 1))
     return targets
 
 

@@ -186,7 +186,7 @@ def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_
     files by name after other saves had rewritten them (same names, same sizes). The capture is
     now reused only when its content matches the checksums taken as it was written."""
     from vllm_sharded_loader.checkpoint.save import publish_rank, stage_rank, write_manifest
-    from vllm_sharded_loader.engine.capture import _check_capture_content
+    from vllm_sharded_loader.engine.save_hook import _check_capture_content
     from vllm_sharded_loader.format import Manifest
 
     directory = tmp_path / "ckpt"

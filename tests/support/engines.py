@@ -78,6 +78,27 @@ def run_engine(
     return run
 
 
+class DefaultOutputs:
+    """vLLM's default loader's greedy output (an engine's ``RESULT``) for each small model at a
+    topology, from one engine per session: the tests that only compare with it share it
+    (``default_outputs`` in tests/conftest.py). An engine that ran the default loader on the same
+    model and topology for a purpose of its own (a capture, a save after start-up: neither changes
+    what it generates) records its result instead of a second engine computing the same tokens."""
+
+    def __init__(self, models: dict[str, str]) -> None:
+        self.models = models
+        self.results: dict[tuple[str, int, int], dict] = {}
+
+    def get(self, kind: str, tp: int = 1, pp: int = 1) -> dict:
+        key = (kind, tp, pp)
+        if key not in self.results:
+            self.results[key] = run_engine({"model": self.models[kind], "tp": tp, "pp": pp}).result
+        return self.results[key]
+
+    def record(self, kind: str, tp: int, pp: int, result: dict) -> None:
+        self.results.setdefault((kind, tp, pp), result)
+
+
 def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
     """Start one offline data-parallel engine: a process per replica, each running
     tests/support/engine_runner.py with its spec, as vLLM's ``data_parallel_offline.py`` example does

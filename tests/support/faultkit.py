@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tests.support.states import SOURCE
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 
 
 def tree_digest(root: str) -> dict[str, tuple[str, int, str]]:
@@ -69,7 +69,7 @@ def assert_published(directory: Path, value: float) -> None:
     assert manifest is not None
     for info, tensors in states(value).items():
         targets = {n: torch.zeros_like(t) for n, t in tensors.items()}
-        load_rank(str(directory), targets, info, manifest=manifest, serving=SOURCE, verify="checksum")
+        load_rank(LoadRequest(str(directory), manifest, verify="checksum", serving=SOURCE), targets, info)
         assert all(torch.equal(targets[n], t) for n, t in tensors.items()), f"rank {info} is not save {value}'s"
 
 

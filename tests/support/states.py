@@ -2,7 +2,7 @@
 
 import torch
 
-from vllm_sharded_loader.checkpoint import RankInfo, load_rank, read_manifest, saveable_state
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, ReadOptions, load_rank, read_manifest, saveable_state
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import Manifest, SourceModel, config_sha256, normalize_config
 
@@ -51,7 +51,9 @@ def load(directory, tp_rank=0, tp_size=2, targets=None, experts=None, ep_rank=0,
     manifest = read_manifest(str(directory))
     kw.setdefault("serving", SOURCE)
     rank = RankInfo(tp_rank, tp_size, experts=experts, ep_rank=ep_rank)
-    return load_rank(str(directory), targets, rank, manifest=manifest, **kw), targets
+    options = ReadOptions(**{k: kw.pop(k) for k in list(kw) if k in ReadOptions.__dataclass_fields__})
+    adopt = kw.pop("adopt", None)
+    return load_rank(LoadRequest(str(directory), manifest, **kw), targets, rank, options, adopt), targets
 
 
 def assert_untouched(targets):

@@ -1,7 +1,7 @@
 """One rank's load and save, engine-free: the checks, the plan and the I/O, put together.
 
-- :mod:`.load`: :func:`load_rank`, one rank's checked load (same topology, or resharded
-  by :mod:`.reshard`, or a checkpoint of vLLM's own save by :mod:`.legacy`);
+- :mod:`.load`: :func:`load_rank`, one rank's checked load of a :class:`.request.LoadRequest`
+  (same topology, or resharded by :mod:`.reshard`, or a checkpoint of vLLM's own save by :mod:`.legacy`);
 - :mod:`.rank_files`: every check of a rank's files against the manifest;
 - :mod:`.save`: the save protocol (lock, staged parts, swap, manifest last);
 - :mod:`.verify`: offline verification of a whole checkpoint;
@@ -12,9 +12,21 @@ Needs torch, never vLLM: the engine layer calls in here, and tests do too.
 
 from ..planning.topology import RankInfo
 from ..storage.location import read_manifest
+from ..storage.reader import ReadOptions
 from .load import load_rank
+from .request import LoadRequest
 from .state import saveable_state, tensor_specs
 from .stats import LoadStats
 from .verify import verify_checkpoint
 
-__all__ = ["LoadStats", "RankInfo", "load_rank", "read_manifest", "saveable_state", "tensor_specs", "verify_checkpoint"]
+__all__ = [
+    "LoadRequest",
+    "LoadStats",
+    "RankInfo",
+    "ReadOptions",
+    "load_rank",
+    "read_manifest",
+    "saveable_state",
+    "tensor_specs",
+    "verify_checkpoint",
+]

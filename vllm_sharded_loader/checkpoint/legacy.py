@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
@@ -19,23 +18,24 @@ from ..planning.tensors import TensorSpec, check_tensor_sets
 from ..planning.topology import RankInfo
 from ..storage.local import part_path, read_header
 from ..storage.location import is_remote, read_manifest
+from ..storage.reader import ReadOptions
 from ..storage.tensor_files import read_files
+from .request import LoadRequest
 from .state import tensor_specs
 from .stats import LoadStats, whole_file_stats
 
 
 def load_without_manifest(
-    directory: str,
+    request: LoadRequest,
     targets: Mapping[str, torch.Tensor],
     rank: RankInfo,
-    pattern: str | None,
-    verify: str,
+    options: ReadOptions,
+    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None,
     started: float,
-    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
-    **options: Any,
 ) -> LoadStats:
     """:func:`.load.load_rank` for a checkpoint of vLLM's own save."""
-    if verify == "checksum":
+    directory, pattern = request.directory, request.pattern
+    if request.verify == "checksum":
         raise CheckpointMismatch(
             f"{directory} has no {MANIFEST_NAME} (a checkpoint of vLLM's own save), so there are no "
             "checksums to verify; load it with verify='size' or save it again with vllm-sharded-loader."
@@ -63,7 +63,7 @@ def load_without_manifest(
         hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
         "drops every linear weight. Save it again with examples/save_sharded_state.py.",
     )
-    read = read_files(headers, targets, None, adopt, **options)
+    read = read_files(headers, targets, None, adopt, options=options)
     return whole_file_stats([h.path for h in headers], len(targets), read, started, cast, with_manifest=False)
 
 

@@ -15,72 +15,58 @@ tensors. Each step is a named piece beside this module:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 
 from ..format.errors import CheckpointNotFound
-from ..format.geometry import TensorGeometry
-from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
-from ..format.source import SourceModel
 from ..planning.experts import check_expert_placement, rank_experts_moved
 from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
 from ..storage.location import check_not_locked, is_remote
-from ..storage.reader import DEFAULT_THREADS
+from ..storage.memory import check_materialized
+from ..storage.reader import DEFAULT_READ, ReadOptions
 from ..storage.tensor_files import read_files
 from .legacy import load_without_manifest
 from .rank_files import RankFiles, check_not_replaced, saved_specs
+from .request import LoadRequest
 from .reshard import load_resharded
 from .state import tensor_specs
 from .stats import LoadStats, check_verify_mode, whole_file_stats
 
 
 def load_rank(
-    directory: str,
+    request: LoadRequest,
     targets: Mapping[str, torch.Tensor],
     rank: RankInfo,
-    *,
-    manifest: Manifest | None,
-    serving: SourceModel | None = None,
-    geometry: Mapping[str, TensorGeometry] | None = None,
-    pattern: str | None = None,
-    verify: str = "size",
-    tied: Sequence[Sequence[str]] = (),
-    threads: int = DEFAULT_THREADS,
-    progress: Callable[[int, int], None] | None = None,
-    huge_pages: bool = False,
-    ranks_on_host: int = 1,
+    options: ReadOptions = DEFAULT_READ,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
+    ``request`` names the checkpoint and what to check it against (:class:`.request.LoadRequest`);
     ``targets`` maps each tensor name to the tensor it loads into (the model's
-    :func:`.state.saveable_state`). Every check runs before the first byte is copied, so a
-    refused checkpoint leaves the parameters untouched. With ``verify="checksum"``
-    every byte read is also hashed and compared with the manifest; a mismatch raises
-    before the load returns (the engine then does not start).
+    :func:`.state.saveable_state`); ``rank`` is where this worker sits (topology, experts).
+    Every check runs before the first byte is copied, so a refused checkpoint leaves the
+    parameters untouched. With ``verify="checksum"`` every byte read is also hashed and
+    compared with the manifest; a mismatch raises before the load returns (the engine
+    then does not start).
 
     A checkpoint saved at another TP/PP size, or with its routed experts placed otherwise
     than ``rank.experts`` places them (another EP size or strategy, or expert parallelism
     on one side only), is resharded (:func:`.reshard.load_resharded`) if its manifest
-    records the geometry; ``tied`` names groups of tensors the serving
-    model shares (tied embeddings), so a tensor saved under one name serves the others.
-    ``threads``, ``progress``, ``huge_pages`` and ``ranks_on_host`` (the ranks loading on this
-    host at once, which share its budget of requests to object storage) go to the reader. ``adopt`` maps tensor
-    names to callbacks that take a tensor over a private mapping of the file in place of
-    the target (see :func:`..storage.reader.read_pieces`); a resharding load maps the
-    tensors whose saved pieces are whole runs of their files (see
-    :meth:`.reshard.ReshardSource.read`). ``serving`` (the model's identity) and ``geometry``
-    (how its layers split each target) are checked against what the manifest records,
-    when given. ``pattern`` names the files of a checkpoint
-    without manifest (vLLM's own save).
+    records the geometry. ``options`` run the reader (:class:`..storage.reader.ReadOptions`).
+    ``adopt`` maps tensor names to callbacks that take a tensor over a private mapping of
+    the file in place of the target (see :func:`..storage.reader.read_pieces`); a resharding
+    load maps the tensors whose saved pieces are whole runs of their files (see
+    :meth:`.reshard.ReshardSource.read`).
     """
     started = time.perf_counter()
-    options = dict(threads=threads, progress=progress, huge_pages=huge_pages, ranks_on_host=ranks_on_host)
+    directory, manifest, verify = request.directory, request.manifest, request.verify
     check_verify_mode(verify)
+    check_materialized(targets, f"{directory} ({rank})")
     check_not_locked(directory)
     if manifest is None:
         if is_remote(directory):
@@ -88,7 +74,7 @@ def load_rank(
                 f"{directory}: no {MANIFEST_NAME}. A checkpoint in object storage is served only with the manifest "
                 "this package writes (or the save into it is incomplete): save it with vllm_sharded_loader."
             )
-        return load_without_manifest(directory, targets, rank, pattern, verify, started, adopt=adopt, **options)
+        return load_without_manifest(request, targets, rank, options, adopt, started)
     moved = rank_experts_moved(manifest, rank)
     resharding = moved or (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size)
     if resharding and not manifest.geometry:
@@ -103,21 +89,19 @@ def load_rank(
             where=directory,
         )
     # The checks: the model served and how it splits its tensors, ...
-    if serving is not None:
-        check_source(manifest, serving, directory)
-    if geometry is not None:
+    if request.serving is not None:
+        check_source(manifest, request.serving, directory)
+    if request.geometry is not None:
         check_served_geometry(
             manifest.geometries,
-            geometry,
+            request.geometry,
             {name for entry in manifest.ranks for name in entry.tensors},
             resharding=resharding,
-            tied=[*manifest.tied, *tied],
+            tied=[*manifest.tied, *request.tied],
             where=directory,
         )
     if resharding:
-        return load_resharded(
-            directory, manifest, targets, rank, verify=verify, tied=tied, started=started, adopt=adopt, **options
-        )
+        return load_resharded(request, targets, rank, options, adopt, started)
     # ... its tensors, then every file of this rank, each opened once.
     entry = manifest.rank(rank.tp_rank, rank.pp_rank)
     cast = check_tensor_sets(
@@ -130,6 +114,6 @@ def load_rank(
         # The plan and the read: each tensor's bytes where its file's header places them.
         checksums = {c.file.path: c.entry.checksum for c in files.files} if verify == "checksum" else {}
         handles = [c.file for c in files.files]
-        read = read_files(files.headers, targets, checksums, adopt, handles, **options)
+        read = read_files(files.headers, targets, checksums, adopt, handles, options)
         check_not_replaced(directory, manifest, files.check_unchanged)
     return whole_file_stats([h.path for h in files.headers], len(targets), read, started, cast, with_manifest=True)

@@ -31,9 +31,10 @@ from ..planning.topology import RankInfo
 from ..storage import oscalls
 from ..storage.location import StoredFile, file_path
 from ..storage.memory import PAGE, Target, map_pieces
-from ..storage.reader import DEFAULT_THREADS, ReadStats, read_pieces
+from ..storage.reader import DEFAULT_READ, ReadOptions, ReadStats, read_pieces
 from ..storage.tensors import map_file_range, torch_dtype
 from .rank_files import CheckedFile, check_not_replaced, check_rank_file
+from .request import LoadRequest
 from .stats import LoadStats, check_verify_mode
 
 # Bytes of saved files a resharding load maps at once to join or cut rows (see ReshardSource.read).
@@ -153,18 +154,15 @@ class ReshardSource:
         self,
         plans: Mapping[str, TensorPlan],
         targets: Mapping[str, torch.Tensor],
-        *,
-        threads: int = DEFAULT_THREADS,
-        progress: Callable[[int, int], None] | None = None,
-        huge_pages: bool = False,
-        ranks_on_host: int = 1,
+        options: ReadOptions = DEFAULT_READ,
         adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
     ) -> ReadStats:
         """Fill ``targets`` from their :class:`~..planning.reads.TensorPlan` (cast if the saved dtype differs).
 
         With ``verify="checksum"`` every checksum block the plans touch is read whole and
-        verified; blocks they do not touch are not read. ``adopt`` (tensor name -> callback,
-        as for :func:`.load.load_rank`): a CPU target of the saved dtype whose every piece
+        verified; blocks they do not touch are not read. ``options`` run the reader
+        (:class:`..storage.reader.ReadOptions`). ``adopt`` (tensor name -> callback, as for
+        :func:`.load.load_rank`): a CPU target of the saved dtype whose every piece
         is one run of a file (dim-0 splits, replicated tensors) is served from private
         mappings of the files' pages (:func:`..storage.memory.map_pieces`), bytes sharing a
         page with another piece being read; its callback receives that tensor once every
@@ -248,18 +246,10 @@ class ReshardSource:
                 if not on_cpu:
                     batch.copies.append(copy)
                 batch.gathered += span
-        total, spans, huge, used = 0, 0, False, threads
+        total, spans, huge, used = 0, 0, False, options.threads
         for batch in batches:
             stats = read_pieces(
-                opened,
-                batch.pieces,
-                batch.targets,
-                checksums=checksums,
-                verify="touched",
-                threads=threads,
-                progress=progress,
-                huge_pages=huge_pages,
-                ranks_on_host=ranks_on_host,
+                opened, batch.pieces, batch.targets, checksums=checksums, verify="touched", options=options
             )
             batch.copy_rows()
             total, spans, huge = total + stats.bytes_read, spans + stats.spans, huge or stats.huge_pages
@@ -286,19 +276,12 @@ class ReshardSource:
 
 
 def load_resharded(
-    directory: str,
-    manifest: Manifest,
+    request: LoadRequest,
     targets: Mapping[str, torch.Tensor],
     rank: RankInfo,
-    *,
-    verify: str = "size",
-    tied: Sequence[Sequence[str]] = (),
-    started: float | None = None,
-    threads: int = DEFAULT_THREADS,
-    progress: Callable[[int, int], None] | None = None,
-    huge_pages: bool = False,
-    ranks_on_host: int = 1,
+    options: ReadOptions = DEFAULT_READ,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
+    started: float | None = None,
 ) -> LoadStats:
     """Fill a rank's tensors from a checkpoint saved at another TP/PP size.
 
@@ -309,7 +292,9 @@ def load_resharded(
     ranks' rows. Every planned shape is checked against the model before any read.
     """
     started = time.perf_counter() if started is None else started
-    with ReshardSource(directory, manifest, verify) as source:
+    directory, manifest, tied = request.directory, request.manifest, request.tied
+    assert manifest is not None, "a resharding load has a manifest"
+    with ReshardSource(directory, manifest, request.verify) as source:
         plan = source.plan(list(targets), rank, tied)
         wrong = [
             f"{n} planned {list(p.shape)} but the model expects {list(targets[n].shape)}"
@@ -331,15 +316,7 @@ def load_resharded(
             )
         for name in files_to_check(plan, manifest):
             source.check_file(name)  # every check before the first byte lands in a parameter
-        read = source.read(
-            plan.tensors,
-            targets,
-            threads=threads,
-            progress=progress,
-            huge_pages=huge_pages,
-            adopt=adopt,
-            ranks_on_host=ranks_on_host,
-        )
+        read = source.read(plan.tensors, targets, options, adopt)
         check_not_replaced(directory, manifest, source.check_unchanged)
         cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]
     return LoadStats(

@@ -244,10 +244,12 @@ class ConvertModel:
         self.dtype = dtype_label(self.model_config.dtype)
         self.identity: SourceModel = source_identity(self.model, self.model_config)
         self.geometry: dict[str, TensorGeometry] = tensor_geometry(self.model, self.state, 1, 0)
-        self._slots = self._tensor_slots()
         self.fills = self._dry_run()
         defaults = [n for n in self.state if n.rpartition(".")[2] in DEFAULT_SCALES]
         filled = {t for targets in self.fills.values() for t in targets}
+        self.constants = self._initial_values([n for n in self.state if n not in filled and n not in defaults])
+        defaults += list(self.constants)
+        self._slots = self._tensor_slots()
         unfilled = [n for n in self.state if n not in filled and n not in defaults]
         if unfilled:
             raise ConvertRefused(
@@ -259,6 +261,33 @@ class ConvertModel:
         self._made: dict[int, dict[str, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- planning
+
+    def _initial_values(self, unfilled: list[str]) -> dict[str, torch.Tensor]:
+        """Tensors vLLM gives a fixed initial value, not filled from the checkpoint: a quantized
+        attention layer's KV-cache scales and zero points, which its KV-cache method creates (-1:
+        "not given") and post-processing replaces. Made by that method's own ``create_weights``
+        on the CPU, for attention layers none of whose tensors the checkpoint fills."""
+        by_module: dict[str, list[str]] = {}
+        for name in unfilled:
+            by_module.setdefault(name.rpartition(".")[0], []).append(name)
+        constants: dict[str, torch.Tensor] = {}
+        for module_name, names in by_module.items():
+            module = self.model.get_submodule(module_name)
+            method = getattr(module, "quant_method", None)
+            create = getattr(method, "create_weights", None)
+            own = [f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False)]
+            if "Attention" not in type(module).__name__ or create is None or set(own) - set(names):
+                continue
+            try:
+                with torch.device("cpu"):
+                    create(module)
+            except TypeError:  # a method that needs more than the layer: not a KV-cache method
+                continue
+            for name in names:
+                value = getattr(module, name.rpartition(".")[2], None)
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    constants[name] = value.detach().clone()
+        return constants
 
     def _tensor_slots(self) -> dict[str, list[tuple[torch.nn.Module, str, bool]]]:
         """Every (module, attribute, is_parameter) holding each state tensor (tied ones held twice)."""
@@ -351,9 +380,11 @@ class ConvertModel:
         component = self.components[name]
         with torch.no_grad():
             for target in component.targets:
-                meta = self._current(target)
-                tensor = torch.empty(meta.shape, dtype=meta.dtype)
-                if tensor.is_floating_point():
+                spec = self.state[target]  # the shape and dtype vLLM built it with
+                tensor = torch.empty(spec.shape, dtype=spec.dtype)
+                if target in self.constants:
+                    tensor.copy_(self.constants[target])
+                elif tensor.is_floating_point():
                     tensor.fill_(float("nan"))  # what stays NaN was not filled
                 self._set(target, tensor)
                 attr = self._slots[target][0][1]
@@ -376,8 +407,8 @@ class ConvertModel:
     def free(self, name: str) -> None:
         """Put a component's tensors back on the meta device (their memory goes)."""
         for target in self.components[name].targets:
-            current = self._current(target)
-            self._set(target, torch.empty(current.shape, dtype=current.dtype, device="meta"))
+            spec = self.state[target]
+            self._set(target, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
 
     def close(self) -> None:
         self.source.close()

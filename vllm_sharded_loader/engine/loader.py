@@ -15,7 +15,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import sharded_state_loader as builtin_sharded_state
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from ..checkpoint import load_rank, read_manifest, saveable_state
+from ..checkpoint import LoadRequest, load_rank, read_manifest, saveable_state
 from ..checkpoint.legacy import holds_sharded_checkpoint
 from ..checkpoint.state import tied_groups
 from ..checkpoint.stats import LoadStats, check_verify_mode
@@ -26,7 +26,8 @@ from ..format.names import MANIFEST_NAME
 from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import is_remote
-from ..storage.reader import DEFAULT_THREADS
+from ..storage.reader import DEFAULT_THREADS, ReadOptions
+from .compile_cache import restore_startup_artifacts
 from .identity import dtype_label, is_drafter, source_identity
 from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
@@ -71,6 +72,13 @@ def adoptable_parameters(
         if _storage_uses(param) == baseline + held.get(param.untyped_storage().data_ptr(), 0):
             setters[name] = partial(_swap_data, param)
     return setters
+
+
+def serves_on_cpu() -> bool:
+    """Whether vLLM runs this engine on its CPU platform (the only one whose parameters are mapped)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _swap_data(param: torch.nn.Parameter, data: torch.Tensor) -> None:
@@ -163,7 +171,7 @@ class ShardedStateLoader(BaseModelLoader):
     ``pattern`` (the file name pattern of a checkpoint saved with a custom one), as
     vLLM's loader does, and ``threads`` (reader threads per worker, default one per core, 4 to 8) and
     ``huge_pages`` (ask for transparent huge pages on the parameters, default off) and
-    ``mmap`` (default on: CPU parameters stored in their own dtype are served from a
+    ``mmap`` (default on, on vLLM's CPU platform only: CPU parameters stored in their own dtype are served from a
     private, copy-on-write mapping of the checkpoint file, as ``safetensors`` maps files
     on CPU, instead of being copied into new memory; ``false`` copies every byte;
     ``"auto"`` copies the weights vLLM's CPU post-processing repacks, see
@@ -210,7 +218,7 @@ class ShardedStateLoader(BaseModelLoader):
     @staticmethod
     def save_model(model: torch.nn.Module, path: str, pattern: str | None = None, max_size: int | None = None) -> None:
         """Write this worker's loaded state to ``path`` (see :mod:`.capture`)."""
-        from .capture import save_rank_from_hook
+        from .save_hook import save_rank_from_hook
 
         save_rank_from_hook(model, path, pattern, max_size)
 
@@ -259,8 +267,13 @@ class ShardedStateLoader(BaseModelLoader):
     def adoptable(
         self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
     ) -> dict[str, Callable[[torch.Tensor], None]] | None:
-        """The parameters to serve from file mappings (``mmap``), by state-dict name."""
-        if not self.mmap:
+        """The parameters to serve from file mappings (``mmap``), by state-dict name.
+
+        Only on vLLM's CPU platform: on an accelerator, the CPU parameters are offloaded
+        ones (``cpu_offload_gb``), which vLLM keeps in pinned memory for fast copies to the
+        device; a mapping of the file would take that pinning away.
+        """
+        if not self.mmap or not serves_on_cpu():
             return None
         setters = adoptable_parameters(model, state_dict)
         if self.mmap == "auto":
@@ -316,6 +329,9 @@ class ShardedStateLoader(BaseModelLoader):
             tied_groups(state_dict, targets),
             self.adoptable(model, state_dict),
         )
+        # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
+        hub_fetch = None if repo_id is None else (repo_id, model_config.revision, self.load_config.download_dir)
+        restore_startup_artifacts(model, directory, read_manifest(directory), model_rank(model), hub_fetch)
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         """vLLM's in-place ``reload_weights`` entry point (``collective_rpc("reload_weights")``).
@@ -367,24 +383,19 @@ class ShardedStateLoader(BaseModelLoader):
         action = "Updating from" if update else "Loading"
         progress = ByteProgress(f"{action} sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
         with progress:
-            stats = load_rank(
+            request = LoadRequest(
                 directory,
-                targets,
-                rank,
-                manifest=manifest,
+                manifest,
+                verify,
                 serving=source_identity(model, model_config),
                 geometry=tensor_geometry(
                     model, targets, rank.tp_size, rank.tp_rank, rank.experts, rank.ep_rank, rank.expert_tp
                 ),
-                pattern=self.pattern if manifest is None else None,
-                verify=verify,
                 tied=tied,
-                threads=self.threads,
-                progress=progress,
-                huge_pages=self.huge_pages,
-                adopt=adopt,
-                ranks_on_host=ranks_on_host(),
+                pattern=self.pattern if manifest is None else None,
             )
+            options = ReadOptions(self.threads, progress, self.huge_pages, ranks_on_host())
+            stats = load_rank(request, targets, rank, options, adopt)
         # What was read, for a save that reads it again (issue 34: proven by content, see capture.manifest_proof).
         from .capture import READ_PROOF_ATTRIBUTE, manifest_proof
 

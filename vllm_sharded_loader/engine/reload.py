@@ -51,8 +51,9 @@ from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
 from ..storage import oscalls
 from ..storage.location import is_remote
-from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, gather_over, raises_for_all, served_from_checkpoint
+from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .layer_geometry import model_rank
+from .workers import gather_over, raises_for_all
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -279,7 +280,7 @@ class InPlaceUpdate:
         copies into a served tensor: a file that only one rank finds corrupt, or a
         post-processing that fails on one rank only, must leave every rank as served, not
         some updated and some not. A refusal is raised by one worker only, the last one
-        (see :func:`.capture.raises_for_all`); the others put their layers back and return False.
+        (see :func:`.workers.raises_for_all`); the others put their layers back and return False.
         """
         layerwise = _layerwise()
         layers = [

@@ -73,11 +73,28 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class StartupArtifacts:
+    """One rank's start-up (compile) artifacts carried beside its parts: one archive file, its
+    SHA-256, and the key that says where they are valid (versions, compile settings and
+    vLLM's own cache key, topology, rank, device). See :mod:`..checkpoint.startup_artifacts`."""
+
+    file: str
+    size: int
+    sha256: str
+    key: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"file": self.file, "size": self.size, "sha256": self.sha256, "key": dict(self.key)}
+
+
+@dataclass(frozen=True)
 class RankEntry:
     """What one (pp_rank, tp_rank) worker wrote.
 
     ``dp_rank`` is the data-parallel replica, 0 unless each replica wrote its own experts
     (:attr:`Manifest.replicas`); a later replica's entry holds only its expert tensors.
+    ``startup`` is the rank's start-up artifacts, if the save carried them (optional: older
+    manifests have none).
     """
 
     tp_rank: int
@@ -85,6 +102,7 @@ class RankEntry:
     files: tuple[FileEntry, ...]
     tensors: dict[str, TensorEntry]
     dp_rank: int = 0
+    startup: StartupArtifacts | None = None
 
     @property
     def nbytes(self) -> int:
@@ -251,6 +269,7 @@ def rank_to_dict(entry: RankEntry) -> dict[str, Any]:
             | ({} if t.offset is None else {"offset": t.offset})
             for name, t in entry.tensors.items()
         },
+        **({"startup_artifacts": entry.startup.to_dict()} if entry.startup is not None else {}),
     }
 
 
@@ -315,6 +334,13 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
                     f"{where}: file {f.name!r} is listed by {rank}, but the pattern {manifest.pattern!r} does not "
                     "name that rank's files so. The manifest is damaged: save the checkpoint again."
                 )
+        if entry.startup is not None:
+            if entry.startup.file in owners:
+                raise ShardedStateError(
+                    f"{where}: the start-up artifacts {entry.startup.file!r} of {rank} are also listed by "
+                    f"{owners[entry.startup.file]}. The manifest is damaged: save the checkpoint again."
+                )
+            owners[entry.startup.file] = key
         for tensor_name, t in entry.tensors.items():
             if t.file not in names:
                 raise CheckpointCorrupt(
@@ -392,4 +418,26 @@ def _rank(reader: JsonReader, value: Any) -> RankEntry:
         files=tuple(files),
         tensors=tensors,
         dp_rank=reader.integer(obj, "dp_rank") if "dp_rank" in obj else 0,
+        startup=_startup(reader, obj["startup_artifacts"]) if "startup_artifacts" in obj else None,
     )
+
+
+MAX_KEY_FIELDS = 64
+MAX_KEY_LENGTH = 4096
+
+
+def _startup(reader: JsonReader, value: Any) -> StartupArtifacts:
+    obj = reader.mapping(value, "startup_artifacts")
+    name = check_plain_file_name(reader.string(obj, "file"), reader.where)
+    sha256 = reader.string(obj, "sha256")
+    if not DIGEST_HEX.match(sha256):
+        raise reader.fail(f"startup_artifacts {name!r}: 'sha256' must be 64 hexadecimal digits")
+    key = reader.mapping(obj.get("key", {}), "startup_artifacts.key")
+    if len(key) > MAX_KEY_FIELDS or not all(
+        isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= MAX_KEY_LENGTH for k, v in key.items()
+    ):
+        raise reader.fail(
+            f"startup_artifacts {name!r}: 'key' must map at most {MAX_KEY_FIELDS} names to strings "
+            f"(each under {MAX_KEY_LENGTH} characters)"
+        )
+    return StartupArtifacts(file=name, size=reader.integer(obj, "size"), sha256=sha256, key=dict(key))

@@ -233,3 +233,17 @@ def fresh_part_names(
         if fields is not None and file_rank(fields) == mine:
             highest = max(highest, fields["part"])
     return names(highest + 1)
+
+
+STARTUP_ARTIFACTS_PREFIX = "startup-artifacts-"
+
+
+def startup_artifacts_name(tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
+    """The file of one rank's start-up (compile) artifacts, beside its parts: one per rank, so
+    that a save replaces its own and nothing else."""
+    return f"{STARTUP_ARTIFACTS_PREFIX}pp{pp_rank}-tp{tp_rank}" + (f"-dp{dp_rank}" if dp_rank else "") + ".tar"
+
+
+def is_startup_artifacts_name(name: str) -> bool:
+    """Whether a file of a checkpoint is one rank's start-up artifacts (never a weight file to copy)."""
+    return name.startswith(STARTUP_ARTIFACTS_PREFIX) and name.endswith(".tar")

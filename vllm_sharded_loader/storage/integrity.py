@@ -8,12 +8,25 @@ can verify exactly the blocks it touches.
 
 from __future__ import annotations
 
-import blake3
+from typing import Any
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from ..format.manifest import HASH_NAME, FileChecksum
 
 BLOCK_SIZE = 16 * 1024 * 1024
+
+
+def _blake3() -> Any:
+    """A new BLAKE3 hasher. Imported on first use: reading without checksums needs no ``blake3``
+    (the lent GPU machines lack it), and a missing package is named only when a checksum is needed."""
+    try:
+        import blake3
+    except ImportError:
+        raise ShardedStateError(
+            "checksums need the blake3 package, which is not installed: pip install blake3 "
+            "(or load with verify='size')."
+        ) from None
+    return blake3.blake3()
 
 
 class BlockHasher:
@@ -22,7 +35,7 @@ class BlockHasher:
     def __init__(self, block_size: int | None = None) -> None:
         self.block_size = block_size or BLOCK_SIZE
         self.digests: list[str] = []
-        self._hasher = blake3.blake3()
+        self._hasher = _blake3()
         self._filled = 0
         self.position = 0
 
@@ -36,7 +49,7 @@ class BlockHasher:
             view = view[take:]
             if self._filled == self.block_size:
                 self._block_done(self._hasher.hexdigest())
-                self._hasher, self._filled = blake3.blake3(), 0
+                self._hasher, self._filled = _blake3(), 0
 
     def _block_done(self, digest: str) -> None:
         self.digests.append(digest)
@@ -45,7 +58,7 @@ class BlockHasher:
         """Close the last (short) block; an empty file has one digest, of no bytes."""
         if self._filled or not self.digests:
             self._block_done(self._hasher.hexdigest())
-            self._hasher, self._filled = blake3.blake3(), 0
+            self._hasher, self._filled = _blake3(), 0
         return FileChecksum(HASH_NAME, self.block_size, tuple(self.digests))
 
 
@@ -93,7 +106,7 @@ def check_block(path: str, expected: FileChecksum, index: int, start: int, end: 
 
 def digest_of(views: list[memoryview]) -> str:
     """The BLAKE3 digest of consecutive byte views (one checksum block)."""
-    hasher = blake3.blake3()
+    hasher = _blake3()
     for view in views:
         hasher.update(view)
     return hasher.hexdigest()

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
-from ..format.names import DEFAULT_PATTERNS, LOCK_NAME, MANIFEST_NAME, is_staged_name, parse_file_name
+from ..format.names import (
+    DEFAULT_PATTERNS,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    is_staged_name,
+    is_startup_artifacts_name,
+    parse_file_name,
+)
 from ..format.safetensors import MAX_HEADER_BYTES, Header, parse_header
 
 _KINDS = {
@@ -312,6 +319,9 @@ def is_weight_file(name: str) -> bool:
         or name in SKIPPED_NAMES
         or is_staged_name(name)
         or name.startswith(LOCK_NAME)
+        # Tied to the saved topology and device: a copy or reshard that carried them would list
+        # them nowhere (its manifest is new), so they are never copied as model files.
+        or is_startup_artifacts_name(name)
     )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError, listing
 from ..planning.spans import Piece
 from . import oscalls
 from .local import OpenFile, truncated
@@ -49,11 +49,45 @@ class Target:
     filled: Callable[[], None] | None = None
 
 
+def unmaterialized(targets: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the targets on the meta device: tensors with a shape but no memory. Pure."""
+    return [name for name, tensor in targets.items() if tensor.device.type == "meta"]
+
+
+def check_materialized(targets: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse a load into tensors on the meta device, naming them, before a byte is read.
+
+    vLLM builds the weights of online-quantized layers (``quantization="fp8"`` and the other
+    online methods on an unquantized checkpoint) on the meta device and materializes each
+    layer only inside its weight loaders, which quantize it once all of its weights have
+    arrived. A copy into a meta tensor does nothing and raises nothing: the layer would then
+    be quantized from memory nobody wrote. This loader fills parameters in place and never
+    calls the weight loaders, so such a model is refused instead.
+    """
+    meta = unmaterialized(targets)
+    if meta:
+        raise CheckpointMismatch(
+            f"{where}: {len(meta)} parameters of the served model are on the meta device and would never be "
+            f"filled ({listing(meta)}): vLLM creates them so when it quantizes online (for example "
+            "quantization='fp8' on an unquantized checkpoint), materializing each layer inside its weight "
+            "loaders, which load_format='sharded_state' does not call. Serve the checkpoint without online "
+            "quantization, or load the original model with vLLM's default loader (load_format='auto') and "
+            "online quantization, or serve a checkpoint stored already quantized (quantized offline)."
+        )
+
+
 class Destination:
     """Where a target's bytes land: straight in its memory, in a temporary, or via staging."""
 
     def __init__(self, target: Target, mapped: torch.Tensor | None = None) -> None:
         t = target.tensor
+        if t.device.type == "meta":
+            # A copy into a meta tensor is a silent no-op; callers refuse these by name first
+            # (check_materialized), this is the last line.
+            raise CheckpointMismatch(
+                f"a target of shape {tuple(t.shape)} ({t.dtype}) is on the meta device: it has no memory to "
+                "read into. Materialize it first, or load it through vLLM's weight loaders (load_format='auto')."
+            )
         self.target, self.stored, self.filled = t, target.stored, target.filled
         self.temp: torch.Tensor | None = None
         # A mapped target is not written: its bytes are the file's, paged in where they lie.

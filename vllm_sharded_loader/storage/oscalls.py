@@ -113,17 +113,66 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         libc.sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
 
 
-def use_every_cpu() -> None:
-    """Let the calling thread run on any CPU of the machine (a thread-pool initializer).
+def numa_nodes() -> dict[int, frozenset[int]]:
+    """The machine's NUMA nodes and their CPUs (``/sys/devices/system/node``); empty where it does not say."""
+    nodes: dict[int, frozenset[int]] = {}
+    root = "/sys/devices/system/node"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if name.startswith("node") and name[4:].isdigit():
+                with contextlib.suppress(OSError, ValueError), open(f"{root}/{name}/cpulist") as f:
+                    nodes[int(name[4:])] = frozenset(parse_cpu_list(f.read()))
+    return nodes
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPUs of a kernel CPU list such as ``0-3,8,10-11``. Pure.
+
+    >>> sorted(parse_cpu_list("0-2,5\\n"))
+    [0, 1, 2, 5]
+    """
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def binding_cpus(affinity: set[int] | frozenset[int], nodes: dict[int, frozenset[int]]) -> set[int]:
+    """The CPUs of the NUMA nodes that ``affinity`` touches: where a thread of a bound worker may run. Pure.
+
+    A worker bound to one core of node 1 may use every core of node 1 for its I/O threads,
+    never a core of node 0. Without node information, the affinity itself.
+
+    >>> sorted(binding_cpus({5}, {0: frozenset({0, 1, 2, 3}), 1: frozenset({4, 5, 6, 7})}))
+    [4, 5, 6, 7]
+    >>> sorted(binding_cpus({1, 2}, {}))
+    [1, 2]
+    """
+    touched = [cpus for cpus in nodes.values() if cpus & affinity]
+    return set().union(*touched) if touched else set(affinity)
+
+
+def use_binding_cpus() -> None:
+    """Let the calling thread run on every CPU of the NUMA nodes it is bound to (a thread-pool initializer).
 
     vLLM's CPU workers pin their OpenMP threads, the calling thread included, to the
     rank's cores (``VLLM_CPU_OMP_THREADS_BIND``), and new threads inherit that mask: a
     TP=1 engine on 2 cores would copy or hash its weights on one. Nothing computes
-    while weights load or save, so our own I/O threads take every core; the pinning of
-    the engine's threads is untouched.
+    while weights load or save, so our own I/O threads take every core of the worker's
+    NUMA nodes, and never one of another node: vLLM binds each GPU worker to the node
+    of its GPU (``--numa-bind`` and the like), where the pinned staging memory and the
+    PCIe link are, and threads on another node would read into remote memory. The
+    pinning of the engine's threads is untouched. The new thread inherits the worker's
+    mask, which is what is read here.
     """
     with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        os.sched_setaffinity(0, binding_cpus(os.sched_getaffinity(0), numa_nodes()))
+
+
+# The earlier name, for callers that still use it.
+use_every_cpu = use_binding_cpus
 
 
 def release_free_heap() -> None:

@@ -12,7 +12,8 @@ the hardware's limits, measured on the project's 2-core machines:
   stream (``POSIX_FADV_SEQUENTIAL`` doubles its window) and the storage sees several
   sequential streams at once, while the page faults and copies of different streams
   overlap. ``os.preadv`` releases the GIL for the whole span. vLLM pins a CPU worker's
-  threads to its cores; the reader's threads are let onto every core while they run.
+  threads to its cores; the reader's threads are let onto every core of the worker's
+  NUMA nodes while they run (:func:`.oscalls.use_binding_cpus`), never onto another node's.
 - **One system call per span, not per tensor.** Consecutive tensors of a span are one
   ``preadv`` with one buffer per tensor, so a span of many small tensors costs what a
   span of one large tensor costs; Python does per-span work, not per-byte work.
@@ -38,6 +39,12 @@ the hardware's limits, measured on the project's 2-core machines:
   two per thread, with non-blocking copies on the thread's own stream, so the copy of
   one span overlaps the read of the next. Streams, events and copies are all on the
   targets' device (one per load), whichever thread issues them.
+- **Cold files can bypass the page cache** (:mod:`.direct`). Where less than half of a
+  load's files is in the page cache and the targets are on a GPU (or always, with
+  ``SHARDED_STATE_DIRECT_IO=on``), each thread reads whole 16 MiB windows with ``O_DIRECT``
+  into page-aligned buffers, the next window in flight while the current one is copied
+  out: large requests instead of the readahead's few small ones, and no checkpoint left
+  in the page cache. Warm files, and CPU loads (measured no faster here), use the page cache.
 - **Checksums.** A verified span is exactly one checksum block, hashed by the thread
   that read it (BLAKE3 releases the GIL), so verification runs in parallel too.
 """
@@ -57,6 +64,7 @@ import torch
 from ..format.errors import CheckpointCorrupt, ShardedStateError
 from ..format.manifest import FileChecksum
 from ..planning.spans import FileGrid, Piece, Span, plan_spans, split_streams
+from . import direct as direct_io
 from . import oscalls
 from .integrity import check_block, digest_of
 from .local import OpenFile
@@ -114,6 +122,31 @@ SPAN_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+class ReadOptions:
+    """How the reader runs, the same for every route of a load (whole files, resharded, without manifest).
+
+    ``threads`` read at once (more for objects in object storage: :func:`remote_threads`,
+    whose budget the ``ranks_on_host`` ranks loading on this host at once share);
+    ``progress`` is called from the calling thread as ``progress(bytes_done_now, bytes_total)``:
+    once with 0 when the reads are planned, then after each span; ``huge_pages`` asks for
+    transparent huge pages over CPU targets before they are first written.
+    """
+
+    threads: int = DEFAULT_THREADS
+    progress: Callable[[int, int], None] | None = None
+    huge_pages: bool = False
+    ranks_on_host: int = 1
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ShardedStateError(f"threads={self.threads}: the reader needs at least one thread.")
+
+
+#: The reader's defaults: one thread per core (4 to 8), no progress, no huge pages, one rank on the host.
+DEFAULT_READ = ReadOptions()
+
+
+@dataclass(frozen=True)
 class ReadStats:
     """What :func:`read_pieces` did."""
 
@@ -123,6 +156,8 @@ class ReadStats:
     huge_pages: bool
     # Of bytes_read, those served from private file mappings (adopted, not copied).
     bytes_mapped: int = 0
+    # Whether the files were read with O_DIRECT (:mod:`.direct`), bypassing the page cache.
+    direct: bool = False
 
 
 def _widen(p: Piece) -> tuple[int, int]:
@@ -138,8 +173,10 @@ class _SpanReader:
         files: Sequence[StoredFile],
         destinations: Sequence[Destination],
         checksums: Mapping[int, FileChecksum],
+        direct: bool = False,
     ) -> None:
         self.files, self.destinations, self.checksums = files, destinations, checksums
+        self.direct = direct
         self.paths = [f.path for f in files]
         # The CUDA targets' one device, or None: then nothing here touches CUDA.
         self.device = accelerator_device(destinations)
@@ -173,24 +210,31 @@ class _SpanReader:
         # file, so every thread's stream is recognised as sequential.
         stream = state.streams.get(file)
         if stream is None:
-            stream = state.streams[file] = self.files[file].stream()
+            stored = self.files[file]
+            fd = getattr(stored, "fd", None)
+            if self.direct and fd is not None and stored.mappable and not stored.remote:
+                # None where the file system refuses O_DIRECT (tmpfs): that file goes through the page cache.
+                stream = direct_io.DirectStream.open(stored.path, fd, stored.size)
+            if stream is None:
+                stream = stored.stream()
+            state.streams[file] = stream
         return stream
 
     def read_stream(self, spans: Sequence[Span], done: Callable[[int], None]) -> int:
         """Read spans in order on this thread, with its own descriptors; ``done`` after each."""
         total = 0
         try:
-            for span in spans:
+            for i, span in enumerate(spans):
                 if self.cancelled.is_set():
                     break
-                n = self.read(span)
+                n = self.read(span, spans[i + 1] if i + 1 < len(spans) else None)
                 total += n
                 done(n)
         finally:
             self._state().close()
         return total
 
-    def read(self, span: Span) -> int:
+    def read(self, span: Span, upcoming: Span | None = None) -> int:
         state = self._state()
         stream, path = self._stream(state, span.file), self.paths[span.file]
         groups: list[tuple[int, list[memoryview]]] = []  # (file offset, consecutive buffers) per preadv
@@ -259,6 +303,13 @@ class _SpanReader:
 
         if fresh:
             prefault_pages(fresh)
+        if isinstance(stream, direct_io.DirectStream) and (groups or edges):
+            # The whole span (and the partial elements at its ends) in one direct request.
+            reads = [(o, sum(len(v) for v in views)) for o, views in groups] + [(o, len(v)) for o, v in edges]
+            stream.prefetch(min(o for o, _ in reads), max(o + n for o, n in reads))
+            if upcoming is not None and upcoming.file == span.file:
+                # The next span's request is in flight while this one's bytes are copied out.
+                stream.read_ahead(upcoming.begin - 16, upcoming.end + 16)
         for offset, views in groups:
             stream.readv(views, offset)
         if paged:
@@ -318,30 +369,22 @@ def read_pieces(
     *,
     checksums: Mapping[int, FileChecksum] | None = None,
     verify: str = "all",
-    threads: int = DEFAULT_THREADS,
+    options: ReadOptions = DEFAULT_READ,
     span_bytes: int = SPAN_BYTES,
-    progress: Callable[[int, int], None] | None = None,
-    huge_pages: bool = False,
-    ranks_on_host: int = 1,
 ) -> ReadStats:
     """Read ``pieces`` of ``paths`` into ``targets``; returns what was read.
 
     ``paths`` are files opened by the caller (:class:`~.local.OpenFile`: every read and
     mapping goes through that descriptor; or an object in object storage,
     :class:`~.objects.ObjectFile`: every read a conditional ranged GET) or local paths,
-    opened here for this call. Objects are read by at least :func:`remote_threads`
-    threads (the host's budget of requests in flight split among the ``ranks_on_host``
-    ranks that load on this host at the same time), and never mapped.
+    opened here for this call; ``options`` say how (:class:`ReadOptions`). Objects are read
+    by at least :func:`remote_threads` threads, and never mapped.
 
     ``checksums`` maps file indices to their recorded block checksums; those files are
     verified, ``verify="all"`` every block of the file, ``"touched"`` only the blocks
     the pieces touch (a resharding load). A mismatch, a truncated file or any other
     error raises :class:`ShardedStateError` naming the file before this returns; the
     targets may then hold partial data, and the caller must not use them.
-
-    ``progress`` is called from the calling thread as ``progress(bytes_done_now, bytes_total)``:
-    once with 0 when the reads are planned, then after each span. ``huge_pages`` asks
-    for transparent huge pages over CPU targets before they are first written.
 
     A target with :attr:`Target.adopt` that :func:`mapped_pieces` accepts is not written:
     its bytes are mapped privately (:func:`map_tensors`: copy-on-write, as
@@ -352,14 +395,15 @@ def read_pieces(
     fresh memory, which on the project's VMs is what limits a copying load (see the
     module docstring).
     """
-    if threads < 1:
-        raise ShardedStateError(f"threads={threads}: the reader needs at least one thread.")
+    threads = options.threads
     if any(not isinstance(p, str) and p.remote for p in paths):
-        threads = max(threads, remote_threads(ranks_on_host))
+        threads = max(threads, remote_threads(options.ranks_on_host))
     opened = [OpenFile.open(p) if isinstance(p, str) else None for p in paths]
     try:
         files = [o or p for o, p in zip(opened, paths, strict=True)]
-        return _read_files(files, pieces, targets, checksums or {}, verify, threads, span_bytes, progress, huge_pages)
+        return _read_files(
+            files, pieces, targets, checksums or {}, verify, threads, span_bytes, options.progress, options.huge_pages
+        )
     finally:
         for o in opened:
             if o is not None:
@@ -380,6 +424,13 @@ def _read_files(
     # Only files on a local file system can be mapped (not objects in object storage).
     served = {i: p for i, p in mapped_pieces(pieces, targets).items() if files[p.file].mappable}
     mapped = map_tensors(files, served, targets)
+    # Local files with bytes to copy (not only mapped ones): cold, they are read with O_DIRECT.
+    copied = {p.file for p in pieces if p.dest not in served and not targets[p.dest].mapped and p.length}
+    local = [f for i, f in enumerate(files) if i in copied and f.mappable and getattr(f, "fd", None) is not None]
+    on_accelerator = any(t.tensor.device.type == "cuda" for t in targets)
+    direct = direct_io.choose_direct([(f.fd, f.size) for f in local], accelerator=on_accelerator)  # type: ignore[attr-defined]
+    if direct:
+        span_bytes = max(span_bytes, direct_io.WINDOW_BYTES)
     destinations = [Destination(t, mapped.get(i, t.tensor if t.mapped else None)) for i, t in enumerate(targets)]
     huge = False
     for d in destinations if huge_pages else ():
@@ -400,7 +451,7 @@ def _read_files(
             )
         grids.append(FileGrid(size, checksum.block_size, verify, path))
     spans = plan_spans(pieces, grids)
-    span_reader = _SpanReader(files, destinations, checksums)
+    span_reader = _SpanReader(files, destinations, checksums, direct)
     for p in pieces:
         if targets[p.dest].filled is not None and p.length > 0:
             span_reader.remaining[p.dest] = span_reader.remaining.get(p.dest, 0) + p.length
@@ -414,7 +465,7 @@ def _read_files(
         adopt = targets[i].adopt
         assert adopt is not None and destinations[i].mapped is not None
         adopt(destinations[i].mapped)
-    return ReadStats(total, len(spans), threads, huge, sum(p.length for p in served.values()))
+    return ReadStats(total, len(spans), threads, huge, sum(p.length for p in served.values()), direct)
 
 
 def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callable[[int, int], None] | None) -> int:
@@ -430,7 +481,7 @@ def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callabl
     runs = split_streams(spans, threads)
     if len(runs) <= 1:
         return reader.read_stream(spans, lambda n: progress(n, planned) if progress is not None else None)
-    with ThreadPoolExecutor(len(runs), thread_name_prefix="sharded-read", initializer=oscalls.use_every_cpu) as pool:
+    with ThreadPoolExecutor(len(runs), thread_name_prefix="sharded-read", initializer=oscalls.use_binding_cpus) as pool:
         pending = {pool.submit(reader.read_stream, run, finished.put) for run in runs}
         total = 0
         while pending:

@@ -15,7 +15,7 @@ from ..format.safetensors import Header
 from ..planning.spans import Piece
 from .local import OpenFile
 from .memory import Target
-from .reader import ReadStats, read_pieces
+from .reader import DEFAULT_READ, SPAN_BYTES, ReadOptions, ReadStats, read_pieces
 from .tensors import torch_dtype
 
 
@@ -49,7 +49,8 @@ def read_files(
     checksums: Mapping[str, FileChecksum] | None = None,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
     files: Sequence[OpenFile] | None = None,
-    **options: object,
+    options: ReadOptions = DEFAULT_READ,
+    span_bytes: int = SPAN_BYTES,
 ) -> ReadStats:
     """Read the tensors of safetensors files named in ``targets`` into them.
 
@@ -57,9 +58,9 @@ def read_files(
     whole. ``adopt`` maps names to callbacks that take a mapped tensor in place of
     reading into the target (see :func:`read_pieces`). ``files`` are the files the headers
     were read from, already open (every read then goes through them); without them the
-    headers' paths are opened. ``options`` go to :func:`read_pieces`.
+    headers' paths are opened. ``options`` and ``span_bytes`` go to :func:`read_pieces`.
     """
     paths, pieces, dests = file_pieces(headers, targets, adopt)
     by_index = {i: checksums[p] for i, p in enumerate(paths) if checksums and p in checksums}
     sources: Sequence[str | OpenFile] = paths if files is None else files
-    return read_pieces(sources, pieces, dests, checksums=by_index, verify="all", **options)  # type: ignore[arg-type]
+    return read_pieces(sources, pieces, dests, checksums=by_index, verify="all", options=options, span_bytes=span_bytes)

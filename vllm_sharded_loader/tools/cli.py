@@ -67,10 +67,17 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"  tied          {'; '.join(' = '.join(g) for g in info['tied'])}")
     if info["locked"]:
         print("  LOCKED        a save is running or was interrupted")
+    carried = [r for r in info["ranks"] if r["startup_artifacts"]]
+    print(f"  start-up      {len(carried)} of {len(info['ranks'])} ranks carry compile artifacts")
     for r in info["ranks"]:
+        dp = f" dp {r['dp_rank']}" if r["dp_rank"] else ""
         for f in r["files"]:
-            dp = f" dp {r['dp_rank']}" if r["dp_rank"] else ""
             print(f"    pp {r['pp_rank']}{dp} tp {r['tp_rank']}  {f['name']:48s} {f['size']:>14,d} bytes")
+        if r["startup_artifacts"]:
+            a = r["startup_artifacts"]
+            print(f"    pp {r['pp_rank']}{dp} tp {r['tp_rank']}  {a['file']:48s} {a['size']:>14,d} bytes, for:")
+            for name, value in a["key"].items():
+                print(f"        {name:18s} {value}")
     return 0
 
 

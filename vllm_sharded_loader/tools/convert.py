@@ -33,6 +33,8 @@ from ..storage.location import is_locked, is_remote, read_manifest
 from ..storage.oscalls import release_free_heap
 from ..storage.writer import LazyTensor
 
+SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
+
 # Components kept made beyond the one being cut, in bytes: ranks that run ahead wait for the others.
 DEFAULT_BUDGET = 1024**3
 
@@ -86,11 +88,14 @@ class ComponentCache:
     free: Callable[[str], None]
     component_of: Callable[[str], int]
     takes: dict[str, int]  # tensor -> how many ranks take a slice of it
-    working: int  # ranks writing
     budget: int = DEFAULT_BUDGET
     made: dict[int, _Made] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
     waiting: dict[int, int] = field(default_factory=dict)  # thread -> component it waits to make
+    # Ranks written at once and not finished: all of them for a local save, which stages every
+    # rank in its own thread; one for a save into object storage, which stages one after another.
+    running: int = 1
+    failed: BaseException | None = None
     remakes: int = 0
     peak: int = 0
 
@@ -104,39 +109,52 @@ class ComponentCache:
         return sum(m.nbytes for m in self.made.values())
 
     def take(self, name: str) -> torch.Tensor:
-        key = self.component_of(name)
+        """The TP=1 tensor ``name`` (made with its component if no rank made it yet) for one rank's slice."""
         me = threading.get_ident()
         with self.cond:
-            while key not in self.made:
-                others = self.working - 1 - len(self.waiting)
-                if self._bytes() <= self.budget or not self.made or others <= 0:
-                    if self._bytes() > self.budget and others <= 0:
-                        self._evict(key)
-                    tensors = self.make(name)
-                    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-                    self.made[key] = _Made(tensors, nbytes, self.pending[key])
-                    self.peak = max(self.peak, self._bytes())
-                    self.cond.notify_all()
-                    break
-                self.waiting[me] = key
-                self.cond.wait()
-                self.waiting.pop(me, None)
-            made = self.made[key]
-            tensor = made.tensors[name]
-            made.pending -= 1
-            self.pending[key] -= 1
-            if made.pending == 0:
-                del self.made[key]
-                self.free(name)
+            try:
+                tensor, freed = self._take(name, me)
+            except BaseException as e:
+                # Every other rank stops at its next tensor: the save then discards them all.
+                self.failed = self.failed or e
+                self.running -= 1
                 self.cond.notify_all()
-                freed = True
-            else:
-                freed = False
+                raise
         if freed:
             # glibc keeps freed blocks of the sizes that recur here, fragmented across the
             # threads' arenas: handed back, memory stays at a few components.
             release_free_heap()
         return tensor
+
+    def _take(self, name: str, me: int) -> tuple[torch.Tensor, bool]:
+        key = self.component_of(name)
+        while key not in self.made:
+            if self.failed is not None:
+                raise ShardedStateError(f"stopped: another rank's conversion failed ({self.failed})")
+            # Ranks that can still take a slice: those not waiting for a component nobody made yet.
+            others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
+            if self._bytes() <= self.budget or not self.made or others <= 0:
+                if self._bytes() > self.budget:
+                    self._evict(key)
+                tensors = self.make(name)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                self.made[key] = _Made(tensors, nbytes, self.pending[key])
+                self.peak = max(self.peak, self._bytes())
+                self.cond.notify_all()
+                break
+            self.waiting[me] = key
+            self.cond.wait()
+            self.waiting.pop(me, None)
+        made = self.made[key]
+        tensor = made.tensors[name]
+        made.pending -= 1
+        self.pending[key] -= 1
+        if made.pending:
+            return tensor, False
+        del self.made[key]
+        self.free(name)
+        self.cond.notify_all()
+        return tensor, True
 
     def _evict(self, keep: int) -> None:
         wanted = set(self.waiting.values()) | {keep}
@@ -147,7 +165,7 @@ class ComponentCache:
 
     def rank_done(self) -> None:
         with self.cond:
-            self.working -= 1
+            self.running -= 1
             self.cond.notify_all()
 
 
@@ -279,8 +297,8 @@ def _convert(
             free=model.free,
             component_of=lambda n: id(model.components[n]),
             takes=takes,
-            working=len(plans),
             budget=budget,
+            running=1 if is_remote(output) else len(plans),
         )
 
         def lazy(state_name: str, layout: ShardLayout, last: bool) -> LazyTensor:
@@ -290,6 +308,12 @@ def _convert(
                 local = cut(cache.take(state_name), layout)
                 if last:
                     cache.rank_done()
+                if tuple(local.shape) != tuple(layout.shape) or local.dtype != meta.dtype:
+                    # The header already written says otherwise: the save fails, nothing is published.
+                    raise ShardedStateError(
+                        f"{state_name}: vLLM's loader made {list(local.shape)} {local.dtype}, but the model declares "
+                        f"{list(layout.shape)} {meta.dtype} for this rank. {SAVE_INSTEAD}"
+                    )
                 return local
 
             return LazyTensor(tuple(layout.shape), meta.dtype, produce)

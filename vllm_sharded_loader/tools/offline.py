@@ -70,6 +70,7 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
                 "dp_rank": r.dp_rank,
                 "tensors": len(r.tensors),
                 "files": [{"name": f.name, "size": f.size, "checksum": f.checksum is not None} for f in r.files],
+                "startup_artifacts": None if r.startup is None else r.startup.to_dict(),
             }
             for r in manifest.ranks
         ],

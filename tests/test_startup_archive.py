@@ -1,0 +1,150 @@
+"""Start-up artifacts without an engine: the manifest record, packing, checks and restore (issue 35)."""
+
+import dataclasses
+import hashlib
+import io
+import json
+import tarfile
+
+import pytest
+
+from vllm_sharded_loader.checkpoint import startup_artifacts as sa
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, ShardedStateError
+from vllm_sharded_loader.format.manifest import FileEntry, Manifest, RankEntry, StartupArtifacts
+from vllm_sharded_loader.format.names import is_startup_artifacts_name, startup_artifacts_name
+from vllm_sharded_loader.format.source import SourceModel
+from vllm_sharded_loader.storage.local import is_weight_file
+
+KEY = {"vllm": "0.32.0", "topology": "tp=1 pp=1 dp=1", "device": "cpu x86_64 avx2"}
+
+
+def _cache(root, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def _manifest(startup: StartupArtifacts | None) -> Manifest:
+    entry = RankEntry(
+        tp_rank=0,
+        pp_rank=0,
+        files=(FileEntry("model-rank-0-part-0.safetensors", 8),),
+        tensors={},
+        startup=startup,
+    )
+    return Manifest(
+        tp_size=1,
+        pp_size=1,
+        dtype="bfloat16",
+        pattern="model-rank-{rank}-part-{part}.safetensors",
+        source=SourceModel("LlamaForCausalLM", "0" * 64, {}),
+        ranks=(entry,),
+    )
+
+
+def test_the_manifest_records_a_ranks_artifacts_and_old_manifests_still_load():
+    record = StartupArtifacts(startup_artifacts_name(0, 0), 10, "a" * 64, dict(KEY))
+    text = _manifest(record).to_json()
+    assert Manifest.from_json(text).rank(0, 0).startup == record
+    old = _manifest(None).to_json()
+    assert "startup_artifacts" not in old and Manifest.from_json(old).rank(0, 0).startup is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("sha256", "xyz", "64 hexadecimal digits"),
+        ("file", "../evil.tar", "evil"),
+        ("key", {"vllm": 3}, "'key' must map"),
+        ("file", "model-rank-0-part-0.safetensors", "also listed by"),
+    ],
+)
+def test_a_damaged_record_is_refused_with_its_field(field, value, message):
+    data = json.loads(_manifest(StartupArtifacts("startup-artifacts-pp0-tp0.tar", 10, "a" * 64, KEY)).to_json())
+    data["ranks"][0]["startup_artifacts"][field] = value
+    with pytest.raises(ShardedStateError, match=message):
+        Manifest.from_json(json.dumps(data))
+
+
+def test_the_archive_is_named_for_its_rank_and_never_copied_as_a_model_file():
+    assert startup_artifacts_name(1, 0) == "startup-artifacts-pp0-tp1.tar"
+    assert startup_artifacts_name(0, 1, 2) == "startup-artifacts-pp1-tp0-dp2.tar"
+    assert is_startup_artifacts_name("startup-artifacts-pp0-tp1.tar")
+    assert is_weight_file("startup-artifacts-pp0-tp1.tar")
+
+
+def test_pack_write_read_restore_round_trip(tmp_path):
+    cache = tmp_path / "cache"
+    _cache(
+        cache,
+        {
+            "h1/inductor_cache/fx/abc": b"graph",
+            "h1/inductor_cache/locks/abc.lock": b"",
+            "h1/rank_0_0/model": b"aot",
+            "h1/rank_0_0/model.123.tmp": b"half",
+            "h1/rank_1_0/model": b"other rank",
+        },
+    )
+    data = sa.pack(str(cache), ["h1/inductor_cache", "h1/rank_0_0"])
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        names = tar.getnames()
+    assert names == ["h1/inductor_cache/fx/abc", "h1/rank_0_0/model"]  # no locks, temporaries, other ranks
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    record = sa.write_rank_artifacts(str(ckpt), data, KEY, tp_rank=0, pp_rank=0)
+    assert record.sha256 == hashlib.sha256(data).hexdigest() and record.size == len(data)
+    assert sa.read_rank_artifacts(str(ckpt), record) == data
+    fresh = tmp_path / "fresh"
+    _cache(fresh, {"h1/inductor_cache/fx/abc": b"this node's own"})
+    assert sa.restore(data, str(fresh)) == (1, 1)
+    assert (fresh / "h1/rank_0_0/model").read_bytes() == b"aot"
+    assert (fresh / "h1/inductor_cache/fx/abc").read_bytes() == b"this node's own"  # never overwritten
+
+
+def test_a_damaged_or_replaced_archive_is_never_used(tmp_path):
+    cache = tmp_path / "cache"
+    _cache(cache, {"h1/rank_0_0/model": b"aot" * 100})
+    data = sa.pack(str(cache), ["h1/rank_0_0"])
+    record = sa.write_rank_artifacts(str(tmp_path), data, KEY, tp_rank=0, pp_rank=0)
+    path = tmp_path / record.file
+    damaged = bytearray(data)
+    damaged[600] ^= 1
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointCorrupt, match="does not match the manifest"):
+        sa.read_rank_artifacts(str(tmp_path), record)
+    path.write_bytes(data[:-1])
+    with pytest.raises(ShardedStateError, match=record.file):
+        sa.read_rank_artifacts(str(tmp_path), record)
+
+
+def test_an_archive_reaching_outside_the_cache_is_refused(tmp_path):
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("../outside")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(CheckpointCorrupt, match="not a plain file inside"):
+        sa.restore(buffer.getvalue(), str(tmp_path / "cache"))
+    assert not (tmp_path / "outside").exists()
+
+
+def test_key_mismatch_names_each_differing_field():
+    assert sa.key_mismatch(KEY, dict(KEY)) is None
+    other = dict(KEY, device="cpu x86_64 avx2 avx512f", extra="1")
+    said = sa.key_mismatch(KEY, other)
+    assert "device: saved 'cpu x86_64 avx2', served 'cpu x86_64 avx2 avx512f'" in said
+    assert "extra: saved '(none)'" in said and "vllm" not in said
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.delenv(sa.ENABLE_ENV, raising=False)
+    assert sa.enabled()
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv(sa.ENABLE_ENV, off)
+        assert not sa.enabled()
+
+
+def test_records_compare_by_value():
+    record = StartupArtifacts("startup-artifacts-pp0-tp0.tar", 1, "b" * 64, KEY)
+    assert dataclasses.replace(record) == record

@@ -1,0 +1,36 @@
+"""What one rank's load asks for, as a value: the checkpoint, how to check it, and the model it serves."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..format.geometry import TensorGeometry
+from ..format.manifest import Manifest
+from ..format.source import SourceModel
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """A checkpoint to load one rank of, and what to check it against.
+
+    ``manifest`` is the checkpoint's (None: a checkpoint of vLLM's own save, found by
+    ``pattern``, the file pattern of its parts). ``verify`` is ``"size"`` (manifest, file
+    sizes and headers) or ``"checksum"`` (also every byte read). ``serving`` (the model's
+    identity) and ``geometry`` (how its layers split each tensor) are checked against what
+    the manifest records, when given; ``tied`` names groups of tensors the serving model
+    shares (tied embeddings), so a tensor saved under one name serves the others.
+    """
+
+    directory: str
+    manifest: Manifest | None
+    verify: str = "size"
+    serving: SourceModel | None = None
+    geometry: Mapping[str, TensorGeometry] | None = None
+    tied: Sequence[Sequence[str]] = ()
+    pattern: str | None = None
+
+    @property
+    def where(self) -> str:
+        """The checkpoint, as messages name it."""
+        return self.directory

@@ -1,0 +1,155 @@
+"""Each rank's start-up artifacts (vLLM's compile cache), carried in the checkpoint beside its parts.
+
+A fresh node (an empty ``VLLM_CACHE_ROOT``) would otherwise compile the model again on every
+start. At save time each rank packs the folders vLLM compiled into (:mod:`..engine.compile_cache`
+finds them) into one archive, ``startup-artifacts-pp{p}-tp{t}.tar``, recorded in its manifest
+entry (:class:`..format.manifest.StartupArtifacts`) with its SHA-256 and a key: everything that
+decides whether the artifacts are valid elsewhere (vLLM and torch versions, compile settings
+and vLLM's own cache key, topology, rank, device). At load, before vLLM compiles, each rank
+restores only its own archive, only if the key matches the served one exactly and the bytes
+match their checksum; otherwise it says why in one line and vLLM compiles as usual.
+
+Engine-free: packing, keys and checks. ``SHARDED_STATE_STARTUP_ARTIFACTS=0`` turns both the
+save and the restore off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+import tempfile
+from collections.abc import Mapping
+
+from ..format.errors import CheckpointCorrupt
+from ..format.manifest import FileEntry, StartupArtifacts
+from ..format.names import startup_artifacts_name
+from ..storage.local import fsync_directory
+from ..storage.location import file_path, open_part
+
+ENABLE_ENV = "SHARDED_STATE_STARTUP_ARTIFACTS"
+# A rank's compile cache is a few MB (5 MB for a 1.3 GB model on CPU); anything far larger is not ours.
+MAX_ARCHIVE_BYTES = 2 * 1024**3
+# Inductor's lock files are per process; they are never carried.
+SKIPPED_FOLDERS = frozenset({"locks"})
+
+
+def enabled() -> bool:
+    """Whether start-up artifacts are saved and restored (on unless ``SHARDED_STATE_STARTUP_ARTIFACTS=0``)."""
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def pack(root: str, folders: list[str]) -> bytes:
+    """A tar archive (uncompressed: compiled code barely compresses) of ``folders``, relative
+    paths under ``root``, regular files only, in a stable order."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for folder in folders:
+            for current, dirs, files in os.walk(os.path.join(root, folder)):
+                dirs[:] = sorted(d for d in dirs if d not in SKIPPED_FOLDERS)
+                for name in sorted(files):
+                    path = os.path.join(current, name)
+                    if name.endswith(".tmp") or not os.path.isfile(path) or os.path.islink(path):
+                        continue  # another process's file being written, or not a plain file
+                    info = tar.gettarinfo(path, arcname=os.path.relpath(path, root))
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    with open(path, "rb") as f:
+                        tar.addfile(info, f)
+    return buffer.getvalue()
+
+
+def write_rank_artifacts(
+    directory: str, data: bytes, key: Mapping[str, str], tp_rank: int, pp_rank: int, dp_rank: int = 0
+) -> StartupArtifacts:
+    """Write one rank's archive into a local checkpoint folder (temporary file, fsync, rename) and
+    return its manifest record. The name is the rank's own: a save replaces only its own file,
+    and a manifest that still lists the old one finds a checksum that no longer matches, so
+    the old manifest's readers compile instead of using it."""
+    name = startup_artifacts_name(tp_rank, pp_rank, dp_rank)
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, 0o644)  # as the parts: readable by whoever serves the checkpoint
+        os.replace(temporary, os.path.join(directory, name))
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    fsync_directory(directory)
+    return StartupArtifacts(file=name, size=len(data), sha256=hashlib.sha256(data).hexdigest(), key=dict(key))
+
+
+def read_rank_artifacts(where: str, record: StartupArtifacts) -> bytes:
+    """The archive's bytes from the checkpoint at ``where`` (a folder or an object prefix, through
+    the same store reads as the parts), checked against the recorded size and SHA-256."""
+    if record.size > MAX_ARCHIVE_BYTES:
+        raise CheckpointCorrupt(
+            f"{file_path(where, record.file)}: the manifest records {record.size} bytes of start-up artifacts, "
+            f"more than the {MAX_ARCHIVE_BYTES} a compile cache takes; the manifest is damaged: save again."
+        )
+    stored = open_part(where, FileEntry(name=record.file, size=record.size))
+    try:
+        data = stored.read_at(0, record.size)
+    finally:
+        stored.close()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != record.sha256:
+        raise CheckpointCorrupt(
+            f"{file_path(where, record.file)}: SHA-256 {digest[:16]}... does not match the manifest's "
+            f"{record.sha256[:16]}...; the start-up artifacts are damaged or were replaced. Save the checkpoint "
+            "again to carry them."
+        )
+    return data
+
+
+def key_mismatch(saved: Mapping[str, str], served: Mapping[str, str]) -> str | None:
+    """None if the keys are equal, else which fields differ and how (for the one log line)."""
+    names = sorted(set(saved) | set(served))
+    diffs = [
+        f"{name}: saved {saved.get(name, '(none)')!r}, served {served.get(name, '(none)')!r}"
+        for name in names
+        if saved.get(name) != served.get(name)
+    ]
+    return "; ".join(diffs) if diffs else None
+
+
+def _member_path(root: str, member: tarfile.TarInfo) -> str | None:
+    """Where a member goes under ``root``, or None for anything but a plain file inside it."""
+    if not member.isfile() or os.path.isabs(member.name) or ".." in member.name.split("/"):
+        return None
+    path = os.path.normpath(os.path.join(root, member.name))
+    return path if path.startswith(os.path.join(os.path.normpath(root), "")) else None
+
+
+def restore(data: bytes, root: str) -> tuple[int, int]:
+    """Unpack a checked archive under ``root`` (vLLM's AOT compile cache folder). Files already
+    there are left as they are (another rank, or this node's own compile, wrote them: cache
+    entries are named by their content's hash); each new file is written to a temporary name
+    and renamed, so vLLM never reads half a file. Returns (files written, files already there)."""
+    written = kept = 0
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for member in tar:
+            path = _member_path(root, member)
+            if path is None:
+                raise CheckpointCorrupt(
+                    f"start-up artifacts hold {member.name!r}, which is not a plain file inside the cache folder; "
+                    "nothing more was unpacked. Save the checkpoint again."
+                )
+            if os.path.exists(path):
+                kept += 1
+                continue
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            source = tar.extractfile(member)
+            assert source is not None  # a regular file
+            fd, temporary = tempfile.mkstemp(prefix=".restore.", suffix=".tmp", dir=os.path.dirname(path))
+            with os.fdopen(fd, "wb") as f:
+                f.write(source.read())
+            os.chmod(temporary, 0o644 if not member.mode & 0o111 else 0o755)
+            os.replace(temporary, path)
+            written += 1
+    return written, kept

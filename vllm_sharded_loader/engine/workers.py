@@ -1,0 +1,147 @@
+"""The exchange between an engine's workers: steps they run together and fail together."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..format.errors import ShardedStateError
+from ..planning.topology import RankInfo
+from ..storage.lock import read_lock
+
+# How long a save under data + expert parallelism waits for every replica to call it.
+REPLICA_TIMEOUT_ENV = "SHARDED_STATE_REPLICA_TIMEOUT"
+DEFAULT_REPLICA_TIMEOUT = 600.0
+
+
+def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
+    """Every worker's ``outcomes`` (picklable), gathered over vLLM's ``groups`` (their CPU groups) in turn.
+
+    A worker that died resets its connections: the exchange fails at once (gloo), raised
+    here as our error naming ``what`` stopped, so that the caller's cleanup runs.
+    """
+    for group in groups:
+        gathered: list[Any] = [None] * group.world_size
+        try:
+            torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
+        except RuntimeError as e:
+            raise ShardedStateError(f"another worker of {what} stopped answering (did it die? see its log): {e}") from e
+        outcomes = [o for part in gathered for o in part]
+    return outcomes
+
+
+class AgreedFailure(ShardedStateError):
+    """A failure every worker of the exchange knows alike (they gathered it): one of them reports it."""
+
+
+def raises_for_all() -> bool:
+    """Whether this worker is the one that raises an agreed failure for all: the last of the engine's workers.
+
+    vLLM 0.32's multiprocessing executor reads the workers' answers in rank order and stops
+    at the first failure: the answers of the workers after it stay queued and are taken
+    for the answers to the next call (a second save, or ``/pause``, then fails with this
+    call's error). Failing on the last worker alone keeps every answer read.
+    """
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1
+
+
+def is_agreed(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, AgreedFailure):
+            return True
+        error = error.__cause__
+    return False
+
+
+class Workers:
+    """Steps that every worker of one save runs together, failing together.
+
+    The exchange spans this replica's tensor- and pipeline-parallel workers (its TP group,
+    then its PP group), and the data-parallel replicas only when each writes its own
+    experts. Never vLLM's world group otherwise: with data parallelism it also spans
+    replicas that may never reach the save, and they would hang it. When the replicas
+    take part, :meth:`wait_for_replicas` bounds the wait for them.
+    """
+
+    def __init__(self, rank: RankInfo) -> None:
+        from vllm.distributed import get_pp_group, get_tp_group
+        from vllm.distributed.parallel_state import get_dp_group
+
+        self.rank = rank
+        groups = [get_tp_group(), get_pp_group()] + ([get_dp_group()] if rank.replicas > 1 else [])
+        self.groups = [g for g in groups if g.world_size > 1]
+        self.first = rank.tp_rank == 0 and rank.pp_rank == 0 and rank.dp_rank == 0
+
+    def wait_for_replicas(self) -> None:
+        """Wait, at most ``SHARDED_STATE_REPLICA_TIMEOUT`` seconds, until every data-parallel replica
+        has called the save; raise naming the ones that did not (each writes its own experts)."""
+        if self.rank.replicas == 1:
+            return
+        from vllm.distributed.parallel_state import get_dp_group
+
+        seconds = float(os.environ.get(REPLICA_TIMEOUT_ENV) or DEFAULT_REPLICA_TIMEOUT)
+        try:
+            # Gloo's monitored barrier: every rank that arrived raises once the timeout passes.
+            torch.distributed.monitored_barrier(
+                group=get_dp_group().cpu_group, timeout=timedelta(seconds=seconds), wait_all_ranks=True
+            )
+        except RuntimeError as e:
+            raise ShardedStateError(
+                f"Refusing to save: under expert parallelism each of the {self.rank.dp_size} data-parallel replicas "
+                f"writes its own experts, and not all of them called save_sharded_state within {seconds:g} s "
+                f"({REPLICA_TIMEOUT_ENV}; {e}). Call it on every replica: in each data-parallel process of an "
+                "offline engine (vLLM's serve reaches them all through collective_rpc). Nothing was written."
+            ) from e
+
+    def run(self, step: Any, only_first: bool = False) -> list[Any]:
+        """Run ``step`` here (or only on the first worker), exchange results, raise if any failed.
+
+        Every worker reaches the exchange even when its step fails, or the others would hang.
+        """
+        try:
+            outcome: tuple[bool, Any] = (True, step() if self.first or not only_first else None)
+        except Exception as e:
+            outcome = (False, f"{self.rank}: {e}")
+        try:
+            outcomes = gather_over(self.groups, [outcome], "this save")
+        except ShardedStateError as e:
+            # This worker's own cleanup (the lock, what it staged) runs on this error.
+            raise ShardedStateError(f"{e}" + ("" if outcome[0] else f" | {outcome[1]}")) from e
+        errors = [value for ok, value in outcomes if not ok]
+        if errors:
+            raise AgreedFailure(" | ".join(errors))
+        return [value for _, value in outcomes]
+
+
+class FolderNotShared(AgreedFailure):
+    """A local save's folder is not the same folder for every worker (each node has its own)."""
+
+
+def check_folder_shared(workers: Workers, path: str, token: str) -> None:
+    """Refuse a local save unless every worker sees the folder the first one locked.
+
+    The lock file that the first worker just took, with this save's token, is the marker:
+    a worker that does not find it there sees another folder under the same path (another
+    node's disk), where its parts would be written out of the manifest's reach.
+    Decided from the file system, not from host names, so that two nodes sharing a file
+    system save, and two containers on one host that do not are refused.
+    """
+    seen = workers.run(lambda: (socket.gethostname(), str(workers.rank), (read_lock(path) or {}).get("token") == token))
+    blind = [f"{rank} on {host}" for host, rank, sees in seen if not sees]
+    if not blind:
+        return
+    holder = next(f"{rank} on {host}" for host, rank, sees in seen if sees)
+    raise FolderNotShared(
+        f"Refusing to save to {path}: the workers do not share that folder. {holder} locked it for this save, "
+        f"but {'; '.join(blind)} cannot see that lock there: each of these nodes has its own {path}, and a "
+        "checkpoint written there would lack the other nodes' parts. Save to object storage (s3://, gs://, "
+        "az://) or to a folder that every node mounts (a shared file system), then copy the checkpoint to "
+        "where it is served. Nothing was written"
+    )

@@ -1,0 +1,240 @@
+"""Reads that bypass the page cache (``O_DIRECT``), for files that are not in it.
+
+A cold load through the page cache is held back by readahead: each thread's stream has
+one or two readahead requests of at most a few hundred KiB in flight, and every byte is
+copied twice by the CPU (device -> page cache by DMA, page cache -> parameter by the
+kernel) and leaves the page cache full of a checkpoint that is read once. With
+``O_DIRECT`` each thread asks the device for a whole window (16 MiB by default) in one
+request, which the block layer splits into as many device requests as it takes and
+issues at once; the bytes land by DMA in a page-aligned buffer of the thread, from which
+they are copied to their targets (or to the pinned staging of an accelerator target).
+Nothing is cached, so memory stays the parameters'.
+
+Which path a load takes (:func:`choose_direct`): ``SHARDED_STATE_DIRECT_IO=auto`` (the
+default) reads directly when the targets are on an accelerator and less than half of the
+files' pages are resident in the page cache (``mincore`` over a mapping of each file, no
+read); ``on`` always where the file system supports it, ``off`` never. Warm files keep the
+page-cache path: copying out of the cache is faster than any device. CPU loads keep it
+too: on the project's 2-core VMs (virtio disk, ``benchmarks/direct_bench.py``) a cold load
+through the page cache was as fast as or faster than the direct one, so ``auto`` does not
+pick the direct path there; on a GPU host it is the bet that the GPU command
+(``benchmarks/gpu_bench.py``) measures. File systems without ``O_DIRECT`` (tmpfs) fall back
+to the page cache per file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..format.errors import ShardedStateError
+from .local import truncated
+
+# O_DIRECT wants the file offset, the length and the buffer address aligned to the logical
+# block size (512 B or 4 KiB); the page size covers both.
+ALIGN = mmap.PAGESIZE
+# The bytes one direct request asks for: large enough that the device sees many requests in
+# flight per thread (the block layer splits it into max_sectors_kb pieces, issued at once).
+WINDOW_BYTES = 16 * 1024 * 1024
+# auto: read directly when less than this share of the files' pages is in the page cache.
+RESIDENT_LIMIT = 0.5
+ENV = "SHARDED_STATE_DIRECT_IO"
+MODES = ("auto", "on", "off")
+
+
+def direct_mode() -> str:
+    """The ``SHARDED_STATE_DIRECT_IO`` setting: ``auto`` (default), ``on`` or ``off``."""
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ShardedStateError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}.")
+    return mode
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    if not hasattr(libc, "mincore"):
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    return libc
+
+
+def resident_bytes(fd: int, size: int) -> int | None:
+    """How many bytes of the file's first ``size`` are in the page cache (``mincore``), or None if unknown.
+
+    The file is mapped (``PROT_READ``, shared) but never touched, so nothing is read.
+    """
+    libc = _libc()
+    if libc is None or size <= 0:
+        return None if libc is None else 0
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vector = ctypes.create_string_buffer(pages)
+        if libc.mincore(address, size, vector) != 0:
+            return None
+        resident = sum(b & 1 for b in vector.raw)
+    finally:
+        libc.munmap(address, size)
+    return min(size, resident * mmap.PAGESIZE)
+
+
+def choose_direct(
+    fds_and_sizes: Sequence[tuple[int, int]], mode: str | None = None, *, accelerator: bool = False
+) -> bool:
+    """Whether a load of these local files reads them with ``O_DIRECT`` (see the module docstring).
+
+    ``accelerator``: the targets are on a GPU (``auto`` reads cold files directly only then).
+    """
+    mode = direct_mode() if mode is None else mode
+    if mode != "auto" or not fds_and_sizes or not accelerator:
+        return mode == "on" and bool(fds_and_sizes)
+    total = sum(size for _, size in fds_and_sizes)
+    resident = 0
+    for fd, size in fds_and_sizes:
+        r = resident_bytes(fd, size)
+        if r is None:
+            return False  # cannot tell: the page cache is never wrong, only slower
+        resident += r
+    return total > 0 and resident < RESIDENT_LIMIT * total
+
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory (what ``O_DIRECT`` reads into); pinned for CUDA if asked."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = -(-nbytes // ALIGN) * ALIGN
+        self.region = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self.region)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.region))
+
+    def close(self) -> None:
+        self.view.release()
+        with contextlib.suppress(BufferError):
+            self.region.close()
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class DirectStream:
+    """One thread's ``O_DIRECT`` reads of an opened file, through one aligned window buffer.
+
+    ``readv`` (the :class:`.location.ByteStream` interface) serves requests from the window
+    read last, reading a new window (aligned, ``WINDOW_BYTES`` or the request, whichever is
+    larger) when a request leaves it; the reader calls :meth:`prefetch` with a whole span
+    first, so a span is one direct request and its tensors are memory copies out of it.
+    """
+
+    def __init__(self, path: str, fd: int, size: int, window: int = WINDOW_BYTES) -> None:
+        self.path, self.fd, self.size, self.window = path, fd, size, window
+        self.buffer: AlignedBuffer | None = None
+        self.begin = self.end = 0  # the file bytes the buffer holds
+        # The next window, read ahead by one helper thread while this one copies out of the current.
+        self.spare: AlignedBuffer | None = None
+        self.ahead: tuple[int, int, Future[int]] | None = None
+        self.helper: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def open(cls, path: str, fd: int, size: int, window: int = WINDOW_BYTES) -> DirectStream | None:
+        """A direct stream of the open file ``fd``, or None where its file system refuses ``O_DIRECT``."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag)
+        except OSError:
+            return None
+        return cls(path, direct_fd, size, window)
+
+    def _aligned(self, begin: int, end: int) -> tuple[int, int]:
+        return begin // ALIGN * ALIGN, min(-(-end // ALIGN) * ALIGN, -(-self.size // ALIGN) * ALIGN)
+
+    def _fill(self, buffer: AlignedBuffer, begin: int, need: int) -> int:
+        view, offset, got = buffer.view, begin, 0
+        while got < need:
+            n = os.preadv(self.fd, [view[got:need]], offset)
+            if n <= 0:
+                break  # end of file: the bytes wanted may still all be there
+            got += n
+            offset += n
+            if n % ALIGN:
+                break  # a short read ends at the end of the file
+        return got
+
+    @staticmethod
+    def _sized(buffer: AlignedBuffer | None, need: int, window: int) -> AlignedBuffer:
+        if buffer is None or buffer.nbytes < need:
+            if buffer is not None:
+                buffer.close()
+            buffer = AlignedBuffer(max(need, window))
+        return buffer
+
+    def prefetch(self, begin: int, end: int) -> None:
+        """Have the file bytes ``[begin, end)`` (aligned outwards) in the window: read ahead, or one request now."""
+        begin, end = self._aligned(begin, end)
+        if self.begin <= begin and end <= self.end:
+            return
+        if self.ahead is not None:
+            a_begin, _, future = self.ahead
+            self.ahead = None
+            got = future.result()
+            if a_begin <= begin and end <= a_begin + got:
+                self.buffer, self.spare = self.spare, self.buffer
+                self.begin, self.end = a_begin, a_begin + got
+                return
+        self.buffer = self._sized(self.buffer, end - begin, self.window)
+        self.begin, self.end = begin, begin + self._fill(self.buffer, begin, end - begin)
+
+    def read_ahead(self, begin: int, end: int) -> None:
+        """Start reading ``[begin, end)`` on the helper thread, for the :meth:`prefetch` after the current one."""
+        begin, end = self._aligned(begin, end)
+        if self.ahead is not None or end <= begin or (self.begin <= begin and end <= self.end):
+            return
+        self.spare = self._sized(self.spare, end - begin, self.window)
+        if self.helper is None:
+            self.helper = ThreadPoolExecutor(1, thread_name_prefix="sharded-direct")
+        self.ahead = (begin, end, self.helper.submit(self._fill, self.spare, begin, end - begin))
+
+    def readv(self, views: list[memoryview], offset: int) -> None:
+        """Fill ``views`` with consecutive bytes from ``offset``."""
+        total = sum(len(v) for v in views)
+        if not (self.begin <= offset and offset + total <= self.end):
+            self.prefetch(offset, offset + max(total, self.window))
+            if offset + total > self.end:
+                raise truncated(self.path, self.end)
+        assert self.buffer is not None
+        source = self.buffer.address + offset - self.begin
+        for v in views:
+            if len(v):
+                # ctypes releases the GIL for the copy, so threads copy in parallel.
+                ctypes.memmove(_address(v), source, len(v))
+                source += len(v)
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            with contextlib.suppress(Exception):
+                self.ahead[2].result()  # never unmap a buffer a read is still filling
+            self.ahead = None
+        if self.helper is not None:
+            self.helper.shutdown()
+            self.helper = None
+        for buffer in (self.buffer, self.spare):
+            if buffer is not None:
+                buffer.close()
+        self.buffer = self.spare = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
