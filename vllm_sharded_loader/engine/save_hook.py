@@ -22,7 +22,7 @@ from ..checkpoint.save import (
     stage_rank,
 )
 from ..checkpoint.verify import verify_file_checksum
-from ..format.errors import ShardedStateError
+from ..format.errors import SaveRefused, ShardedStateError
 from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import default_pattern, validate_pattern
@@ -140,6 +140,8 @@ def _stage_for_save(
         # No capture, and the live weights are not the loaded state: the source still is.
         try:
             live = reread_loaded_state(state)
+        except SaveRefused:
+            raise  # issue 34 (trust): the source no longer holds what is served; that is the reason, said whole
         except Exception as e:
             raise ShardedStateError(f"{refused} (Reading the source again failed too: {e}.)") from e
         logger.info("sharded_state: %s re-read its loaded state from %s to save it", rank, state.source.architecture)
