@@ -395,6 +395,10 @@ class ShardedStateLoader(BaseModelLoader):
             )
             options = ReadOptions(self.threads, progress, self.huge_pages, ranks_on_host())
             stats = load_rank(request, targets, rank, options, adopt)
+        # What was read, for a save that reads it again (issue 34: proven by content, see capture.manifest_proof).
+        from .capture import READ_PROOF_ATTRIBUTE, manifest_proof
+
+        model.__dict__[READ_PROOF_ATTRIBUTE] = (directory, manifest_proof(manifest), manifest)
         if stats.resharded_from is not None:
             logger.info(
                 "sharded_state: %s resharded from TP=%d PP=%d to TP=%d PP=%d%s: read %.1f MB of the %.1f MB "

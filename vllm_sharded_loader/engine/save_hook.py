@@ -128,6 +128,8 @@ def _stage_for_save(
         # No capture, and the live weights are not the loaded state: the source still is.
         try:
             live = reread_loaded_state(state)
+        except SaveRefused:
+            raise  # issue 34 (trust): the source no longer holds what is served; that is the reason, said whole
         except Exception as e:
             raise SaveRefused(f"{refused} (Reading the source again failed too: {e}.)") from e
         logger.info("sharded_state: %s re-read its loaded state from %s to save it", rank, state.source.architecture)
