@@ -253,9 +253,9 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     elif load_config.load_format == "sharded_state":
         checkpoint = model_config.model_weights or model_config.model
     if checkpoint is not None:
-        from ..storage.location import is_remote, read_manifest
+        from ..storage.location import open_store, read_manifest
 
-        if os.path.isdir(checkpoint) or is_remote(checkpoint):  # (a Hub id: checked after the read only)
+        if open_store(checkpoint).exists():  # (a Hub id: checked after the read only)
             _check_still_read_from(checkpoint, state.read_proof, read_manifest(checkpoint))
         # Every byte read again is checked against the manifest's checksums: the content, not the path.
         load_config = copy.copy(load_config)
