@@ -19,6 +19,7 @@ before it publishes its own manifest. The non-weight files follow the parts' pro
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import stat
@@ -27,19 +28,11 @@ from pathlib import Path
 
 from ..format.errors import SaveRefused, ShardedStateError
 from ..format.names import staged_name
-from ..storage import objects
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, open_regular
-from ..storage.location import is_remote
-from ..storage.location import non_weight_files as list_non_weight_files
+from ..storage.location import Store, open_store
 
 KILL_CARRIED = declare("local.carried", "checkpoint/carry.py: one non-weight file placed, the manifest not yet")
-
-
-def _read_source(source: str, name: str) -> bytes | Path:
-    if is_remote(source):
-        return objects.read_object(objects.ObjectPrefix.parse(source), name)
-    return Path(os.path.join(source, name))
 
 
 def _read_bytes(data: bytes | Path) -> bytes:
@@ -82,16 +75,21 @@ class CarriedFiles:
     #: object storage: final relative name -> the object's bytes when staged (None: absent)
     previous: dict[str, bytes | None] = field(default_factory=dict)
 
+    @functools.cached_property
+    def store(self) -> Store:
+        return open_store(self.output)
+
     @property
     def remote(self) -> bool:
-        return is_remote(self.output)
+        return self.store.remote
 
     def stage(self, source: str) -> list[str]:
         """Copy ``source``'s non-weight files aside; returns the names that will change."""
-        names = list_non_weight_files(source)
+        origin = open_store(source)
+        names = origin.non_weight_files()
         try:
             for index, name in enumerate(names):
-                data = _read_source(source, name)
+                data = origin.read(name)
                 if self.remote:
                     self._stage_object(name, data)
                 else:
@@ -120,9 +118,9 @@ class CarriedFiles:
             os.fsync(dst.fileno())
 
     def _stage_object(self, name: str, data: bytes | Path) -> None:
-        where = objects.ObjectPrefix.parse(self.output)
+        store = self.store
         content = _read_bytes(data)
-        old = objects.read_object(where, name) if objects.head(where, name) is not None else None
+        old = store.read(name) if store.exists_file(name) else None
         if old == content:
             return
         self.staged[name] = content
@@ -151,20 +149,18 @@ class CarriedFiles:
         os.replace(self.staged.pop(name), final)  # type: ignore[arg-type]
 
     def _place_object(self, name: str) -> None:
-        where = objects.ObjectPrefix.parse(self.output)
         self.backups[name] = self.previous.pop(name)
-        objects.put(where, name, self.staged.pop(name))  # type: ignore[arg-type]
+        self.store.put(name, self.staged.pop(name))  # type: ignore[arg-type]
 
     def restore(self) -> None:
         """After a failure before the publish: the old files back, the staged copies gone. Best effort."""
         for name, backup in self.backups.items():
             with contextlib.suppress(OSError, ShardedStateError):
                 if self.remote:
-                    where = objects.ObjectPrefix.parse(self.output)
                     if backup is None:
-                        objects.delete(where, [name])
+                        self.store.remove([name])
                     else:
-                        objects.put(where, name, backup)  # type: ignore[arg-type]
+                        self.store.put(name, backup)  # type: ignore[arg-type]
                 elif backup is None:
                     os.remove(os.path.join(self.output, name))
                 else:

@@ -17,7 +17,7 @@ from ..format.names import MANIFEST_NAME, default_pattern, parse_file_name, vali
 from ..planning.tensors import TensorSpec, check_tensor_sets
 from ..planning.topology import RankInfo
 from ..storage.local import part_path, read_header
-from ..storage.location import is_remote, read_manifest
+from ..storage.location import open_store, read_manifest
 from ..storage.reader import ReadOptions
 from ..storage.tensor_files import read_files
 from .request import LoadRequest
@@ -73,7 +73,7 @@ def holds_sharded_checkpoint(directory: str, pattern: str | None = None) -> bool
     Part files are recognized by ``pattern`` and by both default patterns (vLLM's own save
     writes them without a manifest). A Hugging Face model folder holds neither.
     """
-    if is_remote(directory):  # served from object storage only with a manifest
+    if open_store(directory).remote:  # served from object storage only with a manifest
         return read_manifest(directory) is not None
     if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
         return True

@@ -25,7 +25,7 @@ from ..planning.experts import check_expert_placement, rank_experts_moved
 from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
-from ..storage.location import check_not_locked, is_remote
+from ..storage.location import check_not_locked, open_store
 from ..storage.memory import check_materialized
 from ..storage.reader import DEFAULT_READ, ReadOptions
 from ..storage.tensor_files import read_files
@@ -69,7 +69,7 @@ def load_rank(
     check_materialized(targets, f"{directory} ({rank})")
     check_not_locked(directory)
     if manifest is None:
-        if is_remote(directory):
+        if open_store(directory).remote:
             raise CheckpointNotFound(
                 f"{directory}: no {MANIFEST_NAME}. A checkpoint in object storage is served only with the manifest "
                 "this package writes (or the save into it is incomplete): save it with vllm_sharded_loader."

@@ -34,20 +34,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-import torch
-
-from ..format.errors import ShardedStateError
+from ..format.errors import SaveRefused, ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import MANIFEST_NAME, staged_name, staged_token
-from ..planning.topology import RankInfo
-from ..storage import objects
 from ..storage.faults import declare, kill_point
-from ..storage.staging_folders import staging_folder
+from ..storage.location import ObjectStore
+from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .carry import CarriedFiles
-from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry, stage_rank
+from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry
 
 # The steps where a test kills an object-storage save (storage/faults.py), in protocol order.
 KILL_LOCKED = declare("s3.locked", "checkpoint/remote_save.py: the lock object is put, nothing uploaded")
@@ -59,21 +56,21 @@ KILL_CLEANED = declare("s3.cleaned", "checkpoint/remote_save.py: stale parts del
 
 def begin(url: str, token: str, overwrite: bool) -> None:
     """Step 1: hold the prefix (conditional put of the lock); an old checkpoint needs ``overwrite``."""
-    where = objects.ObjectPrefix.parse(url)
-    objects.acquire_lock(where, token)
+    store = ObjectStore(url)
+    store.acquire_lock(token)
     kill_point(KILL_LOCKED)
     try:
-        if objects.head(where, MANIFEST_NAME) is not None and not overwrite:
-            raise ShardedStateError(
+        if store.exists_file(MANIFEST_NAME) and not overwrite:
+            raise SaveRefused(
                 f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass "
                 "--overwrite."
             )
         # An interrupted save's uploads: only those it recorded as its own before it began them.
-        manifest = objects.read_manifest(where)
+        manifest = store.read_manifest()
         listed = set() if manifest is None else {f.name for e in manifest.ranks for f in e.files}
-        _remove_recorded_uploads(where, lambda t: t != token, keep=listed)
+        _remove_recorded_uploads(store, lambda t: t != token, keep=listed)
     except BaseException:
-        objects.release_lock(where, token)
+        store.release_lock(token)
         raise
 
 
@@ -82,20 +79,22 @@ def _intent_name(staged: StagedRank, token: str) -> str:
     return staged_name(f"uploads-pp{r.pp_rank}-dp{r.saved_dp_rank}-tp{r.tp_rank}", token)
 
 
-def _remove_recorded_uploads(where: objects.ObjectPrefix, whose: Callable[[str], bool], keep: set[str]) -> None:
+def _remove_recorded_uploads(store: ObjectStore, whose: Callable[[str], bool], keep: set[str]) -> None:
     """Delete what saves of the tokens ``whose`` accepts recorded as theirs to delete: their uploads,
     finished or not (multipart), and the parts their publish replaced; never a name in ``keep``
     (the published manifest's). Then the records themselves."""
-    records = [n for n in objects.list_names(where) if (t := staged_token(n)) is not None and whose(t)]
+    records = [n for n in store.list_names() if (t := staged_token(n)) is not None and whose(t)]
     for record in records:
         try:
-            names = [str(n) for n in json.loads(objects.read_object(where, record))]
+            names = [str(n) for n in json.loads(store.read(record))]  # type: ignore[arg-type]
         except (ValueError, TypeError) as e:
-            raise ShardedStateError(f"{where.url(record)}: not a record of a save's uploads ({e}); delete it.") from e
+            raise ShardedStateError(
+                f"{store.file_path(record)}: not a record of a save's uploads ({e}); delete it."
+            ) from e
         names = [n for n in names if "/" not in n and n not in keep]
-        objects.abort_incomplete_uploads(where, names)
-        objects.delete(where, names)
-    objects.delete(where, records)
+        store.abort_incomplete_uploads(names)
+        store.remove(names)
+    store.remove(records)
 
 
 def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
@@ -108,20 +107,20 @@ def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
     On failure the parts this call uploaded are deleted again (and the staged ones kept
     for :func:`abandon` to remove). Returns the entry naming the uploads.
     """
-    where = objects.ObjectPrefix.parse(url)
-    renamed = fresh_names(staged, objects.list_names(where))
-    objects.put(where, _intent_name(staged, token), json.dumps(sorted(renamed.values())).encode())
+    store = ObjectStore(url)
+    renamed = fresh_names(staged, store.list_names())
+    store.put(_intent_name(staged, token), json.dumps(sorted(renamed.values())).encode())
     kill_point(KILL_RECORDED)
     uploaded: list[str] = []
     try:
         for name, tmp in list(staged.temporary.items()):
             uploaded.append(renamed[name])
-            objects.put(where, renamed[name], Path(tmp))
+            store.put(renamed[name], Path(tmp))
             kill_point(KILL_UPLOADED)
     except BaseException:
         with contextlib.suppress(ShardedStateError):
-            objects.delete(where, uploaded)
-            objects.abort_incomplete_uploads(where, uploaded)
+            store.remove(uploaded)
+            store.abort_incomplete_uploads(uploaded)
         raise
     discard_rank(staged)
     return renamed_entry(staged.entry, renamed)
@@ -130,14 +129,14 @@ def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
 def abandon(url: str, entries: Sequence[RankEntry] = (), token: str | None = None) -> None:
     """After a failed save: delete the parts it uploaded (every rank's, as recorded under its
     ``token``), abort its multipart uploads, release the lock."""
-    where = objects.ObjectPrefix.parse(url)
+    store = ObjectStore(url)
     names = [f.name for e in entries for f in e.files]
     with contextlib.suppress(ShardedStateError):
-        objects.delete(where, names)
-        objects.abort_incomplete_uploads(where, names)
+        store.remove(names)
+        store.abort_incomplete_uploads(names)
         if token is not None:
-            _remove_recorded_uploads(where, lambda t: t == token, keep=set())
-    objects.release_lock(where, token)
+            _remove_recorded_uploads(store, lambda t: t == token, keep=set())
+    store.release_lock(token)
 
 
 def publish(
@@ -150,29 +149,29 @@ def publish(
     them if this fails). Returns the part names the replaced manifest listed, for
     :func:`clean_after_publish`.
     """
-    where = objects.ObjectPrefix.parse(url)
+    store = ObjectStore(url)
     if token is not None:
-        objects.check_lock_holder(where, token)
+        store.check_lock_holder(token)
     for entry in manifest.ranks:
         for f in entry.files:
-            objects.open_part(where, f)  # present, with the size recorded
+            store.open_part(f)  # present, with the size recorded
     if carried is not None:
         carried.place()
-    old = objects.head(where, MANIFEST_NAME)
+    old = store.head(MANIFEST_NAME)
     if old is None:
         replaced: frozenset[str] = frozenset()
-        objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), create=True)
+        store.put(MANIFEST_NAME, manifest.to_json().encode(), create=True)
     else:
         # Read under the lock: only a save holding it replaces the manifest, and the put below
         # fails if the manifest changed meanwhile all the same (its ETag or generation).
-        previous = objects.read_manifest(where)
+        previous = store.read_manifest()
         replaced = frozenset() if previous is None else frozenset(f.name for e in previous.ranks for f in e.files)
         if token is not None:
             # Recorded before the put: if this save dies between the put and its cleanup, the
             # next save deletes the old parts from this record (those the manifest then lists stay).
             listed = {f.name for e in manifest.ranks for f in e.files}
-            objects.put(where, staged_name("replaced", token), json.dumps(sorted(replaced - listed)).encode())
-        objects.put(where, MANIFEST_NAME, manifest.to_json().encode(), match=old)
+            store.put(staged_name("replaced", token), json.dumps(sorted(replaced - listed)).encode())
+        store.put(MANIFEST_NAME, manifest.to_json().encode(), match=old)
     kill_point(KILL_PUBLISHED)
     return replaced
 
@@ -185,44 +184,60 @@ def clean_after_publish(url: str, manifest: Manifest, token: str | None = None, 
     ours named is another writer's, even under a name of our pattern. A failure here leaves
     the new checkpoint published and whole.
     """
-    where = objects.ObjectPrefix.parse(url)
+    store = ObjectStore(url)
     listed = {f.name for entry in manifest.ranks for f in entry.files}
-    objects.delete(where, sorted(set(replaced) - listed))
+    store.remove(sorted(set(replaced) - listed))
     if token is not None:
-        objects.delete(where, [n for n in objects.list_names(where) if staged_token(n) == token])
+        store.remove([n for n in store.list_names() if staged_token(n) == token])
     kill_point(KILL_CLEANED)
-    objects.release_lock(where, token)
+    store.release_lock(token)
 
 
-def save_ranks_to_objects(
-    url: str,
-    ranks: Sequence[tuple[RankInfo, Mapping[str, torch.Tensor]]],
-    pattern: str,
-    max_size: int | None,
-    overwrite: bool,
-    manifest_of: Callable[[Sequence[RankEntry]], Manifest],
-    carry: str | None = None,
-) -> Manifest:
-    """The steps above from one process, for :func:`.save.save_checkpoint` given an object-storage URL.
+class ObjectTarget:
+    """An object-storage prefix as the target of the save protocol (:mod:`.protocol`): the steps above.
 
-    ``manifest_of`` builds the manifest from the uploaded ranks' entries.
+    Every member stages in a local folder of its own (made on first use, removed at the end),
+    unless its caller stages elsewhere (an engine's start-up capture).
     """
-    token = new_token()
-    begin(url, token, overwrite)
-    entries: list[RankEntry] = []
-    carried = CarriedFiles(url, token)
-    try:
-        with staging_folder() as staging:
-            for info, tensors in ranks:
-                staged = stage_rank(staging, tensors, info, pattern, max_size, token)
-                entries.append(upload_rank(url, staged, token))
-        if carry is not None:
-            carried.stage(carry)  # under the lock, after the overwrite rule: see save.save_checkpoint
-        manifest = manifest_of(entries)
-        replaced = publish(url, manifest, token, carried)
-    except BaseException:
-        carried.restore()
-        abandon(url, entries, token)
-        raise
-    clean_after_publish(url, manifest, token, replaced)
-    return manifest
+
+    stages_in_place = False
+    abandoned = "Nothing was published: this save's uploads and lock were deleted."
+
+    def __init__(self, url: str, overwrite: bool = False) -> None:
+        self.where = url
+        self.overwrite = overwrite
+        self.token = new_token()
+        self.replaced: frozenset[str] = frozenset()
+        self.scratch: StagingFolder | None = None
+
+    def lock(self) -> str:
+        begin(self.where, self.token, self.overwrite)
+        return self.token
+
+    def join(self, token: str, member: str) -> None:
+        self.token = token  # every member records its uploads under the lock's token: cleanups find them all
+
+    def check_joined(self, seen: list[None]) -> None:
+        pass  # every member reaches the same prefix
+
+    def staging(self) -> str:
+        if self.scratch is None:
+            self.scratch = make_staging_folder()
+        return self.scratch.path
+
+    def place(self, staged: StagedRank) -> RankEntry:
+        return upload_rank(self.where, staged, self.token)
+
+    def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
+        self.replaced = publish(self.where, manifest, self.token, carried)
+
+    def clean(self, manifest: Manifest) -> None:
+        clean_after_publish(self.where, manifest, self.token, self.replaced)
+
+    def abandon(self, entries: Sequence[RankEntry]) -> None:
+        abandon(self.where, entries, self.token)
+
+    def close(self) -> None:
+        if self.scratch is not None:
+            self.scratch.remove()
+            self.scratch = None

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import SaveRefused, ShardedStateError
 from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import (
@@ -49,10 +50,11 @@ from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory
-from ..storage.location import is_remote
-from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, release_save_lock
+from ..storage.location import LocalStore, ObjectStore, open_store
+from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, read_lock, release_save_lock
 from .carry import CarriedFiles
-from .remote_save import save_ranks_to_objects
+from .protocol import OneProcess, SaveJob, SaveTarget, run_save
+from .remote_save import ObjectTarget
 from .staged import StagedRank, discard_rank, fresh_names, new_token, open_staged_tensors, renamed_entry, stage_rank
 
 # Re-exported: the save protocol's steps, in the order they run.
@@ -123,12 +125,12 @@ def publish_manifest(
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
-                raise ShardedStateError(
+                raise SaveRefused(
                     f"{path}: missing, yet the manifest being published lists it. Nothing was published; the "
                     "previous checkpoint, if any, is intact. Is the directory shared by every worker?"
                 ) from None
             if size != f.size:
-                raise ShardedStateError(
+                raise SaveRefused(
                     f"{path}: {size} bytes, expected {f.size}. Nothing was published; the previous checkpoint, "
                     "if any, is intact."
                 )
@@ -146,7 +148,7 @@ def publish_manifest(
     except OSError as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise ShardedStateError(
+        raise SaveRefused(
             f"Writing the manifest {path} failed: {e}. Nothing was published; the previous checkpoint, if any, "
             "is intact. Free space (or fix the directory) and save again."
         ) from e
@@ -183,6 +185,85 @@ def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = N
     """Steps 4 and 5: publish the manifest, then clean and unlock."""
     publish_manifest(directory, manifest, lock)
     clean_after_publish(directory, manifest, lock)
+
+
+class FolderNotShared(SaveRefused):
+    """A local save's folder is not the same folder for every member (each node has its own)."""
+
+
+class LocalTarget:
+    """A local folder as the target of the save protocol (:mod:`.protocol`): the steps above."""
+
+    stages_in_place = True
+    abandoned = "Nothing was published; any previous checkpoint there is intact."
+
+    def __init__(self, directory: str, overwrite: bool = False) -> None:
+        self.where = os.path.abspath(directory)
+        self.overwrite = overwrite
+        self.token = new_token()
+        self.held: SaveLock | None = None
+        self.made_folder = False
+
+    def lock(self) -> str:
+        self.made_folder = not os.path.lexists(self.where)
+        self.held = acquire_save_lock(self.where, self.token, self.overwrite)
+        kill_point(KILL_LOCKED)
+        return self.held.token
+
+    def join(self, token: str, member: str) -> tuple[str, str, bool]:
+        """The lock file that the first member just took, with this save's token, is the marker: a
+        member that does not find it there sees another folder under the same path (another
+        node's disk), where its parts would be written out of the manifest's reach. Decided from
+        the file system, not from host names, so that two nodes sharing a file system save, and
+        two containers on one host that do not are refused."""
+        self.token = token  # every member stages under the lock's token: a takeover finds them
+        return socket.gethostname(), member, (read_lock(self.where) or {}).get("token") == token
+
+    def check_joined(self, seen: list[tuple[str, str, bool]]) -> None:
+        blind = [f"{member} on {host}" for host, member, sees in seen if not sees]
+        if not blind:
+            return
+        holder = next(f"{member} on {host}" for host, member, sees in seen if sees)
+        error = FolderNotShared(
+            f"Refusing to save to {self.where}: the workers do not share that folder. {holder} locked it for this "
+            f"save, but {'; '.join(blind)} cannot see that lock there: each of these nodes has its own "
+            f"{self.where}, and a checkpoint written there would lack the other nodes' parts. Save to object "
+            "storage (s3://, gs://, az://) or to a folder that every node mounts (a shared file system), then copy "
+            "the checkpoint to where it is served. Nothing was written"
+        )
+        error.agreed = True  # every member decides from the same exchanged answers
+        raise error
+
+    def staging(self) -> str:
+        return self.where
+
+    def place(self, staged: StagedRank) -> RankEntry:
+        return publish_rank(staged)
+
+    def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
+        publish_manifest(self.where, manifest, self.held, carried)
+
+    def clean(self, manifest: Manifest) -> None:
+        clean_after_publish(self.where, manifest, self.held)
+
+    def abandon(self, entries: Sequence[RankEntry]) -> None:
+        if self.held is not None:
+            release_save_lock(self.held)
+        if self.made_folder:
+            with contextlib.suppress(OSError):  # only if nothing else was put there meanwhile
+                os.rmdir(self.where)
+
+    def close(self) -> None:
+        pass
+
+
+# The save protocol's target for each kind of store (:func:`..storage.location.open_store`).
+TARGETS: dict[type, Callable[[str, bool], SaveTarget]] = {LocalStore: LocalTarget, ObjectStore: ObjectTarget}
+
+
+def open_target(where: str, overwrite: bool = False) -> SaveTarget:
+    """The save protocol's target for a local folder or an object-storage URL."""
+    return TARGETS[type(open_store(where))](where, overwrite)
 
 
 def _stage_in_parallel(
@@ -227,7 +308,8 @@ def save_checkpoint(
     carry: str | None = None,
     parallel: bool = False,
 ) -> Manifest:
-    """Save every rank's tensors from one process (tests, offline tools); see the module doc.
+    """Save every rank's tensors from one process (tests, offline tools): :func:`.protocol.run_save`
+    over :class:`.protocol.OneProcess`; see the module doc.
 
     ``carry`` names a model (folder or URL) whose files that go with the parts (config,
     tokenizer) the save puts beside them (:mod:`.carry`): staged under the lock, once the
@@ -256,14 +338,23 @@ def save_checkpoint(
         )
     pattern = pattern or default_pattern(infos[0].pp_size, replicas)
 
-    def manifest_of(entries: Sequence[RankEntry]) -> Manifest:
+    def stage(target: SaveTarget) -> Iterator[tuple[StagedRank, None]]:
+        if parallel and len(infos) > 1:
+            staged = _stage_in_parallel(target.staging(), ranks, infos, pattern, max_size, target.token)
+            yield from ((s, None) for s in staged)
+            return
+        for info in infos:
+            yield stage_rank(target.staging(), ranks[info], info, pattern, max_size, target.token), None
+            kill_point(KILL_STAGED)
+
+    def manifest_of(entries: Sequence[tuple[RankEntry, None]]) -> Manifest:
         return Manifest(
             tp_size=infos[0].tp_size,
             pp_size=infos[0].pp_size,
             dtype=dtype,
             pattern=pattern,
             source=source,
-            ranks=tuple(entries),
+            ranks=tuple(entry for entry, _ in entries),
             geometry=dict(geometry or {}),
             tied=tied,
             experts=experts,
@@ -271,33 +362,5 @@ def save_checkpoint(
             experts_over_dp=infos[0].experts_over_dp,
         )
 
-    if is_remote(directory):
-        return save_ranks_to_objects(
-            directory, [(info, ranks[info]) for info in infos], pattern, max_size, overwrite, manifest_of, carry
-        )
-    token = new_token()
-    lock = acquire_save_lock(directory, token, overwrite)
-    kill_point(KILL_LOCKED)
-    staged: list[StagedRank] = []
-    carried = CarriedFiles(directory, lock.token)
-    try:
-        if parallel and len(infos) > 1:
-            staged.extend(_stage_in_parallel(directory, ranks, infos, pattern, max_size, token))
-        else:
-            for info in infos:
-                staged.append(stage_rank(directory, ranks[info], info, pattern, max_size, token))
-                kill_point(KILL_STAGED)
-        if carry is not None:
-            carried.stage(carry)
-        manifest = manifest_of([publish_rank(s) for s in staged])
-        publish_manifest(directory, manifest, lock, carried)
-    except BaseException:
-        # Nothing was published: what this save staged or placed goes, the old checkpoint stands.
-        carried.restore()
-        for s in staged:
-            discard_rank(s)
-        release_save_lock(lock)
-        raise
-    carried.finish()
-    clean_after_publish(directory, manifest, lock)
-    return manifest
+    job = SaveJob(stage, manifest_of, carry=None if carry is None else lambda carried: carried.stage(carry))
+    return run_save(open_target(directory, overwrite), OneProcess(), job)[0]

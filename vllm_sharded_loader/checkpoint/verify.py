@@ -7,8 +7,8 @@ from ..format.manifest import FileChecksum
 from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.reads import check_saved_geometry
 from ..storage.integrity import BlockVerifier
-from ..storage.location import StoredFile, check_not_locked, file_path, is_remote, list_names, read_manifest
-from ..storage.lock import describe_lock, owner_is_alive, read_lock, save_is_running
+from ..storage.location import StoredFile, check_not_locked, file_path, list_names, open_store, read_manifest
+from ..storage.lock import describe_lock, read_lock
 from ..storage.writer import CHUNK_BYTES
 from .rank_files import check_rank_file
 
@@ -67,14 +67,15 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
                         verify_file_checksum(checked.file, f.checksum)
             except ShardedStateError as e:
                 problems.append(str(e))
-    if not is_remote(directory) and save_is_running(directory):
+    store = open_store(directory)
+    if store.save_is_running():
         # A running save's staged and placed files are not the published checkpoint's
         # problem: it removes them itself, or publishes them.
         return problems
     # A save that died (its lock's flock is free) beside a published manifest leaves its lock,
     # and the parts it placed (died before its publish) or replaced (died after it, before its
     # cleanup): its own leftovers, not the checkpoint's.
-    dead_lock = None if is_remote(directory) else read_lock(directory)
+    dead_lock = None if store.remote else read_lock(directory)
     if dead_lock is not None:
         notes.append(
             f"{describe_lock(directory, dead_lock)}: the lock of a save that died; the published checkpoint is "
@@ -93,9 +94,7 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
                 f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list (left by an older "
                 "save?); our loader ignores it but vLLM's own loader would read it. Remove it."
             )
-        elif (token := staged_token(name)) is not None and (
-            is_remote(directory) or not owner_is_alive(directory, token)
-        ):
+        elif (token := staged_token(name)) is not None and not store.owner_is_alive(token):
             # (A live engine's start-up capture is its own, not a leftover, and not noted.)
             notes.append(
                 f"{file_path(directory, name)}: a staged file or owner marker of a save or engine that is gone "

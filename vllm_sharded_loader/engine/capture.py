@@ -41,7 +41,8 @@ from vllm.logger import init_logger
 
 from ..checkpoint.save import StagedRank, discard_rank, new_token, stage_rank
 from ..checkpoint.state import saveable_state, tied_groups
-from ..format.errors import ShardedStateError
+from ..format.errors import SaveRefused, ShardedStateError
+from ..format.manifest import Manifest
 from ..format.names import default_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
@@ -89,6 +90,14 @@ class LoadedState:
     model_config: Any = field(default=None, repr=False)
     # The sharded checkpoint a weight update replaced every tensor from (a save re-reads it).
     reloaded_from: str | None = None
+    # Proof of what the served weights were read from (issue 34): the digest of the manifest of
+    # the sharded checkpoint they were read from (at start-up, or by the last update), with every
+    # file's block checksums; a save that re-reads that checkpoint first proves it unchanged.
+    read_proof: str | None = None
+    # The model's own weight files in its local folder, as loaded by another load format: each one's
+    # identity (device, inode, size, mtime, ctime; the kernel changes ctime on every write), for a save
+    # that reads them again (no checksums to prove their content by: see :func:`_weight_file_identities`).
+    source_files: dict[str, tuple[int, ...]] | None = None
     # Removes the start-up capture and its owner marker (at exit at the latest); None once done.
     drop_capture: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -128,15 +137,86 @@ def current_vllm_config() -> Any:
         return None
 
 
-def served_from_checkpoint(state: LoadedState, checkpoint: str) -> None:
+def served_from_checkpoint(state: LoadedState, checkpoint: str, proof: str | None = None) -> None:
     """After a weight update replaced every tensor from the sharded ``checkpoint`` (and post-processed
     them as at start-up): that checkpoint's state is the loaded state now. The start-up capture is
-    stale and goes; a save re-reads this rank's state from ``checkpoint``."""
+    stale and goes; a save re-reads this rank's state from ``checkpoint``, once proven to hold
+    what was read (``proof``: :func:`manifest_proof` of the manifest the update read)."""
     if state.capture is not None and state.capture.temporary:
         discard_rank(state.capture)
     state.capture = None
     state.reloaded_from = checkpoint
+    state.read_proof = proof
     state.updates = 0
+
+
+# Set on the model by the sharded loader at start-up: (checkpoint, manifest_proof) it read.
+READ_PROOF_ATTRIBUTE = "_vllm_sharded_read_proof"
+
+
+def manifest_proof(manifest: Manifest | None) -> str | None:
+    """The digest of a manifest whose every file has block checksums, or None (nothing to prove content by).
+
+    Equal digests and a read with ``verify="checksum"`` prove the bytes read again are the
+    bytes read then: the manifest names each file's size and the BLAKE3 digest of each block.
+    """
+    import hashlib
+
+    if manifest is None or any(f.checksum is None for entry in manifest.ranks for f in entry.files):
+        return None
+    return hashlib.sha256(manifest.to_json().encode()).hexdigest()
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def _weight_file_identities(folder: str | None) -> dict[str, tuple[int, ...]] | None:
+    """Each weight file's identity in a local model folder (what vLLM's default loader reads), or None."""
+    if folder is None or not os.path.isdir(folder):
+        return None
+    found = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(_WEIGHT_SUFFIXES):
+            st = os.stat(os.path.join(folder, name))
+            found[name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return found
+
+
+def _check_source_files_unchanged(state: LoadedState) -> None:
+    """Refuse to save from the model's own files if any was replaced or written since it was loaded."""
+    if state.source_files is None:
+        return
+    now = _weight_file_identities(state.model_dir)
+    if now != state.source_files:
+        changed = sorted(
+            n for n in (now or {}).keys() | state.source_files.keys() if (now or {}).get(n) != state.source_files.get(n)
+        )
+        raise SaveRefused(
+            f"Refusing to save: {state.model_dir} was written after the served weights were loaded from it "
+            f"({', '.join(changed[:3])} changed): reading it again would not give what is served. Start an engine "
+            f"with {CAPTURE_DIR_ENV}=<dir> so that its start-up capture is saved, or save before the folder changes."
+        )
+
+
+def _check_still_read_from(checkpoint: str, proof: str | None, manifest: Manifest | None) -> None:
+    """Refuse to save from ``checkpoint`` unless its manifest is still the one the served weights were read with."""
+    how = (
+        "Save right after the update, before anything writes to that folder again (or update from a folder "
+        "that is never rewritten, such as one per step), or start an engine with "
+        f"{CAPTURE_DIR_ENV}=<dir> so that its start-up capture is saved."
+    )
+    if proof is None:
+        raise SaveRefused(
+            f"Refusing to save: the served weights were read from {checkpoint}, whose manifest records no checksum "
+            f"for every file, so reading it again cannot be proven to give what is served. {how}"
+        )
+    now = manifest_proof(manifest)
+    if now != proof:
+        raise SaveRefused(
+            f"Refusing to save: {checkpoint} was rewritten after the served weights were read from it (its "
+            f"{'manifest is gone' if manifest is None else 'manifest differs'}): it no longer holds what is "
+            f"served, and a save would publish other weights under this engine's name. {how}"
+        )
 
 
 def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
@@ -162,16 +242,37 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     fresh.compilation_config = copy.copy(vllm_config.compilation_config)
     fresh.compilation_config.static_forward_context = {}
     load_config = vllm_config.load_config
+    checkpoint = None  # the sharded checkpoint re-read, proven unchanged before and after (issue 34)
     if state.reloaded_from is not None:
         # Updated since start-up: the checkpoint of the update, through our loader (vLLM's registry).
         load_config = copy.copy(load_config)
         load_config.load_format, load_config.model_loader_extra_config = "sharded_state", {}
         model_config = copy.copy(model_config)
         model_config.model_weights = state.reloaded_from
+        checkpoint = state.reloaded_from
+    elif load_config.load_format == "sharded_state":
+        checkpoint = model_config.model_weights or model_config.model
+    if checkpoint is not None:
+        from ..storage.location import open_store, read_manifest
+
+        if open_store(checkpoint).exists():  # (a Hub id: checked after the read only)
+            _check_still_read_from(checkpoint, state.read_proof, read_manifest(checkpoint))
+        # Every byte read again is checked against the manifest's checksums: the content, not the path.
+        load_config = copy.copy(load_config)
+        load_config.model_loader_extra_config = {**(load_config.model_loader_extra_config or {}), "verify": "checksum"}
+    else:
+        _check_source_files_unchanged(state)
     loader = get_model_loader(load_config)
     with set_current_vllm_config(fresh), set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
         model = loader.create_model(vllm_config=fresh, model_config=model_config)
         loader.load_weights(model, model_config)
+    if checkpoint is None:
+        _check_source_files_unchanged(state)  # (a write during the read shows here)
+    else:
+        # The manifest the re-read used (a rewrite between our check and the read shows here).
+        _check_still_read_from(
+            checkpoint, state.read_proof, model.__dict__.get(READ_PROOF_ATTRIBUTE, (None, None, None))[2]
+        )
     tensors = saveable_state(model.state_dict())
     loaded = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     expected = {name: (shape, dtype) for name, (_, shape, dtype) in state.signature.items()}
@@ -203,7 +304,10 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         model_dir=model_config.model if os.path.isdir(str(getattr(model_config, "model", ""))) else None,
         vllm_config=current_vllm_config(),
         model_config=model_config,
+        read_proof=(model.__dict__.get(READ_PROOF_ATTRIBUTE) or (None, None, None))[1],
     )
+    if READ_PROOF_ATTRIBUTE not in model.__dict__:  # loaded by another format, from its own files
+        state.source_files = _weight_file_identities(state.model_dir)
     # Data-parallel replicas hold the same slices: only the first captures them, the others
     # only their own experts, if placed across replicas (see the save hook). A speculative
     # drafter loads too, with its own config: the capture (and the save) are the served

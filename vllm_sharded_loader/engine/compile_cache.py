@@ -38,7 +38,7 @@ from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..planning.topology import RankInfo
 from ..storage import hub
-from ..storage.location import is_remote
+from ..storage.location import open_store
 
 logger = init_logger(f"vllm.plugins.{__name__}")
 
@@ -233,7 +233,7 @@ def _restore(
     if differs is not None:
         logger.info("sharded_state: %s start-up artifacts not used, saved for another setup (%s)", rank, differs)
         return False
-    if hub_fetch is not None and not is_remote(where):
+    if hub_fetch is not None and not open_store(where).remote:
         repo_id, revision, cache_dir = hub_fetch
         where = hub.fetch(repo_id, [record.file], revision=revision, cache_dir=cache_dir)
     if any(m is model for m in compiled_modules(model)):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Iterable, Mapping
 from copy import copy
 from dataclasses import replace
@@ -25,7 +24,7 @@ from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..planning.topology import check_dtype
 from ..storage import hub
-from ..storage.location import is_remote
+from ..storage.location import open_store
 from ..storage.reader import DEFAULT_THREADS, ReadOptions
 from .compile_cache import restore_startup_artifacts
 from .identity import dtype_label, is_drafter, source_identity
@@ -234,7 +233,7 @@ class ShardedStateLoader(BaseModelLoader):
 
     def locate(self, directory: str, revision: str | None = None) -> tuple[str, str | None]:
         """:meth:`_locate` for a checkpoint named by a folder, an ``s3://`` URL or a Hub id."""
-        if os.path.isdir(directory) or is_remote(directory):
+        if open_store(directory).exists():
             return directory, None
         snapshot = hub.fetch(
             directory,
@@ -396,6 +395,10 @@ class ShardedStateLoader(BaseModelLoader):
             )
             options = ReadOptions(self.threads, progress, self.huge_pages, ranks_on_host())
             stats = load_rank(request, targets, rank, options, adopt)
+        # What was read, for a save that reads it again (issue 34: proven by content, see capture.manifest_proof).
+        from .capture import READ_PROOF_ATTRIBUTE, manifest_proof
+
+        model.__dict__[READ_PROOF_ATTRIBUTE] = (directory, manifest_proof(manifest), manifest)
         if stats.resharded_from is not None:
             logger.info(
                 "sharded_state: %s resharded from TP=%d PP=%d to TP=%d PP=%d%s: read %.1f MB of the %.1f MB "

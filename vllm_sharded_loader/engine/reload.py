@@ -16,13 +16,21 @@ A sharded checkpoint already holds each rank's slice in the loaded layout, so
 2. **read**: the loader's start-up read (:meth:`.loader.ShardedStateLoader.read_checkpoint`,
    every check of a start-up load first) into that memory, never into a served tensor
    (the few tensors vLLM never takes off the model, such as biases, are read aside);
-3. **process**: each layer's post-processing, then the copy into its kernel tensors.
+3. **process**: each layer's post-processing, as at start-up, into that new memory still;
+4. **commit**: the tensors read aside and every layer's processed tensors copied into the
+   served ones, then the attention layers' own processing.
 
-Anything that fails in steps 1-2 (a checkpoint of another model, another dtype, a missing
-or corrupt file) puts every kernel tensor back untouched: the engine serves the weights
-it served before. On CPU the new weights are mapped from the checkpoint's files (the
-loader's ``mmap``), so no second copy of the weights is made in memory; elsewhere the
-rank's new weights are held once beside the served ones until post-processing.
+The workers agree after step 2 and again after step 3 (:func:`_agree`): the update is all
+or nothing across every rank and every tensor. Anything that fails on any rank before the
+commit (a checkpoint of another model, another dtype, a missing or corrupt file, a failed
+post-processing) puts every rank's kernel tensors back untouched, and the module state
+post-processing set (kernel handles, packed layouts) as it was: the engine serves, byte
+for byte, what it served before, and the update is not counted (``LoadedState.updates``).
+
+On CPU the new weights are mapped from the checkpoint's files (the loader's ``mmap``), so
+no second copy of the weights is made in memory; elsewhere the rank's new weights are held
+once beside the served ones until the commit. Post-processed forms (packed copies) are
+held for every layer until the commit, beside the served ones.
 
 Two entry points: vLLM's ``reload_weights`` (through the loader's ``get_all_weights``,
 see :meth:`InPlaceUpdate.for_reload_weights`) and the ``sharded_state`` weight-transfer
@@ -42,8 +50,8 @@ from vllm.logger import init_logger
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
 from ..storage import oscalls
-from ..storage.location import is_remote
-from .capture import LOADED_STATE_ATTRIBUTE, served_from_checkpoint
+from ..storage.location import open_store
+from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .layer_geometry import model_rank
 from .workers import gather_over, raises_for_all
 
@@ -183,6 +191,9 @@ class InPlaceUpdate:
         self.tied = _shared_parameters(model)
         self.loaded_names: set[str] = set()
         self.done = False
+        # Whether the commit began (see :meth:`run`): only then has anything served changed.
+        self.committed = False
+        self.proof: str | None = None  # of the checkpoint read (see capture.manifest_proof)
 
     # ------------------------------------------------------------------ entry points
 
@@ -208,9 +219,17 @@ class InPlaceUpdate:
                 model.__dict__.pop("load_weights", None)
             else:
                 model.__dict__["load_weights"] = current
-            returned = method(weights, *args, **kwargs)
-            if not update.done:
-                iter(update)  # a model whose load_weights never iterated its weights
+            # The capture's wrapper (inside ``method``) counts every call as an update; a
+            # refused one changed nothing, so it must not count (a later save would refuse).
+            state = model.__dict__.get(LOADED_STATE_ATTRIBUTE)
+            counted = None if state is None else state.updates
+            try:
+                returned = method(weights, *args, **kwargs)
+                if not update.done:
+                    iter(update)  # a model whose load_weights never iterated its weights
+            finally:
+                if state is not None and not update.committed:
+                    state.updates = counted
             return set(returned or ()) | update.loaded_names
 
         setattr(load_weights, _ANSWERS_FOR, self)
@@ -254,12 +273,14 @@ class InPlaceUpdate:
     # ------------------------------------------------------------------ the update
 
     def run(self) -> bool:
-        """Materialize, read, process (see the module's docstring); on a refusal, put everything back.
+        """Materialize, read, process, commit (see the module's docstring); on a refusal, put everything back.
 
-        Every worker reads and checks its own files, then all agree before any processes:
-        a file that only one rank finds corrupt must leave every rank as served, not some
-        updated and some not. A refusal is raised by one worker only, the last one (see
-        :func:`.workers.raises_for_all`); the others put their layers back and return False.
+        Every worker reads and checks its own files, then all agree before any processes,
+        and every worker post-processes into new memory, then all agree again before any
+        copies into a served tensor: a file that only one rank finds corrupt, or a
+        post-processing that fails on one rank only, must leave every rank as served, not
+        some updated and some not. A refusal is raised by one worker only, the last one
+        (see :func:`.workers.raises_for_all`); the others put their layers back and return False.
         """
         layerwise = _layerwise()
         layers = [
@@ -270,49 +291,60 @@ class InPlaceUpdate:
         if not layers:
             raise ShardedStateError("The model's layers were not prepared for a reload (vLLM's layerwise reload).")
         rank = model_rank(self.model)
-        failure: Exception | None = None
-        try:
-            filled = self._read(layers)
-        except Exception as e:
-            failure = e
-        except BaseException:
-            self._put_back(layers)
-            raise
-        errors = _agree(None if failure is None else f"{rank}: {failure}")
-        if errors:
-            self._put_back(layers)
-            if len(errors) == 1 and failure is not None and raises_for_all():
-                raise failure
-            if raises_for_all():
-                kind = type(failure) if isinstance(failure, ShardedStateError) else ShardedStateError
-                raise agreed_error(kind, " | ".join(errors) + " (no rank's weights were changed)", failure)
-            logger.warning("sharded_state: %s put its weights back: another rank refused the update", rank)
-            return False
+        processed: list[_Processed] = []
+        for step in ("read", "process"):
+            failure: Exception | None = None
+            try:
+                if step == "read":
+                    filled, aside = self._read(layers)
+                else:
+                    self._process(layers, filled, processed)  # fills processed as it goes: undone on a refusal
+            except Exception as e:
+                failure = e
+            except BaseException:
+                self._put_back(layers, processed)
+                raise
+            errors = _agree(None if failure is None else f"{rank}: {failure}")
+            if errors:
+                self._put_back(layers, processed)
+                if len(errors) == 1 and failure is not None and raises_for_all():
+                    raise failure
+                if raises_for_all():
+                    kind = type(failure) if isinstance(failure, ShardedStateError) else ShardedStateError
+                    raise agreed_error(kind, " | ".join(errors) + " (no rank's weights were changed)", failure)
+                logger.warning("sharded_state: %s put its weights back: another rank refused the update", rank)
+                return False
+        # Every rank read, checked and post-processed everything: from here on, what is served changes.
+        self.committed = True
         state = self.model.__dict__.get(LOADED_STATE_ATTRIBUTE)
         if state is not None:
-            state.updates += 1  # until processed, what is served is neither the old state nor the new
+            state.updates += 1  # until committed, what is served is neither the old state nor the new
         try:
-            self._process(layers, filled)
+            self._commit(layers, aside, processed)
         finally:
             # The previous packings just freed: to the system, not kept by the allocator (see release_free_heap).
             oscalls.release_free_heap()
         if state is not None:
             # Every tensor now is this checkpoint's, as loaded: a save re-reads it from there.
-            served_from_checkpoint(state, self.located[1] or self.located[0])
+            served_from_checkpoint(state, self.located[1] or self.located[0], self.proof)
         return True
 
     @staticmethod
-    def _put_back(layers: list[tuple[str, torch.nn.Module, Any]]) -> None:
+    def _put_back(layers: list[tuple[str, torch.nn.Module, Any]], processed: list[_Processed] | None = None) -> None:
+        """Every layer's served tensors back on it, and what post-processing set on its modules undone."""
         layerwise = _layerwise()
+        for done in reversed(processed or []):
+            done.undo()
         for _, module, info in layers:
-            layerwise._place_kernel_tensors(module, info)
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(module, info)
             info.reset()
 
     def _located(self) -> tuple[str, str | None]:
         """The checkpoint's folder (and Hub id), refusing at once a local path that does not exist."""
         config = self.model_config
         path = self.path if self.path is not None else config.model_weights or config.model
-        if os.path.isdir(path) or is_remote(path):
+        if open_store(path).exists():
             return path, None
         if os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path):
             raise CheckpointNotFound(
@@ -321,8 +353,11 @@ class InPlaceUpdate:
             )
         return self.loader.locate(path, config.revision)
 
-    def _read(self, layers: list[tuple[str, torch.nn.Module, Any]]) -> set[str]:
-        """Steps 1 and 2; returns the state-dict names that now hold new values."""
+    def _read(
+        self, layers: list[tuple[str, torch.nn.Module, Any]]
+    ) -> tuple[set[str], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Steps 1 and 2; returns the state-dict names that now hold new values, and the served
+        tensors read aside (name -> (served, new)), copied only at the commit."""
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
         located = self._located()  # before any memory is taken: a missing path is refused at once
@@ -348,57 +383,140 @@ class InPlaceUpdate:
         adopt = self.loader.adoptable(self.model, state_dict)
         if adopt is not None:
             adopt = {name: setter for name, setter in adopt.items() if name not in aside}
-        self.loader.read_checkpoint(
-            self.model,
-            self.model_config,
-            located,
-            targets,
-            tied_groups(state_dict, targets),
-            adopt,
-            verify=self.verify,
-            update=True,
-        )
-        for name, served in aside.items():
-            served.copy_(targets[name])
+        # The loader records what it read on the model (for the start-up capture's proof): an update
+        # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
+        before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
+        try:
+            self.loader.read_checkpoint(
+                self.model,
+                self.model_config,
+                located,
+                targets,
+                tied_groups(state_dict, targets),
+                adopt,
+                verify=self.verify,
+                update=True,
+            )
+        finally:
+            read = self.model.__dict__.pop(READ_PROOF_ATTRIBUTE, None)
+            if before is not None:
+                self.model.__dict__[READ_PROOF_ATTRIBUTE] = before
+        self.proof = None if read is None else read[1]
         self.loaded_names = {name for name, _ in self.model.named_parameters()}
-        return filled
+        return filled, {name: (served, targets[name]) for name, served in aside.items()}
 
-    def _process(self, layers: list[tuple[str, torch.nn.Module, Any]], filled: set[str]) -> None:
-        """Step 3: each layer's post-processing, as at start-up, into its kernel tensors."""
+    def _process(
+        self, layers: list[tuple[str, torch.nn.Module, Any]], filled: set[str], processed: list[_Processed]
+    ) -> None:
+        """Step 3: each layer's post-processing, as at start-up, into the new memory (not yet served).
+
+        vLLM's ``_layerwise_process`` runs it, with the layer's kernel tensors held back so
+        that it copies nothing; each processed tensor is checked to fit the served one it
+        is copied into at the commit. Attention layers are processed at the commit, as at
+        start-up after every other layer, in their served tensors.
+        """
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
         layerwise = _layerwise()
-        attention, done = [], 0
+        for prefix, module, info in layers:
+            names = {f"{prefix}.{name}" if prefix else name for name in get_layer_tensors(module)}
+            holds = bool(names & filled) and info.kernel_tensors is not None
+            done = _Processed(module, info, holds, attention=is_deferred_attention_layer(module))
+            processed.append(done)
+            if not holds or done.attention:
+                continue
+            kernel, non_persistent = info.kernel_tensors, info.kernel_non_persistent_buffers
+            info.kernel_tensors = None  # vLLM's step copies into the kernel tensors only when it has them
+            try:
+                with _experts_processed_as_at_start_up(module):
+                    layerwise._layerwise_process(module, info)  # resets info
+            finally:
+                info.kernel_tensors, info.kernel_non_persistent_buffers = kernel, non_persistent
+                info.load_numel_total = info.load_numel_total or 0  # still being reloaded (can_load)
+            done.check_fits(prefix)
+
+    def _commit(
+        self,
+        layers: list[tuple[str, torch.nn.Module, Any]],
+        aside: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        processed: list[_Processed],
+    ) -> None:
+        """Step 4: every rank agreed; the new values go into the served tensors."""
+        layerwise = _layerwise()
+        done = 0
         try:
-            for prefix, module, info in layers:
-                names = {f"{prefix}.{name}" if prefix else name for name in get_layer_tensors(module)}
-                holds = bool(names & filled) and info.kernel_tensors is not None
-                if is_deferred_attention_layer(module):
-                    # As at start-up: attention layers are processed after every other layer.
-                    attention.append((module, info, holds))
+            for served, new in aside.values():
+                served.copy_(new)
+            for step in processed:
+                if step.attention:
                     continue
-                if holds:
-                    with _experts_processed_as_at_start_up(module):
-                        layerwise._layerwise_process(module, info)  # process, copy into the kernel tensors
+                if step.holds:
+                    layerwise._copy_and_restore_kernel_tensors(step.module, step.info)
                 else:
-                    layerwise._place_kernel_tensors(module, info)
-                    info.reset()
+                    layerwise._place_kernel_tensors(step.module, step.info)
+                step.info.reset()
                 done += 1
-            for module, info, holds in attention:
-                if holds:
-                    layerwise._copy_and_restore_kernel_tensors(module, info)
+            for step in processed:
+                if not step.attention:
+                    continue
+                if step.holds:
+                    layerwise._copy_and_restore_kernel_tensors(step.module, step.info)
                 else:
-                    layerwise._place_kernel_tensors(module, info)
-                info.reset()
-                module.process_weights_after_loading(self.model_config.dtype)
+                    layerwise._place_kernel_tensors(step.module, step.info)
+                step.info.reset()
+                step.module.process_weights_after_loading(self.model_config.dtype)
+                done += 1
         except BaseException as e:
             for _, module, info in layers:
                 if info.can_load():
                     layerwise._place_kernel_tensors(module, info)
                     info.reset()
             raise ShardedStateError(
-                f"The weight update was read and checked, but post-processing failed after {done} of "
-                f"{len(layers)} layers ({type(e).__name__}: {e}): the served weights are partly updated. "
-                "Update again, or restart the engine."
+                f"The weight update was read, checked and post-processed on every rank, but copying it into the "
+                f"served tensors failed after {done} of {len(layers)} layers ({type(e).__name__}: {e}): the served "
+                "weights are partly updated. Update again, or restart the engine."
             ) from e
+
+
+class _Processed:
+    """One layer's post-processing of an update, until its commit: what it set on the layer's
+    modules (kernel handles, packed layouts, flags), to undo on a refusal."""
+
+    def __init__(self, module: torch.nn.Module, info: Any, holds: bool, attention: bool) -> None:
+        self.module, self.info, self.holds, self.attention = module, info, holds, attention
+        self.saved = [(owner, dict(owner.__dict__)) for owner in _state_holders(module)]
+
+    def undo(self) -> None:
+        for owner, before in self.saved:
+            for key in [k for k in owner.__dict__ if k not in before]:
+                del owner.__dict__[key]
+            owner.__dict__.update(before)
+
+    def check_fits(self, prefix: str) -> None:
+        """Each processed tensor fits the served one it is copied into (``copy_`` would broadcast)."""
+        params, buffers = self.info.kernel_tensors
+        # The buffers vLLM's copy skips (gone from the layer, or non-persistent and not loaded) are not checked.
+        copied = {n: b for n, b in buffers.items() if n in self.module._buffers}
+        copied = {n: b for n, b in copied.items() if n not in self.info.kernel_non_persistent_buffers}
+        for name, served in [*params.items(), *copied.items()]:
+            new = getattr(self.module, name, None)
+            if not isinstance(new, torch.Tensor) or (new.shape, new.dtype) != (served.shape, served.dtype):
+                got = "nothing" if not isinstance(new, torch.Tensor) else f"{list(new.shape)} {new.dtype}"
+                raise ShardedStateError(
+                    f"post-processing {prefix}.{name} gave {got}, the served tensor is {list(served.shape)} "
+                    f"{served.dtype}"
+                )
+
+
+def _state_holders(module: torch.nn.Module) -> list[Any]:
+    """The objects whose attributes a layer's post-processing sets: the layer, its quantization
+    method, and a routed-experts method's kernel and experts (vLLM 0.32)."""
+    method = getattr(module, "quant_method", None)
+    kernel = getattr(method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    holders: dict[int, Any] = {}
+    for holder in (module, method, kernel, experts):
+        if holder is not None and hasattr(holder, "__dict__"):
+            holders.setdefault(id(holder), holder)
+    return list(holders.values())

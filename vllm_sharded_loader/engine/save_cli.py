@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.save import DEFAULT_MAX_SIZE
-from ..format.errors import ShardedStateError
+from ..format.errors import SaveRefused, ShardedStateError
 from ..format.names import MANIFEST_NAME
-from ..storage import location, objects
+from ..storage import location
 from ..storage.local import directory_holds_checkpoint
-from ..storage.location import is_remote
+from ..storage.location import open_store
 from ..storage.lock import describe_lock, read_lock
 from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
@@ -87,7 +87,7 @@ def save_sharded_state(
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
     made = False  # the output folder, made here: removed again if the save fails and leaves it empty
     staging: StagingFolder | None = None  # for an upload: where the workers capture, held here until it is done
-    if is_remote(output):
+    if open_store(output).remote:
         staging = _prepare_object_output(output, overwrite)
         capture_dir = staging.path
     else:
@@ -153,10 +153,10 @@ def _prepare_object_output(url: str, overwrite: bool) -> StagingFolder:
     since the workers only fill it: if it is killed, the next save on the host removes the
     folder, once no worker's capture marker in it is held either.
     """
-    where = objects.ObjectPrefix.parse(url)
-    objects.check_not_locked(where)
-    if objects.head(where, MANIFEST_NAME) is not None and not overwrite:
-        raise ShardedStateError(
+    store = open_store(url)
+    store.check_not_locked()
+    if store.exists_file(MANIFEST_NAME) and not overwrite:
+        raise SaveRefused(
             f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass --overwrite."
         )
     return make_staging_folder()

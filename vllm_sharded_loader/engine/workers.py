@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import os
-import socket
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, WorkerLost, agreed_error
 from ..planning.topology import RankInfo
-from ..storage.lock import read_lock
 
 # How long a save under data + expert parallelism waits for every replica to call it.
 REPLICA_TIMEOUT_ENV = "SHARDED_STATE_REPLICA_TIMEOUT"
 DEFAULT_REPLICA_TIMEOUT = 600.0
+
+T = TypeVar("T")
 
 
 def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
@@ -29,13 +30,9 @@ def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
         try:
             torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
         except RuntimeError as e:
-            raise ShardedStateError(f"another worker of {what} stopped answering (did it die? see its log): {e}") from e
+            raise WorkerLost(f"another worker of {what} stopped answering (did it die? see its log): {e}") from e
         outcomes = [o for part in gathered for o in part]
     return outcomes
-
-
-class AgreedFailure(ShardedStateError):
-    """A failure every worker of the exchange knows alike (they gathered it): one of them reports it."""
 
 
 def raises_for_all() -> bool:
@@ -50,14 +47,6 @@ def raises_for_all() -> bool:
 
     tp, pp = get_tp_group(), get_pp_group()
     return tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1
-
-
-def is_agreed(error: BaseException | None) -> bool:
-    while error is not None:
-        if isinstance(error, AgreedFailure):
-            return True
-        error = error.__cause__
-    return False
 
 
 class Workers:
@@ -78,6 +67,7 @@ class Workers:
         groups = [get_tp_group(), get_pp_group()] + ([get_dp_group()] if rank.replicas > 1 else [])
         self.groups = [g for g in groups if g.world_size > 1]
         self.first = rank.tp_rank == 0 and rank.pp_rank == 0 and rank.dp_rank == 0
+        self.member = str(rank)
 
     def wait_for_replicas(self) -> None:
         """Wait, at most ``SHARDED_STATE_REPLICA_TIMEOUT`` seconds, until every data-parallel replica
@@ -100,48 +90,25 @@ class Workers:
                 "offline engine (vLLM's serve reaches them all through collective_rpc). Nothing was written."
             ) from e
 
-    def run(self, step: Any, only_first: bool = False) -> list[Any]:
-        """Run ``step`` here (or only on the first worker), exchange results, raise if any failed.
+    def run(self, step: Callable[[], T], only_first: bool = False) -> list[T]:
+        """Run ``step`` here (or only on the first worker), exchange results, raise if any failed: the
+        save protocol's group (:class:`..checkpoint.protocol.SaveGroup`).
 
         Every worker reaches the exchange even when its step fails, or the others would hang.
+        A failure anywhere is raised on every worker, ``agreed``, with every failing worker's
+        message; a worker that stops answering is :class:`WorkerLost`.
         """
+        own: Exception | None = None
         try:
             outcome: tuple[bool, Any] = (True, step() if self.first or not only_first else None)
         except Exception as e:
-            outcome = (False, f"{self.rank}: {e}")
+            own, outcome = e, (False, f"{self.rank}: {e}")
         try:
             outcomes = gather_over(self.groups, [outcome], "this save")
-        except ShardedStateError as e:
+        except WorkerLost as e:
             # This worker's own cleanup (the lock, what it staged) runs on this error.
-            raise ShardedStateError(f"{e}" + ("" if outcome[0] else f" | {outcome[1]}")) from e
+            raise WorkerLost(f"{e}" + ("" if outcome[0] else f" | {outcome[1]}")) from e
         errors = [value for ok, value in outcomes if not ok]
         if errors:
-            raise AgreedFailure(" | ".join(errors))
+            raise agreed_error(ShardedStateError, " | ".join(errors), own)
         return [value for _, value in outcomes]
-
-
-class FolderNotShared(AgreedFailure):
-    """A local save's folder is not the same folder for every worker (each node has its own)."""
-
-
-def check_folder_shared(workers: Workers, path: str, token: str) -> None:
-    """Refuse a local save unless every worker sees the folder the first one locked.
-
-    The lock file that the first worker just took, with this save's token, is the marker:
-    a worker that does not find it there sees another folder under the same path (another
-    node's disk), where its parts would be written out of the manifest's reach.
-    Decided from the file system, not from host names, so that two nodes sharing a file
-    system save, and two containers on one host that do not are refused.
-    """
-    seen = workers.run(lambda: (socket.gethostname(), str(workers.rank), (read_lock(path) or {}).get("token") == token))
-    blind = [f"{rank} on {host}" for host, rank, sees in seen if not sees]
-    if not blind:
-        return
-    holder = next(f"{rank} on {host}" for host, rank, sees in seen if sees)
-    raise FolderNotShared(
-        f"Refusing to save to {path}: the workers do not share that folder. {holder} locked it for this save, "
-        f"but {'; '.join(blind)} cannot see that lock there: each of these nodes has its own {path}, and a "
-        "checkpoint written there would lack the other nodes' parts. Save to object storage (s3://, gs://, "
-        "az://) or to a folder that every node mounts (a shared file system), then copy the checkpoint to "
-        "where it is served. Nothing was written"
-    )

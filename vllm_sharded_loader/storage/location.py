@@ -1,16 +1,21 @@
-"""Where a checkpoint lives, behind one interface: a local folder (or Hub snapshot) or an object-storage prefix.
+"""Where a checkpoint lives, resolved once: :func:`open_store` gives a :class:`Store` for a local folder (or
+Hub snapshot) or an object-storage prefix, and every operation goes through it.
 
-The checks and the planned reads of :mod:`..checkpoint` never look at paths
-themselves: they ask this module for the manifest, for an opened part (a
-:class:`StoredFile`), for the lock, and for the names beside the parts. A local folder
-is served by :mod:`.local` and :mod:`.lock`; ``s3://``, ``gs://`` and ``az://`` prefixes by :mod:`.objects`.
+The checks, the planned reads and the save protocol of :mod:`..checkpoint` never look at
+paths themselves and never ask "is this remote?": they open the location once and ask the
+store for the manifest, an opened part (a :class:`StoredFile`), the names beside the parts,
+the lock, and to put and remove files. A local folder is served by :mod:`.local` and
+:mod:`.lock` (:class:`LocalStore`); ``s3://``, ``gs://`` and ``az://`` prefixes by
+:mod:`.objects` (:class:`ObjectStore`). This is the one module that tells them apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..format.manifest import FileEntry, Manifest
 from ..format.names import is_staged_name
@@ -44,69 +49,264 @@ class StoredFile(Protocol):
     def close(self) -> None: ...
 
 
+class Store(Protocol):
+    """One checkpoint location, opened once (:func:`open_store`): what a backend implements.
+
+    ``where`` names it in messages (a path or URL as given); ``remote`` says that each read is
+    a request over the network (no mappings, no ``flock``, no rename: a save uploads).
+    """
+
+    where: str
+    remote: bool
+
+    def exists(self) -> bool:
+        """Whether the location can be read as is (a local folder that exists; any object prefix)."""
+        ...
+
+    def canonical(self) -> str:
+        """The location's full name (an absolute path, or the URL as given), for reports."""
+        ...
+
+    def file_path(self, name: str) -> str:
+        """The path or URL of a file of the checkpoint, for opening or for a message."""
+        ...
+
+    def read_manifest(self) -> Manifest | None:
+        """The checkpoint's manifest, or None when it has none."""
+        ...
+
+    def open_part(self, f: FileEntry) -> StoredFile:
+        """Open a part the manifest lists: inside the checkpoint, present, with its recorded size."""
+        ...
+
+    def list_names(self) -> list[str]:
+        """The names of the files beside the parts."""
+        ...
+
+    def non_weight_files(self) -> list[str]:
+        """Relative paths of the files other than weights, manifest and lock (config, tokenizer)."""
+        ...
+
+    def read(self, name: str) -> bytes | Path:
+        """A file's content: a local path to read, or the object's bytes."""
+        ...
+
+    def exists_file(self, name: str) -> bool:
+        """Whether a file of that name is there."""
+        ...
+
+    def put(self, name: str, data: bytes | Path) -> None:
+        """Write a file (parent folders as needed), replacing any of that name."""
+        ...
+
+    def remove(self, names: Iterable[str]) -> None:
+        """Remove files; absent ones are not an error."""
+        ...
+
+    def is_locked(self) -> bool:
+        """Whether a save holds the checkpoint (running or interrupted)."""
+        ...
+
+    def check_not_locked(self) -> None:
+        """Refuse a checkpoint that a save holds (running or interrupted)."""
+        ...
+
+    def save_is_running(self) -> bool:
+        """Whether a live save holds the lock now (its staged files are its own, not leftovers)."""
+        ...
+
+    def owner_is_alive(self, token: str) -> bool:
+        """Whether a live process owns the staged files of ``token`` (an engine's start-up capture)."""
+        ...
+
+
+class LocalStore:
+    """A local folder (or Hub snapshot): :mod:`.local` and :mod:`.lock`."""
+
+    remote = False
+
+    def __init__(self, directory: str) -> None:
+        self.where = directory
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.where)
+
+    def canonical(self) -> str:
+        return os.path.abspath(self.where)
+
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.where, name)
+
+    def read_manifest(self) -> Manifest | None:
+        return local.read_manifest(self.where)
+
+    def open_part(self, f: FileEntry) -> StoredFile:
+        return local.open_part(self.where, f)
+
+    def list_names(self) -> list[str]:
+        return sorted(os.listdir(self.where))
+
+    def non_weight_files(self) -> list[str]:
+        return local.non_weight_files(self.where)
+
+    def read(self, name: str) -> bytes | Path:
+        return Path(os.path.join(self.where, name))
+
+    def exists_file(self, name: str) -> bool:
+        return os.path.lexists(os.path.join(self.where, name))
+
+    def put(self, name: str, data: bytes | Path) -> None:
+        path = os.path.join(self.where, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data if isinstance(data, bytes) else data.read_bytes())
+
+    def remove(self, names: Iterable[str]) -> None:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.where, name))
+
+    def is_locked(self) -> bool:
+        return lock.read_lock(self.where) is not None
+
+    def check_not_locked(self) -> None:
+        lock.check_not_locked(self.where)
+
+    def save_is_running(self) -> bool:
+        return lock.save_is_running(self.where)
+
+    def owner_is_alive(self, token: str) -> bool:
+        return lock.owner_is_alive(self.where, token)
+
+
+class ObjectStore:
+    """An ``s3://``, ``gs://`` or ``az://`` prefix: :mod:`.objects`, whose other operations (conditional
+    puts, the lock object, multipart uploads) the object-storage save uses through :attr:`prefix`."""
+
+    remote = True
+
+    def __init__(self, url: str) -> None:
+        self.where = url
+        self.prefix = objects.ObjectPrefix.parse(url)
+
+    def exists(self) -> bool:
+        return True  # a prefix is where objects go; an empty one reads as holding no checkpoint
+
+    def canonical(self) -> str:
+        return self.where
+
+    def file_path(self, name: str) -> str:
+        return self.prefix.url(name)
+
+    def read_manifest(self) -> Manifest | None:
+        return objects.read_manifest(self.prefix)
+
+    def open_part(self, f: FileEntry) -> StoredFile:
+        return objects.open_part(self.prefix, f)
+
+    def list_names(self) -> list[str]:
+        return objects.list_names(self.prefix)
+
+    def non_weight_files(self) -> list[str]:
+        names = objects.list_tree(self.prefix)
+        return [n for n in names if not any(local.is_weight_file(p) or is_staged_name(p) for p in n.split("/"))]
+
+    def read(self, name: str) -> bytes | Path:
+        return objects.read_object(self.prefix, name)
+
+    def exists_file(self, name: str) -> bool:
+        return objects.head(self.prefix, name) is not None
+
+    def head(self, name: str) -> dict[str, Any] | None:
+        """The object's metadata (size, ETag, version), or None when absent."""
+        return objects.head(self.prefix, name)
+
+    def put(self, name: str, data: bytes | Path, *, create: bool = False, match: dict[str, Any] | None = None) -> None:
+        objects.put(self.prefix, name, data, create=create, match=match)
+
+    def remove(self, names: Iterable[str]) -> None:
+        objects.delete(self.prefix, names)
+
+    def is_locked(self) -> bool:
+        return objects.read_lock(self.prefix) is not None
+
+    def check_not_locked(self) -> None:
+        objects.check_not_locked(self.prefix)
+
+    def acquire_lock(self, token: str) -> None:
+        """Hold the prefix for a save: a conditional put of the lock object."""
+        objects.acquire_lock(self.prefix, token)
+
+    def check_lock_holder(self, token: str) -> None:
+        """Refuse to go on unless the lock object is still this save's (``token``)."""
+        objects.check_lock_holder(self.prefix, token)
+
+    def release_lock(self, token: str | None = None) -> None:
+        """Delete the lock object (only if still ``token``'s, when given)."""
+        objects.release_lock(self.prefix, token)
+
+    def abort_incomplete_uploads(self, names: Iterable[str]) -> None:
+        """Abort the unfinished multipart uploads of these names."""
+        objects.abort_incomplete_uploads(self.prefix, names)
+
+    def save_is_running(self) -> bool:
+        return False  # no flock: a lock object is all there is, and the verifier reports what a save left
+
+    def owner_is_alive(self, token: str) -> bool:
+        return False  # no engine captures into object storage: staged objects are a dead save's
+
+
+def open_store(where: str) -> Store:
+    """Resolve a checkpoint location once: a local folder (or Hub snapshot) or an object-storage URL."""
+    return ObjectStore(where) if is_object_url(where) else LocalStore(where)
+
+
 def is_remote(where: str) -> bool:
     """Whether the checkpoint is in object storage (no local files, no mappings, no flock)."""
-    return is_object_url(where)
+    return open_store(where).remote
 
 
 def file_path(where: str, name: str) -> str:
     """The path or URL of a file of the checkpoint, for opening or for a message."""
-    return objects.ObjectPrefix.parse(where).url(name) if is_remote(where) else os.path.join(where, name)
+    return open_store(where).file_path(name)
 
 
 def read_manifest(where: str) -> Manifest | None:
     """The checkpoint's manifest, or None when it has none."""
-    return objects.read_manifest(objects.ObjectPrefix.parse(where)) if is_remote(where) else local.read_manifest(where)
+    return open_store(where).read_manifest()
 
 
 def open_part(where: str, f: FileEntry) -> StoredFile:
     """Open a part the manifest lists: inside the checkpoint, present, with its recorded size."""
-    return objects.open_part(objects.ObjectPrefix.parse(where), f) if is_remote(where) else local.open_part(where, f)
+    return open_store(where).open_part(f)
 
 
 def check_not_locked(where: str) -> None:
     """Refuse a checkpoint that a save holds (running or interrupted)."""
-    if is_remote(where):
-        objects.check_not_locked(objects.ObjectPrefix.parse(where))
-    else:
-        lock.check_not_locked(where)
+    open_store(where).check_not_locked()
 
 
 def list_names(where: str) -> list[str]:
     """The names of the files beside the parts (for reports of files the manifest does not list)."""
-    return objects.list_names(objects.ObjectPrefix.parse(where)) if is_remote(where) else sorted(os.listdir(where))
+    return open_store(where).list_names()
 
 
 def is_locked(where: str) -> bool:
     """Whether a save holds the checkpoint (running or interrupted)."""
-    if is_remote(where):
-        return objects.read_lock(objects.ObjectPrefix.parse(where)) is not None
-    return lock.read_lock(where) is not None
+    return open_store(where).is_locked()
 
 
 def non_weight_files(where: str) -> list[str]:
     """Relative paths of the checkpoint's (or source model's) files other than weights, manifest and lock."""
-    if not is_remote(where):
-        return local.non_weight_files(where)
-    names = objects.list_tree(objects.ObjectPrefix.parse(where))
-    return [n for n in names if not any(local.is_weight_file(part) or is_staged_name(part) for part in n.split("/"))]
+    return open_store(where).non_weight_files()
 
 
 def copy_non_weight_files(source: str, output: str) -> list[str]:
     """Copy :func:`non_weight_files` between any two locations (local folders, object prefixes)."""
-    if not is_remote(source) and not is_remote(output):
+    src, dst = open_store(source), open_store(output)
+    if not src.remote and not dst.remote:
         return local.copy_non_weight_files(source, output)
-    names = non_weight_files(source)
+    names = src.non_weight_files()
     for name in names:
-        if is_remote(source):
-            data: bytes | Path = objects.read_object(objects.ObjectPrefix.parse(source), name)
-        else:
-            data = Path(os.path.join(source, name))
-        if is_remote(output):
-            objects.put(objects.ObjectPrefix.parse(output), name, data)
-        else:
-            path = os.path.join(output, name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(data if isinstance(data, bytes) else data.read_bytes())
+        dst.put(name, src.read(name))
     return names

@@ -29,7 +29,7 @@ from ..format.manifest import Manifest
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import stage_split
 from ..planning.topology import RankInfo
-from ..storage.location import is_locked, is_remote, read_manifest
+from ..storage.location import is_locked, open_store, read_manifest
 from ..storage.oscalls import release_free_heap
 from ..storage.writer import LazyTensor
 
@@ -43,7 +43,7 @@ def resolve_source(source: str) -> str:
     """A local folder as is; a Hub repo id through the Hub cache (weights and config fetched once)."""
     if os.path.isdir(source):
         return source
-    if is_remote(source):
+    if open_store(source).remote:
         raise ShardedStateError(
             f"{source}: converting from object storage is not supported yet; download the model to a local "
             "folder first (or use `vllm-sharded save`)."
@@ -239,11 +239,11 @@ def convert_checkpoint(
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     folder = resolve_source(source)
-    if not is_remote(output) and os.path.abspath(output) == os.path.abspath(folder):
+    if open_store(output).canonical() == os.path.abspath(folder):
         raise ShardedStateError("--output must be another folder than the source model.")
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
         raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
-    made = not is_remote(output) and not os.path.lexists(output)
+    made = not open_store(output).remote and not os.path.lexists(output)
     try:
         return _convert(
             folder,
@@ -298,7 +298,7 @@ def _convert(
             component_of=lambda n: id(model.components[n]),
             takes=takes,
             budget=budget,
-            running=1 if is_remote(output) else len(plans),
+            running=1 if open_store(output).remote else len(plans),
         )
 
         def lazy(state_name: str, layout: ShardLayout, last: bool) -> LazyTensor:

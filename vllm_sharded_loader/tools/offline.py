@@ -7,7 +7,6 @@ never the model.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from ..format.names import MANIFEST_NAME
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan, files_to_check
 from ..planning.topology import RankInfo
-from ..storage.location import check_not_locked, is_locked, is_remote, read_manifest
+from ..storage.location import check_not_locked, is_locked, open_store, read_manifest
 from ..storage.writer import LazyTensor
 
 
@@ -44,7 +43,7 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
         kinds[kind] = kinds.get(kind, 0) + 1
     names = {n for r in manifest.ranks for n in r.tensors}
     return {
-        "directory": directory if is_remote(directory) else os.path.abspath(directory),
+        "directory": open_store(directory).canonical(),
         "format_version": manifest.format_version,
         "tp_size": manifest.tp_size,
         "pp_size": manifest.pp_size,
@@ -104,8 +103,9 @@ def reshard_checkpoint(
     pp_size = manifest.pp_size if pp_size is None else pp_size
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    if output.rstrip("/") == directory.rstrip("/") or (
-        not is_remote(output) and not is_remote(directory) and os.path.abspath(output) == os.path.abspath(directory)
+    if (
+        output.rstrip("/") == directory.rstrip("/")
+        or open_store(output).canonical() == open_store(directory).canonical()
     ):
         raise ShardedStateError("--output must be another directory than the source checkpoint.")
     with ReshardSource(directory, manifest) as source:

