@@ -70,9 +70,21 @@ def build(work: str, gb: float, files: int) -> list[str]:
         with open(marker) as f:
             return json.load(f)
     g = torch.Generator().manual_seed(0)
+    # Random FP8 values from one pool, each tensor at its own offset: distinct tensors (a misplaced
+    # byte range shows as inequality) without drawing billions of normals for an 8 GB rank.
+    pool = (torch.randn(64 * 1024 * 1024 + 7919, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    cursor = [0]
 
     def fp8(rows: int, cols: int) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=g) * 0.5).to(torch.float8_e4m3fn)
+        n, out = rows * cols, torch.empty(rows * cols, dtype=torch.float8_e4m3fn)
+        done = 0
+        while done < n:
+            start = cursor[0] % (pool.numel() - 1)
+            take = min(n - done, pool.numel() - start)
+            out[done : done + take] = pool[start : start + take]
+            done += take
+            cursor[0] += 7919 * (take // 7919 + 1)
+        return out.view(rows, cols)
 
     tensors: list[tuple[str, torch.Tensor]] = [
         ("model.embed_tokens.weight", torch.randn(vocab, hidden, generator=g).to(torch.bfloat16))
@@ -145,11 +157,11 @@ def methods(paths: list[str], device: str, threads: list[int], spans: list[int])
     out: dict[str, Callable] = {}
 
     if device.startswith("cuda"):
+        # Allocated once, outside the timing: the bound is the copy, not cudaHostAlloc.
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
         def h2d(mode: str) -> dict[str, torch.Tensor]:
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            sync(device)
             dev.copy_(host, non_blocking=True)
             return {}
 
@@ -168,7 +180,7 @@ def methods(paths: list[str], device: str, threads: list[int], spans: list[int])
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
         def fastsafetensors(mode: str) -> dict[str, torch.Tensor]:
-            loader = SafeTensorsFileLoader(SingleGroup(), torch.device(device), nogds=True)
+            loader = SafeTensorsFileLoader(SingleGroup(), device, nogds=True)
             try:
                 loader.add_filenames({0: paths})
                 buffers = loader.copy_files_to_device()
@@ -186,11 +198,9 @@ def methods(paths: list[str], device: str, threads: list[int], spans: list[int])
 
         def instant(mode: str) -> dict[str, torch.Tensor]:
             tensors = {}
-            index = torch.device(device).index or 0
-            for p in paths:
-                with instanttensor.safe_open(p, framework="pt", device=index) as f:
-                    for name, t in f.tensors():
-                        tensors[name] = t.clone()
+            with instanttensor.safe_open(list(paths), framework="pt", device=device) as f:  # all files, as it is meant
+                for name, t in f.tensors():
+                    tensors[name] = t.clone()
             return tensors
 
         out["instanttensor"] = instant if device.startswith("cuda") else _unavailable("needs CUDA")
@@ -237,8 +247,16 @@ def main() -> None:
     parser.add_argument("--modes", default="cold,warm")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "sharded-gpu-bench"))
     parser.add_argument("--json")
+    parser.add_argument(
+        "--budget-s", type=float, default=0, help="start no new pass after this many seconds (a lent GPU's time limit)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, a small rank: checks the command here")
+    parser.add_argument("--report", help="print the table of a saved --json result and stop")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(markdown(json.load(f)))
+        return
     if args.dry_run:
         device = "cpu"
         args.gb = min(args.gb, 0.05)
@@ -252,9 +270,14 @@ def main() -> None:
     table = methods(paths, device, [int(x) for x in args.threads.split(",")], [int(x) for x in args.spans.split(",")])
     rows: dict[str, dict[str, list[dict]]] = {}
     notes: dict[str, str] = {}
+    failed: list[str] = []
     reference: dict[str, torch.Tensor] | None = None
+    began, result = time.monotonic(), report(args, device, paths, nbytes, rows, notes)
     for run in range(args.runs):
         for mode in args.modes.split(","):
+            if args.budget_s and time.monotonic() - began > args.budget_s:
+                notes.setdefault("budget", f"stopped before run {run + 1} {mode}: --budget-s {args.budget_s} spent")
+                break
             for name, method in table.items():
                 if name in notes:
                     continue
@@ -263,21 +286,73 @@ def main() -> None:
                 cpu, start = cpu_seconds(), time.perf_counter()
                 try:
                     tensors = method(mode)
+                    sync(device)
                 except LookupError as e:
                     notes[name] = f"not run: {e}"
                     continue
+                except Exception as e:  # one broken method must not cost the others' figures on a lent GPU
+                    notes[name] = f"failed: {type(e).__name__}: {e}"
+                    failed.append(name)
+                    print(f"{name:28s} {mode:5s} {notes[name]}", flush=True)
+                    continue
                 if tensors is None:
                     continue
-                sync(device)
                 seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
                 if name == "safetensors_to" and reference is None:
                     reference = tensors
                 equal = None if name == "h2d_pinned" or reference is None else same(reference, tensors)
-                rows.setdefault(name, {}).setdefault(mode, []).append(
-                    {"seconds": seconds, "cpu_s": cpu, "gb_per_s": nbytes / seconds / GB, "equal": equal}
+                row = {"seconds": seconds, "cpu_s": cpu, "gb_per_s": nbytes / seconds / GB, "equal": equal}
+                rows.setdefault(name, {}).setdefault(mode, []).append(row)
+                print(
+                    f"run {run + 1} {name:28s} {mode:5s} {row['gb_per_s']:8.3f} GB/s {seconds:8.3f} s "
+                    f"{cpu:7.2f} CPU s  equal={equal}",
+                    flush=True,
                 )
                 del tensors
-            print(f"run {run + 1}/{args.runs} {mode} done", flush=True)
+                # Written after every measurement: a run cut off at the lent machine's limit keeps its figures.
+                result = report(args, device, paths, nbytes, rows, notes)
+    for name, by_mode in result["summary"].items():
+        for mode, s in by_mode.items():
+            print(
+                f"{name:28s} {mode:5s} {s['gb_per_s_median']:8.3f} GB/s {s['seconds_median']:8.3f} s "
+                f"{s['cpu_s_median']:7.2f} CPU s  equal={s['every_tensor_equal']}"
+            )
+    for name, why in notes.items():
+        print(f"{name:28s} {why}")
+    if failed:
+        raise SystemExit(f"methods that failed: {', '.join(failed)} (see not_run)")
+    if not all(s["every_tensor_equal"] for by_mode in result["summary"].values() for s in by_mode.values()):
+        raise SystemExit("some method loaded tensors that differ from the files: see every_tensor_equal")
+
+
+def markdown(result: dict) -> str:
+    """A saved result as a table: per method, warm and cold GB/s (median and every run) and CPU seconds."""
+    gb = result["bytes"] / GB
+    lines = [
+        f"Device: {result['device']}, torch {result['torch']}; rank: {gb:.2f} GB in {result['files']} files; "
+        f"{result['runs']} runs.",
+        "",
+        "| method | warm GB/s | warm CPU s | cold GB/s | cold CPU s | every tensor equal |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def cell(name: str, mode: str) -> tuple[str, str]:
+        s = result["summary"][name].get(mode)
+        if s is None:
+            return "", ""
+        runs = ", ".join(f"{r['gb_per_s']:.2f}" for r in result["raw"][name][mode])
+        return f"{s['gb_per_s_median']:.2f} ({runs})", f"{s['cpu_s_median']:.2f}"
+
+    for name, by_mode in result["summary"].items():
+        (warm_gb, warm_cpu), (cold_gb, cold_cpu) = cell(name, "warm"), cell(name, "cold")
+        equal = "n/a" if name == "h2d_pinned" else str(all(s["every_tensor_equal"] for s in by_mode.values()))
+        lines.append(f"| `{name}` | {warm_gb} | {warm_cpu} | {cold_gb} | {cold_cpu} | {equal} |")
+    lines += [f"| `{name}` | {why} | | | | |" for name, why in result["not_run"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def report(args: argparse.Namespace, device: str, paths: list[str], nbytes: int, rows: dict, notes: dict) -> dict:
+    """The results so far (medians per method and mode, and every run), written to ``--json`` if given."""
     summary = {
         name: {
             mode: {
@@ -302,19 +377,10 @@ def main() -> None:
         "not_run": notes,
         "raw": rows,
     }
-    for name, by_mode in summary.items():
-        for mode, s in by_mode.items():
-            print(
-                f"{name:28s} {mode:5s} {s['gb_per_s_median']:8.3f} GB/s {s['seconds_median']:8.3f} s "
-                f"{s['cpu_s_median']:7.2f} CPU s  equal={s['every_tensor_equal']}"
-            )
-    for name, why in notes.items():
-        print(f"{name:28s} {why}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if not all(s["every_tensor_equal"] for by_mode in summary.values() for s in by_mode.values()):
-        raise SystemExit("some method loaded tensors that differ from the files: see every_tensor_equal")
+    return result
 
 
 if __name__ == "__main__":

@@ -59,17 +59,14 @@ def test_direct_stream_serves_unaligned_requests_across_windows_and_at_the_end(t
         stream.close()
 
 
-def test_residency_decides_the_path(tmp_path, monkeypatch):
+def test_the_setting_decides_the_path(tmp_path, monkeypatch):
     path = write(tmp_path / "f", os.urandom(64 * direct.ALIGN))
     with local.OpenFile.open(path) as f:
-        assert direct.resident_bytes(f.fd, f.size) == f.size  # just written: in the page cache
-        assert not direct.choose_direct([(f.fd, f.size)], "auto", accelerator=True)
         evict(path)
-        resident = direct.resident_bytes(f.fd, f.size)
-        assert resident is not None and resident < f.size / 2
-        assert direct.choose_direct([(f.fd, f.size)], "auto", accelerator=True)
-        assert not direct.choose_direct([(f.fd, f.size)], "auto")  # CPU targets keep the page cache
+        # auto keeps the page cache, cold or warm, on every target (measured no slower: see direct.py).
+        assert not direct.choose_direct([(f.fd, f.size)], "auto")
         assert direct.choose_direct([(f.fd, f.size)], "on") and not direct.choose_direct([(f.fd, f.size)], "off")
+        assert not direct.choose_direct([], "on")
     monkeypatch.setenv(direct.ENV, "sometimes")
     with pytest.raises(ShardedStateError, match="SHARDED_STATE_DIRECT_IO='sometimes'"):
         direct.direct_mode()

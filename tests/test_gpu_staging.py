@@ -96,3 +96,46 @@ def test_checksums_are_verified_on_the_way_to_the_gpu(tmp_path):
     evict(path)
     with pytest.raises(ShardedStateError, match="checksum"):
         tensor_files.read_files([header], targets, {path: checksum}, options=ReadOptions(threads=2))
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+@pytest.mark.parametrize(
+    ("saved", "serving"),
+    [((1, 1), (2, 1)), ((2, 1), (1, 1)), ((2, 2), (1, 4))],
+    ids=["tp1-to-tp2", "tp2-to-tp1-rows-joined", "tp2pp2-to-pp4"],
+)
+def test_a_resharded_load_lands_on_the_gpu_as_on_the_cpu(tmp_path, monkeypatch, mode, saved, serving):
+    """``load_rank`` (a worker's whole load, vLLM aside) onto CUDA parameters, resharded (row-parallel
+    halves joined on the way), with checksums when blake3 is there: equal to vLLM's sharding rule."""
+    from tests.support.checkpoints import save_model, source_of, stage_state
+    from tests.support.reference import llama_like
+    from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+
+    monkeypatch.setenv(direct.ENV, mode)
+    model = llama_like(num_layers=4, vocab=1000, kv_heads=2)
+    save_model(tmp_path, model, *saved)
+    manifest = read_manifest(str(tmp_path))
+    verify = "checksum" if _has_blake3() else "size"
+    tp_size, pp_size = serving
+    for p in range(pp_size):
+        for t in range(tp_size):
+            expected = stage_state(model, tp_size, pp_size, t, p)
+            targets = {name: torch.full_like(x, -7, device="cuda") for name, x in expected.items()}
+            stats = load_rank(
+                LoadRequest(str(tmp_path), manifest, verify=verify, serving=source_of(model), tied=model.tied_groups),
+                targets,
+                RankInfo(t, tp_size, p, pp_size),
+            )
+            torch.cuda.synchronize()
+            assert stats.resharded_from == saved
+            for name, x in expected.items():
+                assert targets[name].device.type == "cuda", name
+                assert torch.equal(targets[name].cpu(), x), (name, t, p)
+
+
+def _has_blake3() -> bool:
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        return False
+    return True

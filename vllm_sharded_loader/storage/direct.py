@@ -10,16 +10,14 @@ issues at once; the bytes land by DMA in a page-aligned buffer of the thread, fr
 they are copied to their targets (or to the pinned staging of an accelerator target).
 Nothing is cached, so memory stays the parameters'.
 
-Which path a load takes (:func:`choose_direct`): ``SHARDED_STATE_DIRECT_IO=auto`` (the
-default) reads directly when the targets are on an accelerator and less than half of the
-files' pages are resident in the page cache (``mincore`` over a mapping of each file, no
-read); ``on`` always where the file system supports it, ``off`` never. Warm files keep the
-page-cache path: copying out of the cache is faster than any device. CPU loads keep it
-too: on the project's 2-core VMs (virtio disk, ``benchmarks/direct_bench.py``) a cold load
-through the page cache was as fast as or faster than the direct one, so ``auto`` does not
-pick the direct path there; on a GPU host it is the bet that the GPU command
-(``benchmarks/gpu_bench.py``) measures. File systems without ``O_DIRECT`` (tmpfs) fall back
-to the page cache per file.
+Which path a load takes (:func:`choose_direct`): ``SHARDED_STATE_DIRECT_IO=on`` reads every
+local file directly where the file system supports it (tmpfs does not, and falls back to the page
+cache per file); ``auto`` (the default) and ``off`` keep the page cache. ``auto`` picks the page
+cache because it was measured no slower cold, on CPU targets (``benchmarks/direct_bench.py``,
+the project's 2-core VMs) and on a GPU (``benchmarks/gpu_bench.py`` on an H200 host with a
+virtio disk, 2026-11-26: 1.9-2.0 GB/s through the page cache against 1.5-1.9 GB/s direct, an
+8 GB rank), and warm files are always faster out of the cache. A disk that many direct requests
+in flight would serve faster (local NVMe arrays) is the case for ``on``.
 """
 
 from __future__ import annotations
@@ -40,8 +38,6 @@ ALIGN = mmap.PAGESIZE
 # The bytes one direct request asks for: large enough that the device sees many requests in
 # flight per thread (the block layer splits it into max_sectors_kb pieces, issued at once).
 WINDOW_BYTES = 16 * 1024 * 1024
-# auto: read directly when less than this share of the files' pages is in the page cache.
-RESIDENT_LIMIT = 0.5
 ENV = "SHARDED_STATE_DIRECT_IO"
 MODES = ("auto", "on", "off")
 
@@ -54,60 +50,10 @@ def direct_mode() -> str:
     return mode
 
 
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    if not hasattr(libc, "mincore"):
-        return None
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    return libc
-
-
-def resident_bytes(fd: int, size: int) -> int | None:
-    """How many bytes of the file's first ``size`` are in the page cache (``mincore``), or None if unknown.
-
-    The file is mapped (``PROT_READ``, shared) but never touched, so nothing is read.
-    """
-    libc = _libc()
-    if libc is None or size <= 0:
-        return None if libc is None else 0
-    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if address in (None, ctypes.c_void_p(-1).value):
-        return None
-    try:
-        pages = -(-size // mmap.PAGESIZE)
-        vector = ctypes.create_string_buffer(pages)
-        if libc.mincore(address, size, vector) != 0:
-            return None
-        resident = sum(b & 1 for b in vector.raw)
-    finally:
-        libc.munmap(address, size)
-    return min(size, resident * mmap.PAGESIZE)
-
-
-def choose_direct(
-    fds_and_sizes: Sequence[tuple[int, int]], mode: str | None = None, *, accelerator: bool = False
-) -> bool:
-    """Whether a load of these local files reads them with ``O_DIRECT`` (see the module docstring).
-
-    ``accelerator``: the targets are on a GPU (``auto`` reads cold files directly only then).
-    """
+def choose_direct(fds_and_sizes: Sequence[tuple[int, int]], mode: str | None = None) -> bool:
+    """Whether a load of these local files reads them with ``O_DIRECT`` (see the module docstring)."""
     mode = direct_mode() if mode is None else mode
-    if mode != "auto" or not fds_and_sizes or not accelerator:
-        return mode == "on" and bool(fds_and_sizes)
-    total = sum(size for _, size in fds_and_sizes)
-    resident = 0
-    for fd, size in fds_and_sizes:
-        r = resident_bytes(fd, size)
-        if r is None:
-            return False  # cannot tell: the page cache is never wrong, only slower
-        resident += r
-    return total > 0 and resident < RESIDENT_LIMIT * total
+    return mode == "on" and bool(fds_and_sizes)
 
 
 class AlignedBuffer:

@@ -15,7 +15,7 @@ from ..format.safetensors import Header
 from ..planning.spans import Piece
 from .local import OpenFile
 from .memory import Target
-from .reader import DEFAULT_READ, SPAN_BYTES, ReadOptions, ReadStats, read_pieces
+from .reader import DEFAULT_READ, ReadOptions, ReadStats, read_pieces
 from .tensors import torch_dtype
 
 
@@ -50,7 +50,7 @@ def read_files(
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
     files: Sequence[OpenFile] | None = None,
     options: ReadOptions = DEFAULT_READ,
-    span_bytes: int = SPAN_BYTES,
+    span_bytes: int | None = None,
 ) -> ReadStats:
     """Read the tensors of safetensors files named in ``targets`` into them.
 

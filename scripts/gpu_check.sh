@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The one command for a lent GPU machine (one GPU, torch and safetensors; no vLLM), from the
+# repository root, with the wheels of blake3, fastsafetensors and instanttensor for its Python in
+# .whl/ (docs/performance.md says how to fetch them):
+#
+#   bash scripts/gpu_check.sh [OUT]     # OUT: where the logs and JSON go ($OUT, else ./gpu-out)
+#
+# It runs the GPU-only tests (tests/test_gpu_staging.py: the real staging path and a resharded
+# load onto CUDA parameters), then benchmarks/gpu_bench.py on an 8 GB rank, cold and warm, within
+# a time budget so that a lent machine's limit still leaves the figures written.
+set -uo pipefail
+out=${1:-${OUT:-./gpu-out}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda)'
+  nproc; free -g | head -2; uname -r
+} 2>&1 | tee "$out/machine.txt"
+# Cold reads mean nothing on a RAM-backed folder: keep the rank on a disk.
+work=${GPU_BENCH_WORK:-/tmp/sharded-gpu-bench}
+if [ "$(stat -f -c %T "$(dirname "$work")")" = tmpfs ]; then work=$PWD/.gpu-bench-work; fi
+mkdir -p "$work"
+df -h "$work" | tee -a "$out/machine.txt"
+# The disk's own cold limit: 2 GB written, evicted, read back with O_DIRECT.
+dd if=/dev/zero of="$work/dd.bin" bs=16M count=128 oflag=direct 2>&1 | tail -1 | tee -a "$out/machine.txt"
+dd if="$work/dd.bin" of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | tee -a "$out/machine.txt"
+rm -f "$work/dd.bin"
+status=0
+timeout "${GPU_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_staging.py -rs 2>&1 \
+  | tee "$out/gpu_tests.log" || status=1
+timeout "${GPU_BENCH_TIMEOUT:-360}" python3 -m benchmarks.gpu_bench --gb "${GPU_BENCH_GB:-8}" --runs "${GPU_BENCH_RUNS:-2}" \
+  --threads "${GPU_BENCH_THREADS:-4,8,16}" --spans "${GPU_BENCH_SPANS:-16,64}" --work "$work" \
+  --modes "${GPU_BENCH_MODES:-warm,cold}" --budget-s "${GPU_BENCH_BUDGET:-270}" --json "$out/gpu_bench.json" 2>&1 | tee "$out/gpu_bench.log" || status=1
+exit $status
