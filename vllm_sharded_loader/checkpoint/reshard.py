@@ -18,14 +18,8 @@ import torch
 
 from ..format.errors import CheckpointMismatch, listing
 from ..format.manifest import Manifest
-from ..planning.reads import (
-    ReadPlan,
-    Strided,
-    TensorPlan,
-    files_to_check,
-    plan_manifest_reads,
-    unexpected_tensors,
-)
+from ..planning.manifest_plans import files_to_check, plan_manifest_reads, unexpected_tensors
+from ..planning.reads import ReadPlan, Strided, TensorPlan
 from ..planning.spans import Piece
 from ..planning.topology import RankInfo
 from ..storage import oscalls

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum
 from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
-from ..planning.reads import check_saved_geometry
+from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
 from ..storage.location import StoredFile, check_not_locked, file_path, list_names, open_store, read_manifest
 from ..storage.lock import describe_lock, read_lock

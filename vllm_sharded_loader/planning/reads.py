@@ -19,51 +19,11 @@ from dataclasses import dataclass, field
 from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError, listing
 from ..format.experts import ExpertPlacement
 from ..format.geometry import OPAQUE, REPLICATED, TensorGeometry
-from ..format.manifest import Manifest, rank_label
-from ..format.names import MANIFEST_NAME
-from ..format.safetensors import dtype_size
+from ..format.manifest import rank_label
 from .experts import check_expert_placement, expert_slots, experts_moved, rank_shape
 from .layout import ShardLayout, ShardPiece, check_reshardable, shard_layout
-from .pipeline import layer_index
+from .runs import Read, Strided, merge_reads, merge_zeros, read_run, strided
 from .tensors import tied_source
-from .topology import RankInfo
-
-
-@dataclass(frozen=True)
-class Strided:
-    """``count`` runs of ``length`` units, the i-th starting at ``offset + i * stride``.
-
-    Bytes of a file on the source side of a :class:`Read`, elements of the row-major
-    local tensor on the destination side. A single run has ``count == 1`` and
-    ``stride == length``.
-    """
-
-    offset: int
-    length: int
-    stride: int
-    count: int = 1
-
-    @property
-    def total(self) -> int:
-        """Units covered by all runs."""
-        return self.length * self.count
-
-    def runs(self) -> list[tuple[int, int]]:
-        """Every run as ``(start, stop)``."""
-        return [(self.offset + i * self.stride, self.offset + i * self.stride + self.length) for i in range(self.count)]
-
-
-def _strided(offset: int, length: int, stride: int, count: int) -> Strided:
-    return Strided(offset, length, length, 1) if count == 1 else Strided(offset, length, stride, count)
-
-
-@dataclass(frozen=True)
-class Read:
-    """Copy ``source`` bytes of ``file`` into ``dest`` elements of the local tensor, run by run."""
-
-    file: str
-    source: Strided
-    dest: Strided
 
 
 @dataclass(frozen=True)
@@ -336,7 +296,7 @@ def _plan_tensor(
         check_reshardable(g, name, why)
     assert g is not None
     for saved_rank, (pp, t) in holders.items():
-        _check_saved_shape(source, g, t.shape, saved_tp_size, saved_rank, pp, places.saved, places.saved_tp)
+        check_saved_shape(source, g, t.shape, saved_tp_size, saved_rank, pp, places.saved, places.saved_tp)
     by_expert = places.saved is not None or places.serving is not None
     if g.stacked and (by_expert or (places.saved_tp, places.serving_tp) != (saved_tp_size, (tp_size, tp_rank))):
         return _plan_experts(name, source, holders, g, saved_tp_size, tp_size, tp_rank, places)
@@ -354,9 +314,7 @@ def _plan_tensor(
         t = _holder(holders, saved_rank, source, saved_tp_size)
         sources[saved_rank] = (t.file, t.offset, shard_layout(g, saved_tp_size, saved_rank, name))
     reads, zeros = _split_reads(target, sources, first.itemsize, 0, tp_rank)
-    return TensorPlan(
-        name, source, target.shape, first.itemsize, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros))
-    )
+    return TensorPlan(name, source, target.shape, first.itemsize, tuple(merge_reads(reads)), tuple(merge_zeros(zeros)))
 
 
 def _refuse_moved_experts(name: str, layer: str, places: _Places, tp_size: int, saved_tp_size: int) -> None:
@@ -417,7 +375,7 @@ def _split_reads(
     for piece in target.pieces:
         if piece.padding:
             offset = dest_base + (piece.local_offset + piece.data_length) * inner
-            zeros.append(_strided(offset, piece.padding * inner, dest_row, outer))
+            zeros.append(strided(offset, piece.padding * inner, dest_row, outer))
         want_start, want_stop = piece.start, piece.start + piece.data_length
         by_range: dict[tuple[int, int], list[tuple[int, ShardPiece]]] = {}
         for saved_rank, (_, _, layout) in sources.items():
@@ -432,7 +390,7 @@ def _split_reads(
             file, offset, layout = sources[saved_rank]
             source_row = layout.shape[d] * inner * isz
             reads.append(
-                _read(
+                read_run(
                     file,
                     source=(offset + (sp.local_offset + lo - sp.start) * inner * isz, (hi - lo) * inner * isz),
                     source_stride=source_row,
@@ -486,15 +444,15 @@ def _plan_experts(
         if target.split_dim is None:
             # Replicated within an expert (a down projection's bias): one holder's copy, whole.
             file, offset, _ = sources[min(sources)]
-            reads.append(_read(file, (offset, slot * isz), slot * isz, (local * slot, slot), slot, 1))
+            reads.append(read_run(file, (offset, slot * isz), slot * isz, (local * slot, slot), slot, 1))
             continue
         more_reads, more_zeros = _split_reads(target, sources, isz, local * slot, tp_rank)
         reads += more_reads
         zeros += more_zeros
-    return TensorPlan(name, source, shape, isz, tuple(_merge_reads(reads)), tuple(_merge_zeros(zeros)))
+    return TensorPlan(name, source, shape, isz, tuple(merge_reads(reads)), tuple(merge_zeros(zeros)))
 
 
-def _check_saved_shape(
+def check_saved_shape(
     name: str,
     g: TensorGeometry,
     shape: Sequence[int],
@@ -518,176 +476,11 @@ def _check_saved_shape(
         )
 
 
-def check_saved_geometry(manifest: Manifest) -> None:
-    """Raise unless every recorded geometry gives each saved rank's shape of its tensor.
-
-    A resharding load checks this for the tensors it plans; ``verify`` for all of them.
-    """
-    for entry in manifest.ranks:
-        for name, t in entry.tensors.items():
-            g = manifest.geometries.get(name)
-            if g is not None and g.kind != OPAQUE:
-                saved_rank = entry.dp_rank * manifest.tp_size + entry.tp_rank
-                _check_saved_shape(
-                    name,
-                    g,
-                    t.shape,
-                    manifest.tp_size,
-                    saved_rank,
-                    entry.pp_rank,
-                    manifest.experts,
-                    manifest.expert_tp_size,
-                )
-
-
 def _describe(t: SavedTensor) -> str:
     return "none" if t.geometry is None else f"{t.geometry.to_dict()} itemsize {t.itemsize}"
 
 
 def _whole(name: str, source: str, t: SavedTensor) -> TensorPlan:
     numel = math.prod(t.shape)
-    reads = (Read(t.file, _strided(t.offset, t.nbytes, t.nbytes, 1), _strided(0, numel, numel, 1)),) if numel else ()
+    reads = (Read(t.file, strided(t.offset, t.nbytes, t.nbytes, 1), strided(0, numel, numel, 1)),) if numel else ()
     return TensorPlan(name, source, tuple(t.shape), t.itemsize, reads)
-
-
-def _read(
-    file: str, source: tuple[int, int], source_stride: int, dest: tuple[int, int], dest_stride: int, count: int
-) -> Read:
-    (src_offset, src_length), (dst_offset, dst_length) = source, dest
-    if count > 1 and src_length == source_stride and dst_length == dest_stride:
-        # Whole rows on both sides: one contiguous run.
-        src_length, dst_length, count = src_length * count, dst_length * count, 1
-    source_runs = _strided(src_offset, src_length, source_stride, count)
-    return Read(file, source_runs, _strided(dst_offset, dst_length, dest_stride, count))
-
-
-def _merge_reads(reads: list[Read]) -> list[Read]:
-    """Join reads that continue each other in the same file and in the destination."""
-    merged: list[Read] = []
-    for r in reads:
-        p = merged[-1] if merged else None
-        if (
-            p is not None
-            and p.file == r.file
-            and p.source.count == r.source.count
-            and (r.source.count == 1 or (p.source.stride, p.dest.stride) == (r.source.stride, r.dest.stride))
-            and r.source.offset == p.source.offset + p.source.length
-            and r.dest.offset == p.dest.offset + p.dest.length
-        ):
-            merged[-1] = _read(
-                p.file,
-                (p.source.offset, p.source.length + r.source.length),
-                p.source.stride,
-                (p.dest.offset, p.dest.length + r.dest.length),
-                p.dest.stride,
-                p.source.count,
-            )
-        else:
-            merged.append(r)
-    return merged
-
-
-def _merge_zeros(zeros: list[Strided]) -> list[Strided]:
-    merged: list[Strided] = []
-    for z in zeros:
-        p = merged[-1] if merged else None
-        if (
-            p is not None
-            and p.count == z.count
-            and (z.count == 1 or p.stride == z.stride)
-            and z.offset == p.offset + p.length
-        ):
-            length = p.length + z.length
-            if p.count > 1 and length == p.stride:
-                merged[-1] = _strided(p.offset, length * p.count, 0, 1)
-            else:
-                merged[-1] = _strided(p.offset, length, p.stride, p.count)
-        else:
-            merged.append(z)
-    return merged
-
-
-def saved_ranks(manifest: Manifest, directory: str = "") -> list[SavedRank]:
-    """The manifest's ranks as the planner sees them: each tensor's file, offset, size and geometry.
-
-    A manifest without byte offsets cannot be planned from (vLLM's own save records none).
-    """
-    ranks = []
-    for entry in manifest.ranks:
-        tensors = {}
-        for name, t in entry.tensors.items():
-            if t.offset is None:
-                raise CheckpointMismatch(
-                    f"{directory}: {MANIFEST_NAME} records no byte offset for {name!r}, so the checkpoint cannot "
-                    f"be resharded; serve it at TP={manifest.tp_size} PP={manifest.pp_size} or save it again."
-                )
-            geometry = manifest.geometries.get(name)
-            tensors[name] = SavedTensor(t.file, t.offset, dtype_size(t.dtype, name), tuple(t.shape), geometry)
-        ranks.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors, entry.dp_rank))
-    return ranks
-
-
-def plan_manifest_reads(
-    manifest: Manifest,
-    needed: Iterable[str],
-    rank: RankInfo,
-    *,
-    tied: Iterable[Iterable[str]] = (),
-    directory: str = "",
-) -> ReadPlan:
-    """:func:`plan_reads` over a manifest's ranks for serving ``rank`` (its topology and expert placement).
-
-    The manifest's tied names are added to ``tied``; the saved expert placement is the manifest's.
-    """
-    return plan_reads(
-        saved_ranks(manifest, directory),
-        manifest.tp_size,
-        list(needed),
-        tp_size=rank.tp_size,
-        tp_rank=rank.tp_rank,
-        pp_rank=rank.pp_rank,
-        tied=[*manifest.tied, *tied],
-        saved_experts=manifest.experts,
-        experts=rank.experts,
-        ep_rank=rank.ep_rank,
-        saved_replicas=manifest.replicas,
-        saved_expert_tp=manifest.expert_tp_size,
-        expert_tp=rank.expert_tp,
-    )
-
-
-def files_to_check(plan: ReadPlan, manifest: Manifest) -> list[str]:
-    """The saved files whose headers a resharding load checks before reading: sorted names.
-
-    The files its reads touch; and every file of the checkpoint when a tensor is read
-    under a tied name. A header lists exactly its file's tensors, so checking all of
-    them proves no saved tensor of the served name was left out of the manifest, where
-    the tie would stand in for it with another tensor's bytes.
-    """
-    if all(t.source_name == t.name for t in plan.tensors.values()):
-        return plan.files
-    return sorted(f.name for entry in manifest.ranks for f in entry.files)
-
-
-def unexpected_tensors(
-    manifest: Manifest, needed: Iterable[str], tied: Iterable[Iterable[str]] = (), pp_size: int = 1
-) -> list[str]:
-    """Saved tensors the serving model has no place for: a sign it is another model. Sorted.
-
-    A serving rank knows only its own tensors (``needed``) and the groups it ties. With
-    one pipeline stage it holds the whole model, so every saved name must be needed or
-    tied to a needed one. With several, only the decoder layers within the stage's range
-    are its to judge.
-    """
-    wanted = set(needed)
-    for group in [*manifest.tied, *tied]:
-        if wanted.intersection(group):
-            wanted.update(group)
-    saved = {name for entry in manifest.ranks for name in entry.tensors}
-    if pp_size == 1:
-        return sorted(saved - wanted)
-    layers = [i for i in map(layer_index, wanted) if i is not None]
-    if not layers:
-        return []
-    lo, hi = min(layers), max(layers)
-    return sorted(n for n in saved - wanted if (i := layer_index(n)) is not None and lo <= i <= hi)

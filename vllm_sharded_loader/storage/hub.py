@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME, default_pattern, render_file_name
 from ..planning.experts import rank_experts_moved
-from ..planning.reads import files_to_check, plan_manifest_reads
+from ..planning.manifest_plans import files_to_check, plan_manifest_reads
 from ..planning.topology import RankInfo
 
 # Everything but weights: manifest, config, generation config, tokenizer, chat template.

@@ -39,14 +39,10 @@ the hardware's limits, measured on the project's 2-core machines:
   two per thread, with non-blocking copies on the thread's own stream, so the copy of
   one span overlaps the read of the next. Streams, events and copies are all on the
   targets' device (one per load), whichever thread issues them.
-- **Cold files can bypass the page cache** (:mod:`.direct`). Where less than half of a
-  load's files is in the page cache and the targets are on a GPU (or always, with
-  ``SHARDED_STATE_DIRECT_IO=on``), each thread reads whole 16 MiB windows with ``O_DIRECT``
-  into page-aligned buffers, the next window in flight while the current one is copied
-  out: large requests instead of the readahead's few small ones, and no checkpoint left
-  in the page cache. Warm files, and CPU loads (measured no faster here), use the page cache.
-- **Checksums.** A verified span is exactly one checksum block, hashed by the thread
-  that read it (BLAKE3 releases the GIL), so verification runs in parallel too.
+- **Cold files can bypass the page cache** (:mod:`.direct`), with ``SHARDED_STATE_DIRECT_IO=on``:
+  16 MiB ``O_DIRECT`` windows into page-aligned buffers. ``auto`` keeps the page cache (measured
+  no slower cold, on CPU and on an H200 host).
+- **Checksums.** A verified span is one checksum block, hashed by its thread (BLAKE3 releases the GIL).
 """
 
 from __future__ import annotations
@@ -84,11 +80,9 @@ from .tensors import byte_view
 if TYPE_CHECKING:
     from .location import ByteStream, StoredFile
 
-# One sequential stream per thread. On the 2-core VMs here the cost of a warm load is
-# the first touch of fresh parameter memory, which the host backs page by page, and
-# more threads fault in parallel: a 1.5 GB rank from the page cache into fresh memory
-# (new process each time) ran at 1.0-1.4 GB/s with 2 threads, 1.7-2.4 with 4, 1.2-2.1
-# with 8. Cold, 2-4 streams beat one by 1.5-2x on the virtio disk.
+# One sequential stream per thread. On the 2-core VMs here a warm load's cost is the first touch
+# of fresh parameter memory, faulted in parallel by more threads: a 1.5 GB rank ran at 1.0-1.4 GB/s
+# with 2 threads, 1.7-2.4 with 4, 1.2-2.1 with 8. Cold, 2-4 streams beat one by 1.5-2x.
 DEFAULT_THREADS = min(8, max(4, os.cpu_count() or 1))
 # Objects in object storage: each span is one ranged GET, a request with its own latency;
 # more and larger ones in flight hide it. Each holds one span of response buffer until it
@@ -119,10 +113,8 @@ def remote_threads(ranks_on_host: int = 1) -> int:
 
 # A verified span is one checksum block instead (16 MiB), so it hashes to one recorded digest.
 SPAN_BYTES = 4 * 1024 * 1024
-# Targets on a GPU: each span is one pinned staging buffer and one host-to-device copy, and
-# larger ones amortise the copy's launch and the stream handoff. On an H200 host
-# (benchmarks/gpu_bench.py, an 8 GB rank, 2026-11-26) 16 MiB spans read warm files 1.3-2x
-# faster than 4 MiB ones (16-28 against 10-12 GB/s) at the same cold speed (1.6-2.0 GB/s).
+# Targets on a GPU: a span is one pinned staging buffer and one host-to-device copy. On an H200
+# (benchmarks/gpu_bench.py, 8 GB rank) 16 MiB spans read warm files at 16-28 GB/s, 4 MiB at 10-12.
 ACCELERATOR_SPAN_BYTES = 16 * 1024 * 1024
 
 

@@ -18,8 +18,9 @@ from ..format.errors import CheckpointNotFound, ShardedStateError
 from ..format.geometry import OPAQUE
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
+from ..planning.manifest_plans import files_to_check
 from ..planning.pipeline import stage_names
-from ..planning.reads import TensorPlan, files_to_check
+from ..planning.reads import TensorPlan
 from ..planning.topology import RankInfo
 from ..storage.location import check_not_locked, is_locked, open_store, read_manifest
 from ..storage.writer import LazyTensor
