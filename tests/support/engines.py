@@ -8,6 +8,7 @@ Every engine start goes through :func:`run_python`, :func:`run_data_parallel` or
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -48,9 +49,10 @@ def run_python(
     """Run a Python script that starts an engine, with the environment engines need here; past
     ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
     tiers.require(tiers.ENGINE, "vLLM")
-    # The engine core in-process: an engine starts in seconds instead of ~25 s.
-    fast = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    full_env = {**os.environ, **engine_environment(tp, pp), **fast, **(env or {})}
+    full_env = {**os.environ, **engine_environment(tp, pp), **FAST, **(env or {})}
+    forked = _forkserver.run(args, full_env, timeout)
+    if forked is not None:
+        return forked
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
@@ -60,11 +62,93 @@ def run_python(
         text=True,
         timeout=timeout,
     )
+    return _engine_run(proc.returncode, proc.stdout)
+
+
+def _engine_run(returncode: int, output: str) -> EngineRun:
     result = None
-    for line in proc.stdout.splitlines():
+    for line in output.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])
-    return EngineRun(proc.returncode, proc.stdout, result)
+    return EngineRun(returncode, output, result)
+
+
+class ForkServer:
+    """The session's :mod:`tests.support.forkserver`, started at the first engine script it can run.
+
+    ``VSL_TEST_FORKSERVER=0`` turns it off (every engine script in a fresh process, as before).
+    """
+
+    def __init__(self) -> None:
+        self.server: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+        self.socket = ""
+        self.off = os.environ.get("VSL_TEST_FORKSERVER", "1") == "0"
+
+    def _start(self) -> bool:
+        folder = tempfile.mkdtemp(prefix="vsl-forkserver-")
+        self.socket = os.path.join(folder, "socket")
+        self.env = {**os.environ, **engine_environment(), **FAST}
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.forkserver", self.socket],
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        lines = []
+        for line in self.server.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("forkserver: ready"):
+                atexit.register(self.stop)
+                return True
+        self.server.wait()
+        tail = "".join(lines[-20:])
+        print(f"forkserver did not start (exit {self.server.returncode}); fresh processes instead:\n{tail}")
+        self.off = True
+        return False
+
+    def stop(self) -> None:
+        if self.server is not None and self.server.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait()
+
+    def run(self, args: list[str], env: dict[str, str], timeout: float) -> EngineRun | None:
+        """``python ARGS`` as a child of the server, or None where only a fresh process will do."""
+        from tests.support.forkserver import can_serve
+
+        if self.off or (self.server is None and not self._start()):
+            return None
+        if not can_serve(args, env, self.env):
+            return None
+        with tempfile.NamedTemporaryFile(prefix="vsl-engine-", suffix=".log", delete=False) as f:
+            out = f.name
+        request = {"module": args[1], "args": args[2:], "env": env, "cwd": str(ROOT), "out": out}
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(self.socket)
+                stream = conn.makefile("rw")
+                stream.write(json.dumps(request) + "\n")
+                stream.flush()
+                pid = json.loads(stream.readline())["pid"]
+                conn.settimeout(timeout)
+                try:
+                    returncode = json.loads(stream.readline())["returncode"]
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                    raise subprocess.TimeoutExpired([sys.executable, *args], timeout, Path(out).read_text()) from None
+            return _engine_run(returncode, Path(out).read_text())
+        finally:
+            os.unlink(out)
+
+
+# The engine core in-process: an engine starts in seconds instead of ~25 s.
+FAST = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_forkserver = ForkServer()
 
 
 def run_engine(

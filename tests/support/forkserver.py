@@ -1,0 +1,142 @@
+"""A process that has imported vLLM once and forks a child for each engine script of the tests.
+
+Every engine test runs its engine in a new process (:func:`tests.support.engines.run_python`), and
+each such process spent about 10 s of a 2-core machine importing vLLM and torch before it did
+anything. This server imports them once; each request forks a child that is that new process:
+its own session, environment, working folder, ``sys.argv`` and output file, running the module as
+``python -m MODULE ARGS`` would. A forked child starts in milliseconds.
+
+What a fork cannot give, a fresh process does (:func:`can_serve`): an environment that differs
+from the server's in a variable read when a library is imported (``HF_*``, ``TORCH*``, ``OMP_*``,
+``PYTHONPATH``, ...), or a script that is not a ``-m`` module. The server refuses to start
+(and the tests fall back to fresh processes) if importing vLLM left a thread running, since a
+fork copies only the thread that forks.
+
+    python -m tests.support.forkserver SOCKET
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+
+# Read when a library is imported, not when it is used: a child forked from a server that
+# imported with other values would silently run with the server's.
+IMPORT_TIME_PREFIXES = (
+    "HF_",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "TOKENIZERS",
+    "TORCH",
+    "PYTORCH",
+    "OMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS",
+    "PYTHON",
+    "LD_",
+    "CUDA",
+    "TRITON",
+    "VLLM_USE_",
+    "VLLM_LOGGING",
+    "VLLM_CONFIGURE_LOGGING",
+    "VLLM_PLUGINS",
+)
+
+
+def import_time_environment(env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that libraries read when they are imported."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+
+
+def can_serve(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> bool:
+    """Whether a child forked from a server started with ``server_env`` is the process ``args`` would be."""
+    return len(args) >= 2 and args[0] == "-m" and import_time_environment(env) == import_time_environment(server_env)
+
+
+def _child(request: dict) -> None:
+    """The forked child: becomes ``python -m MODULE ARGS`` with the request's environment; never returns."""
+    import atexit
+    import runpy
+
+    code = 1
+    try:
+        os.setsid()  # its own session: a test kills it with every worker it starts
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        sys.argv = [request["module"], *request["args"]]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()  # vLLM's and multiprocessing's shutdown of the workers
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    """Import vLLM, then answer requests on the Unix socket ``path``, one at a time.
+
+    A request is one JSON line (``module``, ``args``, ``env``, ``cwd``, ``out``); the answer is
+    a line with the child's pid, then, when it has exited, a line with its exit code.
+    """
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    import examples.tiny_models  # noqa: F401
+    import tests.support.engine_runner  # noqa: F401
+
+    if threading.active_count() > 1:  # native threads (torch's, ...) have their own fork handlers
+        print("forkserver: importing vLLM left threads running; not forking", flush=True)
+        sys.exit(3)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    print("forkserver: ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rw") as stream:
+            line = stream.readline()
+            if not line:
+                continue
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                _child(request)
+            _answer(stream, {"pid": pid})
+            _, status = os.waitpid(pid, 0)
+            _answer(stream, {"returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _answer(stream, message: dict) -> None:
+    try:
+        stream.write(json.dumps(message) + "\n")
+        stream.flush()
+    except OSError:
+        pass  # the test gave up on this child (its timeout): the next request is another connection
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
