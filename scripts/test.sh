@@ -39,5 +39,6 @@ python -m pytest -q -p no:cacheprovider --doctest-modules vllm_sharded_loader
 tier() { python -m pytest -q -p no:cacheprovider "$@" || [ $? = 5 ]; }
 tier -n 2 --dist worksteal -m "not engine" tests "$@"
 if [ "$fast" = 0 ]; then
-  tier -m engine tests "$@"
+  # The slowest engine tests are listed at the end: where the suite's time goes.
+  tier -m engine --durations=15 tests "$@"
 fi

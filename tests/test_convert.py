@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support import ROOT
-from tests.support.engines import run_engine
+from tests.support.engines import python_process, run_engine
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound
 from vllm_sharded_loader.tools.convert import ComponentCache, convert_checkpoint
 
@@ -32,13 +32,12 @@ MANIFEST = "sharded_state.json"
 def convert(
     source: str, output: str, tp: int, pp: int = 1, *extra: str, ok: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    """``vllm-sharded convert`` in its own process (it sets up vLLM's one-process distributed world)."""
+    """``vllm-sharded convert`` in its own process (it sets up vLLM's one-process distributed world),
+    forked from the tests' fork server where it can be (vLLM imported once)."""
     from examples.tiny_models import engine_environment
 
-    args = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "convert", source, "-tp", str(tp)]
-    args += ["-pp", str(pp), "-o", output, *extra]
-    env = {**os.environ, **engine_environment()}
-    run = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    args = ["-m", "vllm_sharded_loader.tools.cli", "convert", source, "-tp", str(tp), "-pp", str(pp), "-o", output]
+    run = python_process([*args, *extra], {**os.environ, **engine_environment()}, timeout=600)
     if ok:
         assert run.returncode == 0, run.stderr[-3000:]
     return run

@@ -32,6 +32,7 @@ import pytest
 from docs import gen_docs
 from examples.tiny_models import build_model, engine_environment
 from tests.support import ROOT
+from tests.support.engines import FAST, EngineRun, run_python
 
 RUNNABLE = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
@@ -209,17 +210,18 @@ def _prepare(code: str, workspace: Path) -> str:
     return PLACEHOLDER.sub(lambda m: str(workspace / m.group("name")), code)
 
 
+def _tp(code: str) -> int:
+    return max([int(n) for n in TP_SIZE.findall(code)] or [1])
+
+
+def _path() -> dict[str, str]:
+    """The venv's commands first (``vllm-sharded``, ``python``), as after ``. .venv/bin/activate``."""
+    return {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+
+
 def _environment(code: str) -> dict[str, str]:
-    tp = max([int(n) for n in TP_SIZE.findall(code)] or [1])
-    bin_dir = os.path.dirname(sys.executable)
-    return {
-        **os.environ,
-        **engine_environment(tp),
-        # The engine core in-process, as the engine tests run it: seconds instead of ~25 s.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    }
+    # The engine core in-process and the checkout on the path, as the engine tests run them.
+    return {**os.environ, **engine_environment(_tp(code)), **FAST, **_path()}
 
 
 @pytest.mark.parametrize("snippet", snippet_params())
@@ -234,16 +236,21 @@ def test_snippet_runs(snippet: Snippet, workspace: Path):
         command = [sys.executable, str(script)]
     else:
         command = ["bash", "-euo", "pipefail", "-c", code]
-    out = subprocess.run(
-        command,
-        cwd=ROOT,
-        env=_environment(code),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=SNIPPET_TIMEOUT,
-    )
-    (workspace / f"snippet-{Path(snippet.path).stem}-{snippet.line}.log").write_text(out.stdout)
-    tail = "\n".join(out.stdout.splitlines()[-60:])
+    if snippet.kind == "engine" and snippet.lang == "python":
+        # Through the engine tests' runner (its fork server: vLLM imported once).
+        out = run_python([str(script)], _tp(code), env=_path(), timeout=SNIPPET_TIMEOUT)
+    else:
+        out = subprocess.run(
+            command,
+            cwd=ROOT,
+            env=_environment(code),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=SNIPPET_TIMEOUT,
+        )
+    output = out.output if isinstance(out, EngineRun) else out.stdout
+    (workspace / f"snippet-{Path(snippet.path).stem}-{snippet.line}.log").write_text(output)
+    tail = "\n".join(output.splitlines()[-60:])
     assert out.returncode == 0, f"{snippet} failed (exit {out.returncode}):\n{code}\n--- output ---\n{tail}"
     _passed[key] = str(snippet)

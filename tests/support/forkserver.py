@@ -3,12 +3,12 @@
 Every engine test runs its engine in a new process (:func:`tests.support.engines.run_python`), and
 each such process spent about 10 s of a 2-core machine importing vLLM and torch before it did
 anything. This server imports them once; each request forks a child that is that new process:
-its own session, environment, working folder, ``sys.argv`` and output file, running the module as
-``python -m MODULE ARGS`` would. A forked child starts in milliseconds.
+its own session, environment, working folder, ``sys.argv`` and output file, running the module or
+script as ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` would. A forked child starts in milliseconds.
 
 What a fork cannot give, a fresh process does (:func:`can_serve`): an environment that differs
 from the server's in a variable read when a library is imported (``HF_*``, ``TORCH*``, ``OMP_*``,
-``PYTHONPATH``, ...), or a script that is not a ``-m`` module. The server refuses to start
+``PYTHONPATH``, ...), or other interpreter options. The server refuses to start
 (and the tests fall back to fresh processes) if importing vLLM left a thread running, since a
 fork copies only the thread that forks.
 
@@ -54,8 +54,10 @@ def import_time_environment(env: dict[str, str]) -> dict[str, str]:
 
 
 def can_serve(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> bool:
-    """Whether a child forked from a server started with ``server_env`` is the process ``args`` would be."""
-    return len(args) >= 2 and args[0] == "-m" and import_time_environment(env) == import_time_environment(server_env)
+    """Whether a child forked from a server started with ``server_env`` is the process ``python ARGS``
+    would be: ``-m MODULE ...`` or ``SCRIPT.py ...``, with the same import-time environment."""
+    runnable = (len(args) >= 2 and args[0] == "-m") or (bool(args) and args[0].endswith(".py"))
+    return runnable and import_time_environment(env) == import_time_environment(server_env)
 
 
 def _child(request: dict) -> None:
@@ -73,9 +75,14 @@ def _child(request: dict) -> None:
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
-        sys.argv = [request["module"], *request["args"]]
         try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            if request["args"][0] == "-m":
+                sys.argv = request["args"][1:]
+                runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(request["args"])
+                sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as python SCRIPT does
+                runpy.run_path(sys.argv[0], run_name="__main__")
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -95,7 +102,7 @@ def _child(request: dict) -> None:
 def serve(path: str) -> None:
     """Import vLLM, then answer requests on the Unix socket ``path``, one at a time.
 
-    A request is one JSON line (``module``, ``args``, ``env``, ``cwd``, ``out``); the answer is
+    A request is one JSON line (``args`` as ``python`` takes them, ``env``, ``cwd``, ``out``); the answer is
     a line with the child's pid, then, when it has exited, a line with its exit code.
     """
     import vllm  # noqa: F401
