@@ -3,7 +3,9 @@ stays short and self-contained, and every Python and shell snippet of the README
 ``docs/*.md`` runs.
 
 Snippets are run as a reader would run them, each in its own process from the repository
-root, in the order of the README and then of the site's navigation. Paths written
+root, in the order of the README and then of the site's navigation. A Python snippet that starts
+an engine is forked from the engine tests' fork server (vLLM imported once) and runs eager, as the
+engine tests do: ``LLM(...)`` defaults to ``enforce_eager=True`` there. Paths written
 ``/path/to/NAME`` are one shared folder per test session: ``/path/to/hf-model`` is the tiny
 Llama of ``examples/tiny_models.py``, and what one snippet saves (``/path/to/sharded``) the
 next ones serve. A snippet identical to one that already passed is not run again.
@@ -33,6 +35,7 @@ from docs import gen_docs
 from examples.tiny_models import build_model, engine_environment
 from tests.support import ROOT
 from tests.support.engines import FAST, EngineRun, run_python
+from tests.support.forkserver import EAGER_ENV
 
 RUNNABLE = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
@@ -237,8 +240,9 @@ def test_snippet_runs(snippet: Snippet, workspace: Path):
     else:
         command = ["bash", "-euo", "pipefail", "-c", code]
     if snippet.kind == "engine" and snippet.lang == "python":
-        # Through the engine tests' runner (its fork server: vLLM imported once).
-        out = run_python([str(script)], _tp(code), env=_path(), timeout=SNIPPET_TIMEOUT)
+        # Through the engine tests' runner (its fork server: vLLM imported once), eager as the engine
+        # tests run (compiling the same tiny model in each snippet took ~40 s and tests vLLM, not us).
+        out = run_python([str(script)], _tp(code), env={**_path(), EAGER_ENV: "1"}, timeout=SNIPPET_TIMEOUT)
     else:
         out = subprocess.run(
             command,

@@ -60,6 +60,23 @@ def can_serve(args: list[str], env: dict[str, str], server_env: dict[str, str]) 
     return runnable and import_time_environment(env) == import_time_environment(server_env)
 
 
+# Set by a test for a script whose LLM(...) says nothing of compilation (a documentation snippet):
+# it then runs eager, as the engine tests do, instead of compiling the same tiny model once more.
+EAGER_ENV = "VSL_TEST_ENFORCE_EAGER"
+
+
+def _eager_by_default() -> None:
+    import vllm
+
+    init = vllm.LLM.__init__
+
+    def eager_init(self, *args, **kwargs):
+        kwargs.setdefault("enforce_eager", True)
+        init(self, *args, **kwargs)
+
+    vllm.LLM.__init__ = eager_init
+
+
 def _child(request: dict) -> None:
     """The forked child: becomes ``python -m MODULE ARGS`` with the request's environment; never returns."""
     import atexit
@@ -71,6 +88,8 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if os.environ.get(EAGER_ENV) == "1":
+            _eager_by_default()
         out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, 1)
         os.dup2(out, 2)
