@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.support.pagecache import evict
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
 from vllm_sharded_loader.planning.spans import Piece
 from vllm_sharded_loader.storage import direct, local, memory, reader, tensor_files
@@ -21,15 +22,6 @@ BLOCK = 64 * 1024
 def write(path, data: bytes) -> str:
     path.write_bytes(data)
     return str(path)
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def open_direct(path: str, window: int) -> direct.DirectStream:

@@ -7,12 +7,11 @@ the same path's use of streams and devices without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.support.pagecache import evict
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
 from vllm_sharded_loader.storage import direct, local, tensor_files
 from vllm_sharded_loader.storage.reader import ReadOptions
@@ -21,15 +20,6 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the staging path copies into device memory)"
 )
 BLOCK = 64 * 1024
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def saved(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
