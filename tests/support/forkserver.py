@@ -78,7 +78,7 @@ def _eager_by_default() -> None:
 
 
 def _child(request: dict) -> None:
-    """The forked child: becomes ``python -m MODULE ARGS`` with the request's environment; never returns."""
+    """The forked child: becomes ``python ARGS`` (a module or a script) with the request's environment; never returns."""
     import atexit
     import runpy
 
