@@ -78,7 +78,10 @@ def _eager_by_default() -> None:
 
 
 def _child(request: dict) -> None:
-    """The forked child: becomes ``python ARGS`` (a module or a script) with the request's environment; never returns."""
+    """The forked child: becomes ``python ARGS`` (a module or a script) with the request's environment.
+
+    Never returns.
+    """
     import atexit
     import runpy
 
