@@ -34,7 +34,8 @@ def changed_copy(source: str, out: str, scale: float = 1.25, overwrite: bool = F
         tensors: dict[str, torch.Tensor] = {}
         for f in entry.files:
             tensors.update(load_file(str(Path(source, f.name))))
-        ranks[RankInfo(entry.tp_rank, manifest.tp_size, entry.pp_rank, manifest.pp_size)] = {
+        rank = RankInfo(entry.tp_rank, manifest.tp_size, entry.pp_rank, manifest.pp_size, experts=manifest.experts)
+        ranks[rank] = {
             name: (t * scale + 0.01).to(t.dtype) if t.is_floating_point() else t for name, t in tensors.items()
         }
     save_checkpoint(
@@ -44,30 +45,31 @@ def changed_copy(source: str, out: str, scale: float = 1.25, overwrite: bool = F
         source=manifest.source,
         geometry=manifest.geometry,
         tied=manifest.tied,
+        experts=manifest.experts,
         overwrite=overwrite,
     )
     return out
 
 
-def rank_parts(directory: str, tp_rank: int) -> list[Path]:
-    manifest = read_manifest(directory)
-    (entry,) = [e for e in manifest.ranks if e.tp_rank == tp_rank]
+def rank_parts(directory: str, rank: int) -> list[Path]:
+    """The parts of the manifest's ``rank``-th rank (ranks in the manifest's order: by PP rank, then TP rank)."""
+    entry = read_manifest(directory).ranks[rank]
     return [Path(directory, f.name) for f in entry.files]
 
 
-def one_rank_rewritten(source: str, out: str, tp_rank: int) -> str:
-    """``source`` with one part of rank ``tp_rank`` rewritten in place, same size: only checksums tell."""
+def one_rank_rewritten(source: str, out: str, rank: int) -> str:
+    """``source`` with one part of its ``rank``-th rank rewritten in place, same size: only checksums tell."""
     shutil.copytree(source, out)
-    part = max(rank_parts(out, tp_rank), key=lambda p: p.stat().st_size)
+    part = max(rank_parts(out, rank), key=lambda p: p.stat().st_size)
     with open(part, "r+b") as f:
         f.seek(part.stat().st_size * 3 // 4)
         f.write(b"\x7f" * 256)
     return out
 
 
-def one_rank_missing(source: str, out: str, tp_rank: int) -> str:
-    """``source`` with the parts of rank ``tp_rank`` gone (a partly copied checkpoint)."""
+def one_rank_missing(source: str, out: str, rank: int) -> str:
+    """``source`` with the parts of its ``rank``-th rank gone (a partly copied checkpoint)."""
     shutil.copytree(source, out)
-    for part in rank_parts(out, tp_rank):
+    for part in rank_parts(out, rank):
         part.unlink()
     return out
