@@ -7,7 +7,10 @@ its own experts whole). A is saved as a sharded checkpoint by an engine; B is A'
 every tensor changed (biases, expert weights and tied embeddings included), written without an
 engine; the bad updates are B with ONE rank's files bad (a part rewritten in place, same size: only
 the checksums tell; a part removed), the other rank's sound, so the sound rank reads, checks and
-post-processes its whole update before it learns that the other refused.
+post-processes its whole update before it learns that the other refused. Then B itself, with the
+post-processing of one rank's last linear or experts layer made to fail (once, on rank 0, then on
+rank 1: every earlier layer of that rank, and every layer of the other, already processed into new
+memory), must be refused the same way.
 
 One engine serves A through every step, with ``reload_weights`` and with the ``sharded_state``
 weight-transfer engine. After each step every worker reports every tensor it serves (each
@@ -31,12 +34,24 @@ from tests.support.engines import run_engine, run_python
 pytestmark = pytest.mark.engine
 
 # Each case: the model, its engine's sizes and arguments, and what B's update must change on which rank.
+# ``fails``: the layer (by name part) whose post-processing is made to fail part-way through B's update.
 CASES = {
-    "qwen2-tp2": {"family": "qwen2", "tp": 2, "changes": {"qkv_proj.bias": (0, 1), "embed_tokens.weight": (0, 1)}},
-    "mixtral-tp2": {"family": "mixtral", "tp": 2, "changes": {"experts.": (0, 1), "embed_tokens.weight": (0, 1)}},
+    "qwen2-tp2": {
+        "family": "qwen2",
+        "tp": 2,
+        "fails": "down_proj",
+        "changes": {"qkv_proj.bias": (0, 1), "embed_tokens.weight": (0, 1)},
+    },
+    "mixtral-tp2": {
+        "family": "mixtral",
+        "tp": 2,
+        "fails": "experts",
+        "changes": {"experts.": (0, 1), "embed_tokens.weight": (0, 1)},
+    },
     "qwen2-pp2": {
         "family": "qwen2",
         "pp": 2,
+        "fails": "down_proj",
         "changes": {"qkv_proj.bias": (0, 1), "embed_tokens.weight": (0,), "lm_head.weight": (1,)},
     },
     "mixtral-ep2": {
@@ -44,6 +59,7 @@ CASES = {
         "tp": 2,
         "engine": {"enable_expert_parallel": True},
         "generate": False,
+        "fails": "experts",
         "changes": {"experts.": (0, 1), "embed_tokens.weight": (0, 1)},
     },
 }
@@ -74,6 +90,7 @@ def served(request, tmp_path_factory) -> dict:
     steps = [
         *(["reload", path] for path in bad.values()),
         *(["transfer", path, "checksum"] for path in bad.values()),
+        *(step for rank in (0, 1) for step in (["fault", case["fails"], rank], ["reload", b])),
         ["reload", b],
         ["reload", a],
     ]
@@ -99,12 +116,18 @@ def differing(before: list[dict[str, str]], after: list[dict[str, str]], address
     ]
 
 
+def refused(served: dict) -> list[dict]:
+    """The steps that must be refused: every update but the last two (B's, then A's again)."""
+    updates = [s for s in served["result"]["steps"] if s["step"][0] in ("reload", "transfer")]
+    assert len(updates) == 2 * len(served["bad"]) + 2 + 2
+    return updates[:-2]
+
+
 def test_a_refused_update_changes_no_served_tensor_of_any_rank(served):
-    start, steps = served["result"]["start"], served["result"]["steps"]
+    start = served["result"]["start"]
     assert start["token_ids"] == (served["reference"] if served["generate"] else [])
     assert len(start["served"]) == 2 and all(start["served"])
-    n = len(served["bad"])
-    for step in steps[: 2 * n]:
+    for step in refused(served):
         what = f"{step['step'][0]} of {step['step'][1]}"
         assert step["error"] is not None, f"{what} was not refused"
         assert differing(start["served"], step["served"]) == [], what
@@ -113,9 +136,20 @@ def test_a_refused_update_changes_no_served_tensor_of_any_rank(served):
 
 def test_a_refused_update_is_not_counted(served):
     """Class 4: the capture's bookkeeping (update count, capture, where a save re-reads) is as before."""
-    start, steps = served["result"]["start"], served["result"]["steps"]
-    for step in steps[: 2 * len(served["bad"])]:
+    start = served["result"]["start"]
+    for step in refused(served):
         assert step["state"] == start["state"], step["step"]
+
+
+def test_a_post_processing_that_fails_part_way_is_refused_on_every_rank(served):
+    """The injected failure fired on the rank it was set on, and the update was refused for it."""
+    steps = served["result"]["steps"]
+    faults = [(i, s) for i, s in enumerate(steps) if s["step"][0] == "fault"]
+    assert len(faults) == 2
+    for i, fault in faults:
+        (layer,) = fault["armed"]
+        assert "injected by the test" in (steps[i + 1]["error"] or ""), (layer, steps[i + 1]["error"])
+        assert layer in steps[i + 1]["error"]
 
 
 def test_the_sound_update_changes_biases_experts_and_embeddings_and_a_again_restores_a(served):

@@ -14,9 +14,11 @@ its bytes; and the capture's bookkeeping (update count, where it re-reads from, 
 
 Steps: ``["reload", PATH or null]`` (``collective_rpc("reload_weights")``), ``["transfer", PATH,
 VERIFY or null]`` (vLLM's offline RL API), ``["save", PATH]`` (vLLM's engine-API save), and, between
-them, what a trainer does to a folder: ``["rewrite", SOURCE, PATH, SCALE]`` (other weights saved over
-PATH, see :func:`tests.support.derived.changed_copy`), ``["copy", SOURCE, PATH]`` (PATH replaced by a
-copy of SOURCE: new files, same content), ``["flip", PATH]`` (bytes of a part rewritten in place). Prints
+them, ``["fault", PART, RANK]`` (the next post-processing of the last layer named ``*PART*`` on
+global rank RANK raises, once: :func:`fail_next_processing`) and what a trainer does to a folder:
+``["rewrite", SOURCE, PATH, SCALE]`` (other weights saved over PATH, see
+:func:`tests.support.derived.changed_copy`), ``["copy", SOURCE, PATH]`` (PATH replaced by a copy of
+SOURCE: new files, same content), ``["flip", PATH]`` (bytes of a part rewritten in place). Prints
 ``RESULT {json}``: ``start`` and each step's ``error``, ``token_ids``, ``served`` (per rank:
 name -> fingerprint) and ``state`` (per rank).
 """
@@ -67,6 +69,31 @@ def served_tensors(worker) -> dict:
             "capture": None if state.capture is None else state.capture.directory,
         }
     return {"served": found, "state": bookkeeping}
+
+
+def fail_next_processing(worker, part: str, rank: int) -> str | None:
+    """Run in every worker: on global rank ``rank``, make the next post-processing of the last
+    quantization method whose layer's name contains ``part`` raise, once (a post-processing that
+    fails part-way through an update, after every earlier layer of that rank was processed).
+    Returns the layer's name on that rank (None elsewhere)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != rank:
+        return None
+    model = getattr(worker, "worker", worker).model_runner.get_model()
+    prefix, module = [(n, m) for n, m in model.named_modules() if part in n and hasattr(m, "quant_method")][-1]
+    method = module.quant_method
+    # A flag outside the method's attributes: a refused update puts those back as they were before it.
+    fired = []
+
+    def process_weights_after_loading(layer) -> None:
+        if fired:
+            return type(method).process_weights_after_loading(method, layer)
+        fired.append(True)
+        raise RuntimeError(f"post-processing of {prefix} failed (injected by the test)")
+
+    method.process_weights_after_loading = process_weights_after_loading
+    return prefix
 
 
 def trainer_writes(step: list) -> None:
@@ -136,6 +163,10 @@ def main() -> None:
             if kind in ("rewrite", "copy", "flip"):
                 trainer_writes(step)
                 result["steps"].append({"step": step, "error": None})
+                continue
+            if kind == "fault":
+                armed = [name for name in llm.collective_rpc(fail_next_processing, args=(path, rest[0])) if name]
+                result["steps"].append({"step": step, "error": None, "armed": armed})
                 continue
             if kind == "reload":
                 llm.collective_rpc("reload_weights", kwargs={} if path is None else {"weights_path": path})

@@ -89,8 +89,10 @@ def _state_holders(module: torch.nn.Module, depth: int = 3) -> list[Any]:
         found = []
         for owner in frontier:
             for value in list(owner.__dict__.values()):
-                if id(value) in holders or isinstance(value, torch.nn.Module) or not hasattr(value, "__dict__"):
+                if id(value) in holders or isinstance(value, (torch.nn.Module, type)):
                     continue
+                if not isinstance(getattr(value, "__dict__", None), dict):
+                    continue  # no instance state (a class's attributes are read-only here, and shared)
                 if not type(value).__module__.startswith("vllm."):
                     continue
                 holders[id(value)] = value
