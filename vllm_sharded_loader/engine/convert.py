@@ -395,7 +395,7 @@ class ConvertModel:
                 self._load(weights, listing(component.sources, 3))
             made = {t: self._current(t).detach() for t in component.targets}
             del weights
-        partial = [t for t, v in made.items() if v.is_floating_point() and bool(v.isnan().any())]
+        partial = [t for t, v in made.items() if v.is_floating_point() and _has_nan(v)]
         if partial:
             self.free(name)
             raise ConvertRefused(
@@ -412,6 +412,18 @@ class ConvertModel:
 
     def close(self) -> None:
         self.source.close()
+
+
+def _has_nan(tensor: torch.Tensor) -> bool:
+    """Whether any element is NaN. ``amax`` propagates NaN and reads the tensor once, about ten
+    times faster on bf16 than ``isnan().any()``, which makes a bool tensor first: every byte of a
+    conversion passes through here. Float8 types, which ``amax`` lacks on CPU, take the slow way."""
+    if not tensor.numel():
+        return False
+    try:
+        return bool(tensor.amax().isnan())
+    except (RuntimeError, NotImplementedError):
+        return bool(tensor.isnan().any())
 
 
 @contextlib.contextmanager
