@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,65 @@ def test_an_unfilled_tensor_is_refused_by_name_before_a_byte_is_written(sources,
     run = convert(str(bad), str(out), 2, ok=False)
     assert run.returncode == 2
     assert message in run.stderr and "vllm-sharded save" in run.stderr
+    assert not out.exists()
+
+
+BUCKET = "convert"
+
+
+@pytest.fixture(scope="module")
+def s3(seaweed):
+    """The session's SeaweedFS S3 server with this module's bucket, and the AWS settings pointing at it."""
+    from tests.support.stores import stores_pointed_at
+
+    with stores_pointed_at(seaweed.aws_environment()):
+        seaweed.create_bucket(BUCKET)
+        yield seaweed
+
+
+def upload(folder: str, url: str) -> None:
+    from vllm_sharded_loader.storage.location import open_store
+
+    store = open_store(url)
+    for name in sorted(os.listdir(folder)):
+        store.put(name, Path(folder, name))
+
+
+def test_a_source_in_a_bucket_converts_as_its_local_copy_into_a_folder_and_a_bucket(s3, sources, tmp_path):
+    """Qwen2 (biases, tied embeddings) read from ``s3://`` where it is (ranged reads, config fetched):
+    the same parts, checksums, geometry, ties and source as from the local folder, config and
+    tokenizer carried; the same again written into a bucket."""
+    from vllm_sharded_loader.checkpoint import read_manifest
+
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/hf"
+    upload(sources["tied"], url)
+    local, from_bucket = tmp_path / "local", tmp_path / "from-bucket"
+    convert_checkpoint(sources["tied"], str(local), 2)
+    convert_checkpoint(url, str(from_bucket), 2)
+    out_url = url.rsplit("/", 1)[0] + "/converted"
+    convert_checkpoint(url, out_url, 2)
+    expected = read_manifest(str(local))
+    for manifest in (read_manifest(str(from_bucket)), read_manifest(out_url)):
+        assert manifest is not None
+        assert manifest.source == expected.source
+        assert (manifest.geometry, manifest.tied) == (expected.geometry, expected.tied)
+        assert [[(f.size, f.checksum) for f in r.files] for r in manifest.ranks] == [
+            [(f.size, f.checksum) for f in r.files] for r in expected.ranks
+        ]
+    assert {"config.json", "tokenizer.json"} <= set(os.listdir(from_bucket))
+    a, b = rank_tensors(str(local)), rank_tensors(str(from_bucket))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_corrupt_header_in_a_bucket_is_named_and_nothing_is_written(s3, sources, tmp_path):
+    bad = copy_source(sources["tied"], tmp_path / "src")
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.write(b"\xff" * 16)
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/hf"
+    upload(str(bad), url)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointCorrupt, match=rf"{url}/model\.safetensors"):
+        convert_checkpoint(url, str(out), 2)
     assert not out.exists()
 
 

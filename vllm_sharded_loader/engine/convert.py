@@ -27,6 +27,7 @@ import os
 import socket
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from ..format.geometry import TensorGeometry
 from ..format.safetensors import Header
 from ..format.source import SourceModel
 from ..storage.local import OpenFile, read_header
+from ..storage.location import StoredFile, open_store
 from ..storage.tensors import map_file_range, torch_dtype
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
@@ -67,24 +69,38 @@ class SourceTensor:
 
 @dataclass
 class SourceFiles:
-    """A Hugging Face folder's safetensors files, their headers read and checked, nothing else read."""
+    """A Hugging Face model's safetensors files, their headers read and checked, nothing else read.
+
+    ``where`` holds the weights: a local folder, or an object-storage prefix (``s3://``, ``gs://``,
+    ``az://``: each tensor is then one ranged read, made when its component is, never a download of
+    the model); ``directory`` is a local folder with the model's config and tokenizer (``where``
+    itself, or those files fetched from the prefix), which vLLM's configuration is read from.
+    """
 
     directory: str
     tensors: dict[str, SourceTensor]
     headers: dict[str, Header]
-    opened: dict[str, OpenFile] = field(default_factory=dict)
+    opened: dict[str, StoredFile] = field(default_factory=dict)
+    where: str = ""
+
+    def __post_init__(self) -> None:
+        self.where = self.where or self.directory
 
     @classmethod
-    def open(cls, directory: str) -> SourceFiles:
-        """Index ``directory``'s weights; a missing shard, a corrupt header or a duplicated tensor is an error."""
-        if not os.path.isdir(directory):
-            raise CheckpointNotFound(f"{directory}: not a folder. Give a Hugging Face model folder or Hub repo id.")
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-        index_path = os.path.join(directory, INDEX_NAME)
-        if os.path.exists(index_path):
+    def open(cls, directory: str, where: str | None = None) -> SourceFiles:
+        """Index the weights at ``where`` (default: ``directory``); a missing shard, a corrupt header or a
+        duplicated tensor is an error."""
+        where = where or directory
+        store = open_store(where)
+        if not store.exists():
+            raise CheckpointNotFound(f"{where}: not a folder. Give a Hugging Face model folder or Hub repo id.")
+        present = store.list_names()
+        names = sorted(n for n in present if n.endswith(".safetensors"))
+        if INDEX_NAME in present:
+            index_path = store.file_path(INDEX_NAME)
             try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
+                data = store.read(INDEX_NAME)
+                weight_map = json.loads(data.read_bytes() if isinstance(data, Path) else data)["weight_map"]
                 listed = sorted(set(weight_map.values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointCorrupt(
@@ -93,28 +109,40 @@ class SourceFiles:
             missing = [n for n in listed if n not in names]
             if missing:
                 raise CheckpointNotFound(
-                    f"{directory}: the index {INDEX_NAME} lists {listing(missing, 5)}, which the folder lacks. "
+                    f"{where}: the index {INDEX_NAME} lists {listing(missing, 5)}, which the folder lacks. "
                     "The download is incomplete: fetch the missing files (or the model) again."
                 )
             names = listed
         if not names:
-            held = [n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth"))]
+            held = [n for n in present if n.endswith((".bin", ".pt", ".pth"))]
             other = f" (it holds {listing(held, 3)}: convert reads safetensors only; use `vllm-sharded save`)"
-            raise CheckpointNotFound(f"{directory}: no *.safetensors weights{other if held else ''}.")
+            raise CheckpointNotFound(f"{where}: no *.safetensors weights{other if held else ''}.")
         tensors: dict[str, SourceTensor] = {}
         headers: dict[str, Header] = {}
-        for name in names:
-            path = os.path.join(directory, name)
-            header = read_header(path)
-            headers[name] = header
-            for tensor, h in header.tensors.items():
-                if tensor in tensors:
-                    raise CheckpointCorrupt(
-                        f"{path}: tensor {tensor} is also in {tensors[tensor].file}. The checkpoint is "
-                        "inconsistent: download the model again."
+        source = cls(directory, tensors, headers, where=where)
+        try:
+            for name in names:
+                opened = source._open(name)
+                header = read_header(opened)
+                headers[name] = header
+                for tensor, h in header.tensors.items():
+                    if tensor in tensors:
+                        raise CheckpointCorrupt(
+                            f"{opened.path}: tensor {tensor} is also in {tensors[tensor].file}. The checkpoint is "
+                            "inconsistent: download the model again."
+                        )
+                    tensors[tensor] = SourceTensor(
+                        tensor, name, torch_dtype(h.dtype, opened.path), h.shape, h.begin, h.end
                     )
-                tensors[tensor] = SourceTensor(tensor, name, torch_dtype(h.dtype, path), h.shape, h.begin, h.end)
-        return cls(directory, tensors, headers)
+        except BaseException:
+            source.close()
+            raise
+        return source
+
+    def _open(self, name: str) -> StoredFile:
+        if name not in self.opened:
+            self.opened[name] = open_store(self.where).open_file(name)
+        return self.opened[name]
 
     @property
     def nbytes(self) -> int:
@@ -125,14 +153,21 @@ class SourceFiles:
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor over a private mapping of its file's pages: read as it is used, never copied here."""
+        """The tensor: over a private mapping of a local file's pages (read as it is used, never copied
+        here), or the bytes of one ranged read of an object (which must still be the one indexed)."""
         t = self.tensors[name]
-        if t.file not in self.opened:
-            self.opened[t.file] = OpenFile.open(os.path.join(self.directory, t.file))
-        opened = self.opened[t.file]
+        opened = self._open(t.file)
         if opened.size != self.headers[t.file].file_size:
             raise ShardedStateError(f"{opened.path}: changed while converting ({opened.size} bytes). Convert again.")
-        return map_file_range(opened.fd, t.begin, t.end - t.begin, t.dtype, t.shape)
+        nbytes = t.end - t.begin
+        if isinstance(opened, OpenFile):
+            return map_file_range(opened.fd, t.begin, nbytes, t.dtype, t.shape)
+        data = bytearray(opened.read_at(t.begin, nbytes))
+        if len(data) != nbytes:
+            raise ShardedStateError(f"{opened.path}: changed while converting (short read). Convert again.")
+        if not nbytes:
+            return torch.empty(t.shape, dtype=t.dtype)
+        return torch.frombuffer(data, dtype=t.dtype).reshape(t.shape)
 
     def close(self) -> None:
         for opened in self.opened.values():
@@ -253,7 +288,7 @@ class ConvertModel:
         unfilled = [n for n in self.state if n not in filled and n not in defaults]
         if unfilled:
             raise ConvertRefused(
-                f"{source.directory}: vLLM's {type(self.model).__name__} has tensors that no tensor of the checkpoint "
+                f"{source.where}: vLLM's {type(self.model).__name__} has tensors that no tensor of the checkpoint "
                 f"fills: {listing(unfilled, 5)}; their values come from running the model, not from its files "
                 f"(or the config does not describe these weights). {SAVE_INSTEAD}"
             )
@@ -316,13 +351,13 @@ class ConvertModel:
                 loaded = self.model.load_weights(iter(weights))
         except Exception as e:  # vLLM's loader asserts on what it cannot place
             raise ConvertRefused(
-                f"{self.source.directory}: vLLM's {type(self.model).__name__}.load_weights cannot place {what}: "
+                f"{self.source.where}: vLLM's {type(self.model).__name__}.load_weights cannot place {what}: "
                 f"{type(e).__name__}: {e}. The config does not describe these weights, or loading them needs the "
                 f"model running. {SAVE_INSTEAD}"
             ) from e
         if loaded is None:
             raise ConvertRefused(
-                f"{self.source.directory}: vLLM's {type(self.model).__name__}.load_weights does not say which "
+                f"{self.source.where}: vLLM's {type(self.model).__name__}.load_weights does not say which "
                 f"parameters it filled, so convert cannot follow it. {SAVE_INSTEAD}"
             )
         return {self._saved_name(n) for n in loaded}
@@ -343,7 +378,7 @@ class ConvertModel:
             foreign = sorted(loaded - set(self.state))
             if foreign:
                 raise ConvertRefused(
-                    f"{self.source.directory}: {name} fills {listing(foreign, 3)}, which is not in the model's "
+                    f"{self.source.where}: {name} fills {listing(foreign, 3)}, which is not in the model's "
                     f"state. {SAVE_INSTEAD}"
                 )
             fills[name] = loaded
@@ -399,7 +434,7 @@ class ConvertModel:
         if partial:
             self.free(name)
             raise ConvertRefused(
-                f"{self.source.directory}: vLLM's loader left part of {listing(partial, 3)} unfilled from "
+                f"{self.source.where}: vLLM's loader left part of {listing(partial, 3)} unfilled from "
                 f"{listing(component.sources, 5)}: the checkpoint lacks weights the model has. {SAVE_INSTEAD}"
             )
         return made
@@ -427,9 +462,10 @@ def _has_nan(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def converting(directory: str, **kwargs: Any) -> Iterator[ConvertModel]:
-    """A :class:`ConvertModel` of the Hugging Face folder ``directory``, its files closed after."""
-    source = SourceFiles.open(directory)
+def converting(directory: str, where: str | None = None, **kwargs: Any) -> Iterator[ConvertModel]:
+    """A :class:`ConvertModel` of the Hugging Face model in ``directory`` (its weights at ``where``,
+    default there too: see :class:`SourceFiles`), its files closed after."""
+    source = SourceFiles.open(directory, where)
     try:
         yield ConvertModel(source, **kwargs)
     finally:

@@ -79,6 +79,10 @@ class Store(Protocol):
         """Open a part the manifest lists: inside the checkpoint, present, with its recorded size."""
         ...
 
+    def open_file(self, name: str) -> StoredFile:
+        """Open any file of the location by name (a source model's weights): present, whatever its size."""
+        ...
+
     def list_names(self) -> list[str]:
         """The names of the files beside the parts."""
         ...
@@ -143,6 +147,9 @@ class LocalStore:
     def open_part(self, f: FileEntry) -> StoredFile:
         return local.open_part(self.where, f)
 
+    def open_file(self, name: str) -> StoredFile:
+        return local.OpenFile.open(os.path.join(self.where, name))
+
     def list_names(self) -> list[str]:
         return sorted(os.listdir(self.where))
 
@@ -203,6 +210,9 @@ class ObjectStore:
 
     def open_part(self, f: FileEntry) -> StoredFile:
         return objects.open_part(self.prefix, f)
+
+    def open_file(self, name: str) -> StoredFile:
+        return objects.ObjectFile.open(self.prefix, name)
 
     def list_names(self) -> list[str]:
         return objects.list_names(self.prefix)

@@ -153,7 +153,11 @@ def make_parser() -> argparse.ArgumentParser:
     p = commands.add_parser(
         "convert", help="write a Hugging Face model as per-rank files for a TP/PP size, without an engine"
     )
-    p.add_argument("source", metavar="SOURCE", help="a Hugging Face model folder or Hub repo id (safetensors)")
+    p.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a Hugging Face model (safetensors): a folder, a Hub repo id, or an s3://, gs://, az:// prefix",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--output", "-o", required=True)

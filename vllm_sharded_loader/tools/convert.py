@@ -29,8 +29,9 @@ from ..format.manifest import Manifest
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import stage_split
 from ..planning.topology import RankInfo
-from ..storage.location import is_locked, open_store, read_manifest
+from ..storage.location import copy_non_weight_files, is_locked, open_store, read_manifest
 from ..storage.oscalls import release_free_heap
+from ..storage.staging_folders import staging_folder
 from ..storage.writer import LazyTensor
 
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
@@ -40,14 +41,12 @@ DEFAULT_BUDGET = 1024**3
 
 
 def resolve_source(source: str) -> str:
-    """A local folder as is; a Hub repo id through the Hub cache (weights and config fetched once)."""
+    """A local folder or an object-storage prefix as is; a Hub repo id through the Hub cache (weights
+    and config fetched once)."""
     if os.path.isdir(source):
         return source
     if open_store(source).remote:
-        raise ShardedStateError(
-            f"{source}: converting from object storage is not supported yet; download the model to a local "
-            "folder first (or use `vllm-sharded save`)."
-        )
+        return source  # read where it is (engine/convert.py: SourceFiles), its config fetched first
     if os.path.exists(source) or source.startswith((".", "/")) or source.count("/") != 1:
         raise ShardedStateError(f"{source}: no such model folder (nor a Hub repo id of the form owner/name).")
     from huggingface_hub import snapshot_download
@@ -282,7 +281,16 @@ def _convert(
     from ..engine.convert import converting
 
     started = time.perf_counter()
-    with converting(folder, dtype=dtype, quantization=quantization, trust_remote_code=trust_remote_code) as model:
+    with contextlib.ExitStack() as stack:
+        directory = folder
+        if open_store(folder).remote:
+            # vLLM reads the config (and tokenizer) from a local folder: those few files are fetched;
+            # the weights are read where they are, each byte once.
+            directory = stack.enter_context(staging_folder())
+            copy_non_weight_files(folder, directory)
+        model = stack.enter_context(
+            converting(directory, folder, dtype=dtype, quantization=quantization, trust_remote_code=trust_remote_code)
+        )
         built = time.perf_counter()
         layers = model.identity.config.get("num_hidden_layers")
         if not isinstance(layers, int):
@@ -334,7 +342,7 @@ def _convert(
             overwrite=overwrite,
             geometry={n: model.geometry[s].to_dict() for plan in plans.values() for n, (s, _) in plan.items()},
             tied=tuple(tuple(g) for g in model.tied),
-            carry=folder,
+            carry=directory,
             parallel=True,
         )
         done = time.perf_counter()
