@@ -24,7 +24,7 @@ import torch
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
 from tests.support.reference import llama_like
 from tests.support.states import SOURCE
-from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
+from tests.support.stores import Failing, bucket_on, load_from, save_to_bucket, stores_pointed_at
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
@@ -39,8 +39,7 @@ BUCKET = "models"
 @pytest.fixture(scope="module")
 def s3(seaweed):
     """The session's SeaweedFS S3 server with this module's bucket, and the usual AWS settings pointing at it."""
-    with stores_pointed_at(seaweed.aws_environment()):
-        seaweed.create_bucket(BUCKET)
+    with bucket_on(seaweed, BUCKET):
         yield seaweed
 
 

@@ -33,6 +33,14 @@ def stores_pointed_at(environment: dict[str, str]):
         objects._store.cache_clear()
 
 
+@contextlib.contextmanager
+def bucket_on(server, bucket: str):
+    """A server (the session's SeaweedFS) with ``bucket`` made, and this process's clients pointed at it."""
+    with stores_pointed_at(server.aws_environment()):
+        server.create_bucket(bucket)
+        yield server
+
+
 def save_to_bucket(url, model, tp_size, pp_size=1, max_size=4096):
     ranks = {
         RankInfo(t, tp_size, p, pp_size): stage_state(model, tp_size, pp_size, t, p)
