@@ -1,0 +1,138 @@
+"""Start-up (compile) artifacts carried in the checkpoint (issue 35), with real compiled engines.
+
+A checkpoint saved from a compiled engine carries each rank's compile cache; an engine with an
+empty ``VLLM_CACHE_ROOT`` restores it before vLLM compiles. Every case compares greedy token
+ids with vLLM's default loader (the saving engine, compiled too). A mismatched key or a damaged
+archive is never used: one log line, then vLLM compiles as usual with the same ids.
+
+Compiled (not ``enforce_eager``) engine starts take 30-90 s each here, so the cases that fall
+back share one cache folder: only the first compiles from nothing.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import run_engine
+from vllm_sharded_loader.checkpoint.startup_artifacts import ENABLE_ENV
+from vllm_sharded_loader.format.manifest import Manifest
+from vllm_sharded_loader.format.names import MANIFEST_NAME
+
+pytestmark = pytest.mark.engine
+
+RESTORED = "restored start-up artifacts"
+NOT_USED = "start-up artifacts not used"
+
+
+def _compiled(model: str, cache: Path, tp: int = 1, **spec) -> dict:
+    return {
+        "model": model,
+        "tp": tp,
+        "engine": {"enforce_eager": False, **spec.pop("engine", {})},
+        "env": {"VLLM_CACHE_ROOT": str(cache), **spec.pop("env", {})},
+        **spec,
+    }
+
+
+@pytest.fixture(scope="module")
+def carried(models, tmp_path_factory) -> dict:
+    """A TP=1 checkpoint saved from a compiled engine, and that engine's ids (vLLM's default loader)."""
+    root = tmp_path_factory.mktemp("startup")
+    out = root / "ckpt"
+    run = run_engine(_compiled(models["llama"], root / "save-cache", capture_dir=str(out), save_to=str(out)))
+    assert run.result.get("saved"), run.result
+    return {"root": root, "ckpt": out, "reference": run.result["token_ids"]}
+
+
+def test_a_fresh_node_restores_the_artifacts_and_serves_the_same_ids(carried):
+    manifest = Manifest.from_json((carried["ckpt"] / MANIFEST_NAME).read_text())
+    record = manifest.rank(0, 0).startup
+    assert record is not None and (carried["ckpt"] / record.file).stat().st_size == record.size
+    assert record.key["topology"] == "tp=1 pp=1 dp=1" and record.key["device"]
+    fresh = carried["root"] / "fresh-cache"
+    run = run_engine(_compiled(str(carried["ckpt"]), fresh, load_format="sharded_state"))
+    restored = re.search(RESTORED + r" \S+ \([\d.]+ MB, (\d+) files, 0 already there\) into (\S+)", run.output)
+    assert restored and int(restored.group(1)) > 0, run.tail()
+    # Into the folder vLLM compiled in: the one it then wrote its own AOT artifact beside.
+    assert f"saved AOT compiled function to {restored.group(2)}" in run.output, run.tail()
+    assert run.result["token_ids"] == carried["reference"]
+
+
+def _copy(carried: dict, name: str) -> Path:
+    copy = carried["root"] / name
+    shutil.copytree(carried["ckpt"], copy)
+    return copy
+
+
+def _edit_key(ckpt: Path, field: str, value: str) -> None:
+    data = json.loads((ckpt / MANIFEST_NAME).read_text())
+    data["ranks"][0]["startup_artifacts"]["key"][field] = value
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def test_mismatched_or_damaged_artifacts_fall_back_to_compiling(carried):
+    cache = carried["root"] / "fallback-cache"  # shared: later fallbacks compile against a warm cache
+    # Damaged: one flipped byte in the archive.
+    corrupt = _copy(carried, "corrupt")
+    archive = next(corrupt.glob("startup-artifacts-*.tar"))
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    archive.write_bytes(bytes(data))
+    run = run_engine(_compiled(str(corrupt), cache, load_format="sharded_state"))
+    assert NOT_USED in run.output and "does not match the manifest" in run.output, run.tail()
+    assert RESTORED not in run.output
+    assert run.result["token_ids"] == carried["reference"]
+
+    # Saved on another CPU (an AVX-512 machine's kernels would crash an AVX2-only one, and back).
+    other_cpu = _copy(carried, "other-cpu")
+    _edit_key(other_cpu, "device", "cpu x86_64 avx2 avx512f avx512bw avx512vl avx512dq amx_tile")
+    run = run_engine(_compiled(str(other_cpu), cache, load_format="sharded_state"))
+    assert NOT_USED in run.output and "device: saved" in run.output, run.tail()
+    assert run.result["token_ids"] == carried["reference"]
+
+    # A changed compilation setting: vLLM's own cache key and the compilation hash differ.
+    run = run_engine(
+        _compiled(
+            str(carried["ckpt"]),
+            cache,
+            load_format="sharded_state",
+            engine={"compilation_config": {"inductor_compile_config": {"freezing": False}}},
+        )
+    )
+    assert NOT_USED in run.output and "compilation_config: saved" in run.output, run.tail()
+    assert run.result["token_ids"] == carried["reference"]
+
+
+def test_the_switch_turns_the_save_off(models, tmp_path):
+    out = tmp_path / "ckpt"
+    spec = _compiled(models["llama"], tmp_path / "cache", capture_dir=str(out), save_to=str(out))
+    spec["env"][ENABLE_ENV] = "0"
+    spec["generate"] = False
+    run = run_engine(spec)
+    assert run.result.get("saved"), run.result
+    manifest = Manifest.from_json((out / MANIFEST_NAME).read_text())
+    assert all(r.startup is None for r in manifest.ranks)
+    assert not list(out.glob("startup-artifacts-*"))
+
+
+def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(models, carried, tmp_path):
+    """Each rank of a TP=2 checkpoint restores its own artifacts (the saving engine's ids); served at
+    TP=1 (resharded) it compiles instead, with the ids of vLLM's default loader at TP=1 (``carried``:
+    the same model, compiled): TP=1 and TP=2 may differ in the last bits of a reduction, so in greedy
+    ids too, as for every resharded load."""
+    out = tmp_path / "ckpt"
+    save = run_engine(_compiled(models["llama"], tmp_path / "save-cache", tp=2, capture_dir=str(out), save_to=str(out)))
+    assert save.result.get("saved"), save.result
+    manifest = Manifest.from_json((out / MANIFEST_NAME).read_text())
+    ranks = [r.startup.key["rank"] for r in manifest.ranks]
+    assert ranks == ["tp_rank=0 pp_rank=0 dp_rank=0", "tp_rank=1 pp_rank=0 dp_rank=0"]
+    run = run_engine(_compiled(str(out), tmp_path / "fresh", tp=2, load_format="sharded_state"))
+    assert run.output.count(RESTORED) == 2, run.tail()
+    assert run.result["token_ids"] == save.result["token_ids"]
+    # Served at TP=1 (resharded): the TP=2 artifacts are not for this topology.
+    run = run_engine(_compiled(str(out), tmp_path / "fresh-tp1", load_format="sharded_state"))
+    assert NOT_USED in run.output and "topology: saved 'tp=2" in run.output, run.tail()
+    assert run.result["token_ids"] == carried["reference"]
