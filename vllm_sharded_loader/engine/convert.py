@@ -162,12 +162,16 @@ class SourceFiles:
         nbytes = t.end - t.begin
         if isinstance(opened, OpenFile):
             return map_file_range(opened.fd, t.begin, nbytes, t.dtype, t.shape)
-        data = bytearray(opened.read_at(t.begin, nbytes))
-        if len(data) != nbytes:
-            raise ShardedStateError(f"{opened.path}: changed while converting (short read). Convert again.")
-        if not nbytes:
-            return torch.empty(t.shape, dtype=t.dtype)
-        return torch.frombuffer(data, dtype=t.dtype).reshape(t.shape)
+        # The reader's own path for an object: one ranged GET into the tensor's memory (no second
+        # copy), a truncated or replaced object refused by the store.
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            stream = opened.stream()
+            try:
+                stream.readv([memoryview(data.numpy())], t.begin)
+            finally:
+                stream.close()
+        return data.view(t.dtype).reshape(t.shape)
 
     def close(self) -> None:
         for opened in self.opened.values():
