@@ -36,6 +36,7 @@ import time
 from benchmarks.harness import (
     ROOT,
     build,
+    build_on_disk,
     command,
     engine_env,
     evict,
@@ -133,7 +134,80 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
+def largest_tensor_bytes(hf: str) -> int:
+    """The largest tensor of the model's safetensors files, from their headers."""
+    largest = 0
+    for path in files_of(hf):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        sizes = [v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"]
+        largest = max(largest, *sizes)
+    return largest
+
+
+def measure_large(args: argparse.Namespace) -> dict:
+    """A model larger than half the machine's memory, built on disk: cp and convert, cold (its
+    pages do not all fit the page cache beside the output's), then ``verify`` of the output. No
+    save: an engine would have to hold the whole model."""
+    work = args.work or tempfile.mkdtemp(prefix="convert-bench-")
+    hf = build_on_disk(work, layers_for(args.large))
+    paths = files_of(hf)
+    result: dict = {
+        "machine": machine(),
+        "command": command(),
+        "large": True,
+        "model_bytes": sum(os.path.getsize(p) for p in paths),
+        "largest_tensor_bytes": largest_tensor_bytes(hf),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "tp": args.tp,
+    }
+    result["cp_cold"] = copy(hf, work, True)
+    shutil.rmtree(os.path.join(work, "copy"))
+    result["convert_cold"] = convert(hf, work, args.tp, True)
+    out = os.path.join(work, f"converted-tp{args.tp}")
+    verify = subprocess.run(
+        [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "verify", out], capture_output=True, text=True
+    )
+    result["verified"] = verify.returncode == 0
+    shutil.rmtree(out)
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def markdown_large(r: dict) -> str:
+    nbytes, gib = r["model_bytes"], 1024**3
+    convert = r["convert_cold"]
+    peak = convert["peak_rss_kb"] * 1024
+    lines = [
+        f"Model: {nbytes / GB:.2f} GB bf16 Llama-style, built on disk in shards, on a machine of "
+        f"{r['memory_bytes'] / gib:.1f} GiB; largest tensor {r['largest_tensor_bytes'] / 1e6:.0f} MB; to TP={r['tp']}; "
+        f"{r['machine'].get('cpu_model', '?')}, {r['machine']['cpus']} cores.",
+        "",
+        "| what | whole command | of the model's bytes | after vLLM's model is built | peak RSS |",
+        "|---|---|---|---|---|",
+        f"| cp + sync, cold | {r['cp_cold']['seconds']:.1f} s | {nbytes / GB / r['cp_cold']['seconds']:.2f} GB/s "
+        "| - | - |",
+        f"| convert TP={r['tp']}, cold | {convert['seconds']:.1f} s | {nbytes / GB / convert['seconds']:.2f} GB/s | "
+        f"{convert['write_seconds']:.1f} s ({nbytes / GB / convert['write_seconds']:.2f} GB/s) "
+        f"| {peak / gib:.2f} GiB |",
+        "",
+        f"convert vs cp (cold): {100 * r['cp_cold']['seconds'] / convert['seconds']:.0f}% of cp's throughput, whole "
+        f"command; {100 * r['cp_cold']['seconds'] / convert['write_seconds']:.0f}% after vLLM's model is built. "
+        f"Peak RSS {peak / gib:.2f} GiB: {peak / nbytes:.2f} of the model's size, "
+        f"{(peak - r['largest_tensor_bytes']) / gib:.2f} GiB above its largest tensor. "
+        f"`vllm-sharded verify` of the output: {'passed' if r['verified'] else 'FAILED'}. "
+        "No save: an engine would hold the whole model.",
+        "",
+        f"Re-run: `{r['command']}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def markdown(r: dict) -> str:
+    if r.get("large"):
+        return markdown_large(r)
     nbytes = r["model_bytes"]
 
     def row(label: str, m: dict) -> str:
@@ -173,7 +247,14 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder for the model and outputs (default: a temporary one)")
     parser.add_argument("--out", default=None, help="folder for convert_bench.json and .md")
     parser.add_argument("--report", default=None, help="print the table of a saved convert_bench.json")
-    report_or_measure(parser.parse_args(), "convert_bench", measure, markdown)
+    parser.add_argument(
+        "--large", type=float, default=None, help="GB: instead, a model of this size built on disk (no save)"
+    )
+    args = parser.parse_args()
+    if args.large:
+        report_or_measure(args, "convert_bench_large", measure_large, markdown)
+    else:
+        report_or_measure(args, "convert_bench", measure, markdown)
 
 
 if __name__ == "__main__":

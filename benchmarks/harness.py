@@ -111,6 +111,53 @@ def build(work: str, layers: int, dtype: str = "bfloat16") -> str:
     return hf
 
 
+def build_on_disk(work: str, layers: int, shard_bytes: int = 2 * 10**9) -> str:
+    """The model of :func:`build` with ``layers`` decoder layers, written layer by layer into
+    safetensors shards with an index (as the Hub's large models are): never held in memory whole,
+    so it may be larger than the machine's memory. Each layer's tensors are seeded random values
+    of layer 0's shapes and dtype."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf = os.path.join(work, f"hf-{layers}-layers")
+    index_path = os.path.join(hf, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        return hf
+    seed = build(os.path.join(work, "seed"), 1)
+    os.makedirs(hf, exist_ok=True)
+    for name in os.listdir(seed):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(seed, name), hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = layers
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    tensors = load_file(files_of(seed)[0])
+    first = {n[len("model.layers.0.") :]: t for n, t in tensors.items() if n.startswith("model.layers.0.")}
+    rest = {n: t for n, t in tensors.items() if not n.startswith("model.layers.")}
+    per_shard = max(1, shard_bytes // LAYER_BYTES)
+    count = (layers + per_shard - 1) // per_shard
+    weight_map, total = {}, 0
+    for k in range(count):
+        shard = dict(rest) if k == 0 else {}
+        for i in range(k * per_shard, min(layers, (k + 1) * per_shard)):
+            generator = torch.Generator().manual_seed(i)
+            for suffix, t in first.items():
+                value = torch.randn(t.shape, generator=generator, dtype=torch.float32).mul_(0.02).to(t.dtype)
+                shard[f"model.layers.{i}.{suffix}"] = value if t.dim() > 1 else torch.ones_like(t)
+        name = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+        save_file(shard, os.path.join(hf, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        del shard
+    with open(index_path, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return hf
+
+
 def engine_env(tp: int, plugins: bool, timing: str | None = None) -> dict[str, str]:
     from examples.tiny_models import engine_environment
 

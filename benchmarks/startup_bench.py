@@ -70,6 +70,7 @@ def engine_child(spec: dict) -> None:
         distributed_executor_backend="mp" if spec["tp"] > 1 else None,
         load_format=spec["load_format"],
         max_model_len=256,
+        max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         enforce_eager=spec["eager"],
         seed=0,
     )
@@ -110,7 +111,7 @@ def phases(result: dict, log: str) -> dict:
     return t
 
 
-def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int) -> dict:
+def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, tokens: int | None) -> dict:
     cache = os.path.join(caches, "a_fresh" if case == "c_warm" else case, f"run{run}")
     if case != "c_warm":
         shutil.rmtree(cache, ignore_errors=True)
@@ -126,6 +127,7 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int) -> d
         "tp": tp,
         "load_format": "safetensors" if case == "d_default_fresh" else "sharded_state",
         "eager": case == "e_eager",
+        "max_num_batched_tokens": tokens,
     }
     env["STARTUP_BENCH_SPAWNED"] = repr(time.time())
     proc = subprocess.run(
@@ -150,7 +152,7 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int) -> d
     return entry
 
 
-def save(hf: str, out: str, tp: int, caches: str) -> float:
+def save(hf: str, out: str, tp: int, caches: str, tokens: int | None) -> float:
     """Save from a compiled engine (the save carries its compile cache); returns its seconds."""
     if os.path.exists(os.path.join(out, "sharded_state.json")):
         return 0.0
@@ -170,6 +172,7 @@ def save(hf: str, out: str, tp: int, caches: str) -> float:
             "--max-model-len",
             "256",
             *([] if tp == 1 else ["--distributed-executor-backend", "mp"]),
+            *([] if tokens is None else ["--max-num-batched-tokens", str(tokens)]),
         ],
         env=env,
         capture_output=True,
@@ -255,6 +258,9 @@ def main() -> None:
     # of a 1.3 GB bf16 model then takes many minutes, as its matmuls fall back to slow kernels).
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--cases", default=",".join(CASES))
+    # vLLM's profiling run pushes this many tokens through the model (its default is large): on a
+    # 2-core CPU without AVX-512 that run alone takes minutes, and hides every other phase.
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -268,22 +274,25 @@ def main() -> None:
     os.makedirs(caches, exist_ok=True)
     with open(os.path.join(caches, "logging.json"), "w") as f:
         json.dump(LOGGING, f)
-    ckpt = os.path.join(work, f"tp{args.tp}")
-    save_seconds = save(hf, ckpt, args.tp, caches)
+    tokens = args.max_num_batched_tokens
+    # The compile settings follow the batch size: a checkpoint saved with another one carries other artifacts.
+    ckpt = os.path.join(work, f"tp{args.tp}" + ("" if tokens is None else f"-tokens{tokens}"))
+    save_seconds = save(hf, ckpt, args.tp, caches, tokens)
     cases = args.cases.split(",")
     engines = []
     for run in range(args.runs):
         for case in cases:
             if case == "c_warm" and "a_fresh" not in cases:
                 continue
-            engines.append(run_case(case, args.tp, hf, ckpt, caches, run))
+            engines.append(run_case(case, args.tp, hf, ckpt, caches, run, tokens))
     ids = {json.dumps(e["ids"]) for e in engines}
     if len(ids) != 1:
         sys.exit(f"the starts generated different tokens: {sorted(ids)}")
     result = {
         "tp": args.tp,
         "runs": args.runs,
-        "model": f"Llama-style, hidden 2048, {layers} layers, {args.dtype}, ~{args.size} GB",
+        "model": f"Llama-style, hidden 2048, {layers} layers, {args.dtype}, ~{args.size} GB"
+        + ("" if tokens is None else f", max_num_batched_tokens={tokens}"),
         "machine": machine(),
         "save_seconds": save_seconds,
         "command": command(),

@@ -5,10 +5,19 @@ import hashlib
 import io
 import json
 import tarfile
+import uuid
 
 import pytest
+import torch
 
+from tests.support.states import SOURCE
+from tests.support.stores import bucket_on
+from vllm_sharded_loader.checkpoint import RankInfo
 from vllm_sharded_loader.checkpoint import startup_artifacts as sa
+from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, SaveTarget, run_save
+from vllm_sharded_loader.checkpoint.save import LocalTarget, open_target
+from vllm_sharded_loader.checkpoint.staged import stage_rank
+from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, ShardedStateError
 from vllm_sharded_loader.format.manifest import FileEntry, Manifest, RankEntry, StartupArtifacts
 from vllm_sharded_loader.format.names import is_startup_artifacts_name, startup_artifacts_name
@@ -92,7 +101,7 @@ def test_pack_write_read_restore_round_trip(tmp_path):
     assert names == ["h1/inductor_cache/fx/abc", "h1/rank_0_0/model"]  # no locks, temporaries, other ranks
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    record = sa.write_rank_artifacts(str(ckpt), data, KEY, tp_rank=0, pp_rank=0)
+    record = sa.write_rank_artifacts(LocalTarget(str(ckpt)), data, KEY, tp_rank=0, pp_rank=0)
     assert record.sha256 == hashlib.sha256(data).hexdigest() and record.size == len(data)
     assert sa.read_rank_artifacts(str(ckpt), record) == data
     fresh = tmp_path / "fresh"
@@ -106,7 +115,7 @@ def test_a_damaged_or_replaced_archive_is_never_used(tmp_path):
     cache = tmp_path / "cache"
     _cache(cache, {"h1/rank_0_0/model": b"aot" * 100})
     data = sa.pack(str(cache), ["h1/rank_0_0"])
-    record = sa.write_rank_artifacts(str(tmp_path), data, KEY, tp_rank=0, pp_rank=0)
+    record = sa.write_rank_artifacts(LocalTarget(str(tmp_path)), data, KEY, tp_rank=0, pp_rank=0)
     path = tmp_path / record.file
     damaged = bytearray(data)
     damaged[600] ^= 1
@@ -148,3 +157,85 @@ def test_the_switch(monkeypatch):
 def test_records_compare_by_value():
     record = StartupArtifacts("startup-artifacts-pp0-tp0.tar", 1, "b" * 64, KEY)
     assert dataclasses.replace(record) == record
+
+
+def save_with_artifacts(where: str, tp_size: int, archives: dict[int, bytes], fail_publish: bool = False) -> Manifest:
+    """A save at ``tp_size`` through the save protocol whose ranks carry ``archives`` (by TP rank), as
+    the engine's save hook writes them once a rank's parts are placed."""
+
+    def stage(target: SaveTarget):
+        for t in range(tp_size):
+            tensors = {"w": torch.full((4, 4), float(t))}
+            yield stage_rank(target.staging(), tensors, RankInfo(t, tp_size), token=target.token), None
+
+    def placed(target: SaveTarget, entry: RankEntry) -> RankEntry:
+        record = sa.write_rank_artifacts(target, archives[entry.tp_rank], KEY, entry.tp_rank, entry.pp_rank)
+        return dataclasses.replace(entry, startup=record)
+
+    def manifest(entries) -> Manifest:
+        if fail_publish:
+            raise ShardedStateError("the manifest could not be made")
+        ranks = tuple(entry for entry, _ in entries)
+        return dataclasses.replace(_manifest(None), tp_size=tp_size, ranks=ranks, source=SOURCE)
+
+    return run_save(open_target(where, overwrite=True), OneProcess(), SaveJob(stage, manifest, placed=placed))[0]
+
+
+def _listed_and_read(where: str, manifest: Manifest, archives: dict[int, bytes]) -> set[str]:
+    for entry in manifest.ranks:
+        assert sa.read_rank_artifacts(where, entry.startup) == archives[entry.tp_rank]
+    return {entry.startup.file for entry in manifest.ranks}
+
+
+def test_a_local_save_replaces_its_ranks_archives_and_removes_those_no_rank_lists(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    two = {0: b"rank 0 of 2", 1: b"rank 1 of 2"}
+    first = save_with_artifacts(ckpt, 2, two)
+    assert _listed_and_read(ckpt, first, two) == {startup_artifacts_name(0, 0), startup_artifacts_name(1, 0)}
+    one = {0: b"rank 0 of 1"}
+    second = save_with_artifacts(ckpt, 1, one)
+    _listed_and_read(ckpt, second, one)
+    # The TP=2 save's archive of rank 1 is listed by no rank now: removed with the stale parts.
+    assert sorted(p.name for p in tmp_path.joinpath("ckpt").glob("startup-artifacts-*")) == [
+        startup_artifacts_name(0, 0)
+    ]
+    # Damaged, it costs a compile and no weight: verify notes it and finds the checkpoint sound.
+    (tmp_path / "ckpt" / startup_artifacts_name(0, 0)).write_bytes(b"rank 0 of 9")
+    notes: list[str] = []
+    assert verify_checkpoint(ckpt, notes=notes) == []
+    assert any(startup_artifacts_name(0, 0) in n and "does not match the manifest" in n for n in notes), notes
+
+
+@pytest.fixture(scope="module")
+def bucket(seaweed):
+    with bucket_on(seaweed, "artifacts"):
+        yield "s3://artifacts"
+
+
+def test_an_object_save_carries_each_ranks_archive_and_a_failed_save_changes_nothing(bucket, seaweed):
+    """In object storage each archive gets a fresh name (the save's token in it): a later save,
+    refused before its publish, never replaced the published checkpoint's archives, and
+    removes its own; a published save at another topology removes the archives it replaced."""
+    url = f"{bucket}/{uuid.uuid4().hex[:8]}"
+    prefix = url.split("/", 3)[3] + "/"
+
+    def archives_there() -> list[str]:
+        listed = seaweed.client().list_objects_v2(Bucket="artifacts", Prefix=prefix).get("Contents", [])
+        return sorted(o["Key"][len(prefix) :] for o in listed if "startup-artifacts" in o["Key"])
+
+    two = {0: b"rank 0 of 2", 1: b"rank 1 of 2"}
+    first = save_with_artifacts(url, 2, two)
+    published = _listed_and_read(url, first, two)
+    assert archives_there() == sorted(published)
+    # Each rank's own name, with the save's token before ".tar".
+    assert {n.rsplit("-", 1)[0] + ".tar" for n in published} == {startup_artifacts_name(t, 0) for t in (0, 1)}
+    assert all(is_startup_artifacts_name(n) for n in published)
+
+    with pytest.raises(ShardedStateError, match="could not be made"):
+        save_with_artifacts(url, 2, {0: b"never published", 1: b"nor this"}, fail_publish=True)
+    assert archives_there() == sorted(published)  # the refused save's own archives are gone
+    _listed_and_read(url, first, two)  # and the published ones are as they were
+
+    one = {0: b"rank 0 of 1"}
+    second = save_with_artifacts(url, 1, one)
+    assert archives_there() == sorted(_listed_and_read(url, second, one))

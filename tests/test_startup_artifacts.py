@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import run_engine
+from tests.support.stores import bucket_on
 from vllm_sharded_loader.checkpoint.startup_artifacts import ENABLE_ENV
 from vllm_sharded_loader.format.manifest import Manifest
-from vllm_sharded_loader.format.names import MANIFEST_NAME
+from vllm_sharded_loader.format.names import MANIFEST_NAME, is_startup_artifacts_name
+from vllm_sharded_loader.storage.location import open_store
 
 pytestmark = pytest.mark.engine
 
@@ -38,13 +40,21 @@ def _compiled(model: str, cache: Path, tp: int = 1, **spec) -> dict:
 
 
 @pytest.fixture(scope="module")
-def carried(models, tmp_path_factory) -> dict:
-    """A TP=1 checkpoint saved from a compiled engine, and that engine's ids (vLLM's default loader)."""
+def bucket(seaweed):
+    with bucket_on(seaweed, "startup"):
+        yield "s3://startup/ckpt"
+
+
+@pytest.fixture(scope="module")
+def carried(models, tmp_path_factory, bucket) -> dict:
+    """A TP=1 checkpoint saved from a compiled engine into a folder and into a bucket, and that
+    engine's ids (vLLM's default loader)."""
     root = tmp_path_factory.mktemp("startup")
     out = root / "ckpt"
-    run = run_engine(_compiled(models["llama"], root / "save-cache", capture_dir=str(out), save_to=str(out)))
-    assert run.result.get("saved"), run.result
-    return {"root": root, "ckpt": out, "reference": run.result["token_ids"]}
+    spec = _compiled(models["llama"], root / "save-cache", capture_dir=str(out), save_to=str(out), saves=[bucket])
+    run = run_engine(spec)
+    assert run.result.get("saved") and run.result["saves"] == ["ok"], run.result
+    return {"root": root, "ckpt": out, "bucket": bucket, "reference": run.result["token_ids"]}
 
 
 def test_a_fresh_node_restores_the_artifacts_and_serves_the_same_ids(carried):
@@ -58,6 +68,18 @@ def test_a_fresh_node_restores_the_artifacts_and_serves_the_same_ids(carried):
     assert restored and int(restored.group(1)) > 0, run.tail()
     # Into the folder vLLM compiled in: the one it then wrote its own AOT artifact beside.
     assert f"saved AOT compiled function to {restored.group(2)}" in run.output, run.tail()
+    assert run.result["token_ids"] == carried["reference"]
+
+
+def test_a_fresh_node_restores_the_artifacts_from_a_bucket(carried):
+    """The archive was uploaded with the parts (under a fresh name) and is read from the bucket
+    like them, with no local copy of the checkpoint."""
+    manifest = open_store(carried["bucket"]).read_manifest()
+    record = manifest.rank(0, 0).startup
+    assert record is not None and is_startup_artifacts_name(record.file), manifest.rank(0, 0)
+    run = run_engine(_compiled(carried["bucket"], carried["root"] / "bucket-cache", load_format="sharded_state"))
+    restored = re.search(RESTORED + r" (\S+) \([\d.]+ MB, (\d+) files, 0 already there\)", run.output)
+    assert restored and restored.group(1) == record.file and int(restored.group(2)) > 0, run.tail()
     assert run.result["token_ids"] == carried["reference"]
 
 

@@ -95,6 +95,11 @@ class SaveTarget(Protocol):
         """Give a staged rank's parts fresh final names; returns the entry that lists them."""
         ...
 
+    def write_rank_file(self, name: str, data: bytes) -> str:
+        """Every member, for a rank it placed: one more file of that rank (its start-up artifacts),
+        written whole under ``name`` or a fresh name made from it; returns the name to record."""
+        ...
+
     def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
         """First member: every listed part in place, the carried files, then the manifest."""
         ...

@@ -67,7 +67,7 @@ def begin(url: str, token: str, overwrite: bool) -> None:
             )
         # An interrupted save's uploads: only those it recorded as its own before it began them.
         manifest = store.read_manifest()
-        listed = set() if manifest is None else {f.name for e in manifest.ranks for f in e.files}
+        listed = set() if manifest is None else manifest.listed_files()
         _remove_recorded_uploads(store, lambda t: t != token, keep=listed)
     except BaseException:
         store.release_lock(token)
@@ -165,11 +165,11 @@ def publish(
         # Read under the lock: only a save holding it replaces the manifest, and the put below
         # fails if the manifest changed meanwhile all the same (its ETag or generation).
         previous = store.read_manifest()
-        replaced = frozenset() if previous is None else frozenset(f.name for e in previous.ranks for f in e.files)
+        replaced = frozenset() if previous is None else frozenset(previous.listed_files())
         if token is not None:
             # Recorded before the put: if this save dies between the put and its cleanup, the
             # next save deletes the old parts from this record (those the manifest then lists stay).
-            listed = {f.name for e in manifest.ranks for f in e.files}
+            listed = manifest.listed_files()
             store.put(staged_name("replaced", token), json.dumps(sorted(replaced - listed)).encode())
         store.put(MANIFEST_NAME, manifest.to_json().encode(), match=old)
     kill_point(KILL_PUBLISHED)
@@ -185,8 +185,7 @@ def clean_after_publish(url: str, manifest: Manifest, token: str | None = None, 
     the new checkpoint published and whole.
     """
     store = ObjectStore(url)
-    listed = {f.name for entry in manifest.ranks for f in entry.files}
-    store.remove(sorted(set(replaced) - listed))
+    store.remove(sorted(set(replaced) - manifest.listed_files()))
     if token is not None:
         store.remove([n for n in store.list_names() if staged_token(n) == token])
     kill_point(KILL_CLEANED)
@@ -227,6 +226,17 @@ class ObjectTarget:
 
     def place(self, staged: StagedRank) -> RankEntry:
         return upload_rank(self.where, staged, self.token)
+
+    def write_rank_file(self, name: str, data: bytes) -> str:
+        """Under a fresh name (the save's token in it): the published checkpoint's own file of
+        that name is never replaced before the publish. Recorded under the token first, as
+        the parts are, so that an abandoned or dead save's copy is removed."""
+        stem, dot, suffix = name.rpartition(".")
+        fresh = f"{stem}-{self.token}{dot}{suffix}" if dot else f"{name}-{self.token}"
+        store = ObjectStore(self.where)
+        store.put(staged_name(f"uploads-{fresh}", self.token), json.dumps([fresh]).encode())
+        store.put(fresh, data)
+        return fresh
 
     def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
         self.replaced = publish(self.where, manifest, self.token, carried)

@@ -42,6 +42,7 @@ from ..format.names import (
     DEFAULT_PATTERNS,
     MANIFEST_NAME,
     default_pattern,
+    is_startup_artifacts_name,
     parse_file_name,
     staged_name,
     staged_token,
@@ -49,7 +50,7 @@ from ..format.names import (
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.faults import declare, kill_point
-from ..storage.local import fsync_directory
+from ..storage.local import fsync_directory, write_file_durably
 from ..storage.location import LocalStore, ObjectStore, open_store
 from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, read_lock, release_save_lock
 from .carry import CarriedFiles
@@ -160,11 +161,12 @@ def clean_after_publish(directory: str, manifest: Manifest, lock: SaveLock | Non
     """Step 5: remove what the published manifest does not list, then release the lock.
 
     Parts of the old save that the new one does not list (and of ranks the new topology
-    lacks) go, so vLLM's own loader cannot pick them up either, and so do the staged
+    lacks) go, so vLLM's own loader cannot pick them up either, and so do start-up archives
+    that no rank of it lists, and the staged
     files of this save and of the interrupted save whose lock it took over; never those
     of another save. A failure here leaves the new checkpoint published and whole.
     """
-    listed = {f.name for entry in manifest.ranks for f in entry.files}
+    listed = manifest.listed_files()
     ours = set() if lock is None else {lock.token, lock.taken_over} - {None}
     for name in os.listdir(directory):
         stale_part = any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
@@ -172,7 +174,7 @@ def clean_after_publish(directory: str, manifest: Manifest, lock: SaveLock | Non
         # Staged files: this save's, the save it took over, and those of any other owner now
         # gone (a killed engine's start-up capture); never a live engine's.
         leftover = token is not None and (token in ours or (lock is not None and not owner_is_alive(directory, token)))
-        if (name not in listed and stale_part) or leftover:
+        if (name not in listed and (stale_part or is_startup_artifacts_name(name))) or leftover:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(directory, name))
             kill_point(KILL_CLEANING)
@@ -239,6 +241,12 @@ class LocalTarget:
 
     def place(self, staged: StagedRank) -> RankEntry:
         return publish_rank(staged)
+
+    def write_rank_file(self, name: str, data: bytes) -> str:
+        """Under ``name`` itself, replacing an older save's file of that rank whole: the old
+        manifest's readers then find a checksum that no longer matches, and do without it."""
+        write_file_durably(self.where, name, data)
+        return name
 
     def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
         publish_manifest(self.where, manifest, self.held, carried)

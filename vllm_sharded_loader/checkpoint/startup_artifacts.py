@@ -2,7 +2,8 @@
 
 A fresh node (an empty ``VLLM_CACHE_ROOT``) would otherwise compile the model again on every
 start. At save time each rank packs the folders vLLM compiled into (:mod:`..engine.compile_cache`
-finds them) into one archive, ``startup-artifacts-pp{p}-tp{t}.tar``, recorded in its manifest
+finds them) into one archive, ``startup-artifacts-pp{p}-tp{t}.tar`` (in object storage with the
+save's token before ``.tar``), written through the save's target and recorded in its manifest
 entry (:class:`..format.manifest.StartupArtifacts`) with its SHA-256 and a key: everything that
 decides whether the artifacts are valid elsewhere (vLLM and torch versions, compile settings
 and vLLM's own cache key, topology, rank, device). At load, before vLLM compiles, each rank
@@ -25,8 +26,8 @@ from collections.abc import Mapping
 from ..format.errors import CheckpointCorrupt
 from ..format.manifest import FileEntry, StartupArtifacts
 from ..format.names import startup_artifacts_name
-from ..storage.local import fsync_directory
 from ..storage.location import file_path, open_part
+from .protocol import SaveTarget
 
 ENABLE_ENV = "SHARDED_STATE_STARTUP_ARTIFACTS"
 # A rank's compile cache is a few MB (5 MB for a 1.3 GB model on CPU); anything far larger is not ours.
@@ -61,26 +62,13 @@ def pack(root: str, folders: list[str]) -> bytes:
 
 
 def write_rank_artifacts(
-    directory: str, data: bytes, key: Mapping[str, str], tp_rank: int, pp_rank: int, dp_rank: int = 0
+    target: SaveTarget, data: bytes, key: Mapping[str, str], tp_rank: int, pp_rank: int, dp_rank: int = 0
 ) -> StartupArtifacts:
-    """Write one rank's archive into a local checkpoint folder (temporary file, fsync, rename) and
-    return its manifest record. The name is the rank's own: a save replaces only its own file,
-    and a manifest that still lists the old one finds a checksum that no longer matches, so
-    the old manifest's readers compile instead of using it."""
-    name = startup_artifacts_name(tp_rank, pp_rank, dp_rank)
-    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(temporary, 0o644)  # as the parts: readable by whoever serves the checkpoint
-        os.replace(temporary, os.path.join(directory, name))
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
-    fsync_directory(directory)
+    """Write one rank's archive into a save's target (a local folder: the rank's own name,
+    replaced whole; object storage: a fresh name that an abandoned save removes) and return
+    its manifest record. A manifest that still lists an older archive of that name finds a
+    checksum that no longer matches, so its readers compile instead of using it."""
+    name = target.write_rank_file(startup_artifacts_name(tp_rank, pp_rank, dp_rank), data)
     return StartupArtifacts(file=name, size=len(data), sha256=hashlib.sha256(data).hexdigest(), key=dict(key))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -51,6 +51,12 @@ def tied_groups(state_dict: Mapping[str, torch.Tensor], kept: Iterable[str]) -> 
             first = [n for n in names if n in kept]
             groups.append(first + [n for n in names if n not in first])
     return groups
+
+
+def manifest_ties(groups: Iterable[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
+    """Tied groups as a manifest records them: each once, sorted, each kept name first (every
+    writer of a checkpoint records the same ties alike)."""
+    return tuple(sorted({tuple(group) for group in groups}))
 
 
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..format.errors import ShardedStateError
-from ..format.manifest import FileChecksum
+from ..format.manifest import FileChecksum, Manifest
 from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
@@ -11,6 +11,7 @@ from ..storage.location import StoredFile, check_not_locked, file_path, list_nam
 from ..storage.lock import describe_lock, read_lock
 from ..storage.writer import CHUNK_BYTES
 from .rank_files import check_rank_file
+from .startup_artifacts import read_rank_artifacts
 
 
 def verify_file_checksum(file: StoredFile, checksum: FileChecksum) -> None:
@@ -28,7 +29,8 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
 
     Checks what a load checks for every rank (lock, manifest, file presence, sizes,
     symlinks, headers against the manifest) and, with ``checksums``, every byte.
-    Also reports parts the manifest does not list (left by an older save).
+    Also reports parts the manifest does not list (left by an older save). A damaged or
+    missing start-up archive (which a load does without) is a note.
 
     What a save or an engine that died left of its own bookkeeping beside a published
     checkpoint (staged files and owner markers of processes that are gone, the lock of a
@@ -67,6 +69,8 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
                         verify_file_checksum(checked.file, f.checksum)
             except ShardedStateError as e:
                 problems.append(str(e))
+    if checksums:
+        _check_startup_artifacts(directory, manifest, notes)
     store = open_store(directory)
     if store.save_is_running():
         # A running save's staged and placed files are not the published checkpoint's
@@ -101,3 +105,15 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
                 "(it never published it); no loader reads it, and the next save into this folder removes it."
             )
     return problems
+
+
+def _check_startup_artifacts(directory: str, manifest: Manifest, notes: list[str]) -> None:
+    """A rank's start-up archive that is missing or damaged costs a compile, never a wrong
+    weight (a load checks it the same way and does without): a note, not a problem."""
+    for entry in manifest.ranks:
+        if entry.startup is None:
+            continue
+        try:
+            read_rank_artifacts(directory, entry.startup)
+        except ShardedStateError as e:
+            notes.append(f"{e} Until then a fresh node serving this rank compiles as without them.")

@@ -34,6 +34,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint import startup_artifacts
+from ..checkpoint.protocol import SaveTarget
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..planning.topology import RankInfo
@@ -150,10 +151,11 @@ def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
     }
 
 
-def save_startup_artifacts(model: torch.nn.Module, directory: str, entry: RankEntry, rank: RankInfo) -> RankEntry:
-    """At a local save, on every worker: pack this rank's compile cache into the checkpoint folder and
-    return its manifest entry with the record. Optional for the save: anything that keeps them
-    from being carried is one log line, and the weights are saved as usual."""
+def save_startup_artifacts(model: torch.nn.Module, target: SaveTarget, entry: RankEntry, rank: RankInfo) -> RankEntry:
+    """At a save (a local folder or object storage), on every worker: pack this rank's compile cache,
+    write it into the save's target and return its manifest entry with the record. Optional for
+    the save: anything that keeps them from being carried is one log line, and the weights are
+    saved as usual."""
     if not startup_artifacts.enabled():
         return entry
     try:
@@ -172,9 +174,7 @@ def save_startup_artifacts(model: torch.nn.Module, directory: str, entry: RankEn
             data = startup_artifacts.pack(staging, [str(i) for i in range(len(compiled_modules(model)))])
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        record = startup_artifacts.write_rank_artifacts(
-            directory, data, key, entry.tp_rank, entry.pp_rank, entry.dp_rank
-        )
+        record = startup_artifacts.write_rank_artifacts(target, data, key, entry.tp_rank, entry.pp_rank, entry.dp_rank)
     except Exception as e:  # optional: vLLM internals that moved, a full disk; never a reason to fail the save
         logger.warning("sharded_state: %s start-up artifacts not saved (%s); the weights are saved as usual", rank, e)
         return entry

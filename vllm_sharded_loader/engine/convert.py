@@ -185,18 +185,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_config(source: str, dtype: str, quantization: str | None, trust_remote_code: bool) -> Any:
+@dataclass(frozen=True)
+class ModelOptions:
+    """How vLLM builds the source's model: the ``LLM(...)`` arguments that decide its class and
+    tensors (a pooling model is ``runner="pooling"``, with ``convert="embed"`` for a causal LM
+    served as an embedding model, as ``vllm serve`` takes them)."""
+
+    dtype: str = "auto"
+    quantization: str | None = None
+    trust_remote_code: bool = False
+    runner: str = "auto"
+    convert: str = "auto"
+
+
+def engine_config(source: str, options: ModelOptions) -> Any:
     """vLLM's configuration of ``source`` at TP=1 (what its model class is built from)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
         model=source,
-        dtype=dtype,
-        quantization=quantization,
+        dtype=options.dtype,
+        quantization=options.quantization,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
         enforce_eager=True,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=options.trust_remote_code,
+        runner=options.runner,
+        convert=options.convert,
         load_format="dummy",
     )
     return args.create_engine_config()
@@ -267,14 +282,11 @@ class ConvertModel:
     def __init__(
         self,
         source: SourceFiles,
-        *,
-        dtype: str = "auto",
-        quantization: str | None = None,
-        trust_remote_code: bool = False,
+        options: ModelOptions = ModelOptions(),
         vllm_config: Any = None,
     ) -> None:
         self.source = source
-        self.vllm_config = vllm_config or engine_config(source.directory, dtype, quantization, trust_remote_code)
+        self.vllm_config = vllm_config or engine_config(source.directory, options)
         self.model_config = self.vllm_config.model_config
         self.model = build_meta_model(self.vllm_config)
         state_dict = self.model.state_dict(keep_vars=True)
@@ -304,14 +316,24 @@ class ConvertModel:
     def _initial_values(self, unfilled: list[str]) -> dict[str, torch.Tensor]:
         """Tensors vLLM gives a fixed initial value, not filled from the checkpoint: a quantized
         attention layer's KV-cache scales and zero points, which its KV-cache method creates (-1:
-        "not given") and post-processing replaces. Made by that method's own ``create_weights``
-        on the CPU, for attention layers none of whose tensors the checkpoint fills."""
+        "not given") and post-processing replaces, made by that method's own ``create_weights``
+        on the CPU, for attention layers none of whose tensors the checkpoint fills; and an
+        encoder's integer ``position_ids`` buffer (``arange``)."""
         by_module: dict[str, list[str]] = {}
         for name in unfilled:
             by_module.setdefault(name.rpartition(".")[0], []).append(name)
         constants: dict[str, torch.Tensor] = {}
         for module_name, names in by_module.items():
             module = self.model.get_submodule(module_name)
+            positions = module._buffers.get("position_ids")
+            if f"{module_name}.position_ids" in names and positions is not None and not positions.is_floating_point():
+                # BERT-style encoders register their position indices as a buffer, torch.arange
+                # of the maximum length (as transformers' models do); no checkpoint holds them.
+                shape = tuple(positions.shape)
+                constants[f"{module_name}.position_ids"] = (
+                    torch.arange(shape[-1], dtype=positions.dtype).expand(shape).clone()
+                )
+                continue
             method = getattr(module, "quant_method", None)
             create = getattr(method, "create_weights", None)
             own = [f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False)]
@@ -466,11 +488,13 @@ def _has_nan(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def converting(directory: str, where: str | None = None, **kwargs: Any) -> Iterator[ConvertModel]:
+def converting(
+    directory: str, where: str | None = None, options: ModelOptions = ModelOptions()
+) -> Iterator[ConvertModel]:
     """A :class:`ConvertModel` of the Hugging Face model in ``directory`` (its weights at ``where``,
     default there too: see :class:`SourceFiles`), its files closed after."""
     source = SourceFiles.open(directory, where)
     try:
-        yield ConvertModel(source, **kwargs)
+        yield ConvertModel(source, options)
     finally:
         source.close()

@@ -13,6 +13,7 @@ from vllm.logger import init_logger
 from ..checkpoint.carry import CarriedFiles
 from ..checkpoint.protocol import SaveJob, SaveTarget, refusal, run_save
 from ..checkpoint.save import FolderNotShared, StagedRank, discard_rank, open_staged_tensors, open_target, stage_rank
+from ..checkpoint.state import manifest_ties
 from ..checkpoint.verify import verify_file_checksum
 from ..format.errors import SaveFailedAfterPublish, SaveRefused, ShardedStateError
 from ..format.manifest import Manifest
@@ -184,7 +185,7 @@ def _manifest(rank: RankInfo, state: LoadedState, pattern: str, outcomes: list[A
         source=state.source,
         ranks=tuple(sorted((entry for entry, _ in outcomes), key=lambda e: (e.pp_rank, e.dp_rank, e.tp_rank))),
         geometry={name: g for _, (geometry, _, _) in outcomes for name, g in geometry.items()},
-        tied=tuple(sorted({tuple(group) for _, (_, tied, _) in outcomes for group in tied})),
+        tied=manifest_ties(group for _, (_, tied, _) in outcomes for group in tied),
         experts=next(iter(placements), None),
         dp_size=rank.dp_size,
         experts_over_dp=rank.experts_over_dp,
@@ -286,10 +287,8 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
         check=lambda: validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas),
         carry=lambda carried: _stage_non_weight_files(state, carried),
         discard=partial(_discard, state),
-        # Start-up artifacts go beside parts placed in a local folder (optional: never fail the save).
-        placed=lambda target, entry: (
-            save_startup_artifacts(model, target.where, entry, rank) if target.stages_in_place else entry
-        ),
+        # Each rank's start-up artifacts go beside its parts (optional: never fail the save).
+        placed=lambda target, entry: save_startup_artifacts(model, target, entry, rank),
     )
     try:
         manifest, (staged,) = run_save(target, workers, job)

@@ -165,6 +165,12 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.ranks)
 
+    def listed_files(self) -> set[str]:
+        """Every file the manifest lists: each rank's parts and start-up artifacts (what a
+        save's cleanup keeps)."""
+        parts = {f.name for entry in self.ranks for f in entry.files}
+        return parts | {entry.startup.file for entry in self.ranks if entry.startup is not None}
+
     def to_json(self) -> str:
         """Serialize; the inverse of :meth:`from_json`."""
         data = {

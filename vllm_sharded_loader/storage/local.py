@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import struct
+import tempfile
 from dataclasses import dataclass
 
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
@@ -301,6 +302,24 @@ def fsync_directory(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file_durably(directory: str, name: str, data: bytes) -> None:
+    """Write ``directory/name`` whole or not at all: a temporary file, fsync, rename, fsync of
+    the folder. A reader never sees half of it; a failure leaves no temporary behind."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, 0o644)  # as the parts: readable by whoever serves the checkpoint
+        os.replace(temporary, os.path.join(directory, name))
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    fsync_directory(directory)
 
 
 # Weights of the source model, which the sharded parts replace.

@@ -120,6 +120,8 @@ def convert(args: argparse.Namespace) -> int:
         pattern=args.file_pattern,
         overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code,
+        runner=args.runner,
+        convert=args.convert,
     )
     manifest = result.manifest
     print(
@@ -167,6 +169,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--file-pattern", default=None, help="part names (default: vLLM's)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --output")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--runner", default="auto", help="as vLLM's --runner: 'pooling' for an embedding model")
+    p.add_argument("--convert", default="auto", help="as vLLM's --convert: 'embed' for a causal LM served to embed")
     p.set_defaults(run=convert)
     commands.add_parser(
         "save",

@@ -19,10 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
+from ..checkpoint.state import manifest_ties
 from ..format.errors import ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
 from ..format.manifest import Manifest
@@ -33,6 +35,9 @@ from ..storage.location import copy_non_weight_files, is_locked, open_store, rea
 from ..storage.oscalls import release_free_heap
 from ..storage.staging_folders import staging_folder
 from ..storage.writer import LazyTensor
+
+if TYPE_CHECKING:
+    from ..engine.convert import ModelOptions
 
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
 
@@ -227,9 +232,15 @@ def convert_checkpoint(
     pattern: str | None = None,
     overwrite: bool = False,
     trust_remote_code: bool = False,
+    runner: str = "auto",
+    convert: str = "auto",
     budget: int = DEFAULT_BUDGET,
 ) -> ConvertResult:
     """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``.
+
+    ``dtype``, ``quantization``, ``trust_remote_code``, ``runner`` and ``convert`` are vLLM's own
+    ``LLM(...)`` arguments of the engine that will serve it: they decide its model class and
+    tensors (``runner="pooling", convert="embed"`` for a causal LM served as an embedding model).
 
     Every check (the source's files and headers, that vLLM's loader places every tensor,
     that every rank's split exists) runs before a byte is written; the output is published
@@ -243,20 +254,11 @@ def convert_checkpoint(
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
         raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
     made = not open_store(output).remote and not os.path.lexists(output)
+    from ..engine.convert import ModelOptions
+
+    options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
     try:
-        return _convert(
-            folder,
-            output,
-            tp_size,
-            pp_size,
-            dtype,
-            quantization,
-            max_size,
-            pattern,
-            overwrite,
-            trust_remote_code,
-            budget,
-        )
+        return _convert(folder, output, tp_size, pp_size, options, max_size, pattern, overwrite, budget)
     except BaseException:
         if made:
             # The folder this run made, left empty by the failed save: nothing of ours stays at OUT.
@@ -270,12 +272,10 @@ def _convert(
     output: str,
     tp_size: int,
     pp_size: int,
-    dtype: str,
-    quantization: str | None,
+    options: ModelOptions,
     max_size: int | None,
     pattern: str | None,
     overwrite: bool,
-    trust_remote_code: bool,
     budget: int,
 ) -> ConvertResult:
     from ..engine.convert import converting
@@ -288,9 +288,7 @@ def _convert(
             # the weights are read where they are, each byte once.
             directory = stack.enter_context(staging_folder())
             copy_non_weight_files(folder, directory)
-        model = stack.enter_context(
-            converting(directory, folder, dtype=dtype, quantization=quantization, trust_remote_code=trust_remote_code)
-        )
+        model = stack.enter_context(converting(directory, folder, options))
         built = time.perf_counter()
         layers = model.identity.config.get("num_hidden_layers")
         if not isinstance(layers, int):
@@ -341,7 +339,7 @@ def _convert(
             max_size=max_size,
             overwrite=overwrite,
             geometry={n: model.geometry[s].to_dict() for plan in plans.values() for n, (s, _) in plan.items()},
-            tied=tuple(tuple(g) for g in model.tied),
+            tied=manifest_ties(model.tied),
             carry=directory,
             parallel=True,
         )
