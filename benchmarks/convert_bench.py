@@ -12,7 +12,7 @@ One run builds the Llama-style bf16 model of ``load_bench.py`` (hidden 2048, int
   loaded by vLLM's default loader, saved; the whole command, engine start included (warm).
 
 Warm: the source files read once before; cold: evicted with ``posix_fadvise(DONTNEED)`` first.
-Peak resident memory is the largest of the command's processes (``RUSAGE_CHILDREN``). The
+Peak resident memory is the largest of the command and the processes it waited for (``wait4``). The
 converted and saved checkpoints are checked to hold the same files (sizes and checksums).
 
     flock /tmp/vsl-engine.lock python -m benchmarks.convert_bench --tp 2 --out benchmarks/results
@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -51,17 +50,19 @@ GB = 1e9
 
 
 def run(args: list[str], env: dict[str, str]) -> dict:
-    """Run a command in a fresh process: wall seconds, its peak RSS, its output."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    started = time.perf_counter()
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, cwd=ROOT)
-    seconds = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Run a command in a fresh process: wall seconds, its own peak RSS (``wait4``: the command
+    and the children it waited for), its output."""
+    with tempfile.TemporaryFile("w+") as log:
+        started = time.perf_counter()
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        output = log.read()
     if proc.returncode:
-        sys.exit(f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    # ru_maxrss of the children is the largest any of them reached so far: a smaller one
-    # later does not show, so each measured command runs before any larger one of its kind.
-    return {"seconds": seconds, "peak_rss_kb": peak if peak > before else None, "output": proc.stdout + proc.stderr}
+        sys.exit(f"{' '.join(args)} failed:\n{output[-6000:]}")
+    return {"seconds": seconds, "peak_rss_kb": usage.ru_maxrss, "output": output}
 
 
 def copy(hf: str, work: str, cold: bool) -> dict:
@@ -120,7 +121,6 @@ def measure(args: argparse.Namespace) -> dict:
         "model_bytes": nbytes,
         "tp": args.tp,
     }
-    # Smallest peak first (see run()): the copy, the convert, then the engine's save.
     for mode in ("warm", "cold"):
         result[f"cp_{mode}"] = copy(hf, work, mode == "cold")
     for mode in ("warm", "cold"):

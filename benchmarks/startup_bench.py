@@ -9,7 +9,14 @@ own ``VLLM_CACHE_ROOT``, and times ``LLM(...)`` until it returns and the first t
 - ``b_fresh_artifacts``: our loader, a fresh node, the checkpoint's artifacts restored;
 - ``c_warm``: our loader, the node of ``a_fresh`` again (vLLM's own cache warm), artifacts not used;
 - ``d_default_fresh``: vLLM's default loader on the HF safetensors, a fresh node, plugin off;
-- ``e_eager``: our loader, ``enforce_eager=True`` (no compile).
+- ``e_eager``: our loader, ``enforce_eager=True`` (no compile);
+- ``f_image_artifacts``: as ``b_fresh_artifacts``, on a node whose image holds vLLM's model-class
+  inspection cache (``VLLM_CACHE_ROOT/modelinfos/``, 1 KB per architecture, keyed by vLLM's model
+  files): vLLM inspects the model class before any loader or plugin sees the model, so no
+  checkpoint can carry that entry; copied here from ``a_fresh``'s node.
+
+``--cases`` runs some cases only, kept beside the other cases of an earlier run of the same model
+and TP size in ``--out``.
 
 The phases of each start come from vLLM's log with millisecond stamps (a logging config,
 ``VLLM_LOGGING_CONFIG_PATH``): Python and vLLM imports, engine set-up until the load,
@@ -38,7 +45,7 @@ import time
 
 from benchmarks.harness import HERE, ROOT, build, command, engine_env, layers_for, machine
 
-CASES = ("a_fresh", "b_fresh_artifacts", "c_warm", "d_default_fresh", "e_eager")
+CASES = ("a_fresh", "b_fresh_artifacts", "c_warm", "d_default_fresh", "e_eager", "f_image_artifacts")
 PROMPT = "the model loads every shard"
 LOGGING = {
     "version": 1,
@@ -116,6 +123,8 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, toke
     if case != "c_warm":
         shutil.rmtree(cache, ignore_errors=True)
         os.makedirs(cache)
+    if case == "f_image_artifacts":
+        shutil.copytree(os.path.join(caches, "a_fresh", f"run{run}", "modelinfos"), os.path.join(cache, "modelinfos"))
     env = engine_env(tp, plugins=case != "d_default_fresh")
     env.update(VLLM_CACHE_ROOT=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor-default"))
     env["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(caches, "logging.json")
@@ -144,7 +153,7 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, toke
         raise RuntimeError(f"{case} TP={tp} failed:\n{log[-4000:]}")
     result = json.loads(found.group(1))
     restored = log.count("restored start-up artifacts")
-    if (case == "b_fresh_artifacts") != (restored == tp):
+    if (case in ("b_fresh_artifacts", "f_image_artifacts")) != (restored == tp):
         raise RuntimeError(f"{case} TP={tp}: {restored} ranks restored start-up artifacts:\n{log[-3000:]}")
     entry = {"case": case, "tp": tp, "run": run, "ids": result["ids"], **phases(result, log)}
     entry["aot_load_failed"] = "finalize_loading" in log
@@ -197,6 +206,10 @@ def summarize(engines: list[dict]) -> dict:
             "b_over_c": b / table["c_warm"]["llm_ready"],
             "b_over_a": b / table["a_fresh"]["llm_ready"],
         }
+        if "f_image_artifacts" in table:
+            f = table["f_image_artifacts"]["llm_ready"]
+            table["targets"]["f_over_c"] = f / table["c_warm"]["llm_ready"]
+            table["targets"]["f_over_a"] = f / table["a_fresh"]["llm_ready"]
     return table
 
 
@@ -243,6 +256,11 @@ def markdown(out: str) -> str:
                 f"(b) / (c) = {t['b_over_c']:.2f} (target at most 1.15); (b) / (a) = {t['b_over_a']:.2f} "
                 "(target at most 0.60).",
             ]
+            if "f_over_c" in t:
+                lines.append(
+                    f"With vLLM's model-class inspection cache in the node's image: (f) / (c) = {t['f_over_c']:.2f}; "
+                    f"(f) / (a) = {t['f_over_a']:.2f}."
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -285,22 +303,33 @@ def main() -> None:
             if case == "c_warm" and "a_fresh" not in cases:
                 continue
             engines.append(run_case(case, args.tp, hf, ckpt, caches, run, tokens))
+    model = f"Llama-style, hidden 2048, {layers} layers, {args.dtype}, ~{args.size} GB" + (
+        "" if tokens is None else f", max_num_batched_tokens={tokens}"
+    )
+    path = os.path.join(args.out, f"startup_bench_tp{args.tp}.json")
+    commands = [command()]
+    if os.path.exists(path):  # the other cases of an earlier run of the same model and size stay
+        with open(path) as f:
+            earlier = json.load(f)
+        if earlier["model"] == model:
+            engines = [e for e in earlier["engines"] if e["case"] not in cases] + engines
+            commands = earlier.get("commands", [earlier["command"]]) + commands
     ids = {json.dumps(e["ids"]) for e in engines}
     if len(ids) != 1:
         sys.exit(f"the starts generated different tokens: {sorted(ids)}")
     result = {
         "tp": args.tp,
         "runs": args.runs,
-        "model": f"Llama-style, hidden 2048, {layers} layers, {args.dtype}, ~{args.size} GB"
-        + ("" if tokens is None else f", max_num_batched_tokens={tokens}"),
+        "model": model,
         "machine": machine(),
         "save_seconds": save_seconds,
-        "command": command(),
+        "command": " && ".join(commands),
+        "commands": commands,
         "engines": engines,
         "summary": summarize(engines),
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"startup_bench_tp{args.tp}.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out, "startup_bench.md"), "w") as f:
         f.write(markdown(args.out))

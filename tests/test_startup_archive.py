@@ -187,23 +187,40 @@ def _listed_and_read(where: str, manifest: Manifest, archives: dict[int, bytes])
     return {entry.startup.file for entry in manifest.ranks}
 
 
-def test_a_local_save_replaces_its_ranks_archives_and_removes_those_no_rank_lists(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+def refused_and_replaced_saves_leave_only_the_published_archives(where: str, archives_there) -> Manifest:
+    """Each archive gets a fresh name (the save's token before ".tar"): a later save, refused before
+    its publish, never replaced the published checkpoint's archives, and removes its own; a
+    published save at another topology removes the archives of the manifest it replaced.
+    Returns the last manifest."""
     two = {0: b"rank 0 of 2", 1: b"rank 1 of 2"}
-    first = save_with_artifacts(ckpt, 2, two)
-    assert _listed_and_read(ckpt, first, two) == {startup_artifacts_name(0, 0), startup_artifacts_name(1, 0)}
+    first = save_with_artifacts(where, 2, two)
+    published = _listed_and_read(where, first, two)
+    assert archives_there() == sorted(published)
+    assert {n.rsplit("-", 1)[0] + ".tar" for n in published} == {startup_artifacts_name(t, 0) for t in (0, 1)}
+    assert all(is_startup_artifacts_name(n) for n in published)
+
+    with pytest.raises(ShardedStateError, match="could not be made"):
+        save_with_artifacts(where, 2, {0: b"never published", 1: b"nor this"}, fail_publish=True)
+    assert archives_there() == sorted(published)  # the refused save's own archives are gone
+    _listed_and_read(where, first, two)  # and the published ones are as they were
+
     one = {0: b"rank 0 of 1"}
-    second = save_with_artifacts(ckpt, 1, one)
-    _listed_and_read(ckpt, second, one)
-    # The TP=2 save's archive of rank 1 is listed by no rank now: removed with the stale parts.
-    assert sorted(p.name for p in tmp_path.joinpath("ckpt").glob("startup-artifacts-*")) == [
-        startup_artifacts_name(0, 0)
-    ]
+    second = save_with_artifacts(where, 1, one)
+    assert archives_there() == sorted(_listed_and_read(where, second, one))
+    return second
+
+
+def test_a_local_save_carries_each_ranks_archive_and_a_refused_save_changes_nothing(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    last = refused_and_replaced_saves_leave_only_the_published_archives(
+        str(ckpt), lambda: sorted(p.name for p in ckpt.glob("startup-artifacts-*"))
+    )
     # Damaged, it costs a compile and no weight: verify notes it and finds the checkpoint sound.
-    (tmp_path / "ckpt" / startup_artifacts_name(0, 0)).write_bytes(b"rank 0 of 9")
+    archive = last.rank(0, 0).startup.file
+    (ckpt / archive).write_bytes(b"rank 0 of 9")
     notes: list[str] = []
-    assert verify_checkpoint(ckpt, notes=notes) == []
-    assert any(startup_artifacts_name(0, 0) in n and "does not match the manifest" in n for n in notes), notes
+    assert verify_checkpoint(str(ckpt), notes=notes) == []
+    assert any(archive in n and "does not match the manifest" in n for n in notes), notes
 
 
 @pytest.fixture(scope="module")
@@ -212,10 +229,7 @@ def bucket(seaweed):
         yield "s3://artifacts"
 
 
-def test_an_object_save_carries_each_ranks_archive_and_a_failed_save_changes_nothing(bucket, seaweed):
-    """In object storage each archive gets a fresh name (the save's token in it): a later save,
-    refused before its publish, never replaced the published checkpoint's archives, and
-    removes its own; a published save at another topology removes the archives it replaced."""
+def test_an_object_save_carries_each_ranks_archive_and_a_refused_save_changes_nothing(bucket, seaweed):
     url = f"{bucket}/{uuid.uuid4().hex[:8]}"
     prefix = url.split("/", 3)[3] + "/"
 
@@ -223,19 +237,4 @@ def test_an_object_save_carries_each_ranks_archive_and_a_failed_save_changes_not
         listed = seaweed.client().list_objects_v2(Bucket="artifacts", Prefix=prefix).get("Contents", [])
         return sorted(o["Key"][len(prefix) :] for o in listed if "startup-artifacts" in o["Key"])
 
-    two = {0: b"rank 0 of 2", 1: b"rank 1 of 2"}
-    first = save_with_artifacts(url, 2, two)
-    published = _listed_and_read(url, first, two)
-    assert archives_there() == sorted(published)
-    # Each rank's own name, with the save's token before ".tar".
-    assert {n.rsplit("-", 1)[0] + ".tar" for n in published} == {startup_artifacts_name(t, 0) for t in (0, 1)}
-    assert all(is_startup_artifacts_name(n) for n in published)
-
-    with pytest.raises(ShardedStateError, match="could not be made"):
-        save_with_artifacts(url, 2, {0: b"never published", 1: b"nor this"}, fail_publish=True)
-    assert archives_there() == sorted(published)  # the refused save's own archives are gone
-    _listed_and_read(url, first, two)  # and the published ones are as they were
-
-    one = {0: b"rank 0 of 1"}
-    second = save_with_artifacts(url, 1, one)
-    assert archives_there() == sorted(_listed_and_read(url, second, one))
+    refused_and_replaced_saves_leave_only_the_published_archives(url, archives_there)

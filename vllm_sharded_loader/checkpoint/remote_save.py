@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ..format.errors import SaveRefused, ShardedStateError
 from ..format.manifest import Manifest, RankEntry
-from ..format.names import MANIFEST_NAME, staged_name, staged_token
+from ..format.names import MANIFEST_NAME, staged_name, staged_token, token_name
 from ..storage.faults import declare, kill_point
 from ..storage.location import ObjectStore
 from ..storage.staging_folders import StagingFolder, make_staging_folder
@@ -231,8 +231,7 @@ class ObjectTarget:
         """Under a fresh name (the save's token in it): the published checkpoint's own file of
         that name is never replaced before the publish. Recorded under the token first, as
         the parts are, so that an abandoned or dead save's copy is removed."""
-        stem, dot, suffix = name.rpartition(".")
-        fresh = f"{stem}-{self.token}{dot}{suffix}" if dot else f"{name}-{self.token}"
+        fresh = token_name(name, self.token)
         store = ObjectStore(self.where)
         store.put(staged_name(f"uploads-{fresh}", self.token), json.dumps([fresh]).encode())
         store.put(fresh, data)

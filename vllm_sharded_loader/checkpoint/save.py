@@ -46,6 +46,7 @@ from ..format.names import (
     parse_file_name,
     staged_name,
     staged_token,
+    token_name,
 )
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
@@ -243,10 +244,11 @@ class LocalTarget:
         return publish_rank(staged)
 
     def write_rank_file(self, name: str, data: bytes) -> str:
-        """Under ``name`` itself, replacing an older save's file of that rank whole: the old
-        manifest's readers then find a checksum that no longer matches, and do without it."""
-        write_file_durably(self.where, name, data)
-        return name
+        """Under a fresh name (the save's token in it), written whole: the published checkpoint's
+        own file is never replaced before the publish; :meth:`abandon` removes this save's."""
+        fresh = token_name(name, self.token)
+        write_file_durably(self.where, fresh, data)
+        return fresh
 
     def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
         publish_manifest(self.where, manifest, self.held, carried)
@@ -255,6 +257,11 @@ class LocalTarget:
         clean_after_publish(self.where, manifest, self.held)
 
     def abandon(self, entries: Sequence[RankEntry]) -> None:
+        # Every member's rank files (past the exchange that failed, none is still writing).
+        for name in os.listdir(self.where) if os.path.isdir(self.where) else ():
+            if is_startup_artifacts_name(name) and name.endswith(token_name(".tar", self.token)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.where, name))
         if self.held is not None:
             release_save_lock(self.held)
         if self.made_folder:

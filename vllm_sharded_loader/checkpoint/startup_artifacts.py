@@ -2,8 +2,8 @@
 
 A fresh node (an empty ``VLLM_CACHE_ROOT``) would otherwise compile the model again on every
 start. At save time each rank packs the folders vLLM compiled into (:mod:`..engine.compile_cache`
-finds them) into one archive, ``startup-artifacts-pp{p}-tp{t}.tar`` (in object storage with the
-save's token before ``.tar``), written through the save's target and recorded in its manifest
+finds them) into one archive, ``startup-artifacts-pp{p}-tp{t}-{token}.tar`` (the save's token: a
+name no published file has), written through the save's target and recorded in its manifest
 entry (:class:`..format.manifest.StartupArtifacts`) with its SHA-256 and a key: everything that
 decides whether the artifacts are valid elsewhere (vLLM and torch versions, compile settings
 and vLLM's own cache key, topology, rank, device). At load, before vLLM compiles, each rank
@@ -64,10 +64,10 @@ def pack(root: str, folders: list[str]) -> bytes:
 def write_rank_artifacts(
     target: SaveTarget, data: bytes, key: Mapping[str, str], tp_rank: int, pp_rank: int, dp_rank: int = 0
 ) -> StartupArtifacts:
-    """Write one rank's archive into a save's target (a local folder: the rank's own name,
-    replaced whole; object storage: a fresh name that an abandoned save removes) and return
-    its manifest record. A manifest that still lists an older archive of that name finds a
-    checksum that no longer matches, so its readers compile instead of using it."""
+    """Write one rank's archive into a save's target, under the rank's name with the save's token
+    in it, and return its manifest record. The published checkpoint's archives are never
+    replaced before the publish: a refused save removes its own, a published one the archives
+    of the manifest it replaced."""
     name = target.write_rank_file(startup_artifacts_name(tp_rank, pp_rank, dp_rank), data)
     return StartupArtifacts(file=name, size=len(data), sha256=hashlib.sha256(data).hexdigest(), key=dict(key))
 

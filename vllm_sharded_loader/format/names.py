@@ -239,9 +239,20 @@ STARTUP_ARTIFACTS_PREFIX = "startup-artifacts-"
 
 
 def startup_artifacts_name(tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
-    """The file of one rank's start-up (compile) artifacts, beside its parts: one per rank, so
-    that a save replaces its own and nothing else."""
+    """The name of one rank's start-up (compile) artifacts beside its parts; each save writes it
+    with its token added (:func:`token_name`)."""
     return f"{STARTUP_ARTIFACTS_PREFIX}pp{pp_rank}-tp{tp_rank}" + (f"-dp{dp_rank}" if dp_rank else "") + ".tar"
+
+
+def token_name(name: str, token: str) -> str:
+    """``name`` with a save's token before its extension: a file of one rank (its start-up
+    artifacts) that a save writes beside its parts under a name no published file has.
+
+    >>> token_name("startup-artifacts-pp0-tp1.tar", "ab12")
+    'startup-artifacts-pp0-tp1-ab12.tar'
+    """
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}-{token}.{suffix}" if dot else f"{name}-{token}"
 
 
 def is_startup_artifacts_name(name: str) -> bool:
