@@ -162,10 +162,10 @@ def clean_after_publish(directory: str, manifest: Manifest, lock: SaveLock | Non
     """Step 5: remove what the published manifest does not list, then release the lock.
 
     Parts of the old save that the new one does not list (and of ranks the new topology
-    lacks) go, so vLLM's own loader cannot pick them up either, and so do start-up archives
-    that no rank of it lists, and the staged
-    files of this save and of the interrupted save whose lock it took over; never those
-    of another save. A failure here leaves the new checkpoint published and whole.
+    lacks) go, so vLLM's own loader cannot pick them up either; so do start-up archives that
+    no rank of it lists, and the staged files of this save and of the interrupted save whose
+    lock it took over; never those of another save. A failure here leaves the new checkpoint
+    published and whole.
     """
     listed = manifest.listed_files()
     ours = set() if lock is None else {lock.token, lock.taken_over} - {None}
