@@ -136,13 +136,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 def largest_tensor_bytes(hf: str) -> int:
     """The largest tensor of the model's safetensors files, from their headers."""
-    largest = 0
-    for path in files_of(hf):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        sizes = [v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"]
-        largest = max(largest, *sizes)
-    return largest
+    from vllm_sharded_loader.storage.local import read_header
+
+    return max(t.end - t.begin for path in files_of(hf) for t in read_header(path).tensors.values())
 
 
 def measure_large(args: argparse.Namespace) -> dict:
