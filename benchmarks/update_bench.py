@@ -176,6 +176,7 @@ def child(spec: dict) -> None:
         seed=0,
         tensor_parallel_size=spec.get("tp", 1),
         distributed_executor_backend="mp" if spec.get("tp", 1) > 1 else None,
+        model_loader_extra_config=spec.get("extra_config"),
     )
     result["engine_start"] = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -223,7 +224,7 @@ def child(spec: dict) -> None:
 
 def run_child(spec: dict) -> dict:
     spec = {**spec, "spawned": time.time()}
-    env = engine_env(spec.get("tp", 1), plugins=True)
+    env = {**engine_env(spec.get("tp", 1), plugins=True), **spec.get("env", {})}
     # time.time() across processes: perf_counter has no common origin.
     code = (
         "import json, sys, time; from benchmarks import update_bench as b; "
@@ -343,6 +344,94 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def layer_bytes(checkpoint: str) -> dict[str, int]:
+    """Bytes of each layer of a TP=1 checkpoint (by its tensors' names up to the layer's index)."""
+    import math
+
+    from vllm_sharded_loader.checkpoint import read_manifest
+    from vllm_sharded_loader.format.safetensors import dtype_size
+
+    sizes: dict[str, int] = {}
+    for name, spec in read_manifest(checkpoint).ranks[0].tensors.items():
+        match = re.match(r"(.*?\.layers\.\d+)\.", name)
+        layer = match[1] if match else name.rpartition(".")[0]
+        sizes[layer] = sizes.get(layer, 0) + math.prod(spec.shape) * dtype_size(spec.dtype, checkpoint)
+    return sizes
+
+
+def measure_memory(args: argparse.Namespace, hf: str, sharded: str) -> dict:
+    """``--memory``: the extra anonymous memory of an update with the parameters copied (``mmap``
+    off: nothing served from the page cache, as on a GPU), at each budget of held layers."""
+    from vllm_sharded_loader.engine.layer_steps import BUDGET_ENV
+
+    layers = layer_bytes(sharded)
+    runs: dict[str, list[dict]] = {budget: [] for budget in args.budgets}
+    for _ in range(args.runs):
+        for budget in args.budgets:
+            spec = {"mode": "ours", "model": sharded, "updates": args.updates, "extra_config": {"mmap": False}}
+            runs[budget].append(run_child({**spec, "env": {BUDGET_ENV: budget}}))
+    tokens = {json.dumps(r["tokens"]) for rs in runs.values() for r in rs}
+    assert len(tokens) == 1, f"the budgets generated different tokens: {tokens}"
+    summary = {}
+    for budget, rs in runs.items():
+        for kind in ("reload", "transfer"):
+            timings = [u for r in rs for u in r["updates"][kind]]
+            summary[f"{budget}_{kind}"] = median([u["seconds"] for u in timings])
+            summary[f"{budget}_{kind}_peak_anon_mb"] = max((u["anon_peak"] - u["anon_before"]) / 1e6 for u in timings)
+        summary[f"{budget}_anon_kept_mb"] = max(r["anon_kept"] / 1e6 for r in rs)
+    return {
+        "machine": machine(),
+        "command": command(),
+        "runs": args.runs,
+        "updates": args.updates,
+        "weights_mb": sum(layers.values()) / 1e6,
+        "largest_layer_mb": max(layers.values()) / 1e6,
+        "layers": len(layers),
+        "budgets": args.budgets,
+        "raw": runs,
+        "summary": summary,
+    }
+
+
+def memory_markdown(result: dict) -> str:
+    s, m = result["summary"], result["machine"]
+    lines = [
+        f"Re-run: `{result['command']}` (under `flock /tmp/vsl-engine.lock` on a shared machine).",
+        "",
+        f"Machine: {m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}.",
+        "",
+        f"Model: {result['weights_mb']:.0f} MB of bfloat16 weights in {result['layers']} layers (the largest "
+        f"{result['largest_layer_mb']:.0f} MB), TP=1, parameters copied (`mmap: false`: none served from the page "
+        f"cache, as on a GPU); {result['runs']} engines x {result['updates']} updates of each kind per budget. "
+        "Peak anonymous memory of the engine's process during an update, above before it (max):",
+        "",
+        "| budget of held layers (`SHARDED_STATE_UPDATE_BUDGET`) | `reload_weights` s (median) | its extra peak (MB) "
+        "| weight-transfer round s | its extra peak (MB) | kept after all updates (MB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for budget in result["budgets"]:
+        label = (
+            "auto (half the available memory: every layer held)" if budget == "auto" else f"{int(budget) / 1e6:.0f} MB"
+        )
+        lines.append(
+            f"| {label} | {s[budget + '_reload']:.3f} | {s[budget + '_reload_peak_anon_mb']:.0f} "
+            f"| {s[budget + '_transfer']:.3f} | {s[budget + '_transfer_peak_anon_mb']:.0f} "
+            f"| {s[budget + '_anon_kept_mb']:.0f} |"
+        )
+    lines += [
+        "",
+        "Target (issue 37): the extra peak at most one layer plus the budget: "
+        + "; ".join(
+            f"budget {budget}: {s[budget + '_reload_peak_anon_mb']:.0f} MB against "
+            f"{result['largest_layer_mb'] + int(budget) / 1e6:.0f} MB"
+            for budget in result["budgets"]
+            if budget != "auto"
+        )
+        + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default="/tmp/update-bench", help="model and checkpoint folder (kept)")
@@ -351,11 +440,27 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="engines per mode")
     parser.add_argument("--updates", type=int, default=3, help="updates per engine and kind")
     parser.add_argument("--tp2-runs", type=int, default=1, help="TP=2 engines per mode (0: no TP=2 rows)")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead: an update's extra memory with copied parameters, at each of --budgets "
+        "(writes update_bench_memory.json and .md)",
+    )
+    parser.add_argument("--budgets", nargs="+", default=["auto", "0", "268435456"])
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     hf = build(args.work, layers_for(args.gigabytes))
     sharded = os.path.join(args.work, "sharded-tp1")
     save(hf, sharded, 1)
+    if args.memory:
+        result = measure_memory(args, hf, sharded)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "update_bench_memory.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "update_bench_memory.md"), "w") as f:
+            f.write(memory_markdown(result))
+        print(memory_markdown(result))
+        return
     runs: dict[str, list[dict]] = {"restart": [], "ours": [], "default": []}
     for _ in range(args.runs):  # round-robin: a drift of the machine hits every mode alike
         runs["restart"].append(run_child({"mode": "restart", "model": sharded}))

