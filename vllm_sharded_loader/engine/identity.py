@@ -60,3 +60,24 @@ def source_identity(model: torch.nn.Module, model_config: ModelConfig) -> Source
 
 def dtype_label(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def current_vllm_config() -> Any:
+    """vLLM's config of the engine being built or run here, or None outside one."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return get_current_vllm_config()
+    except Exception:  # loaded outside an engine's config context: no re-read
+        return None
+
+
+def ranks_on_host() -> int:
+    """How many workers of this engine run on this host (vLLM's local world size); 1 outside an engine.
+
+    They load at the same time, so they split the host's budget of requests to object
+    storage (:func:`..storage.reader.remote_threads`) instead of each taking all of it.
+    """
+    config = current_vllm_config()
+    size = getattr(getattr(config, "parallel_config", None), "local_world_size", None)
+    return size if isinstance(size, int) and size >= 1 else 1

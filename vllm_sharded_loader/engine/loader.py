@@ -27,7 +27,7 @@ from ..storage import hub
 from ..storage.location import open_store
 from ..storage.reader import DEFAULT_THREADS, ReadOptions
 from .compile_cache import restore_startup_artifacts
-from .identity import dtype_label, is_drafter, source_identity
+from .identity import dtype_label, is_drafter, ranks_on_host, source_identity
 from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
 
@@ -130,19 +130,6 @@ def repacked_parameters(model: torch.nn.Module) -> set[str]:
         if weight.ndim == 2 and weight.device.type == "cpu" and _onednn_packs(weight.dtype):
             names.add(f"{prefix}.weight" if prefix else "weight")
     return names
-
-
-def ranks_on_host() -> int:
-    """How many workers of this engine run on this host (vLLM's local world size); 1 outside an engine.
-
-    They load at the same time, so they split the host's budget of requests to object
-    storage (:func:`..storage.reader.remote_threads`) instead of each taking all of it.
-    """
-    from .capture import current_vllm_config
-
-    config = current_vllm_config()
-    size = getattr(getattr(config, "parallel_config", None), "local_world_size", None)
-    return size if isinstance(size, int) and size >= 1 else 1
 
 
 def _experts_change(manifest: Manifest | None, experts: ExpertPlacement | None) -> str:

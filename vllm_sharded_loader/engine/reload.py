@@ -52,6 +52,7 @@ from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
 from ..storage.location import open_store
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
+from .identity import ranks_on_host
 from .layer_geometry import model_rank
 from .layer_steps import (
     BUDGET_ENV,
@@ -384,8 +385,6 @@ class InPlaceUpdate:
         """
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
-        from .loader import ranks_on_host  # (the loader imports this module)
 
         staged = self.staged
         assert staged is not None
