@@ -244,11 +244,7 @@ def main() -> None:
         "summary": {k: summary(v) for k, v in rows.items()},
         "raw": rows,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "direct_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "direct_bench.md"), "w") as f:
-        f.write(markdown(result))
+    harness.write_results(args.out, "direct_bench", result, markdown)
     print(markdown(result))
 
 

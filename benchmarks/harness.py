@@ -52,14 +52,19 @@ def report_or_measure(
             print(markdown(json.load(f)))
         return
     result = json.loads(json.dumps(measure(args)))  # int keys as the saved file has them
-    table = markdown(result)
-    print(table)
+    print(markdown(result))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-            f.write(table)
+        write_results(args.out, name, result, markdown)
+
+
+def write_results(out: str, name: str, result: dict, markdown: Callable[[dict], str] | None = None) -> None:
+    """``NAME.json`` (every raw number) and, with ``markdown``, ``NAME.md`` (its table) in ``out``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if markdown is not None:
+        with open(os.path.join(out, f"{name}.md"), "w") as f:
+            f.write(markdown(result))
 
 
 LAYER_BYTES = 90_185_728  # one layer of hidden 2048, intermediate 5632, 8 KV heads, bf16

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.harness import ROOT, build, command, engine_env, layers_for, machine, save
+from benchmarks.harness import ROOT, build, command, engine_env, layers_for, machine, save, write_results
 
 PROMPT = "the model loads every shard"
 
@@ -511,18 +511,12 @@ def main() -> None:
     save(hf, sharded, 1)
     if args.save_memory:
         result = measure_save_memory(args)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "update_bench_save_memory.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.out, "update_bench_save_memory", result)
         print(json.dumps(result["summary"]), result["weights_mb"], result["largest_layer_mb"])
         return
     if args.memory:
         result = measure_memory(args, hf, sharded)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "update_bench_memory.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "update_bench_memory.md"), "w") as f:
-            f.write(memory_markdown(result))
+        write_results(args.out, "update_bench_memory", result, memory_markdown)
         print(memory_markdown(result))
         return
     runs: dict[str, list[dict]] = {"restart": [], "ours": [], "default": []}
@@ -550,11 +544,7 @@ def main() -> None:
         "raw": runs,
         "summary": summarize(runs),
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "update_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "update_bench.md"), "w") as f:
-        f.write(markdown(result))
+    write_results(args.out, "update_bench", result, markdown)
     print(markdown(result))
 
 
