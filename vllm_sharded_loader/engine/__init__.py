@@ -5,6 +5,7 @@
 - :mod:`.capture`: the loaded state recorded before post-processing, and the save hook;
 - :mod:`.layer_geometry`: vLLM's layer classes -> each tensor's geometry;
 - :mod:`.identity`: the worker's rank and the served model's identity;
+- :mod:`.reload`, :mod:`.layer_steps`, :mod:`.processed`: weight updates in place, one layer at a time;
 - :mod:`.save_cli`: the save script's job;
 - :mod:`.progress`: progress bars for loads and saves.
 """
