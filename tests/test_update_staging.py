@@ -64,7 +64,7 @@ def test_the_budget_is_a_number_of_bytes(monkeypatch, text, expected):
     assert update_budget() == expected
 
 
-@pytest.mark.parametrize("text", ["lots", "-1", "1 GB"])
+@pytest.mark.parametrize("text", ["lots", "-1", "1 GB", "inf", "nan"])
 def test_a_bad_budget_is_refused_by_name(monkeypatch, text):
     monkeypatch.setenv(BUDGET_ENV, text)
     with pytest.raises(ShardedStateError, match=rf"{BUDGET_ENV}=.*not a number of bytes"):

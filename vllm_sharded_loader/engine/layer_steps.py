@@ -41,7 +41,7 @@ def update_budget(ranks_on_host: int = 1) -> int:
     if text not in ("", "auto"):
         try:
             budget = int(float(text))
-        except ValueError:
+        except (ValueError, OverflowError):  # (int(float("inf")) overflows)
             budget = -1
         if budget < 0:
             raise ShardedStateError(f"{BUDGET_ENV}={text!r} is not a number of bytes (or 'auto').")
