@@ -178,7 +178,8 @@ def child(spec: dict) -> None:
         seed=0,
         tensor_parallel_size=spec.get("tp", 1),
         distributed_executor_backend="mp" if spec.get("tp", 1) > 1 else None,
-        model_loader_extra_config=spec.get("extra_config"),
+        # (vLLM's default loader refuses None: only where one is asked.)
+        **({"model_loader_extra_config": spec["extra_config"]} if spec.get("extra_config") else {}),
     )
     result["engine_start"] = time.perf_counter() - started
     params = SamplingParams(temperature=0, max_tokens=8)
