@@ -285,7 +285,6 @@ def _reread_streaming(state: LoadedState, checkpoint: str, manifest: Manifest) -
     with no copy of the rank's weights in memory). Every byte is checked against the manifest's checksums."""
     from ..checkpoint.load import load_rank
     from ..checkpoint.request import LoadRequest
-    from ..storage.location import read_manifest
     from .layer_steps import StagedWeights
 
     assert state.rank is not None
@@ -299,8 +298,9 @@ def _reread_streaming(state: LoadedState, checkpoint: str, manifest: Manifest) -
         geometry={name: TensorGeometry.from_dict(g, name) for name, g in state.geometry.items()},
         tied=state.tied,
     )
+    # ``manifest`` is the proven one (the caller checked it); load_rank reads it again after its reads
+    # and refuses if it changed meanwhile (rank_files.check_not_replaced).
     load_rank(request, staged.targets(), state.rank, ReadOptions(ranks_on_host=ranks_on_host()), staged.adopt())
-    _check_still_read_from(checkpoint, state.read_proof, read_manifest(checkpoint))  # (a rewrite during the read)
     logger.info(
         "sharded_state: %s re-read its loaded state from %s without a model: %d of %d tensors mapped from its files",
         state.rank,

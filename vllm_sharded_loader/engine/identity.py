@@ -68,7 +68,7 @@ def current_vllm_config() -> Any:
 
     try:
         return get_current_vllm_config()
-    except Exception:  # loaded outside an engine's config context: no re-read
+    except Exception:  # outside an engine's config context
         return None
 
 

@@ -183,8 +183,9 @@ def let_go(done: ProcessedLayer) -> None:
     """A processed layer past the budget, checked: undo what its processing set, and put it back on the
     meta device in its loaded layout (its new memory freed), to be processed again at the commit."""
     from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-    on_host = any(t.device.type == "cpu" for t in _layer_tensors(done.module))
+    on_host = any(t.device.type == "cpu" for t in get_layer_tensors(done.module).values())
     done.undo()
     restore_layer_on_meta(done.module, done.info)
     done.held = False
@@ -194,12 +195,6 @@ def let_go(done: ProcessedLayer) -> None:
         from ..storage import oscalls
 
         oscalls.release_free_heap()
-
-
-def _layer_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
-    return list(get_layer_tensors(module).values())
 
 
 @contextlib.contextmanager
