@@ -374,7 +374,7 @@ def layer_bytes(checkpoint: str) -> dict[str, int]:
 def measure_memory(args: argparse.Namespace, hf: str, sharded: str) -> dict:
     """``--memory``: the extra anonymous memory of an update with the parameters copied (``mmap``
     off: nothing served from the page cache, as on a GPU), at each budget of held layers."""
-    from vllm_sharded_loader.engine.layer_steps import BUDGET_ENV
+    from vllm_sharded_loader.checkpoint.update_staging import BUDGET_ENV
 
     layers = layer_bytes(sharded)
     runs: dict[str, list[dict]] = {budget: [] for budget in args.budgets}

@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh [OUT]     # OUT: where the logs and JSON go ($OUT, else ./gpu-out)
 #
 # It runs the GPU-only tests (tests/test_gpu_staging.py: the real staging path and a resharded
-# load onto CUDA parameters), then benchmarks/gpu_bench.py on an 8 GB rank, cold and warm, within
+# load onto CUDA parameters; tests/test_gpu_update_staging.py: a weight update's device memory), then benchmarks/gpu_bench.py on an 8 GB rank, cold and warm, within
 # a time budget so that a lent machine's limit still leaves the figures written.
 set -uo pipefail
 out=${1:-${OUT:-./gpu-out}}
@@ -31,7 +31,7 @@ dd if=/dev/zero of="$work/dd.bin" bs=16M count=128 oflag=direct 2>&1 | tail -1 |
 dd if="$work/dd.bin" of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | tee -a "$out/machine.txt"
 rm -f "$work/dd.bin"
 status=0
-timeout "${GPU_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_staging.py -rs 2>&1 \
+timeout "${GPU_TESTS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_staging.py tests/test_gpu_update_staging.py -rs 2>&1 \
   | tee "$out/gpu_tests.log" || status=1
 timeout "${GPU_BENCH_TIMEOUT:-360}" python3 -m benchmarks.gpu_bench --gb "${GPU_BENCH_GB:-8}" --runs "${GPU_BENCH_RUNS:-2}" \
   --threads "${GPU_BENCH_THREADS:-4,8,16}" --spans "${GPU_BENCH_SPANS:-16,64}" --work "$work" \

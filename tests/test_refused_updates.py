@@ -32,7 +32,7 @@ import pytest
 from examples.tiny_models import build_family, build_model, family_engine_args
 from tests.support.derived import changed_copy, one_rank_missing, one_rank_rewritten
 from tests.support.engines import run_engine, run_python
-from vllm_sharded_loader.engine.layer_steps import BUDGET_ENV
+from vllm_sharded_loader.checkpoint.update_staging import BUDGET_ENV
 
 pytestmark = pytest.mark.engine
 

@@ -18,7 +18,7 @@ import pytest
 
 from examples.tiny_models import build_family, family_engine_args
 from tests.support.engines import run_engine, run_python
-from vllm_sharded_loader.engine.layer_steps import BUDGET_ENV
+from vllm_sharded_loader.checkpoint.update_staging import BUDGET_ENV
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,7 @@ import torch
 
 from tests.support.states import load, rank_state, save
 from vllm_sharded_loader.checkpoint.state import saveable_state, tied_groups
-from vllm_sharded_loader.engine.layer_steps import BUDGET_ENV, StagedWeights, update_budget
+from vllm_sharded_loader.checkpoint.update_staging import BUDGET_ENV, StagedWeights, fill_tensors, update_budget
 from vllm_sharded_loader.format.errors import ShardedStateError
 
 
@@ -107,3 +107,28 @@ def test_processed_tensors_are_kept_only_for_what_may_point_into_them(closes_ove
     layer.packed = functools.partial(torch.add, tensor)  # a partial over a tensor it owns: no handle
     done.note_handles()
     assert done.handles == (["Linear.cpu_linear"] if closes_over_a_handle else [])
+
+
+def test_a_layer_takes_the_staged_mapping_only_where_the_loader_would_serve_it_as_it_is(tmp_path):
+    """``fill_tensors``: the loader's setter for a tensor of the same device, dtype and contiguous
+    layout (CPU: the file's mapping served as it is); a copy into every other; a skipped name untouched."""
+    save(tmp_path)
+    state = meta_layout()
+    targets = saveable_state(state)
+    staged = StagedWeights(targets, tied_groups(state, targets))
+    load(tmp_path, targets=staged.targets(), adopt=staged.adopt(), verify="checksum")
+    expected = saveable_state(rank_state(0, 2))
+    prefix = "model.layers.0"
+    layer = {
+        "qkv_proj.weight": torch.full_like(expected[f"{prefix}.qkv_proj.weight"], 7),  # same dtype: swapped
+        "qkv_proj.bias": torch.full(expected[f"{prefix}.qkv_proj.bias"].shape, 7.0),  # float32: copied
+        "o_proj.weight": torch.full_like(expected[f"{prefix}.o_proj.weight"], 7),  # skipped
+    }
+    swapped: dict[str, torch.Tensor] = {}
+    swappable = {name: functools.partial(swapped.__setitem__, name) for name in layer}
+    fill_tensors(prefix, layer, staged, swappable, skip={f"{prefix}.o_proj.weight"})
+    assert set(swapped) == {"qkv_proj.weight"}
+    assert swapped["qkv_proj.weight"] is staged.get(f"{prefix}.qkv_proj.weight")
+    assert bool((layer["qkv_proj.weight"] == 7).all())  # served from the mapping instead, not written
+    assert torch.equal(layer["qkv_proj.bias"], expected[f"{prefix}.qkv_proj.bias"].float())
+    assert bool((layer["o_proj.weight"] == 7).all())

@@ -285,7 +285,7 @@ def _reread_streaming(state: LoadedState, checkpoint: str, manifest: Manifest) -
     with no copy of the rank's weights in memory). Every byte is checked against the manifest's checksums."""
     from ..checkpoint.load import load_rank
     from ..checkpoint.request import LoadRequest
-    from .layer_steps import StagedWeights
+    from ..checkpoint.update_staging import StagedWeights
 
     assert state.rank is not None
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (_, shape, dtype) in state.signature.items()}

@@ -13,11 +13,11 @@ A sharded checkpoint already holds each rank's slice in the loaded layout, so
 
 1. **read**: the loader's start-up read (:meth:`.loader.ShardedStateLoader.read_checkpoint`,
    every check of a start-up load first) into host memory, mapped from the checkpoint's
-   files where the reader can (:class:`.layer_steps.StagedWeights`), never into a served
+   files where the reader can (:class:`..checkpoint.update_staging.StagedWeights`), never into a served
    tensor, before any layer is materialized;
 2. **process**: layer by layer, the layer materialized on its device from those weights and
    post-processed as at start-up, into new memory; held for the commit while the held
-   layers fit a budget (:func:`.layer_steps.update_budget`), else checked and let go;
+   layers fit a budget (:func:`..checkpoint.update_staging.update_budget`), else checked and let go;
 3. **commit**: the tensors vLLM leaves on the model (biases) and every layer's processed
    tensors copied into the served ones, layer by layer (a layer let go is processed again
    first), then the attention layers' own processing.
@@ -49,21 +49,13 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
+from ..checkpoint.update_staging import BUDGET_ENV, StagedWeights, return_freed_memory, update_budget
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
 from ..storage.location import open_store
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .identity import ranks_on_host
 from .layer_geometry import model_rank
-from .layer_steps import (
-    BUDGET_ENV,
-    StagedWeights,
-    fill_layer,
-    held_bytes,
-    let_go,
-    process_layer,
-    return_freed_memory,
-    update_budget,
-)
+from .layer_steps import fill_layer, layer_held_bytes, let_go, process_layer
 from .processed import ProcessedLayer
 from .workers import gather_over, raises_for_all
 
@@ -400,7 +392,7 @@ class InPlaceUpdate:
                 continue
             self._fill(done)
             process_layer(prefix, module, info, done)
-            size = held_bytes(module, mapped)
+            size = layer_held_bytes(module, mapped)
             if held + size <= budget:
                 held += size
             else:
