@@ -281,8 +281,9 @@ def family_engine_args(directory: str, family: str) -> dict[str, Any]:
     return engine
 
 
-def build_family(directory: str, family: str, *, seed: int = 0) -> str:
-    """Build the tiny random model of ``family`` (a key of ``FAMILIES``) into ``directory``."""
+def build_family(directory: str, family: str, *, seed: int = 0, fields: dict[str, Any] | None = None) -> str:
+    """Build the tiny random model of ``family`` (a key of ``FAMILIES``) into ``directory``; ``fields``
+    override config fields of its entry (more heads, for a model cut at a larger TP size)."""
     import torch
     import transformers
 
@@ -291,7 +292,7 @@ def build_family(directory: str, family: str, *, seed: int = 0) -> str:
     if family == "llava":
         return build_llava(directory, seed=seed)
     tokenizer = build_tokenizer(directory)
-    fields = {k: v for k, v in entry["fields"].items() if k != "architecture"}
+    fields = {k: v for k, v in {**entry["fields"], **(fields or {})}.items() if k != "architecture"}
     dtype = entry.get("dtype", "float32")
     config = getattr(transformers, entry["config"])(
         vocab_size=len(tokenizer),

@@ -218,19 +218,22 @@ def engine_config(source: str, options: ModelOptions) -> Any:
     return args.create_engine_config()
 
 
-_WORLD: list[Any] = []
+# Whether this process's model-parallel groups are convert's own world of one process.
+_OWN_GROUPS: list[bool] = []
 
 
 def build_meta_model(vllm_config: Any) -> torch.nn.Module:
     """vLLM's model class for ``vllm_config``, at TP=1, every parameter on the meta device."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel, parallel_state
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():
+        if _OWN_GROUPS and vllm_config.model_config.is_moe and parallel_state._EP is None:
+            # vLLM makes an expert-parallel group only for a MoE model: ours, made for a dense model, again.
+            parallel_state.destroy_model_parallel()
+        if not parallel_state.model_parallel_is_initialized():
             # A world of one process on the loopback: vLLM's layers ask it for their TP rank and size.
             os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
             init_distributed_environment(
@@ -241,6 +244,7 @@ def build_meta_model(vllm_config: Any) -> torch.nn.Module:
                 backend="gloo",
             )
             initialize_model_parallel(1, 1)
+            _OWN_GROUPS[:] = [True]
         with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
             return initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
 
