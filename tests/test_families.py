@@ -27,6 +27,32 @@ pytestmark = pytest.mark.engine
 FAMILIES = ["mixtral", "int8_w8a8", "st_embed"]
 
 
+class Mixtral:
+    """The module's tiny Mixtral (``build_family`` is seeded: every test would build the same
+    weights) and vLLM's default loader's greedy ids for it at TP=2, from one engine for the module:
+    the first test to need them runs it, or records them from an engine of its own that ran the
+    default loader on this model at TP=2 (a capture and a save after start-up change nothing it
+    generates, as for ``DefaultOutputs``)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.result: dict | None = None
+
+    def reference(self) -> dict:
+        if self.result is None:
+            self.result = run_engine({"model": self.model, "tp": 2}).result
+        return self.result
+
+    def record(self, result: dict) -> None:
+        if self.result is None:
+            self.result = result
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Mixtral:
+    return Mixtral(build_family(str(tmp_path_factory.mktemp("mixtral") / "model"), "mixtral"))
+
+
 def outputs(result: dict) -> list:
     return result["embeddings"] if "embeddings" in result else result["token_ids"]
 
@@ -41,13 +67,16 @@ def assert_same(ours: dict, reference: dict) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_saved_at_tp2_serves_at_tp2_and_tp1(family, tmp_path):
-    model = build_family(str(tmp_path / "model"), family)
+def test_family_saved_at_tp2_serves_at_tp2_and_tp1(family, mixtral, tmp_path):
+    model = mixtral.model if family == "mixtral" else build_family(str(tmp_path / "model"), family)
     engine = family_engine_args(model, family)
     out = tmp_path / "sharded"
     os.makedirs(out)
     saved = run_engine({"model": model, "tp": 2, "engine": engine, "capture_dir": str(out), "save_to": str(out)}).result
     assert saved.get("saved"), saved
+    if family == "mixtral":
+        assert engine == {}  # the default loader at TP=2 as Mixtral.reference runs it
+        mixtral.record(saved)
     served = run_engine({"model": str(out), "tp": 2, "engine": engine, "load_format": "sharded_state"}).result
     assert_same(served, saved)
     reference = run_engine({"model": model, "tp": 1, "engine": engine}).result
@@ -86,7 +115,7 @@ def rank_tensors(directory, tp_rank: int) -> dict:
     return tensors
 
 
-def test_experts_move_between_expert_parallel_and_tensor_parallel(tmp_path):
+def test_experts_move_between_expert_parallel_and_tensor_parallel(mixtral, tmp_path):
     """Mixtral saved with enable_expert_parallel at TP=2: the manifest records where each
     expert lives and the same placement loads as saved. Served without expert parallelism,
     the experts are moved by global id (each rank's TP slice of every expert) and generate
@@ -98,7 +127,7 @@ def test_experts_move_between_expert_parallel_and_tensor_parallel(tmp_path):
     from vllm_sharded_loader.checkpoint import read_manifest
     from vllm_sharded_loader.planning.experts import expert_placement
 
-    model = build_family(str(tmp_path / "model"), "mixtral")
+    model = mixtral.model
     ep_dir, tp_dir, again_dir = (tmp_path / n for n in ("ep", "tp", "again"))
     for d in (ep_dir, tp_dir, again_dir):
         os.makedirs(d)
@@ -114,7 +143,7 @@ def test_experts_move_between_expert_parallel_and_tensor_parallel(tmp_path):
     for rank in range(2):
         assert f"tp_rank={rank} (TP=2, PP=1) loaded 25 tensors" in served
 
-    reference = run_engine({"model": model, "tp": 2}).result
+    reference = mixtral.reference()
     moved = run_engine(
         {
             "model": str(ep_dir),
@@ -159,7 +188,7 @@ def assert_same_files(first, second) -> None:
         assert all(torch.equal(after[n], t) for n, t in before.items()), entry.dp_rank
 
 
-def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
+def test_each_data_parallel_replica_saves_its_own_experts(mixtral, tmp_path):
     """Mixtral at DP=2 x TP=1 with expert parallelism (EP=2 across the replicas, one process
     each, as vLLM's offline data-parallel example runs them): each replica writes its own
     experts, once, and only the first the rest. Served at TP=2 without expert parallelism, the
@@ -175,7 +204,7 @@ def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
     from vllm_sharded_loader.checkpoint import read_manifest
     from vllm_sharded_loader.planning.experts import expert_placement
 
-    model = build_family(str(tmp_path / "model"), "mixtral")
+    model = mixtral.model
     first, again, lone, flat, recut = (tmp_path / n for n in ("first", "again", "lone", "flat", "recut"))
     for d in (first, again, lone, flat, recut):
         os.makedirs(d)
@@ -203,7 +232,7 @@ def test_each_data_parallel_replica_saves_its_own_experts(tmp_path):
     assert {"config.json", "tokenizer.json"} <= set(os.listdir(server))
     assert_same_files(first, server)
 
-    reference = run_engine({"model": model, "tp": 2}).result
+    reference = mixtral.reference()
     served = run_engine({"model": str(first), "tp": 2, "load_format": "sharded_state"})
     assert served.result["token_ids"] == reference["token_ids"]
     assert "served without expert parallelism" in served.output

