@@ -77,13 +77,17 @@ def copy(hf: str, work: str, cold: bool) -> dict:
     return result
 
 
-def convert(hf: str, work: str, tp: int, cold: bool) -> dict:
+def convert(hf: str, work: str, tp: int, cold: bool, tree: str | None = None) -> dict:
+    """One ``convert`` of ``hf`` in a fresh process (of the package in ``tree``, default this checkout)."""
     out = os.path.join(work, f"converted-tp{tp}")
     shutil.rmtree(out, ignore_errors=True)
     paths = files_of(hf)
     evict(paths) if cold else warm(paths)
     args = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "convert", hf, "-tp", str(tp), "-o", out]
-    result = run(args, engine_env(1, plugins=True))
+    env = engine_env(1, plugins=True)
+    if tree:
+        env["PYTHONPATH"] = os.path.abspath(tree)
+    result = run(args, env)
     reported = re.search(r"written in ([\d.]+) s after ([\d.]+) s building vLLM's model", result.pop("output"))
     if reported:
         result["write_seconds"], result["build_seconds"] = float(reported.group(1)), float(reported.group(2))
@@ -159,7 +163,15 @@ def measure_large(args: argparse.Namespace) -> dict:
     }
     result["cp_cold"] = copy(hf, work, True)
     shutil.rmtree(os.path.join(work, "copy"))
-    result["convert_cold"] = convert(hf, work, args.tp, True)
+    if args.compare:
+        # Another tree (the one before a change), alternating with this one: the same disk's moods for both.
+        result["compare_tree"], result["convert_cold_compare"] = args.compare, []
+        for _ in range(args.runs):
+            result["convert_cold_compare"].append(convert(hf, work, args.tp, True, args.compare))
+            result.setdefault("convert_cold_runs", []).append(convert(hf, work, args.tp, True))
+        result["convert_cold"] = sorted(result["convert_cold_runs"], key=lambda r: r["seconds"])[args.runs // 2]
+    else:
+        result["convert_cold"] = convert(hf, work, args.tp, True)
     out = os.path.join(work, f"converted-tp{args.tp}")
     verify = subprocess.run(
         [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "verify", out], capture_output=True, text=True
@@ -195,6 +207,20 @@ def markdown_large(r: dict) -> str:
         f"`vllm-sharded verify` of the output: {'passed' if r['verified'] else 'FAILED'}. "
         "No save: an engine would hold the whole model.",
         "",
+    ]
+    if r.get("convert_cold_compare"):
+        runs = zip(r["convert_cold_compare"], r["convert_cold_runs"], strict=True)
+        lines += [
+            f"Alternating with `{r['compare_tree']}` (cold, whole command / after the model is built, seconds): "
+            + "; ".join(
+                f"{a['seconds']:.1f} / {a['write_seconds']:.1f} there, "
+                f"{b['seconds']:.1f} / {b['write_seconds']:.1f} here"
+                for a, b in runs
+            )
+            + ".",
+            "",
+        ]
+    lines += [
         f"Re-run: `{r['command']}`",
         "",
     ]
@@ -246,6 +272,8 @@ def main() -> None:
     parser.add_argument(
         "--large", type=float, default=None, help="GB: instead, a model of this size built on disk (no save)"
     )
+    parser.add_argument("--compare", default=None, help="with --large: also convert with the package in this tree")
+    parser.add_argument("--runs", type=int, default=1, help="with --compare: alternating runs of each tree")
     args = parser.parse_args()
     if args.large:
         report_or_measure(args, "convert_bench_large", measure_large, markdown)

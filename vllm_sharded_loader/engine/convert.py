@@ -22,162 +22,32 @@ which is what ``vllm-sharded save`` captures; the target ranks' slices follow fr
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..checkpoint.state import saveable_state, tied_groups
-from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError, listing
+from ..format.errors import SaveRefused, listing
 from ..format.geometry import TensorGeometry
-from ..format.safetensors import Header
 from ..format.source import SourceModel
 from ..planning.components import fill_components
-from ..storage.local import OpenFile, read_header
-from ..storage.location import StoredFile, open_store
-from ..storage.tensors import map_file_range, torch_dtype
+from ..storage.hf_source import SourceFiles
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
 
 # Buffers vLLM's attention layers register with a fixed value (set_default_quant_scales): 1.0
 # unless the checkpoint holds KV-cache scales, which the dry run then shows.
 DEFAULT_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
-INDEX_NAME = "model.safetensors.index.json"
 
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
 
 
 class ConvertRefused(SaveRefused):
     """The source cannot be converted without running the model; nothing was written."""
-
-
-@dataclass(frozen=True)
-class SourceTensor:
-    """One tensor of the source checkpoint: where its bytes are."""
-
-    name: str
-    file: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-@dataclass
-class SourceFiles:
-    """A Hugging Face model's safetensors files, their headers read and checked, nothing else read.
-
-    ``where`` holds the weights: a local folder, or an object-storage prefix (``s3://``, ``gs://``,
-    ``az://``: each tensor is then one ranged read, made when its component is, never a download of
-    the model); ``directory`` is a local folder with the model's config and tokenizer (``where``
-    itself, or those files fetched from the prefix), which vLLM's configuration is read from.
-    """
-
-    directory: str
-    tensors: dict[str, SourceTensor]
-    headers: dict[str, Header]
-    opened: dict[str, StoredFile] = field(default_factory=dict)
-    where: str = ""
-
-    def __post_init__(self) -> None:
-        self.where = self.where or self.directory
-
-    @classmethod
-    def open(cls, directory: str, where: str | None = None) -> SourceFiles:
-        """Index the weights at ``where`` (default: ``directory``); a missing shard, a corrupt header or a
-        duplicated tensor is an error."""
-        where = where or directory
-        store = open_store(where)
-        if not store.exists():
-            raise CheckpointNotFound(f"{where}: not a folder. Give a Hugging Face model folder or Hub repo id.")
-        present = store.list_names()
-        names = sorted(n for n in present if n.endswith(".safetensors"))
-        if INDEX_NAME in present:
-            index_path = store.file_path(INDEX_NAME)
-            try:
-                data = store.read(INDEX_NAME)
-                weight_map = json.loads(data.read_bytes() if isinstance(data, Path) else data)["weight_map"]
-                listed = sorted(set(weight_map.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointCorrupt(
-                    f"{index_path}: not a safetensors index ({e}). Download the model again."
-                ) from None
-            missing = [n for n in listed if n not in names]
-            if missing:
-                raise CheckpointNotFound(
-                    f"{where}: the index {INDEX_NAME} lists {listing(missing, 5)}, which the folder lacks. "
-                    "The download is incomplete: fetch the missing files (or the model) again."
-                )
-            names = listed
-        if not names:
-            held = [n for n in present if n.endswith((".bin", ".pt", ".pth"))]
-            other = f" (it holds {listing(held, 3)}: convert reads safetensors only; use `vllm-sharded save`)"
-            raise CheckpointNotFound(f"{where}: no *.safetensors weights{other if held else ''}.")
-        tensors: dict[str, SourceTensor] = {}
-        headers: dict[str, Header] = {}
-        source = cls(directory, tensors, headers, where=where)
-        try:
-            for name in names:
-                opened = source._open(name)
-                header = read_header(opened)
-                headers[name] = header
-                for tensor, h in header.tensors.items():
-                    if tensor in tensors:
-                        raise CheckpointCorrupt(
-                            f"{opened.path}: tensor {tensor} is also in {tensors[tensor].file}. The checkpoint is "
-                            "inconsistent: download the model again."
-                        )
-                    tensors[tensor] = SourceTensor(
-                        tensor, name, torch_dtype(h.dtype, opened.path), h.shape, h.begin, h.end
-                    )
-        except BaseException:
-            source.close()
-            raise
-        return source
-
-    def _open(self, name: str) -> StoredFile:
-        if name not in self.opened:
-            self.opened[name] = open_store(self.where).open_file(name)
-        return self.opened[name]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.end - t.begin for t in self.tensors.values())
-
-    def meta(self, name: str) -> torch.Tensor:
-        t = self.tensors[name]
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor: over a private mapping of a local file's pages (read as it is used, never copied
-        here), or the bytes of one ranged read of an object (which must still be the one indexed)."""
-        t = self.tensors[name]
-        opened = self._open(t.file)
-        if opened.size != self.headers[t.file].file_size:
-            raise ShardedStateError(f"{opened.path}: changed while converting ({opened.size} bytes). Convert again.")
-        nbytes = t.end - t.begin
-        if isinstance(opened, OpenFile):
-            return map_file_range(opened.fd, t.begin, nbytes, t.dtype, t.shape)
-        # The reader's own path for an object: one ranged GET into the tensor's memory (no second
-        # copy), a truncated or replaced object refused by the store.
-        data = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            stream = opened.stream()
-            try:
-                stream.readv([memoryview(data.numpy())], t.begin)
-            finally:
-                stream.close()
-        return data.view(t.dtype).reshape(t.shape)
-
-    def close(self) -> None:
-        for opened in self.opened.values():
-            opened.close()
-        self.opened.clear()
 
 
 def _free_port() -> int:
@@ -305,7 +175,9 @@ class ConvertModel:
                 f"(or the config does not describe these weights). {SAVE_INSTEAD}"
             )
         self.components = fill_components(self.fills, defaults)
-        self._made: dict[int, dict[str, torch.Tensor]] = {}
+        # Each component's sources and the next component's, by the state's order (the order ranks take them).
+        order = list({id(c): c for c in (self.components[n] for n in self.state if n in self.components)}.values())
+        self._next = {id(c): order[i + 1].sources for i, c in enumerate(order[:-1])}
 
     # ----------------------------------------------------------------- planning
 
@@ -447,6 +319,7 @@ class ConvertModel:
                 attr = self._slots[target][0][1]
                 if attr in DEFAULT_SCALES:
                     tensor.fill_(1.0)  # vLLM's set_default_quant_scales
+            self.source.prefetch(component.sources + self._next.get(id(component), []))
             weights = [(s, self.source.read(s)) for s in component.sources]
             if weights:
                 self._load(weights, listing(component.sources, 3))
@@ -488,7 +361,7 @@ def converting(
     directory: str, where: str | None = None, options: ModelOptions = ModelOptions()
 ) -> Iterator[ConvertModel]:
     """A :class:`ConvertModel` of the Hugging Face model in ``directory`` (its weights at ``where``,
-    default there too: see :class:`SourceFiles`), its files closed after."""
+    default there too: see :class:`..storage.hf_source.SourceFiles`), its files closed after."""
     source = SourceFiles.open(directory, where)
     try:
         yield ConvertModel(source, options)
