@@ -127,19 +127,22 @@ class ForkServer:
                 os.killpg(self.server.pid, signal.SIGKILL)
             self.server.wait()
 
-    def spawn(self, args: list[str], env: dict[str, str], out: str) -> ForkedProcess | None:
+    def spawn(self, args: list[str], env: dict[str, str], out: str, node: dict | None = None) -> ForkedProcess | None:
         """Start ``python ARGS`` as a child of the server, its output (stdout and stderr) written to
-        ``out``; None where only a fresh process will do. Returns once the child is forked."""
+        ``out``; None where only a fresh process will do. Returns once the child is forked. ``node``:
+        the namespaces of a multi-node test's node to enter first (``tests/support/nodes.py``)."""
         from tests.support.forkserver import can_serve
 
         if self.off or (self.server is None and not self._start()):
             return None
         if not can_serve(args, env, self.env):
             return None
+        open(out, "wb").close()  # there once this returns, as a Popen's output file is: a test may read it at once
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.socket)
-            conn.sendall((json.dumps({"args": args, "env": env, "cwd": str(ROOT), "out": out}) + "\n").encode())
+            request = {"args": args, "env": env, "cwd": str(ROOT), "out": out, "node": node}
+            conn.sendall((json.dumps(request) + "\n").encode())
             return ForkedProcess([sys.executable, *args], conn)
         except BaseException:
             conn.close()
@@ -206,6 +209,11 @@ class ForkedProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return self.wait(0)
         return None
+
+
+def fork_python(args: list[str], env: dict[str, str], out: str, node: dict | None = None) -> ForkedProcess | None:
+    """:meth:`ForkServer.spawn` of the session's fork server."""
+    return _forkserver.spawn(args, env, out, node)
 
 
 def start_python(args: list[str], env: dict[str, str], out: str) -> subprocess.Popen | ForkedProcess:
@@ -304,7 +312,7 @@ def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
         while None in runs and time.monotonic() < deadline:
             for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
                 exited = proc.poll() is not None  # before the read: an exited replica's whole output
-                output = log.read_text() if log.exists() else ""
+                output = log.read_text()
                 done = [line for line in output.splitlines() if line.startswith("RESULT ")]
                 if runs[i] is None and (done or exited):
                     result = json.loads(done[0][len("RESULT ") :]) if done else None

@@ -101,6 +101,8 @@ def _child(request: dict) -> None:
         os.dup2(out, 2)
         os.close(out)
         try:
+            if request.get("node"):
+                _enter_node(**request["node"])
             if request["args"][0] == "-m":
                 sys.argv = request["args"][1:]
                 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
@@ -122,6 +124,37 @@ def _child(request: dict) -> None:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def _enter_node(hostname: str, bind: list[str], netns: str | None = None) -> None:
+    """Become a process of one of the multi-node tests' nodes (``tests/support/nodes.py``), as its
+    ``[nsenter --net=NETNS] unshare --mount --uts --propagation private sh -c 'mount --bind SRC DST
+    && hostname NAME && exec ...'`` does: the node's network namespace, a mount namespace of its own
+    with the node's folder over the shared path, its own host name. The child has one thread, as
+    ``unshare(CLONE_NEWNS)`` needs."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    clone_newns, clone_newuts, clone_newnet = 0x00020000, 0x04000000, 0x40000000
+    ms_bind, ms_rec, ms_private = 4096, 16384, 1 << 18
+    if netns:
+        fd = os.open(netns, os.O_RDONLY)
+        try:
+            check(libc.setns(fd, clone_newnet), f"setns {netns}")
+        finally:
+            os.close(fd)
+    check(libc.unshare(clone_newns | clone_newuts), "unshare")
+    check(libc.mount(None, b"/", None, ms_rec | ms_private, None), "mount --make-rprivate /")
+    source, target = (os.fsencode(p) for p in bind)
+    check(libc.mount(source, target, None, ms_bind, None), f"mount --bind {bind[0]} {bind[1]}")
+    name = hostname.encode()
+    check(libc.sethostname(name, len(name)), "sethostname")
 
 
 def serve(path: str) -> None:

@@ -32,9 +32,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from examples import tiny_models
 from tests.support import ROOT
+
+if TYPE_CHECKING:
+    from tests.support.engines import ForkedProcess
 
 ENGINE_TIMEOUT = 900
 # A follower that has lost its leader stops within the watch's 3 checks 2 s apart, then
@@ -71,7 +75,7 @@ class Nodes:
         self._bridge = f"vsl{tag}br"
         self._subnet = f"10.{200 + tag % 50}.{tag % 250}"
         self.isolated_network = self.isolated_disks and shutil.which("ip") is not None and self._make_network()
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen | ForkedProcess] = []
 
     def __enter__(self) -> Nodes:
         return self
@@ -124,19 +128,36 @@ class Nodes:
             wrapped = ["nsenter", f"--net=/run/netns/{self._names[node]}", *wrapped]
         return wrapped
 
-    def start(self, node: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-        """Start ``argv`` on ``node`` in a process group of its own, output to ``log``."""
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                self.command(node, argv),
-                cwd=ROOT,
-                env={**os.environ, **env, **self.environment(node)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+    def start(self, node: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen | ForkedProcess:
+        """Start ``argv`` on ``node`` in a process group of its own, output to ``log``. A Python
+        module or script is a child of the engine tests' fork server where it can be one
+        (``tests/support/forkserver.py``: it enters the node's namespaces as :meth:`command` does)."""
+        from tests.support.engines import FAST, fork_python
+
+        full_env = {**os.environ, **env, **self.environment(node)}
+        proc: subprocess.Popen | ForkedProcess | None = None
+        if self.isolated_disks and argv[0] == sys.executable:
+            # The checkout first on the path, as for every engine script: the fork server's path.
+            forked_env = {**full_env, "PYTHONPATH": FAST["PYTHONPATH"]}
+            proc = fork_python(argv[1:], forked_env, str(log), self.namespaces(node))
+        if proc is None:
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    self.command(node, argv),
+                    cwd=ROOT,
+                    env=full_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         self.processes.append(proc)
         return proc
+
+    def namespaces(self, node: int) -> dict:
+        """What :meth:`command` enters, for a child of the fork server: the node's network
+        namespace (if any), its folder over :attr:`local`, its host name."""
+        netns = f"/run/netns/{self._names[node]}" if self.isolated_network else None
+        return {"hostname": f"node-{node}", "bind": [str(self.node_dir(node)), str(self.local)], "netns": netns}
 
     def run(self, node: int, argv: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> str:
         """Run a short command on ``node`` and return its output; raise if it fails."""
@@ -305,7 +326,7 @@ def tails(logs: list[Path], lines: int = 40) -> str:
     )
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 10) -> None:
+def stop_group(proc: subprocess.Popen | ForkedProcess, grace: float = 10) -> None:
     """Stop a process and everything it started (its session), politely first."""
     if proc.poll() is not None:
         with contextlib.suppress(ProcessLookupError):
