@@ -65,25 +65,42 @@ def direct_io_supported(directory) -> bool:
     return True
 
 
+@pytest.mark.parametrize("passed", [False, True])
 @pytest.mark.parametrize("chunk", [4096, 12288, 1 << 20])
-def test_direct_and_buffered_writes_give_the_same_file_and_checksums(tmp_path, monkeypatch, chunk):
+def test_direct_and_buffered_writes_give_the_same_file_and_checksums(tmp_path, monkeypatch, chunk, passed):
     if not direct_io_supported(tmp_path):
         pytest.skip("this file system does not take O_DIRECT writes")
-    # Small staging buffers: the two buffers take many turns, tensors cross their edges.
-    monkeypatch.setattr(writer, "CHUNK_BYTES", chunk)
+    # Small staging buffers: the two buffers take many turns, tensors cross their edges. Either the
+    # module's default, or given by the caller (a save writing several ranks at once: buffer_bytes_for).
+    if passed:
+        monkeypatch.setattr(writer, "CHUNK_BYTES", 1 << 30)  # would be one turn, were it used
+    else:
+        monkeypatch.setattr(writer, "CHUNK_BYTES", chunk)
+    turns: list[int] = []
+    sink_open = writer._DirectSink.open
+
+    def counted_open(path, size, buffer_bytes=None):
+        sink = sink_open(path, size, buffer_bytes)
+        turns.append(len(sink.buffers[0]))
+        return sink
+
+    monkeypatch.setattr(writer._DirectSink, "open", counted_open)
     monkeypatch.setattr(integrity, "BLOCK_SIZE", 5000)  # checksum blocks that straddle the buffers too
     g = torch.Generator().manual_seed(3)
     tensors = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate([1, 3001, 1024, 7, 20000, 5])]
     tensors.append(("strided", torch.randn(50, 30, generator=g).t()))
     direct, buffered = str(tmp_path / "direct.safetensors"), str(tmp_path / "buffered.safetensors")
     counted: list[int] = []
-    a = writer.write_file(direct, tensors, {"format": "pt"}, counted.append, direct=True)
+    a = writer.write_file(
+        direct, tensors, {"format": "pt"}, counted.append, direct=True, buffer_bytes=chunk if passed else None
+    )
     b = writer.write_file(buffered, tensors, {"format": "pt"}, direct=False)
     with open(direct, "rb") as f, open(buffered, "rb") as g2:
         data = f.read()
         assert data == g2.read()
     assert a.checksum.block_size == 5000 and len(a.checksum.blocks) > 3
     assert a == b and a.size == len(data) == os.path.getsize(direct)  # the padding is cut off
+    assert turns == [min(chunk, -(-a.size // 4096) * 4096)]  # the staging buffers' size
     assert sum(counted) == a.size - local.read_header(direct).data_start
     block = a.checksum.block_size
     assert a.checksum.blocks == tuple(

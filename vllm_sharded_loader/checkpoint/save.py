@@ -50,6 +50,7 @@ from ..format.names import (
 )
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
+from ..storage import writer
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, write_file_durably
 from ..storage.location import LocalStore, ObjectStore, open_store
@@ -292,8 +293,12 @@ def _stage_in_parallel(
     """Stage every rank at once, one thread each; on any failure every staged rank is discarded."""
     from concurrent.futures import ThreadPoolExecutor
 
+    buffers = writer.buffer_bytes_for(len(infos))  # the ranks' writers share one staging budget
     with ThreadPoolExecutor(len(infos), thread_name_prefix="stage") as pool:
-        futures = [pool.submit(stage_rank, directory, ranks[i], i, pattern, max_size, token) for i in infos]
+        futures = [
+            pool.submit(stage_rank, directory, ranks[i], i, pattern, max_size, token, buffer_bytes=buffers)
+            for i in infos
+        ]
         staged, errors = [], []
         for future in futures:
             try:

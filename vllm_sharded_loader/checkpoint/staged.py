@@ -57,8 +57,10 @@ def stage_rank(
     max_size: int | None = None,
     token: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    buffer_bytes: int | None = None,
 ) -> StagedRank:
-    """Write one rank's tensors into size-capped parts under temporary names.
+    """Write one rank's tensors into size-capped parts under temporary names (through staging buffers
+    of ``buffer_bytes``: smaller where several ranks are written at once, :func:`..storage.writer.buffer_bytes_for`).
 
     Each part is hashed while it is written. On any failure (disk full) the parts
     written so far are removed and the error names the file and what to do.
@@ -90,7 +92,7 @@ def stage_rank(
             staged.temporary[file_name] = tmp
             items = [(name, tensors[name]) for name in part]
             try:
-                written = writer.write_file(tmp, items, {"format": "pt"}, advance)
+                written = writer.write_file(tmp, items, {"format": "pt"}, advance, buffer_bytes=buffer_bytes)
             except OSError as e:
                 raise SaveRefused(
                     f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "

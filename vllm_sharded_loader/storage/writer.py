@@ -31,6 +31,11 @@ from .tensors import byte_view, dtype_name
 # Bytes of one write/read call: large enough to stream at disk speed, small enough
 # to bound the staging memory of tensors that need a copy (GPU, dtype cast).
 CHUNK_BYTES = 64 * 1024 * 1024
+# The O_DIRECT staging memory of writers that one process runs at once (convert writes every rank
+# in parallel, one writer each): their buffers share it, down to MIN_BUFFER_BYTES each. A lone
+# writer keeps CHUNK_BYTES buffers.
+PARALLEL_BUFFER_BYTES = 128 * 1024 * 1024
+MIN_BUFFER_BYTES = 8 * 1024 * 1024
 # A file with at least this many bytes of tensors starts its data on a page boundary and
 # writes first the tensors that are whole pages long, so that (with page-multiple tensors,
 # as a model's large weights are) every such tensor starts on a page. A load at another TP
@@ -40,6 +45,15 @@ CHUNK_BYTES = 64 * 1024 * 1024
 # alignment: padding would be a large share of them.
 PAGE_ALIGN_FROM = 1024 * 1024
 PAGE = 4096
+
+
+def buffer_bytes_for(writers: int) -> int:
+    """Each staging buffer's size when ``writers`` writers run at once in one process (two buffers each).
+
+    >>> [buffer_bytes_for(n) // 2**20 for n in (1, 2, 8, 64)]
+    [64, 32, 8, 8]
+    """
+    return max(MIN_BUFFER_BYTES, min(CHUNK_BYTES, PARALLEL_BUFFER_BYTES // (2 * max(writers, 1))))
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,7 @@ def write_file(
     metadata: Mapping[str, str],
     progress: Callable[[int], None] | None = None,
     direct: bool | None = None,
+    buffer_bytes: int | None = None,
 ) -> WrittenFile:
     """Write tensors to ``path`` as safetensors, streaming from their memory.
 
@@ -108,11 +123,12 @@ def write_file(
     the bytes of each chunk written.
 
     ``direct`` (default: where the file system allows it) writes with ``O_DIRECT``
-    through two aligned staging buffers of at most :data:`CHUNK_BYTES`, so the bytes go
-    from memory to the disk without passing through the page cache: a save then costs
-    no new page-cache memory, whose first touch is what slows buffered writes on
-    memory-reclaiming VMs (see ``benchmarks/README.md``). ``False`` writes through the
-    page cache, handing each 64 MiB to the disk at once.
+    through two aligned staging buffers of at most ``buffer_bytes`` (default :data:`CHUNK_BYTES`;
+    :func:`buffer_bytes_for` where several files are written at once), so the bytes go from
+    memory to the disk without passing through the page cache: a save then costs no new
+    page-cache memory, whose first touch is what slows buffered writes on memory-reclaiming VMs
+    (see ``benchmarks/README.md``). ``False`` writes through the page cache, handing each 64 MiB
+    to the disk at once.
     """
     data = sum(t.numel() * t.element_size() for _, t in tensors)
     align = PAGE if data >= PAGE_ALIGN_FROM else 8
@@ -123,7 +139,7 @@ def write_file(
     size = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
     sink: _Sink | None = None
     if direct is not False:
-        sink = _DirectSink.open(path, size)
+        sink = _DirectSink.open(path, size, buffer_bytes)
         if sink is None and direct:
             raise ShardedStateError(f"{path}: the file system does not support O_DIRECT writes.")
     if sink is None:
@@ -217,10 +233,10 @@ class _DirectSink(_Sink):
 
     ALIGN = 4096  # covers every logical block size in use
 
-    def __init__(self, fd: int, path: str, size: int) -> None:
+    def __init__(self, fd: int, path: str, size: int, buffer_bytes: int | None = None) -> None:
         super().__init__()
         self.fd, self.path = fd, path
-        capacity = min(CHUNK_BYTES, max(self.ALIGN, -(-size // self.ALIGN) * self.ALIGN))
+        capacity = min(buffer_bytes or CHUNK_BYTES, max(self.ALIGN, -(-size // self.ALIGN) * self.ALIGN))
         # Anonymous mappings are page-aligned, as O_DIRECT needs.
         self.buffers = [mmap.mmap(-1, capacity), mmap.mmap(-1, capacity)]
         self.pending: list[list[Future[None]]] = [[], []]
@@ -228,7 +244,7 @@ class _DirectSink(_Sink):
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write", initializer=oscalls.use_every_cpu)
 
     @classmethod
-    def open(cls, path: str, size: int) -> _DirectSink | None:
+    def open(cls, path: str, size: int, buffer_bytes: int | None = None) -> _DirectSink | None:
         """A sink for a new file at ``path``, or None where O_DIRECT is unavailable (tmpfs, other OSes)."""
         flag = getattr(os, "O_DIRECT", 0)
         if not flag:
@@ -239,7 +255,7 @@ class _DirectSink(_Sink):
             if e.errno == errno.EINVAL:
                 return None
             raise
-        return cls(fd, path, size)
+        return cls(fd, path, size, buffer_bytes)
 
     def write(self, data: memoryview) -> None:
         self.position += len(data)
