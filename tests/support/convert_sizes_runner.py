@@ -16,20 +16,17 @@ import os
 import sys
 
 import torch
-from safetensors.torch import load_file
 
 from examples.tiny_models import FAMILIES, build_family, build_model, family_engine_args
+from tests.support.derived import tensors_of
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.tools.convert import convert_checkpoint
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
 
 def tensors(directory: str) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            found.update(load_file(os.path.join(directory, name)))
-    return found
+    """A TP=1, PP=1 checkpoint's tensors, by name (the files its manifest lists)."""
+    return {name: t for (_, _, name), t in tensors_of(directory).items()}
 
 
 def check(model: str, out: str, tp: int, pp: int, base: dict[str, torch.Tensor], options: dict) -> str:
