@@ -162,4 +162,17 @@ class SeaweedS3(LocalServer):
         )
 
     def create_bucket(self, name: str) -> None:
-        self.client().create_bucket(Bucket=name)
+        """Make bucket ``name`` and return once it takes a write. SeaweedFS makes a bucket's volumes
+        on its first write; until they exist, under load, writes there fail with 500 InternalError."""
+        client = self.client()
+        client.create_bucket(Bucket=name)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                client.put_object(Bucket=name, Key=".bucket-ready-probe", Body=b"ok")
+                client.delete_object(Bucket=name, Key=".bucket-ready-probe")
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)

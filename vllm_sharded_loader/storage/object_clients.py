@@ -23,10 +23,12 @@ AZURE_BLOB_HOST = ".blob.core.windows.net"
 # Every request is bounded: per-request and connect timeouts, and retries with exponential
 # backoff (with jitter) bounded in count and in total time, in obstore's own settings. Ours
 # are the defaults; these variables set them (seconds; retries as AWS_MAX_ATTEMPTS counts attempts).
+# Ten attempts (obstore's own default) back off over up to ~30 s: a transient 500 InternalError, which
+# S3 asks clients to retry, outlasts six attempts (~1-3 s) when a bucket's storage is still growing.
 TIMEOUT_ENV = "SHARDED_STATE_S3_TIMEOUT"
 CONNECT_TIMEOUT_ENV = "SHARDED_STATE_S3_CONNECT_TIMEOUT"
 RETRY_TIMEOUT_ENV = "SHARDED_STATE_S3_RETRY_TIMEOUT"
-DEFAULT_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_RETRY_TIMEOUT_S, DEFAULT_ATTEMPTS = 60.0, 10.0, 180.0, 6
+DEFAULT_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_RETRY_TIMEOUT_S, DEFAULT_ATTEMPTS = 60.0, 10.0, 180.0, 10
 
 
 def _seconds(name: str, default: float) -> float:
