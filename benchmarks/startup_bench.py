@@ -6,14 +6,12 @@ carries each rank's compile cache), then starts real engines, each in its own pr
 own ``VLLM_CACHE_ROOT``, and times ``LLM(...)`` until it returns and the first token:
 
 - ``a_fresh``: our loader, a fresh node (empty cache), artifacts not used (``SHARDED_STATE_STARTUP_ARTIFACTS=0``);
-- ``b_fresh_artifacts``: our loader, a fresh node, the checkpoint's artifacts restored;
+- ``b_fresh_artifacts``: our loader, a fresh node, the checkpoint's artifacts restored, the node
+  first prepared from the checkpoint (``vllm_sharded_loader.prepare_node``, as ``vllm-sharded-serve``
+  does: vLLM's model-class inspection cache, which vLLM reads before any loader runs);
 - ``c_warm``: our loader, the node of ``a_fresh`` again (vLLM's own cache warm), artifacts not used;
 - ``d_default_fresh``: vLLM's default loader on the HF safetensors, a fresh node, plugin off;
 - ``e_eager``: our loader, ``enforce_eager=True`` (no compile);
-- ``f_image_artifacts``: as ``b_fresh_artifacts``, on a node whose image holds vLLM's model-class
-  inspection cache (``VLLM_CACHE_ROOT/modelinfos/``, 1 KB per architecture, keyed by vLLM's model
-  files): vLLM inspects the model class before any loader or plugin sees the model, so no
-  checkpoint can carry that entry; copied here from ``a_fresh``'s node.
 
 ``--cases`` runs some cases only, kept beside the other cases of an earlier run of the same model
 and TP size in ``--out``.
@@ -45,7 +43,7 @@ import time
 
 from benchmarks.harness import HERE, ROOT, build, command, engine_env, layers_for, machine
 
-CASES = ("a_fresh", "b_fresh_artifacts", "c_warm", "d_default_fresh", "e_eager", "f_image_artifacts")
+CASES = ("a_fresh", "b_fresh_artifacts", "c_warm", "d_default_fresh", "e_eager")
 PROMPT = "the model loads every shard"
 LOGGING = {
     "version": 1,
@@ -70,6 +68,10 @@ def engine_child(spec: dict) -> None:
     from vllm import LLM, SamplingParams
 
     imported = time.time()
+    if spec.get("prepare"):
+        from vllm_sharded_loader import prepare_node
+
+        prepare_node(spec["model"])
     llm = LLM(
         model=spec["model"],
         tokenizer=spec["tokenizer"],
@@ -123,8 +125,6 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, toke
     if case != "c_warm":
         shutil.rmtree(cache, ignore_errors=True)
         os.makedirs(cache)
-    if case == "f_image_artifacts":
-        shutil.copytree(os.path.join(caches, "a_fresh", f"run{run}", "modelinfos"), os.path.join(cache, "modelinfos"))
     env = engine_env(tp, plugins=case != "d_default_fresh")
     env.update(VLLM_CACHE_ROOT=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor-default"))
     env["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(caches, "logging.json")
@@ -137,6 +137,7 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, toke
         "load_format": "safetensors" if case == "d_default_fresh" else "sharded_state",
         "eager": case == "e_eager",
         "max_num_batched_tokens": tokens,
+        "prepare": case == "b_fresh_artifacts",
     }
     env["STARTUP_BENCH_SPAWNED"] = repr(time.time())
     proc = subprocess.run(
@@ -153,8 +154,10 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, toke
         raise RuntimeError(f"{case} TP={tp} failed:\n{log[-4000:]}")
     result = json.loads(found.group(1))
     restored = log.count("restored start-up artifacts")
-    if (case in ("b_fresh_artifacts", "f_image_artifacts")) != (restored == tp):
+    if (case == "b_fresh_artifacts") != (restored == tp):
         raise RuntimeError(f"{case} TP={tp}: {restored} ranks restored start-up artifacts:\n{log[-3000:]}")
+    if (case == "b_fresh_artifacts") != ("model-class inspection cache restored" in log):
+        raise RuntimeError(f"{case} TP={tp}: the node was or was not prepared from the checkpoint:\n{log[-3000:]}")
     entry = {"case": case, "tp": tp, "run": run, "ids": result["ids"], **phases(result, log)}
     entry["aot_load_failed"] = "finalize_loading" in log
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in entry.items() if k != "ids"}))
@@ -206,10 +209,6 @@ def summarize(engines: list[dict]) -> dict:
             "b_over_c": b / table["c_warm"]["llm_ready"],
             "b_over_a": b / table["a_fresh"]["llm_ready"],
         }
-        if "f_image_artifacts" in table:
-            f = table["f_image_artifacts"]["llm_ready"]
-            table["targets"]["f_over_c"] = f / table["c_warm"]["llm_ready"]
-            table["targets"]["f_over_a"] = f / table["a_fresh"]["llm_ready"]
     return table
 
 
@@ -256,11 +255,6 @@ def markdown(out: str) -> str:
                 f"(b) / (c) = {t['b_over_c']:.2f} (target at most 1.15); (b) / (a) = {t['b_over_a']:.2f} "
                 "(target at most 0.60).",
             ]
-            if "f_over_c" in t:
-                lines.append(
-                    f"With vLLM's model-class inspection cache in the node's image: (f) / (c) = {t['f_over_c']:.2f}; "
-                    f"(f) / (a) = {t['f_over_a']:.2f}."
-                )
         lines.append("")
     return "\n".join(lines)
 

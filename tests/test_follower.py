@@ -1,6 +1,6 @@
 """The pieces of the multi-node support that run without an engine: ``vllm-sharded-serve``'s answer
-to vLLM's version look-up, and when a worker watches its leader. The whole (two nodes, a leader
-that ends or is killed) is ``tests/test_nodes.py``."""
+to vLLM's version look-up and the model it prepares the node for, and when a worker watches its
+leader. The whole (two nodes, a leader that ends or is killed) is ``tests/test_nodes.py``."""
 
 import importlib.metadata
 import socket
@@ -22,6 +22,21 @@ def test_the_version_lookup_answers_for_vllm_as_vllm_detects_its_platform():
     assert lookup("torch") == importlib.metadata.version("torch")
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         lookup("no-such-distribution-here")
+
+
+@pytest.mark.parametrize(
+    "args, model",
+    [
+        (["/ckpt", "--load-format", "sharded_state", "--tensor-parallel-size", "2"], "/ckpt"),
+        (["--load-format=sharded_state", "--model", "s3://b/ckpt"], "s3://b/ckpt"),
+        (["--model=org/repo", "--load-format", "sharded_state"], "org/repo"),
+        (["/hf-model", "--tensor-parallel-size", "2"], None),
+        (["/hf-model", "--load-format", "safetensors"], None),
+    ],
+    ids=["positional", "--model", "--model=", "no load format", "another load format"],
+)
+def test_the_serve_command_prepares_the_node_for_a_sharded_model_only(args, model):
+    assert serve_cli.sharded_model(args) == model
 
 
 def test_leader_listens_while_its_store_accepts_connections():

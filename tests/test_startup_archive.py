@@ -159,9 +159,11 @@ def test_records_compare_by_value():
     assert dataclasses.replace(record) == record
 
 
-def save_with_artifacts(where: str, tp_size: int, archives: dict[int, bytes], fail_publish: bool = False) -> Manifest:
+def save_with_artifacts(
+    where: str, tp_size: int, archives: dict[int, bytes], fail_publish: bool = False, key: dict | None = None
+) -> Manifest:
     """A save at ``tp_size`` through the save protocol whose ranks carry ``archives`` (by TP rank), as
-    the engine's save hook writes them once a rank's parts are placed."""
+    the engine's save hook writes them once a rank's parts are placed, under ``key`` (default KEY)."""
 
     def stage(target: SaveTarget):
         for t in range(tp_size):
@@ -169,7 +171,7 @@ def save_with_artifacts(where: str, tp_size: int, archives: dict[int, bytes], fa
             yield stage_rank(target.staging(), tensors, RankInfo(t, tp_size), token=target.token), None
 
     def placed(target: SaveTarget, entry: RankEntry) -> RankEntry:
-        record = sa.write_rank_artifacts(target, archives[entry.tp_rank], KEY, entry.tp_rank, entry.pp_rank)
+        record = sa.write_rank_artifacts(target, archives[entry.tp_rank], key or KEY, entry.tp_rank, entry.pp_rank)
         return dataclasses.replace(entry, startup=record)
 
     def manifest(entries) -> Manifest:
@@ -238,3 +240,65 @@ def test_an_object_save_carries_each_ranks_archive_and_a_refused_save_changes_no
         return sorted(o["Key"][len(prefix) :] for o in listed if "startup-artifacts" in o["Key"])
 
     refused_and_replaced_saves_leave_only_the_published_archives(url, archives_there)
+
+
+MODEL_INFO = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+
+
+def _this_build() -> dict[str, str]:
+    import sys
+
+    import vllm
+
+    return dict(
+        KEY, vllm=vllm.__version__, torch=torch.__version__, python=f"{sys.version_info[0]}.{sys.version_info[1]}"
+    )
+
+
+def test_a_node_is_prepared_with_the_model_class_inspection_cache_its_checkpoint_carries(tmp_path, monkeypatch):
+    """``prepare_node`` (what ``vllm-sharded-serve`` runs before vLLM) restores the ``modelinfos``
+    entries of the archive, and nothing else of it, into ``VLLM_CACHE_ROOT``; keeps the node's own;
+    takes nothing saved by another build, from a damaged archive, from one reaching outside the
+    cache, or with the switch off; and never fails."""
+    from vllm_sharded_loader.engine.compile_cache import prepare_node
+
+    entry = b'{"hash": "h", "modelinfo": {}}'
+    _cache(tmp_path / "saved", {"0/fx/graph": b"compiled", f"modelinfos/{MODEL_INFO}": entry})
+    data = sa.pack(str(tmp_path / "saved"), ["0", "modelinfos"])
+    ckpt = tmp_path / "ckpt"
+    save_with_artifacts(str(ckpt), 2, {0: data, 1: data}, key=_this_build())
+    node = tmp_path / "node"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(node))
+    assert prepare_node(str(ckpt)) == 1
+    assert [p.relative_to(node).as_posix() for p in node.rglob("*") if p.is_file()] == [f"modelinfos/{MODEL_INFO}"]
+    assert (node / "modelinfos" / MODEL_INFO).read_bytes() == entry
+    (node / "modelinfos" / MODEL_INFO).write_bytes(b"this node's own")
+    assert prepare_node(str(ckpt)) == 0 and (node / "modelinfos" / MODEL_INFO).read_bytes() == b"this node's own"
+
+    def nothing_from(where, **env) -> None:
+        fresh = tmp_path / f"fresh-{uuid.uuid4().hex[:6]}"
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(fresh))
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert prepare_node(str(where)) == 0 and not fresh.exists()
+        for name in env:
+            monkeypatch.delenv(name)
+
+    other = tmp_path / "other-vllm"
+    save_with_artifacts(str(other), 1, {0: data}, key=dict(_this_build(), vllm="0.31.0"))
+    nothing_from(other)
+    nothing_from(ckpt, **{sa.ENABLE_ENV: "0"})
+    damaged = tmp_path / "damaged"
+    record = save_with_artifacts(str(damaged), 1, {0: data}, key=_this_build()).rank(0, 0).startup
+    (damaged / record.file).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    nothing_from(damaged)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo(f"modelinfos/../../{MODEL_INFO}")
+        info.size = len(entry)
+        tar.addfile(info, io.BytesIO(entry))
+    hostile = tmp_path / "hostile"
+    save_with_artifacts(str(hostile), 1, {0: buffer.getvalue()}, key=_this_build())
+    nothing_from(hostile)
+    assert not list(tmp_path.glob(MODEL_INFO))
+    nothing_from(tmp_path / "no-checkpoint-here")

@@ -3,7 +3,8 @@
 A checkpoint saved from a compiled engine carries each rank's compile cache; an engine with an
 empty ``VLLM_CACHE_ROOT`` restores it before vLLM compiles. Every case compares greedy token
 ids with vLLM's default loader (the saving engine, compiled too). A mismatched key or a damaged
-archive is never used: one log line, then vLLM compiles as usual with the same ids.
+archive is never used: one log line, then vLLM compiles as usual with the same ids. A node
+prepared from the checkpoint (``prepare_node``) also skips vLLM's model-class inspection.
 
 Compiled (not ``enforce_eager``) engine starts take 30-90 s each here, so the cases that fall
 back share one cache folder: only the first compiles from nothing.
@@ -63,12 +64,23 @@ def test_a_fresh_node_restores_the_artifacts_and_serves_the_same_ids(carried):
     assert record is not None and (carried["ckpt"] / record.file).stat().st_size == record.size
     assert record.key["topology"] == "tp=1 pp=1 dp=1" and record.key["device"]
     fresh = carried["root"] / "fresh-cache"
-    run = run_engine(_compiled(str(carried["ckpt"]), fresh, load_format="sharded_state"))
+    run = run_engine(_compiled(str(carried["ckpt"]), fresh, load_format="sharded_state", prepare=True))
     restored = re.search(RESTORED + r" \S+ \([\d.]+ MB, (\d+) files, 0 already there\) into (\S+)", run.output)
     assert restored and int(restored.group(1)) > 0, run.tail()
     # Into the folder vLLM compiled in: the one it then wrote its own AOT artifact beside.
     assert f"saved AOT compiled function to {restored.group(2)}" in run.output, run.tail()
     assert run.result["token_ids"] == carried["reference"]
+    used_model_info(run, carried["root"] / "save-cache")
+
+
+def used_model_info(run, saving_cache: Path) -> None:
+    """The node's start took vLLM's model-class inspection cache from the checkpoint: the entries
+    the saving node's vLLM wrote (a fresh start inspects and writes them) were restored before
+    ``LLM(...)``, and vLLM kept them (it replaces an entry it inspects again)."""
+    prepared = run.result["prepared"]
+    written = sorted(p.name for p in (saving_cache / "modelinfos").iterdir())
+    assert written and prepared["count"] == len(written), (written, prepared, run.tail())
+    assert sorted(prepared["inodes"]) == written and prepared["inodes_after"] == prepared["inodes"], prepared
 
 
 def test_a_fresh_node_restores_the_artifacts_from_a_bucket(carried):
@@ -77,10 +89,12 @@ def test_a_fresh_node_restores_the_artifacts_from_a_bucket(carried):
     manifest = open_store(carried["bucket"]).read_manifest()
     record = manifest.rank(0, 0).startup
     assert record is not None and is_startup_artifacts_name(record.file), manifest.rank(0, 0)
-    run = run_engine(_compiled(carried["bucket"], carried["root"] / "bucket-cache", load_format="sharded_state"))
+    cache = carried["root"] / "bucket-cache"
+    run = run_engine(_compiled(carried["bucket"], cache, load_format="sharded_state", prepare=True))
     restored = re.search(RESTORED + r" (\S+) \([\d.]+ MB, (\d+) files, 0 already there\)", run.output)
     assert restored and restored.group(1) == record.file and int(restored.group(2)) > 0, run.tail()
     assert run.result["token_ids"] == carried["reference"]
+    used_model_info(run, carried["root"] / "save-cache")
 
 
 def _copy(carried: dict, name: str) -> Path:
@@ -103,9 +117,11 @@ def test_mismatched_or_damaged_artifacts_fall_back_to_compiling(carried):
     data = bytearray(archive.read_bytes())
     data[len(data) // 2] ^= 0xFF
     archive.write_bytes(bytes(data))
-    run = run_engine(_compiled(str(corrupt), cache, load_format="sharded_state"))
+    run = run_engine(_compiled(str(corrupt), cache, load_format="sharded_state", prepare=True))
     assert NOT_USED in run.output and "does not match the manifest" in run.output, run.tail()
     assert RESTORED not in run.output
+    # Nor vLLM's inspection cache from it: vLLM inspects the model class itself.
+    assert run.result["prepared"]["count"] == 0 and "inspection cache not restored" in run.output, run.tail()
     assert run.result["token_ids"] == carried["reference"]
 
     # Saved on another CPU (an AVX-512 machine's kernels would crash an AVX2-only one, and back).
@@ -151,9 +167,10 @@ def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(mod
     manifest = Manifest.from_json((out / MANIFEST_NAME).read_text())
     ranks = [r.startup.key["rank"] for r in manifest.ranks]
     assert ranks == ["tp_rank=0 pp_rank=0 dp_rank=0", "tp_rank=1 pp_rank=0 dp_rank=0"]
-    run = run_engine(_compiled(str(out), tmp_path / "fresh", tp=2, load_format="sharded_state"))
+    run = run_engine(_compiled(str(out), tmp_path / "fresh", tp=2, load_format="sharded_state", prepare=True))
     assert run.output.count(RESTORED) == 2, run.tail()
     assert run.result["token_ids"] == save.result["token_ids"]
+    used_model_info(run, tmp_path / "save-cache")
     # Served at TP=1 (resharded): the TP=2 artifacts are not for this topology.
     run = run_engine(_compiled(str(out), tmp_path / "fresh-tp1", load_format="sharded_state"))
     assert NOT_USED in run.output and "topology: saved 'tp=2" in run.output, run.tail()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "register"]
+__all__ = ["__version__", "prepare_node", "register"]
 
 
 def register() -> None:
@@ -20,3 +20,13 @@ def register() -> None:
     from .engine.plugin import install
 
     install()
+
+
+def prepare_node(model: str, revision: str | None = None, download_dir: str | None = None) -> int:
+    """Before ``LLM(model, load_format="sharded_state")`` on a fresh node: restore what the
+    checkpoint carries that vLLM reads before any loader runs (its model-class inspection cache,
+    about 15 s of a fresh start). Never fails a start; returns how many entries were restored.
+    ``vllm-sharded-serve`` does this itself. See :func:`.engine.compile_cache.prepare_node`."""
+    from .engine.compile_cache import prepare_node as prepare
+
+    return prepare(model, revision, download_dir)

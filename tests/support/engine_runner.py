@@ -6,7 +6,9 @@ Optional keys: ``pp``, ``env`` (environment variables to set first), ``capture_d
 the loaded state there at start-up),
 ``save_to`` / ``pattern`` / ``max_size`` (call vLLM's save hook after start-up), ``saves`` (a list
 of paths to save to in turn, each reported as ``"ok"`` or its error in ``result["saves"]``),
-``hold`` (seconds to keep the engine up after the result),
+``hold`` (seconds to keep the engine up after the result), ``prepare`` (call
+``vllm_sharded_loader.prepare_node`` first; ``result["prepared"]``: its count and the inodes of
+``VLLM_CACHE_ROOT/modelinfos/`` before and after ``LLM(...)``),
 ``extra_config`` (model_loader_extra_config), ``update`` (a parameter name: before the
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
 do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra ``LLM(...)``
@@ -22,6 +24,18 @@ import json
 import os
 import sys
 import time
+
+
+def model_info_inodes() -> dict[str, int]:
+    """vLLM's model-class inspection cache entries on this node, name -> inode."""
+    import vllm.envs as envs
+
+    folder = os.path.join(envs.VLLM_CACHE_ROOT, "modelinfos")
+    return (
+        {name: os.stat(os.path.join(folder, name)).st_ino for name in sorted(os.listdir(folder))}
+        if os.path.isdir(folder)
+        else {}
+    )
 
 
 def main() -> None:
@@ -46,6 +60,10 @@ def main() -> None:
     engine.setdefault("enforce_eager", pp == 1)
     # ``engine`` may name another backend (tests/test_ray.py: ``ray``).
     engine.setdefault("distributed_executor_backend", "mp" if tp * pp > 1 else None)
+    if spec.get("prepare"):
+        from vllm_sharded_loader import prepare_node
+
+        prepared = {"count": prepare_node(spec["model"]), "inodes": model_info_inodes()}
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -58,6 +76,9 @@ def main() -> None:
         **engine,
     )
     result: dict = {"engine_start_seconds": time.perf_counter() - started}
+    if spec.get("prepare"):
+        # vLLM replaces an entry it inspected again (a rename): the same inode means it used ours.
+        result["prepared"] = {**prepared, "inodes_after": model_info_inodes()}
     if spec.get("update"):
         llm.collective_rpc(update_weight, args=(spec["update"],))
     if spec.get("save_to"):

@@ -10,6 +10,12 @@ and vLLM's own cache key, topology, rank, device). At load, before vLLM compiles
 restores only its own archive, only if the key matches the served one exactly and the bytes
 match their checksum; otherwise it says why in one line and vLLM compiles as usual.
 
+The archive also carries vLLM's model-class inspection cache for the model's architectures
+(``VLLM_CACHE_ROOT/modelinfos/``, :data:`MODEL_INFO_FOLDER`): vLLM inspects the model class in
+a subprocess (about 15 s on a fresh node) while it builds its configuration, before any loader
+runs, so that entry is restored by a step before the engine (:func:`..engine.compile_cache.prepare_node`,
+which ``vllm-sharded-serve`` runs), and the load's restore skips it.
+
 Engine-free: packing, keys and checks. ``SHARDED_STATE_STARTUP_ARTIFACTS=0`` turns both the
 save and the restore off.
 """
@@ -21,7 +27,7 @@ import io
 import os
 import tarfile
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..format.errors import CheckpointCorrupt
 from ..format.manifest import FileEntry, StartupArtifacts
@@ -34,6 +40,8 @@ ENABLE_ENV = "SHARDED_STATE_STARTUP_ARTIFACTS"
 MAX_ARCHIVE_BYTES = 2 * 1024**3
 # Inductor's lock files are per process; they are never carried.
 SKIPPED_FOLDERS = frozenset({"locks"})
+# The archive's folder of vLLM's model-class inspection cache entries, restored under VLLM_CACHE_ROOT.
+MODEL_INFO_FOLDER = "modelinfos"
 
 
 def enabled() -> bool:
@@ -114,14 +122,17 @@ def _member_path(root: str, member: tarfile.TarInfo) -> str | None:
     return path if path.startswith(os.path.join(os.path.normpath(root), "")) else None
 
 
-def restore(data: bytes, root: str) -> tuple[int, int]:
-    """Unpack a checked archive under ``root`` (vLLM's AOT compile cache folder). Files already
-    there are left as they are (another rank, or this node's own compile, wrote them: cache
-    entries are named by their content's hash); each new file is written to a temporary name
-    and renamed, so vLLM never reads half a file. Returns (files written, files already there)."""
+def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> tuple[int, int]:
+    """Unpack a checked archive under ``root`` (vLLM's AOT compile cache folder), only the members
+    under ``folders`` (top-level names; default all). Files already there are left as they are
+    (another rank, or this node's own compile, wrote them: cache entries are named by their
+    content's hash); each new file is written to a temporary name and renamed, so vLLM never
+    reads half a file. Returns (files written, files already there)."""
     written = kept = 0
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         for member in tar:
+            if folders is not None and member.name.split("/", 1)[0] not in folders:
+                continue
             path = _member_path(root, member)
             if path is None:
                 raise CheckpointCorrupt(

