@@ -78,6 +78,7 @@ def used_model_info(run, saving_cache: Path) -> None:
     the saving node's vLLM wrote (a fresh start inspects and writes them) were restored before
     ``LLM(...)``, and vLLM kept them (it replaces an entry it inspects again)."""
     prepared = run.result["prepared"]
+    assert "model-class inspection cache restored" in run.output, run.tail()
     written = sorted(p.name for p in (saving_cache / "modelinfos").iterdir())
     assert written and prepared["count"] == len(written), (written, prepared, run.tail())
     assert sorted(prepared["inodes"]) == written and prepared["inodes_after"] == prepared["inodes"], prepared

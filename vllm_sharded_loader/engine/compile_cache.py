@@ -335,6 +335,11 @@ def prepare_node(model: str, revision: str | None = None, download_dir: str | No
     if not startup_artifacts.enabled():
         return 0
     try:
+        # vLLM configures its logging when it builds the engine; before that our lines would go nowhere.
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed
+
+        configure_logging_if_needed(LoggingConfig())
         return _prepare_node(model, revision, download_dir)
     except Exception as e:  # optional: vLLM inspects the model class as it would without it
         logger.warning("sharded_state: %s: vLLM's model-class inspection cache not restored (%s)", model, e)
@@ -353,7 +358,8 @@ def _prepare_node(model: str, revision: str | None, download_dir: str | None) ->
         return 0
     # The entries are the same on every rank; any rank's archive saved by this build carries them.
     installed = {"vllm": vllm.__version__, "torch": torch.__version__, "python": served_key_python()}
-    differs = [startup_artifacts.key_mismatch({k: r.key.get(k) for k in installed}, installed) for r in records]
+    saved = [{k: r.key[k] for k in installed if k in r.key} for r in records]
+    differs = [startup_artifacts.key_mismatch(key, installed) for key in saved]
     if None not in differs:
         logger.info("sharded_state: %s: start-up artifacts saved by another build (%s)", model, differs[0])
         return 0
