@@ -40,5 +40,5 @@ tier() { python -m pytest -q -p no:cacheprovider "$@" || [ $? = 5 ]; }
 tier -n 2 --dist worksteal -m "not engine" tests "$@"
 if [ "$fast" = 0 ]; then
   # The slowest engine tests are listed at the end: where the suite's time goes.
-  tier -m engine --durations=15 tests "$@"
+  tier -m engine --durations=40 tests "$@"
 fi
