@@ -126,7 +126,7 @@ def test_a_save_to_a_shared_folder_from_two_nodes_needs_no_setting(cluster, refe
     manifest = read_manifest(str(checkpoint))
     assert (manifest.tp_size, len(manifest.ranks)) == (2, 2)
     # Parts, manifest and the served model's non-weight files: no lock or staging file left.
-    parts = {f.name for rank in manifest.ranks for f in rank.files}
+    parts = manifest.listed_files()  # each rank's parts and start-up archive
     carried = {p.name for p in (cluster.node_dir(0) / "hf").iterdir() if not p.name.endswith(".safetensors")}
     assert {p.name for p in checkpoint.iterdir()} == parts | carried | {MANIFEST_NAME}
 
@@ -218,7 +218,7 @@ def test_a_follower_killed_mid_save_ends_the_save_promptly_and_loses_nothing(clu
     assert served.result["saves"] == ["ok"], served.result["saves"]
     assert verify_checkpoint(str(target)) == []
     manifest = read_manifest(str(target))
-    parts = {f.name for rank in manifest.ranks for f in rank.files}
+    parts = manifest.listed_files()  # each rank's parts and start-up archive
     carried = {p.name for p in (cluster.node_dir(0) / "hf").iterdir() if not p.name.endswith(".safetensors")}
     assert {p.name for p in target.iterdir()} == parts | carried | {MANIFEST_NAME}
     assert_all_ended(served)

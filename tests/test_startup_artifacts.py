@@ -176,3 +176,20 @@ def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(mod
     run = run_engine(_compiled(str(out), tmp_path / "fresh-tp1", load_format="sharded_state"))
     assert NOT_USED in run.output and "topology: saved 'tp=2" in run.output, run.tail()
     assert run.result["token_ids"] == carried["reference"]
+
+
+def test_an_eager_save_carries_only_the_inspection_cache_and_a_prepared_node_uses_it(models, tmp_path):
+    """An engine that compiled nothing (``enforce_eager``) carries vLLM's model-class inspection
+    cache alone, under a key with nothing compiled: a fresh node prepared from it skips the
+    inspection, and its load leaves the archive to ``prepare_node`` (no log line)."""
+    out = tmp_path / "ckpt"
+    spec = {"model": models["llama"], "env": {"VLLM_CACHE_ROOT": str(tmp_path / "save-cache")}}
+    save = run_engine({**spec, "capture_dir": str(out), "save_to": str(out)})
+    assert save.result.get("saved"), save.result
+    record = Manifest.from_json((out / MANIFEST_NAME).read_text()).rank(0, 0).startup
+    assert record is not None and record.key["compiled"] == "", record
+    fresh = {"VLLM_CACHE_ROOT": str(tmp_path / "fresh")}
+    run = run_engine({"model": str(out), "load_format": "sharded_state", "env": fresh, "prepare": True})
+    used_model_info(run, tmp_path / "save-cache")
+    assert NOT_USED not in run.output and RESTORED not in run.output, run.tail()
+    assert run.result["token_ids"] == save.result["token_ids"]

@@ -140,37 +140,49 @@ def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
     modules = compiled_modules(model)
     if not modules:
         return None
+    compilation = modules[0].vllm_config.compilation_config
+    return {
+        **uncompiled_key(rank),
+        "compiled": ",".join(type(m).__name__ for m in modules),
+        "compilation": f"mode={compilation.mode.name} backend={compilation.backend}",
+        "compilation_config": compilation.compute_hash(),
+    }
+
+
+def uncompiled_key(rank: RankInfo) -> dict[str, str]:
+    """The key of an archive that carries no compile cache (the engine compiled nothing), only
+    vLLM's model-class inspection cache: ``compiled`` is empty."""
     import vllm
 
-    compilation = modules[0].vllm_config.compilation_config
     return {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "python": served_key_python(),
-        "compiled": ",".join(type(m).__name__ for m in modules),
-        "compilation": f"mode={compilation.mode.name} backend={compilation.backend}",
-        "compilation_config": compilation.compute_hash(),
+        "compiled": "",
         "topology": f"tp={rank.tp_size} pp={rank.pp_size} dp={rank.dp_size}",
         "rank": f"tp_rank={rank.tp_rank} pp_rank={rank.pp_rank} dp_rank={rank.dp_rank}",
         "device": device_label(),
     }
 
 
-def save_startup_artifacts(model: torch.nn.Module, target: SaveTarget, entry: RankEntry, rank: RankInfo) -> RankEntry:
-    """At a save (a local folder or object storage), on every worker: pack this rank's compile cache,
-    write it into the save's target and return its manifest entry with the record. Optional for
-    the save: anything that keeps them from being carried is one log line, and the weights are
-    saved as usual."""
+def save_startup_artifacts(
+    model: torch.nn.Module, target: SaveTarget, entry: RankEntry, rank: RankInfo, model_config: Any = None
+) -> RankEntry:
+    """At a save (a local folder or object storage), on every worker: pack this rank's compile cache
+    and vLLM's model-class inspection cache entries for the model (``model_config``: the served
+    one, when nothing was compiled), write them into the save's target and return its manifest
+    entry with the record. An engine that compiled nothing (eager mode) carries the inspection
+    cache only. Optional for the save: anything that keeps them from being carried is one log
+    line, and the weights are saved as usual."""
     if not startup_artifacts.enabled():
         return entry
     try:
+        modules = compiled_modules(model)
         key = served_key(model, rank)
-        if key is None:
-            logger.info("sharded_state: %s carries no start-up artifacts: vLLM compiled nothing to cache", rank)
-            return entry
+        if modules:
+            model_config = modules[0].vllm_config.model_config
         staging = tempfile.mkdtemp(prefix="startup-artifacts-")
         try:
-            modules = compiled_modules(model)
             for index, module in enumerate(modules):
                 inductor = os.path.join(cache_dir_of(module), "inductor_cache")
                 if not os.path.isdir(inductor):
@@ -178,8 +190,16 @@ def save_startup_artifacts(model: torch.nn.Module, target: SaveTarget, entry: Ra
                     return entry
                 os.symlink(inductor, os.path.join(staging, str(index)))
             folders = [str(i) for i in range(len(modules))]
-            if _stage_model_info(modules[0], os.path.join(staging, startup_artifacts.MODEL_INFO_FOLDER)):
+            info = model_config is not None and _stage_model_info(
+                model_config, os.path.join(staging, startup_artifacts.MODEL_INFO_FOLDER)
+            )
+            if info:
                 folders.append(startup_artifacts.MODEL_INFO_FOLDER)
+            if key is None:
+                if not info:
+                    logger.info("sharded_state: %s carries no start-up artifacts: vLLM compiled nothing", rank)
+                    return entry
+                key = uncompiled_key(rank)
             data = startup_artifacts.pack(staging, folders)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -232,8 +252,8 @@ def _restore(
     except ShardedStateError:
         entry = None
     record = entry.startup if entry is not None else None
-    if record is None:
-        return False
+    if record is None or record.key.get("compiled") == "":
+        return False  # none, or only what prepare_node restores before the engine
     served = served_key(model, rank)
     if served is None:
         logger.info("sharded_state: %s start-up artifacts not used: vLLM keeps no compile cache here", rank)
@@ -290,13 +310,12 @@ def _unpack_before_first_forward(model: torch.nn.Module, data: bytes, rank: Rank
     handle = model.register_forward_pre_hook(unpack)
 
 
-def _model_info_names(module: Any) -> list[str]:
+def _model_info_names(model_config: Any) -> list[str]:
     """The names of vLLM's model-class inspection cache entries (``VLLM_CACHE_ROOT/modelinfos/``)
     for the served model's architectures, as vLLM's registry names them (``{module}-{class}.json``,
     dots as dashes); none for a class registered already imported (it is never inspected)."""
     from vllm.model_executor.models.registry import ModelRegistry
 
-    model_config = module.vllm_config.model_config
     names = []
     for arch in dict.fromkeys([model_config.architecture, *(model_config.architectures or [])]):
         registered = ModelRegistry.models.get(arch)
@@ -306,12 +325,12 @@ def _model_info_names(module: Any) -> list[str]:
     return names
 
 
-def _stage_model_info(module: Any, folder: str) -> bool:
+def _stage_model_info(model_config: Any, folder: str) -> bool:
     """Copy this node's inspection cache entries for the model into ``folder``; False if it has none."""
     import vllm.envs as envs
 
     found = False
-    for name in _model_info_names(module):
+    for name in _model_info_names(model_config):
         path = os.path.join(envs.VLLM_CACHE_ROOT, startup_artifacts.MODEL_INFO_FOLDER, name)
         if os.path.isfile(path) and not os.path.islink(path):
             os.makedirs(folder, exist_ok=True)

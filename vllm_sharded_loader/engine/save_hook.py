@@ -288,7 +288,9 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
         carry=lambda carried: _stage_non_weight_files(state, carried),
         discard=partial(_discard, state),
         # Each rank's start-up artifacts go beside its parts (optional: never fail the save).
-        placed=lambda target, entry: save_startup_artifacts(model, target, entry, rank),
+        placed=lambda target, entry: save_startup_artifacts(
+            model, target, entry, rank, getattr(state, "model_config", None)
+        ),
     )
     try:
         manifest, (staged,) = run_save(target, workers, job)
