@@ -109,7 +109,12 @@ class SeaweedS3(LocalServer):
                 "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1",
                 f"-s3.config={config}",
-                "-volume.max=0",
+                # Each bucket is a collection that takes volumes of its own (7 at its first
+                # write). A fixed count: 0 ("free disk / volume size") let a CI disk with little
+                # free space run out after a few buckets, and every write to a new bucket then
+                # failed with 500 InternalError ("no free volumes left"). Volumes are not
+                # preallocated: an empty one costs a few KB.
+                "-volume.max=1000",
                 "-master.volumeSizeLimitMB=1024",
                 *flags,
             ],
@@ -162,8 +167,8 @@ class SeaweedS3(LocalServer):
         )
 
     def create_bucket(self, name: str) -> None:
-        """Make bucket ``name`` and return once it takes a write. SeaweedFS makes a bucket's volumes
-        on its first write; until they exist, under load, writes there fail with 500 InternalError."""
+        """Make bucket ``name`` and return once it takes a write (SeaweedFS makes a bucket's volumes
+        on its first write)."""
         client = self.client()
         client.create_bucket(Bucket=name)
         deadline = time.monotonic() + self.start_timeout
