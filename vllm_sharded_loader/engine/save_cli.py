@@ -17,10 +17,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..checkpoint.remote_save import check_prefix_free
 from ..checkpoint.save import DEFAULT_MAX_SIZE
-from ..format.errors import SaveRefused, ShardedStateError
-from ..format.names import MANIFEST_NAME
+from ..format.errors import ShardedStateError
 from ..storage import location
+from ..storage.fresh_process import in_fresh_process
 from ..storage.local import directory_holds_checkpoint
 from ..storage.location import open_store
 from ..storage.lock import describe_lock, read_lock
@@ -152,13 +153,11 @@ def _prepare_object_output(url: str, overwrite: bool) -> StagingFolder:
     the folder (its marker's lock) from before the engine starts until the save is over,
     since the workers only fill it: if it is killed, the next save on the host removes the
     folder, once no worker's capture marker in it is held either.
+
+    The prefix is checked from a fresh process: object storage used in this one would hang the
+    engine core and workers that vLLM forks from it where it forks them (storage/fresh_process.py).
     """
-    store = open_store(url)
-    store.check_not_locked()
-    if store.exists_file(MANIFEST_NAME) and not overwrite:
-        raise SaveRefused(
-            f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass --overwrite."
-        )
+    in_fresh_process(check_prefix_free, url, overwrite)
     return make_staging_folder()
 
 

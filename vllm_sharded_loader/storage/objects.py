@@ -41,7 +41,7 @@ from urllib.parse import urlparse
 from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME
-from .object_clients import AZURE_BLOB_HOST, _store
+from .object_clients import AZURE_BLOB_HOST, _store, check_not_forked
 from .object_clients import AZURE_CONNECTION_STRING_ENV as AZURE_CONNECTION_STRING_ENV  # re-exported: one name
 from .object_clients import azure_connection_string as azure_connection_string  # for every setting of a store
 
@@ -116,6 +116,7 @@ class ObjectPrefix:
 
     def store(self) -> Any:
         """The obstore client of this bucket (one per bucket and process, shared by every thread)."""
+        check_not_forked(self.url())
         return _store(self.scheme, self.bucket, self.account)
 
 

@@ -1,0 +1,80 @@
+"""Object-storage calls in a fresh process, for a process that forks afterwards.
+
+obstore's I/O runtime does not survive ``fork()``: once a process has made a request, a child it
+forks waits forever on its first one (:func:`.object_clients.check_not_forked` refuses instead).
+vLLM forks its engine core and workers where it may (on GPUs, unless CUDA is initialized), so
+what touches object storage in a process before it builds an engine (``prepare_node``, the save
+command's checks of its output prefix) runs in a short-lived fresh process instead
+(:func:`in_fresh_process`); :func:`copy_objects` brings objects into a local folder that way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..format import errors
+from ..format.errors import ShardedStateError
+
+_CALL = """
+import importlib, json, sys
+from vllm_sharded_loader.format.errors import ShardedStateError
+function = importlib.import_module(sys.argv[1])
+for part in sys.argv[2].split("."):
+    function = getattr(function, part)
+try:
+    answer = {"result": function(*json.loads(sys.argv[3]))}
+except ShardedStateError as e:
+    answer = {"error": type(e).__name__, "message": str(e)}
+print("\\n" + json.dumps(answer), flush=True)
+"""
+
+
+def in_fresh_process(function: Callable[..., Any], *args: Any, timeout: float = 600.0) -> Any:
+    """``function(*args)`` run in a fresh Python process: its value (JSON), or its
+    :class:`ShardedStateError` raised here with the same type and message. ``function`` is a
+    module-level function of this package; ``args`` and its value are JSON. The process is killed
+    past ``timeout`` seconds (every object-storage request is bounded well within it)."""
+    call = [function.__module__, function.__qualname__, json.dumps(list(args))]
+    try:
+        done = subprocess.run([sys.executable, "-c", _CALL, *call], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ShardedStateError(f"{function.__qualname__}{tuple(args)} took longer than {timeout:.0f} s.") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        said = done.stderr.strip().splitlines()
+        raise ShardedStateError(
+            f"{function.__qualname__}{tuple(args)} failed in its process (exit code {done.returncode}): "
+            f"{said[-1] if said else 'no message'}"
+        )
+    answer = json.loads(lines[-1])
+    if "error" in answer:
+        error = getattr(errors, answer["error"], ShardedStateError)
+        raise (error if isinstance(error, type) and issubclass(error, ShardedStateError) else ShardedStateError)(
+            answer["message"]
+        )
+    return answer["result"]
+
+
+def _copy_objects(url: str, names: list[str], folder: str) -> None:
+    from .objects import ObjectPrefix, read_object
+
+    where = ObjectPrefix.parse(url)
+    for name in names:
+        with open(os.path.join(folder, name), "xb") as f:
+            f.write(read_object(where, name))
+
+
+def copy_objects(url: str, names: list[str], folder: str) -> None:
+    """Copy the objects ``names`` of the object-storage prefix ``url`` into the existing local
+    ``folder`` (same names), from a fresh process (:func:`in_fresh_process`), through the same
+    clients, settings, timeouts and retries as every other read. Raises
+    :class:`ShardedStateError` naming the object if one cannot be read."""
+    for name in names:
+        if not name or name != os.path.basename(name) or name in (".", ".."):
+            raise ShardedStateError(f"{url}: {name!r} is not the name of an object at a checkpoint's top level.")
+    in_fresh_process(_copy_objects, url, names, folder)
