@@ -19,6 +19,7 @@ from typing import Any
 
 from ..format import errors
 from ..format.errors import ShardedStateError
+from ..format.names import check_plain_file_name
 
 _CALL = """
 import importlib, json, sys
@@ -52,12 +53,12 @@ def in_fresh_process(function: Callable[..., Any], *args: Any, timeout: float = 
             f"{said[-1] if said else 'no message'}"
         )
     answer = json.loads(lines[-1])
-    if "error" in answer:
-        error = getattr(errors, answer["error"], ShardedStateError)
-        raise (error if isinstance(error, type) and issubclass(error, ShardedStateError) else ShardedStateError)(
-            answer["message"]
-        )
-    return answer["result"]
+    if "error" not in answer:
+        return answer["result"]
+    error = getattr(errors, answer["error"], None)
+    if not (isinstance(error, type) and issubclass(error, ShardedStateError)):
+        error = ShardedStateError  # a subclass defined elsewhere: the base type, the same message
+    raise error(answer["message"])
 
 
 def _copy_objects(url: str, names: list[str], folder: str) -> None:
@@ -75,6 +76,5 @@ def copy_objects(url: str, names: list[str], folder: str) -> None:
     clients, settings, timeouts and retries as every other read. Raises
     :class:`ShardedStateError` naming the object if one cannot be read."""
     for name in names:
-        if not name or name != os.path.basename(name) or name in (".", ".."):
-            raise ShardedStateError(f"{url}: {name!r} is not the name of an object at a checkpoint's top level.")
+        check_plain_file_name(name, url)
     in_fresh_process(_copy_objects, url, names, folder)
