@@ -44,6 +44,8 @@ ENGINE_TIMEOUT = 900
 # A follower that has lost its leader stops within the watch's 3 checks 2 s apart, then
 # vLLM's own shutdown of its workers (up to about 10 s).
 FOLLOWER_EXIT_SECONDS = 60
+LEADER_INTERVAL = 0.5  # seconds between a follower's checks of its leader (SHARDED_STATE_LEADER_INTERVAL)
+LEADER_CHECKS = 3  # refused checks in a row that end a follower (engine/follower.py's default)
 
 
 def free_port() -> int:
@@ -103,7 +105,12 @@ class Nodes:
 
     def engine_environment(self, node: int) -> dict[str, str]:
         """What a vLLM engine on ``node`` needs on this machine: one worker, on its own core."""
-        return {**tiny_models.engine_environment(1), "VLLM_CPU_OMP_THREADS_BIND": str(node % (os.cpu_count() or 1))}
+        return {
+            **tiny_models.engine_environment(1),
+            "VLLM_CPU_OMP_THREADS_BIND": str(node % (os.cpu_count() or 1)),
+            # A follower finds its leader gone after 3 refused checks (engine/follower.py): 1.5 s, not 6.
+            "SHARDED_STATE_LEADER_INTERVAL": str(LEADER_INTERVAL),
+        }
 
     def environment(self, node: int) -> dict[str, str]:
         """The variables a vLLM process on ``node`` needs: its address for vLLM, gloo and ZeroMQ."""
@@ -309,7 +316,7 @@ def serve_tp2(
         if kill_leader:
             wait_until(lambda: result() is not None or leader.poll() is not None, timeout)
             # While the leader serves, its follower stays: longer than the watch needs to act.
-            time.sleep(FOLLOWER_EXIT_SECONDS / 4)
+            time.sleep(LEADER_INTERVAL * LEADER_CHECKS * 4)
             if follower.poll() is not None:
                 raise ClusterFailed(f"the follower ended while its leader still served:\n{tails(logs)}")
             os.killpg(leader.pid, signal.SIGKILL)
