@@ -105,6 +105,24 @@ def _fork_workers() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
 
 
+# Unset or "1": a child's tensor-parallel embedding masks its input uncompiled (below); "0": compiled.
+PLAIN_MASK_ENV = "VSL_TEST_PLAIN_EMBEDDING_MASK"
+
+
+def _plain_embedding_mask() -> None:
+    """Run vLLM's ``get_masked_input_and_mask`` (the vocabulary-parallel embedding's input mask at TP > 1)
+    as the plain function it wraps, not through ``torch.compile``.
+
+    vLLM compiles it, even in eager mode, at each worker's first forward: about 3 s of Dynamo
+    tracing and inductor per TP worker here, in every TP engine of the tests, to fuse five integer
+    ops. The function's values are the same either way; the loader never sees it.
+    """
+    from vllm.model_executor.layers import vocab_parallel_embedding as module
+
+    compiled = module.get_masked_input_and_mask
+    module.get_masked_input_and_mask = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
 def _child(request: dict) -> None:
     """The forked child: becomes ``python ARGS`` (a module or a script) with the request's environment.
 
@@ -123,6 +141,8 @@ def _child(request: dict) -> None:
             _eager_by_default()
         if os.environ.get(FORK_WORKERS_ENV, "1") == "1":
             _fork_workers()
+        if os.environ.get(PLAIN_MASK_ENV, "1") == "1":
+            _plain_embedding_mask()
         out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, 1)
         os.dup2(out, 2)
