@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -75,7 +76,7 @@ class Nodes:
         tag = os.getpid() % 10000
         self._names = [f"vsl{tag}n{i}" for i in range(count)]
         self._bridge = f"vsl{tag}br"
-        self._subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self._subnet = _free_subnet(tag) if shutil.which("ip") else ""
         self.isolated_network = self.isolated_disks and shutil.which("ip") is not None and self._make_network()
         self.processes: list[subprocess.Popen | ForkedProcess] = []
 
@@ -217,6 +218,20 @@ class Nodes:
                 self.close()
                 return False
         return True
+
+
+def _free_subnet(tag: int) -> str:
+    """A ``10.A.B`` /24 (A 200-249) that no address of this host is in, the first from ``tag``'s on.
+
+    A bridge that another run holds, or left when it was killed before its clean-up, must not
+    share it: the host would send the nodes' replies out of the other bridge, and every request
+    from a node to the host's servers (the bucket's proxies) would time out.
+    """
+    shown = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    taken = set(re.findall(r"inet (10\.\d+\.\d+)\.\d+/", shown))
+    subnets = [f"10.{a}.{b}" for a in range(200, 250) for b in range(250)]
+    start = tag % len(subnets)
+    return next((n for n in subnets[start:] + subnets[:start] if n not in taken), subnets[start])
 
 
 class ClusterFailed(Exception):

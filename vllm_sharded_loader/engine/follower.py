@@ -13,7 +13,7 @@ the leader's engine lives. Once it has refused
 ``SHARDED_STATE_LEADER_CHECKS`` connections in a row, ``SHARDED_STATE_LEADER_INTERVAL``
 seconds apart, the thread stops the follower as ``Ctrl-C`` would: ``SIGTERM`` to the
 process that started the workers (vLLM's headless command, which then shuts its
-executor down), and, should that not end this worker within 3 s (it did not, in the tests, while
+executor down), and, should that not end this worker within 5 s (it did not, in the tests, while
 the worker waited for the leader's next call), the worker itself. ``SHARDED_STATE_FOLLOWER_EXIT=0`` turns the watch off.
 """
 
@@ -37,11 +37,11 @@ INTERVAL_ENV = "SHARDED_STATE_LEADER_INTERVAL"
 CHECKS_ENV = "SHARDED_STATE_LEADER_CHECKS"
 DEFAULT_INTERVAL = 2.0
 DEFAULT_CHECKS = 3
-# After the SIGTERM: time for vLLM's own shutdown before this worker ends itself. In the tests'
-# two-node runs that shutdown never ended the worker, whose main thread waits on the gone leader's
-# queue: vLLM's headless command sent SIGTERM after its 5 s grace and SIGKILL 4 s later. A worker
-# with nothing to wait on has ended well within 3 s.
-GRACE_SECONDS = 3.0
+# After the SIGTERM: time for vLLM's own shutdown before this worker ends itself; the grace that
+# shutdown gives a worker before its own SIGTERM (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS' default),
+# so that a worker that can end cleanly does. In the tests' two-node runs it never ended the worker,
+# whose main thread waits on the gone leader's queue: SIGTERM came after 5 s, SIGKILL 4 s later.
+GRACE_SECONDS = 5.0
 
 _watching = threading.Event()
 
