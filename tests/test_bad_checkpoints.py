@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.support.checkpoints import RESHARD_MODEL, save_reshardable, source_of, stage_state
+from tests.support.engines import package_process
 from tests.support.reference import llama_like
 from tests.support.states import CONFIG, assert_untouched, fresh_targets, load, rank_state, save
 from vllm_sharded_loader.checkpoint import (
@@ -780,13 +781,7 @@ def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_p
     directory, flags = tmp_path / "ckpt", tmp_path / "flags"
     flags.mkdir()
     save(directory)
-    dead = subprocess.run(
-        [sys.executable, "-c", DEAD_SAVE.format(directory=str(directory), token=DEAD_TOKEN)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    dead = package_process(["-c", DEAD_SAVE.format(directory=str(directory), token=DEAD_TOKEN)], timeout=120)
     assert dead.returncode == 0, dead.stderr
     stale = read_lock(str(directory))
     assert stale is not None and stale["token"] == DEAD_TOKEN
@@ -876,13 +871,7 @@ def test_save_taking_a_stale_lock_over_removes_that_saves_staged_files_only(tmp_
 
     save(tmp_path)
     other = "feedfacecafe"
-    dead = subprocess.run(
-        [sys.executable, "-c", DEAD_SAVE.format(directory=str(tmp_path), token=DEAD_TOKEN)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    dead = package_process(["-c", DEAD_SAVE.format(directory=str(tmp_path), token=DEAD_TOKEN)], timeout=120)
     assert dead.returncode == 0, dead.stderr
     (tmp_path / staged_name("model-rank-1-part-0.safetensors", other)).write_bytes(b"not ours")
     owner = hold_owner_marker(str(tmp_path), other)  # a live engine's start-up capture

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -22,8 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support import ROOT
-from tests.support.engines import python_process, run_engine
+from tests.support.engines import package_process, python_process, run_engine
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound
 from vllm_sharded_loader.tools.convert import ComponentCache, convert_checkpoint
 
@@ -45,13 +43,7 @@ def convert(
 
 
 def verify(directory: str) -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "verify", directory],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = package_process(["-m", "vllm_sharded_loader.tools.cli", "verify", directory])
     assert run.returncode == 0, run.stdout + run.stderr
 
 

@@ -23,6 +23,8 @@ Any other snippet must run without an engine.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import re
 import shlex
@@ -229,23 +231,32 @@ def _environment(code: str) -> dict[str, str]:
     return {**os.environ, **engine_environment(_tp(code)), **FAST, **_path()}
 
 
+def _console_script_module(name: str) -> str:
+    """The module of the installed console script NAME (``pyproject.toml``'s ``[project.scripts]``):
+    ``python -m`` on it runs the script's function, which its ``__main__`` block calls."""
+    (entry,) = importlib.metadata.entry_points(group="console_scripts", name=name)
+    source = Path(importlib.util.find_spec(entry.module).origin).read_text()
+    assert f"{entry.attr}()" in source.rsplit('if __name__ == "__main__":', 1)[-1], entry
+    return entry.module
+
+
 def _one_python_command(code: str) -> list[str] | None:
     """A shell snippet that is one ``vllm-sharded ...`` or ``python SCRIPT.py ...`` command, as the
-    arguments ``python`` takes to run it (the console script is ``tools/cli.py``'s ``main``, as
-    ``pyproject.toml`` declares it); None for any other shell code, which bash runs."""
+    arguments ``python`` takes to run it; None for any other shell code, which bash runs."""
     joined = code.replace("\\\n", " ").strip()
     if not joined or any(c in joined for c in "\n;&|<>$`()*?"):
         return None
     words = shlex.split(joined)
+    cli = _console_script_module("vllm-sharded")
     if words[0] == "vllm-sharded":
-        args = ["-m", "vllm_sharded_loader.tools.cli", *words[1:]]
+        args = ["-m", cli, *words[1:]]
     elif words[0] == "python" and len(words) > 1 and words[1].endswith(".py"):
         args = words[1:]
     else:
         return None
     # A save command passes every engine flag to LLM(...), enforce_eager=False too: one that says
     # nothing of compilation runs eager, as a Python snippet's LLM(...) does here.
-    saves = args[:3] == ["-m", "vllm_sharded_loader.tools.cli", "save"] or args[0].endswith("save_sharded_state.py")
+    saves = args[:3] == ["-m", cli, "save"] or args[0].endswith("save_sharded_state.py")
     if saves and not any(w.startswith(("--enforce-eager", "--compilation-config", "-O")) for w in args):
         args.append("--enforce-eager")
     return args

@@ -19,19 +19,23 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
+from tests.support.engines import package_process
 from tests.support.states import save
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME
 
 BOUND_S = 60  # generous: each case takes well under a second when it does not hang
 
 
-def run(code: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter, started in the repository (``tests.support`` importable); a hang fails
-    the test at BOUND_S."""
+def run(code: str, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``code`` in a process of its own, started in the repository (``tests.support`` importable): forked
+    from the tests' package fork server, or with ``fresh`` a new interpreter (whose peak memory is its
+    own: a forked child's starts at its parent's). A hang fails the test at BOUND_S."""
     try:
-        return subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=BOUND_S
-        )
+        if fresh:
+            return subprocess.run(
+                [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=BOUND_S
+            )
+        return package_process(["-c", textwrap.dedent(code)], timeout=BOUND_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"hung for {BOUND_S} s: {code.strip().splitlines()[-1]}")
 
@@ -184,7 +188,8 @@ def test_a_manifest_that_would_take_gigabytes_to_parse_is_refused_before_parsing
         except Exception as e:
             print(*[c.__name__ for c in type(e).__mro__[:-3]], e)  # CheckpointCorrupt ShardedStateError
         print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
-        """
+        """,
+        fresh=True,
     )
     assert "ShardedStateError" in done.stdout and "would take about" in done.stdout, done.stdout + done.stderr
     assert MANIFEST_NAME in done.stdout

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
+from tests.support.engines import package_process
 from tests.support.reference import llama_like
 from tests.support.states import SOURCE
 from tests.support.stores import Failing, bucket_on, load_from, save_to_bucket, stores_pointed_at
@@ -586,18 +587,10 @@ def test_an_s3_save_killed_at_each_step_loses_nothing(s3, tmp_path, kill_at, sta
 
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)
-    root = os.path.dirname(os.path.dirname(__file__))
 
     def save(value: float, env: dict | None = None) -> subprocess.CompletedProcess:
         carry = str(model_folder(tmp_path, value))
-        return subprocess.run(
-            [sys.executable, "-c", S3_SAVER, url, str(value), carry],
-            cwd=root,
-            env={**os.environ, **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return package_process(["-c", S3_SAVER, url, str(value), carry], env)
 
     assert save(1.0).returncode == 0
     assert list(staging_dir.iterdir()) == []

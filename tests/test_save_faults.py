@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import ROOT
+from tests.support.engines import package_process
 from tests.support.faultkit import assert_published, carried_of, model_folder, states, tree_digest
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest, verify_checkpoint
@@ -58,14 +58,7 @@ SAVER = textwrap.dedent(
 def save_in_process(directory: Path, value: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     carry = str(model_folder(directory.parent, value))
     code = SAVER.format(directory=str(directory), value=value, carry=carry)
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return package_process(["-c", code], env, timeout=120)
 
 
 def listed(directory: Path) -> set[str]:

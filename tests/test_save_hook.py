@@ -9,11 +9,11 @@ publishes a start-up capture in place.
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 import textwrap
 
-from tests.support import ROOT
+from examples.tiny_models import engine_environment
+from tests.support.engines import python_process
 
 CHILD = textwrap.dedent(
     """
@@ -72,7 +72,5 @@ CHILD = textwrap.dedent(
 
 def test_the_save_hook_runs_the_one_driver_on_a_worker(tmp_path):
     port = 20000 + (tmp_path.stat().st_ino % 20000)
-    run = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path), str(port)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    run = python_process(["-c", CHILD, str(tmp_path), str(port)], {**os.environ, **engine_environment()}, timeout=300)
     assert run.returncode == 0 and "hook ok" in run.stdout, run.stderr[-3000:]

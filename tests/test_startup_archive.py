@@ -5,7 +5,6 @@ import hashlib
 import io
 import json
 import os
-import subprocess
 import sys
 import tarfile
 import uuid
@@ -13,6 +12,8 @@ import uuid
 import pytest
 import torch
 
+from examples.tiny_models import engine_environment
+from tests.support.engines import python_process
 from tests.support.states import SOURCE
 from tests.support.stores import bucket_on
 from vllm_sharded_loader.checkpoint import RankInfo
@@ -249,7 +250,6 @@ MODEL_INFO = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
 
 
 def _this_build() -> dict[str, str]:
-    import sys
 
     import vllm
 
@@ -339,11 +339,9 @@ def test_a_node_prepared_from_a_bucket_can_fork_and_a_fork_after_a_read_is_refus
     _cache(tmp_path / "saved", {f"modelinfos/{MODEL_INFO}": entry})
     url = f"{bucket}/{uuid.uuid4().hex[:8]}"
     save_with_artifacts(url, 1, {0: sa.pack(str(tmp_path / "saved"), ["modelinfos"])}, key=_this_build())
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "node")}
+    env = {**os.environ, **engine_environment(), "VLLM_CACHE_ROOT": str(tmp_path / "node")}
     # A hang is the failure this guards against: bounded here, it fails the test.
-    run = subprocess.run(
-        [sys.executable, "-c", PREPARE_THEN_FORK, url], env=env, capture_output=True, text=True, timeout=180
-    )
+    run = python_process(["-c", PREPARE_THEN_FORK, url], env, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert "prepared 1" in lines and "forked child 0" in lines, run.stdout

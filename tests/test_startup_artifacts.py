@@ -110,16 +110,16 @@ def _edit_key(ckpt: Path, field: str, value: str) -> None:
     (ckpt / MANIFEST_NAME).write_text(json.dumps(data))
 
 
-def _warm_cache(carried: dict, name: str) -> Path:
-    """A copy of the saving node's vLLM cache: an engine that falls back compiles against it (the
-    same model, settings and machine) in less time, as on a warm node, and writes into the copy."""
-    cache = carried["root"] / name
-    shutil.copytree(carried["root"] / "save-cache", cache)
+def _warm_cache(carried: dict, cache: Path, part: str = "") -> Path:
+    """CACHE, a vLLM cache folder that starts as a copy of the saving node's (or of its PART): an
+    engine that falls back compiles against it (the same model, settings and machine) in less time,
+    as on a warm node, and writes into the copy."""
+    shutil.copytree(carried["root"] / "save-cache" / part, cache / part)
     return cache
 
 
 def test_mismatched_or_damaged_artifacts_fall_back_to_compiling(carried):
-    cache = _warm_cache(carried, "fallback-cache")  # shared by the cases: none is restored into it
+    cache = _warm_cache(carried, carried["root"] / "fallback-cache")  # shared by the cases: none is restored into it
     # Damaged: one flipped byte in the archive.
     corrupt = _copy(carried, "corrupt")
     archive = next(corrupt.glob("startup-artifacts-*.tar"))
@@ -153,11 +153,13 @@ def test_mismatched_or_damaged_artifacts_fall_back_to_compiling(carried):
     assert run.result["token_ids"] == carried["reference"]
 
 
-def test_the_switch_turns_the_save_off(models, tmp_path):
+def test_the_switch_turns_the_save_off(models, carried, tmp_path):
     """Eager: an eager save carries vLLM's inspection cache otherwise (the last test here), and the
-    switch is read before anything of the engine's compilation (``compile_cache.save_startup_artifacts``)."""
+    switch is read before anything of the engine's compilation (``compile_cache.save_startup_artifacts``).
+    The inspection cache is there already (``carried``'s), so that vLLM does not inspect again."""
     out = tmp_path / "ckpt"
-    spec = {"model": models["llama"], "env": {"VLLM_CACHE_ROOT": str(tmp_path / "cache"), ENABLE_ENV: "0"}}
+    cache = _warm_cache(carried, tmp_path / "cache", "modelinfos")
+    spec = {"model": models["llama"], "env": {"VLLM_CACHE_ROOT": str(cache), ENABLE_ENV: "0"}}
     spec.update(capture_dir=str(out), save_to=str(out), generate=False)
     run = run_engine(spec)
     assert run.result.get("saved"), run.result
@@ -174,7 +176,7 @@ def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(mod
     out = tmp_path / "ckpt"
     # vLLM's inspection of the model class, as the TP=1 save left it (in a fresh cache, vLLM inspects
     # in a new interpreter: about 10 s here), so that only the TP=2 compilation is new.
-    shutil.copytree(carried["root"] / "save-cache" / "modelinfos", tmp_path / "save-cache" / "modelinfos")
+    _warm_cache(carried, tmp_path / "save-cache", "modelinfos")
     save = run_engine(_compiled(models["llama"], tmp_path / "save-cache", tp=2, capture_dir=str(out), save_to=str(out)))
     assert save.result.get("saved"), save.result
     manifest = Manifest.from_json((out / MANIFEST_NAME).read_text())
@@ -185,7 +187,7 @@ def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(mod
     assert run.result["token_ids"] == save.result["token_ids"]
     used_model_info(run, tmp_path / "save-cache")
     # Served at TP=1 (resharded): the TP=2 artifacts are not for this topology.
-    run = run_engine(_compiled(str(out), _warm_cache(carried, "tp1-cache"), load_format="sharded_state"))
+    run = run_engine(_compiled(str(out), _warm_cache(carried, tmp_path / "tp1-cache"), load_format="sharded_state"))
     assert NOT_USED in run.output and "topology: saved 'tp=2" in run.output, run.tail()
     assert run.result["token_ids"] == carried["reference"]
 

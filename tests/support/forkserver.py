@@ -14,7 +14,8 @@ from the server's in a variable read when a library is imported (``HF_*``, ``TOR
 (and the tests fall back to fresh processes) if importing vLLM left a thread running, since a
 fork copies only the thread that forks.
 
-    python -m tests.support.forkserver SOCKET
+    python -m tests.support.forkserver SOCKET            # for engines: vLLM imported
+    python -m tests.support.forkserver SOCKET package    # torch and this package only
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def import_time_environment(env: dict[str, str]) -> dict[str, str]:
 
 def can_serve(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> bool:
     """Whether a child forked from a server started with ``server_env`` is the process ``python ARGS``
-    would be: ``-m MODULE ...`` or ``SCRIPT.py ...``, with the same import-time environment."""
-    runnable = (len(args) >= 2 and args[0] == "-m") or (bool(args) and args[0].endswith(".py"))
+    would be: ``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT.py ...``, with the same import-time
+    environment."""
+    runnable = (len(args) >= 2 and args[0] in ("-m", "-c")) or (bool(args) and args[0].endswith(".py"))
     return runnable and import_time_environment(env) == import_time_environment(server_env)
 
 
@@ -137,22 +139,28 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        if os.environ.get(EAGER_ENV) == "1":
-            _eager_by_default()
-        if os.environ.get(FORK_WORKERS_ENV, "1") == "1":
-            _fork_workers()
-        if os.environ.get(PLAIN_MASK_ENV, "1") == "1":
-            _plain_embedding_mask()
+        if "vllm" in sys.modules:  # a server for engines (ENGINE_PRELOAD), not one for the package alone
+            if os.environ.get(EAGER_ENV) == "1":
+                _eager_by_default()
+            if os.environ.get(FORK_WORKERS_ENV, "1") == "1":
+                _fork_workers()
+            if os.environ.get(PLAIN_MASK_ENV, "1") == "1":
+                _plain_embedding_mask()
         out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if request.get("err") else out
         os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
+        os.dup2(err, 2)
+        for fd in {out, err}:
+            os.close(fd)
         try:
             if request.get("node"):
                 _enter_node(**request["node"])
             if request["args"][0] == "-m":
                 sys.argv = request["args"][1:]
                 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+            elif request["args"][0] == "-c":
+                sys.argv = ["-c", *request["args"][2:]]
+                exec(compile(request["args"][1], "<string>", "exec"), {"__name__": "__main__"})
             else:
                 sys.argv = list(request["args"])
                 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as python SCRIPT does
@@ -204,22 +212,41 @@ def _enter_node(hostname: str, bind: list[str], netns: str | None = None) -> Non
     check(libc.sethostname(name, len(name)), "sethostname")
 
 
-def serve(path: str) -> None:
-    """Import vLLM, then answer requests on the Unix socket ``path``.
+# What a server imports before it forks: vLLM for engine scripts, or only torch and this package
+# for the processes of the tests that start none (a save killed at a step of its protocol).
+ENGINE_PRELOAD = (
+    "vllm",
+    "vllm.entrypoints.llm",  # vllm.LLM, which vLLM's package imports lazily: most of the engine
+    "vllm.sampling_params",
+    "examples.tiny_models",
+    "tests.support.engine_runner",
+)
+PACKAGE_PRELOAD = (
+    "torch",
+    "safetensors.torch",
+    "vllm_sharded_loader.checkpoint",
+    "vllm_sharded_loader.checkpoint.save",
+    "vllm_sharded_loader.storage.objects",
+    "vllm_sharded_loader.tools.cli",
+    "tests.support.faultkit",
+)
 
-    A request is one JSON line (``args`` as ``python`` takes them, ``env``, ``cwd``, ``out``); the answer is
-    a line with the child's pid, then, when it has exited, a line with its exit code. The server
-    does not wait for a child before it takes the next request: the replicas of a data-parallel
-    engine run at once, each a child of its own request.
+
+def serve(path: str, preload: tuple[str, ...] = ENGINE_PRELOAD) -> None:
+    """Import the modules ``preload`` names, then answer requests on the Unix socket ``path``.
+
+    A request is one JSON line (``args`` as ``python`` takes them, ``env``, ``cwd``, ``out`` and
+    optionally ``err``, the files the child's stdout and stderr append to); the answer is a line
+    with the child's pid, then, when it has exited, a line with its exit code. The server does not
+    wait for a child before it takes the next request: the replicas of a data-parallel engine run
+    at once, each a child of its own request.
     """
-    import vllm  # noqa: F401
-    from vllm import LLM, SamplingParams  # noqa: F401
+    import importlib
 
-    import examples.tiny_models  # noqa: F401
-    import tests.support.engine_runner  # noqa: F401
-
+    for module in preload:
+        importlib.import_module(module)
     if threading.active_count() > 1:  # native threads (torch's, ...) have their own fork handlers
-        print("forkserver: importing vLLM left threads running; not forking", flush=True)
+        print(f"forkserver: importing {', '.join(preload)} left threads running; not forking", flush=True)
         sys.exit(3)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -279,4 +306,4 @@ def _answer(conn: socket.socket, message: dict) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], PACKAGE_PRELOAD if sys.argv[2:] == ["package"] else ENGINE_PRELOAD)
