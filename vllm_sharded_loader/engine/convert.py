@@ -116,7 +116,30 @@ def build_meta_model(vllm_config: Any) -> torch.nn.Module:
             initialize_model_parallel(1, 1)
             _OWN_GROUPS[:] = [True]
         with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
-            return initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+            model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+    _parameters_to_meta(model)
+    return model
+
+
+def _parameters_to_meta(model: torch.nn.Module) -> None:
+    """Put on the meta device the parameters a model class makes on the CPU even inside
+    ``torch.device("meta")``: vLLM's Transformers backend (the model class of architectures vLLM
+    has no own implementation of) makes the norms it puts in place of the model's own there. The
+    dry run fills meta tensors into every parameter, which a CPU one refuses ("Cannot copy out of
+    meta tensor"). Each keeps its class and attributes (vLLM's weight loader); one held by several
+    modules (tied) stays one."""
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is None or param.device.type == "meta":
+                continue
+            if id(param) not in moved:
+                meta = torch.nn.Parameter._make_subclass(
+                    type(param), torch.empty_like(param, device="meta"), param.requires_grad
+                )
+                meta.__dict__.update(param.__dict__)
+                moved[id(param)] = meta
+            module._parameters[attr] = moved[id(param)]
 
 
 def _walk_modules_once(model: torch.nn.Module) -> None:
