@@ -196,10 +196,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "olmo2": dict(
         architecture="Olmo2ForCausalLM", config="Olmo2Config", fields=dict(_SMALL_ATTENTION, num_key_value_heads=2)
     ),
+    # Phi: an lm_head with a bias, which the Transformers backend registers only for a checkpoint that has one.
+    "phi": dict(
+        architecture="PhiForCausalLM", config="PhiConfig", fields=dict(_SMALL_ATTENTION, num_key_value_heads=2)
+    ),
     "flex_olmo": dict(
         architecture="FlexOlmoForCausalLM",
         config="FlexOlmoConfig",
         fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    ),
+    # BLOOM: ALiBi, whose slopes vLLM computes from tensors as it builds the model (not on the meta device).
+    "bloom": dict(
+        architecture="BloomForCausalLM", config="BloomConfig", fields=dict(hidden_size=128, n_layer=2, n_head=2)
     ),
     "deepseek_v2": dict(
         architecture="DeepseekV2ForCausalLM",

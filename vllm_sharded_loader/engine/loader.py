@@ -142,6 +142,22 @@ def _experts_change(manifest: Manifest | None, experts: ExpertPlacement | None) 
     return f" (experts: saved {have}, served {want})"
 
 
+def _register_saved_biases(model: torch.nn.Module, manifest: Manifest | None) -> None:
+    """Register the biases a model makes only when its own ``load_weights`` meets them, if the
+    checkpoint (``manifest``) holds them: vLLM's Transformers backend gives ``lm_head`` a bias
+    (``ParallelLMHead._register_bias``) only for a checkpoint that has one (Phi), and this loader
+    fills parameters without the model's ``load_weights``. Without it, such a model's saved
+    state would not load back ("holds tensors the served model does not have")."""
+    if manifest is None:
+        return
+    lazy = {n: m for n, m in model.named_modules() if hasattr(m, "_register_bias") and getattr(m, "bias", 0) is None}
+    saved = {name for entry in manifest.ranks for name in entry.tensors}
+    for name, module in lazy.items():
+        if f"{name}.bias" in saved:
+            with torch.device(module.weight.device):  # where vLLM's load puts it
+                module._register_bias()
+
+
 class ShardedStateLoader(BaseModelLoader):
     """Loads each worker's own files of a sharded checkpoint straight into its parameters.
 
@@ -304,6 +320,8 @@ class ShardedStateLoader(BaseModelLoader):
             return
         from .reload import remember_served_from
 
+        manifest = read_manifest(directory)
+        _register_saved_biases(model, manifest)
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
         remember_served_from(model, model_config)
@@ -317,7 +335,7 @@ class ShardedStateLoader(BaseModelLoader):
         )
         # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
         hub_fetch = None if repo_id is None else (repo_id, model_config.revision, self.load_config.download_dir)
-        restore_startup_artifacts(model, directory, read_manifest(directory), model_rank(model), hub_fetch)
+        restore_startup_artifacts(model, directory, manifest, model_rank(model), hub_fetch)
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         """vLLM's in-place ``reload_weights`` entry point (``collective_rpc("reload_weights")``).

@@ -8,7 +8,8 @@ offline reshard can tell which tensors a stage at another PP size holds
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..format.errors import CheckpointMismatch, ShardedStateError
 from ..format.manifest import Manifest
@@ -61,6 +62,34 @@ def layer_index(name: str) -> int | None:
     return None if match is None else int(match.group(1))
 
 
+# transformers' names for a model's number of decoder layers (its configs' ``attribute_map``: GPT-2,
+# BLOOM, GPT-J and StarCoder say ``n_layer``), in the order tried; a multimodal model's language
+# model, which is what vLLM splits into stages, has its own config inside.
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
+
+
+def config_layers(config: Mapping[str, Any]) -> int | None:
+    """The number of decoder layers vLLM splits into pipeline stages, from a Hugging Face config dict.
+
+    >>> config_layers({"model_type": "bloom", "n_layer": 24})
+    24
+    >>> config_layers({"text_config": {"num_hidden_layers": 32}, "vision_config": {"num_hidden_layers": 24}})
+    32
+    >>> config_layers({}) is None
+    True
+    """
+    for key in TEXT_CONFIG_KEYS:
+        nested = config.get(key)
+        if isinstance(nested, Mapping) and (found := config_layers(nested)) is not None:
+            return found
+    for key in LAYER_COUNT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
     """The tensors a pipeline stage holds at ``pp_size``, saved under the names a worker would use.
 
@@ -71,11 +100,11 @@ def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
     """
     if pp_size == manifest.pp_size:
         return list(manifest.rank(0, pp_rank).tensors)
-    layers = manifest.source.config.get("num_hidden_layers")
-    if not isinstance(layers, int) or layers < pp_size:
+    layers = config_layers(manifest.source.config)
+    if layers is None or layers < pp_size:
         raise CheckpointMismatch(
-            f"Cannot split the layers into {pp_size} pipeline stages: the saved config has num_hidden_layers="
-            f"{layers!r}."
+            f"Cannot split the layers into {pp_size} pipeline stages: the saved config gives "
+            f"{'no number of layers' if layers is None else f'{layers} layers'} ({', '.join(LAYER_COUNT_KEYS)})."
         )
     saved = [n for r in manifest.ranks for n in r.tensors]
     return stage_split(saved, manifest.tied, layers, pp_size, pp_rank)

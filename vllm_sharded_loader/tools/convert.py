@@ -29,7 +29,7 @@ from ..format.errors import ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
 from ..format.manifest import Manifest
 from ..planning.layout import ShardLayout, shard_layout
-from ..planning.pipeline import stage_split
+from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
 from ..storage.location import copy_non_weight_files, is_locked, open_store, read_manifest
 from ..storage.oscalls import release_free_heap
@@ -290,8 +290,8 @@ def _convert(
             copy_non_weight_files(folder, directory)
         model = stack.enter_context(converting(directory, folder, options))
         built = time.perf_counter()
-        layers = model.identity.config.get("num_hidden_layers")
-        if not isinstance(layers, int):
+        layers = config_layers(model.identity.config)
+        if layers is None:
             layers = getattr(model.model_config.hf_text_config, "num_hidden_layers", None)
         plans = plan_ranks(model.state, model.geometry, model.tied, layers, tp_size, pp_size)
         takes: dict[str, int] = {}
