@@ -150,11 +150,11 @@ def _register_saved_biases(model: torch.nn.Module, manifest: Manifest | None) ->
     state would not load back ("holds tensors the served model does not have")."""
     if manifest is None:
         return
-    lazy = {n: m for n, m in model.named_modules() if hasattr(m, "_register_bias") and getattr(m, "bias", 0) is None}
     saved = {name for entry in manifest.ranks for name in entry.tensors}
-    for name, module in lazy.items():
-        if f"{name}.bias" in saved:
-            with torch.device(module.weight.device):  # where vLLM's load puts it
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if f"{name}.bias" in saved and hasattr(module, "_register_bias") and getattr(module, "bias", 0) is None:
+            with torch.device(weight.device if isinstance(weight, torch.Tensor) else "cpu"):  # beside its weight
                 module._register_bias()
 
 
