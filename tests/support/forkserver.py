@@ -6,7 +6,12 @@ replicas of a data-parallel engine and vLLM's OpenAI server through
 machine importing vLLM and torch before it did anything. This server imports them once; each
 request forks a child that is that new process:
 its own session, environment, working folder, ``sys.argv`` and output file, running the module or
-script as ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` would. A forked child starts in milliseconds.
+script as ``python -m MODULE ARGS``, ``python -c CODE ARGS`` or ``python SCRIPT ARGS`` would. A forked
+child starts in milliseconds.
+
+The tests that start no engine have a server of their own, which imports torch and this package
+but not vLLM (:func:`tests.support.engines.package_process`): a save killed at a step of its
+protocol is such a child.
 
 What a fork cannot give, a fresh process does (:func:`can_serve`): an environment that differs
 from the server's in a variable read when a library is imported (``HF_*``, ``TORCH*``, ``OMP_*``,
@@ -236,7 +241,8 @@ def serve(path: str, preload: tuple[str, ...] = ENGINE_PRELOAD) -> None:
     """Import the modules ``preload`` names, then answer requests on the Unix socket ``path``.
 
     A request is one JSON line (``args`` as ``python`` takes them, ``env``, ``cwd``, ``out`` and
-    optionally ``err``, the files the child's stdout and stderr append to); the answer is a line
+    optionally ``err``: the files the child's stdout and stderr are written to, ``out`` for both
+    without ``err``); the answer is a line
     with the child's pid, then, when it has exited, a line with its exit code. The server does not
     wait for a child before it takes the next request: the replicas of a data-parallel engine run
     at once, each a child of its own request.
