@@ -52,7 +52,7 @@ def run_python(
     full_env = {**os.environ, **engine_environment(tp, pp), **FAST, **(env or {})}
     forked = _forkserver.run(args, full_env, timeout)
     if forked is not None:
-        return forked
+        return _engine_run(forked.returncode, forked.stdout)
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
@@ -72,7 +72,7 @@ def python_process(args: list[str], env: dict[str, str], timeout: float) -> subp
     env = {**env, **FAST}
     forked = _forkserver.run(args, env, timeout)
     if forked is not None:
-        return subprocess.CompletedProcess([sys.executable, *args], forked.returncode, forked.output, forked.output)
+        return forked
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -156,12 +156,16 @@ class ForkServer:
             conn.close()
             raise
 
-    def run(self, args: list[str], env: dict[str, str], timeout: float) -> EngineRun | None:
-        """``python ARGS`` as a child of the server, or None where only a fresh process will do."""
-        with tempfile.NamedTemporaryFile(prefix="vsl-engine-", suffix=".log", delete=False) as f:
-            out = f.name
-        try:
-            proc = self.spawn(args, env, out)
+    def run(
+        self, args: list[str], env: dict[str, str], timeout: float, separate: bool = False
+    ) -> subprocess.CompletedProcess[str] | None:
+        """``python ARGS`` as a child of the server, as ``subprocess.run(..., capture_output=True,
+        text=True)`` gives it back, or None where only a fresh process will do. Its output, stdout and
+        stderr together, is both ``stdout`` and ``stderr``, unless ``separate``. Past ``timeout``
+        seconds it is killed with its process group and ``subprocess.TimeoutExpired`` raised."""
+        with tempfile.TemporaryDirectory(prefix="vsl-process-") as folder:
+            out, err = os.path.join(folder, "out"), os.path.join(folder, "err") if separate else None
+            proc = self.spawn(args, env, out, err=err)
             if proc is None:
                 return None
             try:
@@ -169,9 +173,8 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 raise subprocess.TimeoutExpired(proc.args, timeout, Path(out).read_text()) from None
-            return _engine_run(returncode, Path(out).read_text())
-        finally:
-            os.unlink(out)
+            stdout = Path(out).read_text()
+            return subprocess.CompletedProcess(proc.args, returncode, stdout, Path(err).read_text() if err else stdout)
 
 
 class ForkedProcess:
@@ -263,19 +266,11 @@ def package_process(
     of ~2.5 s), else a fresh process. Past ``timeout`` seconds it is killed with its process group
     and ``subprocess.TimeoutExpired`` raised."""
     full_env = {**os.environ, **(env or {})}
-    with tempfile.TemporaryDirectory(prefix="vsl-process-") as folder:
-        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
-        proc = _package_forkserver.spawn(args, full_env, out, err=err)
-        if proc is None:
-            return subprocess.run(
-                [sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
-            )
-        try:
-            returncode = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            raise subprocess.TimeoutExpired(proc.args, timeout, Path(out).read_text(), Path(err).read_text()) from None
-        return subprocess.CompletedProcess(proc.args, returncode, Path(out).read_text(), Path(err).read_text())
+    forked = _package_forkserver.run(args, full_env, timeout, separate=True)
+    if forked is not None:
+        return forked
+    command = [sys.executable, *args]
+    return subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_engine(

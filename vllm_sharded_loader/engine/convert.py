@@ -96,8 +96,8 @@ def engine_config(source: str, options: ModelOptions, where: str | None = None) 
     except Exception as e:  # vLLM's own checks, many of them pydantic validation errors
         import vllm
 
-        errors = getattr(e, "errors", None)
-        reason = errors()[0].get("msg", str(e)) if callable(errors) and errors() else str(e)
+        errors = e.errors() if callable(getattr(e, "errors", None)) else []  # pydantic's, one per field
+        reason = errors[0].get("msg", str(e)) if errors else str(e)
         raise ShardedStateError(
             f"{where or source}: vLLM {vllm.__version__} cannot serve this model as configured, so there is nothing "
             f"to convert it for: {reason}"
@@ -163,12 +163,16 @@ def _parameters_to_meta(model: torch.nn.Module) -> None:
             if param is None or param.device.type == "meta":
                 continue
             if id(param) not in moved:
-                meta = torch.nn.Parameter._make_subclass(
-                    type(param), torch.empty_like(param, device="meta"), param.requires_grad
-                )
-                meta.__dict__.update(param.__dict__)
-                moved[id(param)] = meta
+                moved[id(param)] = _holding(param, torch.empty_like(param, device="meta"))
             module._parameters[attr] = moved[id(param)]
+
+
+def _holding(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter of ``param``'s class and attributes (vLLM's weight loader, its dimensions) holding
+    ``tensor``: a parameter's data cannot move between the meta device and the CPU in place."""
+    held = torch.nn.Parameter._make_subclass(type(param), tensor, False)
+    held.__dict__.update(param.__dict__)
+    return held
 
 
 def _walk_modules_once(model: torch.nn.Module) -> None:
@@ -355,8 +359,7 @@ class ConvertModel:
         if is_parameter:
             old = module._parameters[attr]
             assert old is not None
-            held = torch.nn.Parameter._make_subclass(type(old), tensor, False)
-            held.__dict__.update(old.__dict__)
+            held = _holding(old, tensor)
         for module, attr, is_parameter in slots:
             (module._parameters if is_parameter else module._buffers)[attr] = held
 
