@@ -9,7 +9,9 @@ One run builds the Llama-style bf16 model of ``load_bench.py`` (hidden 2048, int
   command (vLLM's import and configuration included), and the part of it after vLLM's model
   is built (reading, cutting and writing), as the command reports it;
 - ``save``: ``vllm-sharded save --model HF -tp N -o OUT``: an engine started at TP=N, the model
-  loaded by vLLM's default loader, saved; the whole command, engine start included (warm).
+  loaded by vLLM's default loader, saved; the whole command, engine start included (warm);
+- both again on a fresh node: an empty ``VLLM_CACHE_ROOT``, so vLLM has to inspect the model class
+  first (a node that never ran vLLM, or a container started from an image).
 
 Warm: the source files read once before; cold: evicted with ``posix_fadvise(DONTNEED)`` first.
 Peak resident memory is the largest of the command and the processes it waited for (``wait4``). The
@@ -34,8 +36,6 @@ import time
 
 from benchmarks.harness import (
     ROOT,
-    build,
-    build_on_disk,
     command,
     engine_env,
     evict,
@@ -49,12 +49,12 @@ from benchmarks.harness import (
 GB = 1e9
 
 
-def run(args: list[str], env: dict[str, str]) -> dict:
-    """Run a command in a fresh process: wall seconds, its own peak RSS (``wait4``: the command
-    and the children it waited for), its output."""
+def run(args: list[str], env: dict[str, str], cwd: str = ROOT) -> dict:
+    """Run a command in a fresh process in ``cwd``: wall seconds, its own peak RSS (``wait4``: the
+    command and the children it waited for), its output."""
     with tempfile.TemporaryFile("w+") as log:
         started = time.perf_counter()
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - started
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -77,31 +77,44 @@ def copy(hf: str, work: str, cold: bool) -> dict:
     return result
 
 
-def convert(hf: str, work: str, tp: int, cold: bool, tree: str | None = None) -> dict:
-    """One ``convert`` of ``hf`` in a fresh process (of the package in ``tree``, default this checkout)."""
+def fresh_node(env: dict[str, str], work: str) -> dict[str, str]:
+    """``env`` with an empty vLLM cache folder, as on a node that never ran vLLM: vLLM then inspects
+    the model class (in a new interpreter, where it does) before it can build anything."""
+    env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="fresh-vllm-cache-", dir=work)
+    return env
+
+
+def convert(hf: str, work: str, tp: int, cold: bool, tree: str | None = None, fresh: bool = False) -> dict:
+    """One ``convert`` of ``hf`` in a fresh process (of the package in ``tree``, default this checkout);
+    ``fresh``: on a fresh node (:func:`fresh_node`)."""
     out = os.path.join(work, f"converted-tp{tp}")
     shutil.rmtree(out, ignore_errors=True)
     paths = files_of(hf)
     evict(paths) if cold else warm(paths)
     args = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "convert", hf, "-tp", str(tp), "-o", out]
     env = engine_env(1, plugins=True)
+    if fresh:
+        fresh_node(env, work)
     if tree:
         env["PYTHONPATH"] = os.path.abspath(tree)
-    result = run(args, env)
+    # ``python -m`` puts its working folder first on the path: run in the tree, or this checkout's
+    # package is the one imported, whatever PYTHONPATH says.
+    result = run(args, env, cwd=os.path.abspath(tree) if tree else ROOT)
     reported = re.search(r"written in ([\d.]+) s after ([\d.]+) s building vLLM's model", result.pop("output"))
     if reported:
         result["write_seconds"], result["build_seconds"] = float(reported.group(1)), float(reported.group(2))
     return result
 
 
-def save(hf: str, work: str, tp: int) -> dict:
+def save(hf: str, work: str, tp: int, fresh: bool = False) -> dict:
     out = os.path.join(work, f"saved-tp{tp}")
     shutil.rmtree(out, ignore_errors=True)
     warm(files_of(hf))
     args = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "save", "--model", hf, "-o", out]
     args += ["--tensor-parallel-size", str(tp), "--enforce-eager", "--max-model-len", "256"]
     args += [] if tp == 1 else ["--distributed-executor-backend", "mp"]
-    result = run(args, engine_env(tp, plugins=True))
+    env = engine_env(tp, plugins=True)
+    result = run(args, fresh_node(env, work) if fresh else env)
     result.pop("output")
     return result
 
@@ -117,7 +130,7 @@ def same_files(a: str, b: str) -> bool:
 
 def measure(args: argparse.Namespace) -> dict:
     work = args.work or tempfile.mkdtemp(prefix="convert-bench-")
-    hf = build(work, layers_for(args.gigabytes))
+    hf = built(work, "build", layers_for(args.gigabytes))
     nbytes = sum(os.path.getsize(p) for p in files_of(hf))
     result: dict = {
         "machine": machine(),
@@ -130,12 +143,24 @@ def measure(args: argparse.Namespace) -> dict:
     for mode in ("warm", "cold"):
         result[f"convert_{mode}"] = convert(hf, work, args.tp, mode == "cold")
     result["save_warm"] = save(hf, work, args.tp)
+    result["convert_fresh_node"] = convert(hf, work, args.tp, False, fresh=True)
+    result["save_fresh_node"] = save(hf, work, args.tp, fresh=True)
     result["same_files_as_save"] = same_files(
         os.path.join(work, f"converted-tp{args.tp}"), os.path.join(work, f"saved-tp{args.tp}")
     )
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def built(work: str, how: str, layers: int) -> str:
+    """The model of ``harness.build`` or ``build_on_disk`` (``how``), built in a child process. Built
+    here, its memory would count in every command's peak RSS: a child that Python starts with
+    ``vfork`` takes the high-water mark of this process's memory as its own ``ru_maxrss`` at its
+    ``exec`` (every cp and convert read 2.77 GiB, the model built here)."""
+    code = f"from benchmarks.harness import {how}; print({how}({work!r}, {layers}))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 def largest_tensor_bytes(hf: str) -> int:
@@ -150,7 +175,7 @@ def measure_large(args: argparse.Namespace) -> dict:
     pages do not all fit the page cache beside the output's), then ``verify`` of the output. No
     save: an engine would have to hold the whole model."""
     work = args.work or tempfile.mkdtemp(prefix="convert-bench-")
-    hf = build_on_disk(work, layers_for(args.large))
+    hf = built(work, "build_on_disk", layers_for(args.large))
     paths = files_of(hf)
     result: dict = {
         "machine": machine(),
@@ -240,6 +265,14 @@ def markdown(r: dict) -> str:
         return f"| {label} | {m['seconds']:.1f} s | {nbytes / GB / m['seconds']:.2f} GB/s | {write} | {rss} |"
 
     tp = r["tp"]
+    fresh_rows, fresh_ratio = [], ""
+    if "convert_fresh_node" in r:
+        fresh_rows = [
+            row(f"convert TP={tp}, fresh node", r["convert_fresh_node"]),
+            row(f"save TP={tp} (engine start included), fresh node", r["save_fresh_node"]),
+        ]
+        ratio = r["save_fresh_node"]["seconds"] / r["convert_fresh_node"]["seconds"]
+        fresh_ratio = f", {ratio:.2f}x on a fresh node"
     lines = [
         f"Model: {nbytes / GB:.2f} GB bf16 Llama-style, to TP={tp}; {r['machine'].get('cpu_model', '?')}, "
         f"{r['machine']['cpus']} cores.",
@@ -251,10 +284,14 @@ def markdown(r: dict) -> str:
         row(f"convert TP={tp}, warm", r["convert_warm"]),
         row(f"convert TP={tp}, cold", r["convert_cold"]),
         row(f"save TP={tp} (engine start included), warm", r["save_warm"]),
+        *fresh_rows,
         "",
         f"convert vs save: {r['save_warm']['seconds'] / r['convert_warm']['seconds']:.2f}x faster "
-        "(warm, whole commands); "
+        f"(warm, whole commands){fresh_ratio}; "
         f"same files and checksums as the save: {r['same_files_as_save']}.",
+        "",
+        "Warm and cold: the source files in the page cache or not, on a node whose vLLM cache already "
+        "holds vLLM's inspection of the model class. Fresh node: an empty vLLM cache (files warm).",
         "",
         f"Re-run: `flock /tmp/vsl-engine.lock {r['command']}`",
         "",

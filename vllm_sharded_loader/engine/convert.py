@@ -22,6 +22,7 @@ which is what ``vllm-sharded save`` captures; the target ranks' slices follow fr
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -92,6 +93,7 @@ def engine_config(source: str, options: ModelOptions, where: str | None = None) 
         load_format="dummy",
     )
     try:
+        _inspect_here(source)
         return args.create_engine_config()
     except Exception as e:  # vLLM's own checks, many of them pydantic validation errors
         import vllm
@@ -102,6 +104,35 @@ def engine_config(source: str, options: ModelOptions, where: str | None = None) 
             f"{where or source}: vLLM {vllm.__version__} cannot serve this model as configured, so there is nothing "
             f"to convert it for: {reason}"
         ) from e
+
+
+def _inspect_here(source: str) -> None:
+    """Have vLLM inspect the source's model classes in this process. vLLM inspects a class it
+    registered lazily in a new interpreter (so as not to initialise CUDA in its own) unless
+    ``VLLM_CACHE_ROOT/modelinfos`` has an entry for it: about 17 s of a 34 s convert on a fresh
+    node here. Convert builds the class in this process anyway, on no accelerator, so the source's
+    architectures are registered as imported classes (vLLM's public ``register_model``), and with
+    them the Transformers backend's, which serve an architecture vLLM has no class of its own for.
+    A config this cannot read is left to vLLM, which says what is wrong with it."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    try:
+        with open(os.path.join(source, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return
+    names = [a for a in architectures if a in ModelRegistry.models]
+    if len(names) < len(architectures):
+        names += [a for a in ModelRegistry.models if a.startswith("Transformers")]
+    for name in names:
+        registered = ModelRegistry.models[name]
+        if not hasattr(registered, "module_name"):
+            continue  # registered as a class already: inspected in this process
+        try:
+            model_class = registered.load_model_cls()
+        except Exception:  # only a shortcut: vLLM then inspects it its own way and reports what fails
+            continue
+        ModelRegistry.register_model(name, model_class)
 
 
 # Whether this process's model-parallel groups are convert's own world of one process.
