@@ -50,6 +50,7 @@ def run_python(
     ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
     tiers.require(tiers.ENGINE, "vLLM")
     full_env = {**os.environ, **engine_environment(tp, pp), **FAST, **(env or {})}
+    warm_model_inspection()
     forked = _forkserver.run(args, full_env, timeout)
     if forked is not None:
         return _engine_run(forked.returncode, forked.stdout)
@@ -74,6 +75,51 @@ def python_process(args: list[str], env: dict[str, str], timeout: float) -> subp
     if forked is not None:
         return forked
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# vLLM inspects a model class it registered lazily in a new interpreter (10-17 s here) unless its
+# cache (``VLLM_CACHE_ROOT/modelinfos/``) has an entry for the class, and then writes one. So the
+# first engine of each architecture pays it on a fresh machine (CI's), and on no machine that ran
+# the suite before: about 20 architectures, minutes of the suite. This fills the cache for the
+# tests' architectures once per session, in one process, with vLLM's own inspection and cache
+# writer called in that process (its ``_run_in_subprocess`` replaced there, nowhere else). The
+# engines are unchanged: they read what vLLM wrote, and inspect any class it could not, their own
+# way. The tests that start from an empty cache (start-up artifacts, nodes) name their own folder.
+_INSPECT = """
+import sys
+from vllm.model_executor.models import registry
+
+registry._run_in_subprocess = lambda inspect: inspect()
+models = registry.ModelRegistry.models
+# With what serves an architecture vLLM has no class of its own for, and EAGLE's drafter.
+extra = [a for a in models if a.startswith("Transformers") or a == "EagleLlamaForCausalLM"]
+for arch in dict.fromkeys([*sys.argv[1:], *extra]):
+    try:
+        if arch in models:
+            models[arch].inspect_model_cls()
+    except Exception as e:
+        print(f"{arch}: not inspected ({type(e).__name__}: {e})")
+"""
+_inspected: list[bool] = []
+
+
+def warm_model_inspection() -> None:
+    """Fill vLLM's model-class inspection cache for the tests' architectures (see ``_INSPECT``), once."""
+    if _inspected:
+        return
+    _inspected.append(True)
+    from examples.tiny_models import FAMILIES, MODEL_KINDS
+
+    args = ["-c", _INSPECT, *sorted({entry["architecture"] for entry in [*FAMILIES.values(), *MODEL_KINDS.values()]})]
+    env = {**os.environ, **engine_environment(), **FAST}
+    started = time.perf_counter()
+    done = _forkserver.run(args, env, 600)
+    if done is None:
+        done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # Seen with -s or in a failed test's captured output; nothing depends on it.
+    seconds = time.perf_counter() - started
+    print(f"vLLM's model-class inspection cache filled in {seconds:.1f} s (exit {done.returncode})")
+    print(done.stdout[-2000:], end="")
 
 
 def _engine_run(returncode: int, output: str) -> EngineRun:
@@ -315,6 +361,7 @@ def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
     not exit by themselves once done: each replica's process group is killed after its result.
     """
     tiers.require(tiers.ENGINE, "vLLM")
+    warm_model_inspection()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -358,6 +405,7 @@ def openai_server(args: list[str], log: Path, tp: int = 1, env: dict | None = No
     own session (:func:`start_python`); yields its base URL once ``/health`` answers, and kills it with every process it
     started (data-parallel engine cores) afterwards. Its output goes to ``log``."""
     tiers.require(tiers.ENGINE, "vLLM's OpenAI server")
+    warm_model_inspection()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
