@@ -329,6 +329,7 @@ class ShardedStateLoader(BaseModelLoader):
             model,
             model_config,
             (directory, repo_id),
+            manifest,
             targets,
             tied_groups(state_dict, targets),
             self.adoptable(model, state_dict),
@@ -357,6 +358,7 @@ class ShardedStateLoader(BaseModelLoader):
         model: torch.nn.Module,
         model_config: ModelConfig,
         located: tuple[str, str | None],
+        manifest: Manifest | None,
         targets: Mapping[str, torch.Tensor],
         tied: list[list[str]],
         adopt: Mapping[str, Callable[[torch.Tensor], None]] | None,
@@ -366,14 +368,15 @@ class ShardedStateLoader(BaseModelLoader):
     ) -> LoadStats:
         """Check this rank's files of the checkpoint at ``located`` (folder, Hub id) and read them into ``targets``.
 
-        The start-up load and a weight update share it. ``update`` also refuses a checkpoint
-        stored in another dtype than the served one (a start-up load casts it): an update
-        must be the served model, as served. ``verify`` overrides the loader's setting.
+        ``manifest`` is the checkpoint's, as the caller read it from the folder (None for vLLM's own
+        save, which has none): read once per load, however many steps look at it. The start-up load
+        and a weight update share this. ``update`` also refuses a checkpoint stored in another dtype
+        than the served one (a start-up load casts it): an update must be the served model, as
+        served. ``verify`` overrides the loader's setting.
         """
         directory, repo_id = located
         verify = self.verify if verify is None else check_verify_mode(verify)
         rank = model_rank(model)
-        manifest = read_manifest(directory)
         if update and manifest is not None:
             check_dtype(manifest, dtype_label(model_config.dtype), directory)
         if repo_id is not None:

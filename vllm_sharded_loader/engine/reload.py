@@ -51,7 +51,8 @@ from vllm.logger import init_logger
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..checkpoint.update_staging import BUDGET_ENV, StagedWeights, return_freed_memory, update_budget
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
-from ..storage.location import open_store
+from ..format.manifest import Manifest
+from ..storage.location import open_store, read_manifest
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .identity import ranks_on_host
 from .layer_geometry import model_rank
@@ -128,6 +129,7 @@ class CheckpointReader(Protocol):
         model: torch.nn.Module,
         model_config: ModelConfig,
         located: tuple[str, str | None],
+        manifest: Manifest | None,
         targets: Mapping[str, torch.Tensor],
         tied: list[list[str]],
         adopt: Mapping[str, Callable[[torch.Tensor], None]] | None,
@@ -355,6 +357,7 @@ class InPlaceUpdate:
                 self.model,
                 self.model_config,
                 located,
+                read_manifest(located[0]),
                 staged.targets(),
                 tied_groups(state_dict, targets),
                 staged.adopt(),
