@@ -261,18 +261,31 @@ def test_an_architecture_vllm_does_not_serve_is_refused_by_name_and_nothing_is_w
 
 
 @pytest.mark.parametrize("family", ["llama", "olmo2"])
-def test_a_fresh_node_converts_without_inspecting_the_model_class_in_another_process(sources, tmp_path, family):
-    """vLLM inspects a model class it registered lazily in a new interpreter unless its cache has an
-    entry, then writes one (``VLLM_CACHE_ROOT/modelinfos/``): about 17 s of a 34 s convert on a
-    fresh node. Convert builds the class in its own process anyway and inspects it there, for an
-    architecture of vLLM's own (Llama) and one it serves through its Transformers backend (OLMo 2)."""
+def test_a_converted_checkpoint_carries_vllms_model_class_inspection_to_a_fresh_node(sources, tmp_path, family):
+    """On a fresh node (empty ``VLLM_CACHE_ROOT``) vLLM inspects the model class before it can build
+    it, and writes the result into its cache (``modelinfos/``). Convert has vLLM do that in its own
+    process (not a new interpreter: about 16 s of a 34 s convert here, see ``convert_bench.py``) and,
+    as an eager ``save`` does, carries the entries beside each rank's parts: a node prepared from the
+    checkpoint (``prepare_node``) then skips the inspection. For an architecture of vLLM's own (Llama)
+    and one it serves through its Transformers backend (OLMo 2)."""
     from examples.tiny_models import build_family
 
     source = sources["llama"] if family == "llama" else build_family(str(tmp_path / "src"), family)
-    cache = tmp_path / "fresh-cache"
-    convert(source, str(tmp_path / "out"), 2, env={"VLLM_CACHE_ROOT": str(cache)})
-    verify(str(tmp_path / "out"))
-    assert not (cache / "modelinfos").exists(), sorted(p.name for p in (cache / "modelinfos").iterdir())
+    converting, out = tmp_path / "converting-node", tmp_path / "out"
+    convert(source, str(out), 2, env={"VLLM_CACHE_ROOT": str(converting)})
+    verify(str(out))
+    written = sorted(p.name for p in (converting / "modelinfos").iterdir())
+    assert written, "vLLM wrote no inspection cache entry"
+    manifest = json.loads((out / MANIFEST).read_text())
+    keys = [r["startup_artifacts"]["key"] for r in manifest["ranks"]]
+    assert [(k["compiled"], k["topology"], k["rank"]) for k in keys] == [
+        ("", "tp=2 pp=1 dp=1", f"tp_rank={i} pp_rank=0 dp_rank=0") for i in range(2)
+    ]
+    fresh = tmp_path / "fresh-node"
+    code = "import sys; from vllm_sharded_loader import prepare_node; print('restored', prepare_node(sys.argv[1]))"
+    run = python_process(["-c", code, str(out)], {**os.environ, "VLLM_CACHE_ROOT": str(fresh)}, timeout=300)
+    assert run.returncode == 0 and f"restored {len(written)}" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(p.name for p in (fresh / "modelinfos").iterdir()) == written
 
 
 def test_an_existing_checkpoint_is_not_replaced_without_overwrite(sources, tmp_path):
@@ -319,6 +332,10 @@ def test_converted_is_the_checkpoint_save_writes(sources, tmp_path):
     ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (converted, saved))
     for key in ("tp_size", "pp_size", "dtype", "pattern", "source", "geometry", "tied"):
         assert ours[key] == theirs[key], key
+    # Each rank carries vLLM's model-class inspection, under the key an eager save gives it.
+    assert [r["startup_artifacts"]["key"] for r in ours["ranks"]] == [
+        r["startup_artifacts"]["key"] for r in theirs["ranks"]
+    ]
     files = [[(f["size"], f["checksum"]) for f in r["files"]] for r in ours["ranks"]]
     assert files == [[(f["size"], f["checksum"]) for f in r["files"]] for r in theirs["ranks"]]
     a, b = rank_tensors(str(converted)), rank_tensors(str(saved))

@@ -327,6 +327,7 @@ def save_checkpoint(
     experts: ExpertPlacement | None = None,
     carry: str | None = None,
     parallel: bool = False,
+    placed: Callable[[SaveTarget, RankEntry], RankEntry] | None = None,
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools): :func:`.protocol.run_save`
     over :class:`.protocol.OneProcess`; see the module doc.
@@ -347,6 +348,8 @@ def save_checkpoint(
 
     ``parallel`` stages the ranks of a local save at once, one thread each (``convert``'s lazy
     tensors are cut from one source tensor for every rank, so the ranks must advance together).
+    ``placed`` is :attr:`.protocol.SaveJob.placed`: a file more for each rank placed (``convert``'s
+    start-up artifacts).
     """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
@@ -382,5 +385,7 @@ def save_checkpoint(
             experts_over_dp=infos[0].experts_over_dp,
         )
 
-    job = SaveJob(stage, manifest_of, carry=None if carry is None else lambda carried: carried.stage(carry))
+    job = SaveJob(
+        stage, manifest_of, carry=None if carry is None else lambda carried: carried.stage(carry), placed=placed
+    )
     return run_save(open_target(directory, overwrite), OneProcess(), job)[0]

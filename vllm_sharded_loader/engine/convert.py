@@ -32,12 +32,16 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.protocol import SaveTarget
 from ..checkpoint.state import saveable_state, tied_groups
 from ..format.errors import SaveRefused, ShardedStateError, listing
 from ..format.geometry import TensorGeometry
+from ..format.manifest import RankEntry
 from ..format.source import SourceModel
 from ..planning.components import fill_components
+from ..planning.topology import RankInfo
 from ..storage.hf_source import SourceFiles
+from .compile_cache import save_startup_artifacts
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
 
@@ -109,30 +113,34 @@ def engine_config(source: str, options: ModelOptions, where: str | None = None) 
 def _inspect_here(source: str) -> None:
     """Have vLLM inspect the source's model classes in this process. vLLM inspects a class it
     registered lazily in a new interpreter (so as not to initialise CUDA in its own) unless
-    ``VLLM_CACHE_ROOT/modelinfos`` has an entry for it: about 17 s of a 34 s convert on a fresh
-    node here. Convert builds the class in this process anyway, on no accelerator, so the source's
-    architectures are registered as imported classes (vLLM's public ``register_model``), and with
-    them the Transformers backend's, which serve an architecture vLLM has no class of its own for.
-    A config this cannot read is left to vLLM, which says what is wrong with it."""
-    from vllm.model_executor.models.registry import ModelRegistry
+    ``VLLM_CACHE_ROOT/modelinfos`` has an entry for it: about 16 s of a 34 s convert on a fresh
+    node here. Convert builds the class in this process anyway, on no accelerator, so vLLM's own
+    inspection (and its cache entry, which the converted checkpoint then carries) runs here: its
+    ``_run_in_subprocess`` is replaced for these calls only, then put back. The source's
+    architectures are inspected, and the Transformers backend's, which serve an architecture vLLM
+    has no class of its own for. Anything this cannot do is left to vLLM, which then inspects the
+    class its own way and says what is wrong with it."""
+    from vllm.model_executor.models import registry
 
     try:
         with open(os.path.join(source, "config.json")) as f:
             architectures = json.load(f).get("architectures") or []
     except (OSError, ValueError, AttributeError):
         return
-    names = [a for a in architectures if a in ModelRegistry.models]
+    models = registry.ModelRegistry.models
+    names = [a for a in architectures if a in models]
     if len(names) < len(architectures):
-        names += [a for a in ModelRegistry.models if a.startswith("Transformers")]
-    for name in names:
-        registered = ModelRegistry.models[name]
-        if not hasattr(registered, "module_name"):
-            continue  # registered as a class already: inspected in this process
-        try:
-            model_class = registered.load_model_cls()
-        except Exception:  # only a shortcut: vLLM then inspects it its own way and reports what fails
-            continue
-        ModelRegistry.register_model(name, model_class)
+        names += [a for a in models if a.startswith("Transformers")]
+    in_subprocess = getattr(registry, "_run_in_subprocess", None)
+    if in_subprocess is None:
+        return  # vLLM's inspection has moved: it runs as vLLM runs it
+    registry._run_in_subprocess = lambda inspect: inspect()
+    try:
+        for name in names:
+            with contextlib.suppress(Exception):  # only a shortcut (see above)
+                models[name].inspect_model_cls()
+    finally:
+        registry._run_in_subprocess = in_subprocess
 
 
 # Whether this process's model-parallel groups are convert's own world of one process.
@@ -436,6 +444,13 @@ class ConvertModel:
         for target in self.components[name].targets:
             spec = self.state[target]
             self._set(target, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
+
+    def carry_startup_artifacts(self, target: SaveTarget, entry: RankEntry, rank: RankInfo) -> RankEntry:
+        """``entry`` with vLLM's model-class inspection cache for this model written beside its
+        parts, as an engine that compiled nothing (an eager ``save``) carries it, so that a fresh
+        node prepared from the converted checkpoint (``prepare_node``) skips the inspection too.
+        Nothing was compiled, so nothing else is carried; optional, as for a save."""
+        return save_startup_artifacts(self.model, target, entry, rank, self.model_config)
 
     def close(self) -> None:
         self.source.close()

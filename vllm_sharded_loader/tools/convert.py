@@ -324,6 +324,7 @@ def _convert(
 
             return LazyTensor(tuple(layout.shape), meta.dtype, produce)
 
+        by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
         ranks = {}
         for info, plan in plans.items():
             items = list(plan.items())
@@ -342,6 +343,9 @@ def _convert(
             tied=manifest_ties(model.tied),
             carry=directory,
             parallel=True,
+            placed=lambda target, entry: model.carry_startup_artifacts(
+                target, entry, by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
+            ),
         )
         done = time.perf_counter()
         return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes, built - started, done - built)
