@@ -77,28 +77,23 @@ def python_process(args: list[str], env: dict[str, str], timeout: float) -> subp
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-# vLLM inspects a model class it registered lazily in a new interpreter (10-17 s here) unless its
-# cache (``VLLM_CACHE_ROOT/modelinfos/``) has an entry for the class, and then writes one. So the
-# first engine of each architecture pays it on a fresh machine (CI's), and on no machine that ran
-# the suite before: about 20 architectures, minutes of the suite. This fills the cache for the
-# tests' architectures once per session, in one process, with vLLM's own inspection and cache
-# writer called in that process (its ``_run_in_subprocess`` replaced there, nowhere else). The
-# engines are unchanged: they read what vLLM wrote, and inspect any class it could not, their own
-# way. The tests that start from an empty cache (start-up artifacts, nodes) name their own folder.
+# vLLM inspects a model class it registered lazily in a new interpreter (about 13 s of an engine's
+# start here) unless its cache (``VLLM_CACHE_ROOT/modelinfos/``) has an entry for the class, and then
+# writes one. So the first engine of each architecture pays it on a fresh machine (CI's), and on no
+# machine that ran the suite before: about 20 architectures, minutes of the suite. This fills the
+# cache for the tests' architectures once per session, in one process, with the inspection that
+# ``convert`` runs (vLLM's own, in that process). The engines are unchanged: they read what vLLM
+# wrote, and inspect any class it could not, their own way. The tests that start from an empty
+# cache (start-up artifacts, nodes, convert) name their own folder.
 _INSPECT = """
 import sys
-from vllm.model_executor.models import registry
+from vllm.model_executor.models.registry import ModelRegistry
+from vllm_sharded_loader.engine.convert import inspect_in_process
 
-registry._run_in_subprocess = lambda inspect: inspect()
-models = registry.ModelRegistry.models
 # With what serves an architecture vLLM has no class of its own for, and EAGLE's drafter.
-extra = [a for a in models if a.startswith("Transformers") or a == "EagleLlamaForCausalLM"]
-for arch in dict.fromkeys([*sys.argv[1:], *extra]):
-    try:
-        if arch in models:
-            models[arch].inspect_model_cls()
-    except Exception as e:
-        print(f"{arch}: not inspected ({type(e).__name__}: {e})")
+extra = [a for a in ModelRegistry.models if a.startswith("Transformers") or a == "EagleLlamaForCausalLM"]
+wanted = [a for a in [*sys.argv[1:], *extra] if a in ModelRegistry.models]
+print("not inspected:", inspect_in_process(wanted))
 """
 _inspected: list[bool] = []
 

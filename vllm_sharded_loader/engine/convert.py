@@ -111,36 +111,47 @@ def engine_config(source: str, options: ModelOptions, where: str | None = None) 
 
 
 def _inspect_here(source: str) -> None:
-    """Have vLLM inspect the source's model classes in this process. vLLM inspects a class it
-    registered lazily in a new interpreter (so as not to initialise CUDA in its own) unless
-    ``VLLM_CACHE_ROOT/modelinfos`` has an entry for it: about 16 s of a 34 s convert on a fresh
-    node here. Convert builds the class in this process anyway, on no accelerator, so vLLM's own
-    inspection (and its cache entry, which the converted checkpoint then carries) runs here: its
-    ``_run_in_subprocess`` is replaced for these calls only, then put back. The source's
-    architectures are inspected, and the Transformers backend's, which serve an architecture vLLM
-    has no class of its own for. Anything this cannot do is left to vLLM, which then inspects the
-    class its own way and says what is wrong with it."""
-    from vllm.model_executor.models import registry
+    """Have vLLM inspect the source's model classes in this process (:func:`inspect_in_process`):
+    its architectures, and the Transformers backend's, which serve an architecture vLLM has no
+    class of its own for. A config this cannot read is left to vLLM, which says what is wrong."""
+    from vllm.model_executor.models.registry import ModelRegistry
 
     try:
         with open(os.path.join(source, "config.json")) as f:
             architectures = json.load(f).get("architectures") or []
     except (OSError, ValueError, AttributeError):
         return
+    if any(a not in ModelRegistry.models for a in architectures):
+        architectures += [a for a in ModelRegistry.models if a.startswith("Transformers")]
+    inspect_in_process(architectures)
+
+
+def inspect_in_process(architectures: list[str]) -> list[str]:
+    """vLLM's inspection of each registered architecture's model class, run in this process, with
+    its cache entry written as vLLM writes it; the names it could not inspect are returned.
+
+    vLLM inspects a class it registered lazily in a new interpreter (so as not to initialise CUDA
+    in its own) unless ``VLLM_CACHE_ROOT/modelinfos`` has an entry for it: about 16 s of a 34 s
+    convert on a fresh node here. Convert builds the class in its own process anyway, on no
+    accelerator, so vLLM's ``_run_in_subprocess`` is replaced for these calls only, then put back.
+    Only a shortcut: a class this cannot inspect, vLLM inspects its own way when it needs it."""
+    from vllm.model_executor.models import registry
+
     models = registry.ModelRegistry.models
-    names = [a for a in architectures if a in models]
-    if len(names) < len(architectures):
-        names += [a for a in models if a.startswith("Transformers")]
     in_subprocess = getattr(registry, "_run_in_subprocess", None)
     if in_subprocess is None:
-        return  # vLLM's inspection has moved: it runs as vLLM runs it
+        return list(architectures)  # vLLM's inspection has moved: it runs as vLLM runs it
+    failed = []
     registry._run_in_subprocess = lambda inspect: inspect()
     try:
-        for name in names:
-            with contextlib.suppress(Exception):  # only a shortcut (see above)
+        for name in dict.fromkeys(architectures):
+            try:
                 models[name].inspect_model_cls()
+            except Exception:  # not registered, or its module does not import here
+                failed.append(name)
     finally:
         registry._run_in_subprocess = in_subprocess
+    return failed
 
 
 # Whether this process's model-parallel groups are convert's own world of one process.
