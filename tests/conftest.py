@@ -12,7 +12,11 @@ A test that starts an engine or an emulator without its tier fails (``tiers.requ
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from examples.cloud_servers import Azurite, FakeGCS
 from examples.s3_server import SeaweedS3
 from tests.support import tiers
 from tests.support.engines import DefaultOutputs
+from tests.support.hub import HUB_CACHE_MARK
 
 # Modules whose every test starts vLLM.
 ENGINE_MODULES = frozenset(
@@ -40,6 +45,12 @@ def tier_of(item: pytest.Item) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The session's own Hub cache (tests/support/hub.py), never the user's: an engine test that
+    # serves a repository from it runs in a child of the fork server, which shares this setting
+    # (``HF_*`` is read when huggingface_hub is imported; an engine with another one starts fresh).
+    if not os.environ.get(HUB_CACHE_MARK):
+        os.environ["HF_HUB_CACHE"] = os.environ[HUB_CACHE_MARK] = tempfile.mkdtemp(prefix="vsl-hub-cache-")
+        atexit.register(shutil.rmtree, os.environ[HUB_CACHE_MARK], True)
     # The emulators refuse to start in a unit test (tiers.require): a test that needs one is marked servers.
     for server in (SeaweedS3, Azurite, FakeGCS):
         if not getattr(server.start, "tier_checked", False):

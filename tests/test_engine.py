@@ -299,15 +299,16 @@ def test_engine_serves_a_checkpoint_from_a_hub_cache(saved, tmp_path):
     # Offline, vLLM substitutes the cached snapshot for the repository id; our loader reads
     # through the cache's symlinks into its blobs (allowed: they stay inside the repository),
     # and a save carries the snapshot's non-weight files.
-    from tests.support.hub import COMMIT, REPO, lay_out_cache
+    # The session's Hub cache (offline, as every engine of the tests): the engine is a child of the
+    # fork server, which an engine with a cache of its own (an HF_* setting) could not be.
+    from tests.support.hub import COMMIT, lay_out_cache, session_cache
 
     checkpoint, reference = saved.get("tied", 2)
-    lay_out_cache(Path(checkpoint), tmp_path / "cache")
+    repo = "acme/tiny-sharded-engine"
+    lay_out_cache(Path(checkpoint), session_cache(), repo_id=repo)
     out = tmp_path / "saved-again"
-    run = run_engine(
-        {"model": REPO, "tp": 2, "load_format": "sharded_state", "capture_dir": str(out), "save_to": str(out)},
-        env={"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"},
-    )
+    spec = {"model": repo, "tp": 2, "load_format": "sharded_state", "capture_dir": str(out), "save_to": str(out)}
+    run = run_engine(spec)
     assert run.result["token_ids"] == reference["token_ids"]
     assert_our_loader_ran(run.output, 2)
     assert f"snapshots/{COMMIT}" in run.output

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import pytest
 
 from examples.s3_server import SeaweedS3
+from examples.tiny_models import build_model
 from tests.support.faultkit import tree_digest
 from tests.support.faultproxy import FaultProxy
-from tests.support.hub import REPO, lay_out_cache
+from tests.support.hub import lay_out_cache, session_cache
 from tests.support.nodes import ClusterFailed, Nodes, Served, serve_tp2, tails
 from tests.support.stores import stores_pointed_at
 from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
@@ -91,12 +92,16 @@ def assert_all_ended(served: Served) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, bucket, models) -> Served:
+def reference(cluster, bucket, tmp_path_factory) -> Served:
     """vLLM's default loader on the two nodes, each with its own copy of the HF model: the token ids
     every sharded load must give. The same engine then saves three times: to a path that is
-    each node's own disk, to the shared folder, and to the bucket."""
+    each node's own disk, to the shared folder, and to the bucket.
+
+    The model is the tests' Llama with two layers instead of four, one per pipeline stage: the
+    PP=2 engines compile, and each layer adds seconds to every compiled start."""
+    hf = build_model(str(tmp_path_factory.mktemp("two-layers")), "llama", num_hidden_layers=2)
     for i in range(cluster.count):
-        shutil.copytree(models["llama"], cluster.node_dir(i) / "hf")
+        shutil.copytree(hf, cluster.node_dir(i) / "hf")
     served = serve(
         cluster,
         bucket,
@@ -167,12 +172,16 @@ def test_each_node_reads_only_its_share_from_the_bucket(bucket, cluster, referen
 
 
 def test_a_resharded_load_from_each_nodes_hub_cache(cluster, bucket, reference):
+    """Each node has the repository in its own Hub cache: the session's cache (the engines' setting,
+    tests/support/hub.py) holds it as a link into the per-node path, which is each node's own folder."""
     tp1 = cluster.shared / "tp1"
     reshard_checkpoint(str(cluster.shared / "tp2"), str(tp1), 1)
+    repo = "acme/tiny-sharded-nodes"
     for i in range(cluster.count):
-        lay_out_cache(tp1, cluster.node_dir(i) / "hub")
-    hub = {"HF_HUB_CACHE": str(cluster.local / "hub"), "HF_HUB_OFFLINE": "1"}
-    served = serve(cluster, bucket, REPO, "sharded_state", "hub", env=hub)
+        lay_out_cache(tp1, cluster.node_dir(i) / "hub", repo_id=repo)
+    folder = f"models--{repo.replace('/', '--')}"
+    (session_cache() / folder).symlink_to(cluster.local / "hub" / folder)
+    served = serve(cluster, bucket, repo, "sharded_state", "hub")
     assert served.result["token_ids"] == reference.result["token_ids"]
     assert_all_ended(served)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engines import run_engine
+from examples.tiny_models import build_model
+from tests.support.engines import inspected, run_engine
 from tests.support.stores import bucket_on
 from vllm_sharded_loader.checkpoint.startup_artifacts import ENABLE_ENV
 from vllm_sharded_loader.format.manifest import Manifest
@@ -26,6 +27,9 @@ from vllm_sharded_loader.storage.location import open_store
 
 pytestmark = pytest.mark.engine
 
+# The saving nodes have inspected the model's class (``inspected``), as a node that served it before
+# has: vLLM's inspection of it on an empty cache, in a new interpreter, is about 10 s here.
+LLAMA = "LlamaForCausalLM"
 RESTORED = "restored start-up artifacts"
 NOT_USED = "start-up artifacts not used"
 
@@ -47,12 +51,21 @@ def bucket(seaweed):
 
 
 @pytest.fixture(scope="module")
-def carried(models, tmp_path_factory, bucket) -> dict:
+def model(tmp_path_factory) -> str:
+    """The tests' Llama with one layer instead of four: nothing carried or checked here depends on
+    the depth, and each layer adds about 7 s to a compiled start here (Dynamo's trace,
+    AOTAutograd and inductor's code generation: 57-66 s cold with four layers, 35-39 s with one)."""
+    return build_model(str(tmp_path_factory.mktemp("one-layer")), "llama", num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def carried(model, tmp_path_factory, bucket) -> dict:
     """A TP=1 checkpoint saved from a compiled engine into a folder and into a bucket, and that
     engine's ids (vLLM's default loader)."""
     root = tmp_path_factory.mktemp("startup")
     out = root / "ckpt"
-    spec = _compiled(models["llama"], root / "save-cache", capture_dir=str(out), save_to=str(out), saves=[bucket])
+    cache = inspected(root / "save-cache", LLAMA)
+    spec = _compiled(model, cache, capture_dir=str(out), save_to=str(out), saves=[bucket])
     run = run_engine(spec)
     assert run.result.get("saved") and run.result["saves"] == ["ok"], run.result
     return {"root": root, "ckpt": out, "bucket": bucket, "reference": run.result["token_ids"]}
@@ -75,8 +88,8 @@ def test_a_fresh_node_restores_the_artifacts_and_serves_the_same_ids(carried):
 
 def used_model_info(run, saving_cache: Path) -> None:
     """The node's start took vLLM's model-class inspection cache from the checkpoint: the entries
-    the saving node's vLLM wrote (a fresh start inspects and writes them) were restored before
-    ``LLM(...)``, and vLLM kept them (it replaces an entry it inspects again)."""
+    the saving node held were restored before ``LLM(...)``, and vLLM kept them (it replaces an
+    entry it inspects again)."""
     prepared = run.result["prepared"]
     assert "model-class inspection cache restored" in run.output, run.tail()
     written = sorted(p.name for p in (saving_cache / "modelinfos").iterdir())
@@ -110,11 +123,11 @@ def _edit_key(ckpt: Path, field: str, value: str) -> None:
     (ckpt / MANIFEST_NAME).write_text(json.dumps(data))
 
 
-def _warm_cache(carried: dict, cache: Path, part: str = "") -> Path:
-    """CACHE, a vLLM cache folder that starts as a copy of the saving node's (or of its PART): an
-    engine that falls back compiles against it (the same model, settings and machine) in less time,
-    as on a warm node, and writes into the copy."""
-    shutil.copytree(carried["root"] / "save-cache" / part, cache / part)
+def _warm_cache(carried: dict, cache: Path) -> Path:
+    """CACHE, a vLLM cache folder that starts as a copy of the saving node's: an engine that falls
+    back compiles against it (the same model, settings and machine) in less time, as on a warm
+    node, and writes into the copy."""
+    shutil.copytree(carried["root"] / "save-cache", cache)
     return cache
 
 
@@ -153,13 +166,12 @@ def test_mismatched_or_damaged_artifacts_fall_back_to_compiling(carried):
     assert run.result["token_ids"] == carried["reference"]
 
 
-def test_the_switch_turns_the_save_off(models, carried, tmp_path):
+def test_the_switch_turns_the_save_off(model, carried, tmp_path):
     """Eager: an eager save carries vLLM's inspection cache otherwise (the last test here), and the
-    switch is read before anything of the engine's compilation (``compile_cache.save_startup_artifacts``).
-    The inspection cache is there already (``carried``'s), so that vLLM does not inspect again."""
+    switch is read before anything of the engine's compilation (``compile_cache.save_startup_artifacts``)."""
     out = tmp_path / "ckpt"
-    cache = _warm_cache(carried, tmp_path / "cache", "modelinfos")
-    spec = {"model": models["llama"], "env": {"VLLM_CACHE_ROOT": str(cache), ENABLE_ENV: "0"}}
+    cache = inspected(tmp_path / "cache", LLAMA)
+    spec = {"model": model, "env": {"VLLM_CACHE_ROOT": str(cache), ENABLE_ENV: "0"}}
     spec.update(capture_dir=str(out), save_to=str(out), generate=False)
     run = run_engine(spec)
     assert run.result.get("saved"), run.result
@@ -168,16 +180,14 @@ def test_the_switch_turns_the_save_off(models, carried, tmp_path):
     assert not list(out.glob("startup-artifacts-*"))
 
 
-def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(models, carried, tmp_path):
+def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(model, carried, tmp_path):
     """Each rank of a TP=2 checkpoint restores its own artifacts (the saving engine's ids); served at
     TP=1 (resharded) it compiles instead, with the ids of vLLM's default loader at TP=1 (``carried``:
     the same model, compiled): TP=1 and TP=2 may differ in the last bits of a reduction, so in greedy
     ids too, as for every resharded load."""
     out = tmp_path / "ckpt"
-    # vLLM's inspection of the model class, as the TP=1 save left it (in a fresh cache, vLLM inspects
-    # in a new interpreter: about 10 s here), so that only the TP=2 compilation is new.
-    _warm_cache(carried, tmp_path / "save-cache", "modelinfos")
-    save = run_engine(_compiled(models["llama"], tmp_path / "save-cache", tp=2, capture_dir=str(out), save_to=str(out)))
+    cache = inspected(tmp_path / "save-cache", LLAMA)
+    save = run_engine(_compiled(model, cache, tp=2, capture_dir=str(out), save_to=str(out)))
     assert save.result.get("saved"), save.result
     manifest = Manifest.from_json((out / MANIFEST_NAME).read_text())
     ranks = [r.startup.key["rank"] for r in manifest.ranks]
@@ -192,12 +202,12 @@ def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(mod
     assert run.result["token_ids"] == carried["reference"]
 
 
-def test_an_eager_save_carries_only_the_inspection_cache_and_a_prepared_node_uses_it(models, tmp_path):
+def test_an_eager_save_carries_only_the_inspection_cache_and_a_prepared_node_uses_it(model, tmp_path):
     """An engine that compiled nothing (``enforce_eager``) carries vLLM's model-class inspection
     cache alone, under a key with nothing compiled: a fresh node prepared from it skips the
     inspection, and its load leaves the archive to ``prepare_node`` (no log line)."""
     out = tmp_path / "ckpt"
-    spec = {"model": models["llama"], "env": {"VLLM_CACHE_ROOT": str(tmp_path / "save-cache")}}
+    spec = {"model": model, "env": {"VLLM_CACHE_ROOT": str(inspected(tmp_path / "save-cache", LLAMA))}}
     save = run_engine({**spec, "capture_dir": str(out), "save_to": str(out)})
     assert save.result.get("saved"), save.result
     record = Manifest.from_json((out / MANIFEST_NAME).read_text()).rank(0, 0).startup

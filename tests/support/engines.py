@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,6 +116,21 @@ def warm_model_inspection() -> None:
     seconds = time.perf_counter() - started
     print(f"vLLM's model-class inspection cache filled in {seconds:.1f} s (exit {done.returncode})")
     print(done.stdout[-2000:], end="")
+
+
+def inspected(cache: Path, architecture: str) -> Path:
+    """CACHE, a vLLM cache folder given the session's inspection of ``architecture``'s model class
+    (:func:`warm_model_inspection`), as on a node that served that class before: an engine with
+    ``VLLM_CACHE_ROOT=CACHE`` does not inspect it again (about 10 s in a new interpreter)."""
+    warm_model_inspection()
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    session = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm")))
+    entries = list((session / "modelinfos").glob(f"*-{architecture}.json"))
+    assert entries, f"no inspection of {architecture} in {session}: see warm_model_inspection's output"
+    (cache / "modelinfos").mkdir(parents=True, exist_ok=True)
+    for entry in entries:
+        shutil.copyfile(entry, cache / "modelinfos" / entry.name)
+    return cache
 
 
 def _engine_run(returncode: int, output: str) -> EngineRun:

@@ -9,14 +9,23 @@ import os
 from pathlib import Path
 
 REPO = "acme/tiny-sharded"
+# Set with HF_HUB_CACHE by tests/conftest.py to the session's own Hub cache folder.
+HUB_CACHE_MARK = "VSL_TEST_HUB_CACHE"
 
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def lay_out_cache(checkpoint: Path, cache: Path, leave_out: set[str] = frozenset()) -> Path:
-    """Put a checkpoint into a Hub cache; files in ``leave_out`` are dangling links (never fetched)."""
-    repo = cache / f"models--{REPO.replace('/', '--')}"
+def session_cache() -> Path:
+    """The test session's Hub cache (``HF_HUB_CACHE``, a temporary folder of its own): a repository
+    laid out there is served by an engine without a setting of its own."""
+    return Path(os.environ[HUB_CACHE_MARK])
+
+
+def lay_out_cache(checkpoint: Path, cache: Path, leave_out: set[str] = frozenset(), repo_id: str = REPO) -> Path:
+    """Put a checkpoint into a Hub cache as ``repo_id`` (not there yet); files in ``leave_out`` are
+    dangling links (never fetched)."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
     (repo / "blobs").mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
