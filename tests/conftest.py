@@ -48,9 +48,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # The session's own Hub cache (tests/support/hub.py), never the user's: an engine test that
     # serves a repository from it runs in a child of the fork server, which shares this setting
     # (``HF_*`` is read when huggingface_hub is imported; an engine with another one starts fresh).
+    # pytest-xdist's workers inherit the controller's.
     if not os.environ.get(HUB_CACHE_MARK):
-        os.environ["HF_HUB_CACHE"] = os.environ[HUB_CACHE_MARK] = tempfile.mkdtemp(prefix="vsl-hub-cache-")
+        os.environ[HUB_CACHE_MARK] = tempfile.mkdtemp(prefix="vsl-hub-cache-")
         atexit.register(shutil.rmtree, os.environ[HUB_CACHE_MARK], True)
+    os.environ["HF_HUB_CACHE"] = os.environ[HUB_CACHE_MARK]
     # The emulators refuse to start in a unit test (tiers.require): a test that needs one is marked servers.
     for server in (SeaweedS3, Azurite, FakeGCS):
         if not getattr(server.start, "tier_checked", False):
