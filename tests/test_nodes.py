@@ -28,7 +28,7 @@ from examples.s3_server import SeaweedS3
 from examples.tiny_models import build_model
 from tests.support.faultkit import tree_digest
 from tests.support.faultproxy import FaultProxy
-from tests.support.hub import lay_out_cache, session_cache
+from tests.support.hub import lay_out_cache, repo_folder, session_cache
 from tests.support.nodes import ClusterFailed, Nodes, Served, serve_tp2, tails
 from tests.support.stores import stores_pointed_at
 from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
@@ -179,8 +179,7 @@ def test_a_resharded_load_from_each_nodes_hub_cache(cluster, bucket, reference):
     repo = "acme/tiny-sharded-nodes"
     for i in range(cluster.count):
         lay_out_cache(tp1, cluster.node_dir(i) / "hub", repo_id=repo)
-    folder = f"models--{repo.replace('/', '--')}"
-    (session_cache() / folder).symlink_to(cluster.local / "hub" / folder)
+    (session_cache() / repo_folder(repo)).symlink_to(cluster.local / "hub" / repo_folder(repo))
     served = serve(cluster, bucket, repo, "sharded_state", "hub")
     assert served.result["token_ids"] == reference.result["token_ids"]
     assert_all_ended(served)

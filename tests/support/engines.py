@@ -87,7 +87,9 @@ def python_process(args: list[str], env: dict[str, str], timeout: float) -> subp
 # wrote, and inspect any class it could not, their own way. The tests that start from an empty
 # cache (start-up artifacts, nodes, convert) name their own folder.
 _INSPECT = """
+import os
 import sys
+import vllm.envs as envs
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm_sharded_loader.engine.convert import inspect_in_process
 
@@ -95,15 +97,16 @@ from vllm_sharded_loader.engine.convert import inspect_in_process
 extra = [a for a in ModelRegistry.models if a.startswith("Transformers") or a == "EagleLlamaForCausalLM"]
 wanted = [a for a in [*sys.argv[1:], *extra] if a in ModelRegistry.models]
 print("not inspected:", inspect_in_process(wanted))
+print("inspection cache:", os.path.join(envs.VLLM_CACHE_ROOT, "modelinfos"))
 """
-_inspected: list[bool] = []
+_inspected: list[Path | None] = []
 
 
-def warm_model_inspection() -> None:
-    """Fill vLLM's model-class inspection cache for the tests' architectures (see ``_INSPECT``), once."""
+def warm_model_inspection() -> Path | None:
+    """Fill vLLM's model-class inspection cache for the tests' architectures (see ``_INSPECT``), once;
+    the cache's folder, as vLLM names it, or None if the warm-up did not say."""
     if _inspected:
-        return
-    _inspected.append(True)
+        return _inspected[0]
     from examples.tiny_models import FAMILIES, MODEL_KINDS
 
     args = ["-c", _INSPECT, *sorted({entry["architecture"] for entry in [*FAMILIES.values(), *MODEL_KINDS.values()]})]
@@ -112,20 +115,21 @@ def warm_model_inspection() -> None:
     done = _forkserver.run(args, env, 600)
     if done is None:
         done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    # Seen with -s or in a failed test's captured output; nothing depends on it.
+    # Seen with -s or in a failed test's captured output.
     seconds = time.perf_counter() - started
     print(f"vLLM's model-class inspection cache filled in {seconds:.1f} s (exit {done.returncode})")
     print(done.stdout[-2000:], end="")
+    said = [line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith("inspection cache: ")]
+    _inspected.append(Path(said[-1]) if said else None)
+    return _inspected[0]
 
 
 def inspected(cache: Path, architecture: str) -> Path:
     """CACHE, a vLLM cache folder given the session's inspection of ``architecture``'s model class
     (:func:`warm_model_inspection`), as on a node that served that class before: an engine with
     ``VLLM_CACHE_ROOT=CACHE`` does not inspect it again (about 10 s in a new interpreter)."""
-    warm_model_inspection()
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    session = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm")))
-    entries = list((session / "modelinfos").glob(f"*-{architecture}.json"))
+    session = warm_model_inspection()
+    entries = list(session.glob(f"*-{architecture}.json")) if session else []
     assert entries, f"no inspection of {architecture} in {session}: see warm_model_inspection's output"
     (cache / "modelinfos").mkdir(parents=True, exist_ok=True)
     for entry in entries:

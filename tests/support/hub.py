@@ -22,10 +22,15 @@ def session_cache() -> Path:
     return Path(os.environ[HUB_CACHE_MARK])
 
 
+def repo_folder(repo_id: str) -> str:
+    """The folder of ``repo_id`` in a Hub cache, as huggingface_hub names it."""
+    return f"models--{repo_id.replace('/', '--')}"
+
+
 def lay_out_cache(checkpoint: Path, cache: Path, leave_out: set[str] = frozenset(), repo_id: str = REPO) -> Path:
     """Put a checkpoint into a Hub cache as ``repo_id`` (not there yet); files in ``leave_out`` are
     dangling links (never fetched)."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    repo = cache / repo_folder(repo_id)
     (repo / "blobs").mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
