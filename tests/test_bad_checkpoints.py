@@ -626,7 +626,7 @@ def first_call_saves_over(directory: Path, real: Callable, calls: list[int], max
 
 @pytest.mark.parametrize(
     ("tp_size", "read_step"),
-    [(2, "vllm_sharded_loader.checkpoint.load.read_files"), (1, "vllm_sharded_loader.checkpoint.reshard.read_pieces")],
+    [(2, "vllm_sharded_loader.checkpoint.load.read_files"), (1, "vllm_sharded_loader.storage.lowering.read_pieces")],
     ids=["same topology", "resharding"],
 )
 def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, tp_size, read_step):
@@ -688,13 +688,13 @@ def test_offline_reshard_during_a_save_writes_one_checkpoint(tmp_path, monkeypat
     One tensor per part, so most parts are first read after the save: had they been opened
     then, their headers (same shapes and offsets) would pass and the output would mix the two.
     """
-    import vllm_sharded_loader.checkpoint.reshard as reshard
+    import vllm_sharded_loader.storage.lowering as lowering
 
     directory, out = tmp_path / "ckpt", tmp_path / "out"
     save_reshardable(directory, max_size=1)
     calls: list[int] = []
-    saves_over = first_call_saves_over(directory, reshard.read_pieces, calls, max_size=1)
-    monkeypatch.setattr(reshard, "read_pieces", saves_over)
+    saves_over = first_call_saves_over(directory, lowering.read_pieces, calls, max_size=1)
+    monkeypatch.setattr(lowering, "read_pieces", saves_over)
     reshard_checkpoint(str(directory), str(out), tp_size=1)
     assert calls
     expected = stage_state(RESHARD_MODEL, 1, 1, 0, 0)

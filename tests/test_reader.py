@@ -350,31 +350,37 @@ def test_adopted_targets_are_served_from_a_private_mapping_of_the_file(tmp_path,
     assert torch.equal(load_file(path)["a_bf16"], tensors["a_bf16"])
 
 
-def test_only_whole_aligned_tensors_of_the_stored_dtype_are_mapped():
-    def adopt(t: torch.Tensor) -> None:
-        pass
+def test_only_cpu_tensors_of_the_stored_dtype_read_in_whole_runs_are_mapped():
+    from vllm_sharded_loader.planning.reads import TensorPlan
+    from vllm_sharded_loader.planning.runs import Read, Strided
+    from vllm_sharded_loader.storage.lowering import placeable
+
+    def plan(*reads: tuple[int, int, int]) -> TensorPlan:
+        """One read per (offset, length, count) of 2-byte elements."""
+        runs = [Read("f", Strided(o, n, 2 * n, c), Strided(i * 4, n // 2, n, c)) for i, (o, n, c) in enumerate(reads)]
+        return TensorPlan("w", "w", (4,), 2, tuple(runs))
 
     bf16 = torch.empty(4, dtype=torch.bfloat16)
-    targets = [
-        memory.Target(bf16, torch.bfloat16, adopt=adopt),  # 0: whole, aligned: mapped
-        memory.Target(bf16, torch.bfloat16, adopt=adopt),  # 1: at an odd offset
-        memory.Target(bf16, torch.bfloat16, adopt=adopt),  # 2: in two pieces
-        memory.Target(bf16, torch.bfloat16, adopt=adopt, zero_runs=[(0, 1)]),  # 3: partly zeroed
-        memory.Target(bf16, torch.float32, adopt=adopt),  # 4: cast
-        memory.Target(bf16, torch.bfloat16),  # 5: nobody to adopt it
-        memory.Target(torch.empty(8, dtype=torch.bfloat16)[::2], torch.bfloat16, adopt=adopt),  # 6: strided
-    ]
-    pieces = [
-        Piece(0, 10, 8, dest=0, itemsize=2),
-        Piece(0, 21, 8, dest=1, itemsize=2),
-        Piece(0, 40, 4, dest=2, itemsize=2),
-        Piece(0, 50, 4, dest=2, start=4, itemsize=2),
-        Piece(0, 60, 8, dest=3, itemsize=2),
-        Piece(0, 80, 16, dest=4, itemsize=4),
-        Piece(0, 100, 8, dest=5, itemsize=2),
-        Piece(0, 110, 8, dest=6, itemsize=2),
-    ]
-    assert memory.mapped_pieces(pieces, targets) == {0: pieces[0]}
+    assert placeable(plan((10, 8, 1)), bf16, torch.bfloat16)  # one whole run
+    assert placeable(plan((40, 4, 1), (50, 4, 1)), bf16, torch.bfloat16)  # two pieces joined (dim 0)
+    assert not placeable(plan((10, 4, 2)), bf16, torch.bfloat16)  # rows of a dim-1 split
+    assert not placeable(plan((10, 8, 1)), bf16, torch.float32)  # cast
+    assert not placeable(plan((10, 8, 1)), torch.empty(8, dtype=torch.bfloat16)[::2], torch.bfloat16)  # strided
+    assert not placeable(plan((10, 8, 1)), torch.empty(0, dtype=torch.bfloat16), torch.bfloat16)  # empty
+
+
+def test_a_tensor_at_an_offset_no_view_can_start_at_is_read_not_mapped(tmp_path):
+    """A float32 at an odd byte of its file: no tensor view of the mapping can start there."""
+    from vllm_sharded_loader.storage.memory import map_pieces
+
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 8192)
+    with local.OpenFile.open(path) as opened:
+        tensor, ranges = map_pieces([opened], [Piece(0, 21, 16, 0, 0, 4)], torch.float32, (4,))
+        assert ranges == [(0, 0)] and mapped_file_of(tensor) != path
+        tensor, ranges = map_pieces([opened], [Piece(0, 20, 16, 0, 0, 4)], torch.float32, (4,))
+        assert ranges == [(0, 16)] and mapped_file_of(tensor) == path
 
 
 def test_mapped_bytes_are_verified_and_nothing_is_adopted_on_a_mismatch(tmp_path):
@@ -396,12 +402,15 @@ def test_mapped_bytes_are_verified_and_nothing_is_adopted_on_a_mismatch(tmp_path
 
 
 def test_a_mapped_file_that_shrinks_during_the_load_names_the_file(tmp_path):
+    from vllm_sharded_loader.storage.memory import map_pieces
+
     path = str(tmp_path / "big.safetensors")
     save_file({"w": torch.ones(1 << 20, dtype=torch.bfloat16)}, path)
     entry = local.read_header(path).tensors["w"]
     piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=2)
-    target = memory.Target(torch.empty(1 << 20, dtype=torch.bfloat16), torch.bfloat16, adopt=lambda t: None)
-    mapped = memory.Destination(target, memory.map_tensors([local.OpenFile.open(path)], {0: piece}, [target])[0])
+    tensor, ranges = map_pieces([local.OpenFile.open(path)], [piece], torch.bfloat16, (1 << 20,))
+    assert ranges == [(0, piece.length)]
+    mapped = memory.Destination(memory.Target(tensor, torch.bfloat16, mapped=True), tensor)
     os.truncate(path, entry.begin + (entry.end - entry.begin) // 2)
     # The kernel reports the pages past the new end (EFAULT) instead of raising SIGBUS later.
     with pytest.raises(ShardedStateError, match=r"big.safetensors: file ended before byte \d+ while reading"):
@@ -411,12 +420,13 @@ def test_a_mapped_file_that_shrinks_during_the_load_names_the_file(tmp_path):
 def test_a_mapped_tensor_lives_as_long_as_its_views(tmp_path):
     import gc
 
+    from vllm_sharded_loader.storage.memory import map_pieces
+
     path = str(tmp_path / "w.safetensors")
     save_file({"w": torch.arange(4096, dtype=torch.int32)}, path)
     entry = local.read_header(path).tensors["w"]
     piece = Piece(0, entry.begin, entry.end - entry.begin, dest=0, itemsize=4)
-    target = memory.Target(torch.empty(4096, dtype=torch.int32), torch.int32, adopt=lambda t: None)
-    tensor = memory.map_tensors([local.OpenFile.open(path)], {0: piece}, [target])[0]
+    tensor = map_pieces([local.OpenFile.open(path)], [piece], torch.int32, (4096,))[0]
     view = tensor[100:]
     address = tensor.data_ptr()
     del tensor

@@ -105,19 +105,19 @@ def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
 def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
     """TP=2 -> 1 joins dim-1 halves: each half is one read and one strided copy, and the
     temporaries of one batch stay under GATHER_BYTES (here tiny, so many batches)."""
-    import vllm_sharded_loader.checkpoint.reshard as reshard
+    import vllm_sharded_loader.storage.lowering as lowering
 
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     manifest = save_model(tmp_path, model, 2, 1)
     batches = []
-    read_pieces = reshard.read_pieces
+    read_pieces = lowering.read_pieces
 
     def counted(*args, **kwargs):
         batches.append(len(args[1]))
         return read_pieces(*args, **kwargs)
 
-    monkeypatch.setattr(reshard, "GATHER_BYTES", 2048)
-    monkeypatch.setattr(reshard, "read_pieces", counted)
+    monkeypatch.setattr(lowering, "GATHER_BYTES", 2048)
+    monkeypatch.setattr(lowering, "read_pieces", counted)
     expected = stage_state(model, 1, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     load_rank(
@@ -464,18 +464,18 @@ def test_a_corrupt_block_is_refused_on_the_mapped_paths(tmp_path, tensor):
 def test_row_splits_are_read_per_tensor_not_per_row(tmp_path, monkeypatch, saved, serving):
     """Cutting (TP=1 -> 2) or joining (TP=2 -> 1) dim-1 splits gives the reader one piece per
     saved range, whatever the number of rows: 1024 rows here."""
-    import vllm_sharded_loader.checkpoint.reshard as reshard
+    import vllm_sharded_loader.storage.lowering as lowering
 
     model = big_model()
     manifest = save_model(tmp_path, model, saved, 1)
     pieces = []
-    read_pieces = reshard.read_pieces
+    read_pieces = lowering.read_pieces
 
     def counted(*args, **kwargs):
         pieces.extend(args[1])
         return read_pieces(*args, **kwargs)
 
-    monkeypatch.setattr(reshard, "read_pieces", counted)
+    monkeypatch.setattr(lowering, "read_pieces", counted)
     expected = stage_state(model, serving, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(0, serving))

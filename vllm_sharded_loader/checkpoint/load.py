@@ -7,9 +7,10 @@ tensors. Each step is a named piece beside this module:
 - checks: :mod:`..storage.lock` (no save running), :mod:`..planning.topology` (topology and
   source model), :mod:`..planning.tensors` (exactly the model's tensors), :mod:`.rank_files`
   (every file of the rank against the manifest);
-- plan: :func:`..storage.tensor_files.file_pieces` (each tensor's bytes, from its file's
+- plan: :func:`..storage.tensor_files.file_plans` (each tensor's bytes, from its file's
   header), or :mod:`.reshard` at another topology;
-- read: :func:`..storage.reader.read_pieces`.
+- read: the one lowering of every route's plans, :func:`..storage.lowering.read_plans`,
+  then :func:`..storage.reader.read_pieces`.
 """
 
 from __future__ import annotations

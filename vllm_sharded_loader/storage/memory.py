@@ -1,7 +1,7 @@
 """Where a load's bytes land: the targets, their memory, and private file mappings served in their place.
 
-A CPU target whose caller can take another tensor (:attr:`Target.adopt`; the vLLM loader
-swaps the parameter's data) is served from a private mapping of its bytes in the file:
+A CPU target whose caller can take another tensor (the vLLM loader swaps the parameter's
+data) is served from a private mapping of its bytes in the file (:func:`map_pieces`):
 the page cache's pages become its memory, with no copy and no first touch of fresh
 memory. Every other target is written in place, or through staging when its bytes are
 converted (another dtype, another device).
@@ -21,8 +21,8 @@ import torch
 from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError, listing
 from ..planning.spans import Piece
 from . import oscalls
-from .local import OpenFile, truncated
-from .tensors import byte_view, map_file_range
+from .local import OpenFile
+from .tensors import byte_view
 
 HUGE_PAGE = 2 * 1024 * 1024
 PAGE = mmap.PAGESIZE
@@ -32,11 +32,9 @@ PAGE = mmap.PAGESIZE
 class Target:
     """A tensor to fill, the dtype its bytes are stored in, and element runs to zero first.
 
-    ``adopt``, if given, may be called instead of filling ``tensor``: with a tensor of the
-    same shape and dtype served from a private mapping of the file (see :func:`read_pieces`),
-    which the caller then uses in place of ``tensor``. ``mapped`` says that ``tensor`` already
-    lies over a private mapping of its piece's bytes (:func:`map_pieces`): the reader pages
-    it in and verifies it like read bytes, and never writes it. ``filled``, if given, is
+    ``mapped`` says that ``tensor`` already lies over a private mapping of its piece's bytes
+    (:func:`map_pieces`): the reader pages it in and verifies it like read bytes, and never
+    writes it. ``filled``, if given, is
     called on a reader thread as soon as every byte of the target is read (and verified):
     work on those bytes (a strided copy out of a mapping) then overlaps the other reads.
     """
@@ -44,7 +42,6 @@ class Target:
     tensor: torch.Tensor
     stored: torch.dtype
     zero_runs: Sequence[tuple[int, int]] = ()
-    adopt: Callable[[torch.Tensor], None] | None = None
     mapped: bool = False
     filled: Callable[[], None] | None = None
 
@@ -146,62 +143,6 @@ def prefault_pages(ranges: Sequence[tuple[int, int]]) -> None:
         interior = page_interior(address, nbytes)
         if interior is not None:
             oscalls.populate_write(*interior)
-
-
-def mapped_pieces(pieces: Sequence[Piece], targets: Sequence[Target]) -> dict[int, Piece]:
-    """The targets that can be served from a file mapping instead of read: index -> its piece.
-
-    A target qualifies if it offers ``adopt``, is a contiguous CPU tensor of the stored
-    dtype with no runs to zero, and one piece holds all of its bytes at an offset aligned
-    to its element size (a tensor view of the mapping needs that alignment). Pure.
-    """
-    count: dict[int, int] = {}
-    for p in pieces:
-        count[p.dest] = count.get(p.dest, 0) + 1
-    served = {}
-    for p in pieces:
-        t = targets[p.dest]
-        tensor = t.tensor
-        if (
-            t.adopt is not None
-            and count[p.dest] == 1
-            and not t.zero_runs
-            and tensor.device.type == "cpu"
-            and tensor.dtype == t.stored
-            and tensor.is_contiguous()
-            and p.start == 0
-            and p.length == tensor.numel() * tensor.element_size() > 0
-            and p.offset % t.stored.itemsize == 0
-        ):
-            served[p.dest] = p
-    return served
-
-
-def map_tensors(
-    files: Sequence[OpenFile], served: Mapping[int, Piece], targets: Sequence[Target]
-) -> dict[int, torch.Tensor]:
-    """The served targets' bytes as tensors shaped like them, each over a private mapping of just its pages.
-
-    ``MAP_PRIVATE`` (copy-on-write), as ``safetensors.safe_open`` maps files on CPU: the
-    page cache's pages, no copy and no fresh memory until something writes to them, and
-    writes go to private copies, never to the file. One mapping per tensor, which lives
-    exactly as long as the tensor (and its views): when vLLM drops a weight it has
-    repacked, its pages are unmapped and left to the page cache to keep or reclaim.
-    Each mapping is made from the file's open descriptor; ``served`` maps target indices to their pieces.
-    """
-    by_file: dict[int, list[int]] = {}
-    for i, p in served.items():
-        by_file.setdefault(p.file, []).append(i)
-    tensors: dict[int, torch.Tensor] = {}
-    for file, indices in by_file.items():
-        path, fd = files[file].path, files[file].fd
-        size = os.fstat(fd).st_size
-        for i in indices:
-            p, target = served[i], targets[i]
-            if p.end > size:
-                raise truncated(path, size)
-            tensors[i] = map_file_range(fd, p.offset, p.length, target.stored, tuple(target.tensor.shape))
-    return tensors
 
 
 def map_pieces(

@@ -30,8 +30,8 @@ the hardware's limits, measured on the project's 2-core machines:
   against 3.5 with 4 threads), but in a VM whose host reclaims free guest memory
   (free page reporting, as on these machines) a huge page is exactly the memory the
   host took back, and loads ran 30% slower with it. So it is opt-in.
-- **Mapping instead of copying** (:mod:`.memory`). A CPU target whose caller can take
-  another tensor (``Target.adopt``; the vLLM loader swaps the parameter's data) is served
+- **Mapping instead of copying** (:mod:`.memory`, :mod:`.lowering`). A CPU target whose caller can take
+  another tensor (``adopt``; the vLLM loader swaps the parameter's data) is served
   from a private mapping of its bytes in the file: the page cache's pages become its
   memory, with no copy and no first touch. A warm 1.5 GB rank maps at tens of GB/s where the
   copy runs at 1-3 GB/s here; cold, the threads page the mappings in at the disk's speed.
@@ -69,8 +69,6 @@ from .memory import (
     Destination,
     Target,
     advise_huge_pages,
-    map_tensors,
-    mapped_pieces,
     page_in,
     prefault_pages,
 )
@@ -151,7 +149,7 @@ class ReadStats:
     spans: int
     threads: int
     huge_pages: bool
-    # Of bytes_read, those served from private file mappings (adopted, not copied).
+    # Of bytes_read, those paged in from private file mappings instead of read.
     bytes_mapped: int = 0
     # Whether the files were read with O_DIRECT (:mod:`.direct`), bypassing the page cache.
     direct: bool = False
@@ -383,14 +381,12 @@ def read_pieces(
     error raises :class:`ShardedStateError` naming the file before this returns; the
     targets may then hold partial data, and the caller must not use them.
 
-    A target with :attr:`Target.adopt` that :func:`mapped_pieces` accepts is not written:
-    its bytes are mapped privately (:func:`map_tensors`: copy-on-write, as
-    ``safetensors.safe_open`` maps files on CPU), its pages are brought in by the reading
-    threads (``MADV_POPULATE_READ``) and verified like read bytes, and once everything has
-    been read ``adopt`` receives the tensor over the mapping. The page cache's pages then
-    serve as the target's memory, so the load neither copies the bytes nor first-touches
-    fresh memory, which on the project's VMs is what limits a copying load (see the
-    module docstring).
+    A target with :attr:`Target.mapped` lies over a private mapping of its piece's bytes
+    (:func:`.memory.map_pieces`, made by :func:`.lowering.read_plans`): it is not written,
+    its pages are brought in by the reading threads (``MADV_POPULATE_READ``) and verified
+    like read bytes. The page cache's pages then serve as the target's memory, so the load
+    neither copies the bytes nor first-touches fresh memory, which on the project's VMs is
+    what limits a copying load (see the module docstring).
     """
     threads = options.threads
     if any(not isinstance(p, str) and p.remote for p in paths):
@@ -418,11 +414,8 @@ def _read_files(
     progress: Callable[[int, int], None] | None,
     huge_pages: bool,
 ) -> ReadStats:
-    # Only files on a local file system can be mapped (not objects in object storage).
-    served = {i: p for i, p in mapped_pieces(pieces, targets).items() if files[p.file].mappable}
-    mapped = map_tensors(files, served, targets)
     # Local files with bytes to copy (not only mapped ones): with SHARDED_STATE_DIRECT_IO=on, read with O_DIRECT.
-    copied = {p.file for p in pieces if p.dest not in served and not targets[p.dest].mapped and p.length}
+    copied = {p.file for p in pieces if not targets[p.dest].mapped and p.length}
     local = [f for i, f in enumerate(files) if i in copied and f.mappable and getattr(f, "fd", None) is not None]
     direct = direct_io.choose_direct([(f.fd, f.size) for f in local])  # type: ignore[attr-defined]
     if span_bytes is None:  # the caller's own span is kept (benchmarks sweep it)
@@ -430,7 +423,7 @@ def _read_files(
         span_bytes = ACCELERATOR_SPAN_BYTES if on_gpu else SPAN_BYTES
     if direct:
         span_bytes = max(span_bytes, direct_io.WINDOW_BYTES)
-    destinations = [Destination(t, mapped.get(i, t.tensor if t.mapped else None)) for i, t in enumerate(targets)]
+    destinations = [Destination(t, t.tensor if t.mapped else None) for t in targets]
     huge = False
     for d in destinations if huge_pages else ():
         if d.view is not None and len(d.view) >= HUGE_PAGE:
@@ -459,12 +452,8 @@ def _read_files(
     for d in destinations:
         if d.temp is not None:
             d.target.copy_(d.temp)
-    # Only now, with every byte read and verified, do callers take the mapped tensors.
-    for i in served:
-        adopt = targets[i].adopt
-        assert adopt is not None and destinations[i].mapped is not None
-        adopt(destinations[i].mapped)
-    return ReadStats(total, len(spans), threads, huge, sum(p.length for p in served.values()), direct)
+    mapped = sum(p.length for p in pieces if targets[p.dest].mapped)
+    return ReadStats(total, len(spans), threads, huge, mapped, direct)
 
 
 def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callable[[int, int], None] | None) -> int:

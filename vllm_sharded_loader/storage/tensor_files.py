@@ -1,7 +1,8 @@
 """Whole tensors of safetensors files, read into tensors by name: where each tensor's bytes lie.
 
-:func:`file_pieces` is the one place that maps a file's tensors to byte ranges, and it
-takes them from the file's own header.
+:func:`file_plans` is the one place that maps a file's tensors to byte ranges, and it
+takes them from the file's own header; :func:`read_files` runs those plans through the
+one lowering of every load (:func:`.lowering.read_plans`).
 """
 
 from __future__ import annotations
@@ -11,36 +12,33 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ..format.manifest import FileChecksum
-from ..format.safetensors import Header
-from ..planning.spans import Piece
+from ..format.safetensors import Header, dtype_size
+from ..planning.reads import TensorPlan
+from ..planning.runs import Read, Strided
 from .local import OpenFile
-from .memory import Target
-from .reader import DEFAULT_READ, ReadOptions, ReadStats, read_pieces
+from .location import StoredFile
+from .lowering import read_plans
+from .reader import DEFAULT_READ, ReadOptions, ReadStats
 from .tensors import torch_dtype
 
 
-def file_pieces(
-    headers: Sequence[Header],
-    targets: Mapping[str, torch.Tensor],
-    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
-) -> tuple[list[str], list[Piece], list[Target]]:
-    """Pieces and targets to read whole tensors of safetensors files into ``targets``.
+def file_plans(headers: Sequence[Header], names: Mapping[str, object]) -> dict[str, TensorPlan]:
+    """A read plan per tensor of ``headers`` named in ``names``: its one run in its file. Pure.
 
-    Tensors of a file not in ``targets`` are not read (except into scratch when the file is
-    verified). ``adopt`` gives the :attr:`Target.adopt` of the tensors that may be mapped.
+    Plans follow the files' order and each file's byte order, so the reader goes through
+    each file front to back.
     """
-    adopt = adopt or {}
-    paths, pieces, dests = [], [], []
-    for file, header in enumerate(headers):
-        paths.append(header.path)
+    plans = {}
+    for header in headers:
         for name, entry in sorted(header.tensors.items(), key=lambda item: item[1].begin):
-            target = targets.get(name)
-            if target is None:
+            if name not in names:
                 continue
-            stored = torch_dtype(entry.dtype, header.path)
-            pieces.append(Piece(file, entry.begin, entry.end - entry.begin, len(dests), 0, stored.itemsize))
-            dests.append(Target(target, stored, adopt=adopt.get(name)))
-    return paths, pieces, dests
+            itemsize = dtype_size(entry.dtype, header.path)
+            nbytes = entry.end - entry.begin
+            source = Strided(entry.begin, nbytes, nbytes)
+            dest = Strided(0, nbytes // itemsize, nbytes // itemsize)
+            plans[name] = TensorPlan(name, name, tuple(entry.shape), itemsize, (Read(header.path, source, dest),))
+    return plans
 
 
 def read_files(
@@ -54,13 +52,34 @@ def read_files(
 ) -> ReadStats:
     """Read the tensors of safetensors files named in ``targets`` into them.
 
-    ``checksums`` maps a file's path to its recorded checksum; such a file is verified
-    whole. ``adopt`` maps names to callbacks that take a mapped tensor in place of
-    reading into the target (see :func:`read_pieces`). ``files`` are the files the headers
-    were read from, already open (every read then goes through them); without them the
-    headers' paths are opened. ``options`` and ``span_bytes`` go to :func:`read_pieces`.
+    Tensors of a file not in ``targets`` are not read (except into scratch when the file is
+    verified). ``checksums`` maps a file's path to its recorded checksum; such a file is
+    verified whole. ``adopt`` maps names to callbacks that take a mapped tensor in place of
+    reading into the target (see :func:`.lowering.read_plans`). ``files`` are the files the
+    headers were read from, already open (every read then goes through them); without them
+    the headers' paths are opened. ``options`` and ``span_bytes`` run the reader.
     """
-    paths, pieces, dests = file_pieces(headers, targets, adopt)
-    by_index = {i: checksums[p] for i, p in enumerate(paths) if checksums and p in checksums}
-    sources: Sequence[str | OpenFile] = paths if files is None else files
-    return read_pieces(sources, pieces, dests, checksums=by_index, verify="all", options=options, span_bytes=span_bytes)
+    opened = [OpenFile.open(h.path) for h in headers] if files is None else []
+    try:
+        handles: Sequence[StoredFile] = opened or files or []
+        plans = file_plans(headers, targets)
+        stored = {
+            name: torch_dtype(header.tensors[name].dtype, header.path)
+            for header in headers
+            for name in header.tensors
+            if name in plans
+        }
+        return read_plans(
+            {h.path: f for h, f in zip(headers, handles, strict=True)},
+            plans,
+            targets,
+            stored,
+            checksums=checksums,
+            verify="all",
+            options=options,
+            adopt=adopt,
+            span_bytes=span_bytes,
+        )
+    finally:
+        for f in opened:
+            f.close()
