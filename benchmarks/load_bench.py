@@ -445,12 +445,50 @@ def markdown(result: dict) -> str:
                 f"{row['available_drop'] / GB:.2f} | {row.get('cached_growth', float('nan')) / GB:.2f} |"
             )
     lines += scaling_table(s)
+    lines += commits_table(engines)
     limits = result.get("limits")
     if limits:
         lines += ["", "| raw limit (TP=1 files) | GB/s, median | runs |", "|---|---|---|"]
         for name, v in limits.items():
             lines.append(f"| {name} | {v['median']:.2f} | {', '.join(f'{x:.2f}' for x in v['gbps'])} |")
     return "\n".join(lines) + "\n"
+
+
+def commits_table(engines: list[dict]) -> list[str]:
+    """Where the engines ran more than one commit (``--append`` from each tree in turn): per TP size,
+    mode and loader, each commit's ``load_weights`` and engine start, every run and the median."""
+    commits = list(dict.fromkeys(e.get("commit", "?") for e in engines))
+    if len(commits) < 2:
+        return []
+    lines = [
+        "",
+        f"By commit, in the order they first ran ({', '.join(commits)}): `load_weights` seconds (slowest rank), "
+        "median and every run in run order, and the median engine start.",
+        "",
+        "| GB | TP | mode | loader | " + " | ".join(f"{c}: load_weights | {c}: start" for c in commits) + " |",
+        "|---|---|---|---|" + "---|---|" * len(commits),
+    ]
+    groups: dict = {}
+    for e in engines:
+        groups.setdefault((e.get("layers", 17), e["tp"], e["mode"], e["loader"]), {}).setdefault(
+            e.get("commit", "?"), []
+        ).append(e)
+    for (_, tp, mode, loader), by_commit in sorted(groups.items()):
+        size = next(iter(by_commit.values()))[0]["rank_bytes"] * tp / GB
+        cells = []
+        for c in commits:
+            rows = by_commit.get(c, [])
+            if not rows:
+                cells += ["-", "-"]
+                continue
+            loads = [r["load_seconds"] for r in rows]
+            runs = ", ".join(f"{x:.2f}" for x in loads)
+            cells += [
+                f"{statistics.median(loads):.2f} ({runs})",
+                f"{statistics.median(r['engine_start'] for r in rows):.1f}",
+            ]
+        lines.append(f"| {size:.2f} | {tp} | {mode} | {loader} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def scaling_table(s: dict) -> list[str]:

@@ -59,10 +59,9 @@ def load_rank(
     than ``rank.experts`` places them (another EP size or strategy, or expert parallelism
     on one side only), is resharded (:func:`.reshard.load_resharded`) if its manifest
     records the geometry. ``options`` run the reader (:class:`..storage.reader.ReadOptions`).
-    ``adopt`` maps tensor names to callbacks that take a tensor over a private mapping of
-    the file in place of the target (see :func:`..storage.reader.read_pieces`); a resharding
-    load maps the tensors whose saved pieces are whole runs of their files (see
-    :meth:`.reshard.ReshardSource.read`).
+    ``adopt`` maps tensor names to callbacks that take a tensor over private mappings of
+    the files in place of the target: every route maps the CPU tensors of the saved dtype
+    whose saved pieces are whole runs of their files (see :func:`..storage.lowering.read_plans`).
     """
     started = time.perf_counter()
     directory, manifest, verify = request.directory, request.manifest, request.verify
