@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support.engines import package_process, python_process, run_engine
-from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from vllm_sharded_loader.tools.convert import ComponentCache, convert_checkpoint
 
 MANIFEST = "sharded_state.json"
@@ -118,6 +118,57 @@ def test_ranks_written_one_after_the_other_stay_within_the_budget():
         assert [float(cache.take(f"t{i}")[0]) for i in range(12)] == [float(i) for i in range(12)]
         cache.rank_done()
     assert cache.peak <= 2048 + 1024 and cache.remakes > 0 and not cache.made
+
+
+def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_where_it_is_taken():
+    import time
+
+    made: list[str] = []
+
+    def make(name: str) -> dict[str, torch.Tensor]:
+        if name == "t4":
+            raise ShardedStateError("t4: vLLM's loader left part of it unfilled")
+        made.append(name)
+        return {name: torch.full((256,), float(int(name[1:])))}
+
+    names = [f"t{i}" for i in range(6)]
+    cache = ComponentCache(
+        make=make,
+        free=lambda name: None,
+        component_of=hash,
+        takes=dict.fromkeys(names, 1),
+        budget=4096,
+        after=lambda name: f"t{int(name[1:]) + 1}" if name != "t5" else None,
+    )
+    try:
+        assert float(cache.take("t0")[0]) == 0.0
+        deadline = time.monotonic() + 30
+        while "t1" not in made and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert made == ["t0", "t1"]  # made while nobody had asked for it yet
+        assert [float(cache.take(f"t{i}")[0]) for i in (1, 2, 3)] == [1.0, 2.0, 3.0]
+        assert cache.ahead >= 3
+        with pytest.raises(ShardedStateError, match="t4: vLLM's loader left part of it unfilled"):
+            cache.take("t4")
+        with pytest.raises(ShardedStateError, match="stopped: another rank's conversion failed"):
+            cache.take("t5")
+    finally:
+        cache.close()
+    # A component made but refused by its check (left partly unfilled) is never handed out.
+    checked: list[str] = []
+
+    def check(name: str, tensors: dict[str, torch.Tensor]) -> None:
+        checked.append(name)
+        if name == "t2":
+            raise ShardedStateError("t2: vLLM's loader left part of it unfilled")
+
+    cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes={"t1": 1, "t2": 1}, check=check)
+    try:
+        assert float(cache.take("t1")[0]) == 1.0 and checked == ["t1"]
+        with pytest.raises(ShardedStateError, match="t2: vLLM's loader left part of it unfilled"):
+            cache.take("t2")
+    finally:
+        cache.close()
 
 
 # ----------------------------------------------------------------- bad sources, engine-free

@@ -452,3 +452,30 @@ def test_one_failing_stream_stops_the_others(tmp_path):
         tensor_files.read_files([header], {"w": target}, {path: checksum}, options=ReadOptions(threads=2))
     read_by_the_other = int((target[size // 2 :] == 0).sum())
     assert read_by_the_other < size // 4, f"{read_by_the_other / 2**20:.0f} MiB read after the first stream failed"
+
+
+def test_a_pooled_buffer_is_taken_again_only_once_nothing_uses_its_memory():
+    pool = memory.BufferPool(keep=1 << 20)
+    first = pool.empty((4, 8), torch.float32)
+    address = first.data_ptr()
+    held = first[1:]  # a writer still reading a slice of it
+    del first
+    second = pool.empty((32,), torch.float32)
+    assert second.data_ptr() != address and pool.reused == 0
+    second.fill_(1.0)
+    held.fill_(2.0)
+    assert bool((second == 1.0).all())
+    del held
+    third = pool.empty((8, 4), torch.float32)  # the same size: the first buffer, now idle
+    assert third.data_ptr() == address and pool.reused == 1
+    assert pool.empty((3,), torch.bfloat16).data_ptr() not in (address, second.data_ptr())
+
+
+def test_a_pool_lets_idle_buffers_go_beyond_what_it_keeps():
+    pool = memory.BufferPool(keep=1024)
+    made = [pool.empty((128,), torch.uint8) for _ in range(3)]
+    del made
+    big = pool.empty((1024,), torch.uint8)  # 384 idle bytes + 1024 > keep: the idle ones go
+    assert [b.numel() for b in pool.buffers] == [1024]
+    del big
+    assert pool.empty((1024,), torch.uint8).numel() == 1024 and pool.reused == 1

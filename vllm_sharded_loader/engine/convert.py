@@ -41,6 +41,8 @@ from ..format.source import SourceModel
 from ..planning.components import fill_components
 from ..planning.topology import RankInfo
 from ..storage.hf_source import SourceFiles
+from ..storage.memory import BufferPool
+from ..storage.tensors import has_nan
 from .compile_cache import save_startup_artifacts
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
@@ -257,6 +259,8 @@ class ConvertModel:
         vllm_config: Any = None,
     ) -> None:
         self.source = source
+        # Components' memory, written again rather than faulted in fresh (the model's layers repeat sizes).
+        self.pool = BufferPool()
         self.vllm_config = vllm_config or engine_config(source.directory, options, source.where)
         self.model_config = self.vllm_config.model_config
         self.model = build_meta_model(self.vllm_config)
@@ -289,9 +293,9 @@ class ConvertModel:
                 f"(or the config does not describe these weights). {SAVE_INSTEAD}"
             )
         self.components = fill_components(self.fills, defaults)
-        # Each component's sources and the next component's, by the state's order (the order ranks take them).
+        # The component after each, by the state's order (the order ranks take them).
         order = list({id(c): c for c in (self.components[n] for n in self.state if n in self.components)}.values())
-        self._next = {id(c): order[i + 1].sources for i, c in enumerate(order[:-1])}
+        self._next = {id(c): order[i + 1] for i, c in enumerate(order[:-1])}
 
     # ----------------------------------------------------------------- planning
 
@@ -420,13 +424,13 @@ class ConvertModel:
     def make(self, name: str) -> dict[str, torch.Tensor]:
         """The component holding ``name``, made on the CPU: each of its tensors as vLLM's TP=1 load holds it.
 
-        The caller frees it with :meth:`free` once every rank has taken its slices.
+        The caller checks it (:meth:`check`), and frees it (:meth:`free`) after the ranks' last slices.
         """
         component = self.components[name]
         with torch.no_grad():
             for target in component.targets:
                 spec = self.state[target]  # the shape and dtype vLLM built it with
-                tensor = torch.empty(spec.shape, dtype=spec.dtype)
+                tensor = self.pool.empty(tuple(spec.shape), spec.dtype)
                 if target in self.constants:
                     tensor.copy_(self.constants[target])
                 elif tensor.is_floating_point():
@@ -435,20 +439,27 @@ class ConvertModel:
                 attr = self._slots[target][0][1]
                 if attr in DEFAULT_SCALES:
                     tensor.fill_(1.0)  # vLLM's set_default_quant_scales
-            self.source.prefetch(component.sources + self._next.get(id(component), []))
+            self.source.prefetch(component.sources + getattr(self._next.get(id(component)), "sources", []))
             weights = [(s, self.source.read(s)) for s in component.sources]
             if weights:
                 self._load(weights, listing(component.sources, 3))
-            made = {t: self._current(t).detach() for t in component.targets}
-            del weights
-        partial = [t for t, v in made.items() if v.is_floating_point() and _has_nan(v)]
+            return {t: self._current(t).detach() for t in component.targets}
+
+    def check(self, name: str, made: dict[str, torch.Tensor]) -> None:
+        """Refuse (and free) ``name``'s component if vLLM's loader left part of it unfilled (still NaN)."""
+        partial = [t for t, v in made.items() if v.is_floating_point() and has_nan(v)]
         if partial:
             self.free(name)
+            sources = listing(self.components[name].sources, 5)
             raise ConvertRefused(
                 f"{self.source.where}: vLLM's loader left part of {listing(partial, 3)} unfilled from "
-                f"{listing(component.sources, 5)}: the checkpoint lacks weights the model has. {SAVE_INSTEAD}"
+                f"{sources}: the checkpoint lacks weights the model has. {SAVE_INSTEAD}"
             )
-        return made
+
+    def after(self, name: str) -> str | None:
+        """A tensor of the component after ``name``'s in the order ranks take them (None after the last)."""
+        following = self._next.get(id(self.components[name]))
+        return following.targets[0] if following else None
 
     def free(self, name: str) -> None:
         """Put a component's tensors back on the meta device (their memory goes)."""
@@ -465,18 +476,6 @@ class ConvertModel:
 
     def close(self) -> None:
         self.source.close()
-
-
-def _has_nan(tensor: torch.Tensor) -> bool:
-    """Whether any element is NaN. ``amax`` propagates NaN and reads the tensor once, about ten
-    times faster on bf16 than ``isnan().any()``, which makes a bool tensor first: every byte of a
-    conversion passes through here. Float8 types, which ``amax`` lacks on CPU, take the slow way."""
-    if not tensor.numel():
-        return False
-    try:
-        return bool(tensor.amax().isnan())
-    except (RuntimeError, NotImplementedError):
-        return bool(tensor.isnan().any())
 
 
 @contextlib.contextmanager

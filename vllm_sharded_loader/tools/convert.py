@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
 from ..storage.location import copy_non_weight_files, is_locked, open_store, read_manifest
+from ..storage.memory import BufferPool
 from ..storage.oscalls import release_free_heap
 from ..storage.staging_folders import staging_folder
 from ..storage.writer import LazyTensor
@@ -62,13 +64,23 @@ def resolve_source(source: str) -> str:
         raise ShardedStateError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
 
 
-def cut(tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """A rank's local tensor from the TP=1 tensor: its piece of each segment, joined along the split dim."""
+def cut(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | None = None) -> torch.Tensor:
+    """A rank's local tensor from the TP=1 tensor: its piece of each segment, joined along the split dim.
+
+    A piece that is already contiguous (dim 0, one segment) is a view of ``tensor``; any other is
+    copied into memory of ``pool`` (or new memory).
+    """
     if layout.split_dim is None:
         return tensor
     pieces = [tensor.narrow(layout.split_dim, p.global_offset, p.length) for p in layout.pieces]
-    local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.split_dim)
-    return local.contiguous()
+    if len(pieces) == 1 and pieces[0].is_contiguous():
+        return pieces[0]
+    local = (
+        pool.empty(tuple(layout.shape), tensor.dtype)
+        if pool is not None
+        else torch.empty(layout.shape, dtype=tensor.dtype)
+    )
+    return torch.cat(pieces, dim=layout.split_dim, out=local)
 
 
 @dataclass
@@ -82,10 +94,16 @@ class _Made:
 class ComponentCache:
     """Components made once and shared by the ranks' writer threads, freed after their last slice.
 
-    A thread that would make a component while more than ``budget`` bytes of others are
-    still waiting for slower ranks waits for them, unless every other working rank waits
-    too; then components no waiting rank needs next are freed (and made again later if a
-    rank still needs them: a source read twice rather than memory without bound).
+    One thread of its own makes and checks every component (``make`` is vLLM's loader on one
+    model, so never two at once; ``check`` refuses one left partly unfilled), while the ranks
+    cut and write the ones made: when a rank takes a component, the one after it (``after``)
+    is made ahead if the budget allows, so making and writing overlap.
+
+    A rank that would have a component made while more than ``budget`` bytes of others are
+    still waiting for slower ranks waits for them, unless every other working rank waits too;
+    then components no waiting rank needs next are freed (and made again later if a rank still
+    needs them: a source read twice rather than memory without bound). A component whose making
+    or check failed raises its error in the rank that takes it.
     """
 
     make: Callable[[str], dict[str, torch.Tensor]]
@@ -93,6 +111,8 @@ class ComponentCache:
     component_of: Callable[[str], int]
     takes: dict[str, int]  # tensor -> how many ranks take a slice of it
     budget: int = DEFAULT_BUDGET
+    after: Callable[[str], str | None] = lambda name: None  # a tensor of the component made after name's
+    check: Callable[[str, dict[str, torch.Tensor]], None] = lambda name, tensors: None
     made: dict[int, _Made] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
     waiting: dict[int, int] = field(default_factory=dict)  # thread -> component it waits to make
@@ -102,9 +122,13 @@ class ComponentCache:
     failed: BaseException | None = None
     remakes: int = 0
     peak: int = 0
+    ahead: int = 0  # components made ahead of the rank that took them
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition()
+        self.making: int | None = None  # the component the maker is making
+        self.errors: dict[int, BaseException] = {}
+        self.maker = ThreadPoolExecutor(1, thread_name_prefix="convert-make")
         for name, count in self.takes.items():
             key = self.component_of(name)
             self.pending[key] = self.pending.get(key, 0) + count
@@ -130,27 +154,45 @@ class ComponentCache:
             release_free_heap()
         return tensor
 
+    def _start(self, name: str, key: int) -> None:
+        """Have the maker make ``name``'s component (the caller holds the lock; the maker is idle)."""
+        self.making = key
+        self.maker.submit(self._make, name, key)
+
+    def _make(self, name: str, key: int) -> None:
+        try:
+            tensors = self.make(name)
+            self.check(name, tensors)
+        except BaseException as e:
+            with self.cond:
+                self.errors[key], self.making = e, None
+                self.cond.notify_all()
+            return
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self.cond:
+            self.made[key], self.making = _Made(tensors, nbytes, self.pending[key]), None
+            self.peak = max(self.peak, self._bytes())
+            self.cond.notify_all()
+
     def _take(self, name: str, me: int) -> tuple[torch.Tensor, bool]:
         key = self.component_of(name)
         while key not in self.made:
             if self.failed is not None:
                 raise ShardedStateError(f"stopped: another rank's conversion failed ({self.failed})")
+            if key in self.errors:
+                raise self.errors[key]
             # Ranks that can still take a slice: those not waiting for a component nobody made yet.
             others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
-            if self._bytes() <= self.budget or not self.made or others <= 0:
+            if self.making is None and (self._bytes() <= self.budget or not self.made or others <= 0):
                 if self._bytes() > self.budget:
                     self._evict(key)
-                tensors = self.make(name)
-                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-                self.made[key] = _Made(tensors, nbytes, self.pending[key])
-                self.peak = max(self.peak, self._bytes())
-                self.cond.notify_all()
-                break
+                self._start(name, key)
             self.waiting[me] = key
             self.cond.wait()
             self.waiting.pop(me, None)
         made = self.made[key]
         tensor = made.tensors[name]
+        self._make_ahead(name, made.nbytes)
         made.pending -= 1
         self.pending[key] -= 1
         if made.pending:
@@ -159,6 +201,18 @@ class ComponentCache:
         self.free(name)
         self.cond.notify_all()
         return tensor, True
+
+    def _make_ahead(self, name: str, nbytes: int) -> None:
+        """Start making the component after ``name``'s if the maker is idle and the budget has room for it."""
+        following = self.after(name)
+        if following is None or self.making is not None:
+            return
+        key = self.component_of(following)
+        if key in self.made or key in self.errors or not self.pending.get(key):
+            return
+        if self._bytes() + nbytes <= self.budget:
+            self.ahead += 1
+            self._start(following, key)
 
     def _evict(self, keep: int) -> None:
         wanted = set(self.waiting.values()) | {keep}
@@ -171,6 +225,10 @@ class ComponentCache:
         with self.cond:
             self.running -= 1
             self.cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the maker: after the component it is making, if any; nothing queued (at most that one)."""
+        self.maker.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
@@ -304,14 +362,17 @@ def _convert(
             component_of=lambda n: id(model.components[n]),
             takes=takes,
             budget=budget,
+            after=model.after,
+            check=model.check,
             running=1 if open_store(output).remote else len(plans),
         )
+        stack.callback(cache.close)
 
         def lazy(state_name: str, layout: ShardLayout, last: bool) -> LazyTensor:
             meta = model.state[state_name]
 
             def produce() -> torch.Tensor:
-                local = cut(cache.take(state_name), layout)
+                local = cut(cache.take(state_name), layout, model.pool)
                 if last:
                     cache.rank_done()
                 if tuple(local.shape) != tuple(layout.shape) or local.dtype != meta.dtype:
