@@ -234,6 +234,7 @@ class BufferPool:
         self.buffers: list[torch.Tensor] = []  # flat uint8, each the whole of its storage
         self.reused = 0
         self.lock = threading.Lock()
+        self.enabled = self._counts_users()
 
     @staticmethod
     def _idle(buffer: torch.Tensor) -> bool:
@@ -241,10 +242,23 @@ class BufferPool:
         # This buffer and the wrapper just made: nothing else holds the memory.
         return torch._C._storage_Use_Count(storage._cdata) <= 2
 
+    @classmethod
+    def _counts_users(cls) -> bool:
+        """Whether this torch counts a storage's users as the pool relies on (a private call): a
+        buffer alone is idle, one with a view is not. Otherwise every tensor is new memory."""
+        if not hasattr(torch._C, "_storage_Use_Count"):
+            return False
+        probe = torch.empty(8, dtype=torch.uint8)
+        alone = cls._idle(probe)
+        view = probe[2:]
+        held = cls._idle(probe)
+        del view
+        return alone and not held and cls._idle(probe)
+
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized CPU tensor, in an idle buffer of its size if there is one."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if not nbytes or not hasattr(torch._C, "_storage_Use_Count"):
+        if not nbytes or not self.enabled:
             return torch.empty(shape, dtype=dtype)
         with self.lock:
             return self._take(nbytes).view(dtype).view(shape)
