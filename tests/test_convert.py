@@ -171,6 +171,26 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
         cache.close()
 
 
+def test_a_rank_cut_is_a_view_where_it_can_be_and_pooled_memory_where_it_is_copied():
+    from vllm_sharded_loader.planning.layout import ShardLayout, ShardPiece
+    from vllm_sharded_loader.storage.memory import BufferPool
+    from vllm_sharded_loader.tools.convert import cut
+
+    full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
+    pool = BufferPool()
+    rows = ShardLayout((3, 8), 0, (ShardPiece("w", 3, 3, 0, 3),))
+    assert cut(full, rows, pool).data_ptr() == full[3:].data_ptr()  # dim 0, one segment: a view
+    columns = ShardLayout((6, 4), 1, (ShardPiece("w", 4, 4, 0, 4),))
+    local = cut(full, columns, pool)
+    assert torch.equal(local, full[:, 4:]) and local.is_contiguous()
+    assert any(b.data_ptr() == local.data_ptr() for b in pool.buffers)
+    # Two segments (q and k, say), each rank's piece of both, joined along the split dim.
+    fused = ShardLayout((4, 8), 0, (ShardPiece("q", 1, 2, 0, 1), ShardPiece("k", 1, 2, 2, 4)))
+    assert torch.equal(cut(full, fused, pool), torch.cat([full[1:3], full[4:6]]))
+    wrong = ShardLayout((5, 8), 0, (ShardPiece("q", 1, 2, 0, 1), ShardPiece("k", 1, 2, 2, 4)))
+    assert tuple(cut(full, wrong, pool).shape) == (4, 8)  # not the planned shape: left for the caller to refuse
+
+
 # ----------------------------------------------------------------- bad sources, engine-free
 
 

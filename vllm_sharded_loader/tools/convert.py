@@ -75,12 +75,11 @@ def cut(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | None = Non
     pieces = [tensor.narrow(layout.split_dim, p.global_offset, p.length) for p in layout.pieces]
     if len(pieces) == 1 and pieces[0].is_contiguous():
         return pieces[0]
-    local = (
-        pool.empty(tuple(layout.shape), tensor.dtype)
-        if pool is not None
-        else torch.empty(layout.shape, dtype=tensor.dtype)
-    )
-    return torch.cat(pieces, dim=layout.split_dim, out=local)
+    joined = list(pieces[0].shape)
+    joined[layout.split_dim] = sum(p.shape[layout.split_dim] for p in pieces)
+    if pool is None or tuple(joined) != tuple(layout.shape):
+        return torch.cat(pieces, dim=layout.split_dim)  # another shape: the caller refuses it
+    return torch.cat(pieces, dim=layout.split_dim, out=pool.empty(tuple(layout.shape), tensor.dtype))
 
 
 @dataclass
