@@ -14,7 +14,7 @@ import torch
 from ..format.manifest import FileChecksum
 from ..format.safetensors import Header, dtype_size
 from ..planning.reads import TensorPlan
-from ..planning.runs import Read, Strided
+from ..planning.runs import read_run
 from .local import OpenFile
 from .location import StoredFile
 from .lowering import read_plans
@@ -35,9 +35,8 @@ def file_plans(headers: Sequence[Header], names: Mapping[str, object]) -> dict[s
                 continue
             itemsize = dtype_size(entry.dtype, header.path)
             nbytes = entry.end - entry.begin
-            source = Strided(entry.begin, nbytes, nbytes)
-            dest = Strided(0, nbytes // itemsize, nbytes // itemsize)
-            plans[name] = TensorPlan(name, name, tuple(entry.shape), itemsize, (Read(header.path, source, dest),))
+            read = read_run(header.path, (entry.begin, nbytes), nbytes, (0, nbytes // itemsize), nbytes // itemsize, 1)
+            plans[name] = TensorPlan(name, name, tuple(entry.shape), itemsize, (read,))
     return plans
 
 
