@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.support.engines import package_process, python_process, run_engine
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
-from vllm_sharded_loader.tools.convert import ComponentCache, convert_checkpoint
+from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, convert_checkpoint
 
 MANIFEST = "sharded_state.json"
 
@@ -143,9 +143,10 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
     try:
         assert float(cache.take("t0")[0]) == 0.0
         deadline = time.monotonic() + 30
-        while "t1" not in made and time.monotonic() < deadline:
+        while len(made) < 1 + AHEAD and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert made == ["t0", "t1"]  # made while nobody had asked for it yet
+        time.sleep(0.2)
+        assert made == names[: 1 + AHEAD]  # made while nobody had asked for them yet, and no further
         assert [float(cache.take(f"t{i}")[0]) for i in (1, 2, 3)] == [1.0, 2.0, 3.0]
         assert cache.ahead >= 3
         with pytest.raises(ShardedStateError, match="t4: vLLM's loader left part of it unfilled"):
@@ -171,24 +172,32 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
         cache.close()
 
 
-def test_a_rank_cut_is_a_view_where_it_can_be_and_pooled_memory_where_it_is_copied():
+def test_a_rank_cut_is_views_where_the_writer_takes_them_and_pooled_memory_where_it_is_joined():
     from vllm_sharded_loader.planning.layout import ShardLayout, ShardPiece
     from vllm_sharded_loader.storage.memory import BufferPool
-    from vllm_sharded_loader.tools.convert import cut
+    from vllm_sharded_loader.tools.convert import joined_shape, rank_parts
 
     full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
     pool = BufferPool()
     rows = ShardLayout((3, 8), 0, (ShardPiece("w", 3, 3, 0, 3),))
-    assert cut(full, rows, pool).data_ptr() == full[3:].data_ptr()  # dim 0, one segment: a view
+    (part,) = rank_parts(full, rows, pool)
+    assert part.data_ptr() == full[3:].data_ptr()  # dim 0, one segment: a view
+    # Dim 1, one segment: a view of strided rows, which the writer copies without joining.
     columns = ShardLayout((6, 4), 1, (ShardPiece("w", 4, 4, 0, 4),))
-    local = cut(full, columns, pool)
-    assert torch.equal(local, full[:, 4:]) and local.is_contiguous()
-    assert any(b.data_ptr() == local.data_ptr() for b in pool.buffers)
-    # Two segments (q and k, say), each rank's piece of both, joined along the split dim.
+    (local,) = rank_parts(full, columns, pool)
+    assert torch.equal(local, full[:, 4:]) and local.data_ptr() == full[0, 4:].data_ptr()
+    # Two segments (q and k, say), each rank's piece of both: views, written one after the other.
     fused = ShardLayout((4, 8), 0, (ShardPiece("q", 1, 2, 0, 1), ShardPiece("k", 1, 2, 2, 4)))
-    assert torch.equal(cut(full, fused, pool), torch.cat([full[1:3], full[4:6]]))
+    parts = rank_parts(full, fused, pool)
+    assert [p.data_ptr() for p in parts] == [full[1].data_ptr(), full[4].data_ptr()]
+    assert torch.equal(torch.cat(parts), torch.cat([full[1:3], full[4:6]])) and joined_shape(parts, 0) == (4, 8)
+    # Two segments along dim 1: joined into pooled memory.
+    both = ShardLayout((6, 4), 1, (ShardPiece("a", 1, 2, 0, 1), ShardPiece("b", 1, 2, 2, 5)))
+    (joined,) = rank_parts(full, both, pool)
+    assert torch.equal(joined, torch.cat([full[:, 1:3], full[:, 5:7]], dim=1))
+    assert any(b.data_ptr() == joined.data_ptr() for b in pool.buffers)
     wrong = ShardLayout((5, 8), 0, (ShardPiece("q", 1, 2, 0, 1), ShardPiece("k", 1, 2, 2, 4)))
-    assert tuple(cut(full, wrong, pool).shape) == (4, 8)  # not the planned shape: left for the caller to refuse
+    assert joined_shape(rank_parts(full, wrong, pool), 0) == (4, 8)  # not the planned shape: the caller refuses it
 
 
 # ----------------------------------------------------------------- bad sources, engine-free

@@ -7,7 +7,7 @@ import blake3
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from vllm_sharded_loader.format import ShardedStateError
 from vllm_sharded_loader.storage import integrity, local, tensor_files, writer
@@ -89,6 +89,15 @@ def test_direct_and_buffered_writes_give_the_same_file_and_checksums(tmp_path, m
     g = torch.Generator().manual_seed(3)
     tensors = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate([1, 3001, 1024, 7, 20000, 5])]
     tensors.append(("strided", torch.randn(50, 30, generator=g).t()))
+    # A dim-1 slice (rows copied block by block into the staging buffers, never joined first), one
+    # of odd row bytes, and a tensor given as parts (a rank's pieces of a fused weight).
+    wide = torch.randn(40, 300, generator=g)
+    fused = torch.randn(9, 70, generator=g)
+    tensors += [
+        ("rows", wide[:, 100:250]),
+        ("odd_rows", wide.to(torch.bfloat16)[:, 1:298]),
+        ("parts", writer.LazyTensor((5, 70), torch.float32, lambda: (fused[1:3], fused[6:9]))),
+    ]
     direct, buffered = str(tmp_path / "direct.safetensors"), str(tmp_path / "buffered.safetensors")
     counted: list[int] = []
     a = writer.write_file(
@@ -106,6 +115,16 @@ def test_direct_and_buffered_writes_give_the_same_file_and_checksums(tmp_path, m
     assert a.checksum.blocks == tuple(
         blake3.blake3(data[i : i + block]).hexdigest() for i in range(0, len(data), block)
     )
+    loaded = load_file(direct)
+    assert torch.equal(loaded["rows"], wide[:, 100:250]) and torch.equal(loaded["odd_rows"], tensors[-2][1])
+    assert torch.equal(loaded["parts"], torch.cat([fused[1:3], fused[6:9]]))
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_parts_that_do_not_make_the_declared_tensor_fail_the_write(tmp_path, direct):
+    short = writer.LazyTensor((5, 70), torch.float32, lambda: (torch.zeros(2, 70), torch.zeros(2, 70)))
+    with pytest.raises(ShardedStateError, match="short was made with 1120 bytes, but the file's header gives it 1400"):
+        writer.write_file(str(tmp_path / "x.safetensors"), [("short", short)], {}, direct=direct)
 
 
 def test_we_read_what_the_library_writes_straight_into_targets(tmp_path):

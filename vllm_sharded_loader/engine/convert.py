@@ -293,9 +293,7 @@ class ConvertModel:
                 f"(or the config does not describe these weights). {SAVE_INSTEAD}"
             )
         self.components = fill_components(self.fills, defaults)
-        # The component after each, by the state's order (the order ranks take them).
-        order = list({id(c): c for c in (self.components[n] for n in self.state if n in self.components)}.values())
-        self._next = {id(c): order[i + 1] for i, c in enumerate(order[:-1])}
+        self.follow(list(self.state))
 
     # ----------------------------------------------------------------- planning
 
@@ -455,6 +453,12 @@ class ConvertModel:
                 f"{self.source.where}: vLLM's loader left part of {listing(partial, 3)} unfilled from "
                 f"{sources}: the checkpoint lacks weights the model has. {SAVE_INSTEAD}"
             )
+
+    def follow(self, order: list[str]) -> None:
+        """Make components in the order ranks take these state tensors: what :meth:`after` and the
+        source's read-ahead follow (the state's order until told)."""
+        components = list({id(c): c for c in (self.components[n] for n in order if n in self.components)}.values())
+        self._next = {id(c): components[i + 1] for i, c in enumerate(components[:-1])}
 
     def after(self, name: str) -> str | None:
         """A tensor of the component after ``name``'s in the order ranks take them (None after the last)."""

@@ -34,7 +34,7 @@ from . import oscalls
 from .location import StoredFile
 from .memory import PAGE, Target, map_pieces
 from .reader import DEFAULT_READ, ReadOptions, ReadStats, read_pieces
-from .tensors import map_file_range
+from .tensors import map_file_range, single_threaded
 
 # Bytes of saved files a load maps at once to join or cut rows (a dim-1 split at another TP size).
 GATHER_BYTES = 256 * 1024 * 1024
@@ -84,16 +84,10 @@ def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor | None, prefa
         lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
         if hi > lo:
             oscalls.populate_write(lo, hi - lo)
-    # The reader's threads already copy in parallel: a copy's own OpenMP team would only
-    # take the cores from the other readers and from the caller. The setting is this
-    # thread's (OpenMP's is per thread), and put back: with one stream the reader runs
-    # on the caller's thread.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    # The reader's threads already copy in parallel (with one stream the reader runs on the
+    # caller's thread, whose setting is put back).
+    with single_threaded():
         copy()
-    finally:
-        torch.set_num_threads(before)
     # Unmapping hundreds of MB of paged-in mappings costs ~0.1 s; here it runs in parallel
     # with the other reads instead of wherever the mapping happens to be freed.
     if source is None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+from collections.abc import Iterator
 
 import torch
 
@@ -43,6 +45,22 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise CheckpointCorrupt(f"{where}: unknown tensor dtype {name!r}.") from None
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run torch's operations of this thread on this thread alone, then put the setting back.
+
+    For copies made on a reader's or writer's own thread: those threads already run in
+    parallel, so a copy's own OpenMP team would only take the cores from them and from the
+    caller. OpenMP's setting is per thread, so the caller's is unchanged.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -18,7 +18,7 @@ import struct
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,7 +26,7 @@ from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum
 from . import oscalls
 from .integrity import BlockHasher
-from .tensors import byte_view, dtype_name
+from .tensors import byte_view, dtype_name, single_threaded
 
 # Bytes of one write/read call: large enough to stream at disk speed, small enough
 # to bound the staging memory of tensors that need a copy (GPU, dtype cast).
@@ -45,6 +45,7 @@ MIN_BUFFER_BYTES = 8 * 1024 * 1024
 # alignment: padding would be a large share of them.
 PAGE_ALIGN_FROM = 1024 * 1024
 PAGE = 4096
+_T = TypeVar("_T")
 
 
 def buffer_bytes_for(writers: int) -> int:
@@ -60,12 +61,14 @@ def buffer_bytes_for(writers: int) -> int:
 class LazyTensor:
     """A tensor made only when it is written, so that a writer holds one tensor at a time.
 
-    Has the few tensor attributes a writer needs before the data exists.
+    Has the few tensor attributes a writer needs before the data exists. ``produce`` gives the
+    tensor, or its parts: tensors whose bytes, each in row-major order, one after another, are
+    the tensor's (a rank's pieces of a fused weight, written without being joined first).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    produce: Callable[[], torch.Tensor]
+    produce: Callable[[], torch.Tensor | tuple[torch.Tensor, ...]]
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -96,6 +99,17 @@ def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str,
     return struct.pack("<Q", len(header)) + header
 
 
+def whole_pages_first(items: list[_T], nbytes: Callable[[_T], int]) -> list[_T]:
+    """``items`` in the order :func:`write_file` writes a large file's tensors: those of whole
+    pages (``nbytes`` of an item) first, each group in the given order, so that each of them
+    starts on a page.
+
+    >>> whole_pages_first([3, 4096, 5, 8192], lambda n: n)
+    [4096, 8192, 3, 5]
+    """
+    return sorted(items, key=lambda item: nbytes(item) % PAGE != 0)
+
+
 @dataclass(frozen=True)
 class WrittenFile:
     """What :func:`write_file` wrote: size, block checksums, each tensor's absolute byte offset."""
@@ -116,9 +130,11 @@ def write_file(
     """Write tensors to ``path`` as safetensors, streaming from their memory.
 
     Returns the file's size, its block checksums (hashed from the same memory as it is
-    written) and where each tensor's bytes start. CPU contiguous tensors are written
-    straight from their storage; other tensors are copied one at a time, so extra memory
-    is bounded by the largest such tensor. The file is fsynced before returning. The
+    written) and where each tensor's bytes start. CPU tensors that are contiguous, or whose
+    rows are (a dim-1 slice of a matrix), are written straight from their memory; other
+    tensors are copied one at a time, so extra memory is bounded by the largest such
+    tensor. A :class:`LazyTensor` is made when its turn comes, whole or in parts; parts
+    that do not add up to its size fail the write. The file is fsynced before returning. The
     caller picks a temporary name and publishes by rename. ``progress`` is called with
     the bytes of each chunk written.
 
@@ -133,8 +149,7 @@ def write_file(
     data = sum(t.numel() * t.element_size() for _, t in tensors)
     align = PAGE if data >= PAGE_ALIGN_FROM else 8
     if align == PAGE:
-        # Whole-page tensors first (stable), so that each of them starts on a page.
-        tensors = sorted(tensors, key=lambda item: (item[1].numel() * item[1].element_size()) % PAGE != 0)
+        tensors = whole_pages_first(tensors, lambda item: item[1].numel() * item[1].element_size())
     head = build_header(tensors, metadata, align)
     size = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
     sink: _Sink | None = None
@@ -149,16 +164,15 @@ def write_file(
         sink.write(memoryview(head))
         for name, t in tensors:
             offsets[name] = sink.position
-            if isinstance(t, LazyTensor):
-                t = t.produce()
-            if t.device.type != "cpu" or not t.is_contiguous():
-                t = t.detach().to("cpu").contiguous()
-            view = byte_view(t)
-            for start in range(0, len(view), CHUNK_BYTES):
-                chunk = view[start : start + CHUNK_BYTES]
-                sink.write(chunk)
-                if progress is not None:
-                    progress(len(chunk))
+            parts = t.produce() if isinstance(t, LazyTensor) else t
+            for part in parts if isinstance(parts, tuple) else (parts,):
+                sink.write_tensor(part, progress)
+            written, expected = sink.position - offsets[name], t.numel() * t.element_size()
+            if written != expected:
+                raise ShardedStateError(
+                    f"{path}: {name} was made with {written} bytes, but the file's header gives it {expected} "
+                    f"({list(t.shape)} {t.dtype}). Nothing is published; report this with the command that wrote it."
+                )
         sink.finish()
     return WrittenFile(sink.hasher.position, sink.hasher.finish(), offsets)
 
@@ -180,6 +194,18 @@ class _Sink:
 
     def write(self, chunk: memoryview) -> None:
         raise NotImplementedError
+
+    def write_tensor(self, tensor: torch.Tensor, progress: Callable[[int], None] | None) -> None:
+        """Write a tensor's bytes in row-major order, :data:`CHUNK_BYTES` at a time (copied first
+        into contiguous CPU memory if they are not)."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            tensor = tensor.detach().to("cpu").contiguous()
+        view = byte_view(tensor)
+        for start in range(0, len(view), CHUNK_BYTES):
+            chunk = view[start : start + CHUNK_BYTES]
+            self.write(chunk)
+            if progress is not None:
+                progress(len(chunk))
 
     def finish(self) -> None:
         raise NotImplementedError
@@ -239,6 +265,7 @@ class _DirectSink(_Sink):
         capacity = min(buffer_bytes or CHUNK_BYTES, max(self.ALIGN, -(-size // self.ALIGN) * self.ALIGN))
         # Anonymous mappings are page-aligned, as O_DIRECT needs.
         self.buffers = [mmap.mmap(-1, capacity), mmap.mmap(-1, capacity)]
+        self.staging = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
         self.pending: list[list[Future[None]]] = [[], []]
         self.turn = self.fill = 0
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write", initializer=oscalls.use_every_cpu)
@@ -267,6 +294,39 @@ class _DirectSink(_Sink):
             data = data[take:]
             if self.fill == len(buffer):
                 self._flush()
+
+    def write_tensor(self, tensor: torch.Tensor, progress: Callable[[int], None] | None) -> None:
+        """Copy a CPU tensor's bytes into the staging buffers with torch (which lets go of the GIL);
+        a matrix whose rows are contiguous but not each other's neighbours (a dim-1 slice) is
+        copied row-block by row-block, never joined first. Other tensors go the common way."""
+        if tensor.device.type != "cpu" or not (tensor.is_contiguous() or (tensor.dim() == 2 and tensor.stride(1) == 1)):
+            super().write_tensor(tensor, progress)
+            return
+        if not tensor.numel():
+            return
+        rows = tensor.detach().reshape(1, -1) if tensor.is_contiguous() else tensor.detach()
+        data = rows.view(torch.uint8)  # [rows, row bytes], each row contiguous
+        count, width = data.shape
+        total, done = count * width, 0
+        self.position += total
+        with single_threaded():  # the other ranks' writers and the checksums have the other cores
+            while done < total:
+                staging = self.staging[self.turn]
+                space = len(staging) - self.fill
+                row, column = divmod(done, width)
+                if column == 0 and space >= width:
+                    whole = min(space // width, count - row)
+                    n = whole * width
+                    staging[self.fill : self.fill + n].view(whole, width).copy_(data[row : row + whole])
+                else:  # a row's start or end, where a buffer fills up
+                    n = min(width - column, space)
+                    staging[self.fill : self.fill + n].copy_(data[row, column : column + n])
+                self.fill += n
+                done += n
+                if progress is not None:
+                    progress(n)
+                if self.fill == len(staging):
+                    self._flush()
 
     def _flush(self) -> None:
         """Hand the current buffer to the writer and hasher; take the other one once it is free."""
@@ -306,6 +366,7 @@ class _DirectSink(_Sink):
         self.writer.shutdown()
         super().__exit__()
         os.close(self.fd)
+        self.staging.clear()  # the tensors over the buffers, which would keep them exported
         for buffer in self.buffers:
             with contextlib.suppress(BufferError):  # a view still exported by a failed job
                 buffer.close()

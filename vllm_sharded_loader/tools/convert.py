@@ -14,6 +14,7 @@ Memory holds a few components, never the model.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -36,7 +37,8 @@ from ..storage.location import copy_non_weight_files, is_locked, open_store, rea
 from ..storage.memory import BufferPool
 from ..storage.oscalls import release_free_heap
 from ..storage.staging_folders import staging_folder
-from ..storage.writer import LazyTensor
+from ..storage.tensors import single_threaded
+from ..storage.writer import LazyTensor, whole_pages_first
 
 if TYPE_CHECKING:
     from ..engine.convert import ModelOptions
@@ -45,6 +47,9 @@ SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the m
 
 # Components kept made beyond the one being cut, in bytes: ranks that run ahead wait for the others.
 DEFAULT_BUDGET = 1024**3
+# Components made ahead of the ranks that will take them: enough to keep the maker busy while
+# one is checked and the ranks write another, few enough that memory stays a few components.
+AHEAD = 2
 
 
 def resolve_source(source: str) -> str:
@@ -64,22 +69,43 @@ def resolve_source(source: str) -> str:
         raise ShardedStateError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
 
 
-def cut(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | None = None) -> torch.Tensor:
-    """A rank's local tensor from the TP=1 tensor: its piece of each segment, joined along the split dim.
+def rank_parts(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | None = None) -> tuple[torch.Tensor, ...]:
+    """A rank's local tensor from the TP=1 tensor, as parts whose bytes, one after another, are its bytes.
 
-    A piece that is already contiguous (dim 0, one segment) is a view of ``tensor``; any other is
-    copied into memory of ``pool`` (or new memory).
+    Nothing is copied where the writer can take the pieces as they are: the rank's piece of
+    each segment of a dim-0 split (fused q/k/v, gate/up), each a view, and the one piece of a
+    dim-1 split, a view whose rows the writer copies one block at a time. Pieces of several
+    segments along another dim are joined into memory of ``pool`` (or new memory).
     """
     if layout.split_dim is None:
-        return tensor
+        return (tensor,)
     pieces = [tensor.narrow(layout.split_dim, p.global_offset, p.length) for p in layout.pieces]
-    if len(pieces) == 1 and pieces[0].is_contiguous():
-        return pieces[0]
+    if layout.split_dim == 0 or len(pieces) == 1:
+        return tuple(pieces)
     joined = list(pieces[0].shape)
     joined[layout.split_dim] = sum(p.shape[layout.split_dim] for p in pieces)
     if pool is None or tuple(joined) != tuple(layout.shape):
-        return torch.cat(pieces, dim=layout.split_dim)  # another shape: the caller refuses it
-    return torch.cat(pieces, dim=layout.split_dim, out=pool.empty(tuple(layout.shape), tensor.dtype))
+        return (torch.cat(pieces, dim=layout.split_dim),)  # another shape: the caller refuses it
+    return (torch.cat(pieces, dim=layout.split_dim, out=pool.empty(tuple(layout.shape), tensor.dtype)),)
+
+
+def joined_shape(parts: tuple[torch.Tensor, ...], split_dim: int | None) -> tuple[int, ...] | None:
+    """The shape of ``parts`` joined along ``split_dim`` (0 where there is none); None where they do not join. Pure.
+
+    >>> joined_shape((torch.empty(2, 3), torch.empty(1, 3)), 0)
+    (3, 3)
+    >>> joined_shape((torch.empty(2, 3), torch.empty(2, 4)), 0) is None
+    True
+    """
+    if len(parts) == 1:
+        return tuple(parts[0].shape)
+    dim = split_dim or 0
+    shapes = [list(p.shape) for p in parts]
+    if any(len(s) <= dim for s in shapes) or len({tuple(s[:dim] + s[dim + 1 :]) for s in shapes}) != 1:
+        return None
+    joined = shapes[0]
+    joined[dim] = sum(s[dim] for s in shapes)
+    return tuple(joined)
 
 
 @dataclass
@@ -93,10 +119,11 @@ class _Made:
 class ComponentCache:
     """Components made once and shared by the ranks' writer threads, freed after their last slice.
 
-    One thread of its own makes and checks every component (``make`` is vLLM's loader on one
-    model, so never two at once; ``check`` refuses one left partly unfilled), while the ranks
-    cut and write the ones made: when a rank takes a component, the one after it (``after``)
-    is made ahead if the budget allows, so making and writing overlap.
+    One thread of its own makes every component (``make`` is vLLM's loader on one model, so
+    never two at once) and another checks each one made (``check`` refuses one left partly
+    unfilled), while the ranks cut and write the ones checked: once a component is made, or
+    taken by a rank, the one after it (``after``) is made ahead if the budget allows, so
+    making, checking and writing overlap.
 
     A rank that would have a component made while more than ``budget`` bytes of others are
     still waiting for slower ranks waits for them, unless every other working rank waits too;
@@ -126,14 +153,17 @@ class ComponentCache:
     def __post_init__(self) -> None:
         self.cond = threading.Condition()
         self.making: int | None = None  # the component the maker is making
+        self.checking: dict[int, int] = {}  # components made, being checked -> their bytes
+        self.untaken: set[int] = set()  # components made (or being checked) that no rank took yet
         self.errors: dict[int, BaseException] = {}
         self.maker = ThreadPoolExecutor(1, thread_name_prefix="convert-make")
+        self.checker = ThreadPoolExecutor(1, thread_name_prefix="convert-check")
         for name, count in self.takes.items():
             key = self.component_of(name)
             self.pending[key] = self.pending.get(key, 0) + count
 
     def _bytes(self) -> int:
-        return sum(m.nbytes for m in self.made.values())
+        return sum(m.nbytes for m in self.made.values()) + sum(self.checking.values())
 
     def take(self, name: str) -> torch.Tensor:
         """The TP=1 tensor ``name`` (made with its component if no rank made it yet) for one rank's slice."""
@@ -159,9 +189,11 @@ class ComponentCache:
         self.maker.submit(self._make, name, key)
 
     def _make(self, name: str, key: int) -> None:
+        # Each helper's torch operations run on its own thread: with two helpers and the ranks'
+        # writers busy, an OpenMP team per operation only spins on the cores the others need.
         try:
-            tensors = self.make(name)
-            self.check(name, tensors)
+            with single_threaded():
+                tensors = self.make(name)
         except BaseException as e:
             with self.cond:
                 self.errors[key], self.making = e, None
@@ -169,8 +201,25 @@ class ComponentCache:
             return
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self.cond:
-            self.made[key], self.making = _Made(tensors, nbytes, self.pending[key]), None
+            self.checking[key], self.making = nbytes, None
+            self.untaken.add(key)
             self.peak = max(self.peak, self._bytes())
+            self._make_ahead(name, nbytes)  # the next one is made while this one is checked
+            self.cond.notify_all()
+        self.checker.submit(self._check, name, key, tensors)
+
+    def _check(self, name: str, key: int, tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            with single_threaded():
+                self.check(name, tensors)
+        except BaseException as e:
+            with self.cond:
+                self.errors[key] = e
+                del self.checking[key]
+                self.cond.notify_all()
+            return
+        with self.cond:
+            self.made[key] = _Made(tensors, self.checking.pop(key), self.pending[key])
             self.cond.notify_all()
 
     def _take(self, name: str, me: int) -> tuple[torch.Tensor, bool]:
@@ -182,7 +231,11 @@ class ComponentCache:
                 raise self.errors[key]
             # Ranks that can still take a slice: those not waiting for a component nobody made yet.
             others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
-            if self.making is None and (self._bytes() <= self.budget or not self.made or others <= 0):
+            if (
+                self.making is None
+                and key not in self.checking
+                and (self._bytes() <= self.budget or not self.made or others <= 0)
+            ):
                 if self._bytes() > self.budget:
                     self._evict(key)
                 self._start(name, key)
@@ -191,6 +244,7 @@ class ComponentCache:
             self.waiting.pop(me, None)
         made = self.made[key]
         tensor = made.tensors[name]
+        self.untaken.discard(key)
         self._make_ahead(name, made.nbytes)
         made.pending -= 1
         self.pending[key] -= 1
@@ -202,12 +256,22 @@ class ComponentCache:
         return tensor, True
 
     def _make_ahead(self, name: str, nbytes: int) -> None:
-        """Start making the component after ``name``'s if the maker is idle and the budget has room for it."""
-        following = self.after(name)
-        if following is None or self.making is not None:
+        """Start making the first component after ``name``'s not yet made, if it is at most :data:`AHEAD`
+        components on, no more than :data:`AHEAD` made ones wait for their first rank, the maker is
+        idle and the budget has room for it."""
+        if self.making is not None or len(self.untaken) >= AHEAD:
             return
-        key = self.component_of(following)
-        if key in self.made or key in self.errors or not self.pending.get(key):
+        following = self.after(name)
+        for _ in range(AHEAD):
+            if following is None:
+                return
+            key = self.component_of(following)
+            if key not in self.made and key not in self.checking:
+                break
+            following = self.after(following)
+        else:
+            return
+        if key in self.errors or not self.pending.get(key):
             return
         if self._bytes() + nbytes <= self.budget:
             self.ahead += 1
@@ -226,8 +290,9 @@ class ComponentCache:
             self.cond.notify_all()
 
     def close(self) -> None:
-        """Stop the maker: after the component it is making, if any; nothing queued (at most that one)."""
+        """Stop the helpers: after the component each is making or checking, if any; nothing queued."""
         self.maker.shutdown(wait=True, cancel_futures=True)
+        self.checker.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
@@ -370,27 +435,35 @@ def _convert(
         def lazy(state_name: str, layout: ShardLayout, last: bool) -> LazyTensor:
             meta = model.state[state_name]
 
-            def produce() -> torch.Tensor:
-                local = cut(cache.take(state_name), layout, model.pool)
+            def produce() -> tuple[torch.Tensor, ...]:
+                parts = rank_parts(cache.take(state_name), layout, model.pool)
                 if last:
                     cache.rank_done()
-                if tuple(local.shape) != tuple(layout.shape) or local.dtype != meta.dtype:
+                shape = joined_shape(parts, layout.split_dim)
+                if shape != tuple(layout.shape) or any(p.dtype != meta.dtype for p in parts):
                     # The header already written says otherwise: the save fails, nothing is published.
                     raise ShardedStateError(
-                        f"{state_name}: vLLM's loader made {list(local.shape)} {local.dtype}, but the model declares "
+                        f"{state_name}: vLLM's loader made {list(shape) if shape else 'pieces that do not join'} "
+                        f"{parts[0].dtype}, but the model declares "
                         f"{list(layout.shape)} {meta.dtype} for this rank. {SAVE_INSTEAD}"
                     )
-                return local
+                return parts
 
             return LazyTensor(tuple(layout.shape), meta.dtype, produce)
 
         by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
         ranks = {}
         for info, plan in plans.items():
-            items = list(plan.items())
+            # In the order the writer lays a file out, so that components are made in the order
+            # ranks take them (a size cap only cuts this order into files).
+            items = whole_pages_first(
+                list(plan.items()), lambda item: math.prod(item[1][1].shape) * model.state[item[1][0]].dtype.itemsize
+            )
             ranks[info] = {
                 n: lazy(state_name, layout, i == len(items) - 1) for i, (n, (state_name, layout)) in enumerate(items)
             }
+            if len(ranks) == 1:
+                model.follow([state_name for _, (state_name, _) in items])
         manifest = save_checkpoint(
             output,
             ranks,
