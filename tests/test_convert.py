@@ -514,3 +514,28 @@ def test_each_family_converts_to_what_save_writes_and_serves_the_default_loaders
     # The same tensors at the same size: the same greedy ids, or embeddings equal to the last bit.
     outputs = "embeddings" if "embeddings" in reference else "token_ids"
     assert served[outputs] == reference[outputs]
+
+
+def test_the_dry_run_proves_a_tensor_covered_only_by_contiguous_writes_of_its_own_storage_and_dtype():
+    from vllm_sharded_loader.engine.meta_model import WriteRecorder, canaries
+
+    def meta(*shape, dtype=torch.float32):
+        return torch.nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype), requires_grad=False)
+
+    fused, padded, strided, viewed, replaced, partial = (meta(6, 4) for _ in range(6))
+    watched = {"fused": fused, "padded": padded, "strided": strided, "viewed": viewed, "replaced": replaced}
+    watched["partial"] = partial
+    recorder = WriteRecorder(watched)
+    with recorder:
+        fused.data.narrow(0, 0, 4).copy_(torch.empty(4, 4, device="meta"))  # q, then k and v
+        fused.data.narrow(0, 4, 2).copy_(torch.empty(2, 4, device="meta"))
+        padded.data[:5].copy_(torch.empty(5, 4, device="meta"))  # a vocabulary and its zero padding
+        padded.data[5:].fill_(0)
+        strided.data.narrow(1, 0, 2).copy_(torch.empty(6, 2, device="meta"))  # column halves: not placed
+        strided.data.narrow(1, 2, 2).copy_(torch.empty(6, 2, device="meta"))
+        viewed.data.view(torch.int32).copy_(torch.empty(6, 4, device="meta", dtype=torch.int32))
+        replaced.data.copy_(torch.empty(6, 4, device="meta"))
+        partial.data[1:].copy_(torch.empty(5, 4, device="meta"))
+    final = dict(watched, replaced=meta(6, 4))  # a loader that swapped the tensor for another
+    assert recorder.covered(final) == {"fused", "padded"}
+    assert canaries(1000)[[0, -1]].tolist() == [0, 999] and len(canaries(1000)) == 64 and len(canaries(3)) == 3

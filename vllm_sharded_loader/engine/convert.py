@@ -46,6 +46,7 @@ from ..storage.tensors import has_nan
 from .compile_cache import save_startup_artifacts
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
+from .meta_model import WriteRecorder, canaries, holding, parameters_to_meta, walk_modules_once
 
 # Under the "vllm" logger (vLLM's logging configuration shows our lines), without importing vLLM here.
 logger = logging.getLogger(f"vllm.plugins.{__name__}")
@@ -198,55 +199,8 @@ def build_meta_model(vllm_config: Any) -> torch.nn.Module:
             vllm_config.compilation_config.static_forward_context.clear()  # the layers the failed build named
             with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("cpu"):
                 model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
-    _parameters_to_meta(model)
+    parameters_to_meta(model)
     return model
-
-
-def _parameters_to_meta(model: torch.nn.Module) -> None:
-    """Put on the meta device the parameters a model class makes on the CPU even inside
-    ``torch.device("meta")``: vLLM's Transformers backend (the model class of architectures vLLM
-    has no own implementation of) makes the norms it puts in place of the model's own there. The
-    dry run fills meta tensors into every parameter, which a CPU one refuses ("Cannot copy out of
-    meta tensor"). Each keeps its class and attributes (vLLM's weight loader); one held by several
-    modules (tied) stays one."""
-    moved: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for attr, param in module._parameters.items():
-            if param is None or param.device.type == "meta":
-                continue
-            if id(param) not in moved:
-                moved[id(param)] = _holding(param, torch.empty_like(param, device="meta"))
-            module._parameters[attr] = moved[id(param)]
-
-
-def _holding(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.nn.Parameter:
-    """A parameter of ``param``'s class and attributes (vLLM's weight loader, its dimensions) holding
-    ``tensor``: a parameter's data cannot move between the meta device and the CPU in place."""
-    held = torch.nn.Parameter._make_subclass(type(param), tensor, False)
-    held.__dict__.update(param.__dict__)
-    return held
-
-
-def _walk_modules_once(model: torch.nn.Module) -> None:
-    """Each call of vLLM's ``load_weights`` walks every module of the model (``AutoWeightsLoader``
-    looks for tied embeddings), and convert calls it once per source tensor and once per
-    component: quadratic in the layers (36 of 44 s before the first write, for 155 layers). The
-    modules of this meta model never change during a conversion (only their tensors do), so each
-    module that loads weights answers a whole-tree ``named_modules`` from one walk."""
-    for module in model.modules():
-        if hasattr(module, "load_weights"):
-            walk = module.named_modules
-            walked: dict[tuple[str, bool], list[tuple[str, torch.nn.Module]]] = {}
-
-            def named_modules(memo=None, prefix="", remove_duplicate=True, _walk=walk, _walked=walked):
-                if memo is not None:  # a parent's walk passing through: torch's own
-                    return _walk(memo, prefix, remove_duplicate)
-                key = (prefix, remove_duplicate)
-                if key not in _walked:
-                    _walked[key] = list(_walk(None, prefix, remove_duplicate))
-                return iter(_walked[key])
-
-            module.named_modules = named_modules  # type: ignore[method-assign]
 
 
 class ConvertModel:
@@ -264,7 +218,7 @@ class ConvertModel:
         self.vllm_config = vllm_config or engine_config(source.directory, options, source.where)
         self.model_config = self.vllm_config.model_config
         self.model = build_meta_model(self.vllm_config)
-        _walk_modules_once(self.model)
+        walk_modules_once(self.model)
         self._read_state()
         self.fills = self._dry_run()
         # A model may add parameters as it loads the tensors that need them (vLLM's Transformers
@@ -386,16 +340,21 @@ class ConvertModel:
         return name
 
     def _dry_run(self) -> dict[str, set[str]]:
-        """Which model tensors each source tensor fills, from vLLM's load_weights on meta tensors.
+        """Which model tensors each source tensor fills, from vLLM's load_weights on meta tensors;
+        and (:attr:`covered`) which of them those loads write whole.
 
         vLLM's load device is the meta device meanwhile: a parameter a model registers while it
         loads (on ``load_config.device``) is made there too, allocating nothing."""
         load_config = self.vllm_config.load_config
         device, load_config.device = load_config.device, "meta"
+        recorder = WriteRecorder({n: t for n, t in self.state.items() if t.is_floating_point()})
         try:
-            return {name: self._load([(name, self.source.meta(name))], name) for name in self.source.tensors}
+            with recorder:
+                fills = {name: self._load([(name, self.source.meta(name))], name) for name in self.source.tensors}
         finally:
             load_config.device = device
+        self.covered = recorder.covered(saveable_state(self.model.state_dict(keep_vars=True)))
+        return fills
 
     # ----------------------------------------------------------------- making
 
@@ -411,7 +370,7 @@ class ConvertModel:
         if is_parameter:
             old = module._parameters[attr]
             assert old is not None
-            held = _holding(old, tensor)
+            held = holding(old, tensor)
         for module, attr, is_parameter in slots:
             (module._parameters if is_parameter else module._buffers)[attr] = held
 
@@ -431,6 +390,8 @@ class ConvertModel:
                 tensor = self.pool.empty(tuple(spec.shape), spec.dtype)
                 if target in self.constants:
                     tensor.copy_(self.constants[target])
+                elif target in self.covered:
+                    tensor.view(-1)[canaries(tensor.numel())] = float("nan")  # the dry run writes it whole
                 elif tensor.is_floating_point():
                     tensor.fill_(float("nan"))  # what stays NaN was not filled
                 self._set(target, tensor)
@@ -445,7 +406,7 @@ class ConvertModel:
 
     def check(self, name: str, made: dict[str, torch.Tensor]) -> None:
         """Refuse (and free) ``name``'s component if vLLM's loader left part of it unfilled (still NaN)."""
-        partial = [t for t, v in made.items() if v.is_floating_point() and has_nan(v)]
+        partial = [t for t, v in made.items() if v.is_floating_point() and self._unfilled(t, v)]
         if partial:
             self.free(name)
             sources = listing(self.components[name].sources, 5)
@@ -459,6 +420,11 @@ class ConvertModel:
         source's read-ahead follow (the state's order until told)."""
         components = list({id(c): c for c in (self.components[n] for n in order if n in self.components)}.values())
         self._next = {id(c): components[i + 1] for i, c in enumerate(components[:-1])}
+
+    def _unfilled(self, name: str, tensor: torch.Tensor) -> bool:
+        if name in self.covered and name not in self.constants:
+            return bool(tensor.reshape(-1)[canaries(tensor.numel())].isnan().any())
+        return has_nan(tensor)
 
     def after(self, name: str) -> str | None:
         """A tensor of the component after ``name``'s in the order ranks take them (None after the last)."""

@@ -1,0 +1,143 @@
+"""The meta model convert runs vLLM's loaders on, and which elements of its tensors they write.
+
+A model built on the meta device allocates nothing; :func:`parameters_to_meta` puts there
+what a model class makes on the CPU anyway, :func:`holding` swaps a parameter's tensor, and
+:func:`walk_modules_once` keeps vLLM's loaders from walking the module tree per call.
+
+Convert fills each tensor it makes with NaN before vLLM's loader runs and refuses any
+tensor left partly NaN: that is how a weight the checkpoint lacks is found. Filling and
+scanning every byte costs a third of making it. The dry run (every source tensor loaded
+once into the meta model) already runs the same loaders; :class:`WriteRecorder` watches it
+and records, per tensor, the elements each in-place operation writes. A tensor whose
+elements are all written by contiguous writes is *proven covered*: convert then puts NaN
+only at a few canary elements (:func:`canaries`) and checks those, which catches a real
+load that writes less than the dry run did. Any write it cannot place (strided, through
+another tensor, a replaced storage) leaves the tensor unproven and fully checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Canary elements of a proven-covered tensor: enough to catch a write of a whole shard, segment
+# or expert that the real load skips, few enough to cost nothing.
+CANARIES = 64
+
+
+def covers(intervals: Iterable[tuple[int, int]], length: int) -> bool:
+    """Whether half-open ``intervals`` cover ``[0, length)``. Pure.
+
+    >>> covers([(0, 4), (6, 10), (3, 6)], 10), covers([(0, 4), (5, 10)], 10), covers([], 0)
+    (True, False, True)
+    """
+    reached = 0
+    for start, end in sorted(intervals):
+        if start > reached:
+            return False
+        reached = max(reached, end)
+    return reached >= length
+
+
+def canaries(numel: int) -> torch.Tensor:
+    """Flat indices of a tensor's canary elements: the first, the last and evenly spaced ones between."""
+    return torch.linspace(0, max(numel - 1, 0), steps=min(numel, CANARIES)).round().long().unique()
+
+
+class WriteRecorder(TorchDispatchMode):
+    """Records the elements that in-place operations write into the watched tensors' storages.
+
+    ``watched`` maps state names to their (meta) tensors. After the recorded code has run,
+    :meth:`covered` names the tensors every element of which a contiguous write reached.
+    """
+
+    def __init__(self, watched: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {_storage_id(t): name for name, t in watched.items() if t.storage_offset() == 0}
+        self.kept = list(watched.values())  # alive, so that no other storage takes a watched one's id
+        self.dtype = {name: t.dtype for name, t in watched.items()}
+        self.numel = {name: t.numel() for name, t in watched.items()}
+        self.written: dict[str, list[tuple[int, int]]] = {}
+        self.unplaced: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            tensor = args[i] if i < len(args) else kwargs.get(argument.name)
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            name = self.storages.get(_storage_id(tensor))
+            if name is None:
+                continue
+            if tensor.is_contiguous() and tensor.numel() and tensor.dtype == self.dtype[name]:
+                start = tensor.storage_offset()
+                self.written.setdefault(name, []).append((start, start + tensor.numel()))
+            elif tensor.numel():
+                self.unplaced.add(name)  # strided, or through another dtype: not placed, so not proven
+        return func(*args, **kwargs)
+
+    def covered(self, final: Mapping[str, torch.Tensor]) -> set[str]:
+        """Names of ``final`` tensors (the state after the run) proven covered: still the storage watched."""
+        proven = set()
+        for name, tensor in final.items():
+            if name in self.unplaced or self.storages.get(_storage_id(tensor)) != name:
+                continue
+            if tensor.numel() == self.numel.get(name) and covers(self.written.get(name, []), tensor.numel()):
+                proven.add(name)
+        return proven
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def parameters_to_meta(model: torch.nn.Module) -> None:
+    """Put on the meta device the parameters a model class makes on the CPU even inside
+    ``torch.device("meta")``: vLLM's Transformers backend (the model class of architectures vLLM
+    has no own implementation of) makes the norms it puts in place of the model's own there. The
+    dry run fills meta tensors into every parameter, which a CPU one refuses ("Cannot copy out of
+    meta tensor"). Each keeps its class and attributes (vLLM's weight loader); one held by several
+    modules (tied) stays one."""
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is None or param.device.type == "meta":
+                continue
+            if id(param) not in moved:
+                moved[id(param)] = holding(param, torch.empty_like(param, device="meta"))
+            module._parameters[attr] = moved[id(param)]
+
+
+def holding(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter of ``param``'s class and attributes (vLLM's weight loader, its dimensions) holding
+    ``tensor``: a parameter's data cannot move between the meta device and the CPU in place."""
+    held = torch.nn.Parameter._make_subclass(type(param), tensor, False)
+    held.__dict__.update(param.__dict__)
+    return held
+
+
+def walk_modules_once(model: torch.nn.Module) -> None:
+    """Each call of vLLM's ``load_weights`` walks every module of the model (``AutoWeightsLoader``
+    looks for tied embeddings), and convert calls it once per source tensor and once per
+    component: quadratic in the layers (36 of 44 s before the first write, for 155 layers). The
+    modules of this meta model never change during a conversion (only their tensors do), so each
+    module that loads weights answers a whole-tree ``named_modules`` from one walk."""
+    for module in model.modules():
+        if hasattr(module, "load_weights"):
+            walk = module.named_modules
+            walked: dict[tuple[str, bool], list[tuple[str, torch.nn.Module]]] = {}
+
+            def named_modules(memo=None, prefix="", remove_duplicate=True, _walk=walk, _walked=walked):
+                if memo is not None:  # a parent's walk passing through: torch's own
+                    return _walk(memo, prefix, remove_duplicate)
+                key = (prefix, remove_duplicate)
+                if key not in _walked:
+                    _walked[key] = list(_walk(None, prefix, remove_duplicate))
+                return iter(_walked[key])
+
+            module.named_modules = named_modules  # type: ignore[method-assign]
