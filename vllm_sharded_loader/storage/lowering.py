@@ -34,7 +34,7 @@ from . import oscalls
 from .location import StoredFile
 from .memory import PAGE, Target, map_pieces
 from .reader import DEFAULT_READ, ReadOptions, ReadStats, read_pieces
-from .tensors import map_file_range, single_threaded
+from .tensors import map_file_range, torch_threads
 
 # Bytes of saved files a load maps at once to join or cut rows (a dim-1 split at another TP size).
 GATHER_BYTES = 256 * 1024 * 1024
@@ -86,7 +86,7 @@ def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor | None, prefa
             oscalls.populate_write(lo, hi - lo)
     # The reader's threads already copy in parallel (with one stream the reader runs on the
     # caller's thread, whose setting is put back).
-    with single_threaded():
+    with torch_threads():
         copy()
     # Unmapping hundreds of MB of paged-in mappings costs ~0.1 s; here it runs in parallel
     # with the other reads instead of wherever the mapping happens to be freed.

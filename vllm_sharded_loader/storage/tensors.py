@@ -48,15 +48,15 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def single_threaded() -> Iterator[None]:
-    """Run torch's operations of this thread on this thread alone, then put the setting back.
+def torch_threads(count: int = 1) -> Iterator[None]:
+    """Run this thread's torch operations on at most ``count`` threads, then put the setting back.
 
     For copies made on a reader's or writer's own thread: those threads already run in
-    parallel, so a copy's own OpenMP team would only take the cores from them and from the
-    caller. OpenMP's setting is per thread, so the caller's is unchanged.
+    parallel, so a copy's own OpenMP team would only take (and spin on) the cores they and
+    the caller need. OpenMP's setting is per thread, so the caller's is unchanged.
     """
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, min(count, before)))
     try:
         yield
     finally:

@@ -26,7 +26,7 @@ from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum
 from . import oscalls
 from .integrity import BlockHasher
-from .tensors import byte_view, dtype_name, single_threaded
+from .tensors import byte_view, dtype_name, torch_threads
 
 # Bytes of one write/read call: large enough to stream at disk speed, small enough
 # to bound the staging memory of tensors that need a copy (GPU, dtype cast).
@@ -309,7 +309,7 @@ class _DirectSink(_Sink):
         count, width = data.shape
         total, done = count * width, 0
         self.position += total
-        with single_threaded():  # the other ranks' writers and the checksums have the other cores
+        with torch_threads():  # the other ranks' writers and the checksums have the other cores
             while done < total:
                 staging = self.staging[self.turn]
                 space = len(staging) - self.fill

@@ -37,7 +37,7 @@ from ..storage.location import copy_non_weight_files, is_locked, open_store, rea
 from ..storage.memory import BufferPool
 from ..storage.oscalls import release_free_heap
 from ..storage.staging_folders import staging_folder
-from ..storage.tensors import single_threaded
+from ..storage.tensors import torch_threads
 from ..storage.writer import LazyTensor, whole_pages_first
 
 if TYPE_CHECKING:
@@ -158,6 +158,9 @@ class ComponentCache:
         self.errors: dict[int, BaseException] = {}
         self.maker = ThreadPoolExecutor(1, thread_name_prefix="convert-make")
         self.checker = ThreadPoolExecutor(1, thread_name_prefix="convert-check")
+        # The helpers' torch operations get the cores the ranks' writers and checksums leave
+        # (two threads each): on a few cores, an OpenMP team per operation only spins on theirs.
+        self.threads = max(1, len(os.sched_getaffinity(0)) - 2 * self.running)
         for name, count in self.takes.items():
             key = self.component_of(name)
             self.pending[key] = self.pending.get(key, 0) + count
@@ -189,10 +192,8 @@ class ComponentCache:
         self.maker.submit(self._make, name, key)
 
     def _make(self, name: str, key: int) -> None:
-        # Each helper's torch operations run on its own thread: with two helpers and the ranks'
-        # writers busy, an OpenMP team per operation only spins on the cores the others need.
         try:
-            with single_threaded():
+            with torch_threads(self.threads):
                 tensors = self.make(name)
         except BaseException as e:
             with self.cond:
@@ -210,7 +211,7 @@ class ComponentCache:
 
     def _check(self, name: str, key: int, tensors: dict[str, torch.Tensor]) -> None:
         try:
-            with single_threaded():
+            with torch_threads(self.threads):
                 self.check(name, tensors)
         except BaseException as e:
             with self.cond:
