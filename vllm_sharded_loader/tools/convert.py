@@ -282,6 +282,7 @@ class ComponentCache:
         wanted = set(self.waiting.values()) | {keep}
         for key in [k for k in self.made if k not in wanted]:
             made = self.made.pop(key)
+            self.untaken.discard(key)  # made again when a rank needs it, and counted ahead then
             self.free(next(iter(made.tensors)))
             self.remakes += 1
 
