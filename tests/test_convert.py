@@ -539,3 +539,5 @@ def test_the_dry_run_proves_a_tensor_covered_only_by_contiguous_writes_of_its_ow
     final = dict(watched, replaced=meta(6, 4))  # a loader that swapped the tensor for another
     assert recorder.covered(final) == {"fused", "padded"}
     assert canaries(1000)[[0, -1]].tolist() == [0, 999] and len(canaries(1000)) == 64 and len(canaries(3)) == 3
+    big = canaries(23068672)  # past float32's exact integers: every index still inside the tensor
+    assert big[-1] == 23068671 and len(big.unique()) == 64 and canaries(1).tolist() == [0]
