@@ -99,14 +99,17 @@ def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str,
     return struct.pack("<Q", len(header)) + header
 
 
-def whole_pages_first(items: list[_T], nbytes: Callable[[_T], int]) -> list[_T]:
-    """``items`` in the order :func:`write_file` writes a large file's tensors: those of whole
-    pages (``nbytes`` of an item) first, each group in the given order, so that each of them
-    starts on a page.
+def write_order(items: list[_T], nbytes: Callable[[_T], int]) -> list[_T]:
+    """``items`` in the order :func:`write_file` writes them as the tensors of one file (``nbytes``
+    of an item): a file of at least :data:`PAGE_ALIGN_FROM` bytes first takes those that are whole
+    pages long, each group in the given order, so that each of them starts on a page; a smaller
+    file keeps the given order.
 
-    >>> whole_pages_first([3, 4096, 5, 8192], lambda n: n)
-    [4096, 8192, 3, 5]
+    >>> write_order([3, 4096, 5, 1 << 20], lambda n: n), write_order([3, 4096, 5], lambda n: n)
+    ([4096, 1048576, 3, 5], [3, 4096, 5])
     """
+    if sum(nbytes(item) for item in items) < PAGE_ALIGN_FROM:
+        return list(items)
     return sorted(items, key=lambda item: nbytes(item) % PAGE != 0)
 
 
@@ -148,8 +151,7 @@ def write_file(
     """
     data = sum(t.numel() * t.element_size() for _, t in tensors)
     align = PAGE if data >= PAGE_ALIGN_FROM else 8
-    if align == PAGE:
-        tensors = whole_pages_first(tensors, lambda item: item[1].numel() * item[1].element_size())
+    tensors = write_order(tensors, lambda item: item[1].numel() * item[1].element_size())
     head = build_header(tensors, metadata, align)
     size = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
     sink: _Sink | None = None

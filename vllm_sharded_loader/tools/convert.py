@@ -38,7 +38,7 @@ from ..storage.memory import BufferPool
 from ..storage.oscalls import release_free_heap
 from ..storage.staging_folders import staging_folder
 from ..storage.tensors import torch_threads
-from ..storage.writer import LazyTensor, whole_pages_first
+from ..storage.writer import LazyTensor, write_order
 
 if TYPE_CHECKING:
     from ..engine.convert import ModelOptions
@@ -456,16 +456,16 @@ def _convert(
         by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
         ranks = {}
         for info, plan in plans.items():
-            # In the order the writer lays a file out, so that components are made in the order
-            # ranks take them (a size cap only cuts this order into files).
-            items = whole_pages_first(
+            # The order the writer takes a rank's tensors in (a size cap cuts it into files, which
+            # can reorder them a little): components are made in it, and the last one ends the rank.
+            # The files keep the plan's order, as a save's do.
+            order = write_order(
                 list(plan.items()), lambda item: math.prod(item[1][1].shape) * model.state[item[1][0]].dtype.itemsize
             )
-            ranks[info] = {
-                n: lazy(state_name, layout, i == len(items) - 1) for i, (n, (state_name, layout)) in enumerate(items)
-            }
+            last = order[-1][0] if order else None
+            ranks[info] = {n: lazy(state_name, layout, n == last) for n, (state_name, layout) in plan.items()}
             if len(ranks) == 1:
-                model.follow([state_name for _, (state_name, _) in items])
+                model.follow([state_name for _, (state_name, _) in order])
         manifest = save_checkpoint(
             output,
             ranks,
