@@ -422,7 +422,7 @@ class ConvertModel:
         self._next = {id(c): components[i + 1] for i, c in enumerate(components[:-1])}
 
     def _unfilled(self, name: str, tensor: torch.Tensor) -> bool:
-        if name in self.covered and name not in self.constants:
+        if name in self.covered:  # (a constant is copied in whole before the load: no NaN at all)
             return bool(tensor.reshape(-1)[canaries(tensor.numel())].isnan().any())
         return has_nan(tensor)
 

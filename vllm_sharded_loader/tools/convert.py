@@ -82,9 +82,7 @@ def rank_parts(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | Non
     pieces = [tensor.narrow(layout.split_dim, p.global_offset, p.length) for p in layout.pieces]
     if layout.split_dim == 0 or len(pieces) == 1:
         return tuple(pieces)
-    joined = list(pieces[0].shape)
-    joined[layout.split_dim] = sum(p.shape[layout.split_dim] for p in pieces)
-    if pool is None or tuple(joined) != tuple(layout.shape):
+    if pool is None or joined_shape(tuple(pieces), layout.split_dim) != tuple(layout.shape):
         return (torch.cat(pieces, dim=layout.split_dim),)  # another shape: the caller refuses it
     return (torch.cat(pieces, dim=layout.split_dim, out=pool.empty(tuple(layout.shape), tensor.dtype)),)
 
