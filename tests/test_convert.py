@@ -313,6 +313,64 @@ def test_a_corrupt_header_in_a_bucket_is_named_and_nothing_is_written(s3, source
     assert not out.exists()
 
 
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> Path:
+    """A Hub cache of our own, read offline: what ``huggingface_hub`` finds there is what the Hub gave."""
+    import huggingface_hub.constants as constants
+
+    cache = tmp_path / "hub-cache"
+    for name, value in (("HF_HUB_OFFLINE", True), ("HF_HUB_CACHE", str(cache))):
+        monkeypatch.setenv(name, "1" if value is True else value)
+        monkeypatch.setattr(constants, name, value)
+    return cache
+
+
+def test_a_hub_repo_id_converts_from_the_hub_cache_as_its_local_folder(sources, tmp_path, offline_hub):
+    """``convert owner/name --revision COMMIT``: the weights and every non-weight file come through
+    huggingface_hub's cache (links into ``blobs/``), and the checkpoint is the one the local folder gives."""
+    from tests.support.hub import COMMIT, lay_out_cache
+    from vllm_sharded_loader.checkpoint import read_manifest
+
+    lay_out_cache(Path(sources["tied"]), offline_hub, repo_id="acme/tiny-qwen2")
+    local, from_hub = tmp_path / "local", tmp_path / "from-hub"
+    convert_checkpoint(sources["tied"], str(local), 2)
+    convert_checkpoint("acme/tiny-qwen2", str(from_hub), 2, revision=COMMIT)
+    a, b = read_manifest(str(local)), read_manifest(str(from_hub))
+    assert a is not None and b is not None
+    assert (b.geometry, b.tied) == (a.geometry, a.tied)
+    assert [[(f.name, f.size, f.checksum) for f in r.files] for r in b.ranks] == [
+        [(f.name, f.size, f.checksum) for f in r.files] for r in a.ranks
+    ]
+    # The same files carried; start-up artifacts are named after what vLLM hashes, the model's name too.
+    carried = [{n for n in os.listdir(d) if not n.startswith("startup-artifacts-")} for d in (local, from_hub)]
+    assert carried[0] == carried[1] and "tokenizer.json" in carried[1]
+    assert not any(p.is_symlink() for p in from_hub.iterdir())  # files of its own, not links into the cache
+
+
+@pytest.mark.parametrize(("repo", "revision"), [("acme/not-there", None), ("acme/tiny-qwen2", "no-such-branch")])
+def test_a_hub_repo_or_revision_not_in_the_cache_offline_is_named_and_nothing_is_written(
+    sources, tmp_path, offline_hub, repo, revision
+):
+    from tests.support.hub import lay_out_cache
+
+    lay_out_cache(Path(sources["tied"]), offline_hub, repo_id="acme/tiny-qwen2")
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointNotFound, match=rf"{repo}: not found on the Hugging Face Hub nor in its cache"):
+        convert_checkpoint(repo, str(out), 2, revision=revision)
+    assert not out.exists()
+
+
+def test_a_hub_download_missing_a_weight_file_is_named_and_nothing_is_written(sources, tmp_path, offline_hub):
+    """An interrupted download: the snapshot links a shard whose blob never arrived."""
+    from tests.support.hub import lay_out_cache
+
+    lay_out_cache(Path(sources["tied"]), offline_hub, leave_out={"model.safetensors"}, repo_id="acme/half")
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointNotFound, match=r"model\.safetensors"):
+        convert_checkpoint("acme/half", str(out), 2)
+    assert not out.exists()
+
+
 def test_int8_w8a8_converts_with_its_kv_cache_scales_as_vllm_creates_them(tmp_path):
     """compressed-tensors int8: int8 weights and per-channel scales cut per rank; the attention
     layers' KV-cache scales, which no file holds, made by vLLM's own KV-cache method."""

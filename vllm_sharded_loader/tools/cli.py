@@ -122,6 +122,7 @@ def convert(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
         runner=args.runner,
         convert=args.convert,
+        revision=args.revision,
     )
     manifest = result.manifest
     print(
@@ -171,6 +172,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--runner", default="auto", help="as vLLM's --runner: 'pooling' for an embedding model")
     p.add_argument("--convert", default="auto", help="as vLLM's --convert: 'embed' for a causal LM served to embed")
+    p.add_argument("--revision", default=None, help="of a Hub repo id: a branch, tag or commit (default: main)")
     p.set_defaults(run=convert)
     commands.add_parser(
         "save",

@@ -27,12 +27,13 @@ import torch
 
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..checkpoint.state import manifest_ties
-from ..format.errors import ShardedStateError, listing
+from ..format.errors import CheckpointNotFound, ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
 from ..format.manifest import Manifest
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
+from ..storage import hub
 from ..storage.location import copy_non_weight_files, is_locked, open_store, read_manifest
 from ..storage.memory import BufferPool
 from ..storage.oscalls import release_free_heap
@@ -52,20 +53,27 @@ DEFAULT_BUDGET = 1024**3
 AHEAD = 2
 
 
-def resolve_source(source: str) -> str:
+def resolve_source(source: str, revision: str | None = None) -> str:
     """A local folder or an object-storage prefix as is; a Hub repo id through the Hub cache (weights
-    and config fetched once)."""
+    and every non-weight file a save carries, each fetched once; ``HF_HUB_OFFLINE`` and ``HF_TOKEN``
+    as everywhere in huggingface_hub)."""
     if os.path.isdir(source):
         return source
     if open_store(source).remote:
         return source  # read where it is (engine/convert.py: SourceFiles), its config fetched first
     if os.path.exists(source) or source.startswith((".", "/")) or source.count("/") != 1:
-        raise ShardedStateError(f"{source}: no such model folder (nor a Hub repo id of the form owner/name).")
-    from huggingface_hub import snapshot_download
+        raise CheckpointNotFound(f"{source}: no such model folder (nor a Hub repo id of the form owner/name).")
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        return snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja"])
-    except Exception as e:  # the Hub client's errors: offline, not found, gated
+        return hub.fetch(source, (*hub.METADATA_PATTERNS, "*.safetensors"), revision=revision)
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
+        # Not on the Hub, not visible with this token, or (offline) not in the cache.
+        raise CheckpointNotFound(
+            f"{source}: not found on the Hugging Face Hub nor in its cache ({type(e).__name__}). Check the repo "
+            "id, set HF_TOKEN for a private or gated repository, or give a local folder."
+        ) from e
+    except Exception as e:  # the Hub client's other errors: network, server
         raise ShardedStateError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
 
 
@@ -356,6 +364,7 @@ def convert_checkpoint(
     trust_remote_code: bool = False,
     runner: str = "auto",
     convert: str = "auto",
+    revision: str | None = None,
     budget: int = DEFAULT_BUDGET,
 ) -> ConvertResult:
     """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``.
@@ -363,6 +372,7 @@ def convert_checkpoint(
     ``dtype``, ``quantization``, ``trust_remote_code``, ``runner`` and ``convert`` are vLLM's own
     ``LLM(...)`` arguments of the engine that will serve it: they decide its model class and
     tensors (``runner="pooling", convert="embed"`` for a causal LM served as an embedding model).
+    ``revision`` picks the branch, tag or commit of a Hub repo id.
 
     Every check (the source's files and headers, that vLLM's loader places every tensor,
     that every rank's split exists) runs before a byte is written; the output is published
@@ -370,7 +380,7 @@ def convert_checkpoint(
     """
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    folder = resolve_source(source)
+    folder = resolve_source(source, revision)
     if open_store(output).canonical() == os.path.abspath(folder):
         raise ShardedStateError("--output must be another folder than the source model.")
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
