@@ -13,7 +13,9 @@ One run builds the Llama-style bf16 model of ``load_bench.py`` (hidden 2048, int
 - both again on a fresh node: an empty ``VLLM_CACHE_ROOT``, so vLLM has to inspect the model class
   first (a node that never ran vLLM, or a container started from an image).
 
-Warm: the source files read once before; cold: evicted with ``posix_fadvise(DONTNEED)`` first.
+Every case runs in rounds (``--runs``, default 3: each round runs every case once, so that a slow
+spell of the machine falls on all of them), and the table gives medians. Warm: the source files
+read once before; cold: evicted with ``posix_fadvise(DONTNEED)`` first.
 Peak resident memory is the largest of the command and the processes it waited for (``wait4``). The
 converted and saved checkpoints are checked to hold the same files (sizes and checksums).
 
@@ -29,10 +31,12 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from benchmarks.harness import (
     ROOT,
@@ -138,19 +142,41 @@ def measure(args: argparse.Namespace) -> dict:
         "model_bytes": nbytes,
         "tp": args.tp,
     }
-    for mode in ("warm", "cold"):
-        result[f"cp_{mode}"] = copy(hf, work, mode == "cold")
-    for mode in ("warm", "cold"):
-        result[f"convert_{mode}"] = convert(hf, work, args.tp, mode == "cold")
-    result["save_warm"] = save(hf, work, args.tp)
-    result["convert_fresh_node"] = convert(hf, work, args.tp, False, fresh=True)
-    result["save_fresh_node"] = save(hf, work, args.tp, fresh=True)
+    cases: dict[str, Callable[[], dict]] = {
+        "cp_warm": lambda: copy(hf, work, False),
+        "cp_cold": lambda: copy(hf, work, True),
+        "convert_warm": lambda: convert(hf, work, args.tp, False),
+        "convert_cold": lambda: convert(hf, work, args.tp, True),
+        "save_warm": lambda: save(hf, work, args.tp),
+        "convert_fresh_node": lambda: convert(hf, work, args.tp, False, fresh=True),
+        "save_fresh_node": lambda: save(hf, work, args.tp, fresh=True),
+    }
+    # Rounds of every case, so that a slow spell of the machine hits every case alike; medians.
+    for _ in range(args.runs):
+        for key, case in cases.items():
+            result.setdefault(f"{key}_runs", []).append(case())
+    result["runs"] = args.runs
+    for key in cases:
+        result[key] = medians(result[f"{key}_runs"])
     result["same_files_as_save"] = same_files(
         os.path.join(work, f"converted-tp{args.tp}"), os.path.join(work, f"saved-tp{args.tp}")
     )
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each timing's median over ``runs``, and the highest peak RSS.
+
+    >>> medians([{"seconds": 3.0, "peak_rss_kb": 5}, {"seconds": 1.0, "peak_rss_kb": 7}, {"seconds": 2.0}])
+    {'seconds': 2.0, 'peak_rss_kb': 7}
+    """
+    out: dict = {}
+    for key in dict.fromkeys(k for r in runs for k in r):
+        values = [r[key] for r in runs if key in r]
+        out[key] = max(values) if key == "peak_rss_kb" else statistics.median(values)
+    return out
 
 
 def built(work: str, how: str, layers: int) -> str:
@@ -273,9 +299,11 @@ def markdown(r: dict) -> str:
         ]
         ratio = r["save_fresh_node"]["seconds"] / r["convert_fresh_node"]["seconds"]
         fresh_ratio = f", {ratio:.2f}x on a fresh node"
+    runs = r.get("runs", 1)
     lines = [
         f"Model: {nbytes / GB:.2f} GB bf16 Llama-style, to TP={tp}; {r['machine'].get('cpu_model', '?')}, "
-        f"{r['machine']['cpus']} cores.",
+        f"{r['machine']['cpus']} cores."
+        + (f" Medians of {runs} rounds of every case (peak RSS: the highest)." if runs > 1 else ""),
         "",
         "| what | whole command | of the model's bytes | after vLLM's model is built | peak RSS |",
         "|---|---|---|---|---|",
@@ -310,7 +338,9 @@ def main() -> None:
         "--large", type=float, default=None, help="GB: instead, a model of this size built on disk (no save)"
     )
     parser.add_argument("--compare", default=None, help="with --large: also convert with the package in this tree")
-    parser.add_argument("--runs", type=int, default=1, help="with --compare: alternating runs of each tree")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="rounds of every case (medians); with --compare: runs of each tree"
+    )
     args = parser.parse_args()
     if args.large:
         report_or_measure(args, "convert_bench_large", measure_large, markdown)

@@ -30,6 +30,19 @@ def test_help_reads_well():
         assert command in out.stdout
 
 
+def test_the_command_exits_with_its_code_and_all_its_output_through_a_pipe(checkpoint, tmp_path):
+    """``vllm-sharded`` ends without Python's module teardown (``run``): what it printed still
+    arrives whole, buffered and through a pipe, and its exit code is the command's."""
+    _, directory = checkpoint
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli"]
+    out = subprocess.run([*command, "inspect", "--json", str(directory)], capture_output=True, text=True)
+    assert out.returncode == 0 and json.loads(out.stdout)["tp_size"] == 2
+    out = subprocess.run([*command, "verify", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 1 and f"BAD: {tmp_path} has 1 problem(s)" in out.stdout
+    out = subprocess.run([*command, "inspect", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 2 and f"{tmp_path} has no {MANIFEST_NAME}" in out.stderr
+
+
 def test_inspect(checkpoint, capsys):
     _, directory = checkpoint
     assert cli(["inspect", str(directory)]) == 0

@@ -120,6 +120,34 @@ def test_ranks_written_one_after_the_other_stay_within_the_budget():
     assert cache.peak <= 2048 + 1024 and cache.remakes > 0 and not cache.made
 
 
+def test_a_rank_whose_writing_fails_stops_a_rank_waiting_for_its_takes():
+    """One component over the budget, taken by the rank that runs ahead and not yet by the other: the
+    one ahead waits for that take before making more. If the other's writing then fails (a full
+    disk), the one ahead stops with its error instead of waiting for ever."""
+    import threading
+
+    cache, _ = _cache(budget=1000, ranks=2, running=2)
+    errors: list[BaseException] = []
+
+    def ahead() -> None:
+        try:
+            cache.take("t1")
+        except ShardedStateError as e:
+            errors.append(e)
+
+    try:
+        assert float(cache.take("t0")[0]) == 0.0
+        waiting = threading.Thread(target=ahead)
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()  # over the budget while the other rank may still take t0
+        cache.rank_done(OSError(28, "No space left on device"))
+        waiting.join(30)
+        assert not waiting.is_alive() and "No space left on device" in str(errors[0])
+    finally:
+        cache.close()
+
+
 def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_where_it_is_taken():
     import time
 

@@ -211,3 +211,28 @@ def test_one_process_is_the_same_driver(tmp_path):
     with pytest.raises(ShardedStateError, match=r"refusing to overwrite|already holds"):
         save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE)
     assert read_manifest(str(directory)) == manifest
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_each_ranks_staging_says_how_it_ended(tmp_path, parallel):
+    """``ended(rank, error)``: every rank's staging reports its end in the thread that staged it, with
+    the error that ended it (convert's ranks share components, and must not wait for a rank that
+    stopped); the failed save publishes nothing."""
+    from vllm_sharded_loader.storage.writer import LazyTensor
+
+    def full_disk() -> torch.Tensor:
+        raise OSError(28, "No space left on device")
+
+    ranks = {RankInfo(0, 2): tensors(1.0, 0), RankInfo(1, 2): {"w": LazyTensor((4,), torch.float32, full_disk)}}
+    ended: dict[int, tuple[BaseException | None, str]] = {}
+
+    def end(rank: RankInfo, error: BaseException | None) -> None:
+        ended[rank.tp_rank] = (error, threading.current_thread().name)
+
+    directory = tmp_path / "ckpt"
+    with pytest.raises(Exception, match="No space left on device"):
+        save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, parallel=parallel, ended=end)
+    assert "No space left on device" in str(ended[1][0])
+    if parallel:
+        assert ended[0][0] is None and ended[0][1] != ended[1][1]  # each in its own staging thread
+    assert read_manifest(str(directory)) is None and not any(directory.glob("*.safetensors"))

@@ -282,6 +282,28 @@ def open_target(where: str, overwrite: bool = False) -> SaveTarget:
     return TARGETS[type(open_store(where))](where, overwrite)
 
 
+def _stage_one(
+    ended: Callable[[RankInfo, BaseException | None], None] | None,
+    directory: str,
+    tensors: Mapping[str, torch.Tensor],
+    info: RankInfo,
+    pattern: str,
+    max_size: int | None,
+    token: str,
+    buffer_bytes: int | None = None,
+) -> StagedRank:
+    """:func:`.staged.stage_rank`, then ``ended(info, the error or None)`` however it ended."""
+    try:
+        staged = stage_rank(directory, tensors, info, pattern, max_size, token, buffer_bytes=buffer_bytes)
+    except BaseException as e:
+        if ended is not None:
+            ended(info, e)
+        raise
+    if ended is not None:
+        ended(info, None)
+    return staged
+
+
 def _stage_in_parallel(
     directory: str,
     ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
@@ -289,6 +311,7 @@ def _stage_in_parallel(
     pattern: str,
     max_size: int | None,
     token: str,
+    ended: Callable[[RankInfo, BaseException | None], None] | None = None,
 ) -> list[StagedRank]:
     """Stage every rank at once, one thread each; on any failure every staged rank is discarded."""
     from concurrent.futures import ThreadPoolExecutor
@@ -296,7 +319,7 @@ def _stage_in_parallel(
     buffers = writer.buffer_bytes_for(len(infos))  # the ranks' writers share one staging budget
     with ThreadPoolExecutor(len(infos), thread_name_prefix="stage") as pool:
         futures = [
-            pool.submit(stage_rank, directory, ranks[i], i, pattern, max_size, token, buffer_bytes=buffers)
+            pool.submit(_stage_one, ended, directory, ranks[i], i, pattern, max_size, token, buffer_bytes=buffers)
             for i in infos
         ]
         staged, errors = [], []
@@ -328,6 +351,7 @@ def save_checkpoint(
     carry: str | None = None,
     parallel: bool = False,
     placed: Callable[[SaveTarget, RankEntry], RankEntry] | None = None,
+    ended: Callable[[RankInfo, BaseException | None], None] | None = None,
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools): :func:`.protocol.run_save`
     over :class:`.protocol.OneProcess`; see the module doc.
@@ -349,7 +373,9 @@ def save_checkpoint(
     ``parallel`` stages the ranks of a local save at once, one thread each (``convert``'s lazy
     tensors are cut from one source tensor for every rank, so the ranks must advance together).
     ``placed`` is :attr:`.protocol.SaveJob.placed`: a file more for each rank placed (``convert``'s
-    start-up artifacts).
+    start-up artifacts). ``ended(rank, error)`` is called in the thread that staged ``rank`` when its
+    staging ends, with the error that ended it or None (``convert``'s ranks share the components
+    they take: one that stops must not leave the others waiting for it).
     """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
@@ -363,11 +389,11 @@ def save_checkpoint(
 
     def stage(target: SaveTarget) -> Iterator[tuple[StagedRank, None]]:
         if parallel and len(infos) > 1:
-            staged = _stage_in_parallel(target.staging(), ranks, infos, pattern, max_size, target.token)
+            staged = _stage_in_parallel(target.staging(), ranks, infos, pattern, max_size, target.token, ended)
             yield from ((s, None) for s in staged)
             return
         for info in infos:
-            yield stage_rank(target.staging(), ranks[info], info, pattern, max_size, target.token), None
+            yield _stage_one(ended, target.staging(), ranks[info], info, pattern, max_size, target.token), None
             kill_point(KILL_STAGED)
 
     def manifest_of(entries: Sequence[tuple[RankEntry, None]]) -> Manifest:

@@ -12,6 +12,7 @@ import torch
 
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError, listing
 from ..format.safetensors import Header
+from . import hub
 from .local import OpenFile, read_header
 from .location import StoredFile, open_store
 from .tensors import map_file_range, torch_dtype
@@ -150,3 +151,27 @@ class SourceFiles:
         for opened in self.opened.values():
             opened.close()
         self.opened.clear()
+
+
+def resolve_source(source: str, revision: str | None = None) -> str:
+    """A local folder or an object-storage prefix as is; a Hub repo id through the Hub cache (weights
+    and every non-weight file a save carries, each fetched once; ``HF_HUB_OFFLINE`` and ``HF_TOKEN``
+    as everywhere in huggingface_hub)."""
+    if os.path.isdir(source):
+        return source
+    if open_store(source).remote:
+        return source  # read where it is (engine/convert.py: SourceFiles), its config fetched first
+    if os.path.exists(source) or source.startswith((".", "/")) or source.count("/") != 1:
+        raise CheckpointNotFound(f"{source}: no such model folder (nor a Hub repo id of the form owner/name).")
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        return hub.fetch(source, (*hub.METADATA_PATTERNS, "*.safetensors"), revision=revision)
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
+        # Not on the Hub, not visible with this token, or (offline) not in the cache.
+        raise CheckpointNotFound(
+            f"{source}: not found on the Hugging Face Hub nor in its cache ({type(e).__name__}). Check the repo "
+            "id, set HF_TOKEN for a private or gated repository, or give a local folder."
+        ) from e
+    except Exception as e:  # the Hub client's other errors: network, server
+        raise ShardedStateError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e

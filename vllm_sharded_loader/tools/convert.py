@@ -27,13 +27,13 @@ import torch
 
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..checkpoint.state import manifest_ties
-from ..format.errors import CheckpointNotFound, ShardedStateError, listing
+from ..format.errors import ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
 from ..format.manifest import Manifest
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
-from ..storage import hub
+from ..storage.hf_source import resolve_source
 from ..storage.location import copy_non_weight_files, is_locked, open_store, read_manifest
 from ..storage.memory import BufferPool
 from ..storage.oscalls import release_free_heap
@@ -51,30 +51,6 @@ DEFAULT_BUDGET = 1024**3
 # Components made ahead of the ranks that will take them: enough to keep the maker busy while
 # one is checked and the ranks write another, few enough that memory stays a few components.
 AHEAD = 2
-
-
-def resolve_source(source: str, revision: str | None = None) -> str:
-    """A local folder or an object-storage prefix as is; a Hub repo id through the Hub cache (weights
-    and every non-weight file a save carries, each fetched once; ``HF_HUB_OFFLINE`` and ``HF_TOKEN``
-    as everywhere in huggingface_hub)."""
-    if os.path.isdir(source):
-        return source
-    if open_store(source).remote:
-        return source  # read where it is (engine/convert.py: SourceFiles), its config fetched first
-    if os.path.exists(source) or source.startswith((".", "/")) or source.count("/") != 1:
-        raise CheckpointNotFound(f"{source}: no such model folder (nor a Hub repo id of the form owner/name).")
-    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
-
-    try:
-        return hub.fetch(source, (*hub.METADATA_PATTERNS, "*.safetensors"), revision=revision)
-    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
-        # Not on the Hub, not visible with this token, or (offline) not in the cache.
-        raise CheckpointNotFound(
-            f"{source}: not found on the Hugging Face Hub nor in its cache ({type(e).__name__}). Check the repo "
-            "id, set HF_TOKEN for a private or gated repository, or give a local folder."
-        ) from e
-    except Exception as e:  # the Hub client's other errors: network, server
-        raise ShardedStateError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
 
 
 def rank_parts(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | None = None) -> tuple[torch.Tensor, ...]:
@@ -183,7 +159,6 @@ class ComponentCache:
             except BaseException as e:
                 # Every other rank stops at its next tensor: the save then discards them all.
                 self.failed = self.failed or e
-                self.running -= 1
                 self.cond.notify_all()
                 raise
         if freed:
@@ -292,9 +267,13 @@ class ComponentCache:
             self.free(next(iter(made.tensors)))
             self.remakes += 1
 
-    def rank_done(self) -> None:
+    def rank_done(self, failed: BaseException | None = None) -> None:
+        """A rank takes nothing more: it took its last slice, or its writing ended early with
+        ``failed`` (then every other rank stops at its next tensor, not waiting for this one's takes)."""
         with self.cond:
             self.running -= 1
+            if failed is not None:
+                self.failed = self.failed or failed
             self.cond.notify_all()
 
     def close(self) -> None:
@@ -442,13 +421,24 @@ def _convert(
         )
         stack.callback(cache.close)
 
-        def lazy(state_name: str, layout: ShardLayout, last: bool) -> LazyTensor:
+        # A rank is done once it took every tensor of its plan, or when its writing ended (a full
+        # disk): counted, so that it does not depend on the order the writer takes them in.
+        left = {info: len(plan) for info, plan in plans.items()}
+        done: set[RankInfo] = set()
+
+        def finish(info: RankInfo, error: BaseException | None = None) -> None:
+            if info not in done:
+                done.add(info)
+                cache.rank_done(error)
+
+        def lazy(state_name: str, layout: ShardLayout, info: RankInfo) -> LazyTensor:
             meta = model.state[state_name]
 
             def produce() -> tuple[torch.Tensor, ...]:
                 parts = rank_parts(cache.take(state_name), layout, model.pool)
-                if last:
-                    cache.rank_done()
+                left[info] -= 1
+                if not left[info]:
+                    finish(info)
                 shape = joined_shape(parts, layout.split_dim)
                 if shape != tuple(layout.shape) or any(p.dtype != meta.dtype for p in parts):
                     # The header already written says otherwise: the save fails, nothing is published.
@@ -464,16 +454,15 @@ def _convert(
         by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
         ranks = {}
         for info, plan in plans.items():
-            # The order the writer takes a rank's tensors in (a size cap cuts it into files, which
-            # can reorder them a little): components are made in it, and the last one ends the rank.
-            # The files keep the plan's order, as a save's do.
-            order = write_order(
-                list(plan.items()), lambda item: math.prod(item[1][1].shape) * model.state[item[1][0]].dtype.itemsize
-            )
-            last = order[-1][0] if order else None
-            ranks[info] = {n: lazy(state_name, layout, n == last) for n, (state_name, layout) in plan.items()}
+            ranks[info] = {n: lazy(state_name, layout, info) for n, (state_name, layout) in plan.items()}
             if len(ranks) == 1:
-                model.follow([state_name for _, (state_name, _) in order])
+                # Components are made in the order the writer takes a rank's tensors (a size cap cuts
+                # them into files, which can reorder them a little); the files keep the plan's order,
+                # as a save's do.
+                order = write_order(
+                    list(plan.values()), lambda item: math.prod(item[1].shape) * model.state[item[0]].dtype.itemsize
+                )
+                model.follow([state_name for state_name, _ in order])
         manifest = save_checkpoint(
             output,
             ranks,
@@ -489,6 +478,7 @@ def _convert(
             placed=lambda target, entry: model.carry_startup_artifacts(
                 target, entry, by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
             ),
+            ended=finish,
         )
         done = time.perf_counter()
         return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes, built - started, done - built)
