@@ -341,6 +341,30 @@ def test_a_corrupt_header_in_a_bucket_is_named_and_nothing_is_written(s3, source
     assert not out.exists()
 
 
+def test_a_full_disk_during_convert_fails_it_and_keeps_the_checkpoint_it_would_replace(sources, tmp_path):
+    """A real write failure mid-convert (the file size limit: write() fails with EFBIG), with
+    ``--overwrite`` over a checkpoint, and a budget so small that the ranks wait for each other's
+    takes: the convert ends with the error naming the file, nothing of it stays, and the
+    checkpoint it would have replaced is untouched. (Both ranks hit the limit here; a rank left
+    waiting by one that stopped is the unit test above.)"""
+    from examples.tiny_models import engine_environment
+    from tests.support.faultkit import tree_digest
+
+    out = tmp_path / "out"
+    convert(sources["llama"], str(out), 2)
+    before = tree_digest(str(out))
+    code = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 17, 1 << 17)); "
+        "from vllm_sharded_loader.tools.convert import convert_checkpoint; "
+        "convert_checkpoint(sys.argv[1], sys.argv[2], 2, overwrite=True, budget=1)"
+    )
+    run = python_process(["-c", code, sources["llama"], str(out)], {**os.environ, **engine_environment()}, 300)
+    assert run.returncode != 0 and "File too large" in run.stderr and "model-rank-" in run.stderr, run.stderr[-3000:]
+    assert tree_digest(str(out)) == before
+    verify(str(out))
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch) -> Path:
     """A Hub cache of our own, read offline: what ``huggingface_hub`` finds there is what the Hub gave."""
