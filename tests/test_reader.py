@@ -383,6 +383,26 @@ def test_a_tensor_at_an_offset_no_view_can_start_at_is_read_not_mapped(tmp_path)
         assert ranges == [(0, 16)] and mapped_file_of(tensor) == path
 
 
+def test_a_whole_tensor_from_one_run_is_a_private_mapping_and_one_past_the_end_is_not_mapped(tmp_path):
+    """The same-topology case: one piece, the whole tensor. Its pages are the file's (writes stay
+    private); a piece past the file's end (a file cut since its header was read) is left to the reads,
+    which name the file."""
+    from vllm_sharded_loader.storage.memory import map_pieces
+
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * 32)
+    with local.OpenFile.open(path) as opened:
+        tensor, ranges = map_pieces([opened], [Piece(0, 4100, 4000, 0, 0, 1)], torch.uint8, (4000,))
+        assert ranges == [(0, 4000)] and mapped_file_of(tensor) == path
+        assert bytes(tensor[:3].tolist()) == bytes([4, 5, 6])
+        tensor[0] = 255
+        tensor, ranges = map_pieces([opened], [Piece(0, 6000, 4000, 0, 0, 1)], torch.uint8, (4000,))
+        assert ranges == [(0, 0)] and mapped_file_of(tensor) != path
+    with open(path, "rb") as f:
+        assert f.read()[4100] == 4  # the write went to a private copy
+
+
 def test_mapped_bytes_are_verified_and_nothing_is_adopted_on_a_mismatch(tmp_path):
     path, tensors = odd_layout(tmp_path)
     header = local.read_header(path)

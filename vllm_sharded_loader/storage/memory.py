@@ -23,7 +23,7 @@ from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateE
 from ..planning.spans import Piece
 from . import oscalls
 from .local import OpenFile
-from .tensors import byte_view
+from .tensors import byte_view, map_file_range
 
 HUGE_PAGE = 2 * 1024 * 1024
 # Idle memory a BufferPool keeps for the next tensors of the same sizes.
@@ -167,6 +167,14 @@ def map_pieces(
     the files. Mapped from the files' open descriptors.
     """
     nbytes = math.prod(shape) * dtype.itemsize
+    sizes = {p.file: os.fstat(files[p.file].fd).st_size for p in pieces}  # now, not when opened
+    if len(pieces) == 1 and pieces[0].start == 0 and pieces[0].length == nbytes > 0:
+        p = pieces[0]
+        if p.offset % dtype.itemsize == 0 and p.end <= sizes[p.file]:
+            # The whole tensor from one run of one file (any load at the saved topology): one new
+            # private mapping of that range. Laid over an anonymous region instead (below), the
+            # warm TP=1 load of a 1.5 GB model inside vLLM took 0.12-0.17 s instead of 0.08-0.10.
+            return map_file_range(files[p.file].fd, p.offset, nbytes, dtype, shape), [(0, nbytes)]
     weight: dict[int, int] = {}
     for p in pieces:
         residue = (p.offset - p.start) % PAGE
@@ -178,7 +186,6 @@ def map_pieces(
     region = mmap.mmap(-1, max(PAGE, -(-(shift + nbytes) // PAGE) * PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the region (and what is mapped into it) alive
     base = whole.data_ptr()
-    sizes = {p.file: os.fstat(files[p.file].fd).st_size for p in pieces}  # now, not when opened
     mapped: list[tuple[int, int]] = []
     for p in pieces:
         start, end = p.start, p.start + p.length

@@ -211,7 +211,7 @@ def run() -> None:
     code = main(argv)
     if argv[:1] == ["save"]:
         sys.exit(code)
-    atexit._run_exitfuncs()  # what sys.exit runs first (the module has had no public name for it)
+    atexit._run_exitfuncs()  # what sys.exit runs before the teardown (atexit has no public name for it)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
