@@ -164,7 +164,8 @@ def map_pieces(
     tensor and, per piece, the byte range ``(lo, hi)`` of the tensor that is mapped
     (``lo == hi``: none); the caller writes everything else, and pages in and verifies
     the mapped ranges before use. Writes to the tensor go to private copies, never to
-    the files. Mapped from the files' open descriptors.
+    the files. Mapped from the files' open descriptors. A tensor that one piece fills
+    whole is one private mapping of that file range instead, with no region under it.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     sizes = {p.file: os.fstat(files[p.file].fd).st_size for p in pieces}  # now, not when opened
