@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -148,9 +150,35 @@ def test_a_rank_whose_writing_fails_stops_a_rank_waiting_for_its_takes():
         cache.close()
 
 
-def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_where_it_is_taken():
-    import time
+def test_ranks_waiting_for_a_component_that_fails_each_get_its_error():
+    """Whichever rank wakes first, each raises the component's own error (the second used to raise
+    "stopped: another rank's conversion failed", and the save reported whichever came first)."""
+    import threading
 
+    def make(name: str) -> dict[str, torch.Tensor]:
+        raise ShardedStateError(f"{name}: vLLM's loader left part of it unfilled")
+
+    cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes={"t0": 2}, running=2)
+    errors: list[BaseException] = []
+
+    def rank() -> None:
+        try:
+            cache.take("t0")
+        except ShardedStateError as e:
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=rank) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert [str(e) for e in errors] == ["t0: vLLM's loader left part of it unfilled"] * 2
+    finally:
+        cache.close()
+
+
+def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_where_it_is_taken():
     made: list[str] = []
 
     def make(name: str) -> dict[str, torch.Tensor]:
@@ -228,6 +256,43 @@ def test_a_rank_cut_is_views_where_the_writer_takes_them_and_pooled_memory_where
     assert joined_shape(rank_parts(full, wrong, pool), 0) == (4, 8)  # not the planned shape: the caller refuses it
 
 
+def _resident(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (``mincore`` over a mapping nothing touches)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        assert ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
+        del address  # (the buffer export ends with the last reference)
+        return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tmp_path):
+    from vllm_sharded_loader.storage.hf_source import read_ahead
+
+    mib = 1 << 20
+    files = [tmp_path / f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    for path in files:
+        path.write_bytes(os.urandom(8 * mib))
+        fd = os.open(path, os.O_RDONLY)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    if any(_resident(p) > mib for p in files):
+        pytest.skip(f"{tmp_path}'s file system keeps its pages cached (tmpfs?): nothing to read ahead")
+    stop = read_ahead(str(tmp_path), budget=10 * mib)
+    deadline = time.monotonic() + 30
+    while _resident(files[0]) < 8 * mib and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stop() == 10 * mib  # the first file whole, then 2 MiB of the second
+    assert _resident(files[0]) == 8 * mib and 0 < _resident(files[1]) <= 4 * mib
+    assert read_ahead(str(tmp_path / "missing"))() == 0
+
+
 # ----------------------------------------------------------------- bad sources, engine-free
 
 
@@ -280,6 +345,53 @@ def test_an_unfilled_tensor_is_refused_by_name_before_a_byte_is_written(sources,
     run = convert(str(bad), str(out), 2, ok=False)
     assert run.returncode == 2
     assert message in run.stderr and "vllm-sharded save" in run.stderr
+    assert not out.exists()
+
+
+def _nan_in(src: Path) -> None:
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.weight"].fill_(float("nan"))
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+
+def _index_naming_one_file(src: Path) -> None:
+    """Two shard files, and an index that puts every tensor in the second (a mixed download)."""
+    tensors = load_file(src / "model.safetensors")
+    names = list(tensors)
+    os.remove(src / "model.safetensors")
+    for i, half in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        part = {n: tensors[n] for n in half}
+        save_file(part, src / f"model-0000{i + 1}-of-00002.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model-00002-of-00002.safetensors")}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (
+            _nan_in,
+            r"model\.layers\.1\.self_attn\.o_proj\.weight \(in model\.safetensors\) holds NaN values, so convert "
+            r"cannot tell whether vLLM's loader filled all of model\.layers\.1\.self_attn\.o_proj\.weight",
+        ),
+        (
+            _index_naming_one_file,
+            r"no tensor of the checkpoint fills: model\.embed_tokens\.weight.*The index "
+            r"model\.safetensors\.index\.json lists .+ in files that do not hold them: the files and the index",
+        ),
+    ],
+    ids=["nan-in-a-source-tensor", "an-index-its-files-disagree-with"],
+)
+def test_a_refusal_names_the_source_fault_behind_it(sources, tmp_path, mutate, message):
+    """The faults that look like missing weights say what they are (and, at TP=2, the error is the
+    rank's own, not another rank's "stopped")."""
+    bad = copy_source(sources["llama"], tmp_path / "src")
+    mutate(bad)
+    out = tmp_path / "out"
+    run = convert(str(bad), str(out), 2, ok=False)
+    assert run.returncode == 2, run.stderr[-2000:]
+    error = run.stderr.strip().splitlines()[-1]
+    assert re.search(message, error) and "vllm-sharded save" in error and "stopped" not in error, error
     assert not out.exists()
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Container, Iterable, Mapping
 import torch
 
 from ..format.errors import ShardedStateError
+from ..storage.oscalls import available_memory
 from .state import storage_key
 
 # Bytes of processed layers an update may hold until its commit, beside the served weights
@@ -39,18 +40,7 @@ def update_budget(ranks_on_host: int = 1) -> int:
         return budget
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.mem_get_info()[0] // 2
-    return _host_available() // (2 * max(ranks_on_host, 1))
-
-
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_memory() // (2 * max(ranks_on_host, 1))
 
 
 def return_freed_memory() -> None:

@@ -34,7 +34,7 @@ import torch
 
 from ..checkpoint.protocol import SaveTarget
 from ..checkpoint.state import saveable_state, tied_groups
-from ..format.errors import SaveRefused, ShardedStateError, listing
+from ..format.errors import ConvertRefused, ShardedStateError, listing
 from ..format.geometry import TensorGeometry
 from ..format.manifest import RankEntry
 from ..format.source import SourceModel
@@ -56,10 +56,6 @@ logger = logging.getLogger(f"vllm.plugins.{__name__}")
 DEFAULT_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
-
-
-class ConvertRefused(SaveRefused):
-    """The source cannot be converted without running the model; nothing was written."""
 
 
 def _free_port() -> int:
@@ -244,7 +240,7 @@ class ConvertModel:
             raise ConvertRefused(
                 f"{source.where}: vLLM's {type(self.model).__name__} has tensors that no tensor of the checkpoint "
                 f"fills: {listing(unfilled, 5)}; their values come from running the model, not from its files "
-                f"(or the config does not describe these weights). {SAVE_INSTEAD}"
+                f"(or the config does not describe these weights).{source.stale_index()} {SAVE_INSTEAD}"
             )
         self.components = fill_components(self.fills, defaults)
         self.follow(list(self.state))
@@ -407,13 +403,26 @@ class ConvertModel:
     def check(self, name: str, made: dict[str, torch.Tensor]) -> None:
         """Refuse (and free) ``name``'s component if vLLM's loader left part of it unfilled (still NaN)."""
         partial = [t for t, v in made.items() if v.is_floating_point() and self._unfilled(t, v)]
-        if partial:
-            self.free(name)
-            sources = listing(self.components[name].sources, 5)
+        if not partial:
+            return
+        self.free(name)
+        component = self.components[name].sources
+        # NaN is how an unfilled element shows: a source tensor holding NaN values itself hides it.
+        with_nan = [
+            s for s in component if self.source.tensors[s].dtype.is_floating_point and has_nan(self.source.read(s))
+        ]
+        if with_nan:
+            files = listing(sorted({self.source.tensors[s].file for s in with_nan}), 3)
             raise ConvertRefused(
-                f"{self.source.where}: vLLM's loader left part of {listing(partial, 3)} unfilled from "
-                f"{sources}: the checkpoint lacks weights the model has. {SAVE_INSTEAD}"
+                f"{self.source.where}: {listing(with_nan, 3)} (in {files}) holds NaN values, so convert cannot tell "
+                f"whether vLLM's loader filled all of {listing(partial, 3)}. Check the source model's weights; "
+                f"{SAVE_INSTEAD}"
             )
+        raise ConvertRefused(
+            f"{self.source.where}: vLLM's loader left part of {listing(partial, 3)} unfilled from "
+            f"{listing(component, 5)}: the checkpoint lacks weights the model has.{self.source.stale_index()} "
+            f"{SAVE_INSTEAD}"
+        )
 
     def follow(self, order: list[str]) -> None:
         """Make components in the order ranks take these state tensors: what :meth:`after` and the

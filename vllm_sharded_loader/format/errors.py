@@ -55,6 +55,14 @@ class SaveRefused(ShardedStateError):
     """A save refused before its publish: the checkpoint and the engine are as they were."""
 
 
+class ConvertRefused(SaveRefused):
+    """A source ``convert`` cannot turn into a checkpoint without running the model; nothing was written."""
+
+
+class RankStopped(ShardedStateError):
+    """A ``convert`` rank stopped because another rank's conversion failed (that failure is reported)."""
+
+
 class SaveFailedAfterPublish(ShardedStateError):
     """The manifest was published (the new checkpoint is complete), but a later step failed."""
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,10 +16,87 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateE
 from ..format.safetensors import Header
 from . import hub
 from .local import OpenFile, read_header
-from .location import StoredFile, open_store
+from .location import Store, StoredFile, open_store
+from .oscalls import available_memory
 from .tensors import map_file_range, torch_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
+READ_AHEAD_STEP = 64 << 20
+
+
+def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
+    """The safetensors files of the model in ``store`` (those its index lists, where it has one) and
+    the index's map of tensor to file (empty without one); an index naming a missing file is an error."""
+    where = store.where
+    present = store.list_names()
+    names = sorted(n for n in present if n.endswith(".safetensors"))
+    weight_map: dict[str, str] = {}
+    if INDEX_NAME in present:
+        index_path = store.file_path(INDEX_NAME)
+        try:
+            data = store.read(INDEX_NAME)
+            weight_map = json.loads(data.read_bytes() if isinstance(data, Path) else data)["weight_map"]
+            listed = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointCorrupt(f"{index_path}: not a safetensors index ({e}). Download the model again.") from None
+        missing = [n for n in listed if n not in names]
+        if missing:
+            raise CheckpointNotFound(
+                f"{where}: the index {INDEX_NAME} lists {listing(missing, 5)}, which the folder lacks. "
+                "The download is incomplete: fetch the missing files (or the model) again."
+            )
+        names = listed
+    if not names:
+        held = [n for n in present if n.endswith((".bin", ".pt", ".pth"))]
+        other = f" (it holds {listing(held, 3)}: convert reads safetensors only; use `vllm-sharded save`)"
+        raise CheckpointNotFound(f"{where}: no *.safetensors weights{other if held else ''}.")
+    return names, weight_map
+
+
+def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
+    """Start reading a local model's safetensors files, in order, into the page cache, in a thread:
+    at most ``budget`` bytes (default: a quarter of the memory available). Returns a function that
+    stops it (at its next 64 MiB) and says how many bytes it asked for.
+
+    ``convert`` starts it before vLLM is imported and configured (about 6 s here), so that a cold
+    source is read while that runs, instead of while the ranks are written. Nothing for object
+    storage, or for a source that cannot be listed (opening it says why)."""
+    store = open_store(where)
+    try:
+        names = [] if store.remote else weight_files(store)[0]
+    except (ShardedStateError, OSError):
+        names = []
+    if budget is None:
+        budget = available_memory() // 4
+    stop, asked = threading.Event(), [0]
+
+    def run() -> None:
+        for name in names:
+            try:
+                fd = os.open(store.file_path(name), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO is not waited on
+            except OSError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                offset = 0
+                while offset < size and asked[0] < budget and not stop.is_set():
+                    n = min(READ_AHEAD_STEP, size - offset, budget - asked[0])
+                    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+                    offset, asked[0] = offset + n, asked[0] + n
+            except OSError:
+                pass  # only a head start: the read itself reports a file it cannot read
+            finally:
+                os.close(fd)
+
+    thread = threading.Thread(target=run, name="convert-read-ahead", daemon=True)
+    thread.start()
+
+    def stopped() -> int:
+        stop.set()
+        thread.join()
+        return asked[0]
+
+    return stopped
 
 
 @dataclass(frozen=True)
@@ -47,6 +126,9 @@ class SourceFiles:
     headers: dict[str, Header]
     opened: dict[str, StoredFile] = field(default_factory=dict)
     where: str = ""
+    # Tensors the index (model.safetensors.index.json) lists that none of its files holds: harmless
+    # to vLLM unless the model needs them, so named only when something is missing (:meth:`stale_index`).
+    unheld: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.where = self.where or self.directory
@@ -59,29 +141,7 @@ class SourceFiles:
         store = open_store(where)
         if not store.exists():
             raise CheckpointNotFound(f"{where}: not a folder. Give a Hugging Face model folder or Hub repo id.")
-        present = store.list_names()
-        names = sorted(n for n in present if n.endswith(".safetensors"))
-        if INDEX_NAME in present:
-            index_path = store.file_path(INDEX_NAME)
-            try:
-                data = store.read(INDEX_NAME)
-                weight_map = json.loads(data.read_bytes() if isinstance(data, Path) else data)["weight_map"]
-                listed = sorted(set(weight_map.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointCorrupt(
-                    f"{index_path}: not a safetensors index ({e}). Download the model again."
-                ) from None
-            missing = [n for n in listed if n not in names]
-            if missing:
-                raise CheckpointNotFound(
-                    f"{where}: the index {INDEX_NAME} lists {listing(missing, 5)}, which the folder lacks. "
-                    "The download is incomplete: fetch the missing files (or the model) again."
-                )
-            names = listed
-        if not names:
-            held = [n for n in present if n.endswith((".bin", ".pt", ".pth"))]
-            other = f" (it holds {listing(held, 3)}: convert reads safetensors only; use `vllm-sharded save`)"
-            raise CheckpointNotFound(f"{where}: no *.safetensors weights{other if held else ''}.")
+        names, weight_map = weight_files(store)
         tensors: dict[str, SourceTensor] = {}
         headers: dict[str, Header] = {}
         source = cls(directory, tensors, headers, where=where)
@@ -102,7 +162,18 @@ class SourceFiles:
         except BaseException:
             source.close()
             raise
+        source.unheld = [t for t, file in weight_map.items() if t not in tensors or tensors[t].file != file]
         return source
+
+    def stale_index(self) -> str:
+        """A sentence for an error about weights the model lacks, when the index says they should be
+        there: the files and the index disagree (an interrupted or mixed download); else empty."""
+        if not self.unheld:
+            return ""
+        return (
+            f" The index {INDEX_NAME} lists {listing(self.unheld, 3)} in files that do not hold them: the files "
+            "and the index disagree (an incomplete or mixed download): download the model again."
+        )
 
     def _open(self, name: str) -> StoredFile:
         if name not in self.opened:

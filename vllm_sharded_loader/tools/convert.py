@@ -27,13 +27,13 @@ import torch
 
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..checkpoint.state import manifest_ties
-from ..format.errors import ShardedStateError, listing
+from ..format.errors import RankStopped, ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
 from ..format.manifest import Manifest
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
-from ..storage.hf_source import resolve_source
+from ..storage.hf_source import read_ahead, resolve_source
 from ..storage.location import copy_non_weight_files, is_locked, open_store, read_manifest
 from ..storage.memory import BufferPool
 from ..storage.oscalls import release_free_heap
@@ -207,10 +207,10 @@ class ComponentCache:
     def _take(self, name: str, me: int) -> tuple[torch.Tensor, bool]:
         key = self.component_of(name)
         while key not in self.made:
-            if self.failed is not None:
-                raise ShardedStateError(f"stopped: another rank's conversion failed ({self.failed})")
             if key in self.errors:
-                raise self.errors[key]
+                raise self.errors[key]  # this rank's own component failed: its error, not a "stopped"
+            if self.failed is not None:
+                raise RankStopped(f"stopped: another rank's conversion failed ({self.failed})")
             # Ranks that can still take a slice: those not waiting for a component nobody made yet.
             others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
             if (
@@ -389,10 +389,14 @@ def _convert(
     overwrite: bool,
     budget: int,
 ) -> ConvertResult:
+    started = time.perf_counter()
+    # A cold source is read while vLLM is imported and configured and its model built (seconds of
+    # one core's work), not while the ranks wait for it; the components' own read-ahead takes over.
+    stop_reading_ahead = read_ahead(folder)
     from ..engine.convert import converting
 
-    started = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        stack.callback(stop_reading_ahead)
         directory = folder
         if open_store(folder).remote:
             # vLLM reads the config (and tokenizer) from a local folder: those few files are fetched;
@@ -401,6 +405,7 @@ def _convert(
             copy_non_weight_files(folder, directory)
         model = stack.enter_context(converting(directory, folder, options))
         built = time.perf_counter()
+        stop_reading_ahead()
         layers = config_layers(model.identity.config)
         if layers is None:
             layers = getattr(model.model_config.hf_text_config, "num_hidden_layers", None)
@@ -463,22 +468,29 @@ def _convert(
                     list(plan.values()), lambda item: math.prod(item[1].shape) * model.state[item[0]].dtype.itemsize
                 )
                 model.follow([state_name for state_name, _ in order])
-        manifest = save_checkpoint(
-            output,
-            ranks,
-            dtype=model.dtype,
-            source=model.identity,
-            pattern=pattern,
-            max_size=max_size,
-            overwrite=overwrite,
-            geometry={n: model.geometry[s].to_dict() for plan in plans.values() for n, (s, _) in plan.items()},
-            tied=manifest_ties(model.tied),
-            carry=directory,
-            parallel=True,
-            placed=lambda target, entry: model.carry_startup_artifacts(
-                target, entry, by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
-            ),
-            ended=finish,
-        )
-        done = time.perf_counter()
-        return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes, built - started, done - built)
+        try:
+            manifest = save_checkpoint(
+                output,
+                ranks,
+                dtype=model.dtype,
+                source=model.identity,
+                pattern=pattern,
+                max_size=max_size,
+                overwrite=overwrite,
+                geometry={n: model.geometry[s].to_dict() for plan in plans.values() for n, (s, _) in plan.items()},
+                tied=manifest_ties(model.tied),
+                carry=directory,
+                parallel=True,
+                placed=lambda target, entry: model.carry_startup_artifacts(
+                    target, entry, by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
+                ),
+                ended=finish,
+            )
+        except RankStopped:
+            # The save reports the first rank's error; a rank that only stopped for another's failure
+            # would hide the failure itself (its type and what to do).
+            if cache.failed is None or isinstance(cache.failed, RankStopped):
+                raise
+            raise cache.failed from None
+        written = time.perf_counter()
+        return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes, built - started, written - built)
