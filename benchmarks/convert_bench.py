@@ -46,6 +46,7 @@ from benchmarks.harness import (
     files_of,
     layers_for,
     machine,
+    machine_line,
     report_or_measure,
     warm,
 )
@@ -212,17 +213,18 @@ def measure_large(args: argparse.Namespace) -> dict:
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "tp": args.tp,
     }
-    result["cp_cold"] = copy(hf, work, True)
-    shutil.rmtree(os.path.join(work, "copy"))
     if args.compare:
-        # Another tree (the one before a change), alternating with this one: the same disk's moods for both.
-        result["compare_tree"], result["convert_cold_compare"] = args.compare, []
-        for _ in range(args.runs):
-            result["convert_cold_compare"].append(convert(hf, work, args.tp, True, args.compare))
-            result.setdefault("convert_cold_runs", []).append(convert(hf, work, args.tp, True))
-        result["convert_cold"] = sorted(result["convert_cold_runs"], key=lambda r: r["seconds"])[args.runs // 2]
-    else:
-        result["convert_cold"] = convert(hf, work, args.tp, True)
+        result["compare_tree"] = args.compare
+    # Rounds, as in :func:`measure`; with ``--compare`` each round also converts with the other tree
+    # (the one before a change), alternating with this one: the same disk's moods for both.
+    for _ in range(args.runs):
+        result.setdefault("cp_cold_runs", []).append(copy(hf, work, True))
+        shutil.rmtree(os.path.join(work, "copy"))
+        if args.compare:
+            result.setdefault("convert_cold_compare", []).append(convert(hf, work, args.tp, True, args.compare))
+        result.setdefault("convert_cold_runs", []).append(convert(hf, work, args.tp, True))
+    result["runs"] = args.runs
+    result["cp_cold"], result["convert_cold"] = medians(result["cp_cold_runs"]), medians(result["convert_cold_runs"])
     out = os.path.join(work, f"converted-tp{args.tp}")
     verify = subprocess.run(
         [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "verify", out], capture_output=True, text=True
@@ -241,7 +243,8 @@ def markdown_large(r: dict) -> str:
     lines = [
         f"Model: {nbytes / GB:.2f} GB bf16 Llama-style, built on disk in shards, on a machine of "
         f"{r['memory_bytes'] / gib:.1f} GiB; largest tensor {r['largest_tensor_bytes'] / 1e6:.0f} MB; to TP={r['tp']}; "
-        f"{r['machine'].get('cpu_model', '?')}, {r['machine']['cpus']} cores.",
+        f"{machine_line(r['machine'])}."
+        + (f" Medians of {r['runs']} rounds (peak RSS: the highest)." if r.get("runs", 1) > 1 else ""),
         "",
         "| what | whole command | of the model's bytes | after vLLM's model is built | peak RSS |",
         "|---|---|---|---|---|",
@@ -301,8 +304,7 @@ def markdown(r: dict) -> str:
         fresh_ratio = f", {ratio:.2f}x on a fresh node"
     runs = r.get("runs", 1)
     lines = [
-        f"Model: {nbytes / GB:.2f} GB bf16 Llama-style, to TP={tp}; {r['machine'].get('cpu_model', '?')}, "
-        f"{r['machine']['cpus']} cores."
+        f"Model: {nbytes / GB:.2f} GB bf16 Llama-style, to TP={tp}; {machine_line(r['machine'])}."
         + (f" Medians of {runs} rounds of every case (peak RSS: the highest)." if runs > 1 else ""),
         "",
         "| what | whole command | of the model's bytes | after vLLM's model is built | peak RSS |",
@@ -339,7 +341,7 @@ def main() -> None:
     )
     parser.add_argument("--compare", default=None, help="with --large: also convert with the package in this tree")
     parser.add_argument(
-        "--runs", type=int, default=3, help="rounds of every case (medians); with --compare: runs of each tree"
+        "--runs", type=int, default=3, help="rounds of every case (medians); with --compare, each round runs both trees"
     )
     args = parser.parse_args()
     if args.large:

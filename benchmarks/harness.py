@@ -92,6 +92,15 @@ def machine() -> dict:
     return info
 
 
+def machine_line(m: dict) -> str:
+    """A machine record in a few words: ``"AMD EPYC, 2 cores, CPU flags avx2"``.
+
+    >>> machine_line({"cpu_model": "AMD EPYC", "cpus": 2, "cpu_flags": ["avx2", "avx512f"]})
+    'AMD EPYC, 2 cores, CPU flags avx2, avx512f'
+    """
+    return f"{m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}"
+
+
 def layers_for(gigabytes: float, dtype: str = "bfloat16") -> int:
     """Decoder layers of the benchmark's model that make about ``gigabytes`` GB of weights in ``dtype``."""
     scale = {"bfloat16": 1, "float32": 2}[dtype]

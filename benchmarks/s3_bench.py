@@ -39,7 +39,7 @@ import sys
 import tempfile
 
 from benchmarks import harness
-from benchmarks.harness import rank_parts, raw_get, upload
+from benchmarks.harness import machine_line, rank_parts, raw_get, upload
 
 GB = 1e9
 BUCKET = "models"
@@ -179,7 +179,7 @@ def markdown(result: dict) -> str:
         "",
         f"Re-run: `{command}` (under `flock /tmp/vsl-engine.lock` on a shared machine).",
         "",
-        f"Machine: {m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}; "
+        f"Machine: {machine_line(m)}; "
         f"{m['platform']}, Python {m['python']}. SeaweedFS runs on the same 2 cores as the engines. "
         f"Model: {result['layers']} layers, bfloat16, {result['bytes']['1'] / 1e6:.0f} MB. Medians of {runs} runs, "
         "engines round-robin with the raw GETs. GB/s are all ranks together (a TP=2 load: both ranks' bytes over "

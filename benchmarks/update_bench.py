@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.harness import ROOT, build, command, engine_env, layers_for, machine, save, write_results
+from benchmarks.harness import ROOT, build, command, engine_env, layers_for, machine, machine_line, save, write_results
 
 PROMPT = "the model loads every shard"
 
@@ -304,8 +304,7 @@ def markdown(result: dict) -> str:
         f"Re-run: `{result.get('command', 'python -m benchmarks.update_bench --out benchmarks/results')}` (about "
         "6 minutes here; under `flock /tmp/vsl-engine.lock` on a shared machine).",
         "",
-        f"Machine: {m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}; "
-        f"{m['platform']}.",
+        f"Machine: {machine_line(m)}; {m['platform']}.",
         "",
         f"Model: {s['weights_mb']:.0f} MB of bfloat16 weights, TP=1, warm page cache; medians of "
         f"{result['runs']} engines x {result['updates']} updates each (restart: {result['runs']} engines).",
@@ -450,7 +449,7 @@ def memory_markdown(result: dict) -> str:
     lines = [
         f"Re-run: `{result['command']}` (under `flock /tmp/vsl-engine.lock` on a shared machine).",
         "",
-        f"Machine: {m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}.",
+        f"Machine: {machine_line(m)}.",
         "",
         f"Model: {result['weights_mb']:.0f} MB of bfloat16 weights in {result['layers']} layers (the largest "
         f"{result['largest_layer_mb']:.0f} MB), TP=1, parameters copied (`mmap: false`: none served from the page "
