@@ -82,6 +82,9 @@ def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
                 while offset < size and asked[0] < budget and not stop.is_set():
                     n = min(READ_AHEAD_STEP, size - offset, budget - asked[0])
                     os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+                    # Wait for the step's last page: what is still queued when it stops is one
+                    # step, not gigabytes that the ranks' first reads would wait behind.
+                    os.pread(fd, 1, offset + n - 1)
                     offset, asked[0] = offset + n, asked[0] + n
             except OSError:
                 pass  # only a head start: the read itself reports a file it cannot read
