@@ -276,8 +276,8 @@ def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tm
 
     mib = 1 << 20
     files = [tmp_path / f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
-    for path in files:
-        path.write_bytes(os.urandom(8 * mib))
+    for path, size in zip(files, (8 * mib, 64 * mib), strict=True):
+        path.write_bytes(os.urandom(size))
         fd = os.open(path, os.O_RDONLY)
         os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -288,8 +288,9 @@ def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tm
     deadline = time.monotonic() + 30
     while _resident(files[0]) < 8 * mib and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert stop() == 10 * mib  # the first file whole, then 2 MiB of the second
-    assert _resident(files[0]) == 8 * mib and 0 < _resident(files[1]) <= 4 * mib
+    assert stop() == 10 * mib and stop() == 10 * mib  # the first file whole, then 2 MiB of the second
+    # (the kernel may read a little beyond the 2 MiB asked of the second: its read-ahead window)
+    assert _resident(files[0]) == 8 * mib and 2 * mib <= _resident(files[1]) < 32 * mib
     assert read_ahead(str(tmp_path / "missing"))() == 0
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import threading
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,10 @@ from .oscalls import available_memory
 from .tensors import map_file_range, torch_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
-READ_AHEAD_STEP = 64 << 20
+READ_AHEAD_STEP = 8 << 20
+# posix_fadvise(WILLNEED) reads at most one read-ahead window per call: asked for in steps no
+# larger than the smallest window disks are given (128 KiB), a tensor is read ahead whole.
+WILLNEED_STEP = 128 << 10
 
 
 def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
@@ -53,12 +57,41 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
     return names, weight_map
 
 
-def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
-    """Start reading a local model's safetensors files, in order, into the page cache, in a thread:
-    at most ``budget`` bytes (default: a quarter of the memory available). Returns a function that
-    stops it (at its next 64 MiB) and says how many bytes it asked for.
+# The read-ahead's own process (``python -I -S``: nothing imported but ``os``), so that it does not
+# compete for the GIL with vLLM's import and configuration. It reads (into one buffer), not
+# ``posix_fadvise(WILLNEED)``: the kernel reads at most one read-ahead window per such call (8 MiB
+# here, 128 KiB on many disks), whatever range it is given. What is queued when it is stopped is
+# the kernel's own read-ahead of one sequential reader, not gigabytes the ranks' reads would wait behind.
+_READ_AHEAD = """
+import os, stat, sys
+budget, step, asked = int(sys.argv[1]), int(sys.argv[2]), 0
+buffer = bytearray(step)
+for path in sys.argv[3:]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        continue
+    try:
+        info, offset = os.fstat(fd), 0
+        while stat.S_ISREG(info.st_mode) and offset < info.st_size and asked < budget:
+            n = os.preadv(fd, [memoryview(buffer)[: min(step, budget - asked)]], offset)
+            if n <= 0:
+                break
+            offset, asked = offset + n, asked + n
+            print(asked, flush=True)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+"""
 
-    ``convert`` starts it before vLLM is imported and configured (about 6 s here), so that a cold
+
+def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
+    """Start reading a local model's safetensors files, in order, into the page cache, in a process
+    of its own: at most ``budget`` bytes (default: a quarter of the memory available). Returns a
+    function that stops it and says how many bytes it read ahead.
+
+    ``convert`` starts it before vLLM is imported and configured (about 5 s here), so that a cold
     source is read while that runs, instead of while the ranks are written. Nothing for object
     storage, or for a source that cannot be listed (opening it says why)."""
     store = open_store(where)
@@ -66,38 +99,27 @@ def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
         names = [] if store.remote else weight_files(store)[0]
     except (ShardedStateError, OSError):
         names = []
+    if not names:
+        return lambda: 0
     if budget is None:
         budget = available_memory() // 4
-    stop, asked = threading.Event(), [0]
+    paths = [store.file_path(name) for name in names]
+    reader = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _READ_AHEAD, str(budget), str(READ_AHEAD_STEP), *paths],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
 
-    def run() -> None:
-        for name in names:
-            try:
-                fd = os.open(store.file_path(name), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO is not waited on
-            except OSError:
-                continue
-            try:
-                size = os.fstat(fd).st_size
-                offset = 0
-                while offset < size and asked[0] < budget and not stop.is_set():
-                    n = min(READ_AHEAD_STEP, size - offset, budget - asked[0])
-                    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
-                    # Wait for the step's last page: what is still queued when it stops is one
-                    # step, not gigabytes that the ranks' first reads would wait behind.
-                    os.pread(fd, 1, offset + n - 1)
-                    offset, asked[0] = offset + n, asked[0] + n
-            except OSError:
-                pass  # only a head start: the read itself reports a file it cannot read
-            finally:
-                os.close(fd)
-
-    thread = threading.Thread(target=run, name="convert-read-ahead", daemon=True)
-    thread.start()
+    read: list[int] = []
 
     def stopped() -> int:
-        stop.set()
-        thread.join()
-        return asked[0]
+        if not read:  # (once: convert stops it when vLLM's model is built, and again on its way out)
+            if reader.poll() is None:
+                reader.kill()
+            steps = reader.communicate()[0].split()
+            read.append(int(steps[-1]) if steps else 0)
+        return read[0]
 
     return stopped
 
@@ -218,8 +240,9 @@ class SourceFiles:
         for name in names:
             t = self.tensors[name]
             opened = self._open(t.file)
-            if isinstance(opened, OpenFile) and t.end > t.begin:
-                os.posix_fadvise(opened.fd, t.begin, t.end - t.begin, os.POSIX_FADV_WILLNEED)
+            if isinstance(opened, OpenFile):
+                for begin in range(t.begin, t.end, WILLNEED_STEP):
+                    os.posix_fadvise(opened.fd, begin, min(WILLNEED_STEP, t.end - begin), os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         for opened in self.opened.values():
