@@ -292,6 +292,8 @@ def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tm
     # (the kernel may read a little beyond the 2 MiB asked of the second: its read-ahead window)
     assert _resident(files[0]) == 8 * mib and 2 * mib <= _resident(files[1]) < 32 * mib
     assert read_ahead(str(tmp_path / "missing"))() == 0
+    stop = read_ahead(str(tmp_path))  # stopped at once, wherever it got to: it says how far
+    assert 0 <= stop() <= 72 * mib
 
 
 # ----------------------------------------------------------------- bad sources, engine-free

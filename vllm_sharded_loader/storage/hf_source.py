@@ -63,9 +63,13 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
 # here, 128 KiB on many disks), whatever range it is given. What is queued when it is stopped is
 # the kernel's own read-ahead of one sequential reader, not gigabytes the ranks' reads would wait behind.
 _READ_AHEAD = """
-import os, stat, sys
+import os, signal, stat, sys
 budget, step, asked = int(sys.argv[1]), int(sys.argv[2]), 0
 buffer = bytearray(step)
+def done(*_):
+    print(asked, flush=True)
+    os._exit(0)
+signal.signal(signal.SIGTERM, done)
 for path in sys.argv[3:]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -78,11 +82,11 @@ for path in sys.argv[3:]:
             if n <= 0:
                 break
             offset, asked = offset + n, asked + n
-            print(asked, flush=True)
     except OSError:
         pass
     finally:
         os.close(fd)
+done()
 """
 
 
@@ -115,10 +119,13 @@ def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
 
     def stopped() -> int:
         if not read:  # (once: convert stops it when vLLM's model is built, and again on its way out)
-            if reader.poll() is None:
+            reader.terminate()  # it says how far it got, and exits
+            try:
+                out = reader.communicate(timeout=10)[0]
+            except subprocess.TimeoutExpired:
                 reader.kill()
-            steps = reader.communicate()[0].split()
-            read.append(int(steps[-1]) if steps else 0)
+                out = reader.communicate()[0]
+            read.append(int(out) if out.strip() else 0)
         return read[0]
 
     return stopped

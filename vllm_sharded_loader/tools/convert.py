@@ -393,10 +393,10 @@ def _convert(
     # A cold source is read while vLLM is imported and configured and its model built (seconds of
     # one core's work), not while the ranks wait for it; the components' own read-ahead takes over.
     stop_reading_ahead = read_ahead(folder)
-    from ..engine.convert import converting
-
     with contextlib.ExitStack() as stack:
         stack.callback(stop_reading_ahead)
+        from ..engine.convert import converting
+
         directory = folder
         if open_store(folder).remote:
             # vLLM reads the config (and tokenizer) from a local folder: those few files are fetched;
