@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,7 +308,7 @@ class ConvertModel:
             slots[name] = by_id[id(held)]
         return slots
 
-    def _load(self, weights: list[tuple[str, torch.Tensor]], what: str) -> set[str]:
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], what: str) -> set[str]:
         from vllm.config import set_current_vllm_config
 
         try:
@@ -395,8 +395,10 @@ class ConvertModel:
                 if attr in DEFAULT_SCALES:
                     tensor.fill_(1.0)  # vLLM's set_default_quant_scales
             self.source.prefetch(component.sources + getattr(self._next.get(id(component)), "sources", []))
-            weights = [(s, self.source.read(s)) for s in component.sources]
-            if weights:
+            if component.sources:
+                # Mapped one at a time, as vLLM's loader takes them: each source's pages are resident
+                # only until vLLM copied it in (a MoE layer's experts are hundreds of tensors).
+                weights = ((s, self.source.read(s)) for s in component.sources)
                 self._load(weights, listing(component.sources, 3))
             return {t: self._current(t).detach() for t in component.targets}
 
