@@ -181,6 +181,7 @@ class ForkServer:
                 atexit.register(self.stop)
                 return True
         self.server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
         tail = "".join(lines[-20:])
         print(f"forkserver did not start (exit {self.server.returncode}); fresh processes instead:\n{tail}")
         self.off = True
@@ -191,6 +192,8 @@ class ForkServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.server.pid, signal.SIGKILL)
             self.server.wait()
+        if self.socket:
+            shutil.rmtree(os.path.dirname(self.socket), ignore_errors=True)  # left in /tmp, one per test session
 
     def spawn(
         self, args: list[str], env: dict[str, str], out: str, node: dict | None = None, err: str | None = None
