@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support import ROOT
 from tests.support.engines import package_process, python_process, run_engine
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, convert_checkpoint
@@ -294,6 +296,41 @@ def _resident(path: Path) -> int:
         assert ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
         del address  # (the buffer export ends with the last reference)
         return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+RAY_KEPT_OUT = """
+import sys
+from vllm_sharded_loader.engine.convert import _ray_not_imported
+print("before", "ray" in sys.modules)
+with _ray_not_imported():
+    try:
+        import ray
+        print("inside: imported")
+    except ImportError:
+        print("inside: refused")
+import ray
+print("after:", ray.__name__)
+with _ray_not_imported():
+    import ray as again
+    print("imported before, inside:", again is ray)
+"""
+
+
+def test_ray_is_kept_out_only_while_vllm_builds_the_configuration():
+    """vLLM imports Ray while it builds its configuration only to ask whether the process runs in a
+    Ray job; convert keeps it out then (0.3-0.45 s), and only then: a later ``import ray`` works,
+    and a process that imported Ray already keeps it."""
+    from examples.tiny_models import engine_environment
+
+    # A fresh interpreter, as the command has: the tests' fork server imported Ray long before.
+    env = {**os.environ, **engine_environment()}
+    run = subprocess.run(
+        [sys.executable, "-c", RAY_KEPT_OUT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    expected = ["before False", "inside: refused", "after: ray", "imported before, inside: True"]
+    assert [line for line in lines if line in expected] == expected, run.stdout[-3000:]
 
 
 def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tmp_path):
