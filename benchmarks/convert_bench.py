@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 
 from benchmarks.harness import (
+    MOE_LAYER_BYTES,
     ROOT,
     command,
     engine_env,
@@ -89,10 +90,12 @@ def fresh_node(env: dict[str, str], work: str) -> dict[str, str]:
     return env
 
 
-def convert(hf: str, work: str, tp: int, cold: bool, tree: str | None = None, fresh: bool = False) -> dict:
-    """One ``convert`` of ``hf`` in a fresh process (of the package in ``tree``, default this checkout);
-    ``fresh``: on a fresh node (:func:`fresh_node`)."""
-    out = os.path.join(work, f"converted-tp{tp}")
+def convert(
+    hf: str, work: str, tp: int, cold: bool, tree: str | None = None, fresh: bool = False, name: str | None = None
+) -> dict:
+    """One ``convert`` of ``hf`` in a fresh process (of the package in ``tree``, default this checkout)
+    into ``work/NAME`` (default ``converted-tpN``); ``fresh``: on a fresh node (:func:`fresh_node`)."""
+    out = os.path.join(work, name or f"converted-tp{tp}")
     shutil.rmtree(out, ignore_errors=True)
     paths = files_of(hf)
     evict(paths) if cold else warm(paths)
@@ -281,9 +284,85 @@ def markdown_large(r: dict) -> str:
     return "\n".join(lines)
 
 
+def measure_moe(args: argparse.Namespace) -> dict:
+    """A MoE model (:func:`harness.build_moe`), warm: cp and convert in rounds (with ``--compare``,
+    each round converts with the other tree too, and the outputs are compared file by file), and
+    one convert at TP=1, whose largest tensor is the largest that vLLM's model holds: a layer's
+    experts fused, what one component is."""
+    work = args.work or tempfile.mkdtemp(prefix="convert-bench-")
+    hf = built(work, "build_moe", max(1, round(args.moe * GB / MOE_LAYER_BYTES)))
+    paths = files_of(hf)
+    result: dict = {
+        "machine": machine(),
+        "command": command(),
+        "moe": True,
+        "model_bytes": sum(os.path.getsize(p) for p in paths),
+        "largest_tensor_bytes": largest_tensor_bytes(hf),
+        "tp": args.tp,
+    }
+    convert(hf, work, 1, False)
+    result["vllm_largest_tensor_bytes"] = largest_tensor_bytes(os.path.join(work, "converted-tp1"))
+    shutil.rmtree(os.path.join(work, "converted-tp1"))
+    if args.compare:
+        result["compare_tree"] = args.compare
+    for _ in range(args.runs):
+        result.setdefault("cp_warm_runs", []).append(copy(hf, work, False))
+        if args.compare:
+            there = convert(hf, work, args.tp, False, args.compare, name="compared")
+            result.setdefault("convert_warm_compare", []).append(there)
+        result.setdefault("convert_warm_runs", []).append(convert(hf, work, args.tp, False))
+    result["runs"] = args.runs
+    for key in ("cp_warm", "convert_warm"):
+        result[key] = medians(result[f"{key}_runs"])
+    if args.compare:
+        result["convert_warm_compared"] = medians(result["convert_warm_compare"])
+        result["same_files_as_compared"] = same_files(
+            os.path.join(work, f"converted-tp{args.tp}"), os.path.join(work, "compared")
+        )
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def markdown_moe(r: dict) -> str:
+    nbytes, gib = r["model_bytes"], 1024**3
+    largest, fused = r["largest_tensor_bytes"], r["vllm_largest_tensor_bytes"]
+
+    def row(label: str, m: dict) -> str:
+        rss = f"{m['peak_rss_kb'] / 1024**2:.2f} GiB" if m.get("peak_rss_kb") else "-"
+        write = f"{m['write_seconds']:.1f} s" if "write_seconds" in m else "-"
+        return f"| {label} | {m['seconds']:.1f} s | {write} | {rss} |"
+
+    peak = r["convert_warm"]["peak_rss_kb"] * 1024
+    lines = [
+        f"Model: {nbytes / GB:.2f} GB bf16 Mixtral-style (16 experts per layer), to TP={r['tp']}, warm; "
+        f"{machine_line(r['machine'])}. Medians of {r['runs']} rounds (peak RSS: the highest).",
+        "",
+        "| what | whole command | after vLLM's model is built | peak RSS |",
+        "|---|---|---|---|",
+        row("cp + sync", r["cp_warm"]),
+        row(f"convert TP={r['tp']}", r["convert_warm"]),
+    ]
+    if "convert_warm_compared" in r:
+        lines.append(row(f"convert TP={r['tp']}, `{r['compare_tree']}`", r["convert_warm_compared"]))
+    lines += [
+        "",
+        f"Largest tensor: {largest / 1e6:.0f} MB in the source (one expert's), {fused / 1e6:.0f} MB in vLLM's "
+        f"model (a layer's experts fused, at TP=1: what convert makes at once). Peak RSS {peak / gib:.2f} GiB: "
+        f"{(peak - fused) / gib:.2f} GiB above vLLM's largest tensor, {(peak - largest) / gib:.2f} GiB above the "
+        "source's.",
+    ]
+    if "same_files_as_compared" in r:
+        lines.append(f"Same files and checksums as `{r['compare_tree']}`'s: {r['same_files_as_compared']}.")
+    lines += ["", f"Re-run: `flock /tmp/vsl-engine.lock {r['command']}`", ""]
+    return "\n".join(lines)
+
+
 def markdown(r: dict) -> str:
     if r.get("large"):
         return markdown_large(r)
+    if r.get("moe"):
+        return markdown_moe(r)
     nbytes = r["model_bytes"]
 
     def row(label: str, m: dict) -> str:
@@ -339,13 +418,20 @@ def main() -> None:
     parser.add_argument(
         "--large", type=float, default=None, help="GB: instead, a model of this size built on disk (no save)"
     )
-    parser.add_argument("--compare", default=None, help="with --large: also convert with the package in this tree")
+    parser.add_argument(
+        "--moe", type=float, default=None, help="GB: instead, a MoE model of this size, warm (peak memory; no save)"
+    )
+    parser.add_argument(
+        "--compare", default=None, help="with --large or --moe: also convert with the package in this tree"
+    )
     parser.add_argument(
         "--runs", type=int, default=3, help="rounds of every case (medians); with --compare, each round runs both trees"
     )
     args = parser.parse_args()
     if args.large:
         report_or_measure(args, "convert_bench_large", measure_large, markdown)
+    elif args.moe:
+        report_or_measure(args, "convert_bench_moe", measure_moe, markdown)
     else:
         report_or_measure(args, "convert_bench", measure, markdown)
 

@@ -125,6 +125,30 @@ def build(work: str, layers: int, dtype: str = "bfloat16") -> str:
     return hf
 
 
+MOE_LAYER_BYTES = 16 * 3 * 1024 * 4096 * 2  # one layer's experts of :func:`build_moe`, bf16
+
+
+def build_moe(work: str, layers: int) -> str:
+    """A Mixtral-style bf16 model of ``layers`` layers, each of 16 experts (hidden 1024,
+    intermediate 4096): vLLM fuses a layer's experts into one tensor, far larger than any tensor
+    of the source."""
+    from examples.tiny_models import build_family
+
+    hf = os.path.join(work, f"moe-{layers}-layers")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        fields = dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_local_experts=16,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+        )
+        build_family(hf, "mixtral", fields=fields, dtype="bfloat16")
+    return hf
+
+
 def build_on_disk(work: str, layers: int, shard_bytes: int = 2 * 10**9) -> str:
     """The model of :func:`build` with ``layers`` decoder layers, written layer by layer into
     safetensors shards with an index (as the Hub's large models are): never held in memory whole,

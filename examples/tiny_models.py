@@ -299,9 +299,12 @@ def family_engine_args(directory: str, family: str) -> dict[str, Any]:
     return engine
 
 
-def build_family(directory: str, family: str, *, seed: int = 0, fields: dict[str, Any] | None = None) -> str:
+def build_family(
+    directory: str, family: str, *, seed: int = 0, fields: dict[str, Any] | None = None, dtype: str | None = None
+) -> str:
     """Build the tiny random model of ``family`` (a key of ``FAMILIES``) into ``directory``; ``fields``
-    override config fields of its entry (more heads, for a model cut at a larger TP size)."""
+    override config fields of its entry (more heads, for a model cut at a larger TP size), ``dtype``
+    its weights' dtype."""
     import torch
     import transformers
 
@@ -311,7 +314,7 @@ def build_family(directory: str, family: str, *, seed: int = 0, fields: dict[str
         return build_llava(directory, seed=seed)
     tokenizer = build_tokenizer(directory)
     fields = {k: v for k, v in {**entry["fields"], **(fields or {})}.items() if k != "architecture"}
-    dtype = entry.get("dtype", "float32")
+    dtype = dtype or entry.get("dtype", "float32")
     config = getattr(transformers, entry["config"])(
         vocab_size=len(tokenizer),
         max_position_embeddings=fields.pop("max_position_embeddings", 1024),
