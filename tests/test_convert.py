@@ -231,9 +231,9 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
 
 
 def test_a_rank_cut_is_views_where_the_writer_takes_them_and_pooled_memory_where_it_is_joined():
+    from vllm_sharded_loader.checkpoint.rank_cut import joined_shape, rank_parts
     from vllm_sharded_loader.planning.layout import ShardLayout, ShardPiece
     from vllm_sharded_loader.storage.memory import BufferPool
-    from vllm_sharded_loader.tools.convert import joined_shape, rank_parts
 
     full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
     pool = BufferPool()
@@ -262,25 +262,25 @@ def test_a_rank_cut_of_stacked_experts_is_views_block_by_block_and_a_long_stack_
     """A MoE layer's experts, gate and up fused along dim 1 ([experts, 2 x intermediate, hidden]): a
     rank's cut is each expert's gate piece then its up piece, views of the made tensor, whose bytes
     in turn are those of the joined cut; more blocks than MAX_STACKED are joined into the pool."""
+    from vllm_sharded_loader.checkpoint import rank_cut
     from vllm_sharded_loader.planning.layout import ShardLayout, ShardPiece
     from vllm_sharded_loader.storage.memory import BufferPool
-    from vllm_sharded_loader.tools import convert
 
     experts = torch.arange(3 * 8 * 2, dtype=torch.bfloat16).view(3, 8, 2)  # 3 experts, gate 0:4, up 4:8
-    monkeypatch.setattr(convert, "MIN_STACKED_BYTES", 8)  # (blocks of 4 bytes, in a real model MBs)
+    monkeypatch.setattr(rank_cut, "MIN_STACKED_BYTES", 8)  # (blocks of 4 bytes, in a real model MBs)
     pool = BufferPool()
     second = ShardLayout((3, 4, 2), 1, (ShardPiece("gate", 2, 2, 0, 2), ShardPiece("up", 2, 2, 2, 6)))
-    parts = convert.rank_parts(experts, second, pool)
+    parts = rank_cut.rank_parts(experts, second, pool)
     assert len(parts) == 6 and not pool.buffers
     assert [p.data_ptr() for p in parts] == [experts[e, s].data_ptr() for e in range(3) for s in (2, 6)]
     joined = torch.cat([experts[:, 2:4], experts[:, 6:8]], dim=1)
     assert torch.equal(torch.cat([p.reshape(-1) for p in parts]), joined.reshape(-1))
     for setting, value in (("MIN_STACKED_BYTES", 16), ("MAX_STACKED", 5)):  # blocks too small, or too many
-        monkeypatch.setattr(convert, setting, value)
-        (whole,) = convert.rank_parts(experts, second, pool)
+        monkeypatch.setattr(rank_cut, setting, value)
+        (whole,) = rank_cut.rank_parts(experts, second, pool)
         assert torch.equal(whole, joined) and any(b.data_ptr() == whole.data_ptr() for b in pool.buffers)
         monkeypatch.undo()
-        monkeypatch.setattr(convert, "MIN_STACKED_BYTES", 8)
+        monkeypatch.setattr(rank_cut, "MIN_STACKED_BYTES", 8)
 
 
 def _resident(path: Path) -> int:
