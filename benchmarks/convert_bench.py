@@ -200,22 +200,26 @@ def largest_tensor_bytes(hf: str) -> int:
     return max(t.end - t.begin for path in files_of(hf) for t in read_header(path).tensors.values())
 
 
+def model_record(hf: str, tp: int, kind: str) -> dict:
+    """The start of a ``kind`` run's result: the machine, the command, the model's size and its largest tensor."""
+    return {
+        "machine": machine(),
+        "command": command(),
+        kind: True,
+        "model_bytes": sum(os.path.getsize(p) for p in files_of(hf)),
+        "largest_tensor_bytes": largest_tensor_bytes(hf),
+        "tp": tp,
+    }
+
+
 def measure_large(args: argparse.Namespace) -> dict:
     """A model larger than half the machine's memory, built on disk: cp and convert, cold (its
     pages do not all fit the page cache beside the output's), then ``verify`` of the output. No
     save: an engine would have to hold the whole model."""
     work = args.work or tempfile.mkdtemp(prefix="convert-bench-")
     hf = built(work, "build_on_disk", layers_for(args.large))
-    paths = files_of(hf)
-    result: dict = {
-        "machine": machine(),
-        "command": command(),
-        "large": True,
-        "model_bytes": sum(os.path.getsize(p) for p in paths),
-        "largest_tensor_bytes": largest_tensor_bytes(hf),
-        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "tp": args.tp,
-    }
+    result = model_record(hf, args.tp, "large")
+    result["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if args.compare:
         result["compare_tree"] = args.compare
     # Rounds, as in :func:`measure`; with ``--compare`` each round also converts with the other tree
@@ -291,15 +295,7 @@ def measure_moe(args: argparse.Namespace) -> dict:
     experts fused, what one component is."""
     work = args.work or tempfile.mkdtemp(prefix="convert-bench-")
     hf = built(work, "build_moe", max(1, round(args.moe * GB / MOE_LAYER_BYTES)))
-    paths = files_of(hf)
-    result: dict = {
-        "machine": machine(),
-        "command": command(),
-        "moe": True,
-        "model_bytes": sum(os.path.getsize(p) for p in paths),
-        "largest_tensor_bytes": largest_tensor_bytes(hf),
-        "tp": args.tp,
-    }
+    result = model_record(hf, args.tp, "moe")
     convert(hf, work, 1, False)
     result["vllm_largest_tensor_bytes"] = largest_tensor_bytes(os.path.join(work, "converted-tp1"))
     shutil.rmtree(os.path.join(work, "converted-tp1"))
