@@ -542,6 +542,44 @@ def test_a_full_disk_during_convert_fails_it_and_keeps_the_checkpoint_it_would_r
     verify(str(out))
 
 
+# A shard truncated while convert reads it (a download still being written, a disk fault): the
+# third source tensor read finds its file shorter than when it was opened. vLLM's loader takes the
+# sources as it goes, so the read fails inside it.
+TRUNCATED_WHILE_READ = """
+import os, sys
+from vllm_sharded_loader.storage import hf_source
+from vllm_sharded_loader.tools.cli import main
+
+read = hf_source.SourceFiles.read
+reads = []
+
+def truncating(self, name):
+    reads.append(name)
+    if len(reads) == 3:
+        path = os.path.join(self.where, self.tensors[name].file)
+        os.truncate(path, os.path.getsize(path) - 4096)
+    return read(self, name)
+
+hf_source.SourceFiles.read = truncating
+sys.exit(main(["convert", sys.argv[1], "-tp", "2", "-o", sys.argv[2]]))
+"""
+
+
+def test_a_source_truncated_while_converting_is_named_as_such_and_nothing_is_published(sources, tmp_path):
+    """The read's own error, naming the file and saying to convert again: not a refusal of the
+    model (which would say to use ``vllm-sharded save``); nothing is left at the output."""
+    from examples.tiny_models import engine_environment
+
+    source = copy_source(sources["llama"], tmp_path / "src")
+    out = tmp_path / "out"
+    args = ["-c", TRUNCATED_WHILE_READ, str(source), str(out)]
+    run = python_process(args, {**os.environ, **engine_environment()}, 300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "model.safetensors: changed while converting" in run.stderr, run.stderr[-3000:]
+    assert "vllm-sharded save" not in run.stderr, run.stderr[-3000:]
+    assert not out.exists()
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch) -> Path:
     """A Hub cache of our own, read offline: what ``huggingface_hub`` finds there is what the Hub gave."""

@@ -333,6 +333,8 @@ class ConvertModel:
         try:
             with set_current_vllm_config(self.vllm_config):
                 loaded = self.model.load_weights(iter(weights))
+        except (ShardedStateError, OSError):
+            raise  # reading a source tensor failed (the loader takes them as it goes): that error, as it is
         except Exception as e:  # vLLM's loader asserts on what it cannot place
             raise ConvertRefused(
                 f"{self.source.where}: vLLM's {type(self.model).__name__}.load_weights cannot place {what}: "

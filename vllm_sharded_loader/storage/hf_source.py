@@ -225,11 +225,21 @@ class SourceFiles:
         here), or the bytes of one ranged read of an object (which must still be the one indexed)."""
         t = self.tensors[name]
         opened = self._open(t.file)
-        if opened.size != self.headers[t.file].file_size:
-            raise ShardedStateError(f"{opened.path}: changed while converting ({opened.size} bytes). Convert again.")
+        expected = self.headers[t.file].file_size
+        # A local file's size as it is now (a download still being written, or replaced, changes it
+        # under its descriptor); an object's is checked by the ranged read below.
+        size = os.fstat(opened.fd).st_size if isinstance(opened, OpenFile) else opened.size
+        if size != expected:
+            raise ShardedStateError(
+                f"{opened.path}: changed while converting ({size} bytes, {expected} when its header was read). "
+                "Convert again once the model's files are complete."
+            )
         nbytes = t.end - t.begin
         if isinstance(opened, OpenFile):
-            return map_file_range(opened.fd, t.begin, nbytes, t.dtype, t.shape)
+            try:
+                return map_file_range(opened.fd, t.begin, nbytes, t.dtype, t.shape)
+            except (ValueError, OSError) as e:  # truncated between the check and the mapping
+                raise ShardedStateError(f"{opened.path}: cannot map {name} ({e}). Convert again.") from e
         # The reader's own path for an object: one ranged GET into the tensor's memory (no second
         # copy), a truncated or replaced object refused by the store.
         data = torch.empty(nbytes, dtype=torch.uint8)
