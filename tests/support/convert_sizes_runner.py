@@ -5,7 +5,10 @@ for byte, and ``verify``'s checksums passed.
     python -m tests.support.convert_sizes_runner SPEC_JSON
 
 SPEC: ``{"root": DIR, "models": {NAME: [FAMILY_OR_KIND, {config fields}]}, "sizes": [[TP, PP], ...]}``;
-a family of ``examples.tiny_models.FAMILIES`` or a kind of its ``MODEL_KINDS``. Prints one ``RESULT``
+a family of ``examples.tiny_models.FAMILIES`` or a kind of its ``MODEL_KINDS``; optionally
+``"min_stacked_bytes"``, for :data:`..checkpoint.rank_cut.MIN_STACKED_BYTES` at the larger sizes
+(0: a tiny MoE's stacked experts are cut into views, as a real model's are), the TP=1 reference
+then made with every stacked cut joined (a copy, independent of how views are ordered). Prints one ``RESULT``
 line: for each model, for each size ``"TPxPP"``, ``"equal"`` or what failed.
 """
 
@@ -19,6 +22,7 @@ import torch
 
 from examples.tiny_models import FAMILIES, build_family, build_model, family_engine_args
 from tests.support.derived import tensors_of
+from vllm_sharded_loader.checkpoint import rank_cut
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.tools.convert import convert_checkpoint
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
@@ -47,6 +51,8 @@ def check(model: str, out: str, tp: int, pp: int, base: dict[str, torch.Tensor],
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    views = spec.get("min_stacked_bytes", rank_cut.MIN_STACKED_BYTES)
+    joined = rank_cut.MIN_STACKED_BYTES if "min_stacked_bytes" not in spec else 1 << 62
     results: dict[str, dict[str, str]] = {}
     for name, (what, fields) in spec["models"].items():
         root = os.path.join(spec["root"], name)
@@ -57,7 +63,9 @@ def main() -> None:
             model = build_model(os.path.join(root, "hf"), what, **fields)
             engine = {}
         options = {k: engine[k] for k in ("runner", "convert") if k in engine}
+        rank_cut.MIN_STACKED_BYTES = joined
         convert_checkpoint(model, os.path.join(root, "1x1"), 1, 1, **options)
+        rank_cut.MIN_STACKED_BYTES = views
         base = tensors(os.path.join(root, "1x1"))
         results[name] = {
             f"{tp}x{pp}": check(model, os.path.join(root, f"{tp}x{pp}"), tp, pp, base, options)
