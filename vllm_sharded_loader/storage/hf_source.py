@@ -225,17 +225,16 @@ class SourceFiles:
         here), or the bytes of one ranged read of an object (which must still be the one indexed)."""
         t = self.tensors[name]
         opened = self._open(t.file)
-        expected = self.headers[t.file].file_size
-        # A local file's size as it is now (a download still being written, or replaced, changes it
-        # under its descriptor); an object's is checked by the ranged read below.
-        size = os.fstat(opened.fd).st_size if isinstance(opened, OpenFile) else opened.size
-        if size != expected:
-            raise ShardedStateError(
-                f"{opened.path}: changed while converting ({size} bytes, {expected} when its header was read). "
-                "Convert again once the model's files are complete."
-            )
         nbytes = t.end - t.begin
         if isinstance(opened, OpenFile):
+            # The file's size as it is now, under its descriptor (a download still being written
+            # changes it); an object's is checked by the ranged read below.
+            size, expected = os.fstat(opened.fd).st_size, self.headers[t.file].file_size
+            if size != expected:
+                raise ShardedStateError(
+                    f"{opened.path}: changed while converting ({size} bytes, {expected} when its header was "
+                    "read). Convert again once the model's files are complete."
+                )
             try:
                 return map_file_range(opened.fd, t.begin, nbytes, t.dtype, t.shape)
             except (ValueError, OSError) as e:  # truncated between the check and the mapping
