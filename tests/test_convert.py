@@ -347,12 +347,16 @@ def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tm
     if any(_resident(p) > mib for p in files):
         pytest.skip(f"{tmp_path}'s file system keeps its pages cached (tmpfs?): nothing to read ahead")
     stop = read_ahead(str(tmp_path), budget=10 * mib)
+    # The most of each file seen resident: the kernel may evict pages again at any moment (other
+    # tests' memory, an idle-page reclaim), so what counts is that the reader brought them in.
+    seen = [0, 0]
     deadline = time.monotonic() + 30
-    while _resident(files[0]) < 8 * mib and time.monotonic() < deadline:
+    while (seen[0] < 8 * mib or seen[1] < 2 * mib) and time.monotonic() < deadline:
+        seen = [max(s, _resident(p)) for s, p in zip(seen, files, strict=True)]
         time.sleep(0.05)
     assert stop() == 10 * mib and stop() == 10 * mib  # the first file whole, then 2 MiB of the second
     # (the kernel may read a little beyond the 2 MiB asked of the second: its read-ahead window)
-    assert _resident(files[0]) == 8 * mib and 2 * mib <= _resident(files[1]) < 32 * mib
+    assert seen[0] == 8 * mib and seen[1] >= 2 * mib and _resident(files[1]) < 32 * mib
     assert read_ahead(str(tmp_path / "missing"))() == 0
     stop = read_ahead(str(tmp_path))  # stopped at once, wherever it got to: it says how far
     assert 0 <= stop() <= 72 * mib
