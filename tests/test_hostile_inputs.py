@@ -227,3 +227,114 @@ def test_our_own_large_manifests_parse_within_the_bound(tmp_path):
         assert len(form) > 1 << 20
         assert parse_cost(form) < MAX_PARSE_EXPANSION * len(form)
         assert len(Manifest.from_json(form).ranks[0].tensors) == len(tensors)
+
+
+MODEL_SLOTS = ["config.json", "tokenizer.json", "model.safetensors.index.json", "model.safetensors"]
+
+
+def model_folder(path: Path) -> Path:
+    """A Hugging Face model folder's shape (config, tokenizer, one weight file): nothing reads past the slot."""
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "tokenizer.json").write_text("{}")
+    header_file(path / "model.safetensors", {"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("slot", MODEL_SLOTS)
+def test_a_special_file_in_a_source_model_is_refused_before_vllm_reads_the_folder(tmp_path, slot, kind):
+    """vLLM opens a model's config and tokenizer plainly: convert, save and serve refuse the folder first."""
+    source = model_folder(tmp_path / "model")
+    make_special(source / slot, kind)
+    checkpoint = tmp_path / "ckpt"
+    save(checkpoint)
+    make_special(checkpoint / slot, kind)
+    out = tmp_path / "out"
+    done = run(
+        f"""
+        from vllm_sharded_loader.tools.convert import convert_checkpoint
+        from vllm_sharded_loader.engine.save_cli import save_sharded_state
+        from vllm_sharded_loader.engine.serve_cli import main as serve
+        from vllm_sharded_loader.format import ShardedStateError
+        for call in (
+            lambda: convert_checkpoint({str(source)!r}, {str(out)!r}, 2),
+            lambda: save_sharded_state({{"model": {str(source)!r}}}, {str(out)!r}),
+        ):
+            try:
+                call()
+            except ShardedStateError as e:
+                print("REFUSED", e)
+        try:
+            serve([{str(checkpoint)!r}, "--load-format", "sharded_state"])
+        except SystemExit as e:
+            print("EXIT", e.code)
+        """
+    )
+    kinds = {"fifo": "a FIFO", "device": "a character device"}
+    expected = f"{source / slot} is {kinds[kind]}, where a regular file was expected"
+    assert done.stdout.count(f"REFUSED {expected}") == 2, (done.stdout, done.stderr[-2000:])
+    assert "EXIT 2" in done.stdout and f"{checkpoint / slot} is {kinds[kind]}" in done.stderr, done.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_verify_names_a_special_file_among_a_checkpoints_carried_files(tmp_path):
+    from vllm_sharded_loader.checkpoint import verify_checkpoint
+
+    checkpoint = tmp_path / "ckpt"
+    save(checkpoint)
+    assert verify_checkpoint(str(checkpoint)) == []
+    make_special(checkpoint / "config.json", "fifo")
+    (checkpoint / "tokenizer").mkdir()
+    problems = verify_checkpoint(str(checkpoint))
+    assert problems == [
+        f"{checkpoint / 'config.json'} is a FIFO, where a regular file was expected; refusing to read it. Replace "
+        "it with the real file (copy or save the checkpoint again)."
+    ]
+
+
+def test_a_safetensors_index_that_is_a_fifo_or_names_files_outside_its_folder_is_refused(tmp_path):
+    from vllm_sharded_loader.format.errors import CheckpointCorrupt
+    from vllm_sharded_loader.storage.hf_source import INDEX_NAME, weight_files
+    from vllm_sharded_loader.storage.location import open_store
+
+    source = model_folder(tmp_path / "model")
+    for outside in ("../model.safetensors", str(source / "model.safetensors"), ".."):
+        (source / INDEX_NAME).write_text(json.dumps({"weight_map": {"t": outside}}))
+        with pytest.raises(CheckpointCorrupt, match=rf"{INDEX_NAME} lists .*: a file outside the folder"):
+            weight_files(open_store(str(source)))
+    make_special(source / INDEX_NAME, "fifo")
+    done = run(
+        f"""
+        from vllm_sharded_loader.storage.hf_source import weight_files
+        from vllm_sharded_loader.storage.location import open_store
+        from vllm_sharded_loader.format import ShardedStateError
+        try:
+            weight_files(open_store({str(source)!r}))
+        except ShardedStateError as e:
+            print("REFUSED", e)
+        """
+    )
+    assert f"REFUSED {source / INDEX_NAME} is a FIFO" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "under-a-file"])
+def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tmp_path, kind):
+    from vllm_sharded_loader.format import ShardedStateError
+    from vllm_sharded_loader.tools.convert import convert_checkpoint
+
+    there = tmp_path / "taken"
+    if kind == "fifo":
+        os.mkfifo(there)
+    else:
+        there.write_text("not ours")
+    output = there / "ckpt" if kind == "under-a-file" else there
+    what = "a FIFO" if kind == "fifo" else "a file"
+    named = f"{output}: {there}" if kind == "under-a-file" else f"{output}"
+    message = rf"^{named} is {what}, where a checkpoint folder was expected; nothing was written"
+    with pytest.raises(ShardedStateError, match=message):
+        save(output)  # the save protocol (reshard, the save hook)
+    source = model_folder(tmp_path / "model")
+    with pytest.raises(ShardedStateError, match=message):
+        convert_checkpoint(str(source), str(output), 2)  # before vLLM is imported
+    assert there.is_fifo() if kind == "fifo" else there.read_text() == "not ours"

@@ -21,7 +21,7 @@ from ..format.names import default_pattern, fresh_part_names, render_file_name, 
 from ..planning.parts import plan_parts
 from ..planning.topology import RankInfo
 from ..storage import writer
-from ..storage.local import read_header
+from ..storage.local import make_output_folder, read_header
 from ..storage.tensors import dtype_name, map_file_range, torch_dtype
 
 
@@ -69,7 +69,7 @@ def stage_rank(
     pattern = pattern or default_pattern(rank.pp_size, rank.replicas)
     validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
     token = token or new_token()
-    os.makedirs(directory, exist_ok=True)
+    make_output_folder(directory)
     sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
     parts = plan_parts(sizes, max_size)
     dp_rank = rank.saved_dp_rank

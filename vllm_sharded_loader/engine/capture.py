@@ -47,6 +47,7 @@ from ..format.manifest import Manifest
 from ..format.names import default_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
+from ..storage.local import make_output_folder
 from ..storage.lock import hold_owner_marker, release_owner_marker
 from ..storage.reader import ReadOptions
 from .follower import watch_leader
@@ -348,7 +349,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         # Staged under temporary names: nothing is published until the save hook runs. The
         # marker tells saves into the same folder that these files are a live engine's.
         token = new_token()
-        os.makedirs(directory, exist_ok=True)
+        make_output_folder(directory)
         owner = hold_owner_marker(directory, token)
         state.drop_capture = partial(_drop_capture, state, directory, token, owner)
         atexit.register(state.drop_capture)

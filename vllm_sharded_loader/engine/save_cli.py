@@ -22,7 +22,7 @@ from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import ShardedStateError
 from ..storage import location
 from ..storage.fresh_process import in_fresh_process
-from ..storage.local import directory_holds_checkpoint
+from ..storage.local import check_model_folder, directory_holds_checkpoint, make_output_folder
 from ..storage.location import open_store
 from ..storage.lock import describe_lock, read_lock
 from ..storage.staging_folders import StagingFolder, make_staging_folder
@@ -86,6 +86,7 @@ def save_sharded_state(
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
+    check_model_folder(model)  # before vLLM reads its config: a FIFO there would hang it
     made = False  # the output folder, made here: removed again if the save fails and leaves it empty
     staging: StagingFolder | None = None  # for an upload: where the workers capture, held here until it is done
     if open_store(output).remote:
@@ -131,7 +132,7 @@ def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
 
     The save hook copies the non-weight files (config, tokenizer, ...) before the manifest.
     """
-    os.makedirs(output, exist_ok=True)
+    make_output_folder(output)
     if os.path.samefile(model, output):
         raise ShardedStateError(f"--output {output!r} is the source model's directory; choose another one.")
     # Refuse before an engine is started for nothing; the save hook checks again under its lock.

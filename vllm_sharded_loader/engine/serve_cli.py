@@ -16,8 +16,12 @@ Where a distribution named ``vllm`` is installed (the GPU builds), nothing is pa
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 from collections.abc import Callable, Sequence
+
+from ..format.errors import ShardedStateError
+from ..storage.local import check_model_folder
 
 
 def installed_vllm_version() -> str:
@@ -68,6 +72,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except importlib.metadata.PackageNotFoundError:
         importlib.metadata.version = _answering_vllm(importlib.metadata.version, installed_vllm_version())
     model = sharded_model(args)
+    if model is not None and os.path.isdir(model):
+        try:
+            check_model_folder(model)  # before vLLM reads its config: a FIFO there would hang the server
+        except ShardedStateError as e:
+            print(f"vllm-sharded-serve: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     if model is not None:
         from .compile_cache import prepare_node
 

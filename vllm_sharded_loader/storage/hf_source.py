@@ -16,7 +16,7 @@ import torch
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError, listing
 from ..format.safetensors import Header
 from . import hub
-from .local import OpenFile, read_header
+from .local import OpenFile, open_regular, read_header
 from .location import Store, StoredFile, open_store
 from .oscalls import available_memory
 from .tensors import map_file_range, torch_dtype
@@ -39,10 +39,21 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
         index_path = store.file_path(INDEX_NAME)
         try:
             data = store.read(INDEX_NAME)
-            weight_map = json.loads(data.read_bytes() if isinstance(data, Path) else data)["weight_map"]
+            if isinstance(data, Path):  # opened without blocking, refused unless a regular file (a FIFO)
+                with os.fdopen(open_regular(str(data)), "rb") as f:
+                    data = f.read()
+            weight_map = json.loads(data)["weight_map"]
             listed = sorted(set(weight_map.values()))
+        except ShardedStateError:
+            raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointCorrupt(f"{index_path}: not a safetensors index ({e}). Download the model again.") from None
+        outside = [n for n in listed if os.path.basename(n) != n or n in (".", "..")]
+        if outside:
+            raise CheckpointCorrupt(
+                f"{index_path} lists {listing(outside, 5)}: a file outside the folder, where an index names files "
+                "beside it. Refusing to read it; download the model again."
+            )
         missing = [n for n in listed if n not in names]
         if missing:
             raise CheckpointNotFound(

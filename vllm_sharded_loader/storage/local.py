@@ -37,6 +37,64 @@ _KINDS = {
 }
 
 
+def not_regular(path: str, mode: int) -> CheckpointCorrupt:
+    """The error for ``path``, of ``st_mode`` ``mode``, found where a regular file should be."""
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return CheckpointCorrupt(
+        f"{path} is {kind}, where a regular file was expected; refusing to read it. Replace it with the "
+        "real file (copy or save the checkpoint again)."
+    )
+
+
+def special_files(folder: str) -> list[CheckpointCorrupt]:
+    """An error for each FIFO, device or socket among a local model folder's files (its top level,
+    and what a checkpoint carries of its subfolders), found without opening any of them.
+
+    vLLM (and transformers) open a model's config and tokenizer files plainly: a FIFO among them
+    hangs whatever reads it for good, before any check of ours has seen the folder. A dangling
+    link is left to whatever reads it, which names it missing.
+    """
+    top = (n for n in os.listdir(folder) if not os.path.isdir(os.path.join(folder, n)))
+    found = []
+    for name in sorted({*top, *non_weight_files(folder)}):
+        path = os.path.join(folder, name)
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            found.append(not_regular(path, mode))
+    return found
+
+
+def check_model_folder(folder: str) -> None:
+    """Refuse a local model folder (or checkpoint) with :func:`special_files`, before vLLM reads it."""
+    for error in special_files(folder):
+        raise error
+
+
+def check_output_folder(directory: str) -> None:
+    """Refuse an output path that is there as something else than a folder (a file, a FIFO), or
+    that lies under such a thing, with an error that says so (not the system's "File exists")."""
+    there = os.path.abspath(directory)
+    while not os.path.lexists(there):
+        there = os.path.dirname(there)  # the part of the path that is there
+    if os.path.isdir(there):
+        return
+    mode = os.stat(there).st_mode if os.path.exists(there) else os.lstat(there).st_mode
+    where = directory if there == os.path.abspath(directory) else f"{directory}: {there}"
+    kind = _KINDS.get(stat.S_IFMT(mode), "a file")
+    raise ShardedStateError(
+        f"{where} is {kind}, where a checkpoint folder was expected; nothing was written. Choose another output folder."
+    )
+
+
+def make_output_folder(directory: str) -> None:
+    """Make the folder a checkpoint is written into, and its parents (:func:`check_output_folder` first)."""
+    check_output_folder(directory)
+    os.makedirs(directory, exist_ok=True)
+
+
 def open_regular(path: str) -> int:
     """Open an untrusted path for reading, refusing anything but a regular file, without blocking.
 
@@ -49,11 +107,7 @@ def open_regular(path: str) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-            raise CheckpointCorrupt(
-                f"{path} is {kind}, where a regular file was expected; refusing to read it. Replace it with the "
-                "real file (copy or save the checkpoint again)."
-            )
+            raise not_regular(path, mode)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

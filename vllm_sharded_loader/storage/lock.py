@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..format.errors import CheckpointLocked, SaveRefused
 from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name
-from .local import directory_holds_checkpoint, open_regular
+from .local import directory_holds_checkpoint, make_output_folder, open_regular
 
 # A lock names its holder in a line of JSON; more is not a lock of ours.
 MAX_LOCK_BYTES = 64 * 1024
@@ -171,7 +171,7 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> Sa
     ``overwrite`` it is taken over by taking that ``flock``, which one process only can
     win: any other save gets a clear error. Nothing is ever removed to take a lock over.
     """
-    os.makedirs(directory, exist_ok=True)
+    make_output_folder(directory)
     path = os.path.join(directory, LOCK_NAME)
     info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token, "started": time.time()})
     lock = None
