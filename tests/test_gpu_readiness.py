@@ -54,11 +54,11 @@ def test_parameters_are_mapped_only_on_the_cpu_platform(monkeypatch):
     state = model.state_dict()
     loader = ShardedStateLoader(LoadConfig(load_format="sharded_state"))
     assert current_platform.is_cpu()
-    assert set(loader.adoptable(model, state) or {}) == {"weight"}
+    assert set(loader.reader.adoptable(model, state) or {}) == {"weight"}
     # A GPU engine's CPU parameters are offloaded ones, kept pinned by vLLM: never mapped.
     # (No GPU platform can run here; only its answer to is_cpu() is changed.)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
-    assert loader.adoptable(model, state) is None
+    assert loader.reader.adoptable(model, state) is None
 
 
 def test_cpu_lists_and_numa_binding():

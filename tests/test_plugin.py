@@ -127,26 +127,28 @@ def test_unknown_extra_config_is_refused():
     loader = ShardedStateLoader(
         LoadConfig(load_format="sharded_state", model_loader_extra_config={"pattern": "w-{rank}-{part}.safetensors"})
     )
-    assert loader.pattern == "w-{rank}-{part}.safetensors"
+    assert loader.reader.pattern == "w-{rank}-{part}.safetensors"
     from vllm_sharded_loader.storage.reader import DEFAULT_THREADS
 
-    assert loader.threads == DEFAULT_THREADS
+    assert loader.reader.threads == DEFAULT_THREADS
     loader = ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"threads": 2}))
-    assert loader.threads == 2
+    assert loader.reader.threads == 2
     for bad in (0, "4", True):
         with pytest.raises(ShardedStateError, match=r"threads=.* must be a positive integer"):
             ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"threads": bad}))
-    assert not loader.huge_pages
+    assert not loader.reader.huge_pages
     config = {"huge_pages": True}
-    assert ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config)).huge_pages
+    pages = ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config))
+    assert pages.reader.huge_pages
     with pytest.raises(ShardedStateError, match=r"huge_pages='yes' .* must be true or false"):
         ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"huge_pages": "yes"}))
-    assert loader.mmap
+    assert loader.reader.mmap
     assert not ShardedStateLoader(
         LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": False})
-    ).mmap
+    ).reader.mmap
     config = {"mmap": "auto"}
-    assert ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config)).mmap == "auto"
+    auto = ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config))
+    assert auto.reader.mmap == "auto"
     for bad in (1, "yes"):
         with pytest.raises(ShardedStateError, match=r"mmap=.* must be true, false or \"auto\""):
             ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": bad}))
@@ -195,7 +197,7 @@ def test_live_state_is_saved_only_if_provably_the_loaded_one():
 
 
 def test_only_parameters_nothing_else_views_are_offered_for_swapping():
-    from vllm_sharded_loader.engine.loader import adoptable_parameters
+    from vllm_sharded_loader.engine.model_reader import adoptable_parameters
 
     model = Tiny()
     model.keeps_a_view = model.proj.weight.data[:2]  # a layer holding on to a parameter's memory

@@ -11,7 +11,7 @@ Hugging Face weights that each layer's weight loader shards.
 A sharded checkpoint already holds each rank's slice in the loaded layout, so
 :class:`InPlaceUpdate` drives the same machinery itself, in three steps:
 
-1. **read**: the loader's start-up read (:meth:`.loader.ShardedStateLoader.read_checkpoint`,
+1. **read**: the loader's start-up read (:meth:`.model_reader.ModelReader.read`,
    every check of a start-up load first) into host memory, mapped from the checkpoint's
    files where the reader can (:class:`..checkpoint.update_staging.StagedWeights`), never into a served
    tensor, before any layer is materialized;
@@ -42,8 +42,8 @@ engine (:mod:`.weight_transfer`, see :meth:`InPlaceUpdate.run_layerwise`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
@@ -51,12 +51,12 @@ from vllm.logger import init_logger
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..checkpoint.update_staging import BUDGET_ENV, StagedWeights, return_freed_memory, update_budget
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
-from ..format.manifest import Manifest
 from ..storage.location import open_store, read_manifest
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .identity import ranks_on_host
 from .layer_geometry import model_rank
 from .layer_steps import fill_layer, layer_held_bytes, let_go, process_layer
+from .model_reader import ModelReader
 from .processed import ProcessedLayer
 from .workers import gather_over, raises_for_all
 
@@ -115,30 +115,6 @@ def _agree(error: str | None) -> list[str]:
     return [e for e in gather_over(_groups(), [error], "this update") if e is not None]
 
 
-class CheckpointReader(Protocol):
-    """What an update needs of the loader (:class:`.loader.ShardedStateLoader`), which imports this module."""
-
-    def locate(self, directory: str, revision: str | None = None) -> tuple[str, str | None]: ...
-
-    def adoptable(
-        self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
-    ) -> dict[str, Callable[[torch.Tensor], None]] | None: ...
-
-    def read_checkpoint(
-        self,
-        model: torch.nn.Module,
-        model_config: ModelConfig,
-        located: tuple[str, str | None],
-        manifest: Manifest | None,
-        targets: Mapping[str, torch.Tensor],
-        tied: list[list[str]],
-        adopt: Mapping[str, Callable[[torch.Tensor], None]] | None,
-        *,
-        verify: str | None = None,
-        update: bool = False,
-    ) -> Any: ...
-
-
 class InPlaceUpdate:
     """One weight update of a running model from a sharded checkpoint (see the module's docstring).
 
@@ -150,13 +126,13 @@ class InPlaceUpdate:
 
     def __init__(
         self,
-        loader: CheckpointReader,
+        reader: ModelReader,
         model: torch.nn.Module,
         model_config: ModelConfig,
         path: str | None = None,
         verify: str | None = None,
     ) -> None:
-        self.loader, self.model, self.model_config = loader, model, model_config
+        self.reader, self.model, self.model_config = reader, model, model_config
         self.path, self.verify = path, verify
         self.tied = _shared_parameters(model)
         self.loaded_names: set[str] = set()
@@ -327,7 +303,7 @@ class InPlaceUpdate:
                 f"{path}: no such checkpoint directory for the weight update. Save the update first "
                 "(examples/save_sharded_state.py, or vLLM's save_sharded_state hook) and pass its folder."
             )
-        return self.loader.locate(path, config.revision)
+        return self.reader.locate(path, config.revision)
 
     def _read(self, layers: list[tuple[str, torch.nn.Module, Any]]) -> None:
         """Step 1: the checkpoint read, with every check of a start-up load, into host memory (mapped
@@ -353,7 +329,7 @@ class InPlaceUpdate:
         # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
         try:
-            self.loader.read_checkpoint(
+            self.reader.read(
                 self.model,
                 self.model_config,
                 located,
@@ -413,7 +389,7 @@ class InPlaceUpdate:
             )
 
     def _fill(self, step: ProcessedLayer) -> None:
-        fill_layer(step.prefix, step.module, step.info, self.staged, self.loader.adoptable, skip=self.aside)
+        fill_layer(step.prefix, step.module, step.info, self.staged, self.reader.adoptable, skip=self.aside)
 
     def _commit(self, layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer]) -> None:
         """Step 3: every rank agreed; the new values go into the served tensors, layer by layer (a

@@ -107,7 +107,7 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: ShardedStateUpdateInfo) -> None:
-        from .loader import ShardedStateLoader
+        from .model_reader import ModelReader
         from .reload import InPlaceUpdate
 
         load_config = self.vllm_config.load_config
@@ -115,7 +115,7 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
             # Served from another format: the sharded loader's defaults, not that format's options.
             load_config = replace(load_config, load_format=BACKEND, model_loader_extra_config={})
         update = InPlaceUpdate(
-            ShardedStateLoader(load_config),
+            ModelReader.from_load_config(load_config),
             self.model,
             self.model_config,
             path=update_info.path,
