@@ -300,7 +300,7 @@ def _resident(path: Path) -> int:
 
 RAY_KEPT_OUT = """
 import sys
-from vllm_sharded_loader.engine.convert import _ray_not_imported
+from vllm_sharded_loader.engine.convert_setup import _ray_not_imported
 print("before", "ray" in sys.modules)
 with _ray_not_imported():
     try:
@@ -666,6 +666,26 @@ def test_an_architecture_vllm_does_not_serve_is_refused_by_name_and_nothing_is_w
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert f"{source}: vLLM" in run.stderr and "cannot serve this model" in run.stderr, run.stderr[-3000:]
     assert "MptForCausalLM" in run.stderr
+    assert not out.exists()
+
+
+def test_a_model_whose_layers_vllm_cannot_build_here_is_refused_by_name_and_nothing_is_written(tmp_path):
+    """FP8 block-quantized linears: vLLM 0.32 picks a layer's CPU kernel while it builds the layer, even
+    on the meta device, and has one only for CPUs with AMX tiles. Elsewhere convert refuses the model,
+    with vLLM's reason, instead of a traceback."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as kernels
+
+    from examples.tiny_models import build_family
+
+    built = [k.__name__ for k in (kernels.CPUFp8W8A8BlockScaledMMKernel, kernels.CPUFp8BlockScaledMMKernel)]
+    if any(getattr(kernels, name).is_supported()[0] for name in built):
+        pytest.skip(f"vLLM builds FP8 block-quantized layers on this CPU ({built}): nothing to refuse here")
+    source = build_family(str(tmp_path / "src"), "fp8_block")
+    out = tmp_path / "out"
+    run = convert(source, str(out), 2, ok=False)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"{source}: vLLM" in run.stderr and "cannot build this model's layers on this machine" in run.stderr
+    assert "AMX" in run.stderr and "Nothing was written" in run.stderr, run.stderr[-3000:]
     assert not out.exists()
 
 

@@ -43,7 +43,7 @@ from ..storage.tensors import torch_threads
 from ..storage.writer import LazyTensor, write_order
 
 if TYPE_CHECKING:
-    from ..engine.convert import ModelOptions
+    from ..engine.convert_setup import ModelOptions
 
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
 
@@ -333,7 +333,7 @@ def convert_checkpoint(
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
         raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
     made = not open_store(output).remote and not os.path.lexists(output)
-    from ..engine.convert import ModelOptions
+    from ..engine.convert_setup import ModelOptions
 
     options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
     try:
