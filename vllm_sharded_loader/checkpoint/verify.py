@@ -7,7 +7,6 @@ from ..format.manifest import FileChecksum, Manifest
 from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
-from ..storage.local import special_files
 from ..storage.location import StoredFile, check_not_locked, file_path, list_names, open_store, read_manifest
 from ..storage.lock import describe_lock, read_lock
 from ..storage.writer import CHUNK_BYTES
@@ -73,9 +72,8 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
     if checksums:
         _check_startup_artifacts(directory, manifest, notes)
     store = open_store(directory)
-    if not store.remote:
-        # The carried config and tokenizer: a FIFO there would hang the engine that serves this.
-        problems += [str(e) for e in special_files(directory)]
+    # The carried config and tokenizer: a FIFO there would hang the engine that serves this.
+    problems += [str(e) for e in store.special_files()]
     if store.save_is_running():
         # A running save's staged and placed files are not the published checkpoint's
         # problem: it removes them itself, or publishes them.

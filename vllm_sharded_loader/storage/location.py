@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..format.errors import ShardedStateError
 from ..format.manifest import FileEntry, Manifest
 from ..format.names import is_staged_name
 from . import local, lock, objects
@@ -123,6 +124,16 @@ class Store(Protocol):
         """Whether a live process owns the staged files of ``token`` (an engine's start-up capture)."""
         ...
 
+    def special_files(self) -> list[ShardedStateError]:
+        """An error for each file that is no regular file (a FIFO, a device), found without opening
+        it: vLLM opens a model's config and tokenizer plainly, and a FIFO would hang it."""
+        ...
+
+    def check_output(self) -> None:
+        """Refuse, before anything is written, a location that cannot take a checkpoint (a local
+        path that is a file or a FIFO)."""
+        ...
+
 
 class LocalStore:
     """A local folder (or Hub snapshot): :mod:`.local` and :mod:`.lock`."""
@@ -184,6 +195,12 @@ class LocalStore:
 
     def owner_is_alive(self, token: str) -> bool:
         return lock.owner_is_alive(self.where, token)
+
+    def special_files(self) -> list[ShardedStateError]:
+        return list(local.special_files(self.where))
+
+    def check_output(self) -> None:
+        local.check_output_folder(self.where)
 
 
 class ObjectStore:
@@ -264,6 +281,12 @@ class ObjectStore:
 
     def owner_is_alive(self, token: str) -> bool:
         return False  # no engine captures into object storage: staged objects are a dead save's
+
+    def special_files(self) -> list[ShardedStateError]:
+        return []  # an object is bytes, whatever its name
+
+    def check_output(self) -> None:
+        pass  # a prefix takes any object; whether it is free is the save's lock to say
 
 
 def open_store(where: str) -> Store:

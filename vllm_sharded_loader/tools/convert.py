@@ -35,7 +35,6 @@ from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
 from ..storage.hf_source import read_ahead, resolve_source
-from ..storage.local import check_model_folder, check_output_folder
 from ..storage.location import copy_non_weight_files, is_locked, open_store, read_manifest
 from ..storage.oscalls import release_free_heap
 from ..storage.staging_folders import staging_folder
@@ -326,10 +325,9 @@ def convert_checkpoint(
     folder = resolve_source(source, revision)
     if open_store(output).canonical() == os.path.abspath(folder):
         raise ShardedStateError("--output must be another folder than the source model.")
-    if not open_store(folder).remote:
-        check_model_folder(folder)  # before vLLM reads its config: a FIFO there would hang it
-    if not open_store(output).remote:
-        check_output_folder(output)
+    for error in open_store(folder).special_files():
+        raise error  # before vLLM reads the config: a FIFO there would hang it
+    open_store(output).check_output()
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
         raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
     made = not open_store(output).remote and not os.path.lexists(output)
