@@ -57,6 +57,9 @@ def test_parse_rejects_other_names():
         ("../model-{rank}-{part}.safetensors", 2, 1, "plain file"),
         ("sub/model-{rank}-{part}.safetensors", 2, 1, "plain file"),
         ("model-{rank-{part}", 2, 1, "not a valid format string"),
+        ("model-{rank}{part}.safetensors", 2, 1, "side by side"),
+        ("model-{pp_rank}{tp_rank}-{part}.safetensors", 2, 2, "side by side"),
+        ("model-{rank}0{part}.safetensors", 2, 1, "side by side"),
     ],
 )
 def test_bad_patterns_are_refused(pattern, tp, pp, message):

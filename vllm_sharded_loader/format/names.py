@@ -9,6 +9,7 @@ own, and the names carry ``{dp_rank}`` too. Pure: no I/O.
 
 from __future__ import annotations
 
+import itertools
 import re
 import string
 from collections.abc import Iterable
@@ -79,6 +80,15 @@ def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1
             f"File pattern {pattern!r} uses a format spec or conversion; only plain fields such as "
             "{rank} and {part} are allowed."
         )
+    for (_, first, _, _), (between, second, _, _) in itertools.pairwise(parsed):
+        if first is not None and second is not None and (not between or between.isdigit()):
+            # {rank}{part}: rank 1's part 10 and rank 11's part 0 are both ...110..., and a name
+            # parsed back could be given to the wrong rank.
+            raise ShardedStateError(
+                f"File pattern {pattern!r} puts {{{first}}} and {{{second}}} side by side, so their numbers run "
+                "together and a file's name does not say which rank wrote it. Separate them with a character "
+                f"that is not a digit, as in {default_pattern(pp_size)!r}."
+            )
     fields = pattern_fields(pattern)
     unsupported = fields - PATTERN_FIELDS
     if unsupported or "" in fields:
