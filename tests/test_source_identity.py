@@ -8,18 +8,8 @@ import os
 
 import pytest
 
-from vllm_sharded_loader.engine.capture import (
-    LoadedState,
-    _check_source_files_unchanged,
-    _weight_file_identities,
-)
+from vllm_sharded_loader.checkpoint.save_proof import check_source_files_unchanged, weight_file_identities
 from vllm_sharded_loader.format.errors import SaveRefused
-
-
-def loaded_from(folder) -> LoadedState:
-    state = LoadedState(signature={}, source=None, dtype="float32", quantization=None, model_dir=str(folder))
-    state.source_files = _weight_file_identities(str(folder))
-    return state
 
 
 @pytest.mark.parametrize(
@@ -37,10 +27,34 @@ def test_a_written_model_folder_is_refused(tmp_path, change):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"0123456789")
     (tmp_path / "config.json").write_text("{}")
-    state = loaded_from(tmp_path)
-    _check_source_files_unchanged(state)  # unchanged: no error
+    loaded = weight_file_identities(str(tmp_path))
+    check_source_files_unchanged(str(tmp_path), loaded)  # unchanged: no error
     (tmp_path / "config.json").write_text('{"a": 1}')  # not a weight file: the re-read does not read it
-    _check_source_files_unchanged(state)
+    check_source_files_unchanged(str(tmp_path), loaded)
     change(weights)
     with pytest.raises(SaveRefused, match=r"was written after the served weights were loaded from it .*CAPTURE_DIR"):
-        _check_source_files_unchanged(state)
+        check_source_files_unchanged(str(tmp_path), loaded)
+
+
+def test_a_sharded_checkpoint_read_again_is_proven_by_its_manifest_or_refused(tmp_path):
+    """Class 2 for a sharded checkpoint: the digest of its manifest, with every file's block checksums,
+    proves what a re-read gives; another manifest, none, or one without checksums is refused."""
+    from dataclasses import replace
+
+    from tests.support.states import save
+    from vllm_sharded_loader.checkpoint.save_proof import check_still_read_from, manifest_proof
+    from vllm_sharded_loader.storage.location import read_manifest
+
+    manifest = save(tmp_path / "a")
+    proof = manifest_proof(manifest)
+    assert proof is not None and manifest_proof(read_manifest(str(tmp_path / "a"))) == proof
+    check_still_read_from("A", proof, read_manifest(str(tmp_path / "a")))  # as read: proven
+    with pytest.raises(SaveRefused, match=r"A was rewritten after the served weights .*manifest differs"):
+        check_still_read_from("A", proof, save(tmp_path / "b", tied=False))
+    with pytest.raises(SaveRefused, match=r"A was rewritten after the served weights .*manifest is gone"):
+        check_still_read_from("A", proof, None)
+    entry = manifest.ranks[0]
+    unsummed = replace(manifest, ranks=(replace(entry, files=(replace(entry.files[0], checksum=None),)),))
+    assert manifest_proof(unsummed) is None and manifest_proof(None) is None
+    with pytest.raises(SaveRefused, match=r"manifest records no checksum for every file"):
+        check_still_read_from("A", manifest_proof(unsummed), unsummed)

@@ -40,8 +40,14 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint.save import StagedRank, discard_rank, new_token, stage_rank
+from ..checkpoint.save_proof import (
+    CAPTURE_DIR_ENV,
+    check_source_files_unchanged,
+    check_still_read_from,
+    weight_file_identities,
+)
 from ..checkpoint.state import saveable_state, tied_groups
-from ..format.errors import SaveRefused, ShardedStateError
+from ..format.errors import ShardedStateError
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import default_pattern
@@ -58,7 +64,6 @@ from .progress import ByteProgress
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-CAPTURE_DIR_ENV = "SHARDED_STATE_CAPTURE_DIR"
 CAPTURE_PATTERN_ENV = "SHARDED_STATE_CAPTURE_PATTERN"
 CAPTURE_MAX_SIZE_ENV = "SHARDED_STATE_CAPTURE_MAX_SIZE"
 OVERWRITE_ENV = "SHARDED_STATE_OVERWRITE"
@@ -147,71 +152,6 @@ def served_from_checkpoint(state: LoadedState, checkpoint: str, proof: str | Non
 READ_PROOF_ATTRIBUTE = "_vllm_sharded_read_proof"
 
 
-def manifest_proof(manifest: Manifest | None) -> str | None:
-    """The digest of a manifest whose every file has block checksums, or None (nothing to prove content by).
-
-    Equal digests and a read with ``verify="checksum"`` prove the bytes read again are the
-    bytes read then: the manifest names each file's size and the BLAKE3 digest of each block.
-    """
-    import hashlib
-
-    if manifest is None or any(f.checksum is None for entry in manifest.ranks for f in entry.files):
-        return None
-    return hashlib.sha256(manifest.to_json().encode()).hexdigest()
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-
-
-def _weight_file_identities(folder: str | None) -> dict[str, tuple[int, ...]] | None:
-    """Each weight file's identity in a local model folder (what vLLM's default loader reads), or None."""
-    if folder is None or not os.path.isdir(folder):
-        return None
-    found = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(_WEIGHT_SUFFIXES):
-            st = os.stat(os.path.join(folder, name))
-            found[name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    return found
-
-
-def _check_source_files_unchanged(state: LoadedState) -> None:
-    """Refuse to save from the model's own files if any was replaced or written since it was loaded."""
-    if state.source_files is None:
-        return
-    now = _weight_file_identities(state.model_dir)
-    if now != state.source_files:
-        changed = sorted(
-            n for n in (now or {}).keys() | state.source_files.keys() if (now or {}).get(n) != state.source_files.get(n)
-        )
-        raise SaveRefused(
-            f"Refusing to save: {state.model_dir} was written after the served weights were loaded from it "
-            f"({', '.join(changed[:3])} changed): reading it again would not give what is served. Start an engine "
-            f"with {CAPTURE_DIR_ENV}=<dir> so that its start-up capture is saved, or save before the folder changes."
-        )
-
-
-def _check_still_read_from(checkpoint: str, proof: str | None, manifest: Manifest | None) -> None:
-    """Refuse to save from ``checkpoint`` unless its manifest is still the one the served weights were read with."""
-    how = (
-        "Save right after the update, before anything writes to that folder again (or update from a folder "
-        "that is never rewritten, such as one per step), or start an engine with "
-        f"{CAPTURE_DIR_ENV}=<dir> so that its start-up capture is saved."
-    )
-    if proof is None:
-        raise SaveRefused(
-            f"Refusing to save: the served weights were read from {checkpoint}, whose manifest records no checksum "
-            f"for every file, so reading it again cannot be proven to give what is served. {how}"
-        )
-    now = manifest_proof(manifest)
-    if now != proof:
-        raise SaveRefused(
-            f"Refusing to save: {checkpoint} was rewritten after the served weights were read from it (its "
-            f"{'manifest is gone' if manifest is None else 'manifest differs'}): it no longer holds what is "
-            f"served, and a save would publish other weights under this engine's name. {how}"
-        )
-
-
 def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     """The state this worker loaded at start-up, read again from the source the engine loaded.
 
@@ -251,23 +191,23 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
 
         if open_store(checkpoint).exists():  # (a Hub id: checked after the read only)
             manifest = read_manifest(checkpoint)
-            _check_still_read_from(checkpoint, state.read_proof, manifest)
+            check_still_read_from(checkpoint, state.read_proof, manifest)
             if manifest is not None and state.rank is not None:
                 return _reread_streaming(state, checkpoint, manifest)
         # Every byte read again is checked against the manifest's checksums: the content, not the path.
         load_config = copy.copy(load_config)
         load_config.model_loader_extra_config = {**(load_config.model_loader_extra_config or {}), "verify": "checksum"}
     else:
-        _check_source_files_unchanged(state)
+        check_source_files_unchanged(state.model_dir, state.source_files)
     loader = get_model_loader(load_config)
     with set_current_vllm_config(fresh), set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
         model = loader.create_model(vllm_config=fresh, model_config=model_config)
         loader.load_weights(model, model_config)
     if checkpoint is None:
-        _check_source_files_unchanged(state)  # (a write during the read shows here)
+        check_source_files_unchanged(state.model_dir, state.source_files)  # (a write during the read shows here)
     else:
         # The manifest the re-read used (a rewrite between our check and the read shows here).
-        _check_still_read_from(
+        check_still_read_from(
             checkpoint, state.read_proof, model.__dict__.get(READ_PROOF_ATTRIBUTE, (None, None, None))[2]
         )
     tensors = saveable_state(model.state_dict())
@@ -337,7 +277,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         read_proof=(model.__dict__.get(READ_PROOF_ATTRIBUTE) or (None, None, None))[1],
     )
     if READ_PROOF_ATTRIBUTE not in model.__dict__:  # loaded by another format, from its own files
-        state.source_files = _weight_file_identities(state.model_dir)
+        state.source_files = weight_file_identities(state.model_dir)
     # Data-parallel replicas hold the same slices: only the first captures them, the others
     # only their own experts, if placed across replicas (see the save hook). A speculative
     # drafter loads too, with its own config: the capture (and the save) are the served

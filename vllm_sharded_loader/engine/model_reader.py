@@ -13,6 +13,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint import LoadRequest, load_rank
+from ..checkpoint.save_proof import manifest_proof
 from ..checkpoint.stats import LoadStats, check_verify_mode
 from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
@@ -22,7 +23,7 @@ from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import open_store
 from ..storage.reader import DEFAULT_THREADS, ReadOptions
-from .capture import READ_PROOF_ATTRIBUTE, manifest_proof
+from .capture import READ_PROOF_ATTRIBUTE
 from .identity import dtype_label, ranks_on_host, source_identity
 from .layer_geometry import model_rank, tensor_geometry
 from .progress import ByteProgress
@@ -272,7 +273,7 @@ class ModelReader:
             )
             options = ReadOptions(self.threads, progress, self.huge_pages, ranks_on_host())
             stats = load_rank(request, targets, rank, options, adopt)
-        # What was read, for a save that reads it again (issue 34: proven by content, see capture.manifest_proof).
+        # What was read, for a save that reads it again (issue 34: proven by content, see checkpoint/save_proof.py).
         model.__dict__[READ_PROOF_ATTRIBUTE] = (directory, manifest_proof(manifest), manifest)
         if stats.resharded_from is not None:
             logger.info(

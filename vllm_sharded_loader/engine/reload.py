@@ -139,7 +139,7 @@ class InPlaceUpdate:
         self.done = False
         # Whether the commit began (see :meth:`run`): only then has anything served changed.
         self.committed = False
-        self.proof: str | None = None  # of the checkpoint read (see capture.manifest_proof)
+        self.proof: str | None = None  # of the checkpoint read (see checkpoint/save_proof.py)
         # The new weights on the host, and the served tensors (vLLM leaves on the model) they update.
         self.staged: StagedWeights | None = None
         self.aside: dict[str, torch.Tensor] = {}
