@@ -318,7 +318,7 @@ def test_a_safetensors_index_that_is_a_fifo_or_names_files_outside_its_folder_is
     assert f"REFUSED {source / INDEX_NAME} is a FIFO" in done.stdout, (done.stdout, done.stderr[-2000:])
 
 
-@pytest.mark.parametrize("kind", ["file", "fifo", "under-a-file"])
+@pytest.mark.parametrize("kind", ["file", "fifo", "under-a-file", "dangling-link"])
 def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tmp_path, kind):
     from vllm_sharded_loader.format import ShardedStateError
     from vllm_sharded_loader.tools.convert import convert_checkpoint
@@ -326,10 +326,12 @@ def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tm
     there = tmp_path / "taken"
     if kind == "fifo":
         os.mkfifo(there)
+    elif kind == "dangling-link":
+        there.symlink_to(tmp_path / "nowhere")
     else:
         there.write_text("not ours")
     output = there / "ckpt" if kind == "under-a-file" else there
-    what = "a FIFO" if kind == "fifo" else "a file"
+    what = {"fifo": "a FIFO", "dangling-link": "a link to nothing"}.get(kind, "a file")
     named = f"{output}: {there}" if kind == "under-a-file" else f"{output}"
     message = rf"^{named} is {what}, where a checkpoint folder was expected; nothing was written"
     with pytest.raises(ShardedStateError, match=message):
@@ -337,4 +339,7 @@ def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tm
     source = model_folder(tmp_path / "model")
     with pytest.raises(ShardedStateError, match=message):
         convert_checkpoint(str(source), str(output), 2)  # before vLLM is imported
-    assert there.is_fifo() if kind == "fifo" else there.read_text() == "not ours"
+    if kind == "dangling-link":
+        assert there.is_symlink() and not (tmp_path / "nowhere").exists()
+    else:
+        assert there.is_fifo() if kind == "fifo" else there.read_text() == "not ours"

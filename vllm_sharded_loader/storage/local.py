@@ -34,6 +34,7 @@ _KINDS = {
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
     stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a link to nothing",  # (only where the link itself is looked at: a dangling one)
 }
 
 
