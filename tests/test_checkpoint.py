@@ -292,6 +292,11 @@ def test_non_weight_files_and_module_folders_are_copied(tmp_path):
         "original/params.json": "{}",
         "original/consolidated.00.pth": "a second copy of the weights",
         ".git/HEAD": "ref",
+        # Checkpoints made into the model's own folder (one published, one being saved): not the model's.
+        "tp2/sharded_state.json": "{}",
+        "tp2/config.json": "{}",
+        "original/tp4/.sharded_state.lock": "{}",
+        "original/tp4/config.json": "{}",
     }
     for name, text in files.items():
         (source / name).parent.mkdir(parents=True, exist_ok=True)

@@ -417,6 +417,12 @@ def module_folders(source: str) -> set[str]:
     return {p.strip("/").split("/")[0] for p in paths if isinstance(p, str) and p.strip("/")}
 
 
+def _holds_a_checkpoint(folder: str) -> bool:
+    """A checkpoint (or a save into one) in a folder of the model's: converted or saved into the model's
+    own folder, it is not the model's, and a later checkpoint of the model must not carry it."""
+    return directory_holds_checkpoint(folder) or os.path.lexists(os.path.join(folder, LOCK_NAME))
+
+
 def non_weight_files(source: str) -> list[str]:
     """Relative paths of the source model's files a checkpoint carries alongside its parts.
 
@@ -424,7 +430,7 @@ def non_weight_files(source: str) -> list[str]:
     everything except the transformer's own weights, which the sharded parts replace:
     top-level weight files, and weight files in folders that are not modules of the
     model (an ``original/`` copy of the weights). A sentence-transformers module folder
-    is carried whole (:func:`module_folders`).
+    is carried whole (:func:`module_folders`); a folder holding a checkpoint, not at all.
     """
     modules = module_folders(source)
     found = []
@@ -435,9 +441,12 @@ def non_weight_files(source: str) -> list[str]:
         if not os.path.isdir(path):
             found.append(name)
             continue
+        if _holds_a_checkpoint(path):
+            continue
         whole = name in modules
         for root, dirs, files in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if d not in SKIPPED_NAMES)
+            nested = (d for d in dirs if d not in SKIPPED_NAMES)
+            dirs[:] = sorted(d for d in nested if not _holds_a_checkpoint(os.path.join(root, d)))
             relative = os.path.relpath(root, source)
             found.extend(
                 os.path.join(relative, f)
