@@ -584,6 +584,46 @@ def test_a_source_truncated_while_converting_is_named_as_such_and_nothing_is_pub
     assert not out.exists()
 
 
+REWRITTEN_AFTER_THE_LAST_READ = """
+import os, sys
+from vllm_sharded_loader.storage import hf_source
+from vllm_sharded_loader.tools.cli import main
+
+read = hf_source.SourceFiles.read
+reads = set()
+
+def rewriting(self, name):
+    tensor = read(self, name)  # a mapping of the file: its pages are read as the loader copies them
+    reads.add(name)
+    if len(reads) == len(self.tensors):
+        # The same size, other bytes, in the tensor just mapped: its copy gets the new bytes, every
+        # other tensor's has the old ones. (Once per run: a remade component reads again.)
+        t = self.tensors[name]
+        with open(os.path.join(self.where, t.file), "r+b") as f:
+            f.seek(t.end - 4)
+            f.write(b"\x7f" * 4)
+        reads.add(None)
+    return tensor
+
+hf_source.SourceFiles.read = rewriting
+sys.exit(main(["convert", sys.argv[1], "-tp", "2", "-o", sys.argv[2]]))
+"""
+
+
+def test_a_source_rewritten_in_place_while_converting_is_named_and_nothing_is_published(sources, tmp_path):
+    """A shard rewritten at the same size while its last tensors are read: the checkpoint would mix the
+    file's two versions, so convert checks every source file once all are read, before publishing."""
+    from examples.tiny_models import engine_environment
+
+    source = copy_source(sources["llama"], tmp_path / "src")
+    out = tmp_path / "out"
+    args = ["-c", REWRITTEN_AFTER_THE_LAST_READ, str(source), str(out)]
+    run = python_process(args, {**os.environ, **engine_environment()}, 300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "model.safetensors: changed while converting (written since its header was read)" in run.stderr
+    assert not out.exists()
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch) -> Path:
     """A Hub cache of our own, read offline: what ``huggingface_hub`` finds there is what the Hub gave."""

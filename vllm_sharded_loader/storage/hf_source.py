@@ -16,7 +16,7 @@ import torch
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError, listing
 from ..format.safetensors import Header
 from . import hub
-from .local import OpenFile, open_regular, read_header
+from .local import FileIdentity, OpenFile, open_regular, read_header
 from .location import Store, StoredFile, open_store
 from .oscalls import available_memory
 from .tensors import map_file_range, torch_dtype
@@ -238,14 +238,7 @@ class SourceFiles:
         opened = self._open(t.file)
         nbytes = t.end - t.begin
         if isinstance(opened, OpenFile):
-            # The file's size as it is now, under its descriptor (a download still being written
-            # changes it); an object's is checked by the ranged read below.
-            size, expected = os.fstat(opened.fd).st_size, self.headers[t.file].file_size
-            if size != expected:
-                raise ShardedStateError(
-                    f"{opened.path}: changed while converting ({size} bytes, {expected} when its header was "
-                    "read). Convert again once the model's files are complete."
-                )
+            self._check_unchanged(opened)  # (an object's is checked by the ranged read below)
             try:
                 return map_file_range(opened.fd, t.begin, nbytes, t.dtype, t.shape)
             except (ValueError, OSError) as e:  # truncated between the check and the mapping
@@ -260,6 +253,27 @@ class SourceFiles:
             finally:
                 stream.close()
         return data.view(t.dtype).reshape(t.shape)
+
+    def check_unchanged(self) -> None:
+        """Refuse a local source file written since its header was read. Called once every tensor is
+        read (before the checkpoint is published): a write while the last tensors' pages were read in
+        would mix two versions of the file."""
+        for opened in self.opened.values():
+            if isinstance(opened, OpenFile):
+                self._check_unchanged(opened)
+
+    @staticmethod
+    def _check_unchanged(opened: OpenFile) -> None:
+        # Under its descriptor: a download still being written, or a file rewritten in place at the
+        # same size (its modification time), is refused; a file renamed over the path is not read.
+        now = FileIdentity.of(os.fstat(opened.fd))
+        if now != opened.identity:
+            sizes = f"{now.size} bytes, {opened.identity.size} when its header was read"
+            raise ShardedStateError(
+                f"{opened.path}: changed while converting "
+                f"({sizes if now.size != opened.identity.size else 'written since its header was read'}). "
+                "Convert again once the model's files are complete."
+            )
 
     def prefetch(self, names: list[str]) -> None:
         """Start reading these tensors' bytes of local files into the page cache, without waiting: a cold

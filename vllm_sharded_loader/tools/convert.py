@@ -30,7 +30,7 @@ from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..checkpoint.state import manifest_ties
 from ..format.errors import RankStopped, ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, RankEntry
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
@@ -42,6 +42,7 @@ from ..storage.tensors import torch_threads
 from ..storage.writer import LazyTensor, write_order
 
 if TYPE_CHECKING:
+    from ..checkpoint.protocol import SaveTarget
     from ..engine.convert_setup import ModelOptions
 
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
@@ -421,6 +422,14 @@ def _convert(
             return LazyTensor(tuple(layout.shape), meta.dtype, produce)
 
         by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
+
+        def placed(target: SaveTarget, entry: RankEntry) -> RankEntry:
+            # Every rank is written (the save places after staging them all): a source file written
+            # meanwhile could have given some tensors its old bytes and some its new ones.
+            model.source.check_unchanged()
+            info = by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
+            return model.carry_startup_artifacts(target, entry, info)
+
         ranks = {}
         for info, plan in plans.items():
             ranks[info] = {n: lazy(state_name, layout, info) for n, (state_name, layout) in plan.items()}
@@ -445,9 +454,7 @@ def _convert(
                 tied=manifest_ties(model.tied),
                 carry=directory,
                 parallel=True,
-                placed=lambda target, entry: model.carry_startup_artifacts(
-                    target, entry, by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
-                ),
+                placed=placed,
                 ended=finish,
             )
         except RankStopped:
