@@ -22,8 +22,8 @@ from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import ShardedStateError
 from ..storage import location
 from ..storage.fresh_process import in_fresh_process
-from ..storage.local import check_model_folder, directory_holds_checkpoint, make_output_folder
-from ..storage.location import open_store
+from ..storage.local import directory_holds_checkpoint, make_output_folder
+from ..storage.location import check_no_special_files, open_store
 from ..storage.lock import describe_lock, read_lock
 from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
@@ -86,7 +86,7 @@ def save_sharded_state(
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
-    check_model_folder(model)  # before vLLM reads its config: a FIFO there would hang it
+    check_no_special_files(model)
     made = False  # the output folder, made here: removed again if the save fails and leaves it empty
     staging: StagingFolder | None = None  # for an upload: where the workers capture, held here until it is done
     if open_store(output).remote:

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ..format.errors import ShardedStateError
-from ..storage.local import check_model_folder
+from ..storage.location import check_no_special_files
 
 
 def installed_vllm_version() -> str:
@@ -72,9 +72,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except importlib.metadata.PackageNotFoundError:
         importlib.metadata.version = _answering_vllm(importlib.metadata.version, installed_vllm_version())
     model = sharded_model(args)
-    if model is not None and os.path.isdir(model):
+    if model is not None and os.path.isdir(model):  # (a Hub id or a bucket: files vLLM fetches)
         try:
-            check_model_folder(model)  # before vLLM reads its config: a FIFO there would hang the server
+            check_no_special_files(model)
         except ShardedStateError as e:
             print(f"vllm-sharded-serve: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

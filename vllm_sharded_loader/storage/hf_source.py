@@ -16,7 +16,7 @@ import torch
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError, listing
 from ..format.safetensors import Header
 from . import hub
-from .local import FileIdentity, OpenFile, open_regular, read_header
+from .local import OpenFile, open_regular, read_header
 from .location import Store, StoredFile, open_store
 from .oscalls import available_memory
 from .tensors import map_file_range, torch_dtype
@@ -266,7 +266,7 @@ class SourceFiles:
     def _check_unchanged(opened: OpenFile) -> None:
         # Under its descriptor: a download still being written, or a file rewritten in place at the
         # same size (its modification time), is refused; a file renamed over the path is not read.
-        now = FileIdentity.of(os.fstat(opened.fd))
+        now = opened.identity_now()
         if now != opened.identity:
             sizes = f"{now.size} bytes, {opened.identity.size} when its header was read"
             raise ShardedStateError(

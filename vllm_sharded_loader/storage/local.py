@@ -68,12 +68,6 @@ def special_files(folder: str) -> list[CheckpointCorrupt]:
     return found
 
 
-def check_model_folder(folder: str) -> None:
-    """Refuse a local model folder (or checkpoint) with :func:`special_files`, before vLLM reads it."""
-    for error in special_files(folder):
-        raise error
-
-
 def check_output_folder(directory: str) -> None:
     """Refuse an output path that is there as something else than a folder (a file, a FIFO), or
     that lies under such a thing, with an error that says so (not the system's "File exists")."""
@@ -232,9 +226,13 @@ class OpenFile:
         """A reader for one thread, with its own descriptor and readahead (:class:`FileStream`)."""
         return FileStream(self.path, self.reopen())
 
+    def identity_now(self) -> FileIdentity:
+        """The open file's identity as it is now, under its descriptor (:attr:`identity`: when opened)."""
+        return FileIdentity.of(os.fstat(self.fd))
+
     def check_unchanged(self) -> None:
         """Raise unless the file is still the one opened, unmodified, and still at its path."""
-        now = FileIdentity.of(os.fstat(self.fd))
+        now = self.identity_now()
         try:
             at_path: FileIdentity | None = FileIdentity.of(os.stat(self.path))
         except FileNotFoundError:

@@ -289,6 +289,13 @@ class ObjectStore:
         pass  # a prefix takes any object; whether it is free is the save's lock to say
 
 
+def check_no_special_files(where: str) -> None:
+    """Refuse a model or checkpoint with a FIFO, device or socket among its files (:meth:`Store.special_files`),
+    naming the first, before vLLM reads its config (which it opens plainly: a FIFO would hang it)."""
+    for error in open_store(where).special_files():
+        raise error
+
+
 def open_store(where: str) -> Store:
     """Resolve a checkpoint location once: a local folder (or Hub snapshot) or an object-storage URL."""
     return ObjectStore(where) if is_object_url(where) else LocalStore(where)

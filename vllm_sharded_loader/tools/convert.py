@@ -35,7 +35,7 @@ from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
 from ..storage.hf_source import read_ahead, resolve_source
-from ..storage.location import copy_non_weight_files, is_locked, open_store, read_manifest
+from ..storage.location import check_no_special_files, copy_non_weight_files, is_locked, open_store, read_manifest
 from ..storage.oscalls import release_free_heap
 from ..storage.staging_folders import staging_folder
 from ..storage.tensors import torch_threads
@@ -326,8 +326,7 @@ def convert_checkpoint(
     folder = resolve_source(source, revision)
     if open_store(output).canonical() == os.path.abspath(folder):
         raise ShardedStateError("--output must be another folder than the source model.")
-    for error in open_store(folder).special_files():
-        raise error  # before vLLM reads the config: a FIFO there would hang it
+    check_no_special_files(folder)
     open_store(output).check_output()
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
         raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
