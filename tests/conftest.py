@@ -24,7 +24,7 @@ import pytest
 
 from examples.cloud_servers import Azurite, FakeGCS
 from examples.s3_server import SeaweedS3
-from tests.support import tiers
+from tests.support import shm, tiers
 from tests.support.engines import DefaultOutputs
 from tests.support.hub import HUB_CACHE_MARK
 
@@ -34,6 +34,8 @@ ENGINE_MODULES = frozenset(
 )
 # Fixtures that start object-store emulators (SeaweedFS, Azurite, fake-gcs-server).
 SERVER_FIXTURES = frozenset({"seaweed", "s3", "store"})
+# vLLM's shared-memory segments there when the session began (tests/support/shm.py).
+SHM_BEFORE = pytest.StashKey[set[str]]()
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -53,10 +55,20 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[HUB_CACHE_MARK] = tempfile.mkdtemp(prefix="vsl-hub-cache-")
         atexit.register(shutil.rmtree, os.environ[HUB_CACHE_MARK], True)
     os.environ["HF_HUB_CACHE"] = os.environ[HUB_CACHE_MARK]
+    if not hasattr(config, "workerinput"):  # the controller, not a pytest-xdist worker
+        config.stash[SHM_BEFORE] = shm.segments()
     # The emulators refuse to start in a unit test (tiers.require): a test that needs one is marked servers.
     for server in (SeaweedS3, Azurite, FakeGCS):
         if not getattr(server.start, "tier_checked", False):
             server.start = _checked(server.start, server.__name__)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    before = config.stash.get(SHM_BEFORE, None)
+    if before is not None:
+        removed = shm.remove_left(before)
+        if removed:
+            print(f"\nremoved {len(removed)} shared-memory segments left by killed engines (tests/support/shm.py)")
 
 
 def _checked(start, name: str):

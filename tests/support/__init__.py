@@ -28,6 +28,8 @@ another test module, and nothing edits ``sys.path``.
   settings.
 - :mod:`tests.support.faultkit`, :mod:`tests.support.faultproxy`, :mod:`tests.support.nodes`: fault
   tests' digests and saves, a TCP proxy that injects faults, nodes in namespaces.
+- :mod:`tests.support.shm`: the session's sweep, at its end, of the shared-memory segments that
+  engines killed by the tests left in ``/dev/shm``.
 
 Markers (``tests/conftest.py`` sets them, by module and by fixture): ``unit`` (no engine, no
 server), ``servers`` (S3/Azure/GCS emulators, no engine) and ``engine`` (starts vLLM). A test
