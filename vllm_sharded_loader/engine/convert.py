@@ -300,6 +300,10 @@ class ConvertModel:
         following = self._next.get(id(self.components[name]))
         return following.targets[0] if following else None
 
+    def component_bytes(self, name: str) -> int:
+        """The bytes :meth:`make` allocates for ``name``'s component (known before it is made)."""
+        return sum(self.state[t].numel() * self.state[t].element_size() for t in self.components[name].targets)
+
     def free(self, name: str) -> None:
         """Put a component's tensors back on the meta device (their memory goes)."""
         for target in self.components[name].targets:

@@ -47,8 +47,11 @@ if TYPE_CHECKING:
 
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
 
-# Components kept made beyond the one being cut, in bytes: ranks that run ahead wait for the others.
-DEFAULT_BUDGET = 1024**3
+# Components made and not yet freed, in bytes: ranks that run ahead wait for the others. With
+# vLLM imported (about 0.8 GiB resident here, the writers' buffers included), more would take the
+# peak past the largest tensor plus 1 GiB; a budget of 1 GiB gave 1.26 GiB on the 14 GB model of
+# benchmarks/convert_bench.py --large, and no convert was faster for it.
+DEFAULT_BUDGET = 128 * 1024**2
 # Components made ahead of the ranks that will take them: enough to keep the maker busy while
 # one is checked and the ranks write another, few enough that memory stays a few components.
 AHEAD = 2
@@ -71,11 +74,13 @@ class ComponentCache:
     taken by a rank, the one after it (``after``) is made ahead if the budget allows, so
     making, checking and writing overlap.
 
-    A rank that would have a component made while more than ``budget`` bytes of others are
-    still waiting for slower ranks waits for them, unless every other working rank waits too;
-    then components no waiting rank needs next are freed (and made again later if a rank still
-    needs them: a source read twice rather than memory without bound). A component whose making
-    or check failed raises its error in the rank that takes it.
+    Components made and not yet freed stay within ``budget`` bytes (``size_of`` gives a
+    component's bytes before it is made): a rank whose component does not fit waits for slower
+    ranks to free theirs, unless every other working rank waits too; then components no waiting
+    rank needs next are freed (and made again later if a rank still needs them: a source read
+    twice rather than memory without bound). Only a component larger than the budget on its own
+    is made over it. A component whose making or check failed raises its error in the rank that
+    takes it.
     """
 
     make: Callable[[str], dict[str, torch.Tensor]]
@@ -84,6 +89,7 @@ class ComponentCache:
     takes: dict[str, int]  # tensor -> how many ranks take a slice of it
     budget: int = DEFAULT_BUDGET
     after: Callable[[str], str | None] = lambda name: None  # a tensor of the component made after name's
+    size_of: Callable[[str], int] = lambda name: 0  # bytes of name's component, once made
     check: Callable[[str, dict[str, torch.Tensor]], None] = lambda name, tensors: None
     made: dict[int, _Made] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
@@ -150,7 +156,7 @@ class ComponentCache:
             self.checking[key], self.making = nbytes, None
             self.untaken.add(key)
             self.peak = max(self.peak, self._bytes())
-            self._make_ahead(name, nbytes)  # the next one is made while this one is checked
+            self._make_ahead(name)  # the next one is made while this one is checked
             self.cond.notify_all()
         self.checker.submit(self._check, name, key, tensors)
 
@@ -177,12 +183,9 @@ class ComponentCache:
                 raise RankStopped(f"stopped: another rank's conversion failed ({self.failed})")
             # Ranks that can still take a slice: those not waiting for a component nobody made yet.
             others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
-            if (
-                self.making is None
-                and key not in self.checking
-                and (self._bytes() <= self.budget or not self.made or others <= 0)
-            ):
-                if self._bytes() > self.budget:
+            fits = self._bytes() + self.size_of(name) <= self.budget
+            if self.making is None and key not in self.checking and (fits or not self.made or others <= 0):
+                if not fits:
                     self._evict(key)
                 self._start(name, key)
             self.waiting[me] = key
@@ -191,7 +194,7 @@ class ComponentCache:
         made = self.made[key]
         tensor = made.tensors[name]
         self.untaken.discard(key)
-        self._make_ahead(name, made.nbytes)
+        self._make_ahead(name)
         made.pending -= 1
         self.pending[key] -= 1
         if made.pending:
@@ -201,7 +204,7 @@ class ComponentCache:
         self.cond.notify_all()
         return tensor, True
 
-    def _make_ahead(self, name: str, nbytes: int) -> None:
+    def _make_ahead(self, name: str) -> None:
         """Start making the first component after ``name``'s not yet made, if it is at most :data:`AHEAD`
         components on, no more than :data:`AHEAD` made ones wait for their first rank, the maker is
         idle and the budget has room for it."""
@@ -219,7 +222,7 @@ class ComponentCache:
             return
         if key in self.errors or not self.pending.get(key):
             return
-        if self._bytes() + nbytes <= self.budget:
+        if self._bytes() + self.size_of(following) <= self.budget:
             self.ahead += 1
             self._start(following, key)
 
@@ -387,6 +390,7 @@ def _convert(
             takes=takes,
             budget=budget,
             after=model.after,
+            size_of=model.component_bytes,
             check=model.check,
             running=1 if open_store(output).remote else len(plans),
         )
