@@ -308,9 +308,17 @@ def main() -> None:
         if earlier["model"] == model:
             engines = [e for e in earlier["engines"] if e["case"] not in cases] + engines
             commands = earlier.get("commands", [earlier["command"]]) + commands
-    ids = {json.dumps(e["ids"]) for e in engines}
-    if len(ids) != 1:
-        sys.exit(f"the starts generated different tokens: {sorted(ids)}")
+    # The compiled starts must agree with each other, the eager ones with each other: in bfloat16,
+    # Inductor's kernels round differently from eager mode's, and a random-weight model's greedy
+    # ids part after a few tokens (here: vLLM's default loader in eager mode gave the ids of ours
+    # in eager mode, not those of either compiled). The tests compare eager loads with eager ones.
+    for eager in (False, True):
+        ids: dict[str, list[str]] = {}
+        for e in engines:
+            if (e["case"] == "e_eager") == eager:
+                ids.setdefault(json.dumps(e["ids"]), []).append(f"{e['case']} (run {e['run']})")
+        if len(ids) > 1:
+            sys.exit("the starts generated different tokens: " + "; ".join(f"{v}: {k}" for k, v in ids.items()))
     result = {
         "tp": args.tp,
         "runs": args.runs,
