@@ -327,13 +327,14 @@ def convert_checkpoint(
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     folder = resolve_source(source, revision)
-    if open_store(output).canonical() == os.path.abspath(folder):
+    out = open_store(output)
+    if out.canonical() == os.path.abspath(folder):
         raise ShardedStateError("--output must be another folder than the source model.")
     check_no_special_files(folder)
-    open_store(output).check_output()
+    out.check_output()
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:
         raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
-    made = not open_store(output).remote and not os.path.lexists(output)
+    made = not out.remote and not os.path.lexists(output)
     from ..engine.convert_setup import ModelOptions
 
     options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
