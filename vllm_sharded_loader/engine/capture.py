@@ -56,6 +56,7 @@ from ..planning.topology import RankInfo
 from ..storage.local import make_output_folder
 from ..storage.lock import hold_owner_marker, release_owner_marker
 from ..storage.reader import ReadOptions
+from .compile_cache import place_compile_cache
 from .follower import watch_leader
 from .identity import current_vllm_config, dtype_label, is_drafter, ranks_on_host, source_identity
 from .layer_geometry import model_rank, tensor_geometry
@@ -367,6 +368,7 @@ def wrap_process_weights_after_loading(original: Any) -> Any:
         try:
             model.__dict__.pop(RECORD_ERROR_ATTRIBUTE, None)
             record_loaded_state(model, model_config)
+            place_compile_cache(model)
         except Exception as e:
             model.__dict__.pop(LOADED_STATE_ATTRIBUTE, None)
             model.__dict__[RECORD_ERROR_ATTRIBUTE] = f"{type(e).__name__}: {e}"

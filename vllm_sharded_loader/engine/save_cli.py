@@ -169,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
     started = time.perf_counter()
+    # The start-up artifacts this save carries are then the ones a prepared node looks up.
+    from .node_setup import prefer_inductor_caches
+
+    prefer_inductor_caches()
     try:
         llm = save_sharded_state(
             engine_kwargs(engine_args), args.output, args.file_pattern, args.max_file_size, args.overwrite

