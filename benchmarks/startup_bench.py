@@ -313,8 +313,9 @@ def main() -> None:
     if os.path.exists(path):  # the other cases of an earlier run of the same model and size stay
         with open(path) as f:
             earlier = json.load(f)
-        if earlier["model"] == model:
-            engines = [e for e in earlier["engines"] if e["case"] not in cases] + engines
+        kept = [e for e in earlier["engines"] if e["case"] not in cases]
+        if earlier["model"] == model and kept:
+            engines = kept + engines
             commands = earlier.get("commands", [earlier["command"]]) + commands
     # The compiled starts must agree with each other, the eager ones with each other: in bfloat16,
     # Inductor's kernels round differently from eager mode's, and a random-weight model's greedy
