@@ -232,7 +232,9 @@ def test_tp2_restores_each_ranks_own_artifacts_and_another_topology_compiles(mod
     run = run_engine(_compiled(str(out), tmp_path / "fresh", tp=2, load_format="sharded_state", prepare=True, env=aot))
     assert run.output.count(RESTORED) == 2, run.tail()
     assert "VLLM_USE_AOT_COMPILE=0" not in run.output, run.tail()
-    for folder in set(re.findall(RESTORED + r" \S+ \(.*?\) into (\S+)", run.output)):
+    folders = set(re.findall(RESTORED + r" \S+ \(.*?\) into (\S+)", run.output))
+    assert folders, run.tail()
+    for folder in folders:
         assert f"saved AOT compiled function to {folder}" in run.output, run.tail()
     assert run.result["token_ids"] == save.result["token_ids"]
     used_model_info(run, tmp_path / "save-cache")
