@@ -489,13 +489,18 @@ def upload(folder: str, url: str) -> None:
 def test_a_source_in_a_bucket_converts_as_its_local_copy_into_a_folder_and_a_bucket(s3, sources, tmp_path):
     """Qwen2 (biases, tied embeddings) read from ``s3://`` where it is (ranged reads, config fetched):
     the same parts, checksums, geometry, ties and source as from the local folder, config and
-    tokenizer carried; the same again written into a bucket."""
+    tokenizer carried; the same again written into a bucket. The local convert's progress counts
+    every byte of both ranks (written at once, from two threads), out of their sum."""
     from vllm_sharded_loader.checkpoint import read_manifest
+    from vllm_sharded_loader.storage.progress import ByteProgress
 
     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/hf"
     upload(sources["tied"], url)
     local, from_bucket = tmp_path / "local", tmp_path / "from-bucket"
-    convert_checkpoint(sources["tied"], str(local), 2)
+    with ByteProgress("Converting", enabled=False) as progress:
+        convert_checkpoint(sources["tied"], str(local), 2, progress=progress)
+    tensor_bytes = sum(t.nbytes for t in rank_tensors(str(local)).values())
+    assert progress.total == progress.nbytes == tensor_bytes > 0
     convert_checkpoint(url, str(from_bucket), 2)
     out_url = url.rsplit("/", 1)[0] + "/converted"
     convert_checkpoint(url, out_url, 2)
@@ -910,7 +915,7 @@ def test_each_family_converts_to_what_save_writes_and_serves_the_default_loaders
 
 
 def test_the_dry_run_proves_a_tensor_covered_only_by_contiguous_writes_of_its_own_storage_and_dtype():
-    from vllm_sharded_loader.engine.meta_model import WriteRecorder, canaries
+    from vllm_sharded_loader.checkpoint.write_coverage import WriteRecorder, canaries
 
     def meta(*shape, dtype=torch.float32):
         return torch.nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype), requires_grad=False)

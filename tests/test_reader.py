@@ -265,7 +265,7 @@ def test_fresh_targets_are_backed_by_huge_pages(tmp_path):
 
 
 def test_progress_bar_counts_bytes_and_times_the_work(capsys):
-    from vllm_sharded_loader.engine.progress import ByteProgress
+    from vllm_sharded_loader.storage.progress import ByteProgress
 
     with ByteProgress("Loading sharded_state (test)", enabled=True) as shown:
         shown(0, 300)

@@ -55,6 +55,7 @@ from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, write_file_durably
 from ..storage.location import LocalStore, ObjectStore, open_store
 from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, read_lock, release_save_lock
+from ..storage.progress import ByteProgress
 from .carry import CarriedFiles
 from .protocol import OneProcess, SaveJob, SaveTarget, run_save
 from .remote_save import ObjectTarget
@@ -290,11 +291,14 @@ def _stage_one(
     pattern: str,
     max_size: int | None,
     token: str,
+    progress: Callable[[int, int], None] | None = None,
     buffer_bytes: int | None = None,
 ) -> StagedRank:
     """:func:`.staged.stage_rank`, then ``ended(info, the error or None)`` however it ended."""
     try:
-        staged = stage_rank(directory, tensors, info, pattern, max_size, token, buffer_bytes=buffer_bytes)
+        staged = stage_rank(
+            directory, tensors, info, pattern, max_size, token, buffer_bytes=buffer_bytes, progress=progress
+        )
     except BaseException as e:
         if ended is not None:
             ended(info, e)
@@ -312,6 +316,7 @@ def _stage_in_parallel(
     max_size: int | None,
     token: str,
     ended: Callable[[RankInfo, BaseException | None], None] | None = None,
+    progress: ByteProgress | None = None,
 ) -> list[StagedRank]:
     """Stage every rank at once, one thread each; on any failure every staged rank is discarded."""
     from concurrent.futures import ThreadPoolExecutor
@@ -319,7 +324,18 @@ def _stage_in_parallel(
     buffers = writer.buffer_bytes_for(len(infos))  # the ranks' writers share one staging budget
     with ThreadPoolExecutor(len(infos), thread_name_prefix="stage") as pool:
         futures = [
-            pool.submit(_stage_one, ended, directory, ranks[i], i, pattern, max_size, token, buffer_bytes=buffers)
+            pool.submit(
+                _stage_one,
+                ended,
+                directory,
+                ranks[i],
+                i,
+                pattern,
+                max_size,
+                token,
+                progress,
+                buffer_bytes=buffers,
+            )
             for i in infos
         ]
         staged, errors = [], []
@@ -352,6 +368,7 @@ def save_checkpoint(
     parallel: bool = False,
     placed: Callable[[SaveTarget, RankEntry], RankEntry] | None = None,
     ended: Callable[[RankInfo, BaseException | None], None] | None = None,
+    progress: ByteProgress | None = None,
 ) -> Manifest:
     """Save every rank's tensors from one process (tests, offline tools): :func:`.protocol.run_save`
     over :class:`.protocol.OneProcess`; see the module doc.
@@ -375,7 +392,8 @@ def save_checkpoint(
     ``placed`` is :attr:`.protocol.SaveJob.placed`: a file more for each rank placed (``convert``'s
     start-up artifacts). ``ended(rank, error)`` is called in the thread that staged ``rank`` when its
     staging ends, with the error that ended it or None (``convert``'s ranks share the components
-    they take: one that stops must not leave the others waiting for it).
+    they take: one that stops must not leave the others waiting for it). ``progress`` counts the
+    bytes every rank stages, out of their sum.
     """
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
@@ -386,14 +404,23 @@ def save_checkpoint(
             "were given."
         )
     pattern = pattern or default_pattern(infos[0].pp_size, replicas)
+    if progress is not None:
+        # One total for every rank, before the first byte: sizes only (convert's and reshard's
+        # tensors are lazy, made as the writer takes them).
+        progress(0, sum(t.numel() * t.element_size() for tensors in ranks.values() for t in tensors.values()))
 
     def stage(target: SaveTarget) -> Iterator[tuple[StagedRank, None]]:
         if parallel and len(infos) > 1:
-            staged = _stage_in_parallel(target.staging(), ranks, infos, pattern, max_size, target.token, ended)
+            staged = _stage_in_parallel(
+                target.staging(), ranks, infos, pattern, max_size, target.token, ended, progress
+            )
             yield from ((s, None) for s in staged)
             return
         for info in infos:
-            yield _stage_one(ended, target.staging(), ranks[info], info, pattern, max_size, target.token), None
+            yield (
+                _stage_one(ended, target.staging(), ranks[info], info, pattern, max_size, target.token, progress),
+                None,
+            )
             kill_point(KILL_STAGED)
 
     def manifest_of(entries: Sequence[tuple[RankEntry, None]]) -> Manifest:

@@ -7,5 +7,4 @@
 - :mod:`.identity`: the worker's rank and the served model's identity;
 - :mod:`.reload`, :mod:`.layer_steps`, :mod:`.processed`: weight updates in place, one layer at a time;
 - :mod:`.save_cli`: the save script's job;
-- :mod:`.progress`: progress bars for loads and saves.
 """

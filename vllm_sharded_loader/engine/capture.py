@@ -55,12 +55,12 @@ from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.local import make_output_folder
 from ..storage.lock import hold_owner_marker, release_owner_marker
+from ..storage.progress import ByteProgress
 from ..storage.reader import ReadOptions
 from .compile_cache import place_compile_cache
 from .follower import watch_leader
 from .identity import current_vllm_config, dtype_label, is_drafter, ranks_on_host, source_identity
 from .layer_geometry import model_rank, tensor_geometry
-from .progress import ByteProgress
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")

@@ -22,11 +22,11 @@ from ..format.names import MANIFEST_NAME
 from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import open_store
+from ..storage.progress import ByteProgress
 from ..storage.reader import DEFAULT_THREADS, ReadOptions
 from .capture import READ_PROOF_ATTRIBUTE
 from .identity import dtype_label, ranks_on_host, source_identity
 from .layer_geometry import model_rank, tensor_geometry
-from .progress import ByteProgress
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig

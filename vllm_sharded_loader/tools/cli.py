@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from ..format.errors import ShardedStateError
+from ..storage.progress import ByteProgress
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -83,20 +84,28 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(action: str) -> ByteProgress:
+    """The bar of a command that writes a checkpoint: the bytes every rank writes, on standard error
+    when that is a terminal (as pip shows its bars; a log or a pipe gets the closing line alone)."""
+    return ByteProgress(action, enabled=sys.stderr.isatty(), line_per_update=False)
+
+
 def reshard(args: argparse.Namespace) -> int:
     import time
 
     from .offline import reshard_checkpoint
 
     started = time.perf_counter()
-    manifest = reshard_checkpoint(
-        args.directory,
-        args.output,
-        args.tensor_parallel_size,
-        args.pipeline_parallel_size,
-        max_size=args.max_file_size,
-        overwrite=args.overwrite,
-    )
+    with _progress("Resharding") as progress:
+        manifest = reshard_checkpoint(
+            args.directory,
+            args.output,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            max_size=args.max_file_size,
+            overwrite=args.overwrite,
+            progress=progress,
+        )
     print(
         f"Resharded {args.directory} to TP={manifest.tp_size} PP={manifest.pp_size} in {args.output}: "
         f"{sum(len(r.files) for r in manifest.ranks)} files, {manifest.nbytes / 1e6:.1f} MB, "
@@ -111,21 +120,23 @@ def convert(args: argparse.Namespace) -> int:
     from .convert import convert_checkpoint
 
     started = time.perf_counter()
-    result = convert_checkpoint(
-        args.source,
-        args.output,
-        args.tensor_parallel_size,
-        args.pipeline_parallel_size,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        max_size=args.max_file_size,
-        pattern=args.file_pattern,
-        overwrite=args.overwrite,
-        trust_remote_code=args.trust_remote_code,
-        runner=args.runner,
-        convert=args.convert,
-        revision=args.revision,
-    )
+    with _progress("Converting") as progress:
+        result = convert_checkpoint(
+            args.source,
+            args.output,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            max_size=args.max_file_size,
+            pattern=args.file_pattern,
+            overwrite=args.overwrite,
+            trust_remote_code=args.trust_remote_code,
+            runner=args.runner,
+            convert=args.convert,
+            revision=args.revision,
+            progress=progress,
+        )
     manifest = result.manifest
     print(
         f"Converted {args.source} to TP={manifest.tp_size} PP={manifest.pp_size} in {args.output}: "

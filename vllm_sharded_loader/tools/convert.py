@@ -37,6 +37,7 @@ from ..planning.topology import RankInfo
 from ..storage.hf_source import read_ahead, resolve_source
 from ..storage.location import check_no_special_files, copy_non_weight_files, is_locked, open_store, read_manifest
 from ..storage.oscalls import release_free_heap
+from ..storage.progress import ByteProgress
 from ..storage.staging_folders import staging_folder
 from ..storage.tensors import torch_threads
 from ..storage.writer import LazyTensor, write_order
@@ -312,13 +313,14 @@ def convert_checkpoint(
     convert: str = "auto",
     revision: str | None = None,
     budget: int = DEFAULT_BUDGET,
+    progress: ByteProgress | None = None,
 ) -> ConvertResult:
     """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``.
 
     ``dtype``, ``quantization``, ``trust_remote_code``, ``runner`` and ``convert`` are vLLM's own
     ``LLM(...)`` arguments of the engine that will serve it: they decide its model class and
     tensors (``runner="pooling", convert="embed"`` for a causal LM served as an embedding model).
-    ``revision`` picks the branch, tag or commit of a Hub repo id.
+    ``revision`` picks the branch, tag or commit of a Hub repo id. ``progress`` counts the bytes written.
 
     Every check (the source's files and headers, that vLLM's loader places every tensor,
     that every rank's split exists) runs before a byte is written; the output is published
@@ -339,7 +341,7 @@ def convert_checkpoint(
 
     options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
     try:
-        return _convert(folder, output, tp_size, pp_size, options, max_size, pattern, overwrite, budget)
+        return _convert(folder, output, tp_size, pp_size, options, max_size, pattern, overwrite, budget, progress)
     except BaseException:
         if made:
             # The folder this run made, left empty by the failed save: nothing of ours stays at OUT.
@@ -358,6 +360,7 @@ def _convert(
     pattern: str | None,
     overwrite: bool,
     budget: int,
+    progress: ByteProgress | None,
 ) -> ConvertResult:
     started = time.perf_counter()
     # A cold source is read while vLLM is imported and configured and its model built (seconds of
@@ -460,6 +463,7 @@ def _convert(
                 parallel=True,
                 placed=placed,
                 ended=finish,
+                progress=progress,
             )
         except RankStopped:
             # The save reports the first rank's error; a rank that only stopped for another's failure

@@ -23,6 +23,7 @@ from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan
 from ..planning.topology import RankInfo
 from ..storage.location import check_not_locked, is_locked, open_store, read_manifest
+from ..storage.progress import ByteProgress
 from ..storage.writer import LazyTensor
 
 
@@ -93,8 +94,10 @@ def reshard_checkpoint(
     *,
     max_size: int | None = DEFAULT_MAX_SIZE,
     overwrite: bool = False,
+    progress: ByteProgress | None = None,
 ) -> Manifest:
-    """Write ``directory``'s checkpoint resharded to ``tp_size`` x ``pp_size`` into ``output``.
+    """Write ``directory``'s checkpoint resharded to ``tp_size`` x ``pp_size`` into ``output``
+    (``progress`` counts the bytes written).
 
     The output loads at the new topology without resharding at load time. Non-weight
     files (config, tokenizer) are copied under the save's lock; the manifest is written last.
@@ -146,4 +149,5 @@ def reshard_checkpoint(
             tied=manifest.tied,
             # Config and tokenizer go in under the lock, once the overwrite rule has passed.
             carry=directory,
+            progress=progress,
         )

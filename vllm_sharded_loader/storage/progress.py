@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from types import TracebackType
 
@@ -14,23 +15,42 @@ class ByteProgress:
     """A callback ``(bytes_done_now, bytes_total)`` that drives a tqdm bar and times the work.
 
     The bar opens on the first call (when the total is known) and only when ``enabled``;
-    ``seconds`` and ``nbytes`` are kept either way, for the log line.
+    ``seconds`` and ``nbytes`` are kept either way, for the log line. ``line_per_update`` keeps
+    vLLM's one-line format (engine workers); off, tqdm draws its usual bar (a terminal).
+    Calls may come from several threads (the ranks of an offline save, once the first call
+    gave the total of them all).
     """
 
-    def __init__(self, desc: str, enabled: bool) -> None:
-        self.desc, self.enabled = desc, enabled
+    def __init__(self, desc: str, enabled: bool, line_per_update: bool = True) -> None:
+        self.desc, self.enabled, self.line_per_update = desc, enabled, line_per_update
         self.bar = None
         self.nbytes = 0
+        self.total: int | None = None
         self.started = time.perf_counter()
         self.seconds = 0.0
+        self._lock = threading.Lock()
 
     def __call__(self, done: int, total: int) -> None:
-        if self.enabled and self.bar is None:
+        with self._lock:
+            if self.total is None:
+                self._open(total)
+            self._advance(done)
+
+    def _open(self, total: int) -> None:
+        self.total = total
+        if self.enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1000, bar_format=BAR_FORMAT
+                total=total,
+                desc=self.desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                bar_format=BAR_FORMAT if self.line_per_update else None,
             )
+
+    def _advance(self, done: int) -> None:
         self.nbytes += done
         if self.bar is not None and done:
             self.bar.update(done)
