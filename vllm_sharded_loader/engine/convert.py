@@ -30,6 +30,7 @@ import torch
 
 from ..checkpoint.protocol import SaveTarget
 from ..checkpoint.state import saveable_state, tied_groups
+from ..checkpoint.write_coverage import WriteRecorder, canaries
 from ..format.errors import ConvertRefused, ShardedStateError, listing
 from ..format.geometry import TensorGeometry
 from ..format.manifest import RankEntry
@@ -43,7 +44,7 @@ from .compile_cache import save_startup_artifacts
 from .convert_setup import DEFAULT_OPTIONS, ModelOptions, build_meta_model, engine_config
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
-from .meta_model import WriteRecorder, canaries, holding, walk_modules_once
+from .meta_model import holding, walk_modules_once
 
 # Under the "vllm" logger (vLLM's logging configuration shows our lines), without importing vLLM here.
 logger = logging.getLogger(f"vllm.plugins.{__name__}")

@@ -1,103 +1,14 @@
-"""The meta model convert runs vLLM's loaders on, and which elements of its tensors they write.
+"""The meta model convert runs vLLM's loaders on.
 
 A model built on the meta device allocates nothing; :func:`parameters_to_meta` puts there
 what a model class makes on the CPU anyway, :func:`holding` swaps a parameter's tensor, and
-:func:`walk_modules_once` keeps vLLM's loaders from walking the module tree per call.
-
-Convert fills each tensor it makes with NaN before vLLM's loader runs and refuses any
-tensor left partly NaN: that is how a weight the checkpoint lacks is found. Filling and
-scanning every byte costs a third of making it. The dry run (every source tensor loaded
-once into the meta model) already runs the same loaders; :class:`WriteRecorder` watches it
-and records, per tensor, the elements each in-place operation writes. A tensor whose
-elements are all written by contiguous writes is *proven covered*: convert then puts NaN
-only at a few canary elements (:func:`canaries`) and checks those, which catches a real
-load that writes less than the dry run did. Any write it cannot place (strided, through
-another tensor, a replaced storage) leaves the tensor unproven and fully checked.
+:func:`walk_modules_once` keeps vLLM's loaders from walking the module tree per call. Which
+elements the loaders write is recorded by :mod:`..checkpoint.write_coverage`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-# Canary elements of a proven-covered tensor: enough to catch a write of a whole shard, segment
-# or expert that the real load skips, few enough to cost nothing.
-CANARIES = 64
-
-
-def covers(intervals: Iterable[tuple[int, int]], length: int) -> bool:
-    """Whether half-open ``intervals`` cover ``[0, length)``. Pure.
-
-    >>> covers([(0, 4), (6, 10), (3, 6)], 10), covers([(0, 4), (5, 10)], 10), covers([], 0)
-    (True, False, True)
-    """
-    reached = 0
-    for start, end in sorted(intervals):
-        if start > reached:
-            return False
-        reached = max(reached, end)
-    return reached >= length
-
-
-def canaries(numel: int) -> torch.Tensor:
-    """Flat indices of a tensor's canary elements: the first, the last and evenly spaced ones between."""
-    steps = min(numel, CANARIES)
-    if steps < 2:
-        return torch.zeros(steps, dtype=torch.long)
-    # In integers: a float32 linspace rounds indices of large tensors past their end.
-    return torch.arange(steps, dtype=torch.long) * (numel - 1) // (steps - 1)
-
-
-class WriteRecorder(TorchDispatchMode):
-    """Records the elements that in-place operations write into the watched tensors' storages.
-
-    ``watched`` maps state names to their (meta) tensors. After the recorded code has run,
-    :meth:`covered` names the tensors every element of which a contiguous write reached.
-    """
-
-    def __init__(self, watched: Mapping[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.storages = {_storage_id(t): name for name, t in watched.items() if t.storage_offset() == 0}
-        self.kept = list(watched.values())  # alive, so that no other storage takes a watched one's id
-        self.dtype = {name: t.dtype for name, t in watched.items()}
-        self.numel = {name: t.numel() for name, t in watched.items()}
-        self.written: dict[str, list[tuple[int, int]]] = {}
-        self.unplaced: set[str] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        for i, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            tensor = args[i] if i < len(args) else kwargs.get(argument.name)
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            name = self.storages.get(_storage_id(tensor))
-            if name is None:
-                continue
-            if tensor.is_contiguous() and tensor.numel() and tensor.dtype == self.dtype[name]:
-                start = tensor.storage_offset()
-                self.written.setdefault(name, []).append((start, start + tensor.numel()))
-            elif tensor.numel():
-                self.unplaced.add(name)  # strided, or through another dtype: not placed, so not proven
-        return func(*args, **kwargs)
-
-    def covered(self, final: Mapping[str, torch.Tensor]) -> set[str]:
-        """Names of ``final`` tensors (the state after the run) proven covered: still the storage watched."""
-        proven = set()
-        for name, tensor in final.items():
-            if name in self.unplaced or self.storages.get(_storage_id(tensor)) != name:
-                continue
-            if tensor.numel() == self.numel.get(name) and covers(self.written.get(name, []), tensor.numel()):
-                proven.add(name)
-        return proven
-
-
-def _storage_id(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
 
 
 def parameters_to_meta(model: torch.nn.Module) -> None:

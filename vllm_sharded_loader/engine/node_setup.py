@@ -53,7 +53,7 @@ def prefer_inductor_caches() -> None:
     when start-up artifacts are turned off, on a GPU, or on a later vLLM."""
     import vllm
 
-    if not startup_artifacts.enabled() or AOT_ENV in os.environ or torch.cuda.is_available():
+    if not startup_artifacts.enabled() or AOT_ENV in os.environ:
         return
     if tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit()) > (0, 32):
         return

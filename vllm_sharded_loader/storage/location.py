@@ -301,11 +301,6 @@ def open_store(where: str) -> Store:
     return ObjectStore(where) if is_object_url(where) else LocalStore(where)
 
 
-def is_remote(where: str) -> bool:
-    """Whether the checkpoint is in object storage (no local files, no mappings, no flock)."""
-    return open_store(where).remote
-
-
 def file_path(where: str, name: str) -> str:
     """The path or URL of a file of the checkpoint, for opening or for a message."""
     return open_store(where).file_path(name)
