@@ -77,22 +77,19 @@ def test_verify_good_and_bad(checkpoint, capsys):
     assert "BAD" in out and "model-rank-1-part-0.safetensors" in out and "truncated" in out
 
 
-def test_reshard_shows_the_bytes_of_every_rank_on_a_terminal_and_nothing_through_a_pipe(checkpoint, tmp_path):
-    """Long offline work shows progress where someone watches: on a terminal (a real pseudo-terminal
-    here), one bar that counts the bytes every output rank writes, ending at their sum; through a
-    pipe (a log), only the closing line."""
+def on_a_terminal(args: list[str]) -> tuple[int, str]:
+    """Run ``vllm-sharded ARGS`` with standard error on a real pseudo-terminal, 120 columns wide (a
+    fresh one has 0, where tqdm draws nothing); its exit code and the last line drawn there."""
     import fcntl
     import os
     import pty
     import struct
     import termios
 
-    _, directory = checkpoint
-    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "reshard", str(directory), "-tp", "4"]
     leader, follower = pty.openpty()
-    # A terminal 120 columns wide (a fresh pseudo-terminal has 0, where tqdm draws nothing).
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    with subprocess.Popen([*command, "-o", str(tmp_path / "tty")], stdout=subprocess.PIPE, stderr=follower) as proc:
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=follower) as proc:
         os.close(follower)
         shown = b""
         while True:
@@ -103,24 +100,42 @@ def test_reshard_shows_the_bytes_of_every_rank_on_a_terminal_and_nothing_through
             if not chunk:
                 break
             shown += chunk
-        assert proc.wait(timeout=120) == 0, shown
+        code = proc.wait(timeout=120)
     os.close(leader)
+    lines = shown.decode(errors="replace").replace("\r", "\n").strip().splitlines()
+    return code, lines[-1] if lines else ""
+
+
+def test_reshard_and_verify_show_progress_on_a_terminal_and_nothing_through_a_pipe(checkpoint, tmp_path):
+    """Long offline work shows progress where someone watches: on a terminal, one bar, complete at
+    the end, of the bytes every output rank writes (reshard) or of every part's bytes read for its
+    checksums (verify); through a pipe (a log), only the closing lines."""
     from tqdm import tqdm
 
+    _, directory = checkpoint
+    code, final = on_a_terminal(["reshard", str(directory), "-tp", "4", "-o", str(tmp_path / "tty")])
+    assert code == 0
     manifest = read_manifest(str(tmp_path / "tty"))
     itemsize = {"I32": 4}  # the tiny Llama of tests/support/reference.py is int32
-    written = sum(
-        math.prod(t.shape) * itemsize[t.dtype] for r in manifest.ranks for t in r.tensors.values()
-    )  # every rank's tensor bytes, the files' headers aside
-    text = shown.decode(errors="replace")
-    # tqdm's last drawing of the bar: complete, and at the sum of the four ranks' bytes.
-    final = text.replace("\r", "\n").strip().splitlines()[-1]
-    assert final.startswith("Resharding: 100%"), text
-    size = tqdm.format_sizeof(written, divisor=1000)
-    assert f" {size}/{size} " in final, (written, final)
-    piped = subprocess.run([*command, "-o", str(tmp_path / "pipe")], capture_output=True, text=True, timeout=120)
+    # Every rank's tensor bytes (the files' headers aside), as tqdm writes a size.
+    size = tqdm.format_sizeof(
+        sum(math.prod(t.shape) * itemsize[t.dtype] for r in manifest.ranks for t in r.tensors.values()), divisor=1000
+    )
+    assert final.startswith("Resharding: 100%") and f" {size}/{size} " in final, (size, final)
+    code, final = on_a_terminal(["verify", str(tmp_path / "tty")])
+    size = tqdm.format_sizeof(sum(f.size for r in manifest.ranks for f in r.files), divisor=1000)
+    assert code == 0 and final.startswith("Verifying: 100%") and f" {size}/{size} " in final, (size, final)
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli"]
+    piped = subprocess.run(
+        [*command, "reshard", str(directory), "-tp", "4", "-o", str(tmp_path / "pipe")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert piped.returncode == 0 and "Resharded" in piped.stdout
     assert "Resharding" not in piped.stderr, piped.stderr
+    piped = subprocess.run([*command, "verify", str(tmp_path / "pipe")], capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and "OK:" in piped.stdout and "Verifying" not in piped.stderr, piped.stderr
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (4, 1), (1, 2), (2, 4)])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum, Manifest
 from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
@@ -9,22 +11,30 @@ from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
 from ..storage.location import StoredFile, check_not_locked, file_path, list_names, open_store, read_manifest
 from ..storage.lock import describe_lock, read_lock
+from ..storage.progress import ByteProgress
 from ..storage.writer import CHUNK_BYTES
 from .rank_files import check_rank_file
 from .startup_artifacts import read_rank_artifacts
 
 
-def verify_file_checksum(file: StoredFile, checksum: FileChecksum) -> None:
-    """Stream a whole open file through its block checksums; raises on the first bad block."""
+def verify_file_checksum(
+    file: StoredFile, checksum: FileChecksum, progress: Callable[[int, int], None] | None = None
+) -> None:
+    """Stream a whole open file through its block checksums; raises on the first bad block.
+    ``progress(bytes_read_now, 0)`` follows the reads (its total given by the caller)."""
     verifier = BlockVerifier(file.path, checksum)
     position = 0
     while chunk := file.read_at(position, CHUNK_BYTES):
         verifier.update(memoryview(chunk))
         position += len(chunk)
+        if progress is not None:
+            progress(len(chunk), 0)
     verifier.finish()
 
 
-def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] | None = None) -> list[str]:
+def verify_checkpoint(
+    directory: str, checksums: bool = True, notes: list[str] | None = None, progress: ByteProgress | None = None
+) -> list[str]:
     """Every problem of a checkpoint on disk, one line each naming the file; empty when sound.
 
     Checks what a load checks for every rank (lock, manifest, file presence, sizes,
@@ -37,6 +47,7 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
     save that died after its publish, and the replaced parts it had not removed yet) is
     no problem of the checkpoint: no load reads it and the next save removes it. It is
     appended to ``notes`` (when given), one line each, and never makes the checkpoint unsound.
+    ``progress`` counts the bytes read for the checksums, out of every listed part's size.
     """
     notes = [] if notes is None else notes
     problems: list[str] = []
@@ -59,6 +70,8 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
     except ShardedStateError as e:
         problems.append(str(e))
     listed = set()
+    if progress is not None and checksums:
+        progress(0, sum(f.size for entry in manifest.ranks for f in entry.files if f.checksum is not None))
     for entry in manifest.ranks:
         for f in entry.files:
             listed.add(f.name)
@@ -66,7 +79,7 @@ def verify_checkpoint(directory: str, checksums: bool = True, notes: list[str] |
                 checked = check_rank_file(directory, f, entry, "checksum" if checksums else "size")
                 with checked.file:
                     if f.checksum is not None and checksums:
-                        verify_file_checksum(checked.file, f.checksum)
+                        verify_file_checksum(checked.file, f.checksum, progress)
             except ShardedStateError as e:
                 problems.append(str(e))
     if checksums:

@@ -27,7 +27,8 @@ def verify(args: argparse.Namespace) -> int:
     from ..checkpoint.verify import verify_checkpoint
 
     notes: list[str] = []
-    problems = verify_checkpoint(args.directory, checksums=not args.size_only, notes=notes)
+    with _progress("Verifying") as progress:
+        problems = verify_checkpoint(args.directory, checksums=not args.size_only, notes=notes, progress=progress)
     what = "sizes and headers" if args.size_only else "sizes, headers and checksums"
     # Leftovers of a save or engine that died are not the checkpoint's problems (see verify_checkpoint).
     for note in notes:
@@ -85,8 +86,9 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def _progress(action: str) -> ByteProgress:
-    """The bar of a command that writes a checkpoint: the bytes every rank writes, on standard error
-    when that is a terminal (as pip shows its bars; a log or a pipe gets the closing line alone)."""
+    """The bar of a command's long work (the bytes every rank writes, or every part read for its
+    checksums), on standard error when that is a terminal (as pip shows its bars; a log or a pipe
+    gets the closing line alone)."""
     return ByteProgress(action, enabled=sys.stderr.isatty(), line_per_update=False)
 
 
