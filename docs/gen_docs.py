@@ -137,15 +137,18 @@ def _default(row: dict) -> str:
 def model_matrix() -> str:
     rows = json.loads(MATRIX_JSON.read_text())
     lines = [
-        "| family | architecture | vLLM's default loader, TP=1 and 2 | " + " | ".join(t for _, t in COLUMNS) + " |",
-        "|---|---|---|" + "---|" * len(COLUMNS),
+        "| family | architecture | vLLM's default loader, TP=1 and 2 | "
+        + " | ".join(t for _, t in COLUMNS)
+        + " | CPU flags of the machine |",
+        "|---|---|---|" + "---|" * (len(COLUMNS) + 1),
     ]
     for row in rows:
+        flags = ", ".join(row["cpu_flags"]) if "cpu_flags" in row else "not recorded"
         if "build_error" in row:
-            lines.append(f"| {row['family']} | {row['architecture']} | build failed | | | |")
+            lines.append(f"| {row['family']} | {row['architecture']} | build failed | | | | {flags} |")
             continue
         cells = [row["family"], f"`{row['architecture']}`", _default(row)]
-        cells += [_outcome(row, key) for key, _ in COLUMNS]
+        cells += [_outcome(row, key) for key, _ in COLUMNS] + [flags]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     steps = {
         "default_tp1": "default loader TP=1",

