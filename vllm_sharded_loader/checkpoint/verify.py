@@ -18,17 +18,17 @@ from .startup_artifacts import read_rank_artifacts
 
 
 def verify_file_checksum(
-    file: StoredFile, checksum: FileChecksum, progress: Callable[[int, int], None] | None = None
+    file: StoredFile, checksum: FileChecksum, progress: Callable[[int], None] | None = None
 ) -> None:
     """Stream a whole open file through its block checksums; raises on the first bad block.
-    ``progress(bytes_read_now, 0)`` follows the reads (its total given by the caller)."""
+    ``progress(bytes_read_now)`` follows the reads, as the writer's does its writes."""
     verifier = BlockVerifier(file.path, checksum)
     position = 0
     while chunk := file.read_at(position, CHUNK_BYTES):
         verifier.update(memoryview(chunk))
         position += len(chunk)
         if progress is not None:
-            progress(len(chunk), 0)
+            progress(len(chunk))
     verifier.finish()
 
 
@@ -79,7 +79,7 @@ def verify_checkpoint(
                 checked = check_rank_file(directory, f, entry, "checksum" if checksums else "size")
                 with checked.file:
                     if f.checksum is not None and checksums:
-                        verify_file_checksum(checked.file, f.checksum, progress)
+                        verify_file_checksum(checked.file, f.checksum, None if progress is None else progress.advance)
             except ShardedStateError as e:
                 problems.append(str(e))
     if checksums:

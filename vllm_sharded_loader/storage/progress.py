@@ -36,6 +36,11 @@ class ByteProgress:
                 self._open(total)
             self._advance(done)
 
+    def advance(self, done: int) -> None:
+        """Count ``done`` bytes more, for a caller that gave the total in its first call."""
+        with self._lock:
+            self._advance(done)
+
     def _open(self, total: int) -> None:
         self.total = total
         if self.enabled:
