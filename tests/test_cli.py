@@ -77,9 +77,9 @@ def test_verify_good_and_bad(checkpoint, capsys):
     assert "BAD" in out and "model-rank-1-part-0.safetensors" in out and "truncated" in out
 
 
-def on_a_terminal(args: list[str]) -> tuple[int, str]:
+def on_a_terminal(args: list[str]) -> tuple[int, list[str]]:
     """Run ``vllm-sharded ARGS`` with standard error on a real pseudo-terminal, 120 columns wide (a
-    fresh one has 0, where tqdm draws nothing); its exit code and the last line drawn there."""
+    fresh one has 0, where tqdm draws nothing); its exit code and the lines drawn there."""
     import fcntl
     import os
     import pty
@@ -103,7 +103,7 @@ def on_a_terminal(args: list[str]) -> tuple[int, str]:
         code = proc.wait(timeout=120)
     os.close(leader)
     lines = shown.decode(errors="replace").replace("\r", "\n").strip().splitlines()
-    return code, lines[-1] if lines else ""
+    return code, lines
 
 
 def test_reshard_and_verify_show_progress_on_a_terminal_and_nothing_through_a_pipe(checkpoint, tmp_path):
@@ -113,8 +113,9 @@ def test_reshard_and_verify_show_progress_on_a_terminal_and_nothing_through_a_pi
     from tqdm import tqdm
 
     _, directory = checkpoint
-    code, final = on_a_terminal(["reshard", str(directory), "-tp", "4", "-o", str(tmp_path / "tty")])
+    code, shown = on_a_terminal(["reshard", str(directory), "-tp", "4", "-o", str(tmp_path / "tty")])
     assert code == 0
+    final = shown[-1]
     manifest = read_manifest(str(tmp_path / "tty"))
     itemsize = {"I32": 4}  # the tiny Llama of tests/support/reference.py is int32
     # Every rank's tensor bytes (the files' headers aside), as tqdm writes a size.
@@ -122,7 +123,8 @@ def test_reshard_and_verify_show_progress_on_a_terminal_and_nothing_through_a_pi
         sum(math.prod(t.shape) * itemsize[t.dtype] for r in manifest.ranks for t in r.tensors.values()), divisor=1000
     )
     assert final.startswith("Resharding: 100%") and f" {size}/{size} " in final, (size, final)
-    code, final = on_a_terminal(["verify", str(tmp_path / "tty")])
+    code, shown = on_a_terminal(["verify", str(tmp_path / "tty")])
+    final = shown[-1]
     size = tqdm.format_sizeof(sum(f.size for r in manifest.ranks for f in r.files), divisor=1000)
     assert code == 0 and final.startswith("Verifying: 100%") and f" {size}/{size} " in final, (size, final)
     command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli"]
@@ -136,6 +138,10 @@ def test_reshard_and_verify_show_progress_on_a_terminal_and_nothing_through_a_pi
     assert "Resharding" not in piped.stderr, piped.stderr
     piped = subprocess.run([*command, "verify", str(tmp_path / "pipe")], capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0 and "OK:" in piped.stdout and "Verifying" not in piped.stderr, piped.stderr
+    # Refused (the output is a checkpoint, and no --overwrite): the error alone, no bar drawn first.
+    code, shown = on_a_terminal(["reshard", str(directory), "-tp", "4", "-o", str(tmp_path / "tty")])
+    assert code != 0 and shown and not any("Resharding" in line for line in shown), shown
+    assert "already" in shown[-1].lower() or "overwrite" in shown[-1].lower(), shown
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (4, 1), (1, 2), (2, 4)])

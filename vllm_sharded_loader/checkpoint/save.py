@@ -404,12 +404,13 @@ def save_checkpoint(
             "were given."
         )
     pattern = pattern or default_pattern(infos[0].pp_size, replicas)
-    if progress is not None:
-        # One total for every rank, before the first byte: sizes only (convert's and reshard's
-        # tensors are lazy, made as the writer takes them).
-        progress(0, sum(t.numel() * t.element_size() for tensors in ranks.values() for t in tensors.values()))
 
     def stage(target: SaveTarget) -> Iterator[tuple[StagedRank, None]]:
+        if progress is not None:
+            # One total for every rank, before the first byte and after the lock (a refused save
+            # draws no bar): sizes only (convert's and reshard's tensors are lazy, made as the
+            # writer takes them).
+            progress(0, sum(t.numel() * t.element_size() for tensors in ranks.values() for t in tensors.values()))
         if parallel and len(infos) > 1:
             staged = _stage_in_parallel(
                 target.staging(), ranks, infos, pattern, max_size, target.token, ended, progress
