@@ -656,6 +656,32 @@ def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, t
     assert all(torch.equal(targets[n], x) for n, x in new.items())
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_part_rewritten_in_place_with_its_mtime_put_back_during_the_load_is_refused(tmp_path, mapped):
+    """A part rewritten in place during the load, same size, its modification time put back
+    (``cp -p`` or ``rsync -a --inplace`` onto it): same device, inode, size and mtime, but
+    other bytes. The kernel-kept ctime tells; the load must not return the other rank's weights."""
+    save(tmp_path, tp_size=2)
+    part0, part1 = tmp_path / PART0, tmp_path / "model-rank-1-part-0.safetensors"
+    other = part1.read_bytes()
+    assert len(other) == part0.stat().st_size
+    rewritten: list[int] = []
+
+    def rewrite_before_the_reads(done: int, total: int) -> None:
+        if not rewritten:
+            st = part0.stat()
+            with open(part0, "r+b") as f:
+                f.write(other)
+            os.utime(part0, ns=(st.st_atime_ns, st.st_mtime_ns))
+            rewritten.append(1)
+
+    targets = fresh_targets(0, 2)
+    adopt = {n: (lambda t, n=n: targets.__setitem__(n, t)) for n in targets} if mapped else None
+    with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
+        load(tmp_path, 0, 2, targets=targets, threads=1, progress=rewrite_before_the_reads, adopt=adopt)
+    assert rewritten, "the part was rewritten during the load"
+
+
 def test_save_running_when_the_reads_end_leaves_the_load_whole(tmp_path, monkeypatch):
     """A save that has taken the lock when the reads end: the load has the published checkpoint, whole.
 

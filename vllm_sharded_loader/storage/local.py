@@ -164,16 +164,19 @@ def part_path(directory: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What tells one version of a file from another: device, inode, size, modification time."""
+    """What tells one version of a file from another: device, inode, size, modification time, and the
+    kernel-kept change time (a file rewritten in place with its mtime put back, ``cp -p`` or
+    ``rsync -a --inplace`` onto it, keeps the other four)."""
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class OpenFile:
