@@ -209,6 +209,25 @@ def test_checkpoint_without_manifest_loads(tmp_path):
             assert torch.equal(targets[name], t)
 
 
+def test_checkpoint_without_manifest_rewritten_during_the_load_is_refused(tmp_path):
+    """vLLM's own save writes its parts in place (``save_file``): one run into the folder while a
+    load reads it must fail the load, not hand it the other save's bytes."""
+    save_like_vllm(tmp_path)
+    part0 = tmp_path / "model-rank-0-part-0.safetensors"
+    other = (tmp_path / "model-rank-1-part-0.safetensors").read_bytes()
+    rewritten: list[int] = []
+
+    def rewrite_before_the_reads(done: int, total: int) -> None:
+        if not rewritten:
+            with open(part0, "r+b") as f:
+                f.write(other)
+            rewritten.append(1)
+
+    with pytest.raises(ShardedStateError, match=r"rank-0-part-0\.safetensors: the file was replaced or modified"):
+        load(tmp_path, tp_rank=0, threads=1, progress=rewrite_before_the_reads)
+    assert rewritten, "the part was rewritten during the load"
+
+
 def test_checkpoint_without_manifest_at_other_topology_is_refused(tmp_path):
     save_like_vllm(tmp_path, tp_size=2)
     targets = fresh_targets(0, 1)

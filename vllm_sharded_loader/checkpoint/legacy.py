@@ -16,7 +16,7 @@ from ..format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNot
 from ..format.names import MANIFEST_NAME, default_pattern, parse_file_name, validate_pattern
 from ..planning.tensors import TensorSpec, check_tensor_sets
 from ..planning.topology import RankInfo
-from ..storage.local import part_path, read_header
+from ..storage.local import OpenFile, part_path, read_header
 from ..storage.location import open_store, read_manifest
 from ..storage.reader import ReadOptions
 from ..storage.tensor_files import read_files
@@ -44,26 +44,37 @@ def load_without_manifest(
     pattern = pattern or default_pattern(rank.pp_size)
     validate_pattern(pattern, rank.tp_size, rank.pp_size)
     names = rank_files_without_manifest(directory, pattern, rank)
-    headers = [read_header(part_path(directory, n)) for n in names]
-    saved = {}
-    owner: dict[str, str] = {}
-    for header in headers:
-        for name, h in header.tensors.items():
-            if name in owner:
-                raise CheckpointCorrupt(
-                    f"{where}: tensor {name!r} is stored in both {owner[name]} and {header.path}; "
-                    "the directory mixes two saves. Remove the stale files or save it again."
-                )
-            owner[name] = header.path
-            saved[name] = TensorSpec(h.shape, h.dtype)
-    cast = check_tensor_sets(
-        tensor_specs(targets),
-        saved,
-        where,
-        hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
-        "drops every linear weight. Save it again with examples/save_sharded_state.py.",
-    )
-    read = read_files(headers, targets, None, adopt, options=options)
+    # Each file opened once: its header, its reads and the check after them go through that descriptor
+    # (vLLM's own save rewrites its parts in place: one during the load is refused, never mixed in).
+    files: list[OpenFile] = []
+    try:
+        for n in names:
+            files.append(OpenFile.open(part_path(directory, n)))
+        headers = [read_header(f) for f in files]
+        saved = {}
+        owner: dict[str, str] = {}
+        for header in headers:
+            for name, h in header.tensors.items():
+                if name in owner:
+                    raise CheckpointCorrupt(
+                        f"{where}: tensor {name!r} is stored in both {owner[name]} and {header.path}; "
+                        "the directory mixes two saves. Remove the stale files or save it again."
+                    )
+                owner[name] = header.path
+                saved[name] = TensorSpec(h.shape, h.dtype)
+        cast = check_tensor_sets(
+            tensor_specs(targets),
+            saved,
+            where,
+            hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
+            "drops every linear weight. Save it again with examples/save_sharded_state.py.",
+        )
+        read = read_files(headers, targets, None, adopt, files, options=options)
+        for f in files:
+            f.check_unchanged()
+    finally:
+        for f in files:
+            f.close()
     return whole_file_stats([h.path for h in headers], len(targets), read, started, cast, with_manifest=False)
 
 
