@@ -31,6 +31,7 @@ from tests.support.states import CONFIG, assert_untouched, fresh_targets, load, 
 from vllm_sharded_loader.checkpoint import (
     LoadRequest,
     RankInfo,
+    ReadOptions,
     load_rank,
     read_manifest,
     saveable_state,
@@ -680,6 +681,39 @@ def test_part_rewritten_in_place_with_its_mtime_put_back_during_the_load_is_refu
     with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
         load(tmp_path, 0, 2, targets=targets, threads=1, progress=rewrite_before_the_reads, adopt=adopt)
     assert rewritten, "the part was rewritten during the load"
+
+
+@pytest.mark.parametrize("tp_size", [2, 1], ids=["same topology", "resharding"])
+def test_a_load_refused_after_its_reads_hands_no_mapped_tensor_to_the_model(tmp_path, tp_size):
+    """The parameters the loader would swap onto mappings of the files (``adopt``) are swapped only
+    once the last check passed: a part modified during the reads is refused with the model as it was."""
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    part = directory / PART0
+    modified: list[int] = []
+
+    def modify_before_the_reads(done: int, total: int) -> None:
+        if not modified:
+            with open(part, "r+b") as f:
+                f.seek(part.stat().st_size - 4)
+                f.write(b"\x01\x02\x03\x04")
+            modified.append(1)
+
+    expected = stage_state(RESHARD_MODEL, tp_size, 1, 0, 0)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    adopted: list[str] = []
+    adopt = {n: (lambda t, n=n: adopted.append(n)) for n in targets}
+    request = LoadRequest(str(directory), read_manifest(str(directory)), serving=source_of(RESHARD_MODEL))
+    options = ReadOptions(threads=1, progress=modify_before_the_reads)
+    with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
+        load_rank(request, targets, RankInfo(0, tp_size), options, adopt)
+    assert modified, "the part was modified during the load"
+    assert adopted == [], "a mapped tensor was handed to the model before the load was refused"
+    # Sound, the same load hands every mapped tensor over.
+    sound = tmp_path / "sound"
+    save_reshardable(sound)
+    load_rank(LoadRequest(str(sound), read_manifest(str(sound))), targets, RankInfo(0, tp_size), adopt=adopt)
+    assert adopted
 
 
 def test_save_running_when_the_reads_end_leaves_the_load_whole(tmp_path, monkeypatch):

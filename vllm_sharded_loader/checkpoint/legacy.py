@@ -20,6 +20,7 @@ from ..storage.local import OpenFile, part_path, read_header
 from ..storage.location import open_store, read_manifest
 from ..storage.reader import ReadOptions
 from ..storage.tensor_files import read_files
+from .rank_files import HeldAdoption
 from .request import LoadRequest
 from .state import tensor_specs
 from .stats import LoadStats, whole_file_stats
@@ -69,9 +70,11 @@ def load_without_manifest(
             hint="The checkpoint was written by vLLM's own save (no manifest); on CPU that save "
             "drops every linear weight. Save it again with examples/save_sharded_state.py.",
         )
-        read = read_files(headers, targets, None, adopt, files, options=options)
+        held = HeldAdoption(adopt)
+        read = read_files(headers, targets, None, held.callbacks(), files, options=options)
         for f in files:
             f.check_unchanged()
+        held.hand_over()
     finally:
         for f in files:
             f.close()

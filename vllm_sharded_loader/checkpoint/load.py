@@ -31,7 +31,7 @@ from ..storage.memory import check_materialized
 from ..storage.reader import DEFAULT_READ, ReadOptions
 from ..storage.tensor_files import read_files
 from .legacy import load_without_manifest
-from .rank_files import RankFiles, check_not_replaced, saved_specs
+from .rank_files import HeldAdoption, RankFiles, check_not_replaced, saved_specs
 from .request import LoadRequest
 from .reshard import load_resharded
 from .state import tensor_specs
@@ -61,7 +61,8 @@ def load_rank(
     records the geometry. ``options`` run the reader (:class:`..storage.reader.ReadOptions`).
     ``adopt`` maps tensor names to callbacks that take a tensor over private mappings of
     the files in place of the target: every route maps the CPU tensors of the saved dtype
-    whose saved pieces are whole runs of their files (see :func:`..storage.lowering.read_plans`).
+    whose saved pieces are whole runs of their files (see :func:`..storage.lowering.read_plans`),
+    each called only once every check passed, the last one after the reads included.
     """
     started = time.perf_counter()
     directory, manifest, verify = request.directory, request.manifest, request.verify
@@ -114,6 +115,8 @@ def load_rank(
         # The plan and the read: each tensor's bytes where its file's header places them.
         checksums = {c.file.path: c.entry.checksum for c in files.files} if verify == "checksum" else {}
         handles = [c.file for c in files.files]
-        read = read_files(files.headers, targets, checksums, adopt, handles, options)
+        held = HeldAdoption(adopt)
+        read = read_files(files.headers, targets, checksums, held.callbacks(), handles, options)
         check_not_replaced(directory, manifest, files.check_unchanged)
+        held.hand_over()
     return whole_file_stats([h.path for h in files.headers], len(targets), read, started, cast, with_manifest=True)

@@ -9,8 +9,11 @@ resharding load and ``vllm-sharded verify`` all go through it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
+
+import torch
 
 from ..format.errors import CheckpointCorrupt, CheckpointMismatch
 from ..format.manifest import FileEntry, Manifest, RankEntry
@@ -123,6 +126,33 @@ def check_header_matches_manifest(header: Header, entry: RankEntry) -> None:
 def saved_specs(entry: RankEntry) -> dict[str, TensorSpec]:
     """Shape and dtype of each tensor a rank's manifest entry lists."""
     return {name: TensorSpec(t.shape, t.dtype) for name, t in entry.tensors.items()}
+
+
+class HeldAdoption:
+    """A load's ``adopt`` callbacks, held until its last check passed (:meth:`hand_over`).
+
+    The reads hand each mapped tensor over once it is read and verified, but the check that
+    no file was replaced or modified comes after them: a load refused there must leave the
+    model's parameters as they were.
+    """
+
+    def __init__(self, adopt: Mapping[str, Callable[[torch.Tensor], None]] | None) -> None:
+        self.adopt = adopt
+        self.held: list[tuple[str, torch.Tensor]] = []
+
+    def callbacks(self) -> dict[str, Callable[[torch.Tensor], None]] | None:
+        """What the reads are given in place of ``adopt``: each holds the tensor."""
+        return None if self.adopt is None else {name: partial(self._hold, name) for name in self.adopt}
+
+    def _hold(self, name: str, tensor: torch.Tensor) -> None:
+        self.held.append((name, tensor))
+
+    def hand_over(self) -> None:
+        """Hand every held tensor to its callback, in the order the reads handed them over."""
+        adopt = self.adopt or {}
+        for name, tensor in self.held:
+            adopt[name](tensor)
+        self.held.clear()
 
 
 def check_not_replaced(directory: str, manifest: Manifest, check_files: Callable[[], None]) -> None:

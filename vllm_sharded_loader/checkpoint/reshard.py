@@ -22,7 +22,7 @@ from ..storage.location import StoredFile, file_path
 from ..storage.lowering import read_plans
 from ..storage.reader import DEFAULT_READ, ReadOptions, ReadStats
 from ..storage.tensors import torch_dtype
-from .rank_files import CheckedFile, check_not_replaced, check_rank_file
+from .rank_files import CheckedFile, HeldAdoption, check_not_replaced, check_rank_file
 from .request import LoadRequest
 from .stats import LoadStats, check_verify_mode
 
@@ -144,8 +144,10 @@ def load_resharded(
             )
         for name in files_to_check(plan, manifest):
             source.check_file(name)  # every check before the first byte lands in a parameter
-        read = source.read(plan.tensors, targets, options, adopt)
+        held = HeldAdoption(adopt)
+        read = source.read(plan.tensors, targets, options, held.callbacks())
         check_not_replaced(directory, manifest, source.check_unchanged)
+        held.hand_over()
         cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]
     return LoadStats(
         files=tuple(file_path(directory, n) for n in plan.files),
