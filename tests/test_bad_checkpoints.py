@@ -716,6 +716,32 @@ def test_a_load_refused_after_its_reads_hands_no_mapped_tensor_to_the_model(tmp_
     assert adopted
 
 
+def test_a_part_truncated_before_its_rows_are_mapped_is_named(tmp_path, monkeypatch):
+    """A resharding load maps the file range holding a dim-1 split's rows; a part truncated after its
+    checks and before that mapping is a truncated part named by the load, not a bare ValueError."""
+    import vllm_sharded_loader.storage.lowering as lowering
+
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    part = directory / PART0
+    real = lowering.map_file_range
+    truncated: list[int] = []
+
+    def truncate_first(*args: object, **kwargs: object) -> object:
+        if not truncated:
+            os.truncate(part, part.stat().st_size // 2)
+            truncated.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lowering, "map_file_range", truncate_first)
+    expected = stage_state(RESHARD_MODEL, 1, 1, 0, 0)
+    targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+    request = LoadRequest(str(directory), read_manifest(str(directory)), serving=source_of(RESHARD_MODEL))
+    with pytest.raises(ShardedStateError, match=r"rank-0-part-0\.safetensors: file ended at byte \d+ while reading"):
+        load_rank(request, targets, RankInfo(0, 1), adopt={})  # a load that may map the files
+    assert truncated, "the rows of a dim-1 split were mapped"
+
+
 def test_save_running_when_the_reads_end_leaves_the_load_whole(tmp_path, monkeypatch):
     """A save that has taken the lock when the reads end: the load has the published checkpoint, whole.
 

@@ -20,6 +20,7 @@ reads each file front to back in spans of consecutive tensors (:func:`~..plannin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,6 +32,7 @@ from ..planning.reads import TensorPlan
 from ..planning.runs import Strided
 from ..planning.spans import Piece
 from . import oscalls
+from .local import truncated
 from .location import StoredFile
 from .memory import PAGE, Target, map_pieces
 from .reader import DEFAULT_READ, ReadOptions, ReadStats, read_pieces
@@ -172,7 +174,11 @@ class _Lowering:
                 dest = self.batch.add(Target(target, stored))
             handle = self.files[file]
             if handle.mappable:
-                source = map_file_range(handle.fd, r.source.offset, span, stored, (span // size,))  # type: ignore[attr-defined]
+                fd = handle.fd  # type: ignore[attr-defined]
+                try:
+                    source = map_file_range(fd, r.source.offset, span, stored, (span // size,))
+                except ValueError:  # the file is shorter now than when it was checked
+                    raise truncated(handle.path, os.fstat(fd).st_size) from None
             else:  # an object in object storage: fetched into a temporary, then copied the same way
                 source = torch.empty(span // size, dtype=stored)
             dropped = source if handle.mappable else None  # a temporary's pages are the heap's
