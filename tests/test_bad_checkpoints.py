@@ -742,6 +742,45 @@ def test_a_part_truncated_before_its_rows_are_mapped_is_named(tmp_path, monkeypa
     assert truncated, "the rows of a dim-1 split were mapped"
 
 
+TRUNCATED_BEFORE_THE_ROWS_ARE_COPIED = textwrap.dedent(
+    """
+    import os, sys, torch
+    from pathlib import Path
+    import vllm_sharded_loader.storage.lowering as lowering
+    from tests.support.checkpoints import RESHARD_MODEL, save_reshardable, source_of, stage_state
+    from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+    from vllm_sharded_loader.format import ShardedStateError
+
+    directory = Path(sys.argv[1])
+    save_reshardable(directory)
+    real = lowering._copy_rows
+
+    def truncated_first(*args, **kwargs):
+        for part in directory.glob("*.safetensors"):
+            os.truncate(part, 0)
+        return real(*args, **kwargs)
+
+    lowering._copy_rows = truncated_first
+    targets = {n: torch.full_like(x, -7) for n, x in stage_state(RESHARD_MODEL, 1, 1, 0, 0).items()}
+    try:
+        load_rank(LoadRequest(str(directory), read_manifest(str(directory))), targets, RankInfo(0, 1))
+    except ShardedStateError as e:
+        print("REFUSED", e)
+    """
+)
+
+
+def test_a_part_truncated_during_a_resharding_load_is_an_error_not_a_crash(tmp_path):
+    """Rows of a dim-1 split joined at another TP size: a part truncated after its bytes were read
+    and before the rows are copied out. A load that maps no file (``mmap`` off, an accelerator)
+    must not die of SIGBUS on a mapping of the part: it is refused, naming the part."""
+    run = package_process(["-c", TRUNCATED_BEFORE_THE_ROWS_ARE_COPIED, str(tmp_path / "ckpt")], timeout=120)
+    assert run.returncode == 0, f"the load died (exit {run.returncode}): {run.stderr[-2000:]}"
+    assert re.search(r"REFUSED .*model-rank-\d-part-0\.safetensors: (the file was replaced|file ended)", run.stdout), (
+        run.stdout + run.stderr
+    )
+
+
 def test_save_running_when_the_reads_end_leaves_the_load_whole(tmp_path, monkeypatch):
     """A save that has taken the lock when the reads end: the load has the published checkpoint, whole.
 

@@ -12,7 +12,8 @@ moved). :func:`read_plans` turns plans into :class:`~..planning.spans.Piece` s a
 - every other run is read straight into the target (or staged, for a cast or a GPU);
 - rows of a dim-1 split map the file range holding them, which the reader pages in and
   verifies like read bytes, then one strided copy moves them, in batches of at most
-  :data:`GATHER_BYTES` of mapped file.
+  :data:`GATHER_BYTES` of mapped file; a load given no ``adopt`` maps nothing, and reads
+  that range into a temporary instead.
 
 The whole-file sequential path is this lowering of one run per tensor: the reader still
 reads each file front to back in spans of consecutive tensors (:func:`~..planning.spans.plan_spans`).
@@ -114,8 +115,11 @@ def placeable(plan: TensorPlan, target: torch.Tensor, stored: torch.dtype) -> bo
 class _Lowering:
     """The pieces, targets and batches of one :func:`read_plans` call, built tensor by tensor."""
 
-    def __init__(self, files: list[StoredFile], index: Mapping[str, int]) -> None:
+    def __init__(self, files: list[StoredFile], index: Mapping[str, int], map_rows: bool = True) -> None:
         self.files, self.index = files, index
+        # Whether rows of a dim-1 split are copied out of a mapping of their file range (else read
+        # into a temporary first): a mapping of a file truncated meanwhile kills the process (SIGBUS).
+        self.map_rows = map_rows
         self.batch = _ReadBatch()
         self.batches = [self.batch]
         self.adopted: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = []
@@ -173,20 +177,21 @@ class _Lowering:
                 self.batches.append(self.batch)
                 dest = self.batch.add(Target(target, stored))
             handle = self.files[file]
-            if handle.mappable:
+            mapped = handle.mappable and self.map_rows
+            if mapped:
                 fd = handle.fd  # type: ignore[attr-defined]
                 try:
                     source = map_file_range(fd, r.source.offset, span, stored, (span // size,))
                 except ValueError:  # the file is shorter now than when it was checked
                     raise truncated(handle.path, os.fstat(fd).st_size) from None
-            else:  # an object in object storage: fetched into a temporary, then copied the same way
+            else:  # an object in object storage, or a load that maps nothing: read into a temporary, then copied
                 source = torch.empty(span // size, dtype=stored)
-            dropped = source if handle.mappable else None  # a temporary's pages are the heap's
+            dropped = source if mapped else None  # a temporary's pages are the heap's
             rows = source.as_strided((r.source.count, r.source.length // size), (r.source.stride // size, 1))
             copy = partial(_copy_rows, rows, r.dest, target)
             on_cpu = target.device.type == "cpu"
             filled = partial(_copy_on_reader, copy, dropped, target) if on_cpu else None
-            at = self.batch.add(Target(source, stored, mapped=handle.mappable, filled=filled))
+            at = self.batch.add(Target(source, stored, mapped=mapped, filled=filled))
             self.batch.pieces.append(Piece(file, r.source.offset, span, at, 0, size))
             if not on_cpu:
                 self.batch.copies.append(copy)
@@ -219,8 +224,10 @@ def read_plans(
     index = {name: i for i, name in enumerate(names)}
     opened = [files[n] for n in names]
     by_index = {index[n]: c for n, c in (checksums or {}).items() if n in index}
+    # A load given no ``adopt`` maps no file (``mmap`` off, an accelerator): a part truncated during
+    # the load is then an error naming it, never a SIGBUS in a copy out of a mapping.
+    lowering = _Lowering(opened, index, map_rows=adopt is not None)
     adopt = adopt or {}
-    lowering = _Lowering(opened, index)
     for name, plan in plans.items():
         target, dtype, taker = targets[name], stored[name], adopt.get(name)
         mappable = taker is not None and all(opened[index[r.file]].mappable for r in plan.reads)
