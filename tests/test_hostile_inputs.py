@@ -343,3 +343,30 @@ def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tm
         assert there.is_symlink() and not (tmp_path / "nowhere").exists()
     else:
         assert there.is_fifo() if kind == "fifo" else there.read_text() == "not ours"
+
+
+@pytest.mark.parametrize("kind", ["link-out", "dangling-link", "fifo", "directory"])
+def test_a_lock_that_is_not_a_regular_file_is_refused_by_name_and_nothing_outside_is_written(tmp_path, kind):
+    """Taking a dead save's lock over rewrites the lock file: through a link it wrote over the file
+    the link points at, outside the checkpoint; a FIFO or a folder there gave a bare errno."""
+    from vllm_sharded_loader.format.errors import CheckpointLocked
+
+    directory, victim = tmp_path / "ckpt", tmp_path / "notes.txt"
+    save(directory)
+    manifest = (directory / MANIFEST_NAME).read_bytes()
+    victim.write_text("not ours")
+    lock = directory / LOCK_NAME
+    if kind == "link-out":
+        lock.symlink_to(victim)
+    elif kind == "dangling-link":
+        lock.symlink_to(tmp_path / "nowhere")
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+    what = {"fifo": "a FIFO", "directory": "a directory"}.get(kind, "a symbolic link")
+    with pytest.raises(CheckpointLocked, match=rf"^{directory}: {lock} is {what}, where a save's lock file was"):
+        save(directory)  # with overwrite: a dead save's lock would be taken over
+    assert victim.read_text() == "not ours"
+    assert (directory / MANIFEST_NAME).read_bytes() == manifest
+    assert lock.is_symlink() if "link" in kind else lock.is_fifo() if kind == "fifo" else lock.is_dir()

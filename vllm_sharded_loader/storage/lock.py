@@ -21,12 +21,13 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 
 from ..format.errors import CheckpointLocked, SaveRefused
 from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name
-from .local import directory_holds_checkpoint, make_output_folder, open_regular
+from .local import _KINDS, directory_holds_checkpoint, make_output_folder, open_regular
 
 # A lock names its holder in a line of JSON; more is not a lock of ours.
 MAX_LOCK_BYTES = 64 * 1024
@@ -221,10 +222,19 @@ def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
 def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite: bool) -> SaveLock | None:
     """The existing lock, taken over if its save died and ``overwrite``; None if it vanished meanwhile."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        # Never through a link (taking a lock over rewrites it: a link's target is not ours), and
+        # without blocking on a FIFO; only a regular file can be a lock.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR):
+            raise
+        _refuse_lock(directory, path, "a symbolic link" if e.errno == errno.ELOOP else "a directory")
     try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            _refuse_lock(directory, path, _KINDS.get(stat.S_IFMT(mode), "not a regular file"))
         held = not _flock(fd, fcntl.LOCK_EX, directory)
         # Read after the flock: ours, the holder is the save we take over; another's, its own.
         holder = _running_holder(directory) if held else read_lock(directory) or {}
@@ -252,6 +262,13 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
         raise
     stale = holder.get("token")
     return SaveLock(path, token, fd, stale if isinstance(stale, str) else None)
+
+
+def _refuse_lock(directory: str, path: str, kind: str) -> None:
+    raise CheckpointLocked(
+        f"{directory}: {path} is {kind}, where a save's lock file was expected; nothing was written. "
+        "Remove it if no save runs, and save again."
+    )
 
 
 def _running_holder(directory: str) -> dict:
