@@ -182,6 +182,20 @@ def test_reshard_refused_clearly(checkpoint, tmp_path, capsys):
     assert "cannot be resharded from TP=2 to TP=1" in capsys.readouterr().err  # names the tensor and why
 
 
+def test_reshard_into_the_source_through_a_link_is_refused_and_changes_nothing(checkpoint, tmp_path, capsys):
+    """An output that is the source under another name (a symbolic link to it) was written into,
+    and with --overwrite the source's own parts were removed as the old checkpoint's."""
+    _, directory = checkpoint
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    link = tmp_path / "link"
+    link.symlink_to(directory)
+    for extra in ([], ["--overwrite"]):
+        assert cli(["reshard", str(directory), "-tp", "1", "-o", str(link), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err == "vllm-sharded: error: --output must be another directory than the source checkpoint.\n"
+        assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+
+
 def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
     from tests.support.checkpoints import save_flat
 

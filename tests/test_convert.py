@@ -394,6 +394,16 @@ def test_a_corrupt_header_is_named_and_nothing_is_written(sources, tmp_path):
     assert not out.exists()
 
 
+def test_an_output_that_is_the_source_through_a_link_is_refused_and_nothing_is_written(sources, tmp_path):
+    source = copy_source(sources["tied"], tmp_path / "src")
+    before = sorted(p.name for p in source.iterdir())
+    link = tmp_path / "link"
+    link.symlink_to(source)
+    with pytest.raises(ShardedStateError, match=r"^--output must be another folder than the source model"):
+        convert_checkpoint(str(source), str(link), 2, overwrite=True)
+    assert sorted(p.name for p in source.iterdir()) == before
+
+
 def test_a_config_that_does_not_describe_the_weights_is_refused(sources, tmp_path):
     bad = copy_source(sources["tied"], tmp_path / "src")
     config = json.loads((bad / "config.json").read_text())

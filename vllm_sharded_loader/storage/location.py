@@ -301,6 +301,19 @@ def open_store(where: str) -> Store:
     return ObjectStore(where) if is_object_url(where) else LocalStore(where)
 
 
+def same_location(a: str, b: str) -> bool:
+    """Whether two locations are one: the same URL, or the same local folder under any name (a
+    symbolic link to it, a bind mount of it)."""
+    first, second = open_store(a), open_store(b)
+    if first.remote or second.remote:
+        return first.canonical() == second.canonical()
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    with contextlib.suppress(OSError):
+        return os.path.samefile(a, b)
+    return False
+
+
 def file_path(where: str, name: str) -> str:
     """The path or URL of a file of the checkpoint, for opening or for a message."""
     return open_store(where).file_path(name)

@@ -35,7 +35,14 @@ from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
 from ..storage.hf_source import read_ahead, resolve_source
-from ..storage.location import check_no_special_files, copy_non_weight_files, is_locked, open_store, read_manifest
+from ..storage.location import (
+    check_no_special_files,
+    copy_non_weight_files,
+    is_locked,
+    open_store,
+    read_manifest,
+    same_location,
+)
 from ..storage.oscalls import release_free_heap
 from ..storage.progress import ByteProgress
 from ..storage.staging_folders import staging_folder
@@ -330,7 +337,7 @@ def convert_checkpoint(
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     folder = resolve_source(source, revision)
     out = open_store(output)
-    if out.canonical() == os.path.abspath(folder):
+    if same_location(output, folder):
         raise ShardedStateError("--output must be another folder than the source model.")
     check_no_special_files(folder)
     out.check_output()

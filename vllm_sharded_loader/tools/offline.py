@@ -22,7 +22,7 @@ from ..planning.manifest_plans import files_to_check
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan
 from ..planning.topology import RankInfo
-from ..storage.location import check_not_locked, is_locked, open_store, read_manifest
+from ..storage.location import check_not_locked, is_locked, open_store, read_manifest, same_location
 from ..storage.progress import ByteProgress
 from ..storage.writer import LazyTensor
 
@@ -107,10 +107,7 @@ def reshard_checkpoint(
     pp_size = manifest.pp_size if pp_size is None else pp_size
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    if (
-        output.rstrip("/") == directory.rstrip("/")
-        or open_store(output).canonical() == open_store(directory).canonical()
-    ):
+    if same_location(output, directory):
         raise ShardedStateError("--output must be another directory than the source checkpoint.")
     with ReshardSource(directory, manifest) as source:
         # Plan every rank before writing anything: a refused tensor leaves no output behind.
