@@ -587,6 +587,19 @@ def test_sound_reshardable_checkpoint_passes_every_path(tmp_path):
     assert verify_checkpoint(str(directory)) == []
 
 
+def test_offline_reshard_of_a_corrupt_part_is_refused_and_writes_nothing(tmp_path, capsys):
+    """A flipped bit that only checksums see was copied into the resharded output, whose fresh
+    checksums then certified it: verify passed on the output of a checkpoint verify refuses."""
+    directory, out = tmp_path / "ckpt", tmp_path / "out"
+    save_reshardable(directory)
+    flip_bit(directory / PART0, data_offset(directory / PART0))
+    assert cli(["reshard", str(directory), "-tp", "1", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vllm-sharded: error: {directory / PART0}: checksum mismatch in bytes 0..")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_offline_reshard_checks_every_file_before_allocating_or_writing(tmp_path):
     """One tensor per part: the part of model.norm.weight is touched by no other tensor, so only
     a check of every file before the first tensor is produced refuses its false shape (4 PB)

@@ -109,7 +109,10 @@ def reshard_checkpoint(
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     if same_location(output, directory):
         raise ShardedStateError("--output must be another directory than the source checkpoint.")
-    with ReshardSource(directory, manifest) as source:
+    # Every byte read is checked against its block's checksum where the save recorded them: the
+    # output's own checksums must not certify a corrupt source.
+    verify = "checksum" if all(f.checksum is not None for r in manifest.ranks for f in r.files) else "size"
+    with ReshardSource(directory, manifest, verify) as source:
         # Plan every rank before writing anything: a refused tensor leaves no output behind.
         plans = {}
         for pp_rank in range(pp_size):
