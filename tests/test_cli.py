@@ -196,6 +196,19 @@ def test_reshard_into_the_source_through_a_link_is_refused_and_changes_nothing(c
         assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
 
 
+def test_verify_of_a_file_claims_no_save_lock(tmp_path, capsys):
+    """A path that is a file has no lock under it; verify said a save held it or was interrupted."""
+    path = tmp_path / "notes.txt"
+    path.write_text("not a checkpoint")
+    assert cli(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert out == (
+        f"BAD: {path} has 1 problem(s):\n  - {path / MANIFEST_NAME}: missing; the checkpoint is incomplete or was "
+        "written by vLLM's own save, and cannot be verified.\n"
+    )
+    assert path.read_text() == "not a checkpoint"
+
+
 def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
     from tests.support.checkpoints import save_flat
 

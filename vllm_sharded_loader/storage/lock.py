@@ -59,7 +59,7 @@ def read_lock(directory: str) -> dict | None:
         with os.fdopen(open_regular(path)) as f:
             data = json.loads(f.read(MAX_LOCK_BYTES) or "{}")
         return data if isinstance(data, dict) else {}
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (no folder there: no lock either)
         return None
     except (OSError, ValueError):
         return {}
