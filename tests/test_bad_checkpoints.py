@@ -600,6 +600,23 @@ def test_offline_reshard_of_a_corrupt_part_is_refused_and_writes_nothing(tmp_pat
     assert not out.exists()
 
 
+def test_a_folder_named_like_a_part_in_the_output_is_left_alone_and_the_reshard_ends_cleanly(tmp_path, capsys):
+    """The cleanup after the publish removed every unlisted name of the part pattern: on a folder
+    so named it stopped with a bare "[Errno 21] Is a directory" and exit 2 although the new
+    checkpoint was published, and left its lock behind."""
+    directory, out = tmp_path / "ckpt", tmp_path / "out"
+    save_reshardable(directory)
+    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    folder = out / "model-rank-7-part-0.safetensors"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("not ours")
+    assert cli(["reshard", str(directory), "-tp", "2", "-o", str(out), "--overwrite"]) == 0, capsys.readouterr().err
+    assert (folder / "notes.txt").read_text() == "not ours"
+    assert not (out / LOCK_NAME).exists()
+    assert read_manifest(str(out)).tp_size == 2
+    assert [p for p in verify_checkpoint(str(out)) if folder.name not in p] == []
+
+
 def test_offline_reshard_checks_every_file_before_allocating_or_writing(tmp_path):
     """One tensor per part: the part of model.norm.weight is touched by no other tensor, so only
     a check of every file before the first tensor is produced refuses its false shape (4 PB)

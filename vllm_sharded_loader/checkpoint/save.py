@@ -178,7 +178,8 @@ def clean_after_publish(directory: str, manifest: Manifest, lock: SaveLock | Non
         # gone (a killed engine's start-up capture); never a live engine's.
         leftover = token is not None and (token in ours or (lock is not None and not owner_is_alive(directory, token)))
         if (name not in listed and (stale_part or is_startup_artifacts_name(name))) or leftover:
-            with contextlib.suppress(FileNotFoundError):
+            # (A folder so named is no save's: a save writes files only.)
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 os.remove(os.path.join(directory, name))
             kill_point(KILL_CLEANING)
     kill_point(KILL_CLEANED)
