@@ -370,3 +370,23 @@ def test_a_lock_that_is_not_a_regular_file_is_refused_by_name_and_nothing_outsid
     assert victim.read_text() == "not ours"
     assert (directory / MANIFEST_NAME).read_bytes() == manifest
     assert lock.is_symlink() if "link" in kind else lock.is_fifo() if kind == "fifo" else lock.is_dir()
+
+
+def test_a_folder_link_out_of_the_checkpoint_is_not_walked_nor_carried(tmp_path):
+    """A link to a folder outside (``extra -> /usr``) was walked as the checkpoint's own: verify
+    stat-ed, and reshard copied, the whole tree it points at (1.3 GB of /usr in a minute)."""
+    from tests.support.checkpoints import save_reshardable
+    from vllm_sharded_loader.checkpoint import verify_checkpoint
+    from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+    directory, outside, out = tmp_path / "ckpt", tmp_path / "outside", tmp_path / "out"
+    save_reshardable(directory)
+    (directory / "config.json").write_text("{}")
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not the checkpoint's")
+    os.mkfifo(outside / "pipe")
+    (directory / "extra").symlink_to(outside)
+    assert verify_checkpoint(str(directory)) == []
+    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-rank-0-part-0.safetensors", MANIFEST_NAME]
+    assert verify_checkpoint(str(out)) == []
