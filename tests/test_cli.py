@@ -209,6 +209,28 @@ def test_verify_of_a_file_claims_no_save_lock(tmp_path, capsys):
     assert path.read_text() == "not a checkpoint"
 
 
+@pytest.mark.parametrize("command", ["reshard", "convert", "verify"])
+def test_an_empty_path_is_refused_and_nothing_lands_in_the_working_folder(
+    checkpoint, tmp_path, monkeypatch, capsys, command
+):
+    """``-o "$OUT"`` with OUT unset: an empty path was the working folder, and reshard wrote its
+    checkpoint there (with --overwrite it would have removed part-named files there)."""
+    _, directory = checkpoint
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    args = {
+        "reshard": ["reshard", str(directory), "-tp", "1", "-o", ""],
+        "convert": ["convert", str(directory), "-tp", "1", "-o", ""],
+        "verify": ["verify", ""],
+    }[command]
+    with pytest.raises(SystemExit) as exited:
+        cli(args)
+    assert exited.value.code == 2
+    assert "an empty path names no folder" in capsys.readouterr().err
+    assert list(here.iterdir()) == []
+
+
 def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
     from tests.support.checkpoints import save_flat
 

@@ -149,22 +149,30 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _path(text: str) -> str:
+    """A folder, file or URL argument: an empty one (``-o "$OUT"`` with OUT unset) would be the
+    working folder, which nobody asked to write into."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no folder; give the checkpoint's path")
+    return text
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-sharded", description="Per-rank sharded checkpoints for vLLM.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = commands.add_parser("verify", help="check a checkpoint: manifest, files, sizes, headers, checksums")
-    p.add_argument("directory", metavar="DIR")
+    p.add_argument("directory", metavar="DIR", type=_path)
     p.add_argument("--size-only", action="store_true", help="skip the checksums (what a load checks by default)")
     p.set_defaults(run=verify)
     p = commands.add_parser("inspect", help="topology, files, dtype, tensors, source model, resharding geometry")
-    p.add_argument("directory", metavar="DIR")
+    p.add_argument("directory", metavar="DIR", type=_path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=inspect)
     p = commands.add_parser("reshard", help="rewrite a checkpoint for another TP/PP size, offline, tensor by tensor")
-    p.add_argument("directory", metavar="DIR")
+    p.add_argument("directory", metavar="DIR", type=_path)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="default: as saved")
-    p.add_argument("--output", "-o", required=True)
+    p.add_argument("--output", "-o", required=True, type=_path)
     p.add_argument("--max-file-size", type=int, default=5 * 1024**3, help="bytes per part (default 5 GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --output")
     p.set_defaults(run=reshard)
@@ -174,11 +182,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "source",
         metavar="SOURCE",
+        type=_path,
         help="a Hugging Face model (safetensors): a folder, a Hub repo id, or an s3://, gs://, az:// prefix",
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--output", "-o", required=True)
+    p.add_argument("--output", "-o", required=True, type=_path)
     p.add_argument("--dtype", default="auto", help="the dtype vLLM would load the model in (default: auto)")
     p.add_argument("--quantization", default=None, help="the quantization the source already has, as vLLM names it")
     p.add_argument("--max-file-size", type=int, default=5 * 1024**3, help="bytes per part (default 5 GiB)")
