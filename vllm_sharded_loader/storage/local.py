@@ -38,9 +38,14 @@ _KINDS = {
 }
 
 
+def file_kind(mode: int, other: str = "not a regular file") -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words for a message (``other`` for a kind not named)."""
+    return _KINDS.get(stat.S_IFMT(mode), other)
+
+
 def not_regular(path: str, mode: int) -> CheckpointCorrupt:
     """The error for ``path``, of ``st_mode`` ``mode``, found where a regular file should be."""
-    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    kind = file_kind(mode)
     return CheckpointCorrupt(
         f"{path} is {kind}, where a regular file was expected; refusing to read it. Replace it with the "
         "real file (copy or save the checkpoint again)."
@@ -78,7 +83,7 @@ def check_output_folder(directory: str) -> None:
         return
     mode = os.stat(there).st_mode if os.path.exists(there) else os.lstat(there).st_mode
     where = directory if there == os.path.abspath(directory) else f"{directory}: {there}"
-    kind = _KINDS.get(stat.S_IFMT(mode), "a file")
+    kind = file_kind(mode, "a file")
     raise ShardedStateError(
         f"{where} is {kind}, where a checkpoint folder was expected; nothing was written. Choose another output folder."
     )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ..format.errors import CheckpointLocked, SaveRefused
 from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name
-from .local import _KINDS, directory_holds_checkpoint, make_output_folder, open_regular
+from .local import directory_holds_checkpoint, file_kind, make_output_folder, open_regular
 
 # A lock names its holder in a line of JSON; more is not a lock of ours.
 MAX_LOCK_BYTES = 64 * 1024
@@ -234,7 +234,7 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            _refuse_lock(directory, path, _KINDS.get(stat.S_IFMT(mode), "not a regular file"))
+            _refuse_lock(directory, path, file_kind(mode))
         held = not _flock(fd, fcntl.LOCK_EX, directory)
         # Read after the flock: ours, the holder is the save we take over; another's, its own.
         holder = _running_holder(directory) if held else read_lock(directory) or {}
