@@ -617,6 +617,32 @@ def test_a_folder_named_like_a_part_in_the_output_is_left_alone_and_the_reshard_
     assert [p for p in verify_checkpoint(str(out)) if folder.name not in p] == []
 
 
+def test_a_stale_part_that_cannot_be_removed_after_the_publish_is_reported_as_such(tmp_path, capsys):
+    """A stale part the cleanup after the publish cannot remove (immutable, ``chattr +i``: even
+    root gets EPERM) escaped as a bare "[Errno 1]": the published checkpoint is complete and
+    loads, and the error says so, names the file and what to do."""
+    import shutil
+
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr to make a file that not even root can remove")
+    directory, out = tmp_path / "ckpt", tmp_path / "out"
+    save_reshardable(directory)
+    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    stale = out / "model-rank-7-part-0.safetensors"
+    stale.write_bytes(b"an older save's part")
+    if subprocess.run(["chattr", "+i", str(stale)], capture_output=True).returncode != 0:
+        pytest.skip(f"{tmp_path}'s file system has no immutable files (chattr +i)")
+    try:
+        assert cli(["reshard", str(directory), "-tp", "2", "-o", str(out), "--overwrite"]) != 0
+        err = capsys.readouterr().err
+        assert "published and complete" in err and stale.name in err and "Save again" in err, err
+        assert "Traceback" not in err
+        assert read_manifest(str(out)).tp_size == 2
+        assert [p for p in verify_checkpoint(str(out)) if stale.name not in p and LOCK_NAME not in p] == []
+    finally:
+        subprocess.run(["chattr", "-i", str(stale)], check=True)
+
+
 def test_offline_reshard_checks_every_file_before_allocating_or_writing(tmp_path):
     """One tensor per part: the part of model.norm.weight is touched by no other tensor, so only
     a check of every file before the first tensor is produced refuses its false shape (4 PB)

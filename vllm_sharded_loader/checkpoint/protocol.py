@@ -194,7 +194,7 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
         s.placed.clear()  # published: the checkpoint's files now, no longer this save's to remove
     try:
         group.run(lambda: target.clean(manifest), only_first=True)
-    except ShardedStateError as e:
+    except (ShardedStateError, OSError) as e:  # (a file that cannot be removed: EPERM, EBUSY, EROFS)
         raise _after_publish(target, e) from e
     finally:
         target.close()
@@ -208,10 +208,11 @@ def refusal(target: SaveTarget, error: ShardedStateError) -> SaveRefused:
     return wrapped
 
 
-def _after_publish(target: SaveTarget, error: ShardedStateError) -> SaveFailedAfterPublish:
+def _after_publish(target: SaveTarget, error: ShardedStateError | OSError) -> SaveFailedAfterPublish:
     wrapped = SaveFailedAfterPublish(
         f"Saving the sharded state to {target.where}: the new checkpoint is published and complete, but removing "
         f"the old save's files failed: {error}. Save again to clean up."
     )
-    wrapped.agreed, wrapped.origin = error.agreed, error.origin
+    if isinstance(error, ShardedStateError):
+        wrapped.agreed, wrapped.origin = error.agreed, error.origin
     return wrapped
