@@ -570,6 +570,23 @@ save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source
 """
 
 
+def test_a_save_into_a_prefix_of_the_users_replaces_none_of_its_objects_without_overwrite(s3, tmp_path):
+    """A prefix that holds no checkpoint but the user's own ``config.json``: a save that carries a
+    different one is refused before its first part, naming it; every object is as it was."""
+    from tests.support.faultkit import model_folder, states
+
+    url = new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    s3.client().put_object(Bucket=BUCKET, Key=where.key("config.json"), Body=b'{"the user": "own"}')
+    before = bucket_digest(s3)
+    carry = str(model_folder(tmp_path, 1.0))
+    with pytest.raises(ShardedStateError, match=r"holds files that differ .*: config\.json; refusing"):
+        save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, carry=carry)
+    assert bucket_digest(s3) == before
+    save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
+    assert verify_checkpoint(url) == []
+
+
 def test_every_s3_kill_point_is_covered():
     s3_points = {step for step in faults.KILL_POINTS if step.startswith("s3.")}
     assert s3_points == {p.partition(":")[0] for p in S3_BEFORE_PUBLISH + S3_AFTER_PUBLISH if p.startswith("s3.")}

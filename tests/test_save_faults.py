@@ -203,6 +203,29 @@ def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_
         _check_capture_content(captured)
 
 
+def test_a_save_into_a_folder_of_the_users_replaces_none_of_its_files_without_overwrite(tmp_path):
+    """A folder that holds no checkpoint but the user's own ``config.json`` (another model's, or
+    edited): a save that carries a different one is refused before its first part, naming it, and
+    the folder is as it was; the same file, or overwrite asked, is no conflict."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"the user": "own"}')
+    (out / "tokenizer.json").write_text("{}")  # the same as the model's: nothing to replace
+    (out / "notes.txt").write_text("mine")
+    before = tree_digest(str(out))
+    carry = str(model_folder(tmp_path, 1.0))
+    with pytest.raises(ShardedStateError, match=r"holds files that differ .*: config\.json; refusing") as refused:
+        save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry)
+    assert str(out) in str(refused.value) and "overwrite" in str(refused.value)
+    assert tree_digest(str(out)) == before
+    (out / "config.json").write_text((Path(carry) / "config.json").read_text())  # now the same: saved
+    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry)
+    assert verify_checkpoint(str(out)) == [] and (out / "notes.txt").read_text() == "mine"
+    carry = str(model_folder(tmp_path, 2.0))  # another config: replacing the checkpoint's needs overwrite
+    save_checkpoint(str(out), states(2.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
+    assert (out / "config.json").read_text() == (Path(carry) / "config.json").read_text()
+
+
 def test_reshard_into_an_existing_checkpoint_writes_nothing_before_the_overwrite_rule(tmp_path):
     """``vllm-sharded reshard SRC --output OUT`` copied SRC's config and tokenizer into OUT before
     refusing to overwrite OUT's checkpoint: the refusal now leaves OUT byte-identical."""

@@ -74,6 +74,9 @@ class CarriedFiles:
     backups: dict[str, str | bytes | None] = field(default_factory=dict)
     #: object storage: final relative name -> the object's bytes when staged (None: absent)
     previous: dict[str, bytes | None] = field(default_factory=dict)
+    #: Whether a file already at the output that differs may be replaced (the save's overwrite):
+    #: without it, such a file is someone else's (a folder of the user's), and the save is refused.
+    replace: bool = True
 
     @functools.cached_property
     def store(self) -> Store:
@@ -96,11 +99,28 @@ class CarriedFiles:
                     self._stage_local(index, name, data)
         except OSError as e:  # a full disk, a permission: the save stops before its manifest
             self.restore()
-            raise SaveRefused(f"copying the non-weight files of {source} to {self.output} failed: {e}") from e
+            raise SaveRefused(
+                f"copying the non-weight files of {source} to {self.output} failed: {e}. Nothing was replaced; "
+                "free space or fix the permission, and save again."
+            ) from e
         except BaseException:
             self.restore()
             raise
+        taken = [] if self.replace else [name for name in sorted(self.staged) if self._there(name)]
+        if taken:
+            self.restore()
+            raise SaveRefused(
+                f"{self.output} holds files that differ from {source}'s and are no checkpoint's: "
+                f"{', '.join(taken)}; refusing to replace them, nothing was written. Choose another output, "
+                "remove them, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
+            )
         return sorted(self.staged)
+
+    def _there(self, name: str) -> bool:
+        """Whether the output already holds something under ``name`` (the staged copy would replace it)."""
+        if self.remote:
+            return self.previous.get(name) is not None
+        return os.path.lexists(os.path.join(self.output, name))
 
     def _stage_local(self, index: int, name: str, data: bytes | Path) -> None:
         if _same_local(os.path.join(self.output, name), data):

@@ -69,6 +69,8 @@ class SaveTarget(Protocol):
     where: str
     #: This save's token: staged names, upload records and the lock carry it.
     token: str
+    #: Whether the save may replace what the target holds: a checkpoint, and files it carries.
+    overwrite: bool
     #: Whether parts are staged in the target itself and renamed into place (a local folder), so
     #: that the placed files are the checkpoint's; else staged in any local folder and copied.
     stages_in_place: bool
@@ -171,7 +173,7 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
         token = group.run(lock, only_first=True)[0]
         locked = True
         target.check_joined(group.run(lambda: target.join(token, group.member)))
-        carried = CarriedFiles(target.where, token)
+        carried = CarriedFiles(target.where, token, replace=target.overwrite)
         notes = group.run(stage)
         placed = group.run(lambda: [place(s) for s in staged])
         target.close()  # staged and placed: a staging folder of the save's own is done with
