@@ -420,12 +420,15 @@ def bucket_digest(server) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def through_proxy(server, mode: str, limit: int = 0, **settings: str):
+def through_proxy(server, mode: str, limit: int = 0, match: bytes = b"", **settings: str):
     """Point every S3 client of this process at a fault proxy in front of the server."""
     from tests.support.faultproxy import FaultProxy
 
     port = int(server.endpoint.rsplit(":", 1)[1])
-    with FaultProxy(port, mode, limit) as proxy, stores_pointed_at({"AWS_ENDPOINT_URL": proxy.url, **settings}):
+    with (
+        FaultProxy(port, mode, limit, match=match) as proxy,
+        stores_pointed_at({"AWS_ENDPOINT_URL": proxy.url, **settings}),
+    ):
         yield proxy
 
 
@@ -452,6 +455,32 @@ def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(
     assert bucket_digest(s3) == before
     load_from(url, model, 2, 0)
     assert verify_checkpoint(url) == []
+
+
+def overwrite_at_tp1(url, model):
+    ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    return save_checkpoint(
+        url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
+    )
+
+
+def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_whole(s3):
+    """Every PUT of the manifest is cut before it reaches the server: the save fails, and the old
+    checkpoint, still the published one, keeps every part it lists. (The save's record of the parts
+    its publish would replace was taken for its own uploads and deleted them.)"""
+    model, url, manifest, where = saved_url(s3)
+    before = bucket_digest(s3)
+    put = f"PUT /{BUCKET}/{where.key(MANIFEST_NAME)} ".encode()
+    settings = {"AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "10"}
+    with through_proxy(s3, "drop_matching", match=put, **settings) as proxy:
+        with pytest.raises(ShardedStateError, match="upload failed"):
+            overwrite_at_tp1(url, model)
+        assert proxy.dropped, "the proxy cut the manifest's put"
+    assert read_manifest(url) == manifest
+    assert verify_checkpoint(url) == []
+    load_from(url, model, 2, 0)
+    assert bucket_digest(s3) == before
 
 
 def test_a_server_that_stops_answering_fails_the_load_in_bounded_time(s3):

@@ -5,7 +5,13 @@ Modes, per connection:
 - ``pass``: forwards both ways;
 - ``drop_after``: closes both sides once the client has sent more than ``limit`` bytes
   (large uploads die mid-body; small requests pass);
-- ``stall``: forwards the request but never a byte of the answer (a server that hangs).
+- ``stall``: forwards the request but never a byte of the answer (a server that hangs);
+- ``drop_matching``: closes both sides, without forwarding it, at a request whose request line
+  holds ``match`` (``b"PUT /bucket/prefix/sharded_state.json"``): that request never reaches
+  the server; other requests pass;
+- ``lose_answer``: forwards a request whose request line holds ``match``, lets the server
+  answer, and closes both sides without forwarding the answer: the server did it, the client
+  never hears (other requests pass).
 
 It counts the bytes each way (``sent``: client to server; ``received``: server to
 client), so a test can tell how much one client read. ``host`` is the address it listens
@@ -24,8 +30,10 @@ import threading
 
 
 class FaultProxy:
-    def __init__(self, target_port: int, mode: str = "pass", limit: int = 0, host: str = "127.0.0.1") -> None:
-        self.target_port, self.mode, self.limit, self.host = target_port, mode, limit, host
+    def __init__(
+        self, target_port: int, mode: str = "pass", limit: int = 0, host: str = "127.0.0.1", match: bytes = b""
+    ) -> None:
+        self.target_port, self.mode, self.limit, self.host, self.match = target_port, mode, limit, host, match
         self.listener = socket.create_server((host, 0))
         self.port = self.listener.getsockname()[1]
         self.dropped = 0
@@ -68,6 +76,7 @@ class FaultProxy:
 
     def _relay(self, client: socket.socket, server: socket.socket) -> None:
         sent = 0
+        doomed = False  # lose_answer: this connection's answer is never forwarded
         try:
             while not self._closing.is_set():
                 ready, _, _ = select.select([client, server], [], [], 0.2)
@@ -80,9 +89,17 @@ class FaultProxy:
                         if self.mode == "drop_after" and sent > self.limit:
                             self.dropped += 1
                             return
+                        if self.mode in ("drop_matching", "lose_answer") and self.match in data.split(b"\r\n", 1)[0]:
+                            if self.mode == "drop_matching":
+                                self.dropped += 1
+                                return
+                            doomed = True
                         server.sendall(data)
                         with self._count:
                             self.sent += len(data)
+                    elif doomed:
+                        self.dropped += 1
+                        return
                     elif self.mode != "stall":
                         client.sendall(data)
                         with self._count:

@@ -140,14 +140,18 @@ def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
 
 def abandon(url: str, entries: Sequence[RankEntry] = (), token: str | None = None) -> None:
     """After a failed save: delete the parts it uploaded (every rank's, as recorded under its
-    ``token``), abort its multipart uploads, release the lock."""
+    ``token``), abort its multipart uploads, release the lock. Never a part that the manifest
+    published there lists: the save's records also name the parts its publish was to replace
+    (the old checkpoint's, still published when its manifest's put failed)."""
     store = ObjectStore(url)
-    names = [f.name for e in entries for f in e.files]
     with contextlib.suppress(ShardedStateError):
+        published = store.read_manifest()  # unreadable: nothing is deleted; the next save cleans up
+        keep = set() if published is None else published.listed_files()
+        names = [f.name for e in entries for f in e.files if f.name not in keep]
         store.remove(names)
         store.abort_incomplete_uploads(names)
         if token is not None:
-            _remove_recorded_uploads(store, lambda t: t == token, keep=set())
+            _remove_recorded_uploads(store, lambda t: t == token, keep=keep)
     store.release_lock(token)
 
 
