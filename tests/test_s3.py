@@ -483,6 +483,26 @@ def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_
     assert bucket_digest(s3) == before
 
 
+@pytest.mark.parametrize("over", [True, False], ids=["overwrite", "first"])
+def test_a_manifest_put_whose_answer_is_lost_is_a_published_save(s3, over):
+    """The server takes the manifest's put, and the connection is cut before its answer: the retry's
+    condition fails (the manifest is there now). That save published; it must end as one, with its
+    parts and no lock, not be abandoned (which deleted the parts the published manifest lists)."""
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    url = saved_url(s3)[1] if over else new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    put = f"PUT /{BUCKET}/{where.key(MANIFEST_NAME)} ".encode()
+    settings = {"AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "10"}
+    with through_proxy(s3, "lose_answer", match=put, **settings) as proxy:
+        new = overwrite_at_tp1(url, model)
+        assert proxy.dropped, "the proxy lost the manifest put's answer"
+    assert read_manifest(url) == new
+    assert verify_checkpoint(url) == []
+    _, targets, expected = load_from(url, model, 1)
+    assert all(torch.equal(targets[n], x) for n, x in expected.items())
+    assert keys(s3, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+
+
 def test_a_server_that_stops_answering_fails_the_load_in_bounded_time(s3):
     """Every request has a timeout and bounded retries: a stalled server is an error, not a hang."""
     model, url, _, _ = saved_url(s3)

@@ -174,9 +174,10 @@ def publish(
     if carried is not None:
         carried.place()
     old = store.head(MANIFEST_NAME)
+    content = manifest.to_json().encode()
     if old is None:
         replaced: frozenset[str] = frozenset()
-        store.put(MANIFEST_NAME, manifest.to_json().encode(), create=True)
+        _put_manifest(store, content, None)
     else:
         # Read under the lock: only a save holding it replaces the manifest, and the put below
         # fails if the manifest changed meanwhile all the same (its ETag or generation).
@@ -187,9 +188,28 @@ def publish(
             # next save deletes the old parts from this record (those the manifest then lists stay).
             listed = manifest.listed_files()
             store.put(staged_name("replaced", token), json.dumps(sorted(replaced - listed)).encode())
-        store.put(MANIFEST_NAME, manifest.to_json().encode(), match=old)
+        _put_manifest(store, content, old)
     kill_point(KILL_PUBLISHED)
     return replaced
+
+
+def _put_manifest(store: ObjectStore, content: bytes, old: dict | None) -> None:
+    """The manifest's conditional put. A put whose answer was lost (the connection cut after the
+    store took it) fails on its retry (the condition no longer holds) or after its retries: the
+    manifest then in the store says whether it was published, and a save that was must not be
+    abandoned (its abandon would delete the parts of the checkpoint it published)."""
+    try:
+        if old is None:
+            store.put(MANIFEST_NAME, content, create=True)
+        else:
+            store.put(MANIFEST_NAME, content, match=old)
+    except ShardedStateError:
+        try:
+            published = store.read(MANIFEST_NAME) == content
+        except ShardedStateError:
+            published = False
+        if not published:
+            raise
 
 
 def clean_after_publish(url: str, manifest: Manifest, token: str | None = None, replaced: Iterable[str] = ()) -> None:
