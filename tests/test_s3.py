@@ -503,6 +503,22 @@ def test_a_manifest_put_whose_answer_is_lost_is_a_published_save(s3, over):
     assert keys(s3, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
 
 
+def test_a_lock_put_whose_answer_is_lost_is_the_saves_own_lock(s3):
+    """The server takes the lock's create-only put and the answer is lost: the retry finds the lock
+    there. It is this save's own (its token): the save goes on, instead of failing on itself as
+    "another save" and leaving the prefix locked until someone deletes the lock by hand."""
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    url = new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    put = f"PUT /{BUCKET}/{where.key(LOCK_NAME)} ".encode()
+    settings = {"AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "10"}
+    with through_proxy(s3, "lose_answer", match=put, **settings) as proxy:
+        new = overwrite_at_tp1(url, model)
+        assert proxy.dropped, "the proxy lost the lock put's answer"
+    assert verify_checkpoint(url) == []
+    assert keys(s3, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+
+
 def test_a_server_that_stops_answering_fails_the_load_in_bounded_time(s3):
     """Every request has a timeout and bounded retries: a stalled server is an error, not a hang."""
     model, url, _, _ = saved_url(s3)

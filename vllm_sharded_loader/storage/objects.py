@@ -449,8 +449,15 @@ def acquire_lock(where: ObjectPrefix, token: str) -> None:
     body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": token})
     try:
         put(where, LOCK_NAME, body.encode(), create=True)
-    except AlreadyExists:
-        holder = read_lock(where) or {}
+    except ShardedStateError as e:
+        try:
+            holder = read_lock(where) or {}
+        except ShardedStateError:
+            raise e from None
+        if holder.get("token") == token:
+            return  # ours: the put's answer was lost, and its retry failed (found the lock it had made)
+        if not isinstance(e, AlreadyExists):
+            raise
         raise ShardedStateError(
             f"{where.url()}: another save holds {describe_lock(where, holder)}. If it is no longer running (it "
             f"was interrupted), delete {where.url(LOCK_NAME)} and save again."
