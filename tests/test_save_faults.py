@@ -27,8 +27,10 @@ from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointLocked
 from vllm_sharded_loader.format.names import is_staged_name
 from vllm_sharded_loader.storage import faults
+from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
 
 # Steps before the manifest's rename leave A published; from it on, B.
 BEFORE_PUBLISH = ("local.locked", "local.staged", "local.placed", "local.manifest_written", "local.carried")
@@ -336,3 +338,32 @@ def test_a_dead_engines_capture_is_cleaned_and_a_live_ones_kept(checkpoint_a):
     assert again.returncode == 0, again.stderr[-2000:]
     assert not any("aaaa1111" in n for n in os.listdir(directory))
     assert verify_checkpoint(str(directory)) == []
+
+
+def listing(root: Path) -> dict[str, tuple[int, int]]:
+    """``relative path -> (size, mtime in ns)`` of everything under ``root``, ``root`` itself included."""
+    out = {".": (0, os.lstat(root).st_mtime_ns)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_a_refused_save_leaves_the_folder_as_it_was_its_mtime_included(checkpoint_a):
+    """A save refused (a checkpoint there and no overwrite; a running save's lock) changes nothing, not
+    even the folder's mtime: it used to create and remove its lock (or a lock's staging name) first."""
+    directory, _ = checkpoint_a
+    before = listing(directory)
+    with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
+        save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192)
+    assert listing(directory) == before
+    running = acquire_save_lock(str(directory), "aaaa1111", overwrite=True)  # a save that runs
+    try:
+        before = listing(directory)
+        with pytest.raises(CheckpointLocked, match="another save holds"):
+            save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+        assert listing(directory) == before
+    finally:
+        release_save_lock(running)
+    assert_published(directory, 1.0)

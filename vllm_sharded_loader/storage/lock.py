@@ -172,23 +172,36 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> Sa
     ``overwrite`` it is taken over by taking that ``flock``, which one process only can
     win: any other save gets a clear error. Nothing is ever removed to take a lock over.
     """
-    make_output_folder(directory)
     path = os.path.join(directory, LOCK_NAME)
+    # A refusal changes nothing, not even the folder's mtime: the rule is checked once before anything
+    # is written, and again under the lock (a save may publish meanwhile). A lock there is named first.
+    if not os.path.lexists(path):
+        _refuse_a_checkpoint(directory, overwrite)
+    make_output_folder(directory)
     info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token, "started": time.time()})
     lock = None
     for _ in range(8):  # a lock released between our tries makes us try again
-        lock = _create_lock(path, token, info) or _take_over_lock(directory, path, token, info, overwrite)
+        # An existing lock first (a running save's is refused without a file written), then a new one.
+        existing = os.path.lexists(path) and _take_over_lock(directory, path, token, info, overwrite)
+        lock = existing or _create_lock(path, token, info)
         if lock is not None:
             break
     if lock is None:
         raise CheckpointLocked(f"{directory}: could not take {path}: other saves keep taking it. Try again.")
-    if not overwrite and directory_holds_checkpoint(directory):
+    try:
+        _refuse_a_checkpoint(directory, overwrite)
+    except SaveRefused:
         release_save_lock(lock)
+        raise
+    return lock
+
+
+def _refuse_a_checkpoint(directory: str, overwrite: bool) -> None:
+    if not overwrite and directory_holds_checkpoint(directory):
         raise SaveRefused(
             f"{directory} already holds a checkpoint; refusing to overwrite it. Choose another "
             "directory, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
         )
-    return lock
 
 
 def _write_holder(fd: int, info: str) -> None:
