@@ -367,3 +367,30 @@ def test_a_refused_save_leaves_the_folder_as_it_was_its_mtime_included(checkpoin
     finally:
         release_save_lock(running)
     assert_published(directory, 1.0)
+
+
+def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwrite(tmp_path):
+    """A folder whose files are named in the save's (custom) pattern holds a checkpoint to vLLM's
+    loader, as one in vLLM's default patterns does: a save without overwrite is refused and changes
+    nothing. It was not: the save published beside them, and its cleanup deleted them as stale parts."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "weights-0-0.safetensors").write_bytes(b"the user's")
+    (directory / "weights-1-3.safetensors").write_bytes(b"also the user's")
+    before = listing(directory)
+    with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
+        save_checkpoint(
+            str(directory), states(1.0), dtype="float32", source=SOURCE, pattern="weights-{rank}-{part}.safetensors"
+        )
+    assert listing(directory) == before
+    # With overwrite, they are replaced as any checkpoint is.
+    save_checkpoint(
+        str(directory),
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        pattern="weights-{rank}-{part}.safetensors",
+        overwrite=True,
+    )
+    assert_published(directory, 1.0)
+    assert verify_checkpoint(str(directory)) == []

@@ -203,16 +203,18 @@ class LocalTarget:
     stages_in_place = True
     abandoned = "Nothing was published; any previous checkpoint there is intact."
 
-    def __init__(self, directory: str, overwrite: bool = False) -> None:
+    def __init__(self, directory: str, overwrite: bool = False, pattern: str | None = None) -> None:
         self.where = os.path.abspath(directory)
         self.overwrite = overwrite
+        # The parts' names: files named so are a checkpoint (its cleanup removes those it does not list).
+        self.patterns = () if pattern is None else (pattern,)
         self.token = new_token()
         self.held: SaveLock | None = None
         self.made_folder = False
 
     def lock(self) -> str:
         self.made_folder = not os.path.lexists(self.where)
-        self.held = acquire_save_lock(self.where, self.token, self.overwrite)
+        self.held = acquire_save_lock(self.where, self.token, self.overwrite, self.patterns)
         kill_point(KILL_LOCKED)
         return self.held.token
 
@@ -279,9 +281,13 @@ class LocalTarget:
 TARGETS: dict[type, Callable[[str, bool], SaveTarget]] = {LocalStore: LocalTarget, ObjectStore: ObjectTarget}
 
 
-def open_target(where: str, overwrite: bool = False) -> SaveTarget:
-    """The save protocol's target for a local folder or an object-storage URL."""
-    return TARGETS[type(open_store(where))](where, overwrite)
+def open_target(where: str, overwrite: bool = False, pattern: str | None = None) -> SaveTarget:
+    """The save protocol's target for a local folder or an object-storage URL; ``pattern`` names the
+    parts (a local folder holding files so named holds a checkpoint)."""
+    store = open_store(where)
+    if isinstance(store, LocalStore):
+        return LocalTarget(where, overwrite, pattern)
+    return TARGETS[type(store)](where, overwrite)
 
 
 def _stage_one(
@@ -443,4 +449,4 @@ def save_checkpoint(
     job = SaveJob(
         stage, manifest_of, carry=None if carry is None else lambda carried: carried.stage(carry), placed=placed
     )
-    return run_save(open_target(directory, overwrite), OneProcess(), job)[0]
+    return run_save(open_target(directory, overwrite, pattern), OneProcess(), job)[0]

@@ -264,7 +264,7 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
     workers.wait_for_replicas()
     pattern = pattern or default_pattern(rank.pp_size, rank.replicas)
     overwrite = os.environ.get(OVERWRITE_ENV, "").lower() in ("1", "true", "yes")
-    target = open_target(path, overwrite)
+    target = open_target(path, overwrite, pattern)
 
     def stage(target: SaveTarget) -> list[tuple[StagedRank, Any]]:
         loaded = _loaded(model, state)

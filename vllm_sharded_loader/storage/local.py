@@ -14,6 +14,7 @@ import shutil
 import stat
 import struct
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
@@ -348,13 +349,15 @@ def read_header(source: str | OpenFile) -> Header:
     return parse_header(raw_length, raw_header, source.path, source.size)
 
 
-def directory_holds_checkpoint(directory: str) -> bool:
-    """Whether a directory has a manifest or any part named as vLLM names them."""
+def directory_holds_checkpoint(directory: str, patterns: Sequence[str] = ()) -> bool:
+    """Whether a directory has a manifest or any part named as vLLM names them (by default, or
+    in one of ``patterns``: a save's own, which its cleanup removes as stale parts)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return False
-    return MANIFEST_NAME in names or any(parse_file_name(p, n) is not None for n in names for p in DEFAULT_PATTERNS)
+    patterns = (*DEFAULT_PATTERNS, *patterns)
+    return MANIFEST_NAME in names or any(parse_file_name(p, n) is not None for n in names for p in patterns)
 
 
 def fsync_directory(directory: str) -> None:

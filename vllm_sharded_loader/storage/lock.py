@@ -163,7 +163,7 @@ def describe_lock(directory: str, holder: dict) -> str:
     return f"{os.path.join(directory, LOCK_NAME)} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, {when})"
 
 
-def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> SaveLock:
+def acquire_save_lock(directory: str, token: str, overwrite: bool = False, patterns: tuple[str, ...] = ()) -> SaveLock:
     """Take a directory's save lock, refusing a running save and, unless ``overwrite``, a checkpoint.
 
     The lock file is written and ``flock``-ed under a temporary name, then published with
@@ -171,12 +171,13 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> Sa
     save runs. An existing lock whose ``flock`` is free belongs to a save that died; with
     ``overwrite`` it is taken over by taking that ``flock``, which one process only can
     win: any other save gets a clear error. Nothing is ever removed to take a lock over.
+    ``patterns``: the save's own part names, which count as a checkpoint too (its cleanup removes them).
     """
     path = os.path.join(directory, LOCK_NAME)
     # A refusal changes nothing, not even the folder's mtime: the rule is checked once before anything
     # is written, and again under the lock (a save may publish meanwhile). A lock there is named first.
     if not os.path.lexists(path):
-        _refuse_a_checkpoint(directory, overwrite)
+        _refuse_a_checkpoint(directory, overwrite, patterns)
     make_output_folder(directory)
     info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token, "started": time.time()})
     lock = None
@@ -189,15 +190,15 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False) -> Sa
     if lock is None:
         raise CheckpointLocked(f"{directory}: could not take {path}: other saves keep taking it. Try again.")
     try:
-        _refuse_a_checkpoint(directory, overwrite)
+        _refuse_a_checkpoint(directory, overwrite, patterns)
     except SaveRefused:
         release_save_lock(lock)
         raise
     return lock
 
 
-def _refuse_a_checkpoint(directory: str, overwrite: bool) -> None:
-    if not overwrite and directory_holds_checkpoint(directory):
+def _refuse_a_checkpoint(directory: str, overwrite: bool, patterns: tuple[str, ...]) -> None:
+    if not overwrite and directory_holds_checkpoint(directory, patterns):
         raise SaveRefused(
             f"{directory} already holds a checkpoint; refusing to overwrite it. Choose another "
             "directory, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
