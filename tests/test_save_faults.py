@@ -394,3 +394,18 @@ def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwri
     )
     assert_published(directory, 1.0)
     assert verify_checkpoint(str(directory)) == []
+
+
+def test_an_overwrite_under_another_pattern_removes_every_part_of_the_old_checkpoint(tmp_path):
+    """The cleanup removed unlisted parts by name, in the new manifest's pattern and vLLM's defaults
+    only: a checkpoint saved under another pattern kept all of its parts beside the new one (which
+    vLLM's loader, given the old pattern, would read), and verify did not see them. What the
+    replaced manifest listed goes, whatever its names; a file of the user's stays."""
+    directory = tmp_path / "ckpt"
+    save_checkpoint(
+        str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192, pattern="w-{rank}-{part}.bin"
+    )
+    (directory / "notes.txt").write_text("the user's own file")
+    new = save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    assert_published(directory, 2.0)
+    assert sorted(os.listdir(directory)) == sorted(new.listed_files() | {MANIFEST_NAME, "notes.txt"})

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -52,7 +52,7 @@ from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage import writer
 from ..storage.faults import declare, kill_point
-from ..storage.local import fsync_directory, write_file_durably
+from ..storage.local import fsync_directory, read_manifest, write_file_durably
 from ..storage.location import LocalStore, ObjectStore, open_store
 from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, read_lock, release_save_lock
 from ..storage.progress import ByteProgress
@@ -160,19 +160,23 @@ def publish_manifest(
     kill_point(KILL_PUBLISHED)
 
 
-def clean_after_publish(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
+def clean_after_publish(
+    directory: str, manifest: Manifest, lock: SaveLock | None = None, replaced: Iterable[str] = ()
+) -> None:
     """Step 5: remove what the published manifest does not list, then release the lock.
 
     Parts of the old save that the new one does not list (and of ranks the new topology
-    lacks) go, so vLLM's own loader cannot pick them up either; so do start-up archives that
+    lacks) go, so vLLM's own loader cannot pick them up either, and so does every file that the
+    ``replaced`` manifest listed (whatever its pattern); so do start-up archives that
     no rank of it lists, and the staged files of this save and of the interrupted save whose
     lock it took over; never those of another save. A failure here leaves the new checkpoint
     published and whole.
     """
     listed = manifest.listed_files()
+    replaced = set(replaced)
     ours = set() if lock is None else {lock.token, lock.taken_over} - {None}
     for name in os.listdir(directory):
-        stale_part = any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
+        stale_part = name in replaced or any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
         token = staged_token(name)
         # Staged files: this save's, the save it took over, and those of any other owner now
         # gone (a killed engine's start-up capture); never a live engine's.
@@ -211,6 +215,7 @@ class LocalTarget:
         self.token = new_token()
         self.held: SaveLock | None = None
         self.made_folder = False
+        self.replaced: set[str] = set()
 
     def lock(self) -> str:
         self.made_folder = not os.path.lexists(self.where)
@@ -256,10 +261,16 @@ class LocalTarget:
         return fresh
 
     def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
+        # The manifest it replaces, read under the lock: its parts go in the cleanup, whatever their names.
+        try:
+            previous = read_manifest(self.where)
+        except ShardedStateError:
+            previous = None  # unreadable: its parts are removed by name only
+        self.replaced = set() if previous is None else previous.listed_files()
         publish_manifest(self.where, manifest, self.held, carried)
 
     def clean(self, manifest: Manifest) -> None:
-        clean_after_publish(self.where, manifest, self.held)
+        clean_after_publish(self.where, manifest, self.held, self.replaced)
 
     def abandon(self, entries: Sequence[RankEntry]) -> None:
         # Every member's rank files (past the exchange that failed, none is still writing).
