@@ -409,3 +409,18 @@ def test_an_overwrite_under_another_pattern_removes_every_part_of_the_old_checkp
     new = save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
     assert_published(directory, 2.0)
     assert sorted(os.listdir(directory)) == sorted(new.listed_files() | {MANIFEST_NAME, "notes.txt"})
+
+
+def test_a_file_system_too_full_for_the_lock_fails_typed_and_leaves_nothing(small_filesystem):
+    """With not a byte free, the lock's own write failed as a bare OSError (not a ShardedStateError),
+    and a save into a new folder left that folder behind."""
+    directory = small_filesystem / "ckpt"
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192)
+    free = os.statvfs(small_filesystem)
+    (small_filesystem / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize))
+    before = tree_digest(str(small_filesystem))
+    for where, overwrite in ((directory, True), (small_filesystem / "new", False)):
+        with pytest.raises(ShardedStateError, match=r"No space left on device"):
+            save_checkpoint(str(where), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=overwrite)
+        assert tree_digest(str(small_filesystem)) == before
+    assert_published(directory, 1.0)

@@ -219,7 +219,13 @@ class LocalTarget:
 
     def lock(self) -> str:
         self.made_folder = not os.path.lexists(self.where)
-        self.held = acquire_save_lock(self.where, self.token, self.overwrite, self.patterns)
+        try:
+            self.held = acquire_save_lock(self.where, self.token, self.overwrite, self.patterns)
+        except BaseException:
+            if self.made_folder:
+                with contextlib.suppress(OSError):  # only if nothing else was put there meanwhile
+                    os.rmdir(self.where)
+            raise
         kill_point(KILL_LOCKED)
         return self.held.token
 

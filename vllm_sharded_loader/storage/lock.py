@@ -178,15 +178,21 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False, patte
     # is written, and again under the lock (a save may publish meanwhile). A lock there is named first.
     if not os.path.lexists(path):
         _refuse_a_checkpoint(directory, overwrite, patterns)
-    make_output_folder(directory)
     info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token, "started": time.time()})
     lock = None
-    for _ in range(8):  # a lock released between our tries makes us try again
-        # An existing lock first (a running save's is refused without a file written), then a new one.
-        existing = os.path.lexists(path) and _take_over_lock(directory, path, token, info, overwrite)
-        lock = existing or _create_lock(path, token, info)
-        if lock is not None:
-            break
+    try:
+        make_output_folder(directory)
+        for _ in range(8):  # a lock released between our tries makes us try again
+            # An existing lock first (a running save's is refused without a file written), then a new one.
+            existing = os.path.lexists(path) and _take_over_lock(directory, path, token, info, overwrite)
+            lock = existing or _create_lock(path, token, info)
+            if lock is not None:
+                break
+    except OSError as e:  # a full disk, a folder we may not write
+        raise SaveRefused(
+            f"{directory}: taking the save lock {path} failed: {e}. Nothing was written; any previous checkpoint "
+            "there is intact. Free space (or fix the folder) and save again."
+        ) from e
     if lock is None:
         raise CheckpointLocked(f"{directory}: could not take {path}: other saves keep taking it. Try again.")
     try:
