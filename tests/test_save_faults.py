@@ -27,7 +27,7 @@ from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError
-from vllm_sharded_loader.format.errors import CheckpointLocked
+from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish
 from vllm_sharded_loader.format.names import is_staged_name
 from vllm_sharded_loader.storage import faults
 from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
@@ -424,3 +424,34 @@ def test_a_file_system_too_full_for_the_lock_fails_typed_and_leaves_nothing(smal
             save_checkpoint(str(where), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=overwrite)
         assert tree_digest(str(small_filesystem)) == before
     assert_published(directory, 1.0)
+
+
+def test_a_file_the_cleanup_cannot_remove_fails_after_the_publish_typed_and_frees_the_lock(checkpoint_a):
+    """A stale part that cannot be removed (immutable, ``chattr +i``: even root gets EPERM) made the
+    cleanup raise a bare OSError after the publish, stop there, and keep the lock's flock for as long
+    as the process lived: every later save of that process (an engine's) was refused as another
+    save's. Now the rest is cleaned, the lock released, and the error is SaveFailedAfterPublish."""
+    import shutil
+
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr to make a file that not even root can remove")
+    directory, _ = checkpoint_a
+    stuck = directory / "model-rank-7-part-0.safetensors"
+    stuck.write_bytes(b"an older save's part")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip(f"{directory}'s file system has no immutable files (chattr +i)")
+    try:
+        with pytest.raises(
+            SaveFailedAfterPublish, match=r"model-rank-7-part-0.safetensors \(Operation not permitted\)"
+        ):
+            save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+        assert_published(directory, 2.0)
+        assert not (directory / LOCK_NAME).exists()
+        assert {n for n in os.listdir(directory) if n.startswith("model-")} == listed(directory) - {MANIFEST_NAME} | {
+            stuck.name
+        }
+        with pytest.raises(SaveFailedAfterPublish):  # the next save in this process is not locked out
+            save_checkpoint(str(directory), states(3.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+        assert_published(directory, 3.0)
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)

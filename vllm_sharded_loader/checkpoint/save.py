@@ -175,6 +175,7 @@ def clean_after_publish(
     listed = manifest.listed_files()
     replaced = set(replaced)
     ours = set() if lock is None else {lock.token, lock.taken_over} - {None}
+    failed: list[str] = []
     for name in os.listdir(directory):
         stale_part = name in replaced or any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
         token = staged_token(name)
@@ -182,13 +183,18 @@ def clean_after_publish(
         # gone (a killed engine's start-up capture); never a live engine's.
         leftover = token is not None and (token in ours or (lock is not None and not owner_is_alive(directory, token)))
         if (name not in listed and (stale_part or is_startup_artifacts_name(name))) or leftover:
-            # (A folder so named is no save's: a save writes files only.)
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            try:
                 os.remove(os.path.join(directory, name))
+            except (FileNotFoundError, IsADirectoryError):  # (a folder so named is no save's: it writes files)
+                pass
+            except OSError as e:  # the rest is cleaned all the same, and the lock released
+                failed.append(f"{name} ({e.strerror})")
             kill_point(KILL_CLEANING)
     kill_point(KILL_CLEANED)
     if lock is not None:
         release_save_lock(lock)
+    if failed:
+        raise ShardedStateError(f"{directory}: could not remove {', '.join(failed)}")
 
 
 def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
