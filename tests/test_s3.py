@@ -29,6 +29,7 @@ from tests.support.stores import Failing, bucket_on, load_from, save_to_bucket, 
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointLocked
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import faults, objects, reader
 from vllm_sharded_loader.storage.tensors import DTYPES
@@ -517,6 +518,17 @@ def test_a_lock_put_whose_answer_is_lost_is_the_saves_own_lock(s3):
         assert proxy.dropped, "the proxy lost the lock put's answer"
     assert verify_checkpoint(url) == []
     assert keys(s3, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+
+
+def test_a_held_prefix_is_refused_as_checkpoint_locked_as_a_held_folder_is(s3, tmp_path):
+    """A save meeting another save's lock raised the base ShardedStateError on object storage, where
+    a local save raises CheckpointLocked: a caller branching on the type missed it."""
+    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    url = new_prefix()
+    objects.acquire_lock(objects.ObjectPrefix.parse(url), "someone-else")
+    with pytest.raises(CheckpointLocked, match="another save holds"):
+        save_to_bucket(url, model, 1)
+    assert keys(s3, url) == [LOCK_NAME]
 
 
 def test_a_server_that_stops_answering_fails_the_load_in_bounded_time(s3):

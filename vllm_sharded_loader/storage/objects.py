@@ -458,7 +458,7 @@ def acquire_lock(where: ObjectPrefix, token: str) -> None:
             return  # ours: the put's answer was lost, and its retry failed (found the lock it had made)
         if not isinstance(e, AlreadyExists):
             raise
-        raise ShardedStateError(
+        raise CheckpointLocked(
             f"{where.url()}: another save holds {describe_lock(where, holder)}. If it is no longer running (it "
             f"was interrupted), delete {where.url(LOCK_NAME)} and save again."
         ) from None
