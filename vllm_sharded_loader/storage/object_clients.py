@@ -1,7 +1,23 @@
 """The obstore client of each cloud's bucket, built once per bucket and process from that cloud's usual settings.
 
-:mod:`.objects` reads and writes through these clients; which settings each cloud reads is
-listed there. Every request is bounded in time (the ``SHARDED_STATE_S3_*`` variables below).
+:mod:`.objects` reads and writes through these clients. Each cloud's usual settings apply,
+and nothing here has settings of its own, but that every request is bounded in time (the
+``SHARDED_STATE_S3_*`` variables below):
+
+- ``s3://bucket/prefix``: credentials, region and endpoint are resolved by ``boto3`` when
+  it is installed, so every usual AWS setting applies (``AWS_ACCESS_KEY_ID``,
+  ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and ``~/.aws/config``, SSO, instance roles), and
+  otherwise by ``obstore`` from the ``AWS_*`` environment variables.
+- ``gs://bucket/prefix``: Google's application default credentials
+  (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud auth application-default login``, the
+  metadata server), ``GOOGLE_SERVICE_ACCOUNT(_KEY)``, ``GOOGLE_BASE_URL``; an emulator by
+  ``STORAGE_EMULATOR_HOST`` (the variable Google's own clients read).
+- ``az://container/prefix`` or ``https://ACCOUNT.blob.core.windows.net/container/prefix``:
+  ``AZURE_STORAGE_ACCOUNT_NAME`` (or the account in the URL) with
+  ``AZURE_STORAGE_ACCOUNT_KEY``, a SAS (``AZURE_STORAGE_SAS_KEY``), a service principal or
+  managed identity (``AZURE_CLIENT_ID``...), or ``AZURE_STORAGE_CONNECTION_STRING``;
+  Azurite by ``AZURE_STORAGE_USE_EMULATOR=true`` (``AZURITE_BLOB_STORAGE_URL`` for its
+  address) or ``AZURE_STORAGE_ENDPOINT``.
 """
 
 from __future__ import annotations

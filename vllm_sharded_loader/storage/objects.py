@@ -3,22 +3,7 @@
 The client is `obstore <https://developmentseed.org/obstore>`_ (Rust's ``object_store``
 crate) for all three clouds: every request releases the GIL, so the reader's threads run
 their ranged GETs truly in parallel, and multipart uploads and conditional puts are built
-in. Each cloud's usual settings apply, and nothing here has settings of its own:
-
-- ``s3://bucket/prefix``: credentials, region and endpoint are resolved by ``boto3`` when
-  it is installed, so every usual AWS setting applies (``AWS_ACCESS_KEY_ID``,
-  ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and ``~/.aws/config``, SSO, instance roles), and
-  otherwise by ``obstore`` from the ``AWS_*`` environment variables.
-- ``gs://bucket/prefix``: Google's application default credentials
-  (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud auth application-default login``, the
-  metadata server), ``GOOGLE_SERVICE_ACCOUNT(_KEY)``, ``GOOGLE_BASE_URL``; an emulator by
-  ``STORAGE_EMULATOR_HOST`` (the variable Google's own clients read).
-- ``az://container/prefix`` or ``https://ACCOUNT.blob.core.windows.net/container/prefix``:
-  ``AZURE_STORAGE_ACCOUNT_NAME`` (or the account in the URL) with
-  ``AZURE_STORAGE_ACCOUNT_KEY``, a SAS (``AZURE_STORAGE_SAS_KEY``), a service principal or
-  managed identity (``AZURE_CLIENT_ID``...), or ``AZURE_STORAGE_CONNECTION_STRING``;
-  Azurite by ``AZURE_STORAGE_USE_EMULATOR=true`` (``AZURITE_BLOB_STORAGE_URL`` for its
-  address) or ``AZURE_STORAGE_ENDPOINT``.
+in. Each cloud's usual settings apply (:mod:`.object_clients` lists them).
 
 A part is opened once (:class:`ObjectFile`: one ``HEAD``), and every later read of it is
 a ranged ``GET`` conditional on the version seen then (``If-Match`` its ETag, and on GCS
