@@ -135,6 +135,30 @@ def test_save_killed_at_each_step_loses_nothing(checkpoint_a, kill_at):
     assert tree_digest(str(neighbour)) == beside
 
 
+@pytest.mark.parametrize("kill_at", [*BEFORE_PUBLISH, *AFTER_PUBLISH])
+def test_save_interrupted_at_each_step_loses_nothing(checkpoint_a, kill_at):
+    """Ctrl-C (SIGINT: a KeyboardInterrupt raised there) at each step, where every ``except`` of
+    the save runs: before the publish, A stays published and whole and the save takes back all it
+    wrote; from the publish on, B is published and whole (nothing of it taken back)."""
+    directory, neighbour = checkpoint_a
+    before, beside = tree_digest(str(directory)), tree_digest(str(neighbour))
+    result = save_in_process(directory, 2.0, {faults.KILL_ENV: kill_at, faults.KILL_SIGNAL_ENV: "INT"})
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, (kill_at, result.stderr[-2000:])
+    assert tree_digest(str(neighbour)) == beside
+    if kill_at in BEFORE_PUBLISH:
+        assert tree_digest(str(directory)) == before
+        assert_published(directory, 1.0)
+        assert_carried(directory, 1.0)
+    else:
+        assert_published(directory, 2.0)
+        assert_carried(directory, 2.0)
+        assert [p for p in verify_checkpoint(str(directory)) if "NOTE" not in p] == []
+    again = save_in_process(directory, 3.0)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert_published(directory, 3.0)
+    assert verify_checkpoint(str(directory)) == []
+
+
 @pytest.fixture
 def small_filesystem(tmp_path: Path):
     """A real file system of 256 KiB of its own (tmpfs), unmounted afterwards; skipped where mounting is denied."""

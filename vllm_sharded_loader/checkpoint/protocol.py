@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..format.errors import SaveFailedAfterPublish, SaveRefused, ShardedStateError
 from ..format.manifest import Manifest, RankEntry
+from ..storage.location import open_store
 from .carry import CarriedFiles
 from .staged import StagedRank, discard_rank
 
@@ -169,9 +170,12 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
         entry = target.place(rank)
         return entry if job.placed is None else job.placed(target, entry)
 
+    publishing = False
     try:
-        token = group.run(lock, only_first=True)[0]
+        # Set first: an interrupt as the lock is taken still has the abandon release it (a target
+        # releases only a lock it holds).
         locked = True
+        token = group.run(lock, only_first=True)[0]
         target.check_joined(group.run(lambda: target.join(token, group.member)))
         carried = CarriedFiles(target.where, token, replace=target.overwrite)
         notes = group.run(stage)
@@ -181,8 +185,19 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
         manifest = job.manifest(entries)
         if job.carry is not None:
             group.run(lambda: job.carry(carried), only_first=True)  # type: ignore[misc]
+        publishing = True
         group.run(lambda: target.publish(manifest, carried), only_first=True)
-    except BaseException:
+    except BaseException as e:
+        if publishing and _is_published(target, manifest):
+            # Stopped once the manifest was out (an interrupt, an fsync after its rename, a lost
+            # answer): the new checkpoint is whole, and nothing of it may be taken back.
+            carried.finish()  # type: ignore[union-attr]
+            for s in staged:
+                s.placed.clear()
+            target.close()
+            if isinstance(e, (ShardedStateError, OSError)):
+                raise _after_publish(target, e, "finishing its publish") from e
+            raise
         if carried is not None:
             carried.restore()
         for s in staged:
@@ -210,10 +225,21 @@ def refusal(target: SaveTarget, error: ShardedStateError) -> SaveRefused:
     return wrapped
 
 
-def _after_publish(target: SaveTarget, error: ShardedStateError | OSError) -> SaveFailedAfterPublish:
+def _is_published(target: SaveTarget, manifest: Manifest) -> bool:
+    """Whether the target's manifest is now ``manifest`` (asked after a failure during the publish)."""
+    try:
+        published = open_store(target.where).read_manifest()
+    except Exception:  # unreadable: not known to be out, so the save is abandoned as before
+        return False
+    return published is not None and published.to_json() == manifest.to_json()
+
+
+def _after_publish(
+    target: SaveTarget, error: ShardedStateError | OSError, what: str = "removing the old save's files"
+) -> SaveFailedAfterPublish:
     wrapped = SaveFailedAfterPublish(
-        f"Saving the sharded state to {target.where}: the new checkpoint is published and complete, but removing "
-        f"the old save's files failed: {error}. Save again to clean up."
+        f"Saving the sharded state to {target.where}: the new checkpoint is published and complete, but {what} "
+        f"failed: {error}. Save again to clean up."
     )
     if isinstance(error, ShardedStateError):
         wrapped.agreed, wrapped.origin = error.agreed, error.origin

@@ -149,9 +149,11 @@ def publish_manifest(
         if carried is not None:
             carried.place()
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # (an interrupt too: the staged manifest is this save's to take back)
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if not isinstance(e, OSError):
+            raise
         raise SaveRefused(
             f"Writing the manifest {path} failed: {e}. Nothing was published; the previous checkpoint, if any, "
             "is intact. Free space (or fix the directory) and save again."

@@ -21,6 +21,9 @@ import signal
 from ..format.errors import ShardedStateError
 
 KILL_ENV = "SHARDED_STATE_KILL_AT"
+# The signal sent there: KILL by default; INT is an operator's Ctrl-C, which Python raises as
+# KeyboardInterrupt at that point, so every ``except``/``finally`` of the save runs.
+KILL_SIGNAL_ENV = "SHARDED_STATE_KILL_SIGNAL"
 
 # step -> where it is, for the tests' ids and failure messages. Each save protocol adds its own.
 KILL_POINTS: dict[str, str] = {}
@@ -41,7 +44,8 @@ def _distributed_rank() -> int | None:
 
 
 def kill_point(step: str) -> None:
-    """Die by ``SIGKILL`` here when ``$SHARDED_STATE_KILL_AT`` names this step (and count)."""
+    """Die by ``SIGKILL`` (or ``$SHARDED_STATE_KILL_SIGNAL``) here when ``$SHARDED_STATE_KILL_AT``
+    names this step (and count)."""
     if step not in KILL_POINTS:
         raise ShardedStateError(f"kill point {step!r} is not declared in vllm_sharded_loader.storage.faults.")
     wanted = os.environ.get(KILL_ENV)
@@ -53,4 +57,4 @@ def kill_point(step: str) -> None:
         return
     _reached[step] = _reached.get(step, 0) + 1
     if _reached[step] == (int(nth) if nth else 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[f"SIG{os.environ.get(KILL_SIGNAL_ENV) or 'KILL'}"])
