@@ -484,6 +484,17 @@ def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_
     assert bucket_digest(s3) == before
 
 
+def saved_with_an_answer_lost(s3, url: str, name: str, model):
+    """``model`` saved at TP=1 into ``url`` while a proxy loses the answer to the put of ``name``
+    (the server took it); the manifest the save returned."""
+    put = f"PUT /{BUCKET}/{objects.ObjectPrefix.parse(url).key(name)} ".encode()
+    settings = {"AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "10"}
+    with through_proxy(s3, "lose_answer", match=put, **settings) as proxy:
+        new = overwrite_at_tp1(url, model)
+        assert proxy.dropped, f"the proxy lost the answer to the put of {name}"
+    return new
+
+
 @pytest.mark.parametrize("over", [True, False], ids=["overwrite", "first"])
 def test_a_manifest_put_whose_answer_is_lost_is_a_published_save(s3, over):
     """The server takes the manifest's put, and the connection is cut before its answer: the retry's
@@ -491,12 +502,7 @@ def test_a_manifest_put_whose_answer_is_lost_is_a_published_save(s3, over):
     parts and no lock, not be abandoned (which deleted the parts the published manifest lists)."""
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     url = saved_url(s3)[1] if over else new_prefix()
-    where = objects.ObjectPrefix.parse(url)
-    put = f"PUT /{BUCKET}/{where.key(MANIFEST_NAME)} ".encode()
-    settings = {"AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "10"}
-    with through_proxy(s3, "lose_answer", match=put, **settings) as proxy:
-        new = overwrite_at_tp1(url, model)
-        assert proxy.dropped, "the proxy lost the manifest put's answer"
+    new = saved_with_an_answer_lost(s3, url, MANIFEST_NAME, model)
     assert read_manifest(url) == new
     assert verify_checkpoint(url) == []
     _, targets, expected = load_from(url, model, 1)
@@ -508,14 +514,8 @@ def test_a_lock_put_whose_answer_is_lost_is_the_saves_own_lock(s3):
     """The server takes the lock's create-only put and the answer is lost: the retry finds the lock
     there. It is this save's own (its token): the save goes on, instead of failing on itself as
     "another save" and leaving the prefix locked until someone deletes the lock by hand."""
-    model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     url = new_prefix()
-    where = objects.ObjectPrefix.parse(url)
-    put = f"PUT /{BUCKET}/{where.key(LOCK_NAME)} ".encode()
-    settings = {"AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "10"}
-    with through_proxy(s3, "lose_answer", match=put, **settings) as proxy:
-        new = overwrite_at_tp1(url, model)
-        assert proxy.dropped, "the proxy lost the lock put's answer"
+    new = saved_with_an_answer_lost(s3, url, LOCK_NAME, llama_like(num_layers=2, vocab=1000, kv_heads=2))
     assert verify_checkpoint(url) == []
     assert keys(s3, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
 
