@@ -172,10 +172,8 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
 
     publishing = False
     try:
-        # Set first: an interrupt as the lock is taken still has the abandon release it (a target
-        # releases only a lock it holds).
-        locked = True
         token = group.run(lock, only_first=True)[0]
+        locked = True
         target.check_joined(group.run(lambda: target.join(token, group.member)))
         carried = CarriedFiles(target.where, token, replace=target.overwrite)
         notes = group.run(stage)

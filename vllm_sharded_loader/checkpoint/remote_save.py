@@ -74,8 +74,8 @@ def begin(url: str, token: str, overwrite: bool) -> None:
     """Step 1: hold the prefix (conditional put of the lock); an old checkpoint needs ``overwrite``."""
     store = ObjectStore(url)
     store.acquire_lock(token)
-    kill_point(KILL_LOCKED)
     try:
+        kill_point(KILL_LOCKED)
         _refuse_a_checkpoint(store, url, overwrite)
         # An interrupted save's uploads: only those it recorded as its own before it began them.
         manifest = store.read_manifest()

@@ -234,7 +234,11 @@ class LocalTarget:
                 with contextlib.suppress(OSError):  # only if nothing else was put there meanwhile
                     os.rmdir(self.where)
             raise
-        kill_point(KILL_LOCKED)
+        try:
+            kill_point(KILL_LOCKED)
+        except BaseException:  # (an interrupt here: the driver has no token yet to abandon with)
+            self.abandon([])
+            raise
         return self.held.token
 
     def join(self, token: str, member: str) -> tuple[str, str, bool]:

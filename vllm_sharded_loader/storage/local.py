@@ -426,11 +426,6 @@ def module_folders(source: str) -> set[str]:
     return {p.strip("/").split("/")[0] for p in paths if isinstance(p, str) and p.strip("/")}
 
 
-def _inside(path: str, folder: str) -> bool:
-    """Whether ``path`` resolves to somewhere under ``folder`` (not to the folder itself)."""
-    return os.path.realpath(path).startswith(os.path.realpath(folder).rstrip("/") + "/")
-
-
 def _holds_a_checkpoint(folder: str) -> bool:
     """A checkpoint (or a save into one) in a folder of the model's: converted or saved into the model's
     own folder, it is not the model's, and a later checkpoint of the model must not carry it."""
@@ -455,7 +450,7 @@ def non_weight_files(source: str) -> list[str]:
         if not os.path.isdir(path):
             found.append(name)
             continue
-        if _holds_a_checkpoint(path) or not _inside(path, source):
+        if _holds_a_checkpoint(path) or _escapes(path, os.path.realpath(path), source) is not None:
             # (A link to a folder elsewhere, say to /usr, is not the model's: not walked, as os.walk
             # walks no nested link.)
             continue
