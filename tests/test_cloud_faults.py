@@ -28,7 +28,7 @@ from tests.support.stores import load_from, save_to_bucket, stores_pointed_at
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
-from vllm_sharded_loader.format.errors import CheckpointLocked
+from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import faults, objects
 
@@ -189,6 +189,27 @@ def test_a_held_prefix_is_refused_as_checkpoint_locked(store):
     with pytest.raises(CheckpointLocked, match="another save holds"):
         save_to_bucket(url, model_of(), 1)
     assert keys(store, url) == [LOCK_NAME]
+
+
+def test_a_stale_part_the_cleanup_cannot_delete_fails_after_the_publish_and_frees_the_lock(store):
+    """An Azure lease on a part of the replaced checkpoint (a backup or copy tool holds one) refuses its
+    delete (412) once the new manifest is out. The save failed after the publish as it should, but
+    kept its lock: every later save, this process's included, was refused as "another save" until
+    someone deleted the lock by hand, though the error said to save again. Now the lock is released,
+    and the next save deletes what the cleanup left (the save's record of the replaced parts stays)."""
+    model, url, _, where = saved_url(store)
+    part = where.key(read_manifest(url).rank(1, 0).files[0].name)
+    lease = store.client().get_blob_client(BUCKET, part).acquire_lease(lease_duration=-1)
+    try:
+        with pytest.raises(SaveFailedAfterPublish, match=f"published and complete.*{part}"):
+            overwrite_at_tp1(url, model)
+        assert read_manifest(url).tp_size == 1 and verify_checkpoint(url) != []  # the leased part is left over
+        assert LOCK_NAME not in keys(store, url)
+    finally:
+        lease.release()
+    new = overwrite_at_tp1(url, model)
+    assert keys(store, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+    assert verify_checkpoint(url) == []
 
 
 BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "local.carried")

@@ -218,12 +218,20 @@ def clean_after_publish(url: str, manifest: Manifest, token: str | None = None, 
 
     Only what the old manifest listed goes: an object under the prefix that no manifest of
     ours named is another writer's, even under a name of our pattern. A failure here leaves
-    the new checkpoint published and whole.
+    the new checkpoint published and whole, and releases the lock all the same.
     """
     store = ObjectStore(url)
-    store.remove(sorted(set(replaced) - manifest.listed_files()))
-    if token is not None:
-        store.remove([n for n in store.list_names() if staged_token(n) == token])
+    try:
+        store.remove(sorted(set(replaced) - manifest.listed_files()))
+        if token is not None:
+            store.remove([n for n in store.list_names() if staged_token(n) == token])
+    except ShardedStateError:
+        # An object that may not be deleted (an Azure lease on an old part, a retention rule) must
+        # not keep the lock: every later save would be refused as another save's until it was
+        # deleted by hand. This save's records stay, so that the next save deletes what is left.
+        with contextlib.suppress(ShardedStateError):
+            store.release_lock(token)
+        raise
     kill_point(KILL_CLEANED)
     store.release_lock(token)
 
