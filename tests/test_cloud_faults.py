@@ -212,6 +212,24 @@ def test_a_stale_part_the_cleanup_cannot_delete_fails_after_the_publish_and_free
     assert verify_checkpoint(url) == []
 
 
+def test_a_leased_manifest_is_refused_for_its_lease_not_as_another_saves_publish(store):
+    """Azure answers 412 to any write of a leased blob, as to a failed If-Match. An overwrite whose
+    manifest a lease held failed saying that another save had replaced the manifest and published
+    first: none had, and the message sent the user looking for a save that never ran. Now it names
+    the lease; the old checkpoint stays published and whole, and the lock is released."""
+    model, url, manifest, where = saved_url(store)
+    before = container_digest(store)
+    lease = store.client().get_blob_client(BUCKET, where.key(MANIFEST_NAME)).acquire_lease(lease_duration=-1)
+    try:
+        with pytest.raises(ShardedStateError, match=f"{MANIFEST_NAME}: the store refused the write.*lease") as raised:
+            overwrite_at_tp1(url, model)
+        assert "another save" not in str(raised.value)
+    finally:
+        lease.release()
+    assert read_manifest(url) == manifest and verify_checkpoint(url) == []
+    assert container_digest(store) == before
+
+
 BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "local.carried")
 AFTER_PUBLISH = ("s3.published", "s3.cleaned")
 WHILE_STAGED = ("s3.recorded", "s3.uploaded", "s3.uploaded:3")

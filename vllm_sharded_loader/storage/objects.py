@@ -330,7 +330,14 @@ def put(
     except obstore.exceptions.AlreadyExistsError:
         raise AlreadyExists(f"{where.url(name)}: already exists; another save published or holds it first.") from None
     except obstore.exceptions.PreconditionError:
-        raise AlreadyExists(f"{where.url(name)}: replaced by another save meanwhile; it published first.") from None
+        now = None if match is None else head(where, name)
+        if match is not None and (now is None or any(now.get(k) != v for k, v in mode.items())):
+            raise AlreadyExists(f"{where.url(name)}: replaced by another save meanwhile; it published first.") from None
+        # Azure answers 412 to any write of a leased blob, conditional or not: no save replaced it.
+        raise ShardedStateError(
+            f"{where.url(name)}: the store refused the write (412 Precondition Failed), though no other save "
+            "replaced the object: on Azure, a lease is held on the blob. Release or break the lease, then save again."
+        ) from None
     except Exception as e:
         raise _fail(where.url(name), "upload", e) from e
 
