@@ -22,6 +22,7 @@ save and the restore off.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -29,7 +30,7 @@ import tarfile
 import tempfile
 from collections.abc import Collection, Mapping
 
-from ..format.errors import CheckpointCorrupt
+from ..format.errors import CheckpointCorrupt, ShardedStateError
 from ..format.manifest import FileEntry, StartupArtifacts
 from ..format.names import startup_artifacts_name
 from ..storage.location import file_path, open_part
@@ -42,6 +43,8 @@ MAX_ARCHIVE_BYTES = 2 * 1024**3
 SKIPPED_FOLDERS = frozenset({"locks"})
 # The archive's folder of vLLM's model-class inspection cache entries, restored under VLLM_CACHE_ROOT.
 MODEL_INFO_FOLDER = "modelinfos"
+# An archive member to unpack, and the path it goes to.
+Member = tuple[tarfile.TarInfo, str]
 
 
 def enabled() -> bool:
@@ -122,14 +125,11 @@ def _member_path(root: str, member: tarfile.TarInfo) -> str | None:
     return path if path.startswith(os.path.join(os.path.normpath(root), "")) else None
 
 
-def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> tuple[int, int]:
-    """Unpack a checked archive under ``root`` (vLLM's AOT compile cache folder), only the members
-    under ``folders`` (top-level names; default all). Files already there are left as they are
-    (another rank, or this node's own compile, wrote them: cache entries are named by their
-    content's hash); each new file is written to a temporary name and renamed, so vLLM never
-    reads half a file. Returns (files written, files already there)."""
-    written = kept = 0
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+def _checked_members(tar: tarfile.TarFile, size: int, root: str, folders: Collection[str] | None) -> list[Member]:
+    """Every member to unpack and where it goes, each checked before a byte is written: a refused
+    archive leaves the cache folder as it was."""
+    chosen: list[Member] = []
+    try:
         for member in tar:
             if folders is not None and member.name.split("/", 1)[0] not in folders:
                 continue
@@ -137,18 +137,103 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
             if path is None:
                 raise CheckpointCorrupt(
                     f"start-up artifacts hold {member.name!r}, which is not a plain file inside the cache folder; "
-                    "nothing more was unpacked. Save the checkpoint again."
+                    "nothing was unpacked. Save the checkpoint again."
                 )
-            if os.path.exists(path):
-                kept += 1
-                continue
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            source = tar.extractfile(member)
-            assert source is not None  # a regular file
-            fd, temporary = tempfile.mkstemp(prefix=".restore.", suffix=".tmp", dir=os.path.dirname(path))
-            with os.fdopen(fd, "wb") as f:
-                f.write(source.read())
-            os.chmod(temporary, 0o644 if not member.mode & 0o111 else 0o755)
-            os.replace(temporary, path)
-            written += 1
-    return written, kept
+            # A header may claim any size (a sparse member, gigabytes): its bytes must be in the archive.
+            if member.offset_data + member.size > size:
+                raise CheckpointCorrupt(
+                    f"start-up artifacts hold {member.name!r} of {member.size} bytes, past the end of the "
+                    f"{size}-byte archive; nothing was unpacked. Save the checkpoint again."
+                )
+            chosen.append((member, path))
+    except tarfile.TarError as e:  # a damaged header after the first
+        raise _not_an_archive(e) from None
+    return chosen
+
+
+def _not_an_archive(e: tarfile.TarError) -> CheckpointCorrupt:
+    return CheckpointCorrupt(
+        f"start-up artifacts are not a tar archive ({e}); nothing was unpacked. Save the checkpoint again."
+    )
+
+
+def _open_archive(data: bytes) -> tarfile.TarFile:
+    try:
+        return tarfile.open(fileobj=io.BytesIO(data), mode="r:")
+    except tarfile.TarError as e:
+        raise _not_an_archive(e) from None
+
+
+def _make_folders(folder: str) -> list[str]:
+    """Create ``folder`` and its missing parents; returns those this call created, outermost first."""
+    missing: list[str] = []
+    while folder and not os.path.isdir(folder):  # (a relative root ends in "", the working folder)
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    made: list[str] = []
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path):  # a user's file or dangling link: never replaced
+                raise
+            continue  # a racing restore made it: theirs to keep
+        made.append(path)
+    return made
+
+
+def _undo(written: list[tuple[str, tuple[int, int]]], made: list[str]) -> None:
+    """Remove what a failed restore wrote: its files, while still the ones it renamed into place
+    (a racing restore may have replaced them since), then its folders, if nothing else is in them."""
+    for path, identity in reversed(written):
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == identity:
+                os.remove(path)
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+
+def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> tuple[int, int]:
+    """Unpack a checked archive under ``root`` (vLLM's AOT compile cache folder), only the members
+    under ``folders`` (top-level names; default all). Files already there (or any link of that
+    name) are left as they are (another rank, or this node's own compile, wrote them: cache
+    entries are named by their content's hash); each new file is written to a temporary name and
+    renamed, so vLLM never reads half a file. All or nothing: a refused archive writes nothing, and
+    a restore that fails while writing (a full disk) removes what it wrote. Returns (files
+    written, files already there)."""
+    written: list[tuple[str, tuple[int, int]]] = []
+    made: list[str] = []
+    kept = 0
+    with _open_archive(data) as tar:
+        chosen = _checked_members(tar, len(data), root, folders)
+        try:
+            for member, path in chosen:
+                if os.path.lexists(path):
+                    kept += 1
+                    continue
+                made += _make_folders(os.path.dirname(path))
+                source = tar.extractfile(member)
+                assert source is not None  # a regular file
+                fd, temporary = tempfile.mkstemp(prefix=".restore.", suffix=".tmp", dir=os.path.dirname(path))
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(source.read())
+                        st = os.fstat(f.fileno())
+                    os.chmod(temporary, 0o644 if not member.mode & 0o111 else 0o755)
+                    os.replace(temporary, path)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.remove(temporary)
+                    raise
+                written.append((path, (st.st_dev, st.st_ino)))
+        except BaseException as e:
+            _undo(written, made)
+            if isinstance(e, OSError):
+                raise ShardedStateError(
+                    f"{root}: cannot unpack start-up artifacts ({e}); what this restore wrote was removed. "
+                    "Free space or fix the folder; vLLM compiles as usual meanwhile."
+                ) from e
+            raise
+    return len(written), kept
