@@ -5,6 +5,8 @@ symlinks per commit, ``refs/main`` naming the commit.
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,79 @@ def test_symlink_out_of_the_repository_is_refused(hub_cache):
         load_rank(
             LoadRequest(str(snapshot), read_manifest(str(snapshot))), stage_state(model, 2, 1, 0, 0), RankInfo(0, 2)
         )
+
+
+@pytest.fixture
+def tiny_hub(tmp_path, monkeypatch):
+    """A one-tensor safetensors model laid out as REPO in an offline Hub cache of its own, and a copy
+    of it with other weights outside the cache: (snapshot, repository folder, other model)."""
+    from safetensors.torch import save_file
+
+    for name, fill in (("model", 1.0), ("other", 9.0)):
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.full((4,), fill)}, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    snapshot = lay_out_cache(tmp_path / "model", tmp_path / "cache")
+    return snapshot, snapshot.parent.parent, tmp_path / "other"
+
+
+def test_a_revision_or_ref_leading_out_of_the_repository_is_refused(tiny_hub, tmp_path):
+    from vllm_sharded_loader.storage.hf_source import resolve_source
+
+    snapshot, repo, other = tiny_hub
+    assert resolve_source(REPO) == str(snapshot)
+    # huggingface_hub reads the commit from refs/<revision>, and the snapshot is snapshots/<commit>.
+    (tmp_path / "ref").write_text(os.path.relpath(other, repo / "snapshots"))
+    with pytest.raises(ShardedStateError, match=r"revision '(\.\./)+ref' names a path"):
+        resolve_source(REPO, os.path.relpath(tmp_path / "ref", repo / "refs"))
+    with pytest.raises(ShardedStateError, match="names a path"):
+        resolve_source(REPO, str(tmp_path / "ref"))
+    (repo / "refs" / "main").write_text(os.path.relpath(other, repo / "snapshots"))
+    with pytest.raises(ShardedStateError, match=f"resolves to {other}, not a snapshot of {REPO}"):
+        resolve_source(REPO)
+
+
+def test_a_snapshot_link_out_of_the_cache_is_refused_naming_it(tiny_hub):
+    from vllm_sharded_loader.storage.hf_source import resolve_source
+
+    snapshot, _, other = tiny_hub
+    (snapshot / "model.safetensors").unlink()
+    os.symlink(other / "model.safetensors", snapshot / "model.safetensors")
+    with pytest.raises(ShardedStateError, match=r"model.safetensors resolves to .*other/model.safetensors, outside"):
+        resolve_source(REPO)
+
+
+def test_a_repository_whose_blobs_live_on_another_disk_still_resolves(tiny_hub, tmp_path):
+    from vllm_sharded_loader.storage.hf_source import SourceFiles, resolve_source
+
+    _, repo, _ = tiny_hub
+    os.rename(repo / "blobs", tmp_path / "disk-blobs")  # moved away, a link left in its place (a bigger disk)
+    os.symlink(tmp_path / "disk-blobs", repo / "blobs")
+    source = SourceFiles.open(resolve_source(REPO))
+    assert source.read("w").tolist() == [1.0] * 4
+    source.close()
+
+
+FETCH = "import sys; from vllm_sharded_loader.storage import hub; print(hub.fetch(sys.argv[1], ['*.json']))"
+
+
+def test_a_ref_that_is_a_fifo_is_refused_not_hung(tiny_hub):
+    _, repo, _ = tiny_hub
+    (repo / "refs" / "main").unlink()
+    os.mkfifo(repo / "refs" / "main")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", FETCH, REPO],
+        capture_output=True,
+        text=True,
+        timeout=60,  # huggingface_hub opens the FIFO and waits for a writer forever
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode != 0 and "refs/main: not a regular file" in done.stderr, done.stderr

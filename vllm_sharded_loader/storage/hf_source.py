@@ -305,6 +305,8 @@ def resolve_source(source: str, revision: str | None = None) -> str:
 
     try:
         return hub.fetch(source, (*hub.METADATA_PATTERNS, "*.safetensors"), revision=revision)
+    except ShardedStateError:
+        raise  # the cache itself is damaged, or the revision names a path: said as is
     except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
         # Not on the Hub, not visible with this token, or (offline) not in the cache.
         raise CheckpointNotFound(

@@ -10,8 +10,11 @@ in the cache are not fetched again.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Sequence
 
+from ..format.errors import CheckpointCorrupt, ShardedStateError
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME, default_pattern, render_file_name
 from ..planning.experts import rank_experts_moved
@@ -29,10 +32,58 @@ def fetch(
     revision: str | None = None,
     cache_dir: str | None = None,
 ) -> str:
-    """Fetch the files of ``repo_id`` matching ``patterns`` into the cache; returns the snapshot folder."""
-    from huggingface_hub import snapshot_download
+    """Fetch the files of ``repo_id`` matching ``patterns`` into the cache; returns the snapshot folder,
+    checked to be the repository's own, every file in it resolving into the repository's folder."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils import validate_repo_id
 
-    return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=list(patterns))
+    validate_repo_id(repo_id)
+    revision = revision if revision is not None else constants.DEFAULT_REVISION
+    # huggingface_hub joins the revision to the cache's refs/ folder and reads the commit from the file
+    # found there: "../" or a leading "/" would read any file on the machine (a FIFO hangs it).
+    if os.path.isabs(revision) or ".." in revision.split("/"):
+        raise ShardedStateError(
+            f"{repo_id}: revision {revision!r} names a path, not a branch, tag or commit of the Hub; "
+            "give a branch or tag name or a commit hash."
+        )
+    cache = str(cache_dir or constants.HF_HUB_CACHE)
+    storage = os.path.join(cache, repo_folder_name(repo_id=repo_id, repo_type="model"))
+    ref = os.path.join(storage, "refs", revision)
+    if os.path.lexists(ref) and not stat.S_ISREG(os.lstat(ref).st_mode):
+        raise CheckpointCorrupt(
+            f"{ref}: not a regular file, where the Hub cache keeps the commit of {revision!r} (a file huggingface_hub "
+            f"writes); refusing to open it. Delete it and fetch {repo_id} again."
+        )
+    snapshot = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=list(patterns))
+    check_snapshot(repo_id, storage, snapshot)
+    return snapshot
+
+
+def check_snapshot(repo_id: str, storage: str, snapshot: str) -> None:
+    """Refuse a snapshot that is not a folder of ``storage``'s ``snapshots/``, or holds a link out of
+    ``storage`` (the repository's folder in the Hub cache, where its blobs are): a ``refs/`` file or a
+    link edited by hand would otherwise have us read another model's weights, or any file."""
+    real, repo = os.path.realpath(snapshot), os.path.realpath(storage)
+    # (Resolved: the cache, the repository's folder or its blobs/ may be links to another disk.)
+    snapshots, blobs = (
+        os.path.realpath(os.path.join(storage, "snapshots")),
+        os.path.realpath(os.path.join(storage, "blobs")),
+    )
+    if os.path.dirname(real) != snapshots:
+        raise CheckpointCorrupt(
+            f"{snapshot}: resolves to {real}, not a snapshot of {repo_id} in the Hub cache ({snapshots}); its "
+            f"refs/ file or snapshot link was edited. Refusing to read it: delete {storage} and fetch it again."
+        )
+    for folder, dirs, files in os.walk(snapshot):
+        for name in sorted(dirs + files):
+            path = os.path.join(folder, name)
+            target = os.path.realpath(path)
+            if not any(os.path.commonpath([target, inside]) == inside for inside in (repo, blobs)):
+                raise CheckpointCorrupt(
+                    f"{path} resolves to {target}, outside {repo_id}'s folder in the Hub cache ({repo}), where its "
+                    f"files are links into blobs/. Refusing to read it: delete {storage} and fetch it again."
+                )
 
 
 def rank_patterns(pattern: str, tp_rank: int, pp_rank: int) -> list[str]:
