@@ -33,6 +33,7 @@ from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import objects
+from vllm_sharded_loader.storage.location import open_store, same_location
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
 BUCKET = "stores"  # its own bucket in the session's SeaweedFS (tests/conftest.py: seaweed)
@@ -367,3 +368,21 @@ def test_azure_connection_strings_become_obstore_settings():
     assert objects.azure_connection_string("BlobEndpoint=http://h:1/a;SharedAccessSignature=sv=1&sig=x")["sas_key"] == (
         "sv=1&sig=x"
     )
+
+
+@pytest.mark.parametrize("url", ["s3://b/ckpt/", "S3://b/ckpt", "s3://b//ckpt", "s3://b/ckpt//"])
+def test_one_prefix_under_any_spelling_is_one_location(url):
+    # reshard and convert refuse an output that is their source: the same prefix, however it is written
+    # (refused before any request: no server here).
+    assert same_location("s3://b/ckpt", url)
+    assert not same_location("s3://b/ckpt", "s3://b/ckpt2") and not same_location("s3://b/ckpt", "gs://b/ckpt")
+    from vllm_sharded_loader.tools.convert import convert_checkpoint
+
+    with pytest.raises(ShardedStateError, match="another folder than the source model"):
+        convert_checkpoint("s3://b/ckpt", url, 2)
+
+
+@pytest.mark.parametrize("url", ["s3://b/ckpt?versionId=3", "gs://b/ckpt#v2", "s3://b/ckpt?", "az://c/we#ird/x"])
+def test_a_query_or_fragment_is_refused_not_dropped(url):
+    with pytest.raises(ShardedStateError, match=r"its '\?' or '#' part .* would be ignored"):
+        open_store(url)

@@ -210,6 +210,13 @@ class ObjectStore:
     remote = True
 
     def __init__(self, url: str) -> None:
+        if "?" in url or "#" in url:
+            # The URL's parser drops it: another prefix (or the latest version) would be read unsaid.
+            raise ShardedStateError(
+                f"{url}: an object storage URL names a bucket and a prefix only; its '?' or '#' part (a version, "
+                "a token, or a key with such a character) would be ignored. Give the prefix alone, with credentials "
+                "in the environment; copy an object's past version to a prefix of its own to use it."
+            )
         self.where = url
         self.prefix = objects.ObjectPrefix.parse(url)
 
@@ -305,8 +312,11 @@ def same_location(a: str, b: str) -> bool:
     """Whether two locations are one: the same URL, or the same local folder under any name (a
     symbolic link to it, a bind mount of it)."""
     first, second = open_store(a), open_store(b)
+    if isinstance(first, ObjectStore) and isinstance(second, ObjectStore):
+        # As parsed: "s3://b/x", "s3://b/x/" and "S3://b//x" are one prefix, which a save would write into.
+        return first.prefix == second.prefix
     if first.remote or second.remote:
-        return first.canonical() == second.canonical()
+        return False
     if os.path.realpath(a) == os.path.realpath(b):
         return True
     with contextlib.suppress(OSError):
