@@ -163,6 +163,32 @@ def test_a_tie_added_to_the_manifest_never_stands_in_for_a_saved_tensor(tmp_path
         load_tp1(tmp_path, model, manifest)
 
 
+def test_a_tensor_stored_in_another_dtype_by_one_rank_is_not_resharded_as_one_dtype(tmp_path):
+    # Each rank's file is right on its own (the same topology casts each file's tensor); joined
+    # at another TP size, one rank's float16 bytes must not be read as the other's bfloat16.
+    from vllm_sharded_loader.format.geometry import column_parallel, replicated
+
+    full = torch.randn(8, 4).to(torch.bfloat16)
+    norm = torch.randn(4).to(torch.bfloat16)
+    ranks = {
+        RankInfo(0, 2): {"w": full[:4].to(torch.float16), "norm": norm.to(torch.float16)},
+        RankInfo(1, 2): {"w": full[4:].clone(), "norm": norm.clone()},
+    }
+    geometry = {"w": column_parallel([8, 4]).to_dict(), "norm": replicated([4], "RMSNorm").to_dict()}
+    save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=SOURCE, geometry=geometry)
+    manifest = read_manifest(str(tmp_path))
+    for t in range(2):
+        targets = {"w": torch.zeros(4, 4, dtype=torch.bfloat16), "norm": torch.zeros(4, dtype=torch.bfloat16)}
+        load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(t, 2))
+        assert torch.equal(targets["w"], full[4 * t : 4 * t + 4]) and torch.equal(targets["norm"], norm)
+    for tp_size in (1, 4):
+        w = torch.zeros(8 // tp_size, 4, dtype=torch.bfloat16)
+        targets = {"w": w, "norm": torch.zeros(4, dtype=torch.bfloat16)}
+        with pytest.raises(ShardedStateError, match=r"w: saved pp_rank=0 tp_rank=\d stores it as (F16|BF16)"):
+            load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(tp_size - 1, tp_size))
+        assert not targets["w"].any() and not targets["norm"].any()
+
+
 def test_resharding_refuses_saved_tensors_the_model_does_not_have(tmp_path):
     saved = llama_like(num_layers=3, vocab=128, kv_heads=2)
     save_model(tmp_path, saved, 2, 1)

@@ -54,7 +54,7 @@ def saved_ranks(manifest: Manifest, directory: str = "") -> list[SavedRank]:
                     f"be resharded; serve it at TP={manifest.tp_size} PP={manifest.pp_size} or save it again."
                 )
             geometry = manifest.geometries.get(name)
-            tensors[name] = SavedTensor(t.file, t.offset, dtype_size(t.dtype, name), tuple(t.shape), geometry)
+            tensors[name] = SavedTensor(t.file, t.offset, dtype_size(t.dtype, name), tuple(t.shape), geometry, t.dtype)
         ranks.append(SavedRank(entry.tp_rank, entry.pp_rank, tensors, entry.dp_rank))
     return ranks
 

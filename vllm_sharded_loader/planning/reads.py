@@ -77,7 +77,8 @@ class SavedTensor:
 
     ``offset`` is the absolute byte offset of its first element in ``file`` (for
     safetensors: the header length plus the tensor's ``data_offsets`` begin), ``shape``
-    its local shape as saved, ``geometry`` None for a checkpoint that recorded none.
+    its local shape as saved, ``geometry`` None for a checkpoint that recorded none,
+    ``dtype`` its safetensors dtype name ("": not known to the caller).
     """
 
     file: str
@@ -85,6 +86,7 @@ class SavedTensor:
     itemsize: int
     shape: tuple[int, ...]
     geometry: TensorGeometry | None
+    dtype: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -261,6 +263,13 @@ def _plan_tensor(
                 f"{source}: saved {rank_label(pp, *_tp_dp(saved_rank, saved_tp_size))} records geometry "
                 f"{_describe(t)}, but another rank records {_describe(first)}. The manifest is damaged: save the "
                 "checkpoint again."
+            )
+        if t.dtype != first.dtype:  # all read as one dtype; float16 read as bfloat16 is other numbers
+            raise CheckpointMismatch(
+                f"{source}: saved {rank_label(pp, *_tp_dp(saved_rank, saved_tp_size))} stores it as {t.dtype}, "
+                f"but another saved rank as {first.dtype}; "
+                "resharded, their bytes would be joined as one dtype. Serve the checkpoint at the topology it "
+                "was saved with (each rank's file is then cast on its own), or save it again in one dtype."
             )
     g = first.geometry
     reshardable = g is not None and g.kind != OPAQUE
