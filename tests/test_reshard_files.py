@@ -160,7 +160,33 @@ def test_a_tie_added_to_the_manifest_never_stands_in_for_a_saved_tensor(tmp_path
 
     manifest = edit_manifest(tmp_path, tie_and_drop)
     with pytest.raises(ShardedStateError, match=r"holds tensors \['lm_head.weight'\] not in sharded_state.json"):
+        load_tp1(tmp_path, model, manifest, tied=[("model.embed_tokens.weight", "lm_head.weight")])
+    # A served model that holds the head apart from the embedding refuses the tie before that.
+    with pytest.raises(ShardedStateError, match=r"the served model holds them as separate tensors"):
         load_tp1(tmp_path, model, manifest)
+
+
+def test_a_manifest_tie_never_fills_a_tensor_the_served_model_holds_apart(tmp_path):
+    # Saved from a model that ties the LM head to the embedding (the head saved once, under the
+    # embedding's name); served by one that holds the two apart. At the saved TP size the load
+    # is refused (the head is missing); resharded, the manifest's tie must not stand in for it
+    # with the embedding's weights.
+    model = llama_like(tied=False, num_layers=2, vocab=128, kv_heads=2)
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    for state in ranks.values():
+        del state["lm_head.weight"]
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items() if name != "lm_head.weight"}
+    tied = (("model.embed_tokens.weight", "lm_head.weight"),)
+    save_checkpoint(
+        str(tmp_path), ranks, dtype="int32", source=source_of(model), geometry=geometry, tied=tied, max_size=4096
+    )
+    manifest = read_manifest(str(tmp_path))
+    for tp_size in (1, 4):
+        expected = stage_state(model, tp_size, 1, 0, 0)
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        with pytest.raises(ShardedStateError, match=r"lm_head.weight .*model.embed_tokens.weight.*separate tensors"):
+            load_rank(LoadRequest(str(tmp_path), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size))
+        assert all(bool((x == -7).all()) for x in targets.values())
 
 
 def test_a_tensor_stored_in_another_dtype_by_one_rank_is_not_resharded_as_one_dtype(tmp_path):

@@ -14,6 +14,7 @@ from ..format.names import MANIFEST_NAME
 from ..format.safetensors import dtype_size
 from .pipeline import layer_index
 from .reads import ReadPlan, SavedRank, SavedTensor, check_saved_shape, plan_reads
+from .tensors import tied_source
 from .topology import RankInfo
 
 
@@ -70,8 +71,10 @@ def plan_manifest_reads(
     """:func:`plan_reads` over a manifest's ranks for serving ``rank`` (its topology and expert placement).
 
     The manifest's tied names are added to ``tied``; the saved expert placement is the manifest's.
+    A tie only the manifest records never fills a tensor from another that ``rank`` also needs
+    (:func:`check_manifest_ties`).
     """
-    return plan_reads(
+    plan = plan_reads(
         saved_ranks(manifest, directory),
         manifest.tp_size,
         list(needed),
@@ -86,6 +89,29 @@ def plan_manifest_reads(
         saved_expert_tp=manifest.expert_tp_size,
         expert_tp=rank.expert_tp,
     )
+    check_manifest_ties(plan, tied)
+    return plan
+
+
+def check_manifest_ties(plan: ReadPlan, served_tied: Iterable[Iterable[str]]) -> None:
+    """Raise if a tensor is planned from another tensor the serving rank also holds, through a tie
+    the served model does not make (``served_tied``).
+
+    The manifest's ties are needed where the served model cannot see its own (a pipeline stage
+    holding the embedding but not the LM head saved for it). But one saved tensor read into two
+    tensors the served model holds apart gives one of them the other's weights: a manifest tie
+    the model does not make, from a model that tied them or a damaged manifest. At the saved
+    topology that load is refused as a missing tensor; resharded, it must be too.
+    """
+    served_as = tied_source(served_tied)
+    for t in plan.tensors.values():
+        if t.source_name != t.name and t.source_name in plan.tensors and served_as(t.name, {t.source_name}) is None:
+            raise CheckpointMismatch(
+                f"{t.name} is saved only as {t.source_name}, which {MANIFEST_NAME} ties to it, but the served "
+                "model holds them as separate tensors: one would be loaded with the other's weights. The "
+                "checkpoint was saved from a model that ties them (another config), or its manifest is damaged: "
+                "save it again from the model being served."
+            )
 
 
 def files_to_check(plan: ReadPlan, manifest: Manifest) -> list[str]:
