@@ -27,7 +27,7 @@ from tests.support.reference import llama_like, reference_pp_indices
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
-from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format import CheckpointCorrupt, ShardedStateError
 from vllm_sharded_loader.storage.reader import ReadOptions
 
 
@@ -213,6 +213,25 @@ def test_a_tensor_stored_in_another_dtype_by_one_rank_is_not_resharded_as_one_dt
         with pytest.raises(ShardedStateError, match=r"w: saved pp_rank=0 tp_rank=\d stores it as (F16|BF16)"):
             load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(tp_size - 1, tp_size))
         assert not targets["w"].any() and not targets["norm"].any()
+
+
+def test_a_geometry_the_saved_size_cannot_split_is_named_as_damage(tmp_path):
+    # A QKV geometry whose Q heads do not divide the saved TP size cannot describe the saved
+    # files: the manifest is damaged, whatever size is served (not "serve at another size").
+    model = llama_like(num_layers=2, vocab=128, kv_heads=2)
+    save_model(tmp_path, model, 2, 1)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+
+    def one_q_head(data):
+        q = data["geometry"][name]["segments"][0]
+        q["heads"], q["head_size"] = 1, q["size"]
+
+    manifest = edit_manifest(tmp_path, one_q_head)
+    for tp_size in (1, 4):
+        targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, tp_size, 1, 0, 0).items()}
+        refused = rf"{name}: its recorded geometry cannot describe the files saved at TP=2 .*'q' of 1 heads.*damaged"
+        with pytest.raises(CheckpointCorrupt, match=refused):
+            load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(0, tp_size))
 
 
 def test_resharding_refuses_saved_tensors_the_model_does_not_have(tmp_path):

@@ -267,9 +267,8 @@ def _plan_tensor(
         if t.dtype != first.dtype:  # all read as one dtype; float16 read as bfloat16 is other numbers
             raise CheckpointMismatch(
                 f"{source}: saved {rank_label(pp, *_tp_dp(saved_rank, saved_tp_size))} stores it as {t.dtype}, "
-                f"but another saved rank as {first.dtype}; "
-                "resharded, their bytes would be joined as one dtype. Serve the checkpoint at the topology it "
-                "was saved with (each rank's file is then cast on its own), or save it again in one dtype."
+                f"but another saved rank as {first.dtype}; resharded, their bytes would be joined as one dtype. Serve "
+                "it at the topology it was saved with (each rank's file cast on its own), or save it in one dtype."
             )
     g = first.geometry
     reshardable = g is not None and g.kind != OPAQUE
@@ -471,16 +470,21 @@ def check_saved_shape(
     saved_experts: ExpertPlacement | None = None,
     saved_expert_tp: int | None = None,
 ) -> None:
-    if g.stacked and saved_experts is None and saved_expert_tp:
-        # Experts cut across TP x DP: the saved rank is its index there.
-        expected = rank_shape(g, saved_expert_tp, saved_rank, name=name)
-    else:
-        expected = rank_shape(g, saved_tp_size, saved_rank % saved_tp_size, saved_experts, saved_rank, name)
+    try:
+        if g.stacked and saved_experts is None and saved_expert_tp:
+            # Experts cut across TP x DP: the saved rank is its index there.
+            expected = rank_shape(g, saved_expert_tp, saved_rank, name=name)
+        else:
+            expected = rank_shape(g, saved_tp_size, saved_rank % saved_tp_size, saved_experts, saved_rank, name)
+    except ShardedStateError as e:  # no serving size to change: the saved size is a fact, the record is wrong
+        raise CheckpointCorrupt(
+            f"{name}: its recorded geometry cannot describe the files saved at TP={saved_tp_size} "
+            f"({str(e).split('. ')[0]}). The manifest is damaged: save the checkpoint again."
+        ) from e
     if tuple(shape) != expected:
         raise CheckpointCorrupt(
             f"{name} of saved {rank_label(pp_rank, *_tp_dp(saved_rank, saved_tp_size))} has shape {list(shape)}, "
-            "but its "
-            f"geometry ({g.layer_class}, shape {list(g.shape)} at TP=1) gives {list(expected)} at "
+            f"but its geometry ({g.layer_class}, shape {list(g.shape)} at TP=1) gives {list(expected)} at "
             f"TP={saved_tp_size}. The manifest is damaged: save the checkpoint again."
         )
 
