@@ -686,6 +686,15 @@ def test_a_damaged_replica_manifest_is_refused(tmp_path, edit, match):
         edit_manifest(tmp_path, edit)
 
 
+@pytest.mark.parametrize("edit", [lambda d: d.pop("dp_size"), lambda d: d.__setitem__("dp_size", 4)])
+def test_a_pattern_that_does_not_fit_the_recorded_replicas_is_named_as_damage(tmp_path, edit):
+    # The pattern check's own advice is for a save ("Use '...'"); in a published manifest the
+    # refusal names the manifest and says it is damaged.
+    save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
+    with pytest.raises(CheckpointCorrupt, match=r"sharded_state.json: .*data-parallel rank.*The manifest is damaged"):
+        edit_manifest(tmp_path, edit)
+
+
 def test_a_later_replica_holding_more_than_its_experts_is_refused(tmp_path):
     """A later replica's entry may hold only what the first replica's same rank holds (its
     experts): a tensor only it lists is refused when the manifest is read."""

@@ -304,7 +304,11 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
     try:
         validate_pattern(manifest.pattern, manifest.tp_size, manifest.pp_size, replicas)
     except ShardedStateError as e:  # a bad option when saving; in a published manifest, damage
-        raise CheckpointCorrupt(str(e)) from e
+        raise CheckpointCorrupt(
+            f"{where}: the file pattern does not fit the recorded topology (TP={manifest.tp_size} "
+            f"PP={manifest.pp_size}, {replicas} writing replica(s)): {e} The manifest is damaged: save the "
+            "checkpoint again."
+        ) from e
     expected = {
         (pp, dp, tp) for pp in range(manifest.pp_size) for dp in range(replicas) for tp in range(manifest.tp_size)
     }
