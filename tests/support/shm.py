@@ -5,17 +5,22 @@ vLLM's message queues (``multiprocessing.shared_memory``: ``psm_*``) and its CPU
 node and fault tests end engines with ``SIGKILL``, so their segments stay, run after run: one
 machine of ours held 2,043 of them, 3.7 GB of memory (``/dev/shm`` is memory), after a day of runs.
 The test session removes, when it ends, the segments of those kinds that appeared while it ran
-and that no live process has open or mapped: nothing it did not make, and nothing in use.
+and that no live process has open or mapped: nothing it did not make, and nothing in use. A
+segment younger than a minute stays too: another test session's engine may be starting, and a
+segment between its creation and its mapping is in no process's list yet.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 SHM_DIR = "/dev/shm"
 # Segment names of vLLM's message queues and CPU communicator; nothing else is touched.
 PREFIXES = ("psm_", "vllm_dist_")
+# Seconds a segment must have existed before a sweep may take it for a dead engine's.
+MIN_AGE = 60.0
 
 
 def segments(folder: str = SHM_DIR) -> set[str]:
@@ -43,16 +48,20 @@ def in_use(folder: str = SHM_DIR) -> set[str]:
     return {path.removesuffix(" (deleted)") for path in used}
 
 
-def remove_left(before: Iterable[str], folder: str = SHM_DIR) -> list[str]:
-    """Remove vLLM's segments in ``folder`` that are not in ``before`` and that no live process
-    has open or mapped; the names removed."""
+def remove_left(before: Iterable[str], folder: str = SHM_DIR, min_age: float = MIN_AGE) -> list[str]:
+    """Remove vLLM's segments in ``folder`` that are not in ``before``, that no live process has
+    open or mapped, and that are at least ``min_age`` seconds old; the names removed."""
+    # Listed before the processes are read: a segment made after the read is never a candidate.
+    candidates = sorted(segments(folder) - set(before))
     used = in_use(folder)
     removed = []
-    for name in sorted(segments(folder) - set(before)):
+    for name in candidates:
         path = os.path.join(folder, name)
         if path in used:
             continue
         try:
+            if time.time() - os.stat(path).st_mtime < min_age:
+                continue
             os.unlink(path)
         except FileNotFoundError:  # its maker ended and unlinked it meanwhile
             continue
