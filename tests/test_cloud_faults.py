@@ -313,3 +313,19 @@ def test_a_save_killed_at_each_step_loses_nothing(store, tmp_path, kill_at, stag
     assert not [n for n in names if n.startswith(".")], names
     assert {"notes.txt", MANIFEST_NAME, *carried_of(3)} <= names
     assert verify_checkpoint(url) == []
+
+
+def test_a_save_whose_network_goes_down_reports_the_upload_not_its_clean_up(store):
+    """The connection dies mid-upload and stays down: the save's clean-up (its uploads, its lock)
+    reaches no server either. The error is the upload's, with the clean-up's failure added to it
+    (what may be left, and what to do), never the clean-up's alone."""
+    model, url, _, where = saved_url(store)
+    with through_proxy(store, "down_after", 20000, **SETTINGS) as proxy:
+        with pytest.raises(ShardedStateError, match="upload failed") as failed:
+            overwrite_at_tp1(url, model)
+        assert proxy.dropped and proxy.refused
+    notes = "\n".join(getattr(failed.value, "__notes__", []))
+    assert "Undoing the save also failed" in notes and objects.LOCK_NAME in notes, notes
+    # What the note says may remain does: the lock, which the save could not delete; the old checkpoint stands.
+    assert objects.head(where, objects.LOCK_NAME) is not None
+    load_from(url, model, 2, 0)

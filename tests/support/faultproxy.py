@@ -5,6 +5,8 @@ Modes, per connection:
 - ``pass``: forwards both ways;
 - ``drop_after``: closes both sides once the client has sent more than ``limit`` bytes
   (large uploads die mid-body; small requests pass);
+- ``down_after``: as ``drop_after``, and from that drop on the network is down: every later
+  connection is closed unread (a save's clean-up after a failed upload reaches no server);
 - ``stall``: forwards the request but never a byte of the answer (a server that hangs);
 - ``drop_matching``: closes both sides, without forwarding it, at a request whose request line
   holds ``match`` (``b"PUT /bucket/prefix/sharded_state.json"``): that request never reaches
@@ -36,7 +38,7 @@ class FaultProxy:
         self.target_port, self.mode, self.limit, self.host, self.match = target_port, mode, limit, host, match
         self.listener = socket.create_server((host, 0))
         self.port = self.listener.getsockname()[1]
-        self.dropped = 0
+        self.dropped = self.refused = 0
         self.sent = self.received = 0
         self._count = threading.Lock()
         self._closing = threading.Event()
@@ -68,6 +70,10 @@ class FaultProxy:
                 client, _ = self.listener.accept()
             except (TimeoutError, OSError):
                 continue
+            if self.mode == "down_after" and self.dropped:
+                self.refused += 1
+                client.close()
+                continue
             server = socket.create_connection(("127.0.0.1", self.target_port))
             self._sockets += [client, server]
             thread = threading.Thread(target=self._relay, args=(client, server), daemon=True)
@@ -86,7 +92,7 @@ class FaultProxy:
                         return
                     if source is client:
                         sent += len(data)
-                        if self.mode == "drop_after" and sent > self.limit:
+                        if self.mode in ("drop_after", "down_after") and sent > self.limit:
                             self.dropped += 1
                             return
                         if self.mode in ("drop_matching", "lose_answer") and self.match in data.split(b"\r\n", 1)[0]:

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..format.errors import SaveFailedAfterPublish, SaveRefused, ShardedStateError
 from ..format.manifest import Manifest, RankEntry
+from ..format.names import LOCK_NAME
 from ..storage.location import open_store
 from .carry import CarriedFiles
 from .staged import StagedRank, discard_rank
@@ -196,13 +197,11 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
             if isinstance(e, (ShardedStateError, OSError)):
                 raise _after_publish(target, e, "finishing its publish") from e
             raise
-        if carried is not None:
-            carried.restore()
-        for s in staged:
-            job.discard(s)
+        undo: list[Callable[[], None]] = [carried.restore] if carried is not None else []
+        undo += [lambda s=s: job.discard(s) for s in staged]
         if locked and group.first:
-            target.abandon([entry for entry, _ in entries])
-        target.close()
+            undo.append(lambda: target.abandon([entry for entry, _ in entries]))
+        _undo(e, [*undo, target.close])
         raise
     carried.finish()
     for s in staged:
@@ -216,10 +215,26 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
     return manifest, staged
 
 
+def _undo(error: BaseException, steps: Iterable[Callable[[], None]]) -> None:
+    """Run every step that undoes a failed save, each whatever the others did, and add their own
+    failures to ``error`` as notes: the reason the save failed stays the error raised (a network
+    down mid-upload fails the clean-up too, which must not take the upload's place)."""
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # (an interrupt still stops the undo: it is the user's call)
+            error.add_note(
+                f"Undoing the save also failed ({e}); what it could not remove (its uploads, its lock "
+                f"{LOCK_NAME}) may remain: the next save removes its uploads, and says what to do with a lock."
+            )
+
+
 def refusal(target: SaveTarget, error: ShardedStateError) -> SaveRefused:
     """The error a save hook reports for a save abandoned before its publish (keeps ``agreed``)."""
     wrapped = SaveRefused(f"Saving the sharded state to {target.where} failed: {error}. {target.abandoned}")
     wrapped.agreed, wrapped.origin = error.agreed, error.origin
+    for note in getattr(error, "__notes__", []):  # what its undo could not remove
+        wrapped.add_note(note)
     return wrapped
 
 
@@ -241,4 +256,6 @@ def _after_publish(
     )
     if isinstance(error, ShardedStateError):
         wrapped.agreed, wrapped.origin = error.agreed, error.origin
+    for note in getattr(error, "__notes__", []):  # what its undo could not remove
+        wrapped.add_note(note)
     return wrapped

@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine_kwargs(engine_args), args.output, args.file_pattern, args.max_file_size, args.overwrite
         )
     except Exception as e:  # ours, or vLLM's wrapping of a worker's: the message is what matters, not our stack
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(f"error: {e}", *getattr(e, "__notes__", []), sep="\n", file=sys.stderr, flush=True)
         return 2
     manifest = location.read_manifest(args.output)
     assert manifest is not None

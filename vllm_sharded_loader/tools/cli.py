@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
         return args.run(args)
     except (ShardedStateError, OSError) as e:
-        print(f"vllm-sharded: error: {e}", file=sys.stderr)
+        print(f"vllm-sharded: error: {e}", *getattr(e, "__notes__", []), sep="\n", file=sys.stderr)
         return 2
 
 
