@@ -334,8 +334,9 @@ def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tm
     what = {"fifo": "a FIFO", "dangling-link": "a link to nothing"}.get(kind, "a file")
     named = f"{output}: {there}" if kind == "under-a-file" else f"{output}"
     message = rf"^{named} is {what}, where a checkpoint folder was expected; nothing was written"
-    with pytest.raises(ShardedStateError, match=message):
-        save(output)  # the save protocol (reshard, the save hook)
+    for overwrite in (True, False):  # (without overwrite, the checkpoint rule looked first: "Not a directory")
+        with pytest.raises(ShardedStateError, match=message):
+            save(output, overwrite=overwrite)  # the save protocol (reshard, the save hook)
     source = model_folder(tmp_path / "model")
     with pytest.raises(ShardedStateError, match=message):
         convert_checkpoint(str(source), str(output), 2)  # before vLLM is imported

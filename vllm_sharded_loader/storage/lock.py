@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ..format.errors import CheckpointLocked, SaveRefused
 from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name
-from .local import directory_holds_checkpoint, file_kind, make_output_folder, open_regular
+from .local import check_output_folder, directory_holds_checkpoint, file_kind, make_output_folder, open_regular
 
 # A lock names its holder in a line of JSON; more is not a lock of ours.
 MAX_LOCK_BYTES = 64 * 1024
@@ -174,6 +174,9 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False, patte
     ``patterns``: the save's own part names, which count as a checkpoint too (its cleanup removes them).
     """
     path = os.path.join(directory, LOCK_NAME)
+    # An output that is a file or a FIFO is named as such before the rule below lists it (which
+    # would fail with the system's bare "Not a directory").
+    check_output_folder(directory)
     # A refusal changes nothing, not even the folder's mtime: the rule is checked once before anything
     # is written, and again under the lock (a save may publish meanwhile). A lock there is named first.
     if not os.path.lexists(path):
