@@ -237,3 +237,54 @@ def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
     save_flat(tmp_path, moe_weights(intermediate=32), 1, 2)
     assert cli(["inspect", str(tmp_path)]) == 0
     assert "experts       cut across TP x DP (2 ranks), written by each of 2 replicas" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new-output", "overwrite"])
+@pytest.mark.parametrize("name", ["TERM", "INT"])
+def test_reshard_stopped_by_sigterm_or_ctrl_c_takes_back_what_it_wrote(checkpoint, tmp_path, name, overwrite):
+    """``kill`` or a job scheduler's cancel (SIGTERM) stops a reshard as Ctrl-C does: one line
+    naming the signal (no traceback), the process dead of that signal, and its output as it was:
+    no folder made, or the checkpoint it would replace untouched, the user's file beside it kept,
+    no lock or staged part left behind. The same command then succeeds without ``--overwrite``.
+    (SIGTERM's default action had killed it on the spot: lock and staged parts stayed, and the
+    next run was refused until asked to overwrite.)"""
+    import os
+    import signal
+
+    from tests.support.faultkit import tree_digest
+    from vllm_sharded_loader.storage import faults
+
+    _, directory = checkpoint
+    output = tmp_path / "out"
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "reshard", str(directory), "-tp", "4"]
+    command += ["-o", str(output), "--max-file-size", "2048"]
+    if overwrite:
+        assert cli(command[3:]) == 0
+        (output / "notes.txt").write_text("the user's")
+    before = tree_digest(str(tmp_path))
+    env = {**os.environ, faults.KILL_ENV: "local.staged:2", faults.KILL_SIGNAL_ENV: name}
+    # (Ctrl-C's SIGINT reaches a command started in the background ignored: restored as a terminal has it.)
+    stopped = subprocess.run(
+        command + ["--overwrite"] * overwrite,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert stopped.returncode == -signal.Signals[f"SIG{name}"], stopped.stderr[-2000:]
+    assert stopped.stderr.strip().splitlines() == [
+        f"vllm-sharded: interrupted by SIG{name}. An interrupted reshard or convert leaves its output as it was, or "
+        "complete if it had published; run the command again."
+    ]
+    assert tree_digest(str(tmp_path)) == before
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if overwrite:
+        assert again.returncode == 2 and "already holds a checkpoint" in again.stderr, again.stderr
+        again = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert cli(["verify", str(output)]) == 0
+    manifest = read_manifest(str(output))
+    listed = {f.name for r in manifest.ranks for f in r.files}
+    extra = {"notes.txt"} if overwrite else set()
+    assert set(os.listdir(output)) == listed | {MANIFEST_NAME} | extra

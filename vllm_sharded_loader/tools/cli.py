@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -206,6 +207,29 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The signal that stopped the command (see _stop_on_sigterm): Ctrl-C's unless SIGTERM came.
+_stopped_by = signal.SIGINT
+
+
+def _stop_on_sigterm() -> None:
+    """Let ``SIGTERM`` stop an engine-free command as Ctrl-C does, by raising KeyboardInterrupt.
+
+    ``kill``, ``timeout`` and a job scheduler's cancel send ``SIGTERM``, whose default action ends
+    the process on the spot: no ``except`` or ``finally`` of the save runs, so a reshard or convert
+    left its lock and its staged parts (as large as the checkpoint) behind, and the next run into a
+    new folder was refused until asked to ``--overwrite``. Raised as Ctrl-C's exception, the save
+    takes back what it wrote before its publish, as after Ctrl-C (docs/guarantees.md).
+    """
+
+    def stop(signum: int, frame: object) -> None:
+        global _stopped_by
+        _stopped_by = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # (one ignored by whoever started us stays so)
+        signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -218,6 +242,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ShardedStateError, OSError) as e:
         print(f"vllm-sharded: error: {e}", *getattr(e, "__notes__", []), sep="\n", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if argv[:1] == ["save"]:
+            raise  # (an engine's save: vLLM's workers stop in its own teardown, as before)
+        # One line, not a traceback: the save undid what it had not published before this got here.
+        print(
+            f"vllm-sharded: interrupted by {_stopped_by.name}. An interrupted reshard or convert leaves its output "
+            "as it was, or complete if it had published; run the command again.",
+            file=sys.stderr,
+        )
+        return 128 + _stopped_by
 
 
 def run() -> None:
@@ -230,12 +264,18 @@ def run() -> None:
     workers stop in its own teardown: it exits as usual.
     """
     argv = sys.argv[1:]
+    if argv[:1] != ["save"]:  # (an engine's save keeps vLLM's own handling of SIGTERM)
+        _stop_on_sigterm()
     code = main(argv)
     if argv[:1] == ["save"]:
         sys.exit(code)
     atexit._run_exitfuncs()  # what sys.exit runs before the teardown (atexit has no public name for it)
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == 128 + _stopped_by:
+        # Stopped by the signal, to whoever waits for the command: a shell's loop then stops too.
+        signal.signal(_stopped_by, signal.SIG_DFL)
+        os.kill(os.getpid(), _stopped_by)
     os._exit(code)
 
 
