@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -288,3 +289,37 @@ def test_reshard_stopped_by_sigterm_or_ctrl_c_takes_back_what_it_wrote(checkpoin
     listed = {f.name for r in manifest.ranks for f in r.files}
     extra = {"notes.txt"} if overwrite else set()
     assert set(os.listdir(output)) == listed | {MANIFEST_NAME} | extra
+
+
+def test_inspect_and_reshard_of_a_folder_whose_first_save_runs_name_the_save(checkpoint, tmp_path, capsys):
+    """A folder that a reshard (another process, stopped mid-write) is saving for the first time:
+    inspect, and a reshard from it, say that a save holds it, who, and to wait, as verify does (they
+    said "no sharded_state.json: not a checkpoint"); once that save finishes, inspect shows it."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from vllm_sharded_loader.storage import faults
+
+    _, directory = checkpoint
+    output = tmp_path / "being-saved"
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "reshard", str(directory), "-tp", "4"]
+    env = {**os.environ, faults.KILL_ENV: "local.staged", faults.KILL_SIGNAL_ENV: "STOP"}
+    with subprocess.Popen([*command, "-o", str(output)], env=env, stdout=subprocess.DEVNULL) as saving:
+        try:
+            deadline = time.monotonic() + 120
+            stat = Path(f"/proc/{saving.pid}/stat")
+            while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":  # stopped at its kill point
+                assert saving.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            held = rf"{re.escape(str(output))} is being saved or its save was interrupted: .*\(pid {saving.pid} "
+            held += ".*Wait for the save to finish"
+            assert cli(["inspect", str(output)]) == 2
+            assert re.search(held, capsys.readouterr().err)
+            assert cli(["reshard", str(output), "-tp", "2", "-o", str(tmp_path / "from-it")]) == 2
+            assert re.search(held, capsys.readouterr().err) and not (tmp_path / "from-it").exists()
+        finally:
+            saving.send_signal(signal.SIGCONT)
+        assert saving.wait(timeout=120) == 0
+    assert cli(["inspect", str(output)]) == 0 and "TP=4 PP=1" in capsys.readouterr().out

@@ -28,8 +28,12 @@ from ..storage.writer import LazyTensor
 
 
 def require_manifest(directory: str) -> Manifest:
+    """The checkpoint's manifest; without one, the error says whether a save holds the folder."""
     manifest = read_manifest(directory)
     if manifest is None:
+        # A first save still writing (or killed) is named with its holder and what to do, as verify
+        # names it, rather than as "not a checkpoint".
+        check_not_locked(directory)
         raise CheckpointNotFound(
             f"{directory} has no {MANIFEST_NAME}: not a checkpoint of vllm-sharded-loader (or an incomplete one)."
         )
