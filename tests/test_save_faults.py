@@ -51,15 +51,20 @@ SAVER = textwrap.dedent(
     from tests.support.faultkit import states
     from vllm_sharded_loader.checkpoint.save import save_checkpoint
     save_checkpoint(
-        {directory!r}, states({value}), dtype="float32", source=SOURCE, max_size=8192, overwrite=True, carry={carry!r}
+        {directory!r}, states({value}), dtype="float32", source=SOURCE, max_size=8192, overwrite=True, carry={carry!r},
+        parallel={parallel!r},
     )
     """
 )
 
 
-def save_in_process(directory: Path, value: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def save_in_process(
+    directory: Path, value: float, env: dict[str, str] | None = None, parallel: bool = False
+) -> subprocess.CompletedProcess:
+    """Save ``value``'s states over ``directory`` in another process (``parallel``: the ranks staged
+    at once, one thread each, as ``convert`` stages them)."""
     carry = str(model_folder(directory.parent, value))
-    code = SAVER.format(directory=str(directory), value=value, carry=carry)
+    code = SAVER.format(directory=str(directory), value=value, carry=carry, parallel=parallel)
     return package_process(["-c", code], env, timeout=120)
 
 
@@ -154,6 +159,24 @@ def test_save_interrupted_at_each_step_loses_nothing(checkpoint_a, kill_at):
         assert_carried(directory, 2.0)
         assert [p for p in verify_checkpoint(str(directory)) if "NOTE" not in p] == []
     again = save_in_process(directory, 3.0)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert_published(directory, 3.0)
+    assert verify_checkpoint(str(directory)) == []
+
+
+@pytest.mark.parametrize("kill_at", [*BEFORE_PUBLISH, "local.placed:3"])
+def test_a_parallel_save_interrupted_before_its_publish_takes_back_all_it_wrote(checkpoint_a, kill_at):
+    """As above, with the ranks staged at once (convert's save): Ctrl-C once every rank's parts were
+    staged (``local.staged``) left them all behind (as large as the checkpoint), since the staging
+    threads' ranks were not yet handed to the save that takes them back."""
+    directory, neighbour = checkpoint_a
+    before, beside = tree_digest(str(directory)), tree_digest(str(neighbour))
+    env = {faults.KILL_ENV: kill_at, faults.KILL_SIGNAL_ENV: "INT"}
+    result = save_in_process(directory, 2.0, env, parallel=True)
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, (kill_at, result.stderr[-2000:])
+    assert tree_digest(str(directory)) == before and tree_digest(str(neighbour)) == beside
+    assert_published(directory, 1.0)
+    again = save_in_process(directory, 3.0, parallel=True)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(directory, 3.0)
     assert verify_checkpoint(str(directory)) == []

@@ -380,11 +380,14 @@ def _stage_in_parallel(
                 staged.append(future.result())
             except BaseException as e:  # every thread is waited for, then the first error raised
                 errors.append(e)
-    if errors:
+    try:
+        if errors:
+            raise errors[0]
+        kill_point(KILL_STAGED)
+    except BaseException:  # (an interrupt too: these ranks are not yet the caller's to discard)
         for s in staged:
             discard_rank(s)
-        raise errors[0]
-    kill_point(KILL_STAGED)
+        raise
     return staged
 
 
