@@ -182,6 +182,47 @@ def test_a_parallel_save_interrupted_before_its_publish_takes_back_all_it_wrote(
     assert verify_checkpoint(str(directory)) == []
 
 
+SLOW_PARALLEL_SAVER = textwrap.dedent(
+    """
+    import sys, time, torch
+    from tests.support.states import SOURCE
+    from vllm_sharded_loader.checkpoint import RankInfo
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.storage.writer import LazyTensor
+
+    def slow(i):
+        def produce():
+            time.sleep(0.25)  # a slow source (convert's reads): 5 s a rank in all
+            return torch.full((1024,), float(i))
+        return LazyTensor((1024,), torch.float32, produce)
+
+    ranks = {RankInfo(r, 2): {f"w{i}": slow(i) for i in range(20)} for r in range(2)}
+    save_checkpoint(sys.argv[1], ranks, dtype="float32", source=SOURCE, max_size=4096, parallel=True)
+    """
+)
+
+
+def test_ctrl_c_stops_a_parallel_save_at_its_next_write_and_takes_back_every_rank(tmp_path):
+    """Ctrl-C in a save that stages its ranks at once (convert's), while they write: the threads
+    stop at their next write instead of writing the whole checkpoint first, and no rank's parts stay
+    (the rank whose thread the interrupt met while the save waited for it was lost, its parts left)."""
+    import time
+
+    output = tmp_path / "out"
+    command = [sys.executable, "-c", SLOW_PARALLEL_SAVER, str(output)]
+    with subprocess.Popen(command, cwd=Path(__file__).parent.parent, stderr=subprocess.PIPE, text=True) as saving:
+        deadline = time.monotonic() + 120
+        while not (output.is_dir() and any(n.endswith(".partial") for n in os.listdir(output))):
+            assert saving.poll() is None and time.monotonic() < deadline, saving.stderr.read()[-2000:]
+            time.sleep(0.02)
+        saving.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, err = saving.communicate(timeout=120)
+    assert saving.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]
+    assert time.monotonic() - sent < 3, "the ranks wrote on after Ctrl-C"
+    assert not output.exists(), os.listdir(output)
+
+
 @pytest.fixture
 def small_filesystem(tmp_path: Path):
     """A real file system of 256 KiB of its own (tmpfs), unmounted afterwards; skipped where mounting is denied."""

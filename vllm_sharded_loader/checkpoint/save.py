@@ -354,10 +354,22 @@ def _stage_in_parallel(
     ended: Callable[[RankInfo, BaseException | None], None] | None = None,
     progress: ByteProgress | None = None,
 ) -> list[StagedRank]:
-    """Stage every rank at once, one thread each; on any failure every staged rank is discarded."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Stage every rank at once, one thread each; on any failure every staged rank is discarded.
+    Ctrl-C (or SIGTERM) reaches the waiting thread alone: the ranks' threads stop at their next write
+    (they wrote on to the end), and a rank whose thread ended as it came is discarded too (it was lost)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    stop = threading.Event()
+
+    def written(done: int, total: int) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # (the interrupt, carried into this rank's thread)
+        if progress is not None:
+            progress(done, total)
 
     buffers = writer.buffer_bytes_for(len(infos))  # the ranks' writers share one staging budget
+    errors: list[BaseException] = []
     with ThreadPoolExecutor(len(infos), thread_name_prefix="stage") as pool:
         futures = [
             pool.submit(
@@ -369,17 +381,18 @@ def _stage_in_parallel(
                 pattern,
                 max_size,
                 token,
-                progress,
+                written,
                 buffer_bytes=buffers,
             )
             for i in infos
         ]
-        staged, errors = [], []
-        for future in futures:
-            try:
-                staged.append(future.result())
-            except BaseException as e:  # every thread is waited for, then the first error raised
-                errors.append(e)
+        try:
+            wait(futures)
+        except BaseException as e:  # an interrupt: the pool's exit waits for the stopped threads
+            errors.append(e)
+            stop.set()
+    staged = [f.result() for f in futures if f.exception() is None]  # (every thread has ended)
+    errors += [e for f in futures if (e := f.exception()) is not None]
     try:
         if errors:
             raise errors[0]
