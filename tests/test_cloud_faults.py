@@ -12,25 +12,26 @@ missing, truncated or replaced part) are in ``tests/test_object_stores.py``.
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import subprocess
 import uuid
 
 import pytest
-import torch
 
 from examples.cloud_servers import AZURITE_ACCOUNT, Azurite
-from tests.support.checkpoints import source_of, stage_state
-from tests.support.engines import package_process
+from tests.support import object_faults
 from tests.support.reference import llama_like
-from tests.support.stores import load_from, save_to_bucket, stores_pointed_at
-from vllm_sharded_loader.checkpoint import RankInfo, read_manifest, verify_checkpoint
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from tests.support.stores import (
+    load_from,
+    overwrite_at_tp1,
+    overwrite_at_tp2,
+    proxied,
+    save_to_bucket,
+    stores_pointed_at,
+)
+from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish
 from vllm_sharded_loader.format.names import LOCK_NAME
-from vllm_sharded_loader.storage import faults, objects
+from vllm_sharded_loader.storage import objects
 
 BUCKET = "faults"
 
@@ -69,29 +70,13 @@ def saved_url(server, tp: int = 2):
     return model, url, manifest, objects.ObjectPrefix.parse(url)
 
 
-@contextlib.contextmanager
 def through_proxy(server, mode: str, limit: int = 0, match: bytes = b"", **settings: str):
-    """Point every Azure client of this process at a fault proxy in front of Azurite."""
-    from tests.support.faultproxy import FaultProxy
-
-    port = int(server.endpoint.rsplit(":", 1)[1])
-    with (
-        FaultProxy(port, mode, limit, match=match) as proxy,
-        stores_pointed_at({"AZURITE_BLOB_STORAGE_URL": proxy.url, **settings}),
-    ):
-        yield proxy
+    """Point every Azure client of this process at a fault proxy in front of the server."""
+    return proxied(server, "AZURITE_BLOB_STORAGE_URL", mode, limit, match, **settings)
 
 
 def put_line(url: str, name: str) -> bytes:
     return f"PUT /{AZURITE_ACCOUNT}/{BUCKET}/{objects.ObjectPrefix.parse(url).key(name)}".encode()
-
-
-def overwrite_at_tp1(url, model):
-    ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
-    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    return save_checkpoint(
-        url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
-    )
 
 
 SETTINGS = {"AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "10"}
@@ -122,14 +107,7 @@ def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(
     # of the cleanup (Azure's batch delete of a dozen names is itself a few kB).
     with through_proxy(store, "drop_after", 20000, **SETTINGS) as proxy:
         with pytest.raises(ShardedStateError, match="upload failed"):
-            save_checkpoint(
-                url,
-                {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)},
-                dtype="int32",
-                source=source_of(model),
-                max_size=None,
-                overwrite=True,
-            )
+            overwrite_at_tp2(url, model, max_size=None)
         assert proxy.dropped
     assert container_digest(store) == before
     load_from(url, model, 2, 0)
@@ -167,19 +145,14 @@ def test_a_manifest_put_whose_answer_is_lost_is_a_published_save(store, over):
     model = model_of()
     url = saved_url(store)[1] if over else new_prefix()
     new = saved_with_an_answer_lost(store, url, MANIFEST_NAME, model)
-    assert read_manifest(url) == new
-    assert verify_checkpoint(url) == []
-    _, targets, expected = load_from(url, model, 1)
-    assert all(torch.equal(targets[n], x) for n, x in expected.items())
-    assert keys(store, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+    object_faults.assert_the_save_published(url, new, model, lambda url: keys(store, url))
 
 
 def test_a_lock_put_whose_answer_is_lost_is_the_saves_own_lock(store):
     """The lock's create-only put is taken and its answer lost: the retry's 409 finds the save's own token."""
-    url = new_prefix()
-    new = saved_with_an_answer_lost(store, url, LOCK_NAME, model_of())
-    assert verify_checkpoint(url) == []
-    assert keys(store, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+    url, model = new_prefix(), model_of()
+    new = saved_with_an_answer_lost(store, url, LOCK_NAME, model)
+    object_faults.assert_the_save_published(url, new, model, lambda url: keys(store, url))
 
 
 def test_a_held_prefix_is_refused_as_checkpoint_locked(store):
@@ -230,89 +203,25 @@ def test_a_leased_manifest_is_refused_for_its_lease_not_as_another_saves_publish
     assert container_digest(store) == before
 
 
-BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "local.carried")
-AFTER_PUBLISH = ("s3.published", "s3.cleaned")
-WHILE_STAGED = ("s3.recorded", "s3.uploaded", "s3.uploaded:3")
-SAVER = """
-import sys
-from tests.support.states import SOURCE
-from tests.support.faultkit import states
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
-save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE, max_size=8192,
-                overwrite=True, carry=sys.argv[3])
-"""
+def container_of(server) -> object_faults.Bucket:
+    """The test container, as the kill tests see a store."""
+    return object_faults.Bucket(
+        digest=lambda: container_digest(server),
+        put=lambda key, data: server.upload(BUCKET, key, data),
+        names=lambda url: keys(server, url),
+    )
 
 
-@pytest.mark.parametrize("kill_at", BEFORE_PUBLISH + AFTER_PUBLISH)
+@pytest.mark.parametrize("kill_at", object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH)
 def test_a_save_interrupted_at_each_step_loses_nothing(store, tmp_path, kill_at, staging_dir):
-    """Ctrl-C (SIGINT) at each step: before the manifest's put the container is as it was, A published
-    and the lock released; from it on, B is published and whole."""
-    from tests.support.faultkit import assert_published, model_folder
-
-    url = new_prefix()
-
-    def save(value: float, env: dict | None = None) -> subprocess.CompletedProcess:
-        return package_process(["-c", SAVER, url, str(value), str(model_folder(tmp_path, value))], env)
-
-    assert save(1.0).returncode == 0
-    before = container_digest(store)
-    stopped = save(2.0, {faults.KILL_ENV: kill_at, faults.KILL_SIGNAL_ENV: "INT"})
-    assert stopped.returncode != 0 and "KeyboardInterrupt" in stopped.stderr, (kill_at, stopped.stderr[-2000:])
-    assert list(staging_dir.iterdir()) == []
-    if kill_at in BEFORE_PUBLISH:
-        assert container_digest(store) == before
-        assert_published(url, 1.0)
-    else:
-        assert_published(url, 2.0)
-        assert [p for p in verify_checkpoint(url) if "does not list" not in p and LOCK_NAME not in p] == []
-        objects.release_lock(objects.ObjectPrefix.parse(url))
-    again = save(3.0)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert_published(url, 3.0)
-    assert verify_checkpoint(url) == []
+    """Ctrl-C at each step, as on S3 (``tests/support/object_faults.py``)."""
+    object_faults.interrupted_save_loses_nothing(container_of(store), new_prefix(), kill_at, staging_dir, tmp_path)
 
 
-@pytest.mark.parametrize("kill_at", BEFORE_PUBLISH + AFTER_PUBLISH)
+@pytest.mark.parametrize("kill_at", object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH)
 def test_a_save_killed_at_each_step_loses_nothing(store, tmp_path, kill_at, staging_dir):
-    """SIGKILL at each step: exactly one of A and B is published, bit-exact; nothing outside the prefix
-    changes; once the dead save's lock is deleted, the next save leaves only what its manifest lists
-    (and the user's own blob)."""
-    from tests.support.faultkit import assert_published, carried_of, model_folder
-
-    url = new_prefix()
-    where = objects.ObjectPrefix.parse(url)
-
-    def save(value: float, env: dict | None = None) -> subprocess.CompletedProcess:
-        return package_process(["-c", SAVER, url, str(value), str(model_folder(tmp_path, value))], env)
-
-    assert save(1.0).returncode == 0
-    store.upload(BUCKET, where.key("notes.txt"), b"the user's own")
-    before = container_digest(store)
-    a_objects = {k: v for k, v in before.items() if k.startswith(where.prefix)}
-    killed = save(2.0, {faults.KILL_ENV: kill_at})
-    assert killed.returncode == -signal.SIGKILL, (kill_at, killed.returncode, killed.stderr[-2000:])
-    assert len(list(staging_dir.iterdir())) == (kill_at in WHILE_STAGED)
-    after = container_digest(store)
-    outside = lambda d: {k: v for k, v in d.items() if not k.startswith(where.prefix)}  # noqa: E731
-    assert outside(after) == outside(before)
-    if kill_at in BEFORE_PUBLISH:
-        if kill_at != "local.carried":
-            assert {k: after.get(k) for k in a_objects} == a_objects
-        assert_published(url, 1.0)
-    else:
-        assert_published(url, 2.0)
-    objects.release_lock(where)
-    again = save(3.0)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert_published(url, 3.0)
-    assert list(staging_dir.iterdir()) == []
-    manifest = read_manifest(url)
-    listed = {f.name for e in manifest.ranks for f in e.files}
-    names = set(keys(store, url))
-    assert {n for n in names if n.endswith(".safetensors")} == listed
-    assert not [n for n in names if n.startswith(".")], names
-    assert {"notes.txt", MANIFEST_NAME, *carried_of(3)} <= names
-    assert verify_checkpoint(url) == []
+    """SIGKILL at each step, as on S3 (``tests/support/object_faults.py``)."""
+    object_faults.killed_save_loses_nothing(container_of(store), new_prefix(), kill_at, staging_dir, tmp_path)
 
 
 def test_a_save_whose_network_goes_down_reports_the_upload_not_its_clean_up(store):

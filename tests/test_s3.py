@@ -9,7 +9,6 @@ the save script serves from the bucket at TP=2 and, resharded, at TP=1, with the
 loader's greedy ids.
 """
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -21,11 +20,19 @@ import uuid
 import pytest
 import torch
 
+from tests.support import object_faults
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
-from tests.support.engines import package_process
 from tests.support.reference import llama_like
 from tests.support.states import SOURCE
-from tests.support.stores import Failing, bucket_on, load_from, save_to_bucket, stores_pointed_at
+from tests.support.stores import (
+    Failing,
+    bucket_on,
+    load_from,
+    overwrite_at_tp1,
+    overwrite_at_tp2,
+    proxied,
+    save_to_bucket,
+)
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
@@ -409,6 +416,15 @@ def load_rank_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------- network faults (a real proxy)
 
 
+def bucket_of(server) -> object_faults.Bucket:
+    """The test bucket, as the kill tests see a store."""
+    return object_faults.Bucket(
+        digest=lambda: bucket_digest(server),
+        put=lambda key, data: server.client().put_object(Bucket=BUCKET, Key=key, Body=data),
+        names=lambda url: keys(server, url),
+    )
+
+
 def bucket_digest(server) -> dict[str, str]:
     """Every object in the bucket (all prefixes) and its ETag, plus unfinished multipart uploads."""
     client = server.client()
@@ -420,17 +436,9 @@ def bucket_digest(server) -> dict[str, str]:
     return found
 
 
-@contextlib.contextmanager
 def through_proxy(server, mode: str, limit: int = 0, match: bytes = b"", **settings: str):
     """Point every S3 client of this process at a fault proxy in front of the server."""
-    from tests.support.faultproxy import FaultProxy
-
-    port = int(server.endpoint.rsplit(":", 1)[1])
-    with (
-        FaultProxy(port, mode, limit, match=match) as proxy,
-        stores_pointed_at({"AWS_ENDPOINT_URL": proxy.url, **settings}),
-    ):
-        yield proxy
+    return proxied(server, "AWS_ENDPOINT_URL", mode, limit, match, **settings)
 
 
 def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(s3):
@@ -444,26 +452,11 @@ def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(
     before = bucket_digest(s3)
     with through_proxy(s3, "drop_after", 3000, AWS_MAX_ATTEMPTS="2", SHARDED_STATE_S3_RETRY_TIMEOUT="10") as proxy:
         with pytest.raises(ShardedStateError, match="upload failed"):
-            save_checkpoint(
-                url,
-                {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)},
-                dtype="int32",
-                source=source_of(model),
-                max_size=4096,
-                overwrite=True,
-            )
+            overwrite_at_tp2(url, model)
         assert proxy.dropped, "the proxy cut an upload"
     assert bucket_digest(s3) == before
     load_from(url, model, 2, 0)
     assert verify_checkpoint(url) == []
-
-
-def overwrite_at_tp1(url, model):
-    ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
-    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    return save_checkpoint(
-        url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
-    )
 
 
 def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_whole(s3):
@@ -503,21 +496,16 @@ def test_a_manifest_put_whose_answer_is_lost_is_a_published_save(s3, over):
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     url = saved_url(s3)[1] if over else new_prefix()
     new = saved_with_an_answer_lost(s3, url, MANIFEST_NAME, model)
-    assert read_manifest(url) == new
-    assert verify_checkpoint(url) == []
-    _, targets, expected = load_from(url, model, 1)
-    assert all(torch.equal(targets[n], x) for n, x in expected.items())
-    assert keys(s3, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+    object_faults.assert_the_save_published(url, new, model, lambda url: keys(s3, url))
 
 
 def test_a_lock_put_whose_answer_is_lost_is_the_saves_own_lock(s3):
     """The server takes the lock's create-only put and the answer is lost: the retry finds the lock
     there. It is this save's own (its token): the save goes on, instead of failing on itself as
     "another save" and leaving the prefix locked until someone deletes the lock by hand."""
-    url = new_prefix()
-    new = saved_with_an_answer_lost(s3, url, LOCK_NAME, llama_like(num_layers=2, vocab=1000, kv_heads=2))
-    assert verify_checkpoint(url) == []
-    assert keys(s3, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+    url, model = new_prefix(), llama_like(num_layers=2, vocab=1000, kv_heads=2)
+    new = saved_with_an_answer_lost(s3, url, LOCK_NAME, model)
+    object_faults.assert_the_save_published(url, new, model, lambda url: keys(s3, url))
 
 
 def test_a_held_prefix_is_refused_as_checkpoint_locked_as_a_held_folder_is(s3, tmp_path):
@@ -633,20 +621,6 @@ def _holds(url, value, assert_published) -> bool:
         return False
 
 
-S3_BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "local.carried")
-S3_AFTER_PUBLISH = ("s3.published", "s3.cleaned")
-# The steps at which the save's local staging folder exists (it is removed before the carried files are put).
-S3_WHILE_STAGED = ("s3.recorded", "s3.uploaded", "s3.uploaded:3")
-S3_SAVER = """
-import sys
-from tests.support.states import SOURCE
-from tests.support.faultkit import states
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
-save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE, max_size=8192,
-                overwrite=True, carry=sys.argv[3])
-"""
-
-
 def test_a_save_into_a_prefix_of_the_users_replaces_none_of_its_objects_without_overwrite(s3, tmp_path):
     """A prefix that holds no checkpoint but the user's own ``config.json``: a save that carries a
     different one is refused before its first part, naming it; every object is as it was."""
@@ -664,91 +638,23 @@ def test_a_save_into_a_prefix_of_the_users_replaces_none_of_its_objects_without_
     assert verify_checkpoint(url) == []
 
 
-@pytest.mark.parametrize("kill_at", S3_BEFORE_PUBLISH + S3_AFTER_PUBLISH)
+@pytest.mark.parametrize("kill_at", object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH)
 def test_an_s3_save_interrupted_at_each_step_loses_nothing(s3, tmp_path, kill_at, staging_dir):
-    """Ctrl-C (SIGINT: a KeyboardInterrupt raised there) at each step of the object-storage
-    protocol, where every ``except`` of the save runs: before the manifest's put, A stays published
-    and the save takes back what it put, its lock included; from the put on, B is published and
-    whole (nothing of it taken back), and the next save needs no lock deleted by hand before it."""
-    from tests.support.faultkit import assert_published, model_folder
-
-    url = new_prefix()
-
-    def save(value: float, env: dict | None = None) -> subprocess.CompletedProcess:
-        return package_process(["-c", S3_SAVER, url, str(value), str(model_folder(tmp_path, value))], env)
-
-    assert save(1.0).returncode == 0
-    before = bucket_digest(s3)
-    stopped = save(2.0, {faults.KILL_ENV: kill_at, faults.KILL_SIGNAL_ENV: "INT"})
-    assert stopped.returncode != 0 and "KeyboardInterrupt" in stopped.stderr, (kill_at, stopped.stderr[-2000:])
-    assert list(staging_dir.iterdir()) == []
-    if kill_at in S3_BEFORE_PUBLISH:
-        assert bucket_digest(s3) == before
-        assert_published(url, 1.0)
-    else:
-        assert_published(url, 2.0)  # A's parts stay until a cleanup: verify names them as left over
-        assert [p for p in verify_checkpoint(url) if "does not list" not in p and LOCK_NAME not in p] == []
-        objects.release_lock(objects.ObjectPrefix.parse(url))  # object storage cannot tell a dead save's lock
-    again = save(3.0)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert_published(url, 3.0)
-    assert verify_checkpoint(url) == []
+    """Ctrl-C at each step of the object-storage protocol (``tests/support/object_faults.py``)."""
+    object_faults.interrupted_save_loses_nothing(bucket_of(s3), new_prefix(), kill_at, staging_dir, tmp_path)
 
 
 def test_every_s3_kill_point_is_covered():
     s3_points = {step for step in faults.KILL_POINTS if step.startswith("s3.")}
-    assert s3_points == {p.partition(":")[0] for p in S3_BEFORE_PUBLISH + S3_AFTER_PUBLISH if p.startswith("s3.")}
+    steps = object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH
+    assert s3_points == {p.partition(":")[0] for p in steps if p.startswith("s3.")}
 
 
-@pytest.mark.parametrize("kill_at", S3_BEFORE_PUBLISH + S3_AFTER_PUBLISH)
+@pytest.mark.parametrize("kill_at", object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH)
 def test_an_s3_save_killed_at_each_step_loses_nothing(s3, tmp_path, kill_at, staging_dir):
-    """Checkpoint A in the bucket; a save of B over it is killed (SIGKILL) at each step of the
-    object-storage protocol. Before the manifest's put, A is published and every object of it
-    is unchanged; from it on, B is. Nothing outside the prefix changes. Once the dead save's lock
-    is deleted (object storage cannot tell a dead save from a slow one), the next save publishes
-    and leaves no stray part, upload record or unfinished upload, and no local staging folder:
-    the saves that survive remove their own, the next save the killed one's."""
-    from tests.support.faultkit import assert_published, carried_of, model_folder
-
+    """SIGKILL at each step of the object-storage protocol (``tests/support/object_faults.py``); on
+    S3, no unfinished multipart upload is left either."""
     url = new_prefix()
-    where = objects.ObjectPrefix.parse(url)
-
-    def save(value: float, env: dict | None = None) -> subprocess.CompletedProcess:
-        carry = str(model_folder(tmp_path, value))
-        return package_process(["-c", S3_SAVER, url, str(value), carry], env)
-
-    assert save(1.0).returncode == 0
-    assert list(staging_dir.iterdir()) == []
-    s3.client().put_object(Bucket=BUCKET, Key=where.key("notes.txt"), Body=b"the user's own")
-    before = bucket_digest(s3)
-    a_objects = {k: v for k, v in before.items() if k.startswith(where.prefix)}
-
-    killed = save(2.0, {faults.KILL_ENV: kill_at})
-    assert killed.returncode == -signal.SIGKILL, (kill_at, killed.returncode, killed.stderr[-2000:])
-    # Killed while its parts were staged (they are uploaded from there), it leaves its folder.
-    assert len(list(staging_dir.iterdir())) == (kill_at in S3_WHILE_STAGED)
-    after = bucket_digest(s3)
-    assert {k: v for k, v in after.items() if not k.startswith(where.prefix)} == {
-        k: v for k, v in before.items() if not k.startswith(where.prefix)
-    }
-    if kill_at in S3_BEFORE_PUBLISH:
-        if kill_at != "local.carried":  # the carried objects are put one by one just before the manifest
-            assert {k: after.get(k) for k in a_objects} == a_objects
-        assert_published(url, 1.0)
-    else:
-        assert_published(url, 2.0)
-
-    objects.release_lock(where)
-    again = save(3.0)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert_published(url, 3.0)
-    assert list(staging_dir.iterdir()) == []
-    manifest = read_manifest(url)
-    listed = {f.name for e in manifest.ranks for f in e.files}
-    names = set(keys(s3, url))
-    assert {n for n in names if n.endswith(".safetensors")} == listed
-    assert not [n for n in names if n.startswith(".")], names  # no upload record, lock or staged object
-    assert {"notes.txt", MANIFEST_NAME, *carried_of(3)} <= names
-    assert s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=where.prefix).get("Uploads", []) == []
-    assert verify_checkpoint(url) == []
-    assert {n: objects.read_object(where, n).decode() for n in carried_of(3)} == carried_of(3)
+    object_faults.killed_save_loses_nothing(bucket_of(s3), url, kill_at, staging_dir, tmp_path)
+    prefix = objects.ObjectPrefix.parse(url).prefix
+    assert s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", []) == []

@@ -73,3 +73,32 @@ class Failing(dict):
         if self.served > 3:
             raise OSError(28, "No space left on device")  # what a full staging disk raises
         return super().__getitem__(name)
+
+
+def overwrite_at_tp1(url, model):
+    """``model`` saved at TP=1 over whatever ``url`` holds."""
+    ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    return save_checkpoint(
+        url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
+    )
+
+
+def overwrite_at_tp2(url, model, max_size: int | None = 4096):
+    """``model`` saved at TP=2, without geometry, over whatever ``url`` holds."""
+    ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
+    return save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=max_size, overwrite=True)
+
+
+@contextlib.contextmanager
+def proxied(server, endpoint_variable: str, mode: str, limit: int = 0, match: bytes = b"", **settings: str):
+    """Point every object-store client of this process (through ``endpoint_variable``, the variable
+    naming its endpoint) at a fault proxy (tests/support/faultproxy.py) in front of ``server``."""
+    from tests.support.faultproxy import FaultProxy
+
+    port = int(server.endpoint.rsplit(":", 1)[1])
+    with (
+        FaultProxy(port, mode, limit, match=match) as proxy,
+        stores_pointed_at({endpoint_variable: proxy.url, **settings}),
+    ):
+        yield proxy
