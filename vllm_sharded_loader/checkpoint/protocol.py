@@ -224,8 +224,8 @@ def _undo(error: BaseException, steps: Iterable[Callable[[], None]]) -> None:
             step()
         except Exception as e:  # (an interrupt still stops the undo: it is the user's call)
             error.add_note(
-                f"Undoing the save also failed ({e}); what it could not remove (its uploads, its lock "
-                f"{LOCK_NAME}) may remain: the next save removes its uploads, and says what to do with a lock."
+                f"Undoing the save also failed ({e}); what it could not remove (its staged or uploaded parts, "
+                f"its lock {LOCK_NAME}) may remain: the next save removes the parts, and says what to do with a lock."
             )
 
 
