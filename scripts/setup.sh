@@ -16,6 +16,8 @@ if [ ! -x .cache/azurite/node_modules/.bin/azurite-blob ]; then
     mkdir -p .cache/azurite
     (cd .cache/azurite && npm install --no-audit --no-fund --silent azurite@3) &
     npm_pid=$!
+    # A setup that stops early (an error, Ctrl-C) stops it too, rather than leave it running.
+    trap 'kill "$npm_pid" 2>/dev/null || true' EXIT
   else
     echo "setup.sh: npm not found: Azurite (the Azure tests' emulator) is not installed" >&2
   fi
