@@ -26,6 +26,7 @@ from vllm_sharded_loader.checkpoint.save import FolderNotShared, LocalTarget, sa
 from vllm_sharded_loader.format import Manifest, ShardedStateError
 from vllm_sharded_loader.format.errors import SaveFailedAfterPublish, agreed_error
 from vllm_sharded_loader.format.manifest import RankEntry
+from vllm_sharded_loader.format.names import LOCK_NAME
 
 MEMBERS = 3
 
@@ -179,10 +180,13 @@ def test_a_member_failing_before_the_publish_fails_every_member_and_publishes_no
 
 
 def test_a_member_failing_after_the_publish_leaves_the_new_checkpoint(checkpoint_a):
+    """The clean fails on the first member: the new checkpoint stands, and the driver releases the
+    lock all the same (whatever the target's clean did), so that the next save is not refused."""
     results = save_in_threads(checkpoint_a, 2.0, "clean", failing=0)
     assert all(isinstance(r, SaveFailedAfterPublish) and r.agreed for r in results), results
     assert "published and complete" in str(results[0])
     assert_published(checkpoint_a, 2.0)
+    assert not (checkpoint_a / LOCK_NAME).exists()
 
 
 def test_a_folder_not_shared_is_refused_before_a_part_is_written(tmp_path):

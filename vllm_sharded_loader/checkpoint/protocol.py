@@ -13,7 +13,9 @@ runs one save driver with or without a process group:
 4. **place** (every member): give them fresh final names (a rename, or an upload);
 5. **carry** (first): stage the model's non-weight files (config, tokenizer);
 6. **publish** (first): the manifest, the one atomic step;
-7. **clean** (first): what the new manifest does not list, then the lock.
+7. **clean** (first): what the new manifest does not list;
+8. **release** (first): the lock, whatever the clean did (a file that may not be removed must
+   not keep every later save out).
 
 A group runs each step on every member or on the first, then exchanges the outcomes, so
 that every member learns of a failure anywhere and all fail together. A failure before the
@@ -109,7 +111,11 @@ class SaveTarget(Protocol):
         ...
 
     def clean(self, manifest: Manifest) -> None:
-        """First member, after the publish: what the manifest does not list, then the lock."""
+        """First member, after the publish: remove what the manifest does not list."""
+        ...
+
+    def release(self) -> None:
+        """First member, after the clean (whatever it did): release the lock if it is still this save's."""
         ...
 
     def abandon(self, entries: Sequence[RankEntry]) -> None:
@@ -206,8 +212,20 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
     carried.finish()
     for s in staged:
         s.placed.clear()  # published: the checkpoint's files now, no longer this save's to remove
+
+    def clean() -> None:
+        try:
+            target.clean(manifest)
+        except Exception as e:
+            # A file that may not be removed (EPERM, EROFS, an Azure lease on an old part) must not
+            # keep the lock: every later save would be refused as another's until it was deleted
+            # by hand. What is left over, the next save removes.
+            _undo(e, [target.release], "Releasing the lock after the clean-up failed")
+            raise
+        target.release()
+
     try:
-        group.run(lambda: target.clean(manifest), only_first=True)
+        group.run(clean, only_first=True)
     except (ShardedStateError, OSError) as e:  # (a file that cannot be removed: EPERM, EBUSY, EROFS)
         raise _after_publish(target, e) from e
     finally:
@@ -215,7 +233,7 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
     return manifest, staged
 
 
-def _undo(error: BaseException, steps: Iterable[Callable[[], None]]) -> None:
+def _undo(error: BaseException, steps: Iterable[Callable[[], None]], what: str = "Undoing the save") -> None:
     """Run every step that undoes a failed save, each whatever the others did, and add their own
     failures to ``error`` as notes: the reason the save failed stays the error raised (a network
     down mid-upload fails the clean-up too, which must not take the upload's place)."""
@@ -224,7 +242,7 @@ def _undo(error: BaseException, steps: Iterable[Callable[[], None]]) -> None:
             step()
         except Exception as e:  # (an interrupt still stops the undo: it is the user's call)
             error.add_note(
-                f"Undoing the save also failed ({e}); what it could not remove (its staged or uploaded parts, "
+                f"{what} also failed ({e}); what it could not remove (its staged or uploaded parts, "
                 f"its lock {LOCK_NAME}) may remain: the next save removes the parts, and says what to do with a lock."
             )
 

@@ -213,27 +213,19 @@ def _put_manifest(store: ObjectStore, content: bytes, old: dict | None) -> None:
 
 
 def clean_after_publish(url: str, manifest: Manifest, token: str | None = None, replaced: Iterable[str] = ()) -> None:
-    """Step 4: delete the parts of the ``replaced`` manifest that the new one does not list, this
-    save's upload records, then release the lock (if still ours).
+    """Step 4: delete the parts of the ``replaced`` manifest that the new one does not list, and
+    this save's upload records (the caller then releases the lock).
 
     Only what the old manifest listed goes: an object under the prefix that no manifest of
     ours named is another writer's, even under a name of our pattern. A failure here leaves
-    the new checkpoint published and whole, and releases the lock all the same.
+    the new checkpoint published and whole, and this save's records, so that the next save
+    deletes what is left.
     """
     store = ObjectStore(url)
-    try:
-        store.remove(sorted(set(replaced) - manifest.listed_files()))
-        if token is not None:
-            store.remove([n for n in store.list_names() if staged_token(n) == token])
-    except ShardedStateError:
-        # An object that may not be deleted (an Azure lease on an old part, a retention rule) must
-        # not keep the lock: every later save would be refused as another save's until it was
-        # deleted by hand. This save's records stay, so that the next save deletes what is left.
-        with contextlib.suppress(ShardedStateError):
-            store.release_lock(token)
-        raise
+    store.remove(sorted(set(replaced) - manifest.listed_files()))
+    if token is not None:
+        store.remove([n for n in store.list_names() if staged_token(n) == token])
     kill_point(KILL_CLEANED)
-    store.release_lock(token)
 
 
 class ObjectTarget:
@@ -286,6 +278,9 @@ class ObjectTarget:
 
     def clean(self, manifest: Manifest) -> None:
         clean_after_publish(self.where, manifest, self.token, self.replaced)
+
+    def release(self) -> None:
+        ObjectStore(self.where).release_lock(self.token)
 
     def abandon(self, entries: Sequence[RankEntry]) -> None:
         abandon(self.where, entries, self.token)

@@ -53,7 +53,7 @@ from ..planning.topology import RankInfo
 from ..storage import writer
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, read_manifest, write_file_durably
-from ..storage.location import LocalStore, ObjectStore, open_store
+from ..storage.location import LocalStore, open_store
 from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, read_lock, release_save_lock
 from ..storage.progress import ByteProgress
 from .carry import CarriedFiles
@@ -165,7 +165,7 @@ def publish_manifest(
 def clean_after_publish(
     directory: str, manifest: Manifest, lock: SaveLock | None = None, replaced: Iterable[str] = ()
 ) -> None:
-    """Step 5: remove what the published manifest does not list, then release the lock.
+    """Step 5: remove what the published manifest does not list (the caller then releases ``lock``).
 
     Parts of the old save that the new one does not list (and of ranks the new topology
     lacks) go, so vLLM's own loader cannot pick them up either, and so does every file that the
@@ -189,12 +189,10 @@ def clean_after_publish(
                 os.remove(os.path.join(directory, name))
             except (FileNotFoundError, IsADirectoryError):  # (a folder so named is no save's: it writes files)
                 pass
-            except OSError as e:  # the rest is cleaned all the same, and the lock released
+            except OSError as e:  # the rest is cleaned all the same
                 failed.append(f"{name} ({e.strerror})")
             kill_point(KILL_CLEANING)
     kill_point(KILL_CLEANED)
-    if lock is not None:
-        release_save_lock(lock)
     if failed:
         raise ShardedStateError(f"{directory}: could not remove {', '.join(failed)}")
 
@@ -202,7 +200,11 @@ def clean_after_publish(
 def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
     """Steps 4 and 5: publish the manifest, then clean and unlock."""
     publish_manifest(directory, manifest, lock)
-    clean_after_publish(directory, manifest, lock)
+    try:
+        clean_after_publish(directory, manifest, lock)
+    finally:
+        if lock is not None:
+            release_save_lock(lock)
 
 
 class FolderNotShared(SaveRefused):
@@ -290,14 +292,17 @@ class LocalTarget:
     def clean(self, manifest: Manifest) -> None:
         clean_after_publish(self.where, manifest, self.held, self.replaced)
 
+    def release(self) -> None:
+        if self.held is not None:
+            release_save_lock(self.held)
+
     def abandon(self, entries: Sequence[RankEntry]) -> None:
         # Every member's rank files (past the exchange that failed, none is still writing).
         for name in os.listdir(self.where) if os.path.isdir(self.where) else ():
             if is_startup_artifacts_name(name) and name.endswith(token_name(".tar", self.token)):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.where, name))
-        if self.held is not None:
-            release_save_lock(self.held)
+        self.release()
         if self.made_folder:
             with contextlib.suppress(OSError):  # only if nothing else was put there meanwhile
                 os.rmdir(self.where)
@@ -306,17 +311,12 @@ class LocalTarget:
         pass
 
 
-# The save protocol's target for each kind of store (:func:`..storage.location.open_store`).
-TARGETS: dict[type, Callable[[str, bool], SaveTarget]] = {LocalStore: LocalTarget, ObjectStore: ObjectTarget}
-
-
 def open_target(where: str, overwrite: bool = False, pattern: str | None = None) -> SaveTarget:
     """The save protocol's target for a local folder or an object-storage URL; ``pattern`` names the
     parts (a local folder holding files so named holds a checkpoint)."""
-    store = open_store(where)
-    if isinstance(store, LocalStore):
+    if isinstance(open_store(where), LocalStore):
         return LocalTarget(where, overwrite, pattern)
-    return TARGETS[type(store)](where, overwrite)
+    return ObjectTarget(where, overwrite)
 
 
 def _stage_one(
