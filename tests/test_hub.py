@@ -5,6 +5,7 @@ symlinks per commit, ``refs/main`` naming the commit.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,47 @@ def test_symlink_out_of_the_repository_is_refused(hub_cache):
         load_rank(
             LoadRequest(str(snapshot), read_manifest(str(snapshot))), stage_state(model, 2, 1, 0, 0), RankInfo(0, 2)
         )
+
+
+def _load_rank0(snapshot: str) -> None:
+    model = llama_like(num_layers=2)
+    expected = stage_state(model, 2, 1, 0, 0)
+    targets = {n: torch.zeros_like(x) for n, x in expected.items()}
+    load_rank(LoadRequest(snapshot, read_manifest(snapshot), verify="checksum"), targets, RankInfo(0, 2))
+    assert all(torch.equal(targets[n], x) for n, x in expected.items())
+
+
+def test_blobs_on_another_disk_are_read_by_convert_and_load_alike(hub_cache):
+    from vllm_sharded_loader.storage.hf_source import resolve_source
+
+    _, root = hub_cache
+    snapshot = lay_out_cache(root / "ckpt", root / "cache")
+    repo = snapshot.parent.parent
+    os.rename(repo / "blobs", root / "disk-blobs")  # moved to a bigger disk, a link left in its place
+    os.symlink(root / "disk-blobs", repo / "blobs")
+    assert resolve_source(REPO) == str(snapshot)  # convert's fetch
+    _load_rank0(str(snapshot))  # and a load of the same snapshot
+
+
+def test_a_snapshot_link_elsewhere_is_refused_by_convert_and_load_alike(hub_cache):
+    from vllm_sharded_loader.storage.hf_source import resolve_source
+
+    _, root = hub_cache
+    snapshot = lay_out_cache(root / "ckpt", root / "cache")
+    repo = snapshot.parent.parent
+    os.rename(repo / "blobs", root / "disk-blobs")
+    os.symlink(root / "disk-blobs", repo / "blobs")
+    part = snapshot / "model-rank-0-part-0.safetensors"
+    (root / "elsewhere").mkdir()
+    outside = root / "elsewhere" / part.name
+    outside.write_bytes(part.read_bytes())
+    part.unlink()
+    os.symlink(outside, part)
+    refused = re.escape(f"{part} resolves to {outside}, outside the checkpoint directory {repo}")
+    with pytest.raises(ShardedStateError, match=refused):
+        resolve_source(REPO)
+    with pytest.raises(ShardedStateError, match=refused):
+        _load_rank0(str(snapshot))
 
 
 @pytest.fixture

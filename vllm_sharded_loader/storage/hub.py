@@ -20,6 +20,7 @@ from ..format.names import MANIFEST_NAME, default_pattern, render_file_name
 from ..planning.experts import rank_experts_moved
 from ..planning.manifest_plans import files_to_check, plan_manifest_reads
 from ..planning.topology import RankInfo
+from .local import escapes
 
 # Everything but weights: manifest, config, generation config, tokenizer, chat template.
 METADATA_PATTERNS = (MANIFEST_NAME, "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
@@ -61,15 +62,12 @@ def fetch(
 
 
 def check_snapshot(repo_id: str, storage: str, snapshot: str) -> None:
-    """Refuse a snapshot that is not a folder of ``storage``'s ``snapshots/``, or holds a link out of
-    ``storage`` (the repository's folder in the Hub cache, where its blobs are): a ``refs/`` file or a
-    link edited by hand would otherwise have us read another model's weights, or any file."""
-    real, repo = os.path.realpath(snapshot), os.path.realpath(storage)
-    # (Resolved: the cache, the repository's folder or its blobs/ may be links to another disk.)
-    snapshots, blobs = (
-        os.path.realpath(os.path.join(storage, "snapshots")),
-        os.path.realpath(os.path.join(storage, "blobs")),
-    )
+    """Refuse a snapshot that is not a folder of ``storage``'s ``snapshots/``, or holds a link that a load
+    would refuse (:func:`~.local.escapes`: out of the repository's folder and its blobs): a ``refs/`` file or
+    a link edited by hand would otherwise have us read another model's weights, or any file."""
+    real = os.path.realpath(snapshot)
+    # (Resolved: the cache, the repository's folder or its snapshots/ may be links to another disk.)
+    snapshots = os.path.realpath(os.path.join(storage, "snapshots"))
     if os.path.dirname(real) != snapshots:
         raise CheckpointCorrupt(
             f"{snapshot}: resolves to {real}, not a snapshot of {repo_id} in the Hub cache ({snapshots}); its "
@@ -78,12 +76,9 @@ def check_snapshot(repo_id: str, storage: str, snapshot: str) -> None:
     for folder, dirs, files in os.walk(snapshot):
         for name in sorted(dirs + files):
             path = os.path.join(folder, name)
-            target = os.path.realpath(path)
-            if not any(os.path.commonpath([target, inside]) == inside for inside in (repo, blobs)):
-                raise CheckpointCorrupt(
-                    f"{path} resolves to {target}, outside {repo_id}'s folder in the Hub cache ({repo}), where its "
-                    f"files are links into blobs/. Refusing to read it: delete {storage} and fetch it again."
-                )
+            error = escapes(path, os.path.realpath(path), snapshot)
+            if error is not None:
+                raise error
 
 
 def rank_patterns(pattern: str, tp_rank: int, pp_rank: int) -> list[str]:

@@ -136,25 +136,35 @@ def read_manifest(directory: str) -> Manifest | None:
     return Manifest.from_json(text, where=path)
 
 
-def containment_root(directory: str) -> str:
-    """The folder a checkpoint's files may resolve into.
+def containment_roots(directory: str) -> tuple[str, ...]:
+    """The folders a checkpoint's files may resolve into.
 
     The checkpoint folder itself, except in a Hugging Face cache, where a snapshot's
-    files are symlinks into the same repository's ``blobs`` folder.
+    files are symlinks into the same repository's ``blobs`` folder: the repository's
+    folder, and its ``blobs`` where that resolves (moved to a bigger disk and linked
+    back, as huggingface_hub's users do).
     """
     real = os.path.realpath(directory)
     snapshots, repo = os.path.dirname(real), os.path.dirname(os.path.dirname(real))
-    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
-        return repo
-    return real
+    blobs = os.path.join(repo, "blobs")
+    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(blobs):
+        return repo, os.path.realpath(blobs)
+    return (real,)
 
 
-def _escapes(path: str, real: str, directory: str) -> ShardedStateError | None:
-    root = containment_root(directory)
-    if os.path.commonpath([real, root]) == root:
+def escapes(path: str, real: str, directory: str) -> ShardedStateError | None:
+    """The error for ``path`` (resolving to ``real``) if it resolves outside the checkpoint ``directory``."""
+    roots = containment_roots(directory)
+    if any(os.path.commonpath([real, root]) == root for root in roots):
         return None
+    if len(roots) > 1:
+        repo, blobs = roots
+        return CheckpointCorrupt(
+            f"{path} resolves to {real}, outside the checkpoint directory {repo}, a repository of the Hub cache "
+            f"whose files are links into its blobs/ ({blobs}); refusing to read it. Delete {repo} and fetch it again."
+        )
     return CheckpointCorrupt(
-        f"{path} resolves to {real}, outside the checkpoint directory {root} (a symlink or path "
+        f"{path} resolves to {real}, outside the checkpoint directory {roots[0]} (a symlink or path "
         "that escapes it); refusing to read it. Copy the real file into the checkpoint."
     )
 
@@ -162,7 +172,7 @@ def _escapes(path: str, real: str, directory: str) -> ShardedStateError | None:
 def part_path(directory: str, name: str) -> str:
     """The path of a part file, refusing one that resolves outside the checkpoint directory."""
     path = os.path.join(directory, name)
-    error = _escapes(path, os.path.realpath(path), directory)
+    error = escapes(path, os.path.realpath(path), directory)
     if error is not None:
         raise error
     return path
@@ -321,7 +331,7 @@ def open_part(directory: str, f: FileEntry) -> OpenFile:
             f"{path}: listed in {MANIFEST_NAME} ({f.size} bytes) but missing. The checkpoint is "
             "incomplete: copy the missing file or save the checkpoint again."
         ) from None
-    error = _escapes(path, opened.real_path(), directory)
+    error = escapes(path, opened.real_path(), directory)
     if error is None and opened.size != f.size:
         error = CheckpointCorrupt(
             f"{path}: {opened.size} bytes on disk, but {MANIFEST_NAME} records {f.size}. The file is "
@@ -450,7 +460,7 @@ def non_weight_files(source: str) -> list[str]:
         if not os.path.isdir(path):
             found.append(name)
             continue
-        if _holds_a_checkpoint(path) or _escapes(path, os.path.realpath(path), source) is not None:
+        if _holds_a_checkpoint(path) or escapes(path, os.path.realpath(path), source) is not None:
             # (A link to a folder elsewhere, say to /usr, is not the model's: not walked, as os.walk
             # walks no nested link.)
             continue
