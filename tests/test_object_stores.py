@@ -386,3 +386,10 @@ def test_one_prefix_under_any_spelling_is_one_location(url):
 def test_a_query_or_fragment_is_refused_not_dropped(url):
     with pytest.raises(ShardedStateError, match=r"its '\?' or '#' part .* would be ignored"):
         open_store(url)
+
+
+@pytest.mark.parametrize("url", ["s3://b/ckpt?versionId=1", "s3://b/ckpt#x"])
+def test_a_query_or_fragment_is_refused_by_the_prefix_parser_itself(url):
+    # Not only through open_store: every caller of the one parser of an object URL refuses it.
+    with pytest.raises(ShardedStateError, match=r"its '\?' or '#' part .* would be ignored"):
+        objects.ObjectPrefix.parse(url)

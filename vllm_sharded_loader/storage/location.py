@@ -210,13 +210,6 @@ class ObjectStore:
     remote = True
 
     def __init__(self, url: str) -> None:
-        if "?" in url or "#" in url:
-            # The URL's parser drops it: another prefix (or the latest version) would be read unsaid.
-            raise ShardedStateError(
-                f"{url}: an object storage URL names a bucket and a prefix only; its '?' or '#' part (a version, "
-                "a token, or a key with such a character) would be ignored. Give the prefix alone, with credentials "
-                "in the environment; copy an object's past version to a prefix of its own to use it."
-            )
         self.where = url
         self.prefix = objects.ObjectPrefix.parse(url)
 

@@ -36,6 +36,14 @@ from . import oscalls
 # Azure names a container by its blob endpoint too: https://ACCOUNT.blob.core.windows.net/container/...
 AZURE_BLOB_HOST = ".blob.core.windows.net"
 
+# What to check when a request fails, per store: the settings its client reads.
+SETTINGS = {
+    "s3": "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS, GOOGLE_SERVICE_ACCOUNT, STORAGE_EMULATOR_HOST",
+    "az": "AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_CONNECTION_STRING, "
+    "AZURE_STORAGE_USE_EMULATOR",
+}
+
 # Every request is bounded: per-request and connect timeouts, and retries with exponential
 # backoff (with jitter) bounded in count and in total time, in obstore's own settings. Ours
 # are the defaults; these variables set them (seconds; retries as AWS_MAX_ATTEMPTS counts attempts).

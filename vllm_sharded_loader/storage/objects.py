@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME
-from .object_clients import AZURE_BLOB_HOST, _store, check_not_forked
+from .object_clients import AZURE_BLOB_HOST, SETTINGS, _store, check_not_forked
 from .object_clients import AZURE_CONNECTION_STRING_ENV as AZURE_CONNECTION_STRING_ENV  # re-exported: one name
 from .object_clients import azure_connection_string as azure_connection_string  # for every setting of a store
 
@@ -37,13 +37,6 @@ UPLOAD_CHUNK_BYTES = 64 * 1024 * 1024
 UPLOAD_CONCURRENCY = 8
 # Non-weight files (config, tokenizer) are read whole; none comes near this.
 MAX_SMALL_FILE_BYTES = 1 << 31
-# What to check when a request fails, per store: the settings its client reads.
-SETTINGS = {
-    "s3": "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE",
-    "gs": "GOOGLE_APPLICATION_CREDENTIALS, GOOGLE_SERVICE_ACCOUNT, STORAGE_EMULATOR_HOST",
-    "az": "AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_CONNECTION_STRING, "
-    "AZURE_STORAGE_USE_EMULATOR",
-}
 
 
 def _is_azure_https(url: str) -> bool:
@@ -72,6 +65,13 @@ class ObjectPrefix:
 
     @classmethod
     def parse(cls, url: str) -> ObjectPrefix:
+        if "?" in url or "#" in url:
+            # The URL's parser drops it: another prefix (or the latest version) would be read unsaid.
+            raise ShardedStateError(
+                f"{url}: an object storage URL names a bucket and a prefix only; its '?' or '#' part (a version, "
+                "a token, or a key with such a character) would be ignored. Give the prefix alone, with credentials "
+                "in the environment; copy an object's past version to a prefix of its own to use it."
+            )
         parsed = urlparse(url)
         scheme = parsed.scheme.lower()
         path = parsed.path.strip("/")
@@ -125,7 +125,8 @@ def _error_type(error: Exception) -> type[ShardedStateError]:
 def _fail(url: str, what: str, error: Exception) -> ShardedStateError:
     if isinstance(error, ShardedStateError):  # ours already (no account configured...)
         return error
-    settings = SETTINGS[ObjectPrefix.parse(url).scheme]
+    # (Not parsed: an object's name may hold a '#' or '?', which a prefix may not.)
+    settings = SETTINGS["az" if _is_azure_https(url) else url.partition(":")[0].lower()]
     return _error_type(error)(
         f"{url}: {what} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
         f"Check the endpoint and credentials ({settings}) and that the object storage is reachable."
