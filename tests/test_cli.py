@@ -240,15 +240,18 @@ def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
     assert "experts       cut across TP x DP (2 ranks), written by each of 2 replicas" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("overwrite", [False, True], ids=["new-output", "overwrite"])
-@pytest.mark.parametrize("name", ["TERM", "INT"])
-def test_reshard_stopped_by_sigterm_or_ctrl_c_takes_back_what_it_wrote(checkpoint, tmp_path, name, overwrite):
-    """``kill`` or a job scheduler's cancel (SIGTERM) stops a reshard as Ctrl-C does: one line
-    naming the signal (no traceback), the process dead of that signal, and its output as it was:
-    no folder made, or the checkpoint it would replace untouched, the user's file beside it kept,
-    no lock or staged part left behind. The same command then succeeds without ``--overwrite``.
-    (SIGTERM's default action had killed it on the spot: lock and staged parts stayed, and the
-    next run was refused until asked to overwrite.)"""
+@pytest.mark.parametrize(
+    "name, overwrite",
+    [("TERM", False), ("TERM", True), ("INT", False), ("INT", True), ("HUP", False)],
+    ids=["TERM-new-output", "TERM-overwrite", "INT-new-output", "INT-overwrite", "HUP-new-output"],
+)
+def test_reshard_stopped_by_sigterm_sighup_or_ctrl_c_takes_back_what_it_wrote(checkpoint, tmp_path, name, overwrite):
+    """``kill`` or a job scheduler's cancel (SIGTERM), or a closed terminal or ssh session (SIGHUP),
+    stops a reshard as Ctrl-C does: one line naming the signal (no traceback), the process dead of
+    that signal, and its output as it was: no folder made, or the checkpoint it would replace
+    untouched, the user's file beside it kept, no lock or staged part left behind. The same command
+    then succeeds without ``--overwrite``. (SIGTERM's and SIGHUP's default action had killed it on
+    the spot: lock and staged parts stayed, and the next run was refused until asked to overwrite.)"""
     import os
     import signal
 
@@ -264,14 +267,15 @@ def test_reshard_stopped_by_sigterm_or_ctrl_c_takes_back_what_it_wrote(checkpoin
         (output / "notes.txt").write_text("the user's")
     before = tree_digest(str(tmp_path))
     env = {**os.environ, faults.KILL_ENV: "local.staged:2", faults.KILL_SIGNAL_ENV: name}
-    # (Ctrl-C's SIGINT reaches a command started in the background ignored: restored as a terminal has it.)
+    # (Ctrl-C's SIGINT reaches a command started in the background ignored, SIGHUP one started under
+    # nohup: restored as a terminal has them.)
     stopped = subprocess.run(
         command + ["--overwrite"] * overwrite,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGHUP)],
     )
     assert stopped.returncode == -signal.Signals[f"SIG{name}"], stopped.stderr[-2000:]
     assert stopped.stderr.strip().splitlines() == [

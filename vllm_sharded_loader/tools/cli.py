@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -207,18 +208,19 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The signal that stopped the command (see _stop_on_sigterm): Ctrl-C's unless SIGTERM came.
+# The signal that stopped the command (see _stop_on_signals): Ctrl-C's unless SIGTERM or SIGHUP came.
 _stopped_by = signal.SIGINT
 
 
-def _stop_on_sigterm() -> None:
-    """Let ``SIGTERM`` stop an engine-free command as Ctrl-C does, by raising KeyboardInterrupt.
+def _stop_on_signals() -> None:
+    """Let ``SIGTERM`` and ``SIGHUP`` stop an engine-free command as Ctrl-C does, by raising KeyboardInterrupt.
 
-    ``kill``, ``timeout`` and a job scheduler's cancel send ``SIGTERM``, whose default action ends
-    the process on the spot: no ``except`` or ``finally`` of the save runs, so a reshard or convert
-    left its lock and its staged parts (as large as the checkpoint) behind, and the next run into a
-    new folder was refused until asked to ``--overwrite``. Raised as Ctrl-C's exception, the save
-    takes back what it wrote before its publish, as after Ctrl-C (docs/guarantees.md).
+    ``kill``, ``timeout`` and a job scheduler's cancel send ``SIGTERM``, and closing the terminal or
+    the ssh session ``SIGHUP``, whose default action ends the process on the spot: no ``except`` or
+    ``finally`` of the save runs, so a reshard or convert left its lock and its staged parts (as large
+    as the checkpoint) behind, and the next run into a new folder was refused until asked to
+    ``--overwrite``. Raised as Ctrl-C's exception, the save takes back what it wrote before its
+    publish, as after Ctrl-C (docs/guarantees.md).
     """
 
     def stop(signum: int, frame: object) -> None:
@@ -226,8 +228,9 @@ def _stop_on_sigterm() -> None:
         _stopped_by = signal.Signals(signum)
         raise KeyboardInterrupt
 
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # (one ignored by whoever started us stays so)
-        signal.signal(signal.SIGTERM, stop)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) == signal.SIG_DFL:  # (one ignored by whoever started us, nohup's, stays so)
+            signal.signal(signum, stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -246,11 +249,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] == ["save"]:
             raise  # (an engine's save: vLLM's workers stop in its own teardown, as before)
         # One line, not a traceback: the save undid what it had not published before this got here.
-        print(
-            f"vllm-sharded: interrupted by {_stopped_by.name}. An interrupted reshard or convert leaves its output "
-            "as it was, or complete if it had published; run the command again.",
-            file=sys.stderr,
-        )
+        # (After SIGHUP the terminal may be gone: a write to it fails, and the exit by the signal stands.)
+        with contextlib.suppress(OSError):
+            print(
+                f"vllm-sharded: interrupted by {_stopped_by.name}. An interrupted reshard or convert leaves its "
+                "output as it was, or complete if it had published; run the command again.",
+                file=sys.stderr,
+            )
         return 128 + _stopped_by
 
 
@@ -265,13 +270,14 @@ def run() -> None:
     """
     argv = sys.argv[1:]
     if argv[:1] != ["save"]:  # (an engine's save keeps vLLM's own handling of SIGTERM)
-        _stop_on_sigterm()
+        _stop_on_signals()
     code = main(argv)
     if argv[:1] == ["save"]:
         sys.exit(code)
     atexit._run_exitfuncs()  # what sys.exit runs before the teardown (atexit has no public name for it)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # (a terminal gone with SIGHUP)
+        sys.stdout.flush()
+        sys.stderr.flush()
     if code == 128 + _stopped_by:
         # Stopped by the signal, to whoever waits for the command: a shell's loop then stops too.
         signal.signal(_stopped_by, signal.SIG_DFL)
