@@ -17,6 +17,8 @@ from vllm_sharded_loader.format import (
     render_file_name,
     validate_pattern,
 )
+from vllm_sharded_loader.format.errors import CheckpointCorrupt
+from vllm_sharded_loader.format.manifest import CarriedFile
 
 
 def test_names_are_vllms():
@@ -140,6 +142,39 @@ def mutate(edit) -> str:
 def test_bad_manifests_are_refused(edit, message):
     with pytest.raises(ShardedStateError, match=message):
         Manifest.from_json(mutate(edit))
+
+
+CARRIED = {"size": 12, "sha256": "ab" * 32}
+
+
+def test_carried_files_round_trip_and_are_optional():
+    manifest = Manifest.from_json(mutate(lambda d: d.update(carried_files={"tok/vocab.txt": CARRIED})))
+    assert manifest.carried_files == {"tok/vocab.txt": CarriedFile(12, "ab" * 32)}
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert Manifest.from_json(mutate(lambda d: d.update(carried_files={}))).carried_files == {}
+    assert Manifest.from_json(mutate(lambda d: None)).carried_files is None  # an older manifest: not recorded
+
+
+@pytest.mark.parametrize(
+    ("carried", "message"),
+    [
+        ([], "carried_files must be an object"),
+        ({"config.json": CARRIED | {"size": -1}}, r"carried file 'config.json': 'size' must be a byte count"),
+        ({"config.json": CARRIED | {"size": "12"}}, "'size' must be a byte count"),
+        ({"config.json": CARRIED | {"sha256": "xyz"}}, r"'sha256' must be 64 hexadecimal digits, found 'xyz'"),
+        ({"config.json": CARRIED | {"sha256": "AB" * 32}}, "'sha256' must be 64 hexadecimal digits"),
+        ({"config.json": {"size": 12}}, "'sha256' must be a string"),
+        ({"/etc/passwd": CARRIED}, "carried file name '/etc/passwd' is not a relative path inside"),
+        ({"../config.json": CARRIED}, "carried file name '../config.json' is not a relative path"),
+        ({"tok/../../x": CARRIED}, "not a relative path"),
+        ({"tok//x": CARRIED}, "not a relative path"),
+        ({"": CARRIED}, "not a relative path"),
+        ({"config.json": 12}, "carried file 'config.json' must be an object"),
+    ],
+)
+def test_hostile_carried_files_are_refused(carried, message):
+    with pytest.raises(CheckpointCorrupt, match=message):
+        Manifest.from_json(mutate(lambda d: d.update(carried_files=carried)))
 
 
 @pytest.mark.parametrize("text", ["", "{", "[]", "null", '"x"', b"\xff\xfe"])

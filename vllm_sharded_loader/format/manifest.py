@@ -15,7 +15,7 @@ from typing import Any
 from .errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from .experts import ExpertPlacement, writing_replicas
 from .geometry import TensorGeometry
-from .names import MANIFEST_NAME, check_plain_file_name, parse_file_name, validate_pattern
+from .names import MANIFEST_NAME, check_carried_name, check_plain_file_name, parse_file_name, validate_pattern
 from .source import SourceModel
 from .untrusted import MAX_BYTES, MAX_DIMS, JsonReader, is_int, is_shape, load_json
 
@@ -34,6 +34,7 @@ MAX_RANKS = 1 << 16  # tp_size * pp_size
 MAX_FILES_PER_RANK = 1 << 16
 MAX_TENSORS_PER_RANK = 1 << 20
 MAX_BLOCK_SIZE = 256 * 1024 * 1024  # each reader thread holds one block to verify it
+MAX_CARRIED_FILES = 1 << 16
 DIGEST_HEX = re.compile(r"[0-9a-f]{64}\Z")
 
 
@@ -88,6 +89,17 @@ class StartupArtifacts:
 
 
 @dataclass(frozen=True)
+class CarriedFile:
+    """One non-weight file a save carried beside its parts (config, tokenizer): its size and SHA-256."""
+
+    size: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
 class RankEntry:
     """What one (pp_rank, tp_rank) worker wrote.
 
@@ -133,6 +145,9 @@ class Manifest:
     # Saved without expert parallelism under data parallelism: each expert cut across all
     # TP x DP ranks (:attr:`expert_tp_size`), each replica writing its slices.
     experts_over_dp: bool = False
+    # The non-weight files the save carried, by relative name ({}: none); None in manifests
+    # written before they were recorded (their files are then not checked).
+    carried_files: dict[str, CarriedFile] | None = None
 
     @property
     def expert_tp_size(self) -> int:
@@ -197,6 +212,8 @@ class Manifest:
             data["dp_size"] = self.dp_size
         if self.experts_over_dp:
             data["experts_over_dp"] = True
+        if self.carried_files is not None:
+            data["carried_files"] = {name: f.to_dict() for name, f in sorted(self.carried_files.items())}
         return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -252,6 +269,7 @@ class Manifest:
             experts=None if experts is None else ExpertPlacement.from_dict(experts, where),
             dp_size=reader.integer(obj, "dp_size", minimum=1, maximum=MAX_RANKS) if "dp_size" in obj else 1,
             experts_over_dp=reader.boolean(obj, "experts_over_dp") if "experts_over_dp" in obj else False,
+            carried_files=_carried_files(reader, obj["carried_files"]) if "carried_files" in obj else None,
         )
         manifest.__dict__["geometries"] = geometries  # the cached_property, parsed with messages naming `where`
         check_manifest_consistency(manifest, where)
@@ -451,3 +469,21 @@ def _startup(reader: JsonReader, value: Any) -> StartupArtifacts:
             f"(each under {MAX_KEY_LENGTH} characters)"
         )
     return StartupArtifacts(file=name, size=reader.integer(obj, "size"), sha256=sha256, key=dict(key))
+
+
+def _carried_files(reader: JsonReader, value: Any) -> dict[str, CarriedFile]:
+    obj = reader.mapping(value, "carried_files")
+    if len(obj) > MAX_CARRIED_FILES:
+        raise reader.fail(f"'carried_files' lists {len(obj)} files, more than {MAX_CARRIED_FILES}")
+    carried = {}
+    for name, f in obj.items():
+        check_carried_name(name, reader.where)
+        f = reader.mapping(f, f"carried file {name!r}")
+        sha256 = reader.string(f, "sha256")
+        if not DIGEST_HEX.match(sha256):
+            raise reader.fail(f"carried file {name!r}: 'sha256' must be 64 hexadecimal digits, found {sha256!r}")
+        size = f.get("size")
+        if not (is_int(size) and 0 <= size <= MAX_BYTES):
+            raise reader.fail(f"carried file {name!r}: 'size' must be a byte count, found {size!r}")
+        carried[name] = CarriedFile(size=size, sha256=sha256)
+    return carried

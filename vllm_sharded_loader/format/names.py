@@ -187,6 +187,22 @@ def check_plain_file_name(name: str, where: str) -> str:
     return name
 
 
+def check_carried_name(name: str, where: str) -> str:
+    """Refuse a carried file's name that could escape the checkpoint directory: it is a relative
+    path of plain parts (a module folder's ``1_Pooling/config.json``), never absolute, never ``..``.
+
+    >>> check_carried_name("1_Pooling/config.json", "sharded_state.json")
+    '1_Pooling/config.json'
+    """
+    parts = name.split("/")
+    if len(name) > 4096 or "\\" in name or "\x00" in name or any(p in ("", ".", "..") for p in parts):
+        raise CheckpointCorrupt(
+            f"{where}: carried file name {name!r} is not a relative path inside the checkpoint directory "
+            "(absolute, empty, or with a '.' or '..' part); refusing it."
+        )
+    return name
+
+
 def staged_name(final_name: str, token: str) -> str:
     """The hidden name a save writes ``final_name`` under until it publishes it.
 
