@@ -10,6 +10,7 @@ abandon removes this save's files and lock and nothing else.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -18,14 +19,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.faultkit import tree_digest
+from tests.support.faultkit import model_folder, tree_digest
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, SaveTarget, run_save
 from vllm_sharded_loader.checkpoint.save import FolderNotShared, LocalTarget, save_checkpoint, stage_rank
 from vllm_sharded_loader.format import Manifest, ShardedStateError
 from vllm_sharded_loader.format.errors import SaveFailedAfterPublish, agreed_error
-from vllm_sharded_loader.format.manifest import RankEntry
+from vllm_sharded_loader.format.manifest import CarriedFile, RankEntry
 from vllm_sharded_loader.format.names import LOCK_NAME
 
 MEMBERS = 3
@@ -240,3 +241,55 @@ def test_each_ranks_staging_says_how_it_ended(tmp_path, parallel):
     if parallel:
         assert ended[0][0] is None and ended[0][1] != ended[1][1]  # each in its own staging thread
     assert read_manifest(str(directory)) is None and not any(directory.glob("*.safetensors"))
+
+
+def carried_record(folder: Path) -> dict[str, CarriedFile]:
+    """Every file under ``folder`` but the checkpoint's own (parts, manifest) by relative name: its size and SHA-256."""
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and p.suffix != ".safetensors")
+    return {
+        str(p.relative_to(folder)): CarriedFile(p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in files
+        if p.name != "sharded_state.json"
+    }
+
+
+def test_a_save_records_every_carried_file_it_staged_or_left_in_place(tmp_path):
+    """The manifest lists each carried file's size and SHA-256: those a save copied, and those
+    already identical that it left as they were; a save that carries nothing records none."""
+    model, directory = model_folder(tmp_path, 1.0), tmp_path / "ckpt"
+    ranks = {RankInfo(r, 2): tensors(1.0, r) for r in range(2)}
+    manifest = save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, carry=str(model))
+    assert manifest.carried_files == carried_record(model) == carried_record(directory)
+    assert set(manifest.carried_files) == {"config.json", "tokenizer.json", "tok/vocab.txt"}
+    assert read_manifest(str(directory)) == manifest
+    # Saved again: every file is identical and stays where it is, and is recorded all the same.
+    before = {p: p.stat().st_ino for p in map(directory.joinpath, manifest.carried_files)}
+    again = save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, carry=str(model), overwrite=True)
+    assert {p: p.stat().st_ino for p in before} == before
+    assert again.carried_files == manifest.carried_files
+    alone = save_checkpoint(str(tmp_path / "alone"), ranks, dtype="float32", source=SOURCE)
+    assert alone.carried_files == {} and read_manifest(str(tmp_path / "alone")).carried_files == {}
+
+
+def test_every_member_returns_the_published_record_of_the_carried_files(tmp_path):
+    """The first member carries the files; every member's manifest is the published one, with its record."""
+    model, directory = model_folder(tmp_path, 1.0), tmp_path / "ckpt"
+
+    def member(index: int, group: ThreadGroup) -> Any:
+        def stage(target: SaveTarget) -> Any:
+            yield (
+                stage_rank(target.staging(), tensors(1.0, index), RankInfo(index, MEMBERS), None, 8192, target.token),
+                None,
+            )
+
+        def manifest(entries: list[tuple[RankEntry, None]]) -> Manifest:
+            return Manifest(
+                MEMBERS, 1, "float32", "model-rank-{rank}-part-{part}.safetensors", SOURCE, tuple(e for e, _ in entries)
+            )
+
+        job = SaveJob(stage, manifest, carry=lambda carried: carried.stage(str(model)))
+        return run_save(LocalTarget(str(directory), overwrite=True), group, job)[0]
+
+    results = in_threads(member)
+    assert all(r == read_manifest(str(directory)) for r in results), results
+    assert results[0].carried_files == carried_record(model)

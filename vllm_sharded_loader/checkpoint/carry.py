@@ -14,19 +14,24 @@ before it publishes its own manifest. The non-weight files follow the parts' pro
   puts the old files back if the publish then fails;
 - after the publish, :meth:`CarriedFiles.finish` drops the backups; the save's cleanup
   removes any staged name of its token that a kill left behind.
+
+Every file carried, staged or already identical, is recorded (:attr:`CarriedFiles.recorded`:
+its size and SHA-256, hashed from the very bytes compared or copied), and the manifest lists
+them (``carried_files``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
-import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format.errors import SaveRefused, ShardedStateError
+from ..format.manifest import CarriedFile
 from ..format.names import staged_name
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, open_regular
@@ -43,23 +48,30 @@ def _read_bytes(data: bytes | Path) -> bytes:
         return f.read()
 
 
-def _same_local(path: str, data: bytes | Path) -> bool:
-    """Whether the regular file at ``path`` holds ``data`` (anything but a regular file: no)."""
+def _record(data: bytes) -> CarriedFile:
+    return CarriedFile(len(data), hashlib.sha256(data).hexdigest())
+
+
+def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
+    """The record of ``data`` if the regular file at ``path`` holds it, else None (also for no regular file)."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
-            return False
+            return None
         with os.fdopen(open_regular(path), "rb") as f:
             if isinstance(data, bytes):
-                return f.read(len(data) + 1) == data
+                return _record(data) if f.read(len(data) + 1) == data else None
+            digest, size = hashlib.sha256(), 0
             with os.fdopen(open_regular(str(data)), "rb") as g:
                 while True:
                     a, b = f.read(1 << 20), g.read(1 << 20)
                     if a != b:
-                        return False
+                        return None
                     if not a:
-                        return True
+                        return CarriedFile(size, digest.hexdigest())
+                    digest.update(b)
+                    size += len(b)
     except (OSError, ShardedStateError):
-        return False
+        return None
 
 
 @dataclass
@@ -77,6 +89,8 @@ class CarriedFiles:
     #: Whether a file already at the output that differs may be replaced (the save's overwrite):
     #: without it, such a file is someone else's (a folder of the user's), and the save is refused.
     replace: bool = True
+    #: final relative name -> the size and SHA-256 the output holds once placed (staged or left as is)
+    recorded: dict[str, CarriedFile] = field(default_factory=dict)
 
     @functools.cached_property
     def store(self) -> Store:
@@ -94,9 +108,9 @@ class CarriedFiles:
             for index, name in enumerate(names):
                 data = origin.read(name)
                 if self.remote:
-                    self._stage_object(name, data)
+                    self.recorded[name] = self._stage_object(name, data)
                 else:
-                    self._stage_local(index, name, data)
+                    self.recorded[name] = self._stage_local(index, name, data)
         except OSError as e:  # a full disk, a permission: the save stops before its manifest
             self.restore()
             raise SaveRefused(
@@ -122,30 +136,38 @@ class CarriedFiles:
             return self.previous.get(name) is not None
         return os.path.lexists(os.path.join(self.output, name))
 
-    def _stage_local(self, index: int, name: str, data: bytes | Path) -> None:
-        if _same_local(os.path.join(self.output, name), data):
-            return
+    def _stage_local(self, index: int, name: str, data: bytes | Path) -> CarriedFile:
+        same = _same_local(os.path.join(self.output, name), data)
+        if same is not None:
+            return same
         tmp = os.path.join(self.output, staged_name(f"carried-{index}", self.token))
         self.staged[name] = tmp
         with open(tmp, "wb") as dst:
             if isinstance(data, bytes):
                 dst.write(data)
+                record = _record(data)
             else:
+                digest, size = hashlib.sha256(), 0
                 # Opened without blocking and refused unless regular: a FIFO there must not hang the save.
                 with os.fdopen(open_regular(str(data)), "rb") as src:
-                    shutil.copyfileobj(src, dst, 1 << 20)
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                        digest.update(chunk)
+                        size += len(chunk)
+                record = CarriedFile(size, digest.hexdigest())
             dst.flush()
             os.fsync(dst.fileno())
+        return record
 
-    def _stage_object(self, name: str, data: bytes | Path) -> None:
+    def _stage_object(self, name: str, data: bytes | Path) -> CarriedFile:
         store = self.store
         content = _read_bytes(data)
         old = store.read(name) if store.exists_file(name) else None
-        if old == content:
-            return
-        self.staged[name] = content
-        # Read under the lock, so unchanged until place() keeps it as the backup.
-        self.previous[name] = old
+        if old != content:
+            self.staged[name] = content
+            # Read under the lock, so unchanged until place() keeps it as the backup.
+            self.previous[name] = old
+        return _record(content)
 
     def place(self) -> None:
         """Put every staged file under its final name, keeping what it replaces; just before the publish."""

@@ -11,7 +11,8 @@ runs one save driver with or without a process group:
    refused here);
 3. **stage** (every member): write its ranks' parts under temporary names, hashed as written;
 4. **place** (every member): give them fresh final names (a rename, or an upload);
-5. **carry** (first): stage the model's non-weight files (config, tokenizer);
+5. **carry** (first): stage the model's non-weight files (config, tokenizer); the manifest
+   records each one's size and SHA-256 (an empty record for a save that carries none);
 6. **publish** (first): the manifest, the one atomic step;
 7. **clean** (first): what the new manifest does not list;
 8. **release** (first): the lock, whatever the clean did (a file that may not be removed must
@@ -27,11 +28,11 @@ the publish the new checkpoint is complete whatever fails (:class:`SaveFailedAft
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from ..format.errors import SaveFailedAfterPublish, SaveRefused, ShardedStateError
-from ..format.manifest import Manifest, RankEntry
+from ..format.manifest import CarriedFile, Manifest, RankEntry
 from ..format.names import LOCK_NAME
 from ..storage.location import open_store
 from .carry import CarriedFiles
@@ -189,7 +190,11 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
         entries = [pair for es, ns in zip(placed, notes, strict=True) for pair in zip(es, ns, strict=True)]
         manifest = job.manifest(entries)
         if job.carry is not None:
-            group.run(lambda: job.carry(carried), only_first=True)  # type: ignore[misc]
+            # Every member learns the first's record, so that each returns the published manifest.
+            recorded = group.run(lambda: _carry(job, carried), only_first=True)[0]  # type: ignore[arg-type]
+            manifest = replace(manifest, carried_files=recorded)
+        else:
+            manifest = replace(manifest, carried_files={})
         publishing = True
         group.run(lambda: target.publish(manifest, carried), only_first=True)
     except BaseException as e:
@@ -231,6 +236,12 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
     finally:
         target.close()
     return manifest, staged
+
+
+def _carry(job: SaveJob, carried: CarriedFiles) -> dict[str, CarriedFile]:
+    """The carry step (first member): stage the files, and return what each will hold once placed."""
+    job.carry(carried)  # type: ignore[misc]
+    return dict(carried.recorded)
 
 
 def _undo(error: BaseException, steps: Iterable[Callable[[], None]], what: str = "Undoing the save") -> None:
