@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tests.support.checkpoints import RESHARD_MODEL, save_reshardable, source_of, stage_state
 from tests.support.engines import package_process
 from tests.support.reference import llama_like
-from tests.support.states import CONFIG, assert_untouched, fresh_targets, load, rank_state, save
+from tests.support.states import CONFIG, SOURCE, assert_untouched, fresh_targets, load, rank_state, save
 from vllm_sharded_loader.checkpoint import (
     LoadRequest,
     RankInfo,
@@ -263,6 +263,68 @@ def test_sound_checkpoint_verifies(tmp_path, capsys):
     assert cli(["verify", str(tmp_path)]) == 0
     assert "OK" in capsys.readouterr().out
     load(tmp_path, verify="checksum")
+
+
+def save_carrying(directory: Path) -> Path:
+    """A sound TP=2 checkpoint that carries a model's config, tokenizer and generation config."""
+    model = directory.parent / f"{directory.name}-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(200)}}}))
+    (model / "generation_config.json").write_text('{"temperature": 0.6}')
+    ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
+    save_checkpoint(str(directory), ranks, dtype="bfloat16", source=SOURCE, carry=str(model))
+    assert verify_checkpoint(str(directory)) == []
+    return directory
+
+
+def test_verify_names_a_carried_file_that_changed_or_was_deleted(tmp_path, capsys):
+    """A flipped byte in the tokenizer, a truncated one and a deleted generation config: each named
+    with what the save recorded and what is there; a load, which does not read them, is unchanged."""
+    d = save_carrying(tmp_path / "ckpt")
+    tokenizer, generation = d / "tokenizer.json", d / "generation_config.json"
+    size = tokenizer.stat().st_size
+    flip_bit(tokenizer, size // 2)
+    generation.unlink()
+    recorded = r"\d+ bytes, SHA-256 [0-9a-f]{16}\.\.\."
+    remedy = r"Restore it from the model the checkpoint was saved from \(or copy the checkpoint again\), or save"
+    missing = rf"{re.escape(str(generation))}: missing, but the save carried it \({recorded}\) .*{remedy}"
+    problems = verify_checkpoint(str(d))
+    assert len(problems) == 2, problems
+    assert re.fullmatch(missing + ".*", problems[0])
+    assert re.fullmatch(
+        rf"{re.escape(str(tokenizer))}: SHA-256 [0-9a-f]{{16}}\.\.\., but the save recorded {size} bytes, SHA-256 "
+        rf"[0-9a-f]{{16}}\.\.\.: the file was modified after the save\. {remedy}.*",
+        problems[1],
+    )
+    assert verify_checkpoint(str(d), checksums=False) == problems[:1]  # same size: hashed only
+    tokenizer.write_bytes(tokenizer.read_bytes()[: size - 5])
+    truncated = rf"{re.escape(str(tokenizer))}: {size - 5} bytes, but the save recorded {size} bytes, SHA-256 "
+    assert re.match(
+        truncated + r".*the file is truncated or was replaced", verify_checkpoint(str(d), checksums=False)[1]
+    )
+    assert cli(["verify", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "has 2 problem(s)" in out and f"{generation}: missing" in out and f"{tokenizer}: {size - 5} bytes" in out
+    load(d)
+
+
+def test_a_manifest_that_records_no_carried_files_verifies_and_says_so(tmp_path, capsys):
+    """A manifest of an earlier version (no ``carried_files``) still loads and verifies; verify says
+    that the files beside the parts were not checked."""
+    d = save_carrying(tmp_path / "ckpt")
+    edit_manifest(d, lambda m: m.pop("carried_files"))
+    flip_bit(d / "tokenizer.json", 3)
+    notes: list[str] = []
+    assert verify_checkpoint(str(d), notes=notes) == []
+    assert notes == [
+        f"{d / MANIFEST_NAME} records no carried files (a save by an earlier version): the config, tokenizer and "
+        "other files beside the parts were not checked. Save the checkpoint again to record them."
+    ]
+    assert cli(["verify", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert f"NOTE: {notes[0]}" in out and "OK" in out
+    load(d)
 
 
 # ------------------------------------------------------------------------ saves

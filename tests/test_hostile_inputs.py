@@ -293,6 +293,36 @@ def test_verify_names_a_special_file_among_a_checkpoints_carried_files(tmp_path)
     ]
 
 
+def test_verify_names_a_fifo_where_the_save_carried_a_config_without_blocking(tmp_path):
+    """A FIFO where the save recorded its config.json: named once, with what the save carried there, and
+    the check does not wait for a writer (run in a thread that must end)."""
+    import threading
+
+    from tests.support.states import CONFIG, SOURCE, rank_state
+    from vllm_sharded_loader.checkpoint import verify_checkpoint
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.state import saveable_state
+    from vllm_sharded_loader.planning.topology import RankInfo
+
+    model, checkpoint = tmp_path / "model", tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
+    save_checkpoint(str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, carry=str(model))
+    make_special(checkpoint / "config.json", "fifo")
+    found: list[list[str]] = []
+    thread = threading.Thread(target=lambda: found.append(verify_checkpoint(str(checkpoint))), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "verify blocks on the FIFO"
+    size = (model / "config.json").stat().st_size
+    assert len(found[0]) == 1 and found[0][0].startswith(
+        f"{checkpoint / 'config.json'} is a FIFO, where a regular file was expected; refusing to read it. Replace "
+        f"it with the real file (copy or save the checkpoint again). The save carried a regular file there ({size} "
+        "bytes, SHA-256 "
+    ), found
+
+
 def test_a_safetensors_index_that_is_a_fifo_or_names_files_outside_its_folder_is_refused(tmp_path):
     from vllm_sharded_loader.format.errors import CheckpointCorrupt
     from vllm_sharded_loader.storage.hf_source import INDEX_NAME, weight_files

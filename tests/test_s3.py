@@ -638,6 +638,28 @@ def test_a_save_into_a_prefix_of_the_users_replaces_none_of_its_objects_without_
     assert verify_checkpoint(url) == []
 
 
+def test_a_save_into_a_bucket_records_its_carried_files_and_verify_checks_them(s3, tmp_path):
+    """The manifest of an object-storage save lists each carried file's size and SHA-256, and verify
+    names an object changed or deleted since."""
+    import hashlib
+
+    from tests.support.faultkit import carried_of, model_folder, states
+
+    url = new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    manifest = save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 1.0)))
+    recorded = {name: (len(text), hashlib.sha256(text.encode()).hexdigest()) for name, text in carried_of(1.0).items()}
+    assert {name: (f.size, f.sha256) for name, f in manifest.carried_files.items()} == recorded
+    assert read_manifest(url) == manifest and verify_checkpoint(url) == []
+    s3.client().put_object(Bucket=BUCKET, Key=where.key("tokenizer.json"), Body=b"[]")  # same size, other bytes
+    s3.client().delete_object(Bucket=BUCKET, Key=where.key("tok/vocab.txt"))
+    problems = verify_checkpoint(url)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"{where.url('tok/vocab.txt')}: missing, but the save carried it (10 bytes")
+    assert problems[1].startswith(f"{where.url('tokenizer.json')}: SHA-256 ")
+    assert "the file was modified after the save" in problems[1]
+
+
 @pytest.mark.parametrize("kill_at", object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH)
 def test_an_s3_save_interrupted_at_each_step_loses_nothing(s3, tmp_path, kill_at, staging_dir):
     """Ctrl-C at each step of the object-storage protocol (``tests/support/object_faults.py``)."""

@@ -17,7 +17,7 @@ before it publishes its own manifest. The non-weight files follow the parts' pro
 
 Every file carried, staged or already identical, is recorded (:attr:`CarriedFiles.recorded`:
 its size and SHA-256, hashed from the very bytes compared or copied), and the manifest lists
-them (``carried_files``).
+them (``carried_files``), so that ``verify`` tells a damaged tokenizer (:func:`check_carried`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..format.errors import SaveRefused, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError
 from ..format.manifest import CarriedFile
 from ..format.names import staged_name
 from ..storage.faults import declare, kill_point
@@ -226,3 +226,48 @@ class CarriedFiles:
                     os.remove(tmp)
         self.staged.clear()
         self.previous.clear()
+
+
+#: How much of a carried file one read takes while it is hashed (one GET in object storage).
+CHECK_CHUNK_BYTES = 16 * 1024 * 1024
+
+
+def check_carried(store: Store, name: str, record: CarriedFile, hashed: bool = True) -> None:
+    """Refuse a carried file that is not what its save recorded: missing, no regular file (opened
+    without blocking: a FIFO there must not hang the check), another size or, when ``hashed``,
+    another SHA-256. The error names the file, what was recorded and what was found."""
+    path = store.file_path(name)
+    recorded = f"{record.size} bytes, SHA-256 {record.sha256[:16]}..."
+    remedy = (
+        "Restore it from the model the checkpoint was saved from (or copy the checkpoint again), "
+        "or save the checkpoint again."
+    )
+    try:
+        file = store.open_file(name)
+    except (CheckpointNotFound, FileNotFoundError):
+        raise CheckpointNotFound(
+            f"{path}: missing, but the save carried it ({recorded}) and a server of this checkpoint reads it. {remedy}"
+        ) from None
+    except CheckpointCorrupt as e:  # a FIFO, a device, a folder
+        raise CheckpointCorrupt(f"{e} The save carried a regular file there ({recorded}).") from None
+    except OSError as e:
+        raise CheckpointCorrupt(f"{path}: cannot be read ({e}); the save carried it ({recorded}). {remedy}") from e
+    try:
+        if file.size != record.size:
+            raise CheckpointCorrupt(
+                f"{path}: {file.size} bytes, but the save recorded {recorded}: the file is truncated or was "
+                f"replaced after the save. {remedy}"
+            )
+        if not hashed:
+            return
+        digest, position = hashlib.sha256(), 0
+        while position < record.size and (chunk := file.read_at(position, CHECK_CHUNK_BYTES)):
+            digest.update(chunk)
+            position += len(chunk)
+        found = f"{position} bytes read" if position != record.size else f"SHA-256 {digest.hexdigest()[:16]}..."
+        if position != record.size or digest.hexdigest() != record.sha256:
+            raise CheckpointCorrupt(
+                f"{path}: {found}, but the save recorded {recorded}: the file was modified after the save. {remedy}"
+            )
+    finally:
+        file.close()

@@ -9,10 +9,19 @@ from ..format.manifest import FileChecksum, Manifest
 from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
-from ..storage.location import StoredFile, check_not_locked, file_path, list_names, open_store, read_manifest
+from ..storage.location import (
+    Store,
+    StoredFile,
+    check_not_locked,
+    file_path,
+    list_names,
+    open_store,
+    read_manifest,
+)
 from ..storage.lock import describe_lock, read_lock
 from ..storage.progress import ByteProgress
 from ..storage.writer import CHUNK_BYTES
+from .carry import check_carried
 from .rank_files import check_rank_file
 from .startup_artifacts import read_rank_artifacts
 
@@ -39,8 +48,11 @@ def verify_checkpoint(
 
     Checks what a load checks for every rank (lock, manifest, file presence, sizes,
     symlinks, headers against the manifest) and, with ``checksums``, every byte.
-    Also reports parts the manifest does not list (left by an older save). A damaged or
-    missing start-up archive (which a load does without) is a note.
+    Also reports parts the manifest does not list (left by an older save), and every
+    non-weight file the save carried (config, tokenizer) that is missing, not a regular
+    file, or not of its recorded size and (with ``checksums``) SHA-256. A damaged or
+    missing start-up archive (which a load does without) is a note, and so is a manifest
+    that records no carried files (saved before they were recorded).
 
     What a save or an engine that died left of its own bookkeeping beside a published
     checkpoint (staged files and owner markers of processes that are gone, the lock of a
@@ -85,8 +97,11 @@ def verify_checkpoint(
     if checksums:
         _check_startup_artifacts(directory, manifest, notes)
     store = open_store(directory)
-    # The carried config and tokenizer: a FIFO there would hang the engine that serves this.
-    problems += [str(e) for e in store.special_files()]
+    carried = _check_carried_files(store, manifest, checksums, notes)
+    problems += carried
+    # The carried config and tokenizer: a FIFO there would hang the engine that serves this (one
+    # that the save recorded is named above, with what it recorded).
+    problems += [str(e) for e in store.special_files() if not any(p.startswith(str(e)) for p in carried)]
     if store.save_is_running():
         # A running save's staged and placed files are not the published checkpoint's
         # problem: it removes them itself, or publishes them.
@@ -119,6 +134,24 @@ def verify_checkpoint(
                 f"{file_path(directory, name)}: a staged file or owner marker of a save or engine that is gone "
                 "(it never published it); no loader reads it, and the next save into this folder removes it."
             )
+    return problems
+
+
+def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: list[str]) -> list[str]:
+    """A problem for each non-weight file the save recorded that the checkpoint no longer holds as saved."""
+    if manifest.carried_files is None:
+        notes.append(
+            f"{store.file_path(MANIFEST_NAME)} records no carried files (a save by an earlier version): the "
+            "config, tokenizer and other files beside the parts were not checked. Save the checkpoint again "
+            "to record them."
+        )
+        return []
+    problems = []
+    for name, record in sorted(manifest.carried_files.items()):
+        try:
+            check_carried(store, name, record, hashed)
+        except ShardedStateError as e:
+            problems.append(str(e))
     return problems
 
 
