@@ -279,6 +279,10 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
             else:
                 advice = "; that save was interrupted. Save again with overwrite to replace it."
             raise CheckpointLocked(f"{directory}: another save holds {describe_lock(directory, holder)}{advice}")
+        links = os.fstat(fd).st_nlink
+        if links > 1:
+            # Taking over rewrites the file: a hard link's other names are files elsewhere, not ours.
+            _refuse_lock(directory, path, f"a file with {links - 1} other name(s) (a hard link)")
         _write_holder(fd, info)
     except BaseException:
         os.close(fd)
