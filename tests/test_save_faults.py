@@ -318,6 +318,24 @@ def test_a_save_into_a_folder_of_the_users_replaces_none_of_its_files_without_ov
     assert (out / "config.json").read_text() == (Path(carry) / "config.json").read_text()
 
 
+def test_a_carried_file_is_never_written_through_a_link_out_of_the_output(tmp_path):
+    """An output whose ``tok`` subfolder is a link to a folder elsewhere: the save renamed the model's
+    ``tok/vocab.txt`` through it, creating a file in that folder, and with overwrite replacing the one
+    there. Now it is refused, naming the link, and both folders are as they were."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "tok").symlink_to(elsewhere)
+    carry = str(model_folder(tmp_path, 1.0))
+    for overwrite in (False, True):
+        if overwrite:
+            (elsewhere / "vocab.txt").write_text("the user's shared vocabulary")
+        before, beside = tree_digest(str(out)), tree_digest(str(elsewhere))
+        with pytest.raises(ShardedStateError, match=rf"^{out}/tok resolves to {elsewhere}, outside {out} \(a symbolic"):
+            save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry, overwrite=overwrite)
+        assert tree_digest(str(out)) == before and tree_digest(str(elsewhere)) == beside
+
+
 def test_reshard_into_an_existing_checkpoint_writes_nothing_before_the_overwrite_rule(tmp_path):
     """``vllm-sharded reshard SRC --output OUT`` copied SRC's config and tokenizer into OUT before
     refusing to overwrite OUT's checkpoint: the refusal now leaves OUT byte-identical."""
