@@ -504,6 +504,21 @@ def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwri
     assert verify_checkpoint(str(directory)) == []
 
 
+def test_a_start_up_archive_in_the_folder_is_a_checkpoint_refused_without_overwrite(tmp_path):
+    """A folder holding only a file named as a rank's start-up artifacts (``startup-artifacts-*.tar``):
+    a save without overwrite published beside it, and its cleanup deleted it as an old save's archive
+    that the new manifest does not list. Now it counts as a checkpoint, as parts named so do."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "startup-artifacts-pp0-tp0.tar").write_bytes(b"the user's archive")
+    before = listing(directory)
+    with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
+        save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192)
+    assert listing(directory) == before
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    assert sorted(os.listdir(directory)) == sorted(listed(directory))
+
+
 def test_an_overwrite_under_another_pattern_removes_every_part_of_the_old_checkpoint(tmp_path):
     """The cleanup removed unlisted parts by name, in the new manifest's pattern and vLLM's defaults
     only: a checkpoint saved under another pattern kept all of its parts beside the new one (which

@@ -360,14 +360,19 @@ def read_header(source: str | OpenFile) -> Header:
 
 
 def directory_holds_checkpoint(directory: str, patterns: Sequence[str] = ()) -> bool:
-    """Whether a directory has a manifest or any part named as vLLM names them (by default, or
-    in one of ``patterns``: a save's own, which its cleanup removes as stale parts)."""
+    """Whether a directory has a manifest, any part named as vLLM names them (by default, or
+    in one of ``patterns``: a save's own), or a rank's start-up artifacts: a save's cleanup removes
+    such files when its manifest does not list them."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return False
     patterns = (*DEFAULT_PATTERNS, *patterns)
-    return MANIFEST_NAME in names or any(parse_file_name(p, n) is not None for n in names for p in patterns)
+    return (
+        MANIFEST_NAME in names
+        or any(parse_file_name(p, n) is not None for n in names for p in patterns)
+        or any(is_startup_artifacts_name(n) for n in names)
+    )
 
 
 def fsync_directory(directory: str) -> None:
