@@ -411,6 +411,24 @@ def test_a_lock_that_is_not_a_regular_file_is_refused_by_name_and_nothing_outsid
         assert lock.is_symlink() if "link" in kind else lock.is_fifo() if kind == "fifo" else lock.is_dir()
 
 
+@pytest.mark.parametrize("started", ["1e300", "NaN", "-1e20"])
+def test_a_lock_whose_start_time_is_no_time_is_named_without_one(tmp_path, started):
+    """A lock's start time out of the platform's range (or NaN, which JSON parsing takes) raised a bare
+    OverflowError or ValueError where the lock is named: verify and inspect printed a traceback, a save
+    crashed instead of refusing."""
+    from vllm_sharded_loader.format.errors import CheckpointLocked
+    from vllm_sharded_loader.storage.lock import check_not_locked
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / LOCK_NAME).write_text(f'{{"pid": 1, "host": "elsewhere", "token": "ab12", "started": {started}}}')
+    named = rf"{directory / LOCK_NAME} \(pid 1 on elsewhere, \?\)"
+    with pytest.raises(CheckpointLocked, match=rf"being saved or its save was interrupted: {named} exists"):
+        check_not_locked(str(directory))  # a load's, verify's and inspect's check
+    with pytest.raises(CheckpointLocked, match=rf"another save holds {named}; that save was interrupted"):
+        save(directory, overwrite=False)
+
+
 def test_a_folder_link_out_of_the_checkpoint_is_not_walked_nor_carried(tmp_path):
     """A link to a folder outside (``extra -> /usr``) was walked as the checkpoint's own: verify
     stat-ed, and reshard copied, the whole tree it points at (1.3 GB of /usr in a minute)."""

@@ -159,7 +159,10 @@ def _flock(fd: int, operation: int, directory: str) -> bool:
 
 def describe_lock(directory: str, holder: dict) -> str:
     started = holder.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    when = "?"
+    if isinstance(started, (int, float)):
+        with contextlib.suppress(ValueError, OverflowError, OSError):  # NaN, or out of range: the file is anyone's
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
     return f"{os.path.join(directory, LOCK_NAME)} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, {when})"
 
 
