@@ -578,3 +578,27 @@ def test_a_file_the_cleanup_cannot_remove_fails_after_the_publish_typed_and_free
         assert_published(directory, 3.0)
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
+
+
+def test_a_lock_that_cannot_be_finished_is_taken_back_and_its_flock_freed(checkpoint_a):
+    """In a folder where names can be made but not removed (append-only, ``chattr +a``: even root),
+    removing the lock's staging name failed after the lock was linked: the descriptor holding its
+    flock was never closed, so every later save of that process (an engine's) was refused as another
+    running save's, even once the folder was fixed. Now the flock goes with the failure, and the next
+    save takes the lock it could not remove over, with the lock's staging name still linked to it."""
+    import shutil
+
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr to make a folder whose names cannot be removed")
+    directory, _ = checkpoint_a
+    if subprocess.run(["chattr", "+a", str(directory)], capture_output=True).returncode != 0:
+        pytest.skip(f"{directory}'s file system has no append-only folders (chattr +a)")
+    try:
+        with pytest.raises(ShardedStateError, match=r"taking the save lock .* failed: .*Operation not permitted"):
+            save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    finally:
+        subprocess.run(["chattr", "-a", str(directory)], check=True)
+    assert_published(directory, 1.0)
+    save_checkpoint(str(directory), states(3.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    assert_published(directory, 3.0)
+    assert not [n for n in os.listdir(directory) if n.startswith(LOCK_NAME)]  # its staging name too

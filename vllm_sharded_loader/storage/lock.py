@@ -203,7 +203,7 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False, patte
         raise CheckpointLocked(f"{directory}: could not take {path}: other saves keep taking it. Try again.")
     try:
         _refuse_a_checkpoint(directory, overwrite, patterns)
-    except SaveRefused:
+    except BaseException:  # (an interrupt too: a lock left unheld would need overwrite next time)
         release_save_lock(lock)
         raise
     return lock
@@ -224,24 +224,30 @@ def _write_holder(fd: int, info: str) -> None:
 
 
 def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
-    """A new lock, or None if one exists."""
+    """A new lock, or None if one exists. A failure (an interrupt too) takes back what it made: the
+    staging name, the lock if it was published (left unheld, it would need overwrite), and the flock."""
     staging = f"{path}.{token}.new"
     fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    linked = False
     try:
         _flock(fd, fcntl.LOCK_EX, os.path.dirname(path))  # nobody else knows the staging name
         _write_holder(fd, info)
-        try:
+        with contextlib.suppress(FileExistsError):
             os.link(staging, path)
-        except FileExistsError:
-            os.close(fd)
-            return None
+            linked = True
+        os.remove(staging)
     except BaseException:
+        with contextlib.suppress(OSError):
+            if linked and _inode(path) == os.fstat(fd).st_ino:
+                os.remove(path)
+        with contextlib.suppress(OSError):
+            os.remove(staging)
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(staging)
+    if not linked:
+        os.close(fd)
+        return None
     return SaveLock(path, token, fd)
 
 
@@ -282,16 +288,36 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
             else:
                 advice = "; that save was interrupted. Save again with overwrite to replace it."
             raise CheckpointLocked(f"{directory}: another save holds {describe_lock(directory, holder)}{advice}")
-        links = os.fstat(fd).st_nlink
+        staging = _staging_links(directory, fd)
+        links = os.fstat(fd).st_nlink - len(staging)
         if links > 1:
             # Taking over rewrites the file: a hard link's other names are files elsewhere, not ours.
             _refuse_lock(directory, path, f"a file with {links - 1} other name(s) (a hard link)")
+        for name in staging:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
         _write_holder(fd, info)
     except BaseException:
         os.close(fd)
         raise
     stale = holder.get("token")
     return SaveLock(path, token, fd, stale if isinstance(stale, str) else None)
+
+
+def _staging_links(directory: str, fd: int) -> list[str]:
+    """The names under which :func:`_create_lock` staged the lock open as ``fd``, still linked to it:
+    a save that died (or failed to remove them) between the lock's link and that removal left them."""
+    st = os.fstat(fd)
+    if st.st_nlink < 2:
+        return []
+    found = []
+    for name in os.listdir(directory):
+        if name.startswith(f"{LOCK_NAME}.") and name.endswith(".new"):
+            with contextlib.suppress(OSError):
+                there = os.lstat(os.path.join(directory, name))
+                if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino):
+                    found.append(name)
+    return found
 
 
 def _refuse_lock(directory: str, path: str, kind: str) -> None:
