@@ -266,6 +266,20 @@ def test_full_file_system_loses_nothing(small_filesystem):
     assert_published(directory, 1.0)
 
 
+def test_a_failed_save_into_a_new_nested_folder_leaves_none_of_the_folders_it_made(tmp_path):
+    """A save into ``new/nested/out`` (none of them there) that fails or is interrupted before its
+    publish removed ``out`` but left ``new/nested``, which it had made too."""
+    output = tmp_path / "new" / "nested" / "out"
+    with pytest.raises(ShardedStateError, match=r"has no \{part\} field"):  # refused once the folders are made
+        save_checkpoint(str(output), states(1.0), dtype="float32", source=SOURCE, pattern="w-{rank}.bin")
+    assert sorted(os.listdir(tmp_path)) == []
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "mine.txt").write_text("the user's")  # a folder with something else in it stays
+    with pytest.raises(ShardedStateError, match=r"has no \{part\} field"):
+        save_checkpoint(str(output), states(1.0), dtype="float32", source=SOURCE, pattern="w-{rank}.bin")
+    assert sorted(os.listdir(tmp_path / "new")) == ["mine.txt"]
+
+
 def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_path):
     """The silent wrong weights of issue 25: an engine's second save reused its start-up capture's
     files by name after other saves had rewritten them (same names, same sizes). The capture is

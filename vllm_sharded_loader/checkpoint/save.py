@@ -54,7 +54,7 @@ from ..storage import writer
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, read_manifest, write_file_durably
 from ..storage.location import LocalStore, open_store
-from ..storage.lock import SaveLock, acquire_save_lock, owner_is_alive, read_lock, release_save_lock
+from ..storage.lock import SaveLock, acquire_save_lock, missing_folders, owner_is_alive, read_lock, release_save_lock
 from ..storage.progress import ByteProgress
 from .carry import CarriedFiles
 from .protocol import OneProcess, SaveJob, SaveTarget, run_save
@@ -224,17 +224,17 @@ class LocalTarget:
         self.patterns = () if pattern is None else (pattern,)
         self.token = new_token()
         self.held: SaveLock | None = None
-        self.made_folder = False
+        self.made_folders: list[str] = []  # (deepest first)
         self.replaced: set[str] = set()
 
     def lock(self) -> str:
-        self.made_folder = not os.path.lexists(self.where)
+        self.made_folders = missing_folders(self.where)  # (its parents too: a refused save leaves none)
         try:
             self.held = acquire_save_lock(self.where, self.token, self.overwrite, self.patterns)
         except BaseException:
-            if self.made_folder:
-                with contextlib.suppress(OSError):  # only if nothing else was put there meanwhile
-                    os.rmdir(self.where)
+            for folder in self.made_folders:  # only those that nothing else was put in meanwhile
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
             raise
         try:
             kill_point(KILL_LOCKED)
@@ -303,9 +303,9 @@ class LocalTarget:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.where, name))
         self.release()
-        if self.made_folder:
-            with contextlib.suppress(OSError):  # only if nothing else was put there meanwhile
-                os.rmdir(self.where)
+        for folder in self.made_folders:  # only those that nothing else was put in meanwhile
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
     def close(self) -> None:
         pass

@@ -209,6 +209,15 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False, patte
     return lock
 
 
+def missing_folders(directory: str) -> list[str]:
+    """The folders of ``directory``'s path that are not there yet, deepest first: those a save makes."""
+    missing, there = [], os.path.abspath(directory)
+    while not os.path.lexists(there):
+        missing.append(there)
+        there = os.path.dirname(there)
+    return missing
+
+
 def _refuse_a_checkpoint(directory: str, overwrite: bool, patterns: tuple[str, ...]) -> None:
     if not overwrite and directory_holds_checkpoint(directory, patterns):
         raise SaveRefused(
