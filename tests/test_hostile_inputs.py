@@ -323,6 +323,30 @@ def test_verify_names_a_fifo_where_the_save_carried_a_config_without_blocking(tm
     ), found
 
 
+def test_verify_names_a_carried_file_that_links_out_of_the_checkpoint_without_reading_it(tmp_path):
+    """A carried config.json replaced by a link to a file outside the checkpoint, even one of the very
+    bytes the save recorded, is named as a link out of it (verify hashed the outside file and passed)."""
+    from tests.support.states import CONFIG, SOURCE, rank_state
+    from vllm_sharded_loader.checkpoint import verify_checkpoint
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.state import saveable_state
+    from vllm_sharded_loader.planning.topology import RankInfo
+
+    model, checkpoint = tmp_path / "model", tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
+    save_checkpoint(str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, carry=str(model))
+    (checkpoint / "config.json").unlink()
+    (checkpoint / "config.json").symlink_to(model / "config.json")
+    problems = verify_checkpoint(str(checkpoint))
+    assert len(problems) == 1 and problems[0].startswith(
+        f"{checkpoint / 'config.json'} resolves to {model / 'config.json'}, outside the checkpoint directory "
+        f"{checkpoint} (a symlink or path that escapes it); refusing to read it. Copy the real file into the "
+        "checkpoint. The save carried a regular file there ("
+    ), problems
+
+
 def test_a_safetensors_index_that_is_a_fifo_or_names_files_outside_its_folder_is_refused(tmp_path):
     from vllm_sharded_loader.format.errors import CheckpointCorrupt
     from vllm_sharded_loader.storage.hf_source import INDEX_NAME, weight_files

@@ -34,7 +34,7 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, 
 from ..format.manifest import CarriedFile
 from ..format.names import staged_name
 from ..storage.faults import declare, kill_point
-from ..storage.local import fsync_directory, open_regular
+from ..storage.local import fsync_directory, open_regular, part_path
 from ..storage.location import Store, open_store
 
 KILL_CARRIED = declare("local.carried", "checkpoint/carry.py: one non-weight file placed, the manifest not yet")
@@ -242,9 +242,10 @@ CHECK_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 def check_carried(store: Store, name: str, record: CarriedFile, hashed: bool = True) -> None:
-    """Refuse a carried file that is not what its save recorded: missing, no regular file (opened
-    without blocking: a FIFO there must not hang the check), another size or, when ``hashed``,
-    another SHA-256. The error names the file, what was recorded and what was found."""
+    """Refuse a carried file that is not what its save recorded: missing, a link out of the
+    checkpoint (never opened), no regular file (opened without blocking: a FIFO there must not
+    hang the check), another size or, when ``hashed``, another SHA-256. The error names the
+    file, what was recorded and what was found."""
     path = store.file_path(name)
     recorded = f"{record.size} bytes, SHA-256 {record.sha256[:16]}..."
     remedy = (
@@ -252,12 +253,16 @@ def check_carried(store: Store, name: str, record: CarriedFile, hashed: bool = T
         "or save the checkpoint again."
     )
     try:
+        if not store.remote:
+            # Containment first, as for a part: a link out of the checkpoint is never opened (a
+            # device there, say), nor certified by the bytes of a file that is not the checkpoint's.
+            part_path(store.where, name)
         file = store.open_file(name)
     except (CheckpointNotFound, FileNotFoundError):
         raise CheckpointNotFound(
             f"{path}: missing, but the save carried it ({recorded}) and a server of this checkpoint reads it. {remedy}"
         ) from None
-    except CheckpointCorrupt as e:  # a FIFO, a device, a folder
+    except CheckpointCorrupt as e:  # a FIFO, a device, a folder, a link out of the checkpoint
         raise CheckpointCorrupt(f"{e} The save carried a regular file there ({recorded}).") from None
     except OSError as e:
         raise CheckpointCorrupt(f"{path}: cannot be read ({e}); the save carried it ({recorded}). {remedy}") from e
