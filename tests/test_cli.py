@@ -183,6 +183,26 @@ def test_reshard_refused_clearly(checkpoint, tmp_path, capsys):
     assert "cannot be resharded from TP=2 to TP=1" in capsys.readouterr().err  # names the tensor and why
 
 
+def test_reshard_refuses_a_carried_file_that_is_not_what_its_save_recorded(checkpoint, tmp_path, capsys):
+    """A tokenizer changed since the save: reshard carried it and recorded it anew, so that its output
+    verified (it certified the damage); refused by name, before anything is written."""
+    _, directory = checkpoint
+    (directory / "tokenizer.json").write_text('{"a": 1}')
+    first, out = tmp_path / "first", tmp_path / "out"
+    assert cli(["reshard", str(directory), "-tp", "1", "-o", str(first)]) == 0
+    assert read_manifest(str(first)).carried_files["tokenizer.json"].size == 8
+    (first / "tokenizer.json").write_text('{"a": 2}')
+    capsys.readouterr()
+    assert cli(["reshard", str(first), "-tp", "2", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"vllm-sharded: error: Not resharding {first}: files it carries are not what its save recorded (1: named "
+        "below), and the output would carry them and record them as sound; nothing was written. Put them right and "
+        f"reshard again. {first / 'tokenizer.json'}: SHA-256 "
+    ), err
+    assert not out.exists()
+
+
 def test_reshard_into_the_source_through_a_link_is_refused_and_changes_nothing(checkpoint, tmp_path, capsys):
     """An output that is the source under another name (a symbolic link to it) was written into,
     and with --overwrite the source's own parts were removed as the old checkpoint's."""

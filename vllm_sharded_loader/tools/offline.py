@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.carry import check_carried
 from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
-from ..format.errors import CheckpointNotFound, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from ..format.geometry import OPAQUE
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -113,6 +114,7 @@ def reshard_checkpoint(
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     if same_location(output, directory):
         raise ShardedStateError("--output must be another directory than the source checkpoint.")
+    _check_carried_files(directory, manifest)
     # Every byte read is checked against its block's checksum where the save recorded them: the
     # output's own checksums must not certify a corrupt source.
     verify = "checksum" if all(f.checksum is not None for r in manifest.ranks for f in r.files) else "size"
@@ -154,4 +156,23 @@ def reshard_checkpoint(
             # Config and tokenizer go in under the lock, once the overwrite rule has passed.
             carry=directory,
             progress=progress,
+        )
+
+
+def _check_carried_files(directory: str, manifest: Manifest) -> None:
+    """Refuse a source whose carried files (config, tokenizer) are not what its save recorded: the
+    output carries them and records them anew, so its record (and ``verify``) would certify the damage."""
+    problems = []
+    store = open_store(directory)
+    for name, record in sorted((manifest.carried_files or {}).items()):
+        try:
+            check_carried(store, name, record)
+        except ShardedStateError as e:
+            problems.append(str(e))
+    if problems:
+        found = " ".join(problems)
+        raise CheckpointCorrupt(
+            f"Not resharding {directory}: files it carries are not what its save recorded ({len(problems)}: named "
+            "below), and the output would carry them and record them as sound; nothing was written. Put them right "
+            f"and reshard again. {found}"
         )
