@@ -350,6 +350,22 @@ def test_a_carried_file_is_never_written_through_a_link_out_of_the_output(tmp_pa
         assert tree_digest(str(out)) == before and tree_digest(str(elsewhere)) == beside
 
 
+def test_a_carried_file_already_the_same_through_a_link_out_of_the_output_is_refused(tmp_path):
+    """The same link, to a folder that already holds the model's very ``vocab.txt``: the save left it as
+    the same file and recorded it, so the checkpoint it published failed its own verify (a carried
+    file outside the checkpoint). Now refused, naming the link, with both folders as they were."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    carry = str(model_folder(tmp_path, 1.0))
+    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry)
+    (out / "tok").rename(elsewhere)
+    (out / "tok").symlink_to(elsewhere)
+    before, beside = tree_digest(str(out)), tree_digest(str(elsewhere))
+    with pytest.raises(ShardedStateError, match=rf"^{out}/tok resolves to {elsewhere}, outside {out} \(a symbolic"):
+        save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
+    assert tree_digest(str(out)) == before and tree_digest(str(elsewhere)) == beside
+    assert_published(out, 1.0)
+
+
 def test_reshard_into_an_existing_checkpoint_writes_nothing_before_the_overwrite_rule(tmp_path):
     """``vllm-sharded reshard SRC --output OUT`` copied SRC's config and tokenizer into OUT before
     refusing to overwrite OUT's checkpoint: the refusal now leaves OUT byte-identical."""

@@ -138,17 +138,19 @@ class CarriedFiles:
 
     def _stage_local(self, index: int, name: str, data: bytes | Path) -> CarriedFile:
         final = os.path.join(self.output, name)
-        same = _same_local(final, data)
-        if same is not None:
-            return same
         # A file in a subfolder is renamed into it: a subfolder that is a link out of the output
         # would take the file (and, with overwrite, replace one there) in a folder that is not ours.
+        # Refused even where that file is already the same: the checkpoint would not hold what
+        # its manifest records, and verify refuses a carried file that resolves outside it.
         folder, root = os.path.realpath(os.path.dirname(final)), os.path.realpath(self.output)
         if os.path.commonpath([folder, root]) != root:
             raise SaveRefused(
                 f"{os.path.dirname(final)} resolves to {folder}, outside {self.output} (a symbolic link); refusing "
                 f"to write {name} there, nothing was written. Replace the link with a folder, or choose another output."
             )
+        same = _same_local(final, data)
+        if same is not None:
+            return same
         tmp = os.path.join(self.output, staged_name(f"carried-{index}", self.token))
         self.staged[name] = tmp
         with open(tmp, "wb") as dst:
