@@ -27,7 +27,7 @@ from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError
-from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish
+from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish, SaveRefused
 from vllm_sharded_loader.format.names import is_staged_name
 from vllm_sharded_loader.storage import faults
 from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
@@ -364,6 +364,22 @@ def test_a_carried_file_already_the_same_through_a_link_out_of_the_output_is_ref
         save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
     assert tree_digest(str(out)) == before and tree_digest(str(elsewhere)) == beside
     assert_published(out, 1.0)
+
+
+def test_a_non_weight_file_whose_name_the_manifest_cannot_record_is_refused_and_changes_nothing(tmp_path):
+    """A model file named with a backslash (one plain name on Linux): the save recorded it in
+    ``carried_files``, whose parser refuses such a name, so the checkpoint it published over A could
+    not be read at all. Now refused by name before the publish: A published, whole and verified."""
+    out = tmp_path / "out"
+    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 1.0)))
+    model = model_folder(tmp_path, 2.0)
+    (model / "notes\\draft.txt").write_text("a file of the model")
+    before = tree_digest(str(out))
+    with pytest.raises(SaveRefused, match=r"'notes\\\\draft\.txt' has a name that a checkpoint's manifest cannot"):
+        save_checkpoint(str(out), states(2.0), dtype="float32", source=SOURCE, carry=str(model), overwrite=True)
+    assert tree_digest(str(out)) == before
+    assert_published(out, 1.0)
+    assert verify_checkpoint(str(out)) == []
 
 
 def test_reshard_into_an_existing_checkpoint_writes_nothing_before_the_overwrite_rule(tmp_path):

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError
-from ..format.manifest import CarriedFile
-from ..format.names import staged_name
+from ..format.manifest import MAX_CARRIED_FILES, CarriedFile
+from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, open_regular, part_path
 from ..storage.location import Store, open_store
@@ -74,6 +74,25 @@ def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
         return None
 
 
+def _check_recordable(source: str, names: list[str]) -> None:
+    """Refuse non-weight files that the manifest cannot record as its parser reads it back (a name
+    with a backslash, say): the save would publish a manifest that no load or verify reads."""
+    if len(names) > MAX_CARRIED_FILES:
+        raise SaveRefused(
+            f"{source} has {len(names)} non-weight files, more than a checkpoint's manifest records "
+            f"({MAX_CARRIED_FILES}); nothing was written. Remove what the model does not need, and save again."
+        )
+    for name in names:
+        try:
+            check_carried_name(name, source)
+        except CheckpointCorrupt:
+            raise SaveRefused(
+                f"{source}: its non-weight file {name!r} has a name that a checkpoint's manifest cannot record (a "
+                "backslash, or an empty, '.' or '..' part), and a checkpoint listing it could not be read; nothing "
+                "was written. Rename or remove it, and save again."
+            ) from None
+
+
 @dataclass
 class CarriedFiles:
     """The non-weight files of one save into ``output``, staged under ``token``."""
@@ -104,6 +123,7 @@ class CarriedFiles:
         """Copy ``source``'s non-weight files aside; returns the names that will change."""
         origin = open_store(source)
         names = origin.non_weight_files()
+        _check_recordable(source, names)
         try:
             for index, name in enumerate(names):
                 data = origin.read(name)
