@@ -382,6 +382,29 @@ def test_a_non_weight_file_whose_name_the_manifest_cannot_record_is_refused_and_
     assert verify_checkpoint(str(out)) == []
 
 
+def test_a_folder_where_a_carried_file_goes_or_a_file_where_its_folder_goes_is_refused_and_changes_nothing(tmp_path):
+    """A folder of the user's at ``chat_template.jinja``, or a file at ``tok``: the save failed only at
+    its place step, with the system's error, and left its staged copy in the checkpoint. Now refused
+    by name before the publish, and the folder is as it was."""
+    out = tmp_path / "out"
+    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 1.0)))
+    (out / "chat_template.jinja").mkdir()
+    (out / "chat_template.jinja" / "mine.txt").write_text("the user's")
+    carry = str(model_folder(tmp_path, 2.0))
+    for path, kind, name in (("chat_template.jinja", "a directory", "chat_template.jinja"), ("tok", "a file", "tok")):
+        if name == "tok":
+            (out / "chat_template.jinja" / "mine.txt").unlink()
+            (out / "chat_template.jinja").rmdir()
+            (out / "tok" / "vocab.txt").unlink()
+            (out / "tok").rmdir()
+            (out / "tok").write_text("the user's")
+        before = tree_digest(str(out))
+        with pytest.raises(SaveRefused, match=rf"^{out / path} is {kind}, where the save carries the model's "):
+            save_checkpoint(str(out), states(2.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
+        assert tree_digest(str(out)) == before
+        assert_published(out, 1.0)
+
+
 def test_reshard_into_an_existing_checkpoint_writes_nothing_before_the_overwrite_rule(tmp_path):
     """``vllm-sharded reshard SRC --output OUT`` copied SRC's config and tokenizer into OUT before
     refusing to overwrite OUT's checkpoint: the refusal now leaves OUT byte-identical."""

@@ -34,7 +34,7 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, 
 from ..format.manifest import MAX_CARRIED_FILES, CarriedFile
 from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
-from ..storage.local import fsync_directory, open_regular, part_path
+from ..storage.local import file_kind, fsync_directory, open_regular, part_path
 from ..storage.location import Store, open_store
 
 KILL_CARRIED = declare("local.carried", "checkpoint/carry.py: one non-weight file placed, the manifest not yet")
@@ -72,6 +72,23 @@ def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
                     size += len(b)
     except (OSError, ShardedStateError):
         return None
+
+
+def _in_the_way(output: str, name: str) -> tuple[str, str] | None:
+    """What stands where the carried file ``name`` goes, and what kind it is: a folder at its name,
+    or something other than a folder where its path needs one (``tok`` a file, for ``tok/vocab.txt``)."""
+    parts = name.split("/")
+    for depth in range(1, len(parts) + 1):
+        path = os.path.join(output, *parts[:depth])
+        last = depth == len(parts)
+        try:
+            # A link at the file's own name is replaced, not followed; a folder of its path is followed.
+            mode = os.lstat(path).st_mode if last else os.stat(path).st_mode
+        except OSError:
+            return None
+        if stat.S_ISDIR(mode) == last:
+            return path, file_kind(mode, "a file")
+    return None
 
 
 def _check_recordable(source: str, names: list[str]) -> None:
@@ -168,6 +185,13 @@ class CarriedFiles:
                 f"{os.path.dirname(final)} resolves to {folder}, outside {self.output} (a symbolic link); refusing "
                 f"to write {name} there, nothing was written. Replace the link with a folder, or choose another output."
             )
+        in_the_way = _in_the_way(self.output, name)
+        if in_the_way is not None:
+            path, kind = in_the_way
+            raise SaveRefused(
+                f"{path} is {kind}, where the save carries the model's {name}; refusing to replace it, nothing was "
+                "written. Move it away, or choose another output."
+            )
         same = _same_local(final, data)
         if same is not None:
             return same
@@ -219,7 +243,8 @@ class CarriedFiles:
             backup = os.path.join(self.output, staged_name(f"replaced-{len(self.backups)}", self.token))
             os.link(final, backup, follow_symlinks=False)
         self.backups[name] = backup
-        os.replace(self.staged.pop(name), final)  # type: ignore[arg-type]
+        os.replace(self.staged[name], final)  # type: ignore[arg-type]
+        del self.staged[name]  # (only once renamed: a failed rename leaves it to restore() to remove)
 
     def _place_object(self, name: str) -> None:
         self.backups[name] = self.previous.pop(name)
