@@ -164,6 +164,21 @@ def test_save_interrupted_at_each_step_loses_nothing(checkpoint_a, kill_at):
     assert verify_checkpoint(str(directory)) == []
 
 
+def test_a_save_interrupted_after_carrying_a_file_into_a_new_subfolder_removes_the_folder(tmp_path):
+    """A over a model without ``tok/``, then Ctrl-C once B's ``tok/vocab.txt`` was placed: the file was
+    taken back, but the ``tok`` folder the save made for it stayed in A's checkpoint."""
+    directory, model = tmp_path / "ckpt", model_folder(tmp_path, 1.0)
+    (model / "tok" / "vocab.txt").unlink()
+    (model / "tok").rmdir()
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, carry=str(model))
+    before = tree_digest(str(directory))
+    # B's changed files in order: chat_template.jinja, config.json, tok/vocab.txt.
+    result = save_in_process(directory, 2.0, {faults.KILL_ENV: "local.carried:3", faults.KILL_SIGNAL_ENV: "INT"})
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, result.stderr[-2000:]
+    assert tree_digest(str(directory)) == before
+    assert verify_checkpoint(str(directory)) == []
+
+
 @pytest.mark.parametrize("kill_at", [*BEFORE_PUBLISH, "local.placed:3"])
 def test_a_parallel_save_interrupted_before_its_publish_takes_back_all_it_wrote(checkpoint_a, kill_at):
     """As above, with the ranks staged at once (convert's save): Ctrl-C once every rank's parts were

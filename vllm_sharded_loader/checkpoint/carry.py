@@ -127,6 +127,8 @@ class CarriedFiles:
     replace: bool = True
     #: final relative name -> the size and SHA-256 the output holds once placed (staged or left as is)
     recorded: dict[str, CarriedFile] = field(default_factory=dict)
+    #: the subfolders place() made for new files, outermost first: restore() removes them again
+    made: list[str] = field(default_factory=list)
 
     @functools.cached_property
     def store(self) -> Store:
@@ -237,7 +239,12 @@ class CarriedFiles:
 
     def _place_local(self, name: str) -> None:
         final = os.path.join(self.output, name)
+        missing, folder = [], os.path.dirname(final)
+        while not os.path.lexists(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
         os.makedirs(os.path.dirname(final), exist_ok=True)
+        self.made += reversed(missing)
         backup = None
         if os.path.lexists(final) and not os.path.isdir(final):
             backup = os.path.join(self.output, staged_name(f"replaced-{len(self.backups)}", self.token))
@@ -264,6 +271,9 @@ class CarriedFiles:
                 else:
                     os.replace(backup, os.path.join(self.output, name))  # type: ignore[arg-type]
         self.backups.clear()
+        for folder in reversed(self.made):  # the innermost first; only if empty (rmdir)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
         self._drop_staged()
 
     def finish(self) -> None:
@@ -276,6 +286,7 @@ class CarriedFiles:
         self._drop_staged()
 
     def _drop_staged(self) -> None:
+        self.made.clear()
         for tmp in self.staged.values():
             if isinstance(tmp, str):
                 with contextlib.suppress(OSError):
