@@ -11,7 +11,9 @@ import torch
 
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, stage_state
 from tests.support.reference import llama_like
+from tests.support.states import OverwritingProgress, save
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.tools.cli import main as cli
 
@@ -76,6 +78,33 @@ def test_verify_good_and_bad(checkpoint, capsys):
     assert cli(["verify", str(directory)]) == 1
     out = capsys.readouterr().out
     assert "BAD" in out and "model-rank-1-part-0.safetensors" in out and "truncated" in out
+
+
+def test_verify_of_a_checkpoint_that_a_save_replaces_meanwhile_verifies_the_new_one(tmp_path, capsys):
+    """Verify read the manifest, then a save published another and removed the old one's parts: the
+    checkpoint is sound, not "incomplete" with every part "missing". Verify checks the one that
+    replaced it, from the start, and says so; replaced again during that, it says to run it again."""
+    directory = tmp_path / "ckpt"
+    save(directory)
+    first = read_manifest(str(directory))
+    notes: list[str] = []
+    progress = OverwritingProgress(directory, saves=1)
+    assert verify_checkpoint(str(directory), notes=notes, progress=progress) == []
+    assert read_manifest(str(directory)) != first
+    assert notes == [
+        f"{directory / MANIFEST_NAME}: a save replaced the checkpoint while it was being verified (it published "
+        "this manifest and removed the parts of the one read first); the checkpoint verified here is the one "
+        "that replaced it."
+    ]
+    assert progress.nbytes == progress.total  # (counted from nothing for the second pass)
+
+    # Bounded: a second save during the second pass ends the verify with that, not a third pass.
+    progress = OverwritingProgress(directory, saves=3)
+    assert verify_checkpoint(str(directory), progress=progress) == [
+        f"{directory / MANIFEST_NAME}: a save replaced the checkpoint while it was being verified, and another "
+        "replaced that one while it was verified again; run verify again once no save writes into it."
+    ]
+    assert progress.saves == 1
 
 
 def on_a_terminal(args: list[str]) -> tuple[int, list[str]]:

@@ -23,7 +23,7 @@ import torch
 from tests.support import object_faults
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
 from tests.support.reference import llama_like
-from tests.support.states import SOURCE
+from tests.support.states import SOURCE, OverwritingProgress, save
 from tests.support.stores import (
     Failing,
     bucket_on,
@@ -658,6 +658,19 @@ def test_a_save_into_a_bucket_records_its_carried_files_and_verify_checks_them(s
     assert problems[0].startswith(f"{where.url('tok/vocab.txt')}: missing, but the save carried it (10 bytes")
     assert problems[1].startswith(f"{where.url('tokenizer.json')}: SHA-256 ")
     assert "the file was modified after the save" in problems[1]
+
+
+def test_verify_of_a_prefix_that_a_save_replaces_meanwhile_verifies_the_new_one(s3):
+    """As in a folder (tests/test_cli.py): a save that publishes over the prefix and deletes the old
+    parts while verify checks them is no "missing" part; verify checks the new checkpoint and says so."""
+    url = new_prefix()
+    first = save(url)
+    notes: list[str] = []
+    assert verify_checkpoint(url, notes=notes, progress=OverwritingProgress(url, saves=1)) == []
+    assert read_manifest(url) != first
+    assert len(notes) == 1 and notes[0].startswith(
+        f"{url}/{MANIFEST_NAME}: a save replaced the checkpoint while it was being verified"
+    ), notes
 
 
 @pytest.mark.parametrize("kill_at", object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH)

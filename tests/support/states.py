@@ -5,6 +5,7 @@ import torch
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, ReadOptions, load_rank, read_manifest, saveable_state
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import Manifest, SourceModel, config_sha256, normalize_config
+from vllm_sharded_loader.storage.progress import ByteProgress
 
 CONFIG = {"hidden_size": 16, "vocab_size": 32, "num_hidden_layers": 2}
 SOURCE = SourceModel("TinyForCausalLM", config_sha256(CONFIG), normalize_config(CONFIG))
@@ -37,6 +38,22 @@ def save(directory, tp_size=2, max_size=None, pattern=None, tied=True, overwrite
         max_size=max_size,
         overwrite=overwrite,
     )
+
+
+class OverwritingProgress(ByteProgress):
+    """Verify's progress, whose first call of each pass (once verify has read the manifest, before
+    it opens a part) first runs a real save over the checkpoint, as a concurrent reshard with
+    ``--overwrite`` publishing at that moment would: a new manifest, the parts of the old removed."""
+
+    def __init__(self, directory, saves: int) -> None:
+        super().__init__("Verifying", enabled=False)
+        self.directory, self.saves = directory, saves
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.total is None and self.saves:
+            self.saves -= 1
+            save(self.directory)
+        super().__call__(done, total)
 
 
 def fresh_targets(tp_rank, tp_size, tied=True) -> dict[str, torch.Tensor]:

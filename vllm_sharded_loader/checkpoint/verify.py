@@ -60,8 +60,48 @@ def verify_checkpoint(
     no problem of the checkpoint: no load reads it and the next save removes it. It is
     appended to ``notes`` (when given), one line each, and never makes the checkpoint unsound.
     ``progress`` counts the bytes read for the checksums, out of every listed part's size.
+
+    A save may replace the checkpoint while it is verified: it publishes its manifest, then
+    removes the parts the one read here listed, which then read as missing. When the checks
+    found a problem and the published manifest is no longer the one they started from, the
+    checkpoint that replaced it is verified from the start, once (a note says so); replaced
+    again meanwhile, the one problem is that, and to run verify again.
     """
     notes = [] if notes is None else notes
+    manifest_path = file_path(directory, MANIFEST_NAME)
+    for attempt in range(2):  # the checkpoint read first, then at most the one that replaced it
+        seen: list[str] = []
+        problems, manifest = _verify_once(directory, checksums, seen, progress)
+        if not problems or manifest is None or not _replaced(directory, manifest):
+            if attempt:
+                notes.append(
+                    f"{manifest_path}: a save replaced the checkpoint while it was being verified (it published "
+                    "this manifest and removed the parts of the one read first); the checkpoint verified here is "
+                    "the one that replaced it."
+                )
+            notes += seen
+            return problems
+        if progress is not None:
+            progress.start_over()
+    return [
+        f"{manifest_path}: a save replaced the checkpoint while it was being verified, and another replaced that "
+        "one while it was verified again; run verify again once no save writes into it."
+    ]
+
+
+def _replaced(where: str, manifest: Manifest) -> bool:
+    """Whether the published manifest is no longer ``manifest`` (a save published another, or
+    removed or damaged it: verifying again reports that)."""
+    try:
+        return read_manifest(where) != manifest
+    except ShardedStateError:
+        return True
+
+
+def _verify_once(
+    directory: str, checksums: bool, notes: list[str], progress: ByteProgress | None
+) -> tuple[list[str], Manifest | None]:
+    """:func:`verify_checkpoint`'s checks of the manifest published now: the problems, and that manifest."""
     problems: list[str] = []
     try:
         check_not_locked(directory)
@@ -70,13 +110,13 @@ def verify_checkpoint(
     try:
         manifest = read_manifest(directory)
     except ShardedStateError as e:
-        return [*problems, str(e)]
+        return [*problems, str(e)], None
     if manifest is None:
         return [
             *problems,
             f"{file_path(directory, MANIFEST_NAME)}: missing; the checkpoint is incomplete "
             f"or was written by vLLM's own save, and cannot be verified.",
-        ]
+        ], None
     try:
         check_saved_geometry(manifest)
     except ShardedStateError as e:
@@ -105,7 +145,7 @@ def verify_checkpoint(
     if store.save_is_running():
         # A running save's staged and placed files are not the published checkpoint's
         # problem: it removes them itself, or publishes them.
-        return problems
+        return problems, manifest
     # A save that died (its lock's flock is free) beside a published manifest leaves its lock,
     # and the parts it placed (died before its publish) or replaced (died after it, before its
     # cleanup): its own leftovers, not the checkpoint's.
@@ -134,7 +174,7 @@ def verify_checkpoint(
                 f"{file_path(directory, name)}: a staged file or owner marker of a save or engine that is gone "
                 "(it never published it); no loader reads it, and the next save into this folder removes it."
             )
-    return problems
+    return problems, manifest
 
 
 def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: list[str]) -> list[str]:

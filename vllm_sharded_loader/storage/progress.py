@@ -41,6 +41,14 @@ class ByteProgress:
         with self._lock:
             self._advance(done)
 
+    def start_over(self) -> None:
+        """Count from nothing again, on a new bar at the next call (a verify that starts over on
+        the checkpoint that replaced the one it was reading)."""
+        with self._lock:
+            if self.bar is not None:
+                self.bar.close()
+            self.bar, self.total, self.nbytes = None, None, 0
+
     def _open(self, total: int) -> None:
         self.total = total
         if self.enabled:
