@@ -212,3 +212,39 @@ def test_a_lock_without_flock_whose_pid_runs_here_is_still_judged_by_its_flock(t
         save(directory, overwrite=False)
     save(directory, overwrite=True)
     assert verify_checkpoint(str(directory)) == []
+
+
+# What a save killed while it took its lock leaves: its lock written and flocked under the staging
+# name, killed (SIGKILL, as the OOM killer does) before it linked that name as the lock.
+KILLED_TAKING_THE_LOCK = """
+import fcntl, json, os, signal, socket, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+info = {"pid": os.getpid(), "host": socket.gethostname(), "token": sys.argv[2], "started": time.time()}
+os.write(fd, json.dumps(info).encode())
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_lock_staging_name_left_by_a_killed_save_goes_with_the_next_save_and_a_live_one_stays(tmp_path):
+    """A save killed after creating ``.sharded_state.lock.<token>.new``, before linking it as the lock,
+    left that hidden file for good: no later save removed it. The next save's cleanup now does, its
+    flock being free; one whose save holds its flock (taking the lock this moment) stays."""
+    import fcntl
+
+    directory = tmp_path / "ckpt"
+    save(directory)
+    dead = directory / f"{LOCK_NAME}.{'d' * 32}.new"
+    killed = subprocess.run([sys.executable, "-c", KILLED_TAKING_THE_LOCK, str(dead), "d" * 32], timeout=60)
+    assert killed.returncode == -signal.SIGKILL and dead.exists()
+    live = directory / f"{LOCK_NAME}.{'a' * 32}.new"
+    fd = os.open(live, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        save(directory)
+        assert not dead.exists() and live.exists()
+        assert verify_checkpoint(str(directory)) == []
+    finally:
+        os.close(fd)
+    save(directory)
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith(".")) == []

@@ -15,7 +15,7 @@ A save replaces a checkpoint last. Its steps, each visible on disk:
    ``sharded_state.json``: the one atomic step.
 5. **clean**: parts the new manifest does not list (the old save's, ranks of a larger TP),
    the staged files of this save, of the interrupted save it took over and of engines
-   that captured here and are gone (:func:`..storage.lock.owner_is_alive`) are removed,
+   that captured here and are gone (:func:`..storage.lock.owner_is_gone`) are removed,
    and the lock released.
 
 Before step 4 the previous checkpoint, if any, is the published one and loads and
@@ -54,7 +54,7 @@ from ..storage import writer
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, read_manifest, write_file_durably
 from ..storage.location import LocalStore, open_store
-from ..storage.lock import SaveLock, acquire_save_lock, missing_folders, owner_is_alive, read_lock, release_save_lock
+from ..storage.lock import SaveLock, acquire_save_lock, missing_folders, owner_is_gone, read_lock, release_save_lock
 from ..storage.progress import ByteProgress
 from .carry import CarriedFiles
 from .protocol import OneProcess, SaveJob, SaveTarget, run_save
@@ -181,9 +181,9 @@ def clean_after_publish(
     for name in os.listdir(directory):
         stale_part = name in replaced or any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
         token = staged_token(name)
-        # Staged files: this save's, the save it took over, and those of any other owner now
-        # gone (a killed engine's start-up capture); never a live engine's.
-        leftover = token is not None and (token in ours or (lock is not None and not owner_is_alive(directory, token)))
+        # Staged files: this save's, the save it took over, and those of any other owner now gone (a
+        # killed engine's start-up capture, a save killed while it took its lock); never a live one's.
+        leftover = (token is not None and token in ours) or (lock is not None and owner_is_gone(directory, name))
         if (name not in listed and (stale_part or is_startup_artifacts_name(name))) or leftover:
             try:
                 os.remove(os.path.join(directory, name))

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ..format.errors import CheckpointLocked, SaveRefused
-from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name
+from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name, staged_token
 from .local import check_output_folder, directory_holds_checkpoint, file_kind, make_output_folder, open_regular
 
 # A lock names its holder in a line of JSON; more is not a lock of ours.
@@ -233,18 +233,22 @@ def _write_holder(fd: int, info: str) -> None:
 
 
 def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
-    """A new lock, or None if one exists. A failure (an interrupt too) takes back what it made: the
-    staging name, the lock if it was published (left unheld, it would need overwrite), and the flock."""
+    """A new lock, or None if one exists (or the staging name was not ours to trust: try again). A
+    failure (an interrupt too) takes back what it made: the staging name, the lock if it was published
+    (left unheld, it would need overwrite), and the flock."""
     staging = f"{path}.{token}.new"
     fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
     linked = False
     try:
-        _flock(fd, fcntl.LOCK_EX, os.path.dirname(path))  # nobody else knows the staging name
-        _write_holder(fd, info)
-        with contextlib.suppress(FileExistsError):
-            os.link(staging, path)
-            linked = True
-        os.remove(staging)
+        # Nobody else knows the staging name, but a save's cleanup may probe it before our flock, find
+        # it free, and remove it as a dead save's (stale_lock_staging): then we start again.
+        if _flock(fd, fcntl.LOCK_EX, os.path.dirname(path)):
+            _write_holder(fd, info)
+            with contextlib.suppress(FileExistsError, FileNotFoundError):
+                os.link(staging, path)
+                linked = True
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(staging)
     except BaseException:
         with contextlib.suppress(OSError):
             if linked and _inode(path) == os.fstat(fd).st_ino:
@@ -321,12 +325,24 @@ def _staging_links(directory: str, fd: int) -> list[str]:
         return []
     found = []
     for name in os.listdir(directory):
-        if name.startswith(f"{LOCK_NAME}.") and name.endswith(".new"):
+        if is_lock_staging_name(name):
             with contextlib.suppress(OSError):
                 there = os.lstat(os.path.join(directory, name))
                 if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino):
                     found.append(name)
     return found
+
+
+def is_lock_staging_name(name: str) -> bool:
+    """Whether ``name`` is one under which :func:`_create_lock` stages a lock before linking it."""
+    return name.startswith(f"{LOCK_NAME}.") and name.endswith(".new")
+
+
+def stale_lock_staging(directory: str, name: str) -> bool:
+    """Whether ``name`` is a lock's staging name that no live save holds (:func:`_flock_is_held`): its
+    save was killed before it linked the lock, or before it removed the name. (Its creator holds its
+    ``flock`` from just after creating it; see :func:`_create_lock` for the moment before.)"""
+    return is_lock_staging_name(name) and not _flock_is_held(directory, name)
 
 
 def _refuse_lock(directory: str, path: str, kind: str) -> None:
@@ -369,26 +385,30 @@ def release_save_lock(lock: SaveLock) -> None:
 
 
 def save_is_running(directory: str) -> bool:
-    """Whether a live save holds the directory's lock: its ``flock`` is taken.
+    """Whether a live save holds the directory's lock: its ``flock`` is taken (:func:`_flock_is_held`)."""
+    return _flock_is_held(directory, LOCK_NAME)
+
+
+def _flock_is_held(directory: str, name: str, dir_fd: int | None = None) -> bool:
+    """Whether a live process holds the ``flock`` of ``directory``'s file ``name`` (False: no such file).
 
     Probed with a shared ``flock``, which conflicts with the holder's exclusive one. Where
-    the mount's ``flock`` is not shared between hosts (:func:`flock_problem`), a lock is
-    taken to be held: that save may run elsewhere.
+    the mount's ``flock`` is not kept, or not shared between hosts (:func:`flock_problem`), it
+    is taken to be held: whether its process lives (maybe on another host) cannot be told.
+    ``directory`` is relative to the open folder ``dir_fd`` when given (``""``: that folder).
     """
     try:
-        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return True  # no flock here: cannot be told, so not called interrupted
-        return flock_problem(directory) is not None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # held (BlockingIOError), or no flock here
+        return True
     finally:
         os.close(fd)
+    where = directory if dir_fd is None else os.path.join(f"/proc/self/fd/{dir_fd}", directory)
+    return flock_problem(where) is not None
 
 
 def check_not_locked(directory: str) -> None:
@@ -441,27 +461,14 @@ def release_owner_marker(directory: str, token: str, fd: int) -> None:
 
 
 def owner_is_alive(directory: str, token: str, dir_fd: int | None = None) -> bool:
-    """Whether a live process holds the marker of ``token`` (staged files of a running engine).
+    """Whether a live process holds the marker of ``token`` (staged files of a running engine); where
+    that cannot be told (:func:`_flock_is_held`), its files are kept. ``dir_fd`` as there."""
+    return _flock_is_held(directory, staged_name(OWNER_MARKER, token), dir_fd)
 
-    ``directory`` is relative to the open folder ``dir_fd`` when given (``""``: that folder).
-    Where the mount's ``flock`` is not shared between hosts (:func:`flock_problem`), a free
-    marker may be an engine's on another host: it is taken to be alive, its files kept.
-    """
-    try:
-        fd = os.open(
-            os.path.join(directory, staged_name(OWNER_MARKER, token)),
-            os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW,
-            dir_fd=dir_fd,
-        )
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return True  # no flock here: whether it lives cannot be told, so its files are kept
-    finally:
-        os.close(fd)
-    where = directory if dir_fd is None else os.path.join(f"/proc/self/fd/{dir_fd}", directory)
-    return flock_problem(where) is not None
+
+def owner_is_gone(directory: str, name: str) -> bool:
+    """Whether ``name`` is a file that a process now gone left in ``directory`` (a save's cleanup
+    removes it): staged under a token whose owner no longer holds its marker (:func:`owner_is_alive`),
+    or a lock's staging name whose save was killed (:func:`stale_lock_staging`)."""
+    token = staged_token(name)
+    return stale_lock_staging(directory, name) if token is None else not owner_is_alive(directory, token)
