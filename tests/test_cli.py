@@ -14,7 +14,7 @@ from tests.support.reference import llama_like
 from tests.support.states import OverwritingProgress, save
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
-from vllm_sharded_loader.format import MANIFEST_NAME
+from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME
 from vllm_sharded_loader.tools.cli import main as cli
 
 
@@ -342,6 +342,35 @@ def test_reshard_stopped_by_sigterm_sighup_or_ctrl_c_takes_back_what_it_wrote(ch
     listed = {f.name for r in manifest.ranks for f in r.files}
     extra = {"notes.txt"} if overwrite else set()
     assert set(os.listdir(output)) == listed | {MANIFEST_NAME} | extra
+
+
+def test_reshard_stopped_once_it_has_published_says_the_checkpoint_is_complete(checkpoint, tmp_path, capsys):
+    """SIGTERM (as Ctrl-C) once the new manifest is out: the lock and the replaced parts stay (the
+    save stops there), but the new checkpoint is complete, so the line says that and what removes the
+    leftovers, not to run the command again (which it said)."""
+    import os
+    import signal
+
+    from vllm_sharded_loader.storage import faults
+
+    _, directory = checkpoint
+    output = tmp_path / "out"
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "reshard", str(directory), "-tp", "4"]
+    command += ["-o", str(output), "--overwrite"]
+    assert cli(["reshard", str(directory), "-tp", "1", "-o", str(output)]) == 0
+    env = {**os.environ, faults.KILL_ENV: "local.published", faults.KILL_SIGNAL_ENV: "TERM"}
+    stopped = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == -signal.SIGTERM, stopped.stderr[-2000:]
+    assert stopped.stderr.strip().splitlines() == [
+        f"vllm-sharded: interrupted by SIGTERM. The new checkpoint in {output} was published and is complete; "
+        "nothing needs to run again. Its save lock and any parts it replaced remain (our loader ignores them): "
+        "the next save into it with --overwrite removes them."
+    ]
+    assert read_manifest(str(output)).tp_size == 4 and (output / LOCK_NAME).exists()
+    assert cli(["verify", str(output)]) == 0 and "OK:" in capsys.readouterr().out
+    assert cli(command[3:]) == 0
+    manifest = read_manifest(str(output))
+    assert set(os.listdir(output)) == {f.name for r in manifest.ranks for f in r.files} | {MANIFEST_NAME}
 
 
 def test_inspect_and_reshard_of_a_folder_whose_first_save_runs_name_the_save(checkpoint, tmp_path, capsys):

@@ -302,6 +302,28 @@ def test_offline_commands_work_on_a_bucket(s3, tmp_path, capsys):
     assert stats.resharded_from is None and all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
+def test_a_reshard_into_a_bucket_stopped_once_it_has_published_says_the_checkpoint_is_complete(s3, tmp_path):
+    """As into a folder (tests/test_cli.py), SIGTERM once the manifest is put: the line says the new
+    checkpoint is complete, and, object storage not telling a stopped save's lock from a running one's,
+    to delete the lock before the next save with --overwrite removes the rest."""
+    source, url = tmp_path / "tp2", new_prefix()
+    save_model(source, llama_like(num_layers=2, vocab=128, kv_heads=2), 2, 1)
+    reshard_checkpoint(str(source), url, 1)
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "reshard", str(source), "-tp", "2", "-o", url]
+    env = {**os.environ, faults.KILL_ENV: "s3.published", faults.KILL_SIGNAL_ENV: "TERM"}
+    stopped = subprocess.run([*command, "--overwrite"], env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == -signal.SIGTERM, stopped.stderr[-2000:]
+    assert stopped.stderr.strip().splitlines() == [
+        f"vllm-sharded: interrupted by SIGTERM. The new checkpoint in {url} was published and is complete; nothing "
+        "needs to run again. Its save lock and any parts it replaced remain (our loader ignores them): delete "
+        f"{url}/{LOCK_NAME}, then the next save into it with --overwrite removes them."
+    ]
+    assert read_manifest(url).tp_size == 2
+    objects.release_lock(objects.ObjectPrefix.parse(url))
+    reshard_checkpoint(str(source), url, 2, overwrite=True)
+    assert verify_checkpoint(url) == []
+
+
 def test_no_manifest_in_a_bucket_is_refused(s3):
     url = new_prefix()
     with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
-from ..format.errors import SaveFailedAfterPublish, SaveRefused, ShardedStateError
+from ..format.errors import InterruptedAfterPublish, SaveFailedAfterPublish, SaveRefused, ShardedStateError
 from ..format.manifest import CarriedFile, Manifest, RankEntry
 from ..format.names import LOCK_NAME
 from ..storage.location import open_store
@@ -207,6 +207,8 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
             target.close()
             if isinstance(e, (ShardedStateError, OSError)):
                 raise _after_publish(target, e, "finishing its publish") from e
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, InterruptedAfterPublish):
+                raise InterruptedAfterPublish(target.where) from e
             raise
         undo: list[Callable[[], None]] = [carried.restore] if carried is not None else []
         undo += [lambda s=s: job.discard(s) for s in staged]
@@ -233,6 +235,10 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
         group.run(clean, only_first=True)
     except (ShardedStateError, OSError) as e:  # (a file that cannot be removed: EPERM, EBUSY, EROFS)
         raise _after_publish(target, e) from e
+    except KeyboardInterrupt as e:  # (the lock and what is not removed yet stay: the next save's to clean)
+        if isinstance(e, InterruptedAfterPublish):
+            raise
+        raise InterruptedAfterPublish(target.where) from e
     finally:
         target.close()
     return manifest, staged

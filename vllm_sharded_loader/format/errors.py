@@ -12,6 +12,9 @@ are); the subclasses let a caller branch on what went wrong without reading the 
   sound), but a step after it (removing the old parts, the lock) failed;
 - :class:`WorkerLost`: another worker of the same load, save or update stopped answering.
 
+An interrupt that comes once the manifest is published is raised as :class:`InterruptedAfterPublish`,
+still a ``KeyboardInterrupt`` (the new checkpoint is complete; the command says so).
+
 ``agreed`` is true on an error that a worker raises because another worker failed (the
 exchange of outcomes across workers); ``origin`` is then the failing worker's own error where
 it is known.
@@ -65,6 +68,16 @@ class RankStopped(ShardedStateError):
 
 class SaveFailedAfterPublish(ShardedStateError):
     """The manifest was published (the new checkpoint is complete), but a later step failed."""
+
+
+class InterruptedAfterPublish(KeyboardInterrupt):
+    """An interrupt (Ctrl-C; for ``reshard`` and ``convert`` SIGTERM and SIGHUP too) that came once
+    the manifest at ``where`` was published: the new checkpoint is complete. Its lock and the parts
+    it replaced remain, for the next save with overwrite to remove. Still a ``KeyboardInterrupt``."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
 
 
 class WorkerLost(ShardedStateError):

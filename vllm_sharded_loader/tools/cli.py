@@ -21,7 +21,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InterruptedAfterPublish, ShardedStateError
+from ..format.names import LOCK_NAME
 from ..storage.progress import ByteProgress
 
 
@@ -245,18 +246,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ShardedStateError, OSError) as e:
         print(f"vllm-sharded: error: {e}", *getattr(e, "__notes__", []), sep="\n", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if argv[:1] == ["save"]:
             raise  # (an engine's save: vLLM's workers stop in its own teardown, as before)
         # One line, not a traceback: the save undid what it had not published before this got here.
         # (After SIGHUP the terminal may be gone: a write to it fails, and the exit by the signal stands.)
         with contextlib.suppress(OSError):
-            print(
-                f"vllm-sharded: interrupted by {_stopped_by.name}. An interrupted reshard or convert leaves its "
-                "output as it was, or complete if it had published; run the command again.",
-                file=sys.stderr,
-            )
+            print(f"vllm-sharded: interrupted by {_stopped_by.name}. {_after_interrupt(e)}", file=sys.stderr)
         return 128 + _stopped_by
+
+
+def _after_interrupt(interrupt: KeyboardInterrupt) -> str:
+    """What an interrupted command left, and what to do."""
+    if not isinstance(interrupt, InterruptedAfterPublish):
+        return (
+            "An interrupted reshard or convert leaves its output as it was, or complete if it had published; "
+            "run the command again."
+        )
+    from ..storage.location import open_store
+
+    store = open_store(interrupt.where)
+    then = "the next save into it with --overwrite removes them"
+    if store.remote:  # (object storage cannot tell a stopped save's lock from a running one's)
+        then = f"delete {store.file_path(LOCK_NAME)}, then {then}"
+    return (
+        f"The new checkpoint in {interrupt.where} was published and is complete; nothing needs to run again. "
+        f"Its save lock and any parts it replaced remain (our loader ignores them): {then}."
+    )
 
 
 def run() -> None:
