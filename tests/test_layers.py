@@ -1,5 +1,6 @@
 """The package layout is its architecture: layers import only downwards, only the engine layer
-imports vLLM, planning does no I/O, and no module imports itself back through another.
+imports vLLM, planning does no I/O, no module imports itself back through another, and none
+grows past 500 lines (issue 33: a module that needs more is two).
 
 Read from the source (``ast``), nothing imported, so a function-level import counts as much
 as a module-level one.
@@ -117,6 +118,15 @@ def test_no_import_cycles():
     for module in graph:
         if module not in state:
             visit(module, [module])
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_500_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not long, f"split these modules (at most {MAX_MODULE_LINES} lines each): {long}"
 
 
 def test_the_checks_catch_a_violation(tmp_path, monkeypatch):
