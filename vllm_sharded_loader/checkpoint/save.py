@@ -358,7 +358,7 @@ def _stage_in_parallel(
     Ctrl-C (or SIGTERM) reaches the waiting thread alone: the ranks' threads stop at their next write
     (they wrote on to the end), and a rank whose thread ended as it came is discarded too (it was lost)."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor, wait
+    from concurrent.futures import Future, ThreadPoolExecutor, wait
 
     stop = threading.Event()
 
@@ -370,24 +370,16 @@ def _stage_in_parallel(
 
     buffers = writer.buffer_bytes_for(len(infos))  # the ranks' writers share one staging budget
     errors: list[BaseException] = []
+    futures: list[Future[StagedRank]] = []
     with ThreadPoolExecutor(len(infos), thread_name_prefix="stage") as pool:
-        futures = [
-            pool.submit(
-                _stage_one,
-                ended,
-                directory,
-                ranks[i],
-                i,
-                pattern,
-                max_size,
-                token,
-                written,
-                buffer_bytes=buffers,
-            )
-            for i in infos
-        ]
-        try:
-            wait(futures)
+        try:  # (from the first submit: an interrupt before the wait must stop the ranks' threads too)
+            for i in infos:
+                args = (ended, directory, ranks[i], i, pattern, max_size, token, written)
+                futures.append(pool.submit(_stage_one, *args, buffer_bytes=buffers))
+            # Timed: Ctrl-C that the kernel gives a rank's thread is handled here only once this
+            # thread wakes, and an untimed wait wakes when every rank has written all it has.
+            while wait(futures, timeout=0.1).not_done:
+                pass
         except BaseException as e:  # an interrupt: the pool's exit waits for the stopped threads
             errors.append(e)
             stop.set()
