@@ -36,6 +36,7 @@ from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
 from ..storage.local import file_kind, fsync_directory, open_regular, part_path
 from ..storage.location import Store, open_store
+from ..storage.lock import missing_folders
 
 KILL_CARRIED = declare("local.carried", "checkpoint/carry.py: one non-weight file placed, the manifest not yet")
 
@@ -239,10 +240,7 @@ class CarriedFiles:
 
     def _place_local(self, name: str) -> None:
         final = os.path.join(self.output, name)
-        missing, folder = [], os.path.dirname(final)
-        while not os.path.lexists(folder):
-            missing.append(folder)
-            folder = os.path.dirname(folder)
+        missing = missing_folders(os.path.dirname(final))
         os.makedirs(os.path.dirname(final), exist_ok=True)
         self.made += reversed(missing)
         backup = None
