@@ -341,3 +341,15 @@ def check_carried(store: Store, name: str, record: CarriedFile, hashed: bool = T
             )
     finally:
         file.close()
+
+
+def carried_problems(store: Store, carried_files: dict[str, CarriedFile], hashed: bool = True) -> list[str]:
+    """:func:`check_carried` of every file a save recorded: a problem for each that the checkpoint
+    no longer holds as saved (``verify``'s check, and ``reshard``'s of its source)."""
+    problems = []
+    for name, record in sorted(carried_files.items()):
+        try:
+            check_carried(store, name, record, hashed)
+        except ShardedStateError as e:
+            problems.append(str(e))
+    return problems

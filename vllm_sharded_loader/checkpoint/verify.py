@@ -21,7 +21,7 @@ from ..storage.location import (
 from ..storage.lock import describe_lock, read_lock
 from ..storage.progress import ByteProgress
 from ..storage.writer import CHUNK_BYTES
-from .carry import check_carried
+from .carry import carried_problems
 from .rank_files import check_rank_file
 from .startup_artifacts import read_rank_artifacts
 
@@ -186,13 +186,7 @@ def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: 
             "to record them."
         )
         return []
-    problems = []
-    for name, record in sorted(manifest.carried_files.items()):
-        try:
-            check_carried(store, name, record, hashed)
-        except ShardedStateError as e:
-            problems.append(str(e))
-    return problems
+    return carried_problems(store, manifest.carried_files, hashed)
 
 
 def _check_startup_artifacts(directory: str, manifest: Manifest, notes: list[str]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.carry import check_carried
+from ..checkpoint.carry import carried_problems
 from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
@@ -162,13 +162,7 @@ def reshard_checkpoint(
 def _check_carried_files(directory: str, manifest: Manifest) -> None:
     """Refuse a source whose carried files (config, tokenizer) are not what its save recorded: the
     output carries them and records them anew, so its record (and ``verify``) would certify the damage."""
-    problems = []
-    store = open_store(directory)
-    for name, record in sorted((manifest.carried_files or {}).items()):
-        try:
-            check_carried(store, name, record)
-        except ShardedStateError as e:
-            problems.append(str(e))
+    problems = carried_problems(open_store(directory), manifest.carried_files or {})
     if problems:
         found = " ".join(problems)
         raise CheckpointCorrupt(
