@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from safetensors.torch import save_file
 
 from tests.support.checkpoints import RESHARD_MODEL, save_reshardable, source_of, stage_state
 from tests.support.engines import package_process
+from tests.support.manifests import edit_manifest
 from tests.support.reference import llama_like
 from tests.support.states import CONFIG, SOURCE, assert_untouched, fresh_targets, load, rank_state, save
 from vllm_sharded_loader.checkpoint import (
@@ -52,13 +54,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def snapshot(directory: Path) -> dict[str, str]:
     """Every file's content hash: a failed load must leave the directory as it was."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
-
-
-def edit_manifest(directory: Path, edit) -> None:
-    path = directory / MANIFEST_NAME
-    data = json.loads(path.read_text())
-    edit(data)
-    path.write_text(json.dumps(data))
 
 
 def flip_bit(path: Path, offset: int) -> None:
@@ -325,6 +320,23 @@ def test_a_manifest_that_records_no_carried_files_verifies_and_says_so(tmp_path,
     out = capsys.readouterr().out
     assert f"NOTE: {notes[0]}" in out and "OK" in out
     load(d)
+
+
+def test_an_empty_record_of_carried_files_beside_files_verifies_and_says_so(tmp_path):
+    """The save hook records no carried file when it copies none (saving into the served model's own
+    folder): verify says that the files beside the parts were not checked, and names some."""
+    d = save_carrying(tmp_path / "ckpt")
+    edit_manifest(d, lambda m: m.update(carried_files={}))
+    flip_bit(d / "tokenizer.json", 3)
+    notes: list[str] = []
+    assert verify_checkpoint(str(d), notes=notes) == []
+    assert len(notes) == 1 and notes[0].startswith(f"{d / MANIFEST_NAME} records no carried files, but "), notes
+    assert "tokenizer.json" in notes[0] and "they were not checked" in notes[0]
+    for name in set(os.listdir(d)) - read_manifest(str(d)).listed_files() - {MANIFEST_NAME}:
+        path = d / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    notes.clear()
+    assert verify_checkpoint(str(d), notes=notes) == [] and notes == []  # nothing beside the parts: nothing to say
 
 
 # ------------------------------------------------------------------------ saves

@@ -31,7 +31,7 @@ from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish
 from vllm_sharded_loader.format.names import LOCK_NAME
-from vllm_sharded_loader.storage import objects
+from vllm_sharded_loader.storage import object_lock, objects
 
 BUCKET = "faults"
 
@@ -158,7 +158,7 @@ def test_a_lock_put_whose_answer_is_lost_is_the_saves_own_lock(store):
 def test_a_held_prefix_is_refused_as_checkpoint_locked(store):
     """Another save's lock blob: the typed refusal a local save gives, and nothing written."""
     url = new_prefix()
-    objects.acquire_lock(objects.ObjectPrefix.parse(url), "someone-else")
+    object_lock.acquire_lock(objects.ObjectPrefix.parse(url), "someone-else")
     with pytest.raises(CheckpointLocked, match="another save holds"):
         save_to_bucket(url, model_of(), 1)
     assert keys(store, url) == [LOCK_NAME]
@@ -174,8 +174,10 @@ def test_a_stale_part_the_cleanup_cannot_delete_fails_after_the_publish_and_free
     part = where.key(read_manifest(url).rank(1, 0).files[0].name)
     lease = store.client().get_blob_client(BUCKET, part).acquire_lease(lease_duration=-1)
     try:
-        with pytest.raises(SaveFailedAfterPublish, match=f"published and complete.*{part}"):
+        with pytest.raises(SaveFailedAfterPublish, match=f"published and complete.*{part}") as raised:
             overwrite_at_tp1(url, model)
+        # The store's refusal is named (a lease), not sent to the endpoint and credentials.
+        assert "lease" in str(raised.value) and "credentials" not in str(raised.value), raised.value
         assert read_manifest(url).tp_size == 1 and verify_checkpoint(url) != []  # the leased part is left over
         assert LOCK_NAME not in keys(store, url)
     finally:

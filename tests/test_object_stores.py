@@ -32,7 +32,7 @@ from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, rea
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
-from vllm_sharded_loader.storage import objects
+from vllm_sharded_loader.storage import object_lock, objects
 from vllm_sharded_loader.storage.location import open_store, same_location
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
@@ -189,11 +189,11 @@ def test_a_held_prefix_and_an_existing_checkpoint_are_kept_unless_overwrite(stor
         save_to_bucket(url, model, 1)
     assert read_manifest(url) == manifest and LOCK_NAME not in store.keys(url)
     # The lock is a create-only put: a second save is refused while the first holds it.
-    objects.acquire_lock(where, "someone-else")
+    object_lock.acquire_lock(where, "someone-else")
     with pytest.raises(ShardedStateError, match="another save holds"):
-        objects.acquire_lock(where, "me")
+        object_lock.acquire_lock(where, "me")
     load_from(url, model, 2, 0)  # the published checkpoint still serves meanwhile
-    objects.release_lock(where, "someone-else")
+    object_lock.release_lock(where, "someone-else")
     # Overwrite at another topology: the manifest is replaced by a put conditional on the one
     # read (its ETag), the old ranks' parts go, the upload records too.
     ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}

@@ -23,6 +23,7 @@ from tests.support.checkpoints import (
     source_of,
     stage_state,
 )
+from tests.support.manifests import edit_manifest
 from tests.support.reference import llama_like, reference_pp_indices
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
@@ -128,18 +129,6 @@ def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
         assert torch.equal(targets[name], x), name
 
 
-def edit_manifest(directory, edit):
-    import json
-
-    from vllm_sharded_loader.format import MANIFEST_NAME
-
-    path = directory / MANIFEST_NAME
-    data = json.loads(path.read_text())
-    edit(data)
-    path.write_text(json.dumps(data))
-    return read_manifest(str(directory))
-
-
 def load_tp1(directory, model, manifest, **options):
     targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     load_rank(LoadRequest(str(directory), manifest, **options), targets, RankInfo(0, 1))
@@ -158,7 +147,8 @@ def test_a_tie_added_to_the_manifest_never_stands_in_for_a_saved_tensor(tmp_path
         for rank in data["ranks"]:
             rank["tensors"].pop("lm_head.weight")
 
-    manifest = edit_manifest(tmp_path, tie_and_drop)
+    edit_manifest(tmp_path, tie_and_drop)
+    manifest = read_manifest(str(tmp_path))
     with pytest.raises(ShardedStateError, match=r"holds tensors \['lm_head.weight'\] not in sharded_state.json"):
         load_tp1(tmp_path, model, manifest, tied=[("model.embed_tokens.weight", "lm_head.weight")])
     # A served model that holds the head apart from the embedding refuses the tie before that.
@@ -226,7 +216,8 @@ def test_a_geometry_the_saved_size_cannot_split_is_named_as_damage(tmp_path):
         q = data["geometry"][name]["segments"][0]
         q["heads"], q["head_size"] = 1, q["size"]
 
-    manifest = edit_manifest(tmp_path, one_q_head)
+    edit_manifest(tmp_path, one_q_head)
+    manifest = read_manifest(str(tmp_path))
     for tp_size in (1, 4):
         targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, tp_size, 1, 0, 0).items()}
         refused = rf"{name}: its recorded geometry cannot describe the files saved at TP=2 .*'q' of 1 heads.*damaged"
@@ -251,7 +242,8 @@ def test_resharding_refuses_a_geometry_that_is_not_the_served_models(tmp_path):
         gate, up = data["geometry"][name]["segments"]
         gate["size"], up["size"] = gate["size"] - 8, up["size"] + 8  # same total, same local shapes
 
-    manifest = edit_manifest(tmp_path, resize_segments)
+    edit_manifest(tmp_path, resize_segments)
+    manifest = read_manifest(str(tmp_path))
     geometry = {n: t.geometry for n, t in model.tensors.items()}
     with pytest.raises(ShardedStateError, match=rf"{name}: the checkpoint records merged_column_parallel"):
         load_tp1(tmp_path, model, manifest, geometry=geometry)
@@ -682,8 +674,9 @@ def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(t
 )
 def test_a_damaged_replica_manifest_is_refused(tmp_path, edit, match):
     save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
+    edit_manifest(tmp_path, edit)
     with pytest.raises(ShardedStateError, match=match):
-        edit_manifest(tmp_path, edit)
+        read_manifest(str(tmp_path))
 
 
 @pytest.mark.parametrize("edit", [lambda d: d.pop("dp_size"), lambda d: d.__setitem__("dp_size", 4)])
@@ -691,8 +684,9 @@ def test_a_pattern_that_does_not_fit_the_recorded_replicas_is_named_as_damage(tm
     # The pattern check's own advice is for a save ("Use '...'"); in a published manifest the
     # refusal names the manifest and says it is damaged.
     save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
+    edit_manifest(tmp_path, edit)
     with pytest.raises(CheckpointCorrupt, match=r"sharded_state.json: .*data-parallel rank.*The manifest is damaged"):
-        edit_manifest(tmp_path, edit)
+        read_manifest(str(tmp_path))
 
 
 def test_a_later_replica_holding_more_than_its_experts_is_refused(tmp_path):
@@ -704,8 +698,9 @@ def test_a_later_replica_holding_more_than_its_experts_is_refused(tmp_path):
         entry = data["ranks"][1]
         entry["tensors"]["model.extra"] = dict(next(iter(entry["tensors"].values())))
 
+    edit_manifest(tmp_path, add)
     with pytest.raises(ShardedStateError, match=r"replica 1 .* lists tensors replica 0 does not: \['model.extra'\]"):
-        edit_manifest(tmp_path, add)
+        read_manifest(str(tmp_path))
 
 
 def test_only_the_first_replica_saves_without_experts_placed_across_replicas(tmp_path):

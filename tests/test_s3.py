@@ -38,7 +38,7 @@ from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.errors import CheckpointLocked
 from vllm_sharded_loader.format.names import LOCK_NAME
-from vllm_sharded_loader.storage import faults, objects, reader
+from vllm_sharded_loader.storage import faults, object_lock, objects, reader
 from vllm_sharded_loader.storage.tensors import DTYPES
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
@@ -180,7 +180,7 @@ def test_a_flipped_byte_is_refused_by_its_checksum(s3):
 
 def test_a_prefix_held_by_a_save_refuses_saves_and_serves_its_published_checkpoint(s3):
     model, url, _, where = saved_url(s3)
-    objects.acquire_lock(where, "someone-else")
+    object_lock.acquire_lock(where, "someone-else")
     load_from(url, model, 2, 0)  # a save replaces last: the published manifest is whole meanwhile
     with pytest.raises(ShardedStateError, match="another save holds"):
         save_to_bucket(url, model, 2)
@@ -188,7 +188,7 @@ def test_a_prefix_held_by_a_save_refuses_saves_and_serves_its_published_checkpoi
     s3.client().delete_object(Bucket=BUCKET, Key=where.key(MANIFEST_NAME))
     with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
         load_from(url, model, 2, 0)
-    objects.release_lock(where)
+    object_lock.release_lock(where)
 
 
 def test_an_object_replaced_during_the_load_is_never_read(s3):
@@ -270,7 +270,7 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     with pytest.raises(ShardedStateError, match=f"delete {where.url(LOCK_NAME)}"):
         save_to_bucket(url, model, 1)
-    objects.release_lock(where)
+    object_lock.release_lock(where)
     # Another writer's unfinished upload under a name of our pattern: not the dead save's (it did
     # not record it), so left alone.
     theirs = s3.client().create_multipart_upload(Bucket=BUCKET, Key=where.key("model-rank-0-part-77.safetensors"))
@@ -319,7 +319,7 @@ def test_a_reshard_into_a_bucket_stopped_once_it_has_published_says_the_checkpoi
         f"{url}/{LOCK_NAME}, then the next save into it with --overwrite removes them."
     ]
     assert read_manifest(url).tp_size == 2
-    objects.release_lock(objects.ObjectPrefix.parse(url))
+    object_lock.release_lock(objects.ObjectPrefix.parse(url))
     reshard_checkpoint(str(source), url, 2, overwrite=True)
     assert verify_checkpoint(url) == []
 
@@ -377,7 +377,7 @@ def test_the_save_script_killed_mid_upload_leaves_its_capture_folder_to_the_next
     assert killed.returncode == -signal.SIGKILL, killed.tail()
     (left,) = staging_dir.iterdir()
     assert any(".safetensors." in p.name and p.name.endswith(".partial") for p in left.iterdir()), list(left.iterdir())
-    objects.release_lock(objects.ObjectPrefix.parse(url))
+    object_lock.release_lock(objects.ObjectPrefix.parse(url))
     saved = run_python(args)
     assert saved.returncode == 0, saved.tail()
     assert list(staging_dir.iterdir()) == []
@@ -535,7 +535,7 @@ def test_a_held_prefix_is_refused_as_checkpoint_locked_as_a_held_folder_is(s3, t
     a local save raises CheckpointLocked: a caller branching on the type missed it."""
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     url = new_prefix()
-    objects.acquire_lock(objects.ObjectPrefix.parse(url), "someone-else")
+    object_lock.acquire_lock(objects.ObjectPrefix.parse(url), "someone-else")
     with pytest.raises(CheckpointLocked, match="another save holds"):
         save_to_bucket(url, model, 1)
     assert keys(s3, url) == [LOCK_NAME]
@@ -573,15 +573,15 @@ def test_a_save_whose_lock_was_taken_over_neither_publishes_nor_frees_the_new_lo
     remote_save.begin(url, "aaaa", overwrite=True)
     # The lock is deleted by hand (the save looked dead) and another save takes the prefix.
     s3.client().delete_object(Bucket=BUCKET, Key=where.key(LOCK_NAME))
-    objects.acquire_lock(where, "bbbb")
+    object_lock.acquire_lock(where, "bbbb")
     before = bucket_digest(s3)
     with pytest.raises(ShardedStateError, match="taken over by another save"):
         remote_save.publish(url, manifest, "aaaa")
     remote_save.abandon(url, (), "aaaa")
     assert bucket_digest(s3) == before, "the old save published or deleted the new holder's lock"
-    assert objects.read_lock(where)["token"] == "bbbb"
-    objects.release_lock(where, "bbbb")
-    assert objects.read_lock(where) is None
+    assert object_lock.read_lock(where)["token"] == "bbbb"
+    object_lock.release_lock(where, "bbbb")
+    assert object_lock.read_lock(where) is None
 
 
 RACER = """
@@ -680,6 +680,24 @@ def test_a_save_into_a_bucket_records_its_carried_files_and_verify_checks_them(s
     assert problems[0].startswith(f"{where.url('tok/vocab.txt')}: missing, but the save carried it (10 bytes")
     assert problems[1].startswith(f"{where.url('tokenizer.json')}: SHA-256 ")
     assert "the file was modified after the save" in problems[1]
+
+
+def test_an_overwrite_in_a_bucket_removes_what_the_replaced_checkpoint_carried_and_the_new_one_does_not(s3, tmp_path):
+    """As in a folder (tests/test_save_protocol.py): model 2's chat template goes when model 1 is
+    saved over it; an object no manifest recorded stays."""
+    from tests.support.faultkit import model_folder, states
+
+    url = new_prefix()
+    where = objects.ObjectPrefix.parse(url)
+    save_checkpoint(url, states(2.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 2.0)))
+    assert s3.client().get_object(Bucket=BUCKET, Key=where.key("chat_template.jinja"))["Body"].read()
+    s3.client().put_object(Bucket=BUCKET, Key=where.key("mine.txt"), Body=b"the user's")
+    one = model_folder(tmp_path, 1.0)
+    manifest = save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, carry=str(one), overwrite=True)
+    assert "chat_template.jinja" not in manifest.carried_files
+    keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=BUCKET, Prefix=where.key(""))["Contents"]}
+    assert where.key("chat_template.jinja") not in keys and where.key("mine.txt") in keys
+    assert verify_checkpoint(url) == []
 
 
 def test_verify_of_a_prefix_that_a_save_replaces_meanwhile_verifies_the_new_one(s3):

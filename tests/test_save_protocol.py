@@ -11,6 +11,7 @@ abandon removes this save's files and lock and nothing else.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from tests.support.faultkit import model_folder, tree_digest
+from tests.support.manifests import edit_manifest
 from tests.support.states import SOURCE
-from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, SaveTarget, run_save
 from vllm_sharded_loader.checkpoint.save import FolderNotShared, LocalTarget, save_checkpoint, stage_rank
 from vllm_sharded_loader.format import Manifest, ShardedStateError
@@ -293,3 +295,44 @@ def test_every_member_returns_the_published_record_of_the_carried_files(tmp_path
     results = in_threads(member)
     assert all(r == read_manifest(str(directory)) for r in results), results
     assert results[0].carried_files == carried_record(model)
+
+
+def test_an_overwrite_removes_what_the_replaced_checkpoint_carried_and_the_new_one_does_not(tmp_path):
+    """Model 2 carries a chat template (and a nested file) that model 1 lacks: saving model 1 over
+    model 2's checkpoint removes them (their emptied subfolder too), so nothing unrecorded of
+    another model is served. A file no manifest recorded stays, as does what a folder linking
+    out of the checkpoint holds; and a save that carries nothing (the engine hook into the
+    served model's own folder) removes nothing."""
+    two, one = model_folder(tmp_path, 2.0), model_folder(tmp_path, 1.0)
+    for folder in ("extra", "linked"):
+        (two / folder).mkdir()
+        (two / folder / "notes.txt").write_text("model 2's")
+    ranks = {RankInfo(r, 2): tensors(1.0, r) for r in range(2)}
+
+    def save(directory: Path, carry: Path | None) -> Manifest:
+        carried = None if carry is None else str(carry)
+        return save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, carry=carried, overwrite=True)
+
+    alone = tmp_path / "alone"
+    save(alone, two)
+    assert save(alone, None).carried_files == {}
+    assert (alone / "chat_template.jinja").exists() and (alone / "extra" / "notes.txt").exists()
+    earlier = tmp_path / "earlier"  # a manifest of an earlier version: what it carried is unknown
+    save(earlier, two)
+    edit_manifest(earlier, lambda m: m.pop("carried_files"))
+    assert save(earlier, one).carried_files == carried_record(one)
+    assert (earlier / "chat_template.jinja").exists()
+
+    directory, outside = tmp_path / "ckpt", tmp_path / "outside"
+    assert {"chat_template.jinja", "extra/notes.txt", "linked/notes.txt"} <= set(save(directory, two).carried_files)
+    (directory / "mine.txt").write_text("the user's")
+    outside.mkdir()
+    (outside / "notes.txt").write_text("not the checkpoint's")
+    shutil.rmtree(directory / "linked")
+    (directory / "linked").symlink_to(outside)
+    manifest = save(directory, one)
+    assert manifest.carried_files == carried_record(one)
+    assert not (directory / "chat_template.jinja").exists() and not (directory / "extra").exists()
+    assert (directory / "mine.txt").read_text() == "the user's"
+    assert (outside / "notes.txt").read_text() == "not the checkpoint's"
+    assert verify_checkpoint(str(directory)) == []

@@ -19,7 +19,7 @@ from tests.support.faultkit import assert_published, carried_of, model_folder
 from tests.support.stores import load_from
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.names import LOCK_NAME, MANIFEST_NAME
-from vllm_sharded_loader.storage import faults, objects
+from vllm_sharded_loader.storage import faults, object_lock, objects
 from vllm_sharded_loader.storage.location import read_manifest
 
 BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "local.carried")
@@ -72,7 +72,7 @@ def interrupted_save_loses_nothing(bucket: Bucket, url: str, kill_at: str, stagi
     else:
         assert_published(url, 2.0)  # A's parts stay until a cleanup: verify names them as left over
         assert [p for p in verify_checkpoint(url) if "does not list" not in p and LOCK_NAME not in p] == []
-        objects.release_lock(objects.ObjectPrefix.parse(url))  # object storage cannot tell a dead save's lock
+        object_lock.release_lock(objects.ObjectPrefix.parse(url))  # object storage cannot tell a dead save's lock
     again = save(3.0)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(url, 3.0)
@@ -104,7 +104,7 @@ def killed_save_loses_nothing(bucket: Bucket, url: str, kill_at: str, staging_di
         assert_published(url, 1.0)
     else:
         assert_published(url, 2.0)
-    objects.release_lock(where)
+    object_lock.release_lock(where)
     again = save(3.0)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(url, 3.0)

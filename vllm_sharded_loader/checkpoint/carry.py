@@ -13,7 +13,8 @@ before it publishes its own manifest. The non-weight files follow the parts' pro
   hard-linked to a backup (object storage: read), so that :meth:`CarriedFiles.restore`
   puts the old files back if the publish then fails;
 - after the publish, :meth:`CarriedFiles.finish` drops the backups; the save's cleanup
-  removes any staged name of its token that a kill left behind.
+  removes any staged name of its token that a kill left behind, and the files that the
+  checkpoint it replaced carried and the new one does not (:meth:`CarriedFiles.remove_stale`).
 
 Every file carried, staged or already identical, is recorded (:attr:`CarriedFiles.recorded`:
 its size and SHA-256, hashed from the very bytes compared or copied), and the manifest lists
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError
-from ..format.manifest import MAX_CARRIED_FILES, CarriedFile
+from ..format.manifest import MAX_CARRIED_FILES, CarriedFile, Manifest
 from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
 from ..storage.local import file_kind, fsync_directory, open_regular, part_path
@@ -73,6 +74,13 @@ def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
                     size += len(b)
     except (OSError, ShardedStateError):
         return None
+
+
+def _links_out(output: str, name: str) -> str | None:
+    """Where the folder of the carried file ``name`` resolves to, if outside ``output`` (a link out of
+    it): a file renamed into it, or removed from it, would be in a folder that is not ours."""
+    folder, root = os.path.realpath(os.path.dirname(os.path.join(output, name))), os.path.realpath(output)
+    return folder if os.path.commonpath([folder, root]) != root else None
 
 
 def _in_the_way(output: str, name: str) -> tuple[str, str] | None:
@@ -130,6 +138,9 @@ class CarriedFiles:
     recorded: dict[str, CarriedFile] = field(default_factory=dict)
     #: the subfolders place() made for new files, outermost first: restore() removes them again
     made: list[str] = field(default_factory=list)
+    #: what the replaced checkpoint's manifest recorded as carried and the source no longer has
+    #: (set by stage()): removed once the new manifest is out (:meth:`remove_stale`)
+    stale: list[str] = field(default_factory=list)
 
     @functools.cached_property
     def store(self) -> Store:
@@ -168,7 +179,52 @@ class CarriedFiles:
                 f"{', '.join(taken)}; refusing to replace them, nothing was written. Choose another output, "
                 "remove them, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
             )
+        self.stale = self._stale(names)
         return sorted(self.staged)
+
+    def _stale(self, names: list[str]) -> list[str]:
+        """What the checkpoint being replaced carried that the source's ``names`` lack: another
+        model's chat template, say, which would stay beside the new checkpoint, unrecorded, and be
+        served with it. Read under the lock, as the source's files are."""
+        try:
+            previous = self.store.read_manifest()
+        except ShardedStateError:  # unreadable: what it carried is unknown, and nothing is removed
+            return []
+        return [] if previous is None else sorted(set(previous.carried_files or ()) - set(names))
+
+    def remove_stale(self, manifest: Manifest) -> None:
+        """After the publish: remove the files that the replaced checkpoint carried and ``manifest``
+        does not (:attr:`stale`), then their subfolders left empty. Only names its manifest recorded,
+        and never through a folder that is a link out of the output. A save that staged nothing from
+        a source (the engine hook saving into the served model's own folder) removes nothing."""
+        keep = manifest.listed_files() | set(manifest.carried_files or ())
+        names, self.stale = [n for n in self.stale if n not in keep], []
+        if self.remote:
+            self.store.remove(names)
+            return
+        failed = []
+        for name in names:
+            path = os.path.join(self.output, name)
+            if _links_out(self.output, name) is not None:
+                continue  # what is there is not ours
+            try:
+                os.remove(path)
+            except (FileNotFoundError, IsADirectoryError):  # gone, or a folder of the user's now
+                continue
+            except OSError as e:
+                failed.append(f"{name} ({e.strerror})")
+                continue
+            folders = name.split("/")[:-1]
+            for depth in range(len(folders), 0, -1):  # the innermost first; only if empty (rmdir)
+                try:
+                    os.rmdir(os.path.join(self.output, *folders[:depth]))
+                except OSError:
+                    break
+        if failed:
+            raise ShardedStateError(
+                f"{self.output}: could not remove {', '.join(failed)}, carried by the checkpoint this save replaced "
+                "and not by the new one; remove them by hand (a server of the checkpoint would read them)."
+            )
 
     def _there(self, name: str) -> bool:
         """Whether the output already holds something under ``name`` (the staged copy would replace it)."""
@@ -182,8 +238,8 @@ class CarriedFiles:
         # would take the file (and, with overwrite, replace one there) in a folder that is not ours.
         # Refused even where that file is already the same: the checkpoint would not hold what
         # its manifest records, and verify refuses a carried file that resolves outside it.
-        folder, root = os.path.realpath(os.path.dirname(final)), os.path.realpath(self.output)
-        if os.path.commonpath([folder, root]) != root:
+        folder = _links_out(self.output, name)
+        if folder is not None:
             raise SaveRefused(
                 f"{os.path.dirname(final)} resolves to {folder}, outside {self.output} (a symbolic link); refusing "
                 f"to write {name} there, nothing was written. Replace the link with a folder, or choose another output."

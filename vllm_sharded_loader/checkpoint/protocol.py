@@ -222,7 +222,10 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
 
     def clean() -> None:
         try:
-            target.clean(manifest)
+            try:
+                target.clean(manifest)
+            finally:  # (the next save no longer knows what the replaced checkpoint carried)
+                carried.remove_stale(manifest)  # type: ignore[union-attr]
         except Exception as e:
             # A file that may not be removed (EPERM, EROFS, an Azure lease on an old part) must not
             # keep the lock: every later save would be refused as another's until it was deleted
@@ -266,7 +269,7 @@ def _undo(error: BaseException, steps: Iterable[Callable[[], None]], what: str =
 
 def refusal(target: SaveTarget, error: ShardedStateError) -> SaveRefused:
     """The error a save hook reports for a save abandoned before its publish (keeps ``agreed``)."""
-    wrapped = SaveRefused(f"Saving the sharded state to {target.where} failed: {error}. {target.abandoned}")
+    wrapped = SaveRefused(f"Saving the sharded state to {target.where} failed: {_sentence(error)} {target.abandoned}")
     wrapped.agreed, wrapped.origin = error.agreed, error.origin
     for note in getattr(error, "__notes__", []):  # what its undo could not remove
         wrapped.add_note(note)
@@ -287,10 +290,15 @@ def _after_publish(
 ) -> SaveFailedAfterPublish:
     wrapped = SaveFailedAfterPublish(
         f"Saving the sharded state to {target.where}: the new checkpoint is published and complete, but {what} "
-        f"failed: {error}. Save again to clean up."
+        f"failed: {_sentence(error)} Save again to clean up."
     )
     if isinstance(error, ShardedStateError):
         wrapped.agreed, wrapped.origin = error.agreed, error.origin
     for note in getattr(error, "__notes__", []):  # what its undo could not remove
         wrapped.add_note(note)
     return wrapped
+
+
+def _sentence(error: BaseException) -> str:
+    """``error``'s message ended by one full stop, inside a longer message."""
+    return str(error).rstrip(".") + "."

@@ -52,7 +52,8 @@ def verify_checkpoint(
     non-weight file the save carried (config, tokenizer) that is missing, not a regular
     file, or not of its recorded size and (with ``checksums``) SHA-256. A damaged or
     missing start-up archive (which a load does without) is a note, and so is a manifest
-    that records no carried files (saved before they were recorded).
+    that records no carried files (saved before they were recorded, or by a save that
+    carried none) where files lie beside its parts.
 
     What a save or an engine that died left of its own bookkeeping beside a published
     checkpoint (staged files and owner markers of processes that are gone, the lock of a
@@ -186,6 +187,16 @@ def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: 
             "to record them."
         )
         return []
+    if not manifest.carried_files:
+        # The save hook records none where it carried none: saving into the served model's own
+        # folder, or serving a model that is no local folder.
+        beside = store.non_weight_files()
+        if beside:
+            notes.append(
+                f"{store.file_path(MANIFEST_NAME)} records no carried files, but {len(beside)} lie beside the parts "
+                f"({', '.join(beside[:3])}{', ...' if len(beside) > 3 else ''}): they were not checked. A save that "
+                "copies them from the model (the save script, reshard) records them."
+            )
     return carried_problems(store, manifest.carried_files, hashed)
 
 

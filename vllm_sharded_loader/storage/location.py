@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileEntry, Manifest
 from ..format.names import is_staged_name
-from . import local, lock, objects
+from . import local, lock, object_lock, objects
 from .objects import is_object_url
 
 
@@ -255,22 +255,22 @@ class ObjectStore:
         objects.delete(self.prefix, names)
 
     def is_locked(self) -> bool:
-        return objects.read_lock(self.prefix) is not None
+        return object_lock.read_lock(self.prefix) is not None
 
     def check_not_locked(self) -> None:
-        objects.check_not_locked(self.prefix)
+        object_lock.check_not_locked(self.prefix)
 
     def acquire_lock(self, token: str) -> None:
         """Hold the prefix for a save: a conditional put of the lock object."""
-        objects.acquire_lock(self.prefix, token)
+        object_lock.acquire_lock(self.prefix, token)
 
     def check_lock_holder(self, token: str) -> None:
         """Refuse to go on unless the lock object is still this save's (``token``)."""
-        objects.check_lock_holder(self.prefix, token)
+        object_lock.check_lock_holder(self.prefix, token)
 
     def release_lock(self, token: str | None = None) -> None:
         """Delete the lock object (only if still ``token``'s, when given)."""
-        objects.release_lock(self.prefix, token)
+        object_lock.release_lock(self.prefix, token)
 
     def abort_incomplete_uploads(self, names: Iterable[str]) -> None:
         """Abort the unfinished multipart uploads of these names."""

@@ -1,4 +1,4 @@
-"""A checkpoint in object storage (``s3://``, ``gs://``, ``az://``): its manifest, its parts, its lock.
+"""A checkpoint in object storage (``s3://``, ``gs://``, ``az://``): its manifest and parts (lock: :mod:`.object_lock`).
 
 The client is `obstore <https://developmentseed.org/obstore>`_ (Rust's ``object_store``
 crate) for all three clouds: every request releases the GIL, so the reader's threads run
@@ -13,10 +13,6 @@ its generation): an object replaced during a load is never read, it fails the re
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +21,7 @@ from urllib.parse import urlparse
 
 from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
-from ..format.names import LOCK_NAME, MANIFEST_NAME
+from ..format.names import MANIFEST_NAME
 from .object_clients import AZURE_BLOB_HOST, SETTINGS, _store, check_not_forked
 from .object_clients import AZURE_CONNECTION_STRING_ENV as AZURE_CONNECTION_STRING_ENV  # re-exported: one name
 from .object_clients import azure_connection_string as azure_connection_string  # for every setting of a store
@@ -361,9 +357,23 @@ def delete(where: ObjectPrefix, names: Iterable[str]) -> None:
             except FileNotFoundError:
                 pass
             except Exception as e:
-                raise _fail(where.url(), f"DELETE of {key}", e) from e
+                raise _refused_delete(where, f"DELETE of {key}", e) from e
     except Exception as e:
-        raise _fail(where.url(), f"DELETE of {len(keys)} objects", e) from e
+        raise _refused_delete(where, f"DELETE of {len(keys)} objects", e) from e
+
+
+def _refused_delete(where: ObjectPrefix, what: str, error: Exception) -> ShardedStateError:
+    """A failed delete's error: Azure refuses to delete a leased blob (412, in a batch's text too),
+    which no endpoint or credential fixes."""
+    import obstore.exceptions as oe
+
+    if isinstance(error, oe.PreconditionError) or "(code: 412)" in str(error):
+        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return ShardedStateError(
+            f"{where.url()}: the store refused the {what} (412 Precondition Failed: {detail}): on Azure, a lease is "
+            "held on the blob. Release or break the lease, then save again."
+        )
+    return _fail(where.url(), what, error)
 
 
 def abort_incomplete_uploads(where: ObjectPrefix, names: Iterable[str] | Callable[[str], bool]) -> int:
@@ -410,90 +420,3 @@ def abort_incomplete_uploads(where: ObjectPrefix, names: Iterable[str] | Callabl
     except Exception as e:
         raise _fail(where.url(), "aborting unfinished multipart uploads", e) from e
     return aborted
-
-
-# ------------------------------------------------------------------------ lock
-
-
-def read_lock(where: ObjectPrefix) -> dict[str, Any] | None:
-    """The lock object's contents if a save holds (or held, and died holding) the prefix."""
-    meta = head(where, LOCK_NAME)
-    if meta is None:
-        return None
-    try:
-        holder = json.loads(ObjectFile(where, LOCK_NAME, meta).read_at(0, min(meta["size"], 4096)))
-    except (ValueError, ShardedStateError):
-        holder = {}
-    return holder if isinstance(holder, dict) else {}
-
-
-def describe_lock(where: ObjectPrefix, holder: dict[str, Any]) -> str:
-    when = holder.get("time")
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
-    return f"{where.url(LOCK_NAME)} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {since})"
-
-
-def acquire_lock(where: ObjectPrefix, token: str) -> None:
-    """Take the prefix for one save: a conditional put of the lock object, so exactly one save wins.
-
-    Object storage cannot tell a running save from a dead one, so a lock left by an
-    interrupted save is never taken over silently: the error says to delete it.
-    """
-    body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": token})
-    try:
-        put(where, LOCK_NAME, body.encode(), create=True)
-    except ShardedStateError as e:
-        try:
-            holder = read_lock(where) or {}
-        except ShardedStateError:
-            raise e from None
-        if holder.get("token") == token:
-            return  # ours: the put's answer was lost, and its retry failed (found the lock it had made)
-        if not isinstance(e, AlreadyExists):
-            raise
-        raise CheckpointLocked(
-            f"{where.url()}: another save holds {describe_lock(where, holder)}. If it is no longer running (it "
-            f"was interrupted), delete {where.url(LOCK_NAME)} and save again."
-        ) from None
-
-
-def check_lock_holder(where: ObjectPrefix, token: str) -> None:
-    """Fencing: refuse to go on unless the lock is still this save's (``token``).
-
-    A lock can be deleted by hand and taken by another save while this one stalls; this
-    save must then neither publish nor delete the new holder's lock.
-    """
-    holder = read_lock(where)
-    if holder is None or holder.get("token") != token:
-        raise ShardedStateError(
-            f"{where.url()}: this save's lock was "
-            + ("deleted" if holder is None else f"taken over by another save ({describe_lock(where, holder)})")
-            + " while it ran; it does not publish. Save again once no other save runs."
-        )
-
-
-def release_lock(where: ObjectPrefix, token: str | None = None) -> None:
-    """Delete the lock; with ``token``, only if it is still this save's.
-
-    The read and the delete are two requests (S3 has no conditional delete everywhere):
-    a lock taken over between them is the one case not fenced.
-    """
-    if token is not None:
-        holder = read_lock(where)
-        if holder is None or holder.get("token") != token:
-            return
-    delete(where, [LOCK_NAME])
-
-
-def check_not_locked(where: ObjectPrefix) -> None:
-    """Refuse a prefix without a manifest that a save holds: its first save has not published.
-
-    A save replaces a checkpoint last (new part names, then the manifest's conditional
-    put), so a published manifest names a whole checkpoint while a save runs or after it died.
-    """
-    holder = read_lock(where)
-    if holder is not None and head(where, MANIFEST_NAME) is None:
-        raise CheckpointLocked(
-            f"{where.url()}: a save is running or was interrupted there ({describe_lock(where, holder)}) and no "
-            "manifest has been published yet. Wait for the save to finish, or save the checkpoint again."
-        )

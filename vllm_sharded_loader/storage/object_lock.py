@@ -1,0 +1,104 @@
+"""The save lock of an object-storage prefix: one object (``LOCK_NAME``) that a conditional put
+creates, so that exactly one save holds the prefix (:func:`acquire_lock`).
+
+Object storage cannot tell a running save from a dead one, so a lock is never taken over
+silently; a save checks that the lock is still its own before it publishes (fencing,
+:func:`check_lock_holder`) and deletes only its own (:func:`release_lock`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from ..format import MANIFEST_NAME
+from ..format.errors import CheckpointLocked, ShardedStateError
+from ..format.names import LOCK_NAME
+from .objects import AlreadyExists, ObjectFile, ObjectPrefix, delete, head, put
+
+
+def read_lock(where: ObjectPrefix) -> dict[str, Any] | None:
+    """The lock object's contents if a save holds (or held, and died holding) the prefix."""
+    meta = head(where, LOCK_NAME)
+    if meta is None:
+        return None
+    try:
+        holder = json.loads(ObjectFile(where, LOCK_NAME, meta).read_at(0, min(meta["size"], 4096)))
+    except (ValueError, ShardedStateError):
+        holder = {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def describe_lock(where: ObjectPrefix, holder: dict[str, Any]) -> str:
+    when = holder.get("time")
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
+    return f"{where.url(LOCK_NAME)} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {since})"
+
+
+def acquire_lock(where: ObjectPrefix, token: str) -> None:
+    """Take the prefix for one save: a conditional put of the lock object, so exactly one save wins.
+
+    Object storage cannot tell a running save from a dead one, so a lock left by an
+    interrupted save is never taken over silently: the error says to delete it.
+    """
+    body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": token})
+    try:
+        put(where, LOCK_NAME, body.encode(), create=True)
+    except ShardedStateError as e:
+        try:
+            holder = read_lock(where) or {}
+        except ShardedStateError:
+            raise e from None
+        if holder.get("token") == token:
+            return  # ours: the put's answer was lost, and its retry failed (found the lock it had made)
+        if not isinstance(e, AlreadyExists):
+            raise
+        raise CheckpointLocked(
+            f"{where.url()}: another save holds {describe_lock(where, holder)}. If it is no longer running (it "
+            f"was interrupted), delete {where.url(LOCK_NAME)} and save again."
+        ) from None
+
+
+def check_lock_holder(where: ObjectPrefix, token: str) -> None:
+    """Fencing: refuse to go on unless the lock is still this save's (``token``).
+
+    A lock can be deleted by hand and taken by another save while this one stalls; this
+    save must then neither publish nor delete the new holder's lock.
+    """
+    holder = read_lock(where)
+    if holder is None or holder.get("token") != token:
+        raise ShardedStateError(
+            f"{where.url()}: this save's lock was "
+            + ("deleted" if holder is None else f"taken over by another save ({describe_lock(where, holder)})")
+            + " while it ran; it does not publish. Save again once no other save runs."
+        )
+
+
+def release_lock(where: ObjectPrefix, token: str | None = None) -> None:
+    """Delete the lock; with ``token``, only if it is still this save's.
+
+    The read and the delete are two requests (S3 has no conditional delete everywhere):
+    a lock taken over between them is the one case not fenced.
+    """
+    if token is not None:
+        holder = read_lock(where)
+        if holder is None or holder.get("token") != token:
+            return
+    delete(where, [LOCK_NAME])
+
+
+def check_not_locked(where: ObjectPrefix) -> None:
+    """Refuse a prefix without a manifest that a save holds: its first save has not published.
+
+    A save replaces a checkpoint last (new part names, then the manifest's conditional
+    put), so a published manifest names a whole checkpoint while a save runs or after it died.
+    """
+    holder = read_lock(where)
+    if holder is not None and head(where, MANIFEST_NAME) is None:
+        raise CheckpointLocked(
+            f"{where.url()}: a save is running or was interrupted there ({describe_lock(where, holder)}) and no "
+            "manifest has been published yet. Wait for the save to finish, or save the checkpoint again."
+        )
