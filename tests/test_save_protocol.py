@@ -322,6 +322,16 @@ def test_an_overwrite_removes_what_the_replaced_checkpoint_carried_and_the_new_o
     edit_manifest(earlier, lambda m: m.pop("carried_files"))
     assert save(earlier, one).carried_files == carried_record(one)
     assert (earlier / "chat_template.jinja").exists()
+    # A record naming what no save carries (the manifest, the lock, weights): none of it goes.
+    hostile, record = tmp_path / "hostile", {"size": 1, "sha256": "0" * 64}
+    save(hostile, two)
+    names = ["sharded_state.json", LOCK_NAME, "x.safetensors", "extra/y.bin"]
+    edit_manifest(hostile, lambda m: m["carried_files"].update(dict.fromkeys(names, record)))
+    (hostile / "x.safetensors").write_text("the user's")
+    (hostile / "extra" / "y.bin").write_text("the user's")
+    assert save(hostile, one) == read_manifest(str(hostile))
+    assert (hostile / "x.safetensors").exists() and (hostile / "extra" / "y.bin").exists()
+    assert not (hostile / LOCK_NAME).exists() and verify_checkpoint(str(hostile)) == []
 
     directory, outside = tmp_path / "ckpt", tmp_path / "outside"
     assert {"chat_template.jinja", "extra/notes.txt", "linked/notes.txt"} <= set(save(directory, two).carried_files)

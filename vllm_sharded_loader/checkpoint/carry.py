@@ -35,7 +35,7 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, 
 from ..format.manifest import MAX_CARRIED_FILES, CarriedFile, Manifest
 from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
-from ..storage.local import file_kind, fsync_directory, open_regular, part_path
+from ..storage.local import file_kind, fsync_directory, is_weight_file, open_regular, part_path
 from ..storage.location import Store, open_store
 from ..storage.lock import missing_folders
 
@@ -198,7 +198,10 @@ class CarriedFiles:
         and never through a folder that is a link out of the output. A save that staged nothing from
         a source (the engine hook saving into the served model's own folder) removes nothing."""
         keep = manifest.listed_files() | set(manifest.carried_files or ())
-        names, self.stale = [n for n in self.stale if n not in keep], []
+        # A name no save carries (the manifest, the lock, a staged file, weights) is never removed,
+        # whatever a damaged or hostile record says.
+        names = [n for n in self.stale if n not in keep and not any(map(is_weight_file, n.split("/")))]
+        self.stale = []
         if self.remote:
             self.store.remove(names)
             return
