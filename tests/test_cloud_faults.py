@@ -236,7 +236,7 @@ def test_a_save_whose_network_goes_down_reports_the_upload_not_its_clean_up(stor
             overwrite_at_tp1(url, model)
         assert proxy.dropped and proxy.refused
     notes = "\n".join(getattr(failed.value, "__notes__", []))
-    assert "Undoing the save also failed" in notes and objects.LOCK_NAME in notes, notes
+    assert "Undoing the save also failed" in notes and LOCK_NAME in notes, notes
     # What the note says may remain does: the lock, which the save could not delete; the old checkpoint stands.
-    assert objects.head(where, objects.LOCK_NAME) is not None
+    assert objects.head(where, LOCK_NAME) is not None
     load_from(url, model, 2, 0)
