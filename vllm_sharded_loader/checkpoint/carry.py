@@ -35,7 +35,7 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, 
 from ..format.manifest import MAX_CARRIED_FILES, CarriedFile, Manifest
 from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
-from ..storage.local import file_kind, fsync_directory, is_weight_file, open_regular, part_path
+from ..storage.local import escapes, file_kind, fsync_directory, is_weight_file, open_regular, part_path
 from ..storage.location import Store, open_store
 from ..storage.lock import missing_folders
 
@@ -79,8 +79,9 @@ def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
 def _links_out(output: str, name: str) -> str | None:
     """Where the folder of the carried file ``name`` resolves to, if outside ``output`` (a link out of
     it): a file renamed into it, or removed from it, would be in a folder that is not ours."""
-    folder, root = os.path.realpath(os.path.dirname(os.path.join(output, name))), os.path.realpath(output)
-    return folder if os.path.commonpath([folder, root]) != root else None
+    folder = os.path.dirname(os.path.join(output, name))
+    real = os.path.realpath(folder)
+    return real if escapes(folder, real, output) is not None else None  # (the rule a load's reads keep)
 
 
 def _in_the_way(output: str, name: str) -> tuple[str, str] | None:
