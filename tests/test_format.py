@@ -18,7 +18,7 @@ from vllm_sharded_loader.format import (
     validate_pattern,
 )
 from vllm_sharded_loader.format.errors import CheckpointCorrupt
-from vllm_sharded_loader.format.manifest import CarriedFile
+from vllm_sharded_loader.format.manifest import MAX_CARRIED_FILES, CarriedFile
 
 
 def test_names_are_vllms():
@@ -175,6 +175,29 @@ def test_carried_files_round_trip_and_are_optional():
 def test_hostile_carried_files_are_refused(carried, message):
     with pytest.raises(CheckpointCorrupt, match=message):
         Manifest.from_json(mutate(lambda d: d.update(carried_files=carried)))
+
+
+def test_stale_files_round_trip_and_are_optional():
+    manifest = Manifest.from_json(mutate(lambda d: d.update(stale_files=["tok/old.txt", "chat_template.jinja"])))
+    assert manifest.stale_files == ("tok/old.txt", "chat_template.jinja")
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert Manifest.from_json(mutate(lambda d: None)).stale_files == ()  # none, or a manifest from before the record
+    assert "stale_files" not in Manifest.from_json(mutate(lambda d: None)).to_json()
+
+
+@pytest.mark.parametrize(
+    ("stale", "message"),
+    [
+        ({"x": 1}, f"'stale_files' must be a list of at most {MAX_CARRIED_FILES} file names"),
+        (["config.json", 3], "'stale_files' must be a list of at most"),
+        (["../config.json"], "carried file name '../config.json' is not a relative path"),
+        (["/etc/passwd"], "not a relative path"),
+        ([f"f{i}" for i in range(MAX_CARRIED_FILES + 1)], "'stale_files' must be a list of at most"),
+    ],
+)
+def test_hostile_stale_files_are_refused(stale, message):
+    with pytest.raises(CheckpointCorrupt, match=message):
+        Manifest.from_json(mutate(lambda d: d.update(stale_files=stale)))
 
 
 @pytest.mark.parametrize("text", ["", "{", "[]", "null", '"x"', b"\xff\xfe"])

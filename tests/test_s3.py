@@ -719,6 +719,10 @@ def test_an_s3_save_interrupted_at_each_step_loses_nothing(s3, tmp_path, kill_at
     object_faults.interrupted_save_loses_nothing(bucket_of(s3), new_prefix(), kill_at, staging_dir, tmp_path)
 
 
+def test_an_s3_save_stopped_before_its_clean_up_leaves_a_record_of_the_other_models_files(s3, tmp_path):
+    object_faults.stopped_save_leaves_a_record_of_the_other_models_files(new_prefix(), tmp_path)
+
+
 def test_every_s3_kill_point_is_covered():
     s3_points = {step for step in faults.KILL_POINTS if step.startswith("s3.")}
     steps = object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH

@@ -140,6 +140,39 @@ def test_save_killed_at_each_step_loses_nothing(checkpoint_a, kill_at):
     assert tree_digest(str(neighbour)) == beside
 
 
+@pytest.mark.parametrize("kill_at", ["local.published", "local.cleaning"])
+def test_a_save_killed_before_its_clean_up_leaves_a_record_of_the_other_models_files(tmp_path, kill_at):
+    """Model 2's checkpoint carries a chat template that model 1 lacks. A save of model 1 over it,
+    killed once its manifest is out and before its clean-up removed the template, leaves it beside
+    model 1's weights, where a server would read it. The new manifest recorded it before the publish:
+    verify names it, reshard refuses to copy it, the interrupt's message names it, and the next save
+    removes it, even after a second save killed the same way (the record carries over)."""
+    from vllm_sharded_loader.format.errors import CheckpointCorrupt, InterruptedAfterPublish
+    from vllm_sharded_loader.tools.cli import _after_interrupt
+    from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+    directory = tmp_path / "ckpt"
+    save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 2)))
+    for _ in range(2):
+        result = save_in_process(directory, 1.0, {faults.KILL_ENV: kill_at})
+        assert result.returncode == -signal.SIGKILL, (kill_at, result.returncode, result.stderr[-2000:])
+        assert_published(directory, 1.0)
+        assert (directory / "chat_template.jinja").exists()
+        assert read_manifest(str(directory)).stale_files == ("chat_template.jinja",)
+        named = [p for p in verify_checkpoint(str(directory)) if "chat_template.jinja" in p]
+        assert len(named) == 1 and "carried by the checkpoint this one replaced" in named[0], named
+        with pytest.raises(CheckpointCorrupt, match=r"chat_template\.jinja: carried by the checkpoint this one"):
+            reshard_checkpoint(str(directory), str(tmp_path / "copy"), 1)
+        assert not (tmp_path / "copy").exists()
+        assert "(chat_template.jinja)" in _after_interrupt(InterruptedAfterPublish(str(directory)))
+
+    assert save_in_process(directory, 1.0).returncode == 0
+    assert not (directory / "chat_template.jinja").exists()
+    assert_carried(directory, 1.0)
+    assert verify_checkpoint(str(directory)) == []
+    assert "chat_template" not in _after_interrupt(InterruptedAfterPublish(str(directory)))
+
+
 @pytest.mark.parametrize("kill_at", [*BEFORE_PUBLISH, *AFTER_PUBLISH])
 def test_save_interrupted_at_each_step_loses_nothing(checkpoint_a, kill_at):
     """Ctrl-C (SIGINT: a KeyboardInterrupt raised there) at each step, where every ``except`` of

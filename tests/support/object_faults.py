@@ -130,3 +130,22 @@ def assert_the_save_published(url: str, new, model, names: Callable[[str], list[
     _, targets, expected = load_from(url, model, 1)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     assert names(url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
+
+
+def stopped_save_leaves_a_record_of_the_other_models_files(url: str, tmp_path: Path) -> None:
+    """As in a folder (tests/test_save_faults.py): model 1 saved over model 2's checkpoint, stopped
+    once its manifest is put, leaves model 2's chat template; the manifest recorded it, verify names
+    it, and the next save removes it."""
+    save = _saver(url, tmp_path)
+    assert save(2.0).returncode == 0
+    stopped = save(1.0, {faults.KILL_ENV: "s3.published", faults.KILL_SIGNAL_ENV: "INT"})
+    assert stopped.returncode != 0 and "KeyboardInterrupt" in stopped.stderr, stopped.stderr[-2000:]
+    assert_published(url, 1.0)
+    assert read_manifest(url).stale_files == ("chat_template.jinja",)
+    named = [p for p in verify_checkpoint(url) if "chat_template.jinja" in p]
+    assert len(named) == 1 and "carried by the checkpoint this one replaced" in named[0], named
+    object_lock.release_lock(objects.ObjectPrefix.parse(url))
+    assert save(1.0).returncode == 0
+    assert_published(url, 1.0)
+    assert verify_checkpoint(url) == []
+    assert "chat_template.jinja" not in objects.list_names(objects.ObjectPrefix.parse(url))

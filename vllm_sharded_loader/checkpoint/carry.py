@@ -139,8 +139,8 @@ class CarriedFiles:
     recorded: dict[str, CarriedFile] = field(default_factory=dict)
     #: the subfolders place() made for new files, outermost first: restore() removes them again
     made: list[str] = field(default_factory=list)
-    #: what the replaced checkpoint's manifest recorded as carried and the source no longer has
-    #: (set by stage()): removed once the new manifest is out (:meth:`remove_stale`)
+    #: what the replaced checkpoint carried and the source no longer has (set by stage()): the new
+    #: manifest records it, and the save removes it once that manifest is out (:meth:`remove_stale`)
     stale: list[str] = field(default_factory=list)
 
     @functools.cached_property
@@ -186,31 +186,34 @@ class CarriedFiles:
     def _stale(self, names: list[str]) -> list[str]:
         """What the checkpoint being replaced carried that the source's ``names`` lack: another
         model's chat template, say, which would stay beside the new checkpoint, unrecorded, and be
-        served with it. Read under the lock, as the source's files are."""
+        served with it. Also what that checkpoint's own save meant to remove and a kill left
+        (its :attr:`~..format.manifest.Manifest.stale_files`), if still there. Read under the lock,
+        as the source's files are; the new manifest records the result before it is published."""
         try:
             previous = self.store.read_manifest()
         except ShardedStateError:  # unreadable: what it carried is unknown, and nothing is removed
             return []
-        return [] if previous is None else sorted(set(previous.carried_files or ()) - set(names))
+        if previous is None:
+            return []
+        candidates = set(previous.carried_files or ()) | set(previous.stale_files)
+        stale = sorted(n for n in candidates - set(names) if _stale_there(self.store, n))
+        return stale[:MAX_CARRIED_FILES]  # (what a manifest records; the rest stay, as before the record)
 
     def remove_stale(self, manifest: Manifest) -> None:
         """After the publish: remove the files that the replaced checkpoint carried and ``manifest``
-        does not (:attr:`stale`), then their subfolders left empty. Only names its manifest recorded,
-        and never through a folder that is a link out of the output. A save that staged nothing from
-        a source (the engine hook saving into the served model's own folder) removes nothing."""
-        keep = manifest.listed_files() | set(manifest.carried_files or ())
-        # A name no save carries (the manifest, the lock, a staged file, weights) is never removed,
-        # whatever a damaged or hostile record says.
-        names = [n for n in self.stale if n not in keep and not any(map(is_weight_file, n.split("/")))]
-        self.stale = []
+        does not (its :attr:`~..format.manifest.Manifest.stale_files`, see :func:`stale_names`), then
+        their subfolders left empty; never through a folder that is a link out of the output. A save
+        that staged nothing from a source (the engine hook saving into the served model's own folder)
+        records none, and removes nothing."""
+        names = stale_names(manifest)
         if self.remote:
             self.store.remove(names)
             return
         failed = []
         for name in names:
             path = os.path.join(self.output, name)
-            if _links_out(self.output, name) is not None:
-                continue  # what is there is not ours
+            if not _stale_there(self.store, name):
+                continue  # gone, or what is there is not ours
             try:
                 os.remove(path)
             except (FileNotFoundError, IsADirectoryError):  # gone, or a folder of the user's now
@@ -227,7 +230,8 @@ class CarriedFiles:
         if failed:
             raise ShardedStateError(
                 f"{self.output}: could not remove {', '.join(failed)}, carried by the checkpoint this save replaced "
-                "and not by the new one; remove them by hand (a server of the checkpoint would read them)."
+                "and not by the new one. A server of the checkpoint reads them: remove them by hand, or save again "
+                "with overwrite (the checkpoint records them as stale: verify names them, the next save removes them)."
             )
 
     def _there(self, name: str) -> bool:
@@ -401,6 +405,36 @@ def check_carried(store: Store, name: str, record: CarriedFile, hashed: bool = T
             )
     finally:
         file.close()
+
+
+def stale_names(manifest: Manifest) -> list[str]:
+    """The names in ``manifest``'s record of stale files that a save may remove: none that the
+    manifest lists or carries, and none that no save carries (the manifest, the lock, a staged
+    file, weights), whatever a damaged or hostile record says."""
+    keep = manifest.listed_files() | set(manifest.carried_files or ())
+    return [n for n in manifest.stale_files if n not in keep and not any(map(is_weight_file, n.split("/")))]
+
+
+def stale_left(store: Store, manifest: Manifest) -> list[str]:
+    """The files of ``manifest``'s record of stale files that are still in the checkpoint: the save
+    that published it stopped before its clean-up, and a server would read them with these weights."""
+    return [name for name in stale_names(manifest) if _stale_there(store, name)]
+
+
+def stale_problems(store: Store, manifest: Manifest) -> list[str]:
+    """A problem for each of :func:`stale_left`, naming it and what to do (``verify``, ``reshard``)."""
+    return [
+        f"{store.file_path(name)}: carried by the checkpoint this one replaced and not by this one; the save "
+        "that replaced it stopped before removing it, and a server of this checkpoint would read it. Remove it, "
+        "or save again with overwrite (which removes it)."
+        for name in stale_left(store, manifest)
+    ]
+
+
+def _stale_there(store: Store, name: str) -> bool:
+    """Whether the stale file ``name`` is still in the checkpoint (what a folder that links out of
+    it holds is not ours to remove, nor to report)."""
+    return store.exists_file(name) and (store.remote or _links_out(store.where, name) is None)
 
 
 def carried_problems(store: Store, carried_files: dict[str, CarriedFile], hashed: bool = True) -> list[str]:

@@ -12,9 +12,10 @@ runs one save driver with or without a process group:
 3. **stage** (every member): write its ranks' parts under temporary names, hashed as written;
 4. **place** (every member): give them fresh final names (a rename, or an upload);
 5. **carry** (first): stage the model's non-weight files (config, tokenizer); the manifest
-   records each one's size and SHA-256 (an empty record for a save that carries none);
+   records each one's size and SHA-256 (an empty record for a save that carries none), and
+   the files the replaced checkpoint carried that these do not (its stale files);
 6. **publish** (first): the manifest, the one atomic step;
-7. **clean** (first): what the new manifest does not list;
+7. **clean** (first): what the new manifest does not list, and the stale files it records;
 8. **release** (first): the lock, whatever the clean did (a file that may not be removed must
    not keep every later save out).
 
@@ -191,8 +192,8 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
         manifest = job.manifest(entries)
         if job.carry is not None:
             # Every member learns the first's record, so that each returns the published manifest.
-            recorded = group.run(lambda: _carry(job, carried), only_first=True)[0]  # type: ignore[arg-type]
-            manifest = replace(manifest, carried_files=recorded)
+            recorded, stale = group.run(lambda: _carry(job, carried), only_first=True)[0]  # type: ignore[arg-type]
+            manifest = replace(manifest, carried_files=recorded, stale_files=stale)
         else:
             manifest = replace(manifest, carried_files={})
         publishing = True
@@ -247,10 +248,11 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
     return manifest, staged
 
 
-def _carry(job: SaveJob, carried: CarriedFiles) -> dict[str, CarriedFile]:
-    """The carry step (first member): stage the files, and return what each will hold once placed."""
+def _carry(job: SaveJob, carried: CarriedFiles) -> tuple[dict[str, CarriedFile], tuple[str, ...]]:
+    """The carry step (first member): stage the files; return what each will hold once placed, and
+    the replaced checkpoint's files that the clean step removes (recorded before the publish)."""
     job.carry(carried)  # type: ignore[misc]
-    return dict(carried.recorded)
+    return dict(carried.recorded), tuple(carried.stale)
 
 
 def _undo(error: BaseException, steps: Iterable[Callable[[], None]], what: str = "Undoing the save") -> None:

@@ -21,7 +21,7 @@ from ..storage.location import (
 from ..storage.lock import describe_lock, read_lock
 from ..storage.progress import ByteProgress
 from ..storage.writer import CHUNK_BYTES
-from .carry import carried_problems
+from .carry import carried_problems, stale_problems
 from .rank_files import check_rank_file
 from .startup_artifacts import read_rank_artifacts
 
@@ -50,7 +50,9 @@ def verify_checkpoint(
     symlinks, headers against the manifest) and, with ``checksums``, every byte.
     Also reports parts the manifest does not list (left by an older save), and every
     non-weight file the save carried (config, tokenizer) that is missing, not a regular
-    file, or not of its recorded size and (with ``checksums``) SHA-256. A damaged or
+    file, or not of its recorded size and (with ``checksums``) SHA-256, and every file the
+    checkpoint replaced carried that is still there (its stale files: a save stopped between its
+    publish and its clean-up leaves them, and a server would read them). A damaged or
     missing start-up archive (which a load does without) is a note, and so is a manifest
     that records no carried files (saved before they were recorded, or by a save that
     carried none) where files lie beside its parts.
@@ -138,7 +140,7 @@ def _verify_once(
     if checksums:
         _check_startup_artifacts(directory, manifest, notes)
     store = open_store(directory)
-    carried = _check_carried_files(store, manifest, checksums, notes)
+    carried = _check_carried_files(store, manifest, checksums, notes) + stale_problems(store, manifest)
     problems += carried
     # The carried config and tokenizer: a FIFO there would hang the engine that serves this (one
     # that the save recorded is named above, with what it recorded).

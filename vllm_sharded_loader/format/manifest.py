@@ -148,6 +148,8 @@ class Manifest:
     # The non-weight files the save carried, by relative name ({}: none); None in manifests
     # written before they were recorded (their files are then not checked).
     carried_files: dict[str, CarriedFile] | None = None
+    # Carried by the checkpoint this one replaced, not by this one: removed after the publish, recorded before.
+    stale_files: tuple[str, ...] = ()
 
     @property
     def expert_tp_size(self) -> int:
@@ -214,6 +216,8 @@ class Manifest:
             data["experts_over_dp"] = True
         if self.carried_files is not None:
             data["carried_files"] = {name: f.to_dict() for name, f in sorted(self.carried_files.items())}
+        if self.stale_files:
+            data["stale_files"] = list(self.stale_files)
         return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -270,6 +274,7 @@ class Manifest:
             dp_size=reader.integer(obj, "dp_size", minimum=1, maximum=MAX_RANKS) if "dp_size" in obj else 1,
             experts_over_dp=reader.boolean(obj, "experts_over_dp") if "experts_over_dp" in obj else False,
             carried_files=_carried_files(reader, obj["carried_files"]) if "carried_files" in obj else None,
+            stale_files=_stale_files(reader, obj.get("stale_files", [])),
         )
         manifest.__dict__["geometries"] = geometries  # the cached_property, parsed with messages naming `where`
         check_manifest_consistency(manifest, where)
@@ -487,3 +492,9 @@ def _carried_files(reader: JsonReader, value: Any) -> dict[str, CarriedFile]:
             raise reader.fail(f"carried file {name!r}: 'size' must be a byte count, found {size!r}")
         carried[name] = CarriedFile(size=size, sha256=sha256)
     return carried
+
+
+def _stale_files(reader: JsonReader, value: Any) -> tuple[str, ...]:
+    if not (isinstance(value, list) and len(value) <= MAX_CARRIED_FILES and all(isinstance(n, str) for n in value)):
+        raise reader.fail(f"'stale_files' must be a list of at most {MAX_CARRIED_FILES} file names")
+    return tuple(check_carried_name(name, reader.where) for name in value)

@@ -263,15 +263,24 @@ def _after_interrupt(interrupt: KeyboardInterrupt) -> str:
             "An interrupted reshard or convert leaves its output as it was, or complete if it had published; "
             "run the command again."
         )
+    from ..checkpoint.carry import stale_left
     from ..storage.location import open_store
 
     store = open_store(interrupt.where)
     then = "the next save into it with --overwrite removes them"
     if store.remote:  # (object storage cannot tell a stopped save's lock from a running one's)
         then = f"delete {store.file_path(LOCK_NAME)}, then {then}"
+    left = "Its save lock and any parts it replaced remain (our loader ignores them)"
+    try:
+        manifest = store.read_manifest()
+        stale = [] if manifest is None else stale_left(store, manifest)
+    except Exception:  # (what is left is said as far as it is known; the interrupt stays the news)
+        stale = []
+    if stale:
+        left += f", and so do files of the checkpoint it replaced, which a server would read ({', '.join(stale)})"
     return (
         f"The new checkpoint in {interrupt.where} was published and is complete; nothing needs to run again. "
-        f"Its save lock and any parts it replaced remain (our loader ignores them): {then}."
+        f"{left}: {then}."
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.carry import carried_problems
+from ..checkpoint.carry import carried_problems, stale_problems
 from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
@@ -162,7 +162,8 @@ def reshard_checkpoint(
 def _check_carried_files(directory: str, manifest: Manifest) -> None:
     """Refuse a source whose carried files (config, tokenizer) are not what its save recorded: the
     output carries them and records them anew, so its record (and ``verify``) would certify the damage."""
-    problems = carried_problems(open_store(directory), manifest.carried_files or {})
+    store = open_store(directory)
+    problems = carried_problems(store, manifest.carried_files or {}) + stale_problems(store, manifest)
     if problems:
         found = " ".join(problems)
         raise CheckpointCorrupt(
