@@ -37,7 +37,7 @@ from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
 from ..storage.local import escapes, file_kind, fsync_directory, is_weight_file, open_regular, part_path
 from ..storage.location import Store, open_store
-from ..storage.lock import missing_folders
+from ..storage.lock import missing_folders, remove_empty_folders
 
 KILL_CARRIED = declare("local.carried", "checkpoint/carry.py: one non-weight file placed, the manifest not yet")
 
@@ -222,11 +222,7 @@ class CarriedFiles:
                 failed.append(f"{name} ({e.strerror})")
                 continue
             folders = name.split("/")[:-1]
-            for depth in range(len(folders), 0, -1):  # the innermost first; only if empty (rmdir)
-                try:
-                    os.rmdir(os.path.join(self.output, *folders[:depth]))
-                except OSError:
-                    break
+            remove_empty_folders(os.path.join(self.output, *folders[:depth]) for depth in range(len(folders), 0, -1))
         if failed:
             raise ShardedStateError(
                 f"{self.output}: could not remove {', '.join(failed)}, carried by the checkpoint this save replaced "
@@ -333,9 +329,7 @@ class CarriedFiles:
                 else:
                     os.replace(backup, os.path.join(self.output, name))  # type: ignore[arg-type]
         self.backups.clear()
-        for folder in reversed(self.made):  # the innermost first; only if empty (rmdir)
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
+        remove_empty_folders(reversed(self.made))
         self._drop_staged()
 
     def finish(self) -> None:

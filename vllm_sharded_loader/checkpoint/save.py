@@ -54,7 +54,15 @@ from ..storage import writer
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, read_manifest, write_file_durably
 from ..storage.location import LocalStore, open_store
-from ..storage.lock import SaveLock, acquire_save_lock, missing_folders, owner_is_gone, read_lock, release_save_lock
+from ..storage.lock import (
+    SaveLock,
+    acquire_save_lock,
+    missing_folders,
+    owner_is_gone,
+    read_lock,
+    release_save_lock,
+    remove_empty_folders,
+)
 from ..storage.progress import ByteProgress
 from .carry import CarriedFiles
 from .protocol import OneProcess, SaveJob, SaveTarget, run_save
@@ -232,9 +240,7 @@ class LocalTarget:
         try:
             self.held = acquire_save_lock(self.where, self.token, self.overwrite, self.patterns)
         except BaseException:
-            for folder in self.made_folders:  # only those that nothing else was put in meanwhile
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
+            remove_empty_folders(self.made_folders)
             raise
         try:
             kill_point(KILL_LOCKED)
@@ -303,9 +309,7 @@ class LocalTarget:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.where, name))
         self.release()
-        for folder in self.made_folders:  # only those that nothing else was put in meanwhile
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
+        remove_empty_folders(self.made_folders)
 
     def close(self) -> None:
         pass

@@ -23,6 +23,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..format.errors import CheckpointLocked, SaveRefused
@@ -216,6 +217,14 @@ def missing_folders(directory: str) -> list[str]:
         missing.append(there)
         there = os.path.dirname(there)
     return missing
+
+
+def remove_empty_folders(folders: Iterable[str]) -> None:
+    """Remove each folder, in the order given (the deepest first), if it is empty: those a save
+    made or emptied, and only if nothing else was put in them meanwhile."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _refuse_a_checkpoint(directory: str, overwrite: bool, patterns: tuple[str, ...]) -> None:
