@@ -661,15 +661,24 @@ def test_sound_reshardable_checkpoint_passes_every_path(tmp_path):
     assert verify_checkpoint(str(directory)) == []
 
 
-def test_offline_reshard_of_a_corrupt_part_is_refused_and_writes_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("unrecorded", [False, True])
+def test_offline_reshard_of_a_corrupt_part_is_refused_and_writes_nothing(tmp_path, capsys, unrecorded):
     """A flipped bit that only checksums see was copied into the resharded output, whose fresh
-    checksums then certified it: verify passed on the output of a checkpoint verify refuses."""
+    checksums then certified it: verify passed on the output of a checkpoint verify refuses.
+    Also where another file has no checksum record (``unrecorded``): that turned checking off for all."""
     directory, out = tmp_path / "ckpt", tmp_path / "out"
     save_reshardable(directory)
+    if unrecorded:
+        edit_manifest(directory, lambda m: m["ranks"][-1]["files"][-1].pop("checksum"))
+        assert read_manifest(str(directory)).ranks[-1].files[-1].name != PART0
     flip_bit(directory / PART0, data_offset(directory / PART0))
     assert cli(["reshard", str(directory), "-tp", "1", "-o", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"vllm-sharded: error: {directory / PART0}: checksum mismatch in bytes 0..")
+    if unrecorded:  # refused, naming the file whose record is missing (it cannot be checked)
+        unchecked = read_manifest(str(directory)).ranks[-1].files[-1].name
+        assert err.startswith(f"vllm-sharded: error: {directory / unchecked}: {MANIFEST_NAME} records no checksum")
+    else:
+        assert err.startswith(f"vllm-sharded: error: {directory / PART0}: checksum mismatch in bytes 0..")
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not out.exists()
 

@@ -115,9 +115,10 @@ def reshard_checkpoint(
     if same_location(output, directory):
         raise ShardedStateError("--output must be another directory than the source checkpoint.")
     _check_carried_files(directory, manifest)
-    # Every byte read is checked against its block's checksum where the save recorded them: the
-    # output's own checksums must not certify a corrupt source.
-    verify = "checksum" if all(f.checksum is not None for r in manifest.ranks for f in r.files) else "size"
+    # Every byte read is checked against its block's checksum: the output's own checksums must not
+    # certify a corrupt source. A file without a record among files with one (a damaged manifest)
+    # is refused, not a reason to check none; only a manifest that records none is read unchecked.
+    verify = "checksum" if any(f.checksum is not None for r in manifest.ranks for f in r.files) else "size"
     with ReshardSource(directory, manifest, verify) as source:
         # Plan every rank before writing anything: a refused tensor leaves no output behind.
         plans = {}
