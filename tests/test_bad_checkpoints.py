@@ -1106,13 +1106,25 @@ def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_p
         assert bool((targets["w"] == value).all())
 
 
+def test_a_users_files_shaped_like_staged_names_are_left_alone(tmp_path):
+    """A save's clean-up removes what a save that is gone staged, known by its token (12 hex
+    digits): it took a user's ``.thesis.2024.partial`` in the output for such a file, and removed it."""
+    mine = [".thesis.2024.partial", ".video.1.partial", ".draft.cafe.partial", f".{PART0}.0ddba11.partial"]
+    for name in mine:
+        (tmp_path / name).write_text("the user's")
+    save(tmp_path)
+    save(tmp_path)  # over a checkpoint too
+    assert [(tmp_path / name).read_text() for name in mine] == ["the user's"] * len(mine)
+    assert verify_checkpoint(str(tmp_path)) == []
+
+
 def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(tmp_path):
     """write_manifest removes the staged files of its save, of the save whose lock it took
     over and of owners that are gone, never those of a live owner (an engine's capture)."""
     from vllm_sharded_loader.storage.lock import OWNER_MARKER, hold_owner_marker, release_owner_marker
 
     manifest = save(tmp_path)
-    ours, taken_over, other, gone = "0123456789ab", DEAD_TOKEN, "feedfacecafe", "0ddba11"
+    ours, taken_over, other, gone = "0123456789ab", DEAD_TOKEN, "feedfacecafe", "0ddba11c0ffe"
     for token in (ours, taken_over, other, gone):
         (tmp_path / staged_name(PART0, token)).write_bytes(token.encode())
     owner = hold_owner_marker(str(tmp_path), other)  # a live engine's capture

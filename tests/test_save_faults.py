@@ -538,30 +538,31 @@ def test_a_dead_engines_capture_is_cleaned_and_a_live_ones_kept(checkpoint_a):
     process now holds a marker's flock: a save into the folder removes the staged files of a
     capture whose process is gone, never those of a live one, and verify notes only the dead."""
     directory, _ = checkpoint_a
-    live = subprocess.Popen([sys.executable, "-c", OWNER, str(directory), "aaaa1111", "600"], stdout=subprocess.PIPE)
+    command = [sys.executable, "-c", OWNER, str(directory)]
+    live = subprocess.Popen([*command, "aaaa11110000", "600"], stdout=subprocess.PIPE)
     try:
         assert live.stdout.readline().strip() == b"staged"
-        dead = subprocess.run([sys.executable, "-c", OWNER, str(directory), "bbbb2222", "0"], capture_output=True)
+        dead = subprocess.run([sys.executable, "-c", OWNER, str(directory), "bbbb22220000", "0"], capture_output=True)
         assert dead.returncode == 0, dead.stderr
         names = os.listdir(directory)
-        assert any("aaaa1111" in n for n in names) and any("bbbb2222" in n for n in names)
+        assert any("aaaa11110000" in n for n in names) and any("bbbb22220000" in n for n in names)
         # The dead engine's leftovers are noted, never problems of the checkpoint (issue 34, class 5).
         notes: list[str] = []
         assert verify_checkpoint(str(directory), notes=notes) == []
-        assert any("bbbb2222" in n for n in notes) and not any("aaaa1111" in n for n in notes), notes
+        assert any("bbbb22220000" in n for n in notes) and not any("aaaa11110000" in n for n in notes), notes
 
         result = save_in_process(directory, 2.0)
         assert result.returncode == 0, result.stderr[-2000:]
         names = os.listdir(directory)
-        assert not any("bbbb2222" in n for n in names), names  # the dead engine's capture and marker are gone
-        assert len([n for n in names if "aaaa1111" in n]) == 2, names  # the live one's part and marker stay
+        assert not any("bbbb22220000" in n for n in names), names  # the dead engine's capture and marker are gone
+        assert len([n for n in names if "aaaa11110000" in n]) == 2, names  # the live one's part and marker stay
         assert_published(directory, 2.0)
     finally:
         live.kill()
         live.wait()
     again = save_in_process(directory, 3.0)  # now that it is gone, its files go too
     assert again.returncode == 0, again.stderr[-2000:]
-    assert not any("aaaa1111" in n for n in os.listdir(directory))
+    assert not any("aaaa11110000" in n for n in os.listdir(directory))
     assert verify_checkpoint(str(directory)) == []
 
 
@@ -583,7 +584,7 @@ def test_a_refused_save_leaves_the_folder_as_it_was_its_mtime_included(checkpoin
     with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
         save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192)
     assert listing(directory) == before
-    running = acquire_save_lock(str(directory), "aaaa1111", overwrite=True)  # a save that runs
+    running = acquire_save_lock(str(directory), "aaaa11110000", overwrite=True)  # a save that runs
     try:
         before = listing(directory)
         with pytest.raises(CheckpointLocked, match="another save holds"):

@@ -36,7 +36,7 @@ OWNER = textwrap.dedent(
     import sys
     from vllm_sharded_loader.storage.staging_folders import make_staging_folder
     folder = make_staging_folder(sys.argv[1])
-    with open(folder.path + "/.model-rank-0-part-0.safetensors.abc.partial", "wb") as f:
+    with open(folder.path + "/.model-rank-0-part-0.safetensors.abc000000000.partial", "wb") as f:
         f.write(b"x" * 4096)
     print(folder.path, flush=True)
     sys.stdin.readline()
@@ -85,7 +85,7 @@ def test_a_killed_owners_folder_goes_with_the_next_staging_and_a_live_ones_stays
         assert dead_path.is_dir()  # a killed process cleans nothing up
         with staging_folder(str(tmp_path)) as mine:
             assert folders(tmp_path) == {live_path.name, Path(mine).name}
-            assert (live_path / ".model-rank-0-part-0.safetensors.abc.partial").stat().st_size == 4096
+            assert (live_path / ".model-rank-0-part-0.safetensors.abc000000000.partial").stat().st_size == 4096
     finally:
         live.communicate("done\n", timeout=60)
     assert live.returncode == 0
@@ -127,7 +127,7 @@ CAPTURER = textwrap.dedent(
     """
     import sys
     from vllm_sharded_loader.storage.lock import hold_owner_marker
-    hold_owner_marker(sys.argv[1], "c0ffee")
+    hold_owner_marker(sys.argv[1], "c0ffee000000")
     print("held", flush=True)
     sys.stdin.readline()
     """

@@ -17,7 +17,14 @@ import torch
 
 from ..format.errors import SaveRefused, ShardedStateError
 from ..format.manifest import FileEntry, RankEntry, TensorEntry
-from ..format.names import default_pattern, fresh_part_names, render_file_name, staged_name, validate_pattern
+from ..format.names import (
+    TOKEN_DIGITS,
+    default_pattern,
+    fresh_part_names,
+    render_file_name,
+    staged_name,
+    validate_pattern,
+)
 from ..planning.parts import plan_parts
 from ..planning.topology import RankInfo
 from ..storage import writer
@@ -27,7 +34,7 @@ from ..storage.tensors import dtype_name, map_file_range, torch_dtype
 
 def new_token() -> str:
     """A unique id for one save's staged files and lock."""
-    return uuid.uuid4().hex[:12]
+    return uuid.uuid4().hex[:TOKEN_DIGITS]
 
 
 @dataclass

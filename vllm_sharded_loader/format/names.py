@@ -28,9 +28,12 @@ DP_AND_TP_PATTERN = "model-dp-{dp_rank}-rank-{rank}-part-{part}.safetensors"
 PP_DP_AND_TP_PATTERN = "model-pp-{pp_rank}-dp-{dp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN, DP_AND_TP_PATTERN, PP_DP_AND_TP_PATTERN)
 # A file being written by a save, until the save publishes it by rename:
-# ``.<final name>.<save token>.partial``.
+# ``.<final name>.<save token>.partial``. A save's token is exactly this many hex digits: a
+# save's clean-up removes what a save that is gone staged, and a user's ``.notes.2024.partial``
+# is none of that.
 STAGED_SUFFIX = ".partial"
-_STAGED = re.compile(r"\.(?P<final>.+)\.(?P<token>[0-9a-f]{1,64})" + re.escape(STAGED_SUFFIX) + r"\Z")
+TOKEN_DIGITS = 12
+_STAGED = re.compile(rf"\.(?P<final>.+)\.(?P<token>[0-9a-f]{{{TOKEN_DIGITS}}})" + re.escape(STAGED_SUFFIX) + r"\Z")
 PATTERN_FIELDS = frozenset({"pp_rank", "dp_rank", "tp_rank", "rank", "part"})
 MAX_PATTERN_LENGTH = 255  # a file name
 
