@@ -614,6 +614,17 @@ EVERY_PATH_CASES = [
         set_tensor("model.norm.weight", shape=[-32]),
         rf"{MANIFEST_FIELD}tensor 'model.norm.weight' has shape \[-32\], expected a list of sizes",
     ),
+    (  # the offline reshard plans a stage from tp_rank 0's names: it left the tensor out, and verified
+        "a tensor missing from tp_rank 0",
+        lambda m: rank0_tensors(m).pop(NORM_A),
+        rf"{MANIFEST_FIELD}pp_rank=0 tp_rank=1 and pp_rank=0 tp_rank=0 list different tensors \(1, such as "
+        rf"\['{NORM_A}'\]\)",
+    ),
+    (
+        "a tensor missing from tp_rank 1",
+        lambda m: next(r for r in m["ranks"] if r["tp_rank"] == 1)["tensors"].pop(NORM_A),
+        rf"{MANIFEST_FIELD}pp_rank=0 tp_rank=1 and pp_rank=0 tp_rank=0 list different tensors",
+    ),
 ]
 
 
