@@ -240,3 +240,24 @@ def test_a_save_whose_network_goes_down_reports_the_upload_not_its_clean_up(stor
     # What the note says may remain does: the lock, which the save could not delete; the old checkpoint stands.
     assert objects.head(where, LOCK_NAME) is not None
     load_from(url, model, 2, 0)
+
+
+def test_a_save_that_cannot_read_its_lock_back_fails_as_such_and_keeps_the_old_checkpoint(store):
+    """Every GET of the lock is cut (the save checks that it still holds the lock before its
+    manifest's put, and reads it again to release it): the save fails with the network's error,
+    the old checkpoint whole. Before, the failed read counted as "a lock of no known holder": the
+    check said the lock was taken over by another save, and a release kept the lock and said nothing."""
+    model, url, manifest, where = saved_url(store)
+    get_lock = f"GET /{AZURITE_ACCOUNT}/{BUCKET}/{where.key(LOCK_NAME)} ".encode()
+    with through_proxy(store, "drop_matching", match=get_lock, **SETTINGS) as proxy:
+        with pytest.raises(ShardedStateError) as failed:
+            overwrite_at_tp1(url, model)
+        assert proxy.dropped
+    assert str(failed.value).startswith(f"{where.url(LOCK_NAME)}: GET of bytes 0-"), failed.value
+    assert "taken over" not in str(failed.value)
+    assert f"its lock {LOCK_NAME}) may remain" in failed.value.__notes__[0]  # (its release could not read it either)
+    assert read_manifest(url) == manifest
+    load_from(url, model, 2, 0)
+    object_lock.release_lock(where)  # as the error says, for a lock it could not release
+    overwrite_at_tp1(url, model)
+    assert verify_checkpoint(url) == []

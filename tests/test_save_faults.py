@@ -140,6 +140,45 @@ def test_save_killed_at_each_step_loses_nothing(checkpoint_a, kill_at):
     assert tree_digest(str(neighbour)) == beside
 
 
+FAILS_AFTER_PUBLISH = textwrap.dedent(
+    """
+    import errno, os, signal, sys
+    from tests.support.faultkit import states
+    from tests.support.states import SOURCE
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.format.errors import SaveFailedAfterPublish
+
+    def fail(*_):  # the error an fsync of the folder gives after the manifest's rename (EIO)
+        raise OSError(errno.EIO, "Input/output error")
+
+    signal.signal(signal.SIGUSR1, fail)
+    directory = sys.argv[1]
+    try:
+        save_checkpoint(directory, states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    except SaveFailedAfterPublish as e:
+        print("failed after its publish:", e)
+    os.environ.pop("SHARDED_STATE_KILL_AT")
+    print("lock left:", os.path.exists(os.path.join(directory, "sharded_state.lock")))
+    save_checkpoint(directory, states(3.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    print("saved again")
+    """
+)
+
+
+def test_an_error_right_after_the_publish_releases_the_lock_for_the_next_save_of_the_process(checkpoint_a):
+    """An error once the manifest is renamed (an fsync of the folder failing: here raised at the
+    kill point just after the rename) fails the save as published, and released neither the lock file
+    nor its flock: every later save of the process (an engine's) was refused as another's."""
+    directory, _ = checkpoint_a
+    env = {faults.KILL_ENV: "local.published", faults.KILL_SIGNAL_ENV: "USR1"}
+    result = package_process(["-c", FAILS_AFTER_PUBLISH, str(directory)], env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[1:] == ["lock left: False", "saved again"], result.stdout
+    assert "the new checkpoint is published and complete" in result.stdout.splitlines()[0]
+    assert_published(directory, 3.0)
+    assert verify_checkpoint(str(directory)) == []
+
+
 @pytest.mark.parametrize("kill_at", ["local.published", "local.cleaning"])
 def test_a_save_killed_before_its_clean_up_leaves_a_record_of_the_other_models_files(tmp_path, kill_at):
     """Model 2's checkpoint carries a chat template that model 1 lacks. A save of model 1 over it,

@@ -31,7 +31,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound, SaveRefused, ShardedStateError
 from ..format.manifest import MAX_CARRIED_FILES, CarriedFile, Manifest
 from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
@@ -191,8 +191,8 @@ class CarriedFiles:
         as the source's files are; the new manifest records the result before it is published."""
         try:
             previous = self.store.read_manifest()
-        except ShardedStateError:  # unreadable: what it carried is unknown, and nothing is removed
-            return []
+        except (CheckpointCorrupt, CheckpointMismatch):  # unreadable: what it carried is unknown, nothing goes
+            return []  # (a network error is the save's: failing here, before the publish, loses nothing)
         if previous is None:
             return []
         candidates = set(previous.carried_files or ()) | set(previous.stale_files)

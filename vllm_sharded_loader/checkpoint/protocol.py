@@ -207,6 +207,9 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
                 s.placed.clear()
             target.close()
             if isinstance(e, (ShardedStateError, OSError)):
+                # The lock goes (a process that lives on, an engine, would else keep every later
+                # save out); what the clean step did not remove, the next save removes.
+                _undo(e, [target.release], "Releasing the lock after the publish failed")
                 raise _after_publish(target, e, "finishing its publish") from e
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, InterruptedAfterPublish):
                 raise InterruptedAfterPublish(target.where) from e

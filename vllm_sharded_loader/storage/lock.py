@@ -385,12 +385,14 @@ def _inode(path: str) -> int | None:
 
 def release_save_lock(lock: SaveLock) -> None:
     """Remove the lock if it is still ours, then let go of its flock."""
-    holder = read_lock(os.path.dirname(lock.path))
-    if holder is not None and holder.get("token") == lock.token:
-        os.remove(lock.path)
-    if lock.fd >= 0:
-        with contextlib.suppress(OSError):  # closed already (a second release)
-            os.close(lock.fd)
+    try:
+        holder = read_lock(os.path.dirname(lock.path))
+        if holder is not None and holder.get("token") == lock.token:
+            os.remove(lock.path)
+    finally:  # (a lock file that may not be removed must not keep this process's flock for its life)
+        if lock.fd >= 0:
+            with contextlib.suppress(OSError):  # closed already (a second release)
+                os.close(lock.fd)
 
 
 def save_is_running(directory: str) -> bool:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ..format import MANIFEST_NAME
-from ..format.errors import CheckpointLocked, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, ShardedStateError
 from ..format.names import LOCK_NAME
 from .objects import AlreadyExists, ObjectFile, ObjectPrefix, delete, head, put
 
@@ -26,9 +26,16 @@ def read_lock(where: ObjectPrefix) -> dict[str, Any] | None:
     if meta is None:
         return None
     try:
-        holder = json.loads(ObjectFile(where, LOCK_NAME, meta).read_at(0, min(meta["size"], 4096)))
-    except (ValueError, ShardedStateError):
-        holder = {}
+        data = ObjectFile(where, LOCK_NAME, meta).read_at(0, min(meta["size"], 4096))
+    except CheckpointNotFound:  # released meanwhile
+        return None
+    except CheckpointCorrupt:  # replaced meanwhile: a lock of unknown holder
+        return {}
+    # (A network error is raised: read as "no holder known", a release kept the lock and said nothing.)
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return {}
     return holder if isinstance(holder, dict) else {}
 
 
