@@ -246,6 +246,25 @@ def test_reshard_into_the_source_through_a_link_is_refused_and_changes_nothing(c
         assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
 
 
+def test_reshard_into_a_folder_inside_the_source_is_refused_and_changes_nothing(checkpoint, tmp_path, capsys):
+    """An output inside the source (its tokenizer folder, say) was written among the source's files;
+    that folder, now holding a checkpoint, was no longer carried: the output and every later copy of
+    the source lacked it, and all of them verified."""
+    _, directory = checkpoint
+    (directory / "tokenizer").mkdir()
+    before = sorted(p for p in directory.rglob("*"))
+    link = tmp_path / "link"
+    link.symlink_to(directory)
+    for output in (directory / "tokenizer", directory / "new", link / "new"):
+        assert cli(["reshard", str(directory), "-tp", "1", "-o", str(output), "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"vllm-sharded: error: --output {output} lies inside the source checkpoint {directory}; nothing was "
+            "written. Choose a folder outside the source.\n"
+        )
+        assert sorted(p for p in directory.rglob("*")) == before
+
+
 def test_verify_of_a_file_claims_no_save_lock(tmp_path, capsys):
     """A path that is a file has no lock under it; verify said a save held it or was interrupted."""
     path = tmp_path / "notes.txt"

@@ -33,7 +33,7 @@ from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import object_lock, objects
-from vllm_sharded_loader.storage.location import open_store, same_location
+from vllm_sharded_loader.storage.location import lies_inside, open_store, same_location
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
 BUCKET = "stores"  # its own bucket in the session's SeaweedFS (tests/conftest.py: seaweed)
@@ -376,6 +376,10 @@ def test_one_prefix_under_any_spelling_is_one_location(url):
     # (refused before any request: no server here).
     assert same_location("s3://b/ckpt", url)
     assert not same_location("s3://b/ckpt", "s3://b/ckpt2") and not same_location("s3://b/ckpt", "gs://b/ckpt")
+    # reshard also refuses an output inside its source: a longer prefix of the same bucket
+    assert lies_inside(url + "/sub", "s3://b/ckpt") and lies_inside("s3://b/ckpt/sub", "s3://b/")
+    assert not lies_inside(url, "s3://b/ckpt") and not lies_inside("s3://b/ckpt2", url)
+    assert not lies_inside("s3://c/ckpt/sub", url) and not lies_inside("gs://b/ckpt/sub", url)
     from vllm_sharded_loader.tools.convert import convert_checkpoint
 
     with pytest.raises(ShardedStateError, match="another folder than the source model"):

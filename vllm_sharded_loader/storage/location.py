@@ -301,6 +301,19 @@ def open_store(where: str) -> Store:
     return ObjectStore(where) if is_object_url(where) else LocalStore(where)
 
 
+def lies_inside(a: str, b: str) -> bool:
+    """Whether the location ``a`` lies inside ``b`` (a subfolder, under any name; a longer prefix in
+    the same bucket), not being ``b`` itself."""
+    first, second = open_store(a), open_store(b)
+    if isinstance(first, ObjectStore) and isinstance(second, ObjectStore):
+        one, two = first.prefix, second.prefix
+        same_bucket = (one.scheme, one.account, one.bucket) == (two.scheme, two.account, two.bucket)
+        return same_bucket and one.prefix != two.prefix and one.prefix.startswith(two.prefix)
+    if first.remote or second.remote:
+        return False
+    return os.path.realpath(a).startswith(os.path.join(os.path.realpath(b), ""))
+
+
 def same_location(a: str, b: str) -> bool:
     """Whether two locations are one: the same URL, or the same local folder under any name (a
     symbolic link to it, a bind mount of it)."""

@@ -23,7 +23,7 @@ from ..planning.manifest_plans import files_to_check
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan
 from ..planning.topology import RankInfo
-from ..storage.location import check_not_locked, is_locked, open_store, read_manifest, same_location
+from ..storage.location import check_not_locked, is_locked, lies_inside, open_store, read_manifest, same_location
 from ..storage.progress import ByteProgress
 from ..storage.writer import LazyTensor
 
@@ -114,6 +114,13 @@ def reshard_checkpoint(
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     if same_location(output, directory):
         raise ShardedStateError("--output must be another directory than the source checkpoint.")
+    if lies_inside(output, directory):
+        # (It would be written among the source's files, and a folder of them holding a checkpoint
+        # is no longer carried: the source's next copy would lack it.)
+        raise ShardedStateError(
+            f"--output {output} lies inside the source checkpoint {directory}; nothing was written. Choose a "
+            "folder outside the source."
+        )
     _check_carried_files(directory, manifest)
     # Every byte read is checked against its block's checksum: the output's own checksums must not
     # certify a corrupt source. A file without a record among files with one (a damaged manifest)
