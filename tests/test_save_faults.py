@@ -33,7 +33,14 @@ from vllm_sharded_loader.storage import faults
 from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
 
 # Steps before the manifest's rename leave A published; from it on, B.
-BEFORE_PUBLISH = ("local.locked", "local.staged", "local.placed", "local.manifest_written", "local.carried")
+BEFORE_PUBLISH = (
+    "local.locked",
+    "local.staged",
+    "local.placed",
+    "local.manifest_written",
+    "local.backed_up",
+    "local.carried",
+)
 AFTER_PUBLISH = ("local.published", "local.cleaning", "local.cleaned")
 # Steps reached more than once (per rank, per part, per removed file) are also killed the second time.
 REPEATED = ("local.staged:2", "local.placed:2", "local.placed:4", "local.carried:2", "local.cleaning:2")
@@ -41,7 +48,7 @@ REPEATED = ("local.staged:2", "local.placed:2", "local.placed:4", "local.carried
 # renamed into place one by one between the manifest's fsync and its rename. A kill between leaves A's parts (whole, and
 # verified) beside some of B's non-weight files: a load then refuses the config loudly
 # (its hash is in the manifest), and the next save puts everything right.
-CARRIED = ("local.carried", "local.carried:2")
+CARRIED = ("local.carried", "local.carried:2", "local.backed_up")
 
 
 SAVER = textwrap.dedent(

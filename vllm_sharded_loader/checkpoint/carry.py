@@ -40,6 +40,7 @@ from ..storage.location import Store, open_store
 from ..storage.lock import missing_folders, remove_empty_folders
 
 KILL_CARRIED = declare("local.carried", "checkpoint/carry.py: one non-weight file placed, the manifest not yet")
+KILL_BACKED_UP = declare("local.backed_up", "checkpoint/carry.py: a non-weight file's backup linked, not yet replaced")
 
 
 def _read_bytes(data: bytes | Path) -> bytes:
@@ -303,11 +304,12 @@ class CarriedFiles:
         missing = missing_folders(os.path.dirname(final))
         os.makedirs(os.path.dirname(final), exist_ok=True)
         self.made += reversed(missing)
-        backup = None
+        self.backups[name] = None
         if os.path.lexists(final) and not os.path.isdir(final):
-            backup = os.path.join(self.output, staged_name(f"replaced-{len(self.backups)}", self.token))
-            os.link(final, backup, follow_symlinks=False)
-        self.backups[name] = backup
+            # Known to restore() before it is made: an interrupt right after the link must not leave it.
+            self.backups[name] = os.path.join(self.output, staged_name(f"replaced-{len(self.backups)}", self.token))
+            os.link(final, self.backups[name], follow_symlinks=False)  # type: ignore[arg-type]
+            kill_point(KILL_BACKED_UP)
         os.replace(self.staged[name], final)  # type: ignore[arg-type]
         del self.staged[name]  # (only once renamed: a failed rename leaves it to restore() to remove)
 
@@ -328,6 +330,9 @@ class CarriedFiles:
                     os.remove(os.path.join(self.output, name))
                 else:
                     os.replace(backup, os.path.join(self.output, name))  # type: ignore[arg-type]
+                    # (A no-op where the file was not replaced yet: the backup is a hard link of it.)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(backup)  # type: ignore[arg-type]
         self.backups.clear()
         remove_empty_folders(reversed(self.made))
         self._drop_staged()
