@@ -723,6 +723,10 @@ def test_an_s3_save_stopped_before_its_clean_up_leaves_a_record_of_the_other_mod
     object_faults.stopped_save_leaves_a_record_of_the_other_models_files(new_prefix(), tmp_path)
 
 
+def test_a_stalled_s3_save_whose_lock_was_taken_over_does_not_publish_over_the_new_holders(s3, tmp_path):
+    object_faults.stalled_save_whose_lock_was_taken_over_does_not_publish(new_prefix(), tmp_path)
+
+
 def test_every_s3_kill_point_is_covered():
     s3_points = {step for step in faults.KILL_POINTS if step.startswith("s3.")}
     steps = object_faults.BEFORE_PUBLISH + object_faults.AFTER_PUBLISH

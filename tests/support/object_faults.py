@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.engines import package_process
+from tests.support.engines import ROOT, package_process
 from tests.support.faultkit import assert_published, carried_of, model_folder
 from tests.support.stores import load_from
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
@@ -22,7 +23,7 @@ from vllm_sharded_loader.format.names import LOCK_NAME, MANIFEST_NAME
 from vllm_sharded_loader.storage import faults, object_lock, objects
 from vllm_sharded_loader.storage.location import read_manifest
 
-BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "local.carried")
+BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "s3.fencing", "local.carried")
 AFTER_PUBLISH = ("s3.published", "s3.cleaned")
 # The steps at which the save's local staging folder exists (it is removed before the carried files are put).
 WHILE_STAGED = ("s3.recorded", "s3.uploaded", "s3.uploaded:3")
@@ -149,3 +150,36 @@ def stopped_save_leaves_a_record_of_the_other_models_files(url: str, tmp_path: P
     assert_published(url, 1.0)
     assert verify_checkpoint(url) == []
     assert "chat_template.jinja" not in objects.list_names(objects.ObjectPrefix.parse(url))
+
+
+def stalled_save_whose_lock_was_taken_over_does_not_publish(url: str, tmp_path: Path) -> None:
+    """Save X stalls (SIGSTOP) in its publish once it has read the manifest it replaces; its lock is
+    deleted by hand, as for a dead save, and save Y takes the prefix and publishes; then X resumes.
+    X read the manifest it replaces after Y published and put its own over Y's, whose parts its
+    clean-up then deleted; now it fails, and Y's checkpoint stays published and whole."""
+    import os
+    import sys
+
+    save = _saver(url, tmp_path)
+    assert save(1.0).returncode == 0
+    env = {**os.environ, faults.KILL_ENV: "s3.fencing", faults.KILL_SIGNAL_ENV: "STOP"}
+    code = ["-c", SAVER, url, "3.0", str(model_folder(tmp_path, 3.0))]
+    stalled = subprocess.Popen([sys.executable, *code], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        while not _stopped(stalled.pid):
+            assert stalled.poll() is None, stalled.stderr.read()[-2000:]
+            time.sleep(0.05)
+        object_lock.release_lock(objects.ObjectPrefix.parse(url))  # "delete the lock of a save that died"
+        assert save(2.0).returncode == 0
+        os.kill(stalled.pid, signal.SIGCONT)
+        _, err = stalled.communicate(timeout=120)
+    finally:
+        stalled.kill()
+    assert stalled.returncode != 0 and "lock was deleted while it ran; it does not publish" in err, err[-2000:]
+    assert_published(url, 2.0)
+    assert verify_checkpoint(url) == []
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "T"

@@ -50,6 +50,7 @@ from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_en
 KILL_LOCKED = declare("s3.locked", "checkpoint/remote_save.py: the lock object is put, nothing uploaded")
 KILL_RECORDED = declare("s3.recorded", "checkpoint/remote_save.py: a rank's upload names recorded, nothing uploaded")
 KILL_UPLOADED = declare("s3.uploaded", "checkpoint/remote_save.py: one part uploaded under its fresh name")
+KILL_FENCING = declare("s3.fencing", "checkpoint/remote_save.py: the replaced manifest is read, the lock unchecked")
 KILL_PUBLISHED = declare("s3.published", "checkpoint/remote_save.py: the manifest is put, nothing cleaned")
 KILL_CLEANED = declare("s3.cleaned", "checkpoint/remote_save.py: stale parts deleted, the lock not yet released")
 
@@ -166,14 +167,18 @@ def publish(
     :func:`clean_after_publish`.
     """
     store = ObjectStore(url)
-    if token is not None:
-        store.check_lock_holder(token)
+    # The manifest this save replaces, read before the lock is checked: another save publishes only
+    # once it has taken the lock, so if one did after the check, the put below (conditional on this
+    # manifest) fails, and this save does not publish over it.
+    old = store.head(MANIFEST_NAME)
+    kill_point(KILL_FENCING)
     for entry in manifest.ranks:
         for f in entry.files:
             store.open_part(f)  # present, with the size recorded
+    if token is not None:  # (last before the first write: the carried files)
+        store.check_lock_holder(token)
     if carried is not None:
         carried.place()
-    old = store.head(MANIFEST_NAME)
     content = manifest.to_json().encode()
     if old is None:
         replaced: frozenset[str] = frozenset()
