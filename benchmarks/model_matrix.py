@@ -206,7 +206,7 @@ def probe(family: str, work: Path, timeout: int) -> dict:
     row["default_tp1"] = run_engine({**base, "model": str(model), "tp": 1}, fam / "default-tp1.log", timeout)
 
     print(f"[{family}] save TP=2 (default loader, capture + save hook)", flush=True)
-    from vllm_sharded_loader.storage.local import copy_non_weight_files
+    from vllm_sharded_loader.storage.model_files import copy_non_weight_files
 
     saved.mkdir()
     copy_non_weight_files(str(model), str(saved))

@@ -290,7 +290,7 @@ def test_distinct_meta_tensors_never_look_like_shared_memory():
 def test_non_weight_files_and_module_folders_are_copied(tmp_path):
     import json
 
-    from vllm_sharded_loader.storage.local import copy_non_weight_files
+    from vllm_sharded_loader.storage.model_files import copy_non_weight_files
 
     source, out = tmp_path / "model", tmp_path / "out"
     files = {

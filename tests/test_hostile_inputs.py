@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -100,6 +102,14 @@ def make_special(path: Path, kind: str) -> None:
             os.mknod(path, 0o600 | 0o020000, os.makedev(1, 5))  # a character device (/dev/zero's numbers)
         except PermissionError as e:
             pytest.skip(f"cannot create a device node here: {e}")
+    elif kind == "socket":  # (open(2) refuses it with ENXIO, which verify reported bare, and stopped)
+        short = tempfile.mkdtemp(dir=path.parent.anchor)  # (a socket's path has at most 107 bytes)
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(os.path.join(short, "s"))
+        os.rename(os.path.join(short, "s"), path)
+        os.rmdir(short)
+    elif kind == "link-loop":  # (ELOOP, likewise)
+        os.symlink(path.name, path)
     else:
         os.symlink("/dev/zero", path)
 
@@ -125,7 +135,7 @@ except ShardedStateError as e:
 """
 
 
-@pytest.mark.parametrize("kind", ["fifo", "device", "link-to-device"])
+@pytest.mark.parametrize("kind", ["fifo", "device", "link-to-device", "socket", "link-loop"])
 @pytest.mark.parametrize("slot", list(SLOTS))
 def test_special_file_in_a_path_slot_is_refused_without_blocking(tmp_path, slot, kind):
     directory = tmp_path / "ckpt"
@@ -157,7 +167,7 @@ def test_special_file_among_the_non_weight_files_is_refused_without_blocking(tmp
     make_special(source / "tokenizer.json", kind)
     done = run(
         f"""
-        from vllm_sharded_loader.storage.local import copy_non_weight_files
+        from vllm_sharded_loader.storage.model_files import copy_non_weight_files
         from vllm_sharded_loader.format import ShardedStateError
         try:
             copy_non_weight_files({str(source)!r}, {str(output)!r})
@@ -241,7 +251,7 @@ def model_folder(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("kind", ["fifo", "device", "socket", "link-loop"])
 @pytest.mark.parametrize("slot", MODEL_SLOTS)
 def test_a_special_file_in_a_source_model_is_refused_before_vllm_reads_the_folder(tmp_path, slot, kind):
     """vLLM opens a model's config and tokenizer plainly: convert, save and serve refuse the folder first."""
@@ -271,7 +281,12 @@ def test_a_special_file_in_a_source_model_is_refused_before_vllm_reads_the_folde
             print("EXIT", e.code)
         """
     )
-    kinds = {"fifo": "a FIFO", "device": "a character device"}
+    kinds = {
+        "fifo": "a FIFO",
+        "device": "a character device",
+        "socket": "a socket",
+        "link-loop": "a loop of symbolic links",
+    }
     expected = f"{source / slot} is {kinds[kind]}, where a regular file was expected"
     assert done.stdout.count(f"REFUSED {expected}") == 2, (done.stdout, done.stderr[-2000:])
     assert "EXIT 2" in done.stdout and f"{checkpoint / slot} is {kinds[kind]}" in done.stderr, done.stderr[-2000:]

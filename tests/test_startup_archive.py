@@ -26,7 +26,7 @@ from vllm_sharded_loader.format.errors import CheckpointCorrupt, ShardedStateErr
 from vllm_sharded_loader.format.manifest import FileEntry, Manifest, RankEntry, StartupArtifacts
 from vllm_sharded_loader.format.names import is_startup_artifacts_name, startup_artifacts_name
 from vllm_sharded_loader.format.source import SourceModel
-from vllm_sharded_loader.storage.local import is_weight_file
+from vllm_sharded_loader.storage.model_files import is_weight_file
 
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
 

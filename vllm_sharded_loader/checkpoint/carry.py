@@ -35,9 +35,10 @@ from ..format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNot
 from ..format.manifest import MAX_CARRIED_FILES, CarriedFile, Manifest
 from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
-from ..storage.local import escapes, file_kind, fsync_directory, is_weight_file, open_regular, part_path
+from ..storage.local import escapes, file_kind, fsync_directory, open_regular, part_path
 from ..storage.location import Store, open_store
 from ..storage.lock import missing_folders, remove_empty_folders
+from ..storage.model_files import is_weight_file
 
 KILL_CARRIED = declare("local.carried", "checkpoint/carry.py: one non-weight file placed, the manifest not yet")
 KILL_BACKED_UP = declare("local.backed_up", "checkpoint/carry.py: a non-weight file's backup linked, not yet replaced")

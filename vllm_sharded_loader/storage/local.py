@@ -7,10 +7,8 @@ header is read through :func:`read_header`.
 
 from __future__ import annotations
 
-import fnmatch
-import json
+import errno
 import os
-import shutil
 import stat
 import struct
 import tempfile
@@ -21,9 +19,7 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateE
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import (
     DEFAULT_PATTERNS,
-    LOCK_NAME,
     MANIFEST_NAME,
-    is_staged_name,
     is_startup_artifacts_name,
     parse_file_name,
 )
@@ -44,34 +40,14 @@ def file_kind(mode: int, other: str = "not a regular file") -> str:
     return _KINDS.get(stat.S_IFMT(mode), other)
 
 
-def not_regular(path: str, mode: int) -> CheckpointCorrupt:
-    """The error for ``path``, of ``st_mode`` ``mode``, found where a regular file should be."""
-    kind = file_kind(mode)
+def not_regular(path: str, mode: int | None) -> CheckpointCorrupt:
+    """The error for ``path``, of ``st_mode`` ``mode`` (None: a loop of symbolic links), found where
+    a regular file should be."""
+    kind = "a loop of symbolic links" if mode is None else file_kind(mode)
     return CheckpointCorrupt(
         f"{path} is {kind}, where a regular file was expected; refusing to read it. Replace it with the "
         "real file (copy or save the checkpoint again)."
     )
-
-
-def special_files(folder: str) -> list[CheckpointCorrupt]:
-    """An error for each FIFO, device or socket among a local model folder's files (its top level,
-    and what a checkpoint carries of its subfolders), found without opening any of them.
-
-    vLLM (and transformers) open a model's config and tokenizer files plainly: a FIFO among them
-    hangs whatever reads it for good, before any check of ours has seen the folder. A dangling
-    link is left to whatever reads it, which names it missing.
-    """
-    top = (n for n in os.listdir(folder) if not os.path.isdir(os.path.join(folder, n)))
-    found = []
-    for name in sorted({*top, *non_weight_files(folder)}):
-        path = os.path.join(folder, name)
-        try:
-            mode = os.stat(path).st_mode
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(mode):
-            found.append(not_regular(path, mode))
-    return found
 
 
 def check_output_folder(directory: str) -> None:
@@ -104,7 +80,12 @@ def open_regular(path: str) -> int:
     regular file is kept, switched back to blocking reads. Callers check containment first,
     so a link out of the checkpoint is refused before anything is opened.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:  # what open(2) itself refuses: a socket (ENXIO), a loop of links (ELOOP)
+        if e.errno not in (errno.ENXIO, errno.ELOOP):
+            raise
+        raise not_regular(path, None if e.errno == errno.ELOOP else os.stat(path).st_mode) from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -399,99 +380,3 @@ def write_file_durably(directory: str, name: str, data: bytes) -> None:
             os.remove(temporary)
         raise
     fsync_directory(directory)
-
-
-# Weights of the source model, which the sharded parts replace.
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
-SKIPPED_NAMES = (MANIFEST_NAME, LOCK_NAME, ".cache", ".git")
-
-
-def is_weight_file(name: str) -> bool:
-    """Whether a file of the source model is a weight file (or index) not to copy.
-
-    Our own bookkeeping is never carried either: a save's staged ``.partial`` files (a
-    start-up capture into the model's folder) and lock files.
-    """
-    return (
-        any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)
-        or name in SKIPPED_NAMES
-        or is_staged_name(name)
-        or name.startswith(LOCK_NAME)
-        # Tied to the saved topology and device: a copy or reshard that carried them would list
-        # them nowhere (its manifest is new), so they are never copied as model files.
-        or is_startup_artifacts_name(name)
-    )
-
-
-def module_folders(source: str) -> set[str]:
-    """Top-level folders holding modules of a sentence-transformers model (``modules.json``).
-
-    Their weights (a ``2_Dense/model.safetensors`` projection, say) are not the
-    transformer's, which the sharded parts replace: vLLM's pooler reads them from the
-    folder itself, so they must come along. An unreadable ``modules.json`` names none.
-    """
-    try:
-        with os.fdopen(open_regular(os.path.join(source, "modules.json"))) as f:
-            modules = json.load(f)
-    except (OSError, ValueError, ShardedStateError):
-        return set()
-    if not isinstance(modules, list):
-        return set()
-    paths = (m.get("path") for m in modules if isinstance(m, dict))
-    return {p.strip("/").split("/")[0] for p in paths if isinstance(p, str) and p.strip("/")}
-
-
-def _holds_a_checkpoint(folder: str) -> bool:
-    """A checkpoint (or a save into one) in a folder of the model's: converted or saved into the model's
-    own folder, it is not the model's, and a later checkpoint of the model must not carry it."""
-    return directory_holds_checkpoint(folder) or os.path.lexists(os.path.join(folder, LOCK_NAME))
-
-
-def non_weight_files(source: str) -> list[str]:
-    """Relative paths of the source model's files a checkpoint carries alongside its parts.
-
-    Config, generation config, tokenizer files, chat template, module folders, ...:
-    everything except the transformer's own weights, which the sharded parts replace:
-    top-level weight files, and weight files in folders that are not modules of the
-    model (an ``original/`` copy of the weights). A sentence-transformers module folder
-    is carried whole (:func:`module_folders`); a folder holding a checkpoint, not at all.
-    """
-    modules = module_folders(source)
-    found = []
-    for name in sorted(os.listdir(source)):
-        if is_weight_file(name):
-            continue
-        path = os.path.join(source, name)
-        if not os.path.isdir(path):
-            found.append(name)
-            continue
-        if _holds_a_checkpoint(path) or escapes(path, os.path.realpath(path), source) is not None:
-            # (A link to a folder elsewhere, say to /usr, is not the model's: not walked, as os.walk
-            # walks no nested link.)
-            continue
-        whole = name in modules
-        for root, dirs, files in os.walk(path):
-            nested = (d for d in dirs if d not in SKIPPED_NAMES)
-            dirs[:] = sorted(d for d in nested if not _holds_a_checkpoint(os.path.join(root, d)))
-            relative = os.path.relpath(root, source)
-            found.extend(
-                os.path.join(relative, f)
-                for f in sorted(files)
-                if f not in SKIPPED_NAMES and (whole or not is_weight_file(f))
-            )
-    return found
-
-
-def copy_non_weight_files(source: str, output: str) -> list[str]:
-    """Copy the source model's :func:`non_weight_files` to ``output``; returns their relative paths."""
-    copied = non_weight_files(source)
-    for name in copied:
-        os.makedirs(os.path.dirname(os.path.join(output, name)), exist_ok=True)
-        # Opened without blocking and refused unless regular: a FIFO there must not hang the save.
-        with (
-            os.fdopen(open_regular(os.path.join(source, name)), "rb") as src,
-            open(os.path.join(output, name), "wb") as dst,
-        ):
-            shutil.copyfileobj(src, dst, 1 << 20)
-        shutil.copystat(os.path.join(source, name), os.path.join(output, name))
-    return copied

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileEntry, Manifest
 from ..format.names import is_staged_name
-from . import local, lock, object_lock, objects
+from . import local, lock, model_files, object_lock, objects
 from .objects import is_object_url
 
 
@@ -165,7 +165,7 @@ class LocalStore:
         return sorted(os.listdir(self.where))
 
     def non_weight_files(self) -> list[str]:
-        return local.non_weight_files(self.where)
+        return model_files.non_weight_files(self.where)
 
     def read(self, name: str) -> bytes | Path:
         return Path(os.path.join(self.where, name))
@@ -197,7 +197,7 @@ class LocalStore:
         return lock.owner_is_alive(self.where, token)
 
     def special_files(self) -> list[ShardedStateError]:
-        return list(local.special_files(self.where))
+        return list(model_files.special_files(self.where))
 
     def check_output(self) -> None:
         local.check_output_folder(self.where)
@@ -236,7 +236,7 @@ class ObjectStore:
 
     def non_weight_files(self) -> list[str]:
         names = objects.list_tree(self.prefix)
-        return [n for n in names if not any(local.is_weight_file(p) or is_staged_name(p) for p in n.split("/"))]
+        return [n for n in names if not any(model_files.is_weight_file(p) or is_staged_name(p) for p in n.split("/"))]
 
     def read(self, name: str) -> bytes | Path:
         return objects.read_object(self.prefix, name)
@@ -369,7 +369,7 @@ def copy_non_weight_files(source: str, output: str) -> list[str]:
     """Copy :func:`non_weight_files` between any two locations (local folders, object prefixes)."""
     src, dst = open_store(source), open_store(output)
     if not src.remote and not dst.remote:
-        return local.copy_non_weight_files(source, output)
+        return model_files.copy_non_weight_files(source, output)
     names = src.non_weight_files()
     for name in names:
         dst.put(name, src.read(name))

@@ -1,0 +1,139 @@
+"""Which files of a local model folder a checkpoint carries beside its parts (config, tokenizer,
+sentence-transformers module folders), and which it leaves (the weights the parts replace, our own
+bookkeeping, a checkpoint saved into a subfolder); and the special files among them that would
+hang whatever opens them.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import os
+import shutil
+import stat
+
+from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.names import LOCK_NAME, MANIFEST_NAME, is_staged_name, is_startup_artifacts_name
+from .local import directory_holds_checkpoint, escapes, not_regular, open_regular
+
+# Weights of the source model, which the sharded parts replace.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+SKIPPED_NAMES = (MANIFEST_NAME, LOCK_NAME, ".cache", ".git")
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file of the source model is a weight file (or index) not to copy.
+
+    Our own bookkeeping is never carried either: a save's staged ``.partial`` files (a
+    start-up capture into the model's folder) and lock files.
+    """
+    return (
+        any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)
+        or name in SKIPPED_NAMES
+        or is_staged_name(name)
+        or name.startswith(LOCK_NAME)
+        # Tied to the saved topology and device: a copy or reshard that carried them would list
+        # them nowhere (its manifest is new), so they are never copied as model files.
+        or is_startup_artifacts_name(name)
+    )
+
+
+def module_folders(source: str) -> set[str]:
+    """Top-level folders holding modules of a sentence-transformers model (``modules.json``).
+
+    Their weights (a ``2_Dense/model.safetensors`` projection, say) are not the
+    transformer's, which the sharded parts replace: vLLM's pooler reads them from the
+    folder itself, so they must come along. An unreadable ``modules.json`` names none.
+    """
+    try:
+        with os.fdopen(open_regular(os.path.join(source, "modules.json"))) as f:
+            modules = json.load(f)
+    except (OSError, ValueError, ShardedStateError):
+        return set()
+    if not isinstance(modules, list):
+        return set()
+    paths = (m.get("path") for m in modules if isinstance(m, dict))
+    return {p.strip("/").split("/")[0] for p in paths if isinstance(p, str) and p.strip("/")}
+
+
+def _holds_a_checkpoint(folder: str) -> bool:
+    """A checkpoint (or a save into one) in a folder of the model's: converted or saved into the model's
+    own folder, it is not the model's, and a later checkpoint of the model must not carry it."""
+    return directory_holds_checkpoint(folder) or os.path.lexists(os.path.join(folder, LOCK_NAME))
+
+
+def non_weight_files(source: str) -> list[str]:
+    """Relative paths of the source model's files a checkpoint carries alongside its parts.
+
+    Config, generation config, tokenizer files, chat template, module folders, ...:
+    everything except the transformer's own weights, which the sharded parts replace:
+    top-level weight files, and weight files in folders that are not modules of the
+    model (an ``original/`` copy of the weights). A sentence-transformers module folder
+    is carried whole (:func:`module_folders`); a folder holding a checkpoint, not at all.
+    """
+    modules = module_folders(source)
+    found = []
+    for name in sorted(os.listdir(source)):
+        if is_weight_file(name):
+            continue
+        path = os.path.join(source, name)
+        if not os.path.isdir(path):
+            found.append(name)
+            continue
+        if _holds_a_checkpoint(path) or escapes(path, os.path.realpath(path), source) is not None:
+            # (A link to a folder elsewhere, say to /usr, is not the model's: not walked, as os.walk
+            # walks no nested link.)
+            continue
+        whole = name in modules
+        for root, dirs, files in os.walk(path):
+            nested = (d for d in dirs if d not in SKIPPED_NAMES)
+            dirs[:] = sorted(d for d in nested if not _holds_a_checkpoint(os.path.join(root, d)))
+            relative = os.path.relpath(root, source)
+            found.extend(
+                os.path.join(relative, f)
+                for f in sorted(files)
+                if f not in SKIPPED_NAMES and (whole or not is_weight_file(f))
+            )
+    return found
+
+
+def copy_non_weight_files(source: str, output: str) -> list[str]:
+    """Copy the source model's :func:`non_weight_files` to ``output``; returns their relative paths."""
+    copied = non_weight_files(source)
+    for name in copied:
+        os.makedirs(os.path.dirname(os.path.join(output, name)), exist_ok=True)
+        # Opened without blocking and refused unless regular: a FIFO there must not hang the save.
+        with (
+            os.fdopen(open_regular(os.path.join(source, name)), "rb") as src,
+            open(os.path.join(output, name), "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, 1 << 20)
+        shutil.copystat(os.path.join(source, name), os.path.join(output, name))
+    return copied
+
+
+def special_files(folder: str) -> list[CheckpointCorrupt]:
+    """An error for each FIFO, device or socket among a local model folder's files (its top level,
+    and what a checkpoint carries of its subfolders), found without opening any of them.
+
+    vLLM (and transformers) open a model's config and tokenizer files plainly: a FIFO among them
+    hangs whatever reads it for good, before any check of ours has seen the folder. A dangling
+    link is left to whatever reads it, which names it missing.
+    """
+    top = (n for n in os.listdir(folder) if not os.path.isdir(os.path.join(folder, n)))
+    found = []
+    for name in sorted({*top, *non_weight_files(folder)}):
+        path = os.path.join(folder, name)
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # a loop of links: whatever opens it fails, and cannot read what it needs
+            if e.errno != errno.ELOOP:
+                raise
+            found.append(not_regular(path, None))
+            continue
+        if not stat.S_ISREG(mode):
+            found.append(not_regular(path, mode))
+    return found
