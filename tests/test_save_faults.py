@@ -172,6 +172,39 @@ FAILS_AFTER_PUBLISH = textwrap.dedent(
 )
 
 
+SHORT_LOCK = textwrap.dedent(
+    """
+    import resource, sys
+    from tests.support.faultkit import states
+    from tests.support.states import SOURCE
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.format.errors import SaveRefused
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50, resource.RLIM_INFINITY))  # less than the lock's JSON
+    try:
+        save_checkpoint(sys.argv[1], states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    except SaveRefused as e:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # (stdout)
+        print("refused:", e)
+    """
+)
+
+
+def test_a_lock_file_cut_short_by_a_file_size_limit_refuses_the_save_and_is_taken_back(checkpoint_a):
+    """The lock's holder record written short (RLIMIT_FSIZE; a full disk) went unnoticed: the lock
+    read back as no one's, the save ended with a bare StopIteration and left the lock behind."""
+    directory, _ = checkpoint_a
+    before = tree_digest(str(directory))
+    result = package_process(["-c", SHORT_LOCK, str(directory)], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"refused: {directory}: taking the save lock {directory / LOCK_NAME} failed: "), (
+        result.stdout
+    )
+    assert "the lock file took 50 of" in result.stdout and "any previous checkpoint there is intact" in result.stdout
+    assert tree_digest(str(directory)) == before
+    assert_published(directory, 1.0)
+
+
 def test_an_error_right_after_the_publish_releases_the_lock_for_the_next_save_of_the_process(checkpoint_a):
     """An error once the manifest is renamed (an fsync of the folder failing: here raised at the
     kill point just after the rename) fails the save as published, and released neither the lock file

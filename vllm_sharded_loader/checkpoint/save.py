@@ -262,7 +262,8 @@ class LocalTarget:
         blind = [f"{member} on {host}" for host, member, sees in seen if not sees]
         if not blind:
             return
-        holder = next(f"{member} on {host}" for host, member, sees in seen if sees)
+        # (None sees it where the lock could not be read back: it names no member then.)
+        holder = next((f"{member} on {host}" for host, member, sees in seen if sees), "The first worker")
         error = FolderNotShared(
             f"Refusing to save to {self.where}: the workers do not share that folder. {holder} locked it for this "
             f"save, but {'; '.join(blind)} cannot see that lock there: each of these nodes has its own "

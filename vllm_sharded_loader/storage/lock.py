@@ -236,8 +236,11 @@ def _refuse_a_checkpoint(directory: str, overwrite: bool, patterns: tuple[str, .
 
 
 def _write_holder(fd: int, info: str) -> None:
+    data = info.encode()
     os.ftruncate(fd, 0)
-    os.pwrite(fd, info.encode(), 0)
+    written = os.pwrite(fd, data, 0)
+    if written != len(data):  # (a file size limit, a full disk: a lock read back as no one's)
+        raise OSError(errno.ENOSPC, f"the lock file took {written} of {len(data)} bytes")
     os.fsync(fd)
 
 
