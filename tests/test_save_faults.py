@@ -172,6 +172,22 @@ FAILS_AFTER_PUBLISH = textwrap.dedent(
 )
 
 
+def test_verify_notes_a_file_a_save_placed_before_it_died_unpublished(checkpoint_a):
+    """B, killed once it placed its chat template (A lacks one) and before its manifest: A stays
+    published, with B's template beside it, which no manifest records and a server reads. verify
+    passed it without a word; it now names it in a note (it may be the user's: never a problem)."""
+    directory, _ = checkpoint_a
+    result = save_in_process(directory, 2.0, {faults.KILL_ENV: "local.carried"})
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert_published(directory, 1.0)
+    assert (directory / "chat_template.jinja").exists()
+    notes: list[str] = []
+    verify_checkpoint(str(directory), notes=notes)
+    named = [n for n in notes if "chat_template.jinja" in n]
+    assert len(named) == 1 and "are not among the files its save carried" in named[0], notes
+    assert "notes.txt" in named[0]  # the user's own file too: only the user can tell
+
+
 SHORT_LOCK = textwrap.dedent(
     """
     import resource, sys

@@ -189,16 +189,23 @@ def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: 
             "to record them."
         )
         return []
-    if not manifest.carried_files:
+    # Unrecorded files beside the parts: the user's, or what a save that died before its publish had
+    # placed (another model's chat template, say), which a server reads all the same.
+    beside = [n for n in store.non_weight_files() if n not in manifest.carried_files and n not in manifest.stale_files]
+    listed = f"{len(beside)} ({', '.join(beside[:3])}{', ...' if len(beside) > 3 else ''})"
+    if beside and not manifest.carried_files:
         # The save hook records none where it carried none: saving into the served model's own
         # folder, or serving a model that is no local folder.
-        beside = store.non_weight_files()
-        if beside:
-            notes.append(
-                f"{store.file_path(MANIFEST_NAME)} records no carried files, but {len(beside)} lie beside the parts "
-                f"({', '.join(beside[:3])}{', ...' if len(beside) > 3 else ''}): they were not checked. A save that "
-                "copies them from the model (the save script, reshard) records them."
-            )
+        notes.append(
+            f"{store.file_path(MANIFEST_NAME)} records no carried files, but {listed} lie beside the parts: they "
+            "were not checked. A save that copies them from the model (the save script, reshard) records them."
+        )
+    elif beside:
+        notes.append(
+            f"{store.file_path(MANIFEST_NAME)}: {listed} beside the parts are not among the files its save "
+            "carried, and were not checked; a server of the checkpoint reads them too. If they are not yours, a "
+            "save that died before publishing may have left them: remove them."
+        )
     return carried_problems(store, manifest.carried_files, hashed)
 
 
