@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum, Manifest
-from ..format.names import MANIFEST_NAME, parse_file_name, staged_token
+from ..format.names import LOCK_NAME, MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
 from ..storage.location import (
@@ -158,13 +158,20 @@ def _verify_once(
             f"{describe_lock(directory, dead_lock)}: the lock of a save that died; the published checkpoint is "
             "the one verified here. The next save (with overwrite) takes it over and removes what it left."
         )
+    elif store.remote and store.is_locked():  # (object storage cannot tell a running save from a dead one)
+        dead_lock = {}
+        notes.append(
+            f"{store.file_path(LOCK_NAME)}: a save holds the prefix, or died holding it; the published checkpoint "
+            "is the one verified here, and parts it does not list are that save's (do not remove them while it runs)."
+        )
     for name in list_names(directory):
         if name not in listed and parse_file_name(manifest.pattern, name) is not None:
             if dead_lock is not None:
+                whose = "the save that holds the lock (or died holding it)" if store.remote else "the save that died"
                 notes.append(
-                    f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list, left by the save that "
-                    "died; our loader ignores it, the next save removes it (vLLM's own loader would read it: "
-                    "remove it before loading with vLLM's built-in sharded_state)."
+                    f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list, left by {whose}; our "
+                    "loader ignores it, the next save removes it (vLLM's own loader would read it: remove it before "
+                    "loading with vLLM's built-in sharded_state)."
                 )
                 continue
             problems.append(
