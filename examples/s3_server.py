@@ -10,6 +10,7 @@ Every port is a free loopback port chosen at start; the server's data lives in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -170,7 +171,9 @@ class SeaweedS3(LocalServer):
         """Make bucket ``name`` and return once it takes a write (SeaweedFS makes a bucket's volumes
         on its first write)."""
         client = self.client()
-        client.create_bucket(Bucket=name)
+        # (A retry of a create whose answer came late, on a loaded machine, finds the bucket ours.)
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=name)
         deadline = time.monotonic() + self.start_timeout
         while True:
             try:

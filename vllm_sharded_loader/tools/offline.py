@@ -163,9 +163,6 @@ def reshard_checkpoint(
             tied=manifest.tied,
             # Config and tokenizer go in under the lock, once the overwrite rule has passed.
             carry=directory,
-            # Every rank is staged (every source byte read) before the first is placed: a source
-            # part modified meanwhile fails the save before its publish, as a load's reads do.
-            placed=lambda _, entry: (source.check_unchanged(), entry)[1],
             progress=progress,
         )
 
