@@ -207,15 +207,12 @@ class CarriedFiles:
         their subfolders left empty; never through a folder that is a link out of the output. A save
         that staged nothing from a source (the engine hook saving into the served model's own folder)
         records none, and removes nothing."""
-        names = stale_names(manifest)
         if self.remote:
-            self.store.remove(names)
+            self.store.remove(stale_names(manifest))
             return
         failed = []
-        for name in names:
+        for name in stale_left(self.store, manifest):  # (not gone, and not through a link out: ours)
             path = os.path.join(self.output, name)
-            if not _stale_there(self.store, name):
-                continue  # gone, or what is there is not ours
             try:
                 os.remove(path)
             except (FileNotFoundError, IsADirectoryError):  # gone, or a folder of the user's now
