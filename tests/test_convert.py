@@ -404,6 +404,22 @@ def test_an_output_that_is_the_source_through_a_link_is_refused_and_nothing_is_w
     assert sorted(p.name for p in source.iterdir()) == before
 
 
+@pytest.mark.parametrize("through_link", [False, True])
+def test_an_output_inside_the_source_is_refused_and_nothing_is_written(sources, tmp_path, through_link):
+    """A subfolder of the source model (under any name): the parts would sit among the model's own
+    files, and later copies of the model skip a folder that holds a checkpoint."""
+    source = copy_source(sources["tied"], tmp_path / "src")
+    before = sorted(str(p.relative_to(source)) for p in source.rglob("*"))
+    named = source
+    if through_link:
+        named = tmp_path / "link"
+        named.symlink_to(source)
+    output = named / "sharded"
+    with pytest.raises(ShardedStateError, match=r"^--output \S+ lies inside the source model \S+; nothing was written"):
+        convert_checkpoint(str(source), str(output), 2, overwrite=True)
+    assert sorted(str(p.relative_to(source)) for p in source.rglob("*")) == before
+
+
 def test_a_config_that_does_not_describe_the_weights_is_refused(sources, tmp_path):
     bad = copy_source(sources["tied"], tmp_path / "src")
     config = json.loads((bad / "config.json").read_text())

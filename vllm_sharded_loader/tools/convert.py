@@ -41,13 +41,13 @@ from ..storage.location import (
     is_locked,
     open_store,
     read_manifest,
-    same_location,
 )
 from ..storage.oscalls import release_free_heap
 from ..storage.progress import ByteProgress
 from ..storage.staging_folders import staging_folder
 from ..storage.tensors import torch_threads
 from ..storage.writer import LazyTensor, write_order
+from .offline import check_output_apart
 
 if TYPE_CHECKING:
     from ..checkpoint.protocol import SaveTarget
@@ -337,8 +337,7 @@ def convert_checkpoint(
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     folder = resolve_source(source, revision)
     out = open_store(output)
-    if same_location(output, folder):
-        raise ShardedStateError("--output must be another folder than the source model.")
+    check_output_apart(output, folder, "model")
     check_no_special_files(folder)
     out.check_output()
     if not overwrite and not is_locked(output) and read_manifest(output) is not None:

@@ -91,6 +91,19 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
     }
 
 
+def check_output_apart(output: str, source: str, what: str, folder: str = "folder") -> None:
+    """Refuse an ``output`` that is the source ``what`` (under any name: a link, a bind mount) or lies
+    inside it, before anything is written: it would be written among the source's own files, and
+    a folder of them holding a checkpoint is no longer carried (the source's next copy lacks it)."""
+    if same_location(output, source):
+        raise ShardedStateError(f"--output must be another {folder} than the source {what}.")
+    if lies_inside(output, source):
+        raise ShardedStateError(
+            f"--output {output} lies inside the source {what} {source}; nothing was written. Choose a "
+            "folder outside the source."
+        )
+
+
 def reshard_checkpoint(
     directory: str,
     output: str,
@@ -112,15 +125,7 @@ def reshard_checkpoint(
     pp_size = manifest.pp_size if pp_size is None else pp_size
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    if same_location(output, directory):
-        raise ShardedStateError("--output must be another directory than the source checkpoint.")
-    if lies_inside(output, directory):
-        # (It would be written among the source's files, and a folder of them holding a checkpoint
-        # is no longer carried: the source's next copy would lack it.)
-        raise ShardedStateError(
-            f"--output {output} lies inside the source checkpoint {directory}; nothing was written. Choose a "
-            "folder outside the source."
-        )
+    check_output_apart(output, directory, "checkpoint", "directory")
     _check_carried_files(directory, manifest)
     # Every byte read is checked against its block's checksum: the output's own checksums must not
     # certify a corrupt source. A file without a record among files with one (a damaged manifest)
