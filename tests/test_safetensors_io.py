@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.support.engines import package_process
 from vllm_sharded_loader.format import ShardedStateError
 from vllm_sharded_loader.storage import integrity, local, tensor_files, writer
 
@@ -118,6 +119,31 @@ def test_direct_and_buffered_writes_give_the_same_file_and_checksums(tmp_path, m
     loaded = load_file(direct)
     assert torch.equal(loaded["rows"], wide[:, 100:250]) and torch.equal(loaded["odd_rows"], tensors[-2][1])
     assert torch.equal(loaded["parts"], torch.cat([fused[1:3], fused[6:9]]))
+
+
+def test_a_direct_write_cut_by_a_file_size_limit_says_so_not_a_bare_invalid_argument(tmp_path):
+    """A file size limit off a block boundary (``RLIMIT_FSIZE``, as ``ulimit -f`` sets it) cuts an
+    ``O_DIRECT`` write to an unaligned length, which the kernel refuses with ``EINVAL``: the save
+    said "Invalid argument". The writer finishes through the page cache, where the kernel says
+    what stopped it (``EFBIG``), as a buffered write would."""
+    if not direct_io_supported(tmp_path):
+        pytest.skip(f"{tmp_path}: the file system has no O_DIRECT")
+    code = """
+import errno, resource, signal, sys, torch
+from vllm_sharded_loader.storage.writer import write_file
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (the default action ends the process)
+resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, resource.RLIM_INFINITY))
+try:
+    write_file(sys.argv[1], [("w", torch.ones(1 << 18))], {}, direct=True)
+    result = "written"
+except OSError as e:
+    result = errno.errorcode.get(e.errno, str(e.errno))
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # (stdout)
+print(result)
+"""
+    run = package_process(["-c", code, str(tmp_path / "part.safetensors")])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["EFBIG"], run.stdout + run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("direct", [None, False])

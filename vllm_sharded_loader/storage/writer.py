@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import math
 import mmap
@@ -349,7 +350,17 @@ class _DirectSink(_Sink):
 
     def _write_all(self, view: memoryview) -> None:
         while len(view):
-            written = os.write(self.fd, view)
+            try:
+                written = os.write(self.fd, view)
+            except OSError as e:
+                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                    raise
+                # A write the kernel cut off a block boundary (a file size limit; after a short
+                # write, a disk full) fails under O_DIRECT with a bare EINVAL. Through the page
+                # cache, the kernel says why it stops (EFBIG, ENOSPC), or takes the rest.
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                continue
             if written <= 0:
                 raise OSError(errno.EIO, f"write returned {written}", self.path)
             view = view[written:]
