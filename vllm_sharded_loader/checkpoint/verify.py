@@ -153,20 +153,21 @@ def _verify_once(
     # and the parts it placed (died before its publish) or replaced (died after it, before its
     # cleanup): its own leftovers, not the checkpoint's.
     dead_lock = None if store.remote else read_lock(directory)
+    locked = dead_lock is not None  # (the unlisted parts are a locking save's leftovers, not problems)
     if dead_lock is not None:
         notes.append(
             f"{describe_lock(directory, dead_lock)}: the lock of a save that died; the published checkpoint is "
             "the one verified here. The next save (with overwrite) takes it over and removes what it left."
         )
     elif store.remote and store.is_locked():  # (object storage cannot tell a running save from a dead one)
-        dead_lock = {}
+        locked = True
         notes.append(
             f"{store.file_path(LOCK_NAME)}: a save holds the prefix, or died holding it; the published checkpoint "
             "is the one verified here, and parts it does not list are that save's (do not remove them while it runs)."
         )
     for name in list_names(directory):
         if name not in listed and parse_file_name(manifest.pattern, name) is not None:
-            if dead_lock is not None:
+            if locked:
                 whose = "the save that holds the lock (or died holding it)" if store.remote else "the save that died"
                 notes.append(
                     f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list, left by {whose}; our "

@@ -126,7 +126,7 @@ def reshard_checkpoint(
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     check_output_apart(output, directory, "checkpoint", "directory")
-    _check_carried_files(directory, manifest)
+    _refuse_damaged_carried_files(directory, manifest)
     # Every byte read is checked against its block's checksum: the output's own checksums must not
     # certify a corrupt source. A file without a record among files with one (a damaged manifest)
     # is refused, not a reason to check none; only a manifest that records none is read unchecked.
@@ -172,7 +172,7 @@ def reshard_checkpoint(
         )
 
 
-def _check_carried_files(directory: str, manifest: Manifest) -> None:
+def _refuse_damaged_carried_files(directory: str, manifest: Manifest) -> None:
     """Refuse a source whose carried files (config, tokenizer) are not what its save recorded: the
     output carries them and records them anew, so its record (and ``verify``) would certify the damage."""
     store = open_store(directory)
