@@ -125,11 +125,38 @@ def test_a_snapshot_link_elsewhere_is_refused_by_convert_and_load_alike(hub_cach
     outside.write_bytes(part.read_bytes())
     part.unlink()
     os.symlink(outside, part)
-    refused = re.escape(f"{part} resolves to {outside}, outside the checkpoint directory {repo}")
+    refused = re.escape(f"{part} resolves to {outside}, outside the checkpoint directory {snapshot}")
     with pytest.raises(ShardedStateError, match=refused):
         resolve_source(REPO)
     with pytest.raises(ShardedStateError, match=refused):
         _load_rank0(str(snapshot))
+
+
+@pytest.mark.parametrize("into", ["another snapshot", "refs"])
+def test_a_snapshot_link_into_the_rest_of_its_repository_is_refused(hub_cache, into):
+    """Only the snapshot and the repository's blobs/ hold a commit's files: a link into another
+    snapshot is another commit's part (same name and size, other values: a size-checked load took
+    it silently), one into ``refs/`` no weights."""
+    from vllm_sharded_loader.storage.hf_source import resolve_source
+
+    _, root = hub_cache
+    snapshot = lay_out_cache(root / "ckpt", root / "cache")
+    repo = snapshot.parent.parent
+    part = snapshot / "model-rank-0-part-0.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 1
+    folder = repo / "snapshots" / ("b" * 40) if into == "another snapshot" else repo / "refs"
+    folder.mkdir(exist_ok=True)
+    target = folder / part.name
+    target.write_bytes(bytes(data))
+    part.unlink()
+    os.symlink(os.path.relpath(target, snapshot), part)
+    refused = re.escape(f"{part} resolves to {target}, outside the checkpoint directory {snapshot}")
+    with pytest.raises(ShardedStateError, match=refused):
+        resolve_source(REPO)
+    targets = {n: torch.zeros_like(x) for n, x in stage_state(llama_like(num_layers=2), 2, 1, 0, 0).items()}
+    with pytest.raises(ShardedStateError, match=refused):  # (size-checked, as loads are by default)
+        load_rank(LoadRequest(str(snapshot), read_manifest(str(snapshot))), targets, RankInfo(0, 2))
 
 
 @pytest.fixture

@@ -63,7 +63,7 @@ def fetch(
 
 def check_snapshot(repo_id: str, storage: str, snapshot: str) -> None:
     """Refuse a snapshot that is not a folder of ``storage``'s ``snapshots/``, or holds a link that a load
-    would refuse (:func:`~.local.escapes`: out of the repository's folder and its blobs): a ``refs/`` file or
+    would refuse (:func:`~.local.escapes`: out of the snapshot and its repository's blobs): a ``refs/`` file or
     a link edited by hand would otherwise have us read another model's weights, or any file."""
     real = os.path.realpath(snapshot)
     # (Resolved: the cache, the repository's folder or its snapshots/ may be links to another disk.)

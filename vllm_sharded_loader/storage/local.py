@@ -120,16 +120,17 @@ def read_manifest(directory: str) -> Manifest | None:
 def containment_roots(directory: str) -> tuple[str, ...]:
     """The folders a checkpoint's files may resolve into.
 
-    The checkpoint folder itself, except in a Hugging Face cache, where a snapshot's
-    files are symlinks into the same repository's ``blobs`` folder: the repository's
-    folder, and its ``blobs`` where that resolves (moved to a bigger disk and linked
-    back, as huggingface_hub's users do).
+    The checkpoint folder itself, and in a Hugging Face cache, where a snapshot's files
+    are symlinks into the same repository's ``blobs`` folder, that ``blobs`` where it
+    resolves (moved to a bigger disk and linked back, as huggingface_hub's users do).
+    Not the rest of the repository's folder: a link into another snapshot is another
+    commit's file (huggingface_hub makes none), and one into ``refs/`` no weights.
     """
     real = os.path.realpath(directory)
     snapshots, repo = os.path.dirname(real), os.path.dirname(os.path.dirname(real))
     blobs = os.path.join(repo, "blobs")
     if os.path.basename(snapshots) == "snapshots" and os.path.isdir(blobs):
-        return repo, os.path.realpath(blobs)
+        return real, os.path.realpath(blobs)
     return (real,)
 
 
@@ -139,10 +140,12 @@ def escapes(path: str, real: str, directory: str) -> ShardedStateError | None:
     if any(os.path.commonpath([real, root]) == root for root in roots):
         return None
     if len(roots) > 1:
-        repo, blobs = roots
+        snapshot, blobs = roots
+        repo = os.path.dirname(os.path.dirname(snapshot))
         return CheckpointCorrupt(
-            f"{path} resolves to {real}, outside the checkpoint directory {repo}, a repository of the Hub cache "
-            f"whose files are links into its blobs/ ({blobs}); refusing to read it. Delete {repo} and fetch it again."
+            f"{path} resolves to {real}, outside the checkpoint directory {snapshot}, a snapshot of the Hub cache "
+            f"whose files are links into its repository's blobs/ ({blobs}); refusing to read it. Delete {repo} and "
+            "fetch it again."
         )
     return CheckpointCorrupt(
         f"{path} resolves to {real}, outside the checkpoint directory {roots[0]} (a symlink or path "
