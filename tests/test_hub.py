@@ -6,6 +6,7 @@ symlinks per commit, ``refs/main`` naming the commit.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from tests.support.hub import COMMIT, REPO, lay_out_cache
 from tests.support.reference import llama_like
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointNotFound
 from vllm_sharded_loader.storage import hub
 
 
@@ -97,6 +99,24 @@ def _load_rank0(snapshot: str) -> None:
     targets = {n: torch.zeros_like(x) for n, x in expected.items()}
     load_rank(LoadRequest(snapshot, read_manifest(snapshot), verify="checksum"), targets, RankInfo(0, 2))
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
+
+
+@pytest.mark.parametrize("where", ["hub", "folder"])
+def test_a_manifest_that_is_a_link_to_nothing_is_named_not_taken_for_vllms_own_save(hub_cache, tmp_path, where):
+    """A snapshot whose manifest blob is missing (a download cut short, a pruned cache), or a folder
+    whose manifest links to nothing: read as "no manifest", the load took the checkpoint for vLLM's
+    own save and read its parts without a check of sizes, geometry or source."""
+    _, root = hub_cache
+    if where == "hub":
+        folder = lay_out_cache(root / "ckpt", root / "cache", leave_out={MANIFEST_NAME})
+    else:
+        folder = tmp_path / "copy"
+        shutil.copytree(root / "ckpt", folder)
+        (folder / MANIFEST_NAME).unlink()
+        os.symlink("gone.json", folder / MANIFEST_NAME)  # (inside the folder: one out of it is refused first)
+    target = os.readlink(folder / MANIFEST_NAME)
+    with pytest.raises(CheckpointNotFound, match=re.escape(f"a symbolic link to {target}, which does not exist")):
+        read_manifest(str(folder))
 
 
 def test_blobs_on_another_disk_are_read_by_convert_and_load_alike(hub_cache):

@@ -193,7 +193,7 @@ class CarriedFiles:
         as the source's files are; the new manifest records the result before it is published."""
         try:
             previous = self.store.read_manifest()
-        except (CheckpointCorrupt, CheckpointMismatch):  # unreadable: what it carried is unknown, nothing goes
+        except (CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound):  # unreadable: what it carried is unknown
             return []  # (a network error is the save's: failing here, before the publish, loses nothing)
         if previous is None:
             return []

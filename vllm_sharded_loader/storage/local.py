@@ -113,7 +113,15 @@ def read_manifest(directory: str) -> Manifest | None:
                 )
             text = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        return None
+        # There a moment ago: a link to nothing (a Hub download cut short, a pruned cache), or
+        # removed meanwhile. Never a checkpoint without manifest, which would load unchecked.
+        target = os.readlink(path) if os.path.islink(path) else None
+        raise CheckpointNotFound(
+            f"{path}: a symbolic link to {target}, which does not exist; the checkpoint's manifest cannot be read. "
+            "Fetch or copy the checkpoint again."
+            if target is not None
+            else f"{path}: removed while it was being read. Load again once the checkpoint is in place."
+        ) from None
     return Manifest.from_json(text, where=path)
 
 
