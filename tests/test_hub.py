@@ -101,6 +101,22 @@ def _load_rank0(snapshot: str) -> None:
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
+def test_a_ranks_parts_come_from_the_commit_its_manifest_came_from_though_the_branch_moved(hub_cache):
+    """The load fetches the manifest and config by branch, then each rank's parts: by the snapshot's
+    commit. A push between the two (here the cache's ``refs/main`` moved to another commit) fetched the
+    parts into the new commit's folder, and the load named them missing; each worker resolving the
+    branch on its own could read another commit's parts."""
+    _, root = hub_cache
+    snapshot = lay_out_cache(root / "ckpt", root / "cache")
+    repo = snapshot.parent.parent
+    newer = repo / "snapshots" / ("b" * 40)
+    shutil.copytree(snapshot, newer, symlinks=True)
+    (repo / "refs" / "main").write_text("b" * 40)
+    part = read_manifest(str(snapshot)).rank(0, 0).files[0].name
+    assert hub.fetch(REPO, [part]) == str(newer)  # what the branch names now
+    assert hub.fetch_more(REPO, str(snapshot), [part]) == str(snapshot)
+
+
 @pytest.mark.parametrize("where", ["hub", "folder"])
 def test_a_manifest_that_is_a_link_to_nothing_is_named_not_taken_for_vllms_own_save(hub_cache, tmp_path, where):
     """A snapshot whose manifest blob is missing (a download cut short, a pruned cache), or a folder

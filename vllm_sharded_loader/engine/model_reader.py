@@ -253,7 +253,7 @@ class ModelReader:
             # Online, vLLM leaves a Hub id as it is (offline it substitutes the cached
             # snapshot, and the files are only opened, never fetched): fetch this rank's parts.
             patterns = hub.rank_fetch_patterns(manifest, rank, list(targets), tied, self.pattern)
-            hub.fetch(repo_id, patterns, revision=model_config.revision, cache_dir=self.load_config.download_dir)
+            hub.fetch_more(repo_id, directory, patterns, self.load_config.download_dir)
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
         from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 

@@ -144,10 +144,11 @@ def _prepare_node(model: str, revision: str | None, download_dir: str | None) ->
     if store.exists():
         return _restore_model_info(model, model, lambda name: model)
 
-    def fetch_from_hub(name: str) -> str:
-        return hub.fetch(model, [name], revision=revision, cache_dir=download_dir)
-
     where = hub.fetch(model, hub.METADATA_PATTERNS, revision=revision, cache_dir=download_dir)
+
+    def fetch_from_hub(name: str) -> str:
+        return hub.fetch_more(model, where, [name], download_dir)
+
     return _restore_model_info(model, where, fetch_from_hub)
 
 

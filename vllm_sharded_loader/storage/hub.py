@@ -61,6 +61,19 @@ def fetch(
     return snapshot
 
 
+def fetch_more(repo_id: str, snapshot: str, patterns: Sequence[str], cache_dir: str | None = None) -> str:
+    """Fetch more files of ``snapshot`` (a folder :func:`fetch` returned, of ``repo_id``) into it: by
+    its commit, not by the branch or tag that named it, which a push may have moved meanwhile (the
+    files would be another commit's, in another snapshot, and this one's named missing)."""
+    fetched = fetch(repo_id, patterns, revision=os.path.basename(os.path.normpath(snapshot)), cache_dir=cache_dir)
+    if os.path.realpath(fetched) != os.path.realpath(snapshot):
+        raise CheckpointCorrupt(
+            f"{repo_id}: the files of {snapshot} were fetched into {fetched}, another folder; refusing to read "
+            f"them. Delete the repository's folder in the Hub cache and load again."
+        )
+    return fetched
+
+
 def check_snapshot(repo_id: str, storage: str, snapshot: str) -> None:
     """Refuse a snapshot that is not a folder of ``storage``'s ``snapshots/``, or holds a link that a load
     would refuse (:func:`~.local.escapes`: out of the snapshot and its repository's blobs): a ``refs/`` file or
