@@ -271,6 +271,31 @@ def test_verify_inspect_and_reshard_work_on_the_store(store, tmp_path, capsys):
             assert stats.resharded_from is None and all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
+def test_a_checkpoint_under_a_source_prefix_is_not_carried_as_the_models_files(store, tmp_path):
+    """As in a local folder: a checkpoint saved under the model's prefix is not the model's. Carried,
+    its tokenizer was written over the one of a checkpoint at the same place under the output,
+    recorded as the output's own, and removed as stale by the output's next save."""
+    url = store.new_url()
+    names = {
+        "config.json": b"{}",
+        "tokenizer.json": b"{}",
+        "tok/vocab.txt": b"a",
+        "inner/sharded_state.json": b"{}",
+        "inner/tokenizer.json": b"{}",
+        "parts/model-rank-0-part-0.safetensors": b"x",
+        "parts/notes.txt": b"n",
+        "saving/.sharded_state.lock": b"{}",
+        "saving/chat_template.jinja": b"t",
+    }
+    for name, data in names.items():
+        store.raw_put(url, name, data)
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    carried = ["config.json", "tok/vocab.txt", "tokenizer.json"]
+    assert open_store(url).non_weight_files() == carried
+    assert open_store(str(tmp_path)).non_weight_files() == carried  # the rule of a local folder
+
+
 # -------------------------------------------------------- vLLM's config and tokenizer fetch
 
 

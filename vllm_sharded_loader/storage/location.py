@@ -236,7 +236,15 @@ class ObjectStore:
 
     def non_weight_files(self) -> list[str]:
         names = objects.list_tree(self.prefix)
-        return [n for n in names if not any(model_files.is_weight_file(p) or is_staged_name(p) for p in n.split("/"))]
+        # (A checkpoint saved under the prefix is not the model's: carried, its files would be written
+        # over another checkpoint's, recorded as this one's, and removed as stale by a later save.)
+        nested = model_files.nested_checkpoints(names)
+        return [
+            n
+            for n in names
+            if not any(model_files.is_weight_file(p) or is_staged_name(p) for p in n.split("/"))
+            and not any(n.startswith(folder + "/") for folder in nested)
+        ]
 
     def read(self, name: str) -> bytes | Path:
         return objects.read_object(self.prefix, name)

@@ -14,7 +14,14 @@ import shutil
 import stat
 
 from ..format.errors import CheckpointCorrupt, ShardedStateError
-from ..format.names import LOCK_NAME, MANIFEST_NAME, is_staged_name, is_startup_artifacts_name
+from ..format.names import (
+    DEFAULT_PATTERNS,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    is_staged_name,
+    is_startup_artifacts_name,
+    parse_file_name,
+)
 from .local import directory_holds_checkpoint, escapes, not_regular, open_regular
 
 # Weights of the source model, which the sharded parts replace.
@@ -61,6 +68,22 @@ def _holds_a_checkpoint(folder: str) -> bool:
     """A checkpoint (or a save into one) in a folder of the model's: converted or saved into the model's
     own folder, it is not the model's, and a later checkpoint of the model must not carry it."""
     return directory_holds_checkpoint(folder) or os.path.lexists(os.path.join(folder, LOCK_NAME))
+
+
+def nested_checkpoints(names: list[str]) -> set[str]:
+    """The sub-folders holding a checkpoint (or a save into one), among the relative ``names`` of a
+    listing (an object-storage prefix's): by the rule of a local folder, a manifest, a lock, a part
+    named as vLLM names them or start-up artifacts. Another checkpoint's, never carried."""
+    folders = set()
+    for name in names:
+        folder, _, leaf = name.rpartition("/")
+        if folder and (
+            leaf in (MANIFEST_NAME, LOCK_NAME)
+            or is_startup_artifacts_name(leaf)
+            or any(parse_file_name(p, leaf) is not None for p in DEFAULT_PATTERNS)
+        ):
+            folders.add(folder)
+    return folders
 
 
 def non_weight_files(source: str) -> list[str]:
