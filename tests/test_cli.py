@@ -392,6 +392,42 @@ def test_reshard_stopped_once_it_has_published_says_the_checkpoint_is_complete(c
     assert set(os.listdir(output)) == {f.name for r in manifest.ranks for f in r.files} | {MANIFEST_NAME}
 
 
+def test_a_reshard_whose_source_is_saved_over_meanwhile_carries_nothing_of_the_new_save(checkpoint, tmp_path):
+    """The source's carried files are checked before the reshard and copied under the output's lock,
+    later: another save into the source that placed its tokenizer meanwhile (its old parts not yet
+    removed) had the output carry the new save's tokenizer beside the old weights, recorded as
+    sound. Now what is copied must be what the source's manifest records."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from vllm_sharded_loader.storage import faults
+
+    _, directory = checkpoint
+    (directory / "tokenizer.json").write_text('{"model": "old"}')
+    source, output = tmp_path / "source", tmp_path / "out"
+    assert cli(["reshard", str(directory), "-tp", "1", "-o", str(source)]) == 0  # records the tokenizer
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "reshard", str(source), "-tp", "2"]
+    env = {**os.environ, faults.KILL_ENV: "local.staged", faults.KILL_SIGNAL_ENV: "STOP"}
+    with subprocess.Popen([*command, "-o", str(output)], env=env, stderr=subprocess.PIPE, text=True) as saving:
+        try:
+            deadline = time.monotonic() + 120
+            stat = Path(f"/proc/{saving.pid}/stat")
+            while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":  # stopped, its checks passed
+                assert saving.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            placed = source / ".tokenizer.json.another-save"
+            placed.write_text('{"model": "new"}')
+            os.replace(placed, source / "tokenizer.json")  # as a save places a carried file
+        finally:
+            saving.send_signal(signal.SIGCONT)
+        _, err = saving.communicate(timeout=120)
+    assert saving.returncode == 2, err[-2000:]
+    assert f"{source}: tokenizer.json no longer as its manifest records" in err, err[-2000:]
+    assert not (output / "sharded_state.json").exists() and not (output / "tokenizer.json").exists()
+
+
 def test_inspect_and_reshard_of_a_folder_whose_first_save_runs_name_the_save(checkpoint, tmp_path, capsys):
     """A folder that a reshard (another process, stopped mid-write) is saving for the first time:
     inspect, and a reshard from it, say that a save holds it, who, and to wait, as verify does (they

@@ -274,7 +274,8 @@ def test_verify_inspect_and_reshard_work_on_the_store(store, tmp_path, capsys):
 def test_a_checkpoint_under_a_source_prefix_is_not_carried_as_the_models_files(store, tmp_path):
     """As in a local folder: a checkpoint saved under the model's prefix is not the model's. Carried,
     its tokenizer was written over the one of a checkpoint at the same place under the output,
-    recorded as the output's own, and removed as stale by the output's next save."""
+    recorded as the output's own, and removed as stale by the output's next save. And a module
+    folder comes whole, its weights too (they were left behind)."""
     url = store.new_url()
     names = {
         "config.json": b"{}",
@@ -286,12 +287,17 @@ def test_a_checkpoint_under_a_source_prefix_is_not_carried_as_the_models_files(s
         "parts/notes.txt": b"n",
         "saving/.sharded_state.lock": b"{}",
         "saving/chat_template.jinja": b"t",
+        "modules.json": b'[{"path": ""}, {"path": "2_Dense"}]',  # (sentence-transformers)
+        "2_Dense/config.json": b"{}",
+        "2_Dense/model.safetensors": b"d",  # a module's own weights: carried
+        "original/model.safetensors": b"o",  # a copy of the transformer's: not
     }
     for name, data in names.items():
         store.raw_put(url, name, data)
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(data)
-    carried = ["config.json", "tok/vocab.txt", "tokenizer.json"]
+    carried = ["2_Dense/config.json", "2_Dense/model.safetensors", "config.json", "modules.json", "tok/vocab.txt"]
+    carried.append("tokenizer.json")
     assert open_store(url).non_weight_files() == carried
     assert open_store(str(tmp_path)).non_weight_files() == carried  # the rule of a local folder
 

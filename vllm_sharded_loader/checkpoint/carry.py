@@ -28,6 +28,7 @@ import functools
 import hashlib
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,8 +154,10 @@ class CarriedFiles:
     def remote(self) -> bool:
         return self.store.remote
 
-    def stage(self, source: str) -> list[str]:
-        """Copy ``source``'s non-weight files aside; returns the names that will change."""
+    def stage(self, source: str, record: Mapping[str, CarriedFile] | None = None) -> list[str]:
+        """Copy ``source``'s non-weight files aside; returns the names that will change. ``record``
+        (a checkpoint's own, for a reshard of it) is what they must hold: one that differs from it
+        as copied, or is gone, is refused (the source changed since it was checked: another save)."""
         origin = open_store(source)
         names = origin.non_weight_files()
         _check_recordable(source, names)
@@ -181,6 +184,13 @@ class CarriedFiles:
                 f"{self.output} holds files that differ from {source}'s and are no checkpoint's: "
                 f"{', '.join(taken)}; refusing to replace them, nothing was written. Choose another output, "
                 "remove them, or ask for overwrite (--overwrite, or SHARDED_STATE_OVERWRITE=1 for the save hook)."
+            )
+        changed = sorted(n for n, r in (record or {}).items() if self.recorded.get(n) != r)
+        if changed:
+            self.restore()
+            raise CheckpointCorrupt(
+                f"{source}: {', '.join(changed)} no longer as its manifest records (replaced since it was checked: "
+                f"another save into it?); nothing was written to {self.output}. Try again once it is done."
             )
         self.stale = self._stale(names)
         return sorted(self.staged)

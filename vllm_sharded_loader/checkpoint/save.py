@@ -37,7 +37,7 @@ import torch
 
 from ..format.errors import SaveRefused, ShardedStateError
 from ..format.experts import ExpertPlacement
-from ..format.manifest import Manifest, RankEntry
+from ..format.manifest import CarriedFile, Manifest, RankEntry
 from ..format.names import (
     DEFAULT_PATTERNS,
     MANIFEST_NAME,
@@ -414,6 +414,7 @@ def save_checkpoint(
     tied: tuple[tuple[str, ...], ...] = (),
     experts: ExpertPlacement | None = None,
     carry: str | None = None,
+    carried_record: Mapping[str, CarriedFile] | None = None,
     parallel: bool = False,
     placed: Callable[[SaveTarget, RankEntry], RankEntry] | None = None,
     ended: Callable[[RankInfo, BaseException | None], None] | None = None,
@@ -426,7 +427,7 @@ def save_checkpoint(
     tokenizer) the save puts beside them (:mod:`.carry`): staged under the lock, once the
     overwrite rule has passed, and placed just before the publish, so that nothing is
     written into an existing output that the save may not replace, and a failure puts
-    back what they replaced.
+    back what they replaced; as ``carried_record`` says, where given (:meth:`.carry.CarriedFiles.stage`).
 
     ``directory`` may be an object-storage URL (``s3://``, ``gs://``, ``az://``: :mod:`.remote_save`). ``geometry``
     (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name) lets the
@@ -489,6 +490,9 @@ def save_checkpoint(
         )
 
     job = SaveJob(
-        stage, manifest_of, carry=None if carry is None else lambda carried: carried.stage(carry), placed=placed
+        stage,
+        manifest_of,
+        carry=None if carry is None else lambda carried: carried.stage(carry, carried_record),
+        placed=placed,
     )
     return run_save(open_target(directory, overwrite, pattern), OneProcess(), job)[0]

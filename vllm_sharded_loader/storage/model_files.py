@@ -54,9 +54,17 @@ def module_folders(source: str) -> set[str]:
     folder itself, so they must come along. An unreadable ``modules.json`` names none.
     """
     try:
-        with os.fdopen(open_regular(os.path.join(source, "modules.json"))) as f:
-            modules = json.load(f)
-    except (OSError, ValueError, ShardedStateError):
+        with os.fdopen(open_regular(os.path.join(source, "modules.json")), "rb") as f:
+            return modules_in(f.read())
+    except (OSError, ShardedStateError):
+        return set()
+
+
+def modules_in(data: bytes) -> set[str]:
+    """The top-level module folders that a ``modules.json`` names (:func:`module_folders`)."""
+    try:
+        modules = json.loads(data)
+    except ValueError:
         return set()
     if not isinstance(modules, list):
         return set()

@@ -168,6 +168,7 @@ def reshard_checkpoint(
             tied=manifest.tied,
             # Config and tokenizer go in under the lock, once the overwrite rule has passed.
             carry=directory,
+            carried_record=manifest.carried_files,  # (as checked above: a save into it since is refused)
             progress=progress,
         )
 
