@@ -408,7 +408,8 @@ def test_one_prefix_under_any_spelling_is_one_location(url):
     assert same_location("s3://b/ckpt", url)
     assert not same_location("s3://b/ckpt", "s3://b/ckpt2") and not same_location("s3://b/ckpt", "gs://b/ckpt")
     # reshard also refuses an output inside its source: a longer prefix of the same bucket
-    assert lies_inside(url + "/sub", "s3://b/ckpt") and lies_inside("s3://b/ckpt/sub", "s3://b/")
+    # ("ckpt///sub", an empty part inside the prefix, is refused as a URL: its subfolder is spelt once)
+    assert lies_inside(url.rstrip("/") + "/sub", "s3://b/ckpt") and lies_inside("s3://b/ckpt/sub", "s3://b/")
     assert not lies_inside(url, "s3://b/ckpt") and not lies_inside("s3://b/ckpt2", url)
     assert not lies_inside("s3://c/ckpt/sub", url) and not lies_inside("gs://b/ckpt/sub", url)
     from vllm_sharded_loader.tools.convert import convert_checkpoint
@@ -428,3 +429,15 @@ def test_a_query_or_fragment_is_refused_by_the_prefix_parser_itself(url):
     # Not only through open_store: every caller of the one parser of an object URL refuses it.
     with pytest.raises(ShardedStateError, match=r"its '\?' or '#' part .* would be ignored"):
         objects.ObjectPrefix.parse(url)
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://b/a//b", "s3://b/a/../c", "s3://b/./x", "gs://b/x/.", "https://acct.blob.core.windows.net/c/a/../b"]
+)
+def test_a_prefix_with_an_empty_dot_or_dot_dot_part_is_refused_as_a_url_not_blamed_on_the_endpoint(url):
+    """Keys are not paths: the stores refuse such a key (the message said to check the endpoint and
+    credentials) or keep it as it is, another prefix than the one meant."""
+    with pytest.raises(ShardedStateError, match=r"has an empty, '\.' or '\.\.' part"):
+        open_store(url)
+    for fine in ("s3://b//x", "s3://b/x/", "s3://b"):  # (slashes at the ends are no part)
+        open_store(fine)

@@ -79,12 +79,14 @@ class ObjectPrefix:
                     f"{url}: an Azure blob URL must name the container: "
                     "https://ACCOUNT.blob.core.windows.net/CONTAINER/prefix."
                 )
+            _check_segments(url, prefix)
             return cls(container, prefix + "/" if prefix else "", "az", account)
         if scheme + "://" not in SCHEMES or not parsed.netloc:
             raise ShardedStateError(
                 f"{url}: not an object storage URL of the form s3://bucket/prefix, gs://bucket/prefix, "
                 "az://container/prefix or https://ACCOUNT.blob.core.windows.net/container/prefix."
             )
+        _check_segments(url, path)
         return cls(parsed.netloc, path + "/" if path else "", scheme)
 
     def key(self, name: str) -> str:
@@ -99,6 +101,16 @@ class ObjectPrefix:
         """The obstore client of this bucket (one per bucket and process, shared by every thread)."""
         check_not_forked(self.url())
         return _store(self.scheme, self.bucket, self.account)
+
+
+def _check_segments(url: str, prefix: str) -> None:
+    """Refuse a prefix with an empty, ``.`` or ``..`` part: keys are not paths (nothing resolves them),
+    and the stores refuse or keep such keys as they are, which a message then blamed on the endpoint."""
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ShardedStateError(
+            f"{url}: its prefix {prefix!r} has an empty, '.' or '..' part, which object storage does not resolve "
+            "as a folder path would; nothing was read or written. Give the prefix without them (s3://bucket/a/b)."
+        )
 
 
 def _error_type(error: Exception) -> type[ShardedStateError]:
