@@ -7,6 +7,7 @@ header is read through :func:`read_header`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -115,7 +116,9 @@ def read_manifest(directory: str) -> Manifest | None:
     except FileNotFoundError:
         # There a moment ago: a link to nothing (a Hub download cut short, a pruned cache), or
         # removed meanwhile. Never a checkpoint without manifest, which would load unchecked.
-        target = os.readlink(path) if os.path.islink(path) else None
+        target = None
+        with contextlib.suppress(OSError):  # (not a link, or gone by now)
+            target = os.readlink(path)
         raise CheckpointNotFound(
             f"{path}: a symbolic link to {target}, which does not exist; the checkpoint's manifest cannot be read. "
             "Fetch or copy the checkpoint again."
