@@ -274,13 +274,13 @@ def restore_startup_artifacts(
     where: str,
     manifest: Manifest | None,
     rank: RankInfo,
-    hub_fetch: tuple[str, str, str | None] | None = None,
+    hub_fetch: tuple[str, str | None] | None = None,
 ) -> bool:
     """At start-up, after the weights and before vLLM compiles: check this rank's artifacts (key
     equal to the served one, bytes equal to their checksum) and have them unpacked where vLLM
     will compile, just before the model's first forward pass (:func:`_unpack_before_first_forward`).
     Anything else is one log line and vLLM compiles as usual. ``hub_fetch`` is (repo id,
-    snapshot folder, cache dir) of a Hub checkpoint, whose archive is fetched like the rank's parts.
+    cache dir) of a Hub checkpoint (``where``, its snapshot), whose archive is fetched like the rank's parts.
     True if the artifacts will be used."""
     if not startup_artifacts.enabled() or manifest is None:
         return False
@@ -296,7 +296,7 @@ def _restore(
     where: str,
     manifest: Manifest,
     rank: RankInfo,
-    hub_fetch: tuple[str, str, str | None] | None,
+    hub_fetch: tuple[str, str | None] | None,
 ) -> bool:
     try:
         entry = manifest.rank(rank.tp_rank, rank.pp_rank, rank.saved_dp_rank)
@@ -314,8 +314,8 @@ def _restore(
         logger.info("sharded_state: %s start-up artifacts not used, saved for another setup (%s)", rank, differs)
         return False
     if hub_fetch is not None and not open_store(where).remote:
-        repo_id, snapshot, cache_dir = hub_fetch
-        where = hub.fetch_more(repo_id, snapshot, [record.file], cache_dir)
+        repo_id, cache_dir = hub_fetch
+        where = hub.fetch_more(repo_id, where, [record.file], cache_dir)
     if any(m is model for m in compiled_modules(model)):
         # vLLM's compiled __call__ replaces the module's own, which runs the forward hooks.
         logger.info("sharded_state: %s start-up artifacts not used: the model class itself is compiled", rank)

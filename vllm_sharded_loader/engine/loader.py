@@ -160,7 +160,7 @@ class ShardedStateLoader(BaseModelLoader):
             self.reader.adoptable(model, state_dict),
         )
         # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
-        hub_fetch = None if repo_id is None else (repo_id, directory, self.load_config.download_dir)
+        hub_fetch = None if repo_id is None else (repo_id, self.load_config.download_dir)
         restore_startup_artifacts(model, directory, manifest, model_rank(model), hub_fetch)
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

@@ -362,11 +362,16 @@ def directory_holds_checkpoint(directory: str, patterns: Sequence[str] = ()) -> 
         names = os.listdir(directory)
     except FileNotFoundError:
         return False
-    patterns = (*DEFAULT_PATTERNS, *patterns)
+    return any(is_checkpoint_file(n, patterns) for n in names)
+
+
+def is_checkpoint_file(name: str, patterns: Sequence[str] = ()) -> bool:
+    """Whether a file name (no folder) is a checkpoint's own: its manifest, a part named as vLLM names
+    them (or in one of ``patterns``), a rank's start-up artifacts (:func:`directory_holds_checkpoint`)."""
     return (
-        MANIFEST_NAME in names
-        or any(parse_file_name(p, n) is not None for n in names for p in patterns)
-        or any(is_startup_artifacts_name(n) for n in names)
+        name == MANIFEST_NAME
+        or any(parse_file_name(p, name) is not None for p in (*DEFAULT_PATTERNS, *patterns))
+        or is_startup_artifacts_name(name)
     )
 
 

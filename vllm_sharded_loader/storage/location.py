@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileEntry, Manifest
-from ..format.names import is_staged_name
 from . import local, lock, model_files, object_lock, objects
 from .objects import is_object_url
 
@@ -238,17 +237,8 @@ class ObjectStore:
         names = objects.list_tree(self.prefix)
         # (A checkpoint saved under the prefix is not the model's: carried, its files would be written
         # over another checkpoint's, recorded as this one's, and removed as stale by a later save.)
-        nested = model_files.nested_checkpoints(names)
-        # A sentence-transformers module folder comes whole, its weights too (a 2_Dense projection).
         modules = model_files.modules_in(self.read("modules.json")) if "modules.json" in names else set()
-
-        def carried(name: str) -> bool:
-            parts = name.split("/")
-            whole = len(parts) > 1 and parts[0] in modules
-            left = (lambda p: p in model_files.SKIPPED_NAMES) if whole else model_files.is_weight_file
-            return not any(left(p) or is_staged_name(p) for p in parts)
-
-        return [n for n in names if carried(n) and not any(n.startswith(folder + "/") for folder in nested)]
+        return model_files.carried_in_listing(names, modules)
 
     def read(self, name: str) -> bytes | Path:
         return objects.read_object(self.prefix, name)

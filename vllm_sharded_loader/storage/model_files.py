@@ -14,15 +14,8 @@ import shutil
 import stat
 
 from ..format.errors import CheckpointCorrupt, ShardedStateError
-from ..format.names import (
-    DEFAULT_PATTERNS,
-    LOCK_NAME,
-    MANIFEST_NAME,
-    is_staged_name,
-    is_startup_artifacts_name,
-    parse_file_name,
-)
-from .local import directory_holds_checkpoint, escapes, not_regular, open_regular
+from ..format.names import LOCK_NAME, MANIFEST_NAME, is_staged_name, is_startup_artifacts_name
+from .local import directory_holds_checkpoint, escapes, is_checkpoint_file, not_regular, open_regular
 
 # Weights of the source model, which the sharded parts replace.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
@@ -85,13 +78,23 @@ def nested_checkpoints(names: list[str]) -> set[str]:
     folders = set()
     for name in names:
         folder, _, leaf = name.rpartition("/")
-        if folder and (
-            leaf in (MANIFEST_NAME, LOCK_NAME)
-            or is_startup_artifacts_name(leaf)
-            or any(parse_file_name(p, leaf) is not None for p in DEFAULT_PATTERNS)
-        ):
+        if folder and (leaf == LOCK_NAME or is_checkpoint_file(leaf)):
             folders.add(folder)
     return folders
+
+
+def carried_in_listing(names: list[str], modules: set[str]) -> list[str]:
+    """:func:`non_weight_files`'s rule over a listing of relative ``names`` (an object-storage
+    prefix's), where ``modules`` are the folders its ``modules.json`` names (:func:`modules_in`)."""
+    nested = nested_checkpoints(names)
+
+    def carried(name: str) -> bool:
+        parts = name.split("/")
+        whole = len(parts) > 1 and parts[0] in modules  # (a module folder comes whole, its weights too)
+        left = (lambda p: p in SKIPPED_NAMES) if whole else is_weight_file
+        return not any(left(p) or is_staged_name(p) for p in parts)
+
+    return [n for n in names if carried(n) and not any(n.startswith(folder + "/") for folder in nested)]
 
 
 def non_weight_files(source: str) -> list[str]:
