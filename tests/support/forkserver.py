@@ -26,6 +26,7 @@ fork copies only the thread that forks.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import selectors
@@ -275,6 +276,12 @@ def serve(path: str, preload: tuple[str, ...] = ENGINE_PRELOAD) -> None:
 
     for module in preload:
         importlib.import_module(module)
+    # What the imports made lives as long as the server: frozen, a child's garbage collections
+    # skip it (vLLM's engine runs several full ones as it starts, each walking every object the
+    # server imported, and writing to them, which copies their pages into the child), as
+    # ``gc.freeze``'s documentation advises for a process that forks without exec.
+    gc.collect()
+    gc.freeze()
     if threading.active_count() > 1:  # native threads (torch's, ...) have their own fork handlers
         print(f"forkserver: importing {', '.join(preload)} left threads running; not forking", flush=True)
         sys.exit(3)
