@@ -37,7 +37,8 @@ python -m pytest -q -p no:cacheprovider --doctest-modules vllm_sharded_loader
 # Engines never run two at a time: they have both cores to themselves, one after another.
 # A run that selects no test of one kind (-k NAME) is no failure (pytest's exit code 5).
 tier() { python -m pytest -q -p no:cacheprovider "$@" || [ $? = 5 ]; }
-tier -n 2 --dist worksteal -m "not engine" tests "$@"
+# The slowest of them are listed after them, as the engine tier lists its own.
+tier -n 2 --dist worksteal -m "not engine" --durations=15 tests "$@"
 if [ "$fast" = 0 ]; then
   # The slowest engine tests are listed at the end: where the suite's time goes.
   tier -m engine --durations=40 tests "$@"
