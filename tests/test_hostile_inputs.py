@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -390,6 +391,27 @@ def test_a_safetensors_index_that_is_a_fifo_or_names_files_outside_its_folder_is
         """
     )
     assert f"REFUSED {source / INDEX_NAME} is a FIFO" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize(
+    "index",
+    ['{"weight_map": {"t": 1}}', '{"weight_map": {"t": null}}', '{"weight_map": {"t": true}}', "[" * 100_000],
+    ids=["a-number", "null", "true", "nested-past-the-recursion-limit"],
+)
+def test_a_safetensors_index_that_names_no_file_is_refused_naming_it(tmp_path, index):
+    """A weight_map that gives a tensor a number or null instead of a file name, or an index nested
+    deeper than Python's recursion limit: convert's first step (its read-ahead) and its source's
+    listing raised a bare TypeError or RecursionError, a traceback instead of the index's name."""
+    from vllm_sharded_loader.format.errors import CheckpointCorrupt
+    from vllm_sharded_loader.storage.hf_source import INDEX_NAME, read_ahead, weight_files
+    from vllm_sharded_loader.storage.location import open_store
+
+    source = model_folder(tmp_path / "model")
+    (source / INDEX_NAME).write_text(index)
+    assert read_ahead(str(source))() == 0  # (a source that cannot be listed is read by none)
+    refused = rf"^{re.escape(str(source / INDEX_NAME))}: not a safetensors index \(.+\)\. Download the model again"
+    with pytest.raises(CheckpointCorrupt, match=refused):
+        weight_files(open_store(str(source)))
 
 
 @pytest.mark.parametrize("kind", ["file", "fifo", "under-a-file", "dangling-link"])

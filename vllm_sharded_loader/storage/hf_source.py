@@ -43,10 +43,13 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
                 with os.fdopen(open_regular(str(data)), "rb") as f:
                     data = f.read()
             weight_map = json.loads(data)["weight_map"]
+            not_names = [v for v in weight_map.values() if not isinstance(v, str)]
+            if not_names:  # (a number or null: os.path below would raise a bare TypeError)
+                raise TypeError(f"a tensor's file is {not_names[0]!r}, not a file name")
             listed = sorted(set(weight_map.values()))
         except ShardedStateError:
             raise
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointCorrupt(f"{index_path}: not a safetensors index ({e}). Download the model again.") from None
         outside = [n for n in listed if os.path.basename(n) != n or n in (".", "..")]
         if outside:
