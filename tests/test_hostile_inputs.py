@@ -414,6 +414,46 @@ def test_a_safetensors_index_that_names_no_file_is_refused_naming_it(tmp_path, i
         weight_files(open_store(str(source)))
 
 
+NESTED_PAST_THE_RECURSION_LIMIT = "[" * 100_000
+
+
+def test_a_modules_json_nested_past_the_recursion_limit_names_no_module_folder(tmp_path):
+    """As any unreadable modules.json: convert's check of the source folder (which lists the files a
+    checkpoint carries), and verify of a checkpoint carrying it, raised a bare RecursionError."""
+    from vllm_sharded_loader.checkpoint import verify_checkpoint
+    from vllm_sharded_loader.storage.location import check_no_special_files, non_weight_files
+
+    source = model_folder(tmp_path / "model")
+    (source / "2_Dense").mkdir()
+    (source / "2_Dense" / "model.safetensors").write_bytes(b"")
+    (source / "modules.json").write_text(NESTED_PAST_THE_RECURSION_LIMIT)
+    check_no_special_files(str(source))
+    assert non_weight_files(str(source)) == ["config.json", "modules.json", "tokenizer.json"]
+    checkpoint = tmp_path / "ckpt"
+    save(checkpoint)
+    (checkpoint / "modules.json").write_text(NESTED_PAST_THE_RECURSION_LIMIT)
+    verify_checkpoint(str(checkpoint), checksums=False)
+
+
+def test_a_lock_file_nested_past_the_recursion_limit_is_a_lock_of_unknown_holder(tmp_path):
+    """A save lock whose JSON nests deeper than Python's recursion limit, as one that is not JSON:
+    convert's look at its output (``is_locked``), a save into it and verify raised a bare RecursionError."""
+    from vllm_sharded_loader.checkpoint import verify_checkpoint
+    from vllm_sharded_loader.format.errors import CheckpointLocked
+    from vllm_sharded_loader.storage.location import is_locked
+
+    checkpoint = tmp_path / "ckpt"
+    save(checkpoint)
+    (checkpoint / LOCK_NAME).write_text(NESTED_PAST_THE_RECURSION_LIMIT)
+    assert is_locked(str(checkpoint))
+    notes: list[str] = []
+    assert verify_checkpoint(str(checkpoint), checksums=False, notes=notes) == []
+    died = f"{checkpoint / LOCK_NAME} (pid ? on ?, ?): the lock of a save that died"
+    assert any(note.startswith(died) for note in notes), notes
+    with pytest.raises(CheckpointLocked, match=r"that save was interrupted .*Save again with overwrite"):
+        save(checkpoint, overwrite=False)
+
+
 @pytest.mark.parametrize("kind", ["file", "fifo", "under-a-file", "dangling-link"])
 def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tmp_path, kind):
     from vllm_sharded_loader.format import ShardedStateError

@@ -62,7 +62,7 @@ def read_lock(directory: str) -> dict | None:
         return data if isinstance(data, dict) else {}
     except (FileNotFoundError, NotADirectoryError):  # (no folder there: no lock either)
         return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (JSON nested past the recursion limit: no one's)
         return {}
 
 

@@ -57,7 +57,7 @@ def modules_in(data: bytes) -> set[str]:
     """The top-level module folders that a ``modules.json`` names (:func:`module_folders`)."""
     try:
         modules = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the recursion limit: as unreadable)
         return set()
     if not isinstance(modules, list):
         return set()

@@ -34,7 +34,7 @@ def read_lock(where: ObjectPrefix) -> dict[str, Any] | None:
     # (A network error is raised: read as "no holder known", a release kept the lock and said nothing.)
     try:
         holder = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the recursion limit: a lock of unknown holder)
         return {}
     return holder if isinstance(holder, dict) else {}
 
