@@ -664,6 +664,45 @@ def test_a_source_rewritten_in_place_while_converting_is_named_and_nothing_is_pu
     assert not out.exists()
 
 
+CONFIG_EDITED_WHILE_CONVERTING = """
+import json, os, sys
+from vllm_sharded_loader.storage import hf_source
+from vllm_sharded_loader.tools.cli import main
+
+read = hf_source.SourceFiles.read
+reads = []
+
+def editing_the_config(self, name):
+    reads.append(name)
+    if len(reads) == 3:  # vLLM has read the config, and the carry has not copied it yet
+        path = os.path.join(self.where, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["rms_norm_eps"] = 0.125
+        with open(path, "w") as f:
+            json.dump(config, f)
+    return read(self, name)
+
+hf_source.SourceFiles.read = editing_the_config
+sys.exit(main(["convert", sys.argv[1], "-tp", "2", "-o", sys.argv[2]]))
+"""
+
+
+def test_a_config_edited_while_converting_is_named_and_nothing_is_published(sources, tmp_path):
+    """The manifest records the config vLLM built the model from, and the checkpoint carries config.json:
+    one edited meanwhile was carried beside weights made for the other (a checkpoint that verify passed
+    and that a load refuses for its config). Now the carry refuses it, naming it; nothing is left."""
+    from examples.tiny_models import engine_environment
+
+    source = copy_source(sources["llama"], tmp_path / "src")
+    out = tmp_path / "out"
+    args = ["-c", CONFIG_EDITED_WHILE_CONVERTING, str(source), str(out)]
+    run = python_process(args, {**os.environ, **engine_environment()}, 300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert f"{source}: config.json no longer as its manifest records, or as it was read before the save" in run.stderr
+    assert not out.exists()
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch) -> Path:
     """A Hub cache of our own, read offline: what ``huggingface_hub`` finds there is what the Hub gave."""

@@ -156,8 +156,9 @@ class CarriedFiles:
 
     def stage(self, source: str, record: Mapping[str, CarriedFile] | None = None) -> list[str]:
         """Copy ``source``'s non-weight files aside; returns the names that will change. ``record``
-        (a checkpoint's own, for a reshard of it) is what they must hold: one that differs from it
-        as copied, or is gone, is refused (the source changed since it was checked: another save)."""
+        (a checkpoint's own, for a reshard of it; a model's config as convert read it) is what they must
+        hold: one that differs from it as copied, or is gone, is refused (the source changed since it was
+        checked: another save, an edit)."""
         origin = open_store(source)
         names = origin.non_weight_files()
         _check_recordable(source, names)
@@ -189,8 +190,9 @@ class CarriedFiles:
         if changed:
             self.restore()
             raise CheckpointCorrupt(
-                f"{source}: {', '.join(changed)} no longer as its manifest records (replaced since it was checked: "
-                f"another save into it?); nothing was written to {self.output}. Try again once it is done."
+                f"{source}: {', '.join(changed)} no longer as its manifest records, or as it was read before the "
+                f"save (changed since: another save into it, or an edit?); nothing was written to {self.output}. "
+                "Try again once it is done."
             )
         self.stale = self._stale(names)
         return sorted(self.staged)

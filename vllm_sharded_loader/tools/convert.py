@@ -14,6 +14,7 @@ Memory holds a few components, never the model.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import threading
@@ -30,11 +31,12 @@ from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..checkpoint.state import manifest_ties
 from ..format.errors import RankStopped, ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
-from ..format.manifest import Manifest, RankEntry
+from ..format.manifest import CarriedFile, Manifest, RankEntry
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
 from ..storage.hf_source import read_ahead, resolve_source
+from ..storage.local import open_regular
 from ..storage.location import (
     check_no_special_files,
     copy_non_weight_files,
@@ -382,6 +384,10 @@ def _convert(
             # the weights are read where they are, each byte once.
             directory = stack.enter_context(staging_folder())
             copy_non_weight_files(folder, directory)
+        # The manifest records the config the weights are made for, and the checkpoint carries config.json:
+        # one written meanwhile (between vLLM's read and the carry's copy) would be carried beside weights
+        # made for the other, a checkpoint that verifies and that loads refuse. The carry refuses it.
+        config = _config_record(directory)
         model = stack.enter_context(converting(directory, folder, options))
         built = time.perf_counter()
         stop_reading_ahead()
@@ -466,6 +472,7 @@ def _convert(
                 geometry={n: model.geometry[s].to_dict() for plan in plans.values() for n, (s, _) in plan.items()},
                 tied=manifest_ties(model.tied),
                 carry=directory,
+                carried_record=config,
                 parallel=True,
                 placed=placed,
                 ended=finish,
@@ -479,3 +486,13 @@ def _convert(
             raise cache.failed from None
         written = time.perf_counter()
         return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes, built - started, written - built)
+
+
+def _config_record(directory: str) -> dict[str, CarriedFile]:
+    """The size and SHA-256 of the model's config.json as it is before vLLM reads it (none without one)."""
+    try:
+        with os.fdopen(open_regular(os.path.join(directory, "config.json")), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return {}
+    return {"config.json": CarriedFile(len(data), hashlib.sha256(data).hexdigest())}
