@@ -72,7 +72,8 @@ def test_the_manifest_records_a_ranks_artifacts_and_old_manifests_still_load():
         ("sha256", "xyz", "64 hexadecimal digits"),
         ("file", "../evil.tar", "evil"),
         ("key", {"vllm": 3}, "'key' must map"),
-        ("file", "model-rank-0-part-0.safetensors", "also listed by"),
+        ("file", "model-rank-0-part-0.safetensors", "not named startup-artifacts-"),
+        ("file", "config.json", "not named startup-artifacts-"),
     ],
 )
 def test_a_damaged_record_is_refused_with_its_field(field, value, message):
@@ -229,6 +230,22 @@ def test_a_local_save_carries_each_ranks_archive_and_a_refused_save_changes_noth
     notes: list[str] = []
     assert verify_checkpoint(str(ckpt), notes=notes) == []
     assert any(archive in n and "does not match the manifest" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("victim", ["config.json", "sharded_state.json"])
+def test_a_record_naming_another_file_never_has_the_next_save_remove_it(tmp_path, victim):
+    """A save removes the files the manifest it replaces lists: a damaged or hostile record naming
+    the config, or the manifest itself, as a rank's archive is refused, and the file stays."""
+    ckpt = tmp_path / "ckpt"
+    save_with_artifacts(str(ckpt), 1, {0: b"first"})
+    (ckpt / "config.json").write_text("the user's")
+    data = json.loads((ckpt / "sharded_state.json").read_text())
+    data["ranks"][0]["startup_artifacts"]["file"] = victim
+    (ckpt / "sharded_state.json").write_text(json.dumps(data))
+    second = save_with_artifacts(str(ckpt), 1, {0: b"second"})
+    assert (ckpt / "config.json").read_text() == "the user's"
+    assert Manifest.from_json((ckpt / "sharded_state.json").read_text()) == second
+    assert sa.read_rank_artifacts(str(ckpt), second.rank(0, 0).startup) == b"second"
 
 
 @pytest.fixture(scope="module")

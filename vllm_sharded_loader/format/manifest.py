@@ -16,7 +16,15 @@ from .entries import CarriedFile, FileChecksum, FileEntry, RankEntry, StartupArt
 from .errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from .experts import ExpertPlacement, writing_replicas
 from .geometry import TensorGeometry
-from .names import MANIFEST_NAME, check_carried_name, check_plain_file_name, parse_file_name, validate_pattern
+from .names import (
+    MANIFEST_NAME,
+    STARTUP_ARTIFACTS_PREFIX,
+    check_carried_name,
+    check_plain_file_name,
+    is_startup_artifacts_name,
+    parse_file_name,
+    validate_pattern,
+)
 from .source import SourceModel
 from .untrusted import MAX_BYTES, MAX_DIMS, JsonReader, is_int, is_shape, load_json
 
@@ -368,6 +376,10 @@ MAX_KEY_LENGTH = 4096
 def _startup(reader: JsonReader, value: Any) -> StartupArtifacts:
     obj = reader.mapping(value, "startup_artifacts")
     name = check_plain_file_name(reader.string(obj, "file"), reader.where)
+    # A save removes the files of the manifest it replaces: a record naming another file (the
+    # config, the manifest itself) would have it deleted.
+    if not is_startup_artifacts_name(name):
+        raise reader.fail(f"startup_artifacts {name!r} is not named {STARTUP_ARTIFACTS_PREFIX}*.tar as saves name it")
     sha256 = reader.string(obj, "sha256")
     if not DIGEST_HEX.match(sha256):
         raise reader.fail(f"startup_artifacts {name!r}: 'sha256' must be 64 hexadecimal digits")
