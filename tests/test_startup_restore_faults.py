@@ -53,6 +53,21 @@ def huge_claim() -> bytes:
     return info.tobuf(tarfile.PAX_FORMAT) + b"z" * tarfile.BLOCKSIZE + b"\0" * (2 * tarfile.BLOCKSIZE)
 
 
+def shared_bytes() -> bytes:
+    """Members whose sizes, from a PAX record their headers did not consume, all reach the end of
+    the archive: each within it, together eight times what it holds."""
+    heads = []
+    for i in range(8):
+        info = member(f"h1/m{i}")
+        info.pax_headers = {"GNU.sparse.realsize": "0"}
+        heads.append(info)
+    tail = raw(member("h1/tail"), b"t" * 4096) + b"\0" * (2 * tarfile.BLOCKSIZE)
+    length = len(raw(heads[0])) * len(heads) + len(tail)
+    for i, info in enumerate(heads):
+        info.pax_headers["GNU.sparse.realsize"] = str(length - len(raw(heads[0])) * (i + 1))
+    return b"".join(raw(info) for info in heads) + tail
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
@@ -61,6 +76,7 @@ def huge_claim() -> bytes:
         (lambda: archive([(member("h1/null", tarfile.CHRTYPE), None)]), "not a plain file inside"),
         (lambda: archive([(member("/tmp/absolute"), b"x")]), "not a plain file inside"),
         (huge_claim, "past the end of the"),
+        (shared_bytes, "more than the .*-byte archive holds"),
     ],
 )
 def test_a_refused_archive_writes_nothing(tmp_path, bad, message):

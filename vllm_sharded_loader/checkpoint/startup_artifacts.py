@@ -129,6 +129,7 @@ def _checked_members(tar: tarfile.TarFile, size: int, root: str, folders: Collec
     """Every member to unpack and where it goes, each checked before a byte is written: a refused
     archive leaves the cache folder as it was."""
     chosen: list[Member] = []
+    claimed = 0
     try:
         for member in tar:
             if folders is not None and member.name.split("/", 1)[0] not in folders:
@@ -144,6 +145,14 @@ def _checked_members(tar: tarfile.TarFile, size: int, root: str, folders: Collec
                 raise CheckpointCorrupt(
                     f"start-up artifacts hold {member.name!r} of {member.size} bytes, past the end of the "
                     f"{size}-byte archive; nothing was unpacked. Save the checkpoint again."
+                )
+            # Nor may members share bytes (a size from a PAX record that the header did not
+            # consume): each would write the same tail again, gigabytes from a small archive.
+            claimed += member.size
+            if claimed > size:
+                raise CheckpointCorrupt(
+                    f"start-up artifacts hold members of {claimed} bytes up to {member.name!r}, more than the "
+                    f"{size}-byte archive holds; nothing was unpacked. Save the checkpoint again."
                 )
             chosen.append((member, path))
     except tarfile.TarError as e:  # a damaged header after the first
