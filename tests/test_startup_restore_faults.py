@@ -111,6 +111,15 @@ def test_a_file_where_a_folder_goes_refuses_the_restore_and_it_removes_what_it_w
     assert listing(cache) == before
 
 
+def test_a_folder_that_cannot_be_made_leaves_none_of_those_made_before_it(tmp_path):
+    """On a fresh node the cache folder and the member's first folder are made, then its next one
+    fails (a name too long; no space, no permission alike): none of them is left."""
+    cache = tmp_path / "fresh"
+    with pytest.raises(ShardedStateError, match="what this restore wrote was removed"):
+        sa.restore(archive([(member("h1/" + "x" * 300 + "/a"), b"aot")]), str(cache))
+    assert not cache.exists()
+
+
 # Run inside a user and mount namespace, on a tmpfs of 256 KiB mounted over the cache folder: a real
 # full disk. It prints what the restore said and what the folder holds afterwards.
 FULL_DISK = """

@@ -173,13 +173,13 @@ def _open_archive(data: bytes) -> tarfile.TarFile:
         raise _not_an_archive(e) from None
 
 
-def _make_folders(folder: str) -> list[str]:
-    """Create ``folder`` and its missing parents; returns those this call created, outermost first."""
+def _make_folders(folder: str, made: list[str]) -> None:
+    """Create ``folder`` and its missing parents, adding each to ``made`` as it is created
+    (outermost first): one that fails leaves those before it for :func:`_undo`."""
     missing: list[str] = []
     while folder and not os.path.isdir(folder):  # (a relative root ends in "", the working folder)
         missing.append(folder)
         folder = os.path.dirname(folder)
-    made: list[str] = []
     for path in reversed(missing):
         try:
             os.mkdir(path)
@@ -188,7 +188,6 @@ def _make_folders(folder: str) -> list[str]:
                 raise
             continue  # a racing restore made it: theirs to keep
         made.append(path)
-    return made
 
 
 def _undo(written: list[tuple[str, tuple[int, int]]], made: list[str]) -> None:
@@ -222,7 +221,7 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
                 if os.path.lexists(path):
                     kept += 1
                     continue
-                made += _make_folders(os.path.dirname(path))
+                _make_folders(os.path.dirname(path), made)
                 source = tar.extractfile(member)
                 assert source is not None  # a regular file
                 fd, temporary = tempfile.mkstemp(prefix=".restore.", suffix=".tmp", dir=os.path.dirname(path))
