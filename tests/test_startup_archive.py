@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import os
 import sys
 import tarfile
@@ -325,6 +326,28 @@ def test_a_node_is_prepared_with_the_model_class_inspection_cache_its_checkpoint
     nothing_from(hostile)
     assert not list(tmp_path.glob(MODEL_INFO))
     nothing_from(tmp_path / "no-checkpoint-here")
+
+
+def test_a_node_prepared_for_vllms_own_save_restores_nothing_and_warns_nothing(tmp_path, monkeypatch):
+    """This loader serves vLLM's own save too (no manifest): ``prepare_node`` finds no archive in it,
+    and logs no warning (it logged one made of a Python error)."""
+    from vllm_sharded_loader.engine import node_setup
+
+    _unset_aot(monkeypatch)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "node"))
+    folder = tmp_path / "vllm-save"
+    _cache(folder, {"model-rank-0-part-0.safetensors": b""})
+    node_setup._configure_logging()  # (once per process; it drops the handlers of our loggers)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    node_setup.logger.addHandler(handler)
+    try:
+        assert node_setup.prepare_node(str(folder)) == 0
+    finally:
+        node_setup.logger.removeHandler(handler)
+    assert not [line for line in lines if "not restored" in line], lines
+    assert not (tmp_path / "node").exists()
 
 
 def _unset_aot(monkeypatch) -> None:

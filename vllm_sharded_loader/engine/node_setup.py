@@ -158,7 +158,10 @@ def _restore_model_info(model: str, where: str, fetch: Callable[[str], str]) -> 
     import vllm
     import vllm.envs as envs
 
-    records = [e.startup for e in read_manifest(where).ranks if e.startup is not None]
+    manifest = read_manifest(where)
+    if manifest is None:
+        return 0  # vLLM's own save: it carries none
+    records = [e.startup for e in manifest.ranks if e.startup is not None]
     if not records:
         return 0
     # The entries are the same on every rank; any rank's archive saved by this build carries them.
