@@ -92,6 +92,17 @@ def test_a_refused_archive_writes_nothing(tmp_path, bad, message):
     assert not (tmp_path / "outside").exists()
 
 
+@pytest.mark.parametrize("name", ["modelinfos", "modelinfos/."])
+def test_a_member_in_the_place_of_a_restored_folder_is_refused(tmp_path, name):
+    """Restoring some top-level folders only (``prepare_node``: ``modelinfos``), a member named as
+    the folder itself would be a file where vLLM keeps that folder: refused, nothing written."""
+    cache = tmp_path / "cache"
+    data = archive([(member("modelinfos/a.json"), b"{}"), (member(name), b"{}")])
+    with pytest.raises(CheckpointCorrupt, match="not a plain file inside"):
+        sa.restore(data, str(cache), [sa.MODEL_INFO_FOLDER])
+    assert not cache.exists()
+
+
 def test_a_link_where_an_artifact_goes_is_never_replaced(tmp_path):
     cache = tmp_path / "cache"
     (cache / "h1").mkdir(parents=True)

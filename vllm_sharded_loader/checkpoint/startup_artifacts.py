@@ -117,9 +117,12 @@ def key_mismatch(saved: Mapping[str, str], served: Mapping[str, str]) -> str | N
     return "; ".join(diffs) if diffs else None
 
 
-def _member_path(root: str, member: tarfile.TarInfo) -> str | None:
-    """Where a member goes under ``root``, or None for anything but a plain file inside it."""
-    if not member.isfile() or os.path.isabs(member.name) or ".." in member.name.split("/"):
+def _member_path(root: str, member: tarfile.TarInfo, in_folder: bool) -> str | None:
+    """Where a member goes under ``root``, or None for anything but a plain file inside it, named by
+    plain parts (``pack`` names no other); with ``in_folder``, inside one of its top-level folders
+    (a member named as the folder itself would be a file where vLLM keeps that folder)."""
+    parts = member.name.split("/")
+    if not member.isfile() or any(p in ("", ".", "..") for p in parts) or (in_folder and len(parts) < 2):
         return None
     path = os.path.normpath(os.path.join(root, member.name))
     return path if path.startswith(os.path.join(os.path.normpath(root), "")) else None
@@ -134,7 +137,7 @@ def _checked_members(tar: tarfile.TarFile, size: int, root: str, folders: Collec
         for member in tar:
             if folders is not None and member.name.split("/", 1)[0] not in folders:
                 continue
-            path = _member_path(root, member)
+            path = _member_path(root, member, folders is not None)
             if path is None:
                 raise CheckpointCorrupt(
                     f"start-up artifacts hold {member.name!r}, which is not a plain file inside the cache folder; "
