@@ -201,6 +201,39 @@ def test_two_restores_racing_into_one_cache_both_succeed_and_leave_whole_files(t
     assert {name: data for name, data in listing(cache).items() if not isinstance(data, str)} == files
 
 
+# Writes the entry (only if absent) once the restore's temporary for it appears, and says whether it did.
+WRITER = """
+import os, sys
+folder = sys.argv[1]
+print("ready", flush=True)
+while not (os.path.isdir(folder) and any(n.endswith(".tmp") for n in os.listdir(folder))):
+    if os.path.lexists(os.path.join(folder, "entry")):
+        sys.exit("too late")
+try:
+    with open(os.path.join(folder, "entry"), "xb") as f:
+        f.write(b"theirs")
+except FileExistsError:
+    sys.exit("too late")
+"""
+
+
+def test_a_file_written_while_the_restore_writes_its_entry_is_kept(tmp_path):
+    """Another process (this node's compile, a user) writes the entry's name after the restore found
+    it absent and before the restore placed it: its file stays, counted as already there."""
+    (tmp_path / "a.tar").write_bytes(archive([(member("h1/entry"), b"a" * (32 << 20))]))
+    for attempt in range(5):  # the writer must write while the restore writes; retried if it was too late
+        cache = tmp_path / f"cache{attempt}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(cache / "h1")], env=env, stdout=subprocess.PIPE)
+        assert writer.stdout.readline() == b"ready\n"
+        said = sa.restore((tmp_path / "a.tar").read_bytes(), str(cache))
+        if writer.wait(timeout=60) == 0:
+            break
+    assert writer.returncode == 0, "the writer never wrote while the restore wrote"
+    assert said == (0, 1) and (cache / "h1" / "entry").read_bytes() == b"theirs"
+    assert [p.name for p in (cache / "h1").iterdir()] == ["entry"]
+
+
 def test_bytes_that_are_no_archive_are_refused_as_corrupt(tmp_path):
     with pytest.raises(CheckpointCorrupt, match="not a tar archive"):
         sa.restore(b"not a tar archive" * 64, str(tmp_path / "cache"))

@@ -23,6 +23,7 @@ save and the restore off.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -206,6 +207,21 @@ def _undo(written: list[tuple[str, tuple[int, int]]], made: list[str]) -> None:
             os.rmdir(folder)
 
 
+def _place_new(temporary: str, path: str) -> bool:
+    """Give the written ``temporary`` the name ``path`` unless something took that name since it
+    was checked (a racing restore, this node's own compile, a user's file or link): True if placed.
+    A hard link never replaces; on a file system without them, a rename, which would."""
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+            raise
+        os.replace(temporary, path)
+    return True
+
+
 def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> tuple[int, int]:
     """Unpack a checked archive under ``root`` (vLLM's AOT compile cache folder), only the members
     under ``folders`` (top-level names; default all). Files already there (or any link of that
@@ -233,11 +249,13 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
                         f.write(source.read())
                         st = os.fstat(f.fileno())
                     os.chmod(temporary, 0o644 if not member.mode & 0o111 else 0o755)
-                    os.replace(temporary, path)
-                except BaseException:
+                    placed = _place_new(temporary, path)
+                finally:
                     with contextlib.suppress(OSError):
                         os.remove(temporary)
-                    raise
+                if not placed:
+                    kept += 1
+                    continue
                 written.append((path, (st.st_dev, st.st_ino)))
         except BaseException as e:
             _undo(written, made)
