@@ -24,7 +24,7 @@ import pytest
 
 from examples.cloud_servers import Azurite, FakeGCS
 from examples.s3_server import SeaweedS3
-from tests.support import shm, tiers
+from tests.support import engines, shm, tiers
 from tests.support.engines import DefaultOutputs
 from tests.support.hub import HUB_CACHE_MARK
 
@@ -69,6 +69,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         removed = shm.remove_left(before)
         if removed:
             print(f"\nremoved {len(removed)} shared-memory segments left by killed engines (tests/support/shm.py)")
+    for reason, count in engines.fresh_processes().items():
+        print(f"\n{count} scripts ran in fresh processes, not forked (tests/support/engines.py), {reason}")
 
 
 def _checked(start, name: str):

@@ -21,7 +21,7 @@ import time
 
 from examples.tiny_models import build_model
 from tests.support import tiers
-from tests.support.engines import run_python, warm_model_inspection
+from tests.support.engines import fresh_processes, run_python, warm_model_inspection
 
 # One engine, as tests/support/engine_runner.py starts it, each phase timed in the engine's process.
 _ENGINE = """
@@ -49,11 +49,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="engines per size (default: 3)")
     args = parser.parse_args()
     tiers.enter(tiers.ENGINE)
-    started = time.perf_counter()
-    warm_model_inspection()
-    print(f"model-class inspection (once per session): {time.perf_counter() - started:.2f} s")
     with tempfile.TemporaryDirectory(prefix="vsl-engine-timing-") as folder:
+        # Built first: building sets TORCHINDUCTOR_CACHE_DIR in this process, and a fork server
+        # started before it could then fork no engine (tests/support/forkserver.py: can_serve).
         model = build_model(folder, "llama")
+        started = time.perf_counter()
+        warm_model_inspection()
+        print(f"model-class inspection (once per session): {time.perf_counter() - started:.2f} s")
         for tp in args.tp or [1, 2]:
             rows: dict[str, list[float]] = {}
             for _ in range(args.runs):
@@ -67,6 +69,8 @@ def main() -> None:
                     rows.setdefault(phase, []).append(seconds)
             medians = ", ".join(f"{phase} {statistics.median(values):.2f}" for phase, values in rows.items())
             print(f"TP={tp}, median of {args.runs} engines, seconds: {medians}")
+    for reason, count in fresh_processes().items():
+        print(f"{count} engines ran in fresh processes, not forked: {reason}")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,8 @@ class ForkServer:
         self.socket = ""
         self.package = package
         self.off = os.environ.get("VSL_TEST_FORKSERVER", "1") == "0"
+        # Why each script the server could not fork ran in a fresh process (:func:`fresh_processes`).
+        self.fresh: list[str] = []
 
     def _start(self) -> bool:
         folder = tempfile.mkdtemp(prefix="vsl-forkserver-")
@@ -208,6 +210,7 @@ class ForkServer:
         if self.off or (self.server is None and not self._start()):
             return None
         if not can_serve(args, env, self.env):
+            self.fresh.append(_fresh_reason(args, env, self.env))
             return None
         for path in (out, err) if err else (out,):
             open(path, "wb").close()  # there once this returns, as a Popen's output file is: a test may read it at once
@@ -240,6 +243,25 @@ class ForkServer:
                 raise subprocess.TimeoutExpired(proc.args, timeout, Path(out).read_text()) from None
             stdout = Path(out).read_text()
             return subprocess.CompletedProcess(proc.args, returncode, stdout, Path(err).read_text() if err else stdout)
+
+
+def _fresh_reason(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> str:
+    """Why ``python ARGS`` with ``env`` is no child of a server started with ``server_env``."""
+    from tests.support.forkserver import import_time_environment
+
+    ours, theirs = import_time_environment(env), import_time_environment(server_env)
+    differ = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
+    return f"import-time environment: {', '.join(differ)}" if differ else f"not a script it runs: {args[:1]}"
+
+
+def fresh_processes() -> dict[str, int]:
+    """Why the session's scripts that the fork servers could not fork ran in fresh processes
+    (each a new interpreter that imports vLLM or torch again, seconds each), and how many for
+    each reason: printed at the end of a test session (tests/conftest.py)."""
+    counts: dict[str, int] = {}
+    for reason in [*_forkserver.fresh, *_package_forkserver.fresh]:
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
 
 
 class ForkedProcess:
