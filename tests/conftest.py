@@ -55,6 +55,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[HUB_CACHE_MARK] = tempfile.mkdtemp(prefix="vsl-hub-cache-")
         atexit.register(shutil.rmtree, os.environ[HUB_CACHE_MARK], True)
     os.environ["HF_HUB_CACHE"] = os.environ[HUB_CACHE_MARK]
+    # Torch writes its default compile cache folder into the environment the first time it is asked
+    # for it (building a model does). Set from the start, with the value torch would write, it is
+    # the same for the fork servers and for every script after them, whichever test asks first.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     if not hasattr(config, "workerinput"):  # the controller, not a pytest-xdist worker
         config.stash[SHM_BEFORE] = shm.segments()
     # The emulators refuse to start in a unit test (tiers.require): a test that needs one is marked servers.
@@ -123,6 +129,20 @@ def seaweed(tmp_path_factory) -> Iterator[SeaweedS3]:
 def default_outputs(models) -> DefaultOutputs:
     """vLLM's default loader's greedy outputs of ``models``, one engine per model and topology for the session."""
     return DefaultOutputs(models)
+
+
+@pytest.fixture(autouse=True)
+def environment_kept() -> Iterator[None]:
+    """What a test's libraries write into ``os.environ`` is undone after it. vLLM's CPU platform, as
+    it builds a configuration in the test's process (a convert run in process), sets ``LD_PRELOAD``
+    and ``TORCHINDUCTOR_*`` for the processes it will start: left there, every later script of the
+    session differs from the fork server's import-time environment and runs in a fresh process,
+    a vLLM import each (about 10 s). A module's or the session's fixtures set theirs before this."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(autouse=True)

@@ -850,7 +850,7 @@ def test_a_converted_checkpoint_carries_vllms_model_class_inspection_to_a_fresh_
     as an eager ``save`` does, carries the entries beside each rank's parts: a node prepared from the
     checkpoint (``prepare_node``) then skips the inspection. For an architecture of vLLM's own (Llama)
     and one it serves through its Transformers backend (OLMo 2)."""
-    from examples.tiny_models import build_family
+    from examples.tiny_models import build_family, engine_environment
 
     source = sources["llama"] if family == "llama" else build_family(str(tmp_path / "src"), family)
     converting, out = tmp_path / "converting-node", tmp_path / "out"
@@ -865,7 +865,8 @@ def test_a_converted_checkpoint_carries_vllms_model_class_inspection_to_a_fresh_
     ]
     fresh = tmp_path / "fresh-node"
     code = "import sys; from vllm_sharded_loader import prepare_node; print('restored', prepare_node(sys.argv[1]))"
-    run = python_process(["-c", code, str(out)], {**os.environ, "VLLM_CACHE_ROOT": str(fresh)}, timeout=300)
+    env = {**os.environ, **engine_environment(), "VLLM_CACHE_ROOT": str(fresh)}
+    run = python_process(["-c", code, str(out)], env, timeout=300)
     assert run.returncode == 0 and f"restored {len(written)}" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     assert sorted(p.name for p in (fresh / "modelinfos").iterdir()) == written
 

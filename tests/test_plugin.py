@@ -259,12 +259,14 @@ def test_a_failing_record_never_breaks_the_load(caplog):
 
     wrapper = wrap_process_weights_after_loading(original)
     model = Tiny()
-    # Outside an engine (no parallel groups) and with a bare model_config the recording
-    # fails; the load goes on, and the save hook will have the reason.
+    # With a bare model_config the recording fails (outside an engine, on no parallel groups, or,
+    # where a convert in this process left its world of one, on the config); the load goes on,
+    # and the save hook will have the reason the log gave.
     assert wrapper(model, object(), "cpu") == "processed"
     assert calls == ["cpu"]
     assert LOADED_STATE_ATTRIBUTE not in model.__dict__
-    assert "not initialized" in model.__dict__[RECORD_ERROR_ATTRIBUTE]
+    reason = model.__dict__[RECORD_ERROR_ATTRIBUTE]
+    assert reason.startswith(("AssertionError: ", "AttributeError: ")) and reason in caplog.text
     assert "recording the loaded state failed" in caplog.text
 
 
