@@ -17,6 +17,7 @@ import functools
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,10 @@ ENGINE_MODULES = frozenset(
 SERVER_FIXTURES = frozenset({"seaweed", "s3", "store"})
 # vLLM's shared-memory segments there when the session began (tests/support/shm.py).
 SHM_BEFORE = pytest.StashKey[set[str]]()
+# Why scripts ran in fresh processes (tests/support/engines.py: fresh_processes), as pytest-xdist's
+# workers report it at their end, summed in the controller.
+FRESH_OUTPUT = "vsl_fresh_processes"
+WORKERS_FRESH: Counter[str] = Counter()
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -69,14 +74,27 @@ def pytest_configure(config: pytest.Config) -> None:
             server.start = _checked(server.start, server.__name__)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its tally goes to the controller
+        workeroutput[FRESH_OUTPUT] = engines.fresh_processes()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """A pytest-xdist worker's tally of fresh processes, added to the controller's (printed below)."""
+    WORKERS_FRESH.update(getattr(node, "workeroutput", {}).get(FRESH_OUTPUT, {}))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     before = config.stash.get(SHM_BEFORE, None)
     if before is not None:
         removed = shm.remove_left(before)
         if removed:
             print(f"\nremoved {len(removed)} shared-memory segments left by killed engines (tests/support/shm.py)")
-    for reason, count in engines.fresh_processes().items():
-        print(f"\n{count} scripts ran in fresh processes, not forked (tests/support/engines.py), {reason}")
+    if not hasattr(config, "workeroutput"):
+        for reason, count in (WORKERS_FRESH + Counter(engines.fresh_processes())).items():
+            print(f"\n{count} scripts ran in fresh processes, not forked (tests/support/engines.py), {reason}")
 
 
 def _checked(start, name: str):

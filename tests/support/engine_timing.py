@@ -51,7 +51,7 @@ def main() -> None:
     tiers.enter(tiers.ENGINE)
     with tempfile.TemporaryDirectory(prefix="vsl-engine-timing-") as folder:
         # Built first: building sets TORCHINDUCTOR_CACHE_DIR in this process, and a fork server
-        # started before it could then fork no engine (tests/support/forkserver.py: can_serve).
+        # started before it could then fork no engine (tests/support/forkserver.py: why_not_served).
         model = build_model(folder, "llama")
         started = time.perf_counter()
         warm_model_inspection()

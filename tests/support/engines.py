@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,12 +206,13 @@ class ForkServer:
         ``err``) written to ``out``; None where only a fresh process will do. Returns once the child
         is forked. ``node``: the namespaces of a multi-node test's node to enter first
         (``tests/support/nodes.py``)."""
-        from tests.support.forkserver import can_serve
+        from tests.support.forkserver import why_not_served
 
         if self.off or (self.server is None and not self._start()):
             return None
-        if not can_serve(args, env, self.env):
-            self.fresh.append(_fresh_reason(args, env, self.env))
+        reason = why_not_served(args, env, self.env)
+        if reason is not None:
+            self.fresh.append(reason)
             return None
         for path in (out, err) if err else (out,):
             open(path, "wb").close()  # there once this returns, as a Popen's output file is: a test may read it at once
@@ -245,23 +247,11 @@ class ForkServer:
             return subprocess.CompletedProcess(proc.args, returncode, stdout, Path(err).read_text() if err else stdout)
 
 
-def _fresh_reason(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> str:
-    """Why ``python ARGS`` with ``env`` is no child of a server started with ``server_env``."""
-    from tests.support.forkserver import import_time_environment
-
-    ours, theirs = import_time_environment(env), import_time_environment(server_env)
-    differ = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
-    return f"import-time environment: {', '.join(differ)}" if differ else f"not a script it runs: {args[:1]}"
-
-
 def fresh_processes() -> dict[str, int]:
     """Why the session's scripts that the fork servers could not fork ran in fresh processes
     (each a new interpreter that imports vLLM or torch again, seconds each), and how many for
     each reason: printed at the end of a test session (tests/conftest.py)."""
-    counts: dict[str, int] = {}
-    for reason in [*_forkserver.fresh, *_package_forkserver.fresh]:
-        counts[reason] = counts.get(reason, 0) + 1
-    return counts
+    return dict(Counter([*_forkserver.fresh, *_package_forkserver.fresh]))
 
 
 class ForkedProcess:
@@ -317,7 +307,7 @@ def fork_python(args: list[str], env: dict[str, str], out: str, node: dict | Non
 def start_python(args: list[str], env: dict[str, str], out: str) -> subprocess.Popen | ForkedProcess:
     """Start ``python ARGS`` in its own session, its output (stdout and stderr) written to the file
     ``out``, without waiting for it: a child of the fork server where it can be one
-    (:func:`tests.support.forkserver.can_serve`), else a fresh process. Stop it with :func:`kill_group`."""
+    (:func:`tests.support.forkserver.why_not_served`), else a fresh process. Stop it with :func:`kill_group`."""
     forked = _forkserver.spawn(args, env, out)
     if forked is not None:
         return forked

@@ -13,7 +13,7 @@ The tests that start no engine have a server of their own, which imports torch a
 but not vLLM (:func:`tests.support.engines.package_process`): a save killed at a step of its
 protocol is such a child.
 
-What a fork cannot give, a fresh process does (:func:`can_serve`): an environment that differs
+What a fork cannot give, a fresh process does (:func:`why_not_served`): an environment that differs
 from the server's in a variable read when a library is imported (``HF_*``, ``TORCH*``, ``OMP_*``,
 ``PYTHONPATH``, ...), or other interpreter options. The server refuses to start
 (and the tests fall back to fresh processes) if importing vLLM left a thread running, since a
@@ -63,12 +63,16 @@ def import_time_environment(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
 
-def can_serve(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> bool:
-    """Whether a child forked from a server started with ``server_env`` is the process ``python ARGS``
+def why_not_served(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> str | None:
+    """None where a child forked from a server started with ``server_env`` is the process ``python ARGS``
     would be: ``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT.py ...``, with the same import-time
-    environment."""
+    environment; else why not."""
     runnable = (len(args) >= 2 and args[0] in ("-m", "-c")) or (bool(args) and args[0].endswith(".py"))
-    return runnable and import_time_environment(env) == import_time_environment(server_env)
+    if not runnable:
+        return f"not a script it runs: {args[:1]}"
+    ours, theirs = import_time_environment(env), import_time_environment(server_env)
+    differ = sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k))
+    return f"import-time environment: {', '.join(differ)}" if differ else None
 
 
 # Set by a test for a script whose LLM(...) says nothing of compilation (a documentation snippet):
