@@ -53,10 +53,6 @@ def _read_bytes(data: bytes | Path) -> bytes:
         return f.read()
 
 
-def _record(data: bytes) -> CarriedFile:
-    return CarriedFile(len(data), hashlib.sha256(data).hexdigest())
-
-
 def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
     """The record of ``data`` if the regular file at ``path`` holds it, else None (also for no regular file)."""
     try:
@@ -64,7 +60,7 @@ def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
             return None
         with os.fdopen(open_regular(path), "rb") as f:
             if isinstance(data, bytes):
-                return _record(data) if f.read(len(data) + 1) == data else None
+                return CarriedFile.of(data) if f.read(len(data) + 1) == data else None
             digest, size = hashlib.sha256(), 0
             with os.fdopen(open_regular(str(data)), "rb") as g:
                 while True:
@@ -274,7 +270,7 @@ class CarriedFiles:
         with open(tmp, "wb") as dst:
             if isinstance(data, bytes):
                 dst.write(data)
-                record = _record(data)
+                record = CarriedFile.of(data)
             else:
                 digest, size = hashlib.sha256(), 0
                 # Opened without blocking and refused unless regular: a FIFO there must not hang the save.
@@ -296,7 +292,7 @@ class CarriedFiles:
             self.staged[name] = content
             # Read under the lock, so unchanged until place() keeps it as the backup.
             self.previous[name] = old
-        return _record(content)
+        return CarriedFile.of(content)
 
     def place(self) -> None:
         """Put every staged file under its final name, keeping what it replaces; just before the publish."""

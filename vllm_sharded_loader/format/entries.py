@@ -3,6 +3,7 @@ a save carries beside its parts (:mod:`.manifest` holds the manifest that lists 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,11 @@ class CarriedFile:
 
     size: int
     sha256: str
+
+    @classmethod
+    def of(cls, data: bytes) -> CarriedFile:
+        """The record of a file holding ``data``."""
+        return cls(len(data), hashlib.sha256(data).hexdigest())
 
     def to_dict(self) -> dict[str, object]:
         return {"size": self.size, "sha256": self.sha256}

@@ -14,7 +14,6 @@ Memory holds a few components, never the model.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import threading
@@ -495,4 +494,4 @@ def _config_record(directory: str) -> dict[str, CarriedFile]:
             data = f.read()
     except FileNotFoundError:
         return {}
-    return {"config.json": CarriedFile(len(data), hashlib.sha256(data).hexdigest())}
+    return {"config.json": CarriedFile.of(data)}
