@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, stage_state
+from tests.support.engines import package_process
 from tests.support.reference import llama_like
 from tests.support.states import OverwritingProgress, save
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
@@ -351,10 +352,11 @@ def test_reshard_stopped_by_sigterm_sighup_or_ctrl_c_takes_back_what_it_wrote(ch
         "complete if it had published; run the command again."
     ]
     assert tree_digest(str(tmp_path)) == before
-    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    # (Run again from the tests' package fork server: the same command, without a new interpreter.)
+    again = package_process(command[1:], timeout=120)
     if overwrite:
         assert again.returncode == 2 and "already holds a checkpoint" in again.stderr, again.stderr
-        again = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, timeout=120)
+        again = package_process([*command[1:], "--overwrite"], timeout=120)
     assert again.returncode == 0, again.stderr
     assert cli(["verify", str(output)]) == 0
     manifest = read_manifest(str(output))

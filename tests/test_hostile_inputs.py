@@ -21,19 +21,24 @@ from pathlib import Path
 
 import pytest
 
+from examples.tiny_models import engine_environment
 from tests.support import ROOT
-from tests.support.engines import package_process
+from tests.support.engines import package_process, python_process
 from tests.support.states import save
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME
 
 BOUND_S = 60  # generous: each case takes well under a second when it does not hang
 
 
-def run(code: str, fresh: bool = False) -> subprocess.CompletedProcess:
+def run(code: str, fresh: bool = False, vllm: bool = False) -> subprocess.CompletedProcess:
     """``code`` in a process of its own, started in the repository (``tests.support`` importable): forked
-    from the tests' package fork server, or with ``fresh`` a new interpreter (whose peak memory is its
-    own: a forked child's starts at its parent's). A hang fails the test at BOUND_S."""
+    from the tests' package fork server, with ``vllm`` from the engines' one (vLLM imported, in the
+    engines' environment; stdout and stderr then both hold all of the output), or with ``fresh`` a new
+    interpreter (whose peak memory is its own: a forked child's starts at its parent's). A hang fails
+    the test at BOUND_S."""
     try:
+        if vllm:
+            return python_process(["-c", textwrap.dedent(code)], {**os.environ, **engine_environment()}, BOUND_S)
         if fresh:
             return subprocess.run(
                 [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=BOUND_S
@@ -254,7 +259,7 @@ def model_folder(path: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("slot", "kind"),
-    # (Each case starts vLLM's CLI code in a fresh process: a socket and a loop of links, which open(2)
+    # (Each case runs vLLM's CLI code in a process of its own: a socket and a loop of links, which open(2)
     # refuses before any mode check, in one slot; the slots differ only in what lists them.)
     [(slot, kind) for slot in MODEL_SLOTS for kind in ("fifo", "device")]
     + [("config.json", "socket"), ("tokenizer.json", "link-loop")],
@@ -285,7 +290,8 @@ def test_a_special_file_in_a_source_model_is_refused_before_vllm_reads_the_folde
             serve([{str(checkpoint)!r}, "--load-format", "sharded_state"])
         except SystemExit as e:
             print("EXIT", e.code)
-        """
+        """,
+        vllm=True,
     )
     kinds = {
         "fifo": "a FIFO",
