@@ -22,6 +22,7 @@ import torch
 
 from tests.support import object_faults
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, serving_ranks, source_of, stage_state
+from tests.support.engines import start_python
 from tests.support.reference import llama_like
 from tests.support.states import SOURCE, OverwritingProgress, save
 from tests.support.stores import (
@@ -599,7 +600,7 @@ except ShardedStateError as e:
 """
 
 
-def test_two_saves_racing_for_one_prefix_publish_one_whole_checkpoint(s3):
+def test_two_saves_racing_for_one_prefix_publish_one_whole_checkpoint(s3, tmp_path):
     """Two processes save over the same prefix at once, three times: each save either publishes
     or is refused by the other's lock (never both half), the published checkpoint is one
     whole save's, bit-exact and verified, and nothing else is left: no part it does not
@@ -608,17 +609,16 @@ def test_two_saves_racing_for_one_prefix_publish_one_whole_checkpoint(s3):
 
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)
-    root = os.path.dirname(os.path.dirname(__file__))
     for round_ in range(3):
         values = (10.0 * round_ + 1, 10.0 * round_ + 2)
+        logs = [tmp_path / f"racer-{round_}-{i}.log" for i in range(2)]
+        # Forked from the package fork server: both start within milliseconds of each other.
         procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", RACER, url, str(v)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-            )
-            for v in values
+            start_python(["-c", RACER, url, str(v)], dict(os.environ), str(log), package=True)
+            for v, log in zip(values, logs, strict=True)
         ]
-        outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
-        codes = [p.returncode for p in procs]
+        codes = [p.wait(300) for p in procs]
+        outputs = [log.read_text() for log in logs]
         assert all(c in (0, 3) for c in codes), outputs
         for code, out in zip(codes, outputs, strict=True):
             if code == 3:

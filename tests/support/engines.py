@@ -304,11 +304,14 @@ def fork_python(args: list[str], env: dict[str, str], out: str, node: dict | Non
     return _forkserver.spawn(args, env, out, node)
 
 
-def start_python(args: list[str], env: dict[str, str], out: str) -> subprocess.Popen | ForkedProcess:
+def start_python(
+    args: list[str], env: dict[str, str], out: str, package: bool = False
+) -> subprocess.Popen | ForkedProcess:
     """Start ``python ARGS`` in its own session, its output (stdout and stderr) written to the file
-    ``out``, without waiting for it: a child of the fork server where it can be one
+    ``out``, without waiting for it: a child of the fork server (with ``package``, the one that has
+    imported only torch and this package) where it can be one
     (:func:`tests.support.forkserver.why_not_served`), else a fresh process. Stop it with :func:`kill_group`."""
-    forked = _forkserver.spawn(args, env, out)
+    forked = (_package_forkserver if package else _forkserver).spawn(args, env, out)
     if forked is not None:
         return forked
     with open(out, "w") as log:
