@@ -46,6 +46,13 @@ def listing(root: Path) -> dict[str, bytes | str]:
     return found
 
 
+def pax_path(path: str) -> tarfile.TarInfo:
+    """A member whose name comes from a PAX record (which may hold what a header's name field cannot)."""
+    info = member("h1/plain")
+    info.pax_headers = {"path": path}
+    return info
+
+
 def huge_claim() -> bytes:
     """A member whose header claims a gigabyte the archive does not hold."""
     info = tarfile.TarInfo("h1/big")
@@ -75,6 +82,7 @@ def shared_bytes() -> bytes:
         (lambda: archive([(member("h1/hard", tarfile.LNKTYPE, "h1/a"), None)]), "not a plain file inside"),
         (lambda: archive([(member("h1/null", tarfile.CHRTYPE), None)]), "not a plain file inside"),
         (lambda: archive([(member("/tmp/absolute"), b"x")]), "not a plain file inside"),
+        (lambda: archive([(pax_path("h1/a\0b"), b"x")]), "not a plain file inside"),
         (huge_claim, "past the end of the"),
         (shared_bytes, "more than the .*-byte archive holds"),
     ],

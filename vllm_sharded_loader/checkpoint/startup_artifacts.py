@@ -125,6 +125,8 @@ def _member_path(root: str, member: tarfile.TarInfo, in_folder: bool) -> str | N
     parts = member.name.split("/")
     if not member.isfile() or any(p in ("", ".", "..") for p in parts) or (in_folder and len(parts) < 2):
         return None
+    if "\0" in member.name:  # (a PAX path may hold one; no file system name can)
+        return None
     path = os.path.normpath(os.path.join(root, member.name))
     return path if path.startswith(os.path.join(os.path.normpath(root), "")) else None
 
