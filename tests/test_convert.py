@@ -788,6 +788,37 @@ def test_an_architecture_vllm_does_not_serve_is_refused_by_name_and_nothing_is_w
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("running", "message"),
+    [(True, "another save or convert is writing it now"), (False, "a save or convert into it was interrupted")],
+    ids=["running", "interrupted"],
+)
+def test_a_locked_output_is_refused_before_vllm_reads_the_model(sources, tmp_path, running, message):
+    """A save or convert writing the output now (its lock's flock held, here by this process), or one
+    interrupted there (its lock left, no overwrite asked): refused at once, before vLLM reads the source
+    (whose architecture vLLM would refuse), the output untouched."""
+    from vllm_sharded_loader.format.errors import CheckpointLocked
+    from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
+
+    source = copy_source(sources["llama"], tmp_path / "src")
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["MptForCausalLM"]
+    (source / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = acquire_save_lock(str(out), "running-save")
+    if not running:
+        os.close(lock.fd)  # its flock gone with it, the lock file left: as a killed save leaves it
+    try:
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        with pytest.raises(CheckpointLocked, match=f"{out}: {message}"):
+            convert_checkpoint(str(source), str(out), 2)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    finally:
+        if running:
+            release_save_lock(lock)
+
+
 def test_a_model_whose_layers_vllm_cannot_build_here_is_refused_by_name_and_nothing_is_written(tmp_path):
     """FP8 block-quantized linears: vLLM 0.32 picks a layer's CPU kernel while it builds the layer, even
     on the meta device, and has one only for CPUs with AMX tiles. Elsewhere convert refuses the model,
