@@ -559,3 +559,30 @@ def test_a_folder_link_out_of_the_checkpoint_is_not_walked_nor_carried(tmp_path)
     reshard_checkpoint(str(directory), str(out), tp_size=1)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-rank-0-part-0.safetensors", MANIFEST_NAME]
     assert verify_checkpoint(str(out)) == []
+
+
+def test_a_manifest_naming_a_part_with_a_number_of_thousands_of_digits_is_refused_naming_it(tmp_path, capsys):
+    """A manifest's file names are not bounded by the file system's 255 bytes: a part named with a rank
+    of 5000 digits made the check of its name against the pattern raise Python's bare ValueError (int()
+    takes at most 4300 digits), and ``inspect`` printed a traceback instead of naming the manifest."""
+    from tests.support.manifests import edit_manifest
+    from vllm_sharded_loader.checkpoint import read_manifest
+    from vllm_sharded_loader.format.errors import CheckpointCorrupt
+    from vllm_sharded_loader.tools.cli import main
+
+    directory = tmp_path / "ckpt"
+    save(directory)
+
+    def rename_first_part(data: dict) -> None:
+        old = data["ranks"][0]["files"][0]["name"]
+        new = old.replace("rank-0", "rank-" + "0" * 5000)
+        data["ranks"][0]["files"][0]["name"] = new
+        for tensor in data["ranks"][0]["tensors"].values():
+            if tensor["file"] == old:
+                tensor["file"] = new
+
+    edit_manifest(directory, rename_first_part)
+    with pytest.raises(CheckpointCorrupt, match=rf"^{re.escape(str(directory / MANIFEST_NAME))}: file 'model-rank-0+"):
+        read_manifest(str(directory))
+    assert main(["inspect", str(directory)]) == 2
+    assert "does not name that rank's files so" in capsys.readouterr().err

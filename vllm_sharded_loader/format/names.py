@@ -36,6 +36,10 @@ TOKEN_DIGITS = 12
 _STAGED = re.compile(rf"\.(?P<final>.+)\.(?P<token>[0-9a-f]{{{TOKEN_DIGITS}}})" + re.escape(STAGED_SUFFIX) + r"\Z")
 PATTERN_FIELDS = frozenset({"pp_rank", "dp_rank", "tp_rank", "rank", "part"})
 MAX_PATTERN_LENGTH = 255  # a file name
+# The most digits a rank or part number of a file name has: no save numbers anything near 10^18.
+# A name in a manifest is not bounded by the file system's 255 bytes, and Python's int() raises a
+# bare ValueError on more than 4300 digits; a longer number is simply no name a save renders.
+MAX_NUMBER_DIGITS = 18
 
 
 def default_pattern(pp_size: int, replicas: int = 1) -> str:
@@ -152,7 +156,7 @@ def file_name_regex(pattern: str) -> re.Pattern[str]:
     """A regex matching every name the pattern can render, with a group per field.
 
     A field used twice (``{rank}`` and ``{tp_rank}`` are one value) must match the
-    same number both times.
+    same number both times. A number of more than :data:`MAX_NUMBER_DIGITS` digits matches none.
     """
     out: list[str] = []
     seen: set[str] = set()
@@ -161,7 +165,7 @@ def file_name_regex(pattern: str) -> re.Pattern[str]:
         if name is None:
             continue
         group = "tp_rank" if name == "rank" else name
-        out.append(f"(?P={group})" if group in seen else f"(?P<{group}>[0-9]+)")
+        out.append(f"(?P={group})" if group in seen else f"(?P<{group}>[0-9]{{1,{MAX_NUMBER_DIGITS}}})")
         seen.add(group)
     return re.compile("".join(out) + r"\Z")
 
