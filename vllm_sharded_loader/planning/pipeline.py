@@ -13,6 +13,7 @@ from typing import Any
 
 from ..format.errors import CheckpointMismatch, ShardedStateError
 from ..format.manifest import Manifest
+from ..format.names import MANIFEST_NAME
 
 
 def pp_layer_ranges(num_hidden_layers: int, pp_size: int, partition: Sequence[int] | None = None) -> tuple[range, ...]:
@@ -90,13 +91,15 @@ def config_layers(config: Mapping[str, Any]) -> int | None:
     return None
 
 
-def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
+def stage_names(manifest: Manifest, pp_size: int, pp_rank: int, where: str = MANIFEST_NAME) -> list[str]:
     """The tensors a pipeline stage holds at ``pp_size``, saved under the names a worker would use.
 
     The same stage of the same PP size: exactly what was saved. Another PP size: decoder
     layers go to stages as vLLM's ``get_pp_indices`` splits them; the input embedding to
     the first stage; everything else (final norm, LM head) to the last. Tied names are
-    written once per stage, under the name vLLM keeps (the one that sorts first).
+    written once per stage, under the name vLLM keeps (the one that sorts first). A saved
+    decoder layer beyond the layer count of the saved config is refused (``where`` names the
+    manifest in the message).
     """
     if pp_size == manifest.pp_size:
         return list(manifest.rank(0, pp_rank).tensors)
@@ -107,6 +110,17 @@ def stage_names(manifest: Manifest, pp_size: int, pp_rank: int) -> list[str]:
             f"{'no number of layers' if layers is None else f'{layers} layers'} ({', '.join(LAYER_COUNT_KEYS)})."
         )
     saved = [n for r in manifest.ranks for n in r.tensors]
+    # The stages' ranges cover exactly the config's layers: a saved layer beyond them is in no
+    # stage, and a reshard would publish every stage without it, a checkpoint short of tensors
+    # that ``verify`` calls sound.
+    beyond = sorted({n for n in saved if (index := layer_index(n)) is not None and index >= layers})
+    if beyond:
+        raise CheckpointMismatch(
+            f"{where}: {len(beyond)} saved tensors belong to decoder layers beyond the {layers} layers its config "
+            f"gives ({', '.join(LAYER_COUNT_KEYS)}), such as {beyond[:3]}; no pipeline stage of PP={pp_size} would "
+            f"hold them, and the output would lack them. Keep the saved pipeline parallel size "
+            f"(PP={manifest.pp_size}), or save the checkpoint again from an engine at PP={pp_size}."
+        )
     return stage_split(saved, manifest.tied, layers, pp_size, pp_rank)
 
 

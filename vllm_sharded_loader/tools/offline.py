@@ -23,7 +23,15 @@ from ..planning.manifest_plans import files_to_check
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan
 from ..planning.topology import RankInfo
-from ..storage.location import check_not_locked, is_locked, lies_inside, open_store, read_manifest, same_location
+from ..storage.location import (
+    check_not_locked,
+    file_path,
+    is_locked,
+    lies_inside,
+    open_store,
+    read_manifest,
+    same_location,
+)
 from ..storage.progress import ByteProgress
 from ..storage.writer import LazyTensor
 
@@ -135,7 +143,7 @@ def reshard_checkpoint(
         # Plan every rank before writing anything: a refused tensor leaves no output behind.
         plans = {}
         for pp_rank in range(pp_size):
-            names = stage_names(manifest, pp_size, pp_rank)
+            names = stage_names(manifest, pp_size, pp_rank, file_path(directory, MANIFEST_NAME))
             for tp_rank in range(tp_size):
                 rank = RankInfo(tp_rank, tp_size, pp_rank, pp_size)
                 plans[rank] = source.plan(names, rank)
