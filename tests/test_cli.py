@@ -11,6 +11,7 @@ import torch
 
 from tests.support.checkpoints import moe_weights, save_model, save_replicas, stage_state
 from tests.support.engines import package_process
+from tests.support.manifests import edit_manifest
 from tests.support.reference import llama_like
 from tests.support.states import OverwritingProgress, save
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
@@ -231,6 +232,26 @@ def test_reshard_to_another_pp_size_refuses_saved_layers_its_config_does_not_cou
     err = capsys.readouterr().err
     assert f"{directory / MANIFEST_NAME}: 12 saved tensors belong to decoder layers beyond the 2 layers" in err
     assert "'model.layers.2." in err and "Keep the saved pipeline parallel size (PP=1)" in err
+    assert not out.exists()
+
+
+def test_reshard_to_another_pp_size_names_a_layer_index_of_thousands_of_digits(checkpoint, tmp_path, capsys):
+    """A manifest's tensor names are unbounded: one of a layer whose index has 5000 digits made the
+    pipeline split raise Python's bare ValueError (int() takes at most 4300 digits), and the command
+    printed a traceback instead of naming the tensor; a resharding load under PP did the same."""
+    _, directory = checkpoint
+    old, new = "model.layers.1.input_layernorm.weight", "model.layers." + "9" * 5000 + ".input_layernorm.weight"
+
+    def rename(data: dict) -> None:
+        for rank in data["ranks"]:
+            rank["tensors"][new] = rank["tensors"].pop(old)
+        data["geometry"][new] = data["geometry"].pop(old)
+
+    edit_manifest(directory, rename)
+    out = tmp_path / "out"
+    assert cli(["reshard", str(directory), "-tp", "1", "-pp", "2", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Tensor 'model.layers.999" in err and "names a decoder layer index of 5000 digits" in err, err[-300:]
     assert not out.exists()
 
 

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..format.errors import CheckpointMismatch, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 
@@ -49,10 +49,16 @@ def pp_layer_ranges(num_hidden_layers: int, pp_size: int, partition: Sequence[in
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
+# The most digits a layer index has (leading zeros aside): no model has 10^18 layers. A name in a
+# manifest is unbounded, and Python's int() raises a bare ValueError on more than 4300 digits.
+MAX_LAYER_DIGITS = 18
 
 
 def layer_index(name: str) -> int | None:
     """The decoder layer a parameter belongs to, or None for embeddings, final norm, LM head.
+
+    A name whose layer index has more digits than any model's layer count (a damaged or
+    hostile manifest's) is a :class:`CheckpointCorrupt` naming it.
 
     >>> layer_index("model.layers.7.mlp.down_proj.weight")
     7
@@ -60,7 +66,15 @@ def layer_index(name: str) -> int | None:
     True
     """
     match = _LAYER_INDEX.search(name)
-    return None if match is None else int(match.group(1))
+    if match is None:
+        return None
+    digits = match.group(1).lstrip("0") or "0"
+    if len(digits) > MAX_LAYER_DIGITS:
+        raise CheckpointCorrupt(
+            f"Tensor {name[:120]!r}{'...' if len(name) > 120 else ''} names a decoder layer index of {len(digits)} "
+            f"digits; no model has that many layers. The manifest is damaged: save the checkpoint again."
+        )
+    return int(digits)
 
 
 # transformers' names for a model's number of decoder layers (its configs' ``attribute_map``: GPT-2,
