@@ -339,6 +339,30 @@ def test_an_empty_record_of_carried_files_beside_files_verifies_and_says_so(tmp_
     assert verify_checkpoint(str(d), notes=notes) == [] and notes == []  # nothing beside the parts: nothing to say
 
 
+@pytest.mark.parametrize("own", ["model-rank-0-part-0.safetensors", MANIFEST_NAME])
+def test_a_record_of_carried_files_naming_the_checkpoints_own_file_is_named_as_damage(tmp_path, capsys, own):
+    """A ``carried_files`` record of one of the checkpoint's own files (a part, with its true size and
+    SHA-256): verify called the checkpoint sound, and every reshard refused it as a file "changed since
+    ... Try again once it is done", since a reshard carries only the non-weight files. Now the
+    manifest is refused as damaged, by verify, a load and a reshard alike."""
+    d = tmp_path / "ckpt"
+    save_reshardable(d)
+    data = (d / own).read_bytes()
+    record = {own: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+    edit_manifest(d, lambda m: m.update(carried_files=record))
+    damaged = (
+        rf"^{re.escape(str(d / MANIFEST_NAME))}: 'carried_files' records \['{re.escape(own)}'\], the checkpoint's own "
+        r"files .* The manifest is damaged: save the checkpoint again\.$"
+    )
+    problems = verify_checkpoint(str(d))
+    assert len(problems) == 1 and re.match(damaged, problems[0]), problems
+    with pytest.raises(ShardedStateError, match=damaged):
+        reshard_checkpoint(str(d), str(tmp_path / "out"), 1)
+    assert not (tmp_path / "out").exists()
+    assert cli(["inspect", str(d)]) == 2
+    assert "'carried_files' records" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------ saves
 
 

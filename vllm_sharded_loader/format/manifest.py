@@ -17,10 +17,12 @@ from .errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from .experts import ExpertPlacement, writing_replicas
 from .geometry import TensorGeometry
 from .names import (
+    LOCK_NAME,
     MANIFEST_NAME,
     STARTUP_ARTIFACTS_PREFIX,
     check_carried_name,
     check_plain_file_name,
+    is_staged_name,
     is_startup_artifacts_name,
     parse_file_name,
     validate_pattern,
@@ -283,6 +285,18 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
                 raise CheckpointCorrupt(
                     f"{where}: tensor {tensor_name!r} of {rank} points at {t.file!r}, which that rank does not list."
                 )
+    if manifest.carried_files:
+        # A save carries only non-weight files beside its parts: a record naming the checkpoint's own
+        # files is damage, which verify would pass (a part checks out as a carried file) and a reshard,
+        # which copies the carried files, would refuse for ever as a file "changed since".
+        own = manifest.listed_files() | {MANIFEST_NAME, LOCK_NAME}
+        wrong = sorted(n for n in manifest.carried_files if n in own or is_staged_name(n))
+        if wrong:
+            raise CheckpointCorrupt(
+                f"{where}: 'carried_files' records {wrong[:3]}, the checkpoint's own files (its parts, start-up "
+                "archives, manifest or lock), where a save records the non-weight files it carried beside its "
+                "parts (config, tokenizer). The manifest is damaged: save the checkpoint again."
+            )
     missing = sorted(expected - seen)
     if missing:
         raise CheckpointCorrupt(
