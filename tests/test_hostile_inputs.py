@@ -586,3 +586,37 @@ def test_a_manifest_naming_a_part_with_a_number_of_thousands_of_digits_is_refuse
         read_manifest(str(directory))
     assert main(["inspect", str(directory)]) == 2
     assert "does not name that rank's files so" in capsys.readouterr().err
+
+
+def test_a_tied_group_of_many_names_costs_time_and_memory_linear_in_it(tmp_path):
+    """One ``tied`` group of 40,000 names (a 450 KB manifest) made the tie lookup list, for every name,
+    every other: 1.6 billion entries (13 GB) before any name was checked, on an engine's load at the
+    saved topology (the served geometry's check) as on a resharding load or an offline reshard. Here
+    with 1 GiB of address space to spare, the load and the reshard end as on any manifest."""
+    directory = tmp_path / "ckpt"
+    code = f"""
+        import resource
+        from pathlib import Path
+
+        import torch
+        from tests.support.checkpoints import RESHARD_MODEL, save_reshardable, stage_state
+        from tests.support.manifests import edit_manifest
+        from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+        from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+        directory = {str(directory)!r}
+        save_reshardable(directory)
+        edit_manifest(Path(directory), lambda m: m.update(tied=[[f"t{{i}}" for i in range(40_000)]]))
+        geometry = {{name: t.geometry for name, t in RESHARD_MODEL.tensors.items()}}
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        expected = stage_state(RESHARD_MODEL, 2, 1, 0, 0)
+        targets = {{name: torch.zeros_like(x) for name, x in expected.items()}}
+        load_rank(LoadRequest(directory, read_manifest(directory), geometry=geometry), targets, RankInfo(0, 2))
+        assert all(torch.equal(targets[name], x) for name, x in expected.items())
+        reshard_checkpoint(directory, {str(tmp_path / "out")!r}, 1)
+        print("loaded and resharded")
+    """
+    out = run(code, fresh=True)
+    assert out.returncode == 0 and "loaded and resharded" in out.stdout, out.stderr[-2000:]

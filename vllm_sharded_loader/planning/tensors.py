@@ -55,13 +55,22 @@ def tied_source(tied: Iterable[Iterable[str]]) -> Callable[[str, Container[str]]
     under one name). The lookup returns the first of ``name`` and its tied names that
     ``saved`` holds, or None.
     """
-    aliases: dict[str, list[str]] = {}
+    # Each name keeps the indices of its groups, not a list of every other name: the groups come from
+    # a manifest, and one group of n names would otherwise cost n^2 in time and memory (100k names in
+    # a 1 MB manifest: tens of GB) before a single name is checked.
+    groups: list[tuple[str, ...]] = []
+    groups_of: dict[str, list[int]] = {}
     for group in tied:
-        names = list(group)
+        names = tuple(dict.fromkeys(group))  # a name listed twice in a group is one name
         for n in names:
-            aliases.setdefault(n, []).extend(m for m in names if m != n)
+            groups_of.setdefault(n, []).append(len(groups))
+        groups.append(names)
 
     def source(name: str, saved: Container[str]) -> str | None:
-        return next((n for n in [name, *aliases.get(name, [])] if n in saved), None)
+        if name in saved:
+            return name
+        # (name itself is not saved, so the first saved member of its groups is another name.)
+        candidates = (n for index in groups_of.get(name, ()) for n in groups[index])
+        return next((n for n in candidates if n in saved), None)
 
     return source
