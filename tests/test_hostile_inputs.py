@@ -620,3 +620,45 @@ def test_a_tied_group_of_many_names_costs_time_and_memory_linear_in_it(tmp_path)
     """
     out = run(code, fresh=True)
     assert out.returncode == 0 and "loaded and resharded" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_geometry_of_the_most_segments_allowed_is_planned_in_bounded_time(tmp_path):
+    """A manifest may record up to 65,536 segments for one tensor: an offline reshard planned such a
+    geometry in time quadratic in them (each target piece scanned every saved rank's pieces), about
+    8 minutes for one tensor of a 4.8 MB manifest, before any file was checked. Planned in linear
+    time, the reshard reaches the check of the files, which refuses the edited tensor."""
+    from vllm_sharded_loader.format.geometry import MAX_SEGMENTS
+
+    directory = tmp_path / "ckpt"
+    code = f"""
+        from pathlib import Path
+
+        from tests.support.checkpoints import save_reshardable
+        from tests.support.manifests import edit_manifest
+        from vllm_sharded_loader.format import CheckpointCorrupt
+        from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+        segments, name = {MAX_SEGMENTS}, "model.norm.weight"
+
+        def edit(m):
+            m["geometry"][name] = {{
+                "kind": "merged_column_parallel",
+                "layer_class": "MergedColumnParallelLinear",
+                "shape": [2 * segments],
+                "split_dim": 0,
+                "segments": [{{"name": f"segment-{{i:040d}}", "size": 2}} for i in range(segments)],
+            }}
+            for rank in m["ranks"]:
+                rank["tensors"][name]["shape"] = [segments]
+
+        save_reshardable({str(directory)!r})
+        edit_manifest(Path({str(directory)!r}), edit)
+        try:
+            reshard_checkpoint({str(directory)!r}, {str(tmp_path / "out")!r}, 1)
+        except CheckpointCorrupt as e:
+            print(e)
+    """
+    out = run(code, fresh=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"tensor 'model.norm.weight' is I32[32] in the file but I32[{MAX_SEGMENTS}]" in out.stdout
+    assert not (tmp_path / "out").exists()

@@ -380,16 +380,17 @@ def _split_reads(
     dest_row = shape[d] * inner
     reads: list[Read] = []
     zeros: list[Strided] = []
+    held: dict[str, list[tuple[int, ShardPiece]]] = {}  # by segment, once (a scan per piece: quadratic)
+    for saved_rank, sp in ((rank, sp) for rank, (_, _, layout) in sources.items() for sp in layout.pieces):
+        held.setdefault(sp.segment, []).append((saved_rank, sp))
     for piece in target.pieces:
         if piece.padding:
             offset = dest_base + (piece.local_offset + piece.data_length) * inner
             zeros.append(strided(offset, piece.padding * inner, dest_row, outer))
         want_start, want_stop = piece.start, piece.start + piece.data_length
         by_range: dict[tuple[int, int], list[tuple[int, ShardPiece]]] = {}
-        for saved_rank, (_, _, layout) in sources.items():
-            for sp in layout.pieces:
-                if sp.segment == piece.segment:
-                    by_range.setdefault((sp.start, sp.start + sp.data_length), []).append((saved_rank, sp))
+        for saved_rank, sp in held.get(piece.segment, ()):
+            by_range.setdefault((sp.start, sp.start + sp.data_length), []).append((saved_rank, sp))
         for (have_start, have_stop), candidates in sorted(by_range.items()):
             lo, hi = max(want_start, have_start), min(want_stop, have_stop)
             if lo >= hi:
