@@ -679,6 +679,30 @@ def test_a_damaged_replica_manifest_is_refused(tmp_path, edit, match):
         read_manifest(str(tmp_path))
 
 
+def test_a_stacked_tensor_of_more_experts_than_any_placement_is_named_as_damage(tmp_path):
+    """A stacked tensor recorded with 2^40 experts (geometry and the ranks' shapes agreeing): an
+    offline reshard of experts cut across TP x DP listed every expert id before a file was checked,
+    a bare MemoryError (with a smaller absurd count, gigabytes). The count is bounded as a
+    placement's is, and the manifest is refused as damaged."""
+    from vllm_sharded_loader.format.experts import MAX_EXPERTS
+    from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+    name = "model.layers.0.mlp.experts.w2_bias"
+    save_flat(tmp_path / "ckpt", moe_weights(), 1, 2)
+
+    def stack_more(data):
+        data["geometry"][name]["shape"][0] = 2**40
+        for entry in data["ranks"]:
+            if name in entry["tensors"]:
+                entry["tensors"][name]["shape"][0] = 2**40
+
+    edit_manifest(tmp_path / "ckpt", stack_more)
+    damaged = rf"geometry of {name} .* stacks {2**40} experts, more than {MAX_EXPERTS}\. The manifest is damaged"
+    with pytest.raises(CheckpointCorrupt, match=damaged):
+        reshard_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out"), 1)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("edit", [lambda d: d.pop("dp_size"), lambda d: d.__setitem__("dp_size", 4)])
 def test_a_pattern_that_does_not_fit_the_recorded_replicas_is_named_as_damage(tmp_path, edit):
     # The pattern check's own advice is for a save ("Use '...'"); in a published manifest the

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
+from .experts import MAX_EXPERTS
 from .untrusted import MAX_BYTES, MAX_DIMS, JsonReader, is_shape
 
 REPLICATED = "replicated"
@@ -214,6 +215,10 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
     # A replicated tensor may be all stacked dimensions (one scale per expert).
     if g.stacked and (g.stacked > len(g.shape) or (g.stacked == len(g.shape) and g.kind != REPLICATED)):
         raise fail(f"'stacked' is {g.stacked}, but the shape {list(g.shape)} has {len(g.shape)} dimensions")
+    if g.stacked and g.shape[0] > MAX_EXPERTS:
+        # The planner lists a stacked tensor's experts one by one: a count beyond any placement's
+        # bound would allocate without limit before a file is checked.
+        raise fail(f"it stacks {g.shape[0]} experts, more than {MAX_EXPERTS}")
     if g.unit < 1:
         raise fail(f"'unit' must be at least 1, found {g.unit}")
     if g.kind == REPLICATED:
