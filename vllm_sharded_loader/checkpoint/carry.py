@@ -53,6 +53,16 @@ def _read_bytes(data: bytes | Path) -> bytes:
         return f.read()
 
 
+def record_of(directory: str, name: str) -> dict[str, CarriedFile]:
+    """``{name: its record}`` for the local file ``name`` of ``directory`` as it is now (empty without
+    one): what a save's carry must find there later (:meth:`CarriedFiles.stage`'s ``record``)."""
+    try:
+        with os.fdopen(open_regular(os.path.join(directory, name)), "rb") as f:
+            return {name: CarriedFile.of(f.read())}
+    except FileNotFoundError:
+        return {}
+
+
 def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
     """The record of ``data`` if the regular file at ``path`` holds it, else None (also for no regular file)."""
     try:

@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..checkpoint.carry import record_of
 from ..checkpoint.rank_cut import rank_parts
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..checkpoint.state import manifest_ties
 from ..format.errors import CheckpointLocked, RankStopped, ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
-from ..format.manifest import CarriedFile, Manifest, RankEntry
+from ..format.manifest import Manifest, RankEntry
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
 from ..storage.hf_source import read_ahead, resolve_source
-from ..storage.local import open_regular
 from ..storage.location import (
     check_no_special_files,
     copy_non_weight_files,
@@ -397,7 +397,7 @@ def _convert(
         # The manifest records the config the weights are made for, and the checkpoint carries config.json:
         # one written meanwhile (between vLLM's read and the carry's copy) would be carried beside weights
         # made for the other, a checkpoint that verifies and that loads refuse. The carry refuses it.
-        config = _config_record(directory)
+        config = record_of(directory, "config.json")
         model = stack.enter_context(converting(directory, folder, options))
         built = time.perf_counter()
         stop_reading_ahead()
@@ -496,13 +496,3 @@ def _convert(
             raise cache.failed from None
         written = time.perf_counter()
         return ConvertResult(manifest, model.source.nbytes, cache.peak, cache.remakes, built - started, written - built)
-
-
-def _config_record(directory: str) -> dict[str, CarriedFile]:
-    """The size and SHA-256 of the model's config.json as it is before vLLM reads it (none without one)."""
-    try:
-        with os.fdopen(open_regular(os.path.join(directory, "config.json")), "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return {}
-    return {"config.json": CarriedFile.of(data)}
