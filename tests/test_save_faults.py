@@ -747,6 +747,34 @@ def test_an_overwrite_under_another_pattern_removes_every_part_of_the_old_checkp
     assert sorted(os.listdir(directory)) == sorted(new.listed_files() | {MANIFEST_NAME, "notes.txt"})
 
 
+def test_a_checkpoint_under_a_pattern_of_its_own_carries_none_of_its_parts_and_verify_names_none(tmp_path):
+    """A checkpoint whose parts no weight file pattern names (``w-{rank}-{part}.dat``) had them taken for
+    its model's files: a reshard (or a save carrying from it) copied the old weights beside the new
+    parts, recorded as carried config files, and verify told the user to remove the checkpoint's own
+    parts as files a dead save left beside them. Its parts (and any a dead save placed under its
+    pattern) are its own; its config and tokenizer are still carried."""
+    from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+    source, out = tmp_path / "src", tmp_path / "out"
+    save_checkpoint(
+        str(source),
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        max_size=8192,
+        pattern="w-{rank}-{part}.dat",
+        carry=str(model_folder(tmp_path, 1)),
+    )
+    notes: list[str] = []
+    assert verify_checkpoint(str(source), notes=notes) == []
+    assert not [n for n in notes if "w-0-0.dat" in n], notes
+    (source / "w-0-9.dat").write_bytes(b"placed by a save that died before its publish")
+    reshard_checkpoint(str(source), str(out), tp_size=2)
+    assert sorted(read_manifest(str(out)).carried_files) == sorted(carried_of(1.0))
+    assert not [n for n in os.listdir(out) if n.endswith(".dat")], sorted(os.listdir(out))
+    assert_published(out, 1.0)
+
+
 def test_a_file_system_too_full_for_the_lock_fails_typed_and_leaves_nothing(small_filesystem):
     """With not a byte free, the lock's own write failed as a bare OSError (not a ShardedStateError),
     and a save into a new folder left that folder behind."""

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileEntry, Manifest
+from ..format.names import MANIFEST_NAME
 from . import local, lock, model_files, object_lock, objects
 from .objects import is_object_url
 
@@ -238,7 +239,8 @@ class ObjectStore:
         # (A checkpoint saved under the prefix is not the model's: carried, its files would be written
         # over another checkpoint's, recorded as this one's, and removed as stale by a later save.)
         modules = model_files.modules_in(self.read("modules.json")) if "modules.json" in names else set()
-        return model_files.carried_in_listing(names, modules)
+        pattern = model_files.own_part_pattern(self.read_manifest) if MANIFEST_NAME in names else None
+        return model_files.carried_in_listing(names, modules, pattern)
 
     def read(self, name: str) -> bytes | Path:
         return objects.read_object(self.prefix, name)

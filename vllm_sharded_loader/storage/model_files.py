@@ -12,10 +12,12 @@ import json
 import os
 import shutil
 import stat
+from collections.abc import Callable
 
 from ..format.errors import CheckpointCorrupt, ShardedStateError
-from ..format.names import LOCK_NAME, MANIFEST_NAME, is_staged_name, is_startup_artifacts_name
-from .local import directory_holds_checkpoint, escapes, is_checkpoint_file, not_regular, open_regular
+from ..format.manifest import Manifest
+from ..format.names import LOCK_NAME, MANIFEST_NAME, is_staged_name, is_startup_artifacts_name, parse_file_name
+from .local import directory_holds_checkpoint, escapes, is_checkpoint_file, not_regular, open_regular, read_manifest
 
 # Weights of the source model, which the sharded parts replace.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
@@ -83,12 +85,36 @@ def nested_checkpoints(names: list[str]) -> set[str]:
     return folders
 
 
-def carried_in_listing(names: list[str], modules: set[str]) -> list[str]:
+def own_part_pattern(manifest: Callable[[], Manifest | None]) -> str | None:
+    """The part pattern of the checkpoint at the top of a source (``manifest`` reads its manifest), or None.
+
+    A checkpoint saved under a pattern of its own (``w-{rank}-{part}.dat``) has parts that no weight
+    file pattern names: carried, a reshard of it would copy the old weights beside the new parts,
+    recorded as its config files, and ``verify`` would take its own parts for files left beside them.
+    A manifest that cannot be read names none (the source's own checks say why, where it matters).
+    """
+    try:
+        found = manifest()
+    except ShardedStateError:
+        return None
+    return None if found is None else found.pattern
+
+
+def is_own_part(name: str, pattern: str | None) -> bool:
+    """Whether the top-level ``name`` is a part of the checkpoint whose pattern is ``pattern``
+    (:func:`own_part_pattern`): its listed parts, and any a save that died placed under its pattern."""
+    return pattern is not None and "/" not in name and parse_file_name(pattern, name) is not None
+
+
+def carried_in_listing(names: list[str], modules: set[str], pattern: str | None = None) -> list[str]:
     """:func:`non_weight_files`'s rule over a listing of relative ``names`` (an object-storage
-    prefix's), where ``modules`` are the folders its ``modules.json`` names (:func:`modules_in`)."""
+    prefix's), where ``modules`` are the folders its ``modules.json`` names (:func:`modules_in`) and
+    ``pattern`` the part pattern of the checkpoint at the top of the prefix (:func:`own_part_pattern`)."""
     nested = nested_checkpoints(names)
 
     def carried(name: str) -> bool:
+        if is_own_part(name, pattern):
+            return False
         parts = name.split("/")
         whole = len(parts) > 1 and parts[0] in modules  # (a module folder comes whole, its weights too)
         left = (lambda p: p in SKIPPED_NAMES) if whole else is_weight_file
@@ -107,9 +133,10 @@ def non_weight_files(source: str) -> list[str]:
     is carried whole (:func:`module_folders`); a folder holding a checkpoint, not at all.
     """
     modules = module_folders(source)
+    pattern = own_part_pattern(lambda: read_manifest(source))
     found = []
     for name in sorted(os.listdir(source)):
-        if is_weight_file(name):
+        if is_weight_file(name) or is_own_part(name, pattern):
             continue
         path = os.path.join(source, name)
         if not os.path.isdir(path):
