@@ -307,6 +307,23 @@ def test_a_save_interrupted_after_carrying_a_file_into_a_new_subfolder_removes_t
     assert verify_checkpoint(str(directory)) == []
 
 
+def test_a_save_interrupted_after_carrying_a_file_over_a_link_to_a_folder_puts_the_link_back(tmp_path):
+    """A's ``tokenizer.json`` is a link to a folder (the user's), then Ctrl-C once B's own
+    ``tokenizer.json`` had replaced it: the link was taken for a folder (``os.path.isdir`` follows it),
+    so no backup was made, and taking B's file back removed the name: the link was gone for good."""
+    directory = tmp_path / "ckpt"
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 1)))
+    (tmp_path / "elsewhere").mkdir()
+    (directory / "tokenizer.json").unlink()
+    (directory / "tokenizer.json").symlink_to(tmp_path / "elsewhere")
+    before = tree_digest(str(directory))
+    # B's changed files in order: chat_template.jinja, config.json, tok/vocab.txt, tokenizer.json.
+    result = save_in_process(directory, 2.0, {faults.KILL_ENV: "local.carried:4", faults.KILL_SIGNAL_ENV: "INT"})
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, result.stderr[-2000:]
+    assert tree_digest(str(directory)) == before
+    assert_published(directory, 1.0)
+
+
 @pytest.mark.parametrize("kill_at", [*BEFORE_PUBLISH, "local.placed:3"])
 def test_a_parallel_save_interrupted_before_its_publish_takes_back_all_it_wrote(checkpoint_a, kill_at):
     """As above, with the ranks staged at once (convert's save): Ctrl-C once every rank's parts were

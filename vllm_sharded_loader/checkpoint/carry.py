@@ -321,7 +321,9 @@ class CarriedFiles:
         os.makedirs(os.path.dirname(final), exist_ok=True)
         self.made += reversed(missing)
         self.backups[name] = None
-        if os.path.lexists(final) and not os.path.isdir(final):
+        # Whatever is at the name is backed up, a link too (a link to a folder is no folder: the rename
+        # replaces the link itself, and without its backup, restore() would remove the name for good).
+        if os.path.lexists(final) and not stat.S_ISDIR(os.lstat(final).st_mode):
             # Known to restore() before it is made: an interrupt right after the link must not leave it.
             self.backups[name] = os.path.join(self.output, staged_name(f"replaced-{len(self.backups)}", self.token))
             os.link(final, self.backups[name], follow_symlinks=False)  # type: ignore[arg-type]
