@@ -541,6 +541,27 @@ def test_a_lock_whose_start_time_is_no_time_is_named_without_one(tmp_path, start
         save(directory, overwrite=False)
 
 
+@pytest.mark.parametrize("started", ["1e300", "NaN", "-1e20"])
+def test_a_lock_object_whose_time_is_no_time_is_named_without_one(monkeypatch, started):
+    """As above, for the lock object of an object-storage prefix (its bucket served by obstore's
+    in-process store): every load, verify and save of the prefix failed with a bare ValueError or
+    OverflowError from the lock's time, where a CheckpointLocked naming the lock was due."""
+    from obstore.store import MemoryStore
+
+    from vllm_sharded_loader.format.errors import CheckpointLocked
+    from vllm_sharded_loader.storage import object_lock, objects
+
+    bucket = MemoryStore()
+    monkeypatch.setattr(objects, "_store", lambda *_: bucket)
+    bucket.put(f"ckpt/{LOCK_NAME}", f'{{"pid": 1, "host": "elsewhere", "token": "ab12", "time": {started}}}'.encode())
+    where = objects.ObjectPrefix.parse("s3://bucket/ckpt")
+    named = re.escape(f"s3://bucket/ckpt/{LOCK_NAME} (pid 1 on elsewhere, since ?)")
+    with pytest.raises(CheckpointLocked, match=rf"a save is running or was interrupted there \({named}\)"):
+        object_lock.check_not_locked(where)  # a load's, verify's and inspect's check
+    with pytest.raises(CheckpointLocked, match=rf"another save holds {named}\. If it is no longer running"):
+        save("s3://bucket/ckpt", overwrite=False)
+
+
 def test_a_folder_link_out_of_the_checkpoint_is_not_walked_nor_carried(tmp_path):
     """A link to a folder outside (``extra -> /usr``) was walked as the checkpoint's own: verify
     stat-ed, and reshard copied, the whole tree it points at (1.3 GB of /usr in a minute)."""

@@ -8,6 +8,7 @@ silently; a save checks that the lock is still its own before it publishes (fenc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -41,7 +42,12 @@ def read_lock(where: ObjectPrefix) -> dict[str, Any] | None:
 
 def describe_lock(where: ObjectPrefix, holder: dict[str, Any]) -> str:
     when = holder.get("time")
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
+    since = "?"
+    if isinstance(when, (int, float)):
+        # NaN (which JSON parsing takes), or a time out of the platform's range: the object is anyone's,
+        # and the lock must still be named (not a bare ValueError or OverflowError in its place).
+        with contextlib.suppress(ValueError, OverflowError, OSError):
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
     return f"{where.url(LOCK_NAME)} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {since})"
 
 
