@@ -186,3 +186,31 @@ def test_concurrent_saves_on_one_host_never_remove_each_others_folders(tmp_path)
         _, err = run.communicate(timeout=120)
         assert run.returncode == 0, err[-2000:]
     assert folders(tmp_path) == set()
+
+
+@pytest.mark.parametrize("base", ["afile", "fifo", "afile/below"])
+def test_a_staging_setting_that_names_no_folder_is_refused_by_name_and_leaves_the_bucket_as_it_was(
+    tmp_path, monkeypatch, base
+):
+    """``SHARDED_STATE_STAGING_DIR`` naming a file, a FIFO, or a path under a file failed a save into
+    object storage with the bare ``FileExistsError`` or ``NotADirectoryError`` of ``os.makedirs``, which
+    neither is a ShardedStateError nor names the setting. (The bucket: obstore's in-process store.)"""
+    from obstore.store import MemoryStore
+
+    from tests.support.states import save
+    from vllm_sharded_loader.format.errors import SaveRefused
+    from vllm_sharded_loader.storage import objects
+    from vllm_sharded_loader.storage.staging_folders import STAGING_ENV
+
+    bucket = MemoryStore()
+    monkeypatch.setattr(objects, "_store", lambda *_: bucket)
+    (tmp_path / "afile").write_text("the user's")
+    os.mkfifo(tmp_path / "fifo")
+    monkeypatch.setenv(STAGING_ENV, str(tmp_path / base))
+    kind = "a FIFO" if base == "fifo" else "a file"
+    with pytest.raises(
+        SaveRefused, match=rf"{STAGING_ENV}=.*{base}: cannot be made the folder .* is {kind}\); nothing"
+    ):
+        save("s3://bucket/ckpt", overwrite=True)
+    assert [m["path"] for batch in bucket.list() for m in batch] == []  # its lock too
+    assert (tmp_path / "afile").read_text() == "the user's" and (tmp_path / "fifo").is_fifo()

@@ -31,7 +31,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..format.errors import SaveRefused
 from ..format.names import staged_name, staged_token
+from .local import file_kind
 from .lock import OWNER_MARKER, owner_is_alive
 
 STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
@@ -47,7 +49,22 @@ def staging_base() -> str:
     base = os.environ.get(STAGING_ENV) or None
     if base is None:
         return tempfile.gettempdir()
-    os.makedirs(base, exist_ok=True)
+    try:
+        os.makedirs(base, exist_ok=True)
+    except OSError as e:
+        # A file, a FIFO (or a path under one), a folder we may not write: the setting is what is
+        # wrong, so the error names it (not a bare "File exists" that a save's user cannot place).
+        there, found = os.path.abspath(base), ""
+        while not os.path.lexists(there):
+            there = os.path.dirname(there)  # the part of the path that is there
+        with contextlib.suppress(OSError):
+            if not os.path.isdir(there):
+                found = f"; {there} is {file_kind(os.stat(there).st_mode, 'a file')}"
+        raise SaveRefused(
+            f"{STAGING_ENV}={base}: cannot be made the folder where saves into object storage stage their parts "
+            f"({e.strerror}{found}); nothing was uploaded. Point {STAGING_ENV} at a folder (or unset it to stage "
+            f"under {tempfile.gettempdir()}), and save again."
+        ) from e
     return base
 
 
