@@ -214,3 +214,33 @@ def test_a_staging_setting_that_names_no_folder_is_refused_by_name_and_leaves_th
         save("s3://bucket/ckpt", overwrite=True)
     assert [m["path"] for batch in bucket.list() for m in batch] == []  # its lock too
     assert (tmp_path / "afile").read_text() == "the user's" and (tmp_path / "fifo").is_fifo()
+
+
+def test_a_staging_folder_on_a_full_file_system_is_refused_naming_it_and_leaves_nothing(tmp_path, monkeypatch):
+    """A save into object storage whose staging base is full (a real 256 KiB tmpfs, filled) failed with
+    a bare ``OSError: [Errno 28] No space left on device`` (the staging folder's marker could not be
+    written), naming no path, where a SaveRefused naming the folder and what to do was due."""
+    from obstore.store import MemoryStore
+
+    from tests.support.states import save
+    from vllm_sharded_loader.format.errors import SaveRefused
+    from vllm_sharded_loader.storage import objects
+    from vllm_sharded_loader.storage.staging_folders import STAGING_ENV
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        with pytest.raises(OSError), open(mount / "filler", "wb") as f:
+            f.write(b"\0" * 512 * 1024)  # (fills it: the rest does not fit)
+        bucket = MemoryStore()
+        monkeypatch.setattr(objects, "_store", lambda *_: bucket)
+        monkeypatch.setenv(STAGING_ENV, str(mount))
+        with pytest.raises(SaveRefused, match=rf"Making a staging folder under {mount} failed: No space left"):
+            save("s3://bucket/ckpt", overwrite=True)
+        assert [m["path"] for batch in bucket.list() for m in batch] == []  # its lock too
+        assert os.listdir(mount) == ["filler"]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

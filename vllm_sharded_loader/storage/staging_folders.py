@@ -61,9 +61,9 @@ def staging_base() -> str:
             if not os.path.isdir(there):
                 found = f"; {there} is {file_kind(os.stat(there).st_mode, 'a file')}"
         raise SaveRefused(
-            f"{STAGING_ENV}={base}: cannot be made the folder where saves into object storage stage their parts "
-            f"({e.strerror}{found}); nothing was uploaded. Point {STAGING_ENV} at a folder (or unset it to stage "
-            f"under {tempfile.gettempdir()}), and save again."
+            f"{STAGING_ENV}={base}: cannot be made the folder where files are staged for object storage "
+            f"({e.strerror}{found}); nothing was staged there. Point {STAGING_ENV} at a folder (or unset it to stage "
+            f"under {tempfile.gettempdir()}), and try again."
         ) from e
     return base
 
@@ -101,6 +101,17 @@ def make_staging_folder(base: str | None = None) -> StagingFolder:
     """
     base = base or staging_base()
     remove_dead_staging_folders(base)
+    try:
+        return _make_marked_folder(base)
+    except OSError as e:  # a full disk, a folder we may not write: the error names the folder
+        raise SaveRefused(
+            f"Making a staging folder under {base} failed: {e.strerror or e}. Nothing was staged there; free space "
+            f"(or fix the folder, or point {STAGING_ENV} at another one) and try again."
+        ) from e
+
+
+def _make_marked_folder(base: str) -> StagingFolder:
+    """:func:`make_staging_folder`'s folder and its locked marker; a failure leaves neither."""
     path = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=base)
     try:
         fd = os.open(os.path.join(path, _NEW_MARKER), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
