@@ -488,12 +488,13 @@ def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tm
         assert there.is_fifo() if kind == "fifo" else there.read_text() == "not ours"
 
 
-@pytest.mark.parametrize("kind", ["link-out", "dangling-link", "fifo", "directory", "hard-link"])
+@pytest.mark.parametrize("kind", ["link-out", "dangling-link", "fifo", "directory", "hard-link", "socket"])
 def test_a_lock_that_is_not_a_regular_file_is_refused_by_name_and_nothing_outside_is_written(tmp_path, kind):
     """Taking a dead save's lock over rewrites the lock file: through a link it wrote over the file
     the link points at, outside the checkpoint; a FIFO or a folder there gave a bare errno. A hard
     link is a regular file that is also the victim (no flock held on it): the takeover truncated
-    the victim and wrote the lock's JSON into it."""
+    the victim and wrote the lock's JSON into it. A socket (which open(2) refuses with ENXIO) was
+    refused as a lock that could not be taken, "No such device or address", with advice to free space."""
     from vllm_sharded_loader.format.errors import CheckpointLocked
 
     directory, victim = tmp_path / "ckpt", tmp_path / "notes.txt"
@@ -509,9 +510,14 @@ def test_a_lock_that_is_not_a_regular_file_is_refused_by_name_and_nothing_outsid
         os.mkfifo(lock)
     elif kind == "hard-link":
         os.link(victim, lock)
+    elif kind == "socket":
+        listening = socket.socket(socket.AF_UNIX)
+        listening.bind(str(lock))
+        listening.close()  # (the socket file stays)
     else:
         lock.mkdir()
     what = {"fifo": "a FIFO", "directory": "a directory", "hard-link": r"a file with 1 other name\(s\) \(a hard link\)"}
+    what["socket"] = "a socket"
     what = what.get(kind, "a symbolic link")
     with pytest.raises(CheckpointLocked, match=rf"^{directory}: {lock} is {what}, where a save's lock file was"):
         save(directory)  # with overwrite: a dead save's lock would be taken over
@@ -519,6 +525,8 @@ def test_a_lock_that_is_not_a_regular_file_is_refused_by_name_and_nothing_outsid
     assert (directory / MANIFEST_NAME).read_bytes() == manifest
     if kind == "hard-link":
         assert lock.read_text() == "not ours" and os.stat(lock).st_ino == os.stat(victim).st_ino
+    elif kind == "socket":
+        assert lock.is_socket()
     else:
         assert lock.is_symlink() if "link" in kind else lock.is_fifo() if kind == "fifo" else lock.is_dir()
 

@@ -285,9 +285,12 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
     except FileNotFoundError:
         return None
     except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.EISDIR):
+        # open(2) refuses a socket (ENXIO) as it refuses a link (ELOOP) or a folder (EISDIR): each is
+        # named, not given as a bare errno that reads like a full disk.
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
             raise
-        _refuse_lock(directory, path, "a symbolic link" if e.errno == errno.ELOOP else "a directory")
+        kinds = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}
+        _refuse_lock(directory, path, kinds.get(e.errno) or file_kind(os.lstat(path).st_mode))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
