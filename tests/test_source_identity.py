@@ -36,6 +36,25 @@ def test_a_written_model_folder_is_refused(tmp_path, change):
         check_source_files_unchanged(str(tmp_path), loaded)
 
 
+def test_a_weight_named_link_to_nothing_is_an_identity_not_an_error(tmp_path):
+    """A model folder with a link to nothing among its weight-named files (a pruned Hub cache blob,
+    ``training_args.bin``) or a loop of links: the identities raised a bare FileNotFoundError (or
+    OSError ELOOP) at the engine's start-up capture, and every save of that engine was refused, though
+    vLLM's loader read nothing through the link. The link's own identity is recorded; a fix of it is a
+    change like any other."""
+    (tmp_path / "model.safetensors").write_bytes(b"0123456789")
+    (tmp_path / "training_args.bin").symlink_to(tmp_path / "gone")
+    (tmp_path / "loop.pt").symlink_to("loop.pt")
+    loaded = weight_file_identities(str(tmp_path))
+    assert sorted(loaded) == ["loop.pt", "model.safetensors", "training_args.bin"]
+    check_source_files_unchanged(str(tmp_path), loaded)  # unchanged: no error
+    (tmp_path / "gone").write_bytes(b"weights now")  # the link reads a file now: another identity
+    (tmp_path / "training_args.bin").unlink()
+    (tmp_path / "training_args.bin").symlink_to(tmp_path / "gone")
+    with pytest.raises(SaveRefused, match=r"training_args.bin changed"):
+        check_source_files_unchanged(str(tmp_path), loaded)
+
+
 def test_a_sharded_checkpoint_read_again_is_proven_by_its_manifest_or_refused(tmp_path):
     """Class 2 for a sharded checkpoint: the digest of its manifest, with every file's block checksums,
     proves what a re-read gives; another manifest, none, or one without checksums is refused."""

@@ -8,6 +8,7 @@ else is refused, with how to save instead (a start-up capture, :data:`CAPTURE_DI
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 
@@ -39,7 +40,19 @@ def weight_file_identities(folder: str | None) -> dict[str, tuple[int, ...]] | N
     found = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(WEIGHT_SUFFIXES):
-            st = os.stat(os.path.join(folder, name))
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                # A link to nothing (a pruned Hub cache blob: training_args.bin) or a loop of links:
+                # vLLM read nothing through it. The link's own identity tells a later fix of it; a
+                # bare error here made every save of the engine refuse.
+                if e.errno not in (errno.ENOENT, errno.ELOOP):
+                    raise
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:  # removed since the listing: not there
+                    continue
             found[name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     return found
 
