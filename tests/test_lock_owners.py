@@ -214,6 +214,41 @@ def test_a_lock_without_flock_whose_pid_runs_here_is_still_judged_by_its_flock(t
     assert verify_checkpoint(str(directory)) == []
 
 
+# A live process that holds the flock of the file it is given, and says so.
+HOLD_FLOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("HELD", flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("pid", [10**30, -(10**30)])
+def test_a_live_lock_naming_a_pid_that_is_no_process_is_refused_by_name(tmp_path, pid):
+    """A lock whose flock a live process holds, naming this host and a pid past C's long (10**30):
+    naming its holder called ``os.kill(pid, 0)``, whose bare OverflowError took the place of
+    CheckpointLocked."""
+    directory = tmp_path / "ckpt"
+    save(directory)
+    before = snapshot(directory)
+    lock = directory / LOCK_NAME
+    written = f'{{"pid": {pid}, "host": "{socket.gethostname()}", "token": "ab12", "started": 0}}'
+    lock.write_text(written)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_FLOCK, str(lock)], stdout=subprocess.PIPE, text=True
+    )  # a live process holding the lock's flock
+    try:
+        assert holder.stdout.readline().strip() == "HELD"
+        with pytest.raises(CheckpointLocked, match=rf"another save holds {lock} \(pid {pid} on .*wait for it"):
+            save(directory, overwrite=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock.read_text() == written
+    assert snapshot(directory) == before | {LOCK_NAME: hashlib.sha256(written.encode()).hexdigest()}
+
+
 # What a save killed while it took its lock leaves: its lock written and flocked under the staging
 # name, killed (SIGKILL, as the OOM killer does) before it linked that name as the lock.
 KILLED_TAKING_THE_LOCK = """

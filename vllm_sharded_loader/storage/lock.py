@@ -76,7 +76,7 @@ def _named_process_runs(holder: dict) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (a pid past C's long: no process, not an error to give)
         return False
     except PermissionError:  # alive, owned by another user
         return True
