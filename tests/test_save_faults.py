@@ -707,6 +707,19 @@ def test_a_refused_save_leaves_the_folder_as_it_was_its_mtime_included(checkpoin
     assert_published(directory, 1.0)
 
 
+@pytest.mark.parametrize("pattern", ["x-{rank}{part}.st", "x-{rank}.st", "x-{foo}-{part}.st", "../x-{rank}-{part}.st"])
+def test_a_save_refused_for_its_file_pattern_leaves_the_folder_as_it_was_its_mtime_included(checkpoint_a, pattern):
+    """An engine-free save (save_checkpoint, as reshard and convert write) checked its file pattern only
+    once it held the lock: a refused pattern created and removed the lock in the output, changing the
+    folder's mtime. The save hook checked it before its lock; now every save does."""
+    directory, _ = checkpoint_a
+    before = listing(directory)
+    with pytest.raises(ShardedStateError, match=r"File pattern"):
+        save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, pattern=pattern, overwrite=True)
+    assert listing(directory) == before
+    assert_published(directory, 1.0)
+
+
 def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwrite(tmp_path):
     """A folder whose files are named in the save's (custom) pattern holds a checkpoint to vLLM's
     loader, as one in vLLM's default patterns does: a save without overwrite is refused and changes

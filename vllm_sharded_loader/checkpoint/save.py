@@ -47,6 +47,7 @@ from ..format.names import (
     staged_name,
     staged_token,
     token_name,
+    validate_pattern,
 )
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
@@ -454,6 +455,7 @@ def save_checkpoint(
             "were given."
         )
     pattern = pattern or default_pattern(infos[0].pp_size, replicas)
+    validate_pattern(pattern, infos[0].tp_size, infos[0].pp_size, replicas)  # before the lock, as the save hook
 
     def stage(target: SaveTarget) -> Iterator[tuple[StagedRank, None]]:
         if progress is not None:
