@@ -720,6 +720,26 @@ def test_a_save_refused_for_its_file_pattern_leaves_the_folder_as_it_was_its_mti
     assert_published(directory, 1.0)
 
 
+@pytest.mark.parametrize("kind", ["missing", "file", "fifo"])
+def test_a_save_whose_carry_source_is_no_folder_is_refused_by_name_before_its_lock(checkpoint_a, kind):
+    """A carry source (the model whose config and tokenizer go beside the parts) that is missing, a file
+    or a FIFO was found only at the carry step, once every part was written and placed: the save failed
+    with the bare FileNotFoundError or NotADirectoryError of a listing, and had taken its lock and
+    changed the folder. Now it is refused by name before the lock."""
+    directory, _ = checkpoint_a
+    source = directory.parent / f"model-{kind}"
+    if kind == "file":
+        source.write_text("{}")
+    elif kind == "fifo":
+        os.mkfifo(source)
+    before = listing(directory)
+    what = {"missing": "does not exist", "file": "is a file", "fifo": "is a FIFO"}[kind]
+    with pytest.raises(SaveRefused, match=rf"^{source} {what}, where the model folder whose config .* was expected"):
+        save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, overwrite=True, carry=str(source))
+    assert listing(directory) == before
+    assert_published(directory, 1.0)
+
+
 def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwrite(tmp_path):
     """A folder whose files are named in the save's (custom) pattern holds a checkpoint to vLLM's
     loader, as one in vLLM's default patterns does: a save without overwrite is refused and changes

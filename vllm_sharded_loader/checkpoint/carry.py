@@ -110,6 +110,20 @@ def _in_the_way(output: str, name: str) -> tuple[str, str] | None:
     return None
 
 
+def check_carry_source(source: str | None) -> None:
+    """Refuse a local ``source`` (the model whose config and tokenizer a save carries) that is no folder:
+    missing, a file, a FIFO. Checked before the save's lock: found only at the carry step, it failed
+    with the bare errno of a listing, once every part was written (and then taken back). None: no carry."""
+    if source is None or open_store(source).remote or os.path.isdir(source):
+        return
+    there = os.path.lexists(source)
+    kind = f"is {file_kind(os.lstat(source).st_mode, 'a file')}" if there else "does not exist"
+    raise SaveRefused(
+        f"{source} {kind}, where the model folder whose config and tokenizer the save carries was expected; "
+        "nothing was written. Give the model's folder (or none), and save again."
+    )
+
+
 def _check_recordable(source: str, names: list[str]) -> None:
     """Refuse non-weight files that the manifest cannot record as its parser reads it back (a name
     with a backslash, say): the save would publish a manifest that no load or verify reads."""

@@ -65,7 +65,7 @@ from ..storage.lock import (
     remove_empty_folders,
 )
 from ..storage.progress import ByteProgress
-from .carry import CarriedFiles
+from .carry import CarriedFiles, check_carry_source
 from .protocol import OneProcess, SaveJob, SaveTarget, run_save
 from .remote_save import ObjectTarget
 from .staged import StagedRank, discard_rank, fresh_names, new_token, open_staged_tensors, renamed_entry, stage_rank
@@ -282,8 +282,7 @@ class LocalTarget:
         return publish_rank(staged)
 
     def write_rank_file(self, name: str, data: bytes) -> str:
-        """Under a fresh name (the save's token in it), written whole: the published checkpoint's
-        own file is never replaced before the publish; :meth:`abandon` removes this save's."""
+        """A fresh name (the save's token in it), written whole: never the published file; :meth:`abandon` drops it."""
         fresh = token_name(name, self.token)
         write_file_durably(self.where, fresh, data)
         return fresh
@@ -455,7 +454,8 @@ def save_checkpoint(
             "were given."
         )
     pattern = pattern or default_pattern(infos[0].pp_size, replicas)
-    validate_pattern(pattern, infos[0].tp_size, infos[0].pp_size, replicas)  # before the lock, as the save hook
+    validate_pattern(pattern, infos[0].tp_size, infos[0].pp_size, replicas)  # before the lock: a refusal changes
+    check_carry_source(carry)  # nothing in the output, not even its mtime (as the save hook checks its pattern)
 
     def stage(target: SaveTarget) -> Iterator[tuple[StagedRank, None]]:
         if progress is not None:
