@@ -385,6 +385,43 @@ def test_ctrl_c_stops_a_parallel_save_at_its_next_write_and_takes_back_every_ran
     assert not output.exists(), os.listdir(output)
 
 
+# A save whose placed ranks each get one more file (as convert's start-up artifacts), killed by the
+# kernel (SIGXFSZ, its default action restored: Python ignores it) once that file's write passes the
+# file size limit, which every part and the lock are under.
+KILLED_WRITING_A_RANK_FILE = textwrap.dedent(
+    """
+    import resource, signal
+    from tests.support.faultkit import states
+    from tests.support.states import SOURCE
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    def placed(target, entry):
+        target.write_rank_file("startup-artifacts-pp0-tp0.tar", bytes(1 << 20))
+        return entry
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+    save_checkpoint({directory!r}, states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True,
+                    placed=placed)
+    """
+)
+
+
+def test_a_rank_file_left_half_written_by_a_killed_save_goes_with_the_next_save(checkpoint_a):
+    """A save killed while it wrote a rank's start-up artifacts left that file's temporary under a name
+    of its own (``.startup-artifacts-...tar.XXXXXX.tmp``) that no later save removed: the next save took
+    the dead save's lock over and removed its staged parts, but that file stayed, an archive's size."""
+    directory, _ = checkpoint_a
+    killed = package_process(["-c", KILLED_WRITING_A_RANK_FILE.format(directory=str(directory))], timeout=120)
+    assert killed.returncode == -signal.SIGXFSZ, killed.stderr[-2000:]
+    assert any(n.startswith(".startup-artifacts-") for n in os.listdir(directory))  # half-written, hidden
+    assert_published(directory, 1.0)
+    save_checkpoint(str(directory), states(3.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    assert_published(directory, 3.0)
+    assert [n for n in os.listdir(directory) if n.startswith(".")] == []
+    notes: list[str] = []
+    assert verify_checkpoint(str(directory), notes=notes) == []
+    assert not [n for n in notes if ".startup-artifacts-" in n], notes
+
+
 @pytest.fixture
 def small_filesystem(tmp_path: Path):
     """A real file system of 256 KiB of its own (tmpfs), unmounted afterwards; skipped where mounting is denied."""

@@ -284,7 +284,7 @@ class LocalTarget:
     def write_rank_file(self, name: str, data: bytes) -> str:
         """A fresh name (the save's token in it), written whole: never the published file; :meth:`abandon` drops it."""
         fresh = token_name(name, self.token)
-        write_file_durably(self.where, fresh, data)
+        write_file_durably(self.where, fresh, data, staged_name(fresh, self.token))  # (killed: the next save's)
         return fresh
 
     def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:

@@ -383,10 +383,18 @@ def fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def write_file_durably(directory: str, name: str, data: bytes) -> None:
+def write_file_durably(directory: str, name: str, data: bytes, temporary: str | None = None) -> None:
     """Write ``directory/name`` whole or not at all: a temporary file, fsync, rename, fsync of
-    the folder. A reader never sees half of it; a failure leaves no temporary behind."""
-    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    the folder. A reader never sees half of it; a failure leaves no temporary behind.
+
+    ``temporary`` names the temporary file (a save's staged name, which the cleanup of the save
+    that takes over a killed save's lock removes: a kill leaves it, as it leaves a part); else
+    a fresh hidden name is made."""
+    if temporary is None:
+        fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    else:
+        temporary = os.path.join(directory, temporary)
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
