@@ -24,7 +24,7 @@ import torch
 from tests.support.engines import package_process
 from tests.support.faultkit import assert_published, carried_of, model_folder, states, tree_digest
 from tests.support.states import SOURCE
-from vllm_sharded_loader.checkpoint import RankInfo, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish, SaveRefused
@@ -170,6 +170,30 @@ FAILS_AFTER_PUBLISH = textwrap.dedent(
     print("saved again")
     """
 )
+
+
+def test_a_save_killed_after_placing_never_completes_the_published_checkpoint_with_its_parts(checkpoint_a):
+    """A's rank-0 files are missing (a copy cut short): A is refused. B's parts took "fresh" names from
+    the folder's listing only, so its rank 0 got exactly the names A lists for the missing files; killed
+    once they were placed, B left A's manifest finding every file at its size and header, and a load
+    (verify="size", the default) served B's rank 0 beside A's rank 1. The names the published manifest
+    lists are taken, there or not."""
+    directory, _ = checkpoint_a
+    a = read_manifest(str(directory))
+    for f in a.ranks[0].files:
+        (directory / f.name).unlink()
+    killed = save_in_process(directory, 2.0, {faults.KILL_ENV: f"local.placed:{len(a.ranks[0].files)}"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert read_manifest(str(directory)).to_json() == a.to_json()  # A is still the published one
+    assert not any((directory / f.name).exists() for f in a.ranks[0].files)  # and still incomplete
+    info, tensors = next(iter(states(1.0).items()))
+    with pytest.raises(ShardedStateError, match=r"model-rank-0-part-0.safetensors: listed in .* but missing"):
+        load_rank(
+            LoadRequest(str(directory), a, serving=SOURCE), {n: torch.zeros_like(t) for n, t in tensors.items()}, info
+        )
+    again = save_in_process(directory, 3.0)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert_published(directory, 3.0)
 
 
 def test_verify_notes_a_file_a_save_placed_before_it_died_unpublished(checkpoint_a):

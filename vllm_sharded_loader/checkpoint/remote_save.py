@@ -121,7 +121,7 @@ def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
     for :func:`abandon` to remove). Returns the entry naming the uploads.
     """
     store = ObjectStore(url)
-    renamed = fresh_names(staged, store.list_names())
+    renamed = fresh_names(staged, store)
     store.put(_intent_name(staged, token), json.dumps(sorted(renamed.values())).encode())
     kill_point(KILL_RECORDED)
     uploaded: list[str] = []

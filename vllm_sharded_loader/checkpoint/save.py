@@ -109,7 +109,7 @@ def publish_rank(staged: StagedRank) -> RankEntry:
     no other save renames into the directory meanwhile.
     """
     directory = staged.directory
-    renamed = fresh_names(staged, os.listdir(directory))
+    renamed = fresh_names(staged, LocalStore(directory))
     for name in renamed:
         if name in staged.temporary:
             final = os.path.join(directory, renamed[name])

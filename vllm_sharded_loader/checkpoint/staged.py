@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +29,7 @@ from ..planning.parts import plan_parts
 from ..planning.topology import RankInfo
 from ..storage import writer
 from ..storage.local import make_output_folder, read_header
+from ..storage.location import Store
 from ..storage.tensors import dtype_name, map_file_range, torch_dtype
 
 
@@ -127,12 +128,32 @@ def renamed_entry(entry: RankEntry, names: Mapping[str, str]) -> RankEntry:
     )
 
 
-def fresh_names(staged: StagedRank, taken: Iterable[str]) -> dict[str, str]:
-    """``staged name -> final name`` for a rank's parts: vLLM's pattern, colliding with nothing ``taken``."""
+def taken_names(store: Store) -> set[str]:
+    """The names a save's new parts must not take in ``store``: every file there, and every file its
+    published manifest lists, there or not. A part placed under a listed name whose file is missing (a
+    copy cut short) would complete the published checkpoint with this save's bytes: killed before its
+    own publish, the save would leave that checkpoint loading them beside its other ranks (sizes and
+    headers agree), where it was refused as incomplete before."""
+    names = set(store.list_names())
+    with contextlib.suppress(ShardedStateError):  # unreadable: it lists nothing a load would read
+        published = store.read_manifest()
+        if published is not None:
+            names |= published.listed_files()
+    return names
+
+
+def fresh_names(staged: StagedRank, store: Store) -> dict[str, str]:
+    """``staged name -> final name`` for a rank's parts: vLLM's pattern, colliding with nothing
+    :func:`taken_names` finds in ``store`` (where they are placed)."""
     old = [f.name for f in staged.entry.files]
     rank = staged.rank
     new = fresh_part_names(
-        staged.pattern, len(old), taken, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=rank.saved_dp_rank
+        staged.pattern,
+        len(old),
+        taken_names(store),
+        tp_rank=rank.tp_rank,
+        pp_rank=rank.pp_rank,
+        dp_rank=rank.saved_dp_rank,
     )
     return dict(zip(old, new, strict=True))
 
