@@ -63,6 +63,26 @@ def test_inspect(checkpoint, capsys):
     assert len(info["ranks"]) == 2 and all(f["checksum"] for r in info["ranks"] for f in r["files"])
 
 
+def test_inspect_prints_a_name_with_control_characters_as_one_line_of_what_it_is(checkpoint, capsys):
+    """A manifest's strings are a hostile file's words: an architecture with a line break and terminal
+    escapes (a forged "LOCKED" line, a cleared line, reversed text) prints escaped, on its own line."""
+    _, directory = checkpoint
+    forged = "LlamaForCausalLM\n  LOCKED        no\x1b[2K\u202e"
+
+    def rename(manifest):
+        manifest["source"]["architecture"] = forged
+
+    edit_manifest(directory, rename)
+    assert cli(["inspect", str(directory)]) == 0
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "\u202e" not in text
+    assert [line for line in text.splitlines() if "LOCKED" in line] == [
+        "  source model  LlamaForCausalLM\\n  LOCKED        no\\x1b[2K\\u202e (config sha256 "
+        + read_manifest(str(directory)).source.config_sha256[:16]
+        + ")"
+    ]
+
+
 def test_inspect_and_verify_show_experts_saved_per_replica(tmp_path, capsys):
     save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
     assert cli(["inspect", str(tmp_path)]) == 0

@@ -19,11 +19,29 @@ import contextlib
 import os
 import signal
 import sys
+import unicodedata
 from collections.abc import Sequence
 
 from ..format.errors import InterruptedAfterPublish, ShardedStateError
 from ..format.names import LOCK_NAME
 from ..storage.progress import ByteProgress
+
+
+def shown(text: str, keep: str = "") -> str:
+    """``text`` with its control and format characters escaped (``\\n``, ``\\x1b``, ``\\u202e``), but those
+    in ``keep``: a name read from a checkpoint prints as what it is, never as a line of its own or as
+    terminal commands (a forged line of a report, colours, a cursor moved).
+
+    >>> shown("model.norm.weight\\nLOCKED no \\x1b[2K")
+    'model.norm.weight\\\\nLOCKED no \\\\x1b[2K'
+    """
+    return "".join(
+        c.encode("unicode_escape").decode() if c not in keep and unicodedata.category(c)[0] == "C" else c for c in text
+    )
+
+
+def _say(line: str) -> None:
+    print(shown(line))
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -35,13 +53,13 @@ def verify(args: argparse.Namespace) -> int:
     what = "sizes and headers" if args.size_only else "sizes, headers and checksums"
     # Leftovers of a save or engine that died are not the checkpoint's problems (see verify_checkpoint).
     for note in notes:
-        print(f"NOTE: {note}")
+        _say(f"NOTE: {note}")
     if not problems:
-        print(f"OK: {args.directory} is sound ({what} checked).")
+        _say(f"OK: {args.directory} is sound ({what} checked).")
         return 0
-    print(f"BAD: {args.directory} has {len(problems)} problem(s):")
+    _say(f"BAD: {args.directory} has {len(problems)} problem(s):")
     for problem in problems:
-        print(f"  - {problem}")
+        _say(f"  - {problem}")
     return 1
 
 
@@ -52,39 +70,39 @@ def inspect(args: argparse.Namespace) -> int:
 
     info = inspect_checkpoint(args.directory)
     if args.json:
-        print(json.dumps(info, indent=1))
+        print(json.dumps(info, indent=1))  # (JSON escapes control characters itself)
         return 0
     files = [f for r in info["ranks"] for f in r["files"]]
     geometry = info["geometry"]
-    print(f"{info['directory']}")
+    _say(f"{info['directory']}")
     dp = f" DP={info['dp_size']}" if info["dp_size"] > 1 else ""
-    print(f"  topology      TP={info['tp_size']} PP={info['pp_size']}{dp}, pattern {info['pattern']}")
+    _say(f"  topology      TP={info['tp_size']} PP={info['pp_size']}{dp}, pattern {info['pattern']}")
     if info["experts"]:
         writers = f", written by each of {info['replicas']} replicas" if info["replicas"] > 1 else ""
-        print(f"  experts       {info['experts']}{writers}")
-    print(f"  source model  {info['source']['architecture']} (config sha256 {info['source']['config_sha256'][:16]})")
-    print(f"  dtype         {info['dtype']}")
-    print(f"  tensors       {info['tensors']} names, {info['tensor_entries']} rank entries")
-    print(
+        _say(f"  experts       {info['experts']}{writers}")
+    _say(f"  source model  {info['source']['architecture']} (config sha256 {info['source']['config_sha256'][:16]})")
+    _say(f"  dtype         {info['dtype']}")
+    _say(f"  tensors       {info['tensors']} names, {info['tensor_entries']} rank entries")
+    _say(
         f"  files         {len(files)}, {info['bytes'] / 1e6:.1f} MB, checksums: {'yes' if info['checksums'] else 'no'}"
     )
     kinds = ", ".join(f"{k} {v}" for k, v in geometry["kinds"].items()) or "none"
-    print(f"  resharding    {'possible' if geometry['reshardable'] else 'not possible'} (geometry: {kinds})")
+    _say(f"  resharding    {'possible' if geometry['reshardable'] else 'not possible'} (geometry: {kinds})")
     if info["tied"]:
-        print(f"  tied          {'; '.join(' = '.join(g) for g in info['tied'])}")
+        _say(f"  tied          {'; '.join(' = '.join(g) for g in info['tied'])}")
     if info["locked"]:
-        print("  LOCKED        a save is running or was interrupted")
+        _say("  LOCKED        a save is running or was interrupted")
     carried = [r for r in info["ranks"] if r["startup_artifacts"]]
-    print(f"  start-up      {len(carried)} of {len(info['ranks'])} ranks carry compile artifacts")
+    _say(f"  start-up      {len(carried)} of {len(info['ranks'])} ranks carry compile artifacts")
     for r in info["ranks"]:
         dp = f" dp {r['dp_rank']}" if r["dp_rank"] else ""
         for f in r["files"]:
-            print(f"    pp {r['pp_rank']}{dp} tp {r['tp_rank']}  {f['name']:48s} {f['size']:>14,d} bytes")
+            _say(f"    pp {r['pp_rank']}{dp} tp {r['tp_rank']}  {f['name']:48s} {f['size']:>14,d} bytes")
         if r["startup_artifacts"]:
             a = r["startup_artifacts"]
-            print(f"    pp {r['pp_rank']}{dp} tp {r['tp_rank']}  {a['file']:48s} {a['size']:>14,d} bytes, for:")
+            _say(f"    pp {r['pp_rank']}{dp} tp {r['tp_rank']}  {a['file']:48s} {a['size']:>14,d} bytes, for:")
             for name, value in a["key"].items():
-                print(f"        {name:18s} {value}")
+                _say(f"        {name:18s} {value}")
     return 0
 
 
@@ -244,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
         return args.run(args)
     except (ShardedStateError, OSError) as e:
-        print(f"vllm-sharded: error: {e}", *getattr(e, "__notes__", []), sep="\n", file=sys.stderr)
+        # (Line breaks kept: a library's message may have several lines; a name in it shows as it is.)
+        notes = [str(n) for n in getattr(e, "__notes__", [])]
+        print(*(shown(t, keep="\n") for t in [f"vllm-sharded: error: {e}", *notes]), sep="\n", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         if argv[:1] == ["save"]:
