@@ -790,7 +790,10 @@ def test_an_architecture_vllm_does_not_serve_is_refused_by_name_and_nothing_is_w
 
 @pytest.mark.parametrize(
     ("running", "message"),
-    [(True, "another save or convert is writing it now"), (False, "a save or convert into it was interrupted")],
+    [
+        (True, r"another save holds .*; wait for it to finish"),
+        (False, r"another save holds .*; that save was interrupted"),
+    ],
     ids=["running", "interrupted"],
 )
 def test_a_locked_output_is_refused_before_vllm_reads_the_model(sources, tmp_path, running, message):

@@ -768,6 +768,49 @@ def test_a_refused_save_leaves_the_folder_as_it_was_its_mtime_included(checkpoin
     assert_published(directory, 1.0)
 
 
+def test_what_a_save_would_refuse_is_said_before_it_starts_and_changes_nothing(checkpoint_a, monkeypatch):
+    """``refuse_before_save`` (the save command's and convert's check before vLLM builds a model) refuses
+    what the save's lock refuses, with its words, and takes nothing: a checkpoint without overwrite, a
+    running save even with overwrite, an interrupted one without it; the same for an object prefix
+    (obstore's in-process store), whose lock object is never taken over."""
+    from obstore.store import MemoryStore
+
+    from vllm_sharded_loader.storage import objects
+    from vllm_sharded_loader.storage.location import refuse_before_save
+
+    directory, _ = checkpoint_a
+    before = listing(directory)
+    with pytest.raises(SaveRefused, match=f"{directory} already holds a checkpoint"):
+        refuse_before_save(str(directory), overwrite=False)
+    refuse_before_save(str(directory), overwrite=True)
+    running = acquire_save_lock(str(directory), "aaaa11110000", overwrite=True)
+    try:
+        with pytest.raises(CheckpointLocked, match=r"another save holds .*; wait for it to finish"):
+            refuse_before_save(str(directory), overwrite=True)
+    finally:
+        os.close(running.fd)  # its flock gone with it, the lock left: as a killed save leaves it
+    held = listing(directory)
+    with pytest.raises(CheckpointLocked, match=r"another save holds .*; that save was interrupted"):
+        refuse_before_save(str(directory), overwrite=False)
+    refuse_before_save(str(directory), overwrite=True)  # the save would take it over
+    assert listing(directory) == held and set(held) == {*before, LOCK_NAME}
+    with pytest.raises(ShardedStateError, match="where a checkpoint folder was expected"):
+        refuse_before_save(str(directory / MANIFEST_NAME), overwrite=True)
+
+    bucket = MemoryStore()
+    monkeypatch.setattr(objects, "_store", lambda *_: bucket)
+    url = "s3://bucket/ckpt"
+    refuse_before_save(url, overwrite=False)  # an empty prefix
+    bucket.put(f"ckpt/{MANIFEST_NAME}", b"{}")
+    with pytest.raises(SaveRefused, match=f"{url}/? already holds a checkpoint"):
+        refuse_before_save(url, overwrite=False)
+    refuse_before_save(url, overwrite=True)
+    bucket.put(f"ckpt/{LOCK_NAME}", b'{"pid": 1, "host": "elsewhere", "token": "ab12"}')
+    with pytest.raises(CheckpointLocked, match=rf"another save holds .*pid 1 on elsewhere.*delete {url}/{LOCK_NAME}"):
+        refuse_before_save(url, overwrite=True)
+    assert sorted(o["path"] for o in bucket.list().collect()) == [f"ckpt/{LOCK_NAME}", f"ckpt/{MANIFEST_NAME}"]
+
+
 @pytest.mark.parametrize("pattern", ["x-{rank}{part}.st", "x-{rank}.st", "x-{foo}-{part}.st", "../x-{rank}-{part}.st"])
 def test_a_save_refused_for_its_file_pattern_leaves_the_folder_as_it_was_its_mtime_included(checkpoint_a, pattern):
     """An engine-free save (save_checkpoint, as reshard and convert write) checked its file pattern only

@@ -37,7 +37,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ..format.errors import SaveRefused, ShardedStateError
+from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import MANIFEST_NAME, staged_name, staged_token, token_name
 from ..storage.faults import declare, kill_point
@@ -55,29 +55,13 @@ KILL_PUBLISHED = declare("s3.published", "checkpoint/remote_save.py: the manifes
 KILL_CLEANED = declare("s3.cleaned", "checkpoint/remote_save.py: stale parts deleted, the lock not yet released")
 
 
-def _refuse_a_checkpoint(store: ObjectStore, url: str, overwrite: bool) -> None:
-    if store.exists_file(MANIFEST_NAME) and not overwrite:
-        raise SaveRefused(
-            f"{url} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass --overwrite."
-        )
-
-
-def check_prefix_free(url: str, overwrite: bool) -> None:
-    """Before an engine is started for a save to ``url`` (the save command): refuse a prefix that
-    another save holds, or that holds a checkpoint without ``overwrite``. :func:`begin` checks
-    again under the save's lock."""
-    store = ObjectStore(url)
-    store.check_not_locked()
-    _refuse_a_checkpoint(store, url, overwrite)
-
-
 def begin(url: str, token: str, overwrite: bool) -> None:
     """Step 1: hold the prefix (conditional put of the lock); an old checkpoint needs ``overwrite``."""
     store = ObjectStore(url)
     store.acquire_lock(token)
     try:
         kill_point(KILL_LOCKED)
-        _refuse_a_checkpoint(store, url, overwrite)
+        store.refuse_a_checkpoint(overwrite)
         # An interrupted save's uploads: only those it recorded as its own before it began them.
         manifest = store.read_manifest()
         listed = set() if manifest is None else manifest.listed_files()

@@ -17,14 +17,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..checkpoint.remote_save import check_prefix_free
 from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import ShardedStateError
 from ..storage import location
 from ..storage.fresh_process import in_fresh_process
-from ..storage.local import directory_holds_checkpoint, make_output_folder
-from ..storage.location import check_no_special_files, open_store
-from ..storage.lock import describe_lock, read_lock
+from ..storage.local import make_output_folder
+from ..storage.location import check_no_special_files, open_store, refuse_before_save
 from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
 
@@ -135,15 +133,7 @@ def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
     make_output_folder(output)
     if os.path.samefile(model, output):
         raise ShardedStateError(f"--output {output!r} is the source model's directory; choose another one.")
-    # Refuse before an engine is started for nothing; the save hook checks again under its lock.
-    holder = read_lock(output)
-    if holder is not None and not overwrite:
-        raise ShardedStateError(f"{output}: another save holds {describe_lock(output, holder)}.")
-    if directory_holds_checkpoint(output) and not overwrite:
-        raise ShardedStateError(
-            f"{output} already holds a checkpoint; refusing to overwrite it. Choose another directory or "
-            "pass --overwrite."
-        )
+    refuse_before_save(output, overwrite)  # the save hook checks again under its lock
 
 
 def _prepare_object_output(url: str, overwrite: bool) -> StagingFolder:
@@ -158,7 +148,7 @@ def _prepare_object_output(url: str, overwrite: bool) -> StagingFolder:
     The prefix is checked from a fresh process: object storage used in this one would hang the
     engine core and workers that vLLM forks from it where it forks them (storage/fresh_process.py).
     """
-    in_fresh_process(check_prefix_free, url, overwrite)
+    in_fresh_process(refuse_before_save, url, overwrite)
     return make_staging_folder()
 
 

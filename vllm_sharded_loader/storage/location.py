@@ -120,6 +120,12 @@ class Store(Protocol):
         """Whether a live save holds the lock now (its staged files are its own, not leftovers)."""
         ...
 
+    def refuse_before_save(self, overwrite: bool) -> None:
+        """Refuse what a save's lock would refuse here (a local path that is a file or a FIFO, a save
+        holding it; a checkpoint, unless ``overwrite``), taking nothing: before a save starts work it
+        would throw away."""
+        ...
+
     def owner_is_alive(self, token: str) -> bool:
         """Whether a live process owns the staged files of ``token`` (an engine's start-up capture)."""
         ...
@@ -127,11 +133,6 @@ class Store(Protocol):
     def special_files(self) -> list[ShardedStateError]:
         """An error for each file that is no regular file (a FIFO, a device), found without opening
         it: vLLM opens a model's config and tokenizer plainly, and a FIFO would hang it."""
-        ...
-
-    def check_output(self) -> None:
-        """Refuse, before anything is written, a location that cannot take a checkpoint (a local
-        path that is a file or a FIFO)."""
         ...
 
 
@@ -193,14 +194,14 @@ class LocalStore:
     def save_is_running(self) -> bool:
         return lock.save_is_running(self.where)
 
+    def refuse_before_save(self, overwrite: bool) -> None:
+        lock.refuse_before_save(self.where, overwrite)
+
     def owner_is_alive(self, token: str) -> bool:
         return lock.owner_is_alive(self.where, token)
 
     def special_files(self) -> list[ShardedStateError]:
         return list(model_files.special_files(self.where))
-
-    def check_output(self) -> None:
-        local.check_output_folder(self.where)
 
 
 class ObjectStore:
@@ -283,14 +284,23 @@ class ObjectStore:
     def save_is_running(self) -> bool:
         return False  # no flock: a lock object is all there is, and the verifier reports what a save left
 
+    def refuse_before_save(self, overwrite: bool) -> None:
+        object_lock.refuse_before_save(self.prefix, overwrite)
+
+    def refuse_a_checkpoint(self, overwrite: bool) -> None:
+        """Refuse a prefix with a published manifest unless ``overwrite`` (a save's check under its lock)."""
+        object_lock.refuse_a_checkpoint(self.prefix, overwrite)
+
     def owner_is_alive(self, token: str) -> bool:
         return False  # no engine captures into object storage: staged objects are a dead save's
 
     def special_files(self) -> list[ShardedStateError]:
         return []  # an object is bytes, whatever its name
 
-    def check_output(self) -> None:
-        pass  # a prefix takes any object; whether it is free is the save's lock to say
+
+def refuse_before_save(where: str, overwrite: bool) -> None:
+    """:meth:`Store.refuse_before_save` of the checkpoint at ``where`` (a local folder or an object prefix)."""
+    open_store(where).refuse_before_save(overwrite)
 
 
 def check_no_special_files(where: str) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from ..format.errors import CheckpointLocked, SaveRefused
 from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name, staged_token
 from .local import check_output_folder, directory_holds_checkpoint, file_kind, make_output_folder, open_regular
+from .mounts import flock_problem
 
 # A lock names its holder in a line of JSON; more is not a lock of ours.
 MAX_LOCK_BYTES = 64 * 1024
@@ -81,63 +82,6 @@ def _named_process_runs(holder: dict) -> bool:
     except PermissionError:  # alive, owned by another user
         return True
     return True
-
-
-# File systems whose flock is not shared between the hosts that mount them (or not at all):
-# the kernel then grants it locally, so a free flock says nothing of a process elsewhere.
-_LOCAL_FLOCK_OPTIONS = {
-    "nfs": ("nolock", "local_lock=flock", "local_lock=all"),
-    "nfs4": ("nolock", "local_lock=flock", "local_lock=all"),
-    "cifs": ("nobrl", "local_lock"),
-    "smb3": ("nobrl", "local_lock"),
-}
-
-
-def _mount_of(path: str, mountinfo: str) -> tuple[str, str, set[str]] | None:
-    """(mount point, file system type, options) of the mount that holds ``path``, from ``/proc/self/mountinfo``."""
-    best: tuple[str, str, set[str]] | None = None
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        dash = fields.index("-")
-        if len(fields) < dash + 4 or len(fields) < 6:
-            continue
-        point = fields[4].encode().decode("unicode_escape")  # spaces are written as \040
-        fstype = fields[dash + 1]
-        options = set(fields[5].split(",")) | set(fields[dash + 3].split(","))
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[0])):
-            best = (point, fstype, options)
-    return best
-
-
-def flock_problem(directory: str, mountinfo: str | None = None) -> str | None:
-    """Why ``flock`` on ``directory``'s mount cannot tell a running save from a dead one, or None.
-
-    ``mountinfo`` is the text of ``/proc/self/mountinfo`` (read when not given; without it,
-    nothing is known against the mount). A mount whose ``flock`` each host grants on its own
-    (NFS with ``nolock`` or ``local_lock``, CIFS with ``nobrl``, FUSE file systems, which
-    lock in the local kernel unless the file system implements locks) is named here.
-    """
-    if mountinfo is None:
-        try:
-            with open("/proc/self/mountinfo") as f:
-                mountinfo = f.read()
-        except OSError:
-            return None
-    mount = _mount_of(os.path.realpath(directory), mountinfo)
-    if mount is None:
-        return None
-    point, fstype, options = mount
-    local = [
-        o for o in _LOCAL_FLOCK_OPTIONS.get(fstype, ()) if o in options or any(x.startswith(o + "=") for x in options)
-    ]
-    if local:
-        return f"{point} is a {fstype} mount with {local[0]}: flock is granted by each host on its own"
-    if fstype == "fuse" or fstype.startswith("fuse."):
-        return f"{point} is a FUSE mount ({fstype}): its flock may be granted by each host on its own"
-    return None
 
 
 def _flock(fd: int, operation: int, directory: str) -> bool:
@@ -227,6 +171,37 @@ def remove_empty_folders(folders: Iterable[str]) -> None:
             os.rmdir(folder)
 
 
+def _refuse_holder(directory: str, holder: dict, held: bool, overwrite: bool) -> None:
+    """Refuse a lock's ``holder``: a running save (its flock ``held``), one whose mount cannot tell
+    (:func:`flock_problem`), or an interrupted one unless ``overwrite`` (then it may be taken over)."""
+    problem = None if held else flock_problem(directory)
+    if held:
+        advice = "; wait for it to finish."
+    elif problem is not None:
+        # A free flock proves nothing here: the save may run on another host.
+        advice = (
+            f"; {problem}, so whether that save still runs cannot be told. If no save runs, remove "
+            f"{os.path.join(directory, LOCK_NAME)} and save again."
+        )
+    elif overwrite:
+        return
+    elif "token" not in holder:
+        advice = "; that save was interrupted (or is one of an older version). Save again with overwrite."
+    else:
+        advice = "; that save was interrupted. Save again with overwrite to replace it."
+    raise CheckpointLocked(f"{directory}: another save holds {describe_lock(directory, holder)}{advice}")
+
+
+def refuse_before_save(directory: str, overwrite: bool) -> None:
+    """What :func:`acquire_save_lock` would refuse, taking nothing: said before a save starts work it
+    would throw away (vLLM building a model, tens of seconds). The save checks again under its lock."""
+    check_output_folder(directory)
+    if read_lock(directory) is not None:
+        held = save_is_running(directory)
+        _refuse_holder(directory, _running_holder(directory) if held else read_lock(directory) or {}, held, overwrite)
+    _refuse_a_checkpoint(directory, overwrite, ())
+
+
 def _refuse_a_checkpoint(directory: str, overwrite: bool, patterns: tuple[str, ...]) -> None:
     if not overwrite and directory_holds_checkpoint(directory, patterns):
         raise SaveRefused(
@@ -301,21 +276,7 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
         if not held and os.fstat(fd).st_ino != _inode(path):
             os.close(fd)  # released and replaced while we looked: try again
             return None
-        problem = None if held else flock_problem(directory)
-        if held or problem is not None or not overwrite:
-            if held:
-                advice = "; wait for it to finish."
-            elif problem is not None:
-                # A free flock proves nothing here: the save may run on another host.
-                advice = (
-                    f"; {problem}, so whether that save still runs cannot be told. If no save runs, remove "
-                    f"{path} and save again."
-                )
-            elif "token" not in holder:
-                advice = "; that save was interrupted (or is one of an older version). Save again with overwrite."
-            else:
-                advice = "; that save was interrupted. Save again with overwrite to replace it."
-            raise CheckpointLocked(f"{directory}: another save holds {describe_lock(directory, holder)}{advice}")
+        _refuse_holder(directory, holder, held, overwrite)
         staging = _staging_links(directory, fd)
         links = os.fstat(fd).st_nlink - len(staging)
         if links > 1:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from ..format import MANIFEST_NAME
-from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, SaveRefused, ShardedStateError
 from ..format.names import LOCK_NAME
 from .objects import AlreadyExists, ObjectFile, ObjectPrefix, delete, head, put
 
@@ -69,10 +69,32 @@ def acquire_lock(where: ObjectPrefix, token: str) -> None:
             return  # ours: the put's answer was lost, and its retry failed (found the lock it had made)
         if not isinstance(e, AlreadyExists):
             raise
-        raise CheckpointLocked(
-            f"{where.url()}: another save holds {describe_lock(where, holder)}. If it is no longer running (it "
-            f"was interrupted), delete {where.url(LOCK_NAME)} and save again."
-        ) from None
+        raise _held(where, holder) from None
+
+
+def _held(where: ObjectPrefix, holder: dict[str, Any]) -> CheckpointLocked:
+    return CheckpointLocked(
+        f"{where.url()}: another save holds {describe_lock(where, holder)}. If it is no longer running (it "
+        f"was interrupted), delete {where.url(LOCK_NAME)} and save again."
+    )
+
+
+def refuse_a_checkpoint(where: ObjectPrefix, overwrite: bool) -> None:
+    """Refuse a prefix with a published manifest unless ``overwrite``."""
+    if not overwrite and head(where, MANIFEST_NAME) is not None:
+        raise SaveRefused(
+            f"{where.url()} already holds a checkpoint; refusing to overwrite it. Choose another prefix or pass "
+            "--overwrite."
+        )
+
+
+def refuse_before_save(where: ObjectPrefix, overwrite: bool) -> None:
+    """What a save's :func:`acquire_lock` and its check under the lock would refuse, taking nothing: said
+    before a save starts work it would throw away (vLLM building a model, tens of seconds)."""
+    holder = read_lock(where)
+    if holder is not None:
+        raise _held(where, holder)
+    refuse_a_checkpoint(where, overwrite)
 
 
 def check_lock_holder(where: ObjectPrefix, token: str) -> None:

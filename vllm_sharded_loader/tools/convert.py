@@ -29,7 +29,7 @@ from ..checkpoint.carry import record_of
 from ..checkpoint.rank_cut import rank_parts
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..checkpoint.state import manifest_ties
-from ..format.errors import CheckpointLocked, RankStopped, ShardedStateError, listing
+from ..format.errors import RankStopped, ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
 from ..format.manifest import Manifest, RankEntry
 from ..planning.layout import ShardLayout, shard_layout
@@ -39,9 +39,7 @@ from ..storage.hf_source import read_ahead, resolve_source
 from ..storage.location import (
     check_no_special_files,
     copy_non_weight_files,
-    is_locked,
     open_store,
-    read_manifest,
 )
 from ..storage.oscalls import release_free_heap
 from ..storage.progress import ByteProgress
@@ -340,20 +338,8 @@ def convert_checkpoint(
     out = open_store(output)
     check_output_apart(output, folder, "model")
     check_no_special_files(folder)
-    out.check_output()
-    if not overwrite and not is_locked(output) and read_manifest(output) is not None:
-        raise ShardedStateError(f"{output} already holds a checkpoint; pass --overwrite to replace it.")
     # Said now, as the save's lock would say it once vLLM has built the model (tens of seconds from here).
-    if out.save_is_running():
-        raise CheckpointLocked(
-            f"{output}: another save or convert is writing it now; nothing was written. Wait for it to finish, "
-            "or convert to another output."
-        )
-    if not overwrite and is_locked(output):
-        raise CheckpointLocked(
-            f"{output}: a save or convert into it was interrupted (its lock is there); nothing was written. "
-            "Convert again with --overwrite to replace what it left."
-        )
+    out.refuse_before_save(overwrite)
     made = not out.remote and not os.path.lexists(output)
     from ..engine.convert_setup import ModelOptions
 
