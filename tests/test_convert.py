@@ -656,12 +656,12 @@ def test_a_source_rewritten_in_place_while_converting_is_named_and_nothing_is_pu
     from examples.tiny_models import engine_environment
 
     source = copy_source(sources["llama"], tmp_path / "src")
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"  # (the folders convert made go too, not only the last)
     args = ["-c", REWRITTEN_AFTER_THE_LAST_READ, str(source), str(out)]
     run = python_process(args, {**os.environ, **engine_environment()}, 300)
     assert run.returncode == 2, run.stderr[-3000:]
     assert "model.safetensors: changed while converting (written since its header was read)" in run.stderr
-    assert not out.exists()
+    assert not out.parent.exists()
 
 
 CONFIG_EDITED_WHILE_CONVERTING = """

@@ -257,6 +257,27 @@ def model_folder(path: Path) -> Path:
     return path
 
 
+def test_a_failed_save_command_leaves_none_of_the_folders_it_made(tmp_path):
+    """``save -o new/deeper/out`` whose engine fails (here vLLM refuses the model's empty config) removed
+    only the last folder it had made: the parents it made stayed behind, empty. A folder that was
+    there before stays."""
+    source = model_folder(tmp_path / "model")
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "new" / "deeper" / "out"
+    done = run(
+        f"""
+        from vllm_sharded_loader.engine.save_cli import save_sharded_state
+        try:
+            save_sharded_state({{"model": {str(source)!r}}}, {str(out)!r})
+        except Exception as e:
+            print("FAILED", type(e).__name__)
+        """,
+        vllm=True,
+    )
+    assert "FAILED" in done.stdout, done.stdout[-3000:]
+    assert os.listdir(tmp_path / "kept") == []
+
+
 @pytest.mark.parametrize(
     ("slot", "kind"),
     # (Each case runs vLLM's CLI code in a process of its own: a socket and a loop of links, which open(2)

@@ -9,7 +9,6 @@ start-up (see :mod:`.capture`), and vLLM's save hook then publishes the manifest
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -23,6 +22,7 @@ from ..storage import location
 from ..storage.fresh_process import in_fresh_process
 from ..storage.local import make_output_folder
 from ..storage.location import check_no_special_files, open_store, refuse_before_save
+from ..storage.lock import missing_folders, remove_empty_folders
 from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
 
@@ -85,17 +85,17 @@ def save_sharded_state(
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
     check_no_special_files(model)
-    made = False  # the output folder, made here: removed again if the save fails and leaves it empty
+    made: list[str] = []  # the output's folders made here: removed again if the save fails and leaves them empty
     staging: StagingFolder | None = None  # for an upload: where the workers capture, held here until it is done
     if open_store(output).remote:
         staging = _prepare_object_output(output, overwrite)
         capture_dir = staging.path
     else:
-        made = not os.path.lexists(output)
+        made = missing_folders(output)
         try:
             _prepare_local_output(model, output, overwrite)
         except ShardedStateError:
-            _remove_if_empty(output, made)
+            remove_empty_folders(made)
             raise
         capture_dir = output = os.path.abspath(output)
     os.environ[CAPTURE_DIR_ENV] = capture_dir
@@ -109,7 +109,7 @@ def save_sharded_state(
         llm = LLM(**engine_kwargs)
         llm.llm_engine.engine_core.save_sharded_state(path=output, pattern=pattern, max_size=max_size)
     except BaseException:
-        _remove_if_empty(output, made)
+        remove_empty_folders(made)  # (one that is not empty holds what is not ours to remove)
         raise
     finally:
         for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV, OVERWRITE_ENV):
@@ -117,12 +117,6 @@ def save_sharded_state(
         if staging is not None:
             staging.remove()
     return llm
-
-
-def _remove_if_empty(folder: str, made: bool) -> None:
-    if made:
-        with contextlib.suppress(OSError):  # not empty: something is there that is not ours to remove
-            os.rmdir(folder)
 
 
 def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:

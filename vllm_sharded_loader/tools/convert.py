@@ -41,6 +41,7 @@ from ..storage.location import (
     copy_non_weight_files,
     open_store,
 )
+from ..storage.lock import missing_folders, remove_empty_folders
 from ..storage.oscalls import release_free_heap
 from ..storage.progress import ByteProgress
 from ..storage.staging_folders import staging_folder
@@ -340,17 +341,14 @@ def convert_checkpoint(
     check_no_special_files(folder)
     # Said now, as the save's lock would say it once vLLM has built the model (tens of seconds from here).
     out.refuse_before_save(overwrite)
-    made = not out.remote and not os.path.lexists(output)
+    made = [] if out.remote else missing_folders(output)
     from ..engine.convert_setup import ModelOptions
 
     options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
     try:
         return _convert(folder, output, tp_size, pp_size, options, max_size, pattern, overwrite, budget, progress)
     except BaseException:
-        if made:
-            # The folder this run made, left empty by the failed save: nothing of ours stays at OUT.
-            with contextlib.suppress(OSError):
-                os.rmdir(output)
+        remove_empty_folders(made)  # the folders this run made, left empty by the failed save
         raise
 
 
