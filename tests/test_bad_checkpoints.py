@@ -681,6 +681,25 @@ def test_bad_manifest_is_refused_on_every_path(tmp_path, corrupt, error, capsys)
     assert "BAD" in capsys.readouterr().out
 
 
+def test_two_ranks_parts_swapped_by_name_are_refused_on_every_path_without_checksums(tmp_path, capsys):
+    """Rank 0's and rank 1's parts hold the same tensors, shapes and offsets: swapped by renaming (or one
+    copied over the other), every check but a checksum passed, and a load with the default
+    ``verify="size"`` served each rank the other's slice, silently. Each part's header now names its rank."""
+    directory = tmp_path / "ckpt"
+    save_reshardable(directory)
+    part0, part1 = directory / PART0, directory / "model-rank-1-part-0.safetensors"
+    os.rename(part0, directory / "swap")
+    os.rename(part1, part0)
+    os.rename(directory / "swap", part1)
+    refused_on_every_path(
+        directory,
+        rf"{PART0}: holds the slice of rank 'tp1-pp0' \(its header says so\), where .* as a file of rank 'tp0-pp0'",
+        tmp_path / "out",
+    )
+    assert cli(["verify", "--size-only", str(directory)]) == 1
+    assert "renamed or copied over each other" in capsys.readouterr().out
+
+
 def test_sound_reshardable_checkpoint_passes_every_path(tmp_path):
     """The corpus above fails for its corruption only: the same checkpoint, untouched, passes every path."""
     directory, model = tmp_path / "ckpt", RESHARD_MODEL

@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from ..format.entries import RANK_METADATA
 from ..format.errors import CheckpointCorrupt, CheckpointMismatch
 from ..format.manifest import FileEntry, Manifest, RankEntry
 from ..format.names import MANIFEST_NAME
@@ -97,6 +98,13 @@ class RankFiles:
 
 def check_header_matches_manifest(header: Header, entry: RankEntry) -> None:
     name = os.path.basename(header.path)
+    saved_for = header.metadata.get(RANK_METADATA)
+    if saved_for is not None and saved_for != entry.label:
+        raise CheckpointCorrupt(
+            f"{header.path}: holds the slice of rank {saved_for[:40]!r} (its header says so), where {MANIFEST_NAME} "
+            f"lists it as a file of rank {entry.label!r}; the checkpoint's files were renamed or copied over each "
+            "other. Copy or save the checkpoint again."
+        )
     listed = {t: e for t, e in entry.tensors.items() if e.file == name}
     if set(listed) != set(header.tensors):
         extra = sorted(set(header.tensors) - set(listed))

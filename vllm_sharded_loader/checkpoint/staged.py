@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..format.entries import RANK_METADATA
 from ..format.errors import SaveRefused, ShardedStateError
 from ..format.manifest import FileEntry, RankEntry, TensorEntry
 from ..format.names import (
@@ -90,6 +91,7 @@ def stage_rank(
     files: list[FileEntry] = []
     entries: dict[str, TensorEntry] = {}
     staged = StagedRank(directory, rank, pattern, max_size, RankEntry(rank.tp_rank, rank.pp_rank, (), {}, dp_rank))
+    metadata = {"format": "pt", RANK_METADATA: staged.entry.label}
     total = sum(size for _, size in sizes)
     if progress is not None:
         progress(0, total)
@@ -100,7 +102,7 @@ def stage_rank(
             staged.temporary[file_name] = tmp
             items = [(name, tensors[name]) for name in part]
             try:
-                written = writer.write_file(tmp, items, {"format": "pt"}, advance, buffer_bytes=buffer_bytes)
+                written = writer.write_file(tmp, items, metadata, advance, buffer_bytes=buffer_bytes)
             except OSError as e:
                 raise SaveRefused(
                     f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "

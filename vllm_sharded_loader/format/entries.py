@@ -7,6 +7,11 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+# The key, in each part's safetensors metadata, of the rank whose slice the part holds (RankEntry.label).
+# Two ranks' parts hold the same tensors, shapes and offsets: renamed or copied over each other, only
+# their bytes (a checksum) or this tells them apart. Parts written before it have none.
+RANK_METADATA = "sharded_state_rank"
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -94,6 +99,11 @@ class RankEntry:
     @property
     def nbytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def label(self) -> str:
+        """The rank, as its parts' metadata name it (:data:`RANK_METADATA`): ``tp1-pp0``, ``tp0-pp0-dp1``."""
+        return f"tp{self.tp_rank}-pp{self.pp_rank}" + (f"-dp{self.dp_rank}" if self.dp_rank else "")
 
 
 def rank_to_dict(entry: RankEntry) -> dict[str, Any]:
