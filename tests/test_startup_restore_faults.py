@@ -252,3 +252,49 @@ def test_a_relative_cache_folder_is_made_and_filled(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert sa.restore(archive([(member("h1/a"), b"aot")]), "cache") == (1, 0)
     assert (tmp_path / "cache" / "h1" / "a").read_bytes() == b"aot"
+
+
+def test_a_restore_killed_mid_write_leaves_a_temporary_the_next_restore_removes_never_a_live_ones(tmp_path):
+    """A restore killed (``SIGKILL``) once an entry's temporary is written and before it is placed
+    left that temporary, the entry's size, in vLLM's cache folder for good: no later restore knew
+    it. The next restore into the folder now removes it (its writer's ``flock`` is free), and never
+    the temporary of a restore that runs (here stopped, ``SIGSTOP``, at the same point), nor a
+    file of that shape that is not a regular file."""
+    import signal
+    import time
+
+    from vllm_sharded_loader.storage import faults
+
+    files = {"h1/entry0": os.urandom(1 << 20), "h1/entry1": os.urandom(1 << 20)}
+    (tmp_path / "a.tar").write_bytes(archive([(member(name), data) for name, data in files.items()]))
+    cache, fifo = tmp_path / "cache", tmp_path / "cache" / "h1" / ".restore.fifo1234.tmp"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), faults.KILL_ENV: "restore.written:2"}
+    command = [sys.executable, "-c", RACER, str(cache), str(tmp_path / "a.tar")]
+    killed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    dead = [p for p in (cache / "h1").iterdir() if p.name.endswith(".tmp")]
+    assert [p.stat().st_size for p in dead] == [1 << 20]  # entry1's temporary, whole, never placed
+    os.mkfifo(fifo)  # (of that shape, but no file a restore writes)
+    # The next restore, stopped while it holds its own temporary of entry1.
+    stopped = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**env, faults.KILL_ENV: "restore.written", faults.KILL_SIGNAL_ENV: "STOP"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (live := set((cache / "h1").glob(".restore.*.tmp")) - {*dead, fifo}):
+            assert stopped.poll() is None and time.monotonic() < deadline, "the next restore never wrote"
+            time.sleep(0.01)
+        assert not dead[0].exists()  # the dead restore's temporary: removed by the next restore
+        # A third restore, while the second holds its temporary: it is left alone.
+        assert sa.restore((tmp_path / "a.tar").read_bytes(), str(cache)) == (1, 1)
+        assert all(p.exists() for p in live) and fifo.exists()
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+        out, _ = stopped.communicate(timeout=60)
+    assert stopped.returncode == 0 and out.split() == ["0", "2"]  # (entry1 placed by the third meanwhile)
+    assert {p.name for p in (cache / "h1").iterdir()} == {"entry0", "entry1", fifo.name}
+    assert all((cache / name).read_bytes() == data for name, data in files.items())

@@ -28,13 +28,14 @@ import hashlib
 import io
 import os
 import tarfile
-import tempfile
 from collections.abc import Collection, Mapping
 
 from ..format.errors import CheckpointCorrupt, ShardedStateError
 from ..format.manifest import FileEntry, StartupArtifacts
 from ..format.names import startup_artifacts_name
+from ..storage.faults import declare, kill_point
 from ..storage.location import file_path, open_part
+from ..storage.temporaries import held_temporary, remove_dead_temporaries
 from .protocol import SaveTarget
 
 ENABLE_ENV = "SHARDED_STATE_STARTUP_ARTIFACTS"
@@ -44,6 +45,11 @@ MAX_ARCHIVE_BYTES = 2 * 1024**3
 SKIPPED_FOLDERS = frozenset({"locks"})
 # The archive's folder of vLLM's model-class inspection cache entries, restored under VLLM_CACHE_ROOT.
 MODEL_INFO_FOLDER = "modelinfos"
+# The temporary each entry is written to before it is linked into place (prefix, suffix).
+TEMPORARY = (".restore.", ".tmp")
+RESTORE_WRITTEN = declare(
+    "restore.written", "checkpoint/startup_artifacts.py: an entry's temporary written, not placed"
+)
 # An archive member to unpack, and the path it goes to.
 Member = tuple[tarfile.TarInfo, str]
 
@@ -209,6 +215,12 @@ def _undo(written: list[tuple[str, tuple[int, int]]], made: list[str]) -> None:
             os.rmdir(folder)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _place_new(temporary: str, path: str) -> bool:
     """Give the written ``temporary`` the name ``path`` unless something took that name since it
     was checked (a racing restore, this node's own compile, a user's file or link): True if placed.
@@ -230,31 +242,35 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
     name) are left as they are (another rank, or this node's own compile, wrote them: cache
     entries are named by their content's hash); each new file is written to a temporary name and
     renamed, so vLLM never reads half a file. All or nothing: a refused archive writes nothing, and
-    a restore that fails while writing (a full disk) removes what it wrote. Returns (files
-    written, files already there)."""
+    a restore that fails while writing (a full disk) removes what it wrote. A restore killed while
+    writing leaves its temporary, which the next restore into that folder removes (its ``flock``,
+    held while it is written, is free: :mod:`..storage.temporaries`). Returns (files written, files
+    already there)."""
     written: list[tuple[str, tuple[int, int]]] = []
     made: list[str] = []
+    swept: set[str] = set()
     kept = 0
     with _open_archive(data) as tar:
         chosen = _checked_members(tar, len(data), root, folders)
         try:
             for member, path in chosen:
+                folder = os.path.dirname(path)
+                if folder not in swept:  # (what a restore killed mid-write left here: its flock is free)
+                    swept.add(folder)
+                    remove_dead_temporaries(folder, *TEMPORARY)
                 if os.path.lexists(path):
                     kept += 1
                     continue
-                _make_folders(os.path.dirname(path), made)
+                _make_folders(folder, made)
                 source = tar.extractfile(member)
                 assert source is not None  # a regular file
-                fd, temporary = tempfile.mkstemp(prefix=".restore.", suffix=".tmp", dir=os.path.dirname(path))
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(source.read())
-                        st = os.fstat(f.fileno())
-                    os.chmod(temporary, 0o644 if not member.mode & 0o111 else 0o755)
+                # Held by flock until it is placed and its name removed: a later restore tells it from ours.
+                with held_temporary(folder, *TEMPORARY) as (fd, temporary):
+                    _write_all(fd, source.read())
+                    os.fchmod(fd, 0o644 if not member.mode & 0o111 else 0o755)
+                    st = os.fstat(fd)
+                    kill_point(RESTORE_WRITTEN)
                     placed = _place_new(temporary, path)
-                finally:
-                    with contextlib.suppress(OSError):
-                        os.remove(temporary)
                 if not placed:
                     kept += 1
                     continue
