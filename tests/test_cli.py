@@ -341,6 +341,44 @@ def test_verify_of_a_file_claims_no_save_lock(tmp_path, capsys):
     assert path.read_text() == "not a checkpoint"
 
 
+@pytest.mark.parametrize("kind", ["missing", "file", "fifo", "dangling link", "under a file"])
+def test_inspect_and_reshard_of_a_path_that_is_no_folder_say_so_not_an_incomplete_checkpoint(
+    checkpoint, tmp_path, capsys, kind
+):
+    """A mistyped path, a file, a FIFO or a link to nothing given as the checkpoint: ``inspect`` and
+    ``reshard`` said it had no manifest, "not a checkpoint ... (or an incomplete one)", as of a folder
+    whose save had not finished; they now say what the path is, what was expected and to check it.
+    Nothing is written (the output of the reshard is not made)."""
+    import os
+
+    path = tmp_path / "typo"
+    if kind == "file":
+        path.write_text("the user's")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dangling link":
+        path.symlink_to(tmp_path / "nowhere")
+    elif kind == "under a file":
+        (tmp_path / "notes.txt").write_text("the user's")
+        path = tmp_path / "notes.txt" / "sub"
+    what = {
+        "missing": "does not exist",
+        "file": "is a file",
+        "fifo": "is a FIFO",
+        "dangling link": "is a link to nothing",
+        "under a file": "cannot be read as a folder (Not a directory)",
+    }[kind]
+    said = (
+        f"vllm-sharded: error: {path} {what}, where a checkpoint folder (the one that holds {MANIFEST_NAME}) was "
+        "expected; check the path.\n"
+    )
+    assert cli(["inspect", str(path)]) == 2
+    assert capsys.readouterr().err == said
+    assert cli(["reshard", str(path), "-tp", "1", "-o", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == said
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("command", ["reshard", "convert", "verify"])
 def test_an_empty_path_is_refused_and_nothing_lands_in_the_working_folder(
     checkpoint, tmp_path, monkeypatch, capsys, command

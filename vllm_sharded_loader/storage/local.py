@@ -67,6 +67,20 @@ def check_output_folder(directory: str) -> None:
     )
 
 
+def not_a_folder(directory: str) -> str | None:
+    """Why the local ``directory`` given as a checkpoint is no folder (it does not exist, is a file, a
+    FIFO, a link to nothing), in words for a message, or None for a folder."""
+    if os.path.isdir(directory):
+        return None
+    try:
+        mode = os.stat(directory).st_mode if os.path.exists(directory) else os.lstat(directory).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:  # (a loop of links, a folder on the way that is a file, no permission)
+        return f"cannot be read as a folder ({e.strerror})"
+    return f"is {file_kind(mode, 'a file')}"
+
+
 def make_output_folder(directory: str) -> None:
     """Make the folder a checkpoint is written into, and its parents (:func:`check_output_folder` first)."""
     check_output_folder(directory)

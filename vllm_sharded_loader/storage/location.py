@@ -354,6 +354,16 @@ def read_manifest(where: str) -> Manifest | None:
     return open_store(where).read_manifest()
 
 
+def no_checkpoint_folder(where: str) -> str | None:
+    """The message for a checkpoint named by a local path that is no folder (a path mistyped, a
+    file, a FIFO, a link to nothing), or None (a folder, or an object-storage prefix)."""
+    if open_store(where).remote or (why := local.not_a_folder(where)) is None:
+        return None
+    return (
+        f"{where} {why}, where a checkpoint folder (the one that holds {MANIFEST_NAME}) was expected; check the path."
+    )
+
+
 def open_part(where: str, f: FileEntry) -> StoredFile:
     """Open a part the manifest lists: inside the checkpoint, present, with its recorded size."""
     return open_store(where).open_part(f)

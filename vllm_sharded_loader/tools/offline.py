@@ -28,6 +28,7 @@ from ..storage.location import (
     file_path,
     is_locked,
     lies_inside,
+    no_checkpoint_folder,
     open_store,
     read_manifest,
     same_location,
@@ -43,6 +44,8 @@ def require_manifest(directory: str) -> Manifest:
         # A first save still writing (or killed) is named with its holder and what to do, as verify
         # names it, rather than as "not a checkpoint".
         check_not_locked(directory)
+        if (why := no_checkpoint_folder(directory)) is not None:
+            raise CheckpointNotFound(why)
         raise CheckpointNotFound(
             f"{directory} has no {MANIFEST_NAME}: not a checkpoint of vllm-sharded-loader (or an incomplete one)."
         )
