@@ -420,3 +420,30 @@ def test_a_node_prepared_from_a_bucket_can_fork_and_a_fork_after_a_read_is_refus
     refused = next(line for line in lines if line.startswith("child refused:"))
     assert url in refused and "does not survive a fork" in refused and "VLLM_WORKER_MULTIPROC_METHOD=spawn" in refused
     assert (tmp_path / "node" / "modelinfos" / MODEL_INFO).read_bytes() == entry
+
+
+def test_compiled_artifacts_of_a_hub_repository_are_used_only_with_trust_remote_code(tmp_path, monkeypatch):
+    """A rank's start-up artifacts are vLLM's compile cache: compiled kernels and pickled graphs that
+    torch loads and runs. A checkpoint served from a Hub repository (someone else's) had them
+    restored by default, so serving it ran the repository's code without ``trust_remote_code``; the
+    load now leaves them unused, saying why, unless vLLM was told to trust the repository's code.
+    From a folder or a bucket (the operator's own) they are used as before."""
+    from vllm_sharded_loader.engine import compile_cache
+
+    data = b"an archive"
+    name = startup_artifacts_name(0, 0).replace(".tar", "-0123456789ab.tar")
+    record = StartupArtifacts(name, len(data), hashlib.sha256(data).hexdigest(), {**KEY, "compiled": "LlamaModel"})
+    manifest = _manifest(record)
+    said: list[str] = []
+    monkeypatch.setattr(compile_cache.logger, "info", lambda message, *args: said.append(message % args))
+    checked: list[RankInfo] = []  # (the next check: the served engine's key, here none, so nothing is restored)
+    monkeypatch.setattr(compile_cache, "served_key", lambda model, rank: checked.append(rank))
+    model, rank = torch.nn.Linear(1, 1), RankInfo(0, 1)
+    hub = ("someone/model", str(tmp_path / "hub"))
+    assert not compile_cache.restore_startup_artifacts(model, str(tmp_path), manifest, rank, hub)
+    assert checked == [] and "trust_remote_code" in said[-1] and "someone/model" in said[-1], said
+    assert not compile_cache.restore_startup_artifacts(
+        model, str(tmp_path), manifest, rank, hub, trust_remote_code=True
+    )
+    assert not compile_cache.restore_startup_artifacts(model, str(tmp_path), manifest, rank)
+    assert checked == [rank, rank]

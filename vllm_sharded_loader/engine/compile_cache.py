@@ -275,17 +275,20 @@ def restore_startup_artifacts(
     manifest: Manifest | None,
     rank: RankInfo,
     hub_fetch: tuple[str, str | None] | None = None,
+    trust_remote_code: bool = False,
 ) -> bool:
     """At start-up, after the weights and before vLLM compiles: check this rank's artifacts (key
     equal to the served one, bytes equal to their checksum) and have them unpacked where vLLM
     will compile, just before the model's first forward pass (:func:`_unpack_before_first_forward`).
     Anything else is one log line and vLLM compiles as usual. ``hub_fetch`` is (repo id,
     cache dir) of a Hub checkpoint (``where``, its snapshot), whose archive is fetched like the rank's parts.
+    The artifacts are code that torch runs (compiled kernels, pickled graphs): from a Hub repository,
+    someone else's, only with vLLM's ``trust_remote_code``, as vLLM runs a repository's own code.
     True if the artifacts will be used."""
     if not startup_artifacts.enabled() or manifest is None:
         return False
     try:
-        return _restore(model, where, manifest, rank, hub_fetch)
+        return _restore(model, where, manifest, rank, hub_fetch, trust_remote_code)
     except Exception as e:  # optional: vLLM compiles as it would without them; never a failed start
         logger.warning("sharded_state: %s start-up artifacts not used (%s); vLLM compiles as usual", rank, e)
         return False
@@ -297,6 +300,7 @@ def _restore(
     manifest: Manifest,
     rank: RankInfo,
     hub_fetch: tuple[str, str | None] | None,
+    trust_remote_code: bool,
 ) -> bool:
     try:
         entry = manifest.rank(rank.tp_rank, rank.pp_rank, rank.saved_dp_rank)
@@ -305,6 +309,14 @@ def _restore(
     record = entry.startup if entry is not None else None
     if record is None or record.key.get("compiled") == "":
         return False  # none, or only what prepare_node restores before the engine
+    if hub_fetch is not None and not trust_remote_code:
+        logger.info(
+            "sharded_state: %s start-up artifacts not used: they are compiled code, which torch runs, from the Hub "
+            "repository %s; serve with trust_remote_code=True (--trust-remote-code) to use them",
+            rank,
+            hub_fetch[0],
+        )
+        return False
     served = served_key(model, rank)
     if served is None:
         logger.info("sharded_state: %s start-up artifacts not used: vLLM keeps no compile cache here", rank)

@@ -161,7 +161,9 @@ class ShardedStateLoader(BaseModelLoader):
         )
         # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
         hub_fetch = None if repo_id is None else (repo_id, self.load_config.download_dir)
-        restore_startup_artifacts(model, directory, manifest, model_rank(model), hub_fetch)
+        restore_startup_artifacts(
+            model, directory, manifest, model_rank(model), hub_fetch, model_config.trust_remote_code
+        )
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         """vLLM's in-place ``reload_weights`` entry point (``collective_rpc("reload_weights")``).
