@@ -49,6 +49,21 @@ def test_the_command_exits_with_its_code_and_all_its_output_through_a_pipe(check
     assert out.returncode == 2 and f"{tmp_path} has no {MANIFEST_NAME}" in out.stderr
 
 
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "--json"], ["verify"]], ids=" ".join)
+def test_a_reader_that_goes_away_ends_the_command_by_sigpipe_not_an_error_line(checkpoint, args):
+    """``vllm-sharded inspect DIR | head``: once the reader is gone, the command said
+    ``vllm-sharded: error: [Errno 32] Broken pipe`` and exited 2, as if it had failed. It now ends
+    as any command whose reader went away, by SIGPIPE, and says nothing."""
+    import signal
+
+    _, directory = checkpoint
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", *args, str(directory)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # (before it prints: it is still starting)
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == -signal.SIGPIPE and stderr == "", stderr
+
+
 def test_inspect(checkpoint, capsys):
     _, directory = checkpoint
     assert cli(["inspect", str(directory)]) == 0

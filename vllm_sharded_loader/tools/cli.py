@@ -40,8 +40,20 @@ def shown(text: str, keep: str = "") -> str:
     )
 
 
+class _ReaderGone(Exception):
+    """Standard output's reader went away (``vllm-sharded inspect DIR | head``): no error of the command."""
+
+
+def _print(*args: object) -> None:
+    """``print`` to standard output; its reader gone, :class:`_ReaderGone` (not an error line)."""
+    try:
+        print(*args)
+    except BrokenPipeError:
+        raise _ReaderGone from None
+
+
 def _say(line: str) -> None:
-    print(shown(line))
+    _print(shown(line))
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -70,7 +82,7 @@ def inspect(args: argparse.Namespace) -> int:
 
     info = inspect_checkpoint(args.directory)
     if args.json:
-        print(json.dumps(info, indent=1))  # (JSON escapes control characters itself)
+        _print(json.dumps(info, indent=1))  # (JSON escapes control characters itself)
         return 0
     files = [f for r in info["ranks"] for f in r["files"]]
     geometry = info["geometry"]
@@ -129,7 +141,7 @@ def reshard(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=progress,
         )
-    print(
+    _print(
         f"Resharded {args.directory} to TP={manifest.tp_size} PP={manifest.pp_size} in {args.output}: "
         f"{sum(len(r.files) for r in manifest.ranks)} files, {manifest.nbytes / 1e6:.1f} MB, "
         f"{time.perf_counter() - started:.1f} s."
@@ -161,7 +173,7 @@ def convert(args: argparse.Namespace) -> int:
             progress=progress,
         )
     manifest = result.manifest
-    print(
+    _print(
         f"Converted {args.source} to TP={manifest.tp_size} PP={manifest.pp_size} in {args.output}: "
         f"{sum(len(r.files) for r in manifest.ranks)} files, {manifest.nbytes / 1e6:.1f} MB from "
         f"{result.source_bytes / 1e6:.1f} MB of source weights, {time.perf_counter() - started:.1f} s: "
@@ -261,6 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return save_main(argv[1:])
         args = make_parser().parse_args(argv)
         return args.run(args)
+    except _ReaderGone:
+        # As any command whose reader went away: no error line (the work is done, or read-only), and
+        # the process ends by SIGPIPE (run); what is still buffered for the closed pipe is dropped.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ShardedStateError, OSError) as e:
         # (Line breaks kept: a library's message may have several lines; a name in it shows as it is.)
         notes = [str(n) for n in getattr(e, "__notes__", [])]
@@ -323,10 +341,11 @@ def run() -> None:
     with contextlib.suppress(OSError):  # (a terminal gone with SIGHUP)
         sys.stdout.flush()
         sys.stderr.flush()
-    if code == 128 + _stopped_by:
-        # Stopped by the signal, to whoever waits for the command: a shell's loop then stops too.
-        signal.signal(_stopped_by, signal.SIG_DFL)
-        os.kill(os.getpid(), _stopped_by)
+    for stopped in (_stopped_by, signal.SIGPIPE):
+        if code == 128 + stopped:
+            # Stopped by the signal, to whoever waits for the command: a shell's loop then stops too.
+            signal.signal(stopped, signal.SIG_DFL)
+            os.kill(os.getpid(), stopped)
     os._exit(code)
 
 
