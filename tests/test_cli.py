@@ -310,6 +310,32 @@ def test_reshard_refuses_a_carried_file_that_is_not_what_its_save_recorded(check
     assert not out.exists()
 
 
+def test_reshard_refuses_an_unrecorded_file_that_links_out_of_the_source_and_copies_nothing(checkpoint, tmp_path):
+    """A checkpoint whose manifest records no carried files (an earlier version's save, the save
+    hook's into the model's folder) has the files beside its parts copied as they are: a
+    ``tokenizer.json`` that links out of it (to a key, a secret) was read through the link and
+    copied into the output as a regular file, recorded as sound (and uploaded, into a bucket).
+    No load or verify reads through such a link; the reshard now refuses it, naming it, and writes
+    nothing. A link that stays inside the checkpoint is copied as before."""
+    import os
+
+    _, directory = checkpoint
+    assert read_manifest(str(directory)).carried_files == {}
+    (tmp_path / "secret.txt").write_text("the user's secret")
+    (directory / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
+    output = tmp_path / "out"
+    command = ["reshard", str(directory), "-tp", "1", "-o", str(output)]
+    assert cli(command) == 2
+    assert not output.exists()
+    (directory / "tokenizer.json").unlink()
+    (directory / "vocab.json").write_text("the checkpoint's own")
+    (directory / "tokenizer.json").symlink_to("vocab.json")
+    assert cli(command) == 0
+    assert (output / "tokenizer.json").read_text() == "the checkpoint's own"
+    assert not any("secret" in p.read_text(errors="replace") for p in output.iterdir() if p.is_file())
+    assert os.path.islink(directory / "tokenizer.json")
+
+
 def test_reshard_into_the_source_through_a_link_is_refused_and_changes_nothing(checkpoint, tmp_path, capsys):
     """An output that is the source under another name (a symbolic link to it) was written into,
     and with --overwrite the source's own parts were removed as the old checkpoint's."""

@@ -13,7 +13,7 @@ import os
 import stat
 import struct
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
@@ -185,6 +185,12 @@ def part_path(directory: str, name: str) -> str:
     if error is not None:
         raise error
     return path
+
+
+def links_out(directory: str, names: Iterable[str]) -> list[ShardedStateError]:
+    """The error of each of the checkpoint's files ``names`` that resolves outside ``directory``."""
+    found = (escapes(path, os.path.realpath(path), directory) for path in (os.path.join(directory, n) for n in names))
+    return [error for error in found if error is not None]
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ..planning.manifest_plans import files_to_check
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan
 from ..planning.topology import RankInfo
+from ..storage.local import links_out
 from ..storage.location import (
     check_not_locked,
     file_path,
@@ -189,6 +190,16 @@ def _refuse_damaged_carried_files(directory: str, manifest: Manifest) -> None:
     output carries them and records them anew, so its record (and ``verify``) would certify the damage."""
     store = open_store(directory)
     problems = carried_problems(store, manifest.carried_files or {}) + stale_problems(store, manifest)
+    # Those it did not record (an earlier version's save, the save hook's into the model's folder) are
+    # copied all the same: one that links out of the checkpoint is not its own to copy (a link to a
+    # secret, uploaded with the output), as no load or verify reads through such a link.
+    outside = [] if store.remote else links_out(directory, store.non_weight_files())
+    if outside and not problems:
+        raise CheckpointCorrupt(
+            f"Not resharding {directory}: {len(outside)} of the files beside its parts link out of it (named below), "
+            "and a reshard copies only the checkpoint's own files; nothing was written. Copy the real files into the "
+            f"checkpoint, or remove the links, and reshard again. {' '.join(map(str, outside))}"
+        )
     if problems:
         found = " ".join(problems)
         raise CheckpointCorrupt(
