@@ -285,9 +285,12 @@ def test_a_restore_killed_mid_write_leaves_a_temporary_the_next_restore_removes_
     )
     try:
         deadline = time.monotonic() + 60
-        while not (live := set((cache / "h1").glob(".restore.*.tmp")) - {*dead, fifo}):
-            assert stopped.poll() is None and time.monotonic() < deadline, "the next restore never wrote"
+        # (Stopped at the kill point, its temporary written: SIGCONT before its own SIGSTOP would be lost.)
+        while Path(f"/proc/{stopped.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+            assert stopped.poll() is None and time.monotonic() < deadline, "the next restore never stopped"
             time.sleep(0.01)
+        live = set((cache / "h1").glob(".restore.*.tmp")) - {*dead, fifo}
+        assert len(live) == 1, live
         assert not dead[0].exists()  # the dead restore's temporary: removed by the next restore
         # A third restore, while the second holds its temporary: it is left alone.
         assert sa.restore((tmp_path / "a.tar").read_bytes(), str(cache)) == (1, 1)
