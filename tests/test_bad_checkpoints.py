@@ -1172,6 +1172,22 @@ def test_a_users_files_shaped_like_staged_names_are_left_alone(tmp_path):
     assert verify_checkpoint(str(tmp_path)) == []
 
 
+def test_a_users_files_shaped_like_a_locks_staging_name_are_left_alone(tmp_path):
+    """A save's clean-up removes a lock's staging name (``.sharded_state.lock.<token>.new``) whose
+    save was killed: it took any name of that shape for one, whatever stood for the token, and
+    removed a user's ``.sharded_state.lock.old.new`` from the output. Only a token of hexadecimal
+    digits is a save's now; a dead save's staging name still goes."""
+    mine = [f"{LOCK_NAME}.old.new", f"{LOCK_NAME}.2024-backup.new", f"{LOCK_NAME}.0ddba11.new", f"{LOCK_NAME}..new"]
+    for name in mine:
+        (tmp_path / name).write_text("the user's")
+    dead = tmp_path / f"{LOCK_NAME}.{DEAD_TOKEN}.new"  # (no process holds its flock)
+    dead.write_text("")
+    save(tmp_path)
+    save(tmp_path)  # over a checkpoint too
+    assert [(tmp_path / name).read_text() for name in mine] == ["the user's"] * len(mine)
+    assert not dead.exists()
+
+
 def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(tmp_path):
     """write_manifest removes the staged files of its save, of the save whose lock it took
     over and of owners that are gone, never those of a live owner (an engine's capture)."""

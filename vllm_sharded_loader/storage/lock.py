@@ -20,6 +20,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import stat
 import time
@@ -27,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..format.errors import CheckpointLocked, SaveRefused
-from ..format.names import LOCK_NAME, MANIFEST_NAME, staged_name, staged_token
+from ..format.names import LOCK_NAME, MANIFEST_NAME, TOKEN_DIGITS, staged_name, staged_token
 from .local import check_output_folder, directory_holds_checkpoint, file_kind, make_output_folder, open_regular
 from .mounts import flock_problem
 
@@ -309,9 +310,14 @@ def _staging_links(directory: str, fd: int) -> list[str]:
     return found
 
 
+# A lock's staging name: the lock's, a save's token (hexadecimal digits: 12 now, 32 from earlier versions), ".new".
+_LOCK_STAGING = re.compile(re.escape(LOCK_NAME) + rf"\.[0-9a-f]{{{TOKEN_DIGITS},32}}\.new\Z")
+
+
 def is_lock_staging_name(name: str) -> bool:
-    """Whether ``name`` is one under which :func:`_create_lock` stages a lock before linking it."""
-    return name.startswith(f"{LOCK_NAME}.") and name.endswith(".new")
+    """Whether ``name`` is one under which :func:`_create_lock` stages a lock before linking it (never
+    a user's ``.sharded_state.lock.old.new``, which a save's clean-up would take for a dead save's)."""
+    return _LOCK_STAGING.match(name) is not None
 
 
 def stale_lock_staging(directory: str, name: str) -> bool:
