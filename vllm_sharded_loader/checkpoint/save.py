@@ -51,7 +51,6 @@ from ..format.names import (
 )
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
-from ..storage import writer
 from ..storage.faults import declare, kill_point
 from ..storage.local import fsync_directory, read_manifest, write_file_durably
 from ..storage.location import LocalStore, open_store
@@ -68,7 +67,16 @@ from ..storage.progress import ByteProgress
 from .carry import CarriedFiles, check_carry_source
 from .protocol import OneProcess, SaveJob, SaveTarget, run_save
 from .remote_save import ObjectTarget
-from .staged import StagedRank, discard_rank, fresh_names, new_token, open_staged_tensors, renamed_entry, stage_rank
+from .staged import (
+    StagedRank,
+    discard_rank,
+    fresh_names,
+    new_token,
+    open_staged_tensors,
+    renamed_entry,
+    stage_in_parallel,
+    stage_rank,
+)
 
 # Re-exported: the save protocol's steps, in the order they run.
 __all__ = [
@@ -349,58 +357,6 @@ def _stage_one(
     return staged
 
 
-def _stage_in_parallel(
-    directory: str,
-    ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
-    infos: Sequence[RankInfo],
-    pattern: str,
-    max_size: int | None,
-    token: str,
-    ended: Callable[[RankInfo, BaseException | None], None] | None = None,
-    progress: ByteProgress | None = None,
-) -> list[StagedRank]:
-    """Stage every rank at once, one thread each; on any failure every staged rank is discarded.
-    Ctrl-C (or SIGTERM) reaches the waiting thread alone: the ranks' threads stop at their next write
-    (they wrote on to the end), and a rank whose thread ended as it came is discarded too (it was lost)."""
-    import threading
-    from concurrent.futures import Future, ThreadPoolExecutor, wait
-
-    stop = threading.Event()
-
-    def written(done: int, total: int) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt  # (the interrupt, carried into this rank's thread)
-        if progress is not None:
-            progress(done, total)
-
-    buffers = writer.buffer_bytes_for(len(infos))  # the ranks' writers share one staging budget
-    errors: list[BaseException] = []
-    futures: list[Future[StagedRank]] = []
-    with ThreadPoolExecutor(len(infos), thread_name_prefix="stage") as pool:
-        try:  # (from the first submit: an interrupt before the wait must stop the ranks' threads too)
-            for i in infos:
-                args = (ended, directory, ranks[i], i, pattern, max_size, token, written)
-                futures.append(pool.submit(_stage_one, *args, buffer_bytes=buffers))
-            # Timed: Ctrl-C that the kernel gives a rank's thread is handled here only once this
-            # thread wakes, and an untimed wait wakes when every rank has written all it has.
-            while wait(futures, timeout=0.1).not_done:
-                pass
-        except BaseException as e:  # an interrupt: the pool's exit waits for the stopped threads
-            errors.append(e)
-            stop.set()
-    staged = [f.result() for f in futures if f.exception() is None]  # (every thread has ended)
-    errors += [e for f in futures if (e := f.exception()) is not None]
-    try:
-        if errors:
-            raise errors[0]
-        kill_point(KILL_STAGED)
-    except BaseException:  # (an interrupt too: these ranks are not yet the caller's to discard)
-        for s in staged:
-            discard_rank(s)
-        raise
-    return staged
-
-
 def save_checkpoint(
     directory: str,
     ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
@@ -464,8 +420,17 @@ def save_checkpoint(
             # writer takes them).
             progress(0, sum(t.numel() * t.element_size() for tensors in ranks.values() for t in tensors.values()))
         if parallel and len(infos) > 1:
-            staged = _stage_in_parallel(
-                target.staging(), ranks, infos, pattern, max_size, target.token, ended, progress
+            staged = stage_in_parallel(
+                _stage_one,
+                target.staging(),
+                ranks,
+                infos,
+                pattern,
+                max_size,
+                target.token,
+                ended,
+                progress,
+                lambda: kill_point(KILL_STAGED),
             )
             yield from ((s, None) for s in staged)
             return

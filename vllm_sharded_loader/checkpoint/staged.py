@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -186,3 +187,82 @@ def open_staged_tensors(staged: StagedRank) -> dict[str, torch.Tensor]:
         finally:
             os.close(fd)  # the mappings stay valid without the descriptor
     return {name: tensors[name] for name in staged.entry.tensors}
+
+
+def stage_in_parallel(
+    stage_one: Callable[..., StagedRank],
+    directory: str,
+    ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
+    infos: Sequence[RankInfo],
+    pattern: str,
+    max_size: int | None,
+    token: str,
+    ended: Callable[[RankInfo, BaseException | None], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    staged_all: Callable[[], None] = lambda: None,
+) -> list[StagedRank]:
+    """Stage every rank at once, one thread each, with ``stage_one`` (``.save``'s: :func:`stage_rank`,
+    then ``ended``); on any failure every staged rank is discarded. ``staged_all`` runs once every rank
+    is staged, before they are the caller's (a kill point).
+
+    Ctrl-C (or SIGTERM) reaches the waiting thread alone: the ranks' threads stop at their next write
+    (they wrote on to the end), and a rank whose thread ended as it came is discarded too (it was lost).
+    Every thread that began a rank is waited for before this returns or raises: one that Ctrl-C met
+    while it was being started (a pool would lose track of it) does nothing once the save gave up,
+    where it made the output folder again after the save had removed it."""
+    stop = threading.Event()
+    cond = threading.Condition()
+    began: list[threading.Thread] = []  # the threads that took their rank (under cond)
+    results: dict[int, StagedRank] = {}
+    failures: dict[int, BaseException] = {}
+    gave_up = False
+
+    def written(done: int, total: int) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # (the interrupt, carried into this rank's thread)
+        if progress is not None:
+            progress(done, total)
+
+    buffers = writer.buffer_bytes_for(len(infos))  # the ranks' writers share one staging budget
+
+    def run(k: int, info: RankInfo) -> None:
+        with cond:
+            if gave_up:
+                return
+            began.append(threading.current_thread())
+        try:
+            results[k] = stage_one(ended, directory, ranks[info], info, pattern, max_size, token, written, buffers)
+        except BaseException as e:
+            failures[k] = e
+        finally:
+            with cond:
+                cond.notify_all()
+
+    errors: list[BaseException] = []
+    try:  # (from the first start: an interrupt before the wait must stop the ranks' threads too)
+        for k, info in enumerate(infos):
+            threading.Thread(target=run, args=(k, info), name=f"stage-{k}").start()
+        with cond:
+            # Timed: Ctrl-C that the kernel gives a rank's thread is handled here only once this
+            # thread wakes, and an untimed wait wakes when every rank has written all it has.
+            while len(results) + len(failures) < len(infos):
+                cond.wait(0.1)
+    except BaseException as e:
+        errors.append(e)
+        stop.set()
+    finally:
+        with cond:
+            gave_up = True
+        for thread in began:
+            thread.join()
+    staged = [results[k] for k in sorted(results)]
+    errors += [failures[k] for k in sorted(failures)]
+    try:
+        if errors:
+            raise errors[0]
+        staged_all()
+    except BaseException:  # (an interrupt too: these ranks are not yet the caller's to discard)
+        for s in staged:
+            discard_rank(s)
+        raise
+    return staged
