@@ -254,8 +254,32 @@ def _vocab_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeome
     return None
 
 
-def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...]) -> rs.TensorGeometry:
-    """The geometry of parameter ``param`` of ``module`` (before it is checked against a rank)."""
+def _whole_layer_geometry(module: Any, param: str, shape: tuple[int, ...], tp_size: int | None) -> rs.TensorGeometry:
+    """A parameter of a layer that is not tensor-parallel (a norm, an embedding), as its
+    ``weight_loader`` cuts it. vLLM's ``default_weight_loader`` (or none) loads it whole on every
+    rank; its ``row_parallel_weight_loader`` does too for a 1-D tensor, but cuts any other into equal
+    contiguous pieces of dimension 0, one per TP rank (Command R+'s per-head q/k norms
+    ``[heads, head_dim]``: each rank holds its own heads' rows under the same shape). Any other
+    loader cuts it in a way this module does not know: opaque."""
+    layer_class = type(module).__name__
+    loader = getattr(getattr(module, param, None), "weight_loader", None)
+    name = getattr(loader, "__qualname__", None)
+    from_vllm = getattr(loader, "__module__", "").startswith("vllm.")
+    if loader is None or (from_vllm and name == "default_weight_loader"):
+        return rs.replicated(shape, layer_class)
+    if from_vllm and name == "row_parallel_weight_loader":
+        if len(shape) == 1:
+            return rs.replicated(shape, layer_class)
+        if tp_size:
+            return rs.column_parallel([shape[0] * tp_size, *shape[1:]], layer_class)
+    return rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
+
+
+def module_geometry(
+    module: torch.nn.Module, param: str, shape: tuple[int, ...], tp_size: int | None = None
+) -> rs.TensorGeometry:
+    """The geometry of parameter ``param`` of ``module`` (before it is checked against a rank);
+    ``tp_size``: the TP size the model was built at (``shape`` is one rank's)."""
     layer_class = type(module).__name__
     names = _class_names(module)
     quant_method = type(getattr(module, "quant_method", None)).__name__
@@ -277,10 +301,12 @@ def module_geometry(module: torch.nn.Module, param: str, shape: tuple[int, ...])
         elif layer_class in {"VocabParallelEmbedding", "ParallelLMHead"} and quant_method in UNQUANTIZED_METHODS:
             geometry = _vocab_geometry(module, param, layer_class)
         return geometry or rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
-    if names & REPLICATED_LAYERS or param in getattr(module, "_buffers", {}):
+    if param in getattr(module, "_buffers", {}):
         # A buffer of a layer that is not tensor-parallel (BERT's position_ids) is never
         # sharded by vLLM's loaders: every rank holds it whole.
         return rs.replicated(shape, layer_class)
+    if names & REPLICATED_LAYERS:
+        return _whole_layer_geometry(module, param, shape, tp_size)
     return rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
 
 
@@ -308,9 +334,10 @@ def tensor_geometry(
         except AttributeError:
             module = None
         shape = tuple(tensor.shape)
-        geometry = (
-            module_geometry(module, param, shape) if module is not None else rs.TensorGeometry(rs.OPAQUE, "?", shape)
-        )
+        if module is None:
+            geometry = rs.TensorGeometry(rs.OPAQUE, "?", shape)
+        else:
+            geometry = module_geometry(module, param, shape, tp_size)
         if geometry.kind != rs.OPAQUE:
             size, index = expert_tp if geometry.stacked and expert_tp else (tp_size, tp_rank)
             try:

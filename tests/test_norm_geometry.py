@@ -1,0 +1,93 @@
+"""Norms that vLLM cuts across TP ranks reshard as its own loader cuts them.
+
+Command R+ (``CohereForCausalLM`` with ``use_qk_norm``) normalises q and k per head with a
+``LayerNorm`` of shape ``[heads on this rank, head_dim]``, which vLLM's
+``row_parallel_weight_loader`` fills with the rank's own heads' rows. Its class name is a
+norm's, but every rank holds other rows under the same shape: recorded ``replicated``, a TP=2
+checkpoint was refused at TP=1 as not the served model's. Without an engine: vLLM's own layer
+is filled by its own loader at TP=1 and 2 (a fake TP rank), the TP=2 geometry our save records
+must plan reads giving every serving rank exactly vLLM's tensor; a norm loader this version
+does not know is recorded opaque.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from tests.support.quantized import as_array, save_rank
+from tests.support.reference import execute
+from vllm_sharded_loader.format.geometry import COLUMN_PARALLEL, OPAQUE, REPLICATED
+from vllm_sharded_loader.planning.layout import same_split
+from vllm_sharded_loader.planning.reads import plan_reads
+
+HEADS, HEAD_DIM, HIDDEN = 4, 64, 128
+
+
+@pytest.fixture(scope="module")
+def cohere():
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    from vllm.model_executor.model_loader import weight_utils
+    from vllm.model_executor.models.commandr import LayerNorm
+
+    from vllm_sharded_loader.engine.layer_geometry import tensor_geometry
+
+    generator = torch.Generator().manual_seed(3)
+    full = {
+        "q_norm.weight": torch.randn(HEADS, HEAD_DIM, generator=generator),
+        "norm.weight": torch.randn(HIDDEN, generator=generator),
+    }
+
+    def load(tp_size: int, tp_rank: int) -> torch.nn.Module:
+        """The layers at ``tp_size``, filled from the full tensors by vLLM's own weight loaders."""
+        model = torch.nn.ModuleDict(
+            {"q_norm": LayerNorm(param_shape=(HEADS // tp_size, HEAD_DIM)), "norm": LayerNorm(param_shape=HIDDEN)}
+        )
+        with mock.patch.object(weight_utils, "get_tensor_model_parallel_rank", return_value=tp_rank):
+            for name, param in model.named_parameters():
+                param.weight_loader(param, full[name])
+        return model
+
+    return torch, load, tensor_geometry
+
+
+def test_per_head_norms_reshard_like_vllms_row_parallel_weight_loader(cohere):
+    _, load, tensor_geometry = cohere
+    files: dict[str, bytearray] = {}
+    ranks, recorded = [], None
+    for rank in range(2):
+        model = load(2, rank)
+        tensors = dict(model.named_parameters())
+        geometry, saved = save_rank(tensor_geometry(model, tensors, 2, rank), tensors, rank, files, "cohere")
+        assert recorded is None or geometry == recorded
+        recorded = geometry
+        ranks.append(saved)
+    assert recorded is not None
+    assert recorded["q_norm.weight"].kind == COLUMN_PARALLEL and recorded["q_norm.weight"].shape == (HEADS, HEAD_DIM)
+    assert recorded["norm.weight"].kind == REPLICATED  # 1-D: the same loader loads it whole
+    for tp in (1, 2, 4):
+        for rank in range(tp):
+            model = load(tp, rank)
+            tensors = dict(model.named_parameters())
+            for name, g in tensor_geometry(model, tensors, tp, rank).items():
+                assert same_split(g, recorded[name]), (name, g, recorded[name])
+            plan = plan_reads(ranks, 2, list(tensors), tp_size=tp, tp_rank=rank)
+            for name, tensor in tensors.items():
+                got = execute(plan.tensors[name], files, {})
+                np.testing.assert_array_equal(got, as_array(tensor), err_msg=f"{name} TP={tp} rank {rank}")
+
+
+def test_a_norm_filled_by_a_loader_this_version_does_not_know_is_opaque(cohere):
+    _, load, tensor_geometry = cohere
+    model = load(2, 1)
+
+    def own_loader(param, loaded):  # a model's own cut, unknown here
+        param.data.copy_(loaded[1:])
+
+    model["q_norm"].weight.weight_loader = own_loader
+    geometry = tensor_geometry(model, dict(model.named_parameters()), 2, 1)
+    assert geometry["q_norm.weight"].kind == OPAQUE
+    assert geometry["norm.weight"].kind == REPLICATED
