@@ -8,6 +8,12 @@ checkpoint was refused at TP=1 as not the served model's. Without an engine: vLL
 is filled by its own loader at TP=1 and 2 (a fake TP rank), the TP=2 geometry our save records
 must plan reads giving every serving rank exactly vLLM's tensor; a norm loader this version
 does not know is recorded opaque.
+
+The same holds for vLLM's tensor-parallel layers: Mamba-2 with one group of B/C states builds
+its ``in_proj`` as a ``ColumnParallelLinear`` but fills it with ``mamba_v2_sharded_weight_loader``,
+which gives every rank a copy of the group: its rows are not the class's contiguous cut. Recorded
+``column_parallel``, a TP=2 checkpoint was refused at TP=1 as "saved from another model"; such a
+parameter is now opaque (served at its saved size, another size refused naming it).
 """
 
 from __future__ import annotations
@@ -91,3 +97,41 @@ def test_a_norm_filled_by_a_loader_this_version_does_not_know_is_opaque(cohere):
     geometry = tensor_geometry(model, dict(model.named_parameters()), 2, 1)
     assert geometry["q_norm.weight"].kind == OPAQUE
     assert geometry["norm.weight"].kind == REPLICATED
+
+
+def test_a_parallel_layer_filled_by_a_loader_the_model_put_in_is_opaque():
+    """vLLM's ColumnParallelLinear at TP=2, its weight given Mamba-2's group-copying loader as
+    ``MambaMixer2`` gives it (n_groups=1: x, then B and C of the one group on every rank, then dt):
+    the layer's class no longer says which rows a rank holds, so its geometry is opaque; the same
+    layer with its own loader is still column-parallel."""
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    import types
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
+
+    from vllm_sharded_loader.engine.layer_geometry import tensor_geometry
+
+    intermediate, state, heads, hidden = 256, 16, 4, 128
+    # At TP=2 vLLM pads the one group to two (one per rank), as MambaMixer2 does.
+    rows = intermediate * 2 + 2 * 2 * state + heads
+    group = (2 * state, state, True)
+    spec = [(intermediate, 0, False), (intermediate, 0, False), group, group, (heads, 0, False)]
+    for rank in range(2):
+        with mock.patch.object(
+            parallel_state, "get_tp_group", return_value=types.SimpleNamespace(world_size=2, rank_in_group=rank)
+        ):
+            layers = torch.nn.ModuleDict(
+                {
+                    "in_proj": ColumnParallelLinear(hidden, rows, bias=False, prefix="in_proj"),
+                    "plain": ColumnParallelLinear(hidden, rows, bias=False, prefix="plain"),
+                }
+            )
+        weight = layers["in_proj"].weight
+        delattr(weight, "weight_loader")
+        weight.weight_loader = mamba_v2_sharded_weight_loader(spec, 2, rank)
+        geometry = tensor_geometry(layers, dict(layers.named_parameters()), 2, rank)
+        assert geometry["in_proj.weight"].kind == OPAQUE
+        assert geometry["plain.weight"].kind == COLUMN_PARALLEL

@@ -254,6 +254,20 @@ def _vocab_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeome
     return None
 
 
+def _loads_its_own(module: Any, param: str) -> bool:
+    """Whether ``param`` of a tensor-parallel layer is filled by the layer's own weight loader,
+    whose cut its class describes. A model may put another in (Mamba-2's ``in_proj`` and
+    ``conv1d`` with one group of states: ``mamba_v2_sharded_weight_loader`` gives every rank a copy
+    of the group): the layer's class then no longer says which rows a rank holds."""
+    tensor = getattr(module, param, None)
+    loader = getattr(tensor, "weight_loader", None)
+    if loader is None:
+        return True
+    owner = getattr(getattr(loader, "func", loader), "__self__", None)  # also a functools.partial of it
+    # A tied parameter (an LM head sharing the embedding's) keeps the loader of the layer it was made in.
+    return owner is module or (isinstance(owner, torch.nn.Module) and getattr(owner, param, None) is tensor)
+
+
 def _whole_layer_geometry(module: Any, param: str, shape: tuple[int, ...], tp_size: int | None) -> rs.TensorGeometry:
     """A parameter of a layer that is not tensor-parallel (a norm, an embedding), as its
     ``weight_loader`` cuts it. vLLM's ``default_weight_loader`` (or none) loads it whole on every
@@ -285,7 +299,9 @@ def module_geometry(
     quant_method = type(getattr(module, "quant_method", None)).__name__
     if names & PARALLEL_BASES:
         geometry = None
-        if getattr(module, "disable_tp", False) or "ReplicatedLinear" in names:
+        if not _loads_its_own(module, param):
+            pass  # a loader put in by the model cuts it its own way (Mamba-2's in_proj): opaque
+        elif getattr(module, "disable_tp", False) or "ReplicatedLinear" in names:
             # Every rank holds the whole layer, its quantized weights and scales included.
             geometry = rs.replicated(shape, layer_class)
         elif "RoutedExperts" in names and quant_method in UNQUANTIZED_EXPERT_METHODS:
