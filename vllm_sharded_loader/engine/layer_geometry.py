@@ -116,6 +116,20 @@ def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeo
     return None
 
 
+def _experts_load_their_own_way(module: Any) -> bool:
+    """Whether a model's subclass of vLLM's experts layer brings a ``weight_loader`` of its own.
+    Its cut is then the model's, not the layer's: GPT-OSS's experts hold gate and up interleaved
+    row by row (a rank's slice of ``w13`` is a run of gate/up pairs, not its gate rows then its up
+    rows) and its ``w2_bias`` on the first TP rank only (zeros elsewhere), under the shapes the
+    base layer would have. Such experts are opaque."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in ("RoutedExperts", "FusedMoE"):
+            return False
+        if "weight_loader" in vars(cls):
+            return True
+    return False
+
+
 def _quantized_experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
     """Quantized stacked experts (int8, FP8), as vLLM's FusedMoE loader cuts them.
 
@@ -304,6 +318,8 @@ def module_geometry(
         elif getattr(module, "disable_tp", False) or "ReplicatedLinear" in names:
             # Every rank holds the whole layer, its quantized weights and scales included.
             geometry = rs.replicated(shape, layer_class)
+        elif "RoutedExperts" in names and _experts_load_their_own_way(module):
+            pass  # a model's experts with a loader of their own (GPT-OSS's interleaved gate/up): opaque
         elif "RoutedExperts" in names and quant_method in UNQUANTIZED_EXPERT_METHODS:
             geometry = _experts_geometry(module, param, layer_class)
         elif "RoutedExperts" in names and quant_method in QUANTIZED_EXPERT_METHODS:
