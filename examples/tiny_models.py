@@ -310,11 +310,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
             ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=64),
         ),
     ),
-    # StableLM with per-head LayerNorms of q and k.
+    # StableLM 2: q/k/v biases, partial rotary embeddings. (vLLM 0.32 cannot load its per-head q/k
+    # LayerNorms, qk_layernorm=True: "There is no module or parameter named ...k_layernorm".)
     "stablelm": dict(
         architecture="StableLmForCausalLM",
         config="StableLmConfig",
-        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, qk_layernorm=True, use_qkv_bias=True),
+        fields=dict(_SMALL_ATTENTION, num_key_value_heads=2, use_qkv_bias=True),
     ),
     "gptj": dict(
         architecture="GPTJForCausalLM",
