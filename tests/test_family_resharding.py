@@ -30,8 +30,27 @@ from vllm_sharded_loader.planning.layout import same_split
 from vllm_sharded_loader.planning.reads import SavedRank, SavedTensor, plan_reads
 
 # Families whose layers or loaders were wrong once (GPT-OSS's experts, Command R+'s per-head
-# norms), and a plain one.
-FAMILIES = ["gpt_oss", "cohere", "qwen2"]
+# norms), and a plain one; GLM-4.5's MoE (a router bias over all experts, handed to the experts
+# layer: recorded opaque, it kept DeepSeek-V3-style models at their saved size), not in the matrix.
+FAMILIES = ["gpt_oss", "cohere", "qwen2", "glm4_moe"]
+GLM4_MOE = dict(
+    architecture="Glm4MoeForCausalLM",
+    config="Glm4MoeConfig",
+    fields=dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +110,11 @@ def save(model, geometry, tp_size: int, rank: int, files: dict[str, bytearray]) 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_tensor_reshards_as_vllms_own_load_or_is_refused(family, vllm_build, tmp_path):
+def test_every_tensor_reshards_as_vllms_own_load_or_is_refused(family, vllm_build, tmp_path, monkeypatch):
+    from examples import tiny_models
     from examples.tiny_models import build_family
 
+    monkeypatch.setitem(tiny_models.FAMILIES, "glm4_moe", GLM4_MOE)
     load, tensor_geometry = vllm_build
     directory = build_family(str(tmp_path / "model"), family)
     models = {(1, 0): load(directory, 1, 0), (2, 0): load(directory, 2, 0), (2, 1): load(directory, 2, 1)}

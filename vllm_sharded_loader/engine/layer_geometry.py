@@ -318,6 +318,10 @@ def module_geometry(
         elif getattr(module, "disable_tp", False) or "ReplicatedLinear" in names:
             # Every rank holds the whole layer, its quantized weights and scales included.
             geometry = rs.replicated(shape, layer_class)
+        elif "RoutedExperts" in names and param == "e_score_correction_bias":
+            # The router's bias over all experts (DeepSeek-V3, GLM-4.5), which vLLM hands to its
+            # experts layer and leaves out of expert moves: whole on every rank, as its loader says.
+            geometry = _whole_layer_geometry(module, param, shape, tp_size)
         elif "RoutedExperts" in names and _experts_load_their_own_way(module):
             pass  # a model's experts with a loader of their own (GPT-OSS's interleaved gate/up): opaque
         elif "RoutedExperts" in names and quant_method in UNQUANTIZED_EXPERT_METHODS:
