@@ -32,7 +32,8 @@ from vllm_sharded_loader.planning.reads import SavedRank, SavedTensor, plan_read
 # Families whose layers or loaders were wrong once (GPT-OSS's experts, Command R+'s per-head
 # norms), and a plain one; GLM-4.5's MoE (a router bias over all experts, handed to the experts
 # layer: recorded opaque, it kept DeepSeek-V3-style models at their saved size), not in the matrix.
-FAMILIES = ["gpt_oss", "cohere", "qwen2", "glm4_moe"]
+# Nemotron: its LayerNorm1P was not a norm class this version listed (opaque: served only at the saved size).
+FAMILIES = ["gpt_oss", "cohere", "qwen2", "glm4_moe", "nemotron"]
 GLM4_MOE = dict(
     architecture="Glm4MoeForCausalLM",
     config="Glm4MoeConfig",

@@ -25,7 +25,10 @@ from ..planning.topology import RankInfo
 from .identity import current_rank
 
 # Layers whose parameters every rank holds whole. Matched on the class and its bases.
-REPLICATED_LAYERS = frozenset({"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "Attention", "Embedding"})
+# (Nemotron's LayerNorm1P, ``x * (1 + w)``, is a CustomOp of its own, not a LayerNorm subclass.)
+REPLICATED_LAYERS = frozenset(
+    {"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "Attention", "Embedding", "NemotronLayerNorm1P"}
+)
 # Bases of every tensor-parallel layer: a subclass not handled exactly below is opaque.
 PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE", "RoutedExperts"})
 UNQUANTIZED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
