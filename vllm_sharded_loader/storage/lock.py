@@ -321,10 +321,10 @@ def is_lock_staging_name(name: str) -> bool:
 
 
 def stale_lock_staging(directory: str, name: str) -> bool:
-    """Whether ``name`` is a lock's staging name that no live save holds (:func:`_flock_is_held`): its
+    """Whether ``name`` is a lock's staging name that no live save holds (:func:`flock_is_held`): its
     save was killed before it linked the lock, or before it removed the name. (Its creator holds its
     ``flock`` from just after creating it; see :func:`_create_lock` for the moment before.)"""
-    return is_lock_staging_name(name) and not _flock_is_held(directory, name)
+    return is_lock_staging_name(name) and not flock_is_held(directory, name)
 
 
 def _refuse_lock(directory: str, path: str, kind: str) -> None:
@@ -369,11 +369,11 @@ def release_save_lock(lock: SaveLock) -> None:
 
 
 def save_is_running(directory: str) -> bool:
-    """Whether a live save holds the directory's lock: its ``flock`` is taken (:func:`_flock_is_held`)."""
-    return _flock_is_held(directory, LOCK_NAME)
+    """Whether a live save holds the directory's lock: its ``flock`` is taken (:func:`flock_is_held`)."""
+    return flock_is_held(directory, LOCK_NAME)
 
 
-def _flock_is_held(directory: str, name: str, dir_fd: int | None = None) -> bool:
+def flock_is_held(directory: str, name: str, dir_fd: int | None = None) -> bool:
     """Whether a live process holds the ``flock`` of ``directory``'s file ``name`` (False: no such file).
 
     Probed with a shared ``flock``, which conflicts with the holder's exclusive one. Where
@@ -446,8 +446,8 @@ def release_owner_marker(directory: str, token: str, fd: int) -> None:
 
 def owner_is_alive(directory: str, token: str, dir_fd: int | None = None) -> bool:
     """Whether a live process holds the marker of ``token`` (staged files of a running engine); where
-    that cannot be told (:func:`_flock_is_held`), its files are kept. ``dir_fd`` as there."""
-    return _flock_is_held(directory, staged_name(OWNER_MARKER, token), dir_fd)
+    that cannot be told (:func:`flock_is_held`), its files are kept. ``dir_fd`` as there."""
+    return flock_is_held(directory, staged_name(OWNER_MARKER, token), dir_fd)
 
 
 def owner_is_gone(directory: str, name: str) -> bool:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from .lock import _flock_is_held
+from .lock import flock_is_held
 
 # mkstemp's random part: 8 of these characters (tempfile's _RandomNameSequence).
 _RANDOM = r"[a-z0-9_]{8}"
@@ -64,7 +64,7 @@ def remove_dead_temporaries(folder: str, prefix: str, suffix: str) -> list[str]:
                 continue
             if st.st_size == 0 and time.time() - st.st_mtime < EMPTY_GRACE_SECONDS:
                 continue  # (perhaps a live writer's, not yet held)
-            if _flock_is_held(folder, name):
+            if flock_is_held(folder, name):
                 continue
             now = os.lstat(path)  # (still that file: a name mkstemp gave is never given again while it exists)
             if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
