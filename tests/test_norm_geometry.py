@@ -135,3 +135,42 @@ def test_a_parallel_layer_filled_by_a_loader_the_model_put_in_is_opaque():
         geometry = tensor_geometry(layers, dict(layers.named_parameters()), 2, rank)
         assert geometry["in_proj.weight"].kind == OPAQUE
         assert geometry["plain.weight"].kind == COLUMN_PARALLEL
+
+
+def test_the_geometry_is_the_same_under_the_layerwise_reloads_wrapped_loaders():
+    """A weight update in place runs under vLLM's layerwise reload, which wraps every parameter's
+    weight loader in its ``online_process_loader`` (keeping the original as ``__wrapped__``), and
+    the served model's geometry is read again then: judged by the wrapper, a column-parallel layer
+    and a norm both read as opaque, and every update of a resharded server was refused as "saved
+    from another model"."""
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    import types
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.model_executor.models.commandr import LayerNorm
+
+    from vllm_sharded_loader.engine.layer_geometry import tensor_geometry
+
+    with mock.patch.object(
+        parallel_state, "get_tp_group", return_value=types.SimpleNamespace(world_size=2, rank_in_group=0)
+    ):
+        layers = torch.nn.ModuleDict(
+            {
+                "proj": ColumnParallelLinear(HIDDEN, 2 * HIDDEN, bias=False, prefix="proj"),
+                "q_norm": LayerNorm(param_shape=(HEADS // 2, HEAD_DIM)),
+                "norm": LayerNorm(param_shape=HIDDEN),
+            }
+        )
+
+    def kinds() -> dict[str, str]:
+        return {name: g.kind for name, g in tensor_geometry(layers, dict(layers.named_parameters()), 2, 0).items()}
+
+    served = kinds()
+    assert served == {"proj.weight": COLUMN_PARALLEL, "q_norm.weight": COLUMN_PARALLEL, "norm.weight": REPLICATED}
+    for layer in layers.values():
+        layerwise._wrap_parameters_weight_loader(layer)  # as initialize_layerwise_reload does
+    assert {p.weight_loader.__name__ for p in layers.parameters()} == {"online_process_loader"}
+    assert kinds() == served

@@ -11,6 +11,7 @@ tensor's actual local shape on this rank; otherwise it is recorded as ``opaque``
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -271,13 +272,21 @@ def _vocab_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeome
     return None
 
 
+def _loader_of(tensor: Any) -> Any:
+    """A parameter's ``weight_loader`` (None without one), under any wrapper that keeps it as
+    ``__wrapped__``: vLLM's layerwise reload (a weight update in place) wraps every loader of a layer
+    in its ``online_process_loader`` while it runs, and the served geometry is read again then."""
+    loader = getattr(tensor, "weight_loader", None)
+    return None if loader is None else inspect.unwrap(loader)
+
+
 def _loads_its_own(module: Any, param: str) -> bool:
     """Whether ``param`` of a tensor-parallel layer is filled by the layer's own weight loader,
     whose cut its class describes. A model may put another in (Mamba-2's ``in_proj`` and
     ``conv1d`` with one group of states: ``mamba_v2_sharded_weight_loader`` gives every rank a copy
     of the group): the layer's class then no longer says which rows a rank holds."""
     tensor = getattr(module, param, None)
-    loader = getattr(tensor, "weight_loader", None)
+    loader = _loader_of(tensor)
     if loader is None:
         return True
     owner = getattr(getattr(loader, "func", loader), "__self__", None)  # also a functools.partial of it
@@ -293,7 +302,7 @@ def _whole_layer_geometry(module: Any, param: str, shape: tuple[int, ...], tp_si
     ``[heads, head_dim]``: each rank holds its own heads' rows under the same shape). Any other
     loader cuts it in a way this module does not know: opaque."""
     layer_class = type(module).__name__
-    loader = getattr(getattr(module, param, None), "weight_loader", None)
+    loader = _loader_of(getattr(module, param, None))
     name = getattr(loader, "__qualname__", None)
     from_vllm = getattr(loader, "__module__", "").startswith("vllm.")
     if loader is None or (from_vllm and name == "default_weight_loader"):
