@@ -44,7 +44,7 @@ from ..storage.faults import declare, kill_point
 from ..storage.location import ObjectStore
 from ..storage.staging_folders import StagingFolder, make_staging_folder
 from .carry import CarriedFiles
-from .staged import StagedRank, discard_rank, fresh_names, new_token, renamed_entry
+from .staged import StagedRank, discard_rank, fresh_names, new_token, published_names, renamed_entry
 
 # The steps where a test kills an object-storage save (storage/faults.py), in protocol order.
 KILL_LOCKED = declare("s3.locked", "checkpoint/remote_save.py: the lock object is put, nothing uploaded")
@@ -94,7 +94,7 @@ def _remove_recorded_uploads(store: ObjectStore, whose: Callable[[str], bool], k
     store.remove(records)
 
 
-def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
+def upload_rank(url: str, staged: StagedRank, token: str, published: set[str] | None = None) -> RankEntry:
     """Step 2: upload a rank's staged parts under fresh final names, then drop the staged copies.
 
     The names collide with no object under the prefix: the published checkpoint's parts
@@ -102,10 +102,11 @@ def upload_rank(url: str, staged: StagedRank, token: str) -> RankEntry:
     ``token`` (a small hidden object), so that a failure on any rank, or the save that takes
     over after this one died, deletes exactly these uploads and never another writer's.
     On failure the parts this call uploaded are deleted again (and the staged ones kept
-    for :func:`abandon` to remove). Returns the entry naming the uploads.
+    for :func:`abandon` to remove). Returns the entry naming the uploads. ``published``: as
+    :func:`.staged.taken_names`.
     """
     store = ObjectStore(url)
-    renamed = fresh_names(staged, store)
+    renamed = fresh_names(staged, store, published)
     store.put(_intent_name(staged, token), json.dumps(sorted(renamed.values())).encode())
     kill_point(KILL_RECORDED)
     uploaded: list[str] = []
@@ -233,6 +234,7 @@ class ObjectTarget:
         self.token = new_token()
         self.replaced: frozenset[str] = frozenset()
         self.scratch: StagingFolder | None = None
+        self.published: set[str] | None = None  # what the published manifest lists, read at the first place
 
     def lock(self) -> str:
         begin(self.where, self.token, self.overwrite)
@@ -250,7 +252,9 @@ class ObjectTarget:
         return self.scratch.path
 
     def place(self, staged: StagedRank) -> RankEntry:
-        return upload_rank(self.where, staged, self.token)
+        if self.published is None:
+            self.published = published_names(ObjectStore(self.where))
+        return upload_rank(self.where, staged, self.token, self.published)
 
     def write_rank_file(self, name: str, data: bytes) -> str:
         """Under a fresh name (the save's token in it): the published checkpoint's own file of

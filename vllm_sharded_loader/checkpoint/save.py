@@ -73,6 +73,7 @@ from .staged import (
     fresh_names,
     new_token,
     open_staged_tensors,
+    published_names,
     renamed_entry,
     stage_in_parallel,
     stage_rank,
@@ -109,15 +110,15 @@ KILL_CLEANED = declare("local.cleaned", "checkpoint/save.py: cleaned, the lock n
 # ------------------------------------------------------------- place and publish
 
 
-def publish_rank(staged: StagedRank) -> RankEntry:
+def publish_rank(staged: StagedRank, published: set[str] | None = None) -> RankEntry:
     """Step 3: rename a rank's staged parts to fresh final names; the rank's entry names them.
 
     The names collide with nothing in the directory, so the published checkpoint's parts
     stay as they are until the new manifest replaces it. Called under the save's lock:
-    no other save renames into the directory meanwhile.
+    no other save renames into the directory meanwhile. ``published``: as :func:`.staged.taken_names`.
     """
     directory = staged.directory
-    renamed = fresh_names(staged, LocalStore(directory))
+    renamed = fresh_names(staged, LocalStore(directory), published)
     for name in renamed:
         if name in staged.temporary:
             final = os.path.join(directory, renamed[name])
@@ -243,6 +244,7 @@ class LocalTarget:
         self.held: SaveLock | None = None
         self.made_folders: list[str] = []  # (deepest first)
         self.replaced: set[str] = set()
+        self.published: set[str] | None = None  # what the published manifest lists, read at the first place
 
     def lock(self) -> str:
         self.made_folders = missing_folders(self.where)  # (its parents too: a refused save leaves none)
@@ -287,7 +289,9 @@ class LocalTarget:
         return self.where
 
     def place(self, staged: StagedRank) -> RankEntry:
-        return publish_rank(staged)
+        if self.published is None:
+            self.published = published_names(LocalStore(self.where))
+        return publish_rank(staged, self.published)
 
     def write_rank_file(self, name: str, data: bytes) -> str:
         """A fresh name (the save's token in it), written whole: never the published file; :meth:`abandon` drops it."""

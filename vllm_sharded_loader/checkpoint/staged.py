@@ -131,21 +131,28 @@ def renamed_entry(entry: RankEntry, names: Mapping[str, str]) -> RankEntry:
     )
 
 
-def taken_names(store: Store) -> set[str]:
-    """The names a save's new parts must not take in ``store``: every file there, and every file its
-    published manifest lists, there or not. A part placed under a listed name whose file is missing (a
-    copy cut short) would complete the published checkpoint with this save's bytes: killed before its
-    own publish, the save would leave that checkpoint loading them beside its other ranks (sizes and
-    headers agree), where it was refused as incomplete before."""
-    names = set(store.list_names())
-    with contextlib.suppress(ShardedStateError):  # unreadable: it lists nothing a load would read
+def published_names(store: Store) -> set[str]:
+    """Every file the published manifest in ``store`` lists, there or not; none if it cannot be read
+    (it then lists nothing a load would read)."""
+    with contextlib.suppress(ShardedStateError):
         published = store.read_manifest()
         if published is not None:
-            names |= published.listed_files()
-    return names
+            return published.listed_files()
+    return set()
 
 
-def fresh_names(staged: StagedRank, store: Store) -> dict[str, str]:
+def taken_names(store: Store, published: set[str] | None = None) -> set[str]:
+    """The names a save's new parts must not take in ``store``: every file there, and every file its
+    published manifest lists (``published``: :func:`published_names`, which a save placing several
+    ranks reads once, as the manifest cannot change under its lock), there or not. A part placed
+    under a listed name whose file is missing (a copy cut short) would complete the published
+    checkpoint with this save's bytes: killed before its own publish, the save would leave that
+    checkpoint loading them beside its other ranks (sizes and headers agree), where it was refused as
+    incomplete before."""
+    return set(store.list_names()) | (published_names(store) if published is None else published)
+
+
+def fresh_names(staged: StagedRank, store: Store, published: set[str] | None = None) -> dict[str, str]:
     """``staged name -> final name`` for a rank's parts: vLLM's pattern, colliding with nothing
     :func:`taken_names` finds in ``store`` (where they are placed)."""
     old = [f.name for f in staged.entry.files]
@@ -153,7 +160,7 @@ def fresh_names(staged: StagedRank, store: Store) -> dict[str, str]:
     new = fresh_part_names(
         staged.pattern,
         len(old),
-        taken_names(store),
+        taken_names(store, published),
         tp_rank=rank.tp_rank,
         pp_rank=rank.pp_rank,
         dp_rank=rank.saved_dp_rank,

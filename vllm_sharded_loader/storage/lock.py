@@ -197,9 +197,10 @@ def refuse_before_save(directory: str, overwrite: bool) -> None:
     """What :func:`acquire_save_lock` would refuse, taking nothing: said before a save starts work it
     would throw away (vLLM building a model, tens of seconds). The save checks again under its lock."""
     check_output_folder(directory)
-    if read_lock(directory) is not None:
+    holder = read_lock(directory)
+    if holder is not None:
         held = save_is_running(directory)
-        _refuse_holder(directory, _running_holder(directory) if held else read_lock(directory) or {}, held, overwrite)
+        _refuse_holder(directory, _running_holder(directory) if held else holder, held, overwrite)
     _refuse_a_checkpoint(directory, overwrite, ())
 
 

@@ -41,7 +41,6 @@ from ..storage.location import (
     copy_non_weight_files,
     open_store,
 )
-from ..storage.lock import missing_folders, remove_empty_folders
 from ..storage.oscalls import release_free_heap
 from ..storage.progress import ByteProgress
 from ..storage.staging_folders import staging_folder
@@ -341,15 +340,12 @@ def convert_checkpoint(
     check_no_special_files(folder)
     # Said now, as the save's lock would say it once vLLM has built the model (tens of seconds from here).
     out.refuse_before_save(overwrite)
-    made = [] if out.remote else missing_folders(output)
     from ..engine.convert_setup import ModelOptions
 
     options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
-    try:
-        return _convert(folder, output, tp_size, pp_size, options, max_size, pattern, overwrite, budget, progress)
-    except BaseException:
-        remove_empty_folders(made)  # the folders this run made, left empty by the failed save
-        raise
+    # (Nothing is written into OUT before the save protocol's lock, which makes the output's folders
+    # and, on a failure, removes those it made: LocalTarget.made_folders.)
+    return _convert(folder, output, tp_size, pp_size, options, max_size, pattern, overwrite, budget, progress)
 
 
 def _convert(
