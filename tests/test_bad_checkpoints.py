@@ -583,6 +583,17 @@ EVERY_PATH_CASES = [
         rf"{MANIFEST_FIELD}tensor '{NORM_A}' has offset {2**62}, expected a byte position",
     ),
     (
+        "digest not a digest",
+        lambda m: rank0_files(m)[0].update(digest="../" * 99),
+        rf"{MANIFEST_FIELD}'digest' of '{RANK0}' must be 32 hexadecimal digits, found '\.\./\.\./",
+    ),
+    (
+        "digest of other weights",
+        lambda m: rank0_files(m)[0].update(digest="0123456789abcdef" * 2),
+        rf"{RANK0}: holds other weights than the save {MANIFEST_NAME} lists it from wrote \(its header's digest "
+        r"is '[0-9a-f]{32}', the manifest's '0123456789abcdef0123456789abcdef'\): a stale copy",
+    ),
+    (
         "huge checksum block_size",
         set_checksum(block_size=2**40),
         rf"{MANIFEST_FIELD}checksum block_size {2**40} of '{RANK0}' is above {MAX_BLOCK_SIZE}",
@@ -698,6 +709,44 @@ def test_two_ranks_parts_swapped_by_name_are_refused_on_every_path_without_check
     )
     assert cli(["verify", "--size-only", str(directory)]) == 1
     assert "renamed or copied over each other" in capsys.readouterr().out
+
+
+def rank0_files(manifest: dict) -> list[dict]:
+    return next(r for r in manifest["ranks"] if r["tp_rank"] == 0)["files"]
+
+
+def test_a_stale_part_of_an_older_save_with_the_same_header_is_refused_on_every_path(tmp_path, capsys):
+    """The same model saved twice at the same topology, with other weights the first time (before a
+    fine-tuning step, say): each save's parts hold the same tensors, shapes and offsets. A part of the
+    older save copied over the newer one's (a sync cut short, an old backup restored) passed every
+    check but a checksum, and a load with the default ``verify="size"`` served the old weights beside the
+    new ones, silently. Each part's header now holds the digest of its contents, as the manifest does."""
+    older, directory, model = tmp_path / "older", tmp_path / "ckpt", RESHARD_MODEL
+    ranks = {RankInfo(t, 2): {n: x + 1 for n, x in stage_state(model, 2, 1, t, 0).items()} for t in range(2)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    save_checkpoint(str(older), ranks, dtype="int32", source=source_of(model), geometry=geometry)
+    save_reshardable(directory)
+    old_entry, new_entry = (read_manifest(str(d)).ranks[0] for d in (older, directory))
+    assert old_entry.tensors == new_entry.tensors  # the same header but for the digest
+    assert [f.size for f in old_entry.files] == [f.size for f in new_entry.files]
+    assert old_entry.files[0].digest != new_entry.files[0].digest
+    shutil.copyfile(older / PART0, directory / PART0)
+    refused_on_every_path(
+        directory,
+        rf"{PART0}: holds other weights than the save {MANIFEST_NAME} lists it from wrote \(its header's digest "
+        rf"is '{old_entry.files[0].digest}', the manifest's '{new_entry.files[0].digest}'\): a stale copy",
+        tmp_path / "out",
+    )
+    assert cli(["verify", "--size-only", str(directory)]) == 1
+    assert "a stale copy from an older save" in capsys.readouterr().out
+
+
+def test_the_same_weights_saved_twice_give_the_same_files(tmp_path):
+    """The digest depends on the bytes alone: two saves of one state are the same, byte for byte."""
+    first, second = save_reshardable(tmp_path / "a"), save_reshardable(tmp_path / "b")
+    assert first.ranks == second.ranks and all(f.digest for entry in first.ranks for f in entry.files)
+    for f in first.ranks[0].files:
+        assert (tmp_path / "a" / f.name).read_bytes() == (tmp_path / "b" / f.name).read_bytes()
 
 
 def test_sound_reshardable_checkpoint_passes_every_path(tmp_path):

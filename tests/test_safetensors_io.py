@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.support.engines import package_process
 from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format.entries import DIGEST_DIGITS, DIGEST_METADATA
 from vllm_sharded_loader.storage import integrity, local, tensor_files, writer
 
 
@@ -50,9 +51,31 @@ def test_library_reads_what_we_write(tmp_path):
         assert checksum.blocks == (blake3.blake3(f.read()).hexdigest(),)
     with safe_open(path, framework="pt") as f:
         assert set(f.keys()) == set(tensors)
-        assert f.metadata() == {"format": "pt"}
+        assert f.metadata() == {"format": "pt", DIGEST_METADATA: written.digest}
         for name, t in tensors.items():
             assert torch.equal(as_bytes(f.get_tensor(name)), as_bytes(t)), name
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_the_header_holds_the_digest_of_the_file_as_written_with_it_zeroed(tmp_path, direct):
+    """The digest that tells a stale part from the one saved: of the file's block checksums with its own
+    slot all zeros (so it depends on the bytes alone), put in once the data is written, each recorded
+    block checksum of the file as it then is. Two blocks, so the patched first block is hashed again."""
+    if direct and not direct_io_supported(tmp_path):
+        pytest.skip(f"{tmp_path}: the file system takes no O_DIRECT writes")
+    block = integrity.BLOCK_SIZE
+    path = str(tmp_path / "ours.safetensors")
+    tensors = [("big", torch.arange(block // 4 + 99, dtype=torch.int32)), ("small", torch.ones(3))]
+    written = writer.write_file(path, tensors, {"format": "pt"}, direct=direct)
+    with open(path, "rb") as f:
+        data = f.read()
+    assert written.checksum.blocks == tuple(blake3.blake3(data[i : i + block]).hexdigest() for i in (0, block))
+    place = f'"{DIGEST_METADATA}":"{written.digest}"'.encode()
+    slot = data.index(place) + len(place) - DIGEST_DIGITS - 1
+    zeroed = data[:slot] + b"0" * DIGEST_DIGITS + data[slot + DIGEST_DIGITS :]
+    blocks = "".join(blake3.blake3(zeroed[i : i + block]).hexdigest() for i in (0, block))
+    assert written.digest == blake3.blake3(blocks.encode()).hexdigest()[:DIGEST_DIGITS]
+    assert writer.write_file(str(tmp_path / "again"), tensors, {"format": "pt"}, direct=direct) == written
 
 
 def direct_io_supported(directory) -> bool:

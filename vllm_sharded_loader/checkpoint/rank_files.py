@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from ..format.entries import RANK_METADATA
+from ..format.entries import DIGEST_METADATA, RANK_METADATA
 from ..format.errors import CheckpointCorrupt, CheckpointMismatch
 from ..format.manifest import FileEntry, Manifest, RankEntry
 from ..format.names import MANIFEST_NAME
@@ -52,7 +52,7 @@ def check_rank_file(directory: str, f: FileEntry, entry: RankEntry, verify: str)
 
 def _check_opened(opened: StoredFile, f: FileEntry, entry: RankEntry, verify: str) -> CheckedFile:
     header = read_header(opened)
-    check_header_matches_manifest(header, entry)
+    check_header_matches_manifest(header, entry, f)
     if verify == "checksum" and f.checksum is None:
         raise CheckpointMismatch(
             f"{header.path}: {MANIFEST_NAME} records no checksum for it, so verify='checksum' "
@@ -96,7 +96,9 @@ class RankFiles:
         self.close()
 
 
-def check_header_matches_manifest(header: Header, entry: RankEntry) -> None:
+def check_header_matches_manifest(header: Header, entry: RankEntry, f: FileEntry) -> None:
+    """Raise unless the header of part ``f`` of rank ``entry`` is the one its save wrote: of that rank,
+    with the contents' digest the manifest records, and each tensor where the manifest places it."""
     name = os.path.basename(header.path)
     saved_for = header.metadata.get(RANK_METADATA)
     if saved_for is not None and saved_for != entry.label:
@@ -129,6 +131,14 @@ def check_header_matches_manifest(header: Header, entry: RankEntry) -> None:
                 f"{header.path}: tensor {tensor_name!r} starts at byte {h.begin} in the file but at {e.offset} "
                 f"in {MANIFEST_NAME}; the manifest is damaged. Copy or save the checkpoint again."
             )
+    # Last: a file of another shape is named as such above.
+    digest = header.metadata.get(DIGEST_METADATA)
+    if f.digest is not None and digest != f.digest:
+        raise CheckpointCorrupt(
+            f"{header.path}: holds other weights than the save {MANIFEST_NAME} lists it from wrote (its header's "
+            f"digest is {'missing' if digest is None else repr(digest[:40])}, the manifest's {f.digest!r}): a stale "
+            "copy from an older save, or from another one, of the same tensors. Copy or save the checkpoint again."
+        )
 
 
 def saved_specs(entry: RankEntry) -> dict[str, TensorSpec]:

@@ -12,7 +12,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -109,7 +109,7 @@ def stage_rank(
                     f"Writing {tmp} ({rank}) failed: {e}. Nothing was published and the previous "
                     "checkpoint, if any, is intact; free space (or fix the directory) and save again."
                 ) from e
-            files.append(FileEntry(file_name, written.size, written.checksum))
+            files.append(FileEntry(file_name, written.size, written.checksum, written.digest))
             for name, t in items:
                 dtype = dtype_name(t.dtype)
                 entries[name] = TensorEntry(file_name, dtype, tuple(t.shape), written.offsets[name])
@@ -125,7 +125,7 @@ def renamed_entry(entry: RankEntry, names: Mapping[str, str]) -> RankEntry:
     return RankEntry(
         entry.tp_rank,
         entry.pp_rank,
-        tuple(FileEntry(names[f.name], f.size, f.checksum) for f in entry.files),
+        tuple(replace(f, name=names[f.name]) for f in entry.files),
         {n: TensorEntry(names[t.file], t.dtype, t.shape, t.offset) for n, t in entry.tensors.items()},
         entry.dp_rank,
     )

@@ -11,6 +11,12 @@ from typing import Any
 # Two ranks' parts hold the same tensors, shapes and offsets: renamed or copied over each other, only
 # their bytes (a checksum) or this tells them apart. Parts written before it have none.
 RANK_METADATA = "sharded_state_rank"
+# The key, in each part's safetensors metadata, of the digest of the part's contents (FileEntry.digest):
+# a part of an older save of the same model and rank (a stale copy) has the same header but for this.
+# The writer fills it once the data is written (storage/writer.py), so it depends on the bytes alone and
+# two saves of the same weights stay byte for byte the same. Parts written before it have none.
+DIGEST_METADATA = "sharded_state_digest"
+DIGEST_DIGITS = 32
 
 
 @dataclass(frozen=True)
@@ -41,11 +47,13 @@ class FileChecksum:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One part file, its exact byte size and, if recorded, its block checksums."""
+    """One part file, its exact byte size and, if recorded, its block checksums and the digest of its
+    contents that its header holds (``digest``, as :data:`DIGEST_METADATA`; older manifests have none)."""
 
     name: str
     size: int
     checksum: FileChecksum | None = None
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,4 +134,6 @@ def file_to_dict(f: FileEntry) -> dict[str, Any]:
     data: dict[str, Any] = {"name": f.name, "size": f.size}
     if f.checksum is not None:
         data["checksum"] = f.checksum.to_dict()
+    if f.digest is not None:
+        data["digest"] = f.digest
     return data

@@ -12,7 +12,16 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .entries import CarriedFile, FileChecksum, FileEntry, RankEntry, StartupArtifacts, TensorEntry, rank_to_dict
+from .entries import (
+    DIGEST_DIGITS,
+    CarriedFile,
+    FileChecksum,
+    FileEntry,
+    RankEntry,
+    StartupArtifacts,
+    TensorEntry,
+    rank_to_dict,
+)
 from .errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
 from .experts import ExpertPlacement, writing_replicas
 from .geometry import TensorGeometry
@@ -47,6 +56,7 @@ MAX_TENSORS_PER_RANK = 1 << 20
 MAX_BLOCK_SIZE = 256 * 1024 * 1024  # each reader thread holds one block to verify it
 MAX_CARRIED_FILES = 1 << 16
 DIGEST_HEX = re.compile(r"[0-9a-f]{64}\Z")
+CONTENT_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_DIGITS}}}")
 
 
 @dataclass(frozen=True)
@@ -357,7 +367,10 @@ def _rank(reader: JsonReader, value: Any) -> RankEntry:
         size = reader.integer(f, "size")
         if size > MAX_BYTES:
             raise reader.fail(f"file {name!r} has size {size}, above {MAX_BYTES}")
-        files.append(FileEntry(name=name, size=size, checksum=_checksum(reader, f, name)))
+        digest = None if f.get("digest") is None else reader.string(f, "digest")
+        if digest is not None and not CONTENT_DIGEST.fullmatch(digest):
+            raise reader.fail(f"'digest' of {name!r} must be {DIGEST_DIGITS} hexadecimal digits, found {digest[:40]!r}")
+        files.append(FileEntry(name=name, size=size, checksum=_checksum(reader, f, name), digest=digest))
     tensors = {}
     for name, t in raw_tensors.items():
         t = reader.mapping(t, f"tensor {name!r}")

@@ -18,15 +18,16 @@ import os
 import struct
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
 
+from ..format.entries import DIGEST_DIGITS, DIGEST_METADATA
 from ..format.errors import ShardedStateError
 from ..format.manifest import FileChecksum
 from . import oscalls
-from .integrity import BlockHasher
+from .integrity import BlockHasher, digest_of
 from .tensors import byte_view, dtype_name, torch_threads
 
 # Bytes of one write/read call: large enough to stream at disk speed, small enough
@@ -116,11 +117,13 @@ def write_order(items: list[_T], nbytes: Callable[[_T], int]) -> list[_T]:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """What :func:`write_file` wrote: size, block checksums, each tensor's absolute byte offset."""
+    """What :func:`write_file` wrote: size, block checksums, each tensor's absolute byte offset, and the
+    digest of the contents that its header holds (:data:`DIGEST_METADATA`)."""
 
     size: int
     checksum: FileChecksum
     offsets: dict[str, int]
+    digest: str
 
 
 def write_file(
@@ -149,11 +152,17 @@ def write_file(
     page-cache memory, whose first touch is what slows buffered writes on memory-reclaiming VMs
     (see ``benchmarks/README.md``). ``False`` writes through the page cache, handing each 64 MiB
     to the disk at once.
+
+    The header's metadata gets :data:`DIGEST_METADATA`: the digest of the file's block checksums
+    as written with that value all zeros, put in place once the data is written. It depends on the
+    bytes alone, so a part of another save of the same tensors, shapes and offsets (a stale copy)
+    has another, and the same weights still give the same file.
     """
     data = sum(t.numel() * t.element_size() for _, t in tensors)
     align = PAGE if data >= PAGE_ALIGN_FROM else 8
     tensors = write_order(tensors, lambda item: item[1].numel() * item[1].element_size())
-    head = build_header(tensors, metadata, align)
+    head = build_header(tensors, {**metadata, DIGEST_METADATA: "0" * DIGEST_DIGITS}, align)
+    slot = head.index(f'"{DIGEST_METADATA}":"'.encode()) + len(DIGEST_METADATA) + 4
     size = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
     sink: _Sink | None = None
     if direct is not False:
@@ -177,7 +186,14 @@ def write_file(
                     f"({list(t.shape)} {t.dtype}). Nothing is published; report this with the command that wrote it."
                 )
         sink.finish()
-    return WrittenFile(sink.hasher.position, sink.hasher.finish(), offsets)
+        zeroed = sink.hasher.finish()
+        digest = digest_of([memoryview("".join(zeroed.blocks).encode())])[:DIGEST_DIGITS]
+        # The digest goes into its slot; the first block, which holds the slot, is hashed again.
+        first = sink.first_block
+        first[slot : slot + DIGEST_DIGITS] = digest.encode()
+        checksum = replace(zeroed, blocks=(digest_of([memoryview(first)]), *zeroed.blocks[1:]))
+        sink.put_and_sync(slot, digest.encode())
+    return WrittenFile(sink.hasher.position, checksum, offsets, digest)
 
 
 class _Sink:
@@ -191,6 +207,24 @@ class _Sink:
         self.hasher = BlockHasher()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu)
         self.position = 0  # bytes handed to write()
+        self.first_block = bytearray()  # the bytes of the first checksum block, hashed again after put_and_sync
+
+    def _hash(self, chunk: memoryview) -> None:
+        """Hash the next bytes (on the checksum thread), keeping those of the first block."""
+        keep = self.hasher.block_size - len(self.first_block)
+        if keep > 0:
+            self.first_block += memoryview(chunk).cast("B")[:keep]
+        self.hasher.update(chunk)
+
+    def put_and_sync(self, offset: int, data: bytes) -> None:
+        """Write ``data`` over the written file at ``offset``, then make the file durable."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _put(fd: int, data: bytes, offset: int, path: str) -> None:
+        if os.pwrite(fd, data, offset) != len(data):
+            raise OSError(errno.EIO, f"short write of {len(data)} bytes at {offset}", path)
+        os.fsync(fd)
 
     def __enter__(self) -> _Sink:
         return self
@@ -211,6 +245,7 @@ class _Sink:
                 progress(len(chunk))
 
     def finish(self) -> None:
+        """Write out what is buffered and wait for every hash."""
         raise NotImplementedError
 
     def __exit__(self, *exc: object) -> None:
@@ -239,13 +274,15 @@ class _BufferedSink(_Sink):
             self.kicked = self.position
         if self.hashing is not None:
             self.hashing.result()
-        self.hashing = self.pool.submit(self.hasher.update, chunk)
+        self.hashing = self.pool.submit(self._hash, chunk)
 
     def finish(self) -> None:
         self.file.flush()
-        os.fsync(self.file.fileno())
         if self.hashing is not None:
             self.hashing.result()
+
+    def put_and_sync(self, offset: int, data: bytes) -> None:
+        self._put(self.file.fileno(), data, offset, self.file.name)
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__()
@@ -339,7 +376,7 @@ class _DirectSink(_Sink):
             buffer[n:padded] = bytes(padded - n)  # O_DIRECT writes whole blocks; the file is cut after
         view = memoryview(buffer)
         self.pending[self.turn] = [
-            self.pool.submit(self.hasher.update, view[:n]),
+            self.pool.submit(self._hash, view[:n]),
             self.writer.submit(self._write_all, view[:padded]),
         ]
         self.turn ^= 1
@@ -372,7 +409,11 @@ class _DirectSink(_Sink):
             for job in jobs:
                 job.result()
         os.ftruncate(self.fd, self.position)  # drop the padding of the last block
-        os.fsync(self.fd)
+
+    def put_and_sync(self, offset: int, data: bytes) -> None:
+        # A few bytes at any offset: O_DIRECT takes whole blocks only, the page cache the rest.
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._put(self.fd, data, offset, self.path)
 
     def __exit__(self, *exc: object) -> None:
         # Let in-flight jobs end before their buffers are unmapped, even after an error.
