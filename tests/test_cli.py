@@ -1,5 +1,6 @@
 """The `vllm-sharded` command on real checkpoints written by the save path."""
 
+import contextlib
 import json
 import math
 import re
@@ -448,6 +449,46 @@ def test_inspect_shows_experts_cut_across_tp_and_dp(tmp_path, capsys):
     save_flat(tmp_path, moe_weights(intermediate=32), 1, 2)
     assert cli(["inspect", str(tmp_path)]) == 0
     assert "experts       cut across TP x DP (2 ranks), written by each of 2 replicas" in capsys.readouterr().out
+
+
+def test_verify_stopped_by_ctrl_c_says_it_changed_nothing(tmp_path):
+    """Ctrl-C in ``verify`` (or ``inspect``), which only read, said what an interrupted reshard or
+    convert leaves. The verify is frozen (SIGSTOP) once it has its part open, so that Ctrl-C lands
+    inside it and not before or after."""
+    import os
+    import signal
+    import time
+
+    from tests.support.states import SOURCE
+    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+
+    directory = tmp_path / "ckpt"
+    big = {"w": torch.ones(64 * 2**20, dtype=torch.int32)}  # 256 MiB to hash: verify holds it open a while
+    save_checkpoint(str(directory), {RankInfo(0, 1): big}, dtype="int32", source=SOURCE)
+    (part,) = [f.name for f in read_manifest(str(directory)).ranks[0].files]
+    command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "verify", str(directory)]
+    running = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while running.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # (a descriptor closed between the listing and the look)
+                fds = os.listdir(f"/proc/{running.pid}/fd")
+                if any(os.readlink(f"/proc/{running.pid}/fd/{fd}").endswith(part) for fd in fds):
+                    running.send_signal(signal.SIGSTOP)
+                    break
+            time.sleep(0.0005)
+        assert running.poll() is None, "verify ended before it could be interrupted; give it a larger part"
+        running.send_signal(signal.SIGINT)
+        running.send_signal(signal.SIGCONT)
+        _, err = running.communicate(timeout=60)
+    finally:
+        running.kill()
+    assert running.returncode == -signal.SIGINT, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "vllm-sharded: interrupted by SIGINT. verify only reads the checkpoint, which is as it was; run it again."
+    )
 
 
 @pytest.mark.parametrize(

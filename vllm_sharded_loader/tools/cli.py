@@ -290,12 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One line, not a traceback: the save undid what it had not published before this got here.
         # (After SIGHUP the terminal may be gone: a write to it fails, and the exit by the signal stands.)
         with contextlib.suppress(OSError):
-            print(f"vllm-sharded: interrupted by {_stopped_by.name}. {_after_interrupt(e)}", file=sys.stderr)
+            print(f"vllm-sharded: interrupted by {_stopped_by.name}. {_after_interrupt(e, argv)}", file=sys.stderr)
         return 128 + _stopped_by
 
 
-def _after_interrupt(interrupt: KeyboardInterrupt) -> str:
+def _after_interrupt(interrupt: KeyboardInterrupt, argv: Sequence[str] = ()) -> str:
     """What an interrupted command left, and what to do."""
+    if argv[:1] in (["verify"], ["inspect"]):
+        return f"{argv[0]} only reads the checkpoint, which is as it was; run it again."
     if not isinstance(interrupt, InterruptedAfterPublish):
         return (
             "An interrupted reshard or convert leaves its output as it was, or complete if it had published; "
