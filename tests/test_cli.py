@@ -377,10 +377,62 @@ def test_verify_of_a_file_claims_no_save_lock(tmp_path, capsys):
     assert cli(["verify", str(path)]) == 1
     out = capsys.readouterr().out
     assert out == (
-        f"BAD: {path} has 1 problem(s):\n  - {path / MANIFEST_NAME}: missing; the checkpoint is incomplete or was "
-        "written by vLLM's own save, and cannot be verified.\n"
+        f"BAD: {path} has 1 problem(s):\n  - {path} is a file, where a checkpoint folder (the one that holds "
+        f"{MANIFEST_NAME}) was expected; check the path. Nothing to verify.\n"
     )
     assert path.read_text() == "not a checkpoint"
+
+
+@pytest.mark.parametrize(
+    "holds, said",
+    [
+        (
+            "safetensors",
+            "holds a Hugging Face model (model.safetensors), not a sharded checkpoint (no "
+            f"{MANIFEST_NAME}): convert it with `vllm-sharded convert",
+        ),
+        (
+            "bin",
+            "holds a Hugging Face model (pytorch_model.bin), not a sharded checkpoint (no "
+            f"{MANIFEST_NAME}): save it with `vllm-sharded save` (convert reads safetensors only)",
+        ),
+        (
+            "vllm parts",
+            f"has no {MANIFEST_NAME}, only parts named as vLLM's own save names them "
+            "(model-rank-0-part-0.safetensors, model-rank-0-part-1.safetensors, ... (42 in all)): a checkpoint of "
+            "vLLM's save_sharded_state",
+        ),
+    ],
+    ids=["safetensors", "bin", "vllm parts"],
+)
+def test_a_folder_without_manifest_is_said_to_hold_what_it_holds(checkpoint, tmp_path, capsys, holds, said):
+    """A Hugging Face model folder given to verify, inspect or reshard (an easy slip: convert takes one)
+    was said to be "incomplete or written by vLLM's own save"; it is named, with the command it needs."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    _, directory = checkpoint
+    folder = tmp_path / "given"
+    if holds == "vllm parts":
+        shutil.copytree(directory, folder)
+        (folder / MANIFEST_NAME).unlink()
+    else:
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        if holds == "bin":
+            (folder / "pytorch_model.bin").write_bytes(b"pickled")
+        else:
+            save_file({"w": torch.ones(2)}, str(folder / "model.safetensors"))
+    before = sorted((p.name, p.stat().st_size) for p in folder.iterdir())
+    assert cli(["verify", str(folder)]) == 1
+    assert f"{folder} {said}" in capsys.readouterr().out
+    assert cli(["inspect", str(folder)]) == 2
+    assert f"{folder} {said}" in capsys.readouterr().err
+    assert cli(["reshard", str(folder), "-tp", "1", "-o", str(tmp_path / "out")]) == 2
+    assert f"{folder} {said}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert sorted((p.name, p.stat().st_size) for p in folder.iterdir()) == before
 
 
 @pytest.mark.parametrize("kind", ["missing", "file", "fifo", "dangling link", "under a file"])

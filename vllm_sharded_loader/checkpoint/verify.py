@@ -15,6 +15,7 @@ from ..storage.location import (
     check_not_locked,
     file_path,
     list_names,
+    no_manifest_here,
     open_store,
     read_manifest,
 )
@@ -115,11 +116,7 @@ def _verify_once(
     except ShardedStateError as e:
         return [*problems, str(e)], None
     if manifest is None:
-        return [
-            *problems,
-            f"{file_path(directory, MANIFEST_NAME)}: missing; the checkpoint is incomplete "
-            f"or was written by vLLM's own save, and cannot be verified.",
-        ], None
+        return [*problems, f"{no_manifest_here(directory)} Nothing to verify."], None
     try:
         check_saved_geometry(manifest)
     except ShardedStateError as e:

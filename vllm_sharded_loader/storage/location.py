@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, listing
 from ..format.manifest import FileEntry, Manifest
-from ..format.names import MANIFEST_NAME
+from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name
 from . import local, lock, model_files, object_lock, objects
 from .objects import is_object_url
 
@@ -362,6 +362,34 @@ def no_checkpoint_folder(where: str) -> str | None:
     return (
         f"{where} {why}, where a checkpoint folder (the one that holds {MANIFEST_NAME}) was expected; check the path."
     )
+
+
+def no_manifest_here(where: str) -> str:
+    """What a location without a manifest holds instead, said as the error about it: no folder,
+    vLLM's own save, a Hugging Face model (given where a checkpoint was expected: an easy slip), or
+    nothing of ours."""
+    if (why := no_checkpoint_folder(where)) is not None:
+        return why
+    names = list_names(where)
+    parts = [n for n in names if any(parse_file_name(p, n) for p in DEFAULT_PATTERNS)]
+    if parts:
+        return (
+            f"{where} has no {MANIFEST_NAME}, only parts named as vLLM's own save names them ({listing(parts, 2)}): "
+            "a checkpoint of vLLM's save_sharded_state, which our loader serves at its saved size but cannot "
+            "check or reshard; to do that, save it again with `vllm-sharded save`."
+        )
+    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth"))]
+    if weights and "config.json" in names:
+        how = (
+            f"convert it with `vllm-sharded convert {where} -tp N -o OUT`"
+            if any(n.endswith(".safetensors") for n in weights)
+            else "save it with `vllm-sharded save` (convert reads safetensors only)"
+        )
+        return (
+            f"{where} holds a Hugging Face model ({listing(weights, 2)}), not a sharded checkpoint (no "
+            f"{MANIFEST_NAME}): {how}, or serve it as it is with vLLM's default load format."
+        )
+    return f"{where} has no {MANIFEST_NAME}: not a checkpoint of vllm-sharded-loader (or an incomplete one)."
 
 
 def open_part(where: str, f: FileEntry) -> StoredFile:

@@ -29,7 +29,7 @@ from ..storage.location import (
     file_path,
     is_locked,
     lies_inside,
-    no_checkpoint_folder,
+    no_manifest_here,
     open_store,
     read_manifest,
     same_location,
@@ -45,11 +45,7 @@ def require_manifest(directory: str) -> Manifest:
         # A first save still writing (or killed) is named with its holder and what to do, as verify
         # names it, rather than as "not a checkpoint".
         check_not_locked(directory)
-        if (why := no_checkpoint_folder(directory)) is not None:
-            raise CheckpointNotFound(why)
-        raise CheckpointNotFound(
-            f"{directory} has no {MANIFEST_NAME}: not a checkpoint of vllm-sharded-loader (or an incomplete one)."
-        )
+        raise CheckpointNotFound(no_manifest_here(directory))
     return manifest
 
 
