@@ -255,6 +255,19 @@ def test_no_checkpoint_at_all(tmp_path):
         load(tmp_path)
 
 
+def test_a_hugging_face_model_given_to_our_load_format_is_named_with_what_to_do(tmp_path):
+    """``load_format="sharded_state"`` on a Hugging Face model folder said it had no file for the rank
+    "and no sharded_state.json", suggesting a save or a smaller topology; it names the model."""
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ShardedStateError,
+        match=r"holds a Hugging Face model \(model.safetensors\), not a sharded "
+        r"checkpoint .* or serve it as it is with vLLM's default load format",
+    ):
+        load(tmp_path)
+
+
 def test_a_sharded_checkpoint_is_told_from_a_model_folder(tmp_path):
     # A speculative drafter's folder: its sharded checkpoint loads by rank, its HF weights by vLLM's loader.
     from vllm_sharded_loader.checkpoint.legacy import holds_sharded_checkpoint

@@ -17,7 +17,7 @@ from ..format.names import MANIFEST_NAME, default_pattern, parse_file_name, vali
 from ..planning.tensors import TensorSpec, check_tensor_sets
 from ..planning.topology import RankInfo
 from ..storage.local import OpenFile, part_path, read_header
-from ..storage.location import open_store, read_manifest
+from ..storage.location import hugging_face_model_here, open_store, read_manifest
 from ..storage.reader import ReadOptions
 from ..storage.tensor_files import read_files
 from .rank_files import HeldAdoption
@@ -108,7 +108,8 @@ def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) ->
     # A checkpoint saved under PP has files a TP-only pattern never matches.
     patterns = [pattern] if rank.pp_size > 1 else [pattern, default_pattern(2)]
     mine, foreign = [], []
-    for name in sorted(os.listdir(directory)):
+    names = sorted(os.listdir(directory))
+    for name in names:
         for p in patterns:
             fields = parse_file_name(p, name)
             if fields is None:
@@ -128,7 +129,8 @@ def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) ->
         )
     if not mine:
         raise CheckpointNotFound(
-            f"{directory} has no file for {rank} matching {pattern!r} and no {MANIFEST_NAME}. "
+            hugging_face_model_here(directory, names)
+            or f"{directory} has no file for {rank} matching {pattern!r} and no {MANIFEST_NAME}. "
             "Either this is not a sharded checkpoint (save one with examples/save_sharded_state.py), "
             "or it was saved at a smaller topology than the engine runs."
         )

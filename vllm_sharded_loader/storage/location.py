@@ -378,18 +378,27 @@ def no_manifest_here(where: str) -> str:
             "a checkpoint of vLLM's save_sharded_state, which our loader serves at its saved size but cannot "
             "check or reshard; to do that, save it again with `vllm-sharded save`."
         )
+    return (
+        hugging_face_model_here(where, names)
+        or f"{where} has no {MANIFEST_NAME}: not a checkpoint of vllm-sharded-loader (or an incomplete one)."
+    )
+
+
+def hugging_face_model_here(where: str, names: list[str]) -> str | None:
+    """The sentence for a Hugging Face model (``names``: the files at ``where``) found where a sharded
+    checkpoint was expected, with the command it needs; None if it holds none."""
     weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth"))]
-    if weights and "config.json" in names:
-        how = (
-            f"convert it with `vllm-sharded convert {where} -tp N -o OUT`"
-            if any(n.endswith(".safetensors") for n in weights)
-            else "save it with `vllm-sharded save` (convert reads safetensors only)"
-        )
-        return (
-            f"{where} holds a Hugging Face model ({listing(weights, 2)}), not a sharded checkpoint (no "
-            f"{MANIFEST_NAME}): {how}, or serve it as it is with vLLM's default load format."
-        )
-    return f"{where} has no {MANIFEST_NAME}: not a checkpoint of vllm-sharded-loader (or an incomplete one)."
+    if not weights or "config.json" not in names:
+        return None
+    how = (
+        f"convert it with `vllm-sharded convert {where} -tp N -o OUT`"
+        if any(n.endswith(".safetensors") for n in weights)
+        else "save it with `vllm-sharded save` (convert reads safetensors only)"
+    )
+    return (
+        f"{where} holds a Hugging Face model ({listing(weights, 2)}), not a sharded checkpoint (no "
+        f"{MANIFEST_NAME}): {how}, or serve it as it is with vLLM's default load format."
+    )
 
 
 def open_part(where: str, f: FileEntry) -> StoredFile:
