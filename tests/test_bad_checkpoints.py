@@ -9,11 +9,13 @@ checkpoint during its load, and two saves racing for one interrupted save's lock
 """
 
 import hashlib
+import itertools
 import json
 import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -41,8 +43,10 @@ from vllm_sharded_loader.checkpoint import (
 )
 from vllm_sharded_loader.checkpoint.save import save_checkpoint, write_manifest
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
+from vllm_sharded_loader.format.entries import DIGEST_METADATA
 from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS
 from vllm_sharded_loader.format.names import parse_file_name, staged_name, staged_token
+from vllm_sharded_loader.storage import integrity
 from vllm_sharded_loader.storage.lock import SaveLock, acquire_save_lock, read_lock, release_save_lock
 from vllm_sharded_loader.tools.cli import main as cli
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
@@ -739,6 +743,80 @@ def test_a_stale_part_of_an_older_save_with_the_same_header_is_refused_on_every_
     )
     assert cli(["verify", "--size-only", str(directory)]) == 1
     assert "a stale copy from an older save" in capsys.readouterr().out
+
+
+def as_saved_before_digests(directory: Path) -> None:
+    """Make a checkpoint what an earlier version's save of it was: no digest in any part's header (the
+    key taken out, the header padded with spaces to its length, so every offset stays) nor in its
+    manifest, whose block checksums are those of the parts as they now are."""
+    files = {}
+    for entry in read_manifest(str(directory)).ranks:
+        for f in entry.files:
+            path = directory / f.name
+            data = path.read_bytes()
+            (length,) = struct.unpack("<Q", data[:8])
+            header = json.loads(data[8 : 8 + length])
+            del header["__metadata__"][DIGEST_METADATA]
+            text = json.dumps(header, separators=(",", ":")).encode()
+            path.write_bytes(data[:8] + text.ljust(length) + data[8 + length :])
+            hasher = integrity.BlockHasher(f.checksum.block_size)
+            hasher.update(path.read_bytes())
+            files[f.name] = hasher.finish().to_dict()
+
+    def edit(m: dict) -> None:
+        for rank in m["ranks"]:
+            for f in rank["files"]:
+                del f["digest"]
+                f["checksum"] = files[f["name"]]
+
+    edit_manifest(directory, edit)
+
+
+def test_a_checkpoint_of_an_earlier_version_without_digests_passes_every_path(tmp_path):
+    """Parts and a manifest saved before digests were recorded load, reshard and verify as before;
+    the reshard's output records them."""
+    directory, model = tmp_path / "ckpt", RESHARD_MODEL
+    save_reshardable(directory)
+    as_saved_before_digests(directory)
+    manifest = read_manifest(str(directory))
+    assert not any(f.digest for entry in manifest.ranks for f in entry.files)
+    for tp_size, verify in itertools.product((2, 1), ("size", "checksum")):
+        expected = stage_state(model, tp_size, 1, 0, 0)
+        targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
+        request = LoadRequest(str(directory), manifest, verify=verify, serving=source_of(model))
+        load_rank(request, targets, RankInfo(0, tp_size))
+        assert all(torch.equal(targets[n], x) for n, x in expected.items())
+    assert verify_checkpoint(str(directory)) == []
+    reshard_checkpoint(str(directory), str(tmp_path / "out"), tp_size=1)
+    assert all(f.digest for entry in read_manifest(str(tmp_path / "out")).ranks for f in entry.files)
+    assert verify_checkpoint(str(tmp_path / "out")) == []
+
+
+def test_a_part_of_a_later_save_beside_a_manifest_without_digests_is_refused_on_every_path(tmp_path, capsys):
+    """A checkpoint saved by an earlier version (no digests), then saved again by this one with other
+    weights, then partly restored (the manifest and a part of the earlier save back, the other part
+    still the later save's): every header has the same tensors, shapes and offsets, and a manifest
+    that records no digest checked none, so ``verify="size"`` served the two saves' weights together.
+    Every save that writes digests records them, so a digest in a header that the manifest lacks is
+    the mark of a later save's part."""
+    older, newer, model = tmp_path / "older", tmp_path / "newer", RESHARD_MODEL
+    ranks = {RankInfo(t, 2): {n: x + 1 for n, x in stage_state(model, 2, 1, t, 0).items()} for t in range(2)}
+    geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
+    save_checkpoint(str(older), ranks, dtype="int32", source=source_of(model), geometry=geometry)
+    as_saved_before_digests(older)
+    save_reshardable(newer)
+    old_entry, new_entry = (read_manifest(str(d)).ranks[0] for d in (older, newer))
+    assert old_entry.tensors == new_entry.tensors  # the same header but for the digest
+    assert [f.size for f in old_entry.files] == [f.size for f in new_entry.files]
+    shutil.copyfile(newer / PART0, older / PART0)
+    refused_on_every_path(
+        older,
+        rf"{PART0}: is from a later save than {MANIFEST_NAME}, which records no digest of its contents \(saved "
+        rf"by an earlier version\) where its header holds one \('{new_entry.files[0].digest}'\): a stale manifest",
+        tmp_path / "out",
+    )
+    assert cli(["verify", "--size-only", str(older)]) == 1
+    assert "is from a later save than" in capsys.readouterr().out
 
 
 def test_the_same_weights_saved_twice_give_the_same_files(tmp_path):

@@ -98,7 +98,8 @@ class RankFiles:
 
 def check_header_matches_manifest(header: Header, entry: RankEntry, f: FileEntry) -> None:
     """Raise unless the header of part ``f`` of rank ``entry`` is the one its save wrote: of that rank,
-    with the contents' digest the manifest records, and each tensor where the manifest places it."""
+    with the contents' digest the manifest records (none where it records none), and each tensor where the
+    manifest places it."""
     name = os.path.basename(header.path)
     saved_for = header.metadata.get(RANK_METADATA)
     if saved_for is not None and saved_for != entry.label:
@@ -138,6 +139,15 @@ def check_header_matches_manifest(header: Header, entry: RankEntry, f: FileEntry
             f"{header.path}: holds other weights than the save {MANIFEST_NAME} lists it from wrote (its header's "
             f"digest is {'missing' if digest is None else repr(digest[:40])}, the manifest's {f.digest!r}): a stale "
             "copy from an older save, or from another one, of the same tensors. Copy or save the checkpoint again."
+        )
+    if f.digest is None and digest is not None:
+        # Every save that writes digests records them: only a manifest of an earlier version's save lists
+        # none, and a part that holds one is then from a later save than it (a stale manifest, or a part
+        # copied in from another save), whose weights no check without checksums would tell apart.
+        raise CheckpointCorrupt(
+            f"{header.path}: is from a later save than {MANIFEST_NAME}, which records no digest of its contents "
+            f"(saved by an earlier version) where its header holds one ({digest[:40]!r}): a stale manifest, or a "
+            "part copied in from another save of the same tensors. Copy or save the checkpoint again."
         )
 
 
