@@ -819,6 +819,26 @@ def test_a_part_of_a_later_save_beside_a_manifest_without_digests_is_refused_on_
     assert "is from a later save than" in capsys.readouterr().out
 
 
+def test_a_part_of_an_earlier_versions_save_of_the_same_weights_is_refused_as_such(tmp_path, capsys):
+    """A part saved by an earlier version (no digest in its header) beside a manifest that records one is
+    not the part that manifest's save wrote, and is refused on every path; its weights may be the same
+    (here they are), so the refusal says what it lacks, not that it holds other weights."""
+    older, directory = tmp_path / "older", tmp_path / "ckpt"
+    save_reshardable(older)
+    as_saved_before_digests(older)
+    save_reshardable(directory)
+    digest = read_manifest(str(directory)).ranks[0].files[0].digest
+    shutil.copyfile(older / PART0, directory / PART0)
+    refused_on_every_path(
+        directory,
+        rf"{PART0}: holds no digest of its contents, where {MANIFEST_NAME} records '{digest}': not the part this "
+        r"checkpoint's save wrote, but a stale copy of the same tensors from a save by an earlier version",
+        tmp_path / "out",
+    )
+    assert cli(["verify", "--size-only", str(directory)]) == 1
+    assert "other weights" not in capsys.readouterr().out
+
+
 def test_the_same_weights_saved_twice_give_the_same_files(tmp_path):
     """The digest depends on the bytes alone: two saves of one state are the same, byte for byte."""
     first, second = save_reshardable(tmp_path / "a"), save_reshardable(tmp_path / "b")

@@ -134,11 +134,18 @@ def check_header_matches_manifest(header: Header, entry: RankEntry, f: FileEntry
             )
     # Last: a file of another shape is named as such above.
     digest = header.metadata.get(DIGEST_METADATA)
+    if f.digest is not None and digest is None:
+        # (Its weights may be the same: an earlier version's save of them has no digest either.)
+        raise CheckpointCorrupt(
+            f"{header.path}: holds no digest of its contents, where {MANIFEST_NAME} records {f.digest!r}: not the "
+            "part this checkpoint's save wrote, but a stale copy of the same tensors from a save by an earlier "
+            "version (or a file of another tool). Copy or save the checkpoint again."
+        )
     if f.digest is not None and digest != f.digest:
         raise CheckpointCorrupt(
             f"{header.path}: holds other weights than the save {MANIFEST_NAME} lists it from wrote (its header's "
-            f"digest is {'missing' if digest is None else repr(digest[:40])}, the manifest's {f.digest!r}): a stale "
-            "copy from an older save, or from another one, of the same tensors. Copy or save the checkpoint again."
+            f"digest is {digest[:40]!r}, the manifest's {f.digest!r}): a stale copy from an older save, or from "
+            "another one, of the same tensors. Copy or save the checkpoint again."
         )
     if f.digest is None and digest is not None:
         # Every save that writes digests records them: only a manifest of an earlier version's save lists
