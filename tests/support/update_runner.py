@@ -9,7 +9,10 @@ weight-transfer engine. Each step is one update, followed by greedy generation o
 - ``["reload", PATH or null]``: ``collective_rpc("reload_weights", ...)`` (vLLM's in-place reload;
   null: from the checkpoint served);
 - ``["transfer", PATH, VERIFY or null]``: vLLM's offline RL API (``start_weight_update``,
-  ``update_weights`` with ``{"path": PATH}``, ``finish_weight_update``).
+  ``update_weights`` with ``{"path": PATH}``, ``finish_weight_update``);
+- ``["arguments", UPDATE_INFO]``: the same calls with ``UPDATE_INFO`` as given (any JSON: a
+  hostile request), each call's error recorded apart (``error``: start's or update's;
+  ``finish``: finish's).
 
 Optional keys: ``extra_config`` (model_loader_extra_config), ``engine`` (extra ``LLM(...)``
 arguments). Prints one line ``RESULT {json}``: the token ids at start, then for each step its
@@ -20,6 +23,14 @@ import contextlib
 import json
 import sys
 import time
+
+
+def _error_of(call, *args) -> str | None:
+    try:
+        call(*args)
+    except Exception as e:  # reported to the test, which asserts on it
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def main() -> None:
@@ -51,10 +62,14 @@ def main() -> None:
     for step in spec["steps"]:
         kind, path, *rest = step
         started = time.perf_counter()
-        error = None
+        error = finish = None
         try:
             if kind == "reload":
                 llm.collective_rpc("reload_weights", kwargs={} if path is None else {"weights_path": path})
+            elif kind == "arguments":
+                errors = [_error_of(llm.start_weight_update), _error_of(llm.update_weights, {"update_info": path})]
+                error = next((e for e in errors if e is not None), None)
+                finish = _error_of(llm.finish_weight_update)
             elif kind == "save":  # vLLM's engine-API save of what is served now
                 llm.llm_engine.engine_core.save_sharded_state(path=path)
             else:
@@ -70,7 +85,8 @@ def main() -> None:
         except Exception as e:  # reported to the test, which asserts on it
             error = f"{type(e).__name__}: {e}"
         seconds = time.perf_counter() - started
-        result["steps"].append({"step": step, "error": error, "seconds": seconds, "token_ids": generate()})
+        record = {"step": step, "error": error, "seconds": seconds, "token_ids": generate()}
+        result["steps"].append(record | ({"finish": finish} if kind == "arguments" else {}))
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -58,7 +58,7 @@ from .layer_geometry import model_rank
 from .layer_steps import fill_layer, layer_held_bytes, let_go, process_layer
 from .model_reader import ModelReader
 from .processed import ProcessedLayer
-from .workers import gather_over, raises_for_all
+from .workers import gather_over, model_groups, raises_for_all
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -103,16 +103,9 @@ def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in by_object.values() if len(names) > 1]
 
 
-def _groups() -> list[Any]:
-    """The model-parallel groups of this worker (TP, then PP) that span more than one worker."""
-    from vllm.distributed import get_pp_group, get_tp_group
-
-    return [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
-
-
 def _agree(error: str | None) -> list[str]:
     """Every worker's error (None: read and checked), exchanged among the model's workers."""
-    return [e for e in gather_over(_groups(), [error], "this update") if e is not None]
+    return [e for e in gather_over(model_groups(), [error], "this update") if e is not None]
 
 
 class InPlaceUpdate:

@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from ..checkpoint.stats import check_verify_mode
+from ..format.errors import ShardedStateError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,10 +102,48 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Read the checkpoint ``update_info["path"]`` into the model (the base class's, without its
-        accelerator synchronization on machines that have none)."""
-        self.receive_weights(self.parse_update_info(update_info))
+        accelerator synchronization on machines that have none), once every worker agrees on the request."""
+        info = self._agreed(update_info)
+        if info is None:
+            return
+        self.receive_weights(info)
         if torch.accelerator.current_accelerator() is not None:
             torch.accelerator.synchronize()
+
+    def _agreed(self, update_info: Any) -> ShardedStateUpdateInfo | None:
+        """``update_info`` parsed, if every worker of the model parsed the same request; else refused.
+
+        A bad argument is refused by every worker alike, and vLLM 0.32's multiprocessing
+        executor stops reading answers at the first failing worker: the others' would be taken
+        for the answers to the next calls (a sound update then reported refused, a refused one
+        reported done). And vLLM hands each worker its own ``update_info`` when given a list:
+        workers reading different checkpoints would serve a mix of models. So the workers
+        exchange what they parsed, and a refusal is raised by the last worker only
+        (:func:`.workers.raises_for_all`); the others change nothing and return.
+        """
+        from .layer_geometry import model_rank
+        from .workers import gather_over, model_groups, raises_for_all
+
+        rank = model_rank(self.model)
+        try:
+            info = self.parse_update_info(update_info)
+            own: tuple[bool, Any] = (True, (info.path, info.verify))
+        except Exception as e:  # a bad argument: refused below, on one worker only
+            info, own = None, (False, f"{rank}: {e}")
+        outcomes = gather_over(model_groups(), [own], "this update")
+        errors = [value for ok, value in outcomes if not ok]
+        if not errors and len({value for _, value in outcomes}) > 1:
+            asked = ", ".join(f"path={path!r} verify={verify!r}" for _, (path, verify) in outcomes)
+            errors = [
+                f"the workers were given different update_info ({asked}, by worker): one update reads one "
+                'checkpoint on every worker. Pass one dict, {"path": ..., "verify": ...}, not a list per worker'
+            ]
+        if not errors:
+            return info
+        if raises_for_all():
+            raise ShardedStateError(" | ".join(errors) + " (no rank's weights were changed)")
+        logger.warning("sharded_state: %s did not update: the update's arguments were refused", rank)
+        return None
 
     def receive_weights(self, update_info: ShardedStateUpdateInfo) -> None:
         from .model_reader import ModelReader

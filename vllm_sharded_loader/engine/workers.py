@@ -35,6 +35,13 @@ def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
     return outcomes
 
 
+def model_groups() -> list[Any]:
+    """The model-parallel groups of this worker (TP, then PP) that span more than one worker."""
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    return [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+
+
 def raises_for_all() -> bool:
     """Whether this worker is the one that raises an agreed failure for all: the last of the engine's workers.
 
