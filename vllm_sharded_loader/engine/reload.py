@@ -289,6 +289,11 @@ class InPlaceUpdate:
         """The checkpoint's folder (and Hub id), refusing at once a local path that does not exist."""
         config = self.model_config
         path = self.path if self.path is not None else config.model_weights or config.model
+        if not isinstance(path, str) or not path:  # reload_weights(weights_path=...) is passed on unchecked
+            raise CheckpointNotFound(
+                f"weights_path={path!r}: expected the folder, s3://, gs:// or az:// URL, or Hub id of a sharded "
+                "checkpoint for the weight update, as a string."
+            )
         if open_store(path).exists():
             return path, None
         if os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path):
