@@ -35,6 +35,7 @@ from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
 from vllm_sharded_loader.engine.capture import OVERWRITE_ENV
 from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.storage import faults
+from vllm_sharded_loader.tools.convert import convert_checkpoint
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -153,6 +154,32 @@ def test_each_node_serves_from_its_own_disk_and_the_follower_ends_when_the_leade
                 shutil.copy(f, own / f.name)
     served = serve(cluster, bucket, str(cluster.local / "ckpt"), "sharded_state", "own-disks", kill_leader=True)
     assert served.result["token_ids"] == reference.result["token_ids"]
+    assert_all_ended(served)
+
+
+def test_nodes_holding_different_checkpoints_at_one_path_are_refused_naming_both(cluster, bucket, reference):
+    """Node 0 holds its rank of the saved checkpoint, node 1 its rank of another model's (same
+    architecture and sizes, other weights) at the same path: each rank's files agree with its own
+    node's manifest, so every per-rank check passes, and the engine served a mix of two models.
+    The workers compare their manifests before reading: refused on both nodes, naming each
+    node's folder, and every process ends."""
+    other = build_model(str(cluster.root / "other-hf"), "llama", num_hidden_layers=2, seed=7)
+    convert_checkpoint(other, str(cluster.root / "other-tp2"), 2)
+    for i, saved in enumerate([cluster.shared / "tp2", cluster.root / "other-tp2"]):
+        own = cluster.node_dir(i) / "mixed"
+        own.mkdir()
+        keep = {f.name for f in read_manifest(str(saved)).rank(i, 0).files}
+        for f in saved.iterdir():
+            if f.name in keep or not f.name.endswith(".safetensors"):
+                shutil.copy(f, own / f.name)
+    envs = [node_environment(cluster, bucket, i) for i in range(cluster.count)]
+    served = serve_tp2(cluster, str(cluster.local / "mixed"), "sharded_state", "mixed", envs, failing=True)
+    assert served.result is None, f"served a mix of two checkpoints: {served.result}, the saved one: {reference.result}"
+    for log in served.logs:
+        text = log.read_text(errors="replace")
+        print(next((line for line in text.splitlines() if "hold different checkpoints" in line), ""))
+        assert "hold different checkpoints" in text and "node-0" in text and "node-1" in text, tails(served.logs)
+    assert served.leader_exit != 0
     assert_all_ended(served)
 
 

@@ -270,6 +270,7 @@ def serve_tp2(
     leader_argv: list[str] | None = None,
     timeout: float = ENGINE_TIMEOUT,
     pipeline: bool = False,
+    failing: bool = False,
     **spec: object,
 ) -> Served:
     """TP=2 across nodes 0 and 1, one worker each, each node's processes with its ``envs``: start
@@ -282,7 +283,8 @@ def serve_tp2(
     serving. ``leader_argv`` runs another leader (with
     the leader's options of the follower's command line added) instead of the engine runner.
     ``timeout`` bounds the leader's run (and its serving with ``kill_leader``). With ``pipeline``,
-    PP=2 spans the nodes instead, one stage each."""
+    PP=2 spans the nodes instead, one stage each. With ``failing``, a leader that fails is the
+    outcome to report (``leader_exit``), not a failure of the cluster."""
     port = free_port()
     sizes = {"tp": 1, "pp": 2} if pipeline else {"tp": 2, "pp": 1}
     spans = ["--tensor-parallel-size", str(sizes["tp"]), "--pipeline-parallel-size", str(sizes["pp"])]
@@ -339,7 +341,7 @@ def serve_tp2(
             leader.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise ClusterFailed(f"the leader did not end within {timeout} s:\n{tails(logs)}") from None
-        if leader_argv is None and ((leader.returncode and not kill_leader) or result() is None):
+        if leader_argv is None and not failing and ((leader.returncode and not kill_leader) or result() is None):
             raise ClusterFailed(f"the two-node engine failed (leader exit {leader.returncode}):\n{tails(logs)}")
         ended = wait_until(lambda: follower.poll() is not None, FOLLOWER_EXIT_SECONDS)
         wait_until(lambda: not session_processes(follower.pid) and not session_processes(leader.pid), 20)

@@ -23,6 +23,7 @@ from .identity import is_drafter
 from .layer_geometry import model_rank
 from .model_reader import ModelReader
 from .reload import InPlaceUpdate, remember_served_from
+from .workers import check_same_checkpoint
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -145,7 +146,13 @@ class ShardedStateLoader(BaseModelLoader):
             # The target is the sharded checkpoint; its drafter comes from its own folder.
             self._load_drafter(model, model_config, directory)
             return
-        manifest = read_manifest(directory)
+        try:
+            manifest, failed = read_manifest(directory), None
+        except Exception as e:  # said to the other workers first, so that none waits for this one
+            manifest, failed = None, e
+        check_same_checkpoint(model_rank(model), directory, manifest, failed)
+        if failed is not None:
+            raise failed
         _register_saved_biases(model, manifest)
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)

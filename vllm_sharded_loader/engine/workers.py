@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from ..format.errors import ShardedStateError, WorkerLost, agreed_error
+from ..format.errors import CheckpointMismatch, ShardedStateError, WorkerLost, agreed_error
+from ..format.manifest import Manifest
 from ..planning.topology import RankInfo
 
 # How long a save under data + expert parallelism waits for every replica to call it.
 REPLICA_TIMEOUT_ENV = "SHARDED_STATE_REPLICA_TIMEOUT"
 DEFAULT_REPLICA_TIMEOUT = 600.0
+
+# How long a load's workers wait for each other at the check that they hold one checkpoint.
+LOAD_TIMEOUT_ENV = "SHARDED_STATE_LOAD_TIMEOUT"
+DEFAULT_LOAD_TIMEOUT = 600.0
 
 T = TypeVar("T")
 
@@ -119,3 +126,53 @@ class Workers:
         if errors:
             raise agreed_error(ShardedStateError, " | ".join(errors), own)
         return [value for _, value in outcomes]
+
+
+def _checkpoint_digest(manifest: Manifest | None) -> str:
+    return "no manifest" if manifest is None else hashlib.sha256(manifest.to_json().encode()).hexdigest()[:16]
+
+
+def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None, failed: Exception | None) -> None:
+    """Before a load reads a byte: check that this replica's tensor- and pipeline-parallel workers
+    read one checkpoint, by the digest of the manifest each read (``failed``: why it read none).
+
+    On several nodes each worker reads its node's copy of ``where``. Each rank's files agree with
+    the manifest beside them, so a node holding another save of the same model (or another model of
+    the same shapes) passes every check of its own rank, and the engine would serve a mix of the
+    two. Every worker reaches the exchange, even one whose manifest could not be read, so that
+    none waits for it; a worker that never reaches it (a node started with another load format)
+    ends the wait after ``SHARDED_STATE_LOAD_TIMEOUT`` seconds.
+    """
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    groups = [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+    if not groups:
+        return
+    seconds = float(os.environ.get(LOAD_TIMEOUT_ENV) or DEFAULT_LOAD_TIMEOUT)
+    try:
+        for group in groups:
+            torch.distributed.monitored_barrier(group=group.cpu_group, timeout=timedelta(seconds=seconds))
+    except RuntimeError as e:
+        raise WorkerLost(
+            f"{rank} on {socket.gethostname()}: another worker of this engine did not reach the sharded_state "
+            f"load of {where} (waited at most {seconds:g} s, {LOAD_TIMEOUT_ENV}), or stopped answering: {e}. "
+            "See the other nodes' logs; every node must run the same model with --load-format sharded_state. "
+            "Nothing was loaded."
+        ) from e
+    own = (str(rank), socket.gethostname(), where, None if failed else _checkpoint_digest(manifest), str(failed))
+    workers = gather_over(groups, [own], "this load")
+    if failed is not None:
+        return  # the caller raises its own error
+    errors = [f"{member} on {host}: {error}" for member, host, _, digest, error in workers if digest is None]
+    if errors:
+        raise agreed_error(ShardedStateError, "Another worker's load failed: " + " | ".join(errors))
+    if len({digest for *_, digest, _ in workers}) > 1:
+        held = "; ".join(
+            f"{member} on {host} read {path} (manifest {digest})" for member, host, path, digest, _ in workers
+        )
+        raise CheckpointMismatch(
+            f"The workers of this engine hold different checkpoints at {where}: {held}. Each node reads its "
+            "own copy, and a mix of two saves would be served as one model. Give every node the same save "
+            "(its manifest and config files, and the parts its ranks read), or serve from object storage, "
+            "then start again. Nothing was loaded."
+        )
