@@ -183,6 +183,30 @@ def test_nodes_holding_different_checkpoints_at_one_path_are_refused_naming_both
     assert_all_ended(served)
 
 
+def test_a_follower_missing_its_part_fails_the_load_on_the_leader_naming_the_file_and_node(cluster, bucket, reference):
+    """Node 1's disk lacks its rank's part: its worker refuses, and the leader, where the user
+    looks, says which worker on which node failed and why (not only gloo's "Connection closed
+    by peer"); every process ends."""
+    saved = cluster.shared / "tp2"
+    manifest = read_manifest(str(saved))
+    lost = manifest.rank(1, 0).files[0].name
+    for i in range(cluster.count):
+        own = cluster.node_dir(i) / "part-lost"
+        own.mkdir()
+        keep = {f.name for f in manifest.rank(i, 0).files} - {lost}
+        for f in saved.iterdir():
+            if f.name in keep or not f.name.endswith(".safetensors"):
+                shutil.copy(f, own / f.name)
+    envs = [node_environment(cluster, bucket, i) for i in range(cluster.count)]
+    served = serve_tp2(cluster, str(cluster.local / "part-lost"), "sharded_state", "part-lost", envs, failing=True)
+    assert served.result is None and served.leader_exit != 0, tails(served.logs)
+    leader = served.logs[0].read_text(errors="replace")
+    said = next((line for line in leader.splitlines() if f"{lost}: listed in" in line), "")
+    print(said)
+    assert "tp_rank=1" in said and "on node-1" in said and "missing" in said, tails(served.logs)
+    assert_all_ended(served)
+
+
 def test_each_node_reads_only_its_share_from_the_bucket(bucket, cluster, reference):
     manifest = read_manifest(f"s3://{BUCKET}/tp2")
     shares = [sum(f.size for f in manifest.rank(i, 0).files) for i in range(2)]

@@ -23,7 +23,7 @@ from .identity import is_drafter
 from .layer_geometry import model_rank
 from .model_reader import ModelReader
 from .reload import InPlaceUpdate, remember_served_from
-from .workers import check_same_checkpoint
+from .workers import check_same_checkpoint, share_load_outcome
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -146,13 +146,32 @@ class ShardedStateLoader(BaseModelLoader):
             # The target is the sharded checkpoint; its drafter comes from its own folder.
             self._load_drafter(model, model_config, directory)
             return
+        rank = model_rank(model)
         try:
             manifest, failed = read_manifest(directory), None
         except Exception as e:  # said to the other workers first, so that none waits for this one
             manifest, failed = None, e
-        check_same_checkpoint(model_rank(model), directory, manifest, failed)
+        check_same_checkpoint(rank, directory, manifest, failed)
         if failed is not None:
             raise failed
+        try:
+            self._read(model, model_config, (directory, repo_id), manifest)
+        except Exception as e:  # said to the other workers, so that the leader's log names it
+            share_load_outcome(rank, e)
+            raise
+        share_load_outcome(rank, None)
+        # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
+        hub_fetch = None if repo_id is None else (repo_id, self.load_config.download_dir)
+        restore_startup_artifacts(model, directory, manifest, rank, hub_fetch, model_config.trust_remote_code)
+
+    def _read(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        located: tuple[str, str | None],
+        manifest: Manifest | None,
+    ) -> None:
+        """This worker's checked read of its rank's files into ``model``."""
         _register_saved_biases(model, manifest)
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
@@ -160,16 +179,11 @@ class ShardedStateLoader(BaseModelLoader):
         self.reader.read(
             model,
             model_config,
-            (directory, repo_id),
+            located,
             manifest,
             targets,
             tied_groups(state_dict, targets),
             self.reader.adoptable(model, state_dict),
-        )
-        # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
-        hub_fetch = None if repo_id is None else (repo_id, self.load_config.download_dir)
-        restore_startup_artifacts(
-            model, directory, manifest, model_rank(model), hub_fetch, model_config.trust_remote_code
         )
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

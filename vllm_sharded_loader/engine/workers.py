@@ -163,9 +163,7 @@ def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None,
     workers = gather_over(groups, [own], "this load")
     if failed is not None:
         return  # the caller raises its own error
-    errors = [f"{member} on {host}: {error}" for member, host, _, digest, error in workers if digest is None]
-    if errors:
-        raise agreed_error(ShardedStateError, "Another worker's load failed: " + " | ".join(errors))
+    _raise_others_failures([(member, host, error) for member, host, _, digest, error in workers if digest is None])
     if len({digest for *_, digest, _ in workers}) > 1:
         held = "; ".join(
             f"{member} on {host} read {path} (manifest {digest})" for member, host, path, digest, _ in workers
@@ -176,3 +174,28 @@ def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None,
             "(its manifest and config files, and the parts its ranks read), or serve from object storage, "
             "then start again. Nothing was loaded."
         )
+
+
+def share_load_outcome(rank: RankInfo, failed: Exception | None) -> None:
+    """After this worker's reads: tell the others whether they failed, and hear theirs.
+
+    A worker whose load fails ends its process; without this, the others learn of it only from
+    vLLM's next collective, as gloo's "Connection closed by peer", and the leader, whose log the
+    user reads, never says which file on which node failed. Here every worker raises the failing
+    workers' own messages (the failing one its own error, from the caller).
+    """
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    groups = [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+    if not groups:
+        return
+    own = (str(rank), socket.gethostname(), None if failed is None else str(failed))
+    workers = gather_over(groups, [own], "this load")
+    if failed is None:
+        _raise_others_failures([(member, host, error) for member, host, error in workers if error is not None])
+
+
+def _raise_others_failures(failures: list[tuple[str, str, str]]) -> None:
+    if failures:
+        said = " | ".join(f"{member} on {host}: {error}" for member, host, error in failures)
+        raise agreed_error(ShardedStateError, f"Another worker's load failed, so this engine cannot start: {said}")
