@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -280,6 +281,38 @@ def test_a_follower_killed_mid_save_ends_the_save_promptly_and_loses_nothing(clu
     parts = manifest.listed_files()  # each rank's parts and start-up archive
     carried = {p.name for p in (cluster.node_dir(0) / "hf").iterdir() if not p.name.endswith(".safetensors")}
     assert {p.name for p in target.iterdir()} == parts | carried | {MANIFEST_NAME}
+    assert_all_ended(served)
+
+
+def test_a_save_to_a_folder_read_only_on_the_follower_fails_naming_its_node_and_keeps_the_checkpoint(
+    cluster, bucket, reference
+):
+    """One shared folder, holding a checkpoint, that node 1 sees read-only (a read-only bind
+    mount of it): node 1 sees the save's lock, so the save starts, and its worker's first write
+    fails. The error names that worker's node (the path alone is ambiguous: every node has one),
+    the file and the cause; the checkpoint is byte-identical, nothing of the save is left, every
+    process ends."""
+    target = cluster.root / "ro-target"
+    shutil.copytree(cluster.shared / "tp2", target)
+    view = cluster.root / "ro-view"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", str(target), str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True)
+        (cluster.node_dir(0) / "ro").symlink_to(target)
+        (cluster.node_dir(1) / "ro").symlink_to(view)
+        before = tree_digest(str(target))
+        envs = [{**node_environment(cluster, bucket, i), OVERWRITE_ENV: "1"} for i in range(cluster.count)]
+        once = {"saves": [str(cluster.local / "ro")], "generate": False}
+        served = serve_tp2(cluster, str(cluster.local / "hf"), "auto", "read-only", envs, **once)
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+    error = served.result["saves"][0]
+    print(error)
+    assert "tp_rank=1 (TP=2, PP=1) on node-1: [Errno 30] Read-only file system" in error, error
+    assert "intact" in error, error
+    assert tree_digest(str(target)) == before  # nothing changed, nothing left (lock, staging, archive)
+    assert verify_checkpoint(str(target)) == []
     assert_all_ended(served)
 
 

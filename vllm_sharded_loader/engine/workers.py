@@ -116,7 +116,8 @@ class Workers:
         try:
             outcome: tuple[bool, Any] = (True, step() if self.first or not only_first else None)
         except Exception as e:
-            own, outcome = e, (False, f"{self.rank}: {e}")
+            # The node too: on several nodes a path names another folder on each.
+            own, outcome = e, (False, f"{self.rank} on {socket.gethostname()}: {e}")
         try:
             outcomes = gather_over(self.groups, [outcome], "this save")
         except WorkerLost as e:
