@@ -44,7 +44,7 @@ from vllm_sharded_loader.checkpoint import (
 from vllm_sharded_loader.checkpoint.save import save_checkpoint, write_manifest
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
 from vllm_sharded_loader.format.entries import DIGEST_METADATA
-from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS
+from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS, RankEntry
 from vllm_sharded_loader.format.names import parse_file_name, staged_name, staged_token
 from vllm_sharded_loader.storage import integrity
 from vllm_sharded_loader.storage.lock import SaveLock, acquire_save_lock, read_lock, release_save_lock
@@ -719,6 +719,14 @@ def rank0_files(manifest: dict) -> list[dict]:
     return next(r for r in manifest["ranks"] if r["tp_rank"] == 0)["files"]
 
 
+def same_header_but_the_digest(older: Path, newer: Path) -> tuple[RankEntry, RankEntry]:
+    """Rank 0's entries of two saves whose parts have the same tensors, offsets and sizes."""
+    old_entry, new_entry = (read_manifest(str(d)).ranks[0] for d in (older, newer))
+    assert old_entry.tensors == new_entry.tensors
+    assert [f.size for f in old_entry.files] == [f.size for f in new_entry.files]
+    return old_entry, new_entry
+
+
 def test_a_stale_part_of_an_older_save_with_the_same_header_is_refused_on_every_path(tmp_path, capsys):
     """The same model saved twice at the same topology, with other weights the first time (before a
     fine-tuning step, say): each save's parts hold the same tensors, shapes and offsets. A part of the
@@ -730,9 +738,7 @@ def test_a_stale_part_of_an_older_save_with_the_same_header_is_refused_on_every_
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     save_checkpoint(str(older), ranks, dtype="int32", source=source_of(model), geometry=geometry)
     save_reshardable(directory)
-    old_entry, new_entry = (read_manifest(str(d)).ranks[0] for d in (older, directory))
-    assert old_entry.tensors == new_entry.tensors  # the same header but for the digest
-    assert [f.size for f in old_entry.files] == [f.size for f in new_entry.files]
+    old_entry, new_entry = same_header_but_the_digest(older, directory)
     assert old_entry.files[0].digest != new_entry.files[0].digest
     shutil.copyfile(older / PART0, directory / PART0)
     refused_on_every_path(
@@ -805,9 +811,7 @@ def test_a_part_of_a_later_save_beside_a_manifest_without_digests_is_refused_on_
     save_checkpoint(str(older), ranks, dtype="int32", source=source_of(model), geometry=geometry)
     as_saved_before_digests(older)
     save_reshardable(newer)
-    old_entry, new_entry = (read_manifest(str(d)).ranks[0] for d in (older, newer))
-    assert old_entry.tensors == new_entry.tensors  # the same header but for the digest
-    assert [f.size for f in old_entry.files] == [f.size for f in new_entry.files]
+    _, new_entry = same_header_but_the_digest(older, newer)
     shutil.copyfile(newer / PART0, older / PART0)
     refused_on_every_path(
         older,

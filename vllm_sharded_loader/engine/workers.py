@@ -144,9 +144,7 @@ def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None,
     none waits for it; a worker that never reaches it (a node started with another load format)
     ends the wait after ``SHARDED_STATE_LOAD_TIMEOUT`` seconds.
     """
-    from vllm.distributed import get_pp_group, get_tp_group
-
-    groups = [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+    groups = model_groups()
     if not groups:
         return
     seconds = float(os.environ.get(LOAD_TIMEOUT_ENV) or DEFAULT_LOAD_TIMEOUT)
@@ -185,9 +183,7 @@ def share_load_outcome(rank: RankInfo, failed: Exception | None) -> None:
     user reads, never says which file on which node failed. Here every worker raises the failing
     workers' own messages (the failing one its own error, from the caller).
     """
-    from vllm.distributed import get_pp_group, get_tp_group
-
-    groups = [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+    groups = model_groups()
     if not groups:
         return
     own = (str(rank), socket.gethostname(), None if failed is None else str(failed))
