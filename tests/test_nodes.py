@@ -184,6 +184,34 @@ def test_nodes_holding_different_checkpoints_at_one_path_are_refused_naming_both
     assert_all_ended(served)
 
 
+def test_an_update_from_nodes_holding_different_checkpoints_at_one_path_is_refused_and_changes_nothing(
+    cluster, bucket, reference
+):
+    """The same for a weight update (``reload_weights``) of an engine serving one checkpoint: each
+    node's copy of the new one agrees with itself, and the update served a mix of two models. The
+    workers compare what they read before any served weight changes: refused, naming both nodes,
+    and the engine serves on as before."""
+    other = build_model(str(cluster.root / "update-other-hf"), "llama", num_hidden_layers=2, seed=7)
+    convert_checkpoint(other, str(cluster.root / "update-other-tp2"), 2)
+    for i, saved in enumerate([cluster.shared / "tp2", cluster.root / "update-other-tp2"]):
+        own = cluster.node_dir(i) / "update-mixed"
+        own.mkdir()
+        keep = {f.name for f in read_manifest(str(saved)).rank(i, 0).files}
+        for f in saved.iterdir():
+            if f.name in keep or not f.name.endswith(".safetensors"):
+                shutil.copy(f, own / f.name)
+    envs = [node_environment(cluster, bucket, i) for i in range(cluster.count)]
+    mixed = str(cluster.local / "update-mixed")
+    served = serve_tp2(cluster, str(cluster.shared / "tp2"), "sharded_state", "update-mixed", envs, reload_from=mixed)
+    assert served.result is not None, tails(served.logs)
+    error = served.result.get("reload_error") or ""
+    assert "hold different checkpoints" in error, f"updated from a mix of two checkpoints: {served.result}"
+    assert "node-0" in error and "node-1" in error, error
+    assert "no rank's weights were changed" in error, error
+    assert served.result["token_ids"] == reference.result["token_ids"]
+    assert_all_ended(served)
+
+
 def test_a_follower_missing_its_part_fails_the_load_on_the_leader_naming_the_file_and_node(cluster, bucket, reference):
     """Node 1's disk lacks its rank's part: its worker refuses, and the leader, where the user
     looks, says which worker on which node failed and why (not only gloo's "Connection closed

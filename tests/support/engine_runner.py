@@ -9,6 +9,8 @@ of paths to save to in turn, each reported as ``"ok"`` or its error in ``result[
 ``hold`` (seconds to keep the engine up after the result), ``prepare`` (call
 ``vllm_sharded_loader.prepare_node`` first; ``result["prepared"]``: its count and the inodes of
 ``VLLM_CACHE_ROOT/modelinfos/`` before and after ``LLM(...)``),
+``reload_from`` (a checkpoint to update the served weights from with vLLM's ``reload_weights``;
+its error, if any, in ``result["reload_error"]``),
 ``extra_config`` (model_loader_extra_config), ``update`` (a parameter name: before the
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
 do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra ``LLM(...)``
@@ -123,6 +125,11 @@ def main() -> None:
         result["prepared"] = {**prepared, "inodes_after": model_info_inodes()}
     if spec.get("update"):
         llm.collective_rpc(update_weight, args=(spec["update"],))
+    if spec.get("reload_from"):
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": spec["reload_from"]})
+        except Exception as e:  # reported to the test, which asserts on it
+            result["reload_error"] = str(e)
     if spec.get("save_to"):
         try:
             llm.llm_engine.engine_core.save_sharded_state(

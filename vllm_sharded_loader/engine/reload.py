@@ -42,6 +42,7 @@ engine (:mod:`.weight_transfer`, see :meth:`InPlaceUpdate.run_layerwise`).
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +59,7 @@ from .layer_geometry import model_rank
 from .layer_steps import fill_layer, layer_held_bytes, let_go, process_layer
 from .model_reader import ModelReader
 from .processed import ProcessedLayer
-from .workers import gather_over, model_groups, raises_for_all
+from .workers import checkpoint_digest, different_checkpoints, gather_over, model_groups, raises_for_all
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -103,9 +104,16 @@ def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in by_object.values() if len(names) > 1]
 
 
-def _agree(error: str | None) -> list[str]:
-    """Every worker's error (None: read and checked), exchanged among the model's workers."""
-    return [e for e in gather_over(model_groups(), [error], "this update") if e is not None]
+def _agree(error: str | None, held: tuple[str, str, str, str] | None = None) -> list[str]:
+    """Every worker's error (None: read and checked), exchanged among the model's workers; with
+    ``held`` (after the reads: this worker's rank, node, path and manifest digest), workers that read
+    different checkpoints at one path (each node its own copy) are one more error."""
+    outcomes = gather_over(model_groups(), [(error, held)], "this update")
+    errors = [e for e, _ in outcomes if e is not None]
+    views = [h for _, h in outcomes if h is not None]
+    if not errors and views and (mismatch := different_checkpoints(views[0][2], views, "update again")):
+        errors.append(mismatch)
+    return errors
 
 
 class InPlaceUpdate:
@@ -133,6 +141,7 @@ class InPlaceUpdate:
         # Whether the commit began (see :meth:`run`): only then has anything served changed.
         self.committed = False
         self.proof: str | None = None  # of the checkpoint read (see checkpoint/save_proof.py)
+        self.digest = ""  # of the manifest read (workers.checkpoint_digest)
         # The new weights on the host, and the served tensors (vLLM leaves on the model) they update.
         self.staged: StagedWeights | None = None
         self.aside: dict[str, torch.Tensor] = {}
@@ -246,7 +255,10 @@ class InPlaceUpdate:
             except BaseException:
                 self._put_back(layers, processed)
                 raise
-            errors = _agree(None if failure is None else f"{rank}: {failure}")
+            held = None
+            if step == "read" and failure is None:
+                held = (str(rank), socket.gethostname(), self.located[0], self.digest)
+            errors = _agree(None if failure is None else f"{rank}: {failure}", held)
             if errors:
                 self._put_back(layers, processed)
                 if len(errors) == 1 and failure is not None and raises_for_all():
@@ -326,12 +338,14 @@ class InPlaceUpdate:
         # The loader records what it read on the model (for the start-up capture's proof): an update
         # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
+        manifest = read_manifest(located[0])
+        self.digest = checkpoint_digest(manifest)  # compared across the workers (each node reads its own copy)
         try:
             self.reader.read(
                 self.model,
                 self.model_config,
                 located,
-                read_manifest(located[0]),
+                manifest,
                 staged.targets(),
                 tied_groups(state_dict, targets),
                 staged.adopt(),

@@ -129,8 +129,24 @@ class Workers:
         return [value for _, value in outcomes]
 
 
-def _checkpoint_digest(manifest: Manifest | None) -> str:
+def checkpoint_digest(manifest: Manifest | None) -> str:
+    """What tells two workers' checkpoints apart: the digest of the manifest each read."""
     return "no manifest" if manifest is None else hashlib.sha256(manifest.to_json().encode()).hexdigest()[:16]
+
+
+def different_checkpoints(
+    where: str, held: list[tuple[str, str, str, str]], then: str = "start again. Nothing was loaded"
+) -> str | None:
+    """The error for workers that read different checkpoints at ``where`` (``held``: each worker's
+    rank, node, path and :func:`checkpoint_digest`), or None where they read one; ``then``: what to do."""
+    if len({digest for *_, digest in held}) < 2:
+        return None
+    said = "; ".join(f"{member} on {host} read {path} (manifest {digest})" for member, host, path, digest in held)
+    return (
+        f"The workers of this engine hold different checkpoints at {where}: {said}. Each node reads its "
+        "own copy, and a mix of two saves would be served as one model. Give every node the same save "
+        f"(its manifest and config files, and the parts its ranks read), or serve from object storage, then {then}."
+    )
 
 
 def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None, failed: Exception | None) -> None:
@@ -158,21 +174,13 @@ def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None,
             "See the other nodes' logs; every node must run the same model with --load-format sharded_state. "
             "Nothing was loaded."
         ) from e
-    own = (str(rank), socket.gethostname(), where, None if failed else _checkpoint_digest(manifest), str(failed))
+    own = (str(rank), socket.gethostname(), where, None if failed else checkpoint_digest(manifest), str(failed))
     workers = gather_over(groups, [own], "this load")
     if failed is not None:
         return  # the caller raises its own error
     _raise_others_failures([(member, host, error) for member, host, _, digest, error in workers if digest is None])
-    if len({digest for *_, digest, _ in workers}) > 1:
-        held = "; ".join(
-            f"{member} on {host} read {path} (manifest {digest})" for member, host, path, digest, _ in workers
-        )
-        raise CheckpointMismatch(
-            f"The workers of this engine hold different checkpoints at {where}: {held}. Each node reads its "
-            "own copy, and a mix of two saves would be served as one model. Give every node the same save "
-            "(its manifest and config files, and the parts its ranks read), or serve from object storage, "
-            "then start again. Nothing was loaded."
-        )
+    if (mismatch := different_checkpoints(where, [w[:4] for w in workers])) is not None:
+        raise CheckpointMismatch(mismatch)
 
 
 def share_load_outcome(rank: RankInfo, failed: Exception | None) -> None:
