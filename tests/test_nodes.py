@@ -158,21 +158,27 @@ def test_each_node_serves_from_its_own_disk_and_the_follower_ends_when_the_leade
     assert_all_ended(served)
 
 
+def place_two_checkpoints(cluster, name: str) -> None:
+    """At ``cluster.local / name``: on node 0 its rank of the saved checkpoint, on node 1 its rank of
+    another model's (same architecture and sizes, other weights), each with its own manifest."""
+    other = build_model(str(cluster.root / f"{name}-other-hf"), "llama", num_hidden_layers=2, seed=7)
+    convert_checkpoint(other, str(cluster.root / f"{name}-other-tp2"), 2)
+    for i, saved in enumerate([cluster.shared / "tp2", cluster.root / f"{name}-other-tp2"]):
+        own = cluster.node_dir(i) / name
+        own.mkdir()
+        keep = {f.name for f in read_manifest(str(saved)).rank(i, 0).files}
+        for f in saved.iterdir():
+            if f.name in keep or not f.name.endswith(".safetensors"):
+                shutil.copy(f, own / f.name)
+
+
 def test_nodes_holding_different_checkpoints_at_one_path_are_refused_naming_both(cluster, bucket, reference):
     """Node 0 holds its rank of the saved checkpoint, node 1 its rank of another model's (same
     architecture and sizes, other weights) at the same path: each rank's files agree with its own
     node's manifest, so every per-rank check passes, and the engine served a mix of two models.
     The workers compare their manifests before reading: refused on both nodes, naming each
     node's folder, and every process ends."""
-    other = build_model(str(cluster.root / "other-hf"), "llama", num_hidden_layers=2, seed=7)
-    convert_checkpoint(other, str(cluster.root / "other-tp2"), 2)
-    for i, saved in enumerate([cluster.shared / "tp2", cluster.root / "other-tp2"]):
-        own = cluster.node_dir(i) / "mixed"
-        own.mkdir()
-        keep = {f.name for f in read_manifest(str(saved)).rank(i, 0).files}
-        for f in saved.iterdir():
-            if f.name in keep or not f.name.endswith(".safetensors"):
-                shutil.copy(f, own / f.name)
+    place_two_checkpoints(cluster, "mixed")
     envs = [node_environment(cluster, bucket, i) for i in range(cluster.count)]
     served = serve_tp2(cluster, str(cluster.local / "mixed"), "sharded_state", "mixed", envs, failing=True)
     assert served.result is None, f"served a mix of two checkpoints: {served.result}, the saved one: {reference.result}"
@@ -191,15 +197,7 @@ def test_an_update_from_nodes_holding_different_checkpoints_at_one_path_is_refus
     node's copy of the new one agrees with itself, and the update served a mix of two models. The
     workers compare what they read before any served weight changes: refused, naming both nodes,
     and the engine serves on as before."""
-    other = build_model(str(cluster.root / "update-other-hf"), "llama", num_hidden_layers=2, seed=7)
-    convert_checkpoint(other, str(cluster.root / "update-other-tp2"), 2)
-    for i, saved in enumerate([cluster.shared / "tp2", cluster.root / "update-other-tp2"]):
-        own = cluster.node_dir(i) / "update-mixed"
-        own.mkdir()
-        keep = {f.name for f in read_manifest(str(saved)).rank(i, 0).files}
-        for f in saved.iterdir():
-            if f.name in keep or not f.name.endswith(".safetensors"):
-                shutil.copy(f, own / f.name)
+    place_two_checkpoints(cluster, "update-mixed")
     envs = [node_environment(cluster, bucket, i) for i in range(cluster.count)]
     mixed = str(cluster.local / "update-mixed")
     served = serve_tp2(cluster, str(cluster.shared / "tp2"), "sharded_state", "update-mixed", envs, reload_from=mixed)
