@@ -5,7 +5,9 @@ worker alike. vLLM 0.32's multiprocessing executor reads the workers' answers in
 stops at the first failure, so the other workers' answers stayed queued and were taken for the
 answers to the next calls: a sound update was then reported refused, and a refused one reported
 done. A list of ``update_info`` gives each worker its own: workers told different checkpoints
-served a mix of two models without an error. One server-like engine (A's TP=1 checkpoint,
+served a mix of two models without an error, and a list shorter than the workers failed those it
+left out inside vLLM, before the plugin ran, while the others waited for them until gloo's
+timeout (30 minutes). One server-like engine (A's TP=1 checkpoint,
 resharded to TP=2) goes through each request, with each call's error and the greedy tokens after
 it; the references are vLLM's default loader's tokens of A and B. Then ``reload_weights`` with a
 ``weights_path`` that is not a path, which vLLM passes on unchecked.
@@ -41,6 +43,7 @@ def steps(tmp_path_factory) -> dict:
         {"path": a, "verify": "bogus"},
         {"path": 5},
         [{"path": a}, {"path": b}],
+        [{"path": a}],
         {"path": a},
         "not a dict",
     ]
@@ -61,6 +64,7 @@ EXPECTED = [
     ("is not a verification mode", "b"),
     ("update_info path=5", "b"),
     ("the workers were given different update_info", "b"),
+    ("a list of update_info needs an entry for every worker", "b"),
     (None, "a"),
     ("Invalid update_info", "a"),
     ("weights_path=5: expected the folder", "a"),

@@ -22,7 +22,9 @@ been loaded by any load format.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.plugins.{__name__}")
 
 BACKEND = "sharded_state"
+
+# What a worker that vLLM failed before this engine ran says of itself (a list of update_info too short).
+NO_UPDATE_INFO = "was given no update_info by vLLM"
 
 
 @dataclass
@@ -110,7 +115,24 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
         if torch.accelerator.current_accelerator() is not None:
             torch.accelerator.synchronize()
 
-    def _agreed(self, update_info: Any) -> ShardedStateUpdateInfo | None:
+    def reset_weight_update_target(self) -> None:
+        """vLLM's reset after a failed call; a worker that vLLM failed before it reached
+        :meth:`update_weights` still joins the others' exchange on the request, as refused.
+
+        vLLM indexes a list of ``update_info`` by worker rank inside its worker's
+        ``update_weights``, before this engine runs: with a list shorter than the workers,
+        those it leaves out fail there (``list index out of range``) and call this reset,
+        while the others wait for them in :meth:`_agreed`'s exchange, until gloo's timeout
+        (30 minutes). Joining here ends that wait at once, with one refusal for all.
+        """
+        failed = sys.exc_info()[1]
+        try:
+            if failed is not None and _failed_before_update(failed.__traceback__):
+                self._agreed(None, failed=failed)
+        finally:
+            super().reset_weight_update_target()
+
+    def _agreed(self, update_info: Any, failed: BaseException | None = None) -> ShardedStateUpdateInfo | None:
         """``update_info`` parsed, if every worker of the model parsed the same request; else refused.
 
         A bad argument is refused by every worker alike, and vLLM 0.32's multiprocessing
@@ -125,11 +147,13 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
         from .workers import gather_over, model_groups, raises_for_all
 
         rank = model_rank(self.model)
+        info, own = None, (False, f"{rank} {NO_UPDATE_INFO} ({type(failed).__name__}: {failed})")
         try:
-            info = self.parse_update_info(update_info)
-            own: tuple[bool, Any] = (True, (info.path, info.verify))
+            if failed is None:
+                info = self.parse_update_info(update_info)
+                own = (True, (info.path, info.verify))
         except Exception as e:  # a bad argument: refused below, on one worker only
-            info, own = None, (False, f"{rank}: {e}")
+            own = (False, f"{rank}: {e}")
         outcomes = gather_over(model_groups(), [own], "this update")
         errors = [value for ok, value in outcomes if not ok]
         if not errors and len({value for _, value in outcomes}) > 1:
@@ -138,6 +162,11 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
                 f"the workers were given different update_info ({asked}, by worker): one update reads one "
                 'checkpoint on every worker. Pass one dict, {"path": ..., "verify": ...}, not a list per worker'
             ]
+        if any(NO_UPDATE_INFO in error for error in errors):
+            errors.append(
+                "a list of update_info needs an entry for every worker (vLLM hands each its own, by rank): "
+                'pass one dict, {"path": ..., "verify": ...}, for all'
+            )
         if not errors:
             return info
         if raises_for_all():
@@ -164,3 +193,17 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
 
     def shutdown(self) -> None:
         """Nothing held between updates."""
+
+
+def _failed_before_update(traceback: TracebackType | None) -> bool:
+    """Whether an exception that vLLM's worker caught in its ``update_weights`` was raised there,
+    before that method called this engine's (a frame of which its traceback would hold)."""
+    frames = []
+    while traceback is not None:
+        frames.append(traceback.tb_frame.f_code)
+        traceback = traceback.tb_next
+    return (
+        bool(frames)
+        and frames[0].co_name == "update_weights"
+        and ShardedStateWeightTransferEngine.update_weights.__code__ not in frames
+    )
