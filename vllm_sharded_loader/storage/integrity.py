@@ -8,6 +8,7 @@ can verify exactly the blocks it touches.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
@@ -104,8 +105,9 @@ def check_block(path: str, expected: FileChecksum, index: int, start: int, end: 
         )
 
 
-def digest_of(views: list[memoryview]) -> str:
-    """The BLAKE3 digest of consecutive byte views (one checksum block)."""
+def digest_of(views: Iterable[memoryview]) -> str:
+    """The BLAKE3 digest of consecutive byte views (one checksum block), each hashed before the next is
+    taken (so they may be one buffer read again)."""
     hasher = _blake3()
     for view in views:
         hasher.update(view)

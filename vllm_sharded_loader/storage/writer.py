@@ -16,7 +16,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -188,11 +188,12 @@ def write_file(
         sink.finish()
         zeroed = sink.hasher.finish()
         digest = digest_of([memoryview("".join(zeroed.blocks).encode())])[:DIGEST_DIGITS]
-        # The digest goes into its slot; the first block, which holds the slot, is hashed again.
-        first = sink.first_block
-        first[slot : slot + DIGEST_DIGITS] = digest.encode()
-        checksum = replace(zeroed, blocks=(digest_of([memoryview(first)]), *zeroed.blocks[1:]))
         sink.put_and_sync(slot, digest.encode())
+        # The first block, which holds the slot, is hashed again, read back from the file: keeping its
+        # bytes from the stream instead would hold up to a block (16 MiB) per writer beyond the budget
+        # of the staging buffers, which the read-back reuses.
+        first = digest_of(sink.read_back(min(size, sink.hasher.block_size)))
+        checksum = replace(zeroed, blocks=(first, *zeroed.blocks[1:]))
     return WrittenFile(sink.hasher.position, checksum, offsets, digest)
 
 
@@ -203,22 +204,50 @@ class _Sink:
     write alone.
     """
 
-    def __init__(self) -> None:
+    # O_DIRECT for read_back (else the page cache) and the alignment its reads need.
+    READ_FLAGS, READ_ALIGN = 0, 1
+
+    def __init__(self, path: str) -> None:
+        self.path = path
         self.hasher = BlockHasher()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="checksum", initializer=oscalls.use_every_cpu)
         self.position = 0  # bytes handed to write()
-        self.first_block = bytearray()  # the bytes of the first checksum block, hashed again after put_and_sync
 
     def _hash(self, chunk: memoryview) -> None:
-        """Hash the next bytes (on the checksum thread), keeping those of the first block."""
-        keep = self.hasher.block_size - len(self.first_block)
-        if keep > 0:
-            self.first_block += memoryview(chunk).cast("B")[:keep]
+        """Hash the next bytes (on the checksum thread)."""
         self.hasher.update(chunk)
 
     def put_and_sync(self, offset: int, data: bytes) -> None:
         """Write ``data`` over the written file at ``offset``, then make the file durable."""
         raise NotImplementedError
+
+    def _read_buffer(self) -> memoryview:
+        """Where :meth:`read_back` reads, a piece at a time."""
+        raise NotImplementedError
+
+    def read_back(self, length: int) -> Iterator[memoryview]:
+        """The written file's first ``length`` bytes, read back a buffer at a time (each view is valid
+        until the next is asked for), so that hashing them holds no more memory than the buffer."""
+        buffer = self._read_buffer()
+        for offset in range(0, length, len(buffer)):
+            yield self._read_file(buffer, offset, min(len(buffer), length - offset))
+
+    def _read_file(self, buffer: memoryview, offset: int, length: int) -> memoryview:
+        """The written file's ``length`` bytes at ``offset``, read into ``buffer`` (which holds them
+        rounded up to :attr:`READ_ALIGN`)."""
+        fd = os.open(self.path, os.O_RDONLY | self.READ_FLAGS)
+        try:
+            view, done = buffer[: -(-length // self.READ_ALIGN) * self.READ_ALIGN], 0
+            while done < length:
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise OSError(
+                        errno.EIO, f"the file ends at {offset + done}, read back to {offset + length}", self.path
+                    )
+                done += got
+        finally:
+            os.close(fd)
+        return buffer[:length]
 
     @staticmethod
     def _put(fd: int, data: bytes, offset: int, path: str) -> None:
@@ -259,8 +288,11 @@ class _BufferedSink(_Sink):
     the page cache for the final ``fsync``.
     """
 
+    # The first block is read back a MiB at a time: from the page cache, which the writes went through.
+    READ_BACK_BYTES = 1024 * 1024
+
     def __init__(self, path: str) -> None:
-        super().__init__()
+        super().__init__(path)
         self.file = open(path, "wb")  # noqa: SIM115 (closed in __exit__)
         self.hashing: Future[None] | None = None
         self.kicked = 0
@@ -284,6 +316,9 @@ class _BufferedSink(_Sink):
     def put_and_sync(self, offset: int, data: bytes) -> None:
         self._put(self.file.fileno(), data, offset, self.file.name)
 
+    def _read_buffer(self) -> memoryview:
+        return memoryview(bytearray(self.READ_BACK_BYTES))
+
     def __exit__(self, *exc: object) -> None:
         super().__exit__()
         self.file.close()
@@ -298,16 +333,23 @@ class _DirectSink(_Sink):
     """
 
     ALIGN = 4096  # covers every logical block size in use
+    # The first block is read back with O_DIRECT into a staging buffer: no memory beyond the buffers, and
+    # no page cache (which the writes did not touch either).
+    READ_FLAGS, READ_ALIGN = getattr(os, "O_DIRECT", 0), ALIGN
 
     def __init__(self, fd: int, path: str, size: int, buffer_bytes: int | None = None) -> None:
-        super().__init__()
-        self.fd, self.path = fd, path
+        super().__init__(path)
+        self.fd = fd
         capacity = min(buffer_bytes or CHUNK_BYTES, max(self.ALIGN, -(-size // self.ALIGN) * self.ALIGN))
         # Anonymous mappings are page-aligned, as O_DIRECT needs.
         self.buffers = [mmap.mmap(-1, capacity), mmap.mmap(-1, capacity)]
         self.staging = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
         self.pending: list[list[Future[None]]] = [[], []]
         self.turn = self.fill = 0
+        # (offset, buffer): where read_back finds the file's first bytes without reading the disk (O_DIRECT left
+        # none in the page cache; a read would double the time of writing a small file): a file that fits in
+        # the two staging buffers stays in them.
+        self.copy = [(0, self.buffers[0]), (capacity, self.buffers[1])] if size <= 2 * capacity else []
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write", initializer=oscalls.use_every_cpu)
 
     @classmethod
@@ -414,6 +456,21 @@ class _DirectSink(_Sink):
         # A few bytes at any offset: O_DIRECT takes whole blocks only, the page cache the rest.
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self._put(self.fd, data, offset, self.path)
+        for start, buffer in self.copy:  # the copy that read_back gives, as the file now is
+            low, high = max(offset, start), min(offset + len(data), start + len(buffer))
+            if low < high:
+                buffer[low - start : high - start] = data[low - offset : high - offset]
+
+    def read_back(self, length: int) -> Iterator[memoryview]:
+        if sum(len(buffer) for _, buffer in self.copy) < length:
+            yield from super().read_back(length)
+            return
+        for start, buffer in self.copy:
+            if start < length:
+                yield memoryview(buffer)[: min(len(buffer), length - start)]
+
+    def _read_buffer(self) -> memoryview:
+        return memoryview(self.buffers[0])  # free: finish() waited for every job
 
     def __exit__(self, *exc: object) -> None:
         # Let in-flight jobs end before their buffers are unmapped, even after an error.
