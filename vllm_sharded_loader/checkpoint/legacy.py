@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
-from ..format.names import MANIFEST_NAME, default_pattern, parse_file_name, validate_pattern
+from ..format.names import MANIFEST_NAME, default_pattern, is_part_name, parse_file_name, validate_pattern
 from ..planning.tensors import TensorSpec, check_tensor_sets
 from ..planning.topology import RankInfo
 from ..storage.local import OpenFile, part_path, read_header
@@ -96,7 +96,7 @@ def holds_sharded_checkpoint(directory: str, pattern: str | None = None) -> bool
         names = os.listdir(directory)
     except OSError:
         return False
-    return any(parse_file_name(p, name) is not None for name in names for p in patterns)
+    return any(is_part_name(name, patterns) for name in names)
 
 
 def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) -> list[str]:

@@ -42,8 +42,8 @@ from ..format.names import (
     DEFAULT_PATTERNS,
     MANIFEST_NAME,
     default_pattern,
+    is_part_name,
     is_startup_artifacts_name,
-    parse_file_name,
     staged_name,
     staged_token,
     token_name,
@@ -197,7 +197,7 @@ def clean_after_publish(
     ours = set() if lock is None else {lock.token, lock.taken_over} - {None}
     failed: list[str] = []
     for name in os.listdir(directory):
-        stale_part = name in replaced or any(parse_file_name(p, name) for p in (manifest.pattern, *DEFAULT_PATTERNS))
+        stale_part = name in replaced or is_part_name(name, (manifest.pattern, *DEFAULT_PATTERNS))
         token = staged_token(name)
         # Staged files: this save's, the save it took over, and those of any other owner now gone (a
         # killed engine's start-up capture, a save killed while it took its lock); never a live one's.

@@ -180,6 +180,16 @@ def parse_file_name(pattern: str, name: str) -> dict[str, int] | None:
     return None if match is None else {k: int(v) for k, v in match.groupdict().items()}
 
 
+def is_part_name(name: str, patterns: Iterable[str] = DEFAULT_PATTERNS) -> bool:
+    """Whether ``name`` is a part file's name in one of ``patterns`` (by default vLLM's: its own save
+    writes them without a manifest).
+
+    >>> is_part_name("model-pp-1-tp-0-part-2.safetensors"), is_part_name("model.safetensors")
+    (True, False)
+    """
+    return any(parse_file_name(p, name) is not None for p in patterns)
+
+
 def file_rank(fields: dict[str, int]) -> tuple[int, int, int]:
     """The (tp_rank, pp_rank, dp_rank) of a parsed file name (fields a pattern lacks are 0)."""
     return fields.get("tp_rank", 0), fields.get("pp_rank", 0), fields.get("dp_rank", 0)

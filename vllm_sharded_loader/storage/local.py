@@ -21,8 +21,8 @@ from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import (
     DEFAULT_PATTERNS,
     MANIFEST_NAME,
+    is_part_name,
     is_startup_artifacts_name,
-    parse_file_name,
 )
 from ..format.safetensors import MAX_HEADER_BYTES, Header, parse_header
 
@@ -389,9 +389,7 @@ def is_checkpoint_file(name: str, patterns: Sequence[str] = ()) -> bool:
     """Whether a file name (no folder) is a checkpoint's own: its manifest, a part named as vLLM names
     them (or in one of ``patterns``), a rank's start-up artifacts (:func:`directory_holds_checkpoint`)."""
     return (
-        name == MANIFEST_NAME
-        or any(parse_file_name(p, name) is not None for p in (*DEFAULT_PATTERNS, *patterns))
-        or is_startup_artifacts_name(name)
+        name == MANIFEST_NAME or is_part_name(name, (*DEFAULT_PATTERNS, *patterns)) or is_startup_artifacts_name(name)
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from ..format.errors import ShardedStateError, listing
 from ..format.manifest import FileEntry, Manifest
-from ..format.names import DEFAULT_PATTERNS, MANIFEST_NAME, parse_file_name
+from ..format.names import MANIFEST_NAME, is_part_name
 from . import local, lock, model_files, object_lock, objects
 from .objects import is_object_url
 
@@ -371,7 +371,7 @@ def no_manifest_here(where: str) -> str:
     if (why := no_checkpoint_folder(where)) is not None:
         return why
     names = list_names(where)
-    parts = [n for n in names if any(parse_file_name(p, n) for p in DEFAULT_PATTERNS)]
+    parts = [n for n in names if is_part_name(n)]
     if parts:
         return (
             f"{where} has no {MANIFEST_NAME}, only parts named as vLLM's own save names them ({listing(parts, 2)}): "
