@@ -624,6 +624,46 @@ def test_a_source_truncated_while_converting_is_named_as_such_and_nothing_is_pub
     assert not out.exists()
 
 
+# A shard cut short (truncated in place: a download started again over it) after convert has a tensor
+# of it, before vLLM's loader has copied that tensor in: its pages were a mapping of the file, read as
+# the loader touched them, and the process died of SIGBUS there.
+TRUNCATED_AFTER_A_READ = """
+import os, sys
+from vllm_sharded_loader.storage import hf_source
+from vllm_sharded_loader.tools.cli import main
+
+read = hf_source.SourceFiles.read
+reads = []
+
+def truncating(self, name):
+    tensor = read(self, name)
+    reads.append(name)
+    if len(reads) == 3:
+        t = self.tensors[name]
+        os.truncate(os.path.join(self.where, t.file), t.begin)  # the file now ends where this tensor began
+    return tensor
+
+hf_source.SourceFiles.read = truncating
+sys.exit(main(["convert", sys.argv[1], "-tp", "2", "-o", sys.argv[2]]))
+"""
+
+
+def test_a_source_truncated_after_a_tensor_is_read_is_named_not_a_crash_and_nothing_is_published(sources, tmp_path):
+    """Without the fix the convert died of SIGBUS (no message; the output's lock and staged parts left)."""
+    from examples.tiny_models import engine_environment
+
+    source = copy_source(sources["llama"], tmp_path / "src")
+    size = (source / "model.safetensors").stat().st_size
+    out = tmp_path / "out"
+    args = ["-c", TRUNCATED_AFTER_A_READ, str(source), str(out)]
+    run = python_process(args, {**os.environ, **engine_environment()}, 300)
+    assert run.returncode == 2, (run.returncode, run.stderr[-3000:])
+    now = (source / "model.safetensors").stat().st_size
+    message = f"model.safetensors: changed while converting ({now} bytes, {size} when its header was read)"
+    assert message in run.stderr, run.stderr[-3000:]
+    assert not out.exists()
+
+
 REWRITTEN_AFTER_THE_LAST_READ = """
 import os, sys
 from vllm_sharded_loader.storage import hf_source

@@ -38,7 +38,6 @@ from ..format.source import SourceModel
 from ..planning.components import fill_components
 from ..planning.topology import RankInfo
 from ..storage.hf_source import SourceFiles
-from ..storage.memory import BufferPool
 from ..storage.tensors import has_nan
 from .compile_cache import save_startup_artifacts
 from .convert_setup import DEFAULT_OPTIONS, ModelOptions, build_meta_model, engine_config
@@ -66,8 +65,9 @@ class ConvertModel:
         vllm_config: Any = None,
     ) -> None:
         self.source = source
-        # Components' memory, written again rather than faulted in fresh (the model's layers repeat sizes).
-        self.pool = BufferPool()
+        # Components' memory, written again rather than faulted in fresh (the model's layers repeat sizes),
+        # shared with the source tensors read.
+        self.pool = source.pool
         self.vllm_config = vllm_config or engine_config(source.directory, options, source.where)
         self.model_config = self.vllm_config.model_config
         self.model = build_meta_model(self.vllm_config)
@@ -255,9 +255,9 @@ class ConvertModel:
                     tensor.fill_(1.0)  # vLLM's set_default_quant_scales
             self.source.prefetch(component.sources + getattr(self._next.get(id(component)), "sources", []))
             if component.sources:
-                # Mapped one at a time, as vLLM's loader takes them: each source's pages are resident
-                # only until vLLM copied it in (a MoE layer's experts are hundreds of tensors).
-                weights = ((s, self.source.read(s)) for s in component.sources)
+                # Read as vLLM's loader takes them (the next while it copies one in): each source's memory
+                # is held only until vLLM copied it in (a MoE layer's experts are hundreds of tensors).
+                weights = self.source.read_each(component.sources)
                 self._load(weights, listing(component.sources, 3))
             return {t: self._current(t).detach() for t in component.targets}
 

@@ -7,7 +7,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +17,11 @@ import torch
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError, listing
 from ..format.safetensors import Header
 from . import hub
-from .local import OpenFile, open_regular, read_header
+from .local import OpenFile, open_regular, preadv_all, read_header
 from .location import Store, StoredFile, open_store
+from .memory import BufferPool
 from .oscalls import available_memory
-from .tensors import map_file_range, torch_dtype
+from .tensors import torch_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
 READ_AHEAD_STEP = 8 << 20
@@ -175,6 +177,9 @@ class SourceFiles:
     # Tensors the index (model.safetensors.index.json) lists that none of its files holds: harmless
     # to vLLM unless the model needs them, so named only when something is missing (:meth:`stale_index`).
     unheld: list[str] = field(default_factory=list)
+    # Memory of the tensors read, taken again once vLLM's loader has let go of them: fresh memory costs
+    # a page fault per page on its first write (the convert's components share it: engine/convert.py).
+    pool: BufferPool = field(default_factory=BufferPool)
 
     def __post_init__(self) -> None:
         self.where = self.where or self.directory
@@ -235,27 +240,42 @@ class SourceFiles:
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor: over a private mapping of a local file's pages (read as it is used, never copied
-        here), or the bytes of one ranged read of an object (which must still be the one indexed)."""
+        """The tensor, in memory of its own: read from a local file (one ``pread`` of its bytes), or by one
+        ranged read of an object (which must still be the one indexed).
+
+        Read, not mapped: a mapping's pages are read only as vLLM's loader touches them, and a file cut
+        short meanwhile (truncated in place) killed the process there with SIGBUS, leaving the output's
+        lock and staged parts; a read that comes up short is the error below, naming the file."""
         t = self.tensors[name]
         opened = self._open(t.file)
-        nbytes = t.end - t.begin
+        data = self.pool.empty((t.end - t.begin,), torch.uint8)
         if isinstance(opened, OpenFile):
             self._check_unchanged(opened)  # (an object's is checked by the ranged read below)
             try:
-                return map_file_range(opened.fd, t.begin, nbytes, t.dtype, t.shape)
-            except (ValueError, OSError) as e:  # truncated between the check and the mapping
-                raise ShardedStateError(f"{opened.path}: cannot map {name} ({e}). Convert again.") from e
-        # The reader's own path for an object: one ranged GET into the tensor's memory (no second
-        # copy), a truncated or replaced object refused by the store.
-        data = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
+                if len(data):
+                    preadv_all(opened.fd, [memoryview(data.numpy())], t.begin, opened.path)
+            except CheckpointCorrupt:  # cut short since the check: said as the change it is
+                self._check_unchanged(opened)
+                raise
+        elif len(data):  # one ranged GET into the tensor's memory (no second copy)
             stream = opened.stream()
             try:
                 stream.readv([memoryview(data.numpy())], t.begin)
             finally:
                 stream.close()
         return data.view(t.dtype).reshape(t.shape)
+
+    def read_each(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for each of ``names``, read in order (:meth:`read`), the next one on a thread
+        of its own while the caller uses this one."""
+        with ThreadPoolExecutor(1, thread_name_prefix="source-read") as reader:
+            ahead = reader.submit(self.read, names[0]) if names else None
+            for i, name in enumerate(names):
+                assert ahead is not None
+                tensor = ahead.result()
+                ahead = reader.submit(self.read, names[i + 1]) if i + 1 < len(names) else None
+                yield name, tensor
+                del tensor  # (its memory taken again once the caller let go of it too)
 
     def check_unchanged(self) -> None:
         """Refuse a local source file written since its header was read. Called once every tensor is
