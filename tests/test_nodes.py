@@ -20,6 +20,7 @@ import contextlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from examples.tiny_models import build_model
 from tests.support.faultkit import tree_digest
 from tests.support.faultproxy import FaultProxy
 from tests.support.hub import lay_out_cache, repo_folder, session_cache
-from tests.support.nodes import ClusterFailed, Nodes, Served, serve_tp2, tails
+from tests.support.nodes import ClusterFailed, Nodes, Served, kill_worker_when, serve_tp2, tails
 from tests.support.stores import stores_pointed_at
 from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
 from vllm_sharded_loader.engine.capture import OVERWRITE_ENV
@@ -379,3 +380,50 @@ def test_pipeline_stages_on_two_nodes_each_read_their_own_layers_resharded_from_
         print(f"PP=2 from {source}: bytes read per node {received}; each stage's share {own}")
         for i in range(2):
             assert own[i] <= received[i] < own[i] + shares[1 - i] / 2, (source, i, received, own)
+
+
+def kill_follower_mid_read(cluster, bucket, name: str, source: str, after_load: bool = False, **spec) -> tuple:
+    """Serve ``source`` on the two nodes with node 1's bucket proxy slowed to 256 kB/s (from the
+    end of its start-up load on, with ``after_load``), and ``SIGKILL`` node 1's worker once half
+    of its rank's bytes have come through: in the middle of its read. Returns the run and the
+    seconds from the kill to the leader's end."""
+    share = sum(f.size for f in read_manifest(spec.get("reload_from", source)).rank(1, 0).files)
+    proxy, log = bucket.proxies[1], cluster.root / f"{name}-node-1.log"
+    killed: dict = {}
+
+    def reading() -> bool:
+        if proxy.mode != "slow":
+            if after_load and "loaded 23 tensors" not in log.read_text(errors="replace"):
+                return False
+            proxy.sent = proxy.received = 0
+            proxy.mode, proxy.limit = "slow", 256 * 1024
+        return proxy.received > share // 2
+
+    if not after_load:
+        reading()
+    killer = threading.Thread(target=kill_worker_when, args=(log, reading, killed), daemon=True)
+    killer.start()
+    envs = [node_environment(cluster, bucket, i) for i in range(cluster.count)]
+    try:
+        served = serve_tp2(cluster, source, "sharded_state", name, envs, failing=True, timeout=300, **spec)
+    finally:
+        proxy.mode = "pass"
+    killer.join(timeout=5)
+    assert killed, f"node 1's worker was not killed:\n{tails(served.logs)}"
+    return served, time.monotonic() - killed["at"]
+
+
+def test_a_follower_killed_while_it_reads_its_parts_fails_the_load_on_the_leader_naming_it(cluster, bucket, reference):
+    """Node 1's worker dies (``SIGKILL``) halfway through reading its rank's part from the bucket
+    (through a slowed proxy), as when that machine fails during start-up: the leader's worker,
+    waiting for it after its own reads, ends the start within seconds, naming the lost worker
+    and its node (gloo names only an address); every process on both nodes ends."""
+    served, ended = kill_follower_mid_read(cluster, bucket, "killed-load", f"s3://{BUCKET}/tp2")
+    assert "loaded 23 tensors" not in served.logs[1].read_text(errors="replace"), "killed after its read"
+    leader = served.logs[0].read_text(errors="replace")
+    said = next((line for line in leader.splitlines() if "WorkerLost:" in line), "")
+    print(f"the leader ended {ended:.1f} s after the kill: {said}")
+    assert served.result is None and served.leader_exit != 0 and ended < 60, tails(served.logs)
+    assert "another worker of this load stopped answering" in said, tails(served.logs)
+    assert "tp_rank=1 (TP=2, PP=1) on node-1" in said, said
+    assert_all_ended(served)

@@ -13,7 +13,9 @@ Modes, per connection:
   the server; other requests pass;
 - ``lose_answer``: forwards a request whose request line holds ``match``, lets the server
   answer, and closes both sides without forwarding the answer: the server did it, the client
-  never hears (other requests pass).
+  never hears (other requests pass);
+- ``slow``: forwards both ways, the answers at most ``limit`` bytes a second per connection
+  (a slow network: a read that lasts long enough to kill its reader in the middle).
 
 It counts the bytes each way (``sent``: client to server; ``received``: server to
 client), so a test can tell how much one client read. ``host`` is the address it listens
@@ -29,6 +31,7 @@ import contextlib
 import select
 import socket
 import threading
+import time
 
 
 class FaultProxy:
@@ -106,6 +109,12 @@ class FaultProxy:
                     elif doomed:
                         self.dropped += 1
                         return
+                    elif self.mode == "slow":
+                        for start in range(0, len(data), 4096):
+                            time.sleep(4096 / self.limit)
+                            client.sendall(data[start : start + 4096])
+                            with self._count:
+                                self.received += len(data[start : start + 4096])
                     elif self.mode != "stall":
                         client.sendall(data)
                         with self._count:

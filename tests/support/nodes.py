@@ -381,3 +381,16 @@ def wait_until(predicate: Callable[[], object], timeout: float, every: float = 0
             return True
         time.sleep(every)
     return bool(predicate())
+
+
+def kill_worker_when(log: Path, reading: Callable[[], bool], killed: dict) -> None:
+    """``SIGKILL`` the first engine worker that ``log`` (a node's) names, once ``reading()`` holds (polled every
+    50 ms, for at most 300 s), as when that node fails; ``killed`` gets its ``pid`` and the monotonic time ``at``."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        found = re.search(r"\(Worker_TP\d+ pid=(\d+)\)", log.read_text(errors="replace")) if log.exists() else None
+        if found and reading():
+            os.kill(int(found[1]), signal.SIGKILL)
+            killed.update(pid=int(found[1]), at=time.monotonic())
+            return
+        time.sleep(0.05)

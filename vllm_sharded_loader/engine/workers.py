@@ -25,6 +25,11 @@ DEFAULT_LOAD_TIMEOUT = 600.0
 
 T = TypeVar("T")
 
+# The other workers of this engine's model groups, member -> node, as the load's first exchange
+# (check_same_checkpoint) told them: gloo's error names only an address and port, and on several
+# nodes the user must know which worker on which machine to look at.
+_PEERS: dict[str, str] = {}
+
 
 def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
     """Every worker's ``outcomes`` (picklable), gathered over vLLM's ``groups`` (their CPU groups) in turn.
@@ -37,7 +42,10 @@ def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
         try:
             torch.distributed.all_gather_object(gathered, outcomes, group=group.cpu_group)
         except RuntimeError as e:
-            raise WorkerLost(f"another worker of {what} stopped answering (did it die? see its log): {e}") from e
+            peers = "; ".join(f"{member} on {host}" for member, host in _PEERS.items()) or "its node"
+            raise WorkerLost(
+                f"another worker of {what} stopped answering (did it die? see the log of {peers}): {e}"
+            ) from e
         outcomes = [o for part in gathered for o in part]
     return outcomes
 
@@ -176,6 +184,8 @@ def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None,
         ) from e
     own = (str(rank), socket.gethostname(), where, None if failed else checkpoint_digest(manifest), str(failed))
     workers = gather_over(groups, [own], "this load")
+    _PEERS.clear()
+    _PEERS.update({member: host for member, host, *_ in workers if member != str(rank)})
     if failed is not None:
         return  # the caller raises its own error
     _raise_others_failures([(member, host, error) for member, host, _, digest, error in workers if digest is None])
