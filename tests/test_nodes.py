@@ -427,3 +427,28 @@ def test_a_follower_killed_while_it_reads_its_parts_fails_the_load_on_the_leader
     assert "another worker of this load stopped answering" in said, tails(served.logs)
     assert "tp_rank=1 (TP=2, PP=1) on node-1" in said, said
     assert_all_ended(served)
+
+
+def test_a_follower_killed_during_a_weight_update_fails_it_naming_the_worker_and_leaves_no_layer_empty(
+    cluster, bucket, reference
+):
+    """Node 1's worker dies halfway through reading a weight update (``reload_weights`` from
+    another model's checkpoint in the bucket). The update fails within seconds, naming the lost
+    worker and its node; the leader's worker puts its layers back, so the engine's next request
+    meets the lost worker too (gloo's "Connection closed by peer"), not layers that the failed
+    update left empty ("Meta tensors"); every process on both nodes ends."""
+    other = build_model(str(cluster.root / "update-killed-hf"), "llama", num_hidden_layers=2, seed=7)
+    target = f"s3://{BUCKET}/update-killed"
+    convert_checkpoint(other, target, 2)
+    source = f"s3://{BUCKET}/tp2"
+    served, ended = kill_follower_mid_read(
+        cluster, bucket, "killed-update", source, after_load=True, reload_from=target
+    )
+    print(f"the leader ended {ended:.1f} s after the kill: {served.result}")
+    assert "read an update of" not in served.logs[1].read_text(errors="replace"), "killed after its read"
+    assert served.result is not None and ended < 60, tails(served.logs)
+    error, then = served.result.get("reload_error", ""), served.result.get("generate_error", "")
+    assert "another worker of this update stopped answering" in error, served.result
+    assert "tp_rank=1 (TP=2, PP=1) on node-1" in error, error
+    assert "Meta tensors" not in then and "Connection closed by peer" in then, then
+    assert_all_ended(served)

@@ -10,7 +10,8 @@ of paths to save to in turn, each reported as ``"ok"`` or its error in ``result[
 ``vllm_sharded_loader.prepare_node`` first; ``result["prepared"]``: its count and the inodes of
 ``VLLM_CACHE_ROOT/modelinfos/`` before and after ``LLM(...)``),
 ``reload_from`` (a checkpoint to update the served weights from with vLLM's ``reload_weights``;
-its error, if any, in ``result["reload_error"]``),
+its error, if any, in ``result["reload_error"]``, and then the generation's, if it fails too, in
+``result["generate_error"]``),
 ``extra_config`` (model_loader_extra_config), ``update`` (a parameter name: before the
 save, replace that weight with noise through the model's ``load_weights``, as RL loops
 do with ``collective_rpc``; the engine then runs in process), ``engine`` (extra ``LLM(...)``
@@ -151,7 +152,12 @@ def main() -> None:
     elif engine.get("runner") == "pooling":
         result["embeddings"] = [list(o.outputs.embedding) for o in llm.embed(PROMPTS)]
     else:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+        try:
+            outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+        except Exception as e:  # after a failed update (a worker lost), what the next request meets
+            if "reload_error" not in result:
+                raise
+            outputs, result["generate_error"] = [], f"{type(e).__name__}: {e}"
         result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
         result["texts"] = [o.outputs[0].text for o in outputs]
     print("RESULT " + json.dumps(result), flush=True)

@@ -258,7 +258,11 @@ class InPlaceUpdate:
             held = None
             if step == "read" and failure is None:
                 held = (str(rank), socket.gethostname(), self.located[0], self.digest)
-            errors = _agree(None if failure is None else f"{rank}: {failure}", held)
+            try:
+                errors = _agree(None if failure is None else f"{rank}: {failure}", held)
+            except BaseException:  # another worker died (WorkerLost): this one's layers must not stay empty
+                self._put_back(layers, processed)
+                raise
             if errors:
                 self._put_back(layers, processed)
                 if len(errors) == 1 and failure is not None and raises_for_all():
