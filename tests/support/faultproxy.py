@@ -111,10 +111,11 @@ class FaultProxy:
                         return
                     elif self.mode == "slow":
                         for start in range(0, len(data), 4096):
+                            piece = data[start : start + 4096]
                             time.sleep(4096 / self.limit)
-                            client.sendall(data[start : start + 4096])
+                            client.sendall(piece)
                             with self._count:
-                                self.received += len(data[start : start + 4096])
+                                self.received += len(piece)
                     elif self.mode != "stall":
                         client.sendall(data)
                         with self._count:

@@ -343,7 +343,8 @@ class InPlaceUpdate:
         # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
         manifest = read_manifest(located[0])
-        self.digest = checkpoint_digest(manifest)  # compared across the workers (each node reads its own copy)
+        if model_groups():  # compared across the workers (each node reads its own copy); alone, nothing to compare
+            self.digest = checkpoint_digest(manifest)
         try:
             self.reader.read(
                 self.model,
