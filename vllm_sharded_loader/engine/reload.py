@@ -52,6 +52,7 @@ from vllm.logger import init_logger
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..checkpoint.update_staging import BUDGET_ENV, StagedWeights, return_freed_memory, update_budget
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
+from ..planning.topology import RankInfo
 from ..storage.location import open_store, read_manifest
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .identity import ranks_on_host
@@ -59,7 +60,14 @@ from .layer_geometry import model_rank
 from .layer_steps import fill_layer, layer_held_bytes, let_go, process_layer
 from .model_reader import ModelReader
 from .processed import ProcessedLayer
-from .workers import checkpoint_digest, different_checkpoints, gather_over, model_groups, raises_for_all
+from .workers import (
+    checkpoint_digest,
+    different_checkpoints,
+    gather_over,
+    model_groups,
+    raises_for_all,
+    wait_for_replicas,
+)
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -104,11 +112,12 @@ def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in by_object.values() if len(names) > 1]
 
 
-def _agree(error: str | None, held: tuple[str, str, str, str] | None = None) -> list[str]:
-    """Every worker's error (None: read and checked), exchanged among the model's workers; with
-    ``held`` (after the reads: this worker's rank, node, path and manifest digest), workers that read
-    different checkpoints at one path (each node its own copy) are one more error."""
-    outcomes = gather_over(model_groups(), [(error, held)], "this update")
+def _agree(rank: RankInfo, error: str | None, held: tuple[str, str, str, str] | None = None) -> list[str]:
+    """Every worker's error (None: read and checked), exchanged among the model's workers
+    (:func:`.workers.model_groups`); with ``held`` (after the reads: this worker's rank, node, path
+    and manifest digest), workers that read different checkpoints at one path (each node its own
+    copy) are one more error."""
+    outcomes = gather_over(model_groups(rank), [(error, held)], "this update")
     errors = [e for e, _ in outcomes if e is not None]
     views = [h for _, h in outcomes if h is not None]
     if not errors and views and (mismatch := different_checkpoints(views[0][2], views, "update again")):
@@ -242,6 +251,13 @@ class InPlaceUpdate:
         if not layers:
             raise ShardedStateError("The model's layers were not prepared for a reload (vLLM's layerwise reload).")
         rank = model_rank(self.model)
+        try:
+            wait_for_replicas(rank, "reload_weights (or update_weights)", "update", "No weights were changed.")
+        except ShardedStateError:
+            self._put_back(layers)
+            if raises_for_all():
+                raise
+            return False
         processed: list[ProcessedLayer] = []
         for step in ("read", "process"):
             failure: Exception | None = None
@@ -259,7 +275,7 @@ class InPlaceUpdate:
             if step == "read" and failure is None:
                 held = (str(rank), socket.gethostname(), self.located[0], self.digest)
             try:
-                errors = _agree(None if failure is None else f"{rank}: {failure}", held)
+                errors = _agree(rank, None if failure is None else f"{rank}: {failure}", held)
             except BaseException:  # another worker died (WorkerLost): this one's layers must not stay empty
                 self._put_back(layers, processed)
                 raise
@@ -343,7 +359,8 @@ class InPlaceUpdate:
         # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
         manifest = read_manifest(located[0])
-        if model_groups():  # compared across the workers (each node reads its own copy); alone, nothing to compare
+        # Compared across the workers (each node reads its own copy); alone, nothing to compare.
+        if model_groups(model_rank(self.model)):
             self.digest = checkpoint_digest(manifest)
         try:
             self.reader.read(

@@ -144,7 +144,7 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
         (:func:`.workers.raises_for_all`); the others change nothing and return.
         """
         from .layer_geometry import model_rank
-        from .workers import gather_over, model_groups, raises_for_all
+        from .workers import gather_over, model_groups, raises_for_all, wait_for_replicas
 
         rank = model_rank(self.model)
         info, own = None, (False, f"{rank} {NO_UPDATE_INFO} ({type(failed).__name__}: {failed})")
@@ -154,7 +154,13 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
                 own = (True, (info.path, info.verify))
         except Exception as e:  # a bad argument: refused below, on one worker only
             own = (False, f"{rank}: {e}")
-        outcomes = gather_over(model_groups(), [own], "this update")
+        try:
+            wait_for_replicas(rank, "update_weights", "update", "No weights were changed.")
+        except ShardedStateError:
+            if raises_for_all():
+                raise
+            return None
+        outcomes = gather_over(model_groups(rank), [own], "this update")
         errors = [value for ok, value in outcomes if not ok]
         if not errors and len({value for _, value in outcomes}) > 1:
             asked = ", ".join(f"path={path!r} verify={verify!r}" for _, (path, verify) in outcomes)

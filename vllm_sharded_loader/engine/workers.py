@@ -50,11 +50,50 @@ def gather_over(groups: list[Any], outcomes: list[Any], what: str) -> list[Any]:
     return outcomes
 
 
-def model_groups() -> list[Any]:
-    """The model-parallel groups of this worker (TP, then PP) that span more than one worker."""
-    from vllm.distributed import get_pp_group, get_tp_group
+def model_groups(rank: RankInfo) -> list[Any]:
+    """The groups of workers that hold one model between them, those of more than one worker:
+    this replica's TP group, then its PP group, then the data-parallel group where each replica
+    holds its own experts (:attr:`RankInfo.replicas`).
 
-    return [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+    Replicas that hold their own experts serve one model between them (a token's experts may
+    be on another replica): a load or an update must be the same on all of them, or the
+    experts of one checkpoint would serve beside the rest of another. Never the data-parallel
+    group otherwise: replicas of the whole model are independent, and need not even be started
+    with this load format.
+    """
+    from vllm.distributed import get_pp_group, get_tp_group
+    from vllm.distributed.parallel_state import get_dp_group
+
+    groups = [get_tp_group(), get_pp_group()] + ([get_dp_group()] if rank.replicas > 1 else [])
+    return [g for g in groups if g.world_size > 1]
+
+
+def wait_for_replicas(rank: RankInfo, call: str, doing: str, changed: str) -> None:
+    """Where each data-parallel replica holds its own experts: wait, at most
+    ``SHARDED_STATE_REPLICA_TIMEOUT`` seconds, until every replica has called ``call``, and
+    raise naming that wait if one did not (``doing``: what is refused; ``changed``: what was not).
+
+    Each replica's engine is called on its own (an offline replica's process, or vLLM's
+    server for each engine core): the replicas' exchanges over the data-parallel group
+    would wait for a replica that was never called until gloo's timeout (30 minutes).
+    """
+    if rank.replicas == 1:
+        return
+    from vllm.distributed.parallel_state import get_dp_group
+
+    seconds = float(os.environ.get(REPLICA_TIMEOUT_ENV) or DEFAULT_REPLICA_TIMEOUT)
+    try:
+        # Gloo's monitored barrier: every rank that arrived raises once the timeout passes.
+        torch.distributed.monitored_barrier(
+            group=get_dp_group().cpu_group, timeout=timedelta(seconds=seconds), wait_all_ranks=True
+        )
+    except RuntimeError as e:
+        raise ShardedStateError(
+            f"Refusing to {doing}: under expert parallelism each of the {rank.dp_size} data-parallel replicas "
+            f"holds its own experts, and not all of them called {call} within {seconds:g} s "
+            f"({REPLICA_TIMEOUT_ENV}; {e}). Call it on every replica: in each data-parallel process of an "
+            f"offline engine (vLLM's serve reaches them all through collective_rpc). {changed}"
+        ) from e
 
 
 def raises_for_all() -> bool:
@@ -82,35 +121,15 @@ class Workers:
     """
 
     def __init__(self, rank: RankInfo) -> None:
-        from vllm.distributed import get_pp_group, get_tp_group
-        from vllm.distributed.parallel_state import get_dp_group
-
         self.rank = rank
-        groups = [get_tp_group(), get_pp_group()] + ([get_dp_group()] if rank.replicas > 1 else [])
-        self.groups = [g for g in groups if g.world_size > 1]
+        self.groups = model_groups(rank)
         self.first = rank.tp_rank == 0 and rank.pp_rank == 0 and rank.dp_rank == 0
         self.member = str(rank)
 
     def wait_for_replicas(self) -> None:
-        """Wait, at most ``SHARDED_STATE_REPLICA_TIMEOUT`` seconds, until every data-parallel replica
-        has called the save; raise naming the ones that did not (each writes its own experts)."""
-        if self.rank.replicas == 1:
-            return
-        from vllm.distributed.parallel_state import get_dp_group
-
-        seconds = float(os.environ.get(REPLICA_TIMEOUT_ENV) or DEFAULT_REPLICA_TIMEOUT)
-        try:
-            # Gloo's monitored barrier: every rank that arrived raises once the timeout passes.
-            torch.distributed.monitored_barrier(
-                group=get_dp_group().cpu_group, timeout=timedelta(seconds=seconds), wait_all_ranks=True
-            )
-        except RuntimeError as e:
-            raise ShardedStateError(
-                f"Refusing to save: under expert parallelism each of the {self.rank.dp_size} data-parallel replicas "
-                f"writes its own experts, and not all of them called save_sharded_state within {seconds:g} s "
-                f"({REPLICA_TIMEOUT_ENV}; {e}). Call it on every replica: in each data-parallel process of an "
-                "offline engine (vLLM's serve reaches them all through collective_rpc). Nothing was written."
-            ) from e
+        """Wait until every data-parallel replica has called the save, where each writes its own
+        experts (:func:`wait_for_replicas`)."""
+        wait_for_replicas(self.rank, "save_sharded_state", "save", "Nothing was written.")
 
     def run(self, step: Callable[[], T], only_first: bool = False) -> list[T]:
         """Run ``step`` here (or only on the first worker), exchange results, raise if any failed: the
@@ -168,7 +187,7 @@ def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None,
     none waits for it; a worker that never reaches it (a node started with another load format)
     ends the wait after ``SHARDED_STATE_LOAD_TIMEOUT`` seconds.
     """
-    groups = model_groups()
+    groups = model_groups(rank)
     if not groups:
         return
     seconds = float(os.environ.get(LOAD_TIMEOUT_ENV) or DEFAULT_LOAD_TIMEOUT)
@@ -201,7 +220,7 @@ def share_load_outcome(rank: RankInfo, failed: Exception | None) -> None:
     user reads, never says which file on which node failed. Here every worker raises the failing
     workers' own messages (the failing one its own error, from the caller).
     """
-    groups = model_groups()
+    groups = model_groups(rank)
     if not groups:
         return
     own = (str(rank), socket.gethostname(), None if failed is None else str(failed))
