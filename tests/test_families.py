@@ -33,7 +33,9 @@ pytestmark = pytest.mark.engine
 # MoE experts and the router (a ReplicatedLinear), compressed-tensors int8 with per-channel
 # scales, and a sentence-transformers embedding model whose 2_Dense/ projection lives in
 # its own folder (lost before this file, giving other embeddings silently).
-FAMILIES = ["mixtral", "int8_w8a8", "st_embed"]
+# Mamba-2 with one group of B/C states (every rank holds a copy) and with two (split as the heads).
+FAMILIES = ["mixtral", "int8_w8a8", "st_embed", "mamba2", "mamba2_groups"]
+VARIANTS = {"mamba2_groups": ("mamba2", {"n_groups": 2})}
 
 
 class Mixtral:
@@ -77,7 +79,8 @@ def assert_same(ours: dict, reference: dict) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_saved_at_tp2_serves_at_tp2_and_tp1(family, mixtral, tmp_path):
-    model = mixtral.model if family == "mixtral" else build_family(str(tmp_path / "model"), family)
+    family, fields = VARIANTS.get(family, (family, None))
+    model = mixtral.model if family == "mixtral" else build_family(str(tmp_path / "model"), family, fields=fields)
     engine = family_engine_args(model, family)
     out = tmp_path / "sharded"
     os.makedirs(out)

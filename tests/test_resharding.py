@@ -268,7 +268,7 @@ def test_replicated_tensors_spread_over_saved_copies():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kind=st.sampled_from(["column", "row", "merged", "qkv", "vocab", "replicated"]),
+    kind=st.sampled_from(["column", "row", "merged", "qkv", "vocab", "replicated", "grouped"]),
     saved_tp=st.sampled_from(TP_SIZES),
     serving_tp=st.sampled_from(TP_SIZES),
     itemsize=st.sampled_from(sorted(DTYPES)),
@@ -288,6 +288,11 @@ def test_any_geometry_reshards_to_the_reference(
         spec, shape = ("qkv", 8 * units, kv_heads, 2), ((8 * units + 2 * kv_heads) * 2, *trailing)
     elif kind == "merged":
         spec, shape = ("merged", [rows, 2 * rows, rows]), (4 * rows, *trailing)
+    elif kind == "grouped":
+        # Mamba-2's in_proj: one group of B/C states (every rank holds it whole), or 8 (split by group).
+        groups = 1 if kv_heads < 4 else 8
+        b_c = (groups * units, groups)
+        spec, shape = ("grouped", [(rows, None), (rows, None), b_c, b_c, (8, None)]), (2 * rows + 2 * b_c[0] + 8,)
     elif kind == "vocab":
         spec, shape = ("vocab", vocab, 0, 16), (vocab, *trailing[:1])
     elif kind == "row":
@@ -358,7 +363,8 @@ def good_qkv() -> dict:
         (lambda d: d["segments"][2].update(replicate_heads="yes"), "must be true or false"),
         (lambda d: d.update(segments={}), "'segments' must be a list"),
         (lambda d: d.update(kind="replicated"), "no split dimension"),
-        (lambda d: d.update(kind="column_parallel"), "only a QKV tensor is split by heads"),
+        (lambda d: d.update(kind="column_parallel"), "only a QKV or grouped tensor is split by heads"),
+        (lambda d: d.update(kind="grouped_column_parallel"), "each grouped segment replicates"),
     ],
 )
 def test_bad_geometry_data_is_refused_naming_the_tensor(change, message):
@@ -554,6 +560,35 @@ def test_reference_and_plans_match_vllms_weight_loaders(vllm_layers):
                 np.testing.assert_array_equal(reference_shard(spec, data, tp_size, tp_rank), vllm_local, err_msg=name)
                 got = execute(plan.tensors[name], checkpoint.files, {}).view(np.float32)
                 np.testing.assert_array_equal(got, vllm_local, err_msg=f"{name} TP={tp_size} rank {tp_rank}")
+
+
+@pytest.mark.parametrize("groups", [1, 8])
+def test_grouped_plans_match_vllms_mamba2_loader(vllm_layers, groups):
+    """Mamba-2's in_proj (gate, x, B, C, dt) planned from a TP=1 checkpoint gives, at every TP size
+    and rank, what vLLM's own ``mamba_v2_sharded_weight_loader`` loads from the HF tensor: with one
+    group every rank gets the whole group (vLLM's extra groups), with 8 each its own share."""
+    torch = vllm_layers.torch
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
+
+    inner, state, heads = 32, 4, 8
+    rng = np.random.default_rng(groups)
+    b_c = (groups * state, groups)
+    spec = ("grouped", [(inner, None), (inner, None), b_c, b_c, (heads, None)])
+    rows = 2 * inner + 2 * groups * state + heads
+    tensor = make_tensor(spec, (rows, 3), np.int32, rng, "MambaMixer2")
+    checkpoint = save(Model({"in_proj.weight": tensor}, num_layers=0, tied=False), 1, 1)
+    for tp_size in TP_SIZES:
+        extra = 0 if groups % tp_size == 0 else tp_size - groups  # vLLM's extra_groups_for_head_shards
+        group_settings = ((groups + extra) * state, extra * state, groups == 1)
+        shard_spec = [(inner, 0, False), (inner, 0, False), group_settings, group_settings, (heads, 0, False)]
+        local_rows = sum(full // tp_size for full, _, _ in shard_spec)
+        for tp_rank in range(tp_size):
+            param = torch.zeros((local_rows, 3), dtype=torch.int32)
+            mamba_v2_sharded_weight_loader(shard_spec, tp_size, tp_rank)(param, torch.from_numpy(tensor.data))
+            plan = plan_reads(checkpoint.ranks, 1, ["in_proj.weight"], tp_size=tp_size, tp_rank=tp_rank)
+            got = execute(plan.tensors["in_proj.weight"], checkpoint.files, {}).view(np.int32).reshape(local_rows, 3)
+            np.testing.assert_array_equal(got, param.numpy(), err_msg=f"TP={tp_size} rank {tp_rank}")
+            np.testing.assert_array_equal(reference_shard(spec, tensor.data, tp_size, tp_rank), param.numpy())
 
 
 def test_vocab_indices_and_pp_split_match_vllm(vllm_layers):

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_sharded_loader.format.geometry import (
+    Segment,
     TensorGeometry,
     column_parallel,
+    grouped_column_parallel,
     merged_column_parallel,
     qkv_parallel,
     replicated,
@@ -50,6 +52,17 @@ def reference_shard(spec: tuple, data: np.ndarray, tp: int, rank: int, pad_value
             shard = output_size // tp
             parts.append(data[offset + rank * shard : offset + (rank + 1) * shard])
             offset += output_size
+        return np.concatenate(parts)
+    if kind == "grouped":  # MambaMixer2: its mamba_v2_sharded_weight_loader, or merged by groups
+        parts, offset = [], 0
+        for size, groups in spec[1]:
+            if groups == 1 and tp > 1:  # the one group, whole on every rank
+                parts.append(data[offset : offset + size])
+            else:
+                assert size % tp == 0 and (groups is None or groups % tp == 0)
+                shard = size // tp
+                parts.append(data[offset + rank * shard : offset + (rank + 1) * shard])
+            offset += size
         return np.concatenate(parts)
     if kind == "qkv":  # QKVParallelLinear.__init__ and weight_loader
         _, total_heads, total_kv_heads, head_size = spec
@@ -128,6 +141,14 @@ def make_tensor(spec: tuple, shape: tuple[int, ...], dtype: type, rng: np.random
         geometry = merged_column_parallel(shape, spec[1], layer_class=layer_class)
     elif kind == "qkv":
         geometry = qkv_parallel(shape, spec[1], spec[2], spec[3], layer_class=layer_class)
+    elif kind == "grouped":
+        segments = [
+            Segment(f"s{i}", size)
+            if groups is None
+            else Segment(f"s{i}", size, heads=groups, head_size=size // groups, replicate_heads=True)
+            for i, (size, groups) in enumerate(spec[1])
+        ]
+        geometry = grouped_column_parallel(shape, segments, layer_class)
     else:
         _, org, added, pad_to = spec
         if len(shape) == 2:

@@ -24,6 +24,7 @@ from ..format.experts import ExpertPlacement
 from ..planning.experts import expert_placement, rank_shape
 from ..planning.topology import RankInfo
 from .identity import current_rank
+from .mamba_geometry import mixer_geometry
 
 # Layers whose parameters every rank holds whole. Matched on the class and its bases.
 # (Nemotron's LayerNorm1P, ``x * (1 + w)``, is a CustomOp of its own, not a LayerNorm subclass.)
@@ -326,7 +327,7 @@ def module_geometry(
     if names & PARALLEL_BASES:
         geometry = None
         if not _loads_its_own(module, param):
-            pass  # a loader put in by the model cuts it its own way (Mamba-2's in_proj): opaque
+            pass  # a loader put in by the model cuts it its own way: opaque (Mamba-2's: .mamba_geometry)
         elif getattr(module, "disable_tp", False) or "ReplicatedLinear" in names:
             # Every rank holds the whole layer, its quantized weights and scales included.
             geometry = rs.replicated(shape, layer_class)
@@ -385,7 +386,9 @@ def tensor_geometry(
         if module is None:
             geometry = rs.TensorGeometry(rs.OPAQUE, "?", shape)
         else:
-            geometry = module_geometry(module, param, shape, tp_size)
+            geometry = mixer_geometry(model, module_name, param, shape) or module_geometry(
+                module, param, shape, tp_size
+            )
         if geometry.kind != rs.OPAQUE:
             size, index = expert_tp if geometry.stacked and expert_tp else (tp_size, tp_rank)
             try:

@@ -25,6 +25,9 @@ COLUMN_PARALLEL = "column_parallel"
 ROW_PARALLEL = "row_parallel"
 QKV_PARALLEL = "qkv_parallel"
 MERGED_COLUMN_PARALLEL = "merged_column_parallel"
+# Merged column parallel whose segments of state groups follow the heads (Mamba-2's in_proj and
+# conv1d): split by whole groups, or, at a TP size above the group count, one group per rank.
+GROUPED_COLUMN_PARALLEL = "grouped_column_parallel"
 VOCAB_PARALLEL = "vocab_parallel"
 OPAQUE = "opaque"
 KINDS = (
@@ -33,6 +36,7 @@ KINDS = (
     ROW_PARALLEL,
     QKV_PARALLEL,
     MERGED_COLUMN_PARALLEL,
+    GROUPED_COLUMN_PARALLEL,
     VOCAB_PARALLEL,
     OPAQUE,
 )
@@ -265,8 +269,11 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
         q, k, v = segments
         if q.replicate_heads or not (k.replicate_heads and v.replicate_heads) or k.heads != v.heads:
             raise fail("in a QKV tensor K and V (same head count) replicate heads and Q does not")
+    elif g.kind == GROUPED_COLUMN_PARALLEL:
+        if any(s.heads is not None and not s.replicate_heads for s in segments):
+            raise fail("the groups of a grouped tensor follow the heads: each grouped segment replicates")
     elif any(s.heads is not None for s in segments):
-        raise fail("only a QKV tensor is split by heads")
+        raise fail("only a QKV or grouped tensor is split by heads")
     if g.kind == VOCAB_PARALLEL:
         if names not in (["vocab"], ["vocab", "added"]):
             raise fail(f"a vocabulary tensor has segments vocab and optionally added, found {names}")
@@ -328,6 +335,23 @@ def merged_column_parallel(
         names = ["gate", "up"] if len(output_sizes) == 2 else [str(i) for i in range(len(output_sizes))]
     segments = tuple(Segment(n, s) for n, s in zip(names, output_sizes, strict=True))
     return TensorGeometry(MERGED_COLUMN_PARALLEL, layer_class, tuple(shape), stacked, segments, stacked)
+
+
+def grouped_column_parallel(
+    shape: Sequence[int], segments: Sequence[Segment], layer_class: str = "ColumnParallelLinear"
+) -> TensorGeometry:
+    """Mamba-2's ``in_proj`` and ``conv1d`` (vLLM's ``MambaMixer2``): merged segments split on
+    their own along dimension 0, those of B/C states by whole groups (a :class:`Segment` with
+    ``heads`` groups of ``head_size`` states, ``replicate_heads``). vLLM splits the groups as
+    the heads where the TP size divides them, and with one group gives every rank a copy of it.
+
+    >>> group = dict(heads=1, head_size=3, replicate_heads=True)  # one group of 3 states
+    >>> g = grouped_column_parallel([10], [Segment("x", 4), Segment("B", 3, **group), Segment("C", 3, **group)])
+    >>> from vllm_sharded_loader.planning.layout import shard_layout
+    >>> [(p.segment, p.start, p.length) for p in shard_layout(g, tp_size=2, tp_rank=1).pieces]
+    [('x', 2, 2), ('B', 0, 3), ('C', 0, 3)]
+    """
+    return TensorGeometry(GROUPED_COLUMN_PARALLEL, layer_class, tuple(shape), 0, tuple(segments))
 
 
 def qkv_parallel(
