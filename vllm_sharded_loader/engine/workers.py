@@ -89,8 +89,8 @@ def wait_for_replicas(rank: RankInfo, call: str, doing: str, changed: str) -> No
         )
     except RuntimeError as e:
         raise ShardedStateError(
-            f"Refusing to {doing}: under expert parallelism each of the {rank.dp_size} data-parallel replicas "
-            f"holds its own experts, and not all of them called {call} within {seconds:g} s "
+            f"Refusing to {doing}: each of the {rank.dp_size} data-parallel replicas holds its own experts "
+            f"(placed on it, or cut across TP x DP), and not all of them called {call} within {seconds:g} s "
             f"({REPLICA_TIMEOUT_ENV}; {e}). Call it on every replica: in each data-parallel process of an "
             f"offline engine (vLLM's serve reaches them all through collective_rpc). {changed}"
         ) from e
@@ -177,8 +177,9 @@ def different_checkpoints(
 
 
 def check_same_checkpoint(rank: RankInfo, where: str, manifest: Manifest | None, failed: Exception | None) -> None:
-    """Before a load reads a byte: check that this replica's tensor- and pipeline-parallel workers
-    read one checkpoint, by the digest of the manifest each read (``failed``: why it read none).
+    """Before a load reads a byte: check that the workers holding this model (:func:`model_groups`:
+    this replica's TP and PP workers, and the replicas where each holds its own experts) read one
+    checkpoint, by the digest of the manifest each read (``failed``: why it read none).
 
     On several nodes each worker reads its node's copy of ``where``. Each rank's files agree with
     the manifest beside them, so a node holding another save of the same model (or another model of
