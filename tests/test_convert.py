@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -369,6 +370,48 @@ def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tm
     assert read_ahead(str(tmp_path / "missing"))() == 0
     stop = read_ahead(str(tmp_path))  # stopped at once, wherever it got to: it says how far
     assert 0 <= stop() <= 72 * mib
+
+
+READ_AHEAD_THEN_DIE = """
+import os, sys, time
+from vllm_sharded_loader.storage.hf_source import read_ahead
+read_ahead(sys.argv[1], budget=1 << 40)
+print(os.getpid(), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_convert_killed_outright_leaves_no_read_ahead_reading_on(tmp_path):
+    """A convert killed by SIGKILL (the OOM killer) runs no clean-up: its read-ahead, once orphaned,
+    stops at its next step instead of reading on up to its budget (here a terabyte of a sparse file,
+    minutes of reading) beside the convert run again."""
+    (tmp_path / "model.safetensors").touch()
+    os.truncate(tmp_path / "model.safetensors", 1 << 40)
+    convert = subprocess.Popen(
+        [sys.executable, "-c", READ_AHEAD_THEN_DIE, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(convert.stdout.readline())
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        assert len(children) == 1, children
+        reader = Path(f"/proc/{children[0]}")
+        time.sleep(0.5)  # (reading by now)
+    finally:
+        convert.kill()
+        convert.wait()
+
+    def running() -> bool:
+        try:  # (an orphan that exited may wait as a zombie for whoever reaps it)
+            return reader.joinpath("stat").read_text().rpartition(")")[2].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if running():
+        os.kill(int(children[0]), signal.SIGKILL)
+        pytest.fail("the read-ahead of a killed convert read on")
 
 
 # ----------------------------------------------------------------- bad sources, engine-free

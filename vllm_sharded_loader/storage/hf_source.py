@@ -78,22 +78,25 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
 # ``posix_fadvise(WILLNEED)``: the kernel reads at most one read-ahead window per such call (8 MiB
 # here, 128 KiB on many disks), whatever range it is given. What is queued when it is stopped is
 # the kernel's own read-ahead of one sequential reader, not gigabytes the ranks' reads would wait behind.
+# It stops at its next step once its convert is gone (``argv[3]``, the convert's pid, is no longer its
+# parent): a convert killed outright (SIGKILL, the OOM killer) never stops it, and it read on, up to
+# its budget (a quarter of memory), beside the convert run again.
 _READ_AHEAD = """
 import os, signal, stat, sys
-budget, step, asked = int(sys.argv[1]), int(sys.argv[2]), 0
+budget, step, parent, asked = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), 0
 buffer = bytearray(step)
 def done(*_):
     print(asked, flush=True)
     os._exit(0)
 signal.signal(signal.SIGTERM, done)
-for path in sys.argv[3:]:
+for path in sys.argv[4:]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         continue
     try:
         info, offset = os.fstat(fd), 0
-        while stat.S_ISREG(info.st_mode) and offset < info.st_size and asked < budget:
+        while stat.S_ISREG(info.st_mode) and offset < info.st_size and asked < budget and os.getppid() == parent:
             n = os.preadv(fd, [memoryview(buffer)[: min(step, budget - asked)]], offset)
             if n <= 0:
                 break
@@ -125,7 +128,7 @@ def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
         budget = available_memory() // 4
     paths = [store.file_path(name) for name in names]
     reader = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _READ_AHEAD, str(budget), str(READ_AHEAD_STEP), *paths],
+        [sys.executable, "-I", "-S", "-c", _READ_AHEAD, str(budget), str(READ_AHEAD_STEP), str(os.getpid()), *paths],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
