@@ -437,6 +437,25 @@ def test_a_corrupt_header_is_named_and_nothing_is_written(sources, tmp_path):
     assert not out.exists()
 
 
+def test_a_sharded_checkpoint_given_as_the_source_is_named_as_one_and_nothing_is_written(sources, tmp_path):
+    """A folder that ``convert`` or ``reshard`` wrote is no Hugging Face model: at TP=2 its ranks hold the
+    same names, at TP=1 its fused, padded tensors; it is named for what it is, with ``reshard`` to use,
+    not taken for a bad download or for weights only ``save`` could make."""
+    from vllm_sharded_loader.format.errors import ConvertRefused
+    from vllm_sharded_loader.tools.offline import reshard_checkpoint
+
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    convert(sources["llama"], str(tp2), 2)
+    reshard_checkpoint(str(tp2), str(tp1), 1)
+    for checkpoint in (tp2, tp1):
+        out = tmp_path / f"from-{checkpoint.name}"
+        with pytest.raises(
+            ConvertRefused, match=r"holds a sharded checkpoint \(sharded_state\.json\).*vllm-sharded reshard"
+        ):
+            convert_checkpoint(str(checkpoint), str(out), 2)
+        assert not out.exists()
+
+
 def test_an_output_that_is_the_source_through_a_link_is_refused_and_nothing_is_written(sources, tmp_path):
     source = copy_source(sources["tied"], tmp_path / "src")
     before = sorted(p.name for p in source.iterdir())

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError, listing
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ConvertRefused, ShardedStateError, listing
+from ..format.names import MANIFEST_NAME
 from ..format.safetensors import Header
 from . import hub
 from .local import OpenFile, open_regular, preadv_all, read_header
@@ -32,7 +33,8 @@ WILLNEED_STEP = 128 << 10
 
 def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
     """The safetensors files of the model in ``store`` (those its index lists, where it has one) and
-    the index's map of tensor to file (empty without one); an index naming a missing file is an error."""
+    the index's map of tensor to file (empty without one); an index naming a missing file is an error,
+    and so is a folder without an index that holds a sharded checkpoint (its parts are no model's weights)."""
     where = store.where
     present = store.list_names()
     names = sorted(n for n in present if n.endswith(".safetensors"))
@@ -66,6 +68,16 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
                 "The download is incomplete: fetch the missing files (or the model) again."
             )
         names = listed
+    elif MANIFEST_NAME in present:
+        # A sharded checkpoint's parts are no model's weights: at TP>1 its ranks hold the same names
+        # (refused as a download holding a tensor twice), at TP=1 its fused, padded tensors (refused as
+        # weights vLLM cannot place); either way the advice was the wrong one. (A model's folder with
+        # an index and a checkpoint beside it is read by its index, as above.)
+        raise ConvertRefused(
+            f"{where} holds a sharded checkpoint ({MANIFEST_NAME}), not a Hugging Face model's weights; nothing "
+            "was written. Change its TP/PP size with `vllm-sharded reshard`, or, where the model's own "
+            "safetensors files share the folder, move the checkpoint into a folder of its own."
+        )
     if not names:
         held = [n for n in present if n.endswith((".bin", ".pt", ".pth"))]
         other = f" (it holds {listing(held, 3)}: convert reads safetensors only; use `vllm-sharded save`)"
