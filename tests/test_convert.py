@@ -456,6 +456,20 @@ def test_a_sharded_checkpoint_given_as_the_source_is_named_as_one_and_nothing_is
         assert not out.exists()
 
 
+@pytest.mark.parametrize("name", ["config.json", "special_tokens_map.json"])
+def test_a_models_file_that_links_to_nothing_is_named_before_vllm_reads_the_folder(sources, tmp_path, name):
+    """A config that is a link to nothing was taken by vLLM for no config at all ("Invalid repository
+    ID or local directory"), a tokenizer file so linked failed the carry once the model was built
+    ("free space or fix the permission"): each is named as the link it is, and nothing is written."""
+    source = copy_source(sources["tied"], tmp_path / "src")
+    (source / name).unlink(missing_ok=True)
+    (source / name).symlink_to(tmp_path / "gone")
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointNotFound, match=rf"^{re.escape(str(source / name))} is a link to nothing \("):
+        convert_checkpoint(str(source), str(out), 2)
+    assert not out.exists()
+
+
 def test_an_output_that_is_the_source_through_a_link_is_refused_and_nothing_is_written(sources, tmp_path):
     source = copy_source(sources["tied"], tmp_path / "src")
     before = sorted(p.name for p in source.iterdir())

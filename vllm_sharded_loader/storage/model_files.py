@@ -14,7 +14,7 @@ import shutil
 import stat
 from collections.abc import Callable
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from ..format.manifest import Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME, is_staged_name, is_startup_artifacts_name, parse_file_name
 from .local import directory_holds_checkpoint, escapes, is_checkpoint_file, not_regular, open_regular, read_manifest
@@ -198,3 +198,17 @@ def special_files(folder: str) -> list[CheckpointCorrupt]:
         if not stat.S_ISREG(mode):
             found.append(not_regular(path, mode))
     return found
+
+
+def check_no_links_to_nothing(folder: str) -> None:
+    """Refuse a local model folder whose files a checkpoint carries (:func:`non_weight_files`) include a
+    symbolic link to nothing, naming it, before vLLM reads the folder: vLLM took a ``config.json`` so
+    linked for no config at all ("Invalid repository ID or local directory"), and the carry failed on
+    a tokenizer file so linked once the model was built, saying to free space or fix a permission."""
+    for name in non_weight_files(folder):
+        path = os.path.join(folder, name)
+        if os.path.islink(path) and not os.path.exists(path):
+            raise CheckpointNotFound(
+                f"{path} is a link to nothing ({os.readlink(path)}), where the model's file was expected; nothing "
+                "was written. The model is incomplete: fetch the file again (or remove the link), and run again."
+            )

@@ -41,6 +41,7 @@ from ..storage.location import (
     copy_non_weight_files,
     open_store,
 )
+from ..storage.model_files import check_no_links_to_nothing
 from ..storage.oscalls import release_free_heap
 from ..storage.progress import ByteProgress
 from ..storage.staging_folders import staging_folder
@@ -338,6 +339,8 @@ def convert_checkpoint(
     out = open_store(output)
     check_output_apart(output, folder, "model")
     check_no_special_files(folder)
+    if not open_store(folder).remote:
+        check_no_links_to_nothing(folder)
     # Said now, as the save's lock would say it once vLLM has built the model (tens of seconds from here).
     out.refuse_before_save(overwrite)
     from ..engine.convert_setup import ModelOptions
