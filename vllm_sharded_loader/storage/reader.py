@@ -383,10 +383,11 @@ def read_pieces(
 
     A target with :attr:`Target.mapped` lies over a private mapping of its piece's bytes
     (:func:`.memory.map_pieces`, made by :func:`.lowering.read_plans`): it is not written,
-    its pages are brought in by the reading threads (``MADV_POPULATE_READ``) and verified
-    like read bytes. The page cache's pages then serve as the target's memory, so the load
-    neither copies the bytes nor first-touches fresh memory, which on the project's VMs is
-    what limits a copying load (see the module docstring).
+    its pages are brought in by the reading threads (``MADV_POPULATE_READ``), each read once
+    by them (:func:`.memory.touch_pages`), and verified like read bytes. The page cache's
+    pages then serve as the target's memory, so the load neither copies the bytes nor
+    first-touches fresh memory, which on the project's VMs is what limits a copying load
+    (see the module docstring).
     """
     threads = options.threads
     if any(not isinstance(p, str) and p.remote for p in paths):
