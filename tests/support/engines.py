@@ -435,7 +435,8 @@ def dp_master_port(count: int = 10) -> int:
     Nothing here binds below that range by chance: every other port is the kernel's pick.
     """
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for base in range(random.randrange(10000, low - 1000, count), low - count, count):
+    floor = min(10000, low // 2)  # a machine whose ephemeral range starts low still has some below it
+    for base in range(random.randrange(floor, max(floor + count, low - 1000), count), low - count, count):
         try:
             with contextlib.ExitStack() as held:
                 for port in range(base, base + count):
@@ -444,7 +445,7 @@ def dp_master_port(count: int = 10) -> int:
             return base
         except OSError:
             continue
-    raise RuntimeError(f"no {count} free ports between 10000 and {low}")
+    raise RuntimeError(f"no {count} free ports between {floor} and {low}")
 
 
 def run_data_parallel(specs: list[dict], tp: int = 1) -> list[EngineRun]:
