@@ -24,7 +24,7 @@ from ..format.experts import ExpertPlacement
 from ..planning.experts import expert_placement, rank_shape
 from ..planning.topology import RankInfo
 from .identity import current_rank
-from .mamba_geometry import mixer_geometry
+from .mamba_geometry import mamba2_mixers, mixer_geometry
 
 # Layers whose parameters every rank holds whole. Matched on the class and its bases.
 # (Nemotron's LayerNorm1P, ``x * (1 + w)``, is a CustomOp of its own, not a LayerNorm subclass.)
@@ -376,6 +376,7 @@ def tensor_geometry(
     ``expert_tp``: (size, rank) of the experts' TP cut without it (default: the TP split).
     """
     result: dict[str, rs.TensorGeometry] = {}
+    mixers = mamba2_mixers(model)
     for name, tensor in tensors.items():
         module_name, _, param = name.rpartition(".")
         try:
@@ -386,7 +387,7 @@ def tensor_geometry(
         if module is None:
             geometry = rs.TensorGeometry(rs.OPAQUE, "?", shape)
         else:
-            geometry = mixer_geometry(model, module_name, param, shape) or module_geometry(
+            geometry = mixer_geometry(mixers, module_name, param, shape) or module_geometry(
                 module, param, shape, tp_size
             )
         if geometry.kind != rs.OPAQUE:

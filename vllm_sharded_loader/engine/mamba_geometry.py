@@ -56,20 +56,22 @@ def _mamba2_geometry(mixer: Any, child: str, param: str) -> rs.TensorGeometry | 
     return None
 
 
+def mamba2_mixers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's Mamba-2 mixers, by module name (none in most models)."""
+    return {name: m for name, m in model.named_modules() if type(m).__name__ == "MambaMixer2"}
+
+
 def mixer_geometry(
-    model: torch.nn.Module, module_name: str, param: str, shape: tuple[int, ...]
+    mixers: dict[str, torch.nn.Module], module_name: str, param: str, shape: tuple[int, ...]
 ) -> rs.TensorGeometry | None:
-    """The geometry of a parameter of a Mamba-2 mixer or of its ``in_proj``, ``conv1d`` or ``norm``
-    (opaque where :func:`_mamba2_geometry` does not describe it); None for any other parameter."""
+    """The geometry of a parameter of one of ``mixers`` (:func:`mamba2_mixers`) or of its ``in_proj``,
+    ``conv1d`` or ``norm`` (opaque where :func:`_mamba2_geometry` does not describe it); None for any
+    other parameter."""
     parent, _, child = module_name.rpartition(".")
-    for mixer_name, child_name in ((module_name, ""), (parent, child)):
-        if child_name not in ("", "in_proj", "conv1d", "norm"):
-            continue
-        try:
-            mixer = model.get_submodule(mixer_name)
-        except AttributeError:
-            continue
-        if type(mixer).__name__ == "MambaMixer2":
-            found = _mamba2_geometry(mixer, child_name, param)
-            return found or rs.TensorGeometry(rs.OPAQUE, type(mixer).__name__, shape)
-    return None
+    if module_name in mixers:
+        mixer, child = mixers[module_name], ""
+    elif parent in mixers and child in ("in_proj", "conv1d", "norm"):
+        mixer = mixers[parent]
+    else:
+        return None
+    return _mamba2_geometry(mixer, child, param) or rs.TensorGeometry(rs.OPAQUE, type(mixer).__name__, shape)

@@ -263,7 +263,7 @@ class InPlaceUpdate:
             failure: Exception | None = None
             try:
                 if step == "read":
-                    self._read(layers)
+                    self._read(layers, rank)
                 else:
                     self._process(layers, processed)  # fills processed as it goes: undone on a refusal
             except Exception as e:
@@ -335,7 +335,7 @@ class InPlaceUpdate:
             )
         return self.reader.locate(path, config.revision)
 
-    def _read(self, layers: list[tuple[str, torch.nn.Module, Any]]) -> None:
+    def _read(self, layers: list[tuple[str, torch.nn.Module, Any]], rank: RankInfo) -> None:
         """Step 1: the checkpoint read, with every check of a start-up load, into host memory (mapped
         from its files where it can be), before any layer is materialized (see :mod:`.layer_steps`)."""
         located = self._located()  # before any memory is taken: a missing path is refused at once
@@ -360,7 +360,7 @@ class InPlaceUpdate:
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
         manifest = read_manifest(located[0])
         # Compared across the workers (each node reads its own copy); alone, nothing to compare.
-        if model_groups(model_rank(self.model)):
+        if model_groups(rank):
             self.digest = checkpoint_digest(manifest)
         try:
             self.reader.read(
