@@ -261,6 +261,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "cli-inspect": lambda: cli_command("inspect"),
     "cli-reshard": lambda: cli_command("reshard"),
     "cli-convert": lambda: cli_command("convert"),
+    "cli-keygen": lambda: cli_command("keygen"),
+    "cli-sign": lambda: cli_command("sign"),
     "cli-save": cli_save,
     "model-matrix": model_matrix,
     "errors": error_list,

@@ -34,6 +34,7 @@ from tests.support.engines import (
     skip_without_amx,
     skip_without_int4,
 )
+from tests.support.signing import signing, trusting
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, convert_checkpoint
 
@@ -1004,7 +1005,7 @@ def test_a_converted_checkpoint_carries_vllms_model_class_inspection_to_a_fresh_
 
     source = sources["llama"] if family == "llama" else build_family(str(tmp_path / "src"), family)
     converting, out = tmp_path / "converting-node", tmp_path / "out"
-    convert(source, str(out), 2, env={"VLLM_CACHE_ROOT": str(converting)})
+    convert(source, str(out), 2, env={"VLLM_CACHE_ROOT": str(converting), **signing()})
     verify(str(out))
     written = sorted(p.name for p in (converting / "modelinfos").iterdir())
     assert written, "vLLM wrote no inspection cache entry"
@@ -1015,7 +1016,7 @@ def test_a_converted_checkpoint_carries_vllms_model_class_inspection_to_a_fresh_
     ]
     fresh = tmp_path / "fresh-node"
     code = "import sys; from vllm_sharded_loader import prepare_node; print('restored', prepare_node(sys.argv[1]))"
-    env = {**os.environ, **engine_environment(), "VLLM_CACHE_ROOT": str(fresh)}
+    env = {**os.environ, **engine_environment(), **trusting(), "VLLM_CACHE_ROOT": str(fresh)}
     run = python_process(["-c", code, str(out)], env, timeout=300)
     assert run.returncode == 0 and f"restored {len(written)}" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     assert sorted(p.name for p in (fresh / "modelinfos").iterdir()) == written

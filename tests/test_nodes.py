@@ -32,6 +32,7 @@ from tests.support.faultkit import tree_digest
 from tests.support.faultproxy import FaultProxy
 from tests.support.hub import lay_out_cache, repo_folder, session_cache
 from tests.support.nodes import ClusterFailed, Nodes, Served, kill_worker_when, serve_tp2, tails
+from tests.support.signing import signed_and_trusted
 from tests.support.stores import stores_pointed_at
 from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
 from vllm_sharded_loader.engine.capture import OVERWRITE_ENV
@@ -74,9 +75,10 @@ def bucket(cluster, seaweed):
 
 
 def node_environment(cluster: Nodes, bucket: Bucket, node: int) -> dict[str, str]:
-    """What every process on ``node`` gets: the engine settings and the bucket through its proxy."""
+    """What every process on ``node`` gets: the engine settings, the bucket through its proxy, and the
+    operator's key (saves sign with it, loads trust it)."""
     bucket_settings = {**bucket.server.aws_environment(), "AWS_ENDPOINT_URL": bucket.proxies[node].url}
-    return {**cluster.engine_environment(node), **bucket_settings}
+    return {**cluster.engine_environment(node), **bucket_settings, **signed_and_trusted()}
 
 
 def serve(cluster: Nodes, bucket: Bucket, model: str, load_format: str, name: str, env=None, **options) -> Served:
@@ -372,11 +374,11 @@ def test_pipeline_stages_on_two_nodes_each_read_their_own_layers_resharded_from_
         # Its own archive, read to restore it; and every rank's, which vLLM's own pull of a
         # bucket's non-weight files (config, tokenizer) downloads too: it skips weights only.
         own = [shares[i] + (archives[i] + sum(archives) if source == "pp2" else 0) for i in range(2)]
-        # The follower starts through vllm-sharded-serve, whose prepare_node restores vLLM's
-        # model-class inspection cache from the first rank's archive (compiled kernels and all:
-        # larger on a machine with AVX-512, where it outgrew the slack below).
+        # Each node is prepared as vLLM builds its configuration: vLLM's model-class inspection cache
+        # restored from the first rank's archive (compiled kernels and all: larger on a machine with
+        # AVX-512, where it outgrew the slack below).
         first = next((e.startup.size for e in read_manifest(f"s3://{BUCKET}/{source}").ranks if e.startup), 0)
-        own[1] += first
+        own = [o + first for o in own]
         print(f"PP=2 from {source}: bytes read per node {received}; each stage's share {own}")
         for i in range(2):
             assert own[i] <= received[i] < own[i] + shares[1 - i] / 2, (source, i, received, own)

@@ -51,6 +51,8 @@ assert base_loader.process_weights_after_loading._records_loaded_state
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 assert "sharded_state" in WeightTransferEngineFactory._registry
 assert "vllm_sharded_loader.engine.weight_transfer" not in sys.modules  # imported only when used
+from vllm.engine.arg_utils import EngineArgs
+assert EngineArgs.create_model_config._sharded_state
 assert not any(type(f).__name__ == "_AfterImportFinder" for f in sys.meta_path)
 register()
 assert not getattr(base_loader.process_weights_after_loading.__wrapped__, "_records_loaded_state", False)

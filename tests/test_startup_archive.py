@@ -15,6 +15,7 @@ import torch
 
 from examples.tiny_models import engine_environment
 from tests.support.engines import python_process
+from tests.support.signing import key_pair, signed_and_trusted, signing, trusting
 from tests.support.states import SOURCE
 from tests.support.stores import bucket_on
 from vllm_sharded_loader.checkpoint import RankInfo
@@ -283,9 +284,12 @@ def test_a_node_is_prepared_with_the_model_class_inspection_cache_its_checkpoint
     entries of the archive, and nothing else of it, into ``VLLM_CACHE_ROOT``; keeps the node's own;
     takes nothing saved by another build, from a damaged archive, from one reaching outside the
     cache, or with the switch off; and never fails."""
+    from vllm_sharded_loader.checkpoint.trust import SIGNING_KEY_ENV
     from vllm_sharded_loader.engine.node_setup import prepare_node
 
     _unset_aot(monkeypatch)
+    for variable, value in signed_and_trusted().items():
+        monkeypatch.setenv(variable, value)
     entry = b'{"hash": "h", "modelinfo": {}}'
     _cache(tmp_path / "saved", {"0/fx/graph": b"compiled", f"modelinfos/{MODEL_INFO}": entry})
     data = sa.pack(str(tmp_path / "saved"), ["0", "modelinfos"])
@@ -326,6 +330,15 @@ def test_a_node_is_prepared_with_the_model_class_inspection_cache_its_checkpoint
     nothing_from(hostile)
     assert not list(tmp_path.glob(MODEL_INFO))
     nothing_from(tmp_path / "no-checkpoint-here")
+    # What vLLM reads of them decides how it builds the engine: only from a manifest a trusted key signed.
+    monkeypatch.delenv(SIGNING_KEY_ENV)
+    unsigned = tmp_path / "unsigned"
+    save_with_artifacts(str(unsigned), 1, {0: data}, key=_this_build())
+    nothing_from(unsigned)
+    monkeypatch.setenv(SIGNING_KEY_ENV, key_pair("stranger")[0])
+    by_another = tmp_path / "by-another"
+    save_with_artifacts(str(by_another), 1, {0: data}, key=_this_build())
+    nothing_from(by_another)
 
 
 def test_a_node_prepared_for_vllms_own_save_restores_nothing_and_warns_nothing(tmp_path, monkeypatch):
@@ -409,8 +422,10 @@ def test_a_node_prepared_from_a_bucket_can_fork_and_a_fork_after_a_read_is_refus
     entry = b'{"hash": "h", "modelinfo": {}}'
     _cache(tmp_path / "saved", {f"modelinfos/{MODEL_INFO}": entry})
     url = f"{bucket}/{uuid.uuid4().hex[:8]}"
-    save_with_artifacts(url, 1, {0: sa.pack(str(tmp_path / "saved"), ["modelinfos"])}, key=_this_build())
-    env = {**os.environ, **engine_environment(), "VLLM_CACHE_ROOT": str(tmp_path / "node")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(*next(iter(signing().items())))
+        save_with_artifacts(url, 1, {0: sa.pack(str(tmp_path / "saved"), ["modelinfos"])}, key=_this_build())
+    env = {**os.environ, **engine_environment(), **trusting(), "VLLM_CACHE_ROOT": str(tmp_path / "node")}
     # A hang is the failure this guards against: bounded here, it fails the test.
     run = python_process(["-c", PREPARE_THEN_FORK, url], env, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -422,28 +437,46 @@ def test_a_node_prepared_from_a_bucket_can_fork_and_a_fork_after_a_read_is_refus
     assert (tmp_path / "node" / "modelinfos" / MODEL_INFO).read_bytes() == entry
 
 
-def test_compiled_artifacts_of_a_hub_repository_are_used_only_with_trust_remote_code(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["folder", "hub"])
+def test_compiled_artifacts_are_used_only_from_a_manifest_a_trusted_key_signed(tmp_path, monkeypatch, where):
     """A rank's start-up artifacts are vLLM's compile cache: compiled kernels and pickled graphs that
-    torch loads and runs. A checkpoint served from a Hub repository (someone else's) had them
-    restored by default, so serving it ran the repository's code without ``trust_remote_code``; the
-    load now leaves them unused, saying why, unless vLLM was told to trust the repository's code.
-    From a folder or a bucket (the operator's own) they are used as before."""
+    torch loads and runs. Wherever the checkpoint lies (a folder, a Hub repository; a bucket reads
+    the same manifest), and whatever ``trust_remote_code`` says, they go on to be checked only when
+    a key in ``SHARDED_STATE_TRUSTED_KEYS`` signed the manifest that names them; otherwise the
+    rank says why in one line."""
+    from vllm_sharded_loader.checkpoint.trust import SIGNING_KEY_ENV, TRUSTED_KEYS_ENV, load_signer
     from vllm_sharded_loader.engine import compile_cache
 
     data = b"an archive"
     name = startup_artifacts_name(0, 0).replace(".tar", "-0123456789ab.tar")
     record = StartupArtifacts(name, len(data), hashlib.sha256(data).hexdigest(), {**KEY, "compiled": "LlamaModel"})
-    manifest = _manifest(record)
+    unsigned = _manifest(record)
     said: list[str] = []
     monkeypatch.setattr(compile_cache.logger, "info", lambda message, *args: said.append(message % args))
     checked: list[RankInfo] = []  # (the next check: the served engine's key, here none, so nothing is restored)
     monkeypatch.setattr(compile_cache, "served_key", lambda model, rank: checked.append(rank))
     model, rank = torch.nn.Linear(1, 1), RankInfo(0, 1)
-    hub = ("someone/model", str(tmp_path / "hub"))
-    assert not compile_cache.restore_startup_artifacts(model, str(tmp_path), manifest, rank, hub)
-    assert checked == [] and "trust_remote_code" in said[-1] and "someone/model" in said[-1], said
-    assert not compile_cache.restore_startup_artifacts(
-        model, str(tmp_path), manifest, rank, hub, trust_remote_code=True
-    )
-    assert not compile_cache.restore_startup_artifacts(model, str(tmp_path), manifest, rank)
-    assert checked == [rank, rank]
+    hub = ("someone/model", str(tmp_path / "hub")) if where == "hub" else None
+    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+
+    def used(manifest: Manifest, **env: str) -> bool:
+        monkeypatch.delenv(TRUSTED_KEYS_ENV, raising=False)
+        for variable, value in env.items():
+            monkeypatch.setenv(variable, value)
+        parsed = Manifest.from_json(manifest.to_json())  # as a load reads it
+        assert not compile_cache.restore_startup_artifacts(model, str(tmp_path), parsed, rank, hub)
+        return bool(checked and checked.pop() == rank)
+
+    signed = load_signer(key_pair("operator")[0]).sign(unsigned)
+    changed = dataclasses.replace(unsigned.ranks[0], startup=dataclasses.replace(record, size=99))
+    tampered = dataclasses.replace(signed, ranks=(changed,))
+    by_another = load_signer(key_pair("stranger")[0]).sign(unsigned)
+    assert not used(unsigned, **trusting()) and "is not signed" in said[-1], said
+    assert not used(signed) and "gives no trusted key" in said[-1], said
+    assert not used(by_another, **trusting()) and "not among the keys trusted" in said[-1], said
+    assert not used(tampered, **trusting()) and "does not match the manifest" in said[-1], said
+    assert not used(by_another, **trusting("operator", "third")) and "not among" in said[-1], said
+    refusals = list(said)
+    assert all("start-up artifacts not used" in line and "vLLM compiles as usual" in line for line in refusals), said
+    assert used(signed, **trusting())
+    assert used(by_another, **trusting("operator", "stranger"))

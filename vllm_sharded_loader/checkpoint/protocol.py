@@ -14,7 +14,8 @@ runs one save driver with or without a process group:
 5. **carry** (first): stage the model's non-weight files (config, tokenizer); the manifest
    records each one's size and SHA-256 (an empty record for a save that carries none), and
    the files the replaced checkpoint carried that these do not (its stale files);
-6. **publish** (first): the manifest, the one atomic step;
+6. **publish** (first): the manifest, the one atomic step; signed first with the key in
+   ``SHARDED_STATE_SIGNING_KEY`` where it is set (:mod:`.trust`, read before the lock);
 7. **clean** (first): what the new manifest does not list, and the stale files it records;
 8. **release** (first): the lock, whatever the clean did (a file that may not be removed must
    not keep every later save out).
@@ -38,6 +39,7 @@ from ..format.names import LOCK_NAME
 from ..storage.location import open_store
 from .carry import CarriedFiles
 from .staged import StagedRank, discard_rank
+from .trust import Signer, configured_signer
 
 T = TypeVar("T")
 
@@ -163,9 +165,13 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
     carried: CarriedFiles | None = None
     locked = False
 
+    signer: Signer | None = None
+
     def lock() -> str:
+        nonlocal signer
         if job.check is not None:
             job.check()
+        signer = configured_signer()  # an unusable key refuses the save before anything is written
         return target.lock()
 
     def stage() -> list[Any]:
@@ -196,6 +202,8 @@ def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manife
             manifest = replace(manifest, carried_files=recorded, stale_files=stale)
         else:
             manifest = replace(manifest, carried_files={})
+        # Every member learns the first's signed manifest: each returns the published one.
+        manifest = group.run(lambda: manifest if signer is None else signer.sign(manifest), only_first=True)[0]
         publishing = True
         group.run(lambda: target.publish(manifest, carried), only_first=True)
     except BaseException as e:

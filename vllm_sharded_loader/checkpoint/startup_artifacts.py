@@ -30,13 +30,15 @@ import os
 import tarfile
 from collections.abc import Collection, Mapping
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
-from ..format.manifest import FileEntry, StartupArtifacts
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
+from ..format.manifest import FileEntry, Manifest, StartupArtifacts
 from ..format.names import startup_artifacts_name
 from ..storage.faults import declare, kill_point
-from ..storage.location import file_path, open_part
+from ..storage.location import file_path, open_part, open_store
 from ..storage.temporaries import held_temporary, remove_dead_temporaries
 from .protocol import SaveTarget
+from .save import open_target
+from .trust import Signer
 
 ENABLE_ENV = "SHARDED_STATE_STARTUP_ARTIFACTS"
 # A rank's compile cache is a few MB (5 MB for a 1.3 GB model on CPU); anything far larger is not ours.
@@ -113,9 +115,14 @@ def read_rank_artifacts(where: str, record: StartupArtifacts) -> bytes:
     return data
 
 
+# Fields of older keys that no longer decide anything: the hash of the whole compilation configuration
+# (Inductor's entries are named by what they compile, so those of another setting are never found).
+RETIRED_KEY_FIELDS = frozenset({"compilation_config"})
+
+
 def key_mismatch(saved: Mapping[str, str], served: Mapping[str, str]) -> str | None:
     """None if the keys are equal, else which fields differ and how (for the one log line)."""
-    names = sorted(set(saved) | set(served))
+    names = sorted((set(saved) | set(served)) - RETIRED_KEY_FIELDS)
     diffs = [
         f"{name}: saved {saved.get(name, '(none)')!r}, served {served.get(name, '(none)')!r}"
         for name in names
@@ -284,3 +291,28 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
                 ) from e
             raise
     return len(written), kept
+
+
+def sign_checkpoint(where: str, signer: Signer) -> Manifest:
+    """Sign the published checkpoint at ``where`` (a folder or an object-storage prefix): each start-up
+    archive is checked against its SHA-256 first, then the manifest is replaced, under the save lock,
+    by the same manifest with a signature. Returns the signed manifest."""
+    target = open_target(where, overwrite=True)
+    target.lock()
+    try:
+        manifest = open_store(where).read_manifest()
+        if manifest is None:
+            raise CheckpointNotFound(f"{where} holds no sharded checkpoint to sign; nothing was written.")
+        for entry in manifest.ranks:
+            if entry.startup is not None:
+                read_rank_artifacts(where, entry.startup)
+        signed = signer.sign(manifest)
+        target.publish(signed, None)  # type: ignore[arg-type]
+        target.clean(signed)
+    except BaseException:
+        target.abandon([])
+        raise
+    finally:
+        target.close()
+    target.release()
+    return signed

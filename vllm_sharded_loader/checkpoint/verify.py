@@ -25,6 +25,7 @@ from ..storage.writer import CHUNK_BYTES
 from .carry import carried_problems, stale_problems
 from .rank_files import check_rank_file
 from .startup_artifacts import read_rank_artifacts
+from .trust import check_trust
 
 
 def verify_file_checksum(
@@ -215,12 +216,17 @@ def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: 
 
 
 def _check_startup_artifacts(directory: str, manifest: Manifest, notes: list[str]) -> None:
-    """A rank's start-up archive that is missing or damaged costs a compile, never a wrong
-    weight (a load checks it the same way and does without): a note, not a problem."""
-    for entry in manifest.ranks:
-        if entry.startup is None:
-            continue
+    """A rank's start-up archive that is missing or damaged, or not signed by a trusted key, costs a
+    compile, never a wrong weight (a load checks it the same way and does without): a note, not a
+    problem. Who signed them is a note too."""
+    archives = [entry.startup for entry in manifest.ranks if entry.startup is not None]
+    if not archives:
+        return
+    verdict = check_trust(manifest)
+    used = "used by a server with these trusted keys" if verdict.trusted else "not used by a server here"
+    notes.append(f"start-up artifacts ({len(archives)} archives): {used}: {verdict.reason}.")
+    for record in archives:
         try:
-            read_rank_artifacts(directory, entry.startup)
+            read_rank_artifacts(directory, record)
         except ShardedStateError as e:
             notes.append(f"{e} Until then a fresh node serving this rank compiles as without them.")

@@ -36,6 +36,7 @@ from vllm.logger import init_logger
 
 from ..checkpoint import startup_artifacts
 from ..checkpoint.protocol import SaveTarget
+from ..checkpoint.trust import check_trust
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..planning.topology import RankInfo
@@ -181,10 +182,11 @@ def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
     """Everything that decides whether compile artifacts are valid for this worker, or None when
     vLLM keeps no AOT compile cache for this model (eager mode, cache turned off).
 
-    vLLM's own ``{hash}`` is not part of it: it covers the model's path and load format, which
-    differ between the engine that saved and the one that serves. What is carried is
-    Inductor's cache, whose entries are named by the hash of the graph, its inputs, the
-    compile settings and torch's build, so an entry for another graph is simply not found."""
+    Neither vLLM's own ``{hash}`` (it covers the model's path and load format, which differ
+    between the engine that saved and the one that serves) nor the rest of the compilation
+    configuration (batch sizes, ``max_num_seqs``) is part of it: what is carried is Inductor's
+    cache, whose entries are named by the hash of the graph, its inputs, the compile settings and
+    torch's build, so an entry for another graph or setting is simply not found."""
     return _served_key(compiled_modules(model), rank)
 
 
@@ -196,7 +198,6 @@ def _served_key(modules: list[Any], rank: RankInfo) -> dict[str, str] | None:
         **uncompiled_key(rank),
         "compiled": ",".join(type(m).__name__ for m in modules),
         "compilation": f"mode={compilation.mode.name} backend={compilation.backend}",
-        "compilation_config": compilation.compute_hash(),
     }
 
 
@@ -275,20 +276,18 @@ def restore_startup_artifacts(
     manifest: Manifest | None,
     rank: RankInfo,
     hub_fetch: tuple[str, str | None] | None = None,
-    trust_remote_code: bool = False,
 ) -> bool:
-    """At start-up, after the weights and before vLLM compiles: check this rank's artifacts (key
-    equal to the served one, bytes equal to their checksum) and have them unpacked where vLLM
-    will compile, just before the model's first forward pass (:func:`_unpack_before_first_forward`).
-    Anything else is one log line and vLLM compiles as usual. ``hub_fetch`` is (repo id,
-    cache dir) of a Hub checkpoint (``where``, its snapshot), whose archive is fetched like the rank's parts.
-    The artifacts are code that torch runs (compiled kernels, pickled graphs): from a Hub repository,
-    someone else's, only with vLLM's ``trust_remote_code``, as vLLM runs a repository's own code.
+    """At start-up, after the weights and before vLLM compiles: check this rank's artifacts (a
+    manifest signed by a trusted key, :func:`..checkpoint.trust.check_trust`; a key equal to the
+    served one; bytes equal to their checksum) and have them unpacked where vLLM will compile,
+    just before the model's first forward pass (:func:`_unpack_before_first_forward`). Anything
+    else is one log line and vLLM compiles as usual. ``hub_fetch`` is (repo id, cache dir) of a
+    Hub checkpoint (``where``, its snapshot), whose archive is fetched like the rank's parts.
     True if the artifacts will be used."""
     if not startup_artifacts.enabled() or manifest is None:
         return False
     try:
-        return _restore(model, where, manifest, rank, hub_fetch, trust_remote_code)
+        return _restore(model, where, manifest, rank, hub_fetch)
     except Exception as e:  # optional: vLLM compiles as it would without them; never a failed start
         logger.warning("sharded_state: %s start-up artifacts not used (%s); vLLM compiles as usual", rank, e)
         return False
@@ -300,7 +299,6 @@ def _restore(
     manifest: Manifest,
     rank: RankInfo,
     hub_fetch: tuple[str, str | None] | None,
-    trust_remote_code: bool,
 ) -> bool:
     try:
         entry = manifest.rank(rank.tp_rank, rank.pp_rank, rank.saved_dp_rank)
@@ -309,13 +307,10 @@ def _restore(
     record = entry.startup if entry is not None else None
     if record is None or record.key.get("compiled") == "":
         return False  # none, or only what prepare_node restores before the engine
-    if hub_fetch is not None and not trust_remote_code:
-        logger.info(
-            "sharded_state: %s start-up artifacts not used: they are compiled code, which torch runs, from the Hub "
-            "repository %s; serve with trust_remote_code=True (--trust-remote-code) to use them",
-            rank,
-            hub_fetch[0],
-        )
+    # Code that torch runs in this process: only from a manifest a trusted key signed, wherever it lies.
+    verdict = check_trust(manifest)
+    if not verdict.trusted:
+        logger.info("sharded_state: %s start-up artifacts not used: %s; vLLM compiles as usual", rank, verdict.reason)
         return False
     served = served_key(model, rank)
     if served is None:

@@ -162,7 +162,7 @@ class ShardedStateLoader(BaseModelLoader):
         share_load_outcome(rank, None)
         # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
         hub_fetch = None if repo_id is None else (repo_id, self.load_config.download_dir)
-        restore_startup_artifacts(model, directory, manifest, rank, hub_fetch, model_config.trust_remote_code)
+        restore_startup_artifacts(model, directory, manifest, rank, hub_fetch)
 
     def _read(
         self,

@@ -3,8 +3,8 @@ inspection cache entries the checkpoint carries, and, on CPU, vLLM's compile mod
 restart find Inductor's caches (:func:`prefer_inductor_caches`).
 
 vLLM reads both while it builds its configuration, before any loader runs, so this is a step of
-its own (:func:`prepare_node`): ``vllm-sharded-serve`` takes it, and a Python user calls it before
-``LLM(...)``. The compile cache itself is restored by the load (:mod:`.compile_cache`).
+its own (:func:`prepare_node`), which the plugin takes as vLLM builds the model's configuration.
+The compile cache itself is restored by the load (:mod:`.compile_cache`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint import startup_artifacts
+from ..checkpoint.trust import TRUSTED_KEYS_ENV, check_trust
 from ..format.names import MANIFEST_NAME
 from ..storage import hub
 from ..storage.fresh_process import copy_objects
@@ -105,11 +106,12 @@ def prepare_node(model: str, revision: str | None = None, download_dir: str | No
     """Before vLLM builds an engine for the sharded checkpoint ``model`` (a folder, an object
     storage URL or a Hub id) on this node: restore into ``VLLM_CACHE_ROOT/modelinfos/`` vLLM's
     model-class inspection cache entries that the checkpoint carries, so that vLLM does not
-    inspect the model class in a subprocess (about 15 s on a fresh node). vLLM reads them while
-    it builds its configuration, before any loader runs, so this is a step of its own:
-    ``vllm-sharded-serve`` takes it, and a Python user calls it before ``LLM(...)``.
+    inspect the model class in a subprocess. The plugin runs this as vLLM builds the model's
+    configuration, before any loader (:func:`.plugin.install`, hook 6); call it yourself only to
+    have it done before vLLM is imported.
 
-    Only from an archive saved by the same vLLM, torch and Python, whose bytes match their
+    Only from an archive saved by the same vLLM, torch and Python, in a manifest signed by a key
+    in ``SHARDED_STATE_TRUSTED_KEYS`` (:mod:`..checkpoint.trust`), whose bytes match their
     checksum; an entry already on the node is kept; vLLM itself checks each entry against the
     hash of its model file and inspects again if they differ. Anything else is one log line,
     never a failed start. Returns how many entries were written.
@@ -122,10 +124,23 @@ def prepare_node(model: str, revision: str | None = None, download_dir: str | No
     try:
         _configure_logging()
         prefer_inductor_caches()
+        if not os.environ.get(TRUSTED_KEYS_ENV, "").strip():
+            return 0  # nothing it carries could be used: the checkpoint is not read
         return _prepare_node(model, revision, download_dir)
     except Exception as e:  # optional: vLLM inspects the model class as it would without it
         logger.warning("sharded_state: %s: vLLM's model-class inspection cache not restored (%s)", model, e)
         return 0
+
+
+_prepared: set[tuple[str, str | None]] = set()
+
+
+def prepare_node_once(model: str, revision: str | None = None, download_dir: str | None = None) -> int:
+    """:func:`prepare_node`, once per model in this process (vLLM may build its configuration twice)."""
+    if (model, revision) in _prepared:
+        return 0
+    _prepared.add((model, revision))
+    return prepare_node(model, revision, download_dir)
 
 
 def _prepare_node(model: str, revision: str | None, download_dir: str | None) -> int:
@@ -163,6 +178,10 @@ def _restore_model_info(model: str, where: str, fetch: Callable[[str], str]) -> 
         return 0  # vLLM's own save: it carries none
     records = [e.startup for e in manifest.ranks if e.startup is not None]
     if not records:
+        return 0
+    verdict = check_trust(manifest)  # what vLLM reads of them decides how it builds the engine
+    if not verdict.trusted:
+        logger.info("sharded_state: %s: start-up artifacts not used: %s", model, verdict.reason)
         return 0
     # The entries are the same on every rank; any rank's archive saved by this build carries them.
     installed = {"vllm": vllm.__version__, "torch": torch.__version__, "python": served_key_python()}

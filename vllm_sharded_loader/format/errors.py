@@ -10,7 +10,8 @@ are); the subclasses let a caller branch on what went wrong without reading the 
 - :class:`SaveRefused`: a save was refused before anything was published; nothing changed;
 - :class:`SaveFailedAfterPublish`: the manifest is published (the checkpoint is complete and
   sound), but a step after it (removing the old parts, the lock) failed;
-- :class:`WorkerLost`: another worker of the same load, save or update stopped answering.
+- :class:`WorkerLost`: another worker of the same load, save or update stopped answering;
+- :class:`InvalidKey`: a signing or trusted key that cannot be read or used.
 
 An interrupt that comes once the manifest is published is raised as :class:`InterruptedAfterPublish`,
 still a ``KeyboardInterrupt`` (the new checkpoint is complete; the command says so).
@@ -82,6 +83,10 @@ class InterruptedAfterPublish(KeyboardInterrupt):
 
 class WorkerLost(ShardedStateError):
     """Another worker of the same load, save or update stopped answering."""
+
+
+class InvalidKey(ShardedStateError):
+    """A signing or trusted key file that is missing, encrypted, or not a PEM key of a supported kind."""
 
 
 def agreed_error(cls: type[ShardedStateError], message: str, origin: BaseException | None = None) -> ShardedStateError:

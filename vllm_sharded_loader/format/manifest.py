@@ -36,6 +36,7 @@ from .names import (
     parse_file_name,
     validate_pattern,
 )
+from .signature import SIGNATURE_FIELD, Signature, signed_message
 from .source import SourceModel
 from .untrusted import MAX_BYTES, MAX_DIMS, JsonReader, is_int, is_shape, load_json
 
@@ -88,6 +89,10 @@ class Manifest:
     carried_files: dict[str, CarriedFile] | None = None
     # Carried by the checkpoint this one replaced, not by this one: removed after the publish, recorded before.
     stale_files: tuple[str, ...] = ()
+    # Who vouches for the code the checkpoint carries (:mod:`..checkpoint.trust`), and, in a parsed
+    # manifest, the message that signature signs (:func:`.signature.signed_message`).
+    signature: Signature | None = field(default=None, compare=False)
+    signed_message: bytes = field(default=b"", compare=False, repr=False)
 
     @property
     def expert_tp_size(self) -> int:
@@ -156,6 +161,8 @@ class Manifest:
             data["carried_files"] = {name: f.to_dict() for name, f in sorted(self.carried_files.items())}
         if self.stale_files:
             data["stale_files"] = list(self.stale_files)
+        if self.signature is not None:
+            data[SIGNATURE_FIELD] = self.signature.to_dict()
         return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -213,6 +220,8 @@ class Manifest:
             experts_over_dp=reader.boolean(obj, "experts_over_dp") if "experts_over_dp" in obj else False,
             carried_files=_carried_files(reader, obj["carried_files"]) if "carried_files" in obj else None,
             stale_files=_stale_files(reader, obj.get("stale_files", [])),
+            signature=Signature.from_dict(reader, obj[SIGNATURE_FIELD]) if SIGNATURE_FIELD in obj else None,
+            signed_message=signed_message(obj) if SIGNATURE_FIELD in obj else b"",
         )
         manifest.__dict__["geometries"] = geometries  # the cached_property, parsed with messages naming `where`
         check_manifest_consistency(manifest, where)

@@ -7,6 +7,8 @@
                                                rewrite it for another topology, offline
     vllm-sharded convert SRC -tp N [-pp M] -o OUT
                                                write a Hugging Face model's per-rank files, no engine
+    vllm-sharded keygen -o DIR                 a key pair to sign checkpoints with (private.pem, public.pem)
+    vllm-sharded sign DIR --key PRIVATE.pem    sign a checkpoint: its start-up artifacts run where the key is trusted
 
 Errors are one clear line and a non-zero exit, not a traceback.
 """
@@ -106,6 +108,8 @@ def inspect(args: argparse.Namespace) -> int:
         _say("  LOCKED        a save is running or was interrupted")
     carried = [r for r in info["ranks"] if r["startup_artifacts"]]
     _say(f"  start-up      {len(carried)} of {len(info['ranks'])} ranks carry compile artifacts")
+    trust = info["trust"]
+    _say(f"  signature     {'used here: ' if trust['trusted'] else 'not used here: '}{trust['reason']}")
     for r in info["ranks"]:
         dp = f" dp {r['dp_rank']}" if r["dp_rank"] else ""
         for f in r["files"]:
@@ -182,6 +186,28 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def keygen(args: argparse.Namespace) -> int:
+    from ..checkpoint.trust import TRUSTED_KEYS_ENV, keygen
+
+    private, public = keygen(args.output)
+    _say(f"Wrote {private} (keep it secret: it signs) and {public}.")
+    _say(f"Sign with: SHARDED_STATE_SIGNING_KEY={private} (saves) or vllm-sharded sign DIR --key {private}.")
+    _say(f"Trust on the serving nodes with: {TRUSTED_KEYS_ENV}={public}")
+    return 0
+
+
+def sign(args: argparse.Namespace) -> int:
+    from ..checkpoint.startup_artifacts import sign_checkpoint
+    from ..checkpoint.trust import check_trust, load_signer
+
+    manifest = sign_checkpoint(args.directory, load_signer(args.key))
+    archives = sum(r.startup is not None for r in manifest.ranks)
+    _say(f"Signed {args.directory} ({archives} start-up archives) with key {manifest.signature.short_id}.")
+    verdict = check_trust(manifest)
+    _say(f"Here: {'used' if verdict.trusted else 'not used'}, {verdict.reason}.")
+    return 0
+
+
 def _path(text: str) -> str:
     """A folder, file or URL argument: an empty one (``-o "$OUT"`` with OUT unset) would be the
     working folder, which nobody asked to write into."""
@@ -231,6 +257,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--convert", default="auto", help="as vLLM's --convert: 'embed' for a causal LM served to embed")
     p.add_argument("--revision", default=None, help="of a Hub repo id: a branch, tag or commit (default: main)")
     p.set_defaults(run=convert)
+    p = commands.add_parser("keygen", help="write a key pair to sign checkpoints with (Ed25519, PEM)")
+    p.add_argument("--output", "-o", required=True, type=_path, help="the folder: private.pem (0600), public.pem")
+    p.set_defaults(run=keygen)
+    p = commands.add_parser(
+        "sign", help="sign a checkpoint's manifest, so that its start-up artifacts run where the key is trusted"
+    )
+    p.add_argument("directory", metavar="DIR", type=_path, help="a folder or an s3://, gs://, az:// prefix")
+    p.add_argument("--key", required=True, type=_path, help="the private key (PEM), as vllm-sharded keygen writes it")
+    p.set_defaults(run=sign)
     commands.add_parser(
         "save",
         help="load a model in vLLM and save it sharded (same flags as examples/save_sharded_state.py)",

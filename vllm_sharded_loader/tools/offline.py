@@ -7,6 +7,7 @@ never the model.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from ..checkpoint.carry import carried_problems, stale_problems
 from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
+from ..checkpoint.trust import check_trust
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from ..format.geometry import OPAQUE
 from ..format.manifest import Manifest
@@ -96,6 +98,8 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
         },
         "tied": [list(g) for g in manifest.tied],
         "locked": is_locked(directory),
+        "signature": None if manifest.signature is None else manifest.signature.to_dict(),
+        "trust": dataclasses.asdict(check_trust(manifest)),
     }
 
 
