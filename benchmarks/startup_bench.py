@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.harness import HERE, ROOT, build, command, engine_env, layers_for, machine
+from benchmarks.harness import HERE, ROOT, build, command, engine_env, layers_for, record
 
 CASES = ("a_fresh", "b_fresh_artifacts", "c_warm", "d_default_fresh", "e_eager")
 PROMPT = "the model loads every shard"
@@ -229,10 +229,10 @@ COLUMNS = (
 
 
 def markdown(out: str) -> str:
-    lines = ["<!-- written by benchmarks/startup_bench.py -->", ""]
-    for name in sorted(os.listdir(out)):
-        if not re.fullmatch(r"startup_bench_tp\d+\.json", name):
-            continue
+    names = sorted(n for n in os.listdir(out) if re.fullmatch(r"startup_bench_tp\d+\.json", n))
+    # The first line names the results this report is of (docs/figures.py reads it).
+    lines = [f"<!-- written by benchmarks/startup_bench.py from {', '.join(names)} -->", ""]
+    for name in names:
         with open(os.path.join(out, name)) as f:
             result = json.load(f)
         s = result["summary"]
@@ -240,7 +240,8 @@ def markdown(out: str) -> str:
             f"### TP={result['tp']}: {result['model']}, {result['runs']} run(s), medians, seconds",
             "",
             f"Machine: {result['machine']['cpu_model']}, {result['machine']['cpus']} CPUs, "
-            f"flags {' '.join(result['machine']['cpu_flags'])}. Re-run: `{result['command']}`",
+            f"flags {' '.join(result['machine']['cpu_flags'])}; {result.get('vllm', '?')}; "
+            f"commit {result.get('commit', '?')}, {result.get('date', '?')}. Re-run: `{result['command']}`",
             "",
             "| start | " + " | ".join(COLUMNS) + " |",
             "|---|" + "---:|" * len(COLUMNS),
@@ -329,10 +330,10 @@ def main() -> None:
         if len(ids) > 1:
             sys.exit("the starts generated different tokens: " + "; ".join(f"{v}: {k}" for k, v in ids.items()))
     result = {
+        **record(),
         "tp": args.tp,
         "runs": args.runs,
         "model": model,
-        "machine": machine(),
         "save_seconds": save_seconds,
         "command": " && ".join(commands),
         "commands": commands,
