@@ -101,7 +101,10 @@ def commit() -> str:
     """The commit of the tree measured (``git rev-parse --short HEAD``), with ``+changes`` when tracked
     files differ from it; where the tree is a copy without its history (a lent GPU machine gets
     one), ``$BENCH_COMMIT`` as the caller names it, else ``"unknown"``."""
-    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except FileNotFoundError:  # no git on the machine
+        return os.environ.get("BENCH_COMMIT", "unknown")
     if head.returncode != 0:
         return os.environ.get("BENCH_COMMIT", "unknown")
     changed = subprocess.run(
