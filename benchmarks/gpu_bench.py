@@ -90,6 +90,8 @@ def fingerprint(t: torch.Tensor) -> int:
     (True, False)
     """
     data = t.detach().contiguous().view(-1).view(torch.uint8)
+    if data.storage_offset() % 8:  # a tensor inside a larger buffer: words must start on 8 bytes
+        data = data.clone()
     whole = data.numel() // 8 * 8
     words = data[:whole].view(torch.int64)
     total = 0
