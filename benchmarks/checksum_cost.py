@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import record
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel
@@ -106,6 +107,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     median = {k: statistics.median(v) for k, v in times.items()}
     result = {
+        **record(),
         "bytes": nbytes,
         "runs": args.runs,
         "seconds": times,

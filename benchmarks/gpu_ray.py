@@ -91,7 +91,10 @@ def main() -> None:
         raise SystemExit("the save through Ray failed")
     auto = run(["-m", "benchmarks.gpu_ray", "--child", model, "auto", str(tp)])
     ours = run(["-m", "benchmarks.gpu_ray", "--child", sharded, "sharded_state", str(tp)])
+    from benchmarks.harness import record
+
     result = {
+        **record(gpu=torch.cuda.get_device_name(0)),
         "gpus": torch.cuda.device_count(),
         "gpu": torch.cuda.get_device_name(0),
         "tp": tp,

