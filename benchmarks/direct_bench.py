@@ -64,7 +64,7 @@ def rank_state(layers: int, hidden: int, inter: int, vocab: int) -> dict:
 
 def build(work: str, layers: int) -> list[str]:
     from vllm_sharded_loader.checkpoint import RankInfo
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     from vllm_sharded_loader.format import SourceModel, config_sha256, normalize_config
 
     directory = os.path.join(work, f"rank-{layers}")
@@ -72,7 +72,13 @@ def build(work: str, layers: int) -> list[str]:
         config = {"layers": layers}
         source = SourceModel("BenchForCausalLM", config_sha256(config), normalize_config(config))
         state = rank_state(layers, 2048, 5632, 32000)
-        save_checkpoint(directory, {RankInfo(0, 1): state}, dtype="bfloat16", source=source, max_size=512 * 1024**2)
+        save_checkpoint(
+            directory,
+            {RankInfo(0, 1): state},
+            dtype="bfloat16",
+            source=source,
+            options=SaveOptions(max_size=512 * 1024**2),
+        )
     return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
 
 

@@ -351,7 +351,7 @@ def method(name: str, paths: list[str], device: str) -> Callable[[], dict[str, t
         }
         os.environ[direct.ENV] = "on" if way == "direct" else "off"
         try:
-            tensor_files.read_files(headers, targets, options=ReadOptions(threads=t), span_bytes=s * MiB)
+            tensor_files.read_files(headers, targets, options=ReadOptions(threads=t, span_bytes=s * MiB))
         finally:
             os.environ.pop(direct.ENV, None)
         return targets

@@ -420,18 +420,20 @@ RANGE = 16 << 20
 
 def upload(directory: str, url: str) -> None:
     from vllm_sharded_loader.storage import objects
-    from vllm_sharded_loader.storage.location import copy_non_weight_files
+    from vllm_sharded_loader.storage.location import open_store
 
     where = objects.ObjectPrefix.parse(url)
     for name in sorted(os.listdir(directory)):
         if name.endswith(".safetensors") or name == "sharded_state.json":
             objects.put(where, name, Path(os.path.join(directory, name)))
-    copy_non_weight_files(directory, url)
+    source, output = open_store(directory), open_store(url)
+    for name in source.non_weight_files():  # config, tokenizer
+        output.put(name, source.read(name))
 
 
 def rank_parts(url: str, tp: int) -> list[list[tuple[str, int]]]:
     """(object name, size) of each rank's parts, from the manifest."""
-    from vllm_sharded_loader.storage.location import read_manifest
+    from vllm_sharded_loader.checkpoint import read_manifest
 
     manifest = read_manifest(url)
     assert manifest is not None
@@ -443,7 +445,7 @@ RAW_GET = """
 import json, resource, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from vllm_sharded_loader.storage import objects
-from vllm_sharded_loader.storage.location import read_manifest
+from vllm_sharded_loader.checkpoint import read_manifest
 
 url, rank, threads, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 start_at = float(sys.argv[5])

@@ -67,7 +67,7 @@ def measure(args: argparse.Namespace) -> dict:
     from examples.s3_server import SeaweedS3
     from tests.support.faultproxy import FaultProxy
     from tests.support.nodes import Nodes, serve_tp2
-    from vllm_sharded_loader.storage.location import read_manifest
+    from vllm_sharded_loader.checkpoint import read_manifest
 
     work = args.work or tempfile.mkdtemp(prefix="nodes-bench-")
     hf = harness.build(work, harness.layers_for(args.gb))

@@ -91,7 +91,7 @@ def build(work: str, layers: int) -> dict[int, str]:
     import torch
 
     from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     from vllm_sharded_loader.planning.layout import shard_layout
 
     dirs = {tp: os.path.join(work, f"tp{tp}") for tp in (1, 2)}
@@ -100,8 +100,8 @@ def build(work: str, layers: int) -> dict[int, str]:
     tensors = model_tensors(layers)
     geometry = {n: g.to_dict() for n, (g, _) in tensors.items()}
     full = {n: t for n, (_, t) in tensors.items()}
-    save_checkpoint(dirs[1], {RankInfo(0, 1): full}, dtype="bfloat16", source=source(), max_size=5 << 30,
-                    geometry=geometry, overwrite=True)  # fmt: skip
+    options = SaveOptions(max_size=5 << 30, geometry=geometry, overwrite=True)
+    save_checkpoint(dirs[1], {RankInfo(0, 1): full}, dtype="bfloat16", source=source(), options=options)
     from vllm_sharded_loader.checkpoint import read_manifest
 
     manifest = read_manifest(dirs[1])
@@ -112,8 +112,7 @@ def build(work: str, layers: int) -> dict[int, str]:
         }
         load_rank(LoadRequest(dirs[1], manifest), local, RankInfo(rank, 2))
         ranks[RankInfo(rank, 2)] = local
-    save_checkpoint(dirs[2], ranks, dtype="bfloat16", source=source(), max_size=5 << 30, geometry=geometry,
-                    overwrite=True)  # fmt: skip
+    save_checkpoint(dirs[2], ranks, dtype="bfloat16", source=source(), options=options)
     return dirs
 
 

@@ -61,7 +61,7 @@ def build(work: str, mib: int) -> dict[int, str]:
     import torch
 
     from vllm_sharded_loader.checkpoint import RankInfo
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     from vllm_sharded_loader.format import SourceModel
 
     generator = torch.Generator().manual_seed(0)
@@ -74,7 +74,11 @@ def build(work: str, mib: int) -> dict[int, str]:
         ranks = {RankInfo(r, tp): {n: t.chunk(tp)[r].contiguous() for n, t in tensors.items()} for r in range(tp)}
         dirs[tp] = os.path.join(work, f"tp{tp}")
         save_checkpoint(
-            dirs[tp], ranks, dtype="bfloat16", source=SourceModel("Bench", "0" * 64, {}), max_size=256 << 20
+            dirs[tp],
+            ranks,
+            dtype="bfloat16",
+            source=SourceModel("Bench", "0" * 64, {}),
+            options=SaveOptions(max_size=256 << 20),
         )
     return dirs
 

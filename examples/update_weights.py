@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 
 
 def train_step(checkpoint: str, output: str, seed: int) -> float:
@@ -57,9 +57,7 @@ def train_step(checkpoint: str, output: str, seed: int) -> float:
         ranks,
         dtype=manifest.dtype,
         source=manifest.source,
-        geometry=manifest.geometry,
-        tied=manifest.tied,
-        overwrite=True,
+        options=SaveOptions(geometry=manifest.geometry, tied=manifest.tied, overwrite=True),
     )
     return time.perf_counter() - started
 

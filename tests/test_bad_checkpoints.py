@@ -41,7 +41,7 @@ from vllm_sharded_loader.checkpoint import (
     saveable_state,
     verify_checkpoint,
 )
-from vllm_sharded_loader.checkpoint.save import save_checkpoint, write_manifest
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
 from vllm_sharded_loader.format.entries import DIGEST_METADATA
 from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS, RankEntry
@@ -272,7 +272,7 @@ def save_carrying(directory: Path) -> Path:
     (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(200)}}}))
     (model / "generation_config.json").write_text('{"temperature": 0.6}')
     ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
-    save_checkpoint(str(directory), ranks, dtype="bfloat16", source=SOURCE, carry=str(model))
+    save_checkpoint(str(directory), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=str(model)))
     assert verify_checkpoint(str(directory)) == []
     return directory
 
@@ -401,10 +401,11 @@ SAVER = textwrap.dedent(
     import sys, torch
     from tests.support.states import SOURCE
     from vllm_sharded_loader.checkpoint import RankInfo
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     {prelude}
     big = {{RankInfo(r, 2): {{"w": torch.full((2048, 1024), float(r))}} for r in range(2)}}
-    save_checkpoint({directory!r}, big, dtype="float32", source=SOURCE, max_size=2**20, overwrite=True)
+    save_checkpoint({directory!r}, big, dtype="float32", source=SOURCE,
+                    options=SaveOptions(max_size=2**20, overwrite=True))
     print("SAVED", flush=True)
     """
 )
@@ -491,11 +492,21 @@ def test_save_refuses_escaping_or_colliding_patterns(tmp_path):
     ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
     source = SourceModel("TinyForCausalLM", "0" * 64)
     with pytest.raises(ShardedStateError, match="plain file"):
-        save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="../w-{rank}-{part}")
+        save_checkpoint(
+            str(tmp_path), ranks, dtype="bfloat16", source=source, options=SaveOptions(pattern="../w-{rank}-{part}")
+        )
     with pytest.raises(ShardedStateError, match="tensor parallel rank"):
-        save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="w-{part}.safetensors")
+        save_checkpoint(
+            str(tmp_path), ranks, dtype="bfloat16", source=source, options=SaveOptions(pattern="w-{part}.safetensors")
+        )
     with pytest.raises(ShardedStateError, match="uses a format spec"):
-        save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=source, pattern="w-{rank:>999999999}-{part}")
+        save_checkpoint(
+            str(tmp_path),
+            ranks,
+            dtype="bfloat16",
+            source=source,
+            options=SaveOptions(pattern="w-{rank:>999999999}-{part}"),
+        )
     assert not (tmp_path / LOCK_NAME).exists()
 
 
@@ -736,7 +747,7 @@ def test_a_stale_part_of_an_older_save_with_the_same_header_is_refused_on_every_
     older, directory, model = tmp_path / "older", tmp_path / "ckpt", RESHARD_MODEL
     ranks = {RankInfo(t, 2): {n: x + 1 for n, x in stage_state(model, 2, 1, t, 0).items()} for t in range(2)}
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    save_checkpoint(str(older), ranks, dtype="int32", source=source_of(model), geometry=geometry)
+    save_checkpoint(str(older), ranks, dtype="int32", source=source_of(model), options=SaveOptions(geometry=geometry))
     save_reshardable(directory)
     old_entry, new_entry = same_header_but_the_digest(older, directory)
     assert old_entry.files[0].digest != new_entry.files[0].digest
@@ -808,7 +819,7 @@ def test_a_part_of_a_later_save_beside_a_manifest_without_digests_is_refused_on_
     older, newer, model = tmp_path / "older", tmp_path / "newer", RESHARD_MODEL
     ranks = {RankInfo(t, 2): {n: x + 1 for n, x in stage_state(model, 2, 1, t, 0).items()} for t in range(2)}
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    save_checkpoint(str(older), ranks, dtype="int32", source=source_of(model), geometry=geometry)
+    save_checkpoint(str(older), ranks, dtype="int32", source=source_of(model), options=SaveOptions(geometry=geometry))
     as_saved_before_digests(older)
     save_reshardable(newer)
     _, new_entry = same_header_but_the_digest(older, newer)
@@ -953,7 +964,11 @@ def save_other_weights(directory: Path, max_size: int | None = None) -> None:
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     source = source_of(model)
     save_checkpoint(
-        str(directory), ranks, dtype="int32", source=source, geometry=geometry, max_size=max_size, overwrite=True
+        str(directory),
+        ranks,
+        dtype="int32",
+        source=source,
+        options=SaveOptions(geometry=geometry, max_size=max_size, overwrite=True),
     )
 
 
@@ -1179,7 +1194,7 @@ DEAD_SAVE = textwrap.dedent(
     import os, sys
     from tests.support.states import rank_state
     from vllm_sharded_loader.checkpoint import RankInfo, saveable_state
-    from vllm_sharded_loader.checkpoint.save import stage_rank
+    from vllm_sharded_loader.storage.staged import stage_rank
     from vllm_sharded_loader.storage.lock import acquire_save_lock
     acquire_save_lock({directory!r}, {token!r}, overwrite=True)
     stage_rank({directory!r}, saveable_state(rank_state(0, 2)), RankInfo(0, 2), token={token!r})
@@ -1220,7 +1235,7 @@ RACER = textwrap.dedent(
     (flags / f"ready-{{me}}").touch()
     wait_for(flags / "go")  # both saves reach the lock together
     ranks = {{RankInfo(r, 2): {{"w": torch.full((64, 16), {value})}} for r in range(2)}}
-    save.save_checkpoint({directory!r}, ranks, dtype="float32", source=SOURCE, overwrite=True)
+    save.save_checkpoint({directory!r}, ranks, dtype="float32", source=SOURCE, options=save.SaveOptions(overwrite=True))
     print("SAVED", flush=True)
     """
 )
@@ -1340,8 +1355,9 @@ def test_a_users_files_shaped_like_a_locks_staging_name_are_left_alone(tmp_path)
 
 
 def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(tmp_path):
-    """write_manifest removes the staged files of its save, of the save whose lock it took
+    """A save's publish and clean-up remove the staged files of its save, of the save whose lock it took
     over and of owners that are gone, never those of a live owner (an engine's capture)."""
+    from vllm_sharded_loader.storage.location import open_store
     from vllm_sharded_loader.storage.lock import OWNER_MARKER, hold_owner_marker, release_owner_marker
 
     manifest = save(tmp_path)
@@ -1349,8 +1365,12 @@ def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(t
     for token in (ours, taken_over, other, gone):
         (tmp_path / staged_name(PART0, token)).write_bytes(token.encode())
     owner = hold_owner_marker(str(tmp_path), other)  # a live engine's capture
-    lock = acquire_save_lock(str(tmp_path), ours, overwrite=True)
-    write_manifest(str(tmp_path), manifest, SaveLock(lock.path, ours, lock.fd, taken_over))
+    store = open_store(str(tmp_path))
+    store.lock(ours, True, ())  # (a lock of its own: the one it takes over is named below)
+    store.held = SaveLock(store.held.path, ours, store.held.fd, taken_over)
+    store.publish(manifest)
+    store.clean(manifest)
+    store.release()
     assert staged_files(tmp_path) == {other: sorted([staged_name(PART0, other), staged_name(OWNER_MARKER, other)])}
     assert (tmp_path / staged_name(PART0, other)).read_bytes() == other.encode()
     assert not (tmp_path / LOCK_NAME).exists()

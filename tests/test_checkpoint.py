@@ -13,7 +13,6 @@ from safetensors.torch import save_file
 
 from tests.support.states import CONFIG, SOURCE, assert_untouched, fresh_targets, load, rank_state, save
 from vllm_sharded_loader.checkpoint import RankInfo, saveable_state
-from vllm_sharded_loader.checkpoint.save import StagedRank, open_staged_tensors
 from vllm_sharded_loader.format import (
     MANIFEST_NAME,
     ShardedStateError,
@@ -21,6 +20,7 @@ from vllm_sharded_loader.format import (
     config_sha256,
     normalize_config,
 )
+from vllm_sharded_loader.storage.staged import StagedRank, open_staged_tensors
 
 
 def test_round_trip_every_rank_gets_its_own_bytes(tmp_path):
@@ -271,6 +271,7 @@ def test_a_hugging_face_model_given_to_our_load_format_is_named_with_what_to_do(
 def test_a_sharded_checkpoint_is_told_from_a_model_folder(tmp_path):
     # A speculative drafter's folder: its sharded checkpoint loads by rank, its HF weights by vLLM's loader.
     from vllm_sharded_loader.checkpoint.legacy import holds_sharded_checkpoint
+    from vllm_sharded_loader.storage.location import open_store
 
     hf, ours, vllms, custom = (tmp_path / n for n in ("hf", "ours", "vllm", "custom"))
     for d in (hf, vllms, custom):
@@ -280,11 +281,11 @@ def test_a_sharded_checkpoint_is_told_from_a_model_folder(tmp_path):
     save(ours)
     save_like_vllm(vllms)
     save_file({"w": torch.zeros(2)}, os.path.join(custom, "draft-1-0.safetensors"))
-    assert not holds_sharded_checkpoint(str(hf))
-    assert not holds_sharded_checkpoint(str(tmp_path / "absent"))
-    assert holds_sharded_checkpoint(str(ours)) and holds_sharded_checkpoint(str(vllms))
-    assert not holds_sharded_checkpoint(str(custom))
-    assert holds_sharded_checkpoint(str(custom), "draft-{rank}-{part}.safetensors")
+    assert not holds_sharded_checkpoint(open_store(str(hf)))
+    assert not holds_sharded_checkpoint(open_store(str(tmp_path / "absent")))
+    assert holds_sharded_checkpoint(open_store(str(ours))) and holds_sharded_checkpoint(open_store(str(vllms)))
+    assert not holds_sharded_checkpoint(open_store(str(custom)))
+    assert holds_sharded_checkpoint(open_store(str(custom)), "draft-{rank}-{part}.safetensors")
 
 
 def test_distinct_meta_tensors_never_look_like_shared_memory():

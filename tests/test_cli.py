@@ -254,7 +254,7 @@ def test_reshard_to_another_pp_size_refuses_saved_layers_its_config_does_not_cou
     """Saved tensors of decoder layers beyond the layer count of the manifest's config are in no
     stage's range: a reshard to another PP size wrote them into no stage and published an output
     without them (12 tensors of layer 2 here), which verify called sound."""
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     from vllm_sharded_loader.format import SourceModel, config_sha256, normalize_config
 
     model = llama_like(num_layers=3, vocab=128, kv_heads=2)
@@ -263,7 +263,7 @@ def test_reshard_to_another_pp_size_refuses_saved_layers_its_config_does_not_cou
     directory, out = tmp_path / "ckpt", tmp_path / "out"
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
-    save_checkpoint(str(directory), ranks, dtype="int32", source=source, geometry=geometry)
+    save_checkpoint(str(directory), ranks, dtype="int32", source=source, options=SaveOptions(geometry=geometry))
     assert cli(["reshard", str(directory), "-tp", "1", "-pp", "2", "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{directory / MANIFEST_NAME}: 12 saved tensors belong to decoder layers beyond the 2 layers" in err

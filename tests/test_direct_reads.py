@@ -95,7 +95,7 @@ def test_a_cold_load_reads_every_tensor_exactly_with_casts_and_checksums(tmp_pat
     }
     checksum = FileChecksum(HASH_NAME, BLOCK, tuple(blocks))
     stats = tensor_files.read_files(
-        headers, targets, {path: checksum}, options=ReadOptions(threads=3), span_bytes=BLOCK
+        headers, targets, {path: checksum}, options=ReadOptions(threads=3, span_bytes=BLOCK)
     )
     assert stats.direct == (mode == "on")  # auto: CPU targets keep the page cache
     for name, t in state.items():
@@ -107,7 +107,7 @@ def test_a_cold_load_reads_every_tensor_exactly_with_casts_and_checksums(tmp_pat
         f.write(bytes(10))
     evict(path)
     with pytest.raises(ShardedStateError, match="checksum"):
-        tensor_files.read_files(headers, targets, {path: checksum}, options=ReadOptions(threads=2), span_bytes=BLOCK)
+        tensor_files.read_files(headers, targets, {path: checksum}, options=ReadOptions(threads=2, span_bytes=BLOCK))
 
 
 def test_mapped_targets_keep_the_page_cache_and_the_rest_is_read_directly(tmp_path, monkeypatch):

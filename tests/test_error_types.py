@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, saveable_state
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256, normalize_config
 from vllm_sharded_loader.format.errors import (
     CheckpointCorrupt,
@@ -46,7 +46,9 @@ def state(tp_rank: int, tp_size: int, fill: float | None = None) -> dict[str, to
 
 def save(directory, tp_size: int = 1, overwrite: bool = True):
     ranks = {RankInfo(r, tp_size): saveable_state(state(r, tp_size)) for r in range(tp_size)}
-    return save_checkpoint(str(directory), ranks, dtype="bfloat16", source=SOURCE, overwrite=overwrite)
+    return save_checkpoint(
+        str(directory), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(overwrite=overwrite)
+    )
 
 
 def load(directory, tp_rank: int = 0, tp_size: int = 1):

@@ -57,7 +57,7 @@ def test_every_tensor_lands_exactly_on_the_gpu(tmp_path, monkeypatch, mode, thre
         "down.weight": torch.empty(300, 128, dtype=torch.bfloat16, device=device).t(),  # not contiguous
     }
     stats = tensor_files.read_files(
-        [local.read_header(path)], targets, options=ReadOptions(threads=threads), span_bytes=BLOCK
+        [local.read_header(path)], targets, options=ReadOptions(threads=threads, span_bytes=BLOCK)
     )
     torch.cuda.synchronize()
     assert stats.direct == (mode == "on")

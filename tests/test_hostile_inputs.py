@@ -348,7 +348,7 @@ def test_verify_names_a_fifo_where_the_save_carried_a_config_without_blocking(tm
 
     from tests.support.states import CONFIG, SOURCE, rank_state
     from vllm_sharded_loader.checkpoint import verify_checkpoint
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     from vllm_sharded_loader.checkpoint.state import saveable_state
     from vllm_sharded_loader.planning.topology import RankInfo
 
@@ -356,7 +356,7 @@ def test_verify_names_a_fifo_where_the_save_carried_a_config_without_blocking(tm
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
     ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
-    save_checkpoint(str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, carry=str(model))
+    save_checkpoint(str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=str(model)))
     make_special(checkpoint / "config.json", "fifo")
     found: list[list[str]] = []
     thread = threading.Thread(target=lambda: found.append(verify_checkpoint(str(checkpoint))), daemon=True)
@@ -376,7 +376,7 @@ def test_verify_names_a_carried_file_that_links_out_of_the_checkpoint_without_re
     bytes the save recorded, is named as a link out of it (verify hashed the outside file and passed)."""
     from tests.support.states import CONFIG, SOURCE, rank_state
     from vllm_sharded_loader.checkpoint import verify_checkpoint
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     from vllm_sharded_loader.checkpoint.state import saveable_state
     from vllm_sharded_loader.planning.topology import RankInfo
 
@@ -384,7 +384,7 @@ def test_verify_names_a_carried_file_that_links_out_of_the_checkpoint_without_re
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
     ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
-    save_checkpoint(str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, carry=str(model))
+    save_checkpoint(str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=str(model)))
     (checkpoint / "config.json").unlink()
     (checkpoint / "config.json").symlink_to(model / "config.json")
     problems = verify_checkpoint(str(checkpoint))
@@ -448,14 +448,14 @@ def test_a_modules_json_nested_past_the_recursion_limit_names_no_module_folder(t
     """As any unreadable modules.json: convert's check of the source folder (which lists the files a
     checkpoint carries), and verify of a checkpoint carrying it, raised a bare RecursionError."""
     from vllm_sharded_loader.checkpoint import verify_checkpoint
-    from vllm_sharded_loader.storage.location import check_no_special_files, non_weight_files
+    from vllm_sharded_loader.storage.location import check_no_special_files, open_store
 
     source = model_folder(tmp_path / "model")
     (source / "2_Dense").mkdir()
     (source / "2_Dense" / "model.safetensors").write_bytes(b"")
     (source / "modules.json").write_text(NESTED_PAST_THE_RECURSION_LIMIT)
-    check_no_special_files(str(source))
-    assert non_weight_files(str(source)) == ["config.json", "modules.json", "tokenizer.json"]
+    check_no_special_files(open_store(str(source)))
+    assert open_store(str(source)).non_weight_files() == ["config.json", "modules.json", "tokenizer.json"]
     checkpoint = tmp_path / "ckpt"
     save(checkpoint)
     (checkpoint / "modules.json").write_text(NESTED_PAST_THE_RECURSION_LIMIT)
@@ -467,12 +467,12 @@ def test_a_lock_file_nested_past_the_recursion_limit_is_a_lock_of_unknown_holder
     convert's look at its output (``is_locked``), a save into it and verify raised a bare RecursionError."""
     from vllm_sharded_loader.checkpoint import verify_checkpoint
     from vllm_sharded_loader.format.errors import CheckpointLocked
-    from vllm_sharded_loader.storage.location import is_locked
+    from vllm_sharded_loader.storage.location import open_store
 
     checkpoint = tmp_path / "ckpt"
     save(checkpoint)
     (checkpoint / LOCK_NAME).write_text(NESTED_PAST_THE_RECURSION_LIMIT)
-    assert is_locked(str(checkpoint))
+    assert open_store(str(checkpoint)).is_locked()
     notes: list[str] = []
     assert verify_checkpoint(str(checkpoint), checksums=False, notes=notes) == []
     died = f"{checkpoint / LOCK_NAME} (pid ? on ?, ?): the lock of a save that died"

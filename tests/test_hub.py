@@ -21,6 +21,7 @@ from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, rea
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.errors import CheckpointNotFound
 from vllm_sharded_loader.storage import hub
+from vllm_sharded_loader.storage.location import open_store
 
 
 @pytest.fixture
@@ -49,10 +50,10 @@ def test_a_rank_resolves_and_opens_only_its_own_files(hub_cache):
     rank1_files = {f.name for f in manifest.rank(1, 0).files}
     # Rank 1's parts are not in the cache at all: links to blobs that do not exist.
     lay_out_cache(root / "ckpt", root / "cache", leave_out=rank1_files)
-    snapshot = hub.fetch(REPO, hub.METADATA_PATTERNS)
+    snapshot = hub.fetch(REPO, hub.METADATA_PATTERNS).where
     assert Path(snapshot).name == COMMIT and (Path(snapshot) / MANIFEST_NAME).exists()
     mine = [f.name for f in manifest.rank(0, 0).files]
-    assert hub.fetch(REPO, mine) == snapshot
+    assert hub.fetch(REPO, mine).where == snapshot
     assert not set(mine) & rank1_files
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {n: torch.zeros_like(x) for n, x in expected.items()}
@@ -113,8 +114,8 @@ def test_a_ranks_parts_come_from_the_commit_its_manifest_came_from_though_the_br
     shutil.copytree(snapshot, newer, symlinks=True)
     (repo / "refs" / "main").write_text("b" * 40)
     part = read_manifest(str(snapshot)).rank(0, 0).files[0].name
-    assert hub.fetch(REPO, [part]) == str(newer)  # what the branch names now
-    assert hub.fetch_more(REPO, str(snapshot), [part]) == str(snapshot)
+    assert hub.fetch(REPO, [part]).where == str(newer)  # what the branch names now
+    assert hub.fetch_more(REPO, open_store(str(snapshot)), [part]).where == str(snapshot)
 
 
 @pytest.mark.parametrize("where", ["hub", "folder"])
@@ -143,7 +144,7 @@ def test_blobs_on_another_disk_are_read_by_convert_and_load_alike(hub_cache):
     repo = snapshot.parent.parent
     os.rename(repo / "blobs", root / "disk-blobs")  # moved to a bigger disk, a link left in its place
     os.symlink(root / "disk-blobs", repo / "blobs")
-    assert resolve_source(REPO) == str(snapshot)  # convert's fetch
+    assert resolve_source(REPO).where == str(snapshot)  # convert's fetch
     _load_rank0(str(snapshot))  # and a load of the same snapshot
 
 
@@ -219,7 +220,7 @@ def test_a_revision_or_ref_leading_out_of_the_repository_is_refused(tiny_hub, tm
     from vllm_sharded_loader.storage.hf_source import resolve_source
 
     snapshot, repo, other = tiny_hub
-    assert resolve_source(REPO) == str(snapshot)
+    assert resolve_source(REPO).where == str(snapshot)
     # huggingface_hub reads the commit from refs/<revision>, and the snapshot is snapshots/<commit>.
     (tmp_path / "ref").write_text(os.path.relpath(other, repo / "snapshots"))
     with pytest.raises(ShardedStateError, match=r"revision '(\.\./)+ref' names a path"):
@@ -247,7 +248,7 @@ def test_a_repository_whose_blobs_live_on_another_disk_still_resolves(tiny_hub, 
     _, repo, _ = tiny_hub
     os.rename(repo / "blobs", tmp_path / "disk-blobs")  # moved away, a link left in its place (a bigger disk)
     os.symlink(tmp_path / "disk-blobs", repo / "blobs")
-    source = SourceFiles.open(resolve_source(REPO))
+    source = SourceFiles.open(resolve_source(REPO).where)
     assert source.read("w").tolist() == [1.0] * 4
     source.close()
 

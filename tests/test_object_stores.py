@@ -1,4 +1,5 @@
-"""The same checkpoint checks on every object store: S3 (SeaweedFS), Azure (Azurite), GCS (fake-gcs-server).
+"""The same checkpoint checks on every object store: S3 (SeaweedFS), Azure (Azurite), GCS (fake-gcs-server),
+and the in-process ``memory://`` (obstore's MemoryStore: the object store's protocol without a server).
 
 Each store runs as a real server on loopback, one per module (``examples/s3_server.py``,
 ``examples/cloud_servers.py``), reached through the settings users set for that cloud
@@ -27,17 +28,17 @@ import torch
 from examples.cloud_servers import Azurite, FakeGCS
 from tests.support.checkpoints import save_model, source_of, stage_state
 from tests.support.reference import llama_like
-from tests.support.stores import Failing, load_from, save_to_bucket, stores_pointed_at
+from tests.support.stores import Failing, InMemory, load_from, save_to_bucket, stores_pointed_at
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import object_lock, objects
-from vllm_sharded_loader.storage.location import lies_inside, open_store, same_location
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
 BUCKET = "stores"  # its own bucket in the session's SeaweedFS (tests/conftest.py: seaweed)
-STORES = ("s3", "az", "gs")
+STORES = ("s3", "az", "gs", "memory")
 
 
 @dataclass
@@ -91,6 +92,8 @@ def store(request, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         if scheme == "s3":
             server = request.getfixturevalue("seaweed")
+        elif scheme == "memory":
+            server = InMemory()
         else:
             workdir = str(tmp_path_factory.mktemp(f"store-{scheme}"))
             server = stack.enter_context({"az": Azurite, "gs": FakeGCS}[scheme](workdir))
@@ -199,7 +202,11 @@ def test_a_held_prefix_and_an_existing_checkpoint_are_kept_unless_overwrite(stor
     ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     new = save_checkpoint(
-        url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
+        url,
+        ranks,
+        dtype="int32",
+        source=source_of(model),
+        options=SaveOptions(max_size=4096, geometry=geometry, overwrite=True),
     )
     listed = {f.name for e in new.ranks for f in e.files}
     assert {k for k in store.keys(url) if k != MANIFEST_NAME} == listed
@@ -228,7 +235,7 @@ def test_a_failed_save_publishes_nothing_and_leaves_nothing(store, staging_dir):
     ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
     ranks[RankInfo(1, 2)] = Failing(ranks[RankInfo(1, 2)])  # rank 0 uploads, then rank 1 fails
     with pytest.raises(OSError, match="No space left on device"):
-        save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=4096)
+        save_checkpoint(url, ranks, dtype="int32", source=source_of(model), options=SaveOptions(max_size=4096))
     assert store.keys(url) == []  # no manifest, no part, no upload record, no lock
     assert list(staging_dir.iterdir()) == []  # nor a local staging folder
 
@@ -309,8 +316,8 @@ def test_runai_fetches_config_and_tokenizer_as_vllm_asks(store, tmp_path, monkey
     """vLLM pulls a ``gs://``/``az://`` model's small files through Run:ai's ``pull_files`` (its
     ``runai-model-streamer-gcs``/``-azure`` extras) before any loader runs: it reaches both
     emulators with the settings docs/serving.md gives."""
-    if store.scheme == "s3":
-        pytest.skip("s3:// is served by vLLM in tests/test_s3.py's engine test")
+    if store.scheme in ("s3", "memory"):
+        pytest.skip("s3:// is served by vLLM in tests/test_s3.py's engine test; memory:// is this process's own")
     from runai_model_streamer import pull_files
 
     url = store.new_url()
@@ -405,6 +412,12 @@ def test_azure_connection_strings_become_obstore_settings():
 def test_one_prefix_under_any_spelling_is_one_location(url):
     # reshard and convert refuse an output that is their source: the same prefix, however it is written
     # (refused before any request: no server here).
+    def same_location(a: str, b: str) -> bool:
+        return open_store(a).same_as(open_store(b))
+
+    def lies_inside(a: str, b: str) -> bool:
+        return open_store(a).inside(open_store(b))
+
     assert same_location("s3://b/ckpt", url)
     assert not same_location("s3://b/ckpt", "s3://b/ckpt2") and not same_location("s3://b/ckpt", "gs://b/ckpt")
     # reshard also refuses an output inside its source: a longer prefix of the same bucket

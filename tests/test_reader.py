@@ -115,8 +115,7 @@ def test_direct_cast_and_strided_targets_match_the_library(tmp_path, threads, sp
     stats = tensor_files.read_files(
         [header],
         targets,
-        span_bytes=span_bytes,
-        options=ReadOptions(threads=threads, progress=lambda n, total: seen.append((n, total))),
+        options=ReadOptions(threads=threads, progress=lambda n, total: seen.append((n, total)), span_bytes=span_bytes),
     )
     nbytes = sum(e.end - e.begin for e in header.tensors.values())
     assert stats.bytes_read == sum(n for n, _ in seen) == nbytes
@@ -131,7 +130,7 @@ def test_direct_cast_and_strided_targets_match_the_library(tmp_path, threads, sp
 def test_only_named_tensors_are_read_and_others_untouched(tmp_path):
     path, tensors = odd_layout(tmp_path)
     target = torch.empty(17, dtype=torch.float64)
-    stats = tensor_files.read_files([local.read_header(path)], {"d_f64": target}, span_bytes=64)
+    stats = tensor_files.read_files([local.read_header(path)], {"d_f64": target}, options=ReadOptions(span_bytes=64))
     assert stats.bytes_read == 17 * 8
     assert torch.equal(target, tensors["d_f64"])
 
@@ -147,7 +146,7 @@ def test_overlapping_pieces_and_zero_runs(tmp_path):
         Piece(0, 20, 16, dest=1, start=0, itemsize=2),  # elements 10..17 again, cast into second
     ]
     targets = [memory.Target(first, torch.int16, zero_runs=[(20, 32)]), memory.Target(second, torch.int16)]
-    reader.read_pieces([path], pieces, targets, span_bytes=24, options=ReadOptions(threads=2))
+    reader.read_pieces([path], pieces, targets, options=ReadOptions(threads=2, span_bytes=24))
     assert torch.equal(first, torch.cat([data[:20], torch.zeros(12, dtype=torch.int16)]))
     assert torch.equal(second, data[10:18].float())
 
@@ -206,7 +205,7 @@ def test_a_file_shorter_than_its_reads_names_the_file(tmp_path):
     os.truncate(path, header.file_size - 100)
     targets = {n: torch.empty_like(t) for n, t in tensors.items()}
     with pytest.raises(ShardedStateError, match=r"odd.safetensors: a read of bytes \d+\.\.\d+ falls outside"):
-        tensor_files.read_files([header], targets, span_bytes=64, options=ReadOptions(threads=2))
+        tensor_files.read_files([header], targets, options=ReadOptions(threads=2, span_bytes=64))
     # A file that shrinks while it is read (after planning) fails the same way, named.
     buffers = [memoryview(bytearray(64)), memoryview(bytearray(64))]
     fd = os.open(path, os.O_RDONLY)
@@ -336,7 +335,7 @@ def test_adopted_targets_are_served_from_a_private_mapping_of_the_file(tmp_path,
     }
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    stats = tensor_files.read_files([header], targets, adopt=adopt, span_bytes=16, options=ReadOptions(threads=threads))
+    stats = tensor_files.read_files([header], targets, adopt=adopt, options=ReadOptions(threads=threads, span_bytes=16))
     assert sorted(adopted) == ["a_bf16", "b_f32", "c_i8"]
     assert stats.bytes_mapped == 42 + 33 * 5 * 4 + 13
     assert stats.bytes_read == sum(e.end - e.begin for e in header.tensors.values())

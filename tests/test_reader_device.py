@@ -195,7 +195,7 @@ def test_a_cpu_load_makes_no_cuda_call(tmp_path, monkeypatch):
     same, converted = torch.zeros(600, dtype=torch.int16), torch.zeros(600, dtype=torch.float32)
     pieces = [Piece(0, 0, 1200, dest=0, itemsize=2), Piece(0, 0, 1200, dest=1, itemsize=2)]
     targets = [memory.Target(same, torch.int16), memory.Target(converted, torch.int16)]
-    reader.read_pieces([str(path)], pieces, targets, span_bytes=256, options=ReadOptions(threads=2))
+    reader.read_pieces([str(path)], pieces, targets, options=ReadOptions(threads=2, span_bytes=256))
     assert torch.equal(same, values) and torch.equal(converted, values.float())
     assert fake.log == []
 

@@ -27,7 +27,7 @@ from tests.support.manifests import edit_manifest
 from tests.support.reference import llama_like, reference_pp_indices
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import CheckpointCorrupt, ShardedStateError
 from vllm_sharded_loader.storage.reader import ReadOptions
 
@@ -97,7 +97,7 @@ def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
         "shape": [32, 24],
         "split_dim": None,
     }
-    save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE, geometry=geometry)
+    save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE, options=SaveOptions(geometry=geometry))
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     with pytest.raises(ShardedStateError, match=r"model.layers.1.mlp.down_proj.weight.*FusedMoE"):
         load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
@@ -168,7 +168,11 @@ def test_a_manifest_tie_never_fills_a_tensor_the_served_model_holds_apart(tmp_pa
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items() if name != "lm_head.weight"}
     tied = (("model.embed_tokens.weight", "lm_head.weight"),)
     save_checkpoint(
-        str(tmp_path), ranks, dtype="int32", source=source_of(model), geometry=geometry, tied=tied, max_size=4096
+        str(tmp_path),
+        ranks,
+        dtype="int32",
+        source=source_of(model),
+        options=SaveOptions(geometry=geometry, tied=tied, max_size=4096),
     )
     manifest = read_manifest(str(tmp_path))
     for tp_size in (1, 4):
@@ -191,7 +195,7 @@ def test_a_tensor_stored_in_another_dtype_by_one_rank_is_not_resharded_as_one_dt
         RankInfo(1, 2): {"w": full[4:].clone(), "norm": norm.clone()},
     }
     geometry = {"w": column_parallel([8, 4]).to_dict(), "norm": replicated([4], "RMSNorm").to_dict()}
-    save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=SOURCE, geometry=geometry)
+    save_checkpoint(str(tmp_path), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(geometry=geometry))
     manifest = read_manifest(str(tmp_path))
     for t in range(2):
         targets = {"w": torch.zeros(4, 4, dtype=torch.bfloat16), "norm": torch.zeros(4, dtype=torch.bfloat16)}
@@ -266,7 +270,9 @@ def test_stacked_experts_reshard_as_vllm_loads_them(tmp_path, saved_tp, serving_
         ).to_dict(),
     }
     ranks = {RankInfo(t, saved_tp): experts_rank(w1, w3, w2, saved_tp, t) for t in range(saved_tp)}
-    save_checkpoint(str(tmp_path), ranks, dtype="float32", source=SOURCE, max_size=4096, geometry=geometry)
+    save_checkpoint(
+        str(tmp_path), ranks, dtype="float32", source=SOURCE, options=SaveOptions(max_size=4096, geometry=geometry)
+    )
     manifest = read_manifest(str(tmp_path))
     for t in range(serving_tp):
         expected = experts_rank(w1, w3, w2, serving_tp, t)
@@ -291,9 +297,9 @@ def save_moe(directory, weights, tp_size, strategy, opaque_w2=False, max_size=40
         ranks,
         dtype="float32",
         source=SOURCE,
-        max_size=max_size,
-        geometry=moe_geometry(*weights[0].shape, opaque_w2=opaque_w2),
-        experts=experts,
+        options=SaveOptions(
+            max_size=max_size, geometry=moe_geometry(*weights[0].shape, opaque_w2=opaque_w2), experts=experts
+        ),
     )
 
 

@@ -35,7 +35,7 @@ from tests.support.stores import (
     save_to_bucket,
 )
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.errors import CheckpointLocked
 from vllm_sharded_loader.format.names import LOCK_NAME
@@ -215,7 +215,11 @@ def test_an_existing_checkpoint_is_kept_unless_overwrite(s3):
     ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     new = save_checkpoint(
-        url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
+        url,
+        ranks,
+        dtype="int32",
+        source=source_of(model),
+        options=SaveOptions(max_size=4096, geometry=geometry, overwrite=True),
     )
     listed = {f.name for e in new.ranks for f in e.files}
     assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == listed
@@ -228,7 +232,7 @@ def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3, staging_dir):
     ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
     ranks[RankInfo(1, 2)] = Failing(ranks[RankInfo(1, 2)])  # rank 0 uploads, then rank 1 fails
     with pytest.raises(OSError, match="No space left on device"):
-        save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=4096)
+        save_checkpoint(url, ranks, dtype="int32", source=source_of(model), options=SaveOptions(max_size=4096))
     assert keys(s3, url) == []  # no manifest, no part, no lock
     assert s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
     assert list(staging_dir.iterdir()) == []  # nor a local staging folder
@@ -238,11 +242,11 @@ SAVE_AND_HANG = """
 import sys, torch
 from tests.support.reference import llama_like
 from vllm_sharded_loader.checkpoint import RankInfo
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import SourceModel
 big = {f"t{i}": torch.randn(4096, 4096) for i in range(6)}  # 6 parts of 64 MiB, multipart uploads
 save_checkpoint(sys.argv[1], {RankInfo(0, 1): big}, dtype="float32",
-                           source=SourceModel("X", "0" * 64, {}), max_size=64 << 20)
+                source=SourceModel("X", "0" * 64, {}), options=SaveOptions(max_size=64 << 20))
 """
 
 
@@ -568,17 +572,18 @@ def test_a_server_that_stops_answering_fails_the_load_in_bounded_time(s3):
 
 def test_a_save_whose_lock_was_taken_over_neither_publishes_nor_frees_the_new_lock(s3):
     """Fencing: the lock carries the save's token, checked at publish and at release."""
-    from vllm_sharded_loader.checkpoint import remote_save
+    from vllm_sharded_loader.storage.location import open_store
 
     _, url, manifest, where = saved_url(s3)
-    remote_save.begin(url, "aaaa", overwrite=True)
+    store = open_store(url)
+    store.lock("aaaa", True, ())
     # The lock is deleted by hand (the save looked dead) and another save takes the prefix.
     s3.client().delete_object(Bucket=BUCKET, Key=where.key(LOCK_NAME))
     object_lock.acquire_lock(where, "bbbb")
     before = bucket_digest(s3)
     with pytest.raises(ShardedStateError, match="taken over by another save"):
-        remote_save.publish(url, manifest, "aaaa")
-    remote_save.abandon(url, (), "aaaa")
+        store.publish(manifest)
+    store.abandon(())
     assert bucket_digest(s3) == before, "the old save published or deleted the new holder's lock"
     assert object_lock.read_lock(where)["token"] == "bbbb"
     object_lock.release_lock(where, "bbbb")
@@ -589,11 +594,11 @@ RACER = """
 import sys
 from tests.support.faultkit import states
 from tests.support.states import SOURCE
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import ShardedStateError
 try:
-    save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE, max_size=8192,
-                    overwrite=True)
+    save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE,
+                    options=SaveOptions(max_size=8192, overwrite=True))
 except ShardedStateError as e:
     print("REFUSED", e)
     sys.exit(3)
@@ -654,9 +659,9 @@ def test_a_save_into_a_prefix_of_the_users_replaces_none_of_its_objects_without_
     before = bucket_digest(s3)
     carry = str(model_folder(tmp_path, 1.0))
     with pytest.raises(ShardedStateError, match=r"holds files that differ .*: config\.json; refusing"):
-        save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, carry=carry)
+        save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
     assert bucket_digest(s3) == before
-    save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
+    save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True))
     assert verify_checkpoint(url) == []
 
 
@@ -669,7 +674,9 @@ def test_a_save_into_a_bucket_records_its_carried_files_and_verify_checks_them(s
 
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)
-    manifest = save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 1.0)))
+    manifest = save_checkpoint(
+        url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model_folder(tmp_path, 1.0)))
+    )
     recorded = {name: (len(text), hashlib.sha256(text.encode()).hexdigest()) for name, text in carried_of(1.0).items()}
     assert {name: (f.size, f.sha256) for name, f in manifest.carried_files.items()} == recorded
     assert read_manifest(url) == manifest and verify_checkpoint(url) == []
@@ -689,11 +696,15 @@ def test_an_overwrite_in_a_bucket_removes_what_the_replaced_checkpoint_carried_a
 
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)
-    save_checkpoint(url, states(2.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 2.0)))
+    save_checkpoint(
+        url, states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model_folder(tmp_path, 2.0)))
+    )
     assert s3.client().get_object(Bucket=BUCKET, Key=where.key("chat_template.jinja"))["Body"].read()
     s3.client().put_object(Bucket=BUCKET, Key=where.key("mine.txt"), Body=b"the user's")
     one = model_folder(tmp_path, 1.0)
-    manifest = save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, carry=str(one), overwrite=True)
+    manifest = save_checkpoint(
+        url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(one), overwrite=True)
+    )
     assert "chat_template.jinja" not in manifest.carried_files
     keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=BUCKET, Prefix=where.key(""))["Contents"]}
     assert where.key("chat_template.jinja") not in keys and where.key("mine.txt") in keys

@@ -25,11 +25,12 @@ from tests.support.engines import package_process
 from tests.support.faultkit import assert_published, carried_of, model_folder, states, tree_digest
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish, SaveRefused
 from vllm_sharded_loader.format.names import is_staged_name
 from vllm_sharded_loader.storage import faults
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
 
 # Steps before the manifest's rename leave A published; from it on, B.
@@ -56,10 +57,11 @@ SAVER = textwrap.dedent(
     import sys, torch
     from tests.support.states import SOURCE
     from tests.support.faultkit import states
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import RankHooks, SaveOptions, save_checkpoint
     save_checkpoint(
-        {directory!r}, states({value}), dtype="float32", source=SOURCE, max_size=8192, overwrite=True, carry={carry!r},
-        parallel={parallel!r},
+        {directory!r}, states({value}), dtype="float32", source=SOURCE,
+        options=SaveOptions(max_size=8192, overwrite=True, carry={carry!r}),
+        hooks=RankHooks(parallel={parallel!r}),
     )
     """
 )
@@ -90,7 +92,11 @@ def checkpoint_a(tmp_path: Path) -> tuple[Path, Path]:
     """Checkpoint A, a foreign file inside it, and a neighbour folder beside it."""
     directory, neighbour = tmp_path / "ckpt", tmp_path / "neighbour"
     save_checkpoint(
-        str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192, carry=str(model_folder(tmp_path, 1))
+        str(directory),
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(max_size=8192, carry=str(model_folder(tmp_path, 1))),
     )
     assert_carried(directory, 1.0)
     (directory / "notes.txt").write_text("the user's own file")
@@ -152,21 +158,21 @@ FAILS_AFTER_PUBLISH = textwrap.dedent(
     import errno, os, signal, sys
     from tests.support.faultkit import states
     from tests.support.states import SOURCE
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     from vllm_sharded_loader.format.errors import SaveFailedAfterPublish
 
     def fail(*_):  # the error an fsync of the folder gives after the manifest's rename (EIO)
         raise OSError(errno.EIO, "Input/output error")
 
     signal.signal(signal.SIGUSR1, fail)
-    directory = sys.argv[1]
+    directory, options = sys.argv[1], SaveOptions(max_size=8192, overwrite=True)
     try:
-        save_checkpoint(directory, states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+        save_checkpoint(directory, states(2.0), dtype="float32", source=SOURCE, options=options)
     except SaveFailedAfterPublish as e:
         print("failed after its publish:", e)
     os.environ.pop("SHARDED_STATE_KILL_AT")
     print("lock left:", os.path.exists(os.path.join(directory, "sharded_state.lock")))
-    save_checkpoint(directory, states(3.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    save_checkpoint(directory, states(3.0), dtype="float32", source=SOURCE, options=options)
     print("saved again")
     """
 )
@@ -217,12 +223,13 @@ SHORT_LOCK = textwrap.dedent(
     import resource, sys
     from tests.support.faultkit import states
     from tests.support.states import SOURCE
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
     from vllm_sharded_loader.format.errors import SaveRefused
 
     resource.setrlimit(resource.RLIMIT_FSIZE, (50, resource.RLIM_INFINITY))  # less than the lock's JSON
     try:
-        save_checkpoint(sys.argv[1], states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+        save_checkpoint(sys.argv[1], states(2.0), dtype="float32", source=SOURCE,
+                        options=SaveOptions(max_size=8192, overwrite=True))
     except SaveRefused as e:
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # (stdout)
         print("refused:", e)
@@ -271,7 +278,13 @@ def test_a_save_killed_before_its_clean_up_leaves_a_record_of_the_other_models_f
     from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
     directory = tmp_path / "ckpt"
-    save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 2)))
+    save_checkpoint(
+        str(directory),
+        states(2.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(carry=str(model_folder(tmp_path, 2))),
+    )
     for _ in range(2):
         result = save_in_process(directory, 1.0, {faults.KILL_ENV: kill_at})
         assert result.returncode == -signal.SIGKILL, (kill_at, result.returncode, result.stderr[-2000:])
@@ -283,13 +296,15 @@ def test_a_save_killed_before_its_clean_up_leaves_a_record_of_the_other_models_f
         with pytest.raises(CheckpointCorrupt, match=r"chat_template\.jinja: carried by the checkpoint this one"):
             reshard_checkpoint(str(directory), str(tmp_path / "copy"), 1)
         assert not (tmp_path / "copy").exists()
-        assert "(chat_template.jinja)" in _after_interrupt(InterruptedAfterPublish(str(directory)))
+        stopped = InterruptedAfterPublish(str(directory), open_store(str(directory)))
+        assert "(chat_template.jinja)" in _after_interrupt(stopped)
 
     assert save_in_process(directory, 1.0).returncode == 0
     assert not (directory / "chat_template.jinja").exists()
     assert_carried(directory, 1.0)
     assert verify_checkpoint(str(directory)) == []
-    assert "chat_template" not in _after_interrupt(InterruptedAfterPublish(str(directory)))
+    stopped = InterruptedAfterPublish(str(directory), open_store(str(directory)))
+    assert "chat_template" not in _after_interrupt(stopped)
 
 
 @pytest.mark.parametrize("kill_at", [*BEFORE_PUBLISH, *AFTER_PUBLISH])
@@ -322,7 +337,7 @@ def test_a_save_interrupted_after_carrying_a_file_into_a_new_subfolder_removes_t
     directory, model = tmp_path / "ckpt", model_folder(tmp_path, 1.0)
     (model / "tok" / "vocab.txt").unlink()
     (model / "tok").rmdir()
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, carry=str(model))
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model)))
     before = tree_digest(str(directory))
     # B's changed files in order: chat_template.jinja, config.json, tok/vocab.txt.
     result = save_in_process(directory, 2.0, {faults.KILL_ENV: "local.carried:3", faults.KILL_SIGNAL_ENV: "INT"})
@@ -336,7 +351,13 @@ def test_a_save_interrupted_after_carrying_a_file_over_a_link_to_a_folder_puts_t
     ``tokenizer.json`` had replaced it: the link was taken for a folder (``os.path.isdir`` follows it),
     so no backup was made, and taking B's file back removed the name: the link was gone for good."""
     directory = tmp_path / "ckpt"
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 1)))
+    save_checkpoint(
+        str(directory),
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(carry=str(model_folder(tmp_path, 1))),
+    )
     (tmp_path / "elsewhere").mkdir()
     (directory / "tokenizer.json").unlink()
     (directory / "tokenizer.json").symlink_to(tmp_path / "elsewhere")
@@ -371,7 +392,7 @@ SLOW_PARALLEL_SAVER = textwrap.dedent(
     import sys, time, torch
     from tests.support.states import SOURCE
     from vllm_sharded_loader.checkpoint import RankInfo
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import RankHooks, SaveOptions, save_checkpoint
     from vllm_sharded_loader.storage.writer import LazyTensor
 
     def slow(i):
@@ -383,7 +404,8 @@ SLOW_PARALLEL_SAVER = textwrap.dedent(
         return LazyTensor((1024,), torch.float32, produce)
 
     ranks = {RankInfo(r, 2): {f"w{i}": slow(i) for i in range(20)} for r in range(2)}
-    save_checkpoint(sys.argv[1], ranks, dtype="float32", source=SOURCE, max_size=4096, parallel=True)
+    save_checkpoint(sys.argv[1], ranks, dtype="float32", source=SOURCE, options=SaveOptions(max_size=4096),
+                    hooks=RankHooks(parallel=True))
     """
 )
 
@@ -417,14 +439,14 @@ KILLED_WRITING_A_RANK_FILE = textwrap.dedent(
     import resource, signal
     from tests.support.faultkit import states
     from tests.support.states import SOURCE
-    from vllm_sharded_loader.checkpoint.save import save_checkpoint
+    from vllm_sharded_loader.checkpoint.save import RankHooks, SaveOptions, save_checkpoint
     def placed(target, entry):
         target.write_rank_file("startup-artifacts-pp0-tp0.tar", bytes(1 << 20))
         return entry
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
-    save_checkpoint({directory!r}, states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True,
-                    placed=placed)
+    save_checkpoint({directory!r}, states(2.0), dtype="float32", source=SOURCE,
+                    options=SaveOptions(max_size=8192, overwrite=True), hooks=RankHooks(placed=placed))
     """
 )
 
@@ -438,7 +460,9 @@ def test_a_rank_file_left_half_written_by_a_killed_save_goes_with_the_next_save(
     assert killed.returncode == -signal.SIGXFSZ, killed.stderr[-2000:]
     assert any(n.startswith(".startup-artifacts-") for n in os.listdir(directory))  # half-written, hidden
     assert_published(directory, 1.0)
-    save_checkpoint(str(directory), states(3.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    save_checkpoint(
+        str(directory), states(3.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
+    )
     assert_published(directory, 3.0)
     assert [n for n in os.listdir(directory) if n.startswith(".")] == []
     notes: list[str] = []
@@ -465,12 +489,14 @@ def small_filesystem(tmp_path: Path):
 def test_full_file_system_loses_nothing(small_filesystem):
     """A save that runs out of space (ENOSPC, a real full tmpfs) fails clearly; A stays whole."""
     directory = small_filesystem / "ckpt"
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192)
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
     (small_filesystem / "filler").write_bytes(b"\0" * (256 * 1024 - 3 * 64 * 1024))  # room for less than B
     before = tree_digest(str(small_filesystem))
     with pytest.raises(ShardedStateError, match=r"No space left on device.*previous checkpoint, if any, is intact"):
         big = {info: {n: t.repeat(4, 1) for n, t in tensors.items()} for info, tensors in states(2.0).items()}
-        save_checkpoint(str(directory), big, dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+        save_checkpoint(
+            str(directory), big, dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
+        )
     assert tree_digest(str(small_filesystem)) == before
     assert_published(directory, 1.0)
     assert verify_checkpoint(str(directory)) == []
@@ -481,7 +507,11 @@ def test_full_file_system_loses_nothing(small_filesystem):
     (model / "tokenizer.json").write_bytes(b"t" * 200 * 1024)
     with pytest.raises(ShardedStateError, match=r"No space left on device"):
         save_checkpoint(
-            str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True, carry=str(model)
+            str(directory),
+            states(2.0),
+            dtype="float32",
+            source=SOURCE,
+            options=SaveOptions(max_size=8192, overwrite=True, carry=str(model)),
         )
     assert tree_digest(str(small_filesystem)) == before
     assert_published(directory, 1.0)
@@ -492,12 +522,16 @@ def test_a_failed_save_into_a_new_nested_folder_leaves_none_of_the_folders_it_ma
     publish removed ``out`` but left ``new/nested``, which it had made too."""
     output = tmp_path / "new" / "nested" / "out"
     with pytest.raises(ShardedStateError, match=r"has no \{part\} field"):  # refused once the folders are made
-        save_checkpoint(str(output), states(1.0), dtype="float32", source=SOURCE, pattern="w-{rank}.bin")
+        save_checkpoint(
+            str(output), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(pattern="w-{rank}.bin")
+        )
     assert sorted(os.listdir(tmp_path)) == []
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "mine.txt").write_text("the user's")  # a folder with something else in it stays
     with pytest.raises(ShardedStateError, match=r"has no \{part\} field"):
-        save_checkpoint(str(output), states(1.0), dtype="float32", source=SOURCE, pattern="w-{rank}.bin")
+        save_checkpoint(
+            str(output), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(pattern="w-{rank}.bin")
+        )
     assert sorted(os.listdir(tmp_path / "new")) == ["mine.txt"]
 
 
@@ -505,15 +539,20 @@ def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_
     """The silent wrong weights of issue 25: an engine's second save reused its start-up capture's
     files by name after other saves had rewritten them (same names, same sizes). The capture is
     now reused only when its content matches the checksums taken as it was written."""
-    from vllm_sharded_loader.checkpoint.save import publish_rank, stage_rank, write_manifest
+    from vllm_sharded_loader.checkpoint.save import SaveOptions
     from vllm_sharded_loader.engine.save_hook import _check_capture_content
     from vllm_sharded_loader.format import Manifest
+    from vllm_sharded_loader.storage.staged import new_token, stage_rank
 
     directory = tmp_path / "ckpt"
     info = RankInfo(0, 1)
     captured = stage_rank(str(directory), {"w": torch.full((64, 32), 1.0)}, info, max_size=8192)
-    entry = publish_rank(captured)  # the engine's first save publishes its capture in place
-    write_manifest(str(directory), Manifest(1, 1, "float32", captured.pattern, SOURCE, (entry,)))
+    store = open_store(str(directory))  # the engine's first save publishes its capture in place
+    store.lock(new_token(), True, ())
+    entry = store.place(captured)
+    store.publish(Manifest(1, 1, "float32", captured.pattern, SOURCE, (entry,)))
+    store.clean(Manifest(1, 1, "float32", captured.pattern, SOURCE, (entry,)))
+    store.release()
     _check_capture_content(captured)  # untouched: reusable
     # Two saves of other weights alternate the part names back to the capture's, same sizes.
     for value in (5.0, 6.0):
@@ -522,8 +561,7 @@ def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_
             {info: {"w": torch.full((64, 32), value)}},
             dtype="float32",
             source=SOURCE,
-            max_size=8192,
-            overwrite=True,
+            options=SaveOptions(max_size=8192, overwrite=True),
         )
     assert os.path.getsize(captured.paths()[0]) == entry.files[0].size  # same name, same size: sizes cannot tell
     with pytest.raises(ShardedStateError, match="Refusing to save: the captured state is gone"):
@@ -542,14 +580,16 @@ def test_a_save_into_a_folder_of_the_users_replaces_none_of_its_files_without_ov
     before = tree_digest(str(out))
     carry = str(model_folder(tmp_path, 1.0))
     with pytest.raises(ShardedStateError, match=r"holds files that differ .*: config\.json; refusing") as refused:
-        save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry)
+        save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
     assert str(out) in str(refused.value) and "overwrite" in str(refused.value)
     assert tree_digest(str(out)) == before
     (out / "config.json").write_text((Path(carry) / "config.json").read_text())  # now the same: saved
-    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry)
+    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
     assert verify_checkpoint(str(out)) == [] and (out / "notes.txt").read_text() == "mine"
     carry = str(model_folder(tmp_path, 2.0))  # another config: replacing the checkpoint's needs overwrite
-    save_checkpoint(str(out), states(2.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
+    save_checkpoint(
+        str(out), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True)
+    )
     assert (out / "config.json").read_text() == (Path(carry) / "config.json").read_text()
 
 
@@ -567,7 +607,13 @@ def test_a_carried_file_is_never_written_through_a_link_out_of_the_output(tmp_pa
             (elsewhere / "vocab.txt").write_text("the user's shared vocabulary")
         before, beside = tree_digest(str(out)), tree_digest(str(elsewhere))
         with pytest.raises(ShardedStateError, match=rf"^{out}/tok resolves to {elsewhere}, outside {out} \(a symbolic"):
-            save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry, overwrite=overwrite)
+            save_checkpoint(
+                str(out),
+                states(1.0),
+                dtype="float32",
+                source=SOURCE,
+                options=SaveOptions(carry=carry, overwrite=overwrite),
+            )
         assert tree_digest(str(out)) == before and tree_digest(str(elsewhere)) == beside
 
 
@@ -577,12 +623,14 @@ def test_a_carried_file_already_the_same_through_a_link_out_of_the_output_is_ref
     file outside the checkpoint). Now refused, naming the link, with both folders as they were."""
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     carry = str(model_folder(tmp_path, 1.0))
-    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry)
+    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
     (out / "tok").rename(elsewhere)
     (out / "tok").symlink_to(elsewhere)
     before, beside = tree_digest(str(out)), tree_digest(str(elsewhere))
     with pytest.raises(ShardedStateError, match=rf"^{out}/tok resolves to {elsewhere}, outside {out} \(a symbolic"):
-        save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
+        save_checkpoint(
+            str(out), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True)
+        )
     assert tree_digest(str(out)) == before and tree_digest(str(elsewhere)) == beside
     assert_published(out, 1.0)
 
@@ -592,12 +640,20 @@ def test_a_non_weight_file_whose_name_the_manifest_cannot_record_is_refused_and_
     ``carried_files``, whose parser refuses such a name, so the checkpoint it published over A could
     not be read at all. Now refused by name before the publish: A published, whole and verified."""
     out = tmp_path / "out"
-    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 1.0)))
+    save_checkpoint(
+        str(out),
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(carry=str(model_folder(tmp_path, 1.0))),
+    )
     model = model_folder(tmp_path, 2.0)
     (model / "notes\\draft.txt").write_text("a file of the model")
     before = tree_digest(str(out))
     with pytest.raises(SaveRefused, match=r"'notes\\\\draft\.txt' has a name that a checkpoint's manifest cannot"):
-        save_checkpoint(str(out), states(2.0), dtype="float32", source=SOURCE, carry=str(model), overwrite=True)
+        save_checkpoint(
+            str(out), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model), overwrite=True)
+        )
     assert tree_digest(str(out)) == before
     assert_published(out, 1.0)
     assert verify_checkpoint(str(out)) == []
@@ -608,7 +664,13 @@ def test_a_folder_where_a_carried_file_goes_or_a_file_where_its_folder_goes_is_r
     its place step, with the system's error, and left its staged copy in the checkpoint. Now refused
     by name before the publish, and the folder is as it was."""
     out = tmp_path / "out"
-    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, carry=str(model_folder(tmp_path, 1.0)))
+    save_checkpoint(
+        str(out),
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(carry=str(model_folder(tmp_path, 1.0))),
+    )
     (out / "chat_template.jinja").mkdir()
     (out / "chat_template.jinja" / "mine.txt").write_text("the user's")
     carry = str(model_folder(tmp_path, 2.0))
@@ -621,7 +683,9 @@ def test_a_folder_where_a_carried_file_goes_or_a_file_where_its_folder_goes_is_r
             (out / "tok").write_text("the user's")
         before = tree_digest(str(out))
         with pytest.raises(SaveRefused, match=rf"^{out / path} is {kind}, where the save carries the model's "):
-            save_checkpoint(str(out), states(2.0), dtype="float32", source=SOURCE, carry=carry, overwrite=True)
+            save_checkpoint(
+                str(out), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True)
+            )
         assert tree_digest(str(out)) == before
         assert_published(out, 1.0)
 
@@ -695,7 +759,7 @@ OWNER = textwrap.dedent(
     """
     import sys, time, torch
     from vllm_sharded_loader.checkpoint import RankInfo
-    from vllm_sharded_loader.checkpoint.staged import stage_rank
+    from vllm_sharded_loader.storage.staged import stage_rank
     from vllm_sharded_loader.storage.lock import hold_owner_marker
     directory, token = sys.argv[1], sys.argv[2]
     hold_owner_marker(directory, token)
@@ -755,13 +819,19 @@ def test_a_refused_save_leaves_the_folder_as_it_was_its_mtime_included(checkpoin
     directory, _ = checkpoint_a
     before = listing(directory)
     with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
-        save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192)
+        save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
     assert listing(directory) == before
     running = acquire_save_lock(str(directory), "aaaa11110000", overwrite=True)  # a save that runs
     try:
         before = listing(directory)
         with pytest.raises(CheckpointLocked, match="another save holds"):
-            save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+            save_checkpoint(
+                str(directory),
+                states(2.0),
+                dtype="float32",
+                source=SOURCE,
+                options=SaveOptions(max_size=8192, overwrite=True),
+            )
         assert listing(directory) == before
     finally:
         release_save_lock(running)
@@ -776,38 +846,37 @@ def test_what_a_save_would_refuse_is_said_before_it_starts_and_changes_nothing(c
     from obstore.store import MemoryStore
 
     from vllm_sharded_loader.storage import objects
-    from vllm_sharded_loader.storage.location import refuse_before_save
 
     directory, _ = checkpoint_a
     before = listing(directory)
     with pytest.raises(SaveRefused, match=f"{directory} already holds a checkpoint"):
-        refuse_before_save(str(directory), overwrite=False)
-    refuse_before_save(str(directory), overwrite=True)
+        open_store(str(directory)).refuse_before_save(overwrite=False)
+    open_store(str(directory)).refuse_before_save(overwrite=True)
     running = acquire_save_lock(str(directory), "aaaa11110000", overwrite=True)
     try:
         with pytest.raises(CheckpointLocked, match=r"another save holds .*; wait for it to finish"):
-            refuse_before_save(str(directory), overwrite=True)
+            open_store(str(directory)).refuse_before_save(overwrite=True)
     finally:
         os.close(running.fd)  # its flock gone with it, the lock left: as a killed save leaves it
     held = listing(directory)
     with pytest.raises(CheckpointLocked, match=r"another save holds .*; that save was interrupted"):
-        refuse_before_save(str(directory), overwrite=False)
-    refuse_before_save(str(directory), overwrite=True)  # the save would take it over
+        open_store(str(directory)).refuse_before_save(overwrite=False)
+    open_store(str(directory)).refuse_before_save(overwrite=True)  # the save would take it over
     assert listing(directory) == held and set(held) == {*before, LOCK_NAME}
     with pytest.raises(ShardedStateError, match="where a checkpoint folder was expected"):
-        refuse_before_save(str(directory / MANIFEST_NAME), overwrite=True)
+        open_store(str(directory / MANIFEST_NAME)).refuse_before_save(overwrite=True)
 
     bucket = MemoryStore()
     monkeypatch.setattr(objects, "_store", lambda *_: bucket)
     url = "s3://bucket/ckpt"
-    refuse_before_save(url, overwrite=False)  # an empty prefix
+    open_store(url).refuse_before_save(overwrite=False)  # an empty prefix
     bucket.put(f"ckpt/{MANIFEST_NAME}", b"{}")
     with pytest.raises(SaveRefused, match=f"{url}/? already holds a checkpoint"):
-        refuse_before_save(url, overwrite=False)
-    refuse_before_save(url, overwrite=True)
+        open_store(url).refuse_before_save(overwrite=False)
+    open_store(url).refuse_before_save(overwrite=True)
     bucket.put(f"ckpt/{LOCK_NAME}", b'{"pid": 1, "host": "elsewhere", "token": "ab12"}')
     with pytest.raises(CheckpointLocked, match=rf"another save holds .*pid 1 on elsewhere.*delete {url}/{LOCK_NAME}"):
-        refuse_before_save(url, overwrite=True)
+        open_store(url).refuse_before_save(overwrite=True)
     assert sorted(o["path"] for o in bucket.list().collect()) == [f"ckpt/{LOCK_NAME}", f"ckpt/{MANIFEST_NAME}"]
 
 
@@ -819,7 +888,13 @@ def test_a_save_refused_for_its_file_pattern_leaves_the_folder_as_it_was_its_mti
     directory, _ = checkpoint_a
     before = listing(directory)
     with pytest.raises(ShardedStateError, match=r"File pattern"):
-        save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, pattern=pattern, overwrite=True)
+        save_checkpoint(
+            str(directory),
+            states(2.0),
+            dtype="float32",
+            source=SOURCE,
+            options=SaveOptions(pattern=pattern, overwrite=True),
+        )
     assert listing(directory) == before
     assert_published(directory, 1.0)
 
@@ -839,7 +914,13 @@ def test_a_save_whose_carry_source_is_no_folder_is_refused_by_name_before_its_lo
     before = listing(directory)
     what = {"missing": "does not exist", "file": "is a file", "fifo": "is a FIFO"}[kind]
     with pytest.raises(SaveRefused, match=rf"^{source} {what}, where the model folder whose config .* was expected"):
-        save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, overwrite=True, carry=str(source))
+        save_checkpoint(
+            str(directory),
+            states(2.0),
+            dtype="float32",
+            source=SOURCE,
+            options=SaveOptions(overwrite=True, carry=str(source)),
+        )
     assert listing(directory) == before
     assert_published(directory, 1.0)
 
@@ -855,7 +936,11 @@ def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwri
     before = listing(directory)
     with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
         save_checkpoint(
-            str(directory), states(1.0), dtype="float32", source=SOURCE, pattern="weights-{rank}-{part}.safetensors"
+            str(directory),
+            states(1.0),
+            dtype="float32",
+            source=SOURCE,
+            options=SaveOptions(pattern="weights-{rank}-{part}.safetensors"),
         )
     assert listing(directory) == before
     # With overwrite, they are replaced as any checkpoint is.
@@ -864,8 +949,7 @@ def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwri
         states(1.0),
         dtype="float32",
         source=SOURCE,
-        pattern="weights-{rank}-{part}.safetensors",
-        overwrite=True,
+        options=SaveOptions(pattern="weights-{rank}-{part}.safetensors", overwrite=True),
     )
     assert_published(directory, 1.0)
     assert verify_checkpoint(str(directory)) == []
@@ -880,9 +964,11 @@ def test_a_start_up_archive_in_the_folder_is_a_checkpoint_refused_without_overwr
     (directory / "startup-artifacts-pp0-tp0.tar").write_bytes(b"the user's archive")
     before = listing(directory)
     with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
-        save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192)
+        save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
     assert listing(directory) == before
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    save_checkpoint(
+        str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
+    )
     assert sorted(os.listdir(directory)) == sorted(listed(directory))
 
 
@@ -893,10 +979,16 @@ def test_an_overwrite_under_another_pattern_removes_every_part_of_the_old_checkp
     replaced manifest listed goes, whatever its names; a file of the user's stays."""
     directory = tmp_path / "ckpt"
     save_checkpoint(
-        str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192, pattern="w-{rank}-{part}.bin"
+        str(directory),
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(max_size=8192, pattern="w-{rank}-{part}.bin"),
     )
     (directory / "notes.txt").write_text("the user's own file")
-    new = save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    new = save_checkpoint(
+        str(directory), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
+    )
     assert_published(directory, 2.0)
     assert sorted(os.listdir(directory)) == sorted(new.listed_files() | {MANIFEST_NAME, "notes.txt"})
 
@@ -915,9 +1007,7 @@ def test_a_checkpoint_under_a_pattern_of_its_own_carries_none_of_its_parts_and_v
         states(1.0),
         dtype="float32",
         source=SOURCE,
-        max_size=8192,
-        pattern="w-{rank}-{part}.dat",
-        carry=str(model_folder(tmp_path, 1)),
+        options=SaveOptions(max_size=8192, pattern="w-{rank}-{part}.dat", carry=str(model_folder(tmp_path, 1))),
     )
     notes: list[str] = []
     assert verify_checkpoint(str(source), notes=notes) == []
@@ -933,13 +1023,19 @@ def test_a_file_system_too_full_for_the_lock_fails_typed_and_leaves_nothing(smal
     """With not a byte free, the lock's own write failed as a bare OSError (not a ShardedStateError),
     and a save into a new folder left that folder behind."""
     directory = small_filesystem / "ckpt"
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, max_size=8192)
+    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
     free = os.statvfs(small_filesystem)
     (small_filesystem / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize))
     before = tree_digest(str(small_filesystem))
     for where, overwrite in ((directory, True), (small_filesystem / "new", False)):
         with pytest.raises(ShardedStateError, match=r"No space left on device"):
-            save_checkpoint(str(where), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=overwrite)
+            save_checkpoint(
+                str(where),
+                states(2.0),
+                dtype="float32",
+                source=SOURCE,
+                options=SaveOptions(max_size=8192, overwrite=overwrite),
+            )
         assert tree_digest(str(small_filesystem)) == before
     assert_published(directory, 1.0)
 
@@ -962,14 +1058,26 @@ def test_a_file_the_cleanup_cannot_remove_fails_after_the_publish_typed_and_free
         with pytest.raises(
             SaveFailedAfterPublish, match=r"model-rank-7-part-0.safetensors \(Operation not permitted\)"
         ):
-            save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+            save_checkpoint(
+                str(directory),
+                states(2.0),
+                dtype="float32",
+                source=SOURCE,
+                options=SaveOptions(max_size=8192, overwrite=True),
+            )
         assert_published(directory, 2.0)
         assert not (directory / LOCK_NAME).exists()
         assert {n for n in os.listdir(directory) if n.startswith("model-")} == listed(directory) - {MANIFEST_NAME} | {
             stuck.name
         }
         with pytest.raises(SaveFailedAfterPublish):  # the next save in this process is not locked out
-            save_checkpoint(str(directory), states(3.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+            save_checkpoint(
+                str(directory),
+                states(3.0),
+                dtype="float32",
+                source=SOURCE,
+                options=SaveOptions(max_size=8192, overwrite=True),
+            )
         assert_published(directory, 3.0)
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
@@ -990,10 +1098,18 @@ def test_a_lock_that_cannot_be_finished_is_taken_back_and_its_flock_freed(checkp
         pytest.skip(f"{directory}'s file system has no append-only folders (chattr +a)")
     try:
         with pytest.raises(ShardedStateError, match=r"taking the save lock .* failed: .*Operation not permitted"):
-            save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+            save_checkpoint(
+                str(directory),
+                states(2.0),
+                dtype="float32",
+                source=SOURCE,
+                options=SaveOptions(max_size=8192, overwrite=True),
+            )
     finally:
         subprocess.run(["chattr", "-a", str(directory)], check=True)
     assert_published(directory, 1.0)
-    save_checkpoint(str(directory), states(3.0), dtype="float32", source=SOURCE, max_size=8192, overwrite=True)
+    save_checkpoint(
+        str(directory), states(3.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
+    )
     assert_published(directory, 3.0)
     assert not [n for n in os.listdir(directory) if n.startswith(LOCK_NAME)]  # its staging name too

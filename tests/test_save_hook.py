@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{sys.argv[2]}", 0, "gloo")
         initialize_model_parallel(1, 1)
     from vllm_sharded_loader.checkpoint import read_manifest
-    from vllm_sharded_loader.checkpoint.save import new_token, stage_rank
+    from vllm_sharded_loader.storage.staged import new_token, stage_rank
     from vllm_sharded_loader.engine import capture, save_hook
     from vllm_sharded_loader.format import SaveRefused, SourceModel, config_sha256, normalize_config
     from vllm_sharded_loader.planning.topology import RankInfo

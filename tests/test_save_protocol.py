@@ -1,6 +1,7 @@
-"""The one save driver over a group of several members, without an engine.
+"""The one save driver over a group of several members, without an engine, on every backend (a local
+folder, and the in-process ``memory://`` object store, whose steps are object storage's).
 
-Each member is a thread running :func:`run_save` with its own local target, as each worker
+Each member is a thread running :func:`run_save` with its own store of the location, as each worker
 of an engine does; :class:`ThreadGroup` exchanges their outcomes the way the engine's
 workers exchange them (every member reaches every exchange, a failure anywhere is raised
 everywhere, ``agreed``). A member fails at each step in turn: every member then fails with
@@ -20,18 +21,23 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.faultkit import model_folder, tree_digest
+from tests.support.faultkit import model_folder
 from tests.support.manifests import edit_manifest
 from tests.support.states import SOURCE
+from tests.support.stores import Backend
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
-from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, SaveTarget, run_save
-from vllm_sharded_loader.checkpoint.save import FolderNotShared, LocalTarget, save_checkpoint, stage_rank
+from vllm_sharded_loader.checkpoint.protocol import FolderNotShared, OneProcess, SaveJob, run_save
+from vllm_sharded_loader.checkpoint.save import RankHooks, SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import Manifest, ShardedStateError
 from vllm_sharded_loader.format.errors import SaveFailedAfterPublish, agreed_error
 from vllm_sharded_loader.format.manifest import CarriedFile, RankEntry
 from vllm_sharded_loader.format.names import LOCK_NAME
+from vllm_sharded_loader.storage.folder import LocalStore
+from vllm_sharded_loader.storage.location import Store, open_store
+from vllm_sharded_loader.storage.staged import stage_rank
 
 MEMBERS = 3
+MANIFEST = "sharded_state.json"
 
 
 def tensors(value: float, rank: int) -> dict[str, torch.Tensor]:
@@ -82,47 +88,46 @@ def in_threads(member: Callable[[int, ThreadGroup], Any]) -> list[Any]:
     return results
 
 
-class FailingTarget(LocalTarget):
-    """A local target whose ``fail_at`` step fails on one member (a real error, raised there)."""
+def failing_store(where: str, fail_at: str | None) -> Store:
+    """The store of ``where``, whose ``fail_at`` step fails on this member (a real error, raised there)."""
 
-    def __init__(self, directory: str, fail_at: str | None) -> None:
-        super().__init__(directory, overwrite=True)
-        self.fail_at = fail_at
+    class Failing(type(open_store(where))):  # type: ignore[misc]
+        def _maybe_fail(self, step: str) -> None:
+            if step == fail_at:
+                raise ShardedStateError(f"{step} failed here")
 
-    def _maybe_fail(self, step: str) -> None:
-        if step == self.fail_at:
-            raise ShardedStateError(f"{step} failed here")
+        def lock(self, token: str, overwrite: bool, patterns: tuple[str, ...]) -> None:
+            self._maybe_fail("lock")
+            super().lock(token, overwrite, patterns)
 
-    def lock(self) -> str:
-        self._maybe_fail("lock")
-        return super().lock()
+        def join(self, token: str) -> bool:
+            self._maybe_fail("join")
+            return super().join(token)
 
-    def join(self, token: str, member: str) -> tuple[str, str, bool]:
-        self._maybe_fail("join")
-        return super().join(token, member)
+        def place(self, staged: Any) -> RankEntry:
+            placed = super().place(staged)  # placed first: the abandon must remove it again
+            self._maybe_fail("place")
+            return placed
 
-    def place(self, staged: Any) -> RankEntry:
-        placed = super().place(staged)  # placed first: the abandon must remove it again
-        self._maybe_fail("place")
-        return placed
+        def publish(self, manifest: Manifest) -> None:
+            self._maybe_fail("publish")
+            super().publish(manifest)
 
-    def publish(self, manifest: Manifest, carried: Any) -> None:
-        self._maybe_fail("publish")
-        super().publish(manifest, carried)
+        def clean(self, manifest: Manifest) -> None:
+            self._maybe_fail("clean")
+            super().clean(manifest)
 
-    def clean(self, manifest: Manifest) -> None:
-        self._maybe_fail("clean")
-        super().clean(manifest)
+    return Failing(where)
 
 
-def save_in_threads(directory: Path, value: float, fail_at: str | None = None, failing: int = 1) -> list[Any]:
+def save_in_threads(where: str, value: float, fail_at: str | None = None, failing: int = 1) -> list[Any]:
     """Every member saves its rank of ``value``'s state; returns each member's result or error."""
 
     def member(index: int, group: ThreadGroup) -> Any:
-        target = FailingTarget(str(directory), fail_at if index == failing else None)
+        target = failing_store(where, fail_at if index == failing else None)
         info = RankInfo(index, MEMBERS)
 
-        def stage(target: SaveTarget) -> Any:
+        def stage(target: Store) -> Any:
             if fail_at == "stage" and index == failing:
                 raise ShardedStateError("stage failed here")
             yield stage_rank(target.staging(), tensors(value, index), info, None, 8192, target.token), None
@@ -132,96 +137,105 @@ def save_in_threads(directory: Path, value: float, fail_at: str | None = None, f
                 MEMBERS, 1, "float32", "model-rank-{rank}-part-{part}.safetensors", SOURCE, tuple(e for e, _ in entries)
             )
 
-        return run_save(target, group, SaveJob(stage, manifest))
+        return run_save(target, group, SaveJob(stage, manifest, overwrite=True))
 
     return in_threads(member)
 
 
-def assert_published(directory: Path, value: float) -> None:
-    manifest = read_manifest(str(directory))
+def assert_published(where: str, value: float) -> None:
+    manifest = read_manifest(where)
     assert manifest is not None
     for index in range(MEMBERS):
         expected = tensors(value, index)
         loaded = {n: torch.zeros_like(t) for n, t in expected.items()}
-        load_rank(
-            LoadRequest(str(directory), manifest, verify="checksum", serving=SOURCE), loaded, RankInfo(index, MEMBERS)
-        )
+        load_rank(LoadRequest(where, manifest, verify="checksum", serving=SOURCE), loaded, RankInfo(index, MEMBERS))
         assert all(torch.equal(loaded[n], t) for n, t in expected.items())
 
 
+@pytest.fixture(params=["local", "memory"])
+def backend(request, tmp_path: Path) -> Backend:
+    return Backend(request.param, tmp_path)
+
+
 @pytest.fixture
-def checkpoint_a(tmp_path: Path) -> Path:
-    directory = tmp_path / "ckpt"
-    assert all(isinstance(r, tuple) for r in save_in_threads(directory, 1.0))
-    (directory / "notes.txt").write_text("the user's own file")
-    return directory
+def checkpoint_a(backend: Backend) -> tuple[Backend, str]:
+    where = backend.location("ckpt")
+    assert all(isinstance(r, tuple) for r in save_in_threads(where, 1.0))
+    backend.put(where, "notes.txt", b"the user's own file")
+    return backend, where
 
 
 def test_members_save_together(checkpoint_a):
-    assert_published(checkpoint_a, 1.0)
-    results = save_in_threads(checkpoint_a, 2.0)
+    backend, where = checkpoint_a
+    assert_published(where, 1.0)
+    results = save_in_threads(where, 2.0)
     assert all(isinstance(r, tuple) and r[0] == results[0][0] for r in results)  # one manifest for all
-    assert_published(checkpoint_a, 2.0)
+    assert_published(where, 2.0)
     # The old save's parts went; what is not ours stayed.
-    listed = {f.name for e in read_manifest(str(checkpoint_a)).ranks for f in e.files}
-    assert {p.name for p in checkpoint_a.iterdir()} == listed | {"sharded_state.json", "notes.txt"}
+    listed = {f.name for e in read_manifest(where).ranks for f in e.files}
+    assert backend.names(where) == listed | {"sharded_state.json", "notes.txt"}
 
 
 @pytest.mark.parametrize("fail_at", ["lock", "join", "stage", "place", "publish"])
 def test_a_member_failing_before_the_publish_fails_every_member_and_publishes_nothing(checkpoint_a, fail_at):
+    backend, where = checkpoint_a
     failing = 0 if fail_at in ("lock", "publish") else 1  # those steps run on the first member only
-    before = tree_digest(checkpoint_a.parent)
-    results = save_in_threads(checkpoint_a, 2.0, fail_at, failing)
+    before = backend.files(where)
+    results = save_in_threads(where, 2.0, fail_at, failing)
     # Every member fails, with the same agreed error naming the failing member's own.
     assert all(isinstance(r, ShardedStateError) for r in results), results
     assert {str(r) for r in results} == {str(results[0])}
     assert f"member {failing}: {fail_at} failed here" in str(results[0])
     assert all(r.agreed for r in results)
     # Nothing published: A loads, and the abandon removed every file of this save and the lock.
-    assert_published(checkpoint_a, 1.0)
-    assert tree_digest(checkpoint_a.parent) == before
+    assert_published(where, 1.0)
+    assert backend.files(where) == before
 
 
 def test_a_member_failing_after_the_publish_leaves_the_new_checkpoint(checkpoint_a):
     """The clean fails on the first member: the new checkpoint stands, and the driver releases the
-    lock all the same (whatever the target's clean did), so that the next save is not refused."""
-    results = save_in_threads(checkpoint_a, 2.0, "clean", failing=0)
+    lock all the same (whatever the store's clean did), so that the next save is not refused."""
+    backend, where = checkpoint_a
+    results = save_in_threads(where, 2.0, "clean", failing=0)
     assert all(isinstance(r, SaveFailedAfterPublish) and r.agreed for r in results), results
     assert "published and complete" in str(results[0])
-    assert_published(checkpoint_a, 2.0)
-    assert not (checkpoint_a / LOCK_NAME).exists()
+    assert_published(where, 2.0)
+    assert LOCK_NAME not in backend.names(where)
 
 
 def test_a_folder_not_shared_is_refused_before_a_part_is_written(tmp_path):
     """Member 2 sees another folder under the same path (another node's disk): refused on every member."""
 
-    class OwnDisk(LocalTarget):
-        def join(self, token: str, member: str) -> tuple[str, str, bool]:
-            host, member, _ = super().join(token, member)
-            return host, member, member != "member 2"
+    class OwnDisk(LocalStore):
+        def __init__(self, where: str, blind: bool) -> None:
+            super().__init__(where)
+            self.blind = blind
+
+        def join(self, token: str) -> bool:
+            return super().join(token) and not self.blind
 
     directory = tmp_path / "ckpt"
     job = SaveJob(lambda target: iter(()), lambda entries: pytest.fail("no manifest is built"))
-    results = in_threads(lambda index, group: run_save(OwnDisk(str(directory)), group, job))
+    results = in_threads(lambda index, group: run_save(OwnDisk(str(directory), index == 2), group, job))
     assert all(isinstance(r, FolderNotShared) and r.agreed for r in results)
     assert "member 2 on" in str(results[0]) and "Nothing was written" in str(results[0])
     assert not directory.exists()  # made by the save's lock, removed again by its abandon
 
 
-def test_one_process_is_the_same_driver(tmp_path):
+def test_one_process_is_the_same_driver(backend):
     """``save_checkpoint`` is the driver over a group of one; its failure abandons alike."""
-    directory = tmp_path / "ckpt"
+    where = backend.location("ckpt")
     ranks = {RankInfo(r, 2): tensors(1.0, r) for r in range(2)}
-    manifest = save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, max_size=8192)
-    assert read_manifest(str(directory)) == manifest
+    manifest = save_checkpoint(where, ranks, dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
+    assert read_manifest(where) == manifest
     assert OneProcess().run(lambda: 7) == [7]
     with pytest.raises(ShardedStateError, match=r"refusing to overwrite|already holds"):
-        save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE)
-    assert read_manifest(str(directory)) == manifest
+        save_checkpoint(where, ranks, dtype="float32", source=SOURCE)
+    assert read_manifest(where) == manifest
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-def test_each_ranks_staging_says_how_it_ended(tmp_path, parallel):
+def test_each_ranks_staging_says_how_it_ended(backend, parallel):
     """``ended(rank, error)``: every rank's staging reports its end in the thread that staged it, with
     the error that ended it (convert's ranks share components, and must not wait for a rank that
     stopped); the failed save publishes nothing."""
@@ -236,13 +250,13 @@ def test_each_ranks_staging_says_how_it_ended(tmp_path, parallel):
     def end(rank: RankInfo, error: BaseException | None) -> None:
         ended[rank.tp_rank] = (error, threading.current_thread().name)
 
-    directory = tmp_path / "ckpt"
+    where = backend.location("ckpt")
     with pytest.raises(Exception, match="No space left on device"):
-        save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, parallel=parallel, ended=end)
+        save_checkpoint(where, ranks, dtype="float32", source=SOURCE, hooks=RankHooks(parallel=parallel, ended=end))
     assert "No space left on device" in str(ended[1][0])
     if parallel:
         assert ended[0][0] is None and ended[0][1] != ended[1][1]  # each in its own staging thread
-    assert read_manifest(str(directory)) is None and not any(directory.glob("*.safetensors"))
+    assert read_manifest(where) is None and backend.files(where) == {}
 
 
 def carried_record(folder: Path) -> dict[str, CarriedFile]:
@@ -260,25 +274,29 @@ def test_a_save_records_every_carried_file_it_staged_or_left_in_place(tmp_path):
     already identical that it left as they were; a save that carries nothing records none."""
     model, directory = model_folder(tmp_path, 1.0), tmp_path / "ckpt"
     ranks = {RankInfo(r, 2): tensors(1.0, r) for r in range(2)}
-    manifest = save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, carry=str(model))
+    manifest = save_checkpoint(
+        str(directory), ranks, dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model))
+    )
     assert manifest.carried_files == carried_record(model) == carried_record(directory)
     assert set(manifest.carried_files) == {"config.json", "tokenizer.json", "tok/vocab.txt"}
     assert read_manifest(str(directory)) == manifest
     # Saved again: every file is identical and stays where it is, and is recorded all the same.
     before = {p: p.stat().st_ino for p in map(directory.joinpath, manifest.carried_files)}
-    again = save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, carry=str(model), overwrite=True)
+    again = save_checkpoint(
+        str(directory), ranks, dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model), overwrite=True)
+    )
     assert {p: p.stat().st_ino for p in before} == before
     assert again.carried_files == manifest.carried_files
     alone = save_checkpoint(str(tmp_path / "alone"), ranks, dtype="float32", source=SOURCE)
     assert alone.carried_files == {} and read_manifest(str(tmp_path / "alone")).carried_files == {}
 
 
-def test_every_member_returns_the_published_record_of_the_carried_files(tmp_path):
+def test_every_member_returns_the_published_record_of_the_carried_files(backend, tmp_path):
     """The first member carries the files; every member's manifest is the published one, with its record."""
-    model, directory = model_folder(tmp_path, 1.0), tmp_path / "ckpt"
+    model, where = model_folder(tmp_path, 1.0), backend.location("ckpt")
 
     def member(index: int, group: ThreadGroup) -> Any:
-        def stage(target: SaveTarget) -> Any:
+        def stage(target: Store) -> Any:
             yield (
                 stage_rank(target.staging(), tensors(1.0, index), RankInfo(index, MEMBERS), None, 8192, target.token),
                 None,
@@ -289,12 +307,14 @@ def test_every_member_returns_the_published_record_of_the_carried_files(tmp_path
                 MEMBERS, 1, "float32", "model-rank-{rank}-part-{part}.safetensors", SOURCE, tuple(e for e, _ in entries)
             )
 
-        job = SaveJob(stage, manifest, carry=lambda carried: carried.stage(str(model)))
-        return run_save(LocalTarget(str(directory), overwrite=True), group, job)[0]
+        job = SaveJob(stage, manifest, carry=lambda carried: carried.stage(open_store(str(model))), overwrite=True)
+        return run_save(open_store(where), group, job)[0]
 
     results = in_threads(member)
-    assert all(r == read_manifest(str(directory)) for r in results), results
+    assert all(r == read_manifest(where) for r in results), results
     assert results[0].carried_files == carried_record(model)
+    placed = {n for n, digest in backend.files(where).items() if digest != "dir" and not n.endswith(".safetensors")}
+    assert placed == {*results[0].carried_files, MANIFEST}
 
 
 def test_an_overwrite_removes_what_the_replaced_checkpoint_carried_and_the_new_one_does_not(tmp_path):
@@ -311,7 +331,9 @@ def test_an_overwrite_removes_what_the_replaced_checkpoint_carried_and_the_new_o
 
     def save(directory: Path, carry: Path | None) -> Manifest:
         carried = None if carry is None else str(carry)
-        return save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, carry=carried, overwrite=True)
+        return save_checkpoint(
+            str(directory), ranks, dtype="float32", source=SOURCE, options=SaveOptions(carry=carried, overwrite=True)
+        )
 
     alone = tmp_path / "alone"
     save(alone, two)

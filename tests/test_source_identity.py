@@ -61,8 +61,8 @@ def test_a_sharded_checkpoint_read_again_is_proven_by_its_manifest_or_refused(tm
     from dataclasses import replace
 
     from tests.support.states import save
+    from vllm_sharded_loader.checkpoint import read_manifest
     from vllm_sharded_loader.checkpoint.save_proof import check_still_read_from, manifest_proof
-    from vllm_sharded_loader.storage.location import read_manifest
 
     manifest = save(tmp_path / "a")
     proof = manifest_proof(manifest)

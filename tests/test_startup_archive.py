@@ -20,15 +20,15 @@ from tests.support.states import SOURCE
 from tests.support.stores import bucket_on
 from vllm_sharded_loader.checkpoint import RankInfo
 from vllm_sharded_loader.checkpoint import startup_artifacts as sa
-from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, SaveTarget, run_save
-from vllm_sharded_loader.checkpoint.save import LocalTarget, open_target
-from vllm_sharded_loader.checkpoint.staged import stage_rank
+from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, run_save
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, ShardedStateError
 from vllm_sharded_loader.format.manifest import FileEntry, Manifest, RankEntry, StartupArtifacts
 from vllm_sharded_loader.format.names import is_startup_artifacts_name, startup_artifacts_name
 from vllm_sharded_loader.format.source import SourceModel
+from vllm_sharded_loader.storage.location import Store, open_store
 from vllm_sharded_loader.storage.model_files import is_weight_file
+from vllm_sharded_loader.storage.staged import stage_rank
 
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
 
@@ -110,9 +110,9 @@ def test_pack_write_read_restore_round_trip(tmp_path):
     assert names == ["h1/inductor_cache/fx/abc", "h1/rank_0_0/model"]  # no locks, temporaries, other ranks
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    record = sa.write_rank_artifacts(LocalTarget(str(ckpt)), data, KEY, tp_rank=0, pp_rank=0)
+    record = sa.write_rank_artifacts(open_store(str(ckpt)), data, KEY, tp_rank=0, pp_rank=0)
     assert record.sha256 == hashlib.sha256(data).hexdigest() and record.size == len(data)
-    assert sa.read_rank_artifacts(str(ckpt), record) == data
+    assert sa.read_rank_artifacts(open_store(str(ckpt)), record) == data
     fresh = tmp_path / "fresh"
     _cache(fresh, {"h1/inductor_cache/fx/abc": b"this node's own"})
     assert sa.restore(data, str(fresh)) == (1, 1)
@@ -124,16 +124,16 @@ def test_a_damaged_or_replaced_archive_is_never_used(tmp_path):
     cache = tmp_path / "cache"
     _cache(cache, {"h1/rank_0_0/model": b"aot" * 100})
     data = sa.pack(str(cache), ["h1/rank_0_0"])
-    record = sa.write_rank_artifacts(LocalTarget(str(tmp_path)), data, KEY, tp_rank=0, pp_rank=0)
+    record = sa.write_rank_artifacts(open_store(str(tmp_path)), data, KEY, tp_rank=0, pp_rank=0)
     path = tmp_path / record.file
     damaged = bytearray(data)
     damaged[600] ^= 1
     path.write_bytes(bytes(damaged))
     with pytest.raises(CheckpointCorrupt, match="does not match the manifest"):
-        sa.read_rank_artifacts(str(tmp_path), record)
+        sa.read_rank_artifacts(open_store(str(tmp_path)), record)
     path.write_bytes(data[:-1])
     with pytest.raises(ShardedStateError, match=record.file):
-        sa.read_rank_artifacts(str(tmp_path), record)
+        sa.read_rank_artifacts(open_store(str(tmp_path)), record)
 
 
 def test_an_archive_reaching_outside_the_cache_is_refused(tmp_path):
@@ -174,12 +174,12 @@ def save_with_artifacts(
     """A save at ``tp_size`` through the save protocol whose ranks carry ``archives`` (by TP rank), as
     the engine's save hook writes them once a rank's parts are placed, under ``key`` (default KEY)."""
 
-    def stage(target: SaveTarget):
+    def stage(target: Store):
         for t in range(tp_size):
             tensors = {"w": torch.full((4, 4), float(t))}
             yield stage_rank(target.staging(), tensors, RankInfo(t, tp_size), token=target.token), None
 
-    def placed(target: SaveTarget, entry: RankEntry) -> RankEntry:
+    def placed(target: Store, entry: RankEntry) -> RankEntry:
         record = sa.write_rank_artifacts(target, archives[entry.tp_rank], key or KEY, entry.tp_rank, entry.pp_rank)
         return dataclasses.replace(entry, startup=record)
 
@@ -189,12 +189,13 @@ def save_with_artifacts(
         ranks = tuple(entry for entry, _ in entries)
         return dataclasses.replace(_manifest(None), tp_size=tp_size, ranks=ranks, source=SOURCE)
 
-    return run_save(open_target(where, overwrite=True), OneProcess(), SaveJob(stage, manifest, placed=placed))[0]
+    job = SaveJob(stage, manifest, placed=placed, overwrite=True)
+    return run_save(open_store(where), OneProcess(), job)[0]
 
 
 def _listed_and_read(where: str, manifest: Manifest, archives: dict[int, bytes]) -> set[str]:
     for entry in manifest.ranks:
-        assert sa.read_rank_artifacts(where, entry.startup) == archives[entry.tp_rank]
+        assert sa.read_rank_artifacts(open_store(where), entry.startup) == archives[entry.tp_rank]
     return {entry.startup.file for entry in manifest.ranks}
 
 
@@ -247,7 +248,7 @@ def test_a_record_naming_another_file_never_has_the_next_save_remove_it(tmp_path
     second = save_with_artifacts(str(ckpt), 1, {0: b"second"})
     assert (ckpt / "config.json").read_text() == "the user's"
     assert Manifest.from_json((ckpt / "sharded_state.json").read_text()) == second
-    assert sa.read_rank_artifacts(str(ckpt), second.rank(0, 0).startup) == b"second"
+    assert sa.read_rank_artifacts(open_store(str(ckpt)), second.rank(0, 0).startup) == b"second"
 
 
 @pytest.fixture(scope="module")
@@ -464,7 +465,7 @@ def test_compiled_artifacts_are_used_only_from_a_manifest_a_trusted_key_signed(t
         for variable, value in env.items():
             monkeypatch.setenv(variable, value)
         parsed = Manifest.from_json(manifest.to_json())  # as a load reads it
-        assert not compile_cache.restore_startup_artifacts(model, str(tmp_path), parsed, rank, hub)
+        assert not compile_cache.restore_startup_artifacts(model, open_store(str(tmp_path)), parsed, rank, hub)
         return bool(checked and checked.pop() == rank)
 
     signed = load_signer(key_pair("operator")[0]).sign(unsigned)

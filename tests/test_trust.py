@@ -23,7 +23,7 @@ from tests.support.states import SOURCE
 from tests.support.stores import bucket_on
 from vllm_sharded_loader.checkpoint import RankInfo
 from vllm_sharded_loader.checkpoint import startup_artifacts as sa
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.checkpoint.trust import (
     SIGNING_KEY_ENV,
     TRUSTED_KEYS_ENV,
@@ -59,7 +59,8 @@ def _parsed(manifest: Manifest) -> Manifest:
 
 def _saved(directory, **options) -> Manifest:
     tensors = {"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)}
-    return save_checkpoint(str(directory), {RankInfo(0, 1): tensors}, dtype="float32", source=SOURCE, **options)
+    saving = SaveOptions(**options)
+    return save_checkpoint(str(directory), {RankInfo(0, 1): tensors}, dtype="float32", source=SOURCE, options=saving)
 
 
 def test_keygen_writes_a_private_key_only_its_owner_reads_and_never_over_a_key(tmp_path):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from examples.tiny_models import PROMPTS, build_model
 from tests.support.engines import openai_server, post_json, run_engine, run_python
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import SourceModel, config_sha256, normalize_config
 
 pytestmark = pytest.mark.engine
@@ -65,8 +65,10 @@ def _derive(source: str, out: str, *, dtype: torch.dtype | None = None, drop_lay
         ranks,
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else manifest.dtype,
         source=source_model,
-        geometry={name: g for name, g in manifest.geometry.items() if f".layers.{drop_layer}." not in name},
-        tied=manifest.tied,
+        options=SaveOptions(
+            geometry={name: g for name, g in manifest.geometry.items() if f".layers.{drop_layer}." not in name},
+            tied=manifest.tied,
+        ),
     )
     return out
 

@@ -13,7 +13,7 @@ from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import (
     RankInfo,
 )
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import (
     Manifest,
     SourceModel,
@@ -39,7 +39,11 @@ def save_model(directory, model, tp_size, pp_size):
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     tied = tuple(tuple(g) for g in model.tied_groups)
     return save_checkpoint(
-        str(directory), ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, tied=tied
+        str(directory),
+        ranks,
+        dtype="int32",
+        source=source_of(model),
+        options=SaveOptions(max_size=4096, geometry=geometry, tied=tied),
     )
 
 
@@ -152,9 +156,7 @@ def save_replicas(directory, weights, tp_size, dp_size, strategy, opaque_w2=Fals
         ranks,
         dtype="float32",
         source=SOURCE,
-        max_size=4096,
-        geometry=geometry,
-        experts=next(iter(ranks)).experts,
+        options=SaveOptions(max_size=4096, geometry=geometry, experts=next(iter(ranks)).experts),
     )
 
 
@@ -195,7 +197,9 @@ def save_flat(directory, weights, tp_size, dp_size, opaque_w2=False):
             ranks[rank] = state if d == 0 else {n: x for n, x in state.items() if n != NORM}
     geometry = moe_geometry(*weights[0].shape, opaque_w2=opaque_w2)
     geometry[NORM] = replicated([weights[0].shape[2]], "RMSNorm").to_dict()
-    return save_checkpoint(str(directory), ranks, dtype="float32", source=SOURCE, max_size=4096, geometry=geometry)
+    return save_checkpoint(
+        str(directory), ranks, dtype="float32", source=SOURCE, options=SaveOptions(max_size=4096, geometry=geometry)
+    )
 
 
 RESHARD_MODEL = llama_like(num_layers=2, vocab=128, kv_heads=2)
@@ -206,5 +210,9 @@ def save_reshardable(directory: Path, max_size: int | None = None) -> Manifest:
     ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     return save_checkpoint(
-        str(directory), ranks, dtype="int32", source=source_of(model), geometry=geometry, max_size=max_size
+        str(directory),
+        ranks,
+        dtype="int32",
+        source=source_of(model),
+        options=SaveOptions(geometry=geometry, max_size=max_size),
     )

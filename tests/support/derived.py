@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_sharded_loader.checkpoint import RankInfo, read_manifest
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 
 
 def tensors_of(directory: str) -> dict[tuple[int, int, str], torch.Tensor]:
@@ -43,10 +43,9 @@ def changed_copy(source: str, out: str, scale: float = 1.25, overwrite: bool = F
         ranks,
         dtype=manifest.dtype,
         source=manifest.source,
-        geometry=manifest.geometry,
-        tied=manifest.tied,
-        experts=manifest.experts,
-        overwrite=overwrite,
+        options=SaveOptions(
+            geometry=manifest.geometry, tied=manifest.tied, experts=manifest.experts, overwrite=overwrite
+        ),
     )
     return out
 

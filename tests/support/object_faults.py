@@ -18,10 +18,10 @@ from pathlib import Path
 from tests.support.engines import ROOT, package_process
 from tests.support.faultkit import assert_published, carried_of, model_folder
 from tests.support.stores import load_from
+from vllm_sharded_loader.checkpoint import read_manifest
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.names import LOCK_NAME, MANIFEST_NAME
 from vllm_sharded_loader.storage import faults, object_lock, objects
-from vllm_sharded_loader.storage.location import read_manifest
 
 BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "s3.fencing", "local.carried")
 AFTER_PUBLISH = ("s3.published", "s3.cleaned")
@@ -31,9 +31,9 @@ SAVER = """
 import sys
 from tests.support.states import SOURCE
 from tests.support.faultkit import states
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
-save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE, max_size=8192,
-                overwrite=True, carry=sys.argv[3])
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
+save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE,
+                options=SaveOptions(max_size=8192, overwrite=True, carry=sys.argv[3]))
 """
 
 

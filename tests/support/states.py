@@ -3,7 +3,7 @@
 import torch
 
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, ReadOptions, load_rank, read_manifest, saveable_state
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import Manifest, SourceModel, config_sha256, normalize_config
 from vllm_sharded_loader.storage.progress import ByteProgress
 
@@ -34,9 +34,7 @@ def save(directory, tp_size=2, max_size=None, pattern=None, tied=True, overwrite
         ranks,
         dtype="bfloat16",
         source=SOURCE,
-        pattern=pattern,
-        max_size=max_size,
-        overwrite=overwrite,
+        options=SaveOptions(pattern=pattern, max_size=max_size, overwrite=overwrite),
     )
 
 

@@ -1,18 +1,23 @@
 """Object stores in the tests: settings pointed at an emulator, a save to and a load from a bucket,
-tensors that fail part-way through a save.
+tensors that fail part-way through a save; and the backends a store-level test runs on (a local
+folder, the in-process ``memory://``), with what the test does behind the store's back there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import uuid
+from pathlib import Path
 
+import obstore
 import torch
 
 from tests.support.checkpoints import source_of, stage_state
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, ReadOptions, load_rank, read_manifest
-from vllm_sharded_loader.checkpoint.save import save_checkpoint
-from vllm_sharded_loader.storage import objects
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
+from vllm_sharded_loader.storage import in_memory, objects
 
 
 @contextlib.contextmanager
@@ -48,7 +53,9 @@ def save_to_bucket(url, model, tp_size, pp_size=1, max_size=4096):
         for t in range(tp_size)
     }
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
-    return save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=max_size, geometry=geometry)
+    return save_checkpoint(
+        url, ranks, dtype="int32", source=source_of(model), options=SaveOptions(max_size=max_size, geometry=geometry)
+    )
 
 
 def load_from(url, model, tp_size, tp_rank=0, pp_size=1, pp_rank=0, **kw):
@@ -80,14 +87,20 @@ def overwrite_at_tp1(url, model):
     ranks = {RankInfo(0, 1): stage_state(model, 1, 1, 0, 0)}
     geometry = {name: t.geometry.to_dict() for name, t in model.tensors.items()}
     return save_checkpoint(
-        url, ranks, dtype="int32", source=source_of(model), max_size=4096, geometry=geometry, overwrite=True
+        url,
+        ranks,
+        dtype="int32",
+        source=source_of(model),
+        options=SaveOptions(max_size=4096, geometry=geometry, overwrite=True),
     )
 
 
 def overwrite_at_tp2(url, model, max_size: int | None = 4096):
     """``model`` saved at TP=2, without geometry, over whatever ``url`` holds."""
     ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
-    return save_checkpoint(url, ranks, dtype="int32", source=source_of(model), max_size=max_size, overwrite=True)
+    return save_checkpoint(
+        url, ranks, dtype="int32", source=source_of(model), options=SaveOptions(max_size=max_size, overwrite=True)
+    )
 
 
 @contextlib.contextmanager
@@ -102,3 +115,62 @@ def proxied(server, endpoint_variable: str, mode: str, limit: int = 0, match: by
         stores_pointed_at({endpoint_variable: proxy.url, **settings}),
     ):
         yield proxy
+
+
+class InMemory:
+    """The in-process ``memory://`` buckets as a server of the object-store tests: written and read
+    behind the loader's back through their own client."""
+
+    def create_bucket(self, bucket: str) -> None:
+        pass  # (a bucket is made on first use)
+
+    def environment(self) -> dict[str, str]:
+        return {}
+
+    def upload(self, bucket: str, key: str, data: bytes) -> None:
+        obstore.put(in_memory.bucket(bucket), key, data)
+
+    def download(self, bucket: str, key: str) -> bytes:
+        return bytes(obstore.get(in_memory.bucket(bucket), key).bytes())
+
+    def keys(self, bucket: str, prefix: str) -> list[str]:
+        return sorted(o["path"] for batch in obstore.list(in_memory.bucket(bucket), prefix or None) for o in batch)
+
+
+class Backend:
+    """Where a store-level test saves (``local``: a folder under ``tmp_path``; ``memory``: a prefix of an
+    in-process bucket), and its files as the test sees them, behind the store's back."""
+
+    def __init__(self, kind: str, tmp_path: Path) -> None:
+        self.kind, self.tmp_path = kind, tmp_path
+        self.bucket = f"test-{uuid.uuid4().hex[:8]}"
+
+    def location(self, name: str) -> str:
+        return str(self.tmp_path / name) if self.kind == "local" else f"memory://{self.bucket}/{name}"
+
+    def files(self, where: str) -> dict[str, str]:
+        """Every file under ``where``, by relative name: its SHA-256 (a folder's empty subfolders as "dir")."""
+        if self.kind == "local":
+            root = Path(where)
+            if not root.exists():
+                return {}
+            return {
+                str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+                for p in sorted(root.rglob("*"))
+            }
+        prefix = objects.ObjectPrefix.parse(where).prefix
+        memory = InMemory()
+        return {
+            k[len(prefix) :]: hashlib.sha256(memory.download(self.bucket, k)).hexdigest()
+            for k in memory.keys(self.bucket, prefix)
+        }
+
+    def names(self, where: str) -> set[str]:
+        """The names directly under ``where``."""
+        return {name.split("/")[0] for name in self.files(where)}
+
+    def put(self, where: str, name: str, data: bytes) -> None:
+        if self.kind == "local":
+            Path(where, name).write_bytes(data)
+        else:
+            InMemory().upload(self.bucket, objects.ObjectPrefix.parse(where).key(name), data)

@@ -3,7 +3,8 @@
 - :mod:`.load`: :func:`load_rank`, one rank's checked load of a :class:`.request.LoadRequest`
   (same topology, or resharded by :mod:`.reshard`, or a checkpoint of vLLM's own save by :mod:`.legacy`);
 - :mod:`.rank_files`: every check of a rank's files against the manifest;
-- :mod:`.save`: the save protocol (lock, staged parts, swap, manifest last);
+- :mod:`.protocol`: the save protocol, one driver over a store and a group of members; :mod:`.save`: a
+  one-process save over it;
 - :mod:`.verify`: offline verification of a whole checkpoint;
 - :mod:`.state`: which tensors of a model a checkpoint holds.
 
@@ -11,10 +12,9 @@ Needs torch, never vLLM: the engine layer calls in here, and tests do too.
 """
 
 from ..planning.topology import RankInfo
-from ..storage.location import read_manifest
 from ..storage.reader import ReadOptions
 from .load import load_rank
-from .request import LoadRequest
+from .request import LoadRequest, read_manifest
 from .state import saveable_state, tensor_specs
 from .stats import LoadStats
 from .verify import verify_checkpoint

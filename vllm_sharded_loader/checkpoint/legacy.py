@@ -7,7 +7,6 @@ tensor stored twice, and exactly the model's tensors.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 
 import torch
@@ -16,8 +15,8 @@ from ..format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNot
 from ..format.names import MANIFEST_NAME, default_pattern, is_part_name, parse_file_name, validate_pattern
 from ..planning.tensors import TensorSpec, check_tensor_sets
 from ..planning.topology import RankInfo
-from ..storage.local import OpenFile, part_path, read_header
-from ..storage.location import hugging_face_model_here, open_store, read_manifest
+from ..storage.local import read_header
+from ..storage.location import Store, StoredFile, hugging_face_model_here
 from ..storage.reader import ReadOptions
 from ..storage.tensor_files import read_files
 from .rank_files import HeldAdoption
@@ -35,7 +34,8 @@ def load_without_manifest(
     started: float,
 ) -> LoadStats:
     """:func:`.load.load_rank` for a checkpoint of vLLM's own save."""
-    directory, pattern = request.directory, request.pattern
+    store, pattern = request.store, request.pattern
+    directory = store.where
     if request.verify == "checksum":
         raise CheckpointMismatch(
             f"{directory} has no {MANIFEST_NAME} (a checkpoint of vLLM's own save), so there are no "
@@ -44,13 +44,13 @@ def load_without_manifest(
     where = f"{directory} ({rank})"
     pattern = pattern or default_pattern(rank.pp_size)
     validate_pattern(pattern, rank.tp_size, rank.pp_size)
-    names = rank_files_without_manifest(directory, pattern, rank)
+    names = rank_files_without_manifest(store, pattern, rank)
     # Each file opened once: its header, its reads and the check after them go through that descriptor
     # (vLLM's own save rewrites its parts in place: one during the load is refused, never mixed in).
-    files: list[OpenFile] = []
+    files: list[StoredFile] = []
     try:
         for n in names:
-            files.append(OpenFile.open(part_path(directory, n)))
+            files.append(store.open_file(n, contained=True))
         headers = [read_header(f) for f in files]
         saved = {}
         owner: dict[str, str] = {}
@@ -81,25 +81,25 @@ def load_without_manifest(
     return whole_file_stats([h.path for h in headers], len(targets), read, started, cast, with_manifest=False)
 
 
-def holds_sharded_checkpoint(directory: str, pattern: str | None = None) -> bool:
-    """Whether ``directory`` holds a sharded checkpoint: a manifest, or part files by name.
+def holds_sharded_checkpoint(store: Store, pattern: str | None = None) -> bool:
+    """Whether ``store`` holds a sharded checkpoint: a manifest, or part files by name.
 
     Part files are recognized by ``pattern`` and by both default patterns (vLLM's own save
     writes them without a manifest). A Hugging Face model folder holds neither.
     """
-    if open_store(directory).remote:  # served from object storage only with a manifest
-        return read_manifest(directory) is not None
-    if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+    if not store.vllm_saves_here:  # served from object storage only with a manifest
+        return store.read_manifest() is not None
+    if store.exists_file(MANIFEST_NAME):
         return True
     patterns = {pattern or default_pattern(1), default_pattern(1), default_pattern(2)}
     try:
-        names = os.listdir(directory)
+        names = store.list_names()
     except OSError:
         return False
     return any(is_part_name(name, patterns) for name in names)
 
 
-def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) -> list[str]:
+def rank_files_without_manifest(store: Store, pattern: str, rank: RankInfo) -> list[str]:
     """This rank's files in a checkpoint written by vLLM's own save (no manifest).
 
     Files of ranks the engine does not have mean the checkpoint was saved at another
@@ -108,7 +108,7 @@ def rank_files_without_manifest(directory: str, pattern: str, rank: RankInfo) ->
     # A checkpoint saved under PP has files a TP-only pattern never matches.
     patterns = [pattern] if rank.pp_size > 1 else [pattern, default_pattern(2)]
     mine, foreign = [], []
-    names = sorted(os.listdir(directory))
+    directory, names = store.where, store.list_names()
     for name in names:
         for p in patterns:
             fields = parse_file_name(p, name)

@@ -4,7 +4,7 @@ The vLLM layer (:mod:`..engine.loader`) finds out which rank it is and which ten
 model has, then calls :func:`load_rank`. Tests call it directly on real files and real
 tensors. Each step is a named piece beside this module:
 
-- checks: :mod:`..storage.lock` (no save running), :mod:`..planning.topology` (topology and
+- checks: the store's lock (no save running), :mod:`..planning.topology` (topology and
   source model), :mod:`..planning.tensors` (exactly the model's tensors), :mod:`.rank_files`
   (every file of the rank against the manifest);
 - plan: :func:`..storage.tensor_files.file_plans` (each tensor's bytes, from its file's
@@ -26,7 +26,6 @@ from ..planning.experts import check_expert_placement, rank_experts_moved
 from ..planning.layout import check_served_geometry
 from ..planning.tensors import check_tensor_sets
 from ..planning.topology import RankInfo, check_source, check_topology
-from ..storage.location import check_not_locked, open_store
 from ..storage.memory import check_materialized
 from ..storage.reader import DEFAULT_READ, ReadOptions
 from ..storage.tensor_files import read_files
@@ -65,12 +64,13 @@ def load_rank(
     each called only once every check passed, the last one after the reads included.
     """
     started = time.perf_counter()
-    directory, manifest, verify = request.directory, request.manifest, request.verify
+    store, manifest, verify = request.store, request.manifest, request.verify
+    directory = store.where
     check_verify_mode(verify)
     check_materialized(targets, f"{directory} ({rank})")
-    check_not_locked(directory)
+    store.check_not_locked()
     if manifest is None:
-        if open_store(directory).remote:
+        if not store.vllm_saves_here:
             raise CheckpointNotFound(
                 f"{directory}: no {MANIFEST_NAME}. A checkpoint in object storage is served only with the manifest "
                 "this package writes (or the save into it is incomplete): save it with vllm_sharded_loader."
@@ -111,12 +111,12 @@ def load_rank(
         f"{directory} ({rank})",
         hint="The checkpoint was saved from a different model; save it again.",
     )
-    with RankFiles(directory, entry, verify) as files:
+    with RankFiles(store, entry, verify) as files:
         # The plan and the read: each tensor's bytes where its file's header places them.
         checksums = {c.file.path: c.entry.checksum for c in files.files} if verify == "checksum" else {}
         handles = [c.file for c in files.files]
         held = HeldAdoption(adopt)
         read = read_files(files.headers, targets, checksums, held.callbacks(), handles, options)
-        check_not_replaced(directory, manifest, files.check_unchanged)
+        check_not_replaced(store, manifest, files.check_unchanged)
         held.hand_over()
     return whole_file_stats([h.path for h in files.headers], len(targets), read, started, cast, with_manifest=True)

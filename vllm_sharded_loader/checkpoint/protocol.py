@@ -1,44 +1,52 @@
-"""The save protocol, written once: a target, a group of members, and the driver that runs one over the other.
+"""The save protocol, written once: a store, a group of members, and the driver that runs one over the other.
 
-Every save runs the same steps, wherever it goes (a local folder, an object-storage prefix)
-and however many processes take part (one, or an engine's workers), the way PyTorch DCP
-runs one save driver with or without a process group:
+Every save runs the same steps, wherever it goes (a local folder, an object-storage prefix:
+each :class:`..storage.location.Store` does each step its own way, its module says how) and
+however many processes take part (one, or an engine's workers), the way PyTorch DCP runs
+one save driver with or without a process group:
 
-1. **lock** (first member): take the target's lock; an existing checkpoint is refused unless
-   the save may overwrite it;
-2. **join** (every member): adopt the lock's token; the target checks that every member
-   reaches the place the first one locked (a local folder that is each node's own disk is
-   refused here);
-3. **stage** (every member): write its ranks' parts under temporary names, hashed as written;
-4. **place** (every member): give them fresh final names (a rename, or an upload);
-5. **carry** (first): stage the model's non-weight files (config, tokenizer); the manifest
-   records each one's size and SHA-256 (an empty record for a save that carries none), and
-   the files the replaced checkpoint carried that these do not (its stale files);
-6. **publish** (first): the manifest, the one atomic step; signed first with the key in
-   ``SHARDED_STATE_SIGNING_KEY`` where it is set (:mod:`.trust`, read before the lock);
-7. **clean** (first): what the new manifest does not list, and the stale files it records;
-8. **release** (first): the lock, whatever the clean did (a file that may not be removed must
-   not keep every later save out).
+1. **lock** (first member): take the store's lock under a new token; an existing checkpoint is
+   refused unless the save may overwrite it;
+2. **join** (every member): adopt the lock's token; every member must see the lock the first
+   took, else the location is not the same for all (a local folder that is each node's own
+   disk) and the save is refused before a part is written (:class:`FolderNotShared`);
+3. **stage** (every member): write its ranks' parts under temporary names in the store's
+   staging folder, hashed as written (:func:`..storage.staged.stage_rank`);
+4. **place** (every member): give them final names that nothing in the store has, nor its
+   published manifest lists (a rename, or an upload recorded under the token first);
+5. **carry** (first): stage the model's non-weight files (config, tokenizer: :mod:`.carry`); the
+   manifest records each one's size and SHA-256 (an empty record for a save that carries none),
+   and the files the replaced checkpoint carried that these do not (its stale files);
+6. **publish** (first): every listed part checked in place, the carried files put in place, then
+   the manifest, the one atomic step; signed first with the key in ``SHARDED_STATE_SIGNING_KEY``
+   where it is set (:mod:`.trust`, read before the lock);
+7. **clean** (first): what the new manifest does not list, this save's leftovers, the stale files;
+8. **release** (first): the lock, whatever the clean did (a file that may not be removed must not
+   keep every later save out).
 
 A group runs each step on every member or on the first, then exchanges the outcomes, so
 that every member learns of a failure anywhere and all fail together. A failure before the
 publish **abandons** the save: every member removes what it staged or placed, the first
-removes the rest of this save (its records, its lock); the previous checkpoint stands. After
-the publish the new checkpoint is complete whatever fails (:class:`SaveFailedAfterPublish`).
+removes the rest of this save (its records, its lock); the previous checkpoint stands, and
+loads and verifies. After the publish the new checkpoint is complete whatever fails
+(:class:`SaveFailedAfterPublish`). A save killed outright leaves its lock and files no manifest
+lists: the next save (with overwrite) removes them. Named kill points (:mod:`..storage.faults`)
+mark each step for the fault tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import socket
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from ..format.errors import InterruptedAfterPublish, SaveFailedAfterPublish, SaveRefused, ShardedStateError
 from ..format.manifest import CarriedFile, Manifest, RankEntry
 from ..format.names import LOCK_NAME
-from ..storage.location import open_store
+from ..storage.location import Store
+from ..storage.staged import StagedRank, discard_rank, new_token
 from .carry import CarriedFiles
-from .staged import StagedRank, discard_rank
 from .trust import Signer, configured_signer
 
 T = TypeVar("T")
@@ -68,68 +76,8 @@ class OneProcess:
         return [step()]
 
 
-class SaveTarget(Protocol):
-    """Where a save goes, as the steps of the protocol (:class:`.save.LocalTarget`,
-    :class:`.remote_save.ObjectTarget`). One instance per member; the first's lock token is
-    given to the others by :meth:`join`."""
-
-    #: The checkpoint's path or URL, for messages.
-    where: str
-    #: This save's token: staged names, upload records and the lock carry it.
-    token: str
-    #: Whether the save may replace what the target holds: a checkpoint, and files it carries.
-    overwrite: bool
-    #: Whether parts are staged in the target itself and renamed into place (a local folder), so
-    #: that the placed files are the checkpoint's; else staged in any local folder and copied.
-    stages_in_place: bool
-    #: What an abandoned save leaves, for messages ("any previous checkpoint there is intact").
-    abandoned: str
-
-    def lock(self) -> str:
-        """First member: take the lock (an existing checkpoint needs overwrite); returns its token."""
-        ...
-
-    def join(self, token: str, member: str) -> Any:
-        """Every member: adopt ``token``; returns what this member sees, for :meth:`check_joined`."""
-        ...
-
-    def check_joined(self, seen: list[Any]) -> None:
-        """Every member, with every member's :meth:`join`: refuse a target the members do not share."""
-        ...
-
-    def staging(self) -> str:
-        """The local folder where this member stages its parts."""
-        ...
-
-    def place(self, staged: StagedRank) -> RankEntry:
-        """Give a staged rank's parts fresh final names; returns the entry that lists them."""
-        ...
-
-    def write_rank_file(self, name: str, data: bytes) -> str:
-        """Every member, for a rank it placed: one more file of that rank (its start-up artifacts),
-        written whole under ``name`` or a fresh name made from it; returns the name to record."""
-        ...
-
-    def publish(self, manifest: Manifest, carried: CarriedFiles) -> None:
-        """First member: every listed part in place, the carried files, then the manifest."""
-        ...
-
-    def clean(self, manifest: Manifest) -> None:
-        """First member, after the publish: remove what the manifest does not list."""
-        ...
-
-    def release(self) -> None:
-        """First member, after the clean (whatever it did): release the lock if it is still this save's."""
-        ...
-
-    def abandon(self, entries: Sequence[RankEntry]) -> None:
-        """First member, after a failure before the publish: this save's leftovers and its lock."""
-        ...
-
-    def close(self) -> None:
-        """Every member, once its parts are placed (or the save failed): local resources (a staging
-        folder made for the save). May be called again."""
-        ...
+class FolderNotShared(SaveRefused):
+    """A local save's folder is not the same folder for every member (each node has its own)."""
 
 
 @dataclass
@@ -137,9 +85,9 @@ class SaveJob:
     """What the members save: each its staged ranks (with what the manifest needs of them), and
     together one manifest."""
 
-    #: This member's ranks, staged where the target says (``target.staging()``, ``target.token``),
+    #: This member's ranks, staged where the store says (``store.staging()``, ``store.token``),
     #: each with a picklable note for :attr:`manifest` (its geometry, say).
-    stage: Callable[[SaveTarget], Iterable[tuple[StagedRank, Any]]]
+    stage: Callable[[Store], Iterable[tuple[StagedRank, Any]]]
     #: The manifest from every member's (placed entry, note), in member order.
     manifest: Callable[[list[tuple[RankEntry, Any]]], Manifest]
     #: First member, before the lock: checks that need no lock (a file name pattern).
@@ -148,122 +96,174 @@ class SaveJob:
     carry: Callable[[CarriedFiles], None] | None = None
     #: Every member, for each rank it placed: the entry with what else it records (the start-up
     #: artifacts an engine writes beside the parts).
-    placed: Callable[[SaveTarget, RankEntry], RankEntry] | None = None
+    placed: Callable[[Store, RankEntry], RankEntry] | None = None
     #: Every member, after a failure before the publish, for each rank it staged.
     discard: Callable[[StagedRank], None] = discard_rank
+    #: Whether the save may replace what the store holds: a checkpoint, and files it carries.
+    overwrite: bool = False
+    #: The parts' file name pattern: files so named make a checkpoint (step 7 removes those unlisted).
+    pattern: str | None = None
 
 
-def run_save(target: SaveTarget, group: SaveGroup, job: SaveJob) -> tuple[Manifest, list[StagedRank]]:
-    """Run the save protocol (see the module doc) on this member; every member calls it.
+def run_save(store: Store, group: SaveGroup, job: SaveJob) -> tuple[Manifest, list[StagedRank]]:
+    """Run the save protocol (see the module doc) on this member; every member calls it, each with its
+    own ``store`` of the same location.
 
     Returns the published manifest and this member's placed ranks. A failure before the
     publish is raised as it came (the same on every member when the group exchanged it)
     once the save is abandoned; after the publish, as :class:`SaveFailedAfterPublish`.
     """
-    staged: list[StagedRank] = []
-    entries: list[tuple[RankEntry, Any]] = []
-    carried: CarriedFiles | None = None
-    locked = False
+    save = _Save(store, group, job)
+    manifest = save.publish()
+    save.clean(manifest)
+    return manifest, save.staged
 
-    signer: Signer | None = None
 
-    def lock() -> str:
-        nonlocal signer
-        if job.check is not None:
-            job.check()
-        signer = configured_signer()  # an unusable key refuses the save before anything is written
-        return target.lock()
+class _Save:
+    """One member's run of :func:`run_save`: what it staged and placed, for the undo."""
 
-    def stage() -> list[Any]:
-        notes = []
-        for rank, note in job.stage(target):  # one at a time: a failure abandons those staged before
-            staged.append(rank)
-            notes.append(note)
-        return notes
+    def __init__(self, store: Store, group: SaveGroup, job: SaveJob) -> None:
+        self.store, self.group, self.job = store, group, job
+        self.staged: list[StagedRank] = []
+        self.entries: list[tuple[RankEntry, Any]] = []
+        self.carried = CarriedFiles(store, replace=job.overwrite)
+        self.signer: Signer | None = None
 
-    def place(rank: StagedRank) -> RankEntry:
-        entry = target.place(rank)
-        return entry if job.placed is None else job.placed(target, entry)
+    def lock(self) -> str:
+        """Step 1, on the first member."""
+        if self.job.check is not None:
+            self.job.check()
+        self.signer = configured_signer()  # an unusable key refuses the save before anything is written
+        token = new_token()
+        self.store.lock(token, self.job.overwrite, () if self.job.pattern is None else (self.job.pattern,))
+        return token
 
-    publishing = False
-    try:
-        token = group.run(lock, only_first=True)[0]
-        locked = True
-        target.check_joined(group.run(lambda: target.join(token, group.member)))
-        carried = CarriedFiles(target.where, token, replace=target.overwrite)
-        notes = group.run(stage)
-        placed = group.run(lambda: [place(s) for s in staged])
-        target.close()  # staged and placed: a staging folder of the save's own is done with
-        entries = [pair for es, ns in zip(placed, notes, strict=True) for pair in zip(es, ns, strict=True)]
-        manifest = job.manifest(entries)
-        if job.carry is not None:
-            # Every member learns the first's record, so that each returns the published manifest.
-            recorded, stale = group.run(lambda: _carry(job, carried), only_first=True)[0]  # type: ignore[arg-type]
-            manifest = replace(manifest, carried_files=recorded, stale_files=stale)
-        else:
-            manifest = replace(manifest, carried_files={})
-        # Every member learns the first's signed manifest: each returns the published one.
-        manifest = group.run(lambda: manifest if signer is None else signer.sign(manifest), only_first=True)[0]
-        publishing = True
-        group.run(lambda: target.publish(manifest, carried), only_first=True)
-    except BaseException as e:
-        if publishing and _is_published(target, manifest):
-            # Stopped once the manifest was out (an interrupt, an fsync after its rename, a lost
-            # answer): the new checkpoint is whole, and nothing of it may be taken back.
-            carried.finish()  # type: ignore[union-attr]
-            for s in staged:
-                s.placed.clear()
-            target.close()
-            if isinstance(e, (ShardedStateError, OSError)):
-                # The lock goes (a process that lives on, an engine, would else keep every later
-                # save out); what the clean step did not remove, the next save removes.
-                _undo(e, [target.release], "Releasing the lock after the publish failed")
-                raise _after_publish(target, e, "finishing its publish") from e
-            if isinstance(e, KeyboardInterrupt) and not isinstance(e, InterruptedAfterPublish):
-                raise InterruptedAfterPublish(target.where) from e
-            raise
-        undo: list[Callable[[], None]] = [carried.restore] if carried is not None else []
-        undo += [lambda s=s: job.discard(s) for s in staged]
-        if locked and group.first:
-            undo.append(lambda: target.abandon([entry for entry, _ in entries]))
-        _undo(e, [*undo, target.close])
-        raise
-    carried.finish()
-    for s in staged:
-        s.placed.clear()  # published: the checkpoint's files now, no longer this save's to remove
+    def join(self, token: str) -> None:
+        """Step 2, on every member, with the refusal every member decides from the same answers."""
+        seen = self.group.run(lambda: (socket.gethostname(), self.group.member, self.store.join(token)))
+        blind = [f"{member} on {host}" for host, member, sees in seen if not sees]
+        if not blind:
+            return
+        # (None sees it where the lock could not be read back: it names no member then.)
+        holder = next((f"{member} on {host}" for host, member, sees in seen if sees), "The first worker")
+        where = self.store.canonical()
+        error = FolderNotShared(
+            f"Refusing to save to {where}: the workers do not share that folder. {holder} locked it for this "
+            f"save, but {'; '.join(blind)} cannot see that lock there: each of these nodes has its own "
+            f"{where}, and a checkpoint written there would lack the other nodes' parts. Save to object "
+            "storage (s3://, gs://, az://) or to a folder that every node mounts (a shared file system), then copy "
+            "the checkpoint to where it is served. Nothing was written"
+        )
+        error.agreed = True
+        raise error
 
-    def clean() -> None:
+    def stage_and_place(self) -> Manifest:
+        """Steps 3 and 4 on every member; the manifest of every member's placed entries."""
+
+        def stage() -> list[Any]:
+            notes = []
+            for rank, note in self.job.stage(self.store):  # one at a time: a failure abandons those staged before
+                self.staged.append(rank)
+                notes.append(note)
+            return notes
+
+        def place(rank: StagedRank) -> RankEntry:
+            entry = self.store.place(rank)
+            return entry if self.job.placed is None else self.job.placed(self.store, entry)
+
+        notes = self.group.run(stage)
+        placed = self.group.run(lambda: [place(s) for s in self.staged])
+        self.store.close()  # staged and placed: a staging folder of the save's own is done with
+        self.entries = [pair for es, ns in zip(placed, notes, strict=True) for pair in zip(es, ns, strict=True)]
+        return self.job.manifest(self.entries)
+
+    def carry(self, manifest: Manifest) -> Manifest:
+        """Step 5 on the first member; every member learns its record, to return the published manifest."""
+        if self.job.carry is None:
+            return replace(manifest, carried_files={})
+
+        def carry() -> tuple[dict[str, CarriedFile], tuple[str, ...]]:
+            self.job.carry(self.carried)  # type: ignore[misc]
+            return dict(self.carried.recorded), tuple(self.carried.stale)
+
+        recorded, stale = self.group.run(carry, only_first=True)[0]  # type: ignore[misc]
+        return replace(manifest, carried_files=recorded, stale_files=stale)
+
+    def publish(self) -> Manifest:
+        """Steps 1 to 6; a failure before the manifest is out abandons the save."""
+        locked = publishing = False
+        manifest: Manifest | None = None
         try:
+            token = self.group.run(self.lock, only_first=True)[0]
+            locked = True
+            self.join(token)
+            manifest = self.carry(self.stage_and_place())
+            # Every member learns the first's signed manifest: each returns the published one.
+            manifest = self.group.run(lambda: self._signed(manifest), only_first=True)[0]
+            publishing = True
+            self.group.run(lambda: self.store.publish(manifest), only_first=True)
+        except BaseException as e:
+            if publishing and _is_published(self.store, manifest):  # type: ignore[arg-type]
+                self._published_when_stopped(e)
+            undo: list[Callable[[], None]] = [self.carried.restore]
+            undo += [lambda s=s: self.job.discard(s) for s in self.staged]
+            if locked and self.group.first:
+                undo.append(lambda: self.store.abandon([entry for entry, _ in self.entries]))
+            _undo(e, [*undo, self.store.close])
+            raise
+        self._done()
+        return manifest
+
+    def _signed(self, manifest: Manifest) -> Manifest:
+        return manifest if self.signer is None else self.signer.sign(manifest)
+
+    def _done(self) -> None:
+        """Published: the backups go, and the placed files are the checkpoint's, no longer this save's."""
+        self.carried.finish()
+        for s in self.staged:
+            s.placed.clear()
+
+    def _published_when_stopped(self, error: BaseException) -> None:
+        """Stopped once the manifest was out (an interrupt, an fsync after its rename, a lost answer): the
+        new checkpoint is whole, and nothing of it may be taken back."""
+        self._done()
+        self.store.close()
+        where = self.store.canonical()
+        if isinstance(error, (ShardedStateError, OSError)):
+            # The lock goes (a process that lives on, an engine, would else keep every later save out);
+            # what the clean step did not remove, the next save removes.
+            _undo(error, [self.store.release], "Releasing the lock after the publish failed")
+            raise _after_publish(where, error, "finishing its publish") from error
+        if isinstance(error, KeyboardInterrupt) and not isinstance(error, InterruptedAfterPublish):
+            raise InterruptedAfterPublish(where, self.store) from error
+        raise error
+
+    def clean(self, manifest: Manifest) -> None:
+        """Steps 7 and 8 on the first member: a failure here leaves the new checkpoint published."""
+
+        def clean() -> None:
             try:
-                target.clean(manifest)
-            finally:  # (the next save no longer knows what the replaced checkpoint carried)
-                carried.remove_stale(manifest)  # type: ignore[union-attr]
-        except Exception as e:
-            # A file that may not be removed (EPERM, EROFS, an Azure lease on an old part) must not
-            # keep the lock: every later save would be refused as another's until it was deleted
-            # by hand. What is left over, the next save removes.
-            _undo(e, [target.release], "Releasing the lock after the clean-up failed")
-            raise
-        target.release()
+                try:
+                    self.store.clean(manifest)
+                finally:  # (the next save no longer knows what the replaced checkpoint carried)
+                    self.carried.remove_stale(manifest)
+            except Exception as e:
+                # A file that may not be removed (EPERM, EROFS, an Azure lease on an old part) must not keep
+                # the lock: every later save would be refused until it was deleted by hand.
+                _undo(e, [self.store.release], "Releasing the lock after the clean-up failed")
+                raise
+            self.store.release()
 
-    try:
-        group.run(clean, only_first=True)
-    except (ShardedStateError, OSError) as e:  # (a file that cannot be removed: EPERM, EBUSY, EROFS)
-        raise _after_publish(target, e) from e
-    except KeyboardInterrupt as e:  # (the lock and what is not removed yet stay: the next save's to clean)
-        if isinstance(e, InterruptedAfterPublish):
-            raise
-        raise InterruptedAfterPublish(target.where) from e
-    finally:
-        target.close()
-    return manifest, staged
-
-
-def _carry(job: SaveJob, carried: CarriedFiles) -> tuple[dict[str, CarriedFile], tuple[str, ...]]:
-    """The carry step (first member): stage the files; return what each will hold once placed, and
-    the replaced checkpoint's files that the clean step removes (recorded before the publish)."""
-    job.carry(carried)  # type: ignore[misc]
-    return dict(carried.recorded), tuple(carried.stale)
+        try:
+            self.group.run(clean, only_first=True)
+        except (ShardedStateError, OSError) as e:  # (a file that cannot be removed: EPERM, EBUSY, EROFS)
+            raise _after_publish(self.store.canonical(), e) from e
+        except KeyboardInterrupt as e:  # (the lock and what is not removed yet stay: the next save's to clean)
+            if isinstance(e, InterruptedAfterPublish):
+                raise
+            raise InterruptedAfterPublish(self.store.canonical(), self.store) from e
+        finally:
+            self.store.close()
 
 
 def _undo(error: BaseException, steps: Iterable[Callable[[], None]], what: str = "Undoing the save") -> None:
@@ -280,29 +280,31 @@ def _undo(error: BaseException, steps: Iterable[Callable[[], None]], what: str =
             )
 
 
-def refusal(target: SaveTarget, error: ShardedStateError) -> SaveRefused:
+def refusal(store: Store, error: ShardedStateError) -> SaveRefused:
     """The error a save hook reports for a save abandoned before its publish (keeps ``agreed``)."""
-    wrapped = SaveRefused(f"Saving the sharded state to {target.where} failed: {_sentence(error)} {target.abandoned}")
+    wrapped = SaveRefused(
+        f"Saving the sharded state to {store.canonical()} failed: {_sentence(error)} {store.abandoned}"
+    )
     wrapped.agreed, wrapped.origin = error.agreed, error.origin
     for note in getattr(error, "__notes__", []):  # what its undo could not remove
         wrapped.add_note(note)
     return wrapped
 
 
-def _is_published(target: SaveTarget, manifest: Manifest) -> bool:
-    """Whether the target's manifest is now ``manifest`` (asked after a failure during the publish)."""
+def _is_published(store: Store, manifest: Manifest | None) -> bool:
+    """Whether the store's manifest is now ``manifest`` (asked after a failure during the publish)."""
     try:
-        published = open_store(target.where).read_manifest()
+        published = store.read_manifest()
     except Exception:  # unreadable: not known to be out, so the save is abandoned as before
         return False
-    return published is not None and published.to_json() == manifest.to_json()
+    return manifest is not None and published is not None and published.to_json() == manifest.to_json()
 
 
 def _after_publish(
-    target: SaveTarget, error: ShardedStateError | OSError, what: str = "removing the old save's files"
+    where: str, error: ShardedStateError | OSError, what: str = "removing the old save's files"
 ) -> SaveFailedAfterPublish:
     wrapped = SaveFailedAfterPublish(
-        f"Saving the sharded state to {target.where}: the new checkpoint is published and complete, but {what} "
+        f"Saving the sharded state to {where}: the new checkpoint is published and complete, but {what} "
         f"failed: {_sentence(error)} Save again to clean up."
     )
     if isinstance(error, ShardedStateError):

@@ -22,7 +22,7 @@ from ..format.names import MANIFEST_NAME
 from ..format.safetensors import Header
 from ..planning.tensors import TensorSpec
 from ..storage.local import read_header
-from ..storage.location import StoredFile, check_not_locked, open_part, read_manifest
+from ..storage.location import Store, StoredFile
 
 
 @dataclass
@@ -34,7 +34,7 @@ class CheckedFile:
     header: Header
 
 
-def check_rank_file(directory: str, f: FileEntry, entry: RankEntry, verify: str) -> CheckedFile:
+def check_rank_file(store: Store, f: FileEntry, entry: RankEntry, verify: str) -> CheckedFile:
     """Open one part file of a rank and check it against the manifest; every later read goes through it.
 
     The file must lie inside the checkpoint, exist with its recorded size, and have a
@@ -42,7 +42,7 @@ def check_rank_file(directory: str, f: FileEntry, entry: RankEntry, verify: str)
     offset, with the dtype and shape, the manifest records. With ``verify="checksum"``
     the manifest must record its checksum. The caller closes the file.
     """
-    opened = open_part(directory, f)
+    opened = store.open_part(f)
     try:
         return _check_opened(opened, f, entry, verify)
     except BaseException:
@@ -64,12 +64,12 @@ def _check_opened(opened: StoredFile, f: FileEntry, entry: RankEntry, verify: st
 class RankFiles:
     """The part files of one rank, opened and checked (as :func:`check_rank_file` does), closed on exit."""
 
-    def __init__(self, directory: str, entry: RankEntry, verify: str) -> None:
+    def __init__(self, store: Store, entry: RankEntry, verify: str) -> None:
         opened: list[StoredFile] = []
         try:
             # Every file opened and sized before any header is read.
             for f in entry.files:
-                opened.append(open_part(directory, f))
+                opened.append(store.open_part(f))
             self.files = [_check_opened(o, f, entry, verify) for o, f in zip(opened, entry.files, strict=True)]
         except BaseException:
             for o in opened:
@@ -190,16 +190,16 @@ class HeldAdoption:
         self.held.clear()
 
 
-def check_not_replaced(directory: str, manifest: Manifest, check_files: Callable[[], None]) -> None:
+def check_not_replaced(store: Store, manifest: Manifest, check_files: Callable[[], None]) -> None:
     """After the reads: the files read are still the checkpoint's, and so is the manifest.
 
     A save into the directory during the load (it takes the lock, renames new parts over
     the old, and rewrites the manifest) is an error here, never weights from two saves.
     """
-    check_not_locked(directory)
+    store.check_not_locked()
     check_files()
-    if read_manifest(directory) != manifest:
+    if store.read_manifest() != manifest:
         raise CheckpointCorrupt(
-            f"{directory}: {MANIFEST_NAME} changed during the load (another save into the directory?); the "
+            f"{store.where}: {MANIFEST_NAME} changed during the load (another save into the directory?); the "
             "weights read may belong to the previous checkpoint. Load again once the save is done."
         )

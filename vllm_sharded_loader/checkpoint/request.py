@@ -1,4 +1,5 @@
-"""What one rank's load asks for, as a value: the checkpoint, how to check it, and the model it serves."""
+"""What one rank's load asks for, as a value: the checkpoint, how to check it, and the model it serves;
+and :func:`read_manifest`, the manifest a caller gives it."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from dataclasses import dataclass
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.source import SourceModel
+from ..storage.location import Store, open_store
 
 
 @dataclass(frozen=True)
 class LoadRequest:
     """A checkpoint to load one rank of, and what to check it against.
 
+    ``store`` is where it lives (a path or URL given here is resolved once, :func:`..storage.location.open_store`).
     ``manifest`` is the checkpoint's (None: a checkpoint of vLLM's own save, found by
     ``pattern``, the file pattern of its parts). ``verify`` is ``"size"`` (manifest, file
     sizes and headers) or ``"checksum"`` (also every byte read). ``serving`` (the model's
@@ -22,7 +25,7 @@ class LoadRequest:
     shares (tied embeddings), so a tensor saved under one name serves the others.
     """
 
-    directory: str
+    store: Store
     manifest: Manifest | None
     verify: str = "size"
     serving: SourceModel | None = None
@@ -30,7 +33,16 @@ class LoadRequest:
     tied: Sequence[Sequence[str]] = ()
     pattern: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "store", open_store(self.store))
+
     @property
     def where(self) -> str:
         """The checkpoint, as messages name it."""
-        return self.directory
+        return self.store.where
+
+
+def read_manifest(where: str | Store) -> Manifest | None:
+    """The manifest of the checkpoint at ``where`` (a folder, an object-storage URL or a store), or None
+    for a checkpoint without one (vLLM's own save)."""
+    return open_store(where).read_manifest()

@@ -18,7 +18,7 @@ from ..format.manifest import Manifest
 from ..planning.manifest_plans import files_to_check, plan_manifest_reads, unexpected_tensors
 from ..planning.reads import ReadPlan, TensorPlan
 from ..planning.topology import RankInfo
-from ..storage.location import StoredFile, file_path
+from ..storage.location import Store, StoredFile
 from ..storage.lowering import read_plans
 from ..storage.reader import DEFAULT_READ, ReadOptions, ReadStats
 from ..storage.tensors import torch_dtype
@@ -36,15 +36,15 @@ class ReshardSource:
     checksum block a read touches is verified as it is read.
     """
 
-    def __init__(self, directory: str, manifest: Manifest, verify: str = "size") -> None:
-        self.directory, self.manifest, self.verify = directory, manifest, check_verify_mode(verify)
+    def __init__(self, store: Store, manifest: Manifest, verify: str = "size") -> None:
+        self.store, self.manifest, self.verify = store, manifest, check_verify_mode(verify)
         self.dtypes = {name: t.dtype for entry in manifest.ranks for name, t in entry.tensors.items()}
         self.owners = {f.name: (f, entry) for entry in manifest.ranks for f in entry.files}
         self.checked: dict[str, CheckedFile] = {}  # file name -> the file, open and checked
 
     def plan(self, needed: Sequence[str], rank: RankInfo, tied: Sequence[Sequence[str]] = ()) -> ReadPlan:
         """The :class:`~..planning.reads.ReadPlan` giving ``rank`` the tensors ``needed``."""
-        return plan_manifest_reads(self.manifest, needed, rank, tied=tied, directory=self.directory)
+        return plan_manifest_reads(self.manifest, needed, rank, tied=tied, directory=self.store.where)
 
     def stored_dtype(self, tensor_plan: TensorPlan) -> torch.dtype:
         return torch_dtype(self.dtypes[tensor_plan.source_name], tensor_plan.name)
@@ -53,7 +53,7 @@ class ReshardSource:
         """Open and check a saved file the first time a plan touches it (:func:`.rank_files.check_rank_file`)."""
         if name not in self.checked:
             f, entry = self.owners[name]
-            self.checked[name] = check_rank_file(self.directory, f, entry, self.verify)
+            self.checked[name] = check_rank_file(self.store, f, entry, self.verify)
         return self.checked[name].file
 
     def check_unchanged(self) -> None:
@@ -120,9 +120,10 @@ def load_resharded(
     ranks' rows. Every planned shape is checked against the model before any read.
     """
     started = time.perf_counter() if started is None else started
-    directory, manifest, tied = request.directory, request.manifest, request.tied
+    store, manifest, tied = request.store, request.manifest, request.tied
+    directory = store.where
     assert manifest is not None, "a resharding load has a manifest"
-    with ReshardSource(directory, manifest, request.verify) as source:
+    with ReshardSource(store, manifest, request.verify) as source:
         plan = source.plan(list(targets), rank, tied)
         wrong = [
             f"{n} planned {list(p.shape)} but the model expects {list(targets[n].shape)}"
@@ -146,11 +147,11 @@ def load_resharded(
             source.check_file(name)  # every check before the first byte lands in a parameter
         held = HeldAdoption(adopt)
         read = source.read(plan.tensors, targets, options, held.callbacks())
-        check_not_replaced(directory, manifest, source.check_unchanged)
+        check_not_replaced(store, manifest, source.check_unchanged)
         held.hand_over()
         cast = [n for n, p in plan.tensors.items() if targets[n].dtype != source.stored_dtype(p)]
     return LoadStats(
-        files=tuple(file_path(directory, n) for n in plan.files),
+        files=tuple(store.file_path(n) for n in plan.files),
         tensors=len(plan.tensors),
         bytes_read=plan.bytes_read,
         seconds=time.perf_counter() - started,

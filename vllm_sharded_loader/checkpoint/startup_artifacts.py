@@ -34,10 +34,9 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateE
 from ..format.manifest import FileEntry, Manifest, StartupArtifacts
 from ..format.names import startup_artifacts_name
 from ..storage.faults import declare, kill_point
-from ..storage.location import file_path, open_part, open_store
+from ..storage.location import Store, open_store
+from ..storage.staged import new_token
 from ..storage.temporaries import held_temporary, remove_dead_temporaries
-from .protocol import SaveTarget
-from .save import open_target
 from .trust import Signer
 
 ENABLE_ENV = "SHARDED_STATE_STARTUP_ARTIFACTS"
@@ -82,7 +81,7 @@ def pack(root: str, folders: list[str]) -> bytes:
 
 
 def write_rank_artifacts(
-    target: SaveTarget, data: bytes, key: Mapping[str, str], tp_rank: int, pp_rank: int, dp_rank: int = 0
+    target: Store, data: bytes, key: Mapping[str, str], tp_rank: int, pp_rank: int, dp_rank: int = 0
 ) -> StartupArtifacts:
     """Write one rank's archive into a save's target, under the rank's name with the save's token
     in it, and return its manifest record. The published checkpoint's archives are never
@@ -92,15 +91,15 @@ def write_rank_artifacts(
     return StartupArtifacts(file=name, size=len(data), sha256=hashlib.sha256(data).hexdigest(), key=dict(key))
 
 
-def read_rank_artifacts(where: str, record: StartupArtifacts) -> bytes:
-    """The archive's bytes from the checkpoint at ``where`` (a folder or an object prefix, through
-    the same store reads as the parts), checked against the recorded size and SHA-256."""
+def read_rank_artifacts(store: Store, record: StartupArtifacts) -> bytes:
+    """The archive's bytes from the checkpoint in ``store`` (through the same reads as the parts),
+    checked against the recorded size and SHA-256."""
     if record.size > MAX_ARCHIVE_BYTES:
         raise CheckpointCorrupt(
-            f"{file_path(where, record.file)}: the manifest records {record.size} bytes of start-up artifacts, "
+            f"{store.file_path(record.file)}: the manifest records {record.size} bytes of start-up artifacts, "
             f"more than the {MAX_ARCHIVE_BYTES} a compile cache takes; the manifest is damaged: save again."
         )
-    stored = open_part(where, FileEntry(name=record.file, size=record.size))
+    stored = store.open_part(FileEntry(name=record.file, size=record.size))
     try:
         data = stored.read_at(0, record.size)
     finally:
@@ -108,7 +107,7 @@ def read_rank_artifacts(where: str, record: StartupArtifacts) -> bytes:
     digest = hashlib.sha256(data).hexdigest()
     if digest != record.sha256:
         raise CheckpointCorrupt(
-            f"{file_path(where, record.file)}: SHA-256 {digest[:16]}... does not match the manifest's "
+            f"{store.file_path(record.file)}: SHA-256 {digest[:16]}... does not match the manifest's "
             f"{record.sha256[:16]}...; the start-up artifacts are damaged or were replaced. Save the checkpoint "
             "again to carry them."
         )
@@ -293,26 +292,26 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
     return len(written), kept
 
 
-def sign_checkpoint(where: str, signer: Signer) -> Manifest:
-    """Sign the published checkpoint at ``where`` (a folder or an object-storage prefix): each start-up
-    archive is checked against its SHA-256 first, then the manifest is replaced, under the save lock,
-    by the same manifest with a signature. Returns the signed manifest."""
-    target = open_target(where, overwrite=True)
-    target.lock()
+def sign_checkpoint(where: str | Store, signer: Signer) -> Manifest:
+    """Sign the published checkpoint at ``where`` (a folder, URL or store): each start-up archive is
+    checked against its SHA-256 first, then the manifest is replaced, under the save lock (steps 1, 6
+    and 7 of :mod:`.protocol`), by the same manifest with a signature. Returns the signed manifest."""
+    store = open_store(where)
+    store.lock(new_token(), True, ())
     try:
-        manifest = open_store(where).read_manifest()
+        manifest = store.read_manifest()
         if manifest is None:
-            raise CheckpointNotFound(f"{where} holds no sharded checkpoint to sign; nothing was written.")
+            raise CheckpointNotFound(f"{store.where} holds no sharded checkpoint to sign; nothing was written.")
         for entry in manifest.ranks:
             if entry.startup is not None:
-                read_rank_artifacts(where, entry.startup)
+                read_rank_artifacts(store, entry.startup)
         signed = signer.sign(manifest)
-        target.publish(signed, None)  # type: ignore[arg-type]
-        target.clean(signed)
+        store.publish(signed)
+        store.clean(signed)
     except BaseException:
-        target.abandon([])
+        store.abandon([])
         raise
     finally:
-        target.close()
-    target.release()
+        store.close()
+    store.release()
     return signed

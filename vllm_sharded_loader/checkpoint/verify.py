@@ -9,17 +9,7 @@ from ..format.manifest import FileChecksum, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
-from ..storage.location import (
-    Store,
-    StoredFile,
-    check_not_locked,
-    file_path,
-    list_names,
-    no_manifest_here,
-    open_store,
-    read_manifest,
-)
-from ..storage.lock import describe_lock, read_lock
+from ..storage.location import Store, StoredFile, no_manifest_here, open_store
 from ..storage.progress import ByteProgress
 from ..storage.writer import CHUNK_BYTES
 from .carry import carried_problems, stale_problems
@@ -44,9 +34,10 @@ def verify_file_checksum(
 
 
 def verify_checkpoint(
-    directory: str, checksums: bool = True, notes: list[str] | None = None, progress: ByteProgress | None = None
+    where: str | Store, checksums: bool = True, notes: list[str] | None = None, progress: ByteProgress | None = None
 ) -> list[str]:
-    """Every problem of a checkpoint on disk, one line each naming the file; empty when sound.
+    """Every problem of the checkpoint at ``where`` (a folder, URL or store), one line each naming the
+    file; empty when sound.
 
     Checks what a load checks for every rank (lock, manifest, file presence, sizes,
     symlinks, headers against the manifest) and, with ``checksums``, every byte.
@@ -73,11 +64,12 @@ def verify_checkpoint(
     again meanwhile, the one problem is that, and to run verify again.
     """
     notes = [] if notes is None else notes
-    manifest_path = file_path(directory, MANIFEST_NAME)
+    store = open_store(where)
+    manifest_path = store.file_path(MANIFEST_NAME)
     for attempt in range(2):  # the checkpoint read first, then at most the one that replaced it
         seen: list[str] = []
-        problems, manifest = _verify_once(directory, checksums, seen, progress)
-        if not problems or manifest is None or not _replaced(directory, manifest):
+        problems, manifest = _verify_once(store, checksums, seen, progress)
+        if not problems or manifest is None or not _replaced(store, manifest):
             if attempt:
                 notes.append(
                     f"{manifest_path}: a save replaced the checkpoint while it was being verified (it published "
@@ -94,30 +86,30 @@ def verify_checkpoint(
     ]
 
 
-def _replaced(where: str, manifest: Manifest) -> bool:
+def _replaced(store: Store, manifest: Manifest) -> bool:
     """Whether the published manifest is no longer ``manifest`` (a save published another, or
     removed or damaged it: verifying again reports that)."""
     try:
-        return read_manifest(where) != manifest
+        return store.read_manifest() != manifest
     except ShardedStateError:
         return True
 
 
 def _verify_once(
-    directory: str, checksums: bool, notes: list[str], progress: ByteProgress | None
+    store: Store, checksums: bool, notes: list[str], progress: ByteProgress | None
 ) -> tuple[list[str], Manifest | None]:
     """:func:`verify_checkpoint`'s checks of the manifest published now: the problems, and that manifest."""
     problems: list[str] = []
     try:
-        check_not_locked(directory)
+        store.check_not_locked()
     except ShardedStateError as e:
         problems.append(str(e))
     try:
-        manifest = read_manifest(directory)
+        manifest = store.read_manifest()
     except ShardedStateError as e:
         return [*problems, str(e)], None
     if manifest is None:
-        return [*problems, f"{no_manifest_here(directory)} Nothing to verify."], None
+        return [*problems, f"{no_manifest_here(store)} Nothing to verify."], None
     try:
         check_saved_geometry(manifest)
     except ShardedStateError as e:
@@ -129,58 +121,58 @@ def _verify_once(
         for f in entry.files:
             listed.add(f.name)
             try:
-                checked = check_rank_file(directory, f, entry, "checksum" if checksums else "size")
+                checked = check_rank_file(store, f, entry, "checksum" if checksums else "size")
                 with checked.file:
                     if f.checksum is not None and checksums:
                         verify_file_checksum(checked.file, f.checksum, None if progress is None else progress.advance)
             except ShardedStateError as e:
                 problems.append(str(e))
     if checksums:
-        _check_startup_artifacts(directory, manifest, notes)
-    store = open_store(directory)
+        _check_startup_artifacts(store, manifest, notes)
     carried = _check_carried_files(store, manifest, checksums, notes) + stale_problems(store, manifest)
     problems += carried
     # The carried config and tokenizer: a FIFO there would hang the engine that serves this (one
     # that the save recorded is named above, with what it recorded).
     problems += [str(e) for e in store.special_files() if not any(p.startswith(str(e)) for p in carried)]
-    if store.save_is_running():
+    running = store.save_is_running()
+    if running:
         # A running save's staged and placed files are not the published checkpoint's
         # problem: it removes them itself, or publishes them.
         return problems, manifest
     # A save that died (its lock's flock is free) beside a published manifest leaves its lock,
     # and the parts it placed (died before its publish) or replaced (died after it, before its
-    # cleanup): its own leftovers, not the checkpoint's.
-    dead_lock = None if store.remote else read_lock(directory)
-    locked = dead_lock is not None  # (the unlisted parts are a locking save's leftovers, not problems)
-    if dead_lock is not None:
-        notes.append(
-            f"{describe_lock(directory, dead_lock)}: the lock of a save that died; the published checkpoint is "
-            "the one verified here. The next save (with overwrite) takes it over and removes what it left."
-        )
-    elif store.remote and store.is_locked():  # (object storage cannot tell a running save from a dead one)
-        locked = True
+    # cleanup): its own leftovers, not the checkpoint's. Where whether it runs cannot be told
+    # (object storage), the lock is a save's that holds the prefix or died holding it.
+    holder = store.describe_lock()
+    locked = holder is not None  # (the unlisted parts are a locking save's leftovers, not problems)
+    if holder is not None and running is None:
         notes.append(
             f"{store.file_path(LOCK_NAME)}: a save holds the prefix, or died holding it; the published checkpoint "
             "is the one verified here, and parts it does not list are that save's (do not remove them while it runs)."
         )
-    for name in list_names(directory):
+    elif holder is not None:
+        notes.append(
+            f"{holder}: the lock of a save that died; the published checkpoint is the one verified here. The next "
+            "save (with overwrite) takes it over and removes what it left."
+        )
+    for name in store.list_names():
         if name not in listed and parse_file_name(manifest.pattern, name) is not None:
             if locked:
-                whose = "the save that holds the lock (or died holding it)" if store.remote else "the save that died"
+                whose = "the save that holds the lock (or died holding it)" if running is None else "the save that died"
                 notes.append(
-                    f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list, left by {whose}; our "
+                    f"{store.file_path(name)}: a part that {MANIFEST_NAME} does not list, left by {whose}; our "
                     "loader ignores it, the next save removes it (vLLM's own loader would read it: remove it before "
                     "loading with vLLM's built-in sharded_state)."
                 )
                 continue
             problems.append(
-                f"{file_path(directory, name)}: a part that {MANIFEST_NAME} does not list (left by an older "
+                f"{store.file_path(name)}: a part that {MANIFEST_NAME} does not list (left by an older "
                 "save?); our loader ignores it but vLLM's own loader would read it. Remove it."
             )
         elif (token := staged_token(name)) is not None and not store.owner_is_alive(token):
             # (A live engine's start-up capture is its own, not a leftover, and not noted.)
             notes.append(
-                f"{file_path(directory, name)}: a staged file or owner marker of a save or engine that is gone "
+                f"{store.file_path(name)}: a staged file or owner marker of a save or engine that is gone "
                 "(it never published it); no loader reads it, and the next save into this folder removes it."
             )
     return problems, manifest
@@ -215,7 +207,7 @@ def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: 
     return carried_problems(store, manifest.carried_files, hashed)
 
 
-def _check_startup_artifacts(directory: str, manifest: Manifest, notes: list[str]) -> None:
+def _check_startup_artifacts(store: Store, manifest: Manifest, notes: list[str]) -> None:
     """A rank's start-up archive that is missing or damaged, or not signed by a trusted key, costs a
     compile, never a wrong weight (a load checks it the same way and does without): a note, not a
     problem. Who signed them is a note too."""
@@ -227,6 +219,6 @@ def _check_startup_artifacts(directory: str, manifest: Manifest, notes: list[str
     notes.append(f"start-up artifacts ({len(archives)} archives): {used}: {verdict.reason}.")
     for record in archives:
         try:
-            read_rank_artifacts(directory, record)
+            read_rank_artifacts(store, record)
         except ShardedStateError as e:
             notes.append(f"{e} Until then a fresh node serving this rank compiles as without them.")

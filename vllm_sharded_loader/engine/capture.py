@@ -39,7 +39,6 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from ..checkpoint.save import StagedRank, discard_rank, new_token, stage_rank
 from ..checkpoint.save_proof import (
     CAPTURE_DIR_ENV,
     check_source_files_unchanged,
@@ -54,9 +53,11 @@ from ..format.names import default_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.local import make_output_folder
+from ..storage.location import Store, open_store
 from ..storage.lock import hold_owner_marker, release_owner_marker
 from ..storage.progress import ByteProgress
 from ..storage.reader import ReadOptions
+from ..storage.staged import StagedRank, discard_rank, new_token, stage_rank
 from .compile_cache import place_compile_cache
 from .follower import watch_leader
 from .identity import current_vllm_config, dtype_label, is_drafter, ranks_on_host, source_identity
@@ -188,13 +189,12 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     elif load_config.load_format == "sharded_state":
         checkpoint = model_config.model_weights or model_config.model
     if checkpoint is not None:
-        from ..storage.location import open_store, read_manifest
-
-        if open_store(checkpoint).exists():  # (a Hub id: checked after the read only)
-            manifest = read_manifest(checkpoint)
+        store = open_store(checkpoint)
+        if store.exists():  # (a Hub id: checked after the read only)
+            manifest = store.read_manifest()
             check_still_read_from(checkpoint, state.read_proof, manifest)
             if manifest is not None and state.rank is not None:
-                return _reread_streaming(state, checkpoint, manifest)
+                return _reread_streaming(state, store, manifest)
         # Every byte read again is checked against the manifest's checksums: the content, not the path.
         load_config = copy.copy(load_config)
         load_config.model_loader_extra_config = {**(load_config.model_loader_extra_config or {}), "verify": "checksum"}
@@ -220,7 +220,7 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _reread_streaming(state: LoadedState, checkpoint: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+def _reread_streaming(state: LoadedState, checkpoint: Store, manifest: Manifest) -> dict[str, torch.Tensor]:
     """This rank's loaded state read again from the sharded ``checkpoint`` it came from, without a model:
     the load's own checks and plan over what the load recorded (geometry, ties, rank), into host tensors
     that take the files' mappings where the reader can map them (a save then streams them to its files,
@@ -246,7 +246,7 @@ def _reread_streaming(state: LoadedState, checkpoint: str, manifest: Manifest) -
     logger.info(
         "sharded_state: %s re-read its loaded state from %s without a model: %d of %d tensors mapped from its files",
         state.rank,
-        checkpoint,
+        checkpoint.where,
         len(staged.mapped),
         len(staged.tensors),
     )

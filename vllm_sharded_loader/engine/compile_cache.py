@@ -35,13 +35,12 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint import startup_artifacts
-from ..checkpoint.protocol import SaveTarget
 from ..checkpoint.trust import check_trust
 from ..format.errors import ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..planning.topology import RankInfo
 from ..storage import hub
-from ..storage.location import open_store
+from ..storage.location import Store
 from .node_setup import served_key_python, stage_model_info
 
 logger = init_logger(f"vllm.plugins.{__name__}")
@@ -218,7 +217,7 @@ def uncompiled_key(rank: RankInfo) -> dict[str, str]:
 
 
 def save_startup_artifacts(
-    model: torch.nn.Module, target: SaveTarget, entry: RankEntry, rank: RankInfo, model_config: Any = None
+    model: torch.nn.Module, target: Store, entry: RankEntry, rank: RankInfo, model_config: Any = None
 ) -> RankEntry:
     """At a save (a local folder or object storage), on every worker: pack this rank's compile cache
     and vLLM's model-class inspection cache entries for the model (``model_config``: the served
@@ -272,7 +271,7 @@ def save_startup_artifacts(
 
 def restore_startup_artifacts(
     model: torch.nn.Module,
-    where: str,
+    where: Store,
     manifest: Manifest | None,
     rank: RankInfo,
     hub_fetch: tuple[str, str | None] | None = None,
@@ -295,7 +294,7 @@ def restore_startup_artifacts(
 
 def _restore(
     model: torch.nn.Module,
-    where: str,
+    where: Store,
     manifest: Manifest,
     rank: RankInfo,
     hub_fetch: tuple[str, str | None] | None,
@@ -320,7 +319,7 @@ def _restore(
     if differs is not None:
         logger.info("sharded_state: %s start-up artifacts not used, saved for another setup (%s)", rank, differs)
         return False
-    if hub_fetch is not None and not open_store(where).remote:
+    if hub_fetch is not None:
         repo_id, cache_dir = hub_fetch
         where = hub.fetch_more(repo_id, where, [record.file], cache_dir)
     if any(m is model for m in compiled_modules(model)):

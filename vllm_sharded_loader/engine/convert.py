@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.protocol import SaveTarget
 from ..checkpoint.state import saveable_state, tied_groups
 from ..checkpoint.write_coverage import WriteRecorder, canaries
 from ..format.errors import ConvertRefused, ShardedStateError, listing
@@ -38,6 +37,7 @@ from ..format.source import SourceModel
 from ..planning.components import fill_components
 from ..planning.topology import RankInfo
 from ..storage.hf_source import SourceFiles
+from ..storage.location import Store
 from ..storage.tensors import has_nan
 from .compile_cache import save_startup_artifacts
 from .convert_setup import DEFAULT_OPTIONS, ModelOptions, build_meta_model, engine_config
@@ -311,7 +311,7 @@ class ConvertModel:
             spec = self.state[target]
             self._set(target, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
 
-    def carry_startup_artifacts(self, target: SaveTarget, entry: RankEntry, rank: RankInfo) -> RankEntry:
+    def carry_startup_artifacts(self, target: Store, entry: RankEntry, rank: RankInfo) -> RankEntry:
         """``entry`` with vLLM's model-class inspection cache for this model written beside its
         parts, as an engine that compiled nothing (an eager ``save``) carries it, so that a fresh
         node prepared from the converted checkpoint (``prepare_node``) skips the inspection too.

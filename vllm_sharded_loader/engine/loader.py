@@ -12,12 +12,13 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import sharded_state_loader as builtin_sharded_state
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from ..checkpoint import read_manifest, saveable_state
+from ..checkpoint import saveable_state
 from ..checkpoint.legacy import holds_sharded_checkpoint
 from ..checkpoint.state import tied_groups
 from ..format.errors import CheckpointNotFound
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
+from ..storage.location import Store
 from .compile_cache import restore_startup_artifacts
 from .identity import is_drafter
 from .layer_geometry import model_rank
@@ -85,8 +86,8 @@ class ShardedStateLoader(BaseModelLoader):
 
         save_rank_from_hook(model, path, pattern, max_size)
 
-    def _locate(self, model_config: ModelConfig) -> tuple[str, str | None]:
-        """The checkpoint's local folder, and its Hub repository id if it comes from the Hub."""
+    def _locate(self, model_config: ModelConfig) -> tuple[Store, str | None]:
+        """The checkpoint's store, and its Hub repository id if it comes from the Hub."""
         # For s3://, gs://, az://..., vLLM pulls config and tokenizer into a local folder (model) and
         # keeps the URL (model_weights): the parts are read from the store, never copied.
         return self.reader.locate(model_config.model_weights or model_config.model, model_config.revision)
@@ -141,34 +142,34 @@ class ShardedStateLoader(BaseModelLoader):
             ) from e
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
-        directory, repo_id = self._locate(model_config)
-        if is_drafter(model_config) and not holds_sharded_checkpoint(directory, self.reader.pattern):
+        store, repo_id = self._locate(model_config)
+        if is_drafter(model_config) and not holds_sharded_checkpoint(store, self.reader.pattern):
             # The target is the sharded checkpoint; its drafter comes from its own folder.
-            self._load_drafter(model, model_config, directory)
+            self._load_drafter(model, model_config, store.where)
             return
         rank = model_rank(model)
         try:
-            manifest, failed = read_manifest(directory), None
+            manifest, failed = store.read_manifest(), None
         except Exception as e:  # said to the other workers first, so that none waits for this one
             manifest, failed = None, e
-        check_same_checkpoint(rank, directory, manifest, failed)
+        check_same_checkpoint(rank, store.where, manifest, failed)
         if failed is not None:
             raise failed
         try:
-            self._read(model, model_config, (directory, repo_id), manifest)
+            self._read(model, model_config, (store, repo_id), manifest)
         except Exception as e:  # said to the other workers, so that the leader's log names it
             share_load_outcome(rank, e)
             raise
         share_load_outcome(rank, None)
         # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
         hub_fetch = None if repo_id is None else (repo_id, self.load_config.download_dir)
-        restore_startup_artifacts(model, directory, manifest, rank, hub_fetch)
+        restore_startup_artifacts(model, store, manifest, rank, hub_fetch)
 
     def _read(
         self,
         model: torch.nn.Module,
         model_config: ModelConfig,
-        located: tuple[str, str | None],
+        located: tuple[Store, str | None],
         manifest: Manifest | None,
     ) -> None:
         """This worker's checked read of its rank's files into ``model``."""

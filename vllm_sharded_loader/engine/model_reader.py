@@ -21,7 +21,7 @@ from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..planning.topology import check_dtype
 from ..storage import hub
-from ..storage.location import open_store
+from ..storage.location import Store, open_store
 from ..storage.progress import ByteProgress
 from ..storage.reader import DEFAULT_THREADS, ReadOptions
 from .capture import READ_PROOF_ATTRIBUTE
@@ -189,15 +189,16 @@ class ModelReader:
         verify = check_verify_mode(extra.get("verify", "size"))
         return cls(load_config, extra.get("pattern"), verify, threads, huge_pages, mmap)
 
-    def locate(self, directory: str, revision: str | None = None) -> tuple[str, str | None]:
-        """The checkpoint's local folder, and its Hub repository id if it comes from the Hub, for a checkpoint
-        named by a folder, an ``s3://`` URL or a Hub id.
+    def locate(self, directory: str, revision: str | None = None) -> tuple[Store, str | None]:
+        """The checkpoint's store (resolved here, once per load), and its Hub repository id if it comes from
+        the Hub, for a checkpoint named by a folder, an ``s3://`` URL or a Hub id.
 
         For a Hub repository only the small files are fetched here (manifest, config,
         tokenizer); :meth:`read` then fetches the parts this rank reads.
         """
-        if open_store(directory).exists():
-            return directory, None
+        store = open_store(directory)
+        if store.exists():
+            return store, None
         snapshot = hub.fetch(
             directory,
             hub.METADATA_PATTERNS,
@@ -227,7 +228,7 @@ class ModelReader:
         self,
         model: torch.nn.Module,
         model_config: ModelConfig,
-        located: tuple[str, str | None],
+        located: tuple[Store, str | None],
         manifest: Manifest | None,
         targets: Mapping[str, torch.Tensor],
         tied: list[list[str]],
@@ -244,7 +245,8 @@ class ModelReader:
         than the served one (a start-up load casts it): an update must be the served model, as
         served. ``verify`` overrides the loader's setting.
         """
-        directory, repo_id = located
+        store, repo_id = located
+        directory = store.where
         verify = self.verify if verify is None else check_verify_mode(verify)
         rank = model_rank(model)
         if update and manifest is not None:
@@ -253,7 +255,7 @@ class ModelReader:
             # Online, vLLM leaves a Hub id as it is (offline it substitutes the cached
             # snapshot, and the files are only opened, never fetched): fetch this rank's parts.
             patterns = hub.rank_fetch_patterns(manifest, rank, list(targets), tied, self.pattern)
-            hub.fetch_more(repo_id, directory, patterns, self.load_config.download_dir)
+            hub.fetch_more(repo_id, store, patterns, self.load_config.download_dir)
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
         from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
@@ -261,7 +263,7 @@ class ModelReader:
         progress = ByteProgress(f"{action} sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
         with progress:
             request = LoadRequest(
-                directory,
+                store,
                 manifest,
                 verify,
                 serving=source_identity(model, model_config),

@@ -23,8 +23,7 @@ from ..checkpoint import startup_artifacts
 from ..checkpoint.trust import TRUSTED_KEYS_ENV, check_trust
 from ..format.names import MANIFEST_NAME
 from ..storage import hub
-from ..storage.fresh_process import copy_objects
-from ..storage.location import open_store, read_manifest
+from ..storage.location import Store, open_store
 
 logger = init_logger(f"vllm.plugins.{__name__}")
 
@@ -145,35 +144,22 @@ def prepare_node_once(model: str, revision: str | None = None, download_dir: str
 
 def _prepare_node(model: str, revision: str | None, download_dir: str | None) -> int:
     store = open_store(model)
-    if store.remote:
-        # From a fresh process: obstore's runtime, started here, would hang the engine core and
-        # workers that vLLM forks from this process where it forks them (storage/fresh_process.py).
-        with tempfile.TemporaryDirectory(prefix="prepare-node-") as local:
-            copy_objects(model, [MANIFEST_NAME], local)
-
-            def fetch_from_bucket(name: str) -> str:
-                copy_objects(model, [name], local)
-                return local
-
-            return _restore_model_info(model, local, fetch_from_bucket)
     if store.exists():
-        return _restore_model_info(model, model, lambda name: model)
-
+        # Read where a process that forks vLLM's engine afterwards may read it (a copy, for a bucket).
+        with tempfile.TemporaryDirectory(prefix="prepare-node-") as local:
+            fetch = lambda name: store.local_copy([name], local)  # noqa: E731
+            return _restore_model_info(model, fetch(MANIFEST_NAME), fetch)
     where = hub.fetch(model, hub.METADATA_PATTERNS, revision=revision, cache_dir=download_dir)
-
-    def fetch_from_hub(name: str) -> str:
-        return hub.fetch_more(model, where, [name], download_dir)
-
-    return _restore_model_info(model, where, fetch_from_hub)
+    return _restore_model_info(model, where, lambda name: hub.fetch_more(model, where, [name], download_dir))
 
 
-def _restore_model_info(model: str, where: str, fetch: Callable[[str], str]) -> int:
-    """Restore the inspection cache from the checkpoint's manifest at ``where``; ``fetch(name)``
-    makes the archive ``name`` readable and says from which folder."""
+def _restore_model_info(model: str, where: Store, fetch: Callable[[str], Store]) -> int:
+    """Restore the inspection cache from the checkpoint's manifest at ``where``; ``fetch(name)`` makes the
+    archive ``name`` readable and says from which store."""
     import vllm
     import vllm.envs as envs
 
-    manifest = read_manifest(where)
+    manifest = where.read_manifest()
     if manifest is None:
         return 0  # vLLM's own save: it carries none
     records = [e.startup for e in manifest.ranks if e.startup is not None]

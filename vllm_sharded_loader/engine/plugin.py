@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..storage.location import open_store
+from ..storage.objects import is_object_url
 
 LOADERS_MODULE = "vllm.model_executor.model_loader"
 CONFIG_MODULE = "vllm.config"
@@ -278,7 +278,7 @@ def allow_object_storage(verify: Callable[[Any], None]) -> Callable[[Any], None]
     def wrapper(config: Any) -> None:
         load = getattr(config, "load_config", None)
         weights = getattr(getattr(config, "model_config", None), "model_weights", "") or ""
-        if load is None or load.load_format != "sharded_state" or not open_store(weights).remote:
+        if load is None or load.load_format != "sharded_state" or not is_object_url(weights):
             return verify(config)
         load.load_format = "runai_streamer_sharded"
         try:

@@ -53,7 +53,7 @@ from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..checkpoint.update_staging import BUDGET_ENV, StagedWeights, return_freed_memory, update_budget
 from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
 from ..planning.topology import RankInfo
-from ..storage.location import open_store, read_manifest
+from ..storage.location import Store
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
 from .identity import ranks_on_host
 from .layer_geometry import model_rank
@@ -273,7 +273,7 @@ class InPlaceUpdate:
                 raise
             held = None
             if step == "read" and failure is None:
-                held = (str(rank), socket.gethostname(), self.located[0], self.digest)
+                held = (str(rank), socket.gethostname(), self.located[0].where, self.digest)
             try:
                 errors = _agree(rank, None if failure is None else f"{rank}: {failure}", held)
             except BaseException:  # another worker died (WorkerLost): this one's layers must not stay empty
@@ -300,7 +300,7 @@ class InPlaceUpdate:
             return_freed_memory()
         if state is not None:
             # Every tensor now is this checkpoint's, as loaded: a save re-reads it from there.
-            served_from_checkpoint(state, self.located[1] or self.located[0], self.proof)
+            served_from_checkpoint(state, self.located[1] or self.located[0].where, self.proof)
         return True
 
     def _put_back(
@@ -317,8 +317,8 @@ class InPlaceUpdate:
             info.reset()
         return_freed_memory()  # the new weights read and processed so far
 
-    def _located(self) -> tuple[str, str | None]:
-        """The checkpoint's folder (and Hub id), refusing at once a local path that does not exist."""
+    def _located(self) -> tuple[Store, str | None]:
+        """The checkpoint's store (and Hub id), refusing at once a local path that is no folder."""
         config = self.model_config
         path = self.path if self.path is not None else config.model_weights or config.model
         if not isinstance(path, str) or not path:  # reload_weights(weights_path=...) is passed on unchecked
@@ -326,9 +326,7 @@ class InPlaceUpdate:
                 f"weights_path={path!r}: expected the folder, s3://, gs:// or az:// URL, or Hub id of a sharded "
                 "checkpoint for the weight update, as a string."
             )
-        if open_store(path).exists():
-            return path, None
-        if os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path):
+        if (os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)) and not os.path.isdir(path):
             raise CheckpointNotFound(
                 f"{path}: no such checkpoint directory for the weight update. Save the update first "
                 "(examples/save_sharded_state.py, or vLLM's save_sharded_state hook) and pass its folder."
@@ -358,7 +356,7 @@ class InPlaceUpdate:
         # The loader records what it read on the model (for the start-up capture's proof): an update
         # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
-        manifest = read_manifest(located[0])
+        manifest = located[0].read_manifest()
         # Compared across the workers (each node reads its own copy); alone, nothing to compare.
         if model_groups(rank):
             self.digest = checkpoint_digest(manifest)

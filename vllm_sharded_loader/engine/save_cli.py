@@ -16,14 +16,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..checkpoint.request import read_manifest
 from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import ShardedStateError
-from ..storage import location
-from ..storage.fresh_process import in_fresh_process
-from ..storage.local import make_output_folder
-from ..storage.location import check_no_special_files, open_store, refuse_before_save
-from ..storage.lock import missing_folders, remove_empty_folders
-from ..storage.staging_folders import StagingFolder, make_staging_folder
+from ..storage.location import Store, open_store
+from ..storage.model_files import special_files
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
 
 
@@ -71,12 +68,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 def save_sharded_state(
     engine_kwargs: dict[str, Any],
-    output: str,
+    output: str | Store,
     pattern: str | None = None,
     max_size: int | None = DEFAULT_MAX_SIZE,
     overwrite: bool = False,
 ) -> Any:
-    """Load ``engine_kwargs['model']`` in an engine and save it sharded to ``output``.
+    """Load ``engine_kwargs['model']`` in an engine and save it sharded to ``output`` (a folder, URL or store).
 
     Returns the engine (an ``LLM``), so a caller can generate with it too. Call from
     under ``if __name__ == "__main__":``: vLLM starts its workers with spawn.
@@ -84,20 +81,23 @@ def save_sharded_state(
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
-    check_no_special_files(model)
-    made: list[str] = []  # the output's folders made here: removed again if the save fails and leaves them empty
-    staging: StagingFolder | None = None  # for an upload: where the workers capture, held here until it is done
-    if open_store(output).remote:
-        staging = _prepare_object_output(output, overwrite)
-        capture_dir = staging.path
-    else:
-        made = missing_folders(output)
-        try:
-            _prepare_local_output(model, output, overwrite)
-        except ShardedStateError:
-            remove_empty_folders(made)
-            raise
-        capture_dir = output = os.path.abspath(output)
+    for error in special_files(model):
+        raise error
+    store = open_store(output)
+    # Refused now if its lock would refuse it (an engine starts for nothing otherwise); the workers
+    # capture their loaded state where the store says, and the save hook publishes it there.
+    with store.capture_folder(model, overwrite) as capture_dir:
+        return _save(engine_kwargs, store, capture_dir, pattern, max_size, overwrite)
+
+
+def _save(
+    engine_kwargs: dict[str, Any],
+    store: Store,
+    capture_dir: str,
+    pattern: str | None,
+    max_size: int | None,
+    overwrite: bool,
+) -> Any:
     os.environ[CAPTURE_DIR_ENV] = capture_dir
     os.environ[CAPTURE_PATTERN_ENV] = pattern or ""
     os.environ[CAPTURE_MAX_SIZE_ENV] = "" if max_size is None else str(max_size)
@@ -107,43 +107,11 @@ def save_sharded_state(
 
     try:
         llm = LLM(**engine_kwargs)
-        llm.llm_engine.engine_core.save_sharded_state(path=output, pattern=pattern, max_size=max_size)
-    except BaseException:
-        remove_empty_folders(made)  # (one that is not empty holds what is not ours to remove)
-        raise
+        llm.llm_engine.engine_core.save_sharded_state(path=store.canonical(), pattern=pattern, max_size=max_size)
     finally:
         for name in (CAPTURE_DIR_ENV, CAPTURE_PATTERN_ENV, CAPTURE_MAX_SIZE_ENV, OVERWRITE_ENV):
             os.environ.pop(name, None)
-        if staging is not None:
-            staging.remove()
     return llm
-
-
-def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
-    """Refuse a locked or existing output folder before an engine starts for nothing.
-
-    The save hook copies the non-weight files (config, tokenizer, ...) before the manifest.
-    """
-    make_output_folder(output)
-    if os.path.samefile(model, output):
-        raise ShardedStateError(f"--output {output!r} is the source model's directory; choose another one.")
-    refuse_before_save(output, overwrite)  # the save hook checks again under its lock
-
-
-def _prepare_object_output(url: str, overwrite: bool) -> StagingFolder:
-    """Refuse a locked or existing prefix; returns a local staging folder.
-
-    The workers stage their parts there at start-up (hashed as written), and the save
-    hook uploads them, with the non-weight files, before the manifest. This process holds
-    the folder (its marker's lock) from before the engine starts until the save is over,
-    since the workers only fill it: if it is killed, the next save on the host removes the
-    folder, once no worker's capture marker in it is held either.
-
-    The prefix is checked from a fresh process: object storage used in this one would hang the
-    engine core and workers that vLLM forks from it where it forks them (storage/fresh_process.py).
-    """
-    in_fresh_process(refuse_before_save, url, overwrite)
-    return make_staging_folder()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -164,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # ours, or vLLM's wrapping of a worker's: the message is what matters, not our stack
         print(f"error: {e}", *getattr(e, "__notes__", []), sep="\n", file=sys.stderr, flush=True)
         return 2
-    manifest = location.read_manifest(args.output)
+    manifest = read_manifest(args.output)
     assert manifest is not None
     print(
         f"Saved {engine_args.model} to {args.output}: TP={manifest.tp_size} PP={manifest.pp_size}, "

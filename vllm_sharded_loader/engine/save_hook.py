@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from functools import partial
 from typing import Any
@@ -11,8 +10,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..checkpoint.carry import CarriedFiles
-from ..checkpoint.protocol import SaveJob, SaveTarget, refusal, run_save
-from ..checkpoint.save import FolderNotShared, StagedRank, discard_rank, open_staged_tensors, open_target, stage_rank
+from ..checkpoint.protocol import FolderNotShared, SaveJob, refusal, run_save
 from ..checkpoint.state import manifest_ties
 from ..checkpoint.verify import verify_file_checksum
 from ..format.errors import SaveFailedAfterPublish, SaveRefused, ShardedStateError
@@ -20,6 +18,8 @@ from ..format.manifest import Manifest
 from ..format.names import default_pattern, validate_pattern
 from ..planning.topology import RankInfo
 from ..storage.local import OpenFile
+from ..storage.location import Store, open_store
+from ..storage.staged import StagedRank, discard_rank, open_staged_tensors, stage_rank
 from .capture import (
     CAPTURE_DIR_ENV,
     LOADED_STATE_ATTRIBUTE,
@@ -198,18 +198,19 @@ def _stage_non_weight_files(state: LoadedState | None, carried: CarriedFiles) ->
     itself. They are the served model's, so they replace what the output holds (the save
     script's copies of the same files, or a previous checkpoint's), but only just before the
     manifest (:mod:`..checkpoint.carry`)."""
-    source = state.model_dir if state is not None else None
-    if source is None:
+    if state is None or state.model_dir is None:
         logger.warning(
             "sharded_state: the served model is not a local folder; copy its config and tokenizer files to %s",
             carried.output,
         )
         return
-    with contextlib.suppress(OSError):  # an object-storage output is never the same folder
-        if os.path.samefile(source, carried.output):
-            return
+    source = open_store(state.model_dir)
+    if source.same_as(carried.store):
+        return
     changed = carried.stage(source)
-    logger.info("sharded_state: %d non-weight files of %s (config, tokenizer, ...) to replace", len(changed), source)
+    logger.info(
+        "sharded_state: %d non-weight files of %s (config, tokenizer, ...) to replace", len(changed), source.where
+    )
 
 
 def _discard(state: LoadedState | None, staged: StagedRank) -> None:
@@ -264,9 +265,9 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
     workers.wait_for_replicas()
     pattern = pattern or default_pattern(rank.pp_size, rank.replicas)
     overwrite = os.environ.get(OVERWRITE_ENV, "").lower() in ("1", "true", "yes")
-    target = open_target(path, overwrite, pattern)
+    target = open_store(path)
 
-    def stage(target: SaveTarget) -> list[tuple[StagedRank, Any]]:
+    def stage(target: Store) -> list[tuple[StagedRank, Any]]:
         loaded = _loaded(model, state)
         capture = loaded.capture
         if target.stages_in_place:
@@ -291,6 +292,8 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
         placed=lambda target, entry: save_startup_artifacts(
             model, target, entry, rank, getattr(state, "model_config", None)
         ),
+        overwrite=overwrite,
+        pattern=pattern,
     )
     try:
         manifest, (staged,) = run_save(target, workers, job)
@@ -303,7 +306,7 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
     _keep_capture(_loaded(model, state), staged, target.stages_in_place)
     if workers.first:
         nbytes = manifest.nbytes / 1e6
-        logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(manifest.ranks), nbytes, target.where)
+        logger.info("sharded_state: saved %d ranks, %.1f MB, to %s", len(manifest.ranks), nbytes, target.canonical())
 
 
 def _keep_capture(state: LoadedState, staged: StagedRank, in_place: bool) -> None:

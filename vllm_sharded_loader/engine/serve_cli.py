@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ..format.errors import ShardedStateError
-from ..storage.location import check_no_special_files
+from ..storage.model_files import special_files
 
 
 def installed_vllm_version() -> str:
@@ -74,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = sharded_model(args)
     if model is not None and os.path.isdir(model):  # (a Hub id or a bucket: files vLLM fetches)
         try:
-            check_no_special_files(model)
+            for error in special_files(model):
+                raise error
         except ShardedStateError as e:
             print(f"vllm-sharded-serve: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

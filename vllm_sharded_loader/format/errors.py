@@ -76,9 +76,9 @@ class InterruptedAfterPublish(KeyboardInterrupt):
     the manifest at ``where`` was published: the new checkpoint is complete. Its lock and the parts
     it replaced remain, for the next save with overwrite to remove. Still a ``KeyboardInterrupt``."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, store: object = None) -> None:
         super().__init__(where)
-        self.where = where
+        self.where, self.store = where, store  # (the store the save published into, where known)
 
 
 class WorkerLost(ShardedStateError):

@@ -58,3 +58,7 @@ def kill_point(step: str) -> None:
     _reached[step] = _reached.get(step, 0) + 1
     if _reached[step] == (int(nth) if nth else 1):
         os.kill(os.getpid(), signal.Signals[f"SIG{os.environ.get(KILL_SIGNAL_ENV) or 'KILL'}"])
+
+
+# Where a test kills a save of either store once it placed one carried file, before the manifest.
+KILL_CARRIED = declare("local.carried", "storage: one non-weight file placed, the manifest not yet")

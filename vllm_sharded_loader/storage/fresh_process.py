@@ -19,7 +19,7 @@ from typing import Any
 
 from ..format import errors
 from ..format.errors import ShardedStateError
-from ..format.names import check_plain_file_name
+from ..format.names import check_carried_name
 
 _CALL = """
 import importlib, json, sys
@@ -66,15 +66,16 @@ def _copy_objects(url: str, names: list[str], folder: str) -> None:
 
     where = ObjectPrefix.parse(url)
     for name in names:
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
         with open(os.path.join(folder, name), "xb") as f:
             f.write(read_object(where, name))
 
 
 def copy_objects(url: str, names: list[str], folder: str) -> None:
-    """Copy the objects ``names`` of the object-storage prefix ``url`` into the existing local
-    ``folder`` (same names), from a fresh process (:func:`in_fresh_process`), through the same
+    """Copy the objects ``names`` (relative paths) of the object-storage prefix ``url`` into the existing
+    local ``folder`` (same names), from a fresh process (:func:`in_fresh_process`), through the same
     clients, settings, timeouts and retries as every other read. Raises
     :class:`ShardedStateError` naming the object if one cannot be read."""
     for name in names:
-        check_plain_file_name(name, url)
+        check_carried_name(name, url)
     in_fresh_process(_copy_objects, url, names, folder)

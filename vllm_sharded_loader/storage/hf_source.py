@@ -18,9 +18,11 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ConvertRefuse
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import Header
 from . import hub
+from .folder import LocalStore
 from .local import OpenFile, open_regular, preadv_all, read_header
-from .location import Store, StoredFile, open_store
+from .location import Store, StoredFile, check_no_special_files, open_store
 from .memory import BufferPool
+from .model_files import check_no_links_to_nothing
 from .oscalls import available_memory
 from .tensors import torch_dtype
 
@@ -121,7 +123,7 @@ done()
 """
 
 
-def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
+def read_ahead(where: str | Store, budget: int | None = None) -> Callable[[], int]:
     """Start reading a local model's safetensors files, in order, into the page cache, in a process
     of its own: at most ``budget`` bytes (default: a quarter of the memory available). Returns a
     function that stops it and says how many bytes it read ahead.
@@ -131,7 +133,7 @@ def read_ahead(where: str, budget: int | None = None) -> Callable[[], int]:
     storage, or for a source that cannot be listed (opening it says why)."""
     store = open_store(where)
     try:
-        names = [] if store.remote else weight_files(store)[0]
+        names = weight_files(store)[0] if isinstance(store, LocalStore) else []
     except (ShardedStateError, OSError):
         names = []
     if not names:
@@ -189,6 +191,7 @@ class SourceFiles:
     headers: dict[str, Header]
     opened: dict[str, StoredFile] = field(default_factory=dict)
     where: str = ""
+    store: Store | None = None  # (the weights' location, resolved once)
     # Tensors the index (model.safetensors.index.json) lists that none of its files holds: harmless
     # to vLLM unless the model needs them, so named only when something is missing (:meth:`stale_index`).
     unheld: list[str] = field(default_factory=list)
@@ -198,6 +201,7 @@ class SourceFiles:
 
     def __post_init__(self) -> None:
         self.where = self.where or self.directory
+        self.store = self.store or open_store(self.where)
 
     @classmethod
     def open(cls, directory: str, where: str | None = None) -> SourceFiles:
@@ -210,7 +214,7 @@ class SourceFiles:
         names, weight_map = weight_files(store)
         tensors: dict[str, SourceTensor] = {}
         headers: dict[str, Header] = {}
-        source = cls(directory, tensors, headers, where=where)
+        source = cls(directory, tensors, headers, where=where, store=store)
         try:
             for name in names:
                 opened = source._open(name)
@@ -243,7 +247,7 @@ class SourceFiles:
 
     def _open(self, name: str) -> StoredFile:
         if name not in self.opened:
-            self.opened[name] = open_store(self.where).open_file(name)
+            self.opened[name] = self.store.open_file(name)  # type: ignore[union-attr]
         return self.opened[name]
 
     @property
@@ -329,14 +333,13 @@ class SourceFiles:
         self.opened.clear()
 
 
-def resolve_source(source: str, revision: str | None = None) -> str:
+def resolve_source(source: str, revision: str | None = None) -> Store:
     """A local folder or an object-storage prefix as is; a Hub repo id through the Hub cache (weights
     and every non-weight file a save carries, each fetched once; ``HF_HUB_OFFLINE`` and ``HF_TOKEN``
     as everywhere in huggingface_hub)."""
-    if os.path.isdir(source):
-        return source
-    if open_store(source).remote:
-        return source  # read where it is (engine/convert.py: SourceFiles), its config fetched first
+    store = open_store(source)
+    if store.exists():
+        return store  # (an object prefix is read where it is, its config fetched first)
     if os.path.exists(source) or source.startswith((".", "/")) or source.count("/") != 1:
         raise CheckpointNotFound(f"{source}: no such model folder (nor a Hub repo id of the form owner/name).")
     from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
@@ -353,3 +356,11 @@ def resolve_source(source: str, revision: str | None = None) -> str:
         ) from e
     except Exception as e:  # the Hub client's other errors: network, server
         raise ShardedStateError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
+
+
+def check_source_files(source: Store) -> None:
+    """Refuse a model whose files hold a FIFO, device or socket, or, in a local folder, a carried file
+    that is a link to nothing, naming it, before vLLM reads the folder (:mod:`.model_files`)."""
+    check_no_special_files(source)
+    if isinstance(source, LocalStore):
+        check_no_links_to_nothing(source.where)

@@ -20,6 +20,7 @@ from ..format.names import MANIFEST_NAME, default_pattern, render_file_name
 from ..planning.experts import rank_experts_moved
 from ..planning.manifest_plans import files_to_check, plan_manifest_reads
 from ..planning.topology import RankInfo
+from .folder import LocalStore
 from .local import escapes
 
 # Everything but weights: manifest, config, generation config, tokenizer, chat template.
@@ -32,7 +33,7 @@ def fetch(
     *,
     revision: str | None = None,
     cache_dir: str | None = None,
-) -> str:
+) -> LocalStore:
     """Fetch the files of ``repo_id`` matching ``patterns`` into the cache; returns the snapshot folder,
     checked to be the repository's own, every file in it resolving into the repository's folder."""
     from huggingface_hub import constants, snapshot_download
@@ -58,18 +59,19 @@ def fetch(
         )
     snapshot = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=list(patterns))
     check_snapshot(repo_id, storage, snapshot)
-    return snapshot
+    return LocalStore(snapshot)
 
 
-def fetch_more(repo_id: str, snapshot: str, patterns: Sequence[str], cache_dir: str | None = None) -> str:
+def fetch_more(repo_id: str, snapshot: LocalStore, patterns: Sequence[str], cache_dir: str | None = None) -> LocalStore:
     """Fetch more files of ``snapshot`` (a folder :func:`fetch` returned, of ``repo_id``) into it: by
     its commit, not by the branch or tag that named it, which a push may have moved meanwhile (the
     files would be another commit's, in another snapshot, and this one's named missing)."""
-    fetched = fetch(repo_id, patterns, revision=os.path.basename(os.path.normpath(snapshot)), cache_dir=cache_dir)
-    if os.path.realpath(fetched) != os.path.realpath(snapshot):
+    revision = os.path.basename(os.path.normpath(snapshot.where))
+    fetched = fetch(repo_id, patterns, revision=revision, cache_dir=cache_dir)
+    if not fetched.same_as(snapshot):
         raise CheckpointCorrupt(
-            f"{repo_id}: the files of {snapshot} were fetched into {fetched}, another folder; refusing to read "
-            f"them. Delete the repository's folder in the Hub cache and load again."
+            f"{repo_id}: the files of {snapshot.where} were fetched into {fetched.where}, another folder; refusing "
+            "to read them. Delete the repository's folder in the Hub cache and load again."
         )
     return fetched
 

@@ -208,7 +208,6 @@ def read_plans(
     verify: str = "touched",
     options: ReadOptions = DEFAULT_READ,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
-    span_bytes: int | None = None,
 ) -> ReadStats:
     """Fill ``targets`` from their plans (cast where the saved dtype differs); returns what was read.
 
@@ -218,7 +217,7 @@ def read_plans(
     the plans touch (see :func:`.reader.read_pieces`). ``adopt`` maps tensor names to
     callbacks that take a tensor over private mappings of the files in place of the
     target (see the module docstring); each is called only once every byte is read and
-    verified, and never if the read raises. ``options`` and ``span_bytes`` run the reader.
+    verified, and never if the read raises. ``options`` run the reader.
     """
     names = list(files)
     index = {name: i for i, name in enumerate(names)}
@@ -238,9 +237,7 @@ def read_plans(
     for i, batch in enumerate(lowering.batches):
         # "all" verifies every block of every file once; a later batch checks the blocks it touches.
         mode = verify if i == 0 else "touched"
-        stats = read_pieces(
-            opened, batch.pieces, batch.targets, checksums=by_index, verify=mode, options=options, span_bytes=span_bytes
-        )
+        stats = read_pieces(opened, batch.pieces, batch.targets, checksums=by_index, verify=mode, options=options)
         batch.copy_rows()
         total, spans, huge = total + stats.bytes_read, spans + stats.spans, huge or stats.huge_pages
         used, direct = stats.threads, direct or stats.direct  # the reader's own count (more for objects)

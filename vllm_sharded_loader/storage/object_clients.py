@@ -26,6 +26,7 @@ import contextlib
 import functools
 import os
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -36,7 +37,7 @@ from . import oscalls
 # Azure names a container by its blob endpoint too: https://ACCOUNT.blob.core.windows.net/container/...
 AZURE_BLOB_HOST = ".blob.core.windows.net"
 
-# What to check when a request fails, per store: the settings its client reads.
+# What to check when a request fails, per URL scheme: the settings its client reads (a backend adds its own).
 SETTINGS = {
     "s3": "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE",
     "gs": "GOOGLE_APPLICATION_CREDENTIALS, GOOGLE_SERVICE_ACCOUNT, STORAGE_EMULATOR_HOST",
@@ -111,11 +112,7 @@ def check_not_forked(url: str) -> None:
 def _store(scheme: str, bucket: str, account: str | None = None) -> Any:
     """The client of one bucket, configured from its cloud's usual settings (see the module doc)."""
     _start_runtime()
-    if scheme == "gs":
-        return _gcs_store(bucket)
-    if scheme == "az":
-        return _azure_store(bucket, account)
-    return _s3_store(bucket)
+    return CLIENTS[scheme](bucket, account)
 
 
 @functools.cache
@@ -149,7 +146,7 @@ def _start_runtime() -> None:
     _runtime_pid = os.getpid()
 
 
-def _s3_store(bucket: str) -> Any:
+def _s3_store(bucket: str, account: str | None = None) -> Any:
     from obstore.store import S3Store
 
     try:
@@ -209,7 +206,7 @@ GCS_CREDENTIAL_ENVS = (
 )
 
 
-def _gcs_store(bucket: str) -> Any:
+def _gcs_store(bucket: str, account: str | None = None) -> Any:
     """obstore reads ``GOOGLE_*`` itself (application default credentials included); an emulator
     named by ``STORAGE_EMULATOR_HOST`` is reached over plain HTTP with a placeholder token,
     as Google's clients do, unless credentials are given."""
@@ -288,3 +285,7 @@ def _azure_store(container: str, account: str | None) -> Any:
 
 def _true(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+# The client of a bucket, per URL scheme: ``CLIENTS[scheme](bucket, account)`` (a backend adds its own).
+CLIENTS: dict[str, Callable[[str, str | None], Any]] = {"s3": _s3_store, "gs": _gcs_store, "az": _azure_store}

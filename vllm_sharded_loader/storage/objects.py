@@ -22,12 +22,10 @@ from urllib.parse import urlparse
 from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import MANIFEST_NAME
-from .object_clients import AZURE_BLOB_HOST, SETTINGS, _store, check_not_forked
+from .object_clients import AZURE_BLOB_HOST, CLIENTS, SETTINGS, _store, check_not_forked
 from .object_clients import AZURE_CONNECTION_STRING_ENV as AZURE_CONNECTION_STRING_ENV  # re-exported: one name
 from .object_clients import azure_connection_string as azure_connection_string  # for every setting of a store
 
-# The URL schemes of the three clouds' stores; Azure is also named by its blob endpoint.
-SCHEMES = ("s3://", "gs://", "az://")
 # Parts are uploaded in chunks of this size (S3's minimum is 5 MiB), several at once.
 UPLOAD_CHUNK_BYTES = 64 * 1024 * 1024
 UPLOAD_CONCURRENCY = 8
@@ -41,17 +39,19 @@ def _is_azure_https(url: str) -> bool:
 
 
 def is_object_url(where: str) -> bool:
-    """Whether ``where`` names a checkpoint in object storage rather than a local folder."""
-    return where.lower().startswith(SCHEMES) or _is_azure_https(where)
+    """Whether ``where`` names a checkpoint in object storage (a scheme with a client in
+    :data:`.object_clients.CLIENTS`; Azure also by its blob endpoint) rather than a local folder."""
+    scheme, sep, _ = where.partition("://")
+    return (bool(sep) and scheme.lower() in CLIENTS) or _is_azure_https(where)
 
 
 @dataclass(frozen=True)
 class ObjectPrefix:
     """A bucket (an Azure container) and a key prefix acting as the checkpoint's folder.
 
-    ``scheme`` picks the store's client: ``s3``, ``gs`` or ``az``. ``account`` is the Azure
-    storage account an ``https://ACCOUNT.blob.core.windows.net/...`` URL names (``None``
-    for ``az://``, whose account comes from the environment).
+    ``scheme`` picks the store's client (:data:`.object_clients.CLIENTS`: ``s3``, ``gs``, ``az``,
+    ``memory``). ``account`` is the Azure storage account an ``https://ACCOUNT.blob.core.windows.net/...``
+    URL names (``None`` for ``az://``, whose account comes from the environment).
     """
 
     bucket: str
@@ -81,7 +81,7 @@ class ObjectPrefix:
                 )
             _check_segments(url, prefix)
             return cls(container, prefix + "/" if prefix else "", "az", account)
-        if scheme + "://" not in SCHEMES or not parsed.netloc:
+        if scheme not in CLIENTS or not parsed.netloc:
             raise ShardedStateError(
                 f"{url}: not an object storage URL of the form s3://bucket/prefix, gs://bucket/prefix, "
                 "az://container/prefix or https://ACCOUNT.blob.core.windows.net/container/prefix."

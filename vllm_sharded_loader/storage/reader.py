@@ -52,7 +52,7 @@ import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,13 +124,15 @@ class ReadOptions:
     whose budget the ``ranks_on_host`` ranks loading on this host at once share);
     ``progress`` is called from the calling thread as ``progress(bytes_done_now, bytes_total)``:
     once with 0 when the reads are planned, then after each span; ``huge_pages`` asks for
-    transparent huge pages over CPU targets before they are first written.
+    transparent huge pages over CPU targets before they are first written; ``span_bytes`` sets the
+    spans the threads take, where the reader's own choice is not wanted (benchmarks sweep it).
     """
 
     threads: int = DEFAULT_THREADS
     progress: Callable[[int, int], None] | None = None
     huge_pages: bool = False
     ranks_on_host: int = 1
+    span_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -365,7 +367,6 @@ def read_pieces(
     checksums: Mapping[int, FileChecksum] | None = None,
     verify: str = "all",
     options: ReadOptions = DEFAULT_READ,
-    span_bytes: int | None = None,
 ) -> ReadStats:
     """Read ``pieces`` of ``paths`` into ``targets``; returns what was read.
 
@@ -389,15 +390,12 @@ def read_pieces(
     first-touches fresh memory, which on the project's VMs is what limits a copying load
     (see the module docstring).
     """
-    threads = options.threads
     if any(not isinstance(p, str) and p.remote for p in paths):
-        threads = max(threads, remote_threads(options.ranks_on_host))
+        options = replace(options, threads=max(options.threads, remote_threads(options.ranks_on_host)))
     opened = [OpenFile.open(p) if isinstance(p, str) else None for p in paths]
     try:
         files = [o or p for o, p in zip(opened, paths, strict=True)]
-        return _read_files(
-            files, pieces, targets, checksums or {}, verify, threads, span_bytes, options.progress, options.huge_pages
-        )
+        return _read_files(files, pieces, targets, checksums or {}, verify, options)
     finally:
         for o in opened:
             if o is not None:
@@ -410,23 +408,21 @@ def _read_files(
     targets: Sequence[Target],
     checksums: Mapping[int, FileChecksum],
     verify: str,
-    threads: int,
-    span_bytes: int | None,
-    progress: Callable[[int, int], None] | None,
-    huge_pages: bool,
+    options: ReadOptions,
 ) -> ReadStats:
     # Local files with bytes to copy (not only mapped ones): with SHARDED_STATE_DIRECT_IO=on, read with O_DIRECT.
     copied = {p.file for p in pieces if not targets[p.dest].mapped and p.length}
     local = [f for i, f in enumerate(files) if i in copied and f.mappable and getattr(f, "fd", None) is not None]
     direct = direct_io.choose_direct([(f.fd, f.size) for f in local])  # type: ignore[attr-defined]
-    if span_bytes is None:  # the caller's own span is kept (benchmarks sweep it)
+    span_bytes = options.span_bytes
+    if span_bytes is None:  # (else the caller's own)
         on_gpu = any(t.tensor.device.type == "cuda" for t in targets)
         span_bytes = ACCELERATOR_SPAN_BYTES if on_gpu else SPAN_BYTES
     if direct:
         span_bytes = max(span_bytes, direct_io.WINDOW_BYTES)
     destinations = [Destination(t, t.tensor if t.mapped else None) for t in targets]
     huge = False
-    for d in destinations if huge_pages else ():
+    for d in destinations if options.huge_pages else ():
         if d.view is not None and len(d.view) >= HUGE_PAGE:
             huge = advise_huge_pages(d.landing) or huge
     grids = []
@@ -448,13 +444,13 @@ def _read_files(
     for p in pieces:
         if targets[p.dest].filled is not None and p.length > 0:
             span_reader.remaining[p.dest] = span_reader.remaining.get(p.dest, 0) + p.length
-    total = _run(span_reader, spans, threads, progress)
+    total = _run(span_reader, spans, options.threads, options.progress)
     span_reader.synchronize()
     for d in destinations:
         if d.temp is not None:
             d.target.copy_(d.temp)
     mapped = sum(p.length for p in pieces if targets[p.dest].mapped)
-    return ReadStats(total, len(spans), threads, huge, mapped, direct)
+    return ReadStats(total, len(spans), options.threads, huge, mapped, direct)
 
 
 def _run(reader: _SpanReader, spans: list[Span], threads: int, progress: Callable[[int, int], None] | None) -> int:

@@ -47,7 +47,6 @@ def read_files(
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
     files: Sequence[OpenFile] | None = None,
     options: ReadOptions = DEFAULT_READ,
-    span_bytes: int | None = None,
 ) -> ReadStats:
     """Read the tensors of safetensors files named in ``targets`` into them.
 
@@ -56,7 +55,7 @@ def read_files(
     verified whole. ``adopt`` maps names to callbacks that take a mapped tensor in place of
     reading into the target (see :func:`.lowering.read_plans`). ``files`` are the files the
     headers were read from, already open (every read then goes through them); without them
-    the headers' paths are opened. ``options`` and ``span_bytes`` run the reader.
+    the headers' paths are opened. ``options`` run the reader.
     """
     opened = [OpenFile.open(h.path) for h in headers] if files is None else []
     try:
@@ -77,7 +76,6 @@ def read_files(
             verify="all",
             options=options,
             adopt=adopt,
-            span_bytes=span_bytes,
         )
     finally:
         for f in opened:

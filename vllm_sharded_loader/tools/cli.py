@@ -339,14 +339,13 @@ def _after_interrupt(interrupt: KeyboardInterrupt, argv: Sequence[str] = ()) -> 
             "run the command again."
         )
     from ..checkpoint.carry import stale_left
-    from ..storage.location import open_store
 
-    store = open_store(interrupt.where)
+    store = interrupt.store
     then = "the next save into it with --overwrite removes them"
-    if store.remote:  # (object storage cannot tell a stopped save's lock from a running one's)
-        then = f"delete {store.file_path(LOCK_NAME)}, then {then}"
     left = "Its save lock and any parts it replaced remain (our loader ignores them)"
     try:
+        if store.save_is_running() is None:  # (a store that cannot tell a stopped save's lock from a running one's)
+            then = f"delete {store.file_path(LOCK_NAME)}, then {then}"
         manifest = store.read_manifest()
         stale = [] if manifest is None else stale_left(store, manifest)
     except Exception:  # (what is left is said as far as it is known; the interrupt stays the news)

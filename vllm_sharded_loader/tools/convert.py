@@ -27,7 +27,7 @@ import torch
 
 from ..checkpoint.carry import record_of
 from ..checkpoint.rank_cut import rank_parts
-from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
+from ..checkpoint.save import DEFAULT_MAX_SIZE, RankHooks, SaveOptions, save_checkpoint
 from ..checkpoint.state import manifest_ties
 from ..format.errors import RankStopped, ShardedStateError, listing
 from ..format.geometry import OPAQUE, TensorGeometry
@@ -35,13 +35,8 @@ from ..format.manifest import Manifest, RankEntry
 from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
-from ..storage.hf_source import read_ahead, resolve_source
-from ..storage.location import (
-    check_no_special_files,
-    copy_non_weight_files,
-    open_store,
-)
-from ..storage.model_files import check_no_links_to_nothing
+from ..storage.hf_source import check_source_files, read_ahead, resolve_source
+from ..storage.location import Store, open_store
 from ..storage.oscalls import release_free_heap
 from ..storage.progress import ByteProgress
 from ..storage.staging_folders import staging_folder
@@ -50,7 +45,6 @@ from ..storage.writer import LazyTensor, write_order
 from .offline import check_output_apart
 
 if TYPE_CHECKING:
-    from ..checkpoint.protocol import SaveTarget
     from ..engine.convert_setup import ModelOptions
 
 SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
@@ -102,8 +96,7 @@ class ComponentCache:
     made: dict[int, _Made] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
     waiting: dict[int, int] = field(default_factory=dict)  # thread -> component it waits to make
-    # Ranks written at once and not finished: all of them for a local save, which stages every
-    # rank in its own thread; one for a save into object storage, which stages one after another.
+    # Ranks written at once and not finished: every rank, each staged in a thread of its own.
     running: int = 1
     failed: BaseException | None = None
     remakes: int = 0
@@ -337,23 +330,21 @@ def convert_checkpoint(
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     folder = resolve_source(source, revision)
     out = open_store(output)
-    check_output_apart(output, folder, "model")
-    check_no_special_files(folder)
-    if not open_store(folder).remote:
-        check_no_links_to_nothing(folder)
+    check_output_apart(out, folder, "model")
+    check_source_files(folder)
     # Said now, as the save's lock would say it once vLLM has built the model (tens of seconds from here).
     out.refuse_before_save(overwrite)
     from ..engine.convert_setup import ModelOptions
 
     options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
     # (Nothing is written into OUT before the save protocol's lock, which makes the output's folders
-    # and, on a failure, removes those it made: LocalTarget.made_folders.)
-    return _convert(folder, output, tp_size, pp_size, options, max_size, pattern, overwrite, budget, progress)
+    # and, on a failure, removes those it made.)
+    return _convert(folder, out, tp_size, pp_size, options, max_size, pattern, overwrite, budget, progress)
 
 
 def _convert(
-    folder: str,
-    output: str,
+    folder: Store,
+    output: Store,
     tp_size: int,
     pp_size: int,
     options: ModelOptions,
@@ -371,17 +362,14 @@ def _convert(
         stack.callback(stop_reading_ahead)
         from ..engine.convert import converting
 
-        directory = folder
-        if open_store(folder).remote:
-            # vLLM reads the config (and tokenizer) from a local folder: those few files are fetched;
-            # the weights are read where they are, each byte once.
-            directory = stack.enter_context(staging_folder())
-            copy_non_weight_files(folder, directory)
+        # vLLM reads the config (and tokenizer) from a local folder: those few files are fetched from a
+        # bucket; the weights are read where they are, each byte once.
+        directory = folder.local_copy(folder.non_weight_files(), stack.enter_context(staging_folder()))
         # The manifest records the config the weights are made for, and the checkpoint carries config.json:
         # one written meanwhile (between vLLM's read and the carry's copy) would be carried beside weights
         # made for the other, a checkpoint that verifies and that loads refuse. The carry refuses it.
-        config = record_of(directory, "config.json")
-        model = stack.enter_context(converting(directory, folder, options))
+        config = record_of(directory.where, "config.json")
+        model = stack.enter_context(converting(directory.where, folder.where, options))
         built = time.perf_counter()
         stop_reading_ahead()
         layers = config_layers(model.identity.config)
@@ -401,7 +389,7 @@ def _convert(
             after=model.after,
             size_of=model.component_bytes,
             check=model.check,
-            running=1 if open_store(output).remote else len(plans),
+            running=len(plans),  # (every rank is staged in a thread of its own, wherever it goes)
         )
         stack.callback(cache.close)
 
@@ -435,7 +423,7 @@ def _convert(
 
         by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
 
-        def placed(target: SaveTarget, entry: RankEntry) -> RankEntry:
+        def placed(target: Store, entry: RankEntry) -> RankEntry:
             # Every rank is written (the save places after staging them all): a source file written
             # meanwhile could have given some tensors its old bytes and some its new ones.
             model.source.check_unchanged()
@@ -454,11 +442,7 @@ def _convert(
                 )
                 model.follow([state_name for state_name, _ in order])
         try:
-            manifest = save_checkpoint(
-                output,
-                ranks,
-                dtype=model.dtype,
-                source=model.identity,
+            saved = SaveOptions(
                 pattern=pattern,
                 max_size=max_size,
                 overwrite=overwrite,
@@ -466,10 +450,15 @@ def _convert(
                 tied=manifest_ties(model.tied),
                 carry=directory,
                 carried_record=config,
-                parallel=True,
-                placed=placed,
-                ended=finish,
                 progress=progress,
+            )
+            manifest = save_checkpoint(
+                output,
+                ranks,
+                dtype=model.dtype,
+                source=model.identity,
+                options=saved,
+                hooks=RankHooks(parallel=True, ended=finish, placed=placed),
             )
         except RankStopped:
             # The save reports the first rank's error; a rank that only stopped for another's failure

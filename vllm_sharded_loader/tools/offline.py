@@ -15,7 +15,7 @@ import torch
 from ..checkpoint.carry import carried_problems, stale_problems
 from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
-from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
+from ..checkpoint.save import DEFAULT_MAX_SIZE, SaveOptions, save_checkpoint
 from ..checkpoint.trust import check_trust
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from ..format.geometry import OPAQUE
@@ -25,42 +25,34 @@ from ..planning.manifest_plans import files_to_check
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan
 from ..planning.topology import RankInfo
-from ..storage.local import links_out
-from ..storage.location import (
-    check_not_locked,
-    file_path,
-    is_locked,
-    lies_inside,
-    no_manifest_here,
-    open_store,
-    read_manifest,
-    same_location,
-)
+from ..storage.location import Store, no_manifest_here, open_store
 from ..storage.progress import ByteProgress
 from ..storage.writer import LazyTensor
 
 
-def require_manifest(directory: str) -> Manifest:
-    """The checkpoint's manifest; without one, the error says whether a save holds the folder."""
-    manifest = read_manifest(directory)
+def require_manifest(where: str | Store) -> tuple[Store, Manifest]:
+    """The checkpoint at ``where`` (resolved here, once) and its manifest; without one, the error says
+    whether a save holds the folder."""
+    store = open_store(where)
+    manifest = store.read_manifest()
     if manifest is None:
         # A first save still writing (or killed) is named with its holder and what to do, as verify
         # names it, rather than as "not a checkpoint".
-        check_not_locked(directory)
-        raise CheckpointNotFound(no_manifest_here(directory))
-    return manifest
+        store.check_not_locked()
+        raise CheckpointNotFound(no_manifest_here(store))
+    return store, manifest
 
 
-def inspect_checkpoint(directory: str) -> dict[str, Any]:
+def inspect_checkpoint(directory: str | Store) -> dict[str, Any]:
     """What a checkpoint holds, as JSON data: topology, files, dtype, tensors, source, geometry."""
-    manifest = require_manifest(directory)
+    store, manifest = require_manifest(directory)
     kinds: dict[str, int] = {}
     for g in manifest.geometry.values():
         kind = g.get("kind", "?") if isinstance(g, dict) else "?"
         kinds[kind] = kinds.get(kind, 0) + 1
     names = {n for r in manifest.ranks for n in r.tensors}
     return {
-        "directory": open_store(directory).canonical(),
+        "directory": store.canonical(),
         "format_version": manifest.format_version,
         "tp_size": manifest.tp_size,
         "pp_size": manifest.pp_size,
@@ -97,28 +89,28 @@ def inspect_checkpoint(directory: str) -> dict[str, Any]:
             "reshardable": bool(manifest.geometry) and kinds.get(OPAQUE, 0) == 0 and names <= set(manifest.geometry),
         },
         "tied": [list(g) for g in manifest.tied],
-        "locked": is_locked(directory),
+        "locked": store.is_locked(),
         "signature": None if manifest.signature is None else manifest.signature.to_dict(),
         "trust": dataclasses.asdict(check_trust(manifest)),
     }
 
 
-def check_output_apart(output: str, source: str, what: str, folder: str = "folder") -> None:
+def check_output_apart(output: Store, source: Store, what: str, folder: str = "folder") -> None:
     """Refuse an ``output`` that is the source ``what`` (under any name: a link, a bind mount) or lies
     inside it, before anything is written: it would be written among the source's own files, and
     a folder of them holding a checkpoint is no longer carried (the source's next copy lacks it)."""
-    if same_location(output, source):
+    if output.same_as(source):
         raise ShardedStateError(f"--output must be another {folder} than the source {what}.")
-    if lies_inside(output, source):
+    if output.inside(source):
         raise ShardedStateError(
-            f"--output {output} lies inside the source {what} {source}; nothing was written. Choose a "
+            f"--output {output.where} lies inside the source {what} {source.where}; nothing was written. Choose a "
             "folder outside the source."
         )
 
 
 def reshard_checkpoint(
-    directory: str,
-    output: str,
+    directory: str | Store,
+    output: str | Store,
     tp_size: int,
     pp_size: int | None = None,
     *,
@@ -132,68 +124,66 @@ def reshard_checkpoint(
     The output loads at the new topology without resharding at load time. Non-weight
     files (config, tokenizer) are copied under the save's lock; the manifest is written last.
     """
-    manifest = require_manifest(directory)
-    check_not_locked(directory)
+    source, manifest = require_manifest(directory)
+    source.check_not_locked()
     pp_size = manifest.pp_size if pp_size is None else pp_size
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    check_output_apart(output, directory, "checkpoint", "directory")
-    _refuse_damaged_carried_files(directory, manifest)
+    out = open_store(output)
+    check_output_apart(out, source, "checkpoint", "directory")
+    _refuse_damaged_carried_files(source, manifest)
     # Every byte read is checked against its block's checksum: the output's own checksums must not
     # certify a corrupt source. A file without a record among files with one (a damaged manifest)
     # is refused, not a reason to check none; only a manifest that records none is read unchecked.
     verify = "checksum" if any(f.checksum is not None for r in manifest.ranks for f in r.files) else "size"
-    with ReshardSource(directory, manifest, verify) as source:
+    with ReshardSource(source, manifest, verify) as reads:
         # Plan every rank before writing anything: a refused tensor leaves no output behind.
         plans = {}
         for pp_rank in range(pp_size):
-            names = stage_names(manifest, pp_size, pp_rank, file_path(directory, MANIFEST_NAME))
+            names = stage_names(manifest, pp_size, pp_rank, source.file_path(MANIFEST_NAME))
             for tp_rank in range(tp_size):
                 rank = RankInfo(tp_rank, tp_size, pp_rank, pp_size)
-                plans[rank] = source.plan(names, rank)
+                plans[rank] = reads.plan(names, rank)
         # Every file the plans touch (all of them if a tensor is read under a tied name),
         # opened and checked against the manifest before a tensor is allocated from its
         # shape or a byte is written; all reads then go through these descriptors.
         for name in sorted({f for plan in plans.values() for f in files_to_check(plan, manifest)}):
-            source.check_file(name)
-        check_not_replaced(directory, manifest, source.check_unchanged)
+            reads.check_file(name)
+        check_not_replaced(source, manifest, reads.check_unchanged)
 
         def lazy(tensor_plan: TensorPlan) -> LazyTensor:
-            dtype = source.stored_dtype(tensor_plan)
+            dtype = reads.stored_dtype(tensor_plan)
 
             def produce() -> torch.Tensor:
                 tensor = torch.empty(tensor_plan.shape, dtype=dtype)
-                source.fill(tensor_plan, tensor)
+                reads.fill(tensor_plan, tensor)
                 return tensor
 
             return LazyTensor(tuple(tensor_plan.shape), dtype, produce)
 
         ranks = {rank: {n: lazy(p) for n, p in plan.tensors.items()} for rank, plan in plans.items()}
-        return save_checkpoint(
-            output,
-            ranks,
-            dtype=manifest.dtype,
-            source=manifest.source,
+        options = SaveOptions(
             max_size=max_size,
             overwrite=overwrite,
             geometry=manifest.geometry,
             tied=manifest.tied,
             # Config and tokenizer go in under the lock, once the overwrite rule has passed.
-            carry=directory,
+            carry=source,
             carried_record=manifest.carried_files,  # (as checked above: a save into it since is refused)
             progress=progress,
         )
+        return save_checkpoint(out, ranks, dtype=manifest.dtype, source=manifest.source, options=options)
 
 
-def _refuse_damaged_carried_files(directory: str, manifest: Manifest) -> None:
+def _refuse_damaged_carried_files(store: Store, manifest: Manifest) -> None:
     """Refuse a source whose carried files (config, tokenizer) are not what its save recorded: the
     output carries them and records them anew, so its record (and ``verify``) would certify the damage."""
-    store = open_store(directory)
+    directory = store.where
     problems = carried_problems(store, manifest.carried_files or {}) + stale_problems(store, manifest)
     # Those it did not record (an earlier version's save, the save hook's into the model's folder) are
     # copied all the same: one that links out of the checkpoint is not its own to copy (a link to a
     # secret, uploaded with the output), as no load or verify reads through such a link.
-    outside = [] if store.remote else links_out(directory, store.non_weight_files())
+    outside = store.links_out(store.non_weight_files())
     if outside and not problems:
         raise CheckpointCorrupt(
             f"Not resharding {directory}: {len(outside)} of the files beside its parts link out of it (named below), "

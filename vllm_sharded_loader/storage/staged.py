@@ -1,8 +1,6 @@
-"""One rank's parts written under temporary names: the *stage* step of every save.
-
-A local save (:mod:`.save`) renames staged parts into place; a save into object storage
-(:mod:`.remote_save`) uploads them from a local staging folder. Each part is hashed while
-it is written.
+"""One rank's parts written under temporary names: the *stage* step of every save
+(:mod:`..checkpoint.protocol`), hashed while written. A store's *place* step gives them their
+final names (:func:`fresh_names`): a local folder renames them, an object prefix uploads them.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import torch
 
 from ..format.entries import RANK_METADATA
 from ..format.errors import SaveRefused, ShardedStateError
-from ..format.manifest import FileEntry, RankEntry, TensorEntry
+from ..format.manifest import FileEntry, Manifest, RankEntry, TensorEntry
 from ..format.names import (
     TOKEN_DIGITS,
     default_pattern,
@@ -29,10 +27,9 @@ from ..format.names import (
 )
 from ..planning.parts import plan_parts
 from ..planning.topology import RankInfo
-from ..storage import writer
-from ..storage.local import make_output_folder, read_header
-from ..storage.location import Store
-from ..storage.tensors import dtype_name, map_file_range, torch_dtype
+from . import writer
+from .local import make_output_folder, read_header
+from .tensors import dtype_name, map_file_range, torch_dtype
 
 
 def new_token() -> str:
@@ -42,7 +39,7 @@ def new_token() -> str:
 
 @dataclass
 class StagedRank:
-    """One rank's parts, written under temporary names until :func:`publish_rank`."""
+    """One rank's parts, written under temporary names until a store places them."""
 
     directory: str
     rank: RankInfo
@@ -131,39 +128,25 @@ def renamed_entry(entry: RankEntry, names: Mapping[str, str]) -> RankEntry:
     )
 
 
-def published_names(store: Store) -> set[str]:
-    """Every file the published manifest in ``store`` lists, there or not; none if it cannot be read
-    (it then lists nothing a load would read)."""
+def listed_names(read_manifest: Callable[[], Manifest | None]) -> set[str]:
+    """Every file the published manifest (``read_manifest()``) lists, there or not; none if it cannot
+    be read (it then lists nothing a load would read). A part placed under a listed name whose file is
+    missing (a copy cut short) would complete the published checkpoint with this save's bytes: a save
+    killed before its own publish would leave that checkpoint loading them beside its other ranks."""
     with contextlib.suppress(ShardedStateError):
-        published = store.read_manifest()
+        published = read_manifest()
         if published is not None:
             return published.listed_files()
     return set()
 
 
-def taken_names(store: Store, published: set[str] | None = None) -> set[str]:
-    """The names a save's new parts must not take in ``store``: every file there, and every file its
-    published manifest lists (``published``: :func:`published_names`, which a save placing several
-    ranks reads once, as the manifest cannot change under its lock), there or not. A part placed
-    under a listed name whose file is missing (a copy cut short) would complete the published
-    checkpoint with this save's bytes: killed before its own publish, the save would leave that
-    checkpoint loading them beside its other ranks (sizes and headers agree), where it was refused as
-    incomplete before."""
-    return set(store.list_names()) | (published_names(store) if published is None else published)
-
-
-def fresh_names(staged: StagedRank, store: Store, published: set[str] | None = None) -> dict[str, str]:
-    """``staged name -> final name`` for a rank's parts: vLLM's pattern, colliding with nothing
-    :func:`taken_names` finds in ``store`` (where they are placed)."""
+def fresh_names(staged: StagedRank, taken: set[str]) -> dict[str, str]:
+    """``staged name -> final name`` for a rank's parts: vLLM's pattern, colliding with none of
+    ``taken`` (every file where they are placed, and every file its published manifest lists)."""
     old = [f.name for f in staged.entry.files]
     rank = staged.rank
     new = fresh_part_names(
-        staged.pattern,
-        len(old),
-        taken_names(store, published),
-        tp_rank=rank.tp_rank,
-        pp_rank=rank.pp_rank,
-        dp_rank=rank.saved_dp_rank,
+        staged.pattern, len(old), taken, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=rank.saved_dp_rank
     )
     return dict(zip(old, new, strict=True))
 
@@ -197,19 +180,13 @@ def open_staged_tensors(staged: StagedRank) -> dict[str, torch.Tensor]:
 
 
 def stage_in_parallel(
-    stage_one: Callable[..., StagedRank],
-    directory: str,
-    ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
+    stage_one: Callable[[RankInfo, Callable[[int, int], None], int], StagedRank],
     infos: Sequence[RankInfo],
-    pattern: str,
-    max_size: int | None,
-    token: str,
-    ended: Callable[[RankInfo, BaseException | None], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     staged_all: Callable[[], None] = lambda: None,
 ) -> list[StagedRank]:
-    """Stage every rank at once, one thread each, with ``stage_one`` (``.save``'s: :func:`stage_rank`,
-    then ``ended``); on any failure every staged rank is discarded. ``staged_all`` runs once every rank
+    """Stage every rank at once, one thread each, with ``stage_one(rank, progress, buffer_bytes)`` (a
+    :func:`stage_rank`); on any failure every staged rank is discarded. ``staged_all`` runs once every rank
     is staged, before they are the caller's (a kill point).
 
     Ctrl-C (or SIGTERM) reaches the waiting thread alone: the ranks' threads stop at their next write
@@ -238,7 +215,7 @@ def stage_in_parallel(
                 return
             began.append(threading.current_thread())
         try:
-            results[k] = stage_one(ended, directory, ranks[info], info, pattern, max_size, token, written, buffers)
+            results[k] = stage_one(info, written, buffers)
         except BaseException as e:
             failures[k] = e
         finally:

@@ -1,0 +1,487 @@
+"""A checkpoint in a local folder (or a Hugging Face cache snapshot): :class:`LocalStore`, read through
+:mod:`.local`, locked by :mod:`.lock`, and saved into by the protocol's steps below.
+
+A local save's steps, as :mod:`..checkpoint.protocol` numbers them: **lock** takes
+``.sharded_state.lock`` (``flock``-ed, taken over from a save that died only with overwrite);
+**join** checks that every member sees that lock (another node's disk is refused); **stage**
+writes the parts in the folder under hidden names; **place** renames them to part names
+nothing in the folder has; **publish** writes the manifest to a staged name, fsyncs it,
+renames the carried files into place (each replaced one hard-linked aside first) and then
+the manifest; **clean** removes parts the new manifest does not list and the staged files of
+this save, of the save it took over and of owners that are gone; **release** drops the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from ..format.errors import SaveRefused, ShardedStateError
+from ..format.manifest import CarriedFile, FileEntry, Manifest, RankEntry
+from ..format.names import (
+    DEFAULT_PATTERNS,
+    MANIFEST_NAME,
+    is_part_name,
+    is_startup_artifacts_name,
+    staged_name,
+    staged_token,
+    token_name,
+)
+from . import lock, model_files
+from .faults import KILL_CARRIED, declare, kill_point
+from .local import (
+    OpenFile,
+    escapes,
+    file_kind,
+    fsync_directory,
+    make_output_folder,
+    not_a_folder,
+    open_part,
+    open_regular,
+    part_path,
+    read_manifest,
+    write_file_durably,
+)
+from .staged import StagedRank, fresh_names, listed_names, new_token, renamed_entry
+
+# The steps where a test kills a local save (storage/faults.py), in protocol order.
+KILL_LOCKED = declare("local.locked", "storage/folder.py: the lock is taken, nothing staged")
+KILL_PLACED = declare("local.placed", "storage/folder.py: one staged part was renamed to its fresh final name")
+KILL_MANIFEST_WRITTEN = declare("local.manifest_written", "storage/folder.py: temporary manifest fsynced, not renamed")
+KILL_BACKED_UP = declare("local.backed_up", "storage/folder.py: a non-weight file's backup linked, not yet replaced")
+KILL_PUBLISHED = declare("local.published", "storage/folder.py: the manifest is renamed into place, nothing cleaned")
+KILL_CLEANING = declare("local.cleaning", "storage/folder.py: one file of the old save was removed after the publish")
+KILL_CLEANED = declare("local.cleaned", "storage/folder.py: cleaned, the lock not yet released")
+
+
+class LocalStore:
+    """A local folder (or Hub snapshot) as a :class:`.location.Store`."""
+
+    vllm_saves_here = True
+    stages_in_place = True
+    abandoned = "Nothing was published; any previous checkpoint there is intact."
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.root = os.path.abspath(where)  # (what a save writes into, and names in its messages)
+        self.token = new_token()  # (the lock's, once a save takes or joins it)
+        self._begin()
+
+    def _begin(self) -> None:
+        """Forget any earlier save's state: a store runs one save at a time."""
+        self.held: lock.SaveLock | None = None
+        self.made_folders: list[str] = []  # (deepest first)
+        self.replaced: set[str] = set()
+        self.published: set[str] | None = None  # what the published manifest lists, read at the first place
+        self.carried: dict[str, str] = {}  # carried file -> its staged copy
+        self.backups: dict[str, str | None] = {}  # carried file -> the hard link of what it replaced
+        self.carried_folders: list[str] = []  # folders made for carried files, outermost first
+
+    # ---------------------------------------------------------------- reading
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.where)
+
+    def missing(self) -> str | None:
+        return not_a_folder(self.where)
+
+    def canonical(self) -> str:
+        return self.root
+
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.where, name)
+
+    def read_manifest(self) -> Manifest | None:
+        return read_manifest(self.where)
+
+    def open_part(self, f: FileEntry) -> OpenFile:
+        return open_part(self.where, f)
+
+    def open_file(self, name: str, contained: bool = False) -> OpenFile:
+        # Containment first: a link out of the location (to a device, say) is never opened.
+        return OpenFile.open(part_path(self.where, name) if contained else os.path.join(self.where, name))
+
+    def list_names(self) -> list[str]:
+        return sorted(os.listdir(self.where))
+
+    def non_weight_files(self) -> list[str]:
+        return model_files.non_weight_files(self.where)
+
+    def read(self, name: str) -> bytes | Path:
+        return Path(os.path.join(self.where, name))
+
+    def exists_file(self, name: str) -> bool:
+        return os.path.lexists(os.path.join(self.where, name)) and _folder_links_out(self.where, name) is None
+
+    def special_files(self) -> list[ShardedStateError]:
+        return list(model_files.special_files(self.where))
+
+    def links_out(self, names: Iterable[str]) -> list[ShardedStateError]:
+        found = (escapes(p, os.path.realpath(p), self.where) for p in (os.path.join(self.where, n) for n in names))
+        return [error for error in found if error is not None]
+
+    def same_as(self, other: object) -> bool:
+        if not isinstance(other, LocalStore):
+            return False
+        if os.path.realpath(self.where) == os.path.realpath(other.where):
+            return True
+        with contextlib.suppress(OSError):
+            return os.path.samefile(self.where, other.where)
+        return False
+
+    def inside(self, other: object) -> bool:
+        return isinstance(other, LocalStore) and os.path.realpath(self.where).startswith(
+            os.path.join(os.path.realpath(other.where), "")
+        )
+
+    # ---------------------------------------------------------------- the lock
+
+    def is_locked(self) -> bool:
+        return lock.read_lock(self.where) is not None
+
+    def check_not_locked(self) -> None:
+        lock.check_not_locked(self.where)
+
+    def save_is_running(self) -> bool:
+        return lock.save_is_running(self.where)
+
+    def describe_lock(self) -> str | None:
+        holder = lock.read_lock(self.where)
+        return None if holder is None else lock.describe_lock(self.where, holder)
+
+    def owner_is_alive(self, token: str) -> bool:
+        return lock.owner_is_alive(self.where, token)
+
+    def refuse_before_save(self, overwrite: bool) -> None:
+        lock.refuse_before_save(self.where, overwrite)
+
+    # ---------------------------------------------------------------- writing
+
+    def put(self, name: str, data: bytes | Path) -> None:
+        path = os.path.join(self.where, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(_read_bytes(data))
+
+    def remove(self, names: Iterable[str]) -> None:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.where, name))
+
+    # ------------------------------------------------------- the save's steps
+
+    def lock(self, token: str, overwrite: bool, patterns: tuple[str, ...]) -> None:
+        self._begin()
+        self.token = token
+        self.made_folders = lock.missing_folders(self.root)  # (its parents too: a refused save leaves none)
+        try:
+            self.held = lock.acquire_save_lock(self.root, token, overwrite, patterns)
+        except BaseException:
+            lock.remove_empty_folders(self.made_folders)
+            raise
+        try:
+            kill_point(KILL_LOCKED)
+        except BaseException:  # (an interrupt here: the driver has no token yet to abandon with)
+            self.abandon([])
+            raise
+
+    def join(self, token: str) -> bool:
+        """The lock file the first member just took, with this save's token, is the marker: a member
+        that does not find it sees another folder under the same path (another node's disk).
+        Decided from the file system, not from host names."""
+        self.token = token  # every member stages under the lock's token: a takeover finds them
+        return (lock.read_lock(self.root) or {}).get("token") == token
+
+    def staging(self) -> str:
+        return self.root
+
+    def place(self, staged: StagedRank) -> RankEntry:
+        """Rename a rank's staged parts to names that collide with nothing in the folder, so the
+        published checkpoint's parts stay as they are until the new manifest replaces it."""
+        if self.published is None:
+            self.published = listed_names(self.read_manifest)  # (under the lock: it cannot change)
+        directory = staged.directory
+        renamed = fresh_names(staged, set(os.listdir(directory)) | self.published)
+        for name in renamed:
+            if name in staged.temporary:
+                final = os.path.join(directory, renamed[name])
+                os.replace(staged.temporary[name], final)
+                staged.placed.append(final)
+                del staged.temporary[name]
+                kill_point(KILL_PLACED)
+        fsync_directory(directory)
+        staged.entry = renamed_entry(staged.entry, renamed)
+        return staged.entry
+
+    def write_rank_file(self, name: str, data: bytes) -> str:
+        """A fresh name (the save's token in it), written whole: never the published file; :meth:`abandon` drops it."""
+        fresh = token_name(name, self.token)
+        write_file_durably(self.root, fresh, data, staged_name(fresh, self.token))  # (killed: the next save's)
+        return fresh
+
+    def publish(self, manifest: Manifest) -> None:
+        """Every listed part in place with its size, then the manifest through a staged name, fsync and
+        rename; the carried files are renamed into place between its fsync and its rename."""
+        try:  # the manifest it replaces, read under the lock: its parts go in the cleanup, whatever their names
+            previous = read_manifest(self.root)
+        except ShardedStateError:
+            previous = None  # unreadable: its parts are removed by name only
+        self.replaced = set() if previous is None else previous.listed_files()
+        for f in (f for entry in manifest.ranks for f in entry.files):
+            path = os.path.join(self.root, f.name)
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                raise SaveRefused(
+                    f"{path}: missing, yet the manifest being published lists it. Nothing was published; the "
+                    "previous checkpoint, if any, is intact. Is the directory shared by every worker?"
+                ) from None
+            if size != f.size:
+                raise SaveRefused(
+                    f"{path}: {size} bytes, expected {f.size}. Nothing was published; the previous checkpoint, "
+                    "if any, is intact."
+                )
+        path = os.path.join(self.root, MANIFEST_NAME)
+        tmp = os.path.join(self.root, staged_name(MANIFEST_NAME, self.token))
+        try:
+            with open(tmp, "w") as out:
+                out.write(manifest.to_json())
+                out.flush()
+                os.fsync(out.fileno())
+            kill_point(KILL_MANIFEST_WRITTEN)
+            self._place_carried()
+            os.replace(tmp, path)
+        except BaseException as e:  # (an interrupt too: the staged manifest is this save's to take back)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            if not isinstance(e, OSError):
+                raise
+            raise SaveRefused(
+                f"Writing the manifest {path} failed: {e}. Nothing was published; the previous checkpoint, if any, "
+                "is intact. Free space (or fix the directory) and save again."
+            ) from e
+        fsync_directory(self.root)
+        kill_point(KILL_PUBLISHED)
+
+    def clean(self, manifest: Manifest) -> None:
+        """Remove parts the manifest does not list (the old save's, ranks of a larger TP; every file the
+        replaced manifest listed), start-up archives no rank lists, and the staged files of this save, of
+        the save whose lock it took over and of owners now gone (never a live one's)."""
+        listed = manifest.listed_files()
+        held = self.held
+        ours = set() if held is None else {held.token, held.taken_over} - {None}
+        failed: list[str] = []
+        for name in os.listdir(self.root):
+            stale_part = name in self.replaced or is_part_name(name, (manifest.pattern, *DEFAULT_PATTERNS))
+            token = staged_token(name)
+            leftover = (token is not None and token in ours) or (
+                held is not None and lock.owner_is_gone(self.root, name)
+            )
+            if (name not in listed and (stale_part or is_startup_artifacts_name(name))) or leftover:
+                try:
+                    os.remove(os.path.join(self.root, name))
+                except (FileNotFoundError, IsADirectoryError):  # (a folder so named is no save's: it writes files)
+                    pass
+                except OSError as e:  # the rest is cleaned all the same
+                    failed.append(f"{name} ({e.strerror})")
+                kill_point(KILL_CLEANING)
+        kill_point(KILL_CLEANED)
+        if failed:
+            raise ShardedStateError(f"{self.root}: could not remove {', '.join(failed)}")
+
+    def release(self) -> None:
+        if self.held is not None:
+            lock.release_save_lock(self.held)
+
+    def abandon(self, entries: Iterable[RankEntry]) -> None:
+        # Every member's rank files (past the exchange that failed, none is still writing).
+        for name in os.listdir(self.root) if os.path.isdir(self.root) else ():
+            if is_startup_artifacts_name(name) and name.endswith(token_name(".tar", self.token)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.root, name))
+        self.release()
+        lock.remove_empty_folders(self.made_folders)
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------- the carried files
+
+    def stage_carried(self, index: int, name: str, data: bytes | Path) -> tuple[CarriedFile, bool | None]:
+        final = os.path.join(self.root, name)
+        # Renamed into its subfolder: one that links out of the output would take the file in a folder
+        # that is not ours (refused even where the file is the same: verify refuses such a carried file).
+        folder = _folder_links_out(self.root, name)
+        if folder is not None:
+            raise SaveRefused(
+                f"{os.path.dirname(final)} resolves to {folder}, outside {self.root} (a symbolic link); refusing "
+                f"to write {name} there, nothing was written. Replace the link with a folder, or choose another output."
+            )
+        in_the_way = _in_the_way(self.root, name)
+        if in_the_way is not None:
+            path, kind = in_the_way
+            raise SaveRefused(
+                f"{path} is {kind}, where the save carries the model's {name}; refusing to replace it, nothing was "
+                "written. Move it away, or choose another output."
+            )
+        same = _same_local(final, data)
+        if same is not None:
+            return same, None
+        tmp = os.path.join(self.root, staged_name(f"carried-{index}", self.token))
+        self.carried[name] = tmp
+        digest, size = hashlib.sha256(), 0
+        with open(tmp, "wb") as dst:
+            chunks = [data] if isinstance(data, bytes) else _chunks(data)
+            for chunk in chunks:
+                dst.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        return CarriedFile(size, digest.hexdigest()), os.path.lexists(final)
+
+    def _place_carried(self) -> None:
+        """Each staged carried file renamed over its name; whatever was there hard-linked aside first."""
+        for name in sorted(self.carried):
+            final = os.path.join(self.root, name)
+            missing = lock.missing_folders(os.path.dirname(final))
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            self.carried_folders += reversed(missing)
+            self.backups[name] = None
+            # Whatever is at the name is backed up, a link too (the rename replaces the link itself).
+            if os.path.lexists(final) and not stat.S_ISDIR(os.lstat(final).st_mode):
+                # Known to restore_carried() before it is made: an interrupt right after the link must not leave it.
+                self.backups[name] = os.path.join(self.root, staged_name(f"replaced-{len(self.backups)}", self.token))
+                os.link(final, self.backups[name], follow_symlinks=False)  # type: ignore[arg-type]
+                kill_point(KILL_BACKED_UP)
+            os.replace(self.carried[name], final)
+            del self.carried[name]  # (only once renamed: a failed rename leaves it to restore_carried)
+            kill_point(KILL_CARRIED)
+        fsync_directory(self.root)
+
+    def restore_carried(self) -> None:
+        for name, backup in self.backups.items():
+            with contextlib.suppress(OSError):
+                if backup is None:
+                    os.remove(os.path.join(self.root, name))
+                else:
+                    os.replace(backup, os.path.join(self.root, name))
+                    # (A no-op where the file was not replaced yet: the backup is a hard link of it.)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(backup)
+        self.backups.clear()
+        lock.remove_empty_folders(reversed(self.carried_folders))
+        self._drop_carried()
+
+    def finish_carried(self) -> None:
+        for backup in self.backups.values():
+            if backup is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(backup)
+        self.backups.clear()
+        self._drop_carried()
+
+    def _drop_carried(self) -> None:
+        self.carried_folders.clear()
+        for tmp in self.carried.values():
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        self.carried.clear()
+
+    def remove_stale(self, names: Iterable[str]) -> None:
+        """Remove each file still there (never through a folder that links out), then its emptied folders."""
+        failed = []
+        for name in [n for n in names if self.exists_file(n)]:
+            try:
+                os.remove(os.path.join(self.root, name))
+            except (FileNotFoundError, IsADirectoryError):  # gone, or a folder of the user's now
+                continue
+            except OSError as e:
+                failed.append(f"{name} ({e.strerror})")
+                continue
+            folders = name.split("/")[:-1]
+            lock.remove_empty_folders(os.path.join(self.root, *folders[:d]) for d in range(len(folders), 0, -1))
+        if failed:
+            raise ShardedStateError(
+                f"{self.root}: could not remove {', '.join(failed)}, carried by the checkpoint this save replaced "
+                "and not by the new one. A server of the checkpoint reads them: remove them by hand, or save again "
+                "with overwrite (the checkpoint records them as stale: verify names them, the next save removes them)."
+            )
+
+    # ---------------------------------------------------- before an engine starts
+
+    def local_copy(self, names: list[str], folder: str) -> LocalStore:
+        return self
+
+    @contextlib.contextmanager
+    def capture_folder(self, source: str, overwrite: bool) -> Iterator[str]:
+        """The output folder itself (made now; the folders made for it removed again if the save fails
+        and leaves them empty), once it is no source model's folder and its lock would take it."""
+        made = lock.missing_folders(self.where)
+        try:
+            make_output_folder(self.where)
+            if os.path.samefile(source, self.where):
+                raise ShardedStateError(f"--output {self.where!r} is the source model's directory; choose another one.")
+            self.refuse_before_save(overwrite)  # the save hook checks again under its lock
+            yield self.root
+        except BaseException:
+            lock.remove_empty_folders(made)  # (one that is not empty holds what is not ours to remove)
+            raise
+
+
+def _read_bytes(data: bytes | Path) -> bytes:
+    """``data``, or the local file's bytes, opened without blocking (a FIFO there must not hang a save)."""
+    return data if isinstance(data, bytes) else b"".join(_chunks(data))
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    with os.fdopen(open_regular(str(path)), "rb") as f:
+        while chunk := f.read(1 << 20):
+            yield chunk
+
+
+def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
+    """The record of ``data`` if the regular file at ``path`` holds it, else None (also for no regular file)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        with os.fdopen(open_regular(path), "rb") as f:
+            if isinstance(data, bytes):
+                return CarriedFile.of(data) if f.read(len(data) + 1) == data else None
+            digest, size = hashlib.sha256(), 0
+            for chunk in _chunks(data):
+                if f.read(len(chunk)) != chunk:
+                    return None
+                digest.update(chunk)
+                size += len(chunk)
+            return CarriedFile(size, digest.hexdigest()) if not f.read(1) else None
+    except (OSError, ShardedStateError):
+        return None
+
+
+def _folder_links_out(output: str, name: str) -> str | None:
+    """Where the folder of the file ``name`` resolves to, if outside ``output`` (a link out of it)."""
+    folder = os.path.dirname(os.path.join(output, name))
+    real = os.path.realpath(folder)
+    return real if escapes(folder, real, output) is not None else None  # (the rule a load's reads keep)
+
+
+def _in_the_way(output: str, name: str) -> tuple[str, str] | None:
+    """What stands where the carried file ``name`` goes, and what kind it is: a folder at its name,
+    or something other than a folder where its path needs one (``tok`` a file, for ``tok/vocab.txt``)."""
+    parts = name.split("/")
+    for depth in range(1, len(parts) + 1):
+        path = os.path.join(output, *parts[:depth])
+        last = depth == len(parts)
+        try:
+            # A link at the file's own name is replaced, not followed; a folder of its path is followed.
+            mode = os.lstat(path).st_mode if last else os.stat(path).st_mode
+        except OSError:
+            return None
+        if stat.S_ISDIR(mode) == last:
+            return path, file_kind(mode, "a file")
+    return None
