@@ -180,7 +180,7 @@ def test_members_save_together(checkpoint_a):
 def test_a_member_failing_before_the_publish_fails_every_member_and_publishes_nothing(checkpoint_a, fail_at):
     backend, where = checkpoint_a
     failing = 0 if fail_at in ("lock", "publish") else 1  # those steps run on the first member only
-    before = backend.files(where)
+    before = backend.everything()
     results = save_in_threads(where, 2.0, fail_at, failing)
     # Every member fails, with the same agreed error naming the failing member's own.
     assert all(isinstance(r, ShardedStateError) for r in results), results
@@ -189,7 +189,7 @@ def test_a_member_failing_before_the_publish_fails_every_member_and_publishes_no
     assert all(r.agreed for r in results)
     # Nothing published: A loads, and the abandon removed every file of this save and the lock.
     assert_published(where, 1.0)
-    assert backend.files(where) == before
+    assert backend.everything() == before
 
 
 def test_a_member_failing_after_the_publish_leaves_the_new_checkpoint(checkpoint_a):

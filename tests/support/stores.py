@@ -165,6 +165,10 @@ class Backend:
             for k in memory.keys(self.bucket, prefix)
         }
 
+    def everything(self) -> dict[str, str]:
+        """:meth:`files` of the whole test folder, or of the whole bucket."""
+        return self.files(str(self.tmp_path) if self.kind == "local" else f"memory://{self.bucket}")
+
     def names(self, where: str) -> set[str]:
         """The names directly under ``where``."""
         return {name.split("/")[0] for name in self.files(where)}
