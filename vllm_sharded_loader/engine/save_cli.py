@@ -22,6 +22,7 @@ from ..format.errors import ShardedStateError
 from ..storage.location import Store, open_store
 from ..storage.model_files import special_files
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
+from .vllm_versions import require_supported
 
 
 def engine_kwargs(engine_args: Any) -> dict[str, Any]:
@@ -78,6 +79,7 @@ def save_sharded_state(
     Returns the engine (an ``LLM``), so a caller can generate with it too. Call from
     under ``if __name__ == "__main__":``: vLLM starts its workers with spawn.
     """
+    require_supported()  # the plugin off, vLLM's save hook would write vLLM's own format
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
