@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Container, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..checkpoint.update_staging import StagedWeights, fill_tensors, held_bytes
 from .processed import ProcessedLayer
 
+if TYPE_CHECKING:
+    from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+
 
 def fill_layer(
     prefix: str,
     module: torch.nn.Module,
-    info: Any,
+    info: LayerReloadingInfo,
     staged: StagedWeights,
     swap: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], Mapping[str, Callable[[torch.Tensor], None]] | None],
     skip: Container[str] = (),
@@ -56,7 +59,7 @@ def layer_held_bytes(module: torch.nn.Module, mapped: set[tuple[str, int]]) -> i
     return held_bytes(get_layer_tensors(module).values(), mapped)
 
 
-def process_layer(prefix: str, module: torch.nn.Module, info: Any, done: ProcessedLayer) -> None:
+def process_layer(prefix: str, module: torch.nn.Module, info: LayerReloadingInfo, done: ProcessedLayer) -> None:
     """The layer's post-processing, as at start-up, into its new memory: vLLM's ``_layerwise_process``
     with the layer's kernel tensors held back so that it copies nothing; then checked to fit them."""
     from vllm.model_executor.model_loader.reload import layerwise
