@@ -32,7 +32,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound, SaveRefused, ShardedStateError
+from ..format.errors import (
+    CheckpointCorrupt,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    SaveRefused,
+    ShardedStateError,
+    StorageError,
+)
 from ..format.manifest import MAX_CARRIED_FILES, CarriedFile, Manifest
 from ..format.names import check_carried_name, staged_name
 from ..storage.faults import declare, kill_point
@@ -255,7 +262,7 @@ class CarriedFiles:
             folders = name.split("/")[:-1]
             remove_empty_folders(os.path.join(self.output, *folders[:depth]) for depth in range(len(folders), 0, -1))
         if failed:
-            raise ShardedStateError(
+            raise StorageError(
                 f"{self.output}: could not remove {', '.join(failed)}, carried by the checkpoint this save replaced "
                 "and not by the new one. A server of the checkpoint reads them: remove them by hand, or save again "
                 "with overwrite (the checkpoint records them as stale: verify names them, the next save removes them)."

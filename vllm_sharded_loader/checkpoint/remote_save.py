@@ -37,7 +37,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, ShardedStateError
 from ..format.manifest import Manifest, RankEntry
 from ..format.names import MANIFEST_NAME, staged_name, staged_token, token_name
 from ..storage.faults import declare, kill_point
@@ -85,7 +85,7 @@ def _remove_recorded_uploads(store: ObjectStore, whose: Callable[[str], bool], k
         try:
             names = [str(n) for n in json.loads(store.read(record))]  # type: ignore[arg-type]
         except (ValueError, TypeError) as e:
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{store.file_path(record)}: not a record of a save's uploads ({e}); delete it."
             ) from e
         names = [n for n in names if "/" not in n and n not in keep]

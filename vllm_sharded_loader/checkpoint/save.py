@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..format.errors import SaveRefused, ShardedStateError
+from ..format.errors import InvalidOption, SaveRefused, ShardedStateError, StorageError
 from ..format.experts import ExpertPlacement
 from ..format.manifest import CarriedFile, Manifest, RankEntry
 from ..format.names import (
@@ -212,7 +212,7 @@ def clean_after_publish(
             kill_point(KILL_CLEANING)
     kill_point(KILL_CLEANED)
     if failed:
-        raise ShardedStateError(f"{directory}: could not remove {', '.join(failed)}")
+        raise StorageError(f"{directory}: could not remove {', '.join(failed)}")
 
 
 def write_manifest(directory: str, manifest: Manifest, lock: SaveLock | None = None) -> None:
@@ -408,7 +408,7 @@ def save_checkpoint(
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
     if any(r.dp_rank >= replicas for r in infos):
-        raise ShardedStateError(
+        raise InvalidOption(
             "Only the first data-parallel replica writes a save, unless its experts are split across the "
             f"replicas (EP size = TP x DP, or experts_over_dp); ranks of replica {max(r.dp_rank for r in infos)} "
             "were given."

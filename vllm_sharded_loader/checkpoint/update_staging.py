@@ -14,7 +14,7 @@ from collections.abc import Callable, Container, Iterable, Mapping
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 from ..storage.oscalls import available_memory
 from .state import storage_key
 
@@ -36,7 +36,7 @@ def update_budget(ranks_on_host: int = 1) -> int:
         except (ValueError, OverflowError):  # (int(float("inf")) overflows)
             budget = -1
         if budget < 0:
-            raise ShardedStateError(f"{BUDGET_ENV}={text!r} is not a number of bytes (or 'auto').")
+            raise InvalidOption(f"{BUDGET_ENV}={text!r} is not a number of bytes (or 'auto').")
         return budget
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.mem_get_info()[0] // 2

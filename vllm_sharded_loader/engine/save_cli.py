@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.save import DEFAULT_MAX_SIZE
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption, ShardedStateError
 from ..storage import location
 from ..storage.fresh_process import in_fresh_process
 from ..storage.local import make_output_folder
@@ -85,7 +85,7 @@ def save_sharded_state(
     require_supported()  # the plugin off, vLLM's save hook would write vLLM's own format
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
-        raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
+        raise InvalidOption(f"--model {model!r} must be a local directory holding the source model.")
     check_no_special_files(model)
     made: list[str] = []  # the output's folders made here: removed again if the save fails and leaves them empty
     staging: StagingFolder | None = None  # for an upload: where the workers capture, held here until it is done
@@ -128,7 +128,7 @@ def _prepare_local_output(model: str, output: str, overwrite: bool) -> None:
     """
     make_output_folder(output)
     if os.path.samefile(model, output):
-        raise ShardedStateError(f"--output {output!r} is the source model's directory; choose another one.")
+        raise InvalidOption(f"--output {output!r} is the source model's directory; choose another one.")
     refuse_before_save(output, overwrite)  # the save hook checks again under its lock
 
 

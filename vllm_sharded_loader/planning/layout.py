@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from ..format.errors import CheckpointMismatch, ShardedStateError, listing
+from ..format.errors import CheckpointMismatch, InvalidOption, ShardedStateError, listing
 from ..format.geometry import OPAQUE, REPLICATED, ROW_PARALLEL, SPLIT_KINDS, Segment, TensorGeometry
 from .tensors import tied_source
 
@@ -64,7 +64,7 @@ def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str
     [('q', 6, 2), ('k', 1, 1), ('v', 1, 1)]
     """
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ShardedStateError(f"{name}: tp_rank={tp_rank} is not a rank of TP={tp_size}.")
+        raise InvalidOption(f"{name}: tp_rank={tp_rank} is not a rank of TP={tp_size}.")
     g = geometry
     if g.kind == REPLICATED:
         return ShardLayout(g.shape, None, ())

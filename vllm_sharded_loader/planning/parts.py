@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def plan_parts(sizes: Sequence[tuple[str, int]], max_size: int | None) -> list[l
     [['a', 'b'], ['c'], ['d']]
     """
     if max_size is not None and max_size <= 0:
-        raise ShardedStateError(f"max_size must be a positive number of bytes, got {max_size}.")
+        raise InvalidOption(f"max_size must be a positive number of bytes, got {max_size}.")
     parts: list[list[str]] = []
     current: list[str] = []
     current_size = 0

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 
@@ -30,13 +30,13 @@ def pp_layer_ranges(num_hidden_layers: int, pp_size: int, partition: Sequence[in
     (range(0, 2), range(2, 5), range(5, 8), range(8, 10))
     """
     if num_hidden_layers < 0 or pp_size < 1:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"Cannot split {num_hidden_layers} layers into {pp_size} pipeline stages: both must be positive."
         )
     if partition is not None:
         sizes = list(partition)
         if len(sizes) != pp_size or sum(sizes) != num_hidden_layers or any(s < 0 for s in sizes):
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"Layer partition {sizes} does not split {num_hidden_layers} layers into {pp_size} stages "
                 "(one non-negative count per stage, adding up to the layer count)."
             )

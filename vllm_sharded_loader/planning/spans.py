@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.errors import CheckpointCorrupt, InvalidOption
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def plan_spans(pieces: Iterable[Piece], files: Sequence[FileGrid]) -> list[Span]
             for index in range(max(1, -(-grid.size // grid.span_bytes))):
                 cells.setdefault((file, index), [])
         elif grid.verify not in ("none", "touched"):
-            raise ShardedStateError(f"unknown span verification {grid.verify!r}")
+            raise InvalidOption(f"unknown span verification {grid.verify!r}")
     spans = []
     for (file, index), cell in sorted(cells.items()):
         grid = files[file]

@@ -29,7 +29,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 from .local import truncated
 
 # O_DIRECT wants the file offset, the length and the buffer address aligned to the logical
@@ -46,7 +46,7 @@ def direct_mode() -> str:
     """The ``SHARDED_STATE_DIRECT_IO`` setting: ``auto`` (default), ``on`` or ``off``."""
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
-        raise ShardedStateError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}.")
+        raise InvalidOption(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}.")
     return mode
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, Unsupported
 from ..format.manifest import HASH_NAME, FileChecksum
 
 BLOCK_SIZE = 16 * 1024 * 1024
@@ -23,7 +23,7 @@ def _blake3() -> Any:
     try:
         import blake3
     except ImportError:
-        raise ShardedStateError(
+        raise Unsupported(
             "checksums need the blake3 package, which is not installed: pip install blake3 "
             "(or load with verify='size')."
         ) from None

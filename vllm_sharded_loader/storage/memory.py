@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError, listing
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, StorageError, listing
 from ..planning.spans import Piece
 from . import oscalls
 from .local import OpenFile
@@ -269,7 +269,7 @@ def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
                 "replaced during the load. Copy or save the checkpoint again."
             )
         if error and error not in (errno.EINVAL, errno.ENOSYS):
-            raise ShardedStateError(
+            raise StorageError(
                 f"{path}: reading it failed ({os.strerror(error)}). Check the storage, "
                 "then copy or save the checkpoint again."
             )

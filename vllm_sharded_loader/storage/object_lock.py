@@ -105,7 +105,7 @@ def check_lock_holder(where: ObjectPrefix, token: str) -> None:
     """
     holder = read_lock(where)
     if holder is None or holder.get("token") != token:
-        raise ShardedStateError(
+        raise SaveRefused(
             f"{where.url()}: this save's lock was "
             + ("deleted" if holder is None else f"taken over by another save ({describe_lock(where, holder)})")
             + " while it ran; it does not publish. Save again once no other save runs."

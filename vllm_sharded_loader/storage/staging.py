@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import Unsupported
 from .memory import Destination
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def accelerator_device(destinations: Sequence[Destination]) -> torch.device | No
         return None
     if len(devices) > 1:
         names = ", ".join(sorted(str(device) for device in devices))
-        raise ShardedStateError(
+        raise Unsupported(
             f"the targets of one load are on several accelerator devices ({names}); the reader fills "
             "one device per load. Load each device's tensors in a separate call."
         )

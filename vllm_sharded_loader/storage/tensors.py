@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.errors import CheckpointCorrupt, Unsupported
 
 # safetensors dtype names <-> torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
@@ -36,7 +36,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise ShardedStateError(f"dtype {dtype} cannot be stored in safetensors.") from None
+        raise Unsupported(f"dtype {dtype} cannot be stored in safetensors.") from None
 
 
 def torch_dtype(name: str, where: str) -> torch.dtype:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..format.entries import DIGEST_DIGITS, DIGEST_METADATA
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, Unsupported
 from ..format.manifest import FileChecksum
 from . import oscalls
 from .integrity import BlockHasher, digest_of
@@ -168,7 +168,7 @@ def write_file(
     if direct is not False:
         sink = _DirectSink.open(path, size, buffer_bytes)
         if sink is None and direct:
-            raise ShardedStateError(f"{path}: the file system does not support O_DIRECT writes.")
+            raise Unsupported(f"{path}: the file system does not support O_DIRECT writes.")
     if sink is None:
         sink = _BufferedSink(path)
     offsets: dict[str, int] = {}
