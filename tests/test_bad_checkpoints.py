@@ -44,6 +44,14 @@ from vllm_sharded_loader.checkpoint import (
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
 from vllm_sharded_loader.format.entries import DIGEST_METADATA
+from vllm_sharded_loader.format.errors import (
+    CheckpointCorrupt,
+    CheckpointLocked,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    InvalidOption,
+    SaveRefused,
+)
 from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS, RankEntry
 from vllm_sharded_loader.format.names import parse_file_name, staged_name, staged_token
 from vllm_sharded_loader.storage import integrity
@@ -182,16 +190,30 @@ CASES = [
 ]
 
 
+# The error type of each case whose load does not raise CheckpointCorrupt.
+REFUSED_AS = {
+    "missing part": CheckpointNotFound,
+    "no manifest and a missing rank": CheckpointNotFound,
+    "wrong manifest version": CheckpointMismatch,
+    "wrong topology": CheckpointMismatch,
+    "another model's checkpoint": CheckpointMismatch,
+    "absurd shape in the manifest": CheckpointMismatch,
+    "interrupted first save (lock left, no manifest)": CheckpointLocked,
+}
+
+
 @pytest.mark.parametrize(
-    ("corrupt", "error", "offline"), [(*c[1:], True)[:3] for c in CASES], ids=[c[0] for c in CASES]
+    ("corrupt", "error", "offline", "kind"),
+    [(*(*c[1:], True)[:3], REFUSED_AS.get(c[0], CheckpointCorrupt)) for c in CASES],
+    ids=[c[0] for c in CASES],
 )
-def test_bad_checkpoint_is_refused_nothing_loaded_nothing_lost(tmp_path, corrupt, error, offline, capsys):
+def test_bad_checkpoint_is_refused_nothing_loaded_nothing_lost(tmp_path, corrupt, error, offline, kind, capsys):
     directory = tmp_path / "ckpt"
     save(directory)
     corrupt(directory)
     before = snapshot(directory)
     targets = fresh_targets(0, 2)
-    with pytest.raises(ShardedStateError, match=error):
+    with pytest.raises(kind, match=error):
         load(directory, targets=targets)
     assert_untouched(targets)
     assert snapshot(directory) == before
@@ -225,7 +247,7 @@ def test_checksums_span_blocks_and_catch_a_flip_in_any_block(tmp_path, monkeypat
     flip_bit(tmp_path / PART0, (tmp_path / PART0).stat().st_size - 3)  # in the last block
     last, size = blocks - 1, (tmp_path / PART0).stat().st_size
     # The message names the block's real bytes: the last block ends with the file.
-    with pytest.raises(ShardedStateError, match=rf"bytes {last * 256}\.\.{size} \(block {last}\)"):
+    with pytest.raises(CheckpointCorrupt, match=rf"bytes {last * 256}\.\.{size} \(block {last}\)"):
         load(tmp_path, verify="checksum")
 
 
@@ -239,7 +261,7 @@ def test_stale_part_is_ignored_by_the_loader_and_reported_by_verify(tmp_path, ca
     assert "model-rank-0-part-1.safetensors: a part that sharded_state.json does not list" in capsys.readouterr().out
     # Without a manifest (vLLM's format), the stale part would be read: refused instead.
     os.remove(tmp_path / MANIFEST_NAME)
-    with pytest.raises(ShardedStateError, match=r"'model.norm.weight' is stored in both"):
+    with pytest.raises(CheckpointCorrupt, match=r"'model.norm.weight' is stored in both"):
         load(tmp_path)
 
 
@@ -247,12 +269,12 @@ def test_checksum_verification_needs_checksums(tmp_path):
     save(tmp_path)
     edit_manifest(tmp_path, lambda m: [f.pop("checksum") for r in m["ranks"] for f in r["files"]])
     load(tmp_path)
-    with pytest.raises(ShardedStateError, match="records no checksum"):
+    with pytest.raises(CheckpointMismatch):
         load(tmp_path, verify="checksum")
     os.remove(tmp_path / MANIFEST_NAME)
-    with pytest.raises(ShardedStateError, match=r"no sharded_state.json .* no checksums to verify"):
+    with pytest.raises(CheckpointMismatch, match=r"no sharded_state.json .* no checksums to verify"):
         load(tmp_path, verify="checksum")
-    with pytest.raises(ShardedStateError, match="verify='bytes' is not a verification mode"):
+    with pytest.raises(InvalidOption, match="verify='bytes' is not a verification mode"):
         load(tmp_path, verify="bytes")
 
 
@@ -360,7 +382,7 @@ def test_a_record_of_carried_files_naming_the_checkpoints_own_file_is_named_as_d
     )
     problems = verify_checkpoint(str(d))
     assert len(problems) == 1 and re.match(damaged, problems[0]), problems
-    with pytest.raises(ShardedStateError, match=damaged):
+    with pytest.raises(CheckpointCorrupt, match=damaged):
         reshard_checkpoint(str(d), str(tmp_path / "out"), 1)
     assert not (tmp_path / "out").exists()
     assert cli(["inspect", str(d)]) == 2
@@ -373,7 +395,7 @@ def test_a_record_of_carried_files_naming_the_checkpoints_own_file_is_named_as_d
 def test_existing_checkpoint_is_not_overwritten_unless_asked(tmp_path):
     save(tmp_path, tp_size=4)
     before = snapshot(tmp_path)
-    with pytest.raises(ShardedStateError, match="already holds a checkpoint; refusing to overwrite"):
+    with pytest.raises(SaveRefused):
         save(tmp_path, overwrite=False)
     assert snapshot(tmp_path) == before
     assert not (tmp_path / LOCK_NAME).exists()
@@ -389,7 +411,7 @@ def test_save_while_another_runs_fails_clearly_and_takes_nothing(tmp_path):
     save(tmp_path)
     before = snapshot(tmp_path)
     lock = acquire_save_lock(str(tmp_path), "other-save", overwrite=True)  # a save running in this process
-    with pytest.raises(ShardedStateError, match=rf"another save holds .*{LOCK_NAME} \(pid {os.getpid()}.*wait for it"):
+    with pytest.raises(CheckpointLocked, match=rf"another save holds .*{LOCK_NAME} \(pid {os.getpid()}.*wait for it"):
         save(tmp_path, overwrite=True)
     release_save_lock(lock)
     assert snapshot(tmp_path) == before
@@ -491,15 +513,15 @@ def test_full_disk_during_save_loses_nothing(tmp_path):
 def test_save_refuses_escaping_or_colliding_patterns(tmp_path):
     ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
     source = SourceModel("TinyForCausalLM", "0" * 64)
-    with pytest.raises(ShardedStateError, match="plain file"):
+    with pytest.raises(InvalidOption, match="plain file"):
         save_checkpoint(
             str(tmp_path), ranks, dtype="bfloat16", source=source, options=SaveOptions(pattern="../w-{rank}-{part}")
         )
-    with pytest.raises(ShardedStateError, match="tensor parallel rank"):
+    with pytest.raises(InvalidOption, match="tensor parallel rank"):
         save_checkpoint(
             str(tmp_path), ranks, dtype="bfloat16", source=source, options=SaveOptions(pattern="w-{part}.safetensors")
         )
-    with pytest.raises(ShardedStateError, match="uses a format spec"):
+    with pytest.raises(InvalidOption, match="uses a format spec"):
         save_checkpoint(
             str(tmp_path),
             ranks,
@@ -678,30 +700,44 @@ EVERY_PATH_CASES = [
 ]
 
 
-def refused_on_every_path(directory: Path, error: str, out: Path) -> None:
-    """The same-topology load, the resharding load, the offline reshard and verify all refuse it."""
+def refused_on_every_path(
+    directory: Path, error: str, out: Path, at_load: type[Exception] | tuple[type[Exception], ...] = CheckpointCorrupt
+) -> None:
+    """The same-topology load, the resharding load, the offline reshard and verify all refuse it
+    (the loads with ``at_load``: a damaged shape may read as another model's)."""
     model = RESHARD_MODEL
     for tp_size in (2, 1):  # as saved, then resharded
         targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, tp_size, 1, 0, 0).items()}
-        with pytest.raises(ShardedStateError, match=error):
+        with pytest.raises(at_load, match=error):
             manifest = read_manifest(str(directory))
             load_rank(LoadRequest(str(directory), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size))
         untouched = [n for n, t in targets.items() if not bool((t == -7).all())]
         assert not untouched, f"written before the TP={tp_size} load was refused: {untouched}"
-    with pytest.raises(ShardedStateError, match=error):
+    with pytest.raises(CheckpointCorrupt, match=error):
         reshard_checkpoint(str(directory), str(out), tp_size=1)
     assert not out.exists() or not os.listdir(out), "a refused reshard must leave no output"
     problems = verify_checkpoint(str(directory))
     assert any(re.search(error, p) for p in problems), problems
 
 
-@pytest.mark.parametrize(("corrupt", "error"), [c[1:] for c in EVERY_PATH_CASES], ids=[c[0] for c in EVERY_PATH_CASES])
-def test_bad_manifest_is_refused_on_every_path(tmp_path, corrupt, error, capsys):
+# A shape no file holds: a load that checks the served model's shapes first refuses it as another model's.
+SHAPE_CASES = {"huge shape dimension", "huge shape dimension, geometry agreeing"}
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "error", "at_load"),
+    [
+        (*c[1:], (CheckpointCorrupt, CheckpointMismatch) if c[0] in SHAPE_CASES else CheckpointCorrupt)
+        for c in EVERY_PATH_CASES
+    ],
+    ids=[c[0] for c in EVERY_PATH_CASES],
+)
+def test_bad_manifest_is_refused_on_every_path(tmp_path, corrupt, error, at_load, capsys):
     directory = tmp_path / "ckpt"
     save_reshardable(directory)
     edit_manifest(directory, corrupt)
     before = snapshot(directory)
-    refused_on_every_path(directory, error, tmp_path / "out")
+    refused_on_every_path(directory, error, tmp_path / "out", at_load)
     assert snapshot(directory) == before
     assert cli(["verify", str(directory)]) == 1
     assert "BAD" in capsys.readouterr().out
@@ -951,7 +987,7 @@ def test_offline_reshard_checks_every_file_before_allocating_or_writing(tmp_path
     assert [f for f in manifest.rank(0, 0).files if f.name == manifest.rank(0, 0).tensors["model.norm.weight"].file]
     assert len({t.file for t in manifest.rank(0, 0).tensors.values()}) == len(manifest.rank(0, 0).tensors)
     edit_manifest(directory, huge_shape_with_geometry)
-    refused_on_every_path(directory, r"model\.norm\.weight.*\[1000000000000000\]", tmp_path / "out")
+    refused_on_every_path(directory, r"model\.norm\.weight.*\[1000000000000000\]", tmp_path / "out", CheckpointMismatch)
 
 
 # ------------------------------------------------------- a save during a load
@@ -998,7 +1034,7 @@ def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, t
     calls: list[int] = []
     monkeypatch.setattr(read_step, first_call_saves_over(directory, getattr(sys.modules[module], name), calls))
     targets = {n: torch.full_like(x, -7) for n, x in old.items()}
-    with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
+    with pytest.raises(CheckpointCorrupt, match=r"\.safetensors: the file was replaced or modified during the load"):
         load_rank(
             LoadRequest(str(directory), manifest, serving=source_of(RESHARD_MODEL)), targets, RankInfo(0, tp_size)
         )
@@ -1037,7 +1073,7 @@ def test_part_rewritten_in_place_with_its_mtime_put_back_during_the_load_is_refu
 
     targets = fresh_targets(0, 2)
     adopt = {n: (lambda t, n=n: targets.__setitem__(n, t)) for n in targets} if mapped else None
-    with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
+    with pytest.raises(CheckpointCorrupt, match=r"\.safetensors: the file was replaced or modified during the load"):
         load(tmp_path, 0, 2, targets=targets, threads=1, progress=rewrite_before_the_reads, adopt=adopt)
     assert rewritten, "the part was rewritten during the load"
 
@@ -1064,7 +1100,7 @@ def test_a_load_refused_after_its_reads_hands_no_mapped_tensor_to_the_model(tmp_
     adopt = {n: (lambda t, n=n: adopted.append(n)) for n in targets}
     request = LoadRequest(str(directory), read_manifest(str(directory)), serving=source_of(RESHARD_MODEL))
     options = ReadOptions(threads=1, progress=modify_before_the_reads)
-    with pytest.raises(ShardedStateError, match=r"\.safetensors: the file was replaced or modified during the load"):
+    with pytest.raises(CheckpointCorrupt, match=r"\.safetensors: the file was replaced or modified during the load"):
         load_rank(request, targets, RankInfo(0, tp_size), options, adopt)
     assert modified, "the part was modified during the load"
     assert adopted == [], "a mapped tensor was handed to the model before the load was refused"
@@ -1096,7 +1132,7 @@ def test_a_part_truncated_before_its_rows_are_mapped_is_named(tmp_path, monkeypa
     expected = stage_state(RESHARD_MODEL, 1, 1, 0, 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     request = LoadRequest(str(directory), read_manifest(str(directory)), serving=source_of(RESHARD_MODEL))
-    with pytest.raises(ShardedStateError, match=r"rank-0-part-0\.safetensors: file ended at byte \d+ while reading"):
+    with pytest.raises(CheckpointCorrupt, match=r"rank-0-part-0\.safetensors: file ended at byte \d+ while reading"):
         load_rank(request, targets, RankInfo(0, 1), adopt={})  # a load that may map the files
     assert truncated, "the rows of a dim-1 split were mapped"
 

@@ -20,6 +20,7 @@ from vllm_sharded_loader.format import (
     config_sha256,
     normalize_config,
 )
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
 from vllm_sharded_loader.storage.staged import StagedRank, open_staged_tensors
 
 
@@ -111,7 +112,7 @@ def test_open_staged_tensors_maps_the_saved_bytes(tmp_path):
 def test_other_topology_is_refused(tmp_path, serving_tp, message):
     save(tmp_path)
     targets = fresh_targets(0, serving_tp)
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(CheckpointMismatch, match=message):
         load(tmp_path, tp_rank=0, tp_size=serving_tp, targets=targets)
     assert_untouched(targets)
 
@@ -132,7 +133,7 @@ def test_wrong_file_size_is_refused(tmp_path, delta, word):
     data = path.read_bytes()
     path.write_bytes(data[:delta] if delta < 0 else data + b"\0" * delta)
     targets = fresh_targets(0, 2)
-    with pytest.raises(ShardedStateError, match=f"model-rank-0-part-0.safetensors: .* bytes on disk.*{word}"):
+    with pytest.raises(CheckpointCorrupt, match=f"model-rank-0-part-0.safetensors: .* bytes on disk.*{word}"):
         load(tmp_path, targets=targets)
     assert_untouched(targets)
 
@@ -152,7 +153,7 @@ def test_shape_mismatch_is_refused(tmp_path):
     save(tmp_path)
     targets = fresh_targets(0, 2)
     targets["model.norm.weight"] = torch.zeros(17, dtype=torch.bfloat16)
-    with pytest.raises(ShardedStateError, match=r"model.norm.weight saved \[16\] but the model expects \[17\]"):
+    with pytest.raises(CheckpointMismatch, match=r"model.norm.weight saved \[16\] but the model expects \[17\]"):
         load(tmp_path, targets=targets)
     assert_untouched({k: v for k, v in targets.items() if k != "model.norm.weight"})
 
@@ -161,9 +162,9 @@ def test_another_models_config_is_refused(tmp_path):
     save(tmp_path)
     other = dict(CONFIG, num_hidden_layers=3)
     serving = SourceModel("TinyForCausalLM", config_sha256(other), normalize_config(other))
-    with pytest.raises(ShardedStateError, match=r"num_hidden_layers: 2 -> 3"):
+    with pytest.raises(CheckpointMismatch, match=r"num_hidden_layers: 2 -> 3"):
         load(tmp_path, serving=serving)
-    with pytest.raises(ShardedStateError, match=r"saved from a TinyForCausalLM .* serves a OtherModel"):
+    with pytest.raises(CheckpointMismatch, match=r"saved from a TinyForCausalLM .* serves a OtherModel"):
         load(tmp_path, serving=SourceModel("OtherModel", SOURCE.config_sha256, SOURCE.config))
 
 
@@ -178,7 +179,7 @@ def test_header_disagreeing_with_manifest_is_refused(tmp_path):
     manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
     manifest["ranks"][0]["files"][0]["size"] = a.stat().st_size
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
-    with pytest.raises(ShardedStateError, match=r"model.norm.weight' is BF16\[4, 4\] in the file but BF16\[16\]"):
+    with pytest.raises(CheckpointCorrupt, match=r"model.norm.weight' is BF16\[4, 4\] in the file but BF16\[16\]"):
         load(tmp_path)
 
 
@@ -223,7 +224,7 @@ def test_checkpoint_without_manifest_rewritten_during_the_load_is_refused(tmp_pa
                 f.write(other)
             rewritten.append(1)
 
-    with pytest.raises(ShardedStateError, match=r"rank-0-part-0\.safetensors: the file was replaced or modified"):
+    with pytest.raises(CheckpointCorrupt, match=r"rank-0-part-0\.safetensors: the file was replaced or modified"):
         load(tmp_path, tp_rank=0, threads=1, progress=rewrite_before_the_reads)
     assert rewritten, "the part was rewritten during the load"
 
@@ -231,10 +232,10 @@ def test_checkpoint_without_manifest_rewritten_during_the_load_is_refused(tmp_pa
 def test_checkpoint_without_manifest_at_other_topology_is_refused(tmp_path):
     save_like_vllm(tmp_path, tp_size=2)
     targets = fresh_targets(0, 1)
-    with pytest.raises(ShardedStateError, match=r"files of ranks this engine does not have .*model-rank-1-part-0"):
+    with pytest.raises(CheckpointMismatch, match=r"files of ranks this engine does not have .*model-rank-1-part-0"):
         load(tmp_path, tp_rank=0, tp_size=1, targets=targets)
     assert_untouched(targets)
-    with pytest.raises(ShardedStateError, match="no file for pp_rank=0 tp_rank=3"):
+    with pytest.raises(CheckpointNotFound, match="no file for pp_rank=0 tp_rank=3"):
         load(tmp_path, tp_rank=3, tp_size=4, targets=fresh_targets(3, 4))
 
 
@@ -251,7 +252,7 @@ def test_checkpoint_without_manifest_missing_linear_weights_is_refused(tmp_path)
 
 
 def test_no_checkpoint_at_all(tmp_path):
-    with pytest.raises(ShardedStateError, match=r"no file for .* and no sharded_state.json"):
+    with pytest.raises(CheckpointNotFound, match=r"no file for .* and no sharded_state.json"):
         load(tmp_path)
 
 

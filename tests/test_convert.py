@@ -35,7 +35,14 @@ from tests.support.engines import (
     skip_without_int4,
 )
 from tests.support.signing import signing, trusting
-from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
+from vllm_sharded_loader.format.errors import (
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    ConvertRefused,
+    InvalidOption,
+    RankStopped,
+    ShardedStateError,
+)
 from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, convert_checkpoint
 
 MANIFEST = "sharded_state.json"
@@ -169,7 +176,7 @@ def test_ranks_waiting_for_a_component_that_fails_each_get_its_error():
     import threading
 
     def make(name: str) -> dict[str, torch.Tensor]:
-        raise ShardedStateError(f"{name}: vLLM's loader left part of it unfilled")
+        raise ConvertRefused(f"{name}: vLLM's loader left part of it unfilled")
 
     cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes={"t0": 2}, running=2)
     errors: list[BaseException] = []
@@ -196,7 +203,7 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
 
     def make(name: str) -> dict[str, torch.Tensor]:
         if name == "t4":
-            raise ShardedStateError("t4: vLLM's loader left part of it unfilled")
+            raise ConvertRefused("t4: vLLM's loader left part of it unfilled")
         made.append(name)
         return {name: torch.full((256,), float(int(name[1:])))}
 
@@ -218,9 +225,9 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
         assert made == names[: 1 + AHEAD]  # made while nobody had asked for them yet, and no further
         assert [float(cache.take(f"t{i}")[0]) for i in (1, 2, 3)] == [1.0, 2.0, 3.0]
         assert cache.ahead >= 3
-        with pytest.raises(ShardedStateError, match="t4: vLLM's loader left part of it unfilled"):
+        with pytest.raises(ConvertRefused, match="t4: vLLM's loader left part of it unfilled"):
             cache.take("t4")
-        with pytest.raises(ShardedStateError, match="stopped: another rank's conversion failed"):
+        with pytest.raises(RankStopped, match="stopped: another rank's conversion failed"):
             cache.take("t5")
     finally:
         cache.close()
@@ -230,12 +237,12 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
     def check(name: str, tensors: dict[str, torch.Tensor]) -> None:
         checked.append(name)
         if name == "t2":
-            raise ShardedStateError("t2: vLLM's loader left part of it unfilled")
+            raise ConvertRefused("t2: vLLM's loader left part of it unfilled")
 
     cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes={"t1": 1, "t2": 1}, check=check)
     try:
         assert float(cache.take("t1")[0]) == 1.0 and checked == ["t1"]
-        with pytest.raises(ShardedStateError, match="t2: vLLM's loader left part of it unfilled"):
+        with pytest.raises(ConvertRefused, match="t2: vLLM's loader left part of it unfilled"):
             cache.take("t2")
     finally:
         cache.close()
@@ -476,7 +483,7 @@ def test_an_output_that_is_the_source_through_a_link_is_refused_and_nothing_is_w
     before = sorted(p.name for p in source.iterdir())
     link = tmp_path / "link"
     link.symlink_to(source)
-    with pytest.raises(ShardedStateError, match=r"^--output must be another folder than the source model"):
+    with pytest.raises(InvalidOption, match=r"^--output must be another folder than the source model"):
         convert_checkpoint(str(source), str(link), 2, overwrite=True)
     assert sorted(p.name for p in source.iterdir()) == before
 
@@ -492,7 +499,7 @@ def test_an_output_inside_the_source_is_refused_and_nothing_is_written(sources, 
         named = tmp_path / "link"
         named.symlink_to(source)
     output = named / "sharded"
-    with pytest.raises(ShardedStateError, match=r"^--output \S+ lies inside the source model \S+; nothing was written"):
+    with pytest.raises(InvalidOption, match=r"^--output \S+ lies inside the source model \S+; nothing was written"):
         convert_checkpoint(str(source), str(output), 2, overwrite=True)
     assert sorted(str(p.relative_to(source)) for p in source.rglob("*")) == before
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from tests.support.pagecache import evict
-from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
+from vllm_sharded_loader.format import HASH_NAME, FileChecksum
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, InvalidOption
 from vllm_sharded_loader.planning.spans import Piece
 from vllm_sharded_loader.storage import direct, local, memory, reader, tensor_files
 from vllm_sharded_loader.storage.reader import ReadOptions
@@ -45,7 +46,7 @@ def test_direct_stream_serves_unaligned_requests_across_windows_and_at_the_end(t
         view = memoryview(bytearray(len(data) - 10))
         stream.readv([view], 10)
         assert bytes(view) == data[10:]
-        with pytest.raises(ShardedStateError, match="file ended at byte"):
+        with pytest.raises(CheckpointCorrupt):
             stream.readv([memoryview(bytearray(10))], len(data) - 5)
     finally:
         stream.close()
@@ -60,7 +61,7 @@ def test_the_setting_decides_the_path(tmp_path, monkeypatch):
         assert direct.choose_direct([(f.fd, f.size)], "on") and not direct.choose_direct([(f.fd, f.size)], "off")
         assert not direct.choose_direct([], "on")
     monkeypatch.setenv(direct.ENV, "sometimes")
-    with pytest.raises(ShardedStateError, match="SHARDED_STATE_DIRECT_IO='sometimes'"):
+    with pytest.raises(InvalidOption, match="SHARDED_STATE_DIRECT_IO='sometimes'"):
         direct.direct_mode()
 
 
@@ -106,7 +107,7 @@ def test_a_cold_load_reads_every_tensor_exactly_with_casts_and_checksums(tmp_pat
         f.seek(len(data) - 100)
         f.write(bytes(10))
     evict(path)
-    with pytest.raises(ShardedStateError, match="checksum"):
+    with pytest.raises(CheckpointCorrupt):
         tensor_files.read_files(headers, targets, {path: checksum}, options=ReadOptions(threads=2, span_bytes=BLOCK))
 
 
@@ -132,5 +133,5 @@ def test_a_file_truncated_after_its_header_was_read_is_named(tmp_path, monkeypat
     target = memory.Target(torch.zeros(2 * BLOCK, dtype=torch.uint8), torch.uint8)
     with local.OpenFile.open(path) as f:
         os.truncate(path, BLOCK)
-        with pytest.raises(ShardedStateError, match=f"{path}: file ended"):
+        with pytest.raises(CheckpointCorrupt, match=f"{path}: file ended"):
             reader.read_pieces([f], [Piece(0, BLOCK // 2, 2 * BLOCK, dest=0)], [target])

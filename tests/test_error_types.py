@@ -23,7 +23,10 @@ from vllm_sharded_loader.format.errors import (
     CheckpointLocked,
     CheckpointMismatch,
     CheckpointNotFound,
+    InvalidOption,
     SaveRefused,
+    StorageError,
+    Unsupported,
     agreed_error,
 )
 from vllm_sharded_loader.storage import objects
@@ -145,6 +148,33 @@ def test_saving_over_a_checkpoint_without_overwrite_is_refused(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_a_file_pattern_without_its_part_field_is_an_invalid_option(tmp_path):
+    ranks = {RankInfo(0, 1): saveable_state(state(0, 1))}
+    error = raised(
+        InvalidOption,
+        save_checkpoint,
+        str(tmp_path / "out"),
+        ranks,
+        dtype="bfloat16",
+        source=SOURCE,
+        pattern="m-{rank}",
+    )
+    assert "'m-{rank}'" in str(error)
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_an_unknown_verification_mode_is_an_invalid_option(tmp_path):
+    save(tmp_path)
+    targets = saveable_state(state(0, 1, fill=7))
+    request = LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="bytes", serving=SOURCE)
+    raised(InvalidOption, load_rank, request, targets, RankInfo(0, 1))
+
+
+def test_a_dtype_safetensors_cannot_store_is_unsupported(tmp_path):
+    ranks = {RankInfo(0, 1): {"w": torch.zeros(2, dtype=torch.complex64)}}
+    raised(Unsupported, save_checkpoint, str(tmp_path), ranks, dtype="float32", source=SOURCE)
+
+
 @pytest.mark.parametrize(
     ("error", "kind"),
     [
@@ -152,8 +182,8 @@ def test_saving_over_a_checkpoint_without_overwrite_is_refused(tmp_path):
         (obstore.exceptions.NotFoundError("gone"), CheckpointNotFound),
         (obstore.exceptions.PreconditionError("etag"), CheckpointCorrupt),
         (obstore.exceptions.AlreadyExistsError("there"), CheckpointLocked),
-        (obstore.exceptions.PermissionDeniedError("no"), ShardedStateError),
-        (ConnectionError("refused"), ShardedStateError),
+        (obstore.exceptions.PermissionDeniedError("no"), StorageError),
+        (ConnectionError("refused"), StorageError),
     ],
 )
 def test_object_storage_errors_map_onto_the_types(error, kind):

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from tests.support.states import assert_untouched, fresh_targets, load, save
-from vllm_sharded_loader.format import Manifest, ShardedStateError
+from vllm_sharded_loader.format import Manifest
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch, Unsupported
 from vllm_sharded_loader.format.experts import ExpertPlacement
 from vllm_sharded_loader.planning.experts import check_expert_placement, expert_placement
 
@@ -21,7 +22,7 @@ def test_linear_and_round_robin_placements():
     assert expert_placement(7, 3, "round_robin").experts == ((0, 3, 6), (1, 4), (2, 5))
     assert expert_placement(4, 1, "linear").experts == ((0, 1, 2, 3),)
     assert expert_placement(8, 2, "linear").expert_map(1) == [-1, -1, -1, -1, 0, 1, 2, 3]
-    with pytest.raises(ShardedStateError, match="Unknown expert placement strategy 'random'"):
+    with pytest.raises(Unsupported, match="Unknown expert placement strategy 'random'"):
         expert_placement(8, 2, "random")
 
 
@@ -43,16 +44,16 @@ def test_the_same_placement_loads_and_any_other_is_refused():
     check_expert_placement(None, None)
     check_expert_placement(linear, expert_placement(8, 2, "linear"), serving_ep_rank=1, tp_rank=1)
     # Same shapes on every rank, other experts: the silent re-route this check exists for.
-    with pytest.raises(ShardedStateError, match=r"saved EP=2 linear .*serves them EP=2 round_robin.*other experts"):
+    with pytest.raises(CheckpointMismatch, match=r"saved EP=2 linear .*serves them EP=2 round_robin.*other experts"):
         check_expert_placement(linear, robin)
-    with pytest.raises(ShardedStateError, match=r"EP=4 linear.*tensor_parallel_size=2"):
+    with pytest.raises(CheckpointMismatch, match=r"EP=4 linear.*tensor_parallel_size=2"):
         check_expert_placement(linear, expert_placement(8, 4, "linear"))
-    with pytest.raises(ShardedStateError, match="serves them without expert parallelism"):
+    with pytest.raises(CheckpointMismatch, match="serves them without expert parallelism"):
         check_expert_placement(linear, None)
-    with pytest.raises(ShardedStateError, match=r"saved without expert parallelism .*without enable_expert_parallel"):
+    with pytest.raises(CheckpointMismatch, match=r"saved without expert parallelism .*without enable_expert_parallel"):
         check_expert_placement(None, linear)
     # The same EP size made of TP=1 x DP=2: TP rank 0 would read EP rank 0's files as EP rank 1.
-    with pytest.raises(ShardedStateError, match=r"tp_rank=0 is EP rank 1 \(data parallelism\)"):
+    with pytest.raises(CheckpointMismatch, match=r"tp_rank=0 is EP rank 1 \(data parallelism\)"):
         check_expert_placement(linear, linear, serving_ep_rank=1, tp_rank=0)
 
 
@@ -77,7 +78,7 @@ def test_manifest_records_placement_and_data_parallel_size(tmp_path):
 )
 def test_a_damaged_placement_is_refused(edit, message):
     data = {**expert_placement(4, 2, "linear").to_dict(), **edit}
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(CheckpointCorrupt, match=message):
         ExpertPlacement.from_dict(data, "sharded_state.json")
 
 
@@ -92,7 +93,7 @@ def test_a_load_with_another_placement_reads_nothing(tmp_path):
     load(tmp_path, tp_rank=1, experts=expert_placement(4, 2, "linear"), ep_rank=1)  # the saved placement loads
     for experts in (None, expert_placement(4, 2, "round_robin")):
         targets = fresh_targets(0, 2)
-        with pytest.raises(ShardedStateError, match="tokens would be routed to other experts"):
+        with pytest.raises(CheckpointMismatch):
             load(tmp_path, tp_rank=0, targets=targets, experts=experts)
         assert_untouched(targets)
 
@@ -119,5 +120,5 @@ def test_whole_experts_are_read_in_runs_and_from_their_holder_only():
     plan = plan_reads(saved, 2, ["w2"], tp_size=2, tp_rank=0, saved_experts=expert_placement(6, 2)).tensors["w2"]
     assert plan.shape == (6, 4, 4) and len(plan.reads) == 6
     assert all(r.source.count == 4 and r.source.length == 16 for r in plan.reads)
-    with pytest.raises(ShardedStateError, match="the EP size must be their product"):
+    with pytest.raises(CheckpointCorrupt):
         plan_reads(saved, 2, ["w2"], tp_size=2, tp_rank=0, saved_experts=expert_placement(6, 1))

@@ -9,7 +9,6 @@ from vllm_sharded_loader.format import (
     PP_AND_TP_PATTERN,
     TP_ONLY_PATTERN,
     Manifest,
-    ShardedStateError,
     config_differences,
     config_sha256,
     default_pattern,
@@ -17,7 +16,7 @@ from vllm_sharded_loader.format import (
     render_file_name,
     validate_pattern,
 )
-from vllm_sharded_loader.format.errors import CheckpointCorrupt
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption
 from vllm_sharded_loader.format.manifest import MAX_CARRIED_FILES, CarriedFile
 
 
@@ -65,7 +64,7 @@ def test_parse_rejects_other_names():
     ],
 )
 def test_bad_patterns_are_refused(pattern, tp, pp, message):
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(InvalidOption, match=message):
         validate_pattern(pattern, tp, pp)
 
 
@@ -77,7 +76,7 @@ def test_bad_patterns_are_refused(pattern, tp, pp, message):
     ],
 )
 def test_the_data_parallel_rank_is_in_names_exactly_when_replicas_write(pattern, replicas, message):
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(InvalidOption, match=message):
         validate_pattern(pattern, 2, 1, replicas)
 
 
@@ -124,7 +123,6 @@ def mutate(edit) -> str:
     ("edit", "message"),
     [
         (lambda d: d.update(format="other"), "not a vllm-sharded-loader manifest"),
-        (lambda d: d.update(format_version=99), "format_version 99 is not supported"),
         (lambda d: d.update(tp_size=0), "'tp_size' must be an integer >= 1"),
         (lambda d: d.update(tp_size="2"), "'tp_size' must be an integer"),
         (lambda d: d["ranks"].pop(), "missing"),
@@ -140,8 +138,13 @@ def mutate(edit) -> str:
     ],
 )
 def test_bad_manifests_are_refused(edit, message):
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(CheckpointCorrupt, match=message):
         Manifest.from_json(mutate(edit))
+
+
+def test_a_manifest_of_a_later_format_is_refused_as_a_mismatch():
+    with pytest.raises(CheckpointMismatch, match="format_version 99 is not supported"):
+        Manifest.from_json(mutate(lambda d: d.update(format_version=99)))
 
 
 CARRIED = {"size": 12, "sha256": "ab" * 32}
@@ -202,7 +205,7 @@ def test_hostile_stale_files_are_refused(stale, message):
 
 @pytest.mark.parametrize("text", ["", "{", "[]", "null", '"x"', b"\xff\xfe"])
 def test_unparsable_manifests_are_refused(text):
-    with pytest.raises(ShardedStateError):
+    with pytest.raises(CheckpointCorrupt):
         Manifest.from_json(text)
 
 

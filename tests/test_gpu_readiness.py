@@ -32,7 +32,7 @@ def test_the_reader_never_copies_into_a_meta_tensor(tmp_path):
     path = tmp_path / "bytes"
     path.write_bytes(bytes(range(64)))
     target = memory.Target(torch.empty(16, dtype=torch.uint8, device="meta"), torch.uint8)
-    with pytest.raises(CheckpointMismatch, match="meta device"):
+    with pytest.raises(CheckpointMismatch):
         reader.read_pieces([str(path)], [Piece(0, 0, 16, dest=0)], [target])
 
 

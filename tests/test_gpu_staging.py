@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from tests.support.pagecache import evict
-from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
+from vllm_sharded_loader.format import HASH_NAME, FileChecksum
+from vllm_sharded_loader.format.errors import CheckpointCorrupt
 from vllm_sharded_loader.storage import direct, local, tensor_files
 from vllm_sharded_loader.storage.reader import ReadOptions
 
@@ -84,7 +85,7 @@ def test_checksums_are_verified_on_the_way_to_the_gpu(tmp_path):
         f.seek(len(data) // 2)
         f.write(bytes(16))
     evict(path)
-    with pytest.raises(ShardedStateError, match="checksum"):
+    with pytest.raises(CheckpointCorrupt):
         tensor_files.read_files([header], targets, {path: checksum}, options=ReadOptions(threads=2))
 
 

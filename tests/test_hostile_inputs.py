@@ -26,6 +26,7 @@ from tests.support import ROOT
 from tests.support.engines import package_process, python_process
 from tests.support.states import save
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME
+from vllm_sharded_loader.format.errors import SaveRefused
 
 BOUND_S = 60  # generous: each case takes well under a second when it does not hang
 
@@ -483,7 +484,6 @@ def test_a_lock_file_nested_past_the_recursion_limit_is_a_lock_of_unknown_holder
 
 @pytest.mark.parametrize("kind", ["file", "fifo", "under-a-file", "dangling-link"])
 def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tmp_path, kind):
-    from vllm_sharded_loader.format import ShardedStateError
     from vllm_sharded_loader.tools.convert import convert_checkpoint
 
     there = tmp_path / "taken"
@@ -498,10 +498,10 @@ def test_an_output_that_is_not_a_folder_is_refused_by_name_and_left_as_it_was(tm
     named = f"{output}: {there}" if kind == "under-a-file" else f"{output}"
     message = rf"^{named} is {what}, where a checkpoint folder was expected; nothing was written"
     for overwrite in (True, False):  # (without overwrite, the checkpoint rule looked first: "Not a directory")
-        with pytest.raises(ShardedStateError, match=message):
+        with pytest.raises(SaveRefused, match=message):
             save(output, overwrite=overwrite)  # the save protocol (reshard, the save hook)
     source = model_folder(tmp_path / "model")
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(SaveRefused, match=message):
         convert_checkpoint(str(source), str(output), 2)  # before vLLM is imported
     if kind == "dangling-link":
         assert there.is_symlink() and not (tmp_path / "nowhere").exists()

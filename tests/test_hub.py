@@ -18,8 +18,8 @@ from tests.support.checkpoints import save_model, stage_state
 from tests.support.hub import COMMIT, REPO, lay_out_cache
 from tests.support.reference import llama_like
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
-from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
-from vllm_sharded_loader.format.errors import CheckpointNotFound
+from vllm_sharded_loader.format import MANIFEST_NAME
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, InvalidOption
 from vllm_sharded_loader.storage import hub
 from vllm_sharded_loader.storage.location import open_store
 
@@ -61,7 +61,7 @@ def test_a_rank_resolves_and_opens_only_its_own_files(hub_cache):
     assert {os.path.basename(f) for f in stats.files} == set(mine)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     # Rank 1 would need the files that are not there, and says which.
-    with pytest.raises(ShardedStateError, match=r"model-rank-1-part-0.safetensors: listed in .* but missing"):
+    with pytest.raises(CheckpointNotFound, match=r"model-rank-1-part-0.safetensors: listed in .* but missing"):
         load_rank(LoadRequest(snapshot, read_manifest(snapshot)), stage_state(model, 2, 1, 1, 0), RankInfo(1, 2))
 
 
@@ -88,7 +88,7 @@ def test_symlink_out_of_the_repository_is_refused(hub_cache):
     part.unlink()
     os.symlink(outside, part)
     model = llama_like(num_layers=2)
-    with pytest.raises(ShardedStateError, match="outside the checkpoint directory"):
+    with pytest.raises(CheckpointCorrupt):
         load_rank(
             LoadRequest(str(snapshot), read_manifest(str(snapshot))), stage_state(model, 2, 1, 0, 0), RankInfo(0, 2)
         )
@@ -163,9 +163,9 @@ def test_a_snapshot_link_elsewhere_is_refused_by_convert_and_load_alike(hub_cach
     part.unlink()
     os.symlink(outside, part)
     refused = re.escape(f"{part} resolves to {outside}, outside the checkpoint directory {snapshot}")
-    with pytest.raises(ShardedStateError, match=refused):
+    with pytest.raises(CheckpointCorrupt, match=refused):
         resolve_source(REPO)
-    with pytest.raises(ShardedStateError, match=refused):
+    with pytest.raises(CheckpointCorrupt, match=refused):
         _load_rank0(str(snapshot))
 
 
@@ -189,10 +189,10 @@ def test_a_snapshot_link_into_the_rest_of_its_repository_is_refused(hub_cache, i
     part.unlink()
     os.symlink(os.path.relpath(target, snapshot), part)
     refused = re.escape(f"{part} resolves to {target}, outside the checkpoint directory {snapshot}")
-    with pytest.raises(ShardedStateError, match=refused):
+    with pytest.raises(CheckpointCorrupt, match=refused):
         resolve_source(REPO)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(llama_like(num_layers=2), 2, 1, 0, 0).items()}
-    with pytest.raises(ShardedStateError, match=refused):  # (size-checked, as loads are by default)
+    with pytest.raises(CheckpointCorrupt, match=refused):  # (size-checked, as loads are by default)
         load_rank(LoadRequest(str(snapshot), read_manifest(str(snapshot))), targets, RankInfo(0, 2))
 
 
@@ -223,12 +223,12 @@ def test_a_revision_or_ref_leading_out_of_the_repository_is_refused(tiny_hub, tm
     assert resolve_source(REPO).where == str(snapshot)
     # huggingface_hub reads the commit from refs/<revision>, and the snapshot is snapshots/<commit>.
     (tmp_path / "ref").write_text(os.path.relpath(other, repo / "snapshots"))
-    with pytest.raises(ShardedStateError, match=r"revision '(\.\./)+ref' names a path"):
+    with pytest.raises(InvalidOption, match=r"revision '(\.\./)+ref' names a path"):
         resolve_source(REPO, os.path.relpath(tmp_path / "ref", repo / "refs"))
-    with pytest.raises(ShardedStateError, match="names a path"):
+    with pytest.raises(InvalidOption):
         resolve_source(REPO, str(tmp_path / "ref"))
     (repo / "refs" / "main").write_text(os.path.relpath(other, repo / "snapshots"))
-    with pytest.raises(ShardedStateError, match=f"resolves to {other}, not a snapshot of {REPO}"):
+    with pytest.raises(CheckpointCorrupt, match=f"resolves to {other}, not a snapshot of {REPO}"):
         resolve_source(REPO)
 
 
@@ -238,7 +238,7 @@ def test_a_snapshot_link_out_of_the_cache_is_refused_naming_it(tiny_hub):
     snapshot, _, other = tiny_hub
     (snapshot / "model.safetensors").unlink()
     os.symlink(other / "model.safetensors", snapshot / "model.safetensors")
-    with pytest.raises(ShardedStateError, match=r"model.safetensors resolves to .*other/model.safetensors, outside"):
+    with pytest.raises(CheckpointCorrupt, match=r"model.safetensors resolves to .*other/model.safetensors, outside"):
         resolve_source(REPO)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointMismatch, InvalidOption
 from vllm_sharded_loader.planning.parts import TensorView, plan_parts, unique_tensor_names
 from vllm_sharded_loader.planning.tensors import TensorSpec, check_tensor_sets
 
@@ -19,7 +19,7 @@ def test_parts_respect_the_cap():
 def test_parts_without_cap_and_empty():
     assert plan_parts([("a", 5), ("b", 6)], None) == [["a", "b"]]
     assert plan_parts([], 10) == []
-    with pytest.raises(ShardedStateError, match="positive"):
+    with pytest.raises(InvalidOption):
         plan_parts([("a", 1)], 0)
 
 
@@ -48,9 +48,9 @@ def test_tensor_set_checks():
     expected = {"a": TensorSpec((2, 3), "BF16"), "b": TensorSpec((4,), "F32")}
     assert check_tensor_sets(expected, expected, "here", "hint") == []
     assert check_tensor_sets(expected, dict(expected, b=TensorSpec((4,), "F16")), "here", "hint") == ["b"]
-    with pytest.raises(ShardedStateError, match=r"here: missing tensors: b\. do this"):
+    with pytest.raises(CheckpointMismatch, match=r"here: missing tensors: b\. do this"):
         check_tensor_sets(expected, {"a": expected["a"]}, "here", "do this")
-    with pytest.raises(ShardedStateError, match="unexpected tensors: c"):
+    with pytest.raises(CheckpointMismatch, match="unexpected tensors: c"):
         check_tensor_sets(expected, dict(expected, c=TensorSpec((1,), "F32")), "here", "hint")
-    with pytest.raises(ShardedStateError, match=r"a saved \[1, 3\] but the model expects \[2, 3\]"):
+    with pytest.raises(CheckpointMismatch, match=r"a saved \[1, 3\] but the model expects \[2, 3\]"):
         check_tensor_sets(expected, dict(expected, a=TensorSpec((1, 3), "BF16")), "here", "hint")

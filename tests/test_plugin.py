@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format.errors import InvalidOption, SaveRefused
 
 vllm = pytest.importorskip("vllm")
 
@@ -124,7 +124,7 @@ def test_unknown_extra_config_is_refused():
 
     from vllm_sharded_loader.engine.loader import ShardedStateLoader
 
-    with pytest.raises(ShardedStateError, match=r"Unexpected model_loader_extra_config keys \['verfy'\]"):
+    with pytest.raises(InvalidOption, match=r"Unexpected model_loader_extra_config keys \['verfy'\]"):
         ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"verfy": "size"}))
     loader = ShardedStateLoader(
         LoadConfig(load_format="sharded_state", model_loader_extra_config={"pattern": "w-{rank}-{part}.safetensors"})
@@ -136,13 +136,13 @@ def test_unknown_extra_config_is_refused():
     loader = ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"threads": 2}))
     assert loader.reader.threads == 2
     for bad in (0, "4", True):
-        with pytest.raises(ShardedStateError, match=r"threads=.* must be a positive integer"):
+        with pytest.raises(InvalidOption, match=r"threads=.* must be a positive integer"):
             ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"threads": bad}))
     assert not loader.reader.huge_pages
     config = {"huge_pages": True}
     pages = ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config))
     assert pages.reader.huge_pages
-    with pytest.raises(ShardedStateError, match=r"huge_pages='yes' .* must be true or false"):
+    with pytest.raises(InvalidOption, match=r"huge_pages='yes' .* must be true or false"):
         ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"huge_pages": "yes"}))
     assert loader.reader.mmap
     assert not ShardedStateLoader(
@@ -152,7 +152,7 @@ def test_unknown_extra_config_is_refused():
     auto = ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config=config))
     assert auto.reader.mmap == "auto"
     for bad in (1, "yes"):
-        with pytest.raises(ShardedStateError, match=r"mmap=.* must be true, false or \"auto\""):
+        with pytest.raises(InvalidOption, match=r"mmap=.* must be true, false or \"auto\""):
             ShardedStateLoader(LoadConfig(load_format="sharded_state", model_loader_extra_config={"mmap": bad}))
 
 
@@ -186,15 +186,15 @@ def test_live_state_is_saved_only_if_provably_the_loaded_one():
     assert set(_live_state_if_unchanged(model, state)) == {"embed.weight", "proj.bias", "proj.weight"}
     # What vLLM's CPU backend does after loading: repack the weight and empty it.
     model.proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    with pytest.raises(ShardedStateError, match=r"proj.weight \(loaded \[4, 4\] float32, now \[0\] float32\)"):
+    with pytest.raises(SaveRefused, match=r"proj.weight \(loaded \[4, 4\] float32, now \[0\] float32\)"):
         _live_state_if_unchanged(model, state)
     # Same shape, new memory (an out-of-place transform) is refused too.
     model = Tiny()
     state = loaded_state(model)
     model.proj.weight = torch.nn.Parameter(model.proj.weight.detach().t().contiguous(), requires_grad=False)
-    with pytest.raises(ShardedStateError, match="SHARDED_STATE_CAPTURE_DIR"):
+    with pytest.raises(SaveRefused, match="SHARDED_STATE_CAPTURE_DIR"):
         _live_state_if_unchanged(model, state)
-    with pytest.raises(ShardedStateError, match=r"quantized \(fp8\)"):
+    with pytest.raises(SaveRefused, match=r"quantized \(fp8\)"):
         _live_state_if_unchanged(Tiny(), loaded_state(Tiny(), quantization="fp8"))
 
 
@@ -222,7 +222,7 @@ def test_live_state_with_in_place_post_processing_is_refused():
     model = Tiny()
     state = loaded_state(model)
     model.proj.quant_method = Fp8MoEMethod()
-    with pytest.raises(ShardedStateError, match=r"Linear \(Fp8MoEMethod\) may rewrite its weights in place"):
+    with pytest.raises(SaveRefused, match=r"Linear \(Fp8MoEMethod\) may rewrite its weights in place"):
         _live_state_if_unchanged(model, state)
 
 

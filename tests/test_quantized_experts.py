@@ -26,7 +26,7 @@ import pytest
 
 from tests.support.quantized import as_array, save_rank
 from tests.support.reference import execute
-from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch
 from vllm_sharded_loader.format.geometry import OPAQUE, REPLICATED, TensorGeometry
 from vllm_sharded_loader.planning.layout import check_served_geometry, same_split
 from vllm_sharded_loader.planning.reads import plan_reads
@@ -246,7 +246,7 @@ def test_a_finer_fp8_block_grid_at_the_serving_size_is_refused(vllm_moe):
     mine = vm.tensor_geometry(served, dict(served.named_parameters()), 4, 1)
     assert recorded["routed_experts.w2_weight_scale_inv"].unit == 128
     assert mine["routed_experts.w2_weight_scale_inv"].unit == 64
-    with pytest.raises(ShardedStateError, match="another grid") as info:
+    with pytest.raises(CheckpointMismatch) as info:
         check_served_geometry(recorded, mine, recorded, resharding=True)
     assert "routed_experts.w13_weight_scale_inv: one entry per 128 rows saved, per 64 served" in str(info.value)
 
@@ -257,7 +257,7 @@ def test_one_scale_per_expert_is_a_valid_geometry_and_a_split_needs_a_dimension_
     data = {"kind": REPLICATED, "layer_class": "FusedMoE", "shape": [4], "split_dim": None, "stacked": 1}
     assert TensorGeometry.from_dict(data, "w2_weight_scale").stacked == 1
     split = {**data, "kind": "row_parallel", "split_dim": 1, "segments": [{"name": "input", "size": 4}]}
-    with pytest.raises(ShardedStateError, match="'stacked' is 1, but the shape \\[4\\] has 1 dimensions"):
+    with pytest.raises(CheckpointCorrupt, match="'stacked' is 1, but the shape \\[4\\] has 1 dimensions"):
         TensorGeometry.from_dict(split, "w2_weight")
-    with pytest.raises(ShardedStateError, match="'stacked' is 2"):
+    with pytest.raises(CheckpointCorrupt, match="'stacked' is 2"):
         TensorGeometry.from_dict({**data, "stacked": 2}, "w2_weight_scale")

@@ -21,7 +21,7 @@ import pytest
 
 from tests.support.quantized import as_array, save_rank
 from tests.support.reference import execute
-from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch
 from vllm_sharded_loader.format.geometry import OPAQUE, ROW_PARALLEL, Segment, TensorGeometry
 from vllm_sharded_loader.planning.layout import same_split, shard_layout
 from vllm_sharded_loader.planning.reads import SavedRank, SavedTensor, plan_reads
@@ -191,9 +191,9 @@ def test_a_rank_that_would_cut_a_packed_integer_is_refused():
     g = TensorGeometry("column_parallel", "ColumnParallelLinear", (64, 12), 1, (Segment("output", 96),), unit=8)
     assert [p.length for p in shard_layout(g, 4, 3).pieces] == [3]
     assert shard_layout(g, 4, 3).shape == (64, 3)
-    with pytest.raises(ShardedStateError, match=r"proj.qweight \(ColumnParallelLinear\) cannot be split across TP=8"):
+    with pytest.raises(CheckpointMismatch, match=r"proj.qweight \(ColumnParallelLinear\) cannot be split across TP=8"):
         shard_layout(g, 8, 1, "proj.qweight")
-    with pytest.raises(ShardedStateError, match=r"stands for 8 rows .* 12 is not a multiple of 8"):
+    with pytest.raises(CheckpointMismatch, match=r"stands for 8 rows .* 12 is not a multiple of 8"):
         shard_layout(g, 8, 1, "proj.qweight")
 
 
@@ -206,7 +206,7 @@ def test_a_rank_that_would_cut_a_quantization_group_is_refused_before_planning_a
     plan = plan_reads(ranks, 2, ["down.scales"], tp_size=1, tp_rank=0)
     assert plan.tensors["down.scales"].shape == (2, 32)
     refusal = r"down.scales \(RowParallelLinear\) cannot be split across TP=4"
-    with pytest.raises(ShardedStateError, match=refusal) as info:
+    with pytest.raises(CheckpointMismatch, match=refusal) as info:
         plan_reads(ranks, 2, ["down.scales"], tp_size=4, tp_rank=1)
     assert "the layer's columns [64, 128)" in str(info.value) and "stands for 128 columns" in str(info.value)
 
@@ -225,5 +225,5 @@ def test_bad_units_in_a_manifest_are_refused(change, message):
     ).to_dict()
     assert data["unit"] == 8 and TensorGeometry.from_dict(data, "w").unit == 8
     data.update({k: list(v) if isinstance(v, tuple) else v for k, v in change.items()})
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(CheckpointCorrupt, match=message):
         TensorGeometry.from_dict(data, "w")

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, InvalidOption
 from vllm_sharded_loader.planning.spans import FileGrid, Piece, plan_spans, split_streams
 from vllm_sharded_loader.storage import local, memory, oscalls, reader, tensor_files
 from vllm_sharded_loader.storage.reader import ReadOptions
@@ -24,7 +25,7 @@ from vllm_sharded_loader.storage.reader import ReadOptions
 def test_the_ranks_of_one_host_split_its_budget_of_requests_to_object_storage():
     assert [reader.remote_threads(n) for n in (1, 2, 3, 4, 8, 64)] == [16, 8, 5, 4, 4, 4]
     assert reader.remote_threads() == reader.REMOTE_THREADS
-    with pytest.raises(ShardedStateError, match="at least one rank"):
+    with pytest.raises(InvalidOption):
         reader.remote_threads(0)
 
 
@@ -177,7 +178,7 @@ def test_checksums_are_verified_per_block_in_parallel(tmp_path, threads):
     assert all(torch.equal(targets[n], t) for n, t in tensors.items())
     # A flip in the header, which no tensor reads, is caught too: "all" hashes every block.
     flip(path, 20)
-    with pytest.raises(ShardedStateError, match=r"odd.safetensors: checksum mismatch in bytes 0\.\.128 \(block 0\)"):
+    with pytest.raises(CheckpointCorrupt, match=r"odd.safetensors: checksum mismatch in bytes 0\.\.128 \(block 0\)"):
         tensor_files.read_files([header], targets, {path: checksum}, options=ReadOptions(threads=threads))
 
 
@@ -193,10 +194,10 @@ def test_touched_verification_reads_only_the_blocks_it_needs(tmp_path):
     args = ([path], [piece], [memory.Target(target, torch.bfloat16)])
     reader.read_pieces(*args, checksums={0: checksum}, verify="touched")
     assert torch.equal(target, tensors["e_bf16"])
-    with pytest.raises(ShardedStateError, match=r"checksum mismatch in bytes 0\.\.128"):
+    with pytest.raises(CheckpointCorrupt, match=r"checksum mismatch in bytes 0\.\.128"):
         reader.read_pieces(*args, checksums={0: checksum}, verify="all")
     flip(path, size - 1)  # in a block e_bf16 does touch
-    with pytest.raises(ShardedStateError, match=rf"checksum mismatch in bytes \d+\.\.{size} "):
+    with pytest.raises(CheckpointCorrupt, match=rf"checksum mismatch in bytes \d+\.\.{size} "):
         reader.read_pieces(*args, checksums={0: checksum}, verify="touched")
 
 
@@ -205,13 +206,13 @@ def test_a_file_shorter_than_its_reads_names_the_file(tmp_path):
     header = local.read_header(path)
     os.truncate(path, header.file_size - 100)
     targets = {n: torch.empty_like(t) for n, t in tensors.items()}
-    with pytest.raises(ShardedStateError, match=r"odd.safetensors: a read of bytes \d+\.\.\d+ falls outside"):
+    with pytest.raises(CheckpointCorrupt, match=r"odd.safetensors: a read of bytes \d+\.\.\d+ falls outside"):
         tensor_files.read_files([header], targets, options=ReadOptions(threads=2, span_bytes=64))
     # A file that shrinks while it is read (after planning) fails the same way, named.
     buffers = [memoryview(bytearray(64)), memoryview(bytearray(64))]
     fd = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(ShardedStateError, match=r"odd.safetensors: file ended at byte \d+ while reading"):
+        with pytest.raises(CheckpointCorrupt, match=r"odd.safetensors: file ended at byte \d+ while reading"):
             local.preadv_all(fd, buffers, os.path.getsize(path) - 100, path)
     finally:
         os.close(fd)
@@ -222,7 +223,7 @@ def test_a_checksum_of_another_length_is_refused(tmp_path):
     checksum = checksum_of(path, 128)
     short = FileChecksum(HASH_NAME, 128, checksum.blocks[:-1])
     header = local.read_header(path)
-    with pytest.raises(ShardedStateError, match=r"odd.safetensors: \d+ checksum blocks of \d+ bytes, but \d+ recorded"):
+    with pytest.raises(CheckpointCorrupt, match=r"odd.safetensors: \d+ checksum blocks of \d+ bytes, but \d+ recorded"):
         tensor_files.read_files([header], {n: torch.empty_like(t) for n, t in tensors.items()}, {path: short})
 
 
@@ -416,7 +417,7 @@ def test_mapped_bytes_are_verified_and_nothing_is_adopted_on_a_mismatch(tmp_path
     )
     assert stats.bytes_mapped == 20 * 30 * 2 and torch.equal(adopted.pop(), tensors["e_bf16"])
     flip(path, header.tensors["e_bf16"].begin + 100)  # a byte only the mapping delivers
-    with pytest.raises(ShardedStateError, match=r"odd.safetensors: checksum mismatch in bytes \d+\.\.\d+ \(block"):
+    with pytest.raises(CheckpointCorrupt, match=r"odd.safetensors: checksum mismatch in bytes \d+\.\.\d+ \(block"):
         tensor_files.read_files(
             [header], targets, {path: checksum}, adopt={"e_bf16": adopted.append}, options=ReadOptions(threads=2)
         )
@@ -435,7 +436,7 @@ def test_a_mapped_file_that_shrinks_during_the_load_names_the_file(tmp_path):
     mapped = memory.Destination(memory.Target(tensor, torch.bfloat16, mapped=True), tensor)
     os.truncate(path, entry.begin + (entry.end - entry.begin) // 2)
     # The kernel reports the pages past the new end (EFAULT) instead of raising SIGBUS later.
-    with pytest.raises(ShardedStateError, match=r"big.safetensors: file ended before byte \d+ while reading"):
+    with pytest.raises(CheckpointCorrupt, match=r"big.safetensors: file ended before byte \d+ while reading"):
         memory.page_in(path, [(mapped, piece)])
 
 
@@ -535,7 +536,7 @@ def test_one_failing_stream_stops_the_others(tmp_path):
     flip(path, 200)  # in the first block: the first stream fails on its first span
     header = local.read_header(path)
     target = torch.full((size,), 7, dtype=torch.uint8)
-    with pytest.raises(ShardedStateError, match="checksum mismatch"):
+    with pytest.raises(CheckpointCorrupt):
         tensor_files.read_files([header], {"w": target}, {path: checksum}, options=ReadOptions(threads=2))
     read_by_the_other = int((target[size // 2 :] == 0).sum())
     assert read_by_the_other < size // 4, f"{read_by_the_other / 2**20:.0f} MiB read after the first stream failed"

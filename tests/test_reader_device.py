@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format.errors import Unsupported
 from vllm_sharded_loader.planning.spans import FileGrid, Piece, plan_spans
 from vllm_sharded_loader.storage import memory, reader
 from vllm_sharded_loader.storage.local import OpenFile
@@ -210,5 +210,5 @@ def test_the_accelerator_device_is_the_one_the_cuda_targets_are_on():
     assert accelerator_device([]) is None
     assert accelerator_device([cpu, converted]) is None  # CPU loads stay off CUDA entirely
     assert accelerator_device([cpu, cuda_destination(3), cuda_destination(3)]) == torch.device("cuda", 3)
-    with pytest.raises(ShardedStateError, match=r"several accelerator devices \(cuda:0, cuda:1\)"):
+    with pytest.raises(Unsupported, match=r"several accelerator devices \(cuda:0, cuda:1\)"):
         accelerator_device([cuda_destination(1), cpu, cuda_destination(0)])

@@ -28,7 +28,7 @@ from tests.support.reference import llama_like, reference_pp_indices
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
-from vllm_sharded_loader.format import CheckpointCorrupt, ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption
 from vllm_sharded_loader.storage.reader import ReadOptions
 
 
@@ -83,7 +83,7 @@ def test_without_geometry_another_topology_is_refused(tmp_path):
     ranks = {RankInfo(t, 2): stage_state(model, 2, 1, t, 0) for t in range(2)}
     save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
-    with pytest.raises(ShardedStateError, match=r"saved with tensor_parallel_size=2 .* runs tensor_parallel_size=1"):
+    with pytest.raises(CheckpointMismatch, match=r"saved with tensor_parallel_size=2 .* runs tensor_parallel_size=1"):
         load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
 
 
@@ -99,7 +99,7 @@ def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
     }
     save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE, options=SaveOptions(geometry=geometry))
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
-    with pytest.raises(ShardedStateError, match=r"model.layers.1.mlp.down_proj.weight.*FusedMoE"):
+    with pytest.raises(CheckpointMismatch, match=r"model.layers.1.mlp.down_proj.weight.*FusedMoE"):
         load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
 
 
@@ -149,10 +149,10 @@ def test_a_tie_added_to_the_manifest_never_stands_in_for_a_saved_tensor(tmp_path
 
     edit_manifest(tmp_path, tie_and_drop)
     manifest = read_manifest(str(tmp_path))
-    with pytest.raises(ShardedStateError, match=r"holds tensors \['lm_head.weight'\] not in sharded_state.json"):
+    with pytest.raises(CheckpointCorrupt, match=r"holds tensors \['lm_head.weight'\] not in sharded_state.json"):
         load_tp1(tmp_path, model, manifest, tied=[("model.embed_tokens.weight", "lm_head.weight")])
     # A served model that holds the head apart from the embedding refuses the tie before that.
-    with pytest.raises(ShardedStateError, match=r"the served model holds them as separate tensors"):
+    with pytest.raises(CheckpointMismatch):
         load_tp1(tmp_path, model, manifest)
 
 
@@ -178,7 +178,7 @@ def test_a_manifest_tie_never_fills_a_tensor_the_served_model_holds_apart(tmp_pa
     for tp_size in (1, 4):
         expected = stage_state(model, tp_size, 1, 0, 0)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        with pytest.raises(ShardedStateError, match=r"lm_head.weight .*model.embed_tokens.weight.*separate tensors"):
+        with pytest.raises(CheckpointMismatch, match=r"lm_head.weight .*model.embed_tokens.weight.*separate tensors"):
             load_rank(LoadRequest(str(tmp_path), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size))
         assert all(bool((x == -7).all()) for x in targets.values())
 
@@ -204,7 +204,7 @@ def test_a_tensor_stored_in_another_dtype_by_one_rank_is_not_resharded_as_one_dt
     for tp_size in (1, 4):
         w = torch.zeros(8 // tp_size, 4, dtype=torch.bfloat16)
         targets = {"w": w, "norm": torch.zeros(4, dtype=torch.bfloat16)}
-        with pytest.raises(ShardedStateError, match=r"w: saved pp_rank=0 tp_rank=\d stores it as (F16|BF16)"):
+        with pytest.raises(CheckpointMismatch, match=r"w: saved pp_rank=0 tp_rank=\d stores it as (F16|BF16)"):
             load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(tp_size - 1, tp_size))
         assert not targets["w"].any() and not targets["norm"].any()
 
@@ -233,7 +233,7 @@ def test_resharding_refuses_saved_tensors_the_model_does_not_have(tmp_path):
     saved = llama_like(num_layers=3, vocab=128, kv_heads=2)
     save_model(tmp_path, saved, 2, 1)
     served = llama_like(num_layers=2, vocab=128, kv_heads=2)  # the same model, one layer short
-    with pytest.raises(ShardedStateError, match=r"holds tensors the served model does not have: model.layers.2"):
+    with pytest.raises(CheckpointMismatch, match=r"holds tensors the served model does not have: model.layers.2"):
         load_tp1(tmp_path, served, read_manifest(str(tmp_path)))
 
 
@@ -249,7 +249,7 @@ def test_resharding_refuses_a_geometry_that_is_not_the_served_models(tmp_path):
     edit_manifest(tmp_path, resize_segments)
     manifest = read_manifest(str(tmp_path))
     geometry = {n: t.geometry for n, t in model.tensors.items()}
-    with pytest.raises(ShardedStateError, match=rf"{name}: the checkpoint records merged_column_parallel"):
+    with pytest.raises(CheckpointMismatch, match=rf"{name}: the checkpoint records merged_column_parallel"):
         load_tp1(tmp_path, model, manifest, geometry=geometry)
 
 
@@ -362,7 +362,7 @@ def test_experts_without_geometry_are_refused_when_they_would_move(tmp_path, ser
     manifest = read_manifest(str(tmp_path))
     rank, expected = moe_rank(weights, serving[0], serving[1], 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    with pytest.raises(ShardedStateError, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry|cannot be"):
+    with pytest.raises(CheckpointMismatch, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry|cannot be"):
         load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())
     # At the saved placement it loads.
@@ -381,7 +381,7 @@ def test_a_placement_that_is_not_the_geometrys_is_refused(tmp_path):
     _, expected = moe_rank(weights, 2, None, 0)
     wrong = RankInfo(0, 2, experts=expert_placement(EXPERTS + 2, 2), ep_rank=0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    with pytest.raises(ShardedStateError, match="stacks 6 experts, but the expert placement EP=2 linear"):
+    with pytest.raises(CheckpointMismatch, match="stacks 6 experts, but the expert placement EP=2 linear"):
         load_rank(LoadRequest(str(tmp_path), manifest), targets, wrong)
     assert all(bool((x == -7).all()) for x in targets.values())
 
@@ -519,7 +519,7 @@ def test_a_corrupt_block_is_refused_on_the_mapped_paths(tmp_path, tensor):
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    with pytest.raises(ShardedStateError, match=rf"{entry.file}: checksum mismatch"):
+    with pytest.raises(CheckpointCorrupt, match=rf"{entry.file}: checksum mismatch"):
         load_rank(
             LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"),
             targets,
@@ -660,7 +660,7 @@ def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(t
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
     rank, expected = serving_ranks(weights, (1, 2, "round_robin"))[1]
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    with pytest.raises(ShardedStateError, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry"):
+    with pytest.raises(CheckpointMismatch, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry"):
         load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())
 
@@ -681,7 +681,7 @@ def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(t
 def test_a_damaged_replica_manifest_is_refused(tmp_path, edit, match):
     save_replicas(tmp_path, moe_weights(), 1, 2, "linear")
     edit_manifest(tmp_path, edit)
-    with pytest.raises(ShardedStateError, match=match):
+    with pytest.raises(CheckpointCorrupt, match=match):
         read_manifest(str(tmp_path))
 
 
@@ -729,7 +729,7 @@ def test_a_later_replica_holding_more_than_its_experts_is_refused(tmp_path):
         entry["tensors"]["model.extra"] = dict(next(iter(entry["tensors"].values())))
 
     edit_manifest(tmp_path, add)
-    with pytest.raises(ShardedStateError, match=r"replica 1 .* lists tensors replica 0 does not: \['model.extra'\]"):
+    with pytest.raises(CheckpointCorrupt, match=r"replica 1 .* lists tensors replica 0 does not: \['model.extra'\]"):
         read_manifest(str(tmp_path))
 
 
@@ -738,7 +738,7 @@ def test_only_the_first_replica_saves_without_experts_placed_across_replicas(tmp
     ranks = dict(moe_rank(weights, 1, None, 0) for _ in range(1))
     (rank,) = ranks
     ranks[RankInfo(0, 1, dp_rank=1, dp_size=2)] = ranks[rank]
-    with pytest.raises(ShardedStateError, match="Only the first data-parallel replica writes"):
+    with pytest.raises(InvalidOption):
         save_checkpoint(str(tmp_path), ranks, dtype="float32", source=SOURCE)
     assert not list(tmp_path.iterdir())
 
@@ -824,6 +824,6 @@ def test_an_opaque_expert_tensor_cut_across_tp_and_dp_loads_only_at_its_cut(tmp_
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
     rank, expected = serving_ranks(weights, (1, None))[0]
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    with pytest.raises(ShardedStateError, match="holds experts each data-parallel replica saved"):
+    with pytest.raises(CheckpointMismatch):
         load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())

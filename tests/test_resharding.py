@@ -32,7 +32,7 @@ from tests.support.reference import (
     reference_pp_indices,
     reference_shard,
 )
-from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption
 from vllm_sharded_loader.format.geometry import (
     Segment,
     TensorGeometry,
@@ -346,7 +346,6 @@ def good_qkv() -> dict:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda d: d.update(kind="diagonal"), "unknown sharding kind 'diagonal'"),
         (lambda d: d.update(shape="12x4"), "'shape' must be a list"),
         (lambda d: d.update(split_dim=2), "along dimension 0, found split_dim=2"),
         # A 2-D tensor may be laid out [in, out] (AWQ, GPTQ), but its segments must then fit dimension 1.
@@ -370,18 +369,27 @@ def good_qkv() -> dict:
 def test_bad_geometry_data_is_refused_naming_the_tensor(change, message):
     data = good_qkv()
     change(data)
-    with pytest.raises(ShardedStateError, match=message) as info:
+    with pytest.raises(CheckpointCorrupt, match=message) as info:
+        TensorGeometry.from_dict(data, "model.layers.3.self_attn.qkv_proj.weight")
+    assert "model.layers.3.self_attn.qkv_proj.weight" in str(info.value)
+
+
+def test_a_sharding_kind_of_a_later_version_is_refused_as_a_mismatch():
+    data = dict(good_qkv(), kind="diagonal")
+    with pytest.raises(
+        CheckpointMismatch, match=r"unknown sharding kind 'diagonal'.* Upgrade vllm-sharded-loader"
+    ) as info:
         TensorGeometry.from_dict(data, "model.layers.3.self_attn.qkv_proj.weight")
     assert "model.layers.3.self_attn.qkv_proj.weight" in str(info.value)
 
 
 def test_bad_geometry_objects_are_refused():
-    with pytest.raises(ShardedStateError, match="expected an object"):
+    with pytest.raises(CheckpointCorrupt):
         TensorGeometry.from_dict([], "t")
     bad_vocab = vocab_parallel(100, 4).to_dict()
     bad_vocab["segments"][0]["padded_size"] = 50
     bad_vocab["shape"] = [50, 4]
-    with pytest.raises(ShardedStateError, match="padded_size 50 < size 100"):
+    with pytest.raises(CheckpointCorrupt, match="padded_size 50 < size 100"):
         TensorGeometry.from_dict(bad_vocab, "lm_head.weight")
 
 
@@ -409,9 +417,9 @@ def single(name: str, geometry: TensorGeometry | None, tp_size: int, shape: tupl
 def test_unknown_or_missing_geometry_is_an_error_when_the_tp_size_changes():
     name = "model.layers.0.mlp.experts.w13_weight"
     opaque = TensorGeometry("opaque", "FusedMoE", (8, 16, 4))
-    with pytest.raises(ShardedStateError, match=rf"{name} \(FusedMoE\) cannot be resharded from TP=2 to TP=1"):
+    with pytest.raises(CheckpointMismatch, match=rf"{name} \(FusedMoE\) cannot be resharded from TP=2 to TP=1"):
         plan_reads(single(name, opaque, 2, (8, 16, 4)), 2, [name], tp_size=1, tp_rank=0)
-    with pytest.raises(ShardedStateError, match=rf"{name} cannot be resharded from TP=2 to TP=4: .* no geometry"):
+    with pytest.raises(CheckpointMismatch, match=rf"{name} cannot be resharded from TP=2 to TP=4: .* no geometry"):
         plan_reads(single(name, None, 2, (8, 16, 4)), 2, [name], tp_size=4, tp_rank=0)
     # At the same TP size, any tensor is its own shard: copied whole, whatever the PP split.
     for geometry in (opaque, None):
@@ -423,32 +431,32 @@ def test_unknown_or_missing_geometry_is_an_error_when_the_tp_size_changes():
 
 def test_tp_sizes_vllm_refuses_are_refused():
     g = qkv_parallel([(8 + 2 * 3) * 2, 4], 8, 3, 2)
-    with pytest.raises(ShardedStateError, match=r"qkv \(QKVParallelLinear\): segment 'q' of 8 heads .* TP=3"):
+    with pytest.raises(CheckpointMismatch, match=r"qkv \(QKVParallelLinear\): segment 'q' of 8 heads .* TP=3"):
         shard_layout(g, 3, 0, "qkv")
-    with pytest.raises(ShardedStateError, match=r"segment 'k' of 3 heads cannot be split across TP=4"):
+    with pytest.raises(CheckpointMismatch, match=r"segment 'k' of 3 heads cannot be split across TP=4"):
         shard_layout(g, 4, 0, "qkv")
-    with pytest.raises(ShardedStateError, match="tp_rank=4 is not a rank of TP=4"):
+    with pytest.raises(InvalidOption):
         shard_layout(g, 4, 4, "qkv")
     g = vocab_parallel(100, 4, padding_size=10)
-    with pytest.raises(ShardedStateError, match="segment 'vocab' of 100 indices"):
+    with pytest.raises(CheckpointMismatch, match="segment 'vocab' of 100 indices"):
         plan_reads(single("e", g, 1, (100, 4)), 1, ["e"], tp_size=8, tp_rank=0)
 
 
 def test_damaged_or_incomplete_saved_side_is_an_error():
     g = column_parallel([16, 4])
-    with pytest.raises(ShardedStateError, match=r"needs tensors no saved rank holds: b, c"):
+    with pytest.raises(CheckpointMismatch, match=r"needs tensors no saved rank holds: b, c"):
         plan_reads(single("a", g, 2, (8, 4)), 2, ["a", "b", "c"], tp_size=1, tp_rank=0)
-    with pytest.raises(ShardedStateError, match=r"a of saved pp_rank=0 tp_rank=0 has shape \[16, 4\]"):
+    with pytest.raises(CheckpointCorrupt, match=r"a of saved pp_rank=0 tp_rank=0 has shape \[16, 4\]"):
         plan_reads(single("a", g, 2, (16, 4)), 2, ["a"], tp_size=1, tp_rank=0)
     ranks = single("a", g, 2, (8, 4))
     ranks[1] = SavedRank(1, 0, {"a": SavedTensor("f1", 8, 2, (8, 4), column_parallel([16, 4], "Other"))})
-    with pytest.raises(ShardedStateError, match="records geometry"):
+    with pytest.raises(CheckpointCorrupt, match="records geometry"):
         plan_reads(ranks, 2, ["a"], tp_size=1, tp_rank=0)
-    with pytest.raises(ShardedStateError, match="saved tp_rank=1 does not hold it"):
+    with pytest.raises(CheckpointCorrupt, match="saved tp_rank=1 does not hold it"):
         plan_reads(single("a", g, 2, (8, 4))[:1], 2, ["a"], tp_size=1, tp_rank=0)
-    with pytest.raises(ShardedStateError, match="listed twice"):
+    with pytest.raises(CheckpointCorrupt, match="listed twice"):
         plan_reads(single("a", g, 2, (8, 4)) * 2, 2, ["a"], tp_size=1, tp_rank=0)
-    with pytest.raises(ShardedStateError, match="outside TP=1"):
+    with pytest.raises(CheckpointCorrupt, match="outside TP=1"):
         plan_reads(single("a", g, 2, (8, 4)), 1, ["a"], tp_size=1, tp_rank=0)
 
 
@@ -468,7 +476,7 @@ def test_pp_layer_ranges_examples_and_explicit_partition():
     assert pp_layer_ranges(5, 4) == (range(0, 1), range(1, 2), range(2, 4), range(4, 5))
     assert pp_layer_ranges(3, 4) == (range(0, 1), range(1, 2), range(2, 3), range(3, 3))
     assert pp_layer_ranges(10, 2, partition=[6, 4]) == (range(0, 6), range(6, 10))
-    with pytest.raises(ShardedStateError, match="does not split 10 layers into 2 stages"):
+    with pytest.raises(InvalidOption):
         pp_layer_ranges(10, 2, partition=[5, 4])
 
 

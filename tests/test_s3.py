@@ -37,7 +37,13 @@ from tests.support.stores import (
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
-from vllm_sharded_loader.format.errors import CheckpointLocked
+from vllm_sharded_loader.format.errors import (
+    CheckpointCorrupt,
+    CheckpointLocked,
+    CheckpointNotFound,
+    SaveRefused,
+    StorageError,
+)
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import faults, object_lock, objects, reader
 from vllm_sharded_loader.storage.tensors import DTYPES
@@ -151,7 +157,7 @@ def test_a_missing_part_is_refused_naming_it(s3):
     model, url, manifest, where = saved_url(s3)
     part = first_part(manifest).name
     objects.delete(where, [part])
-    with pytest.raises(ShardedStateError, match=f"{part}: listed in {MANIFEST_NAME}.*missing"):
+    with pytest.raises(CheckpointNotFound, match=f"{part}: listed in {MANIFEST_NAME}.*missing"):
         load_from(url, model, 2, 0)
     assert any(part in p and "missing" in p for p in verify_checkpoint(url))
 
@@ -163,7 +169,7 @@ def test_a_truncated_object_is_refused_before_a_byte_is_read(s3):
     s3.client().put_object(Bucket=BUCKET, Key=where.key(part.name), Body=data[:-7])
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
-    with pytest.raises(ShardedStateError, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
+    with pytest.raises(CheckpointCorrupt, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
         load_rank(LoadRequest(url, read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
     assert all(bool((t == -7).all()) for t in targets.values())
 
@@ -174,7 +180,7 @@ def test_a_flipped_byte_is_refused_by_its_checksum(s3):
     data = bytearray(s3.client().get_object(Bucket=BUCKET, Key=where.key(part.name))["Body"].read())
     data[-3] ^= 0x40  # in the last tensor's bytes, not the header
     s3.client().put_object(Bucket=BUCKET, Key=where.key(part.name), Body=bytes(data))
-    with pytest.raises(ShardedStateError, match=f"{part.name}.*checksum"):
+    with pytest.raises(CheckpointCorrupt, match=f"{part.name}.*checksum"):
         load_from(url, model, 2, 0, verify="checksum")
     assert any(part.name in p for p in verify_checkpoint(url))
 
@@ -183,11 +189,11 @@ def test_a_prefix_held_by_a_save_refuses_saves_and_serves_its_published_checkpoi
     model, url, _, where = saved_url(s3)
     object_lock.acquire_lock(where, "someone-else")
     load_from(url, model, 2, 0)  # a save replaces last: the published manifest is whole meanwhile
-    with pytest.raises(ShardedStateError, match="another save holds"):
+    with pytest.raises(CheckpointLocked):
         save_to_bucket(url, model, 2)
     # Without a published manifest, a held prefix is refused.
     s3.client().delete_object(Bucket=BUCKET, Key=where.key(MANIFEST_NAME))
-    with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
+    with pytest.raises(CheckpointLocked):
         load_from(url, model, 2, 0)
     object_lock.release_lock(where)
 
@@ -200,15 +206,15 @@ def test_an_object_replaced_during_the_load_is_never_read(s3):
     data = bytearray(s3.client().get_object(Bucket=BUCKET, Key=where.key(part.name))["Body"].read())
     data[-1] ^= 1
     s3.client().put_object(Bucket=BUCKET, Key=where.key(part.name), Body=bytes(data))
-    with pytest.raises(ShardedStateError, match="replaced or deleted during the load"):
+    with pytest.raises(CheckpointCorrupt):
         opened.read_at(0, 8)
-    with pytest.raises(ShardedStateError, match="replaced or deleted during the load"):
+    with pytest.raises(CheckpointCorrupt):
         opened.check_unchanged()
 
 
 def test_an_existing_checkpoint_is_kept_unless_overwrite(s3):
     model, url, manifest, _ = saved_url(s3)
-    with pytest.raises(ShardedStateError, match="already holds a checkpoint"):
+    with pytest.raises(SaveRefused):
         save_to_bucket(url, model, 1)
     assert read_manifest(url) == manifest and LOCK_NAME not in keys(s3, url)
     # Overwrite at another topology: the old ranks' parts go, the new manifest lists only its own.
@@ -268,12 +274,12 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     assert MANIFEST_NAME not in names and LOCK_NAME in names
     (left,) = staging_dir.iterdir()  # the killed save's staged parts, a model's worth
     assert any(p.name.endswith(".partial") for p in left.iterdir())
-    with pytest.raises(ShardedStateError, match="a save is running or was interrupted"):
+    with pytest.raises(CheckpointLocked):
         load_rank(LoadRequest(url, read_manifest(url)), {}, RankInfo(0, 1))
     assert any("a save is running or was interrupted" in p for p in verify_checkpoint(url))
     # The error of the next save says what to do; done, the next save aborts what was left.
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
-    with pytest.raises(ShardedStateError, match=f"delete {where.url(LOCK_NAME)}"):
+    with pytest.raises(CheckpointLocked, match=f"delete {where.url(LOCK_NAME)}"):
         save_to_bucket(url, model, 1)
     object_lock.release_lock(where)
     # Another writer's unfinished upload under a name of our pattern: not the dead save's (it did
@@ -331,7 +337,7 @@ def test_a_reshard_into_a_bucket_stopped_once_it_has_published_says_the_checkpoi
 
 def test_no_manifest_in_a_bucket_is_refused(s3):
     url = new_prefix()
-    with pytest.raises(ShardedStateError, match=f"no {MANIFEST_NAME}"):
+    with pytest.raises(CheckpointNotFound, match=f"no {MANIFEST_NAME}"):
         load_rank(LoadRequest(url, None, serving=SOURCE), {}, RankInfo(0, 1))
 
 
@@ -478,7 +484,7 @@ def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(
     client.create_multipart_upload(Bucket=BUCKET, Key=where.key("model-rank-0-part-99.safetensors.theirs"))
     before = bucket_digest(s3)
     with through_proxy(s3, "drop_after", 3000, AWS_MAX_ATTEMPTS="2", SHARDED_STATE_S3_RETRY_TIMEOUT="10") as proxy:
-        with pytest.raises(ShardedStateError, match="upload failed"):
+        with pytest.raises(StorageError):
             overwrite_at_tp2(url, model)
         assert proxy.dropped, "the proxy cut an upload"
     assert bucket_digest(s3) == before
@@ -495,7 +501,7 @@ def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_
     put = f"PUT /{BUCKET}/{where.key(MANIFEST_NAME)} ".encode()
     settings = {"AWS_MAX_ATTEMPTS": "2", "SHARDED_STATE_S3_RETRY_TIMEOUT": "10"}
     with through_proxy(s3, "drop_matching", match=put, **settings) as proxy:
-        with pytest.raises(ShardedStateError, match="upload failed"):
+        with pytest.raises(StorageError):
             overwrite_at_tp1(url, model)
         assert proxy.dropped, "the proxy cut the manifest's put"
     assert read_manifest(url) == manifest
@@ -541,7 +547,7 @@ def test_a_held_prefix_is_refused_as_checkpoint_locked_as_a_held_folder_is(s3, t
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     url = new_prefix()
     object_lock.acquire_lock(objects.ObjectPrefix.parse(url), "someone-else")
-    with pytest.raises(CheckpointLocked, match="another save holds"):
+    with pytest.raises(CheckpointLocked):
         save_to_bucket(url, model, 1)
     assert keys(s3, url) == [LOCK_NAME]
 
@@ -581,7 +587,7 @@ def test_a_save_whose_lock_was_taken_over_neither_publishes_nor_frees_the_new_lo
     s3.client().delete_object(Bucket=BUCKET, Key=where.key(LOCK_NAME))
     object_lock.acquire_lock(where, "bbbb")
     before = bucket_digest(s3)
-    with pytest.raises(ShardedStateError, match="taken over by another save"):
+    with pytest.raises(SaveRefused):
         store.publish(manifest)
     store.abandon(())
     assert bucket_digest(s3) == before, "the old save published or deleted the new holder's lock"
@@ -658,7 +664,7 @@ def test_a_save_into_a_prefix_of_the_users_replaces_none_of_its_objects_without_
     s3.client().put_object(Bucket=BUCKET, Key=where.key("config.json"), Body=b'{"the user": "own"}')
     before = bucket_digest(s3)
     carry = str(model_folder(tmp_path, 1.0))
-    with pytest.raises(ShardedStateError, match=r"holds files that differ .*: config\.json; refusing"):
+    with pytest.raises(SaveRefused, match=r"holds files that differ .*: config\.json; refusing"):
         save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
     assert bucket_digest(s3) == before
     save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True))

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from tests.support.engines import package_process
 from vllm_sharded_loader.format import ShardedStateError
 from vllm_sharded_loader.format.entries import DIGEST_DIGITS, DIGEST_METADATA
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound
 from vllm_sharded_loader.storage import integrity, local, tensor_files, writer
 
 
@@ -254,7 +255,7 @@ def test_truncated_file_is_refused(tmp_path):
     path = write_sample(tmp_path)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 10)
-    with pytest.raises(ShardedStateError, match="truncated"):
+    with pytest.raises(CheckpointCorrupt):
         local.read_header(path)
 
 
@@ -275,10 +276,10 @@ def test_truncated_file_is_refused(tmp_path):
 def test_corrupt_headers_are_refused(tmp_path, data, message):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(data)
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(CheckpointCorrupt, match=message):
         local.read_header(str(path))
 
 
 def test_missing_file_is_named(tmp_path):
-    with pytest.raises(ShardedStateError, match="missing"):
+    with pytest.raises(CheckpointNotFound):
         local.read_header(str(tmp_path / "nope.safetensors"))

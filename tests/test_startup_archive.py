@@ -22,7 +22,7 @@ from vllm_sharded_loader.checkpoint import RankInfo
 from vllm_sharded_loader.checkpoint import startup_artifacts as sa
 from vllm_sharded_loader.checkpoint.protocol import OneProcess, SaveJob, run_save
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
-from vllm_sharded_loader.format.errors import CheckpointCorrupt, ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointCorrupt, SaveRefused
 from vllm_sharded_loader.format.manifest import FileEntry, Manifest, RankEntry, StartupArtifacts
 from vllm_sharded_loader.format.names import is_startup_artifacts_name, startup_artifacts_name
 from vllm_sharded_loader.format.source import SourceModel
@@ -81,7 +81,7 @@ def test_the_manifest_records_a_ranks_artifacts_and_old_manifests_still_load():
 def test_a_damaged_record_is_refused_with_its_field(field, value, message):
     data = json.loads(_manifest(StartupArtifacts("startup-artifacts-pp0-tp0.tar", 10, "a" * 64, KEY)).to_json())
     data["ranks"][0]["startup_artifacts"][field] = value
-    with pytest.raises(ShardedStateError, match=message):
+    with pytest.raises(CheckpointCorrupt, match=message):
         Manifest.from_json(json.dumps(data))
 
 
@@ -129,10 +129,10 @@ def test_a_damaged_or_replaced_archive_is_never_used(tmp_path):
     damaged = bytearray(data)
     damaged[600] ^= 1
     path.write_bytes(bytes(damaged))
-    with pytest.raises(CheckpointCorrupt, match="does not match the manifest"):
+    with pytest.raises(CheckpointCorrupt):
         sa.read_rank_artifacts(open_store(str(tmp_path)), record)
     path.write_bytes(data[:-1])
-    with pytest.raises(ShardedStateError, match=record.file):
+    with pytest.raises(CheckpointCorrupt, match=record.file):
         sa.read_rank_artifacts(open_store(str(tmp_path)), record)
 
 
@@ -142,7 +142,7 @@ def test_an_archive_reaching_outside_the_cache_is_refused(tmp_path):
         info = tarfile.TarInfo("../outside")
         info.size = 1
         tar.addfile(info, io.BytesIO(b"x"))
-    with pytest.raises(CheckpointCorrupt, match="not a plain file inside"):
+    with pytest.raises(CheckpointCorrupt):
         sa.restore(buffer.getvalue(), str(tmp_path / "cache"))
     assert not (tmp_path / "outside").exists()
 
@@ -185,7 +185,7 @@ def save_with_artifacts(
 
     def manifest(entries) -> Manifest:
         if fail_publish:
-            raise ShardedStateError("the manifest could not be made")
+            raise SaveRefused("the manifest could not be made")
         ranks = tuple(entry for entry, _ in entries)
         return dataclasses.replace(_manifest(None), tp_size=tp_size, ranks=ranks, source=SOURCE)
 
@@ -211,7 +211,7 @@ def refused_and_replaced_saves_leave_only_the_published_archives(where: str, arc
     assert {n.rsplit("-", 1)[0] + ".tar" for n in published} == {startup_artifacts_name(t, 0) for t in (0, 1)}
     assert all(is_startup_artifacts_name(n) for n in published)
 
-    with pytest.raises(ShardedStateError, match="could not be made"):
+    with pytest.raises(SaveRefused, match="could not be made"):
         save_with_artifacts(where, 2, {0: b"never published", 1: b"nor this"}, fail_publish=True)
     assert archives_there() == sorted(published)  # the refused save's own archives are gone
     _listed_and_read(where, first, two)  # and the published ones are as they were

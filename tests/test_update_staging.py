@@ -13,7 +13,7 @@ import torch
 from tests.support.states import load, rank_state, save
 from vllm_sharded_loader.checkpoint.state import saveable_state, tied_groups
 from vllm_sharded_loader.checkpoint.update_staging import BUDGET_ENV, StagedWeights, fill_tensors, update_budget
-from vllm_sharded_loader.format.errors import ShardedStateError
+from vllm_sharded_loader.format.errors import CheckpointMismatch, InvalidOption
 
 
 def meta_layout(tp_rank: int = 0, tp_size: int = 2) -> dict[str, torch.Tensor]:
@@ -53,7 +53,7 @@ def test_a_refused_read_leaves_the_staging_unread(tmp_path):
     targets = saveable_state(state)
     staged = StagedWeights(targets, tied_groups(state, targets))
     before = dict(staged.tensors)
-    with pytest.raises(ShardedStateError):
+    with pytest.raises(CheckpointMismatch):
         load(tmp_path, tp_rank=0, tp_size=4, targets=staged.targets(), adopt=staged.adopt())
     assert staged.mapped == set() and staged.tensors == before
 
@@ -67,7 +67,7 @@ def test_the_budget_is_a_number_of_bytes(monkeypatch, text, expected):
 @pytest.mark.parametrize("text", ["lots", "-1", "1 GB", "inf", "nan"])
 def test_a_bad_budget_is_refused_by_name(monkeypatch, text):
     monkeypatch.setenv(BUDGET_ENV, text)
-    with pytest.raises(ShardedStateError, match=rf"{BUDGET_ENV}=.*not a number of bytes"):
+    with pytest.raises(InvalidOption, match=rf"{BUDGET_ENV}=.*not a number of bytes"):
         update_budget()
 
 

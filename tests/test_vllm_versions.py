@@ -188,7 +188,7 @@ print(json.dumps({{"off": off, "on": state()}}))
 def test_the_save_command_refuses_a_vllm_outside_the_range_before_any_engine(tmp_path, monkeypatch):
     """With the plugin off, vLLM's save hook would write vLLM's own format: ``vllm-sharded save`` says why instead."""
     from vllm_sharded_loader.engine.save_cli import save_sharded_state
-    from vllm_sharded_loader.format import ShardedStateError
+    from vllm_sharded_loader.format import Unsupported
 
     distribution, _ = running_vllm()
     info = tmp_path / "site" / f"{distribution.replace('-', '_')}-0.30.2.dist-info"
@@ -196,6 +196,6 @@ def test_the_save_command_refuses_a_vllm_outside_the_range_before_any_engine(tmp
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.30.2\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delenv(ANY_VLLM_ENV, raising=False)
-    with pytest.raises(ShardedStateError, match=rf"this is {distribution} 0\.30\.2, with which the plugin stays off"):
+    with pytest.raises(Unsupported, match=rf"this is {distribution} 0\.30\.2, with which the plugin stays off"):
         save_sharded_state({"model": str(tmp_path)}, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()

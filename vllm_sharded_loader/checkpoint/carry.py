@@ -22,7 +22,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound, SaveRefused, ShardedStateError
+from ..format.errors import (
+    CheckpointCorrupt,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    SaveRefused,
+    ShardedStateError,
+)
 from ..format.manifest import MAX_CARRIED_FILES, CarriedFile, Manifest
 from ..format.names import check_carried_name
 from ..storage.local import open_regular

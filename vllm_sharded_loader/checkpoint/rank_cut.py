@@ -1,10 +1,5 @@
-"""A rank's cut of a TP=1 tensor, as the parts a writer takes one after another.
-
-``convert`` makes each component at TP=1 (:mod:`..engine.convert`) and writes every rank's
-slice of it by the rule resharding loads use (:func:`..planning.layout.shard_layout`). Where the
-writer can take the rank's pieces as they lie in the component, they are views: nothing is
-copied, and the component's memory is all a rank's slice costs.
-"""
+"""A rank's cut of a TP=1 tensor (``convert``), as the parts a writer takes one after another:
+views where the writer can take the pieces as they lie, so nothing is copied."""
 
 from __future__ import annotations
 
@@ -15,9 +10,8 @@ import torch
 from ..planning.layout import ShardLayout
 from ..storage.memory import BufferPool
 
-# Views a rank's cut of a stacked tensor is written from, at most (a MoE layer's experts times
-# the segments fused in each; DeepSeek-V3 has 256 experts), and the fewest bytes of each: more,
-# or smaller (rows of a matrix), and they are joined first.
+# The most views a stacked tensor's cut is written from (experts x fused segments), and the fewest
+# bytes of each; beyond either, the pieces are joined first.
 MAX_STACKED = 4096
 MIN_STACKED_BYTES = 64 << 10
 
@@ -25,13 +19,9 @@ MIN_STACKED_BYTES = 64 << 10
 def rank_parts(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | None = None) -> tuple[torch.Tensor, ...]:
     """A rank's local tensor from the TP=1 tensor, as parts whose bytes, one after another, are its bytes.
 
-    Nothing is copied where the writer can take the pieces as they are: the rank's piece of
-    each segment of a dim-0 split (fused q/k/v, gate/up), each a view; the one piece of a
-    dim-1 split, a view whose rows the writer copies one block at a time; and the pieces of
-    several segments along a later dim of a stack of at most :data:`MAX_STACKED` blocks of at
-    least :data:`MIN_STACKED_BYTES` (a MoE layer's experts, gate/up fused: each expert's gate
-    piece, then its up piece), views taken block by block. Pieces of several segments along
-    another dim are joined into memory of ``pool`` (or new memory).
+    Views where the writer can take them: each segment's piece of a dim-0 split, the one piece of a
+    dim-1 split, a stack's pieces block by block (within :data:`MAX_STACKED`); other pieces are
+    joined into memory of ``pool`` (or new memory).
     """
     if layout.split_dim is None:
         return (tensor,)
@@ -47,15 +37,15 @@ def rank_parts(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | Non
 
 
 def _stacked_pieces(pieces: list[torch.Tensor], dim: int) -> tuple[torch.Tensor, ...] | None:
-    """``pieces`` (narrowed along ``dim``) in row-major order as views: for each index of the dims
-    before ``dim``, each piece's block; None where those are too many or not viewable."""
+    """``pieces`` (narrowed along ``dim``) in row-major order as views, block by block; None where too
+    many or not viewable."""
     blocks = math.prod(pieces[0].shape[:dim])
     smallest = min(p.numel() for p in pieces) // max(blocks, 1) * pieces[0].element_size()
     if blocks * len(pieces) > MAX_STACKED or smallest < MIN_STACKED_BYTES:
         return None
     try:
         flat = [p.view(blocks, *p.shape[dim:]) for p in pieces]
-    except RuntimeError:  # dims before ``dim`` that are not one stride apart: joined instead
+    except RuntimeError:  # leading dims not one stride apart
         return None
     return tuple(f[i] for i in range(blocks) for f in flat)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 from ..format.experts import ExpertPlacement
 from ..format.manifest import CarriedFile, Manifest, RankEntry
 from ..format.names import default_pattern, validate_pattern
@@ -89,7 +89,7 @@ def save_checkpoint(
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
     if any(r.dp_rank >= replicas for r in infos):
-        raise ShardedStateError(
+        raise InvalidOption(
             "Only the first data-parallel replica writes a save, unless its experts are split across the "
             f"replicas (EP size = TP x DP, or experts_over_dp); ranks of replica {max(r.dp_rank for r in infos)} "
             "were given."

@@ -1,9 +1,8 @@
-"""What proves that a save which reads a served model's weights again reads what is served (issue 34).
+"""What proves that a save which reads a served model's weights again reads what is served.
 
 A save without a start-up capture re-reads the source the engine loaded: a sharded checkpoint is
-proven by the digest of its manifest (every file's block checksums) and a read that checks every
-byte; a model's own folder, loaded by another format, by each weight file's identity. Anything
-else is refused, with how to save instead (a start-up capture, :data:`CAPTURE_DIR_ENV`).
+proven by its manifest's digest (every block's checksum) and a fully checked read; a model's own
+folder by each weight file's identity. Anything else is refused.
 """
 
 from __future__ import annotations
@@ -15,16 +14,13 @@ import os
 from ..format.errors import SaveRefused
 from ..format.manifest import Manifest
 
-# Set on an engine, each worker writes its loaded state there at start-up (engine/capture.py).
+# Where each worker of an engine writes its loaded state at start-up (engine/capture.py).
 CAPTURE_DIR_ENV = "SHARDED_STATE_CAPTURE_DIR"
 
 
 def manifest_proof(manifest: Manifest | None) -> str | None:
-    """The digest of a manifest whose every file has block checksums, or None (nothing to prove content by).
-
-    Equal digests and a read with ``verify="checksum"`` prove the bytes read again are the
-    bytes read then: the manifest names each file's size and the BLAKE3 digest of each block.
-    """
+    """The digest of a manifest whose every file has block checksums (with a ``verify="checksum"``
+    read, equal digests prove equal bytes), or None."""
     if manifest is None or any(f.checksum is None for entry in manifest.ranks for f in entry.files):
         return None
     return hashlib.sha256(manifest.to_json().encode()).hexdigest()
@@ -44,9 +40,8 @@ def weight_file_identities(folder: str | None) -> dict[str, tuple[int, ...]] | N
             try:
                 st = os.stat(path)
             except OSError as e:
-                # A link to nothing (a pruned Hub cache blob: training_args.bin) or a loop of links:
-                # vLLM read nothing through it. The link's own identity tells a later fix of it; a
-                # bare error here made every save of the engine refuse.
+                # A link to nothing (a pruned Hub blob) or a loop: vLLM read nothing through it, and
+                # the link's own identity tells a later fix of it.
                 if e.errno not in (errno.ENOENT, errno.ELOOP):
                     raise
                 try:

@@ -30,7 +30,7 @@ import os
 import tarfile
 from collections.abc import Collection, Mapping
 
-from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
 from ..format.manifest import FileEntry, Manifest, StartupArtifacts
 from ..format.names import startup_artifacts_name
 from ..storage.faults import declare, kill_point
@@ -284,7 +284,7 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
         except BaseException as e:
             _undo(written, made)
             if isinstance(e, OSError):
-                raise ShardedStateError(
+                raise StorageError(
                     f"{root}: cannot unpack start-up artifacts ({e}); what this restore wrote was removed. "
                     "Free space or fix the folder; vLLM compiles as usual meanwhile."
                 ) from e

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 from ..storage.reader import ReadStats
 
 VERIFY_MODES = ("size", "checksum")
@@ -31,7 +31,7 @@ class LoadStats:
 
 def check_verify_mode(verify: str) -> str:
     if verify not in VERIFY_MODES:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"verify={verify!r} is not a verification mode; use 'size' (the default: manifest, file sizes "
             "and headers) or 'checksum' (also the checksum of every byte read)."
         )

@@ -1,13 +1,9 @@
 """Who may put code into a serving process: signed manifests and the keys an operator trusts.
 
-A checkpoint's start-up archives are code (Inductor's compiled libraries and pickled graphs, which
-torch loads), and whoever can write the checkpoint can write its manifest too. So an archive is
-used only where the manifest that names it (with its SHA-256 and key) carries a signature that one
-of the public keys in ``SHARDED_STATE_TRUSTED_KEYS=PATH[:PATH...]`` (PEM) verifies, whatever the
-checkpoint's location. A save signs its manifest with the private key (PEM) named by
-``SHARDED_STATE_SIGNING_KEY``; ``vllm-sharded sign`` signs a checkpoint saved before
-(:func:`.startup_artifacts.sign_checkpoint`); :func:`keygen` makes a key pair. Ed25519 keys, and
-ECDSA keys (signed over SHA-256).
+A checkpoint's start-up archives are code, and whoever writes the checkpoint writes its manifest
+too; so an archive is used only where its manifest carries a signature that a public key in
+``SHARDED_STATE_TRUSTED_KEYS=PATH[:PATH...]`` verifies. A save signs with the private key named
+by ``SHARDED_STATE_SIGNING_KEY``. Ed25519 and ECDSA (over SHA-256) keys, PEM.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ def key_id(key: PublicKey) -> str:
 
 
 def _read_key_file(path: str, what: str) -> bytes:
-    """The bytes of a key file: a regular file (never a FIFO's endless wait), of a key's size."""
+    """The bytes of a key file: a regular file (never a FIFO), of a key's size."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -103,8 +99,8 @@ def configured_signer() -> Signer | None:
 
 
 def trusted_keys() -> tuple[dict[str, tuple[str, PublicKey]], list[str]]:
-    """The public keys in the files ``SHARDED_STATE_TRUSTED_KEYS`` lists (each file one or more PEM
-    public keys), by key id with their file; and one sentence for each file that gives none."""
+    """The public keys in the files ``SHARDED_STATE_TRUSTED_KEYS`` lists, by key id with their file; and
+    one sentence for each file that gives none."""
     keys: dict[str, tuple[str, PublicKey]] = {}
     problems: list[str] = []
     for path in filter(None, os.environ.get(TRUSTED_KEYS_ENV, "").split(os.pathsep)):

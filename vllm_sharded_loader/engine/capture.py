@@ -46,7 +46,7 @@ from ..checkpoint.save_proof import (
     weight_file_identities,
 )
 from ..checkpoint.state import saveable_state, tied_groups
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption, ShardedStateError
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.names import default_pattern
@@ -121,7 +121,7 @@ def capture_settings() -> tuple[str, str | None, int | None] | None:
     try:
         size = int(max_size) if max_size else None
     except ValueError:
-        raise ShardedStateError(f"{CAPTURE_MAX_SIZE_ENV}={max_size!r} is not a number of bytes.") from None
+        raise InvalidOption(f"{CAPTURE_MAX_SIZE_ENV}={max_size!r} is not a number of bytes.") from None
     return directory, os.environ.get(CAPTURE_PATTERN_ENV) or None, size
 
 

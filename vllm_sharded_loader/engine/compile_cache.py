@@ -36,7 +36,7 @@ from vllm.logger import init_logger
 
 from ..checkpoint import startup_artifacts
 from ..checkpoint.trust import check_trust
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt
 from ..format.manifest import Manifest, RankEntry
 from ..planning.topology import RankInfo
 from ..storage import hub
@@ -301,7 +301,7 @@ def _restore(
 ) -> bool:
     try:
         entry = manifest.rank(rank.tp_rank, rank.pp_rank, rank.saved_dp_rank)
-    except ShardedStateError:
+    except CheckpointCorrupt:
         entry = None
     record = entry.startup if entry is not None else None
     if record is None or record.key.get("compiled") == "":

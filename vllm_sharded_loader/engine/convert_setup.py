@@ -72,7 +72,7 @@ def engine_config(source: str, options: ModelOptions, where: str | None = None) 
 
         errors = e.errors() if callable(getattr(e, "errors", None)) else []  # pydantic's, one per field
         reason = errors[0].get("msg", str(e)) if errors else str(e)
-        raise ShardedStateError(
+        raise ConvertRefused(
             f"{where or source}: vLLM {vllm.__version__} cannot serve this model as configured, so there is nothing "
             f"to convert it for: {reason}"
         ) from e

@@ -1,20 +1,11 @@
 """A follower node of a multi-node engine ends when its leader has ended.
 
-vLLM's multiprocessing executor spans nodes: the leader (``--node-rank 0``) runs the
-engine, and each follower (``vllm serve ... --node-rank N --headless``) runs only its
-workers, which wait for the leader's next call on a ZeroMQ socket with no timeout. When
-the leader's process ends, nothing tells them: the follower runs on, holding its memory
-and its accelerators, until someone stops it.
-
-Once the plugin is installed, every follower worker, whatever its load format, starts a
-daemon thread when its weights are loaded, which watches the leader: the world group's
-store, hosted by global rank 0 at ``--master-addr:--master-port``, listens for as long as
-the leader's engine lives. Once it has refused
-``SHARDED_STATE_LEADER_CHECKS`` connections in a row, ``SHARDED_STATE_LEADER_INTERVAL``
-seconds apart, the thread stops the follower as ``Ctrl-C`` would: ``SIGTERM`` to the
-process that started the workers (vLLM's headless command, which then shuts its
-executor down), and, should that not end this worker within 5 s (it did not, in the tests, while
-the worker waited for the leader's next call), the worker itself. ``SHARDED_STATE_FOLLOWER_EXIT=0`` turns the watch off.
+A follower's workers wait for the leader's next call with no timeout, so nothing tells them the
+leader is gone. Every follower worker therefore watches the world group's store (hosted by the
+leader at ``--master-addr:--master-port``): once it has refused ``SHARDED_STATE_LEADER_CHECKS``
+connections in a row, ``SHARDED_STATE_LEADER_INTERVAL`` seconds apart, the worker sends
+``SIGTERM`` to the process that started it, as ``Ctrl-C`` would, and ends itself if that does not.
+``SHARDED_STATE_FOLLOWER_EXIT=0`` turns the watch off.
 """
 
 from __future__ import annotations
@@ -37,10 +28,8 @@ INTERVAL_ENV = "SHARDED_STATE_LEADER_INTERVAL"
 CHECKS_ENV = "SHARDED_STATE_LEADER_CHECKS"
 DEFAULT_INTERVAL = 2.0
 DEFAULT_CHECKS = 3
-# After the SIGTERM: time for vLLM's own shutdown before this worker ends itself; the grace that
-# shutdown gives a worker before its own SIGTERM (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS' default),
-# so that a worker that can end cleanly does. In the tests' two-node runs it never ended the worker,
-# whose main thread waits on the gone leader's queue: SIGTERM came after 5 s, SIGKILL 4 s later.
+# After the SIGTERM, vLLM's own grace for a worker (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS' default)
+# before this worker ends itself: its main thread, waiting on the gone leader's queue, may not end.
 GRACE_SECONDS = 5.0
 
 _watching = threading.Event()

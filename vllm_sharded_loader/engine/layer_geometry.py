@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..format import geometry as rs
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, Unsupported
 from ..format.experts import ExpertPlacement
 from ..planning.experts import expert_placement, rank_shape
 from ..planning.topology import RankInfo
@@ -432,10 +432,10 @@ def model_expert_placement(model: torch.nn.Module) -> tuple[ExpertPlacement | No
         parallel = module.moe_config.moe_parallel_config
         if not parallel.use_ep:
             if found is not None:
-                raise ShardedStateError(f"{name}: some MoE layers use expert parallelism and others do not.")
+                raise Unsupported(f"{name}: some MoE layers use expert parallelism and others do not.")
             continue
         if getattr(parallel, "enable_eplb", False):
-            raise ShardedStateError(
+            raise Unsupported(
                 f"{name}: expert-parallel load balancing (EPLB) moves experts at run time; this version does not "
                 "record such placements. Save and serve without enable_eplb."
             )
@@ -443,16 +443,16 @@ def model_expert_placement(model: torch.nn.Module) -> tuple[ExpertPlacement | No
         placement = expert_placement(module.global_num_experts, parallel.ep_size, strategy)
         expert_map = getattr(module, "_expert_map", None)
         if expert_map is None:
-            raise ShardedStateError(f"{name}: expert parallelism is on, but the layer has no expert map.")
+            raise Unsupported(f"{name}: expert parallelism is on, but the layer has no expert map.")
         local = sorted((int(v), e) for e, v in enumerate(expert_map.tolist()) if v >= 0)
         mine = tuple(e for _, e in local)
         if [v for v, _ in local] != list(range(len(local))) or mine != placement.experts[parallel.ep_rank]:
-            raise ShardedStateError(
+            raise Unsupported(
                 f"{name}: vLLM placed experts {list(mine)} on EP rank {parallel.ep_rank}, but its {strategy!r} rule "
                 f"gives {list(placement.experts[parallel.ep_rank])}; this version does not know this placement. "
                 "Save and serve without expert parallelism."
             )
         if found is not None and found != (placement, parallel.ep_rank):
-            raise ShardedStateError(f"{name}: MoE layers place their experts differently ({found[0].describe()}).")
+            raise Unsupported(f"{name}: MoE layers place their experts differently ({found[0].describe()}).")
         found = (placement, parallel.ep_rank)
     return found if found is not None else (None, 0)

@@ -15,7 +15,7 @@ from vllm.logger import init_logger
 from ..checkpoint import LoadRequest, load_rank
 from ..checkpoint.save_proof import manifest_proof
 from ..checkpoint.stats import LoadStats, check_verify_mode
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -165,28 +165,28 @@ class ModelReader:
         """The options ``load_config.model_loader_extra_config`` asks for, each checked."""
         extra = load_config.model_loader_extra_config or {}
         if not isinstance(extra, dict):
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"model_loader_extra_config for sharded_state must be a dict, got {type(extra).__name__}."
             )
         unknown = set(extra) - EXTRA_CONFIG_KEYS
         if unknown:
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"Unexpected model_loader_extra_config keys {sorted(unknown)} for load format "
                 f"sharded_state; supported keys: {sorted(EXTRA_CONFIG_KEYS)}."
             )
         threads = extra.get("threads", DEFAULT_THREADS)
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"model_loader_extra_config threads={threads!r} for sharded_state must be a positive integer."
             )
         huge_pages = extra.get("huge_pages", False)
         if not isinstance(huge_pages, bool):
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"model_loader_extra_config huge_pages={huge_pages!r} for sharded_state must be true or false."
             )
         mmap = extra.get("mmap", True)
         if not isinstance(mmap, bool) and mmap != "auto":
-            raise ShardedStateError(
+            raise InvalidOption(
                 f'model_loader_extra_config mmap={mmap!r} for sharded_state must be true, false or "auto".'
             )
         verify = check_verify_mode(extra.get("verify", "size"))

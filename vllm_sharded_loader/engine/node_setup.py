@@ -28,6 +28,9 @@ from ..storage.location import Store, open_store
 logger = init_logger(f"vllm.plugins.{__name__}")
 
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
+# The checkpoints this process was prepared from (vLLM may build its configuration twice; the
+# serve command and the plugin's hook both prepare).
+_prepared: set[tuple[str, str | None]] = set()
 
 
 def served_key_python() -> str:
@@ -113,7 +116,8 @@ def prepare_node(model: str, revision: str | None = None, download_dir: str | No
     in ``SHARDED_STATE_TRUSTED_KEYS`` (:mod:`..checkpoint.trust`), whose bytes match their
     checksum; an entry already on the node is kept; vLLM itself checks each entry against the
     hash of its model file and inspects again if they differ. Anything else is one log line,
-    never a failed start. Returns how many entries were written.
+    never a failed start. A checkpoint is read once per process. Returns how many entries were
+    written.
 
     On CPU it also turns vLLM's AOT compile off for this process and the engine it starts, unless
     set (:func:`prefer_inductor_caches`), so that the engine finds the compile cache its load
@@ -123,23 +127,13 @@ def prepare_node(model: str, revision: str | None = None, download_dir: str | No
     try:
         _configure_logging()
         prefer_inductor_caches()
-        if not os.environ.get(TRUSTED_KEYS_ENV, "").strip():
-            return 0  # nothing it carries could be used: the checkpoint is not read
+        if not os.environ.get(TRUSTED_KEYS_ENV, "").strip() or (model, revision) in _prepared:
+            return 0  # nothing it carries could be used, or read already by this process
+        _prepared.add((model, revision))
         return _prepare_node(model, revision, download_dir)
     except Exception as e:  # optional: vLLM inspects the model class as it would without it
         logger.warning("sharded_state: %s: vLLM's model-class inspection cache not restored (%s)", model, e)
         return 0
-
-
-_prepared: set[tuple[str, str | None]] = set()
-
-
-def prepare_node_once(model: str, revision: str | None = None, download_dir: str | None = None) -> int:
-    """:func:`prepare_node`, once per model in this process (vLLM may build its configuration twice)."""
-    if (model, revision) in _prepared:
-        return 0
-    _prepared.add((model, revision))
-    return prepare_node(model, revision, download_dir)
 
 
 def _prepare_node(model: str, revision: str | None, download_dir: str | None) -> int:

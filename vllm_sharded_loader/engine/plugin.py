@@ -161,9 +161,9 @@ def _install_node_step(arg_utils: ModuleType) -> None:
     @functools.wraps(create)
     def create_model_config(self: Any) -> Any:
         if self.load_format == "sharded_state":
-            from .node_setup import prepare_node_once
+            from .node_setup import prepare_node
 
-            prepare_node_once(self.model, self.revision, self.download_dir)
+            prepare_node(self.model, self.revision, self.download_dir)
         return create(self)
 
     create_model_config._sharded_state = True  # type: ignore[attr-defined]

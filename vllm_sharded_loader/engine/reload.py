@@ -51,7 +51,7 @@ from vllm.logger import init_logger
 
 from ..checkpoint.state import saveable_state, storage_key, tied_groups
 from ..checkpoint.update_staging import BUDGET_ENV, StagedWeights, return_freed_memory, update_budget
-from ..format.errors import CheckpointNotFound, ShardedStateError, agreed_error
+from ..format.errors import CheckpointNotFound, ShardedStateError, Unsupported, WorkerLost, agreed_error
 from ..planning.topology import RankInfo
 from ..storage.location import Store
 from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
@@ -97,7 +97,7 @@ def _layerwise() -> Any:
     needed = ("get_layerwise_info", "_layerwise_process", "_place_kernel_tensors", "_copy_and_restore_kernel_tensors")
     missing = [name for name in needed if not hasattr(layerwise, name)]
     if missing:
-        raise ShardedStateError(
+        raise Unsupported(
             f"This vLLM's layerwise reload machinery lacks {missing} (vllm_sharded_loader was written against "
             "vLLM 0.32): weight updates with sharded_state are not available; restart the engine instead."
         )
@@ -253,7 +253,7 @@ class InPlaceUpdate:
         rank = model_rank(self.model)
         try:
             wait_for_replicas(rank, "reload_weights (or update_weights)", "update", "No weights were changed.")
-        except ShardedStateError:
+        except WorkerLost:
             self._put_back(layers)
             if raises_for_all():
                 raise

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..checkpoint.request import read_manifest
 from ..checkpoint.save import DEFAULT_MAX_SIZE
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 from ..storage.location import Store, open_store
 from ..storage.model_files import special_files
 from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
@@ -82,7 +82,7 @@ def save_sharded_state(
     require_supported()  # the plugin off, vLLM's save hook would write vLLM's own format
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
-        raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")
+        raise InvalidOption(f"--model {model!r} must be a local directory holding the source model.")
     for error in special_files(model):
         raise error
     store = open_store(output)

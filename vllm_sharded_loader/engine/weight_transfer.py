@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from ..checkpoint.stats import check_verify_mode
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption, WorkerLost
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -156,7 +156,7 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
             own = (False, f"{rank}: {e}")
         try:
             wait_for_replicas(rank, "update_weights", "update", "No weights were changed.")
-        except ShardedStateError:
+        except WorkerLost:
             if raises_for_all():
                 raise
             return None
@@ -176,7 +176,7 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
         if not errors:
             return info
         if raises_for_all():
-            raise ShardedStateError(" | ".join(errors) + " (no rank's weights were changed)")
+            raise InvalidOption(" | ".join(errors) + " (no rank's weights were changed)")
         logger.warning("sharded_state: %s did not update: the update's arguments were refused", rank)
         return None
 

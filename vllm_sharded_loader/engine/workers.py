@@ -88,7 +88,7 @@ def wait_for_replicas(rank: RankInfo, call: str, doing: str, changed: str) -> No
             group=get_dp_group().cpu_group, timeout=timedelta(seconds=seconds), wait_all_ranks=True
         )
     except RuntimeError as e:
-        raise ShardedStateError(
+        raise WorkerLost(
             f"Refusing to {doing}: each of the {rank.dp_size} data-parallel replicas holds its own experts "
             f"(placed on it, or cut across TP x DP), and not all of them called {call} within {seconds:g} s "
             f"({REPLICA_TIMEOUT_ENV}; {e}). Call it on every replica: in each data-parallel process of an "

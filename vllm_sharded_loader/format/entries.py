@@ -7,25 +7,18 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-# The key, in each part's safetensors metadata, of the rank whose slice the part holds (RankEntry.label).
-# Two ranks' parts hold the same tensors, shapes and offsets: renamed or copied over each other, only
-# their bytes (a checksum) or this tells them apart. Parts written before it have none.
+# Part metadata (both optional): the rank whose slice a part holds (RankEntry.label), since two ranks'
+# headers can be identical; and the digest of the part's bytes (FileEntry.digest), which tells a stale
+# copy of an older save apart and keeps two saves of the same weights byte for byte the same.
 RANK_METADATA = "sharded_state_rank"
-# The key, in each part's safetensors metadata, of the digest of the part's contents (FileEntry.digest):
-# a part of an older save of the same model and rank (a stale copy) has the same header but for this.
-# The writer fills it once the data is written (storage/writer.py), so it depends on the bytes alone and
-# two saves of the same weights stay byte for byte the same. Parts written before it have none.
 DIGEST_METADATA = "sharded_state_digest"
 DIGEST_DIGITS = 32
 
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor of one rank lives: its part file, dtype, shape and byte offset.
-
-    ``offset`` is the absolute position of its first byte in the file (None in manifests
-    that did not record it); with it a resharding reader plans reads without headers.
-    """
+    """Where one tensor of one rank lives: its part file, dtype, shape and absolute byte offset
+    (optional; with it a resharding reader plans reads without headers)."""
 
     file: str
     dtype: str
@@ -47,8 +40,8 @@ class FileChecksum:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One part file, its exact byte size and, if recorded, its block checksums and the digest of its
-    contents that its header holds (``digest``, as :data:`DIGEST_METADATA`; older manifests have none)."""
+    """One part file: its exact byte size and, if recorded, its block checksums and the digest its
+    header holds (:data:`DIGEST_METADATA`)."""
 
     name: str
     size: int
@@ -58,9 +51,8 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class StartupArtifacts:
-    """One rank's start-up (compile) artifacts carried beside its parts: one archive file, its
-    SHA-256, and the key that says where they are valid (versions, compile settings and
-    vLLM's own cache key, topology, rank, device). See :mod:`..checkpoint.startup_artifacts`."""
+    """One rank's start-up (compile) artifacts: an archive, its SHA-256, and the key that says where
+    they are valid (versions, compile settings, vLLM's cache key, topology, rank, device)."""
 
     file: str
     size: int
@@ -91,10 +83,8 @@ class CarriedFile:
 class RankEntry:
     """What one (pp_rank, tp_rank) worker wrote.
 
-    ``dp_rank`` is the data-parallel replica, 0 unless each replica wrote its own experts
-    (:attr:`Manifest.replicas`); a later replica's entry holds only its expert tensors.
-    ``startup`` is the rank's start-up artifacts, if the save carried them (optional: older
-    manifests have none).
+    ``dp_rank`` is 0 unless each data-parallel replica wrote its own experts (a later replica's
+    entry holds only its expert tensors); ``startup`` is optional.
     """
 
     tp_rank: int

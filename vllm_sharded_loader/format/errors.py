@@ -1,24 +1,11 @@
 """The package's error types, and how their messages list things.
 
 Every error is a :class:`ShardedStateError` (a ``ValueError``, as vLLM's own loader errors
-are); the subclasses let a caller branch on what went wrong without reading the message:
-
-- :class:`CheckpointNotFound`: no checkpoint (or no file, object or manifest) where one was asked for;
-- :class:`CheckpointLocked`: a save holds the checkpoint (a live owner's lock);
-- :class:`CheckpointMismatch`: the checkpoint is sound but not for this model, topology or dtype;
-- :class:`CheckpointCorrupt`: a file is truncated, replaced, hostile or fails its checksum;
-- :class:`SaveRefused`: a save was refused before anything was published; nothing changed;
-- :class:`SaveFailedAfterPublish`: the manifest is published (the checkpoint is complete and
-  sound), but a step after it (removing the old parts, the lock) failed;
-- :class:`WorkerLost`: another worker of the same load, save or update stopped answering;
-- :class:`InvalidKey`: a signing or trusted key that cannot be read or used.
-
-An interrupt that comes once the manifest is published is raised as :class:`InterruptedAfterPublish`,
-still a ``KeyboardInterrupt`` (the new checkpoint is complete; the command says so).
-
-``agreed`` is true on an error that a worker raises because another worker failed (the
-exchange of outcomes across workers); ``origin`` is then the failing worker's own error where
-it is known.
+are); each subclass names one thing that went wrong, so that a caller branches on the type,
+not the message. The base class itself is raised only where no subclass is true. An
+interrupt after the manifest is published is an :class:`InterruptedAfterPublish`, still a
+``KeyboardInterrupt``. ``agreed`` marks an error a worker raises because another failed;
+``origin`` is then that worker's own error, where known.
 """
 
 from __future__ import annotations
@@ -82,11 +69,24 @@ class InterruptedAfterPublish(KeyboardInterrupt):
 
 
 class WorkerLost(ShardedStateError):
-    """Another worker of the same load, save or update stopped answering."""
+    """Another worker of the same load, save or update stopped answering (or a replica never joined it)."""
 
 
 class InvalidKey(ShardedStateError):
     """A signing or trusted key file that is missing, encrypted, or not a PEM key of a supported kind."""
+
+
+class InvalidOption(ShardedStateError):
+    """An argument, option, file pattern, URL or environment setting that is not valid; nothing was read or written."""
+
+
+class Unsupported(ShardedStateError):
+    """What this version, this vLLM or this machine does not support: a missing package, a layer or placement it
+    does not know."""
+
+
+class StorageError(ShardedStateError):
+    """The storage failed under a read, write or removal: an I/O or network error, or a request the store refused."""
 
 
 def agreed_error(cls: type[ShardedStateError], message: str, origin: BaseException | None = None) -> ShardedStateError:

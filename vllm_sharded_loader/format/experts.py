@@ -1,10 +1,6 @@
-"""Where a mixture-of-experts model's routed experts live across expert-parallel ranks.
-
-Recorded in the manifest (``expert_placement``) when a model is saved with expert
-parallelism: two placements with the same tensor shapes (``linear`` and ``round_robin``,
-or another EP size whose local counts happen to match) route tokens to different
-experts, so a load compares the saved placement with the served one before reading.
-Pure.
+"""Where a mixture-of-experts model's routed experts live across expert-parallel ranks, as the
+manifest records it (``expert_placement``): two placements with the same tensor shapes route
+tokens to different experts, so a load compares them before reading. Pure.
 """
 
 from __future__ import annotations
@@ -25,10 +21,9 @@ MAX_EP_SIZE = 1 << 16
 class ExpertPlacement:
     """How vLLM placed the routed experts of every MoE layer on its expert-parallel ranks.
 
-    ``ep_size`` is vLLM's expert-parallel group size (TP flattened with DP), ``strategy``
-    the placement vLLM used (its ``expert_placement_strategy``, after its own fallbacks),
-    ``num_experts`` the global experts per MoE layer, and ``experts[ep_rank]`` the global
-    ids rank ``ep_rank`` holds, in local order: vLLM's global -> local expert map, inverted.
+    ``ep_size`` is TP x DP, ``strategy`` vLLM's ``expert_placement_strategy`` (after its
+    fallbacks), ``num_experts`` the global experts per layer, and ``experts[ep_rank]`` the
+    global ids that rank holds, in local order (vLLM's expert map, inverted).
 
     >>> p = ExpertPlacement(2, "linear", 4, ((0, 1), (2, 3)))
     >>> p.expert_map(1)
@@ -86,12 +81,8 @@ class ExpertPlacement:
 
 
 def writing_replicas(experts: ExpertPlacement | None, tp_size: int, dp_size: int, over_dp: bool = False) -> int:
-    """How many data-parallel replicas write files of one save.
-
-    Replicas hold the same slices, so the first writes them, except for routed experts
-    split across the replicas: placed on them by expert parallelism (EP size = TP x DP), or,
-    without it (``over_dp``), each expert cut across all TP x DP ranks as vLLM does. Then
-    each replica writes its own experts too.
+    """How many data-parallel replicas write files of one save: the first only, unless the routed
+    experts are split across replicas (expert parallelism over TP x DP, or ``over_dp``).
 
     >>> writing_replicas(ExpertPlacement(2, "linear", 4, ((0, 1), (2, 3))), tp_size=1, dp_size=2)
     2

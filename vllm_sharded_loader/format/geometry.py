@@ -1,13 +1,8 @@
 """How a tensor is split across tensor-parallel ranks, as recorded in the manifest.
 
-:class:`TensorGeometry` describes one parameter declaratively and independently of any
-TP size: its shape at TP=1, the dimension vLLM splits it along, and for fused parameters
-the logical sub-tensors (*segments*: q/k/v, gate/up, vocabulary) it is made of. It is
-JSON data, recorded beside the tensor in the manifest; the constructors below build it
-for each of vLLM's parallel layers. A quantized tensor whose index along the split dimension
-stands for several of the layer's rows or columns (int4 packed eight to an int32, a scale per
-group of inputs) records that number as its ``unit``. Which rows a rank holds at a given TP size is
-:func:`~vllm_sharded_loader.planning.layout.shard_layout`. Pure.
+:class:`TensorGeometry` describes one parameter independently of any TP size (JSON data); the
+constructors below build it for each of vLLM's parallel layers. Which rows a rank holds at a
+given TP size is :func:`~vllm_sharded_loader.planning.layout.shard_layout`. Pure.
 """
 
 from __future__ import annotations
@@ -25,9 +20,7 @@ COLUMN_PARALLEL = "column_parallel"
 ROW_PARALLEL = "row_parallel"
 QKV_PARALLEL = "qkv_parallel"
 MERGED_COLUMN_PARALLEL = "merged_column_parallel"
-# Merged column parallel whose segments of state groups follow the heads (Mamba-2's in_proj and
-# conv1d): split by whole groups, or, at a TP size above the group count, one group per rank.
-GROUPED_COLUMN_PARALLEL = "grouped_column_parallel"
+GROUPED_COLUMN_PARALLEL = "grouped_column_parallel"  # Mamba-2's in_proj and conv1d
 VOCAB_PARALLEL = "vocab_parallel"
 OPAQUE = "opaque"
 KINDS = (
@@ -51,14 +44,12 @@ DEFAULT_VOCAB_PADDING_SIZE = 64
 
 @dataclass(frozen=True)
 class Segment:
-    """One logical sub-tensor of a parameter along its split dimension.
+    """One logical sub-tensor of a parameter along its split dimension (q/k/v, gate/up, vocabulary).
 
-    ``size`` is the number of indices that carry data at TP=1 (rows of q, of gate, of the
-    real vocabulary). ``padded_size`` adds vLLM's padding, which holds zeros (vocabulary
-    only; it does not depend on the TP size). ``heads`` and ``head_size`` say the segment
-    is split by whole attention heads; with ``replicate_heads`` (K and V of a QKV
-    projection), a TP size above the head count gives each rank one head, shared by
-    ``tp_size // heads`` consecutive ranks.
+    ``size`` counts the indices that carry data at TP=1; ``padded_size`` adds vLLM's zero
+    padding (vocabulary only, independent of the TP size). ``heads`` and ``head_size`` split
+    it by whole heads; with ``replicate_heads`` (K and V), a TP size above the head count gives
+    each rank one head, shared by ``tp_size // heads`` consecutive ranks.
     """
 
     name: str
@@ -91,21 +82,15 @@ class Segment:
 class TensorGeometry:
     """How one parameter is sharded across tensor-parallel ranks, for every TP size.
 
-    ``shape`` is the parameter's shape at TP=1 (vocabulary rows padded as vLLM pads them),
-    ``split_dim`` the dimension split across ranks (None: every rank holds all of it),
-    ``segments`` the consecutive sub-tensors along ``split_dim`` (each split on its own,
-    a rank's local tensor being the concatenation of its piece of each), ``kind`` the
-    sharding rule and ``layer_class`` the vLLM layer it comes from, for messages.
+    ``shape`` is the shape at TP=1 (vocabulary padded as vLLM pads it), ``split_dim`` the
+    dimension split across ranks (None: every rank holds all of it), ``segments`` the
+    consecutive sub-tensors along it (each split on its own; a rank's tensor joins its piece
+    of each), ``kind`` the sharding rule, ``layer_class`` the vLLM layer, for messages.
 
-    ``unit`` is how many of the layer's rows (or columns) one index along ``split_dim``
-    stands for: 1 for a plain tensor, the pack factor for packed int4 (8 values to an
-    int32), the group size for group-wise scales and zero points. Segments are then
-    counted in the layer's rows, as for its unquantized weight, and ``shape[split_dim]``
-    is their total divided by ``unit``: a rank's rows are split by the layer's rule, and
-    a rank whose rows do not start and end on a whole unit cannot hold them
-    (:func:`~vllm_sharded_loader.planning.layout.shard_layout` refuses). A 2-D tensor may
-    also be laid out ``[in, out]`` (AWQ, GPTQ): then a column-parallel rule splits
-    dimension 1 and a row-parallel one dimension 0.
+    ``unit`` is how many of the layer's rows one index along ``split_dim`` stands for: the
+    pack factor of packed int4, the group size of group-wise scales, else 1. Segments count
+    the layer's rows, and ``shape[split_dim]`` is their total over ``unit``. A 2-D tensor laid
+    out ``[in, out]`` (AWQ, GPTQ) swaps the split dimension of the column and row rules.
 
     >>> g = TensorGeometry.from_dict({"kind": "row_parallel", "layer_class": "RowParallelLinear",
     ...     "shape": [8, 16], "split_dim": 1, "segments": [{"name": "weight", "size": 16}]}, "o_proj.weight")
@@ -118,9 +103,7 @@ class TensorGeometry:
     shape: tuple[int, ...]
     split_dim: int | None = None
     segments: tuple[Segment, ...] = ()
-    # Leading dimensions that stack one layer per entry (MoE experts): the rule applies after them.
-    stacked: int = 0
-    # How many of the layer's rows one index along split_dim stands for (packing, groups).
+    stacked: int = 0  # leading dimensions of one layer each (MoE experts): the rule applies after them
     unit: int = 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,10 +124,7 @@ class TensorGeometry:
 
     @classmethod
     def from_dict(cls, data: Any, name: str, where: str = "") -> TensorGeometry:
-        """Parse and validate the geometry recorded for tensor ``name`` (in the manifest ``where``).
-
-        Every defect is a :class:`ShardedStateError` naming the tensor.
-        """
+        """Parse and validate the geometry recorded for tensor ``name``; a defect is an error naming it."""
         what = f"{where}: geometry of {name}" if where else f"geometry of {name}"
         reader = JsonReader(what, "The manifest is damaged: save the checkpoint again.")
         fail = reader.fail
@@ -197,10 +177,7 @@ class TensorGeometry:
 
 
 def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None:
-    """Raise a :class:`ShardedStateError` unless the geometry is self-consistent.
-
-    An ``opaque`` geometry is valid (the tensor is simply never resharded).
-    """
+    """Raise unless the geometry is self-consistent (``opaque`` is: such a tensor is never resharded)."""
     g = geometry
     where = f"{where + ': ' if where else ''}geometry of {name} ({g.layer_class}, kind {g.kind!r})"
 
@@ -229,9 +206,8 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
         if g.split_dim is not None or g.segments or g.unit != 1:
             raise fail(f"a replicated tensor has no split dimension, segments or unit, found split_dim={g.split_dim}")
         return
-    # A row-parallel tensor is split along its input dimension, the others along their
-    # output dimension: 1 and 0 for a linear weight, one further for stacked experts. A 2-D
-    # quantized tensor laid out [in, out] (AWQ, GPTQ) is split along the other one.
+    # Row-parallel splits the input dimension, the others the output one (after stacked
+    # dimensions); a 2-D [in, out] tensor (AWQ, GPTQ) the other one.
     expected = g.stacked + (1 if g.kind == ROW_PARALLEL else 0)
     allowed = {expected, 1 - expected} if not g.stacked and len(g.shape) == 2 else {expected}
     if g.split_dim not in allowed or len(g.shape) <= g.split_dim:
@@ -309,10 +285,8 @@ def column_parallel(shape: Sequence[int], layer_class: str = "ColumnParallelLine
 
 
 def row_parallel(shape: Sequence[int], layer_class: str = "RowParallelLinear", stacked: int = 0) -> TensorGeometry:
-    """A RowParallelLinear weight ``[out, in]``, split along dimension 1 (its bias is :func:`replicated`).
-
-    ``stacked=1`` for experts stacked in one tensor (``[experts, hidden, intermediate]``).
-    """
+    """A RowParallelLinear weight ``[out, in]`` split along dimension 1 (``stacked=1``: experts first);
+    its bias is :func:`replicated`."""
     dim = stacked + 1
     return TensorGeometry(ROW_PARALLEL, layer_class, tuple(shape), dim, (Segment("input", shape[dim]),), stacked)
 
@@ -324,9 +298,8 @@ def merged_column_parallel(
     layer_class: str = "MergedColumnParallelLinear",
     stacked: int = 0,
 ) -> TensorGeometry:
-    """A MergedColumnParallelLinear weight or bias: each of ``output_sizes`` (gate, up) split on its own.
-
-    ``stacked=1`` for experts stacked in one tensor (``[experts, gate + up, hidden]``).
+    """A MergedColumnParallelLinear weight or bias: each of ``output_sizes`` (gate, up) split on its
+    own (``stacked=1``: experts first).
 
     >>> [s.size for s in merged_column_parallel([8, 4], [4, 4]).segments]
     [4, 4]
@@ -340,10 +313,8 @@ def merged_column_parallel(
 def grouped_column_parallel(
     shape: Sequence[int], segments: Sequence[Segment], layer_class: str = "ColumnParallelLinear"
 ) -> TensorGeometry:
-    """Mamba-2's ``in_proj`` and ``conv1d`` (vLLM's ``MambaMixer2``): merged segments split on
-    their own along dimension 0, those of B/C states by whole groups (a :class:`Segment` with
-    ``heads`` groups of ``head_size`` states, ``replicate_heads``). vLLM splits the groups as
-    the heads where the TP size divides them, and with one group gives every rank a copy of it.
+    """Mamba-2's ``in_proj`` and ``conv1d``: segments split on their own along dimension 0, those of
+    B/C states by whole groups (``heads`` groups of ``head_size`` states, ``replicate_heads``).
 
     >>> group = dict(heads=1, head_size=3, replicate_heads=True)  # one group of 3 states
     >>> g = grouped_column_parallel([10], [Segment("x", 4), Segment("B", 3, **group), Segment("C", 3, **group)])
@@ -362,11 +333,8 @@ def qkv_parallel(
     v_head_size: int | None = None,
     layer_class: str = "QKVParallelLinear",
 ) -> TensorGeometry:
-    """A QKVParallelLinear weight ``[(q+k+v) rows, hidden]`` or bias, from the layer's *total* head counts.
-
-    Use ``total_num_heads`` and ``total_num_kv_heads``: the layer's ``output_size`` counts a
-    replicated KV head once per rank and is larger than the tensor at TP=1.
-    """
+    """A QKVParallelLinear weight ``[(q+k+v) rows, hidden]`` or bias, from the layer's
+    ``total_num_heads`` and ``total_num_kv_heads`` (its ``output_size`` counts replicated KV heads)."""
     v_head_size = head_size if v_head_size is None else v_head_size
     segments = (
         Segment("q", num_heads * head_size, heads=num_heads, head_size=head_size),
@@ -383,12 +351,8 @@ def vocab_parallel(
     padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
     layer_class: str = "VocabParallelEmbedding",
 ) -> TensorGeometry:
-    """A VocabParallelEmbedding or ParallelLMHead weight, padded as vLLM pads it.
-
-    ``vocab_size`` is the layer's ``num_embeddings``, ``org_vocab_size`` its
-    ``org_vocab_size`` (the rest are added, e.g. LoRA, tokens, sharded separately and placed
-    after the base vocabulary on every rank). A ParallelLMHead bias is
-    :func:`vocab_parallel_bias`.
+    """A VocabParallelEmbedding or ParallelLMHead weight, padded as vLLM pads it: ``vocab_size`` is
+    its ``num_embeddings``; added tokens beyond ``org_vocab_size`` are split separately, after the base.
 
     >>> vocab_parallel(1000, 32).shape
     (1024, 32)

@@ -22,7 +22,7 @@ from .entries import (
     TensorEntry,
     rank_to_dict,
 )
-from .errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
+from .errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption
 from .experts import ExpertPlacement, writing_replicas
 from .geometry import TensorGeometry
 from .names import (
@@ -251,7 +251,7 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
         )
     try:
         validate_pattern(manifest.pattern, manifest.tp_size, manifest.pp_size, replicas)
-    except ShardedStateError as e:  # a bad option when saving; in a published manifest, damage
+    except InvalidOption as e:  # a bad option when saving; in a published manifest, damage
         raise CheckpointCorrupt(
             f"{where}: the file pattern does not fit the recorded topology (TP={manifest.tp_size} "
             f"PP={manifest.pp_size}, {replicas} writing replica(s)): {e} The manifest is damaged: save the "
@@ -294,7 +294,7 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
                 )
         if entry.startup is not None:
             if entry.startup.file in owners:
-                raise ShardedStateError(
+                raise CheckpointCorrupt(
                     f"{where}: the start-up artifacts {entry.startup.file!r} of {rank} are also listed by "
                     f"{owners[entry.startup.file]}. The manifest is damaged: save the checkpoint again."
                 )

@@ -1,10 +1,8 @@
 """File names of a sharded checkpoint: the patterns vLLM uses, rendering and parsing them.
 
-A sharded checkpoint is a directory of safetensors files, one or more *parts* per
-(pp_rank, tp_rank) worker, named exactly as vLLM names them, plus ``sharded_state.json``,
-the manifest, written last. A mixture-of-experts model saved under data and expert
-parallelism has experts that differ per data-parallel replica: each replica writes its
-own, and the names carry ``{dp_rank}`` too. Pure: no I/O.
+A checkpoint is a directory of safetensors *parts*, one or more per (pp_rank, tp_rank) worker
+(and per data-parallel replica, ``{dp_rank}``, for experts under expert parallelism), named as
+vLLM names them, plus the manifest, written last. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -14,31 +12,26 @@ import re
 import string
 from collections.abc import Iterable
 
-from .errors import CheckpointCorrupt, ShardedStateError
+from .errors import CheckpointCorrupt, InvalidOption
 
 MANIFEST_NAME = "sharded_state.json"
-# Present from the start of a save until its manifest is published; also the lock
-# that makes saves into one directory exclusive. A loader refuses a directory that has it.
+# A save's lock, from its start until its manifest is published; a loader refuses a directory without
+# a manifest that has it.
 LOCK_NAME = ".sharded_state.lock"
 
 TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
-# Under data + expert parallelism (each replica writes its own experts).
 DP_AND_TP_PATTERN = "model-dp-{dp_rank}-rank-{rank}-part-{part}.safetensors"
 PP_DP_AND_TP_PATTERN = "model-pp-{pp_rank}-dp-{dp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN, DP_AND_TP_PATTERN, PP_DP_AND_TP_PATTERN)
-# A file being written by a save, until the save publishes it by rename:
-# ``.<final name>.<save token>.partial``. A save's token is exactly this many hex digits: a
-# save's clean-up removes what a save that is gone staged, and a user's ``.notes.2024.partial``
-# is none of that.
+# A file a save writes until it publishes it by rename: ``.<final name>.<token>.partial``, the token
+# exactly TOKEN_DIGITS hex digits, so that a clean-up never takes a user's ``.notes.2024.partial``.
 STAGED_SUFFIX = ".partial"
 TOKEN_DIGITS = 12
 _STAGED = re.compile(rf"\.(?P<final>.+)\.(?P<token>[0-9a-f]{{{TOKEN_DIGITS}}})" + re.escape(STAGED_SUFFIX) + r"\Z")
 PATTERN_FIELDS = frozenset({"pp_rank", "dp_rank", "tp_rank", "rank", "part"})
 MAX_PATTERN_LENGTH = 255  # a file name
-# The most digits a rank or part number of a file name has: no save numbers anything near 10^18.
-# A name in a manifest is not bounded by the file system's 255 bytes, and Python's int() raises a
-# bare ValueError on more than 4300 digits; a longer number is simply no name a save renders.
+# A longer rank or part number is no name a save renders (and int() refuses more than 4300 digits).
 MAX_NUMBER_DIGITS = 18
 
 
@@ -61,37 +54,33 @@ def pattern_fields(pattern: str) -> set[str]:
     try:
         return {f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None}
     except ValueError as e:
-        raise ShardedStateError(f"File pattern {pattern!r} is not a valid format string: {e}") from e
+        raise InvalidOption(f"File pattern {pattern!r} is not a valid format string: {e}") from e
 
 
 def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1) -> None:
     """Check a file pattern as vLLM does, plus that it names a plain file.
 
-    Every active parallel dimension needs its rank field, otherwise ranks would write
-    the same file and silently overwrite each other. ``replicas`` is how many
-    data-parallel replicas write files (more than 1 only for experts under expert
-    parallelism).
+    Every active parallel dimension needs its rank field, else ranks overwrite each other's
+    files. ``replicas`` is how many data-parallel replicas write files.
     """
     if len(pattern) > MAX_PATTERN_LENGTH:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern[:40]!r}... is {len(pattern)} characters; at most {MAX_PATTERN_LENGTH}."
         )
     try:
         parsed = list(string.Formatter().parse(pattern))
     except ValueError as e:
-        raise ShardedStateError(f"File pattern {pattern!r} is not a valid format string: {e}") from e
+        raise InvalidOption(f"File pattern {pattern!r} is not a valid format string: {e}") from e
     if any(spec or conversion for _, name, spec, conversion in parsed if name is not None):
-        # A format spec ({rank:>999999999}) could render names of any length, or pad
-        # ranks so that two patterns name the same file; vLLM's patterns have none.
-        raise ShardedStateError(
+        # A spec ({rank:>999999999}) renders names of any length, or two ranks' names alike.
+        raise InvalidOption(
             f"File pattern {pattern!r} uses a format spec or conversion; only plain fields such as "
             "{rank} and {part} are allowed."
         )
     for (_, first, _, _), (between, second, _, _) in itertools.pairwise(parsed):
         if first is not None and second is not None and (not between or between.isdigit()):
-            # {rank}{part}: rank 1's part 10 and rank 11's part 0 are both ...110..., and a name
-            # parsed back could be given to the wrong rank.
-            raise ShardedStateError(
+            # {rank}{part}: rank 1's part 10 and rank 11's part 0 are both ...110...
+            raise InvalidOption(
                 f"File pattern {pattern!r} puts {{{first}}} and {{{second}}} side by side, so their numbers run "
                 "together and a file's name does not say which rank wrote it. Separate them with a character "
                 f"that is not a digit, as in {default_pattern(pp_size)!r}."
@@ -99,45 +88,45 @@ def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1
     fields = pattern_fields(pattern)
     unsupported = fields - PATTERN_FIELDS
     if unsupported or "" in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} uses unsupported placeholder(s) {sorted(unsupported)}; "
             "supported fields are pp_rank, dp_rank, tp_rank, rank and part."
         )
     if "/" in pattern or "\\" in pattern or pattern.startswith("."):
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} must name a plain file inside the checkpoint directory "
             "(no path separators, no leading dot)."
         )
     if "part" not in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} has no {{part}} field; parts of one rank would overwrite "
             f"each other. Use {default_pattern(pp_size)!r}."
         )
     has_tp = "tp_rank" in fields or "rank" in fields
     if pp_size > 1:
         if "pp_rank" not in fields:
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"File pattern {pattern!r} does not embed the pipeline parallel rank; with "
                 f"pipeline parallelism every stage would write the same file. Use {PP_AND_TP_PATTERN!r}."
             )
     elif "pp_rank" in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} requires pipeline parallelism, but the pipeline "
             f"parallel size is 1. Use {TP_ONLY_PATTERN!r}."
         )
     if tp_size > 1 and not has_tp:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} does not embed the tensor parallel rank; TP workers "
             "would overwrite each other's shards."
         )
     if replicas > 1 and "dp_rank" not in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} does not embed the data-parallel rank; under expert parallelism each of "
             f"the {replicas} replicas writes its own experts, and they would overwrite each other. Use "
             f"{default_pattern(pp_size, replicas)!r}."
         )
     if replicas == 1 and "dp_rank" in fields:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"File pattern {pattern!r} embeds the data-parallel rank, but only one replica writes files (each "
             f"replica writes its own only for experts under expert parallelism). Use {default_pattern(pp_size)!r}."
         )
@@ -153,11 +142,8 @@ def render_file_name(pattern: str, *, tp_rank: int, pp_rank: int, part: int, dp_
 
 
 def file_name_regex(pattern: str) -> re.Pattern[str]:
-    """A regex matching every name the pattern can render, with a group per field.
-
-    A field used twice (``{rank}`` and ``{tp_rank}`` are one value) must match the
-    same number both times. A number of more than :data:`MAX_NUMBER_DIGITS` digits matches none.
-    """
+    """A regex matching every name the pattern can render, a group per field (``{rank}`` and
+    ``{tp_rank}`` one group); a number over :data:`MAX_NUMBER_DIGITS` digits matches none."""
     out: list[str] = []
     seen: set[str] = set()
     for literal, name, _, _ in string.Formatter().parse(pattern):
@@ -205,8 +191,7 @@ def check_plain_file_name(name: str, where: str) -> str:
 
 
 def check_carried_name(name: str, where: str) -> str:
-    """Refuse a carried file's name that could escape the checkpoint directory: it is a relative
-    path of plain parts (a module folder's ``1_Pooling/config.json``), never absolute, never ``..``.
+    """Refuse a carried file's name unless it is a relative path of plain parts (``1_Pooling/config.json``).
 
     >>> check_carried_name("1_Pooling/config.json", "sharded_state.json")
     '1_Pooling/config.json'
@@ -242,14 +227,9 @@ def is_staged_name(name: str) -> bool:
 def fresh_part_names(
     pattern: str, count: int, taken: Iterable[str], *, tp_rank: int, pp_rank: int, dp_rank: int = 0
 ) -> list[str]:
-    """Names for a rank's ``count`` new parts that collide with none of ``taken``.
-
-    A save that replaces a checkpoint writes its parts beside the old ones, under names
-    the old manifest does not list, so that the old checkpoint loads until the new
-    manifest is published (replace last). The names keep vLLM's pattern; only the part
-    numbers move: from 0 where those are free, else from one past the highest part of
-    this rank among ``taken`` (the existing files and the old manifest's). Saves over
-    one directory thus alternate between two ranges of part numbers.
+    """Names for a rank's ``count`` new parts that collide with none of ``taken``, so that the old
+    checkpoint loads until the new manifest is published: part numbers from 0 where free, else
+    from one past this rank's highest in ``taken``.
 
     >>> fresh_part_names(TP_ONLY_PATTERN, 2, [], tp_rank=0, pp_rank=0)
     ['model-rank-0-part-0.safetensors', 'model-rank-0-part-1.safetensors']
@@ -282,14 +262,12 @@ STARTUP_ARTIFACTS_PREFIX = "startup-artifacts-"
 
 
 def startup_artifacts_name(tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
-    """The name of one rank's start-up (compile) artifacts beside its parts; each save writes it
-    with its token added (:func:`token_name`)."""
+    """The name of one rank's start-up (compile) artifacts (a save adds its :func:`token_name`)."""
     return f"{STARTUP_ARTIFACTS_PREFIX}pp{pp_rank}-tp{tp_rank}" + (f"-dp{dp_rank}" if dp_rank else "") + ".tar"
 
 
 def token_name(name: str, token: str) -> str:
-    """``name`` with a save's token before its extension: a file of one rank (its start-up
-    artifacts) that a save writes beside its parts under a name no published file has.
+    """``name`` with a save's token before its extension: a name no published file has.
 
     >>> token_name("startup-artifacts-pp0-tp1.tar", "ab12")
     'startup-artifacts-pp0-tp1-ab12.tar'
@@ -299,5 +277,5 @@ def token_name(name: str, token: str) -> str:
 
 
 def is_startup_artifacts_name(name: str) -> bool:
-    """Whether a file of a checkpoint is one rank's start-up artifacts (never a weight file to copy)."""
+    """Whether a checkpoint's file is one rank's start-up artifacts."""
     return name.startswith(STARTUP_ARTIFACTS_PREFIX) and name.endswith(".tar")

@@ -1,8 +1,7 @@
 """The safetensors file layout: dtype names and the header, parsed from untrusted bytes. Pure.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header naming each
-tensor's dtype, shape and byte range in the data, then the data. Our files are plain
-safetensors: ``safe_open`` reads ours and we read the library's.
+An 8-byte little-endian header length, a JSON header (each tensor's dtype, shape and byte range),
+then the data.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ class Header:
 
 
 def _element_count(shape: Iterable[int]) -> int:
-    """The product of a shape already checked by :func:`.untrusted.is_shape` (so it stays below 2^(60*16))."""
+    """The product of a shape checked by :func:`.untrusted.is_shape`."""
     n = 1
     for d in shape:
         n *= d
@@ -102,8 +101,7 @@ def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int
     for name, info in data.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            # Bounded before any arithmetic: a shape of many huge dimensions would
-            # otherwise cost time quadratic in its length (big-integer products).
+            # Bounded before any arithmetic: big-integer products of a huge shape cost quadratic time.
             ok = (
                 isinstance(dtype, str)
                 and is_shape(shape)
@@ -130,8 +128,7 @@ def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int
                 "the file is corrupt."
             )
         tensors[name] = HeaderEntry(dtype, tuple(shape), data_start + begin, data_start + end)
-    # Like the safetensors library: tensors tile the data exactly, no gap, no overlap,
-    # no trailing bytes. Checksums then cover exactly what the tensors are made of.
+    # As in the safetensors library, tensors tile the data exactly, so checksums cover only tensor bytes.
     position = data_start
     for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if entry.begin != position:

@@ -1,8 +1,7 @@
 """The manifest's signature: who vouches for the code a checkpoint carries (its start-up archives).
 
-A signature covers the whole manifest but itself (each archive's name, size, SHA-256 and key,
-every part's record), as canonical JSON: what a reader parsed is what was signed. Pure: the
-cryptography is in :mod:`..checkpoint.trust`.
+It covers the whole manifest but itself, as canonical JSON, so what a reader parsed is what was
+signed. Pure: the cryptography is in :mod:`..checkpoint.trust`.
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ from .untrusted import JsonReader
 
 SIGNATURE_FIELD = "signature"
 ALGORITHMS = ("ed25519", "ecdsa-sha256")
-# What a signature signs: this prefix and the SHA-256 of the canonical manifest, so that a signature
-# of anything else under the same key (another tool's message) never passes as a manifest's.
+# Signed: this prefix and the canonical manifest's SHA-256, so another message of the key never passes.
 SIGNED_PREFIX = b"vllm-sharded-state manifest v1\n"
 KEY_ID = re.compile(r"[0-9a-f]{64}\Z")
 MAX_SIGNATURE_CHARS = 1024
@@ -26,8 +24,7 @@ MAX_SIGNATURE_CHARS = 1024
 
 @dataclass(frozen=True)
 class Signature:
-    """A signature of the manifest: its algorithm, the signing key's id (SHA-256 of its public key,
-    DER) and the signature, base64."""
+    """Algorithm, signing key's id (SHA-256 of its DER public key) and the signature, base64."""
 
     algorithm: str
     key_id: str
@@ -53,8 +50,7 @@ class Signature:
 
 
 def signed_message(data: dict[str, Any]) -> bytes:
-    """The bytes a signature of the manifest ``data`` (parsed JSON) signs: its canonical form without
-    the signature, hashed.
+    """The bytes a signature of the parsed manifest ``data`` signs (its canonical form, unsigned, hashed).
 
     >>> signed_message({"b": 1, "a": [1.5], "signature": {}}) == signed_message({"a": [1.5], "b": 1})
     True

@@ -7,9 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# Config keys that say nothing about the weights: they differ between the source
-# directory and the saved one (paths), between transformers versions, or with
-# --dtype, which we allow to differ (the loader casts).
+# Config keys that say nothing about the weights: paths, transformers versions, the dtype (cast at load).
 VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"})
 
 
@@ -25,8 +23,7 @@ class SourceModel:
 def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of a HF config that identifies the weights, as canonical JSON data."""
     kept = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
-    # Round-trip through JSON so tuples, numpy scalars and nested configs compare
-    # the same way after a save and a reload.
+    # Through JSON, so tuples, numpy scalars and nested configs compare alike after a reload.
     return json.loads(json.dumps(kept, sort_keys=True, default=str))
 
 

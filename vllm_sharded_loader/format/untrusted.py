@@ -21,11 +21,9 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-# Python objects cost far more than their JSON text: ``[]`` (2 bytes) is a 56-byte list, ``{}``
-# a dict of over 200. Conservative costs per container, string and element, counted in the
-# text before parsing, bound the memory a file can make a parser take (see load_json).
+# Bytes of Python objects per container, string and element (``[]``, 2 bytes of text, is a 56-byte
+# list), counted in the text to bound what parsing it costs (load_json); smaller texts are cheap.
 _OBJECT_COSTS = {"{": 240, "[": 64, '"': 30, ",": 24}
-# Below this size any content is cheap enough to parse as it is.
 _CHEAP_JSON_BYTES = 1 << 20
 
 
@@ -41,12 +39,9 @@ def parse_cost(text: str | bytes) -> int:
 
 
 def load_json(text: str | bytes, where: str, max_expansion: float | None = None) -> Any:
-    """Parse untrusted JSON; duplicate keys (which json would silently merge) are an error.
-
-    With ``max_expansion``, a text over 1 MiB whose objects would cost more than that many
-    times its size in memory (:func:`parse_cost`: a hostile file of empty lists or dicts)
-    is refused before it is parsed.
-    """
+    """Parse untrusted JSON; duplicate keys (which json would silently merge) are an error. With
+    ``max_expansion``, a text over 1 MiB that would cost more than that many times its size
+    (:func:`parse_cost`) is refused unparsed."""
     if max_expansion is not None and len(text) > _CHEAP_JSON_BYTES:
         cost = parse_cost(text)
         if cost > max_expansion * len(text):
@@ -72,10 +67,7 @@ def is_shape(value: Any) -> bool:
 
 
 class JsonReader:
-    """Typed accessors for untrusted JSON data, raising :class:`ShardedStateError`.
-
-    Every message starts with ``where`` and ends with ``advice``.
-    """
+    """Typed accessors for untrusted JSON; each error starts with ``where`` and ends with ``advice``."""
 
     def __init__(self, where: str, advice: str = "Save the checkpoint again.") -> None:
         self.where, self.advice = where, advice

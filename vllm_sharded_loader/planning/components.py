@@ -1,9 +1,5 @@
-"""Components of a conversion: source tensors and the model tensors they fill together.
-
-A fused parameter (qkv, gate/up, the experts) is filled by several source tensors, and a
-source tensor may fill several parameters: each connected group is made at once, from one
-read of its sources (:mod:`..engine.convert`).
-"""
+"""Components of a conversion: source tensors and the model tensors they fill together (a fused
+parameter and its sources), each made at once from one read of its sources. Pure."""
 
 from __future__ import annotations
 
@@ -13,15 +9,13 @@ from dataclasses import dataclass
 
 @dataclass
 class Component:
-    """Source tensors and the model tensors they fill together (one fused parameter, say)."""
-
     sources: list[str]
     targets: list[str]
 
 
 def fill_components(fills: Mapping[str, set[str]], defaults: Sequence[str]) -> dict[str, Component]:
-    """Each model tensor's component: the union of every source tensor and the model tensors it
-    fills (``fills``, from vLLM's loader), and of each tensor in ``defaults`` (filled by none).
+    """Each model tensor's component: the connected groups of ``fills`` (source -> the model tensors
+    it fills), plus each tensor of ``defaults`` (filled by none) alone.
 
     >>> c = fill_components({"q": {"qkv"}, "k": {"qkv"}, "norm": {"norm"}}, ["scale"])
     >>> sorted(c["qkv"].sources), c["norm"].sources, c["scale"].sources

@@ -1,18 +1,14 @@
 """Expert placement: vLLM's rule for which rank holds which expert, and what a rank holds. Pure.
 
-A checkpoint saved with expert parallelism holds, on each rank, the whole weights of that
-rank's experts, stacked in local order; without it, every rank holds a tensor-parallel
-slice of every expert. Served with another placement, the same files can have the same
-shapes and would route tokens to the wrong experts. So a load that places experts
-otherwise than the save (:func:`experts_moved`) is planned by global expert id
-(:func:`expert_slots`, used by :mod:`.reads`), which needs the recorded geometry of every
-stacked expert tensor; without it, :func:`check_expert_placement` refuses before a byte
-is read.
+With expert parallelism each rank holds its experts whole, stacked in local order; without, a
+TP slice of every expert. A load that places experts otherwise than the save
+(:func:`experts_moved`) is planned by global expert id (:func:`expert_slots`), which needs the
+recorded geometry; without it, :func:`check_expert_placement` refuses.
 """
 
 from __future__ import annotations
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption, Unsupported
 from ..format.experts import PLACEMENTS, ExpertPlacement
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
@@ -23,18 +19,15 @@ from .topology import RankInfo
 def expert_placement(num_experts: int, ep_size: int, strategy: str = "linear") -> ExpertPlacement:
     """vLLM's ``determine_expert_map`` for every rank: the global experts each EP rank holds.
 
-    ``linear`` gives each rank a contiguous range, the first ``num_experts % ep_size``
-    ranks one expert more; ``round_robin`` gives rank ``r`` experts ``r, r + ep_size, ...``.
-
     >>> expert_placement(5, 2, "linear").experts
     ((0, 1, 2), (3, 4))
     >>> expert_placement(5, 2, "round_robin").experts
     ((0, 2, 4), (1, 3))
     """
     if strategy not in PLACEMENTS:
-        raise ShardedStateError(f"Unknown expert placement strategy {strategy!r}; vLLM's are {list(PLACEMENTS)}.")
+        raise Unsupported(f"Unknown expert placement strategy {strategy!r}; vLLM's are {list(PLACEMENTS)}.")
     if ep_size < 1 or num_experts < 1:
-        raise ShardedStateError(f"An expert placement needs ep_size >= 1 and experts >= 1: {ep_size}, {num_experts}.")
+        raise InvalidOption(f"An expert placement needs ep_size >= 1 and experts >= 1: {ep_size}, {num_experts}.")
     base, remainder = divmod(num_experts, ep_size)
     ranks = []
     for rank in range(ep_size):
@@ -58,10 +51,8 @@ def experts_moved(
 ) -> bool:
     """Whether serving rank ``tp_rank`` (EP rank ``serving_ep_rank``) holds other experts than saved ``tp_rank``.
 
-    A load at the saved topology reads the saved rank of its own TP rank (of the first
-    data-parallel replica). Without expert parallelism on either side, the experts are cut
-    at ``saved_expert_tp`` and served at ``serving_expert_tp`` (size, rank), which differ from
-    the TP split when vLLM cuts them across TP x DP (:attr:`..planning.topology.RankInfo.expert_tp`).
+    Without expert parallelism on either side, the experts' TP split is compared: saved at
+    ``saved_expert_tp``, served at ``serving_expert_tp`` (size, rank; :attr:`.topology.RankInfo.expert_tp`).
 
     >>> experts_moved(expert_placement(4, 2), expert_placement(4, 2, "round_robin"))
     True
@@ -73,13 +64,11 @@ def experts_moved(
             return False
         return serving_expert_tp != (saved_expert_tp, tp_rank)
     same = saved is not None and serving is not None and saved.experts == serving.experts
-    # The expert lists fix the EP size and expert count; the strategy's name alone does not matter.
     return not (same and serving_ep_rank == tp_rank)
 
 
 def rank_experts_moved(manifest: Manifest, rank: RankInfo) -> bool:
-    """:func:`experts_moved` for serving ``rank`` from a checkpoint: whether it must be planned
-    by expert rather than read from the files of its own TP rank."""
+    """:func:`experts_moved` for serving ``rank`` from a checkpoint."""
     return experts_moved(
         manifest.experts,
         rank.experts,
@@ -98,11 +87,8 @@ def expert_slots(
     ep_rank: int = 0,
     name: str = "the tensor",
 ) -> tuple[tuple[int, ...], ShardLayout]:
-    """The global experts a rank holds of a stacked expert tensor, in local order, and its layout of each.
-
-    Without expert parallelism (``placement`` None) a rank holds every expert, each split
-    by the geometry's rule at ``tp_size``; with it, the experts of ``ep_rank``, each whole
-    (vLLM's fused-MoE layers run at TP=1 within an EP group).
+    """The global experts a rank holds of a stacked expert tensor, in local order, and its layout of each:
+    every expert split at ``tp_size`` without a ``placement``, else the experts of ``ep_rank``, whole.
 
     >>> from ..format.geometry import row_parallel
     >>> ids, layout = expert_slots(row_parallel([4, 8, 6], "FusedMoE", stacked=1), 2, 1, expert_placement(4, 2), 1)
@@ -141,8 +127,7 @@ def rank_shape(
     ep_rank: int = 0,
     name: str = "the tensor",
 ) -> tuple[int, ...]:
-    """A rank's local shape of a tensor: :func:`.layout.shard_layout`'s, or, for stacked experts under
-    expert parallelism, its experts (:func:`expert_slots`) stacked."""
+    """A rank's local shape of a tensor, stacked experts under expert parallelism included."""
     if geometry.stacked and placement is not None:
         ids, layout = expert_slots(geometry, tp_size, tp_rank, placement, ep_rank, name)
         return (len(ids), *layout.shape)
@@ -159,15 +144,9 @@ def check_expert_placement(
     where: str = "the checkpoint",
     why: str = "",
 ) -> None:
-    """Raise unless the served model places its experts as the checkpoint was saved (:func:`experts_moved`).
-
-    For a checkpoint that cannot move experts between placements: one without recorded
-    geometry, or a tensor of experts whose layout it does not describe (``why`` says
-    which). ``None`` is a model without expert parallelism (or without experts): each rank
-    then holds a tensor-parallel slice of every expert. Serving the saved EP size as TP x DP
-    puts another EP rank on the saved TP rank, and is refused too. ``saved_tp_size`` (default:
-    the saved EP size, no data parallelism) names the saved topology in the advice.
-    """
+    """Raise unless the served model places its experts as saved (:func:`experts_moved`), for a
+    checkpoint that cannot move experts (``why`` says why). ``None``: no expert parallelism.
+    ``saved_tp_size`` (default: the saved EP size) names the saved topology in the advice."""
     if not experts_moved(saved, serving, serving_ep_rank=serving_ep_rank, tp_rank=tp_rank):
         return
     same = saved is not None and serving is not None and saved.experts == serving.experts

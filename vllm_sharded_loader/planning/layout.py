@@ -1,27 +1,20 @@
-"""vLLM's sharding rule: which index ranges of each segment one rank's local tensor holds.
-
-:func:`shard_layout` applies the rule of a :class:`~vllm_sharded_loader.format.geometry.TensorGeometry`
-at one TP size and rank. Pure.
-"""
+"""vLLM's sharding rule: which index ranges of each segment one rank's local tensor holds. Pure."""
 
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from ..format.errors import CheckpointMismatch, ShardedStateError, listing
+from ..format.errors import CheckpointMismatch, InvalidOption, ShardedStateError, listing
 from ..format.geometry import OPAQUE, REPLICATED, ROW_PARALLEL, SPLIT_KINDS, Segment, TensorGeometry
 from .tensors import tied_source
 
 
 @dataclass(frozen=True)
 class ShardPiece:
-    """The part of one segment a rank holds: ``length`` indices along the split dimension.
-
-    ``start`` counts from the segment's first index, ``global_offset`` from the first
-    index of the TP=1 tensor, ``local_offset`` from the first index of the rank's local
-    tensor. The last ``padding`` of the ``length`` indices are vLLM's zero padding.
-    """
+    """The part of one segment a rank holds: ``length`` indices along the split dimension, from
+    ``start`` in the segment, ``global_offset`` in the TP=1 tensor and ``local_offset`` in the
+    rank's; the last ``padding`` are vLLM's zero padding."""
 
     segment: str
     start: int
@@ -48,15 +41,10 @@ class ShardLayout:
 def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str = "the tensor") -> ShardLayout:
     """vLLM's sharding rule: the pieces of each segment rank ``tp_rank`` of ``tp_size`` holds.
 
-    A segment of ``n`` units (heads, or single indices) gives each rank ``n / tp_size``
-    consecutive units; vLLM asserts divisibility, and so do we, with a message. K and V
-    heads are replicated when ``tp_size`` exceeds their count: rank ``r`` holds head
-    ``r // (tp_size // heads)``. Vocabulary padding is split like data.
-
-    With a ``unit`` above 1 (packed int4, group-wise scales), the rule is applied to the
-    layer's rows and each piece is then divided by the unit: a piece that does not start
-    and end on a whole unit is refused, because its rows share an int32 or a group with
-    another rank's rows.
+    A segment of ``n`` units (heads, or indices) gives each rank ``n / tp_size`` consecutive
+    units (indivisible: refused); K and V heads fewer than ``tp_size`` are replicated, rank
+    ``r`` holding head ``r // (tp_size // heads)``. With a ``unit`` above 1, a piece that does
+    not start and end on a whole unit is refused: it would share an int32 or a group.
 
     >>> from vllm_sharded_loader.format.geometry import qkv_parallel
     >>> layout = shard_layout(qkv_parallel([12, 4], num_heads=8, num_kv_heads=2, head_size=1), tp_size=4, tp_rank=3)
@@ -64,7 +52,7 @@ def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str
     [('q', 6, 2), ('k', 1, 1), ('v', 1, 1)]
     """
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ShardedStateError(f"{name}: tp_rank={tp_rank} is not a rank of TP={tp_size}.")
+        raise InvalidOption(f"{name}: tp_rank={tp_rank} is not a rank of TP={tp_size}.")
     g = geometry
     if g.kind == REPLICATED:
         return ShardLayout(g.shape, None, ())
@@ -148,17 +136,10 @@ def check_served_geometry(
     tied: Iterable[Iterable[str]] = (),
     where: str = "the checkpoint",
 ) -> None:
-    """Raise unless the manifest's recorded geometry is the served model's.
-
-    ``recorded`` is the manifest's parsed ``geometries``, ``served`` what the
-    serving model's layers say (:func:`..engine.layer_geometry.tensor_geometry`),
-    ``saved`` the names the checkpoint holds tensors under. A
-    resharding load cuts saved tensors by the recorded geometry, so a recorded split
-    that is not the model's (segments resized with the same total, a QKV with other
-    head counts) would load other rows silently; and files resharded offline from
-    such a manifest carry it on to a same-topology load. So the two must agree
-    wherever both describe a split; resharding also needs both to describe one. A
-    served name saved under a tied name is compared with that name's record.
+    """Raise unless the manifest's ``recorded`` geometry is the ``served`` model's wherever both
+    describe a split (resharding: wherever the record does), ``saved`` being the names the
+    checkpoint holds (a tied name's record stands for its group). A recorded split that is
+    not the model's would load other rows silently.
     """
     saved_as = tied_source(tied)
     wrong = []
@@ -169,9 +150,7 @@ def check_served_geometry(
             continue
         theirs = recorded[source]
         if OPAQUE in (mine.kind, theirs.kind):
-            # A split recorded for a layer the served model does not describe could cut other
-            # rows than its loader would. The reverse (recorded opaque: an older version's
-            # record, an unknown layout) is refused by the planner, naming the tensor.
+            # (Recorded opaque and served split: the planner refuses it, naming the tensor.)
             if resharding and mine.kind == OPAQUE and theirs.kind != OPAQUE:
                 wrong.append(f"{name}: the checkpoint records {theirs.kind!r}, the served model {mine.kind!r}")
             continue

@@ -1,7 +1,4 @@
-"""Planning from a manifest: its ranks as the planner sees them, a serving rank's reads over
-them, and the checks around those reads (recorded geometry, headers to check, tensors the
-serving model has no place for). Pure: no torch, no vLLM, no I/O.
-"""
+"""Planning from a manifest: a serving rank's reads over its ranks, and the checks around them. Pure."""
 
 from __future__ import annotations
 
@@ -19,10 +16,7 @@ from .topology import RankInfo
 
 
 def check_saved_geometry(manifest: Manifest) -> None:
-    """Raise unless every recorded geometry gives each saved rank's shape of its tensor.
-
-    A resharding load checks this for the tensors it plans; ``verify`` for all of them.
-    """
+    """Raise unless every recorded geometry gives each saved rank's shape of its tensor."""
     for entry in manifest.ranks:
         for name, t in entry.tensors.items():
             g = manifest.geometries.get(name)
@@ -41,10 +35,7 @@ def check_saved_geometry(manifest: Manifest) -> None:
 
 
 def saved_ranks(manifest: Manifest, directory: str = "") -> list[SavedRank]:
-    """The manifest's ranks as the planner sees them: each tensor's file, offset, size and geometry.
-
-    A manifest without byte offsets cannot be planned from (vLLM's own save records none).
-    """
+    """The manifest's ranks as the planner sees them (a manifest without byte offsets is refused)."""
     ranks = []
     for entry in manifest.ranks:
         tensors = {}
@@ -68,12 +59,8 @@ def plan_manifest_reads(
     tied: Iterable[Iterable[str]] = (),
     directory: str = "",
 ) -> ReadPlan:
-    """:func:`plan_reads` over a manifest's ranks for serving ``rank`` (its topology and expert placement).
-
-    The manifest's tied names are added to ``tied``; the saved expert placement is the manifest's.
-    A tie only the manifest records never fills a tensor from another that ``rank`` also needs
-    (:func:`check_manifest_ties`).
-    """
+    """:func:`plan_reads` over a manifest's ranks for serving ``rank``, with the manifest's ties added to
+    ``tied`` (checked by :func:`check_manifest_ties`)."""
     plan = plan_reads(
         saved_ranks(manifest, directory),
         manifest.tp_size,
@@ -95,14 +82,7 @@ def plan_manifest_reads(
 
 def check_manifest_ties(plan: ReadPlan, served_tied: Iterable[Iterable[str]]) -> None:
     """Raise if a tensor is planned from another tensor the serving rank also holds, through a tie
-    the served model does not make (``served_tied``).
-
-    The manifest's ties are needed where the served model cannot see its own (a pipeline stage
-    holding the embedding but not the LM head saved for it). But one saved tensor read into two
-    tensors the served model holds apart gives one of them the other's weights: a manifest tie
-    the model does not make, from a model that tied them or a damaged manifest. At the saved
-    topology that load is refused as a missing tensor; resharded, it must be too.
-    """
+    the served model does not make (``served_tied``): one would get the other's weights."""
     served_as = tied_source(served_tied)
     for t in plan.tensors.values():
         if t.source_name != t.name and t.source_name in plan.tensors and served_as(t.name, {t.source_name}) is None:
@@ -115,13 +95,9 @@ def check_manifest_ties(plan: ReadPlan, served_tied: Iterable[Iterable[str]]) ->
 
 
 def files_to_check(plan: ReadPlan, manifest: Manifest) -> list[str]:
-    """The saved files whose headers a resharding load checks before reading: sorted names.
-
-    The files its reads touch; and every file of the checkpoint when a tensor is read
-    under a tied name. A header lists exactly its file's tensors, so checking all of
-    them proves no saved tensor of the served name was left out of the manifest, where
-    the tie would stand in for it with another tensor's bytes.
-    """
+    """The saved files whose headers a resharding load checks before reading, sorted: those its reads
+    touch, or every file where a tensor is read under a tied name (proving none of the served name was
+    left out of the manifest)."""
     if all(t.source_name == t.name for t in plan.tensors.values()):
         return plan.files
     return sorted(f.name for entry in manifest.ranks for f in entry.files)
@@ -130,13 +106,8 @@ def files_to_check(plan: ReadPlan, manifest: Manifest) -> list[str]:
 def unexpected_tensors(
     manifest: Manifest, needed: Iterable[str], tied: Iterable[Iterable[str]] = (), pp_size: int = 1
 ) -> list[str]:
-    """Saved tensors the serving model has no place for: a sign it is another model. Sorted.
-
-    A serving rank knows only its own tensors (``needed``) and the groups it ties. With
-    one pipeline stage it holds the whole model, so every saved name must be needed or
-    tied to a needed one. With several, only the decoder layers within the stage's range
-    are its to judge.
-    """
+    """Saved tensors the serving model has no place for (another model), sorted: with several
+    pipeline stages, only decoder layers within this stage's range are judged."""
     wanted = set(needed)
     for group in [*manifest.tied, *tied]:
         if wanted.intersection(group):

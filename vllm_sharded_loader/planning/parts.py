@@ -1,7 +1,4 @@
-"""Save planning: which tensors a rank writes (shared memory once) and in which size-capped parts.
-
-Pure: no I/O, no torch, no engine.
-"""
+"""Save planning: which tensors a rank writes (shared memory once) and in which size-capped parts. Pure."""
 
 from __future__ import annotations
 
@@ -9,16 +6,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 
 
 @dataclass(frozen=True)
 class TensorView:
-    """Where a state-dict entry lives in memory, enough to find shared storage.
-
-    ``storage`` identifies the allocation (device and base pointer), ``start`` and
-    ``end`` are byte addresses of the view's first and one-past-last element.
-    """
+    """Where a state-dict entry lives: its allocation (device, base pointer) and byte range."""
 
     name: str
     storage: tuple[object, int]
@@ -28,13 +21,10 @@ class TensorView:
 
 
 def unique_tensor_names(views: Iterable[TensorView]) -> list[str]:
-    """Names to save so that memory shared by several entries is written once.
+    """Names to save so that memory shared by several entries (tied embeddings) is written once, in order.
 
-    Tied embeddings appear twice in a state dict with the same storage. An entry is
-    dropped when another contiguous entry of the same storage covers strictly more
-    memory, or the same memory under a name that sorts first; this is vLLM's rule,
-    so checkpoints written by either tool name tied tensors the same way.
-    Order of the input is kept.
+    vLLM's rule: an entry goes when another contiguous entry of its storage covers strictly more
+    memory, or the same under a name that sorts first.
     """
     groups: dict[tuple[object, int], list[TensorView]] = defaultdict(list)
     views = list(views)
@@ -57,15 +47,13 @@ def unique_tensor_names(views: Iterable[TensorView]) -> list[str]:
 
 
 def plan_parts(sizes: Sequence[tuple[str, int]], max_size: int | None) -> list[list[str]]:
-    """Group tensors, in order, into parts of at most ``max_size`` bytes.
-
-    A tensor larger than ``max_size`` goes alone into its own part; no part is empty.
+    """Group tensors, in order, into parts of at most ``max_size`` bytes (a larger tensor alone).
 
     >>> plan_parts([("a", 4), ("b", 4), ("c", 9), ("d", 1)], max_size=8)
     [['a', 'b'], ['c'], ['d']]
     """
     if max_size is not None and max_size <= 0:
-        raise ShardedStateError(f"max_size must be a positive number of bytes, got {max_size}.")
+        raise InvalidOption(f"max_size must be a positive number of bytes, got {max_size}.")
     parts: list[list[str]] = []
     current: list[str] = []
     current_size = 0

@@ -1,9 +1,4 @@
-"""Pipeline stages: which decoder layers each stage holds, as vLLM splits them. Pure.
-
-:func:`pp_layer_ranges` and :func:`layer_index` mirror vLLM's pipeline split, so an
-offline reshard can tell which tensors a stage at another PP size holds
-(:func:`stage_names`).
-"""
+"""Pipeline stages: which decoder layers each stage holds, as vLLM splits them. Pure."""
 
 from __future__ import annotations
 
@@ -11,18 +6,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 
 
 def pp_layer_ranges(num_hidden_layers: int, pp_size: int, partition: Sequence[int] | None = None) -> tuple[range, ...]:
-    """The layer indices each pipeline stage holds, as vLLM's ``get_pp_indices`` splits them.
-
-    Without ``partition`` (vLLM's ``VLLM_PP_LAYER_PARTITION``), every stage gets
-    ``num_hidden_layers // pp_size`` layers and the remainder goes one each to the stages
-    before the last, from the second-to-last backwards (the last stage holds the final
-    norm and the LM head).
+    """The layer indices each pipeline stage holds, as vLLM's ``get_pp_indices`` splits them
+    (``partition``: ``VLLM_PP_LAYER_PARTITION``).
 
     >>> pp_layer_ranges(11, 4)
     (range(0, 3), range(3, 6), range(6, 9), range(9, 11))
@@ -30,13 +21,13 @@ def pp_layer_ranges(num_hidden_layers: int, pp_size: int, partition: Sequence[in
     (range(0, 2), range(2, 5), range(5, 8), range(8, 10))
     """
     if num_hidden_layers < 0 or pp_size < 1:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"Cannot split {num_hidden_layers} layers into {pp_size} pipeline stages: both must be positive."
         )
     if partition is not None:
         sizes = list(partition)
         if len(sizes) != pp_size or sum(sizes) != num_hidden_layers or any(s < 0 for s in sizes):
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"Layer partition {sizes} does not split {num_hidden_layers} layers into {pp_size} stages "
                 "(one non-negative count per stage, adding up to the layer count)."
             )
@@ -49,16 +40,11 @@ def pp_layer_ranges(num_hidden_layers: int, pp_size: int, partition: Sequence[in
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
-# The most digits a layer index has (leading zeros aside): no model has 10^18 layers. A name in a
-# manifest is unbounded, and Python's int() raises a bare ValueError on more than 4300 digits.
-MAX_LAYER_DIGITS = 18
+MAX_LAYER_DIGITS = 18  # no model has 10^18 layers (and int() refuses more than 4300 digits)
 
 
 def layer_index(name: str) -> int | None:
     """The decoder layer a parameter belongs to, or None for embeddings, final norm, LM head.
-
-    A name whose layer index has more digits than any model's layer count (a damaged or
-    hostile manifest's) is a :class:`CheckpointCorrupt` naming it.
 
     >>> layer_index("model.layers.7.mlp.down_proj.weight")
     7
@@ -77,9 +63,8 @@ def layer_index(name: str) -> int | None:
     return int(digits)
 
 
-# transformers' names for a model's number of decoder layers (its configs' ``attribute_map``: GPT-2,
-# BLOOM, GPT-J and StarCoder say ``n_layer``), in the order tried; a multimodal model's language
-# model, which is what vLLM splits into stages, has its own config inside.
+# transformers' names of the decoder layer count, in the order tried; a multimodal model's language
+# model (what vLLM splits into stages) has its own config inside.
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
 
@@ -106,15 +91,8 @@ def config_layers(config: Mapping[str, Any]) -> int | None:
 
 
 def stage_names(manifest: Manifest, pp_size: int, pp_rank: int, where: str = MANIFEST_NAME) -> list[str]:
-    """The tensors a pipeline stage holds at ``pp_size``, saved under the names a worker would use.
-
-    The same stage of the same PP size: exactly what was saved. Another PP size: decoder
-    layers go to stages as vLLM's ``get_pp_indices`` splits them; the input embedding to
-    the first stage; everything else (final norm, LM head) to the last. Tied names are
-    written once per stage, under the name vLLM keeps (the one that sorts first). A saved
-    decoder layer beyond the layer count of the saved config is refused (``where`` names the
-    manifest in the message).
-    """
+    """The tensors a pipeline stage holds at ``pp_size``, under the names a worker would use: what was
+    saved at the same size, else :func:`stage_split` of the saved config's layers."""
     if pp_size == manifest.pp_size:
         return list(manifest.rank(0, pp_rank).tensors)
     layers = config_layers(manifest.source.config)
@@ -124,9 +102,7 @@ def stage_names(manifest: Manifest, pp_size: int, pp_rank: int, where: str = MAN
             f"{'no number of layers' if layers is None else f'{layers} layers'} ({', '.join(LAYER_COUNT_KEYS)})."
         )
     saved = [n for r in manifest.ranks for n in r.tensors]
-    # The stages' ranges cover exactly the config's layers: a saved layer beyond them is in no
-    # stage, and a reshard would publish every stage without it, a checkpoint short of tensors
-    # that ``verify`` calls sound.
+    # A saved layer beyond the config's is in no stage: a reshard would publish a checkpoint without it.
     beyond = sorted({n for n in saved if (index := layer_index(n)) is not None and index >= layers})
     if beyond:
         raise CheckpointMismatch(
@@ -141,10 +117,8 @@ def stage_names(manifest: Manifest, pp_size: int, pp_rank: int, where: str = MAN
 def stage_split(
     saved: Sequence[str], tied: Sequence[Sequence[str]], layers: int, pp_size: int, pp_rank: int
 ) -> list[str]:
-    """The names of ``saved`` (and of their ``tied`` groups) that stage ``pp_rank`` of ``pp_size`` holds.
-
-    Decoder layers as vLLM's ``get_pp_indices`` splits them, the input embedding on the first
-    stage, everything else on the last; names sharing one tensor are kept once per stage.
+    """The names of ``saved`` (and of their ``tied`` groups) that stage ``pp_rank`` of ``pp_size`` holds:
+    decoder layers as vLLM splits them, the input embedding first, the rest last; a tie once per stage.
 
     >>> stage_split(["model.embed_tokens.weight", "model.layers.0.w", "model.layers.1.w", "lm_head.weight"],
     ...     [], 2, 2, 1)
@@ -163,7 +137,6 @@ def stage_split(
             keep = last
         if keep:
             names.add(name)
-    # Names sharing one tensor on this stage are saved once, as vLLM's state dict dedups them.
     for group in tied:
         present = sorted(n for n in group if n in names)
         for extra in present[1:]:

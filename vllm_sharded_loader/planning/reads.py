@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError, listing
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption, ShardedStateError, listing
 from ..format.experts import ExpertPlacement
 from ..format.geometry import OPAQUE, REPLICATED, TensorGeometry
 from ..format.manifest import rank_label
@@ -150,7 +150,7 @@ def plan_reads(
     """
     serving = f"pp_rank={pp_rank} tp_rank={tp_rank} (TP={tp_size})"
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ShardedStateError(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
+        raise InvalidOption(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
     index = _index_saved(saved, saved_tp_size, saved_replicas)
     if saved_experts is not None and saved_experts.ep_size != saved_tp_size * saved_replicas:
         raise CheckpointCorrupt(
@@ -195,7 +195,7 @@ def _index_saved(
     tensor; later replicas hold only their experts.
     """
     if saved_tp_size < 1 or saved_replicas < 1:
-        raise ShardedStateError(
+        raise InvalidOption(
             f"The saved tensor parallel size and replicas must be >= 1, found {saved_tp_size} and {saved_replicas}."
         )
     index: dict[str, dict[int, tuple[int, SavedTensor]]] = {}

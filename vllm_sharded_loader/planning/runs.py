@@ -1,6 +1,5 @@
-"""The runs a read plan is made of: strided byte runs of a file and the element runs of a local
-tensor they land in, and the joining of runs that continue each other. Pure: no I/O.
-"""
+"""The runs a read plan is made of: strided byte runs of a file, the element runs of a local tensor
+they land in, and the joining of runs that continue each other. Pure."""
 
 from __future__ import annotations
 
@@ -9,12 +8,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Strided:
-    """``count`` runs of ``length`` units, the i-th starting at ``offset + i * stride``.
-
-    Bytes of a file on the source side of a :class:`Read`, elements of the row-major
-    local tensor on the destination side. A single run has ``count == 1`` and
-    ``stride == length``.
-    """
+    """``count`` runs of ``length`` units (bytes of a file, or elements of a local tensor), the i-th
+    at ``offset + i * stride``; a single run has ``count == 1`` and ``stride == length``."""
 
     offset: int
     length: int

@@ -1,7 +1,4 @@
-"""Read spans: planned byte ranges of files cut on a fixed grid, the unit reader threads take.
-
-Pure: no I/O, no torch.
-"""
+"""Read spans: planned byte ranges of files cut on a fixed grid, the unit reader threads take. Pure."""
 
 from __future__ import annotations
 
@@ -9,17 +6,14 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.errors import CheckpointCorrupt, InvalidOption
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes ``[offset, offset + length)`` of file ``file`` that go to byte ``start`` of destination ``dest``.
-
-    Files and destinations are indices into the caller's lists. ``itemsize`` is the
-    stored element size: a destination that converts (another dtype, another
-    device) must receive whole elements, so a span boundary that cuts one is widened.
-    """
+    """Bytes ``[offset, offset + length)`` of file ``file`` that go to byte ``start`` of destination
+    ``dest`` (indices into the caller's lists); ``itemsize``, the stored element size, is what a
+    converting destination receives whole."""
 
     file: int
     offset: int
@@ -35,9 +29,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class FileGrid:
-    """How one file is cut into spans: its size, the span (checksum block) size and
-    whether its spans are verified: ``"none"``, ``"touched"`` (every span a piece
-    touches is read whole and hashed) or ``"all"`` (every span of the file)."""
+    """How one file is cut into spans (checksum blocks), and which are verified: ``"none"``,
+    ``"touched"`` (each span a piece touches, read whole) or ``"all"``."""
 
     size: int
     span_bytes: int
@@ -47,12 +40,8 @@ class FileGrid:
 
 @dataclass(frozen=True)
 class Span:
-    """One unit of reading: the pieces falling in cell ``index`` of a file's grid.
-
-    ``begin``/``end`` bound the bytes read. A verified span covers its whole cell
-    (bytes no piece wants are read into scratch) so that it can be hashed as one
-    checksum block; ``pieces`` are clipped to the cell, in file order.
-    """
+    """One unit of reading: the pieces (clipped, in file order) in cell ``index`` of a file's grid;
+    ``begin``/``end`` bound the bytes read, a verified span's whole cell (one checksum block)."""
 
     file: int
     index: int
@@ -68,13 +57,8 @@ class Span:
 
 
 def plan_spans(pieces: Iterable[Piece], files: Sequence[FileGrid]) -> list[Span]:
-    """Cut pieces on each file's fixed grid into spans, in file order.
-
-    Spans are the unit that reader threads take: one cell of at most ``span_bytes``
-    contiguous bytes, so reads stay large and near-sequential while several are in
-    flight, and a verified span is exactly one checksum block. Pure; raises on a
-    piece outside its file.
-    """
+    """Cut pieces on each file's fixed grid into spans, in file order: reads stay large and
+    near-sequential while several are in flight. A piece outside its file is refused."""
     cells: dict[tuple[int, int], list[Piece]] = defaultdict(list)
     for p in pieces:
         if p.length <= 0:
@@ -95,7 +79,7 @@ def plan_spans(pieces: Iterable[Piece], files: Sequence[FileGrid]) -> list[Span]
             for index in range(max(1, -(-grid.size // grid.span_bytes))):
                 cells.setdefault((file, index), [])
         elif grid.verify not in ("none", "touched"):
-            raise ShardedStateError(f"unknown span verification {grid.verify!r}")
+            raise InvalidOption(f"unknown span verification {grid.verify!r}")
     spans = []
     for (file, index), cell in sorted(cells.items()):
         grid = files[file]

@@ -23,12 +23,8 @@ def check_tensor_sets(
     hint: str,
     limit: int = 10,
 ) -> list[str]:
-    """Raise unless ``saved`` has exactly the tensors of ``expected`` with their shapes.
-
-    Returns the names whose dtype differs (the caller casts them). ``where`` names the
-    rank and checkpoint, ``hint`` says what to do.
-    """
-
+    """Raise unless ``saved`` has exactly the tensors of ``expected`` with their shapes; returns the
+    names whose dtype differs (the caller casts them)."""
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     problems = []
@@ -49,15 +45,9 @@ def check_tensor_sets(
 
 
 def tied_source(tied: Iterable[Iterable[str]]) -> Callable[[str, Container[str]], str | None]:
-    """A lookup of the name a tensor is saved under: itself, else a name tied to it.
-
-    ``tied`` lists groups of names sharing one tensor (tied embeddings are saved once,
-    under one name). The lookup returns the first of ``name`` and its tied names that
-    ``saved`` holds, or None.
-    """
-    # Each name keeps the indices of its groups, not a list of every other name: the groups come from
-    # a manifest, and one group of n names would otherwise cost n^2 in time and memory (100k names in
-    # a 1 MB manifest: tens of GB) before a single name is checked.
+    """A lookup of the name a tensor is saved under: itself, else the first name of its ``tied``
+    groups that ``saved`` holds, or None."""
+    # Group indices per name, not every other name: one manifest group of n names would cost n^2.
     groups: list[tuple[str, ...]] = []
     groups_of: dict[str, list[int]] = {}
     for group in tied:
@@ -69,7 +59,6 @@ def tied_source(tied: Iterable[Iterable[str]]) -> Callable[[str, Container[str]]
     def source(name: str, saved: Container[str]) -> str | None:
         if name in saved:
             return name
-        # (name itself is not saved, so the first saved member of its groups is another name.)
         candidates = (n for index in groups_of.get(name, ()) for n in groups[index])
         return next((n for n in candidates if n in saved), None)
 

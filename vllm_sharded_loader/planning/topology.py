@@ -13,11 +13,8 @@ from ..format.source import SourceModel, config_differences
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Which worker this is in the tensor- and pipeline-parallel grid, and in which data-parallel replica.
-
-    Under expert parallelism, ``experts`` is where the model places its routed experts
-    on every EP rank and ``ep_rank`` this worker's place among them (None and 0 without).
-    """
+    """Which worker this is in the TP/PP grid and data-parallel replica; under expert parallelism,
+    the model's expert placement and this worker's EP rank."""
 
     tp_rank: int
     tp_size: int
@@ -27,14 +24,11 @@ class RankInfo:
     ep_rank: int = 0
     dp_rank: int = 0
     dp_size: int = 1
-    # Without expert parallelism under data parallelism, vLLM cuts each expert across all
-    # TP x DP ranks (its MoE layers' TP size is TP x DP): see :attr:`expert_tp`.
-    experts_over_dp: bool = False
+    experts_over_dp: bool = False  # no EP under DP: vLLM cuts each expert across TP x DP (expert_tp)
 
     @property
     def expert_tp(self) -> tuple[int, int]:
-        """(size, rank) of the tensor-parallel split of the experts without expert parallelism:
-        this worker's TP split, or, with ``experts_over_dp``, its place in TP x DP.
+        """(size, rank) of the experts' TP split without expert parallelism.
 
         >>> RankInfo(1, 2, dp_rank=1, dp_size=2, experts_over_dp=True).expert_tp
         (4, 3)
@@ -45,8 +39,7 @@ class RankInfo:
 
     @property
     def replicas(self) -> int:
-        """How many data-parallel replicas write files when this engine saves: each its own experts
-        when the expert-parallel group spans them, else only the first (they hold the same slices).
+        """How many data-parallel replicas write files when this engine saves.
 
         >>> from ..planning.experts import expert_placement
         >>> RankInfo(0, 1, experts=expert_placement(4, 2), ep_rank=1, dp_rank=1, dp_size=2).replicas
@@ -77,12 +70,8 @@ def check_topology(manifest: Manifest, rank: RankInfo, directory: str) -> None:
 
 
 def check_dtype(manifest: Manifest, serving: str, directory: str) -> None:
-    """Refuse a weight update stored in another dtype than the served weights.
-
-    A start-up load casts such a checkpoint (the engine's ``dtype`` is the user's choice);
-    an update is meant to be the served model as served, so a dtype that differs means the
-    trainer wrote the wrong thing.
-    """
+    """Refuse a weight update stored in another dtype than the served weights (a start-up load casts;
+    an update is the served model as served)."""
     if manifest.dtype != serving:
         raise CheckpointMismatch(
             f"{directory}/{MANIFEST_NAME}: the checkpoint holds {manifest.dtype} weights, but the engine serves "

@@ -1,23 +1,11 @@
 """Reads that bypass the page cache (``O_DIRECT``), for files that are not in it.
 
-A cold load through the page cache is held back by readahead: each thread's stream has
-one or two readahead requests of at most a few hundred KiB in flight, and every byte is
-copied twice by the CPU (device -> page cache by DMA, page cache -> parameter by the
-kernel) and leaves the page cache full of a checkpoint that is read once. With
-``O_DIRECT`` each thread asks the device for a whole window (16 MiB by default) in one
-request, which the block layer splits into as many device requests as it takes and
-issues at once; the bytes land by DMA in a page-aligned buffer of the thread, from which
-they are copied to their targets (or to the pinned staging of an accelerator target).
-Nothing is cached, so memory stays the parameters'.
-
-Which path a load takes (:func:`choose_direct`): ``SHARDED_STATE_DIRECT_IO=on`` reads every
-local file directly where the file system supports it (tmpfs does not, and falls back to the page
-cache per file); ``auto`` (the default) and ``off`` keep the page cache. ``auto`` picks the page
-cache because it was measured no slower cold, on CPU targets (``benchmarks/direct_bench.py``,
-the project's 2-core VMs) and on a GPU (``benchmarks/gpu_bench.py`` on an H200 host with a
-virtio disk, 2026-11-26: 1.9-2.0 GB/s through the page cache against 1.5-1.9 GB/s direct, an
-8 GB rank), and warm files are always faster out of the cache. A disk that many direct requests
-in flight would serve faster (local NVMe arrays) is the case for ``on``.
+Each thread asks the device for a whole window (16 MiB) in one request, which the block layer
+issues as many device requests at once, into a page-aligned buffer of the thread; nothing is
+cached. ``SHARDED_STATE_DIRECT_IO=on`` reads every local file so where its file system allows
+(:func:`choose_direct`); ``auto`` (the default) and ``off`` keep the page cache, which is no
+slower cold on the disks measured (``docs/performance.md``) and faster warm. ``on`` is for disks
+that serve many direct requests in flight faster (local NVMe arrays).
 """
 
 from __future__ import annotations
@@ -29,14 +17,11 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 from .local import truncated
 
-# O_DIRECT wants the file offset, the length and the buffer address aligned to the logical
-# block size (512 B or 4 KiB); the page size covers both.
+# O_DIRECT aligns offset, length and address to the logical block size; the page size covers it.
 ALIGN = mmap.PAGESIZE
-# The bytes one direct request asks for: large enough that the device sees many requests in
-# flight per thread (the block layer splits it into max_sectors_kb pieces, issued at once).
 WINDOW_BYTES = 16 * 1024 * 1024
 ENV = "SHARDED_STATE_DIRECT_IO"
 MODES = ("auto", "on", "off")
@@ -46,12 +31,12 @@ def direct_mode() -> str:
     """The ``SHARDED_STATE_DIRECT_IO`` setting: ``auto`` (default), ``on`` or ``off``."""
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
-        raise ShardedStateError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}.")
+        raise InvalidOption(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}.")
     return mode
 
 
 def choose_direct(fds_and_sizes: Sequence[tuple[int, int]], mode: str | None = None) -> bool:
-    """Whether a load of these local files reads them with ``O_DIRECT`` (see the module docstring)."""
+    """Whether a load of these local files reads them with ``O_DIRECT``."""
     mode = direct_mode() if mode is None else mode
     return mode == "on" and bool(fds_and_sizes)
 
@@ -76,19 +61,14 @@ def _address(view: memoryview) -> int:
 
 
 class DirectStream:
-    """One thread's ``O_DIRECT`` reads of an opened file, through one aligned window buffer.
-
-    ``readv`` (the :class:`.location.ByteStream` interface) serves requests from the window
-    read last, reading a new window (aligned, ``WINDOW_BYTES`` or the request, whichever is
-    larger) when a request leaves it; the reader calls :meth:`prefetch` with a whole span
-    first, so a span is one direct request and its tensors are memory copies out of it.
-    """
+    """One thread's ``O_DIRECT`` reads of an opened file (a :class:`.location.ByteStream`), through
+    an aligned window: the reader :meth:`prefetch`-es each span, one direct request, and copies out."""
 
     def __init__(self, path: str, fd: int, size: int, window: int = WINDOW_BYTES) -> None:
         self.path, self.fd, self.size, self.window = path, fd, size, window
         self.buffer: AlignedBuffer | None = None
         self.begin = self.end = 0  # the file bytes the buffer holds
-        # The next window, read ahead by one helper thread while this one copies out of the current.
+        # The next window, read by a helper thread while this one copies out of the current.
         self.spare: AlignedBuffer | None = None
         self.ahead: tuple[int, int, Future[int]] | None = None
         self.helper: ThreadPoolExecutor | None = None

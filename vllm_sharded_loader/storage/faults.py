@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption
 
 KILL_ENV = "SHARDED_STATE_KILL_AT"
 # The signal sent there: KILL by default; INT is an operator's Ctrl-C, which Python raises as
@@ -47,7 +47,7 @@ def kill_point(step: str) -> None:
     """Die by ``SIGKILL`` (or ``$SHARDED_STATE_KILL_SIGNAL``) here when ``$SHARDED_STATE_KILL_AT``
     names this step (and count)."""
     if step not in KILL_POINTS:
-        raise ShardedStateError(f"kill point {step!r} is not declared in vllm_sharded_loader.storage.faults.")
+        raise InvalidOption(f"kill point {step!r} is not declared in vllm_sharded_loader.storage.faults.")
     wanted = os.environ.get(KILL_ENV)
     if not wanted:
         return

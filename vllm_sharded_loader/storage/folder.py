@@ -20,7 +20,7 @@ import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..format.errors import SaveRefused, ShardedStateError
+from ..format.errors import InvalidOption, SaveRefused, ShardedStateError, StorageError
 from ..format.manifest import CarriedFile, FileEntry, Manifest, RankEntry
 from ..format.names import (
     DEFAULT_PATTERNS,
@@ -291,7 +291,7 @@ class LocalStore:
                 kill_point(KILL_CLEANING)
         kill_point(KILL_CLEANED)
         if failed:
-            raise ShardedStateError(f"{self.root}: could not remove {', '.join(failed)}")
+            raise StorageError(f"{self.root}: could not remove {', '.join(failed)}")
 
     def release(self) -> None:
         if self.held is not None:
@@ -406,7 +406,7 @@ class LocalStore:
             folders = name.split("/")[:-1]
             lock.remove_empty_folders(os.path.join(self.root, *folders[:d]) for d in range(len(folders), 0, -1))
         if failed:
-            raise ShardedStateError(
+            raise StorageError(
                 f"{self.root}: could not remove {', '.join(failed)}, carried by the checkpoint this save replaced "
                 "and not by the new one. A server of the checkpoint reads them: remove them by hand, or save again "
                 "with overwrite (the checkpoint records them as stale: verify names them, the next save removes them)."
@@ -425,7 +425,7 @@ class LocalStore:
         try:
             make_output_folder(self.where)
             if os.path.samefile(source, self.where):
-                raise ShardedStateError(f"--output {self.where!r} is the source model's directory; choose another one.")
+                raise InvalidOption(f"--output {self.where!r} is the source model's directory; choose another one.")
             self.refuse_before_save(overwrite)  # the save hook checks again under its lock
             yield self.root
         except BaseException:

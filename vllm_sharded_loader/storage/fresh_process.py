@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..format import errors
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, StorageError
 from ..format.names import check_carried_name
 
 _CALL = """
@@ -44,7 +44,7 @@ def in_fresh_process(function: Callable[..., Any], *args: Any, timeout: float = 
     try:
         done = subprocess.run([sys.executable, "-c", _CALL, *call], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise ShardedStateError(f"{function.__qualname__}{tuple(args)} took longer than {timeout:.0f} s.") from None
+        raise StorageError(f"{function.__qualname__}{tuple(args)} took longer than {timeout:.0f} s.") from None
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         said = done.stderr.strip().splitlines()

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import torch
 
-from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ConvertRefused, ShardedStateError, listing
+from ..format.errors import (
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    ConvertRefused,
+    ShardedStateError,
+    StorageError,
+    listing,
+)
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import Header
 from . import hub
@@ -311,7 +318,7 @@ class SourceFiles:
         now = opened.identity_now()
         if now != opened.identity:
             sizes = f"{now.size} bytes, {opened.identity.size} when its header was read"
-            raise ShardedStateError(
+            raise CheckpointCorrupt(
                 f"{opened.path}: changed while converting "
                 f"({sizes if now.size != opened.identity.size else 'written since its header was read'}). "
                 "Convert again once the model's files are complete."
@@ -355,7 +362,7 @@ def resolve_source(source: str, revision: str | None = None) -> Store:
             "id, set HF_TOKEN for a private or gated repository, or give a local folder."
         ) from e
     except Exception as e:  # the Hub client's other errors: network, server
-        raise ShardedStateError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
+        raise StorageError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
 
 
 def check_source_files(source: Store) -> None:

@@ -14,7 +14,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.errors import CheckpointCorrupt, InvalidOption
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME, default_pattern, render_file_name
 from ..planning.experts import rank_experts_moved
@@ -45,7 +45,7 @@ def fetch(
     # huggingface_hub joins the revision to the cache's refs/ folder and reads the commit from the file
     # found there: "../" or a leading "/" would read any file on the machine (a FIFO hangs it).
     if os.path.isabs(revision) or ".." in revision.split("/"):
-        raise ShardedStateError(
+        raise InvalidOption(
             f"{repo_id}: revision {revision!r} names a path, not a branch, tag or commit of the Hub; "
             "give a branch or tag name or a commit hash."
         )

@@ -1,9 +1,7 @@
 """Checksums of part files, computed while the bytes stream through, never in a second pass.
 
-Each file is hashed in fixed-size blocks with BLAKE3 (about 7 GB/s on one core here,
-and cryptographic, so a pinned manifest also pins the weights). Blocks rather than
-one digest per file so that a reader that needs only part of a file (resharding)
-can verify exactly the blocks it touches.
+Each file is hashed in fixed-size blocks with BLAKE3 (cryptographic, so a pinned manifest also
+pins the weights), so that a reader of part of a file verifies exactly the blocks it touches.
 """
 
 from __future__ import annotations
@@ -11,19 +9,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, Unsupported
 from ..format.manifest import HASH_NAME, FileChecksum
 
 BLOCK_SIZE = 16 * 1024 * 1024
 
 
 def _blake3() -> Any:
-    """A new BLAKE3 hasher. Imported on first use: reading without checksums needs no ``blake3``
-    (the lent GPU machines lack it), and a missing package is named only when a checksum is needed."""
+    """A new BLAKE3 hasher, imported on first use: reading without checksums needs no ``blake3``."""
     try:
         import blake3
     except ImportError:
-        raise ShardedStateError(
+        raise Unsupported(
             "checksums need the blake3 package, which is not installed: pip install blake3 "
             "(or load with verify='size')."
         ) from None
@@ -92,10 +89,7 @@ class BlockVerifier(BlockHasher):
 
 
 def check_block(path: str, expected: FileChecksum, index: int, start: int, end: int, digest: str) -> None:
-    """Raise unless ``digest`` is the recorded digest of block ``index`` of ``path`` (bytes ``start..end``).
-
-    Every verification goes through here: streamed whole files and blocks read by the loader.
-    """
+    """Raise unless ``digest`` is the recorded digest of block ``index`` of ``path`` (every verification's check)."""
     want = expected.blocks[index] if index < len(expected.blocks) else None
     if digest != want:
         raise CheckpointCorrupt(
@@ -106,8 +100,7 @@ def check_block(path: str, expected: FileChecksum, index: int, start: int, end: 
 
 
 def digest_of(views: Iterable[memoryview]) -> str:
-    """The BLAKE3 digest of consecutive byte views (one checksum block), each hashed before the next is
-    taken (so they may be one buffer read again)."""
+    """The BLAKE3 digest of consecutive byte views, each hashed before the next is taken."""
     hasher = _blake3()
     for view in views:
         hasher.update(view)

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import (
     DEFAULT_PATTERNS,
@@ -62,7 +62,7 @@ def check_output_folder(directory: str) -> None:
     mode = os.stat(there).st_mode if os.path.exists(there) else os.lstat(there).st_mode
     where = directory if there == os.path.abspath(directory) else f"{directory}: {there}"
     kind = file_kind(mode, "a file")
-    raise ShardedStateError(
+    raise SaveRefused(
         f"{where} is {kind}, where a checkpoint folder was expected; nothing was written. Choose another output folder."
     )
 

@@ -1,10 +1,8 @@
 """Where a load's bytes land: the targets, their memory, and private file mappings served in their place.
 
-A CPU target whose caller can take another tensor (the vLLM loader swaps the parameter's
-data) is served from a private mapping of its bytes in the file (:func:`map_pieces`):
-the page cache's pages become its memory, with no copy and no first touch of fresh
-memory. Every other target is written in place, or through staging when its bytes are
-converted (another dtype, another device).
+A CPU target whose caller can take another tensor is served from a private mapping of its
+bytes in the file (:func:`map_pieces`): no copy, no first touch of fresh memory. Every other
+target is written in place, or through staging when its bytes are converted.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.errors import CheckpointCorrupt, CheckpointMismatch, ShardedStateError, listing
+from ..format.errors import CheckpointCorrupt, CheckpointMismatch, StorageError, listing
 from ..planning.spans import Piece
 from . import oscalls
 from .local import OpenFile
@@ -35,11 +33,9 @@ PAGE = mmap.PAGESIZE
 class Target:
     """A tensor to fill, the dtype its bytes are stored in, and element runs to zero first.
 
-    ``mapped`` says that ``tensor`` already lies over a private mapping of its piece's bytes
-    (:func:`map_pieces`): the reader pages it in and verifies it like read bytes, and never
-    writes it. ``filled``, if given, is
-    called on a reader thread as soon as every byte of the target is read (and verified):
-    work on those bytes (a strided copy out of a mapping) then overlaps the other reads.
+    ``mapped``: ``tensor`` lies over a private mapping of its bytes (:func:`map_pieces`), which
+    the reader pages in and verifies but never writes. ``filled`` runs on a reader thread once
+    every byte is read, so work on them overlaps the other reads.
     """
 
     tensor: torch.Tensor
@@ -57,12 +53,8 @@ def unmaterialized(targets: Mapping[str, torch.Tensor]) -> list[str]:
 def check_materialized(targets: Mapping[str, torch.Tensor], where: str) -> None:
     """Refuse a load into tensors on the meta device, naming them, before a byte is read.
 
-    vLLM builds the weights of online-quantized layers (``quantization="fp8"`` and the other
-    online methods on an unquantized checkpoint) on the meta device and materializes each
-    layer only inside its weight loaders, which quantize it once all of its weights have
-    arrived. A copy into a meta tensor does nothing and raises nothing: the layer would then
-    be quantized from memory nobody wrote. This loader fills parameters in place and never
-    calls the weight loaders, so such a model is refused instead.
+    vLLM keeps online-quantized layers on the meta device until their weight loaders run,
+    which this loader never calls; a copy into a meta tensor silently does nothing.
     """
     meta = unmaterialized(targets)
     if meta:
@@ -82,23 +74,21 @@ class Destination:
     def __init__(self, target: Target, mapped: torch.Tensor | None = None) -> None:
         t = target.tensor
         if t.device.type == "meta":
-            # A copy into a meta tensor is a silent no-op; callers refuse these by name first
-            # (check_materialized), this is the last line.
+            # The last line behind check_materialized: a copy into a meta tensor is a silent no-op.
             raise CheckpointMismatch(
                 f"a target of shape {tuple(t.shape)} ({t.dtype}) is on the meta device: it has no memory to "
                 "read into. Materialize it first, or load it through vLLM's weight loaders (load_format='auto')."
             )
         self.target, self.stored, self.filled = t, target.stored, target.filled
         self.temp: torch.Tensor | None = None
-        # A mapped target is not written: its bytes are the file's, paged in where they lie.
-        self.mapped = mapped
+        self.mapped = mapped  # never written: paged in where the file's bytes lie
         self.direct = self.cuda = False
         self.view = None
         if mapped is not None:
             self.mapped_bytes = mapped.reshape(-1).view(torch.uint8)
             return
         if not t.is_contiguous():
-            # Rare (parameters are contiguous): read whole, copy once at the end.
+            # Rare: read whole, copied once at the end.
             self.temp = torch.empty(t.shape, dtype=target.stored)
             self.landing = self.temp
         else:
@@ -112,12 +102,7 @@ class Destination:
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask for transparent huge pages over a CPU tensor's memory; True if the kernel agreed.
-
-    Only the 2 MiB-aligned interior is advised, so no memory outside the tensor changes
-    its paging. Pages already touched keep their size; untouched ones (fresh
-    parameters) fault in 2 MiB at a time. A no-op where unsupported.
-    """
+    """Ask for transparent huge pages over a CPU tensor's 2 MiB-aligned interior; True if the kernel agreed."""
     if tensor.device.type != "cpu":
         return False
     start = tensor.data_ptr()
@@ -133,15 +118,8 @@ def page_interior(address: int, nbytes: int) -> tuple[int, int] | None:
 
 
 def prefault_pages(ranges: Sequence[tuple[int, int]]) -> None:
-    """Fault in the fresh memory of (address, length) ranges about to be written, one system call each.
-
-    A response from object storage is copied into the parameters by a memory copy in this
-    process, where every untouched 4 KiB page of a fresh parameter traps on its first
-    write: ~90,000 traps per GB. ``MADV_POPULATE_WRITE`` maps the same pages in one call
-    (measured on the 2-core VMs here, loading 0.36-0.73 GB ranks from SeaweedFS: 15-20%
-    less CPU per byte in the loading process, 5-15% faster loads). Only whole pages inside
-    each range are touched, so memory beside a tensor is never written. Best effort.
-    """
+    """Fault in the fresh memory of (address, length) ranges about to be written, one system call each
+    instead of a trap per 4 KiB page; only whole pages inside each range. Best effort."""
     for address, nbytes in ranges:
         interior = page_interior(address, nbytes)
         if interior is not None:
@@ -153,34 +131,27 @@ def map_pieces(
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """A new tensor whose pages are, where they can be, private mappings of the files' pages holding its bytes.
 
-    ``pieces`` place byte ranges of ``files`` at byte ``start`` of the tensor (their
-    ``dest`` is ignored), disjoint; bytes no piece covers are zero. The tensor lies in one
-    anonymous private mapping, and each page whose tensor bytes all come from one piece,
-    at the same offset within the page as in the file, is replaced by a ``MAP_FIXED |
-    MAP_PRIVATE`` mapping of the file's page: the page cache's page, no copy, no first
-    touch (a column-parallel weight joined from two saved ranks, or cut from one). The
-    offset within a page is the same for every piece whose file offset minus its tensor
-    offset is the same modulo the page size; the most bytes' residue wins. Returns the
-    tensor and, per piece, the byte range ``(lo, hi)`` of the tensor that is mapped
-    (``lo == hi``: none); the caller writes everything else, and pages in and verifies
-    the mapped ranges before use. Writes to the tensor go to private copies, never to
-    the files. Mapped from the files' open descriptors. A tensor that one piece fills
-    whole is one private mapping of that file range instead, with no region under it.
+    ``pieces`` place disjoint byte ranges of ``files`` at byte ``start`` of the tensor; bytes
+    no piece covers are zero. The tensor lies in one anonymous private mapping, and each page
+    whose bytes all come from one piece, at the same offset within the page as in the file
+    (the residue most bytes share), is replaced by a ``MAP_FIXED | MAP_PRIVATE`` mapping of the
+    file's page. A tensor one piece fills whole is one private mapping of that range instead.
+    Returns the tensor and, per piece, the byte range ``(lo, hi)`` that is mapped (``lo == hi``:
+    none); the caller writes the rest, and pages in and verifies the mapped ranges.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     sizes = {p.file: os.fstat(files[p.file].fd).st_size for p in pieces}  # now, not when opened
     if len(pieces) == 1 and pieces[0].start == 0 and pieces[0].length == nbytes > 0:
         p = pieces[0]
         if p.offset % dtype.itemsize == 0 and p.end <= sizes[p.file]:
-            # The whole tensor from one run of one file (any load at the saved topology): one new
-            # private mapping of that range. Laid over an anonymous region instead (below), the
-            # warm TP=1 load of a 1.5 GB model inside vLLM took 0.12-0.17 s instead of 0.08-0.10.
+            # One run of one file (a load at the saved topology): a new mapping of the range is
+            # faster inside vLLM than one laid over an anonymous region.
             return map_file_range(files[p.file].fd, p.offset, nbytes, dtype, shape), [(0, nbytes)]
     weight: dict[int, int] = {}
     for p in pieces:
         residue = (p.offset - p.start) % PAGE
-        # The tensor starts at ``residue`` in the region: a view of its dtype needs that aligned
-        # (a float32 scale may lie at any byte of a safetensors file). Others are read instead.
+        # A view of the dtype needs the tensor's start in the region aligned (a float32 scale
+        # may lie at any byte of a file); other residues are read instead.
         if residue % dtype.itemsize == 0:
             weight[residue] = weight.get(residue, 0) + p.length
     shift = max(weight, key=lambda r: (weight[r], -r)) if weight else 0
@@ -205,7 +176,7 @@ def map_pieces(
 
 TOUCH_ENV = "SHARDED_STATE_TOUCH_PAGES"
 # The CPU flags under which oneDNN runs a 16-bit matmul, so that vLLM's CPU post-processing repacks
-# (reads) every such linear weight after the load; float32 it repacks on any x86 CPU.
+# (reads) every such weight after the load; float32 it repacks on any x86 CPU.
 REPACKING_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
@@ -222,11 +193,9 @@ CPU_FLAGS = _cpu_flags()
 
 
 def touched_by_the_load(dtype: torch.dtype) -> bool:
-    """Whether a mapped load of ``dtype`` reads each page itself (:func:`touch_pages`): where vLLM's
-    post-processing reads every weight after it (oneDNN repacks it), the first CPU access is paid
-    on the reading threads instead; where the weights serve as loaded (bfloat16 without AVX-512
-    BF16 or AMX: oneDNN has no such matmul, vLLM keeps torch's), it is work nobody needs.
-    ``SHARDED_STATE_TOUCH_PAGES=1`` or ``0`` decides it."""
+    """Whether a mapped load of ``dtype`` reads each page itself (:func:`touch_pages`): only where
+    vLLM's post-processing reads every weight next (oneDNN repacks it), unless
+    ``SHARDED_STATE_TOUCH_PAGES`` is ``1`` or ``0``."""
     setting = os.environ.get(TOUCH_ENV, "").strip()
     if setting in ("0", "1"):
         return setting == "1"
@@ -237,15 +206,12 @@ def touched_by_the_load(dtype: torch.dtype) -> bool:
 def touch_pages(data: torch.Tensor) -> None:
     """Read one byte of every page a flat uint8 CPU tensor's memory lies on, on this thread.
 
-    ``MADV_POPULATE_READ`` maps a file's pages but no CPU reads them. In a VM whose host took
-    back the guest's free memory (free page reporting), a page cache page just filled by a
-    disk read then costs a fault in the host on the first CPU access: left to vLLM's
-    post-processing (its repack of every weight), that cost lands after the load. Taken
-    here, the faults run on the reading threads while the other streams wait for the disk;
-    a warm page costs one cache miss. Releases the GIL (torch).
+    ``MADV_POPULATE_READ`` maps pages without a CPU reading them; in a VM whose host reclaims
+    free memory, the first CPU access then faults in the host. Taken here, those faults overlap
+    the other streams' disk reads. Releases the GIL (torch).
     """
     if data.numel():
-        # The offset of the first page boundary in the tensor; where not 0, byte 0 lies on the page before it.
+        # Where the first page boundary is not byte 0, byte 0 lies on the page before it.
         first = -data.data_ptr() % PAGE
         data[first::PAGE].sum()
         if first:
@@ -253,15 +219,12 @@ def touch_pages(data: torch.Tensor) -> None:
 
 
 def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
-    """Page in bytes of mapped targets now, so that the load pays for the reads, not the first request.
-
-    Each page is also read by this thread once mapped where vLLM's post-processing would read it
-    next (:func:`touched_by_the_load`), so that the load pays for the CPU's first access.
-    """
+    """Page in bytes of mapped targets now (and read them where :func:`touched_by_the_load`), so that
+    the load pays for the reads, not the first request."""
     for dest, p in ranges:
         start, length = p.start, p.length
         address = dest.mapped_bytes.data_ptr() + start
-        # madvise takes a page-aligned address; the mapping starts on the page holding the tensor's first byte.
+        # madvise takes a page-aligned address.
         error = oscalls.populate_read(address - address % PAGE, length + address % PAGE)
         if error == errno.EFAULT:
             raise CheckpointCorrupt(
@@ -269,11 +232,11 @@ def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
                 "replaced during the load. Copy or save the checkpoint again."
             )
         if error and error not in (errno.EINVAL, errno.ENOSYS):
-            raise ShardedStateError(
+            raise StorageError(
                 f"{path}: reading it failed ({os.strerror(error)}). Check the storage, "
                 "then copy or save the checkpoint again."
             )
-        # Also the whole paging-in where the kernel predates MADV_POPULATE_READ (EINVAL, ENOSYS).
+        # Also the whole paging-in where the kernel lacks MADV_POPULATE_READ (EINVAL, ENOSYS).
         if error or touched_by_the_load(dest.mapped.dtype):
             touch_pages(dest.mapped_bytes[start : start + length])
 
@@ -281,13 +244,10 @@ def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
 class BufferPool:
     """Memory for tensors made over and over in the same sizes, taken again once nothing uses it.
 
-    Fresh memory costs a page fault (and the kernel zeroing the page) on its first write: on
-    this project's VMs that capped a conversion's making of components at about 1.4 GB/s,
-    where memory written before takes ten times less. Each buffer made here is kept; a
-    buffer is taken again for a tensor of exactly its size once no tensor (view, slice,
-    parameter) refers to its memory any more, which torch's own count of a storage's users
-    tells, so memory a writer still reads is never handed out twice. Idle buffers beyond
-    ``keep`` bytes are let go. Threads may share a pool.
+    Fresh memory costs a page fault and zeroing on its first write. A buffer is taken again for
+    a tensor of exactly its size once torch's count of its storage's users says nothing refers to
+    it, so memory a writer still reads is never handed out twice. Idle buffers beyond ``keep``
+    bytes are let go. Threads may share a pool.
     """
 
     def __init__(self, keep: int = POOL_KEEP) -> None:
@@ -300,13 +260,12 @@ class BufferPool:
     @staticmethod
     def _idle(buffer: torch.Tensor) -> bool:
         storage = buffer.untyped_storage()
-        # This buffer and the wrapper just made: nothing else holds the memory.
+        # Two users: this buffer and the wrapper just made.
         return torch._C._storage_Use_Count(storage._cdata) <= 2
 
     @classmethod
     def _counts_users(cls) -> bool:
-        """Whether this torch counts a storage's users as the pool relies on (a private call): a
-        buffer alone is idle, one with a view is not. Otherwise every tensor is new memory."""
+        """Whether this torch counts a storage's users as the pool relies on (a private call)."""
         if not hasattr(torch._C, "_storage_Use_Count"):
             return False
         probe = torch.empty(8, dtype=torch.uint8)

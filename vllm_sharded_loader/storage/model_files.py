@@ -1,7 +1,6 @@
 """Which files of a local model folder a checkpoint carries beside its parts (config, tokenizer,
-sentence-transformers module folders), and which it leaves (the weights the parts replace, our own
-bookkeeping, a checkpoint saved into a subfolder); and the special files among them that would
-hang whatever opens them.
+module folders), which it leaves (the weights the parts replace, our bookkeeping, a nested
+checkpoint), and the special files among them that would hang whatever opens them.
 """
 
 from __future__ import annotations
@@ -25,29 +24,20 @@ SKIPPED_NAMES = (MANIFEST_NAME, LOCK_NAME, ".cache", ".git")
 
 
 def is_weight_file(name: str) -> bool:
-    """Whether a file of the source model is a weight file (or index) not to copy.
-
-    Our own bookkeeping is never carried either: a save's staged ``.partial`` files (a
-    start-up capture into the model's folder) and lock files.
-    """
+    """Whether a file of the source model is not to copy: a weight file (or index), or our bookkeeping."""
     return (
         any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)
         or name in SKIPPED_NAMES
         or is_staged_name(name)
         or name.startswith(LOCK_NAME)
-        # Tied to the saved topology and device: a copy or reshard that carried them would list
-        # them nowhere (its manifest is new), so they are never copied as model files.
+        # Tied to the saved topology: a copy's new manifest would list them nowhere.
         or is_startup_artifacts_name(name)
     )
 
 
 def module_folders(source: str) -> set[str]:
-    """Top-level folders holding modules of a sentence-transformers model (``modules.json``).
-
-    Their weights (a ``2_Dense/model.safetensors`` projection, say) are not the
-    transformer's, which the sharded parts replace: vLLM's pooler reads them from the
-    folder itself, so they must come along. An unreadable ``modules.json`` names none.
-    """
+    """Top-level folders holding modules of a sentence-transformers model (``modules.json``; unreadable:
+    none): vLLM's pooler reads their weights from the folder, so they come along whole."""
     try:
         with os.fdopen(open_regular(os.path.join(source, "modules.json")), "rb") as f:
             return modules_in(f.read())
@@ -59,7 +49,7 @@ def modules_in(data: bytes) -> set[str]:
     """The top-level module folders that a ``modules.json`` names (:func:`module_folders`)."""
     try:
         modules = json.loads(data)
-    except (ValueError, RecursionError):  # (nested past the recursion limit: as unreadable)
+    except (ValueError, RecursionError):
         return set()
     if not isinstance(modules, list):
         return set()
@@ -68,15 +58,13 @@ def modules_in(data: bytes) -> set[str]:
 
 
 def _holds_a_checkpoint(folder: str) -> bool:
-    """A checkpoint (or a save into one) in a folder of the model's: converted or saved into the model's
-    own folder, it is not the model's, and a later checkpoint of the model must not carry it."""
+    """Whether a folder of the model's holds a checkpoint (or a save into one): never carried."""
     return directory_holds_checkpoint(folder) or os.path.lexists(os.path.join(folder, LOCK_NAME))
 
 
 def nested_checkpoints(names: list[str]) -> set[str]:
-    """The sub-folders holding a checkpoint (or a save into one), among the relative ``names`` of a
-    listing (an object-storage prefix's): by the rule of a local folder, a manifest, a lock, a part
-    named as vLLM names them or start-up artifacts. Another checkpoint's, never carried."""
+    """The sub-folders of a listing's relative ``names`` (an object-storage prefix's) that hold a
+    checkpoint or a save into one, by a local folder's rule."""
     folders = set()
     for name in names:
         folder, _, leaf = name.rpartition("/")
@@ -86,13 +74,9 @@ def nested_checkpoints(names: list[str]) -> set[str]:
 
 
 def own_part_pattern(manifest: Callable[[], Manifest | None]) -> str | None:
-    """The part pattern of the checkpoint at the top of a source (``manifest`` reads its manifest), or None.
-
-    A checkpoint saved under a pattern of its own (``w-{rank}-{part}.dat``) has parts that no weight
-    file pattern names: carried, a reshard of it would copy the old weights beside the new parts,
-    recorded as its config files, and ``verify`` would take its own parts for files left beside them.
-    A manifest that cannot be read names none (the source's own checks say why, where it matters).
-    """
+    """The part pattern of the checkpoint at the top of a source (``manifest`` reads its manifest), or
+    None (also where it cannot be read): parts under a pattern of its own (``w-{rank}-{part}.dat``)
+    match no weight file pattern, yet must not be carried."""
     try:
         found = manifest()
     except ShardedStateError:
@@ -101,22 +85,20 @@ def own_part_pattern(manifest: Callable[[], Manifest | None]) -> str | None:
 
 
 def is_own_part(name: str, pattern: str | None) -> bool:
-    """Whether the top-level ``name`` is a part of the checkpoint whose pattern is ``pattern``
-    (:func:`own_part_pattern`): its listed parts, and any a save that died placed under its pattern."""
+    """Whether the top-level ``name`` is a part under ``pattern`` (:func:`own_part_pattern`), listed or not."""
     return pattern is not None and "/" not in name and parse_file_name(pattern, name) is not None
 
 
 def carried_in_listing(names: list[str], modules: set[str], pattern: str | None = None) -> list[str]:
-    """:func:`non_weight_files`'s rule over a listing of relative ``names`` (an object-storage
-    prefix's), where ``modules`` are the folders its ``modules.json`` names (:func:`modules_in`) and
-    ``pattern`` the part pattern of the checkpoint at the top of the prefix (:func:`own_part_pattern`)."""
+    """:func:`non_weight_files`'s rule over a listing of relative ``names`` (an object-storage prefix's),
+    given its module folders (:func:`modules_in`) and :func:`own_part_pattern`."""
     nested = nested_checkpoints(names)
 
     def carried(name: str) -> bool:
         if is_own_part(name, pattern):
             return False
         parts = name.split("/")
-        whole = len(parts) > 1 and parts[0] in modules  # (a module folder comes whole, its weights too)
+        whole = len(parts) > 1 and parts[0] in modules  # a module folder comes whole, weights too
         left = (lambda p: p in SKIPPED_NAMES) if whole else is_weight_file
         return not any(left(p) or is_staged_name(p) for p in parts)
 
@@ -124,14 +106,8 @@ def carried_in_listing(names: list[str], modules: set[str], pattern: str | None 
 
 
 def non_weight_files(source: str) -> list[str]:
-    """Relative paths of the source model's files a checkpoint carries alongside its parts.
-
-    Config, generation config, tokenizer files, chat template, module folders, ...:
-    everything except the transformer's own weights, which the sharded parts replace:
-    top-level weight files, and weight files in folders that are not modules of the
-    model (an ``original/`` copy of the weights). A sentence-transformers module folder
-    is carried whole (:func:`module_folders`); a folder holding a checkpoint, not at all.
-    """
+    """Relative paths of the source model's files a checkpoint carries alongside its parts: all but
+    the weight files outside module folders (which come whole) and nested checkpoints."""
     modules = module_folders(source)
     pattern = own_part_pattern(lambda: read_manifest(source))
     found = []
@@ -143,9 +119,7 @@ def non_weight_files(source: str) -> list[str]:
             found.append(name)
             continue
         if _holds_a_checkpoint(path) or escapes(path, os.path.realpath(path), source) is not None:
-            # (A link to a folder elsewhere, say to /usr, is not the model's: not walked, as os.walk
-            # walks no nested link.)
-            continue
+            continue  # (a link to a folder elsewhere is not the model's)
         whole = name in modules
         for root, dirs, files in os.walk(path):
             nested = (d for d in dirs if d not in SKIPPED_NAMES)
@@ -164,7 +138,7 @@ def copy_non_weight_files(source: str, output: str) -> list[str]:
     copied = non_weight_files(source)
     for name in copied:
         os.makedirs(os.path.dirname(os.path.join(output, name)), exist_ok=True)
-        # Opened without blocking and refused unless regular: a FIFO there must not hang the save.
+        # Refused unless regular, opened without blocking: a FIFO must not hang the save.
         with (
             os.fdopen(open_regular(os.path.join(source, name)), "rb") as src,
             open(os.path.join(output, name), "wb") as dst,
@@ -175,13 +149,8 @@ def copy_non_weight_files(source: str, output: str) -> list[str]:
 
 
 def special_files(folder: str) -> list[CheckpointCorrupt]:
-    """An error for each FIFO, device or socket among a local model folder's files (its top level,
-    and what a checkpoint carries of its subfolders), found without opening any of them.
-
-    vLLM (and transformers) open a model's config and tokenizer files plainly: a FIFO among them
-    hangs whatever reads it for good, before any check of ours has seen the folder. A dangling
-    link is left to whatever reads it, which names it missing.
-    """
+    """An error for each FIFO, device or socket among a local model folder's files (top level, and what
+    a checkpoint carries), found without opening any: vLLM opens them plainly, and a FIFO hangs it."""
     top = (n for n in os.listdir(folder) if not os.path.isdir(os.path.join(folder, n)))
     found = []
     for name in sorted({*top, *non_weight_files(folder)}):
@@ -190,7 +159,7 @@ def special_files(folder: str) -> list[CheckpointCorrupt]:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
             continue
-        except OSError as e:  # a loop of links: whatever opens it fails, and cannot read what it needs
+        except OSError as e:  # a loop of links
             if e.errno != errno.ELOOP:
                 raise
             found.append(not_regular(path, None))
@@ -201,10 +170,8 @@ def special_files(folder: str) -> list[CheckpointCorrupt]:
 
 
 def check_no_links_to_nothing(folder: str) -> None:
-    """Refuse a local model folder whose files a checkpoint carries (:func:`non_weight_files`) include a
-    symbolic link to nothing, naming it, before vLLM reads the folder: vLLM took a ``config.json`` so
-    linked for no config at all ("Invalid repository ID or local directory"), and the carry failed on
-    a tokenizer file so linked once the model was built, saying to free space or fix a permission."""
+    """Refuse a local model folder whose carried files (:func:`non_weight_files`) include a link to
+    nothing, naming it, before vLLM reads the folder (which would report something else, or fail late)."""
     for name in non_weight_files(folder):
         path = os.path.join(folder, name)
         if os.path.islink(path) and not os.path.exists(path):

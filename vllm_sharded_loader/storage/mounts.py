@@ -35,13 +35,9 @@ def _mount_of(path: str, mountinfo: str) -> tuple[str, str, set[str]] | None:
 
 
 def flock_problem(directory: str, mountinfo: str | None = None) -> str | None:
-    """Why ``flock`` on ``directory``'s mount cannot tell a running save from a dead one, or None.
-
-    ``mountinfo`` is the text of ``/proc/self/mountinfo`` (read when not given; without it,
-    nothing is known against the mount). A mount whose ``flock`` each host grants on its own
-    (NFS with ``nolock`` or ``local_lock``, CIFS with ``nobrl``, FUSE file systems, which
-    lock in the local kernel unless the file system implements locks) is named here.
-    """
+    """Why ``flock`` on ``directory``'s mount cannot tell a running save from a dead one (each host
+    grants it on its own: NFS ``nolock``, CIFS ``nobrl``, FUSE), or None; ``mountinfo`` is read when
+    not given."""
     if mountinfo is None:
         try:
             with open("/proc/self/mountinfo") as f:

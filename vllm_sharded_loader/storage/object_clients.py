@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
-from ..format.errors import ShardedStateError
+from ..format.errors import InvalidOption, Unsupported
 from . import oscalls
 
 # Azure names a container by its blob endpoint too: https://ACCOUNT.blob.core.windows.net/container/...
@@ -61,9 +61,9 @@ def _seconds(name: str, default: float) -> float:
     try:
         seconds = float(value) if value else default
     except ValueError:
-        raise ShardedStateError(f"{name}={value!r} is not a number of seconds.") from None
+        raise InvalidOption(f"{name}={value!r} is not a number of seconds.") from None
     if not seconds > 0:
-        raise ShardedStateError(f"{name}={value!r} must be a positive number of seconds.")
+        raise InvalidOption(f"{name}={value!r} must be a positive number of seconds.")
     return seconds
 
 
@@ -73,7 +73,7 @@ def client_settings(allow_http: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
         retries = max(int(attempts) - 1, 0) if attempts else DEFAULT_ATTEMPTS - 1
     except ValueError:
-        raise ShardedStateError(f"AWS_MAX_ATTEMPTS={attempts!r} is not a whole number.") from None
+        raise InvalidOption(f"AWS_MAX_ATTEMPTS={attempts!r} is not a whole number.") from None
     client_options = {
         "allow_http": allow_http,
         "timeout": timedelta(seconds=_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)),
@@ -100,7 +100,7 @@ def check_not_forked(url: str) -> None:
     reads object storage in a process before it builds an engine does it in a fresh process
     (:mod:`.fresh_process`)."""
     if _runtime_pid is not None and _runtime_pid != os.getpid():
-        raise ShardedStateError(
+        raise Unsupported(
             f"{url}: this process (pid {os.getpid()}) was forked from pid {_runtime_pid} after that process "
             "had used object storage, whose I/O runtime does not survive a fork: a request would hang. "
             "Start this process fresh (for vLLM's workers: VLLM_WORKER_MULTIPROC_METHOD=spawn), or read "
@@ -272,7 +272,7 @@ def _azure_store(container: str, account: str | None) -> Any:
     if not (config.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")) and not (
         config.get("use_emulator") or _true(os.environ.get("AZURE_STORAGE_USE_EMULATOR"))
     ):
-        raise ShardedStateError(
+        raise InvalidOption(
             f"az://{container}/: no Azure storage account. Set AZURE_STORAGE_ACCOUNT_NAME (or "
             f"{AZURE_CONNECTION_STRING_ENV}), or name it in the URL: "
             f"https://ACCOUNT{AZURE_BLOB_HOST}/{container}/..."

@@ -1,9 +1,6 @@
 """The save lock of an object-storage prefix: one object (``LOCK_NAME``) that a conditional put
-creates, so that exactly one save holds the prefix (:func:`acquire_lock`).
-
-Object storage cannot tell a running save from a dead one, so a lock is never taken over
-silently; a save checks that the lock is still its own before it publishes (fencing,
-:func:`check_lock_holder`) and deletes only its own (:func:`release_lock`).
+creates, so that exactly one save holds the prefix. Object storage cannot tell a running save
+from a dead one, so a lock is never taken over silently.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ def read_lock(where: ObjectPrefix) -> dict[str, Any] | None:
         return None
     except CheckpointCorrupt:  # replaced meanwhile: a lock of unknown holder
         return {}
-    # (A network error is raised: read as "no holder known", a release kept the lock and said nothing.)
+    # (A network error is raised: as "no holder", a release would keep the lock silently.)
     try:
         holder = json.loads(data)
     except (ValueError, RecursionError):  # (nested past the recursion limit: a lock of unknown holder)
@@ -44,19 +41,15 @@ def describe_lock(where: ObjectPrefix, holder: dict[str, Any]) -> str:
     when = holder.get("time")
     since = "?"
     if isinstance(when, (int, float)):
-        # NaN (which JSON parsing takes), or a time out of the platform's range: the object is anyone's,
-        # and the lock must still be named (not a bare ValueError or OverflowError in its place).
+        # NaN or out of range (the object is anyone's): the lock is still named.
         with contextlib.suppress(ValueError, OverflowError, OSError):
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
     return f"{where.url(LOCK_NAME)} (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {since})"
 
 
 def acquire_lock(where: ObjectPrefix, token: str) -> None:
-    """Take the prefix for one save: a conditional put of the lock object, so exactly one save wins.
-
-    Object storage cannot tell a running save from a dead one, so a lock left by an
-    interrupted save is never taken over silently: the error says to delete it.
-    """
+    """Take the prefix for one save: a conditional put of the lock object (a held lock: the error
+    says to delete it if its save is gone)."""
     body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": token})
     try:
         put(where, LOCK_NAME, body.encode(), create=True)
@@ -66,7 +59,7 @@ def acquire_lock(where: ObjectPrefix, token: str) -> None:
         except ShardedStateError:
             raise e from None
         if holder.get("token") == token:
-            return  # ours: the put's answer was lost, and its retry failed (found the lock it had made)
+            return  # ours: the put's answer was lost, and its retry found the lock it made
         if not isinstance(e, AlreadyExists):
             raise
         raise _held(where, holder) from None
@@ -89,8 +82,8 @@ def refuse_a_checkpoint(where: ObjectPrefix, overwrite: bool) -> None:
 
 
 def refuse_before_save(where: ObjectPrefix, overwrite: bool) -> None:
-    """What a save's :func:`acquire_lock` and its check under the lock would refuse, taking nothing: said
-    before a save starts work it would throw away (vLLM building a model, tens of seconds)."""
+    """What a save's :func:`acquire_lock` and its check under the lock would refuse, taking nothing
+    (before a save starts work it would throw away)."""
     holder = read_lock(where)
     if holder is not None:
         raise _held(where, holder)
@@ -98,14 +91,11 @@ def refuse_before_save(where: ObjectPrefix, overwrite: bool) -> None:
 
 
 def check_lock_holder(where: ObjectPrefix, token: str) -> None:
-    """Fencing: refuse to go on unless the lock is still this save's (``token``).
-
-    A lock can be deleted by hand and taken by another save while this one stalls; this
-    save must then neither publish nor delete the new holder's lock.
-    """
+    """Fencing: refuse to go on unless the lock is still this save's (``token``), never publishing
+    under another save's lock (one deleted by hand and taken while this save stalled)."""
     holder = read_lock(where)
     if holder is None or holder.get("token") != token:
-        raise ShardedStateError(
+        raise SaveRefused(
             f"{where.url()}: this save's lock was "
             + ("deleted" if holder is None else f"taken over by another save ({describe_lock(where, holder)})")
             + " while it ran; it does not publish. Save again once no other save runs."
@@ -113,11 +103,8 @@ def check_lock_holder(where: ObjectPrefix, token: str) -> None:
 
 
 def release_lock(where: ObjectPrefix, token: str | None = None) -> None:
-    """Delete the lock; with ``token``, only if it is still this save's.
-
-    The read and the delete are two requests (S3 has no conditional delete everywhere):
-    a lock taken over between them is the one case not fenced.
-    """
+    """Delete the lock; with ``token``, only if it is still this save's (two requests, as S3 has no
+    conditional delete everywhere: a lock taken between them is not fenced)."""
     if token is not None:
         holder = read_lock(where)
         if holder is None or holder.get("token") != token:
@@ -126,11 +113,8 @@ def release_lock(where: ObjectPrefix, token: str | None = None) -> None:
 
 
 def check_not_locked(where: ObjectPrefix) -> None:
-    """Refuse a prefix without a manifest that a save holds: its first save has not published.
-
-    A save replaces a checkpoint last (new part names, then the manifest's conditional
-    put), so a published manifest names a whole checkpoint while a save runs or after it died.
-    """
+    """Refuse a prefix without a manifest that a save holds (a published manifest names a whole
+    checkpoint while a save runs, or after it died)."""
     holder = read_lock(where)
     if holder is not None and head(where, MANIFEST_NAME) is None:
         raise CheckpointLocked(

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..format.errors import ShardedStateError
+from ..format.errors import CheckpointCorrupt, ShardedStateError
 from ..format.manifest import CarriedFile, FileEntry, Manifest, RankEntry
 from ..format.names import MANIFEST_NAME, staged_name, staged_token, token_name
 from . import model_files, object_lock, objects
@@ -289,7 +289,7 @@ class ObjectStore:
             try:
                 names = [str(n) for n in json.loads(self.read(record))]
             except (ValueError, TypeError) as e:
-                raise ShardedStateError(
+                raise CheckpointCorrupt(
                     f"{self.file_path(record)}: not a record of a save's uploads ({e}); delete it."
                 ) from e
             names = [n for n in names if "/" not in n and n not in keep]

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..format.errors import CheckpointCorrupt, CheckpointLocked, CheckpointNotFound, ShardedStateError
+from ..format.errors import (
+    CheckpointCorrupt,
+    CheckpointLocked,
+    CheckpointNotFound,
+    InvalidOption,
+    ShardedStateError,
+    StorageError,
+)
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import MANIFEST_NAME
 from .object_clients import AZURE_BLOB_HOST, CLIENTS, SETTINGS, _store, check_not_forked
@@ -63,7 +70,7 @@ class ObjectPrefix:
     def parse(cls, url: str) -> ObjectPrefix:
         if "?" in url or "#" in url:
             # The URL's parser drops it: another prefix (or the latest version) would be read unsaid.
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"{url}: an object storage URL names a bucket and a prefix only; its '?' or '#' part (a version, "
                 "a token, or a key with such a character) would be ignored. Give the prefix alone, with credentials "
                 "in the environment; copy an object's past version to a prefix of its own to use it."
@@ -75,14 +82,14 @@ class ObjectPrefix:
             container, _, prefix = path.partition("/")
             account = (parsed.hostname or "")[: -len(AZURE_BLOB_HOST)]
             if not container or not account:
-                raise ShardedStateError(
+                raise InvalidOption(
                     f"{url}: an Azure blob URL must name the container: "
                     "https://ACCOUNT.blob.core.windows.net/CONTAINER/prefix."
                 )
             _check_segments(url, prefix)
             return cls(container, prefix + "/" if prefix else "", "az", account)
         if scheme not in CLIENTS or not parsed.netloc:
-            raise ShardedStateError(
+            raise InvalidOption(
                 f"{url}: not an object storage URL of the form s3://bucket/prefix, gs://bucket/prefix, "
                 "az://container/prefix or https://ACCOUNT.blob.core.windows.net/container/prefix."
             )
@@ -107,7 +114,7 @@ def _check_segments(url: str, prefix: str) -> None:
     """Refuse a prefix with an empty, ``.`` or ``..`` part: keys are not paths (nothing resolves them),
     and the stores refuse or keep such keys as they are, which a message then blamed on the endpoint."""
     if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-        raise ShardedStateError(
+        raise InvalidOption(
             f"{url}: its prefix {prefix!r} has an empty, '.' or '..' part, which object storage does not resolve "
             "as a folder path would; nothing was read or written. Give the prefix without them (s3://bucket/a/b)."
         )
@@ -117,7 +124,7 @@ def _error_type(error: Exception) -> type[ShardedStateError]:
     """The error type a caller branches on for one of obstore's typed errors.
 
     Not found and precondition failures say something about the checkpoint; the rest
-    (credentials, network, a store that refuses the call) stay the base type.
+    (credentials, network, a store that refuses the call) are a :class:`StorageError`.
     """
     import obstore.exceptions as oe
 
@@ -127,7 +134,7 @@ def _error_type(error: Exception) -> type[ShardedStateError]:
         return CheckpointCorrupt
     if isinstance(error, oe.AlreadyExistsError):  # a create-only put: another save holds or published it
         return CheckpointLocked
-    return ShardedStateError
+    return StorageError
 
 
 def _fail(url: str, what: str, error: Exception) -> ShardedStateError:
@@ -343,7 +350,7 @@ def put(
         if match is not None and (now is None or any(now.get(k) != v for k, v in mode.items())):
             raise AlreadyExists(f"{where.url(name)}: replaced by another save meanwhile; it published first.") from None
         # Azure answers 412 to any write of a leased blob, conditional or not: no save replaced it.
-        raise ShardedStateError(
+        raise StorageError(
             f"{where.url(name)}: the store refused the write (412 Precondition Failed), though no other save "
             "replaced the object: on Azure, a lease is held on the blob. Release or break the lease, then save again."
         ) from None
@@ -381,7 +388,7 @@ def _refused_delete(where: ObjectPrefix, what: str, error: Exception) -> Sharded
 
     if isinstance(error, oe.PreconditionError) or "(code: 412)" in str(error):
         detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return ShardedStateError(
+        return StorageError(
             f"{where.url()}: the store refused the {what} (412 Precondition Failed: {detail}): on Azure, a lease is "
             "held on the blob. Release or break the lease, then save again."
         )

@@ -50,33 +50,25 @@ def madvise_hugepage(address: int, nbytes: int) -> bool:
 
 
 def drop_pages(address: int, nbytes: int) -> None:
-    """``madvise(MADV_DONTNEED)`` over a page-aligned range of a private file mapping no longer read.
-
-    Unmaps its pages now, on the calling thread (the page cache keeps them), so that the
-    mapping's eventual ``munmap`` has nothing left to tear down. A no-op off Linux.
-    """
+    """``madvise(MADV_DONTNEED)`` over a page-aligned range of a private file mapping no longer read,
+    on the calling thread, so that its ``munmap`` later has nothing to tear down."""
     libc = _c()
     if libc is not None:
         libc.madvise(address, nbytes, MADV_DONTNEED)
 
 
 def populate_write(address: int, nbytes: int) -> None:
-    """``madvise(MADV_POPULATE_WRITE)``: fault in a page-aligned range of fresh memory now, in one call.
-
-    Before a copy that writes every page (rows joined into a new parameter): one system
-    call instead of a trap per 4 KiB page. Best effort: a no-op where unsupported.
-    """
+    """``madvise(MADV_POPULATE_WRITE)``: fault in a page-aligned range of fresh memory in one call (best effort)."""
     libc = _c()
     if libc is not None:
         libc.madvise(address, nbytes, MADV_POPULATE_WRITE)
 
 
 def populate_read(address: int, nbytes: int) -> int:
-    """``madvise(MADV_POPULATE_READ)``: page in and map a range of a file mapping now.
+    """``madvise(MADV_POPULATE_READ)``: page in and map a range of a file mapping now, without the GIL.
 
-    Returns 0, or the errno: ``EINVAL`` where the kernel predates the call, ``EFAULT``
-    where a page is beyond the end of the file (it was truncated), ``ENOSYS`` off Linux.
-    The call releases the GIL (ctypes), so several threads page in at once.
+    Returns 0, or the errno: ``EINVAL`` where the kernel lacks it, ``EFAULT`` past the end of the
+    file (truncated), ``ENOSYS`` off Linux.
     """
     libc = _c()
     if libc is None:
@@ -85,12 +77,8 @@ def populate_read(address: int, nbytes: int) -> int:
 
 
 def map_file_fixed(address: int, nbytes: int, fd: int, offset: int) -> int:
-    """``mmap(MAP_FIXED | MAP_PRIVATE)`` of a file's pages over ``[address, address + nbytes)``.
-
-    Both ``address`` and ``offset`` must be page-aligned, and the range must lie inside a
-    mapping the caller owns (it replaces those pages). Returns 0, or the errno
-    (``ENOSYS`` off Linux), so that the caller can fall back to copying.
-    """
+    """``mmap(MAP_FIXED | MAP_PRIVATE)`` of a file's pages over ``[address, address + nbytes)``, inside a
+    mapping the caller owns (page-aligned). Returns 0, or the errno, for the caller to copy instead."""
     libc = _c()
     if libc is None:
         return errno.ENOSYS
@@ -102,12 +90,8 @@ def map_file_fixed(address: int, nbytes: int, fd: int, offset: int) -> int:
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing a file range to disk now, without waiting (``sync_file_range``).
-
-    The kernel otherwise holds dirty pages until its background threshold (10% of RAM)
-    or until ``fsync``, so a save would copy everything into the page cache first and
-    only then write it; started early, the disk writes while the next chunk is copied.
-    """
+    """Start writing a file range to disk now, without waiting (``sync_file_range``): the disk writes
+    while the next chunk is copied, instead of at the kernel's dirty threshold or ``fsync``."""
     libc = _c()
     if libc is not None:
         libc.sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
@@ -140,10 +124,7 @@ def parse_cpu_list(text: str) -> set[int]:
 
 
 def binding_cpus(affinity: set[int] | frozenset[int], nodes: dict[int, frozenset[int]]) -> set[int]:
-    """The CPUs of the NUMA nodes that ``affinity`` touches: where a thread of a bound worker may run. Pure.
-
-    A worker bound to one core of node 1 may use every core of node 1 for its I/O threads,
-    never a core of node 0. Without node information, the affinity itself.
+    """The CPUs of the NUMA nodes that ``affinity`` touches (without node information, ``affinity``). Pure.
 
     >>> sorted(binding_cpus({5}, {0: frozenset({0, 1, 2, 3}), 1: frozenset({4, 5, 6, 7})}))
     [4, 5, 6, 7]
@@ -157,32 +138,22 @@ def binding_cpus(affinity: set[int] | frozenset[int], nodes: dict[int, frozenset
 def use_binding_cpus() -> None:
     """Let the calling thread run on every CPU of the NUMA nodes it is bound to (a thread-pool initializer).
 
-    vLLM's CPU workers pin their OpenMP threads, the calling thread included, to the
-    rank's cores (``VLLM_CPU_OMP_THREADS_BIND``), and new threads inherit that mask: a
-    TP=1 engine on 2 cores would copy or hash its weights on one. Nothing computes
-    while weights load or save, so our own I/O threads take every core of the worker's
-    NUMA nodes, and never one of another node: vLLM binds each GPU worker to the node
-    of its GPU (``--numa-bind`` and the like), where the pinned staging memory and the
-    PCIe link are, and threads on another node would read into remote memory. The
-    pinning of the engine's threads is untouched. The new thread inherits the worker's
-    mask, which is what is read here.
+    vLLM pins a CPU worker's threads to the rank's cores, and new threads inherit the mask; nothing
+    computes while weights load or save, so I/O threads take the whole node, never another node
+    (whose memory would be remote to a GPU worker's staging).
     """
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, binding_cpus(os.sched_getaffinity(0), numa_nodes()))
 
 
-# The earlier name, for callers that still use it.
 use_every_cpu = use_binding_cpus
 
 
 def release_free_heap() -> None:
     """``malloc_trim(0)``: hand the C heap's free pages back to the system (glibc); a no-op elsewhere.
 
-    vLLM's CPU post-processing packs every linear weight into new memory that oneDNN takes
-    from ``malloc`` and frees the previous packing: glibc keeps most of the freed memory,
-    fragmented, for later allocations, and a worker doing one weight update after another
-    held about 0.15 GB more at each (1 GB after six updates of a 1.3 GB model, measured),
-    growing towards a second copy of the weights.
+    vLLM's CPU post-processing repacks every weight into ``malloc``-ed memory and frees the old
+    packing, which glibc otherwise keeps, so repeated weight updates grow towards a second copy.
     """
     libc = _c()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None

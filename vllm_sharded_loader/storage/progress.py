@@ -6,20 +6,13 @@ import threading
 import time
 from types import TracebackType
 
-# vLLM's loaders use this format: one line per update, which survives the prefixes
-# that multiprocessing puts on worker output.
+# vLLM's loaders' format: a line per update survives the prefixes on worker output.
 BAR_FORMAT = "{desc}: {percentage:3.0f}% Completed | {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}, {rate_fmt}]\n"
 
 
 class ByteProgress:
-    """A callback ``(bytes_done_now, bytes_total)`` that drives a tqdm bar and times the work.
-
-    The bar opens on the first call (when the total is known) and only when ``enabled``;
-    ``seconds`` and ``nbytes`` are kept either way, for the log line. ``line_per_update`` keeps
-    vLLM's one-line format (engine workers); off, tqdm draws its usual bar (a terminal).
-    Calls may come from several threads (the ranks of an offline save, once the first call
-    gave the total of them all).
-    """
+    """A thread-safe callback ``(bytes_done_now, bytes_total)`` that times the work and, if ``enabled``,
+    drives a tqdm bar from its first call (vLLM's one-line format with ``line_per_update``)."""
 
     def __init__(self, desc: str, enabled: bool, line_per_update: bool = True) -> None:
         self.desc, self.enabled, self.line_per_update = desc, enabled, line_per_update
@@ -42,8 +35,7 @@ class ByteProgress:
             self._advance(done)
 
     def start_over(self) -> None:
-        """Count from nothing again, on a new bar at the next call (a verify that starts over on
-        the checkpoint that replaced the one it was reading)."""
+        """Count from nothing again, on a new bar at the next call."""
         with self._lock:
             if self.bar is not None:
                 self.bar.close()

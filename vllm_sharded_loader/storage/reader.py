@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.errors import CheckpointCorrupt, InvalidOption
 from ..format.manifest import FileChecksum
 from ..planning.spans import FileGrid, Piece, Span, plan_spans, split_streams
 from . import direct as direct_io
@@ -105,7 +105,7 @@ def remote_threads(ranks_on_host: int = 1) -> int:
     (16, 8, 4)
     """
     if ranks_on_host < 1:
-        raise ShardedStateError(f"ranks_on_host={ranks_on_host}: a host runs at least one rank.")
+        raise InvalidOption(f"ranks_on_host={ranks_on_host}: a host runs at least one rank.")
     return max(MIN_REMOTE_THREADS, REMOTE_THREADS // ranks_on_host)
 
 
@@ -136,7 +136,7 @@ class ReadOptions:
 
     def __post_init__(self) -> None:
         if self.threads < 1:
-            raise ShardedStateError(f"threads={self.threads}: the reader needs at least one thread.")
+            raise InvalidOption(f"threads={self.threads}: the reader needs at least one thread.")
 
 
 #: The reader's defaults: one thread per core (4 to 8), no progress, no huge pages, one rank on the host.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..format.entries import RANK_METADATA
-from ..format.errors import SaveRefused, ShardedStateError
+from ..format.errors import InvalidOption, SaveRefused, ShardedStateError
 from ..format.manifest import FileEntry, Manifest, RankEntry, TensorEntry
 from ..format.names import (
     TOKEN_DIGITS,
@@ -85,7 +85,7 @@ def stage_rank(
         for i in range(len(parts))
     ]
     if len(set(names)) != len(names):
-        raise ShardedStateError(f"File pattern {pattern!r} renders the same name for two parts of {rank}.")
+        raise InvalidOption(f"File pattern {pattern!r} renders the same name for two parts of {rank}.")
     files: list[FileEntry] = []
     entries: dict[str, TensorEntry] = {}
     staged = StagedRank(directory, rank, pattern, max_size, RankEntry(rank.tp_rank, rank.pp_rank, (), {}, dp_rank))

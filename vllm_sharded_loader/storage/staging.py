@@ -1,13 +1,9 @@
 """Per-thread buffers of the reader: staging for converted and accelerator targets, scratch, descriptors.
 
-Everything CUDA that a reader thread makes or issues names the load's one accelerator
-device (:func:`accelerator_device`) explicitly. A fresh thread's current device is 0:
-a stream made there without a device, and an event recorded on it, would not follow
-the copies into ``cuda:N`` (those run on device N's current stream), so a staging buffer
-could be refilled while its copy to a rank with local rank >= 1 still reads it, and the
-rank would make a context (memory) on GPU 0. The device is named per call rather than
-set on the thread, because with one stream the reader runs on the caller's own thread,
-whose current device it must leave as it found it.
+Everything CUDA a reader thread makes or issues names the load's one device explicitly: a fresh
+thread's current device is 0, where a stream or event would not follow copies into ``cuda:N``
+(and would make a context on GPU 0). It is named per call, not set on the thread, because with
+one stream the reader runs on the caller's thread, whose current device it must leave alone.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..format.errors import ShardedStateError
+from ..format.errors import Unsupported
 from .memory import Destination
 
 if TYPE_CHECKING:
@@ -27,19 +23,14 @@ if TYPE_CHECKING:
 
 
 def accelerator_device(destinations: Sequence[Destination]) -> torch.device | None:
-    """The one CUDA device that ``destinations`` land on, or None if none is on CUDA. Pure.
-
-    Destinations on several CUDA devices are refused rather than served per device: a
-    worker loads one rank, whose parameters all live on its own device, so several
-    devices mean a caller's mistake, and one device keeps one stream and one pair of
-    staging buffers per thread.
-    """
+    """The one CUDA device that ``destinations`` land on, or None; several are refused (a worker's
+    rank lives on one device). Pure."""
     devices = {d.landing.device for d in destinations if d.cuda}
     if not devices:
         return None
     if len(devices) > 1:
         names = ", ".join(sorted(str(device) for device in devices))
-        raise ShardedStateError(
+        raise Unsupported(
             f"the targets of one load are on several accelerator devices ({names}); the reader fills "
             "one device per load. Load each device's tensors in a separate call."
         )
@@ -49,11 +40,8 @@ def accelerator_device(destinations: Sequence[Destination]) -> torch.device | No
 
 @dataclass
 class ThreadState:
-    """Per-thread buffers: staging (pinned for accelerators) and scratch for verified spans.
-
-    With a ``device`` (the targets' accelerator), :meth:`on_device` makes the stream
-    that the state's copies and events go on; it must run before the first copy.
-    """
+    """Per-thread buffers: staging (pinned for accelerators) and scratch for verified spans; with a
+    ``device``, :meth:`on_device` must make the thread's stream before the first copy."""
 
     device: torch.device | None = None
     staging: list[torch.Tensor | None] = field(default_factory=lambda: [None, None])
@@ -64,13 +52,8 @@ class ThreadState:
     streams: dict[int, ByteStream] = field(default_factory=dict)  # this thread's own stream of each file
 
     def on_device(self, after: object | None = None) -> None:
-        """Give the calling thread's state its own stream on :attr:`device`; a no-op without a device.
-
-        The new stream first waits for ``after``, the caller's current stream on that
-        device: the caller's pending work on the targets (zeroing, earlier use of their
-        memory) must not race this thread's copies, and a new stream does not wait for
-        any other by itself.
-        """
+        """Give the calling thread's state its own stream on :attr:`device` (none without one), which
+        first waits for ``after``, the caller's stream: its pending work on the targets must not race."""
         if self.device is None:
             return
         stream = torch.cuda.Stream(device=self.device)
@@ -104,9 +87,8 @@ class ThreadState:
             if self.device is None:
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
             else:
-                # Pinned under the copies' device: PyTorch's host allocator pins through
-                # the current device's context where that has one, so this is device N's
-                # and never a fresh thread's GPU 0 (another library may have made one there).
+                # Pinned under the copies' device: the host allocator pins through the current
+                # device's context, which must be device N's, never a fresh thread's GPU 0.
                 with torch.cuda.device(self.device):
                     buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             self.staging[self.turn] = buffer
@@ -124,12 +106,8 @@ def copy_out(
     turn: int,
     copies: list[tuple[Destination, int, int, int, int]],
 ) -> None:
-    """Copy staged runs into their destinations: ``(destination, first, stop, at, nbytes)`` each.
-
-    With a stream the copies are non-blocking on it, and the event recorded after them
-    on that same stream is what :meth:`ThreadState.staging_buffer` waits for before it
-    refills this ``turn``'s buffer. Without one (CPU targets) they are plain copies.
-    """
+    """Copy staged runs into their destinations: ``(destination, first, stop, at, nbytes)`` each;
+    with a stream, non-blocking, recording the event :meth:`ThreadState.staging_buffer` waits for."""
     if state.stream is not None:
         with state.issuing():
             for dest, a, b, at, n in copies:

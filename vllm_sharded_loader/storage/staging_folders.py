@@ -1,20 +1,10 @@
 """Local staging folders of saves into object storage: made in one place, removed even after a kill.
 
-A save into ``s3://``, ``gs://`` or ``az://`` writes its parts to a local folder
-``sharded-state-upload-*`` under :func:`staging_base` first, and uploads them from there.
-Its process removes the folder when it is done, whether the save succeeded or failed. A
-process killed outright (``SIGKILL``, the OOM killer, a power cut) cannot: its folder,
-up to a model's size, stays. So every folder carries a marker file that its owner holds
-an exclusive ``flock`` on for the folder's whole life. The kernel drops that lock with
-the process, however it ends, and :func:`make_staging_folder` first removes the folders
-beside it whose marker's lock is free: the next save on the host cleans up after a dead
-one, with no pid or host name to trust.
-
-Only folders that are provably ours and dead go: a real folder (not a symbolic link)
-directly under the staging base, named with our prefix, owned by this user, holding our
-marker, and whose marker's lock, and the lock of every engine's capture marker inside it
-(:func:`.lock.hold_owner_marker`), can be taken. A live save's folder is never touched,
-so concurrent saves on one host do not disturb each other.
+A save into ``s3://``, ``gs://`` or ``az://`` stages its parts in ``sharded-state-upload-*``
+under :func:`staging_base`. Each folder holds a marker its owner keeps an exclusive ``flock``
+on, which the kernel drops with the process however it ends; :func:`make_staging_folder` first
+removes the folders beside it that are provably ours and whose locks are free, so the next save
+on the host cleans up after a killed one, and never touches a live one's.
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ from .lock import OWNER_MARKER, owner_is_alive
 
 STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
 STAGING_PREFIX = "sharded-state-upload-"
-# Held (flock, exclusive) by the folder's owner for as long as the folder is in use.
 FOLDER_MARKER = ".sharded-state-staging.owner"
 # The marker's name while it is being made: a folder with only this is not (yet) ours to judge.
 _NEW_MARKER = FOLDER_MARKER + ".new"
@@ -52,8 +41,7 @@ def staging_base() -> str:
     try:
         os.makedirs(base, exist_ok=True)
     except OSError as e:
-        # A file, a FIFO (or a path under one), a folder we may not write: the setting is what is
-        # wrong, so the error names it (not a bare "File exists" that a save's user cannot place).
+        # The setting is what is wrong (a file, a FIFO, a folder we may not write): the error names it.
         there, found = os.path.abspath(base), ""
         while not os.path.lexists(there):
             there = os.path.dirname(there)  # the part of the path that is there
@@ -70,11 +58,7 @@ def staging_base() -> str:
 
 @dataclass
 class StagingFolder:
-    """A staging folder of this process: ``path``, and the ``flock``-ed marker ``fd`` that says it is in use.
-
-    :meth:`remove` deletes it; a process that dies without doing so leaves it to the
-    next :func:`make_staging_folder` on the host.
-    """
+    """A staging folder of this process: ``path``, and the ``flock``-ed marker ``fd`` that says it is in use."""
 
     path: str
     fd: int
@@ -83,7 +67,7 @@ class StagingFolder:
         """Delete the folder and everything in it, then let go of its marker (a second call does nothing)."""
         if self.fd < 0:
             return
-        # Removed while the lock is still held: a concurrent sweep never sees it half-deleted and free.
+        # Removed under the lock: a concurrent sweep never sees it half-deleted and free.
         shutil.rmtree(self.path, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.close(self.fd)
@@ -91,14 +75,8 @@ class StagingFolder:
 
 
 def make_staging_folder(base: str | None = None) -> StagingFolder:
-    """A new staging folder under ``base`` (default :func:`staging_base`), marked as this process's.
-
-    First removes the staging folders beside it that dead processes left
-    (:func:`remove_dead_staging_folders`). The marker is made and locked under a
-    temporary name, then renamed: a folder is never seen marked and unlocked while its
-    owner lives. Its fd is not inherited by child processes (spawned workers): the folder
-    lives as long as this process holds it, and no longer than :meth:`StagingFolder.remove`.
-    """
+    """A new staging folder under ``base`` (default :func:`staging_base`), marked as this process's,
+    after removing those dead processes left beside it."""
     base = base or staging_base()
     remove_dead_staging_folders(base)
     try:
@@ -111,13 +89,14 @@ def make_staging_folder(base: str | None = None) -> StagingFolder:
 
 
 def _make_marked_folder(base: str) -> StagingFolder:
-    """:func:`make_staging_folder`'s folder and its locked marker; a failure leaves neither."""
+    """:func:`make_staging_folder`'s folder and its marker, locked before it is renamed into place (a
+    folder is never seen marked and unlocked while its owner lives); a failure leaves neither."""
     path = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=base)
     try:
         fd = os.open(os.path.join(path, _NEW_MARKER), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            # For a person who finds the folder: whose it is. The lock, not this, is what counts.
+            # For a person who finds the folder; the lock, not this, is what counts.
             owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
             os.write(fd, json.dumps(owner).encode())
             os.rename(os.path.join(path, _NEW_MARKER), os.path.join(path, FOLDER_MARKER))
@@ -141,13 +120,8 @@ def staging_folder(base: str | None = None) -> Iterator[str]:
 
 
 def remove_dead_staging_folders(base: str) -> list[str]:
-    """Remove the staging folders directly under ``base`` whose owner is gone; returns their paths.
-
-    A folder goes only if :func:`_take_if_dead` proves it ours and its owners dead. It is
-    removed while this process holds its marker's lock, so that two saves sweeping at
-    once never both judge it. Failures to remove are left for a later sweep: a sweep
-    never fails a save.
-    """
+    """Remove the staging folders directly under ``base`` whose owner is gone (:func:`_take_if_dead`),
+    holding each marker's lock; returns their paths. Never fails: what stays waits for a later sweep."""
     removed = []
     try:
         base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
@@ -176,10 +150,9 @@ def remove_dead_staging_folders(base: str) -> list[str]:
 def _take_if_dead(base_fd: int, name: str) -> int | None:
     """The locked marker of folder ``name`` (under ``base_fd``) if it is ours and no process uses it, else None.
 
-    Ours: a directory (a symbolic link is never followed), owned by this user, holding our
-    marker as a regular file. Unused: the marker's ``flock`` is free, and so is that of
-    every capture marker inside (an engine's workers staging their start-up capture into a
-    folder that the save script's process made: they may outlive it for a moment).
+    Ours: a directory (never through a link), this user's, holding our marker as a regular file.
+    Unused: its marker's ``flock`` is free, and so is every capture marker's inside (workers
+    staging a start-up capture there may outlive the folder's maker for a moment).
     """
     try:
         folder = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=base_fd)
@@ -192,7 +165,7 @@ def _take_if_dead(base_fd: int, name: str) -> int | None:
         try:
             marker = os.open(FOLDER_MARKER, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
         except OSError:
-            return None  # no marker: another program's folder, or one whose owner died while making it
+            return None  # another program's folder, or one whose owner died making it
         if not stat.S_ISREG(os.fstat(marker).st_mode):
             return None
         try:

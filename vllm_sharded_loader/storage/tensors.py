@@ -8,9 +8,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..format.errors import CheckpointCorrupt, ShardedStateError
+from ..format.errors import CheckpointCorrupt, Unsupported
 
-# safetensors dtype names <-> torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -36,7 +35,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise ShardedStateError(f"dtype {dtype} cannot be stored in safetensors.") from None
+        raise Unsupported(f"dtype {dtype} cannot be stored in safetensors.") from None
 
 
 def torch_dtype(name: str, where: str) -> torch.dtype:
@@ -49,12 +48,8 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
 
 @contextlib.contextmanager
 def torch_threads(count: int = 1) -> Iterator[None]:
-    """Run this thread's torch operations on at most ``count`` threads, then put the setting back.
-
-    For copies made on a reader's or writer's own thread: those threads already run in
-    parallel, so a copy's own OpenMP team would only take (and spin on) the cores they and
-    the caller need. OpenMP's setting is per thread, so the caller's is unchanged.
-    """
+    """Run this thread's torch operations on at most ``count`` threads, then put the setting back: a
+    reader's or writer's threads are the parallelism, and an OpenMP team would spin on their cores."""
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, min(count, before)))
     try:
@@ -70,13 +65,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 def map_file_range(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """Bytes ``[offset, offset + length)`` of an open file as a tensor, over a private mapping of just their pages.
-
-    ``MAP_PRIVATE`` (copy-on-write), as ``safetensors.safe_open`` maps files on CPU: the
-    page cache's pages, no copy and no fresh memory until something writes to them, and
-    writes go to private copies, never to the file. The mapping lives exactly as long as
-    the tensor (and its views). ``offset`` must be aligned to the dtype's element size.
-    """
+    """Bytes ``[offset, offset + length)`` of an open file as a tensor over a private (copy-on-write)
+    mapping of their pages, alive as long as the tensor; ``offset`` aligned to the element size."""
     if length == 0:
         return torch.empty(shape, dtype=dtype)
     first = offset - offset % mmap.ALLOCATIONGRANULARITY
@@ -88,9 +78,8 @@ def map_file_range(fd: int, offset: int, length: int, dtype: torch.dtype, shape:
 
 
 def has_nan(tensor: torch.Tensor) -> bool:
-    """Whether any element is NaN. ``amax`` propagates NaN and reads the tensor once, about ten
-    times faster on bf16 than ``isnan().any()``, which makes a bool tensor first: every byte of a
-    conversion passes through here. Float8 types, which ``amax`` lacks on CPU, take the slow way."""
+    """Whether any element is NaN: ``amax`` propagates NaN without making a bool tensor first (float8
+    types, which it lacks on CPU, take ``isnan``)."""
     if not tensor.numel():
         return False
     try:

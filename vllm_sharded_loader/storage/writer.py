@@ -1,9 +1,7 @@
 """Writing safetensors files straight from tensor memory, hashed as they stream.
 
-We write the format ourselves instead of going through ``safetensors.torch.save_file``
-because the library builds each file in memory before writing it. Here a tensor goes
-from parameter memory to the file with no intermediate copy (``O_DIRECT`` where the
-file system allows it). The files are plain safetensors: ``safe_open`` reads ours.
+``safetensors.torch.save_file`` builds each file in memory first; here a tensor goes from its
+memory to the file with no intermediate copy (``O_DIRECT`` where the file system allows it).
 """
 
 from __future__ import annotations
@@ -24,27 +22,20 @@ from typing import Any, TypeVar
 import torch
 
 from ..format.entries import DIGEST_DIGITS, DIGEST_METADATA
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, Unsupported
 from ..format.manifest import FileChecksum
 from . import oscalls
 from .integrity import BlockHasher, digest_of
 from .tensors import byte_view, dtype_name, torch_threads
 
-# Bytes of one write/read call: large enough to stream at disk speed, small enough
-# to bound the staging memory of tensors that need a copy (GPU, dtype cast).
+# Bytes of one write: large enough to stream at disk speed, small enough to bound the staging of a copy.
 CHUNK_BYTES = 64 * 1024 * 1024
-# The O_DIRECT staging memory of writers that one process runs at once (convert writes every rank
-# in parallel, one writer each): their buffers share it, down to MIN_BUFFER_BYTES each. A lone
-# writer keeps CHUNK_BYTES buffers.
+# O_DIRECT staging of the writers one process runs at once (convert: one per rank), shared.
 PARALLEL_BUFFER_BYTES = 128 * 1024 * 1024
 MIN_BUFFER_BYTES = 8 * 1024 * 1024
-# A file with at least this many bytes of tensors starts its data on a page boundary and
-# writes first the tensors that are whole pages long, so that (with page-multiple tensors,
-# as a model's large weights are) every such tensor starts on a page. A load at another TP
-# size then maps each saved rank's piece of a tensor into place instead of copying it
-# (storage/memory.py: map_pieces): that needs the piece's offset in its file and in the
-# tensor to agree within a page, whichever rank saved it. Smaller files keep 8-byte
-# alignment: padding would be a large share of them.
+# A file of at least this many tensor bytes starts its data on a page and writes whole-page tensors
+# first, so that a load at another TP size can map each saved rank's piece into place (map_pieces
+# needs file and tensor offsets to agree within a page); smaller files keep 8-byte alignment.
 PAGE_ALIGN_FROM = 1024 * 1024
 PAGE = 4096
 _T = TypeVar("_T")
@@ -63,9 +54,7 @@ def buffer_bytes_for(writers: int) -> int:
 class LazyTensor:
     """A tensor made only when it is written, so that a writer holds one tensor at a time.
 
-    Has the few tensor attributes a writer needs before the data exists. ``produce`` gives the
-    tensor, or its parts: tensors whose bytes, each in row-major order, one after another, are
-    the tensor's (a rank's pieces of a fused weight, written without being joined first).
+    ``produce`` gives the tensor, or parts whose row-major bytes, one after another, are its bytes.
     """
 
     shape: tuple[int, ...]
@@ -80,11 +69,8 @@ class LazyTensor:
 
 
 def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str], align: int = 8) -> bytes:
-    """The length prefix and JSON header for tensors laid out in the given order.
-
-    The header is padded with spaces (which safetensors allows) so that the data starts
-    at a multiple of ``align`` bytes.
-    """
+    """The length prefix and JSON header for tensors laid out in the given order, padded with spaces
+    so that the data starts at a multiple of ``align`` bytes."""
     entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in tensors:
@@ -96,16 +82,13 @@ def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str,
         }
         offset += nbytes
     header = json.dumps(entries, separators=(",", ":")).encode()
-    # Data starts 8-byte aligned, as the safetensors library writes it, or page-aligned.
     header += b" " * (-(len(header) + 8) % align)
     return struct.pack("<Q", len(header)) + header
 
 
 def write_order(items: list[_T], nbytes: Callable[[_T], int]) -> list[_T]:
-    """``items`` in the order :func:`write_file` writes them as the tensors of one file (``nbytes``
-    of an item): a file of at least :data:`PAGE_ALIGN_FROM` bytes first takes those that are whole
-    pages long, each group in the given order, so that each of them starts on a page; a smaller
-    file keeps the given order.
+    """``items`` in the order :func:`write_file` writes them: whole-page ones first in a file of at
+    least :data:`PAGE_ALIGN_FROM` bytes, else as given.
 
     >>> write_order([3, 4096, 5, 1 << 20], lambda n: n), write_order([3, 4096, 5], lambda n: n)
     ([4096, 1048576, 3, 5], [3, 4096, 5])
@@ -117,8 +100,7 @@ def write_order(items: list[_T], nbytes: Callable[[_T], int]) -> list[_T]:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """What :func:`write_file` wrote: size, block checksums, each tensor's absolute byte offset, and the
-    digest of the contents that its header holds (:data:`DIGEST_METADATA`)."""
+    """What :func:`write_file` wrote: size, block checksums, tensor offsets, and the header's digest."""
 
     size: int
     checksum: FileChecksum
@@ -134,29 +116,15 @@ def write_file(
     direct: bool | None = None,
     buffer_bytes: int | None = None,
 ) -> WrittenFile:
-    """Write tensors to ``path`` as safetensors, streaming from their memory.
+    """Write tensors to ``path`` as safetensors, streaming from their memory, and fsync it.
 
-    Returns the file's size, its block checksums (hashed from the same memory as it is
-    written) and where each tensor's bytes start. CPU tensors that are contiguous, or whose
-    rows are (a dim-1 slice of a matrix), are written straight from their memory; other
-    tensors are copied one at a time, so extra memory is bounded by the largest such
-    tensor. A :class:`LazyTensor` is made when its turn comes, whole or in parts; parts
-    that do not add up to its size fail the write. The file is fsynced before returning. The
-    caller picks a temporary name and publishes by rename. ``progress`` is called with
-    the bytes of each chunk written.
-
-    ``direct`` (default: where the file system allows it) writes with ``O_DIRECT``
-    through two aligned staging buffers of at most ``buffer_bytes`` (default :data:`CHUNK_BYTES`;
-    :func:`buffer_bytes_for` where several files are written at once), so the bytes go from
-    memory to the disk without passing through the page cache: a save then costs no new
-    page-cache memory, whose first touch is what slows buffered writes on memory-reclaiming VMs
-    (see ``benchmarks/README.md``). ``False`` writes through the page cache, handing each 64 MiB
-    to the disk at once.
-
-    The header's metadata gets :data:`DIGEST_METADATA`: the digest of the file's block checksums
-    as written with that value all zeros, put in place once the data is written. It depends on the
-    bytes alone, so a part of another save of the same tensors, shapes and offsets (a stale copy)
-    has another, and the same weights still give the same file.
+    CPU tensors that are contiguous, or whose rows are, are written straight from their memory;
+    others are copied one at a time. A :class:`LazyTensor` is made when its turn comes; parts
+    that do not add up to its size fail the write. ``progress`` gets each chunk's bytes.
+    ``direct`` (default: where the file system allows it) writes with ``O_DIRECT`` through two
+    staging buffers of at most ``buffer_bytes`` (:func:`buffer_bytes_for`), costing no page-cache
+    memory; ``False`` writes through the page cache. The header's :data:`DIGEST_METADATA` is the
+    digest of the block checksums as written with it zeroed, put in place last.
     """
     data = sum(t.numel() * t.element_size() for _, t in tensors)
     align = PAGE if data >= PAGE_ALIGN_FROM else 8
@@ -168,7 +136,7 @@ def write_file(
     if direct is not False:
         sink = _DirectSink.open(path, size, buffer_bytes)
         if sink is None and direct:
-            raise ShardedStateError(f"{path}: the file system does not support O_DIRECT writes.")
+            raise Unsupported(f"{path}: the file system does not support O_DIRECT writes.")
     if sink is None:
         sink = _BufferedSink(path)
     offsets: dict[str, int] = {}
@@ -189,20 +157,16 @@ def write_file(
         zeroed = sink.hasher.finish()
         digest = digest_of([memoryview("".join(zeroed.blocks).encode())])[:DIGEST_DIGITS]
         sink.put_and_sync(slot, digest.encode())
-        # The first block, which holds the slot, is hashed again, read back from the file: keeping its
-        # bytes from the stream instead would hold up to a block (16 MiB) per writer beyond the budget
-        # of the staging buffers, which the read-back reuses.
+        # The first block (holding the slot) is hashed again from the file, read back through the staging
+        # buffers: keeping it from the stream would hold a block per writer beyond their budget.
         first = digest_of(sink.read_back(min(size, sink.hasher.block_size)))
         checksum = replace(zeroed, blocks=(first, *zeroed.blocks[1:]))
     return WrittenFile(sink.hasher.position, checksum, offsets, digest)
 
 
 class _Sink:
-    """What both writers share: the file's block hasher, fed on its own thread, and the bytes taken so far.
-
-    Both the writes and BLAKE3 release the GIL, so the checksum costs little more than the
-    write alone.
-    """
+    """What both writers share: the block hasher, fed on its own thread (writes and BLAKE3 both
+    release the GIL), and the bytes taken so far."""
 
     # O_DIRECT for read_back (else the page cache) and the alignment its reads need.
     READ_FLAGS, READ_ALIGN = 0, 1
@@ -226,15 +190,13 @@ class _Sink:
         raise NotImplementedError
 
     def read_back(self, length: int) -> Iterator[memoryview]:
-        """The written file's first ``length`` bytes, read back a buffer at a time (each view is valid
-        until the next is asked for), so that hashing them holds no more memory than the buffer."""
+        """The written file's first ``length`` bytes, a buffer at a time (each view valid until the next)."""
         buffer = self._read_buffer()
         for offset in range(0, length, len(buffer)):
             yield self._read_file(buffer, offset, min(len(buffer), length - offset))
 
     def _read_file(self, buffer: memoryview, offset: int, length: int) -> memoryview:
-        """The written file's ``length`` bytes at ``offset``, read into ``buffer`` (which holds them
-        rounded up to :attr:`READ_ALIGN`)."""
+        """The written file's ``length`` bytes at ``offset``, read into ``buffer``."""
         fd = os.open(self.path, os.O_RDONLY | self.READ_FLAGS)
         try:
             view, done = buffer[: -(-length // self.READ_ALIGN) * self.READ_ALIGN], 0
@@ -262,8 +224,7 @@ class _Sink:
         raise NotImplementedError
 
     def write_tensor(self, tensor: torch.Tensor, progress: Callable[[int], None] | None) -> None:
-        """Write a tensor's bytes in row-major order, :data:`CHUNK_BYTES` at a time (copied first
-        into contiguous CPU memory if they are not)."""
+        """Write a tensor's bytes in row-major order, :data:`CHUNK_BYTES` at a time."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             tensor = tensor.detach().to("cpu").contiguous()
         view = byte_view(tensor)
@@ -282,13 +243,9 @@ class _Sink:
 
 
 class _BufferedSink(_Sink):
-    """Writes through the page cache, hashing one chunk behind the writes.
+    """Writes through the page cache, hashing one chunk behind the writes and handing each chunk to
+    the disk at once (``sync_file_range``)."""
 
-    Each 64 MiB is handed to the disk at once (``sync_file_range``) instead of waiting in
-    the page cache for the final ``fsync``.
-    """
-
-    # The first block is read back a MiB at a time: from the page cache, which the writes went through.
     READ_BACK_BYTES = 1024 * 1024
 
     def __init__(self, path: str) -> None:
@@ -325,30 +282,21 @@ class _BufferedSink(_Sink):
 
 
 class _DirectSink(_Sink):
-    """Writes with ``O_DIRECT`` from two page-aligned staging buffers, taking turns.
-
-    The caller's bytes are copied into one buffer (memory already touched, so at memory
-    speed) while the other is written by the writer thread and hashed by the checksum
-    thread; the last buffer is padded to the alignment and the file cut to its size.
-    """
+    """Writes with ``O_DIRECT`` from two page-aligned staging buffers, taking turns: one is filled
+    while the other is written and hashed; the last is padded and the file cut to its size."""
 
     ALIGN = 4096  # covers every logical block size in use
-    # The first block is read back with O_DIRECT into a staging buffer: no memory beyond the buffers, and
-    # no page cache (which the writes did not touch either).
     READ_FLAGS, READ_ALIGN = getattr(os, "O_DIRECT", 0), ALIGN
 
     def __init__(self, fd: int, path: str, size: int, buffer_bytes: int | None = None) -> None:
         super().__init__(path)
         self.fd = fd
         capacity = min(buffer_bytes or CHUNK_BYTES, max(self.ALIGN, -(-size // self.ALIGN) * self.ALIGN))
-        # Anonymous mappings are page-aligned, as O_DIRECT needs.
         self.buffers = [mmap.mmap(-1, capacity), mmap.mmap(-1, capacity)]
         self.staging = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
         self.pending: list[list[Future[None]]] = [[], []]
         self.turn = self.fill = 0
-        # (offset, buffer): where read_back finds the file's first bytes without reading the disk (O_DIRECT left
-        # none in the page cache; a read would double the time of writing a small file): a file that fits in
-        # the two staging buffers stays in them.
+        # (offset, buffer): a file that fits in the two buffers is read back from them, not the disk.
         self.copy = [(0, self.buffers[0]), (capacity, self.buffers[1])] if size <= 2 * capacity else []
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write", initializer=oscalls.use_every_cpu)
 
@@ -378,9 +326,8 @@ class _DirectSink(_Sink):
                 self._flush()
 
     def write_tensor(self, tensor: torch.Tensor, progress: Callable[[int], None] | None) -> None:
-        """Copy a CPU tensor's bytes into the staging buffers with torch (which lets go of the GIL);
-        a matrix whose rows are contiguous but not each other's neighbours (a dim-1 slice) is
-        copied row-block by row-block, never joined first. Other tensors go the common way."""
+        """Copy a CPU tensor's bytes into the staging buffers with torch (without the GIL); a matrix of
+        contiguous rows that are not neighbours (a dim-1 slice) row-block by row-block."""
         if tensor.device.type != "cpu" or not (tensor.is_contiguous() or (tensor.dim() == 2 and tensor.stride(1) == 1)):
             super().write_tensor(tensor, progress)
             return
@@ -391,7 +338,7 @@ class _DirectSink(_Sink):
         count, width = data.shape
         total, done = count * width, 0
         self.position += total
-        with torch_threads():  # the other ranks' writers and the checksums have the other cores
+        with torch_threads():  # other writers and the checksums have the other cores
             while done < total:
                 staging = self.staging[self.turn]
                 space = len(staging) - self.fill
@@ -435,9 +382,8 @@ class _DirectSink(_Sink):
                 flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
                 if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
                     raise
-                # A write the kernel cut off a block boundary (a file size limit; after a short
-                # write, a disk full) fails under O_DIRECT with a bare EINVAL. Through the page
-                # cache, the kernel says why it stops (EFBIG, ENOSPC), or takes the rest.
+                # A write cut off a block boundary (file size limit, disk full) fails under O_DIRECT
+                # with a bare EINVAL; through the page cache the kernel says why (EFBIG, ENOSPC).
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
                 continue
             if written <= 0:

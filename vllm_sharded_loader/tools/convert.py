@@ -29,7 +29,7 @@ from ..checkpoint.carry import record_of
 from ..checkpoint.rank_cut import rank_parts
 from ..checkpoint.save import DEFAULT_MAX_SIZE, RankHooks, SaveOptions, save_checkpoint
 from ..checkpoint.state import manifest_ties
-from ..format.errors import RankStopped, ShardedStateError, listing
+from ..format.errors import ConvertRefused, InvalidOption, RankStopped, listing
 from ..format.geometry import OPAQUE, TensorGeometry
 from ..format.manifest import Manifest, RankEntry
 from ..planning.layout import ShardLayout, shard_layout
@@ -276,11 +276,11 @@ def plan_ranks(
     alias = {n: group[0] for group in tied for n in group[1:]}
     order = {name: i for i, name in enumerate(state)}
     if pp_size > 1 and not isinstance(layers, int):
-        raise ShardedStateError(f"Cannot split into {pp_size} pipeline stages: the config has no num_hidden_layers.")
+        raise ConvertRefused(f"Cannot split into {pp_size} pipeline stages: the config has no num_hidden_layers.")
     opaque = [n for n, g in geometry.items() if g.kind == OPAQUE]
     if tp_size > 1 and opaque:
         shown = listing([f"{n} ({geometry[n].layer_class})" for n in opaque], 5)
-        raise ShardedStateError(
+        raise ConvertRefused(
             f"Cannot convert to TP={tp_size}: vLLM's layers do not describe how {shown} split across ranks "
             "(a layer this version does not know). Convert at TP=1, or make the checkpoint with "
             "`vllm-sharded save` at the target size."
@@ -327,7 +327,7 @@ def convert_checkpoint(
     by the save protocol (lock, staged parts, manifest last), config and tokenizer carried.
     """
     if tp_size < 1 or pp_size < 1:
-        raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
+        raise InvalidOption(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     folder = resolve_source(source, revision)
     out = open_store(output)
     check_output_apart(out, folder, "model")
@@ -413,7 +413,7 @@ def _convert(
                     finish(info)
                 if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
                     # The header already written says otherwise: the save fails, nothing is published.
-                    raise ShardedStateError(
+                    raise ConvertRefused(
                         f"{state_name}: vLLM's loader made {list(tensor.shape)} {tensor.dtype}, but the model "
                         f"declares {list(meta.shape)} {meta.dtype}. {SAVE_INSTEAD}"
                     )

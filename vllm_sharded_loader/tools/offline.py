@@ -17,7 +17,7 @@ from ..checkpoint.rank_files import check_not_replaced
 from ..checkpoint.reshard import ReshardSource
 from ..checkpoint.save import DEFAULT_MAX_SIZE, SaveOptions, save_checkpoint
 from ..checkpoint.trust import check_trust
-from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, InvalidOption
 from ..format.geometry import OPAQUE
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -100,9 +100,9 @@ def check_output_apart(output: Store, source: Store, what: str, folder: str = "f
     inside it, before anything is written: it would be written among the source's own files, and
     a folder of them holding a checkpoint is no longer carried (the source's next copy lacks it)."""
     if output.same_as(source):
-        raise ShardedStateError(f"--output must be another {folder} than the source {what}.")
+        raise InvalidOption(f"--output must be another {folder} than the source {what}.")
     if output.inside(source):
-        raise ShardedStateError(
+        raise InvalidOption(
             f"--output {output.where} lies inside the source {what} {source.where}; nothing was written. Choose a "
             "folder outside the source."
         )
@@ -128,7 +128,7 @@ def reshard_checkpoint(
     source.check_not_locked()
     pp_size = manifest.pp_size if pp_size is None else pp_size
     if tp_size < 1 or pp_size < 1:
-        raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
+        raise InvalidOption(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     out = open_store(output)
     check_output_apart(out, source, "checkpoint", "directory")
     _refuse_damaged_carried_files(source, manifest)
