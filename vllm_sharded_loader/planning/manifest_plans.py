@@ -13,7 +13,7 @@ from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import dtype_size
 from .pipeline import layer_index
-from .reads import ReadPlan, SavedRank, SavedTensor, check_saved_shape, plan_reads
+from .reads import ReadPlan, SavedCheckpoint, SavedRank, SavedTensor, check_saved_shape, plan_reads
 from .tensors import tied_source
 from .topology import RankInfo
 
@@ -74,21 +74,10 @@ def plan_manifest_reads(
     A tie only the manifest records never fills a tensor from another that ``rank`` also needs
     (:func:`check_manifest_ties`).
     """
-    plan = plan_reads(
-        saved_ranks(manifest, directory),
-        manifest.tp_size,
-        list(needed),
-        tp_size=rank.tp_size,
-        tp_rank=rank.tp_rank,
-        pp_rank=rank.pp_rank,
-        tied=[*manifest.tied, *tied],
-        saved_experts=manifest.experts,
-        experts=rank.experts,
-        ep_rank=rank.ep_rank,
-        saved_replicas=manifest.replicas,
-        saved_expert_tp=manifest.expert_tp_size,
-        expert_tp=rank.expert_tp,
+    saved = SavedCheckpoint(
+        saved_ranks(manifest, directory), manifest.tp_size, manifest.experts, manifest.replicas, manifest.expert_tp_size
     )
+    plan = plan_reads(saved, list(needed), rank, [*manifest.tied, *tied])
     check_manifest_ties(plan, tied)
     return plan
 
