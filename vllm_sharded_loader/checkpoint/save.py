@@ -424,18 +424,14 @@ def save_checkpoint(
             # writer takes them).
             progress(0, sum(t.numel() * t.element_size() for tensors in ranks.values() for t in tensors.values()))
         if parallel and len(infos) > 1:
-            staged = stage_in_parallel(
-                _stage_one,
-                target.staging(),
-                ranks,
-                infos,
-                pattern,
-                max_size,
-                target.token,
-                ended,
-                progress,
-                lambda: kill_point(KILL_STAGED),
-            )
+            directory = target.staging()
+
+            def stage_one(info: RankInfo, written: Callable[[int, int], None], buffers: int) -> StagedRank:
+                return _stage_one(
+                    ended, directory, ranks[info], info, pattern, max_size, target.token, written, buffers
+                )
+
+            staged = stage_in_parallel(stage_one, infos, progress, lambda: kill_point(KILL_STAGED))
             yield from ((s, None) for s in staged)
             return
         for info in infos:

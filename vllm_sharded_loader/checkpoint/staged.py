@@ -197,20 +197,14 @@ def open_staged_tensors(staged: StagedRank) -> dict[str, torch.Tensor]:
 
 
 def stage_in_parallel(
-    stage_one: Callable[..., StagedRank],
-    directory: str,
-    ranks: Mapping[RankInfo, Mapping[str, torch.Tensor]],
+    stage_one: Callable[[RankInfo, Callable[[int, int], None], int], StagedRank],
     infos: Sequence[RankInfo],
-    pattern: str,
-    max_size: int | None,
-    token: str,
-    ended: Callable[[RankInfo, BaseException | None], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     staged_all: Callable[[], None] = lambda: None,
 ) -> list[StagedRank]:
-    """Stage every rank at once, one thread each, with ``stage_one`` (``.save``'s: :func:`stage_rank`,
-    then ``ended``); on any failure every staged rank is discarded. ``staged_all`` runs once every rank
-    is staged, before they are the caller's (a kill point).
+    """Stage every rank of ``infos`` at once, one thread each, with ``stage_one(rank, progress, buffer
+    bytes)`` (``.save``'s: :func:`stage_rank`, then its end); on any failure every staged rank is
+    discarded. ``staged_all`` runs once every rank is staged, before they are the caller's (a kill point).
 
     Ctrl-C (or SIGTERM) reaches the waiting thread alone: the ranks' threads stop at their next write
     (they wrote on to the end), and a rank whose thread ended as it came is discarded too (it was lost).
@@ -238,7 +232,7 @@ def stage_in_parallel(
                 return
             began.append(threading.current_thread())
         try:
-            results[k] = stage_one(ended, directory, ranks[info], info, pattern, max_size, token, written, buffers)
+            results[k] = stage_one(info, written, buffers)
         except BaseException as e:
             failures[k] = e
         finally:
