@@ -36,7 +36,7 @@ from tests.support.engines import (
 )
 from tests.support.signing import signing, trusting
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
-from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, convert_checkpoint
+from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, ConvertOptions, convert_checkpoint
 
 MANIFEST = "sharded_state.json"
 
@@ -311,7 +311,7 @@ def _resident(path: Path) -> int:
 
 RAY_KEPT_OUT = """
 import sys
-from vllm_sharded_loader.engine.convert_setup import _ray_not_imported
+from vllm_sharded_loader.engine.convert import _ray_not_imported
 print("before", "ray" in sys.modules)
 with _ray_not_imported():
     try:
@@ -477,7 +477,7 @@ def test_an_output_that_is_the_source_through_a_link_is_refused_and_nothing_is_w
     link = tmp_path / "link"
     link.symlink_to(source)
     with pytest.raises(ShardedStateError, match=r"^--output must be another folder than the source model"):
-        convert_checkpoint(str(source), str(link), 2, overwrite=True)
+        convert_checkpoint(str(source), str(link), 2, options=ConvertOptions(overwrite=True))
     assert sorted(p.name for p in source.iterdir()) == before
 
 
@@ -493,7 +493,7 @@ def test_an_output_inside_the_source_is_refused_and_nothing_is_written(sources, 
         named.symlink_to(source)
     output = named / "sharded"
     with pytest.raises(ShardedStateError, match=r"^--output \S+ lies inside the source model \S+; nothing was written"):
-        convert_checkpoint(str(source), str(output), 2, overwrite=True)
+        convert_checkpoint(str(source), str(output), 2, options=ConvertOptions(overwrite=True))
     assert sorted(str(p.relative_to(source)) for p in source.rglob("*")) == before
 
 
@@ -654,8 +654,8 @@ def test_a_full_disk_during_convert_fails_it_and_keeps_the_checkpoint_it_would_r
     code = (
         "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 17, 1 << 17)); "
-        "from vllm_sharded_loader.tools.convert import convert_checkpoint; "
-        "convert_checkpoint(sys.argv[1], sys.argv[2], 2, overwrite=True, budget=1)"
+        "from vllm_sharded_loader.tools.convert import ConvertOptions, convert_checkpoint; "
+        "convert_checkpoint(sys.argv[1], sys.argv[2], 2, options=ConvertOptions(overwrite=True, budget=1))"
     )
     run = python_process(["-c", code, sources["llama"], str(out)], {**os.environ, **engine_environment()}, 300)
     assert run.returncode != 0 and "File too large" in run.stderr and "model-rank-" in run.stderr, run.stderr[-3000:]
@@ -841,7 +841,7 @@ def test_a_hub_repo_id_converts_from_the_hub_cache_as_its_local_folder(sources, 
     lay_out_cache(Path(sources["tied"]), offline_hub, repo_id="acme/tiny-qwen2")
     local, from_hub = tmp_path / "local", tmp_path / "from-hub"
     convert_checkpoint(sources["tied"], str(local), 2)
-    convert_checkpoint("acme/tiny-qwen2", str(from_hub), 2, revision=COMMIT)
+    convert_checkpoint("acme/tiny-qwen2", str(from_hub), 2, options=ConvertOptions(revision=COMMIT))
     a, b = read_manifest(str(local)), read_manifest(str(from_hub))
     assert a is not None and b is not None
     assert (b.geometry, b.tied) == (a.geometry, a.tied)
@@ -863,7 +863,7 @@ def test_a_hub_repo_or_revision_not_in_the_cache_offline_is_named_and_nothing_is
     lay_out_cache(Path(sources["tied"]), offline_hub, repo_id="acme/tiny-qwen2")
     out = tmp_path / "out"
     with pytest.raises(CheckpointNotFound, match=rf"{repo}: not found on the Hugging Face Hub nor in its cache"):
-        convert_checkpoint(repo, str(out), 2, revision=revision)
+        convert_checkpoint(repo, str(out), 2, options=ConvertOptions(revision=revision))
     assert not out.exists()
 
 

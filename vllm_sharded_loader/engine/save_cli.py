@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..checkpoint.loaded_state import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
 from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import ShardedStateError
 from ..storage import location
@@ -24,7 +25,6 @@ from ..storage.local import make_output_folder
 from ..storage.location import check_no_special_files, open_store, refuse_before_save
 from ..storage.lock import missing_folders, remove_empty_folders
 from ..storage.staging_folders import StagingFolder, make_staging_folder
-from .capture import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
 
 
 def engine_kwargs(engine_args: Any) -> dict[str, Any]:

@@ -21,11 +21,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..checkpoint.carry import record_of
+from ..checkpoint.meta_model import DEFAULT_OPTIONS, SAVE_INSTEAD, ModelOptions
 from ..checkpoint.rank_cut import rank_parts
 from ..checkpoint.save import DEFAULT_MAX_SIZE, save_checkpoint
 from ..checkpoint.state import manifest_ties
@@ -51,9 +52,7 @@ from .offline import check_output_apart
 
 if TYPE_CHECKING:
     from ..checkpoint.protocol import SaveTarget
-    from ..engine.convert_setup import ModelOptions
-
-SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
+    from ..engine.convert import ConvertModel
 
 # Components made and not yet freed, in bytes: ranks that run ahead wait for the others. With
 # vLLM imported (about 0.8 GiB resident here, the writers' buffers included), more would take the
@@ -304,30 +303,34 @@ def plan_ranks(
     return ranks
 
 
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How ``convert`` builds the source's model and writes the checkpoint.
+
+    ``model`` holds vLLM's own ``LLM(...)`` arguments of the engine that will serve it, which decide its
+    model class and tensors; ``revision`` picks the branch, tag or commit of a Hub repo id; ``max_size``,
+    ``pattern`` and ``overwrite`` are a save's; ``budget`` bounds the bytes of components made and not
+    yet freed (:class:`ComponentCache`).
+    """
+
+    model: ModelOptions = DEFAULT_OPTIONS
+    revision: str | None = None
+    max_size: int | None = DEFAULT_MAX_SIZE
+    pattern: str | None = None
+    overwrite: bool = False
+    budget: int = DEFAULT_BUDGET
+
+
 def convert_checkpoint(
     source: str,
     output: str,
     tp_size: int,
     pp_size: int = 1,
-    *,
-    dtype: str = "auto",
-    quantization: str | None = None,
-    max_size: int | None = DEFAULT_MAX_SIZE,
-    pattern: str | None = None,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
-    runner: str = "auto",
-    convert: str = "auto",
-    revision: str | None = None,
-    budget: int = DEFAULT_BUDGET,
+    options: ConvertOptions = ConvertOptions(),
     progress: ByteProgress | None = None,
 ) -> ConvertResult:
-    """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``.
-
-    ``dtype``, ``quantization``, ``trust_remote_code``, ``runner`` and ``convert`` are vLLM's own
-    ``LLM(...)`` arguments of the engine that will serve it: they decide its model class and
-    tensors (``runner="pooling", convert="embed"`` for a causal LM served as an embedding model).
-    ``revision`` picks the branch, tag or commit of a Hub repo id. ``progress`` counts the bytes written.
+    """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``
+    (``options``: :class:`ConvertOptions`; ``progress`` counts the bytes written).
 
     Every check (the source's files and headers, that vLLM's loader places every tensor,
     that every rank's split exists) runs before a byte is written; the output is published
@@ -335,33 +338,98 @@ def convert_checkpoint(
     """
     if tp_size < 1 or pp_size < 1:
         raise ShardedStateError(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    folder = resolve_source(source, revision)
+    folder = resolve_source(source, options.revision)
     out = open_store(output)
     check_output_apart(output, folder, "model")
     check_no_special_files(folder)
     if not open_store(folder).remote:
         check_no_links_to_nothing(folder)
     # Said now, as the save's lock would say it once vLLM has built the model (tens of seconds from here).
-    out.refuse_before_save(overwrite)
-    from ..engine.convert_setup import ModelOptions
-
-    options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
+    out.refuse_before_save(options.overwrite)
     # (Nothing is written into OUT before the save protocol's lock, which makes the output's folders
     # and, on a failure, removes those it made: LocalTarget.made_folders.)
-    return _convert(folder, output, tp_size, pp_size, options, max_size, pattern, overwrite, budget, progress)
+    return _convert(folder, output, tp_size, pp_size, options, progress)
+
+
+class _Ranks:
+    """Every target rank's tensors (``plans``), each made when the writer takes it from its component in
+    ``cache``; a rank is done once it took every tensor of its plan, or when its writing ended (a full
+    disk): counted, so that it does not depend on the order the writer takes them in."""
+
+    def __init__(self, model: ConvertModel, cache: ComponentCache, plans: dict[RankInfo, dict[str, Any]]) -> None:
+        self.model, self.cache, self.plans = model, cache, plans
+        self.left = {info: len(plan) for info, plan in plans.items()}
+        self.done: set[RankInfo] = set()
+        self.by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
+
+    def tensors(self) -> dict[RankInfo, dict[str, LazyTensor]]:
+        ranks = {}
+        for info, plan in self.plans.items():
+            ranks[info] = {n: self._lazy(state_name, layout, info) for n, (state_name, layout) in plan.items()}
+            if len(ranks) == 1:
+                # Components are made in the order the writer takes a rank's tensors (a size cap cuts
+                # them into files, which can reorder them a little); the files keep the plan's order,
+                # as a save's do.
+                order = write_order(list(plan.values()), self._nbytes)
+                self.model.follow([state_name for state_name, _ in order])
+        return ranks
+
+    def _nbytes(self, item: tuple[str, ShardLayout]) -> int:
+        return math.prod(item[1].shape) * self.model.state[item[0]].dtype.itemsize
+
+    def _lazy(self, state_name: str, layout: ShardLayout, info: RankInfo) -> LazyTensor:
+        meta = self.model.state[state_name]
+
+        def produce() -> tuple[torch.Tensor, ...]:
+            tensor = self.cache.take(state_name)
+            self.left[info] -= 1
+            if not self.left[info]:
+                self.finish(info)
+            if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
+                # The header already written says otherwise: the save fails, nothing is published.
+                raise ShardedStateError(
+                    f"{state_name}: vLLM's loader made {list(tensor.shape)} {tensor.dtype}, but the model "
+                    f"declares {list(meta.shape)} {meta.dtype}. {SAVE_INSTEAD}"
+                )
+            return rank_parts(tensor, layout, self.model.pool)
+
+        return LazyTensor(tuple(layout.shape), meta.dtype, produce)
+
+    def finish(self, info: RankInfo, error: BaseException | None = None) -> None:
+        if info not in self.done:
+            self.done.add(info)
+            self.cache.rank_done(error)
+
+    def placed(self, target: SaveTarget, entry: RankEntry) -> RankEntry:
+        # Every rank is written (the save places after staging them all): a source file written
+        # meanwhile could have given some tensors its old bytes and some its new ones.
+        self.model.source.check_unchanged()
+        info = self.by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
+        return self.model.carry_startup_artifacts(target, entry, info)
+
+
+def _component_cache(
+    model: ConvertModel, plans: dict[RankInfo, dict[str, Any]], budget: int, running: int
+) -> ComponentCache:
+    takes: dict[str, int] = {}
+    for plan in plans.values():
+        for state_name, _ in plan.values():
+            takes[state_name] = takes.get(state_name, 0) + 1
+    return ComponentCache(
+        make=model.make,
+        free=model.free,
+        component_of=lambda n: id(model.components[n]),
+        takes=takes,
+        budget=budget,
+        after=model.after,
+        size_of=model.component_bytes,
+        check=model.check,
+        running=running,
+    )
 
 
 def _convert(
-    folder: str,
-    output: str,
-    tp_size: int,
-    pp_size: int,
-    options: ModelOptions,
-    max_size: int | None,
-    pattern: str | None,
-    overwrite: bool,
-    budget: int,
-    progress: ByteProgress | None,
+    folder: str, output: str, tp_size: int, pp_size: int, options: ConvertOptions, progress: ByteProgress | None
 ) -> ConvertResult:
     started = time.perf_counter()
     # A cold source is read while vLLM is imported and configured and its model built (seconds of
@@ -381,94 +449,33 @@ def _convert(
         # one written meanwhile (between vLLM's read and the carry's copy) would be carried beside weights
         # made for the other, a checkpoint that verifies and that loads refuse. The carry refuses it.
         config = record_of(directory, "config.json")
-        model = stack.enter_context(converting(directory, folder, options))
+        model = stack.enter_context(converting(directory, folder, options.model))
         built = time.perf_counter()
         stop_reading_ahead()
         layers = config_layers(model.identity.config)
         if layers is None:
             layers = getattr(model.model_config.hf_text_config, "num_hidden_layers", None)
         plans = plan_ranks(model.state, model.geometry, model.tied, layers, tp_size, pp_size)
-        takes: dict[str, int] = {}
-        for plan in plans.values():
-            for state_name, _ in plan.values():
-                takes[state_name] = takes.get(state_name, 0) + 1
-        cache = ComponentCache(
-            make=model.make,
-            free=model.free,
-            component_of=lambda n: id(model.components[n]),
-            takes=takes,
-            budget=budget,
-            after=model.after,
-            size_of=model.component_bytes,
-            check=model.check,
-            running=1 if open_store(output).remote else len(plans),
-        )
+        running = 1 if open_store(output).remote else len(plans)
+        cache = _component_cache(model, plans, options.budget, running)
         stack.callback(cache.close)
-
-        # A rank is done once it took every tensor of its plan, or when its writing ended (a full
-        # disk): counted, so that it does not depend on the order the writer takes them in.
-        left = {info: len(plan) for info, plan in plans.items()}
-        done: set[RankInfo] = set()
-
-        def finish(info: RankInfo, error: BaseException | None = None) -> None:
-            if info not in done:
-                done.add(info)
-                cache.rank_done(error)
-
-        def lazy(state_name: str, layout: ShardLayout, info: RankInfo) -> LazyTensor:
-            meta = model.state[state_name]
-
-            def produce() -> tuple[torch.Tensor, ...]:
-                tensor = cache.take(state_name)
-                left[info] -= 1
-                if not left[info]:
-                    finish(info)
-                if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
-                    # The header already written says otherwise: the save fails, nothing is published.
-                    raise ShardedStateError(
-                        f"{state_name}: vLLM's loader made {list(tensor.shape)} {tensor.dtype}, but the model "
-                        f"declares {list(meta.shape)} {meta.dtype}. {SAVE_INSTEAD}"
-                    )
-                return rank_parts(tensor, layout, model.pool)
-
-            return LazyTensor(tuple(layout.shape), meta.dtype, produce)
-
-        by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
-
-        def placed(target: SaveTarget, entry: RankEntry) -> RankEntry:
-            # Every rank is written (the save places after staging them all): a source file written
-            # meanwhile could have given some tensors its old bytes and some its new ones.
-            model.source.check_unchanged()
-            info = by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
-            return model.carry_startup_artifacts(target, entry, info)
-
-        ranks = {}
-        for info, plan in plans.items():
-            ranks[info] = {n: lazy(state_name, layout, info) for n, (state_name, layout) in plan.items()}
-            if len(ranks) == 1:
-                # Components are made in the order the writer takes a rank's tensors (a size cap cuts
-                # them into files, which can reorder them a little); the files keep the plan's order,
-                # as a save's do.
-                order = write_order(
-                    list(plan.values()), lambda item: math.prod(item[1].shape) * model.state[item[0]].dtype.itemsize
-                )
-                model.follow([state_name for state_name, _ in order])
+        ranks = _Ranks(model, cache, plans)
         try:
             manifest = save_checkpoint(
                 output,
-                ranks,
+                ranks.tensors(),
                 dtype=model.dtype,
                 source=model.identity,
-                pattern=pattern,
-                max_size=max_size,
-                overwrite=overwrite,
+                pattern=options.pattern,
+                max_size=options.max_size,
+                overwrite=options.overwrite,
                 geometry={n: model.geometry[s].to_dict() for plan in plans.values() for n, (s, _) in plan.items()},
                 tied=manifest_ties(model.tied),
                 carry=directory,
                 carried_record=config,
                 parallel=True,
-                placed=placed,
-                ended=finish,
+                placed=ranks.placed,
+                ended=ranks.finish,
                 progress=progress,
             )
         except RankStopped:
