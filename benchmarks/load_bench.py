@@ -10,6 +10,8 @@ loader alike:
 - ``ours_copy``: the same with ``{"mmap": false}``: every byte copied into the parameters;
 - ``ours_auto``: the same with ``{"mmap": "auto"}``: weights that vLLM's CPU post-processing
   repacks are copied, the rest mapped;
+- ``ours_untouched``: ``ours`` with ``SHARDED_STATE_TOUCH_PAGES=0``: the mapped pages are paged in
+  but never read by the load (as where vLLM's post-processing does not read them next);
 - ``builtin``: vLLM's own ``sharded_state`` on the same files (plugins off: ``VLLM_PLUGINS=""``);
 - ``default``: vLLM's default safetensors loader on the HF checkpoint;
 - ``runai``: ``runai_streamer_sharded`` on the same files (``runai-model-streamer``);
@@ -57,7 +59,7 @@ from benchmarks.harness import (
     write_probe,
 )
 
-LOADERS = ("ours", "ours_auto", "ours_copy", "builtin", "default", "runai", "ours_resharded")
+LOADERS = ("ours", "ours_auto", "ours_copy", "ours_untouched", "builtin", "default", "runai", "ours_resharded")
 EXTRA_CONFIG = {"ours_copy": {"mmap": False}, "ours_auto": {"mmap": "auto"}}
 
 # ------------------------------------------------------------------------ raw limits
@@ -191,6 +193,7 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, 
         "ours": dirs[tp],
         "ours_copy": dirs[tp],
         "ours_auto": dirs[tp],
+        "ours_untouched": dirs[tp],
         "builtin": dirs[tp],
         "runai": dirs[tp],
         "default": hf,
@@ -209,6 +212,8 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, 
     spec["extra_config"] = EXTRA_CONFIG.get(loader, {})
     cached_before = meminfo()["Cached"]
     env = engine_env(tp, plugins=loader.startswith("ours"), timing=timing)
+    if loader == "ours_untouched":
+        env["SHARDED_STATE_TOUCH_PAGES"] = "0"
     result, loads, log = start_engine(spec, env, timing, f"{loader} TP={tp} {mode}")
     if loader.startswith("ours") and "vllm_sharded_loader.ShardedStateLoader" not in log:
         raise RuntimeError(f"{loader}: our loader did not run:\n{log[-3000:]}")
@@ -608,7 +613,7 @@ def main() -> None:
         choices=("bfloat16", "float32"),
         help="float32: vLLM's CPU backend repacks the linear weights after loading on AVX2 machines too",
     )
-    parser.add_argument("--loaders", default=",".join(LOADERS))
+    parser.add_argument("--loaders", default=",".join(n for n in LOADERS if n != "ours_untouched"))
     parser.add_argument("--tp", default="1,2")
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--limits", action="store_true", help="also measure the raw read/write limits")

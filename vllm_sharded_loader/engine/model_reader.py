@@ -52,7 +52,10 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     Asked the way vLLM asks, on a small weight: oneDNN refuses dtypes the CPU has no kernel
     for (bfloat16 without AVX-512), and vLLM then keeps the weight as it is.
     """
-    from vllm import _custom_ops as ops
+    try:
+        from vllm import _cpu_ops as ops  # vLLM 0.34 and later
+    except ImportError:
+        from vllm import _custom_ops as ops
 
     if not getattr(ops, "_supports_onednn", False):
         return False

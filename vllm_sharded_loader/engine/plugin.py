@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from ..storage.location import open_store
+from .vllm_versions import supported
 
 LOADERS_MODULE = "vllm.model_executor.model_loader"
 CONFIG_MODULE = "vllm.config"
@@ -52,7 +53,11 @@ def install() -> None:
     layers, quantization methods and compiler, with our loader and torch) costs seconds
     there, on the path to ``LLM(...)`` returning. So each hook is applied when vLLM itself
     imports the module it patches, and at once where it already has (:func:`after_import`).
+
+    On a vLLM outside the supported versions (:mod:`.vllm_versions`) it logs why and hooks nothing.
     """
+    if not supported():
+        return
     after_import(LOADERS_MODULE, _install_loader)
     after_import(CONFIG_MODULE, _install_config_check)
     after_import(WEIGHT_TRANSFER_MODULE, _register_weight_transfer)

@@ -20,10 +20,9 @@ itself, as a two-phase commit across the workers (:func:`..checkpoint.update.run
    and every layer's processed tensors copied into the served ones, then the attention layers' own
    processing.
 
-A refusal on any rank before the commit puts every rank's kernel tensors back untouched, and the
-module state post-processing set as it was, and is not counted (``LoadedState.updates``). Entry
-points: vLLM's ``reload_weights`` (:meth:`InPlaceUpdate.for_reload_weights`) and the
-``sharded_state`` weight-transfer engine (:mod:`.weight_transfer`, :meth:`InPlaceUpdate.run_layerwise`).
+A refusal on any rank before the commit puts every rank back as served, and is not counted
+(``LoadedState.updates``). Entry points: vLLM's ``reload_weights`` (:meth:`InPlaceUpdate.for_reload_weights`)
+and the ``sharded_state`` weight-transfer engine (:meth:`InPlaceUpdate.run_layerwise`).
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ from .workers import model_groups, raises_for_all, replica_group
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
+    from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
 
 logger = init_logger(f"vllm.plugins.{__name__}")
 
@@ -101,7 +101,9 @@ class ProcessedLayer(LayerSnapshot):
     (:meth:`fill`), post-processed into new memory (:meth:`process`), held for the commit or
     let go (:meth:`let_go`), and what its post-processing set, undone on a refusal."""
 
-    def __init__(self, module: torch.nn.Module, info: Any, holds: bool, attention: bool, prefix: str = "") -> None:
+    def __init__(
+        self, module: torch.nn.Module, info: LayerReloadingInfo, holds: bool, attention: bool, prefix: str = ""
+    ) -> None:
         super().__init__(module)
         self.info, self.holds, self.attention, self.prefix = info, holds, attention, prefix
         # Whether its processed tensors wait for the commit (else it is processed there: again, or an
@@ -248,11 +250,8 @@ class InPlaceUpdate:
         # The new weights on the host, and the served tensors (vLLM leaves on the model) they update.
         self.staged: StagedWeights | None = None
         self.aside: dict[str, torch.Tensor] = {}
-        # The layers vLLM prepared for the reload (prefix, module, its reload info), and each one's processing.
-        self.layers: list[tuple[str, torch.nn.Module, Any]] = []
+        self.layers: list[tuple[str, torch.nn.Module, Any]] = []  # (prefix, module, its reload info)
         self.processed: list[ProcessedLayer] = []
-
-    # ------------------------------------------------------------------ entry points
 
     def for_reload_weights(self) -> InPlaceUpdate:
         """This update, as the weights vLLM's ``reload_weights`` hands to the model's ``load_weights``.
@@ -326,8 +325,6 @@ class InPlaceUpdate:
         finally:
             # After a refusal every layer is back already; this restores vLLM's own flags.
             finalize_layerwise_reload(self.model, self.model_config)
-
-    # ------------------------------------------------------------------ the update
 
     def run(self) -> bool:
         """Read, process, commit (see the module's docstring), agreed by every worker at each step

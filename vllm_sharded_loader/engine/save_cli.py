@@ -25,6 +25,7 @@ from ..storage.local import make_output_folder
 from ..storage.location import check_no_special_files, open_store, refuse_before_save
 from ..storage.lock import missing_folders, remove_empty_folders
 from ..storage.staging_folders import StagingFolder, make_staging_folder
+from .vllm_versions import require_supported
 
 
 def engine_kwargs(engine_args: Any) -> dict[str, Any]:
@@ -81,6 +82,7 @@ def save_sharded_state(
     Returns the engine (an ``LLM``), so a caller can generate with it too. Call from
     under ``if __name__ == "__main__":``: vLLM starts its workers with spawn.
     """
+    require_supported()  # the plugin off, vLLM's save hook would write vLLM's own format
     model = engine_kwargs["model"]
     if not os.path.isdir(model):
         raise ShardedStateError(f"--model {model!r} must be a local directory holding the source model.")

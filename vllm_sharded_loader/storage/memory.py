@@ -203,16 +203,46 @@ def map_pieces(
     return whole[shift : shift + nbytes].view(dtype).view(shape), mapped
 
 
+TOUCH_ENV = "SHARDED_STATE_TOUCH_PAGES"
+# The CPU flags under which oneDNN runs a 16-bit matmul, so that vLLM's CPU post-processing repacks
+# (reads) every such linear weight after the load; float32 it repacks on any x86 CPU.
+REPACKING_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+CPU_FLAGS = _cpu_flags()
+
+
+def touched_by_the_load(dtype: torch.dtype) -> bool:
+    """Whether a mapped load of ``dtype`` reads each page itself (:func:`touch_pages`): where vLLM's
+    post-processing reads every weight after it (oneDNN repacks it), the first CPU access is paid
+    on the reading threads instead; where the weights serve as loaded (bfloat16 without AVX-512
+    BF16 or AMX: oneDNN has no such matmul, vLLM keeps torch's), it is work nobody needs.
+    ``SHARDED_STATE_TOUCH_PAGES=1`` or ``0`` decides it."""
+    setting = os.environ.get(TOUCH_ENV, "").strip()
+    if setting in ("0", "1"):
+        return setting == "1"
+    flags = REPACKING_FLAGS.get(dtype)
+    return flags is None or any(flag in CPU_FLAGS for flag in flags)
+
+
 def touch_pages(data: torch.Tensor) -> None:
     """Read one byte of every page a flat uint8 CPU tensor's memory lies on, on this thread.
 
-    ``MADV_POPULATE_READ`` maps a file's pages but no CPU reads them. In a VM whose host
-    took back the guest's free memory (free page reporting, as on the project's VMs), a
-    page cache page just filled by a disk read then costs a fault in the host on the first
-    CPU access (5-6 µs a page measured here): left to vLLM's post-processing, its repack of
-    every weight ran 1.9 s instead of 0.7 s after a cold 1.54 GB mapped load. Taken here,
-    the faults run on the reading threads while the other streams wait for the disk; a warm
-    page costs one cache miss. Releases the GIL (torch).
+    ``MADV_POPULATE_READ`` maps a file's pages but no CPU reads them. In a VM whose host took
+    back the guest's free memory (free page reporting), a page cache page just filled by a
+    disk read then costs a fault in the host on the first CPU access: left to vLLM's
+    post-processing (its repack of every weight), that cost lands after the load. Taken
+    here, the faults run on the reading threads while the other streams wait for the disk;
+    a warm page costs one cache miss. Releases the GIL (torch).
     """
     if data.numel():
         # The offset of the first page boundary in the tensor; where not 0, byte 0 lies on the page before it.
@@ -225,8 +255,8 @@ def touch_pages(data: torch.Tensor) -> None:
 def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
     """Page in bytes of mapped targets now, so that the load pays for the reads, not the first request.
 
-    Each page is also read by this thread once mapped (:func:`touch_pages`), so that the
-    load, not vLLM's post-processing or the first request, pays for the CPU's first access.
+    Each page is also read by this thread once mapped where vLLM's post-processing would read it
+    next (:func:`touched_by_the_load`), so that the load pays for the CPU's first access.
     """
     for dest, p in ranges:
         start, length = p.start, p.length
@@ -244,7 +274,8 @@ def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
                 "then copy or save the checkpoint again."
             )
         # Also the whole paging-in where the kernel predates MADV_POPULATE_READ (EINVAL, ENOSYS).
-        touch_pages(dest.mapped_bytes[start : start + length])
+        if error or touched_by_the_load(dest.mapped.dtype):
+            touch_pages(dest.mapped_bytes[start : start + length])
 
 
 class BufferPool:
