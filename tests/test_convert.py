@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,22 @@ def copy_source(source: str, to: Path) -> Path:
 # ----------------------------------------------------------------- the shared components, engine-free
 
 
+@dataclass
+class Components:
+    """Stands for the meta model that makes, checks and frees the components: each tensor its own one."""
+
+    make: Callable[[str], dict[str, torch.Tensor]]
+    check: Callable[[str, dict[str, torch.Tensor]], None] = lambda name, tensors: None
+    after: Callable[[str], str | None] = lambda name: None
+    component_bytes: Callable[[str], int] = lambda name: 0
+
+    def free(self, name: str) -> None:
+        pass
+
+    def component_of(self, name: str) -> int:
+        return hash(name)
+
+
 def _cache(budget: int, ranks: int, running: int = 1) -> tuple[ComponentCache, list[str]]:
     made: list[str] = []
     names = [f"t{i}" for i in range(12)]
@@ -100,9 +118,7 @@ def _cache(budget: int, ranks: int, running: int = 1) -> tuple[ComponentCache, l
         made.append(name)
         return {name: torch.full((256,), float(int(name[1:])))}
 
-    cache = ComponentCache(
-        make=make, free=lambda name: None, component_of=hash, takes=dict.fromkeys(names, ranks), size_of=lambda n: 1024
-    )
+    cache = ComponentCache(Components(make, component_bytes=lambda n: 1024), takes=dict.fromkeys(names, ranks))
     cache.budget, cache.running = budget, running
     return cache, made
 
@@ -171,7 +187,7 @@ def test_ranks_waiting_for_a_component_that_fails_each_get_its_error():
     def make(name: str) -> dict[str, torch.Tensor]:
         raise ShardedStateError(f"{name}: vLLM's loader left part of it unfilled")
 
-    cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes={"t0": 2}, running=2)
+    cache = ComponentCache(Components(make), takes={"t0": 2}, running=2)
     errors: list[BaseException] = []
 
     def rank() -> None:
@@ -201,14 +217,11 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
         return {name: torch.full((256,), float(int(name[1:])))}
 
     names = [f"t{i}" for i in range(6)]
-    cache = ComponentCache(
-        make=make,
-        free=lambda name: None,
-        component_of=hash,
-        takes=dict.fromkeys(names, 1),
-        budget=4096,
-        after=lambda name: f"t{int(name[1:]) + 1}" if name != "t5" else None,
-    )
+
+    def after(name: str) -> str | None:
+        return f"t{int(name[1:]) + 1}" if name != "t5" else None
+
+    cache = ComponentCache(Components(make, after=after), takes=dict.fromkeys(names, 1), budget=4096)
     try:
         assert float(cache.take("t0")[0]) == 0.0
         deadline = time.monotonic() + 30
@@ -232,7 +245,7 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
         if name == "t2":
             raise ShardedStateError("t2: vLLM's loader left part of it unfilled")
 
-    cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes={"t1": 1, "t2": 1}, check=check)
+    cache = ComponentCache(Components(make, check=check), takes={"t1": 1, "t2": 1})
     try:
         assert float(cache.take("t1")[0]) == 1.0 and checked == ["t1"]
         with pytest.raises(ShardedStateError, match="t2: vLLM's loader left part of it unfilled"):

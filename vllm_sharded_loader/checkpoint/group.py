@@ -1,12 +1,6 @@
-"""The members that hold one model between them (an engine's workers) agreeing on each step: every
-member reaches every exchange, and a failure anywhere is raised everywhere.
-
-The exchange is a value (:class:`Exchange`): :class:`ProcessGroups` over torch.distributed's groups
-(an engine's, :func:`..engine.workers.model_groups`), or threads in the tests. Loads check that the
-members read one checkpoint (:func:`check_same_checkpoint`) and hear each other's failures
-(:func:`share_load_outcome`); saves run their steps through :class:`Members`; weight updates agree
-after each step (:mod:`.update`).
-"""
+"""The members holding one model (an engine's workers) agreeing on each step over an :class:`Exchange`
+(:class:`ProcessGroups`, or threads in the tests): every member reaches every exchange, and a failure
+anywhere is raised everywhere."""
 
 from __future__ import annotations
 
@@ -40,22 +34,16 @@ _PEERS: dict[str, str] = {}
 
 
 class Exchange(Protocol):
-    """How the members of one model reach each other."""
+    """How the members of one model reach each other: ``alone`` (no other member); ``gather``, every
+    member's ``outcome`` in member order (:class:`WorkerLost`, naming ``what``, if one stopped
+    answering); ``barrier``, a ``RuntimeError`` unless every member arrives within ``seconds``."""
 
     @property
-    def alone(self) -> bool:
-        """Whether there is no other member."""
-        ...
+    def alone(self) -> bool: ...
 
-    def gather(self, outcome: Any, what: str) -> list[Any]:
-        """Every member's ``outcome`` (picklable), this one's included, in member order; a member that
-        stopped answering is :class:`WorkerLost` naming ``what`` stopped."""
-        ...
+    def gather(self, outcome: Any, what: str) -> list[Any]: ...
 
-    def barrier(self, seconds: float, wait_all: bool = False) -> None:
-        """Wait until every member arrives: a ``RuntimeError`` past ``seconds`` (``wait_all``: naming
-        every member that did not)."""
-        ...
+    def barrier(self, seconds: float, wait_all: bool = False) -> None: ...
 
 
 class ProcessGroups:

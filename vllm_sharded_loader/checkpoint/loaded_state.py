@@ -222,15 +222,12 @@ def capture_settings() -> tuple[str, str | None, int | None] | None:
 
 
 class ServedWeights(Protocol):
-    """The weights a worker serves, as a save of its loaded state needs them."""
+    """The weights a worker serves: ``live``, if provably still the loaded ones (else a
+    :class:`ShardedStateError`), or ``reread`` from the source the engine loaded."""
 
-    def live(self) -> dict[str, torch.Tensor]:
-        """The live tensors, if they provably still are the loaded ones; else a :class:`ShardedStateError`."""
-        ...
+    def live(self) -> dict[str, torch.Tensor]: ...
 
-    def reread(self) -> dict[str, torch.Tensor]:
-        """The loaded state, read again from the source the engine loaded."""
-        ...
+    def reread(self) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass

@@ -240,6 +240,10 @@ class MetaModel:
         following = self._next.get(id(self.components[name]))
         return following.targets[0] if following else None
 
+    def component_of(self, name: str) -> int:
+        """What tells ``name``'s component apart from the others."""
+        return id(self.components[name])
+
     def component_bytes(self, name: str) -> int:
         """The bytes :meth:`make` allocates for ``name``'s component (known before it is made)."""
         return sum(self.state[t].numel() * self.state[t].element_size() for t in self.components[name].targets)

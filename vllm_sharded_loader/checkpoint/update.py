@@ -1,12 +1,6 @@
-"""A weight update as a two-phase commit across the members holding one model (:func:`run_update`), and
-what a layer's post-processing set, to undo on a refusal (:class:`LayerSnapshot`).
-
-The members read and check the new weights, then agree; post-process them into new memory, then
-agree again; and only then does any member change what it serves (:mod:`..engine.reload` does each
-step in vLLM). Anything that fails on any member before the commit (a checkpoint of another model,
-another dtype, a missing or corrupt file, a failed post-processing) rolls every member back: the
-engine serves, byte for byte, what it served before.
-"""
+"""A weight update as a two-phase commit across the members holding one model (:func:`run_update`;
+:mod:`..engine.reload` does each step in vLLM), and what a layer's post-processing set, to undo on a
+refusal (:class:`LayerSnapshot`)."""
 
 from __future__ import annotations
 
@@ -28,33 +22,23 @@ logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
 
 class UpdateSteps(Protocol):
-    """One member's side of a weight update."""
+    """One member's side of a weight update: ``read`` and check the new weights (returning the path and
+    :func:`.group.checkpoint_digest` read), ``process`` them into new memory, both changing nothing
+    served; ``commit`` them once every member did; ``roll_back`` what the steps so far did."""
 
-    def read(self) -> tuple[str, str]:
-        """Read and check the new weights, changing nothing served: the path and manifest digest
-        read (:func:`.group.checkpoint_digest`), compared across the members."""
-        ...
+    def read(self) -> tuple[str, str]: ...
 
-    def process(self) -> None:
-        """Post-process the new weights into new memory, changing nothing served."""
-        ...
+    def process(self) -> None: ...
 
-    def commit(self) -> None:
-        """Every member read and processed its weights: serve them."""
-        ...
+    def commit(self) -> None: ...
 
-    def roll_back(self) -> None:
-        """Serve what was served before, undoing what the steps so far did."""
-        ...
+    def roll_back(self) -> None: ...
 
 
 def run_update(update: UpdateSteps, exchange: Exchange, rank: RankInfo, raises: bool) -> bool:
-    """Read, process, commit (see the module's docstring); on a refusal anywhere, roll back everywhere.
-
-    A file that only one member finds corrupt, or a post-processing that fails on one member
-    only, must leave every member as served, not some updated and some not. A refusal is
-    raised by the member that ``raises`` (the engine's last worker) and the others return False;
-    True once committed.
+    """Read, then process, the members agreeing after each, then commit; a refusal anywhere (a file one
+    member finds corrupt, a post-processing that fails on one) rolls every member back, raised by the
+    member that ``raises`` (the engine's last worker) while the others return False. True once committed.
     """
     for step in (update.read, update.process):
         failure: Exception | None = None

@@ -18,7 +18,6 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,6 +50,7 @@ from ..storage.writer import LazyTensor, write_order
 from .offline import check_output_apart
 
 if TYPE_CHECKING:
+    from ..checkpoint.meta_model import MetaModel
     from ..checkpoint.protocol import SaveTarget
     from ..engine.convert import ConvertModel
 
@@ -75,13 +75,13 @@ class _Made:
 class ComponentCache:
     """Components made once and shared by the ranks' writer threads, freed after their last slice.
 
-    One thread of its own makes every component (``make`` is vLLM's loader on one model, so
-    never two at once) and another checks each one made (``check`` refuses one left partly
-    unfilled), while the ranks cut and write the ones checked: once a component is made, or
-    taken by a rank, the one after it (``after``) is made ahead if the budget allows, so
-    making, checking and writing overlap.
+    ``model`` makes them (:class:`..checkpoint.meta_model.MetaModel`). One thread of its own makes
+    every component (``make`` is vLLM's loader on one model, so never two at once) and another
+    checks each one made (``check`` refuses one left partly unfilled), while the ranks cut and write
+    the ones checked: once a component is made, or taken by a rank, the one after it (``after``) is
+    made ahead if the budget allows, so making, checking and writing overlap.
 
-    Components made and not yet freed stay within ``budget`` bytes (``size_of`` gives a
+    Components made and not yet freed stay within ``budget`` bytes (``component_bytes`` gives a
     component's bytes before it is made): a rank whose component does not fit waits for slower
     ranks to free theirs, unless every other working rank waits too; then components no waiting
     rank needs next are freed (and made again later if a rank still needs them: a source read
@@ -90,14 +90,9 @@ class ComponentCache:
     takes it.
     """
 
-    make: Callable[[str], dict[str, torch.Tensor]]
-    free: Callable[[str], None]
-    component_of: Callable[[str], int]
+    model: MetaModel
     takes: dict[str, int]  # tensor -> how many ranks take a slice of it
     budget: int = DEFAULT_BUDGET
-    after: Callable[[str], str | None] = lambda name: None  # a tensor of the component made after name's
-    size_of: Callable[[str], int] = lambda name: 0  # bytes of name's component, once made
-    check: Callable[[str, dict[str, torch.Tensor]], None] = lambda name, tensors: None
     made: dict[int, _Made] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
     waiting: dict[int, int] = field(default_factory=dict)  # thread -> component it waits to make
@@ -121,7 +116,7 @@ class ComponentCache:
         # (two threads each): on a few cores, an OpenMP team per operation only spins on theirs.
         self.threads = max(1, len(os.sched_getaffinity(0)) - 2 * self.running)
         for name, count in self.takes.items():
-            key = self.component_of(name)
+            key = self.model.component_of(name)
             self.pending[key] = self.pending.get(key, 0) + count
 
     def _bytes(self) -> int:
@@ -152,7 +147,7 @@ class ComponentCache:
     def _make(self, name: str, key: int) -> None:
         try:
             with torch_threads(self.threads):
-                tensors = self.make(name)
+                tensors = self.model.make(name)
         except BaseException as e:
             with self.cond:
                 self.errors[key], self.making = e, None
@@ -170,7 +165,7 @@ class ComponentCache:
     def _check(self, name: str, key: int, tensors: dict[str, torch.Tensor]) -> None:
         try:
             with torch_threads(self.threads):
-                self.check(name, tensors)
+                self.model.check(name, tensors)
         except BaseException as e:
             with self.cond:
                 self.errors[key] = e
@@ -182,7 +177,7 @@ class ComponentCache:
             self.cond.notify_all()
 
     def _take(self, name: str, me: int) -> tuple[torch.Tensor, bool]:
-        key = self.component_of(name)
+        key = self.model.component_of(name)
         while key not in self.made:
             if key in self.errors:
                 raise self.errors[key]  # this rank's own component failed: its error, not a "stopped"
@@ -190,7 +185,7 @@ class ComponentCache:
                 raise RankStopped(f"stopped: another rank's conversion failed ({self.failed})")
             # Ranks that can still take a slice: those not waiting for a component nobody made yet.
             others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
-            fits = self._bytes() + self.size_of(name) <= self.budget
+            fits = self._bytes() + self.model.component_bytes(name) <= self.budget
             if self.making is None and key not in self.checking and (fits or not self.made or others <= 0):
                 if not fits:
                     self._evict(key)
@@ -207,7 +202,7 @@ class ComponentCache:
         if made.pending:
             return tensor, False
         del self.made[key]
-        self.free(name)
+        self.model.free(name)
         self.cond.notify_all()
         return tensor, True
 
@@ -217,19 +212,19 @@ class ComponentCache:
         idle and the budget has room for it."""
         if self.making is not None or len(self.untaken) >= AHEAD:
             return
-        following = self.after(name)
+        following = self.model.after(name)
         for _ in range(AHEAD):
             if following is None:
                 return
-            key = self.component_of(following)
+            key = self.model.component_of(following)
             if key not in self.made and key not in self.checking:
                 break
-            following = self.after(following)
+            following = self.model.after(following)
         else:
             return
         if key in self.errors or not self.pending.get(key):
             return
-        if self._bytes() + self.size_of(following) <= self.budget:
+        if self._bytes() + self.model.component_bytes(following) <= self.budget:
             self.ahead += 1
             self._start(following, key)
 
@@ -238,7 +233,7 @@ class ComponentCache:
         for key in [k for k in self.made if k not in wanted]:
             made = self.made.pop(key)
             self.untaken.discard(key)  # made again when a rank needs it, and counted ahead then
-            self.free(next(iter(made.tensors)))
+            self.model.free(next(iter(made.tensors)))
             self.remakes += 1
 
     def rank_done(self, failed: BaseException | None = None) -> None:
@@ -305,13 +300,9 @@ def plan_ranks(
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    """How ``convert`` builds the source's model and writes the checkpoint.
-
-    ``model`` holds vLLM's own ``LLM(...)`` arguments of the engine that will serve it, which decide its
-    model class and tensors; ``revision`` picks the branch, tag or commit of a Hub repo id; ``max_size``,
-    ``pattern`` and ``overwrite`` are a save's; ``budget`` bounds the bytes of components made and not
-    yet freed (:class:`ComponentCache`).
-    """
+    """How ``convert`` builds the source's model (``model``: vLLM's ``LLM(...)`` arguments of the engine
+    that will serve it), which ``revision`` of a Hub repo id, how it writes (a save's ``max_size``,
+    ``pattern``, ``overwrite``), and the bytes of components made and not yet freed (``budget``)."""
 
     model: ModelOptions = DEFAULT_OPTIONS
     revision: str | None = None
@@ -408,26 +399,6 @@ class _Ranks:
         return self.model.carry_startup_artifacts(target, entry, info)
 
 
-def _component_cache(
-    model: ConvertModel, plans: dict[RankInfo, dict[str, Any]], budget: int, running: int
-) -> ComponentCache:
-    takes: dict[str, int] = {}
-    for plan in plans.values():
-        for state_name, _ in plan.values():
-            takes[state_name] = takes.get(state_name, 0) + 1
-    return ComponentCache(
-        make=model.make,
-        free=model.free,
-        component_of=lambda n: id(model.components[n]),
-        takes=takes,
-        budget=budget,
-        after=model.after,
-        size_of=model.component_bytes,
-        check=model.check,
-        running=running,
-    )
-
-
 def _convert(
     folder: str, output: str, tp_size: int, pp_size: int, options: ConvertOptions, progress: ByteProgress | None
 ) -> ConvertResult:
@@ -456,8 +427,12 @@ def _convert(
         if layers is None:
             layers = getattr(model.model_config.hf_text_config, "num_hidden_layers", None)
         plans = plan_ranks(model.state, model.geometry, model.tied, layers, tp_size, pp_size)
+        takes: dict[str, int] = {}
+        for plan in plans.values():
+            for state_name, _ in plan.values():
+                takes[state_name] = takes.get(state_name, 0) + 1
         running = 1 if open_store(output).remote else len(plans)
-        cache = _component_cache(model, plans, options.budget, running)
+        cache = ComponentCache(model, takes, options.budget, running=running)
         stack.callback(cache.close)
         ranks = _Ranks(model, cache, plans)
         try:
