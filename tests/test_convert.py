@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,7 +45,7 @@ from vllm_sharded_loader.format.errors import (
     RankStopped,
     ShardedStateError,
 )
-from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, convert_checkpoint
+from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, ConvertOptions, convert_checkpoint
 
 MANIFEST = "sharded_state.json"
 
@@ -99,6 +101,22 @@ def copy_source(source: str, to: Path) -> Path:
 # ----------------------------------------------------------------- the shared components, engine-free
 
 
+@dataclass
+class Components:
+    """Stands for the meta model that makes, checks and frees the components: each tensor its own one."""
+
+    make: Callable[[str], dict[str, torch.Tensor]]
+    check: Callable[[str, dict[str, torch.Tensor]], None] = lambda name, tensors: None
+    after: Callable[[str], str | None] = lambda name: None
+    component_bytes: Callable[[str], int] = lambda name: 0
+
+    def free(self, name: str) -> None:
+        pass
+
+    def component_of(self, name: str) -> int:
+        return hash(name)
+
+
 def _cache(budget: int, ranks: int, running: int = 1) -> tuple[ComponentCache, list[str]]:
     made: list[str] = []
     names = [f"t{i}" for i in range(12)]
@@ -107,9 +125,7 @@ def _cache(budget: int, ranks: int, running: int = 1) -> tuple[ComponentCache, l
         made.append(name)
         return {name: torch.full((256,), float(int(name[1:])))}
 
-    cache = ComponentCache(
-        make=make, free=lambda name: None, component_of=hash, takes=dict.fromkeys(names, ranks), size_of=lambda n: 1024
-    )
+    cache = ComponentCache(Components(make, component_bytes=lambda n: 1024), takes=dict.fromkeys(names, ranks))
     cache.budget, cache.running = budget, running
     return cache, made
 
@@ -178,7 +194,7 @@ def test_ranks_waiting_for_a_component_that_fails_each_get_its_error():
     def make(name: str) -> dict[str, torch.Tensor]:
         raise ConvertRefused(f"{name}: vLLM's loader left part of it unfilled")
 
-    cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes={"t0": 2}, running=2)
+    cache = ComponentCache(Components(make), takes={"t0": 2}, running=2)
     errors: list[BaseException] = []
 
     def rank() -> None:
@@ -208,14 +224,11 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
         return {name: torch.full((256,), float(int(name[1:])))}
 
     names = [f"t{i}" for i in range(6)]
-    cache = ComponentCache(
-        make=make,
-        free=lambda name: None,
-        component_of=hash,
-        takes=dict.fromkeys(names, 1),
-        budget=4096,
-        after=lambda name: f"t{int(name[1:]) + 1}" if name != "t5" else None,
-    )
+
+    def after(name: str) -> str | None:
+        return f"t{int(name[1:]) + 1}" if name != "t5" else None
+
+    cache = ComponentCache(Components(make, after=after), takes=dict.fromkeys(names, 1), budget=4096)
     try:
         assert float(cache.take("t0")[0]) == 0.0
         deadline = time.monotonic() + 30
@@ -239,7 +252,7 @@ def test_the_next_component_is_made_while_ranks_write_and_a_failed_one_raises_wh
         if name == "t2":
             raise ConvertRefused("t2: vLLM's loader left part of it unfilled")
 
-    cache = ComponentCache(make=make, free=lambda name: None, component_of=hash, takes={"t1": 1, "t2": 1}, check=check)
+    cache = ComponentCache(Components(make, check=check), takes={"t1": 1, "t2": 1})
     try:
         assert float(cache.take("t1")[0]) == 1.0 and checked == ["t1"]
         with pytest.raises(ConvertRefused, match="t2: vLLM's loader left part of it unfilled"):
@@ -318,7 +331,7 @@ def _resident(path: Path) -> int:
 
 RAY_KEPT_OUT = """
 import sys
-from vllm_sharded_loader.engine.convert_setup import _ray_not_imported
+from vllm_sharded_loader.engine.convert import _ray_not_imported
 print("before", "ray" in sys.modules)
 with _ray_not_imported():
     try:
@@ -484,7 +497,7 @@ def test_an_output_that_is_the_source_through_a_link_is_refused_and_nothing_is_w
     link = tmp_path / "link"
     link.symlink_to(source)
     with pytest.raises(InvalidOption, match=r"^--output must be another folder than the source model"):
-        convert_checkpoint(str(source), str(link), 2, overwrite=True)
+        convert_checkpoint(str(source), str(link), 2, options=ConvertOptions(overwrite=True))
     assert sorted(p.name for p in source.iterdir()) == before
 
 
@@ -500,7 +513,7 @@ def test_an_output_inside_the_source_is_refused_and_nothing_is_written(sources, 
         named.symlink_to(source)
     output = named / "sharded"
     with pytest.raises(InvalidOption, match=r"^--output \S+ lies inside the source model \S+; nothing was written"):
-        convert_checkpoint(str(source), str(output), 2, overwrite=True)
+        convert_checkpoint(str(source), str(output), 2, options=ConvertOptions(overwrite=True))
     assert sorted(str(p.relative_to(source)) for p in source.rglob("*")) == before
 
 
@@ -661,8 +674,8 @@ def test_a_full_disk_during_convert_fails_it_and_keeps_the_checkpoint_it_would_r
     code = (
         "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 17, 1 << 17)); "
-        "from vllm_sharded_loader.tools.convert import convert_checkpoint; "
-        "convert_checkpoint(sys.argv[1], sys.argv[2], 2, overwrite=True, budget=1)"
+        "from vllm_sharded_loader.tools.convert import ConvertOptions, convert_checkpoint; "
+        "convert_checkpoint(sys.argv[1], sys.argv[2], 2, options=ConvertOptions(overwrite=True, budget=1))"
     )
     run = python_process(["-c", code, sources["llama"], str(out)], {**os.environ, **engine_environment()}, 300)
     assert run.returncode != 0 and "File too large" in run.stderr and "model-rank-" in run.stderr, run.stderr[-3000:]
@@ -848,7 +861,7 @@ def test_a_hub_repo_id_converts_from_the_hub_cache_as_its_local_folder(sources, 
     lay_out_cache(Path(sources["tied"]), offline_hub, repo_id="acme/tiny-qwen2")
     local, from_hub = tmp_path / "local", tmp_path / "from-hub"
     convert_checkpoint(sources["tied"], str(local), 2)
-    convert_checkpoint("acme/tiny-qwen2", str(from_hub), 2, revision=COMMIT)
+    convert_checkpoint("acme/tiny-qwen2", str(from_hub), 2, options=ConvertOptions(revision=COMMIT))
     a, b = read_manifest(str(local)), read_manifest(str(from_hub))
     assert a is not None and b is not None
     assert (b.geometry, b.tied) == (a.geometry, a.tied)
@@ -870,7 +883,7 @@ def test_a_hub_repo_or_revision_not_in_the_cache_offline_is_named_and_nothing_is
     lay_out_cache(Path(sources["tied"]), offline_hub, repo_id="acme/tiny-qwen2")
     out = tmp_path / "out"
     with pytest.raises(CheckpointNotFound, match=rf"{repo}: not found on the Hugging Face Hub nor in its cache"):
-        convert_checkpoint(repo, str(out), 2, revision=revision)
+        convert_checkpoint(repo, str(out), 2, options=ConvertOptions(revision=revision))
     assert not out.exists()
 
 

@@ -157,7 +157,7 @@ def test_a_file_pattern_without_its_part_field_is_an_invalid_option(tmp_path):
         ranks,
         dtype="bfloat16",
         source=SOURCE,
-        pattern="m-{rank}",
+        options=SaveOptions(pattern="m-{rank}"),
     )
     assert "'m-{rank}'" in str(error)
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()

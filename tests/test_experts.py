@@ -102,13 +102,14 @@ def test_whole_experts_are_read_in_runs_and_from_their_holder_only():
     """Saved EP=2 linear, served EP=3 linear: rank 1 holds experts 2 and 3, the last of saved
     rank 0 and the first of saved rank 1; each is one run of its file, and nothing else is read."""
     from vllm_sharded_loader.format.geometry import row_parallel
-    from vllm_sharded_loader.planning.reads import SavedRank, SavedTensor, plan_reads
+    from vllm_sharded_loader.planning.reads import SavedCheckpoint, SavedRank, SavedTensor, plan_reads
+    from vllm_sharded_loader.planning.topology import RankInfo
 
     g = row_parallel([6, 4, 8], "FusedMoE", stacked=1)  # 6 experts of 4 x 8 float32: 128 bytes each
     saved = [SavedRank(r, 0, {"w2": SavedTensor(f"f{r}", 1000, 4, (3, 4, 8), g)}) for r in range(2)]
     placement = expert_placement(6, 3, "linear")
     plan = plan_reads(
-        saved, 2, ["w2"], tp_size=3, tp_rank=1, saved_experts=expert_placement(6, 2), experts=placement, ep_rank=1
+        SavedCheckpoint(saved, 2, expert_placement(6, 2)), ["w2"], RankInfo(1, 3, experts=placement, ep_rank=1)
     ).tensors["w2"]
     assert plan.shape == (2, 4, 8)
     assert [(r.file, r.source.offset, r.source.total, r.dest.offset) for r in plan.reads] == [
@@ -117,8 +118,8 @@ def test_whole_experts_are_read_in_runs_and_from_their_holder_only():
     ]
     # Served without expert parallelism at TP=2: every expert, half of each one's columns,
     # read as one strided run per expert from the one saved rank holding it.
-    plan = plan_reads(saved, 2, ["w2"], tp_size=2, tp_rank=0, saved_experts=expert_placement(6, 2)).tensors["w2"]
+    plan = plan_reads(SavedCheckpoint(saved, 2, expert_placement(6, 2)), ["w2"], RankInfo(0, 2)).tensors["w2"]
     assert plan.shape == (6, 4, 4) and len(plan.reads) == 6
     assert all(r.source.count == 4 and r.source.length == 16 for r in plan.reads)
     with pytest.raises(CheckpointCorrupt):
-        plan_reads(saved, 2, ["w2"], tp_size=2, tp_rank=0, saved_experts=expert_placement(6, 1))
+        plan_reads(SavedCheckpoint(saved, 2, expert_placement(6, 1)), ["w2"], RankInfo(0, 2))

@@ -27,7 +27,8 @@ from tests.support.reference import execute
 from vllm_sharded_loader.format import ShardedStateError
 from vllm_sharded_loader.format.geometry import OPAQUE
 from vllm_sharded_loader.planning.layout import same_split
-from vllm_sharded_loader.planning.reads import SavedRank, SavedTensor, plan_reads
+from vllm_sharded_loader.planning.reads import SavedCheckpoint, SavedRank, SavedTensor, plan_reads
+from vllm_sharded_loader.planning.topology import RankInfo
 
 # Families whose layers or loaders were wrong once (GPT-OSS's experts, Command R+'s per-head
 # norms), and a plain one; GLM-4.5's MoE (a router bias over all experts, handed to the experts
@@ -64,7 +65,8 @@ def vllm_build():
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm_sharded_loader.engine.convert_setup import DEFAULT_OPTIONS, build_meta_model, engine_config
+    from vllm_sharded_loader.checkpoint.meta_model import DEFAULT_OPTIONS
+    from vllm_sharded_loader.engine.convert import build_meta_model, engine_config
     from vllm_sharded_loader.engine.layer_geometry import tensor_geometry
 
     def load(directory: str, tp_size: int, tp_rank: int):
@@ -131,7 +133,7 @@ def test_every_tensor_reshards_as_vllms_own_load_or_is_refused(family, vllm_buil
                 refused.append(name)  # the load refuses it (check_served_geometry, the planner)
                 continue
             try:
-                plan = plan_reads(saved[source], source, [name], tp_size=tp, tp_rank=rank)
+                plan = plan_reads(SavedCheckpoint(saved[source], source), [name], RankInfo(rank, tp))
             except ShardedStateError:
                 refused.append(name)
                 continue

@@ -35,7 +35,7 @@ from tests.support.nodes import ClusterFailed, Nodes, Served, kill_worker_when, 
 from tests.support.signing import signed_and_trusted
 from tests.support.stores import stores_pointed_at
 from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
-from vllm_sharded_loader.engine.capture import OVERWRITE_ENV
+from vllm_sharded_loader.checkpoint.loaded_state import OVERWRITE_ENV
 from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.storage import faults
 from vllm_sharded_loader.tools.convert import convert_checkpoint

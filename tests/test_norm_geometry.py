@@ -27,7 +27,8 @@ from tests.support.quantized import as_array, save_rank
 from tests.support.reference import execute
 from vllm_sharded_loader.format.geometry import COLUMN_PARALLEL, OPAQUE, REPLICATED
 from vllm_sharded_loader.planning.layout import same_split
-from vllm_sharded_loader.planning.reads import plan_reads
+from vllm_sharded_loader.planning.reads import SavedCheckpoint, plan_reads
+from vllm_sharded_loader.planning.topology import RankInfo
 
 HEADS, HEAD_DIM, HIDDEN = 4, 64, 128
 
@@ -80,7 +81,7 @@ def test_per_head_norms_reshard_like_vllms_row_parallel_weight_loader(cohere):
             tensors = dict(model.named_parameters())
             for name, g in tensor_geometry(model, tensors, tp, rank).items():
                 assert same_split(g, recorded[name]), (name, g, recorded[name])
-            plan = plan_reads(ranks, 2, list(tensors), tp_size=tp, tp_rank=rank)
+            plan = plan_reads(SavedCheckpoint(ranks, 2), list(tensors), RankInfo(rank, tp))
             for name, tensor in tensors.items():
                 got = execute(plan.tensors[name], files, {})
                 np.testing.assert_array_equal(got, as_array(tensor), err_msg=f"{name} TP={tp} rank {rank}")

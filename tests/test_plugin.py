@@ -167,7 +167,7 @@ class Tiny(torch.nn.Module):
 
 def loaded_state(model, quantization=None):
     from vllm_sharded_loader.checkpoint import saveable_state
-    from vllm_sharded_loader.engine.capture import LoadedState
+    from vllm_sharded_loader.checkpoint.loaded_state import LoadedState
 
     tensors = saveable_state(model.state_dict())
     return LoadedState(
@@ -199,7 +199,7 @@ def test_live_state_is_saved_only_if_provably_the_loaded_one():
 
 
 def test_only_parameters_nothing_else_views_are_offered_for_swapping():
-    from vllm_sharded_loader.engine.model_reader import adoptable_parameters
+    from vllm_sharded_loader.checkpoint.state import adoptable_parameters
 
     model = Tiny()
     model.keeps_a_view = model.proj.weight.data[:2]  # a layer holding on to a parameter's memory
@@ -227,7 +227,6 @@ def test_live_state_with_in_place_post_processing_is_refused():
 
 
 def test_weight_updates_through_load_weights_are_counted():
-    from vllm_sharded_loader.engine.capture import _count_updates
 
     class Updatable(Tiny):
         def load_weights(self, weights):
@@ -238,8 +237,8 @@ def test_weight_updates_through_load_weights_are_counted():
 
     model = Updatable()
     state = loaded_state(model)
-    _count_updates(model, state)
-    _count_updates(model, state)  # a second load of the same model: still one count per call
+    state.count_updates(model)
+    state.count_updates(model)  # a second load of the same model: still one count per call
     assert model.load_weights([("proj.bias", torch.ones(4))]) == {"proj.bias"}
     assert state.updates == 1
     assert torch.equal(model.proj.bias, torch.ones(4))

@@ -20,8 +20,8 @@ import pytest
 from examples.tiny_models import build_model
 from tests.support.engines import run_engine
 from tests.support.states import save
+from vllm_sharded_loader.checkpoint.loaded_state import CAPTURE_DIR_ENV
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
-from vllm_sharded_loader.engine.capture import CAPTURE_DIR_ENV
 from vllm_sharded_loader.format.names import LOCK_NAME, is_staged_name
 from vllm_sharded_loader.storage import faults
 

@@ -29,7 +29,8 @@ from tests.support.reference import execute
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch
 from vllm_sharded_loader.format.geometry import OPAQUE, REPLICATED, TensorGeometry
 from vllm_sharded_loader.planning.layout import check_served_geometry, same_split
-from vllm_sharded_loader.planning.reads import plan_reads
+from vllm_sharded_loader.planning.reads import SavedCheckpoint, plan_reads
+from vllm_sharded_loader.planning.topology import RankInfo
 
 EXPERTS, HIDDEN, INTER, BLOCK = 4, 64, 256, 32
 
@@ -82,7 +83,8 @@ def vllm_moe():
     )
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    from vllm_sharded_loader.engine.layer_geometry import model_expert_placement, tensor_geometry
+    from vllm_sharded_loader.engine.identity import model_expert_placement
+    from vllm_sharded_loader.engine.layer_geometry import tensor_geometry
 
     configs = {
         "int8_channel": lambda: ct.CompressedTensorsConfig.from_config(INT8),
@@ -217,7 +219,7 @@ def test_quantized_experts_reshard_like_vllms_loader(vllm_moe, method, saved):
             for name, g in served.items():
                 assert same_split(g, recorded[name]), (name, g, recorded[name])
             plan = plan_reads(
-                ranks, tp_saved, list(tensors), tp_size=tp, tp_rank=rank, saved_experts=saved_experts, **args
+                SavedCheckpoint(ranks, tp_saved, saved_experts), list(tensors), RankInfo(rank, tp, **args)
             )
             for name, tensor in tensors.items():
                 got = execute(plan.tensors[name], files, {})

@@ -24,7 +24,8 @@ from tests.support.reference import execute
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch
 from vllm_sharded_loader.format.geometry import OPAQUE, ROW_PARALLEL, Segment, TensorGeometry
 from vllm_sharded_loader.planning.layout import same_split, shard_layout
-from vllm_sharded_loader.planning.reads import SavedRank, SavedTensor, plan_reads
+from vllm_sharded_loader.planning.reads import SavedCheckpoint, SavedRank, SavedTensor, plan_reads
+from vllm_sharded_loader.planning.topology import RankInfo
 
 # The awq_int4 / gptq_int4 families' Llama layers (examples/tiny_models.py), group size 64.
 HIDDEN, HEADS, KV_HEADS, HEAD, INTER, GROUP = 256, 4, 2, 64, 512, 64
@@ -168,7 +169,7 @@ def test_packed_int4_and_group_scales_reshard_like_vllms_loaders(vllm_quant, met
             served = vq.tensor_geometry(model, tensors, tp, rank)
             for name, g in served.items():
                 assert same_split(g, recorded[name]), (name, g, recorded[name])
-            plan = plan_reads(ranks, SAVED_TP, list(tensors), tp_size=tp, tp_rank=rank)
+            plan = plan_reads(SavedCheckpoint(ranks, SAVED_TP), list(tensors), RankInfo(rank, tp))
             for name, tensor in tensors.items():
                 got = execute(plan.tensors[name], files, {})
                 np.testing.assert_array_equal(got, as_array(tensor), err_msg=f"{method} {name} TP={tp} rank {rank}")
@@ -203,11 +204,11 @@ def test_a_rank_that_would_cut_a_quantization_group_is_refused_before_planning_a
     g = TensorGeometry(ROW_PARALLEL, "RowParallelLinear", (2, 32), 0, (Segment("input", 256),), unit=128)
     tensors = {0: (1, 32), 1: (1, 32)}
     ranks = [SavedRank(r, 0, {"down.scales": SavedTensor(f"f{r}", 0, 2, shape, g)}) for r, shape in tensors.items()]
-    plan = plan_reads(ranks, 2, ["down.scales"], tp_size=1, tp_rank=0)
+    plan = plan_reads(SavedCheckpoint(ranks, 2), ["down.scales"], RankInfo(0, 1))
     assert plan.tensors["down.scales"].shape == (2, 32)
     refusal = r"down.scales \(RowParallelLinear\) cannot be split across TP=4"
     with pytest.raises(CheckpointMismatch, match=refusal) as info:
-        plan_reads(ranks, 2, ["down.scales"], tp_size=4, tp_rank=1)
+        plan_reads(SavedCheckpoint(ranks, 2), ["down.scales"], RankInfo(1, 4))
     assert "the layer's columns [64, 128)" in str(info.value) and "stands for 128 columns" in str(info.value)
 
 

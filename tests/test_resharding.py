@@ -47,7 +47,16 @@ from vllm_sharded_loader.format.geometry import (
 )
 from vllm_sharded_loader.planning.layout import shard_layout
 from vllm_sharded_loader.planning.pipeline import layer_index, pp_layer_ranges
-from vllm_sharded_loader.planning.reads import Read, SavedRank, SavedTensor, Strided, TensorPlan, plan_reads
+from vllm_sharded_loader.planning.reads import (
+    Read,
+    SavedCheckpoint,
+    SavedRank,
+    SavedTensor,
+    Strided,
+    TensorPlan,
+    plan_reads,
+)
+from vllm_sharded_loader.planning.topology import RankInfo
 
 TP_SIZES = (1, 2, 4, 8)
 PP_SIZES = (1, 2, 4)
@@ -108,13 +117,10 @@ def serve(
         needed = model.stage_names(pp_size, pp_rank)
         for tp_rank in range(tp_size):
             plan = plan_reads(
-                checkpoint.ranks,
-                checkpoint.tp_size,
+                SavedCheckpoint(checkpoint.ranks, checkpoint.tp_size),
                 needed,
-                tp_size=tp_size,
-                tp_rank=tp_rank,
-                pp_rank=pp_rank,
-                tied=model.tied_groups,
+                RankInfo(tp_rank, tp_size, pp_rank),
+                model.tied_groups,
             )
             assert list(plan.tensors) == needed
             read_counts: dict[str, np.ndarray] = {}
@@ -205,7 +211,9 @@ def test_replicated_kv_heads_are_read_once_from_one_holder():
     # 2 KV heads saved at TP=8: saved ranks 0-3 hold head 0 and ranks 4-7 head 1.
     model = llama_like(heads=8, kv_heads=2, head_size=4, num_layers=1)
     checkpoint = save(model, 8, 1)
-    plan = plan_reads(checkpoint.ranks, 8, ["model.layers.0.self_attn.qkv_proj.weight"], tp_size=1, tp_rank=0)
+    plan = plan_reads(
+        SavedCheckpoint(checkpoint.ranks, 8), ["model.layers.0.self_attn.qkv_proj.weight"], RankInfo(0, 1)
+    )
     reads = plan.tensors["model.layers.0.self_attn.qkv_proj.weight"].reads
     k_reads = [r for r in reads if 32 * 32 <= r.dest.offset < 40 * 32]
     assert len(k_reads) == 2 and len(reads) == 8 + 2 + 2
@@ -229,7 +237,7 @@ def test_same_topology_reads_each_tensor_in_one_run():
 def test_reads_are_strided_only_for_splits_along_dimension_1():
     model = llama_like(num_layers=1)
     checkpoint = save(model, 1, 1)
-    plan = plan_reads(checkpoint.ranks, 1, list(model.tensors), tp_size=2, tp_rank=1)
+    plan = plan_reads(SavedCheckpoint(checkpoint.ranks, 1), list(model.tensors), RankInfo(1, 2))
     down = plan.tensors["model.layers.0.mlp.down_proj.weight"].reads
     saved = checkpoint.ranks[0].tensors["model.layers.0.mlp.down_proj.weight"]
     assert down == (Read(saved.file, Strided(saved.offset + 24 * 4, 24 * 4, 48 * 4, 32), Strided(0, 24, 24, 32)),)
@@ -248,7 +256,8 @@ def test_tp1_to_tp2_reads_about_half_the_checkpoint():
         # padding by neither.
         assert abs(bytes_read / total - 0.5) < 0.02, (tp_rank, bytes_read / total)
     plans = {
-        rank: plan_reads(checkpoint.ranks, 1, model.stage_names(1, 0), tp_size=2, tp_rank=rank[1]) for rank in results
+        rank: plan_reads(SavedCheckpoint(checkpoint.ranks, 1), model.stage_names(1, 0), RankInfo(rank[1], 2))
+        for rank in results
     }
     assert {k: p.bytes_read for k, p in plans.items()} == {k: v[0] for k, v in results.items()}
     by_file = [r.source.total for t in plans[(0, 0)].tensors.values() for r in t.reads]
@@ -260,7 +269,9 @@ def test_replicated_tensors_spread_over_saved_copies():
     model = llama_like(num_layers=1)
     checkpoint = save(model, 4, 1)
     files = [
-        plan_reads(checkpoint.ranks, 4, ["model.norm.weight"], tp_size=4, tp_rank=r).tensors["model.norm.weight"]
+        plan_reads(SavedCheckpoint(checkpoint.ranks, 4), ["model.norm.weight"], RankInfo(r, 4)).tensors[
+            "model.norm.weight"
+        ]
         for r in range(4)
     ]
     assert [f.reads[0].file for f in files] == [f"model-pp-0-tp-{r}-part-1.safetensors" for r in range(4)]
@@ -418,12 +429,12 @@ def test_unknown_or_missing_geometry_is_an_error_when_the_tp_size_changes():
     name = "model.layers.0.mlp.experts.w13_weight"
     opaque = TensorGeometry("opaque", "FusedMoE", (8, 16, 4))
     with pytest.raises(CheckpointMismatch, match=rf"{name} \(FusedMoE\) cannot be resharded from TP=2 to TP=1"):
-        plan_reads(single(name, opaque, 2, (8, 16, 4)), 2, [name], tp_size=1, tp_rank=0)
+        plan_reads(SavedCheckpoint(single(name, opaque, 2, (8, 16, 4)), 2), [name], RankInfo(0, 1))
     with pytest.raises(CheckpointMismatch, match=rf"{name} cannot be resharded from TP=2 to TP=4: .* no geometry"):
-        plan_reads(single(name, None, 2, (8, 16, 4)), 2, [name], tp_size=4, tp_rank=0)
+        plan_reads(SavedCheckpoint(single(name, None, 2, (8, 16, 4)), 2), [name], RankInfo(0, 4))
     # At the same TP size, any tensor is its own shard: copied whole, whatever the PP split.
     for geometry in (opaque, None):
-        plan = plan_reads(single(name, geometry, 2, (8, 16, 4)), 2, [name], tp_size=2, tp_rank=1)
+        plan = plan_reads(SavedCheckpoint(single(name, geometry, 2, (8, 16, 4)), 2), [name], RankInfo(1, 2))
         assert plan.tensors[name].reads == (
             Read("f1", Strided(8, 8 * 16 * 4 * 2, 8 * 16 * 4 * 2), Strided(0, 512, 512)),
         )
@@ -439,25 +450,25 @@ def test_tp_sizes_vllm_refuses_are_refused():
         shard_layout(g, 4, 4, "qkv")
     g = vocab_parallel(100, 4, padding_size=10)
     with pytest.raises(CheckpointMismatch, match="segment 'vocab' of 100 indices"):
-        plan_reads(single("e", g, 1, (100, 4)), 1, ["e"], tp_size=8, tp_rank=0)
+        plan_reads(SavedCheckpoint(single("e", g, 1, (100, 4)), 1), ["e"], RankInfo(0, 8))
 
 
 def test_damaged_or_incomplete_saved_side_is_an_error():
     g = column_parallel([16, 4])
     with pytest.raises(CheckpointMismatch, match=r"needs tensors no saved rank holds: b, c"):
-        plan_reads(single("a", g, 2, (8, 4)), 2, ["a", "b", "c"], tp_size=1, tp_rank=0)
+        plan_reads(SavedCheckpoint(single("a", g, 2, (8, 4)), 2), ["a", "b", "c"], RankInfo(0, 1))
     with pytest.raises(CheckpointCorrupt, match=r"a of saved pp_rank=0 tp_rank=0 has shape \[16, 4\]"):
-        plan_reads(single("a", g, 2, (16, 4)), 2, ["a"], tp_size=1, tp_rank=0)
+        plan_reads(SavedCheckpoint(single("a", g, 2, (16, 4)), 2), ["a"], RankInfo(0, 1))
     ranks = single("a", g, 2, (8, 4))
     ranks[1] = SavedRank(1, 0, {"a": SavedTensor("f1", 8, 2, (8, 4), column_parallel([16, 4], "Other"))})
     with pytest.raises(CheckpointCorrupt, match="records geometry"):
-        plan_reads(ranks, 2, ["a"], tp_size=1, tp_rank=0)
+        plan_reads(SavedCheckpoint(ranks, 2), ["a"], RankInfo(0, 1))
     with pytest.raises(CheckpointCorrupt, match="saved tp_rank=1 does not hold it"):
-        plan_reads(single("a", g, 2, (8, 4))[:1], 2, ["a"], tp_size=1, tp_rank=0)
+        plan_reads(SavedCheckpoint(single("a", g, 2, (8, 4))[:1], 2), ["a"], RankInfo(0, 1))
     with pytest.raises(CheckpointCorrupt, match="listed twice"):
-        plan_reads(single("a", g, 2, (8, 4)) * 2, 2, ["a"], tp_size=1, tp_rank=0)
+        plan_reads(SavedCheckpoint(single("a", g, 2, (8, 4)) * 2, 2), ["a"], RankInfo(0, 1))
     with pytest.raises(CheckpointCorrupt, match="outside TP=1"):
-        plan_reads(single("a", g, 2, (8, 4)), 1, ["a"], tp_size=1, tp_rank=0)
+        plan_reads(SavedCheckpoint(single("a", g, 2, (8, 4)), 1), ["a"], RankInfo(0, 1))
 
 
 # ---------------------------------------------------------------- pipeline stages
@@ -562,7 +573,7 @@ def test_reference_and_plans_match_vllms_weight_loaders(vllm_layers):
                 "down.weight": down_layer.weight,
                 "embed.weight": embed_layer.weight,
             }
-            plan = plan_reads(checkpoint.ranks, 1, list(hf), tp_size=tp_size, tp_rank=tp_rank)
+            plan = plan_reads(SavedCheckpoint(checkpoint.ranks, 1), list(hf), RankInfo(tp_rank, tp_size))
             for name, (spec, data) in hf.items():
                 vllm_local = loaded[name].detach().numpy()
                 np.testing.assert_array_equal(reference_shard(spec, data, tp_size, tp_rank), vllm_local, err_msg=name)
@@ -593,7 +604,7 @@ def test_grouped_plans_match_vllms_mamba2_loader(vllm_layers, groups):
         for tp_rank in range(tp_size):
             param = torch.zeros((local_rows, 3), dtype=torch.int32)
             mamba_v2_sharded_weight_loader(shard_spec, tp_size, tp_rank)(param, torch.from_numpy(tensor.data))
-            plan = plan_reads(checkpoint.ranks, 1, ["in_proj.weight"], tp_size=tp_size, tp_rank=tp_rank)
+            plan = plan_reads(SavedCheckpoint(checkpoint.ranks, 1), ["in_proj.weight"], RankInfo(tp_rank, tp_size))
             got = execute(plan.tensors["in_proj.weight"], checkpoint.files, {}).view(np.int32).reshape(local_rows, 3)
             np.testing.assert_array_equal(got, param.numpy(), err_msg=f"TP={tp_size} rank {tp_rank}")
             np.testing.assert_array_equal(reference_shard(spec, tensor.data, tp_size, tp_rank), param.numpy())

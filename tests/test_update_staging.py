@@ -96,10 +96,10 @@ def test_processed_tensors_are_kept_only_for_what_may_point_into_them(closes_ove
     """An update keeps a layer's processed tensors past its commit only where its post-processing made a
     handle that may point into them: a lambda over nothing is none (keeping them for it held a second
     copy of every linear weight after each update on CPUs without oneDNN's bfloat16 kernels)."""
-    from vllm_sharded_loader.engine.processed import ProcessedLayer
+    from vllm_sharded_loader.checkpoint.update import LayerSnapshot
 
     layer = torch.nn.Linear(4, 4)
-    done = ProcessedLayer(layer, info=None, holds=True, attention=False)
+    done = LayerSnapshot(layer)
     _dispatch(layer, closes_over_a_handle)
     done.note_handles()
     assert done.handles == (["Linear.cpu_linear"] if closes_over_a_handle else [])

@@ -23,8 +23,9 @@ import torch
 from examples.tiny_models import FAMILIES, build_family, build_model, family_engine_args
 from tests.support.derived import tensors_of
 from vllm_sharded_loader.checkpoint import rank_cut
+from vllm_sharded_loader.checkpoint.meta_model import ModelOptions
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
-from vllm_sharded_loader.tools.convert import convert_checkpoint
+from vllm_sharded_loader.tools.convert import ConvertOptions, convert_checkpoint
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
 
@@ -35,7 +36,7 @@ def tensors(directory: str) -> dict[str, torch.Tensor]:
 
 def check(model: str, out: str, tp: int, pp: int, base: dict[str, torch.Tensor], options: dict) -> str:
     try:
-        convert_checkpoint(model, out, tp, pp, **options)
+        convert_checkpoint(model, out, tp, pp, ConvertOptions(ModelOptions(**options)))
         problems = verify_checkpoint(out)
         if problems:
             return f"verify: {problems[:3]}"
@@ -64,7 +65,7 @@ def main() -> None:
             engine = {}
         options = {k: engine[k] for k in ("runner", "convert") if k in engine}
         rank_cut.MIN_STACKED_BYTES = joined
-        convert_checkpoint(model, os.path.join(root, "1x1"), 1, 1, **options)
+        convert_checkpoint(model, os.path.join(root, "1x1"), 1, 1, ConvertOptions(ModelOptions(**options)))
         rank_cut.MIN_STACKED_BYTES = views
         base = tensors(os.path.join(root, "1x1"))
         results[name] = {

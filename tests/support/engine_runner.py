@@ -84,7 +84,7 @@ def execution_mode(pp: int) -> dict:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from vllm_sharded_loader.engine.capture import CAPTURE_DIR_ENV
+    from vllm_sharded_loader.checkpoint.loaded_state import CAPTURE_DIR_ENV
 
     os.environ.update(spec.get("env") or {})
     if spec.get("capture_dir"):

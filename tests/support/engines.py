@@ -94,7 +94,7 @@ import os
 import sys
 import vllm.envs as envs
 from vllm.model_executor.models.registry import ModelRegistry
-from vllm_sharded_loader.engine.convert_setup import inspect_in_process
+from vllm_sharded_loader.engine.convert import inspect_in_process
 
 # With what serves an architecture vLLM has no class of its own for, and EAGLE's drafter.
 extra = [a for a in ModelRegistry.models if a.startswith("Transformers") or a == "EagleLlamaForCausalLM"]

@@ -27,8 +27,11 @@ import errno
 import hashlib
 import io
 import os
+import platform
 import tarfile
 from collections.abc import Collection, Mapping
+
+import torch
 
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
 from ..format.manifest import FileEntry, Manifest, StartupArtifacts
@@ -53,6 +56,43 @@ RESTORE_WRITTEN = declare(
 )
 # An archive member to unpack, and the path it goes to.
 Member = tuple[tarfile.TarInfo, str]
+
+
+# The CPU flags that decide which kernels Inductor and oneDNN generate (a kernel built with
+# AVX-512 crashes an AVX2-only machine).
+CPU_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "fma",
+    "f16c",
+)
+
+
+def device_label() -> str:
+    """The device compiled code is built for: the GPU's name and architecture, or the CPU's
+    architecture and instruction-set flags."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"cuda sm_{major}{minor} {torch.cuda.get_device_name()}"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return f"cpu {platform.machine()} " + " ".join(flag for flag in CPU_FLAGS if flag in flags)
 
 
 def enabled() -> bool:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 
 import torch
 
@@ -62,3 +63,47 @@ def manifest_ties(groups: Iterable[Sequence[str]]) -> tuple[tuple[str, ...], ...
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     """Shape and safetensors dtype name of each tensor."""
     return {name: TensorSpec(tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()}
+
+
+def shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one parameter object (tied embeddings), as served now."""
+    by_object: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_object.setdefault(id(param), []).append(name)
+    return [names for names in by_object.values() if len(names) > 1]
+
+
+def _storage_uses(tensor: torch.Tensor) -> int | None:
+    """How many tensors share ``tensor``'s memory (torch's count), or None where torch does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(tensor.untyped_storage()._cdata))
+
+
+def adoptable_parameters(
+    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
+) -> dict[str, Callable[[torch.Tensor], None]]:
+    """Callbacks that make a CPU parameter use another tensor as its data, by state-dict name.
+
+    A parameter is offered only if nothing but itself and the ``state_dict`` entries
+    holds its memory: a layer that kept a view of a parameter's memory would otherwise go
+    on reading the old, never-filled memory after the swap. Shared (tied) parameters are
+    one object, so swapping it serves every name.
+    """
+    baseline = _storage_uses(torch.nn.Parameter(torch.empty(1), requires_grad=False))
+    if baseline is None:
+        return {}
+    held: dict[int, int] = {}
+    for t in {id(t): t for t in state_dict.values()}.values():
+        key = t.untyped_storage().data_ptr()
+        held[key] = held.get(key, 0) + 1
+    setters: dict[str, Callable[[torch.Tensor], None]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name not in state_dict or param.device.type != "cpu" or not param.numel():
+            continue
+        if _storage_uses(param) == baseline + held.get(param.untyped_storage().data_ptr(), 0):
+            setters[name] = partial(_swap_data, param)
+    return setters
+
+
+def _swap_data(param: torch.nn.Parameter, data: torch.Tensor) -> None:
+    param.data = data

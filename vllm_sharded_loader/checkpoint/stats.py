@@ -1,15 +1,17 @@
-"""What a load did, and the verification modes it accepts."""
+"""What a load did, and the options a load accepts (the loader's ``model_loader_extra_config``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..format.errors import InvalidOption
-from ..storage.reader import ReadStats
+from ..storage.reader import DEFAULT_THREADS, ReadStats
 
 VERIFY_MODES = ("size", "checksum")
+EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify", "threads", "huge_pages", "mmap"})
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,53 @@ class LoadStats:
     checkpoint_bytes: int = 0
     threads: int = 1
     bytes_mapped: int = 0  # of bytes_read, served from file mappings instead of copied
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The ``sharded_state`` loader's read options.
+
+    ``pattern`` names the parts of a checkpoint saved with a custom file name pattern (one
+    without a manifest); ``verify`` is ``"size"`` or ``"checksum"``; ``threads``, reader threads;
+    ``huge_pages``, transparent huge pages on the parameters; ``mmap``, whether CPU parameters
+    are served from the checkpoint's files (``"auto"``: but those vLLM's CPU post-processing repacks).
+    """
+
+    pattern: str | None = None
+    verify: str = "size"
+    threads: int = DEFAULT_THREADS
+    huge_pages: bool = False
+    mmap: bool | str = True
+
+    @classmethod
+    def parse(cls, extra: Any) -> LoaderOptions:
+        """The options ``extra`` (vLLM's ``model_loader_extra_config``) asks for, each checked."""
+        if not isinstance(extra, dict):
+            raise InvalidOption(
+                f"model_loader_extra_config for sharded_state must be a dict, got {type(extra).__name__}."
+            )
+        unknown = set(extra) - EXTRA_CONFIG_KEYS
+        if unknown:
+            raise InvalidOption(
+                f"Unexpected model_loader_extra_config keys {sorted(unknown)} for load format "
+                f"sharded_state; supported keys: {sorted(EXTRA_CONFIG_KEYS)}."
+            )
+        threads = extra.get("threads", DEFAULT_THREADS)
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise InvalidOption(
+                f"model_loader_extra_config threads={threads!r} for sharded_state must be a positive integer."
+            )
+        huge_pages = extra.get("huge_pages", False)
+        if not isinstance(huge_pages, bool):
+            raise InvalidOption(
+                f"model_loader_extra_config huge_pages={huge_pages!r} for sharded_state must be true or false."
+            )
+        mmap = extra.get("mmap", True)
+        if not isinstance(mmap, bool) and mmap != "auto":
+            raise InvalidOption(
+                f'model_loader_extra_config mmap={mmap!r} for sharded_state must be true, false or "auto".'
+            )
+        return cls(extra.get("pattern"), check_verify_mode(extra.get("verify", "size")), threads, huge_pages, mmap)
 
 
 def check_verify_mode(verify: str) -> str:

@@ -3,7 +3,7 @@
 Convert fills each tensor it makes with NaN before vLLM's loader runs and refuses any
 tensor left partly NaN: that is how a weight the checkpoint lacks is found. Filling and
 scanning every byte costs a third of making it. The dry run (every source tensor loaded
-once into the meta model, :mod:`..engine.meta_model`) already runs the same loaders;
+once into the meta model, :mod:`.meta_model`) already runs the same loaders;
 :class:`WriteRecorder` watches it and records, per tensor, the elements each in-place
 operation writes. A tensor whose elements are all written by contiguous writes is *proven
 covered*: convert then puts NaN only at a few canary elements (:func:`canaries`) and checks

@@ -1,128 +1,54 @@
-"""Where a saved state comes from: the state captured right after loading.
+"""Where a saved state comes from: the state recorded right after loading.
 
 vLLM's save hook runs on a model that has already been post-processed
 (``process_weights_after_loading``): on CPU every linear weight has been repacked
 for oneDNN and ``layer.weight`` emptied; quantization methods rename, reshape or
 drop parameters. Only the state as it stands right after ``load_weights`` always
-reloads, because that is exactly what the loader fills in again. So:
-
-* The plugin wraps vLLM's ``process_weights_after_loading``. Just before it runs,
-  each worker records the loaded state's signature (names, shapes, dtypes, memory
-  addresses) on the model, which costs nothing measurable.
-* When a save is asked for at start-up (``SHARDED_STATE_CAPTURE_DIR`` set, as
-  ``examples/save_sharded_state.py`` does), the worker also writes its loaded state
-  to that directory then, straight from parameter memory: no second in-memory copy.
-* The save hook then publishes: if the capture is already where and how it was
-  asked, it only writes the manifest; otherwise it rewrites the captured files
-  (memory-mapped, so memory stays bounded) at the asked place and size cap.
-* Without a capture, the hook writes the live state only if it is provably the
-  loaded one (every tensor at the same address, shape and dtype, no quantization,
-  every layer's post-processing one that never rewrites a weight in place);
-  otherwise it refuses with an error saying how to capture, and writes nothing.
-* Weights updated after loading (RL loops: ``collective_rpc``, vLLM's weight-transfer
-  engines and ``reload_weights`` all go through the model's ``load_weights``) make the
-  capture stale: the model's ``load_weights`` is wrapped to count updates, and a save
-  after one writes the live weights under the same proof, or refuses.
-* Recording never breaks a load: any error in it, under any load format, is logged
-  once and kept for the save hook to report.
+reloads, because that is exactly what the loader fills in again. So the plugin wraps
+vLLM's ``process_weights_after_loading``: just before it runs, each worker records the
+loaded state's signature (names, shapes, dtypes, memory addresses) on the model, which
+costs nothing measurable, and captures it to disk if asked (see
+:mod:`..checkpoint.loaded_state` for what a save does with it). Recording never breaks a
+load: any error in it, under any load format, is logged once and kept for the save hook
+to report.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 from vllm.logger import init_logger
 
+from ..checkpoint.loaded_state import LoadedState, capture_settings
 from ..checkpoint.save_proof import (
-    CAPTURE_DIR_ENV,
     check_source_files_unchanged,
     check_still_read_from,
     weight_file_identities,
 )
 from ..checkpoint.state import saveable_state, tied_groups
-from ..format.errors import InvalidOption, ShardedStateError
-from ..format.geometry import TensorGeometry
-from ..format.manifest import Manifest
-from ..format.names import default_pattern
-from ..format.source import SourceModel
-from ..planning.topology import RankInfo
-from ..storage.local import make_output_folder
-from ..storage.location import Store, open_store
-from ..storage.lock import hold_owner_marker, release_owner_marker
-from ..storage.progress import ByteProgress
-from ..storage.reader import ReadOptions
-from ..storage.staged import StagedRank, discard_rank, new_token, stage_rank
+from ..format.errors import ShardedStateError
+from ..storage.location import open_store
 from .compile_cache import place_compile_cache
 from .follower import watch_leader
-from .identity import current_vllm_config, dtype_label, is_drafter, ranks_on_host, source_identity
-from .layer_geometry import model_rank, tensor_geometry
+from .identity import (
+    current_vllm_config,
+    dtype_label,
+    is_drafter,
+    is_experts,
+    model_rank,
+    ranks_on_host,
+    source_identity,
+)
+from .layer_geometry import tensor_geometry
 
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-CAPTURE_PATTERN_ENV = "SHARDED_STATE_CAPTURE_PATTERN"
-CAPTURE_MAX_SIZE_ENV = "SHARDED_STATE_CAPTURE_MAX_SIZE"
-OVERWRITE_ENV = "SHARDED_STATE_OVERWRITE"
 
 LOADED_STATE_ATTRIBUTE = "_vllm_sharded_loaded_state"
 RECORD_ERROR_ATTRIBUTE = "_vllm_sharded_record_error"
-
-
-@dataclass
-class LoadedState:
-    """What a worker's model held right after its weights were loaded."""
-
-    signature: dict[str, tuple[int, tuple[int, ...], torch.dtype]]
-    source: SourceModel
-    dtype: str
-    quantization: str | None
-    # How each tensor is split across ranks, and names saved once for several (manifest fields).
-    geometry: dict[str, Any] = field(default_factory=dict)
-    tied: list[list[str]] = field(default_factory=list)
-    # The recording worker: its place in TP, PP and DP, and how it holds the routed experts.
-    rank: RankInfo | None = None
-    # The names a later data-parallel replica writes (its own experts; empty: it writes nothing).
-    per_replica: frozenset[str] = frozenset()
-    # The state written at start-up (staged, or published in place by a save).
-    capture: StagedRank | None = field(default=None)
-    # Calls of the model's load_weights since (weight updates): the capture is stale.
-    updates: int = 0
-    # The served model's local folder, whose non-weight files a save carries (None: not local).
-    model_dir: str | None = None
-    # The engine's configuration at load time: a save without a capture re-reads the source with it.
-    vllm_config: Any = field(default=None, repr=False)
-    model_config: Any = field(default=None, repr=False)
-    # The sharded checkpoint a weight update replaced every tensor from (a save re-reads it).
-    reloaded_from: str | None = None
-    # Proof of what the served weights were read from (issue 34): the digest of the manifest of
-    # the sharded checkpoint they were read from (at start-up, or by the last update), with every
-    # file's block checksums; a save that re-reads that checkpoint first proves it unchanged.
-    read_proof: str | None = None
-    # The model's own weight files in its local folder, as loaded by another load format: each one's
-    # identity (device, inode, size, mtime, ctime; the kernel changes ctime on every write), for a save
-    # that reads them again (no checksums to prove their content by: see :func:`_weight_file_identities`).
-    source_files: dict[str, tuple[int, ...]] | None = None
-    # Removes the start-up capture and its owner marker (at exit at the latest); None once done.
-    drop_capture: Callable[[], None] | None = field(default=None, repr=False)
-
-
-def capture_settings() -> tuple[str, str | None, int | None] | None:
-    """(directory, pattern, max_size) asked through the environment, or None."""
-    directory = os.environ.get(CAPTURE_DIR_ENV)
-    if not directory:
-        return None
-    max_size = os.environ.get(CAPTURE_MAX_SIZE_ENV)
-    try:
-        size = int(max_size) if max_size else None
-    except ValueError:
-        raise InvalidOption(f"{CAPTURE_MAX_SIZE_ENV}={max_size!r} is not a number of bytes.") from None
-    return directory, os.environ.get(CAPTURE_PATTERN_ENV) or None, size
 
 
 def _show_progress() -> bool:
@@ -135,19 +61,6 @@ def _show_progress() -> bool:
     except Exception:  # outside an engine's config context: vLLM's default
         wanted = True
     return enable_tqdm(wanted)
-
-
-def served_from_checkpoint(state: LoadedState, checkpoint: str, proof: str | None = None) -> None:
-    """After a weight update replaced every tensor from the sharded ``checkpoint`` (and post-processed
-    them as at start-up): that checkpoint's state is the loaded state now. The start-up capture is
-    stale and goes; a save re-reads this rank's state from ``checkpoint``, once proven to hold
-    what was read (``proof``: :func:`manifest_proof` of the manifest the update read)."""
-    if state.capture is not None and state.capture.temporary:
-        discard_rank(state.capture)
-    state.capture = None
-    state.reloaded_from = checkpoint
-    state.read_proof = proof
-    state.updates = 0
 
 
 # Set on the model by the sharded loader at start-up: (checkpoint, manifest_proof) it read.
@@ -178,7 +91,7 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     fresh.compilation_config = copy.copy(vllm_config.compilation_config)
     fresh.compilation_config.static_forward_context = {}
     load_config = vllm_config.load_config
-    checkpoint = None  # the sharded checkpoint re-read, proven unchanged before and after (issue 34)
+    checkpoint = None  # the sharded checkpoint re-read, proven unchanged before and after
     if state.reloaded_from is not None:
         # Updated since start-up: the checkpoint of the update, through our loader (vLLM's registry).
         load_config = copy.copy(load_config)
@@ -194,7 +107,7 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
             manifest = store.read_manifest()
             check_still_read_from(checkpoint, state.read_proof, manifest)
             if manifest is not None and state.rank is not None:
-                return _reread_streaming(state, store, manifest)
+                return state.reread_from_checkpoint(store, manifest, ranks_on_host())
         # Every byte read again is checked against the manifest's checksums: the content, not the path.
         load_config = copy.copy(load_config)
         load_config.model_loader_extra_config = {**(load_config.model_loader_extra_config or {}), "verify": "checksum"}
@@ -218,39 +131,6 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
         differing = sorted(set(loaded.items()) ^ set(expected.items()))[:3]
         raise ShardedStateError(f"reading the source again gave another state (for example {differing})")
     return tensors
-
-
-def _reread_streaming(state: LoadedState, checkpoint: Store, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """This rank's loaded state read again from the sharded ``checkpoint`` it came from, without a model:
-    the load's own checks and plan over what the load recorded (geometry, ties, rank), into host tensors
-    that take the files' mappings where the reader can map them (a save then streams them to its files,
-    with no copy of the rank's weights in memory). Every byte is checked against the manifest's checksums."""
-    from ..checkpoint.load import load_rank
-    from ..checkpoint.request import LoadRequest
-    from ..checkpoint.update_staging import StagedWeights
-
-    assert state.rank is not None
-    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (_, shape, dtype) in state.signature.items()}
-    staged = StagedWeights(meta, [])
-    request = LoadRequest(
-        checkpoint,
-        manifest,
-        "checksum",
-        serving=state.source,
-        geometry={name: TensorGeometry.from_dict(g, name) for name, g in state.geometry.items()},
-        tied=state.tied,
-    )
-    # ``manifest`` is the proven one (the caller checked it); load_rank reads it again after its reads
-    # and refuses if it changed meanwhile (rank_files.check_not_replaced).
-    load_rank(request, staged.targets(), state.rank, ReadOptions(ranks_on_host=ranks_on_host()), staged.adopt())
-    logger.info(
-        "sharded_state: %s re-read its loaded state from %s without a model: %d of %d tensors mapped from its files",
-        state.rank,
-        checkpoint.where,
-        len(staged.mapped),
-        len(staged.tensors),
-    )
-    return staged.tensors
 
 
 def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedState:
@@ -286,72 +166,11 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     writes = rank.dp_rank == 0 or bool(state.per_replica)
     settings = capture_settings() if writes and not is_drafter(model_config) else None
     if settings is not None:
-        directory, pattern, max_size = settings
-        # Staged under temporary names: nothing is published until the save hook runs. The
-        # marker tells saves into the same folder that these files are a live engine's.
-        token = new_token()
-        make_output_folder(directory)
-        owner = hold_owner_marker(directory, token)
-        state.drop_capture = partial(_drop_capture, state, directory, token, owner)
-        atexit.register(state.drop_capture)
-        with ByteProgress(f"Saving sharded_state ({rank})", _show_progress()) as progress:
-            state.capture = stage_rank(
-                directory,
-                written_tensors(rank, state, tensors),
-                rank,
-                pattern or default_pattern(rank.pp_size, rank.replicas),
-                max_size,
-                token,
-                progress=progress,
-            )
-        logger.info(
-            "vllm_sharded_loader: %s saved %.1f MB in %d files to %s in %.3f s (%.2f GB/s, fsynced, checksummed)",
-            rank,
-            progress.nbytes / 1e6,
-            len(state.capture.entry.files),
-            directory,
-            progress.seconds,
-            progress.rate,
-        )
+        state.capture_to(*settings, state.written_tensors(rank, tensors), _show_progress())
     # Plain attributes, not modules or buffers: they must not show up in state_dict().
     model.__dict__[LOADED_STATE_ATTRIBUTE] = state
-    _count_updates(model, state)
+    state.count_updates(model)
     return state
-
-
-def _drop_capture(state: LoadedState, directory: str, token: str, owner: int) -> None:
-    """At the worker's exit (or once a save shows the folder unusable): a start-up capture that
-    no save published goes, then its marker.
-
-    A worker killed outright leaves both; the next save into the folder removes them.
-    """
-    atexit.unregister(state.drop_capture)
-    state.drop_capture = None
-    if state.capture is not None and state.capture.temporary:
-        discard_rank(state.capture)
-        state.capture = None
-    release_owner_marker(directory, token, owner)
-
-
-def _count_updates(model: torch.nn.Module, state: LoadedState) -> None:
-    """Count later calls of the model's ``load_weights``: each may change what is served.
-
-    vLLM's in-place ``reload_weights``, its weight-transfer engines (NCCL, IPC) and RL
-    loops calling ``collective_rpc`` update weights through this method. Wrapping the
-    instance (not the class) touches only this model. Counted before the call: an update
-    that fails halfway leaves the state changed too.
-    """
-    original = model.load_weights
-    if getattr(original, "_counts_updates", False):
-        original = original.__wrapped__
-
-    def load_weights(*args: Any, **kwargs: Any) -> Any:
-        state.updates += 1
-        return original(*args, **kwargs)
-
-    load_weights._counts_updates = True  # type: ignore[attr-defined]
-    load_weights.__wrapped__ = original  # type: ignore[attr-defined]
-    model.__dict__["load_weights"] = load_weights
 
 
 def wrap_process_weights_after_loading(original: Any) -> Any:
@@ -395,15 +214,3 @@ def owner_of(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
 def _expert_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
     """The names of ``tensors`` that routed-expert layers hold: each EP rank's own experts."""
     return [name for name in tensors if (module := owner_of(model, name)) is not None and is_experts(module)]
-
-
-def written_tensors(rank: RankInfo, state: LoadedState, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What this worker writes of its state: all of it in the first data-parallel replica;
-    in a later one, which holds the same slices but for its experts, only those."""
-    if rank.saved_dp_rank == 0:
-        return tensors
-    return {name: t for name, t in tensors.items() if name in state.per_replica}
-
-
-def is_experts(module: torch.nn.Module) -> bool:
-    return any(c.__name__ == "RoutedExperts" for c in type(module).__mro__)

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import shutil
 import tempfile
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -47,42 +47,6 @@ logger = init_logger(f"vllm.plugins.{__name__}")
 
 # Where :func:`place_compile_cache` put a compiled module's cache folder, on the module.
 PLACED_ATTRIBUTE = "_sharded_state_cache_dir"
-
-# The CPU flags that decide which kernels Inductor and oneDNN generate (a kernel built with
-# AVX-512 crashes an AVX2-only machine).
-CPU_FLAGS = (
-    "avx2",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512dq",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "fma",
-    "f16c",
-)
-
-
-def device_label() -> str:
-    """The device compiled code is built for: the GPU's name and architecture, or the CPU's
-    architecture and instruction-set flags."""
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"cuda sm_{major}{minor} {torch.cuda.get_device_name()}"
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    return f"cpu {platform.machine()} " + " ".join(flag for flag in CPU_FLAGS if flag in flags)
 
 
 def aot_cache_root() -> str:
@@ -212,7 +176,7 @@ def uncompiled_key(rank: RankInfo) -> dict[str, str]:
         "compiled": "",
         "topology": f"tp={rank.tp_size} pp={rank.pp_size} dp={rank.dp_size}",
         "rank": f"tp_rank={rank.tp_rank} pp_rank={rank.pp_rank} dp_rank={rank.dp_rank}",
-        "device": device_label(),
+        "device": startup_artifacts.device_label(),
     }
 
 
@@ -259,14 +223,7 @@ def save_startup_artifacts(
         logger.warning("sharded_state: %s start-up artifacts not saved (%s); the weights are saved as usual", rank, e)
         return entry
     logger.info("sharded_state: %s start-up artifacts: %s, %.1f MB", rank, record.file, record.size / 1e6)
-    return RankEntry(
-        tp_rank=entry.tp_rank,
-        pp_rank=entry.pp_rank,
-        files=entry.files,
-        tensors=entry.tensors,
-        dp_rank=entry.dp_rank,
-        startup=record,
-    )
+    return replace(entry, startup=record)
 
 
 def restore_startup_artifacts(

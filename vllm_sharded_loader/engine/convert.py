@@ -12,24 +12,33 @@ Then, before a byte of weights is read:
 - a parameter no source tensor fills, and that vLLM does not initialise to a known value
   itself (attention's default quantization scales), cannot be derived: it is refused by name.
 
-A component is then made for real on the CPU, one at a time (:meth:`ConvertModel.make`): its
-parameters allocated (floating ones filled with NaN), its source tensors mapped from their
-files and given to the same ``load_weights``; a parameter left partly unfilled (NaN) is refused
-by name. The result is exactly what vLLM's default loader holds at TP=1 before post-processing,
-which is what ``vllm-sharded save`` captures; the target ranks' slices follow from the geometry.
+Each component is then made for real on the CPU, one at a time (:mod:`..checkpoint.meta_model`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import socket
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from ..checkpoint.state import saveable_state, tied_groups
-from ..checkpoint.write_coverage import WriteRecorder, canaries
+from ..checkpoint.meta_model import (
+    DEFAULT_OPTIONS,
+    DEFAULT_SCALES,
+    SAVE_INSTEAD,
+    MetaModel,
+    ModelOptions,
+    parameters_to_meta,
+    walk_modules_once,
+)
+from ..checkpoint.state import saveable_state
+from ..checkpoint.write_coverage import WriteRecorder
 from ..format.errors import ConvertRefused, ShardedStateError, listing
 from ..format.geometry import TensorGeometry
 from ..format.manifest import RankEntry
@@ -38,24 +47,15 @@ from ..planning.components import fill_components
 from ..planning.topology import RankInfo
 from ..storage.hf_source import SourceFiles
 from ..storage.location import Store
-from ..storage.tensors import has_nan
 from .compile_cache import save_startup_artifacts
-from .convert_setup import DEFAULT_OPTIONS, ModelOptions, build_meta_model, engine_config
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
-from .meta_model import holding, walk_modules_once
 
 # Under the "vllm" logger (vLLM's logging configuration shows our lines), without importing vLLM here.
 logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
-# Buffers vLLM's attention layers register with a fixed value (set_default_quant_scales): 1.0
-# unless the checkpoint holds KV-cache scales, which the dry run then shows.
-DEFAULT_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 
-SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
-
-
-class ConvertModel:
+class ConvertModel(MetaModel):
     """vLLM's model of a source checkpoint on the meta device, planned, made one component at a time."""
 
     def __init__(
@@ -104,11 +104,6 @@ class ConvertModel:
 
     # ----------------------------------------------------------------- planning
 
-    def _read_state(self) -> None:
-        state_dict = self.model.state_dict(keep_vars=True)
-        self.state = saveable_state(state_dict)
-        self.tied = tied_groups(state_dict, self.state)
-
     def _initial_values(self, unfilled: list[str]) -> dict[str, torch.Tensor]:
         """Tensors vLLM gives a fixed initial value, not filled from the checkpoint: a quantized
         attention layer's KV-cache scales and zero points, which its KV-cache method creates (-1:
@@ -146,25 +141,6 @@ class ConvertModel:
                     constants[name] = value.detach().clone()
         return constants
 
-    def _tensor_slots(self) -> dict[str, list[tuple[torch.nn.Module, str, bool]]]:
-        """Every (module, attribute, is_parameter) holding each state tensor (tied ones held twice)."""
-        by_id: dict[int, list[tuple[torch.nn.Module, str, bool]]] = {}
-        for _, module in self.model.named_modules(remove_duplicate=False):
-            for attr, p in module._parameters.items():
-                if p is not None:
-                    by_id.setdefault(id(p), []).append((module, attr, True))
-            for attr, b in module._buffers.items():
-                if b is not None:
-                    by_id.setdefault(id(b), []).append((module, attr, False))
-        slots = {}
-        for name in self.state:
-            module_name, _, attr = name.rpartition(".")
-            module = self.model.get_submodule(module_name)
-            held = module._parameters.get(attr)
-            held = held if held is not None else module._buffers.get(attr)
-            slots[name] = by_id[id(held)]
-        return slots
-
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]], what: str) -> set[str]:
         from vllm.config import set_current_vllm_config
 
@@ -186,14 +162,6 @@ class ConvertModel:
             )
         return {self._saved_name(n) for n in loaded}
 
-    def _saved_name(self, name: str) -> str:
-        if name in self.state:
-            return name
-        for group in self.tied:
-            if name in group:
-                return group[0]
-        return name
-
     def _dry_run(self) -> dict[str, set[str]]:
         """Which model tensors each source tensor fills, from vLLM's load_weights on meta tensors;
         and (:attr:`covered`) which of them those loads write whole.
@@ -211,106 +179,6 @@ class ConvertModel:
         self.covered = recorder.covered(saveable_state(self.model.state_dict(keep_vars=True)))
         return fills
 
-    # ----------------------------------------------------------------- making
-
-    def _set(self, name: str, tensor: torch.Tensor) -> None:
-        """Hold ``tensor`` as state tensor ``name``, in every module that holds it (tied ones too).
-
-        A parameter is replaced by one of its own class with its attributes (vLLM's weight
-        loader, its dimensions), since a meta parameter's data cannot be set to a CPU tensor.
-        """
-        slots = self._slots[name]
-        module, attr, is_parameter = slots[0]
-        held: torch.Tensor = tensor
-        if is_parameter:
-            old = module._parameters[attr]
-            assert old is not None
-            held = holding(old, tensor)
-        for module, attr, is_parameter in slots:
-            (module._parameters if is_parameter else module._buffers)[attr] = held
-
-    def _current(self, name: str) -> torch.Tensor:
-        module, attr, is_parameter = self._slots[name][0]
-        return (module._parameters if is_parameter else module._buffers)[attr]
-
-    def make(self, name: str) -> dict[str, torch.Tensor]:
-        """The component holding ``name``, made on the CPU: each of its tensors as vLLM's TP=1 load holds it.
-
-        The caller checks it (:meth:`check`), and frees it (:meth:`free`) after the ranks' last slices.
-        """
-        component = self.components[name]
-        with torch.no_grad():
-            for target in component.targets:
-                spec = self.state[target]  # the shape and dtype vLLM built it with
-                tensor = self.pool.empty(tuple(spec.shape), spec.dtype)
-                if target in self.constants:
-                    tensor.copy_(self.constants[target])
-                elif target in self.covered:
-                    tensor.view(-1)[canaries(tensor.numel())] = float("nan")  # the dry run writes it whole
-                elif tensor.is_floating_point():
-                    tensor.fill_(float("nan"))  # what stays NaN was not filled
-                self._set(target, tensor)
-                attr = self._slots[target][0][1]
-                if attr in DEFAULT_SCALES:
-                    tensor.fill_(1.0)  # vLLM's set_default_quant_scales
-            self.source.prefetch(component.sources + getattr(self._next.get(id(component)), "sources", []))
-            if component.sources:
-                # Read as vLLM's loader takes them (the next while it copies one in): each source's memory
-                # is held only until vLLM copied it in (a MoE layer's experts are hundreds of tensors).
-                weights = self.source.read_each(component.sources)
-                self._load(weights, listing(component.sources, 3))
-            return {t: self._current(t).detach() for t in component.targets}
-
-    def check(self, name: str, made: dict[str, torch.Tensor]) -> None:
-        """Refuse (and free) ``name``'s component if vLLM's loader left part of it unfilled (still NaN)."""
-        partial = [t for t, v in made.items() if v.is_floating_point() and self._unfilled(t, v)]
-        if not partial:
-            return
-        self.free(name)
-        component = self.components[name].sources
-        # NaN is how an unfilled element shows: a source tensor holding NaN values itself hides it.
-        with_nan = [
-            s for s in component if self.source.tensors[s].dtype.is_floating_point and has_nan(self.source.read(s))
-        ]
-        if with_nan:
-            files = listing(sorted({self.source.tensors[s].file for s in with_nan}), 3)
-            raise ConvertRefused(
-                f"{self.source.where}: {listing(with_nan, 3)} (in {files}) holds NaN values, so convert cannot tell "
-                f"whether vLLM's loader filled all of {listing(partial, 3)}. Check the source model's weights; "
-                f"{SAVE_INSTEAD}"
-            )
-        raise ConvertRefused(
-            f"{self.source.where}: vLLM's loader left part of {listing(partial, 3)} unfilled from "
-            f"{listing(component, 5)}: the checkpoint lacks weights the model has.{self.source.stale_index()} "
-            f"{SAVE_INSTEAD}"
-        )
-
-    def follow(self, order: list[str]) -> None:
-        """Make components in the order ranks take these state tensors: what :meth:`after` and the
-        source's read-ahead follow (the state's order until told)."""
-        components = list({id(c): c for c in (self.components[n] for n in order if n in self.components)}.values())
-        self._next = {id(c): components[i + 1] for i, c in enumerate(components[:-1])}
-
-    def _unfilled(self, name: str, tensor: torch.Tensor) -> bool:
-        if name in self.covered:  # (a constant is copied in whole before the load: no NaN at all)
-            return bool(tensor.reshape(-1)[canaries(tensor.numel())].isnan().any())
-        return has_nan(tensor)
-
-    def after(self, name: str) -> str | None:
-        """A tensor of the component after ``name``'s in the order ranks take them (None after the last)."""
-        following = self._next.get(id(self.components[name]))
-        return following.targets[0] if following else None
-
-    def component_bytes(self, name: str) -> int:
-        """The bytes :meth:`make` allocates for ``name``'s component (known before it is made)."""
-        return sum(self.state[t].numel() * self.state[t].element_size() for t in self.components[name].targets)
-
-    def free(self, name: str) -> None:
-        """Put a component's tensors back on the meta device (their memory goes)."""
-        for target in self.components[name].targets:
-            spec = self.state[target]
-            self._set(target, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
-
     def carry_startup_artifacts(self, target: Store, entry: RankEntry, rank: RankInfo) -> RankEntry:
         """``entry`` with vLLM's model-class inspection cache for this model written beside its
         parts, as an engine that compiled nothing (an eager ``save``) carries it, so that a fresh
@@ -320,6 +188,175 @@ class ConvertModel:
 
     def close(self) -> None:
         self.source.close()
+
+
+# ----------------------------------------------------------------- vLLM's configuration and model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_config(source: str, options: ModelOptions, where: str | None = None) -> Any:
+    """vLLM's configuration of ``source`` at TP=1 (what its model class is built from); one that
+    vLLM refuses (an architecture it does not serve, a config it cannot take) is a
+    :class:`ShardedStateError` naming ``where`` (the source as the user named it)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=source,
+        dtype=options.dtype,
+        quantization=options.quantization,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        enforce_eager=True,
+        trust_remote_code=options.trust_remote_code,
+        runner=options.runner,
+        convert=options.convert,
+        load_format="dummy",
+    )
+    try:
+        _inspect_here(source)
+        with _ray_not_imported():
+            return args.create_engine_config()
+    except Exception as e:  # vLLM's own checks, many of them pydantic validation errors
+        import vllm
+
+        errors = e.errors() if callable(getattr(e, "errors", None)) else []  # pydantic's, one per field
+        reason = errors[0].get("msg", str(e)) if errors else str(e)
+        raise ConvertRefused(
+            f"{where or source}: vLLM {vllm.__version__} cannot serve this model as configured, so there is nothing "
+            f"to convert it for: {reason}"
+        ) from e
+
+
+@contextlib.contextmanager
+def _ray_not_imported() -> Iterator[None]:
+    """Keep Ray unimported while vLLM builds the configuration: vLLM imports it only to ask whether
+    this process runs inside a Ray job (for its runtime environment), which it cannot if Ray is not
+    imported yet. Importing it, and its shutdown at exit, took 0.3 to 0.45 s of a 9 s convert
+    here; a process that imported Ray already is asked as usual."""
+    if "ray" in sys.modules:
+        yield
+        return
+    sys.modules["ray"] = None  # type: ignore[assignment]  # ``import ray`` raises ImportError
+    try:
+        yield
+    finally:
+        if "ray" in sys.modules and sys.modules["ray"] is None:
+            del sys.modules["ray"]
+
+
+def _inspect_here(source: str) -> None:
+    """Have vLLM inspect the source's model classes in this process (:func:`inspect_in_process`):
+    its architectures, and the Transformers backend's, which serve an architecture vLLM has no
+    class of its own for. A config this cannot read is left to vLLM, which says what is wrong."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    try:
+        with open(os.path.join(source, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return
+    if any(a not in ModelRegistry.models for a in architectures):
+        architectures += [a for a in ModelRegistry.models if a.startswith("Transformers")]
+    inspect_in_process(architectures)
+
+
+def inspect_in_process(architectures: list[str]) -> list[str]:
+    """vLLM's inspection of each registered architecture's model class, run in this process, with
+    its cache entry written as vLLM writes it; the names it could not inspect are returned.
+
+    vLLM inspects a class it registered lazily in a new interpreter (so as not to initialise CUDA
+    in its own) unless ``VLLM_CACHE_ROOT/modelinfos`` has an entry for it: about 16 s of a 34 s
+    convert on a fresh node here. Convert builds the class in its own process anyway, on no
+    accelerator, so vLLM's ``_run_in_subprocess`` is replaced for these calls only, then put back.
+    Only a shortcut: a class this cannot inspect, vLLM inspects its own way when it needs it."""
+    from vllm.model_executor.models import registry
+
+    models = registry.ModelRegistry.models
+    in_subprocess = getattr(registry, "_run_in_subprocess", None)
+    if in_subprocess is None:
+        return list(architectures)  # vLLM's inspection has moved: it runs as vLLM runs it
+    failed = []
+    registry._run_in_subprocess = lambda inspect: inspect()
+    try:
+        for name in dict.fromkeys(architectures):
+            try:
+                models[name].inspect_model_cls()
+            except Exception:  # not registered, or its module does not import here
+                failed.append(name)
+    finally:
+        registry._run_in_subprocess = in_subprocess
+    return failed
+
+
+# Whether this process's model-parallel groups are convert's own world of one process.
+_OWN_GROUPS: list[bool] = []
+
+
+def build_meta_model(vllm_config: Any) -> torch.nn.Module:
+    """vLLM's model class for ``vllm_config``, at TP=1, every parameter on the meta device."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel, parallel_state
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(vllm_config):
+        if _OWN_GROUPS and vllm_config.model_config.is_moe and parallel_state._EP is None:
+            # vLLM makes an expert-parallel group only for a MoE model: ours, made for a dense model, again.
+            parallel_state.destroy_model_parallel()
+        if not parallel_state.model_parallel_is_initialized():
+            # A world of one process on the loopback: vLLM's layers ask it for their TP rank and size.
+            os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                backend="gloo",
+            )
+            initialize_model_parallel(1, 1)
+            _OWN_GROUPS[:] = [True]
+        where = vllm_config.model_config.model
+        try:
+            try:
+                with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+                    model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+            except NotImplementedError as e:
+                if "meta tensor" not in str(e):
+                    raise
+                # A model class that computes values from tensors as it is built (BLOOM's ALiBi slopes,
+                # .tolist()) cannot be built on the meta device: built on the CPU instead, its
+                # parameters then put on the meta device. vLLM makes them with torch.empty, whose pages
+                # nothing touches: memory stays about what the meta build takes.
+                logger.info("%s cannot be built on the meta device (%s): built on the CPU", where, e)
+                vllm_config.compilation_config.static_forward_context.clear()  # the layers the failed build named
+                with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("cpu"):
+                    model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        except ShardedStateError:
+            raise
+        except Exception as e:
+            raise _cannot_build(where, e) from e
+    parameters_to_meta(model)
+    return model
+
+
+def _cannot_build(where: str, error: Exception) -> ConvertRefused:
+    """The refusal of a model whose layers vLLM does not build here: most often a quantized layer whose
+    kernel this machine lacks (vLLM picks each layer's kernel as it makes the layer, even on the meta
+    device, although convert runs none)."""
+    import vllm
+
+    reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return ConvertRefused(
+        f"{where}: vLLM {vllm.__version__} cannot build this model's layers on this machine "
+        f"({type(error).__name__}: {reason}). vLLM chooses a quantized layer's kernel as it builds the layer, "
+        "even for convert, which runs none. Nothing was written: convert on a machine whose vLLM builds this "
+        "model (one that can serve it), or make the checkpoint with `vllm-sharded save` there."
+    )
 
 
 @contextlib.contextmanager

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..format.errors import Unsupported
+from ..format.experts import ExpertPlacement
 from ..format.source import SourceModel, config_sha256, normalize_config
+from ..planning.experts import expert_placement
 from ..planning.topology import RankInfo
 
 if TYPE_CHECKING:
@@ -81,3 +85,61 @@ def ranks_on_host() -> int:
     config = current_vllm_config()
     size = getattr(getattr(config, "parallel_config", None), "local_world_size", None)
     return size if isinstance(size, int) and size >= 1 else 1
+
+
+def model_rank(model: torch.nn.Module) -> RankInfo:
+    """This worker's :class:`RankInfo` for ``model``: its place in TP, PP and DP, where the model
+    places its experts under expert parallelism, and whether it cuts them across TP x DP without."""
+    experts, ep_rank = model_expert_placement(model)
+    over_dp = any(
+        is_experts(m) and not m.moe_config.moe_parallel_config.use_ep and m.moe_config.moe_parallel_config.dp_size > 1
+        for m in model.modules()
+    )
+    return replace(current_rank(), experts=experts, ep_rank=ep_rank, experts_over_dp=over_dp)
+
+
+def model_expert_placement(model: torch.nn.Module) -> tuple[ExpertPlacement | None, int]:
+    """Where this model's routed experts live under expert parallelism, and this rank's EP rank.
+
+    ``(None, 0)`` without expert parallelism (or without experts). The placement of every
+    rank follows from vLLM's rule (:func:`..planning.experts.expert_placement`); this
+    rank's own expert map, read off each MoE layer, must agree with it, and all layers
+    with each other: a placement this version does not know (EPLB's redundant experts,
+    a per-layer map) is refused rather than recorded wrong.
+    """
+    found: tuple[ExpertPlacement, int] | None = None
+    for name, module in model.named_modules():
+        if not is_experts(module):
+            continue
+        parallel = module.moe_config.moe_parallel_config
+        if not parallel.use_ep:
+            if found is not None:
+                raise Unsupported(f"{name}: some MoE layers use expert parallelism and others do not.")
+            continue
+        if getattr(parallel, "enable_eplb", False):
+            raise Unsupported(
+                f"{name}: expert-parallel load balancing (EPLB) moves experts at run time; this version does not "
+                "record such placements. Save and serve without enable_eplb."
+            )
+        strategy = str(getattr(module, "expert_placement_strategy", "linear"))
+        placement = expert_placement(module.global_num_experts, parallel.ep_size, strategy)
+        expert_map = getattr(module, "_expert_map", None)
+        if expert_map is None:
+            raise Unsupported(f"{name}: expert parallelism is on, but the layer has no expert map.")
+        local = sorted((int(v), e) for e, v in enumerate(expert_map.tolist()) if v >= 0)
+        mine = tuple(e for _, e in local)
+        if [v for v, _ in local] != list(range(len(local))) or mine != placement.experts[parallel.ep_rank]:
+            raise Unsupported(
+                f"{name}: vLLM placed experts {list(mine)} on EP rank {parallel.ep_rank}, but its {strategy!r} rule "
+                f"gives {list(placement.experts[parallel.ep_rank])}; this version does not know this placement. "
+                "Save and serve without expert parallelism."
+            )
+        if found is not None and found != (placement, parallel.ep_rank):
+            raise Unsupported(f"{name}: MoE layers place their experts differently ({found[0].describe()}).")
+        found = (placement, parallel.ep_rank)
+    return found if found is not None else (None, 0)
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is one of vLLM's routed-experts layers."""
+    return any(c.__name__ == "RoutedExperts" for c in type(module).__mro__)

@@ -19,12 +19,9 @@ from typing import Any
 import torch
 
 from ..format import geometry as rs
-from ..format.errors import ShardedStateError, Unsupported
+from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
-from ..planning.experts import expert_placement, rank_shape
-from ..planning.topology import RankInfo
-from .identity import current_rank
-from .mamba_geometry import mamba2_mixers, mixer_geometry
+from ..planning.experts import rank_shape
 
 # Layers whose parameters every rank holds whole. Matched on the class and its bases.
 # (Nemotron's LayerNorm1P, ``x * (1 + w)``, is a CustomOp of its own, not a LayerNorm subclass.)
@@ -316,6 +313,73 @@ def _whole_layer_geometry(module: Any, param: str, shape: tuple[int, ...], tp_si
     return rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
 
 
+# Mamba-2's mixer (vLLM's ``MambaMixer2``, in hybrid models: Nemotron-H, Granite 4.0-H, Falcon-H1, Bamba,
+# Zamba2) cuts its own layers: its ``in_proj`` and ``conv1d`` are vLLM linear layers, but with one group of
+# B/C states the mixer puts in a loader of its own that gives every rank a copy of the group, and its own
+# parameters (``A``, ``D``, ``dt_bias``) and gated norm are cut by the heads. No layer class says so, so
+# the mixer is read here.
+
+
+def _mamba2_geometry(mixer: Any, child: str, param: str) -> rs.TensorGeometry | None:
+    """A parameter of vLLM's Mamba-2 mixer (``MambaMixer2``) or of its ``in_proj``, ``conv1d`` and
+    ``norm``, as the mixer cuts it at every TP size (None: not one described here, opaque).
+
+    The mixer splits its heads across the ranks: ``A``, ``D`` and ``dt_bias`` one entry per head,
+    the gated norm's weight and the gate and x rows of ``in_proj`` (``conv1d``: x) by the heads'
+    channels. Its B and C rows hold ``n_groups`` groups of states: split by whole groups where the
+    TP size divides them, or with one group (where vLLM puts in ``mamba_v2_sharded_weight_loader``)
+    copied to every rank; vLLM refuses any other TP size. ``in_proj`` ends with one dt row per head.
+    Quantized projections are left opaque.
+    """
+    norm = getattr(mixer, "norm", None)
+    groups, heads = getattr(norm, "n_groups", None), getattr(mixer, "num_heads", None)
+    inner, state = getattr(mixer, "intermediate_size", None), getattr(mixer, "ssm_state_size", None)
+    if not all(isinstance(v, int) and v > 0 for v in (groups, heads, inner, state)):
+        return None
+    if child == "" and param in ("A", "D", "dt_bias"):
+        return rs.column_parallel([heads], type(mixer).__name__)
+    if child == "norm" and param == "weight":
+        return rs.column_parallel([inner], type(norm).__name__)
+    layer = getattr(mixer, child, None) if child in ("in_proj", "conv1d") else None
+    if layer is None or type(getattr(layer, "quant_method", None)).__name__ != "UnquantizedLinearMethod":
+        return None
+    group = {"heads": groups, "head_size": state, "replicate_heads": True}
+    b, c = (rs.Segment(name, groups * state, **group) for name in "BC")
+    segments = [rs.Segment("x", inner), b, c]
+    if child == "in_proj":
+        segments = [rs.Segment("gate", inner), *segments, rs.Segment("dt", heads)]
+    rows = sum(s.size for s in segments)
+    # Named for the mixer: vLLM makes these layers of another class at TP=1 (merged) than above it.
+    tensor = getattr(layer, param, None)
+    if param == "bias" and tensor is not None:
+        return rs.grouped_column_parallel([rows], segments, type(mixer).__name__)
+    if param == "weight" and tensor is not None:
+        # conv1d's weight is [channels, 1, kernel] (vLLM unsqueezes it), in_proj's [rows, hidden].
+        return rs.grouped_column_parallel([rows, *tensor.shape[1:]], segments, type(mixer).__name__)
+    return None
+
+
+def mamba2_mixers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's Mamba-2 mixers, by module name (none in most models)."""
+    return {name: m for name, m in model.named_modules() if type(m).__name__ == "MambaMixer2"}
+
+
+def mixer_geometry(
+    mixers: dict[str, torch.nn.Module], module_name: str, param: str, shape: tuple[int, ...]
+) -> rs.TensorGeometry | None:
+    """The geometry of a parameter of one of ``mixers`` (:func:`mamba2_mixers`) or of its ``in_proj``,
+    ``conv1d`` or ``norm`` (opaque where :func:`_mamba2_geometry` does not describe it); None for any
+    other parameter."""
+    parent, _, child = module_name.rpartition(".")
+    if module_name in mixers:
+        mixer, child = mixers[module_name], ""
+    elif parent in mixers and child in ("in_proj", "conv1d", "norm"):
+        mixer = mixers[parent]
+    else:
+        return None
+    return _mamba2_geometry(mixer, child, param) or rs.TensorGeometry(rs.OPAQUE, type(mixer).__name__, shape)
+
+
 def module_geometry(
     module: torch.nn.Module, param: str, shape: tuple[int, ...], tp_size: int | None = None
 ) -> rs.TensorGeometry:
@@ -327,7 +391,7 @@ def module_geometry(
     if names & PARALLEL_BASES:
         geometry = None
         if not _loads_its_own(module, param):
-            pass  # a loader put in by the model cuts it its own way: opaque (Mamba-2's: .mamba_geometry)
+            pass  # a loader put in by the model cuts it its own way: opaque (Mamba-2's: :func:`mixer_geometry`)
         elif getattr(module, "disable_tp", False) or "ReplicatedLinear" in names:
             # Every rank holds the whole layer, its quantized weights and scales included.
             geometry = rs.replicated(shape, layer_class)
@@ -372,7 +436,7 @@ def tensor_geometry(
 
     The save records it in the manifest; a load compares it with what the manifest
     records, so a checkpoint whose geometry is not the served model's is refused.
-    ``experts`` and ``ep_rank``: the model's expert placement (:func:`model_expert_placement`);
+    ``experts`` and ``ep_rank``: the model's expert placement (:func:`.identity.model_expert_placement`);
     ``expert_tp``: (size, rank) of the experts' TP cut without it (default: the TP split).
     """
     result: dict[str, rs.TensorGeometry] = {}
@@ -401,58 +465,3 @@ def tensor_geometry(
                 geometry = rs.TensorGeometry(rs.OPAQUE, geometry.layer_class, shape)
         result[name] = geometry
     return result
-
-
-def model_rank(model: torch.nn.Module) -> RankInfo:
-    """This worker's :class:`RankInfo` for ``model``: its place in TP, PP and DP, where the model
-    places its experts under expert parallelism, and whether it cuts them across TP x DP without."""
-    experts, ep_rank = model_expert_placement(model)
-    over_dp = any(
-        "RoutedExperts" in _class_names(m)
-        and not m.moe_config.moe_parallel_config.use_ep
-        and m.moe_config.moe_parallel_config.dp_size > 1
-        for m in model.modules()
-    )
-    return replace(current_rank(), experts=experts, ep_rank=ep_rank, experts_over_dp=over_dp)
-
-
-def model_expert_placement(model: torch.nn.Module) -> tuple[ExpertPlacement | None, int]:
-    """Where this model's routed experts live under expert parallelism, and this rank's EP rank.
-
-    ``(None, 0)`` without expert parallelism (or without experts). The placement of every
-    rank follows from vLLM's rule (:func:`..planning.experts.expert_placement`); this
-    rank's own expert map, read off each MoE layer, must agree with it, and all layers
-    with each other: a placement this version does not know (EPLB's redundant experts,
-    a per-layer map) is refused rather than recorded wrong.
-    """
-    found: tuple[ExpertPlacement, int] | None = None
-    for name, module in model.named_modules():
-        if "RoutedExperts" not in _class_names(module):
-            continue
-        parallel = module.moe_config.moe_parallel_config
-        if not parallel.use_ep:
-            if found is not None:
-                raise Unsupported(f"{name}: some MoE layers use expert parallelism and others do not.")
-            continue
-        if getattr(parallel, "enable_eplb", False):
-            raise Unsupported(
-                f"{name}: expert-parallel load balancing (EPLB) moves experts at run time; this version does not "
-                "record such placements. Save and serve without enable_eplb."
-            )
-        strategy = str(getattr(module, "expert_placement_strategy", "linear"))
-        placement = expert_placement(module.global_num_experts, parallel.ep_size, strategy)
-        expert_map = getattr(module, "_expert_map", None)
-        if expert_map is None:
-            raise Unsupported(f"{name}: expert parallelism is on, but the layer has no expert map.")
-        local = sorted((int(v), e) for e, v in enumerate(expert_map.tolist()) if v >= 0)
-        mine = tuple(e for _, e in local)
-        if [v for v, _ in local] != list(range(len(local))) or mine != placement.experts[parallel.ep_rank]:
-            raise Unsupported(
-                f"{name}: vLLM placed experts {list(mine)} on EP rank {parallel.ep_rank}, but its {strategy!r} rule "
-                f"gives {list(placement.experts[parallel.ep_rank])}; this version does not know this placement. "
-                "Save and serve without expert parallelism."
-            )
-        if found is not None and found != (placement, parallel.ep_rank):
-            raise Unsupported(f"{name}: MoE layers place their experts differently ({found[0].describe()}).")
-        found = (placement, parallel.ep_rank)
-    return found if found is not None else (None, 0)

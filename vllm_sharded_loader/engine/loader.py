@@ -13,6 +13,7 @@ from vllm.model_executor.model_loader import sharded_state_loader as builtin_sha
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..checkpoint import saveable_state
+from ..checkpoint.group import check_same_checkpoint, share_load_outcome
 from ..checkpoint.legacy import holds_sharded_checkpoint
 from ..checkpoint.state import tied_groups
 from ..format.errors import CheckpointNotFound
@@ -20,11 +21,10 @@ from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..storage.location import Store
 from .compile_cache import restore_startup_artifacts
-from .identity import is_drafter
-from .layer_geometry import model_rank
-from .model_reader import ModelReader
+from .identity import is_drafter, model_rank
+from .model_reader import ModelReader, ReadInto
 from .reload import InPlaceUpdate, remember_served_from
-from .workers import check_same_checkpoint, share_load_outcome
+from .workers import model_groups
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -148,19 +148,20 @@ class ShardedStateLoader(BaseModelLoader):
             self._load_drafter(model, model_config, store.where)
             return
         rank = model_rank(model)
+        workers = model_groups(rank)
         try:
             manifest, failed = store.read_manifest(), None
         except Exception as e:  # said to the other workers first, so that none waits for this one
             manifest, failed = None, e
-        check_same_checkpoint(rank, store.where, manifest, failed)
+        check_same_checkpoint(workers, rank, store.where, manifest, failed)
         if failed is not None:
             raise failed
         try:
             self._read(model, model_config, (store, repo_id), manifest)
         except Exception as e:  # said to the other workers, so that the leader's log names it
-            share_load_outcome(rank, e)
+            share_load_outcome(workers, rank, e)
             raise
-        share_load_outcome(rank, None)
+        share_load_outcome(workers, rank, None)
         # Before vLLM compiles (its profiling run comes after the load): a fresh node starts warm.
         hub_fetch = None if repo_id is None else (repo_id, self.load_config.download_dir)
         restore_startup_artifacts(model, store, manifest, rank, hub_fetch)
@@ -177,15 +178,8 @@ class ShardedStateLoader(BaseModelLoader):
         state_dict = model.state_dict()
         targets = saveable_state(state_dict)
         remember_served_from(model, model_config)
-        self.reader.read(
-            model,
-            model_config,
-            located,
-            manifest,
-            targets,
-            tied_groups(state_dict, targets),
-            self.reader.adoptable(model, state_dict),
-        )
+        into = ReadInto(targets, tied_groups(state_dict, targets), self.reader.adoptable(model, state_dict))
+        self.reader.read(model, model_config, located, manifest, into)
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         """vLLM's in-place ``reload_weights`` entry point (``collective_rpc("reload_weights")``).

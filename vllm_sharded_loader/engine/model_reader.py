@@ -4,18 +4,20 @@ with the loader's read options (``model_loader_extra_config``) as one value."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from functools import cache, partial
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
 
 from ..checkpoint import LoadRequest, load_rank
 from ..checkpoint.save_proof import manifest_proof
-from ..checkpoint.stats import LoadStats, check_verify_mode
-from ..format.errors import InvalidOption
+from ..checkpoint.state import adoptable_parameters
+from ..checkpoint.stats import LoaderOptions, LoadStats, check_verify_mode
+from ..format.errors import CheckpointNotFound
 from ..format.experts import ExpertPlacement
 from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
@@ -23,10 +25,10 @@ from ..planning.topology import check_dtype
 from ..storage import hub
 from ..storage.location import Store, open_store
 from ..storage.progress import ByteProgress
-from ..storage.reader import DEFAULT_THREADS, ReadOptions
+from ..storage.reader import ReadOptions
 from .capture import READ_PROOF_ATTRIBUTE
-from .identity import dtype_label, ranks_on_host, source_identity
-from .layer_geometry import model_rank, tensor_geometry
+from .identity import dtype_label, model_rank, ranks_on_host, source_identity
+from .layer_geometry import tensor_geometry
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -35,50 +37,12 @@ if TYPE_CHECKING:
 # Under the "vllm" logger, so that vLLM's logging configuration shows our lines.
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-EXTRA_CONFIG_KEYS = frozenset({"pattern", "verify", "threads", "huge_pages", "mmap"})
-
-
-def _storage_uses(tensor: torch.Tensor) -> int | None:
-    """How many tensors share ``tensor``'s memory (torch's count), or None where torch does not say."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else int(count(tensor.untyped_storage()._cdata))
-
-
-def adoptable_parameters(
-    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
-) -> dict[str, Callable[[torch.Tensor], None]]:
-    """Callbacks that make a CPU parameter use another tensor as its data, by state-dict name.
-
-    A parameter is offered only if nothing but itself and the ``state_dict`` entries
-    holds its memory: a layer that kept a view of a parameter's memory would otherwise go
-    on reading the old, never-filled memory after the swap. Shared (tied) parameters are
-    one object, so swapping it serves every name.
-    """
-    baseline = _storage_uses(torch.nn.Parameter(torch.empty(1), requires_grad=False))
-    if baseline is None:
-        return {}
-    held: dict[int, int] = {}
-    for t in {id(t): t for t in state_dict.values()}.values():
-        key = t.untyped_storage().data_ptr()
-        held[key] = held.get(key, 0) + 1
-    setters: dict[str, Callable[[torch.Tensor], None]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name not in state_dict or param.device.type != "cpu" or not param.numel():
-            continue
-        if _storage_uses(param) == baseline + held.get(param.untyped_storage().data_ptr(), 0):
-            setters[name] = partial(_swap_data, param)
-    return setters
-
 
 def serves_on_cpu() -> bool:
     """Whether vLLM runs this engine on its CPU platform (the only one whose parameters are mapped)."""
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
-
-
-def _swap_data(param: torch.nn.Parameter, data: torch.Tensor) -> None:
-    param.data = data
 
 
 @cache
@@ -143,54 +107,28 @@ def _experts_change(manifest: Manifest | None, experts: ExpertPlacement | None) 
 
 
 @dataclass(frozen=True)
-class ModelReader:
-    """The ``sharded_state`` loader's read options, and the read of one rank's files into a model.
+class ReadInto:
+    """Where a read goes: the tensors it fills by name, the names tied to one tensor, and the setters
+    that serve a tensor from its file's mapping instead (:meth:`ModelReader.adoptable`)."""
 
-    ``pattern`` names the parts of a checkpoint saved with a custom file name pattern (one
-    without a manifest); ``verify`` is ``"size"`` or ``"checksum"``; ``threads``, reader threads;
-    ``huge_pages``, transparent huge pages on the parameters; ``mmap``, whether CPU parameters
-    are served from the checkpoint's files (see :meth:`adoptable`). ``load_config`` gives the
-    Hub's download folder and vLLM's progress-bar setting.
-    """
+    targets: Mapping[str, torch.Tensor]
+    tied: list[list[str]]
+    adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None
 
-    load_config: LoadConfig
-    pattern: str | None = None
-    verify: str = "size"
-    threads: int = DEFAULT_THREADS
-    huge_pages: bool = False
-    mmap: bool | str = True
+
+@dataclass(frozen=True)
+class ModelReader(LoaderOptions):
+    """The ``sharded_state`` loader's read options (:class:`..checkpoint.stats.LoaderOptions`), and the
+    read of one rank's files into a model. ``load_config`` gives the Hub's download folder and vLLM's
+    progress-bar setting."""
+
+    load_config: LoadConfig | None = None
 
     @classmethod
     def from_load_config(cls, load_config: LoadConfig) -> ModelReader:
         """The options ``load_config.model_loader_extra_config`` asks for, each checked."""
-        extra = load_config.model_loader_extra_config or {}
-        if not isinstance(extra, dict):
-            raise InvalidOption(
-                f"model_loader_extra_config for sharded_state must be a dict, got {type(extra).__name__}."
-            )
-        unknown = set(extra) - EXTRA_CONFIG_KEYS
-        if unknown:
-            raise InvalidOption(
-                f"Unexpected model_loader_extra_config keys {sorted(unknown)} for load format "
-                f"sharded_state; supported keys: {sorted(EXTRA_CONFIG_KEYS)}."
-            )
-        threads = extra.get("threads", DEFAULT_THREADS)
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise InvalidOption(
-                f"model_loader_extra_config threads={threads!r} for sharded_state must be a positive integer."
-            )
-        huge_pages = extra.get("huge_pages", False)
-        if not isinstance(huge_pages, bool):
-            raise InvalidOption(
-                f"model_loader_extra_config huge_pages={huge_pages!r} for sharded_state must be true or false."
-            )
-        mmap = extra.get("mmap", True)
-        if not isinstance(mmap, bool) and mmap != "auto":
-            raise InvalidOption(
-                f'model_loader_extra_config mmap={mmap!r} for sharded_state must be true, false or "auto".'
-            )
-        verify = check_verify_mode(extra.get("verify", "size"))
-        return cls(load_config, extra.get("pattern"), verify, threads, huge_pages, mmap)
+        options = LoaderOptions.parse(load_config.model_loader_extra_config or {})
+        return cls(**asdict(options), load_config=load_config)
 
     def locate(self, directory: str, revision: str | None = None) -> tuple[Store, str | None]:
         """The checkpoint's store (resolved here, once per load), and its Hub repository id if it comes from
@@ -206,9 +144,26 @@ class ModelReader:
             directory,
             hub.METADATA_PATTERNS,
             revision=revision,
-            cache_dir=self.load_config.download_dir,
+            cache_dir=getattr(self.load_config, "download_dir", None),
         )
         return snapshot, directory
+
+    def locate_update(self, path: Any, revision: str | None) -> tuple[Store, str | None]:
+        """:meth:`locate` for a weight update's ``path``, refusing at once a local path that does not exist."""
+        if not isinstance(path, str) or not path:  # reload_weights(weights_path=...) is passed on unchecked
+            raise CheckpointNotFound(
+                f"weights_path={path!r}: expected the folder, s3://, gs:// or az:// URL, or Hub id of a sharded "
+                "checkpoint for the weight update, as a string."
+            )
+        store = open_store(path)
+        if store.exists():
+            return store, None
+        if os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path):
+            raise CheckpointNotFound(
+                f"{path}: no such checkpoint directory for the weight update. Save the update first "
+                "(examples/save_sharded_state.py, or vLLM's save_sharded_state hook) and pass its folder."
+            )
+        return self.locate(path, revision)
 
     def adoptable(
         self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
@@ -233,14 +188,12 @@ class ModelReader:
         model_config: ModelConfig,
         located: tuple[Store, str | None],
         manifest: Manifest | None,
-        targets: Mapping[str, torch.Tensor],
-        tied: list[list[str]],
-        adopt: Mapping[str, Callable[[torch.Tensor], None]] | None,
+        into: ReadInto,
         *,
         verify: str | None = None,
         update: bool = False,
     ) -> LoadStats:
-        """Check this rank's files of the checkpoint at ``located`` (folder, Hub id) and read them into ``targets``.
+        """Check this rank's files of the checkpoint at ``located`` (folder, Hub id) and read them ``into`` tensors.
 
         ``manifest`` is the checkpoint's, as the caller read it from the folder (None for vLLM's own
         save, which has none): read once per load, however many steps look at it. The start-up load
@@ -257,13 +210,15 @@ class ModelReader:
         if repo_id is not None:
             # Online, vLLM leaves a Hub id as it is (offline it substitutes the cached
             # snapshot, and the files are only opened, never fetched): fetch this rank's parts.
-            patterns = hub.rank_fetch_patterns(manifest, rank, list(targets), tied, self.pattern)
-            hub.fetch_more(repo_id, store, patterns, self.load_config.download_dir)
+            patterns = hub.rank_fetch_patterns(manifest, rank, list(into.targets), into.tied, self.pattern)
+            hub.fetch_more(repo_id, store, patterns, getattr(self.load_config, "download_dir", None))
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
         from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
         action = "Updating from" if update else "Loading"
-        progress = ByteProgress(f"{action} sharded_state ({rank})", enable_tqdm(self.load_config.use_tqdm_on_load))
+        progress = ByteProgress(
+            f"{action} sharded_state ({rank})", enable_tqdm(getattr(self.load_config, "use_tqdm_on_load", True))
+        )
         with progress:
             request = LoadRequest(
                 store,
@@ -271,14 +226,14 @@ class ModelReader:
                 verify,
                 serving=source_identity(model, model_config),
                 geometry=tensor_geometry(
-                    model, targets, rank.tp_size, rank.tp_rank, rank.experts, rank.ep_rank, rank.expert_tp
+                    model, into.targets, rank.tp_size, rank.tp_rank, rank.experts, rank.ep_rank, rank.expert_tp
                 ),
-                tied=tied,
+                tied=into.tied,
                 pattern=self.pattern if manifest is None else None,
             )
             options = ReadOptions(self.threads, progress, self.huge_pages, ranks_on_host())
-            stats = load_rank(request, targets, rank, options, adopt)
-        # What was read, for a save that reads it again (issue 34: proven by content, see checkpoint/save_proof.py).
+            stats = load_rank(request, into.targets, rank, options, into.adopt)
+        # What was read, for a save that reads it again (proven by content, see checkpoint/save_proof.py).
         model.__dict__[READ_PROOF_ATTRIBUTE] = (directory, manifest_proof(manifest), manifest)
         if stats.resharded_from is not None:
             logger.info(

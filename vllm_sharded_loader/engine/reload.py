@@ -1,76 +1,60 @@
 """Weight updates in a running engine: a sharded checkpoint read in place, through vLLM's reload machinery.
 
-vLLM 0.32 reloads weights layer by layer (``model_executor/model_loader/reload``): every
-layer is put back in the layout it had right after loading, on the meta device, while its
-served ("kernel") tensors are kept aside; once a layer's weights are in, its
-post-processing runs again (quantized repacking, MoE layouts, the CPU GEMM dispatch) and
-the results are copied into the kernel tensors, so every reference to them (CUDA graphs,
-kernels' handles) stays valid. vLLM drives that from the model's ``load_weights``, fed
-Hugging Face weights that each layer's weight loader shards.
+vLLM 0.32 reloads weights layer by layer (``model_executor/model_loader/reload``): every layer is
+put back in the layout it had right after loading, on the meta device, while its served ("kernel")
+tensors are kept aside; once a layer's weights are in, its post-processing runs again (quantized
+repacking, MoE layouts, the CPU GEMM dispatch) and the results are copied into the kernel tensors,
+so every reference to them (CUDA graphs, kernels' handles) stays valid. A sharded checkpoint already
+holds each rank's slice in the loaded layout, so :class:`InPlaceUpdate` drives that machinery
+itself, as a two-phase commit across the workers (:func:`..checkpoint.update.run_update`):
 
-A sharded checkpoint already holds each rank's slice in the loaded layout, so
-:class:`InPlaceUpdate` drives the same machinery itself, in three steps:
+1. **read**: the loader's start-up read (:meth:`.model_reader.ModelReader.read`, every check of a
+   start-up load) into host memory, mapped from the checkpoint's files where the reader can
+   (:class:`..checkpoint.update_staging.StagedWeights`), before any layer is materialized;
+2. **process**: layer by layer (:class:`ProcessedLayer`), the layer materialized on its device and
+   post-processed as at start-up, into new memory; held for the commit while the held layers fit a
+   budget (:func:`..checkpoint.update_staging.update_budget`: a GPU serving at
+   ``gpu_memory_utilization=0.9`` has no room for a second copy of its weights), else checked, let
+   go and processed again at the commit (the same bytes through the same code);
+3. **commit**: once every rank read and processed, the tensors vLLM leaves on the model (biases)
+   and every layer's processed tensors copied into the served ones, then the attention layers' own
+   processing.
 
-1. **read**: the loader's start-up read (:meth:`.model_reader.ModelReader.read`,
-   every check of a start-up load first) into host memory, mapped from the checkpoint's
-   files where the reader can (:class:`..checkpoint.update_staging.StagedWeights`), never into a served
-   tensor, before any layer is materialized;
-2. **process**: layer by layer, the layer materialized on its device from those weights and
-   post-processed as at start-up, into new memory; held for the commit while the held
-   layers fit a budget (:func:`..checkpoint.update_staging.update_budget`), else checked and let go;
-3. **commit**: the tensors vLLM leaves on the model (biases) and every layer's processed
-   tensors copied into the served ones, layer by layer (a layer let go is processed again
-   first), then the attention layers' own processing.
-
-The workers agree after step 1 and again after step 2 (:func:`_agree`): the update is all
-or nothing across every rank and every tensor. Anything that fails on any rank before the
-commit (a checkpoint of another model, another dtype, a missing or corrupt file, a failed
-post-processing) puts every rank's kernel tensors back untouched, and the module state
-post-processing set (kernel handles, packed layouts) as it was: the engine serves, byte
-for byte, what it served before, and the update is not counted (``LoadedState.updates``).
-
-Memory beside the served weights: one layer's loaded and processed forms, plus the held
-layers (the budget); on the host, the new weights, as file mappings (page cache) where the
-checkpoint's files can be mapped, else read into host memory (object storage, resharding
-that assembles a tensor from pieces).
-
-Two entry points: vLLM's ``reload_weights`` (through the loader's ``get_all_weights``,
-see :meth:`InPlaceUpdate.for_reload_weights`) and the ``sharded_state`` weight-transfer
-engine (:mod:`.weight_transfer`, see :meth:`InPlaceUpdate.run_layerwise`).
+A refusal on any rank before the commit puts every rank back as served, and is not counted
+(``LoadedState.updates``). Entry points: vLLM's ``reload_weights`` (:meth:`InPlaceUpdate.for_reload_weights`)
+and the ``sharded_state`` weight-transfer engine (:meth:`InPlaceUpdate.run_layerwise`).
 """
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Container, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
 
-from ..checkpoint.state import saveable_state, storage_key, tied_groups
-from ..checkpoint.update_staging import BUDGET_ENV, StagedWeights, return_freed_memory, update_budget
-from ..format.errors import CheckpointNotFound, ShardedStateError, Unsupported, WorkerLost, agreed_error
-from ..planning.topology import RankInfo
-from ..storage.location import Store
-from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE, served_from_checkpoint
-from .identity import ranks_on_host
-from .layer_geometry import model_rank
-from .layer_steps import fill_layer, layer_held_bytes, let_go, process_layer
-from .model_reader import ModelReader
-from .processed import ProcessedLayer
-from .workers import (
-    checkpoint_digest,
-    different_checkpoints,
-    gather_over,
-    model_groups,
-    raises_for_all,
-    wait_for_replicas,
+from ..checkpoint.group import checkpoint_digest, wait_for_replicas
+from ..checkpoint.state import saveable_state, shared_parameters, storage_key, tied_groups
+from ..checkpoint.update import LayerSnapshot, run_update
+from ..checkpoint.update_staging import (
+    BUDGET_ENV,
+    StagedWeights,
+    fill_tensors,
+    held_bytes,
+    return_freed_memory,
+    update_budget,
 )
+from ..format.errors import ShardedStateError, Unsupported, WorkerLost
+from ..storage.location import Store
+from .capture import LOADED_STATE_ATTRIBUTE, READ_PROOF_ATTRIBUTE
+from .identity import model_rank, ranks_on_host
+from .model_reader import ModelReader, ReadInto
+from .workers import model_groups, raises_for_all, replica_group
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
+    from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
 
 logger = init_logger(f"vllm.plugins.{__name__}")
 
@@ -79,6 +63,8 @@ logger = init_logger(f"vllm.plugins.{__name__}")
 # update must leave it as it was.
 SERVED_FROM_ATTRIBUTE = "_vllm_sharded_served_from"
 _ANSWERS_FOR = "_vllm_sharded_answers_for"
+# Where a layer keeps the processed tensors that its post-processing's handles point into.
+_HANDLE_MEMORY = "_sharded_state_handle_memory"
 
 
 def remember_served_from(model: torch.nn.Module, model_config: ModelConfig) -> None:
@@ -104,25 +90,135 @@ def _layerwise() -> Any:
     return layerwise
 
 
-def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
-    """Groups of parameter names that are one parameter object (tied embeddings), as served now."""
-    by_object: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_object.setdefault(id(param), []).append(name)
-    return [names for names in by_object.values() if len(names) > 1]
+def _layer_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    return get_layer_tensors(module)
 
 
-def _agree(rank: RankInfo, error: str | None, held: tuple[str, str, str, str] | None = None) -> list[str]:
-    """Every worker's error (None: read and checked), exchanged among the model's workers
-    (:func:`.workers.model_groups`); with ``held`` (after the reads: this worker's rank, node, path
-    and manifest digest), workers that read different checkpoints at one path (each node its own
-    copy) are one more error."""
-    outcomes = gather_over(model_groups(rank), [(error, held)], "this update")
-    errors = [e for e, _ in outcomes if e is not None]
-    views = [h for _, h in outcomes if h is not None]
-    if not errors and views and (mismatch := different_checkpoints(views[0][2], views, "update again")):
-        errors.append(mismatch)
-    return errors
+class ProcessedLayer(LayerSnapshot):
+    """One layer through an update, until its commit: materialized from the staged weights
+    (:meth:`fill`), post-processed into new memory (:meth:`process`), held for the commit or
+    let go (:meth:`let_go`), and what its post-processing set, undone on a refusal."""
+
+    def __init__(
+        self, module: torch.nn.Module, info: LayerReloadingInfo, holds: bool, attention: bool, prefix: str = ""
+    ) -> None:
+        super().__init__(module)
+        self.info, self.holds, self.attention, self.prefix = info, holds, attention, prefix
+        # Whether its processed tensors wait for the commit (else it is processed there: again, or an
+        # attention layer's, in its served tensors).
+        self.held = not attention
+
+    def fill(self, staged: StagedWeights, swap: Callable[..., Any], skip: Container[str] = ()) -> None:
+        """Materialize the layer in its loaded layout on its device and fill it from ``staged``.
+
+        A tensor the loader would serve from its file's mapping at start-up (``swap``: the loader's
+        ``adoptable``, CPU only) takes the staged mapping as it is; every other is copied in. ``skip``
+        names served tensors left on the layer (copied at the commit only).
+        """
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        materialize_layer(self.module, self.info)
+        tensors = _layer_tensors(self.module)
+        # Detached, as a state dict gives them: the loader counts each entry as one more holder of the memory.
+        swappable = swap(self.module, {name: t.detach() for name, t in tensors.items()}) or {}
+        fill_tensors(self.prefix, tensors, staged, swappable, skip)
+
+    def held_bytes(self, mapped: set[tuple[str, int]]) -> int:
+        """The bytes the processed layer holds beside the served weights (its own tensors, not file mappings)."""
+        return held_bytes(_layer_tensors(self.module).values(), mapped)
+
+    def process(self) -> None:
+        """The layer's post-processing, as at start-up, into its new memory: vLLM's ``_layerwise_process``
+        with the layer's kernel tensors held back so that it copies nothing; then checked to fit them."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        info = self.info
+        kernel, non_persistent = info.kernel_tensors, info.kernel_non_persistent_buffers
+        info.kernel_tensors = None  # vLLM's step copies into the kernel tensors only when it has them
+        try:
+            with _experts_processed_as_at_start_up(self.module):
+                layerwise._layerwise_process(self.module, info)  # resets info
+        finally:
+            info.kernel_tensors, info.kernel_non_persistent_buffers = kernel, non_persistent
+            info.load_numel_total = info.load_numel_total or 0  # still being reloaded (can_load)
+        self.check_fits()
+        self.note_handles()
+
+    def let_go(self) -> None:
+        """A processed layer past the budget, checked: undo what its processing set, and put it back on the
+        meta device in its loaded layout (its new memory freed), to be processed again at the commit."""
+        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+
+        on_host = any(t.device.type == "cpu" for t in _layer_tensors(self.module).values())
+        self.undo()
+        restore_layer_on_meta(self.module, self.info)
+        self.held = False
+        if on_host:
+            # glibc keeps freed memory for reuse, but a held layer allocated after it fragments the heap:
+            # without this the extra peak grew by up to three layers past the budget (measured).
+            from ..storage import oscalls
+
+            oscalls.release_free_heap()
+
+    def keep_what_handles_point_at(self) -> None:
+        """At the commit the processed tensors' values go into the served ones, and the processed
+        tensors would be freed; a handle built from them may point into them. Keep them for as long
+        as the layer holds this update's handles (the next update replaces both)."""
+        if self.handles:
+            self.module.__dict__[_HANDLE_MEMORY] = list(_layer_tensors(self.module).values())
+
+    def check_fits(self) -> None:
+        """Each processed tensor fits the served one it is copied into (``copy_`` would broadcast)."""
+        params, buffers = self.info.kernel_tensors
+        # The buffers vLLM's copy skips (gone from the layer, or non-persistent and not loaded) are not checked.
+        copied = {n: b for n, b in buffers.items() if n in self.module._buffers}
+        copied = {n: b for n, b in copied.items() if n not in self.info.kernel_non_persistent_buffers}
+        for name, served in [*params.items(), *copied.items()]:
+            new = getattr(self.module, name, None)
+            if not isinstance(new, torch.Tensor) or (new.shape, new.dtype) != (served.shape, served.dtype):
+                got = "nothing" if not isinstance(new, torch.Tensor) else f"{list(new.shape)} {new.dtype}"
+                raise ShardedStateError(
+                    f"post-processing {self.prefix}.{name} gave {got}, the served tensor is {list(served.shape)} "
+                    f"{served.dtype}"
+                )
+
+
+@contextlib.contextmanager
+def _experts_processed_as_at_start_up(module: torch.nn.Module) -> Iterator[None]:
+    """Post-process an unquantized routed-experts layer during an update as at start-up.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod`` runs its experts' own post-processing
+    (``fused_experts.process_weights_after_loading``) on the first call only: on a weight
+    update it skips it. On CPU that step is the prepacking into the grouped-GEMM layout, so
+    an update would copy unpacked weights into the packed kernel tensors and serve wrong
+    tokens without an error (vLLM's own ``reload_weights`` does so too). Here the step runs
+    after the method's own, on the layer's new weights, before their copy into the kernel
+    tensors. Other methods rebuild their kernel, and this step with it, on every call.
+    """
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    method = getattr(module, "quant_method", None)
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if (
+        type(method).__name__ != "UnquantizedFusedMoEMethod"
+        or experts is None
+        or type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading
+    ):
+        yield
+        return
+    original = method.process_weights_after_loading
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        original(layer)
+        experts.process_weights_after_loading(layer)
+
+    method.process_weights_after_loading = process_weights_after_loading
+    try:
+        yield
+    finally:
+        del method.process_weights_after_loading  # the class's again
 
 
 class InPlaceUpdate:
@@ -144,18 +240,18 @@ class InPlaceUpdate:
     ) -> None:
         self.reader, self.model, self.model_config = reader, model, model_config
         self.path, self.verify = path, verify
-        self.tied = _shared_parameters(model)
+        self.tied = shared_parameters(model)
         self.loaded_names: set[str] = set()
         self.done = False
         # Whether the commit began (see :meth:`run`): only then has anything served changed.
         self.committed = False
         self.proof: str | None = None  # of the checkpoint read (see checkpoint/save_proof.py)
-        self.digest = ""  # of the manifest read (workers.checkpoint_digest)
+        self.located: tuple[Store, str | None]  # (set by read())
         # The new weights on the host, and the served tensors (vLLM leaves on the model) they update.
         self.staged: StagedWeights | None = None
         self.aside: dict[str, torch.Tensor] = {}
-
-    # ------------------------------------------------------------------ entry points
+        self.layers: list[tuple[str, torch.nn.Module, Any]] = []  # (prefix, module, its reload info)
+        self.processed: list[ProcessedLayer] = []
 
     def for_reload_weights(self) -> InPlaceUpdate:
         """This update, as the weights vLLM's ``reload_weights`` hands to the model's ``load_weights``.
@@ -230,116 +326,52 @@ class InPlaceUpdate:
             # After a refusal every layer is back already; this restores vLLM's own flags.
             finalize_layerwise_reload(self.model, self.model_config)
 
-    # ------------------------------------------------------------------ the update
-
     def run(self) -> bool:
-        """Read, process, commit (see the module's docstring); on a refusal, put everything back.
-
-        Every worker reads and checks its own files, then all agree before any processes,
-        and every worker post-processes into new memory, then all agree again before any
-        copies into a served tensor: a file that only one rank finds corrupt, or a
-        post-processing that fails on one rank only, must leave every rank as served, not
-        some updated and some not. A refusal is raised by one worker only, the last one
-        (see :func:`.workers.raises_for_all`); the others put their layers back and return False.
-        """
+        """Read, process, commit (see the module's docstring), agreed by every worker at each step
+        (:func:`..checkpoint.update.run_update`); on a refusal anywhere, put everything back. A refusal
+        is raised by one worker only, the last one (see :func:`.workers.raises_for_all`); the others put
+        their layers back and return False."""
         layerwise = _layerwise()
-        layers = [
+        self.layers = [
             (prefix, module, info)
             for prefix, module in self.model.named_modules()
             if (info := layerwise.get_layerwise_info(module)).can_load()
         ]
-        if not layers:
+        if not self.layers:
             raise ShardedStateError("The model's layers were not prepared for a reload (vLLM's layerwise reload).")
         rank = model_rank(self.model)
         try:
-            wait_for_replicas(rank, "reload_weights (or update_weights)", "update", "No weights were changed.")
+            wait_for_replicas(
+                replica_group(rank), rank, "reload_weights (or update_weights)", "update", "No weights were changed."
+            )
         except WorkerLost:
-            self._put_back(layers)
+            self.roll_back()
             if raises_for_all():
                 raise
             return False
-        processed: list[ProcessedLayer] = []
-        for step in ("read", "process"):
-            failure: Exception | None = None
-            try:
-                if step == "read":
-                    self._read(layers, rank)
-                else:
-                    self._process(layers, processed)  # fills processed as it goes: undone on a refusal
-            except Exception as e:
-                failure = e
-            except BaseException:
-                self._put_back(layers, processed)
-                raise
-            held = None
-            if step == "read" and failure is None:
-                held = (str(rank), socket.gethostname(), self.located[0].where, self.digest)
-            try:
-                errors = _agree(rank, None if failure is None else f"{rank}: {failure}", held)
-            except BaseException:  # another worker died (WorkerLost): this one's layers must not stay empty
-                self._put_back(layers, processed)
-                raise
-            if errors:
-                self._put_back(layers, processed)
-                if len(errors) == 1 and failure is not None and raises_for_all():
-                    raise failure
-                if raises_for_all():
-                    kind = type(failure) if isinstance(failure, ShardedStateError) else ShardedStateError
-                    raise agreed_error(kind, " | ".join(errors) + " (no rank's weights were changed)", failure)
-                logger.warning("sharded_state: %s put its weights back: another rank refused the update", rank)
-                return False
-        # Every rank read, checked and post-processed everything: from here on, what is served changes.
-        self.committed = True
-        state = self.model.__dict__.get(LOADED_STATE_ATTRIBUTE)
-        if state is not None:
-            state.updates += 1  # until committed, what is served is neither the old state nor the new
-        try:
-            self._commit(layers, processed)
-        finally:
-            self.staged = None  # the new weights' host copies and mappings
-            return_freed_memory()
-        if state is not None:
-            # Every tensor now is this checkpoint's, as loaded: a save re-reads it from there.
-            served_from_checkpoint(state, self.located[1] or self.located[0].where, self.proof)
-        return True
+        return run_update(self, model_groups(rank), rank, raises_for_all())
 
-    def _put_back(
-        self, layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer] | None = None
-    ) -> None:
+    def roll_back(self) -> None:
         """Every layer's served tensors back on it, and what post-processing set on its modules undone."""
         self.staged = None
         layerwise = _layerwise()
-        for done in reversed(processed or []):
+        for done in reversed(self.processed):
             done.undo()
-        for _, module, info in layers:
+        for _, module, info in self.layers:
             if info.kernel_tensors is not None:
                 layerwise._place_kernel_tensors(module, info)
             info.reset()
         return_freed_memory()  # the new weights read and processed so far
 
-    def _located(self) -> tuple[Store, str | None]:
-        """The checkpoint's store (and Hub id), refusing at once a local path that is no folder."""
+    def read(self) -> tuple[str, str]:
+        """Step 1: the checkpoint read, with every check of a start-up load, into host memory (mapped
+        from its files where it can be), before any layer is materialized."""
         config = self.model_config
         path = self.path if self.path is not None else config.model_weights or config.model
-        if not isinstance(path, str) or not path:  # reload_weights(weights_path=...) is passed on unchecked
-            raise CheckpointNotFound(
-                f"weights_path={path!r}: expected the folder, s3://, gs:// or az:// URL, or Hub id of a sharded "
-                "checkpoint for the weight update, as a string."
-            )
-        if (os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)) and not os.path.isdir(path):
-            raise CheckpointNotFound(
-                f"{path}: no such checkpoint directory for the weight update. Save the update first "
-                "(examples/save_sharded_state.py, or vLLM's save_sharded_state hook) and pass its folder."
-            )
-        return self.reader.locate(path, config.revision)
-
-    def _read(self, layers: list[tuple[str, torch.nn.Module, Any]], rank: RankInfo) -> None:
-        """Step 1: the checkpoint read, with every check of a start-up load, into host memory (mapped
-        from its files where it can be), before any layer is materialized (see :mod:`.layer_steps`)."""
-        located = self._located()  # before any memory is taken: a missing path is refused at once
-        self.located = located
+        # Before any memory is taken: a missing path is refused at once.
+        self.located = self.reader.locate_update(path, config.revision)
         kernel = set()
-        for _, _, info in layers:
+        for _, _, info in self.layers:
             params, buffers = info.kernel_tensors or ({}, {})
             kernel |= {storage_key(t) for t in [*params.values(), *buffers.values()] if t.numel()}
         # vLLM restores each layer on its own: names tied at load time get one tensor again.
@@ -356,21 +388,11 @@ class InPlaceUpdate:
         # The loader records what it read on the model (for the start-up capture's proof): an update
         # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
-        manifest = located[0].read_manifest()
-        # Compared across the workers (each node reads its own copy); alone, nothing to compare.
-        if model_groups(rank):
-            self.digest = checkpoint_digest(manifest)
+        manifest = self.located[0].read_manifest()
+        into = ReadInto(staged.targets(), tied_groups(state_dict, targets), staged.adopt())
         try:
             self.reader.read(
-                self.model,
-                self.model_config,
-                located,
-                manifest,
-                staged.targets(),
-                tied_groups(state_dict, targets),
-                staged.adopt(),
-                verify=self.verify,
-                update=True,
+                self.model, self.model_config, self.located, manifest, into, verify=self.verify, update=True
             )
         finally:
             read = self.model.__dict__.pop(READ_PROOF_ATTRIBUTE, None)
@@ -378,8 +400,10 @@ class InPlaceUpdate:
                 self.model.__dict__[READ_PROOF_ATTRIBUTE] = before
         self.proof = None if read is None else read[1]
         self.loaded_names = {name for name, _ in self.model.named_parameters()}
+        # Compared across the workers (each node reads its own copy).
+        return self.located[0].where, checkpoint_digest(manifest)
 
-    def _process(self, layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer]) -> None:
+    def process(self) -> None:
         """Step 2: each layer materialized from ``staged`` and post-processed, as at start-up, into new
         memory (not yet served); held for the commit within the budget, else checked and let go.
 
@@ -387,27 +411,26 @@ class InPlaceUpdate:
         their served tensors.
         """
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
-        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
         staged = self.staged
         assert staged is not None
         budget, held, again = update_budget(ranks_on_host()), 0, 0
         mapped = staged.mapped_storages()
         filled = staged.names()
-        for prefix, module, info in layers:
-            names = {f"{prefix}.{name}" if prefix else name for name in get_layer_tensors(module)}
+        for prefix, module, info in self.layers:
+            names = {f"{prefix}.{name}" if prefix else name for name in _layer_tensors(module)}
             holds = bool(names & filled) and info.kernel_tensors is not None
             done = ProcessedLayer(module, info, holds, attention=is_deferred_attention_layer(module), prefix=prefix)
-            processed.append(done)
+            self.processed.append(done)  # undone on a refusal
             if not holds or done.attention:
                 continue
             self._fill(done)
-            process_layer(prefix, module, info, done)
-            size = layer_held_bytes(module, mapped)
+            done.process()
+            size = done.held_bytes(mapped)
             if held + size <= budget:
                 held += size
             else:
-                let_go(done)
+                done.let_go()
                 again += 1
         if again:
             logger.info(
@@ -421,47 +444,54 @@ class InPlaceUpdate:
             )
 
     def _fill(self, step: ProcessedLayer) -> None:
-        fill_layer(step.prefix, step.module, step.info, self.staged, self.reader.adoptable, skip=self.aside)
+        assert self.staged is not None
+        step.fill(self.staged, self.reader.adoptable, skip=self.aside)
 
-    def _commit(self, layers: list[tuple[str, torch.nn.Module, Any]], processed: list[ProcessedLayer]) -> None:
-        """Step 3: every rank agreed; the new values go into the served tensors, layer by layer (a
-        layer let go at step 2 is processed again first)."""
+    def commit(self) -> None:
+        """Step 3: every rank agreed; from here on, what is served changes."""
+        self.committed = True
+        state = self.model.__dict__.get(LOADED_STATE_ATTRIBUTE)
+        if state is not None:
+            state.updates += 1  # until committed, what is served is neither the old state nor the new
+        try:
+            self._commit()
+        finally:
+            self.staged = None  # the new weights' host copies and mappings
+            return_freed_memory()
+        if state is not None:
+            # Every tensor now is this checkpoint's, as loaded: a save re-reads it from there.
+            state.served_from_checkpoint(self.located[1] or self.located[0].where, self.proof)
+
+    def _commit(self) -> None:
+        """The new values into the served tensors, layer by layer (a layer let go at step 2 is processed
+        again first)."""
         layerwise = _layerwise()
         staged, done = self.staged, 0
+        assert staged is not None
         try:
             for name, served in self.aside.items():
                 served.copy_(staged.tensors[name])
-            for step in processed:
-                if step.attention:
-                    continue
+            for step in sorted(self.processed, key=lambda step: step.attention):  # attention last, as at start-up
                 if step.holds:
-                    if not step.held:
+                    if not step.held:  # let go at step 2, or an attention layer (processed in place below)
                         self._fill(step)
-                        process_layer(step.prefix, step.module, step.info, step)
+                        if not step.attention:
+                            step.process()
                     step.keep_what_handles_point_at()
                     layerwise._copy_and_restore_kernel_tensors(step.module, step.info)
                 else:
                     layerwise._place_kernel_tensors(step.module, step.info)
                 step.info.reset()
-                done += 1
-            for step in processed:
-                if not step.attention:
-                    continue
-                if step.holds:
-                    self._fill(step)
-                    layerwise._copy_and_restore_kernel_tensors(step.module, step.info)
-                else:
-                    layerwise._place_kernel_tensors(step.module, step.info)
-                step.info.reset()
-                step.module.process_weights_after_loading(self.model_config.dtype)
+                if step.attention:
+                    step.module.process_weights_after_loading(self.model_config.dtype)
                 done += 1
         except BaseException as e:
-            for _, module, info in layers:
+            for _, module, info in self.layers:
                 if info.can_load():
                     layerwise._place_kernel_tensors(module, info)
                     info.reset()
             raise ShardedStateError(
                 f"The weight update was read, checked and post-processed on every rank, but copying it into the "
-                f"served tensors failed after {done} of {len(layers)} layers ({type(e).__name__}: {e}): the served "
-                "weights are partly updated. Update again, or restart the engine."
+                f"served tensors failed after {done} of {len(self.layers)} layers ({type(e).__name__}: {e}): the "
+                "served weights are partly updated. Update again, or restart the engine."
             ) from e

@@ -143,8 +143,9 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
         exchange what they parsed, and a refusal is raised by the last worker only
         (:func:`.workers.raises_for_all`); the others change nothing and return.
         """
-        from .layer_geometry import model_rank
-        from .workers import gather_over, model_groups, raises_for_all, wait_for_replicas
+        from ..checkpoint.group import wait_for_replicas
+        from .identity import model_rank
+        from .workers import model_groups, raises_for_all, replica_group
 
         rank = model_rank(self.model)
         info, own = None, (False, f"{rank} {NO_UPDATE_INFO} ({type(failed).__name__}: {failed})")
@@ -155,12 +156,12 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
         except Exception as e:  # a bad argument: refused below, on one worker only
             own = (False, f"{rank}: {e}")
         try:
-            wait_for_replicas(rank, "update_weights", "update", "No weights were changed.")
+            wait_for_replicas(replica_group(rank), rank, "update_weights", "update", "No weights were changed.")
         except WorkerLost:
             if raises_for_all():
                 raise
             return None
-        outcomes = gather_over(model_groups(rank), [own], "this update")
+        outcomes = model_groups(rank).gather(own, "this update")
         errors = [value for ok, value in outcomes if not ok]
         if not errors and len({value for _, value in outcomes}) > 1:
             asked = ", ".join(f"path={path!r} verify={verify!r}" for _, (path, verify) in outcomes)

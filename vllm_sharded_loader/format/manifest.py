@@ -265,10 +265,10 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
     first: dict[tuple[int, int], set[str]] = {}
     for entry in manifest.ranks:
         key = (entry.pp_rank, entry.dp_rank, entry.tp_rank)
-        rank = rank_label(entry.pp_rank, entry.tp_rank, entry.dp_rank)
         if key not in expected or key in seen:
             raise CheckpointCorrupt(
-                f"{where}: rank {rank} is {'listed twice' if key in seen else 'outside the topology'} for "
+                f"{where}: rank {rank_label(entry.pp_rank, entry.tp_rank, entry.dp_rank)} is "
+                f"{'listed twice' if key in seen else 'outside the topology'} for "
                 f"TP={manifest.tp_size} PP={manifest.pp_size}"
                 + (f" and {replicas} data-parallel replicas" if replicas > 1 else "")
                 + ". Save the checkpoint again."
@@ -276,34 +276,7 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
         seen.add(key)
         if entry.dp_rank == 0:
             first[(entry.pp_rank, entry.tp_rank)] = set(entry.tensors)
-        names = {f.name for f in entry.files}
-        for f in entry.files:
-            if f.name in owners:
-                raise CheckpointCorrupt(f"{where}: file {f.name!r} is listed by two ranks {owners[f.name]} and {key}.")
-            owners[f.name] = key
-            # The name is the only record of which rank wrote a file: ranks swapped in the
-            # manifest would otherwise serve one rank's shards to another.
-            parsed = parse_file_name(manifest.pattern, f.name)
-            if parsed is None or any(
-                parsed.get(k, v) != v
-                for k, v in (("tp_rank", entry.tp_rank), ("pp_rank", entry.pp_rank), ("dp_rank", entry.dp_rank))
-            ):
-                raise CheckpointCorrupt(
-                    f"{where}: file {f.name!r} is listed by {rank}, but the pattern {manifest.pattern!r} does not "
-                    "name that rank's files so. The manifest is damaged: save the checkpoint again."
-                )
-        if entry.startup is not None:
-            if entry.startup.file in owners:
-                raise CheckpointCorrupt(
-                    f"{where}: the start-up artifacts {entry.startup.file!r} of {rank} are also listed by "
-                    f"{owners[entry.startup.file]}. The manifest is damaged: save the checkpoint again."
-                )
-            owners[entry.startup.file] = key
-        for tensor_name, t in entry.tensors.items():
-            if t.file not in names:
-                raise CheckpointCorrupt(
-                    f"{where}: tensor {tensor_name!r} of {rank} points at {t.file!r}, which that rank does not list."
-                )
+        _check_entry_files(manifest, entry, owners, where)
     if manifest.carried_files:
         # A save carries only non-weight files beside its parts: a record naming the checkpoint's own
         # files is damage, which verify would pass (a part checks out as a carried file) and a reshard,
@@ -316,7 +289,52 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
                 "archives, manifest or lock), where a save records the non-weight files it carried beside its "
                 "parts (config, tokenizer). The manifest is damaged: save the checkpoint again."
             )
-    missing = sorted(expected - seen)
+    _check_ranks_complete(manifest, sorted(expected - seen), first, where)
+
+
+def _check_entry_files(
+    manifest: Manifest, entry: RankEntry, owners: dict[str, tuple[int, int, int]], where: str
+) -> None:
+    """One rank's files: unique across the ranks (``owners``: file -> rank so far), named for their rank,
+    and every tensor's file among them."""
+    key = (entry.pp_rank, entry.dp_rank, entry.tp_rank)
+    rank = rank_label(entry.pp_rank, entry.tp_rank, entry.dp_rank)
+    names = {f.name for f in entry.files}
+    for f in entry.files:
+        if f.name in owners:
+            raise CheckpointCorrupt(f"{where}: file {f.name!r} is listed by two ranks {owners[f.name]} and {key}.")
+        owners[f.name] = key
+        # The name is the only record of which rank wrote a file: ranks swapped in the
+        # manifest would otherwise serve one rank's shards to another.
+        parsed = parse_file_name(manifest.pattern, f.name)
+        if parsed is None or any(
+            parsed.get(k, v) != v
+            for k, v in (("tp_rank", entry.tp_rank), ("pp_rank", entry.pp_rank), ("dp_rank", entry.dp_rank))
+        ):
+            raise CheckpointCorrupt(
+                f"{where}: file {f.name!r} is listed by {rank}, but the pattern {manifest.pattern!r} does not "
+                "name that rank's files so. The manifest is damaged: save the checkpoint again."
+            )
+    if entry.startup is not None:
+        if entry.startup.file in owners:
+            raise CheckpointCorrupt(
+                f"{where}: the start-up artifacts {entry.startup.file!r} of {rank} are also listed by "
+                f"{owners[entry.startup.file]}. The manifest is damaged: save the checkpoint again."
+            )
+        owners[entry.startup.file] = key
+    for tensor_name, t in entry.tensors.items():
+        if t.file not in names:
+            raise CheckpointCorrupt(
+                f"{where}: tensor {tensor_name!r} of {rank} points at {t.file!r}, which that rank does not list."
+            )
+
+
+def _check_ranks_complete(
+    manifest: Manifest, missing: list[tuple[int, int, int]], first: dict[tuple[int, int], set[str]], where: str
+) -> None:
+    """No rank of the topology ``missing``, the TP ranks of a stage listing the same tensors (``first``: the
+    first replica's, by (pp_rank, tp_rank)), and a later replica's entry only tensors the first one's holds."""
+    replicas = manifest.replicas
     if missing:
         raise CheckpointCorrupt(
             f"{where}: ranks (pp_rank, dp_rank, tp_rank) {missing[:8]} are missing for TP={manifest.tp_size} "

@@ -10,7 +10,7 @@ from ..format.manifest import Manifest
 from ..format.names import MANIFEST_NAME
 from ..format.safetensors import dtype_size
 from .pipeline import layer_index
-from .reads import ReadPlan, SavedRank, SavedTensor, check_saved_shape, plan_reads
+from .reads import ReadPlan, SavedCheckpoint, SavedRank, SavedTensor, check_saved_shape, plan_reads
 from .tensors import tied_source
 from .topology import RankInfo
 
@@ -61,21 +61,10 @@ def plan_manifest_reads(
 ) -> ReadPlan:
     """:func:`plan_reads` over a manifest's ranks for serving ``rank``, with the manifest's ties added to
     ``tied`` (checked by :func:`check_manifest_ties`)."""
-    plan = plan_reads(
-        saved_ranks(manifest, directory),
-        manifest.tp_size,
-        list(needed),
-        tp_size=rank.tp_size,
-        tp_rank=rank.tp_rank,
-        pp_rank=rank.pp_rank,
-        tied=[*manifest.tied, *tied],
-        saved_experts=manifest.experts,
-        experts=rank.experts,
-        ep_rank=rank.ep_rank,
-        saved_replicas=manifest.replicas,
-        saved_expert_tp=manifest.expert_tp_size,
-        expert_tp=rank.expert_tp,
+    saved = SavedCheckpoint(
+        saved_ranks(manifest, directory), manifest.tp_size, manifest.experts, manifest.replicas, manifest.expert_tp_size
     )
+    plan = plan_reads(saved, list(needed), rank, [*manifest.tied, *tied])
     check_manifest_ties(plan, tied)
     return plan
 

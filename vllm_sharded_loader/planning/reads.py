@@ -24,6 +24,7 @@ from .experts import check_expert_placement, expert_slots, experts_moved, rank_s
 from .layout import ShardLayout, ShardPiece, check_reshardable, shard_layout
 from .runs import Read, Strided, merge_reads, merge_zeros, read_run, strided
 from .tensors import tied_source
+from .topology import RankInfo
 
 
 @dataclass(frozen=True)
@@ -103,28 +104,27 @@ class SavedRank:
     dp_rank: int = 0
 
 
-def plan_reads(
-    saved: Sequence[SavedRank],
-    saved_tp_size: int,
-    needed: Iterable[str],
-    *,
-    tp_size: int,
-    tp_rank: int,
-    pp_rank: int = 0,
-    tied: Iterable[Iterable[str]] = (),
-    saved_experts: ExpertPlacement | None = None,
-    experts: ExpertPlacement | None = None,
-    ep_rank: int = 0,
-    saved_replicas: int = 1,
-    saved_expert_tp: int | None = None,
-    expert_tp: tuple[int, int] | None = None,
-) -> ReadPlan:
-    """The reads that give serving rank ``tp_rank`` of ``tp_size`` each tensor in ``needed``.
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What a checkpoint saved, as the planner reads it: every saved rank (any pipeline stage) at
+    ``tp_size``; ``experts``, the expert placement they were saved with (None: no expert parallelism);
+    ``replicas``, how many data-parallel replicas wrote their experts (saved EP rank ``dp_rank *
+    tp_size + tp_rank``); ``expert_tp``, the TP size the experts were cut at without expert
+    parallelism (default ``tp_size``; TP x DP when each replica wrote its slices)."""
 
-    ``saved`` are all the saved ranks (any pipeline stage: a tensor is looked up by name
-    wherever it was written). ``tied`` lists groups of names sharing one tensor (tied
-    embeddings are saved once, under one name): a needed name not saved is read from a
-    tied name that is. ``pp_rank`` only labels the plan and its messages.
+    ranks: Sequence[SavedRank]
+    tp_size: int
+    experts: ExpertPlacement | None = None
+    replicas: int = 1
+    expert_tp: int | None = None
+
+
+def plan_reads(
+    saved: SavedCheckpoint, needed: Iterable[str], rank: RankInfo, tied: Iterable[Iterable[str]] = ()
+) -> ReadPlan:
+    """The reads that give serving ``rank`` (its ``pp_rank`` only labels the plan) each tensor in
+    ``needed``, wherever a saved stage wrote it; ``tied`` lists groups of names sharing one tensor
+    (saved once, under one name): a needed name not saved is read from a tied name that is.
 
     A split tensor is read piece by piece from the saved ranks holding each piece (dim-0
     splits as contiguous ranges, dim-1 splits as one run per row); a replicated one whole
@@ -132,26 +132,24 @@ def plan_reads(
     without a reshardable geometry is copied whole when the TP size is unchanged, and is
     an error otherwise.
 
-    Stacked experts are planned by global expert id: ``saved_experts`` is the placement
-    they were saved with and ``experts`` and ``ep_rank`` the serving one (None: no expert
-    parallelism; see :func:`.experts.expert_slots`). Another EP size or strategy, or none
-    on either side, gives each serving slot its expert's bytes wherever they were saved.
-    Saved EP rank ``dp_rank * saved_tp_size + tp_rank`` is the saved rank of that data-parallel
-    replica (``saved_replicas`` of them wrote their experts; 1: EP rank = TP rank). Without
-    expert parallelism, stacked experts are cut at ``saved_expert_tp`` (default: the saved TP
-    size; TP x DP when each replica wrote its slices, the same index) and served at
-    ``expert_tp`` (size, rank; default: this rank's TP split).
+    Stacked experts are planned by global expert id: ``saved.experts`` is the placement
+    they were saved with and ``rank.experts`` and ``rank.ep_rank`` the serving one (see
+    :func:`.experts.expert_slots`). Another EP size or strategy, or none on either side, gives
+    each serving slot its expert's bytes wherever they were saved. Without expert parallelism,
+    they are served cut at ``rank.expert_tp``.
 
     >>> from vllm_sharded_loader.format.geometry import column_parallel
-    >>> saved = [SavedRank(0, 0, {"w": SavedTensor("f0", 100, 2, (4, 2), column_parallel([4, 2]))})]
-    >>> (read,) = plan_reads(saved, 1, ["w"], tp_size=2, tp_rank=1).tensors["w"].reads
+    >>> ranks = [SavedRank(0, 0, {"w": SavedTensor("f0", 100, 2, (4, 2), column_parallel([4, 2]))})]
+    >>> (read,) = plan_reads(SavedCheckpoint(ranks, 1), ["w"], RankInfo(1, 2)).tensors["w"].reads
     >>> read.source, read.dest
     (Strided(offset=108, length=8, stride=8, count=1), Strided(offset=0, length=4, stride=4, count=1))
     """
+    tp_size, tp_rank, pp_rank = rank.tp_size, rank.tp_rank, rank.pp_rank
+    saved_tp_size, saved_replicas, saved_experts = saved.tp_size, saved.replicas, saved.experts
     serving = f"pp_rank={pp_rank} tp_rank={tp_rank} (TP={tp_size})"
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise InvalidOption(f"Serving rank {serving}: tp_rank is not a rank of TP={tp_size}.")
-    index = _index_saved(saved, saved_tp_size, saved_replicas)
+    index = _index_saved(saved.ranks, saved_tp_size, saved_replicas)
     if saved_experts is not None and saved_experts.ep_size != saved_tp_size * saved_replicas:
         raise CheckpointCorrupt(
             f"The experts were saved {saved_experts.describe()}, but TP={saved_tp_size} ranks of {saved_replicas} "
@@ -160,12 +158,12 @@ def plan_reads(
         )
     places = _Places(
         saved_experts,
-        experts,
-        ep_rank,
+        rank.experts,
+        rank.ep_rank,
         tp_rank,
         saved_replicas,
-        saved_expert_tp or saved_tp_size,
-        expert_tp or (tp_size, tp_rank),
+        saved.expert_tp or saved_tp_size,
+        rank.expert_tp,
     )
     saved_as = tied_source(tied)
     plans: dict[str, TensorPlan] = {}

@@ -156,25 +156,15 @@ def reshard(args: argparse.Namespace) -> int:
 def convert(args: argparse.Namespace) -> int:
     import time
 
-    from .convert import convert_checkpoint
+    from ..checkpoint.meta_model import ModelOptions
+    from .convert import ConvertOptions, convert_checkpoint
 
     started = time.perf_counter()
+    model = ModelOptions(args.dtype, args.quantization, args.trust_remote_code, args.runner, args.convert)
+    options = ConvertOptions(model, args.revision, args.max_file_size, args.file_pattern, args.overwrite)
     with _progress("Converting") as progress:
         result = convert_checkpoint(
-            args.source,
-            args.output,
-            args.tensor_parallel_size,
-            args.pipeline_parallel_size,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            max_size=args.max_file_size,
-            pattern=args.file_pattern,
-            overwrite=args.overwrite,
-            trust_remote_code=args.trust_remote_code,
-            runner=args.runner,
-            convert=args.convert,
-            revision=args.revision,
-            progress=progress,
+            args.source, args.output, args.tensor_parallel_size, args.pipeline_parallel_size, options, progress
         )
     manifest = result.manifest
     _print(

@@ -18,14 +18,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..checkpoint.carry import record_of
+from ..checkpoint.meta_model import DEFAULT_OPTIONS, SAVE_INSTEAD, ModelOptions
 from ..checkpoint.rank_cut import rank_parts
 from ..checkpoint.save import DEFAULT_MAX_SIZE, RankHooks, SaveOptions, save_checkpoint
 from ..checkpoint.state import manifest_ties
@@ -45,9 +45,8 @@ from ..storage.writer import LazyTensor, write_order
 from .offline import check_output_apart
 
 if TYPE_CHECKING:
-    from ..engine.convert_setup import ModelOptions
-
-SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the model in vLLM) instead."
+    from ..checkpoint.meta_model import MetaModel
+    from ..engine.convert import ConvertModel
 
 # Components made and not yet freed, in bytes: ranks that run ahead wait for the others. With
 # vLLM imported (about 0.8 GiB resident here, the writers' buffers included), more would take the
@@ -70,13 +69,13 @@ class _Made:
 class ComponentCache:
     """Components made once and shared by the ranks' writer threads, freed after their last slice.
 
-    One thread of its own makes every component (``make`` is vLLM's loader on one model, so
-    never two at once) and another checks each one made (``check`` refuses one left partly
-    unfilled), while the ranks cut and write the ones checked: once a component is made, or
-    taken by a rank, the one after it (``after``) is made ahead if the budget allows, so
-    making, checking and writing overlap.
+    ``model`` makes them (:class:`..checkpoint.meta_model.MetaModel`). One thread of its own makes
+    every component (``make`` is vLLM's loader on one model, so never two at once) and another
+    checks each one made (``check`` refuses one left partly unfilled), while the ranks cut and write
+    the ones checked: once a component is made, or taken by a rank, the one after it (``after``) is
+    made ahead if the budget allows, so making, checking and writing overlap.
 
-    Components made and not yet freed stay within ``budget`` bytes (``size_of`` gives a
+    Components made and not yet freed stay within ``budget`` bytes (``component_bytes`` gives a
     component's bytes before it is made): a rank whose component does not fit waits for slower
     ranks to free theirs, unless every other working rank waits too; then components no waiting
     rank needs next are freed (and made again later if a rank still needs them: a source read
@@ -85,14 +84,9 @@ class ComponentCache:
     takes it.
     """
 
-    make: Callable[[str], dict[str, torch.Tensor]]
-    free: Callable[[str], None]
-    component_of: Callable[[str], int]
+    model: MetaModel
     takes: dict[str, int]  # tensor -> how many ranks take a slice of it
     budget: int = DEFAULT_BUDGET
-    after: Callable[[str], str | None] = lambda name: None  # a tensor of the component made after name's
-    size_of: Callable[[str], int] = lambda name: 0  # bytes of name's component, once made
-    check: Callable[[str, dict[str, torch.Tensor]], None] = lambda name, tensors: None
     made: dict[int, _Made] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
     waiting: dict[int, int] = field(default_factory=dict)  # thread -> component it waits to make
@@ -115,7 +109,7 @@ class ComponentCache:
         # (two threads each): on a few cores, an OpenMP team per operation only spins on theirs.
         self.threads = max(1, len(os.sched_getaffinity(0)) - 2 * self.running)
         for name, count in self.takes.items():
-            key = self.component_of(name)
+            key = self.model.component_of(name)
             self.pending[key] = self.pending.get(key, 0) + count
 
     def _bytes(self) -> int:
@@ -146,7 +140,7 @@ class ComponentCache:
     def _make(self, name: str, key: int) -> None:
         try:
             with torch_threads(self.threads):
-                tensors = self.make(name)
+                tensors = self.model.make(name)
         except BaseException as e:
             with self.cond:
                 self.errors[key], self.making = e, None
@@ -164,7 +158,7 @@ class ComponentCache:
     def _check(self, name: str, key: int, tensors: dict[str, torch.Tensor]) -> None:
         try:
             with torch_threads(self.threads):
-                self.check(name, tensors)
+                self.model.check(name, tensors)
         except BaseException as e:
             with self.cond:
                 self.errors[key] = e
@@ -176,7 +170,7 @@ class ComponentCache:
             self.cond.notify_all()
 
     def _take(self, name: str, me: int) -> tuple[torch.Tensor, bool]:
-        key = self.component_of(name)
+        key = self.model.component_of(name)
         while key not in self.made:
             if key in self.errors:
                 raise self.errors[key]  # this rank's own component failed: its error, not a "stopped"
@@ -184,7 +178,7 @@ class ComponentCache:
                 raise RankStopped(f"stopped: another rank's conversion failed ({self.failed})")
             # Ranks that can still take a slice: those not waiting for a component nobody made yet.
             others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
-            fits = self._bytes() + self.size_of(name) <= self.budget
+            fits = self._bytes() + self.model.component_bytes(name) <= self.budget
             if self.making is None and key not in self.checking and (fits or not self.made or others <= 0):
                 if not fits:
                     self._evict(key)
@@ -201,7 +195,7 @@ class ComponentCache:
         if made.pending:
             return tensor, False
         del self.made[key]
-        self.free(name)
+        self.model.free(name)
         self.cond.notify_all()
         return tensor, True
 
@@ -211,19 +205,19 @@ class ComponentCache:
         idle and the budget has room for it."""
         if self.making is not None or len(self.untaken) >= AHEAD:
             return
-        following = self.after(name)
+        following = self.model.after(name)
         for _ in range(AHEAD):
             if following is None:
                 return
-            key = self.component_of(following)
+            key = self.model.component_of(following)
             if key not in self.made and key not in self.checking:
                 break
-            following = self.after(following)
+            following = self.model.after(following)
         else:
             return
         if key in self.errors or not self.pending.get(key):
             return
-        if self._bytes() + self.size_of(following) <= self.budget:
+        if self._bytes() + self.model.component_bytes(following) <= self.budget:
             self.ahead += 1
             self._start(following, key)
 
@@ -232,7 +226,7 @@ class ComponentCache:
         for key in [k for k in self.made if k not in wanted]:
             made = self.made.pop(key)
             self.untaken.discard(key)  # made again when a rank needs it, and counted ahead then
-            self.free(next(iter(made.tensors)))
+            self.model.free(next(iter(made.tensors)))
             self.remakes += 1
 
     def rank_done(self, failed: BaseException | None = None) -> None:
@@ -297,30 +291,30 @@ def plan_ranks(
     return ranks
 
 
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How ``convert`` builds the source's model (``model``: vLLM's ``LLM(...)`` arguments of the engine
+    that will serve it), which ``revision`` of a Hub repo id, how it writes (a save's ``max_size``,
+    ``pattern``, ``overwrite``), and the bytes of components made and not yet freed (``budget``)."""
+
+    model: ModelOptions = DEFAULT_OPTIONS
+    revision: str | None = None
+    max_size: int | None = DEFAULT_MAX_SIZE
+    pattern: str | None = None
+    overwrite: bool = False
+    budget: int = DEFAULT_BUDGET
+
+
 def convert_checkpoint(
     source: str,
     output: str,
     tp_size: int,
     pp_size: int = 1,
-    *,
-    dtype: str = "auto",
-    quantization: str | None = None,
-    max_size: int | None = DEFAULT_MAX_SIZE,
-    pattern: str | None = None,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
-    runner: str = "auto",
-    convert: str = "auto",
-    revision: str | None = None,
-    budget: int = DEFAULT_BUDGET,
+    options: ConvertOptions = ConvertOptions(),
     progress: ByteProgress | None = None,
 ) -> ConvertResult:
-    """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``.
-
-    ``dtype``, ``quantization``, ``trust_remote_code``, ``runner`` and ``convert`` are vLLM's own
-    ``LLM(...)`` arguments of the engine that will serve it: they decide its model class and
-    tensors (``runner="pooling", convert="embed"`` for a causal LM served as an embedding model).
-    ``revision`` picks the branch, tag or commit of a Hub repo id. ``progress`` counts the bytes written.
+    """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``
+    (``options``: :class:`ConvertOptions`; ``progress`` counts the bytes written).
 
     Every check (the source's files and headers, that vLLM's loader places every tensor,
     that every rank's split exists) runs before a byte is written; the output is published
@@ -328,31 +322,76 @@ def convert_checkpoint(
     """
     if tp_size < 1 or pp_size < 1:
         raise InvalidOption(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    folder = resolve_source(source, revision)
+    folder = resolve_source(source, options.revision)
     out = open_store(output)
     check_output_apart(out, folder, "model")
     check_source_files(folder)
     # Said now, as the save's lock would say it once vLLM has built the model (tens of seconds from here).
-    out.refuse_before_save(overwrite)
-    from ..engine.convert_setup import ModelOptions
-
-    options = ModelOptions(dtype, quantization, trust_remote_code, runner, convert)
+    out.refuse_before_save(options.overwrite)
     # (Nothing is written into OUT before the save protocol's lock, which makes the output's folders
     # and, on a failure, removes those it made.)
-    return _convert(folder, out, tp_size, pp_size, options, max_size, pattern, overwrite, budget, progress)
+    return _convert(folder, out, tp_size, pp_size, options, progress)
+
+
+class _Ranks:
+    """Every target rank's tensors (``plans``), each made when the writer takes it from its component in
+    ``cache``; a rank is done once it took every tensor of its plan, or when its writing ended (a full
+    disk): counted, so that it does not depend on the order the writer takes them in."""
+
+    def __init__(self, model: ConvertModel, cache: ComponentCache, plans: dict[RankInfo, dict[str, Any]]) -> None:
+        self.model, self.cache, self.plans = model, cache, plans
+        self.left = {info: len(plan) for info, plan in plans.items()}
+        self.done: set[RankInfo] = set()
+        self.by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
+
+    def tensors(self) -> dict[RankInfo, dict[str, LazyTensor]]:
+        ranks = {}
+        for info, plan in self.plans.items():
+            ranks[info] = {n: self._lazy(state_name, layout, info) for n, (state_name, layout) in plan.items()}
+            if len(ranks) == 1:
+                # Components are made in the order the writer takes a rank's tensors (a size cap cuts
+                # them into files, which can reorder them a little); the files keep the plan's order,
+                # as a save's do.
+                order = write_order(list(plan.values()), self._nbytes)
+                self.model.follow([state_name for state_name, _ in order])
+        return ranks
+
+    def _nbytes(self, item: tuple[str, ShardLayout]) -> int:
+        return math.prod(item[1].shape) * self.model.state[item[0]].dtype.itemsize
+
+    def _lazy(self, state_name: str, layout: ShardLayout, info: RankInfo) -> LazyTensor:
+        meta = self.model.state[state_name]
+
+        def produce() -> tuple[torch.Tensor, ...]:
+            tensor = self.cache.take(state_name)
+            self.left[info] -= 1
+            if not self.left[info]:
+                self.finish(info)
+            if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
+                # The header already written says otherwise: the save fails, nothing is published.
+                raise ConvertRefused(
+                    f"{state_name}: vLLM's loader made {list(tensor.shape)} {tensor.dtype}, but the model "
+                    f"declares {list(meta.shape)} {meta.dtype}. {SAVE_INSTEAD}"
+                )
+            return rank_parts(tensor, layout, self.model.pool)
+
+        return LazyTensor(tuple(layout.shape), meta.dtype, produce)
+
+    def finish(self, info: RankInfo, error: BaseException | None = None) -> None:
+        if info not in self.done:
+            self.done.add(info)
+            self.cache.rank_done(error)
+
+    def placed(self, target: Store, entry: RankEntry) -> RankEntry:
+        # Every rank is written (the save places after staging them all): a source file written
+        # meanwhile could have given some tensors its old bytes and some its new ones.
+        self.model.source.check_unchanged()
+        info = self.by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
+        return self.model.carry_startup_artifacts(target, entry, info)
 
 
 def _convert(
-    folder: Store,
-    output: Store,
-    tp_size: int,
-    pp_size: int,
-    options: ModelOptions,
-    max_size: int | None,
-    pattern: str | None,
-    overwrite: bool,
-    budget: int,
-    progress: ByteProgress | None,
+    folder: Store, output: Store, tp_size: int, pp_size: int, options: ConvertOptions, progress: ByteProgress | None
 ) -> ConvertResult:
     started = time.perf_counter()
     # A cold source is read while vLLM is imported and configured and its model built (seconds of
@@ -369,7 +408,7 @@ def _convert(
         # one written meanwhile (between vLLM's read and the carry's copy) would be carried beside weights
         # made for the other, a checkpoint that verifies and that loads refuse. The carry refuses it.
         config = record_of(directory.where, "config.json")
-        model = stack.enter_context(converting(directory.where, folder.where, options))
+        model = stack.enter_context(converting(directory.where, folder.where, options.model))
         built = time.perf_counter()
         stop_reading_ahead()
         layers = config_layers(model.identity.config)
@@ -380,72 +419,15 @@ def _convert(
         for plan in plans.values():
             for state_name, _ in plan.values():
                 takes[state_name] = takes.get(state_name, 0) + 1
-        cache = ComponentCache(
-            make=model.make,
-            free=model.free,
-            component_of=lambda n: id(model.components[n]),
-            takes=takes,
-            budget=budget,
-            after=model.after,
-            size_of=model.component_bytes,
-            check=model.check,
-            running=len(plans),  # (every rank is staged in a thread of its own, wherever it goes)
-        )
+        # (every rank is staged in a thread of its own, wherever it goes)
+        cache = ComponentCache(model, takes, options.budget, running=len(plans))
         stack.callback(cache.close)
-
-        # A rank is done once it took every tensor of its plan, or when its writing ended (a full
-        # disk): counted, so that it does not depend on the order the writer takes them in.
-        left = {info: len(plan) for info, plan in plans.items()}
-        done: set[RankInfo] = set()
-
-        def finish(info: RankInfo, error: BaseException | None = None) -> None:
-            if info not in done:
-                done.add(info)
-                cache.rank_done(error)
-
-        def lazy(state_name: str, layout: ShardLayout, info: RankInfo) -> LazyTensor:
-            meta = model.state[state_name]
-
-            def produce() -> tuple[torch.Tensor, ...]:
-                tensor = cache.take(state_name)
-                left[info] -= 1
-                if not left[info]:
-                    finish(info)
-                if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
-                    # The header already written says otherwise: the save fails, nothing is published.
-                    raise ConvertRefused(
-                        f"{state_name}: vLLM's loader made {list(tensor.shape)} {tensor.dtype}, but the model "
-                        f"declares {list(meta.shape)} {meta.dtype}. {SAVE_INSTEAD}"
-                    )
-                return rank_parts(tensor, layout, model.pool)
-
-            return LazyTensor(tuple(layout.shape), meta.dtype, produce)
-
-        by_position = {(info.tp_rank, info.pp_rank, info.dp_rank): info for info in plans}
-
-        def placed(target: Store, entry: RankEntry) -> RankEntry:
-            # Every rank is written (the save places after staging them all): a source file written
-            # meanwhile could have given some tensors its old bytes and some its new ones.
-            model.source.check_unchanged()
-            info = by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
-            return model.carry_startup_artifacts(target, entry, info)
-
-        ranks = {}
-        for info, plan in plans.items():
-            ranks[info] = {n: lazy(state_name, layout, info) for n, (state_name, layout) in plan.items()}
-            if len(ranks) == 1:
-                # Components are made in the order the writer takes a rank's tensors (a size cap cuts
-                # them into files, which can reorder them a little); the files keep the plan's order,
-                # as a save's do.
-                order = write_order(
-                    list(plan.values()), lambda item: math.prod(item[1].shape) * model.state[item[0]].dtype.itemsize
-                )
-                model.follow([state_name for state_name, _ in order])
+        ranks = _Ranks(model, cache, plans)
         try:
             saved = SaveOptions(
-                pattern=pattern,
-                max_size=max_size,
-                overwrite=overwrite,
+                pattern=options.pattern,
+                max_size=options.max_size,
+                overwrite=options.overwrite,
                 geometry={n: model.geometry[s].to_dict() for plan in plans.values() for n, (s, _) in plan.items()},
                 tied=manifest_ties(model.tied),
                 carry=directory,
@@ -454,11 +436,11 @@ def _convert(
             )
             manifest = save_checkpoint(
                 output,
-                ranks,
+                ranks.tensors(),
                 dtype=model.dtype,
                 source=model.identity,
                 options=saved,
-                hooks=RankHooks(parallel=True, ended=finish, placed=placed),
+                hooks=RankHooks(parallel=True, ended=ranks.finish, placed=ranks.placed),
             )
         except RankStopped:
             # The save reports the first rank's error; a rank that only stopped for another's failure
