@@ -229,7 +229,7 @@ class Weights:
 
     def live(self) -> dict[str, torch.Tensor]:
         if self.live_tensors is None:
-            raise ShardedStateError("post-processing replaced 2 parameters")
+            raise SaveRefused("post-processing replaced 2 parameters")
         return self.live_tensors
 
     def reread(self) -> dict[str, torch.Tensor]:

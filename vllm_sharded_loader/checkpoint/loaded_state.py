@@ -223,7 +223,7 @@ def capture_settings() -> tuple[str, str | None, int | None] | None:
 
 class ServedWeights(Protocol):
     """The weights a worker serves: ``live``, if provably still the loaded ones (else a
-    :class:`ShardedStateError`), or ``reread`` from the source the engine loaded."""
+    :class:`SaveRefused`), or ``reread`` from the source the engine loaded."""
 
     def live(self) -> dict[str, torch.Tensor]: ...
 
