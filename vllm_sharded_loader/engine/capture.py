@@ -1,16 +1,10 @@
 """Where a saved state comes from: the state recorded right after loading.
 
-vLLM's save hook runs on a model that has already been post-processed
-(``process_weights_after_loading``): on CPU every linear weight has been repacked
-for oneDNN and ``layer.weight`` emptied; quantization methods rename, reshape or
-drop parameters. Only the state as it stands right after ``load_weights`` always
-reloads, because that is exactly what the loader fills in again. So the plugin wraps
-vLLM's ``process_weights_after_loading``: just before it runs, each worker records the
-loaded state's signature (names, shapes, dtypes, memory addresses) on the model, which
-costs nothing measurable, and captures it to disk if asked (see
-:mod:`..checkpoint.loaded_state` for what a save does with it). Recording never breaks a
-load: any error in it, under any load format, is logged once and kept for the save hook
-to report.
+vLLM's save hook runs on a post-processed model (CPU weights repacked for oneDNN, quantized
+parameters renamed, reshaped or dropped); only the state right after ``load_weights`` always
+reloads. So the plugin wraps ``process_weights_after_loading``: each worker first records the loaded
+state's signature on the model, and captures it to disk if asked (:mod:`..checkpoint.loaded_state`).
+Recording never breaks a load: an error is logged once and kept for the save hook to report.
 """
 
 from __future__ import annotations
@@ -63,19 +57,16 @@ def _show_progress() -> bool:
     return enable_tqdm(wanted)
 
 
-# Set on the model by the sharded loader at start-up: (checkpoint, manifest_proof) it read.
+# Set on the model by the sharded loader: (checkpoint, manifest_proof, manifest) it read.
 READ_PROOF_ATTRIBUTE = "_vllm_sharded_read_proof"
 
 
 def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     """The state this worker loaded at start-up, read again from the source the engine loaded.
 
-    For a save without a capture when the live weights are not the loaded state (CPU
-    repacking, quantized layouts). From a sharded checkpoint in a folder or a bucket, without
-    a model (:func:`_reread_streaming`: file mappings, no copy where the files can be mapped).
-    Otherwise a fresh model of the same configuration is built on the CPU and given the same
-    loader's ``load_weights``, without the post-processing, so it holds exactly what the engine
-    held before it; that costs one more copy of this rank's weights in memory while the save runs.
+    For a save without a capture when the live weights are not the loaded state. From a sharded
+    checkpoint, file mappings without a model; otherwise a fresh model built on the CPU and given the
+    same loader's ``load_weights`` without post-processing, one more copy of the rank's weights.
     """
     import copy
 
@@ -91,9 +82,9 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     fresh.compilation_config = copy.copy(vllm_config.compilation_config)
     fresh.compilation_config.static_forward_context = {}
     load_config = vllm_config.load_config
-    checkpoint = None  # the sharded checkpoint re-read, proven unchanged before and after
+    checkpoint = None  # proven unchanged before and after the re-read
     if state.reloaded_from is not None:
-        # Updated since start-up: the checkpoint of the update, through our loader (vLLM's registry).
+        # Updated since start-up: the update's checkpoint, through our loader.
         load_config = copy.copy(load_config)
         load_config.load_format, load_config.model_loader_extra_config = "sharded_state", {}
         model_config = copy.copy(model_config)
@@ -108,7 +99,7 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
             check_still_read_from(checkpoint, state.read_proof, manifest)
             if manifest is not None and state.rank is not None:
                 return state.reread_from_checkpoint(store, manifest, ranks_on_host())
-        # Every byte read again is checked against the manifest's checksums: the content, not the path.
+        # Every byte read again is checked against the manifest's checksums.
         load_config = copy.copy(load_config)
         load_config.model_loader_extra_config = {**(load_config.model_loader_extra_config or {}), "verify": "checksum"}
     else:
@@ -118,9 +109,9 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
         model = loader.create_model(vllm_config=fresh, model_config=model_config)
         loader.load_weights(model, model_config)
     if checkpoint is None:
-        check_source_files_unchanged(state.model_dir, state.source_files)  # (a write during the read shows here)
+        check_source_files_unchanged(state.model_dir, state.source_files)  # a write during the read
     else:
-        # The manifest the re-read used (a rewrite between our check and the read shows here).
+        # The manifest the re-read used: a rewrite between our check and the read shows here.
         check_still_read_from(
             checkpoint, state.read_proof, model.__dict__.get(READ_PROOF_ATTRIBUTE, (None, None, None))[2]
         )
@@ -159,10 +150,8 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     )
     if READ_PROOF_ATTRIBUTE not in model.__dict__:  # loaded by another format, from its own files
         state.source_files = weight_file_identities(state.model_dir)
-    # Data-parallel replicas hold the same slices: only the first captures them, the others
-    # only their own experts, if placed across replicas (see the save hook). A speculative
-    # drafter loads too, with its own config: the capture (and the save) are the served
-    # model's, and a drafter's staged files would be left in the checkpoint.
+    # Data-parallel replicas hold the same slices: only the first captures, the others only their own
+    # experts. A speculative drafter's capture would leave stray files in the served model's checkpoint.
     writes = rank.dp_rank == 0 or bool(state.per_replica)
     settings = capture_settings() if writes and not is_drafter(model_config) else None
     if settings is not None:
@@ -179,8 +168,7 @@ def wrap_process_weights_after_loading(original: Any) -> Any:
         return original
 
     def process_weights_after_loading(model: torch.nn.Module, model_config: Any, target_device: Any) -> Any:
-        # This runs for every load format once the plugin is installed: whatever goes
-        # wrong in the recording must leave the load itself untouched.
+        # Runs for every load format: a failed recording must leave the load untouched.
         config = current_vllm_config()
         if config is not None:
             watch_leader(config.parallel_config)  # a follower node ends with its leader, whatever it loaded

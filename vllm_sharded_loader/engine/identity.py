@@ -38,11 +38,8 @@ def data_parallel_replica() -> tuple[int, int]:
 
 
 def is_drafter(model_config: Any) -> bool:
-    """Whether the model being loaded is not the engine's own (a speculative drafter).
-
-    vLLM loads a drafter with its own ``ModelConfig`` while the engine's config (the
-    target's) is current.
-    """
+    """Whether the model being loaded is a speculative drafter: vLLM loads it with its own
+    ``ModelConfig`` while the target's config is current."""
     from vllm.config import get_current_vllm_config
 
     try:
@@ -77,19 +74,15 @@ def current_vllm_config() -> Any:
 
 
 def ranks_on_host() -> int:
-    """How many workers of this engine run on this host (vLLM's local world size); 1 outside an engine.
-
-    They load at the same time, so they split the host's budget of requests to object
-    storage (:func:`..storage.reader.remote_threads`) instead of each taking all of it.
-    """
+    """How many workers of this engine run on this host; 1 outside an engine. They load at once,
+    so they split the host's budget of requests to object storage."""
     config = current_vllm_config()
     size = getattr(getattr(config, "parallel_config", None), "local_world_size", None)
     return size if isinstance(size, int) and size >= 1 else 1
 
 
 def model_rank(model: torch.nn.Module) -> RankInfo:
-    """This worker's :class:`RankInfo` for ``model``: its place in TP, PP and DP, where the model
-    places its experts under expert parallelism, and whether it cuts them across TP x DP without."""
+    """This worker's :class:`RankInfo` for ``model``: TP, PP and DP place, and its expert placement."""
     experts, ep_rank = model_expert_placement(model)
     over_dp = any(
         is_experts(m) and not m.moe_config.moe_parallel_config.use_ep and m.moe_config.moe_parallel_config.dp_size > 1
@@ -99,13 +92,9 @@ def model_rank(model: torch.nn.Module) -> RankInfo:
 
 
 def model_expert_placement(model: torch.nn.Module) -> tuple[ExpertPlacement | None, int]:
-    """Where this model's routed experts live under expert parallelism, and this rank's EP rank.
-
-    ``(None, 0)`` without expert parallelism (or without experts). The placement of every
-    rank follows from vLLM's rule (:func:`..planning.experts.expert_placement`); this
-    rank's own expert map, read off each MoE layer, must agree with it, and all layers
-    with each other: a placement this version does not know (EPLB's redundant experts,
-    a per-layer map) is refused rather than recorded wrong.
+    """Where this model's routed experts live under expert parallelism, and this rank's EP rank
+    (``(None, 0)`` without). Every MoE layer's expert map must agree with vLLM's rule: a placement
+    not known here (EPLB, a per-layer map) is refused rather than recorded wrong.
     """
     found: tuple[ExpertPlacement, int] | None = None
     for name, module in model.named_modules():

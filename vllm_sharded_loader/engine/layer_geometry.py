@@ -1,12 +1,9 @@
 """How each parameter of a vLLM model is split across tensor-parallel ranks, read off its layer.
 
-The result is a :class:`~..format.geometry.TensorGeometry` per saved tensor, recorded in the
-manifest so that a checkpoint can be served at another TP/PP size. It is derived from
-vLLM's layer classes, never from model-specific code, and conservatively: a layer this
-module does not know exactly (a subclass with its own sharding, packed int4 experts, a
-quantization method it has not been checked against) is recorded as ``opaque`` and loads
-only at the TP size it was saved at. A geometry is also kept only if it reproduces the
-tensor's actual local shape on this rank; otherwise it is recorded as ``opaque``.
+The :class:`~..format.geometry.TensorGeometry` of each saved tensor goes into the manifest so that a
+checkpoint can be served at another TP/PP size. It is derived from vLLM's layer classes only, and
+conservatively: a layer not known exactly, or a geometry that does not reproduce the rank's actual
+shape, is ``opaque`` and loads only at the TP size it was saved at.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from ..format.errors import ShardedStateError
 from ..format.experts import ExpertPlacement
 from ..planning.experts import rank_shape
 
-# Layers whose parameters every rank holds whole. Matched on the class and its bases.
-# (Nemotron's LayerNorm1P, ``x * (1 + w)``, is a CustomOp of its own, not a LayerNorm subclass.)
+# Layers whose parameters every rank holds whole, matched on the class and its bases.
 REPLICATED_LAYERS = frozenset(
     {"RMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNormGated", "Attention", "Embedding", "NemotronLayerNorm1P"}
 )
@@ -32,15 +28,12 @@ REPLICATED_LAYERS = frozenset(
 PARALLEL_BASES = frozenset({"LinearBase", "VocabParallelEmbedding", "FusedMoE", "RoutedExperts"})
 UNQUANTIZED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
 UNQUANTIZED_EXPERT_METHODS = frozenset({"UnquantizedFusedMoEMethod"})
-# Quantized experts whose values are stored one per weight (int8, FP8), cut by vLLM's FusedMoE
-# loader like unquantized experts, with scales per tensor, per channel or per block
-# (the parameter's ``quant_method`` attribute). Each is checked against vLLM's own loaders in
-# tests/test_quantized_experts.py; any other method (packed int4, MXFP4, NVFP4) stays opaque.
+# Quantized experts with one value per weight (int8, FP8), cut like unquantized ones; each checked
+# against vLLM's loaders in tests/test_quantized_experts.py. Others (int4, MXFP4, NVFP4) stay opaque.
 QUANTIZED_EXPERT_METHODS = frozenset(
     {"CompressedTensorsW8A8Int8MoEMethod", "CompressedTensorsW8A8Fp8MoEMethod", "Fp8MoEMethod"}
 )
-# vLLM parameter classes with one entry per group of inputs along their input_dim (group-wise
-# scales; packed zero points, whose packing is along the output dimension).
+# Parameter classes with one entry per group of inputs along their input_dim.
 GROUPED_PARAMETERS = frozenset({"GroupQuantScaleParameter", "PackedvLLMParameter"})
 LINEAR_LAYERS = frozenset(
     {"QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear"}
@@ -75,16 +68,10 @@ def _linear_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeom
 def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
     """Stacked experts, as vLLM's ``_load_w13`` / ``_load_w2`` cut them.
 
-    ``w13`` ``[experts, gate + up, hidden]`` holds each rank's slice of gate, then of up
-    (merged column parallel along dimension 1); ``w2`` ``[experts, hidden, intermediate]``
-    is split along its last dimension. The geometry describes all the experts, whatever the
-    placement: under expert parallelism a rank holds some of them whole (the layer's TP
-    size is 1), and which ones is the manifest's ``expert_placement``
-    (:func:`..planning.experts.expert_slots`). Under data parallelism without expert
-    parallelism vLLM cuts each expert across all TP x DP ranks (the layer's TP size); the
-    geometry is the same, and :attr:`..planning.topology.RankInfo.expert_tp` says where a
-    rank is in that cut. Redundant (EPLB) experts and padded sizes are not described: None,
-    so the tensor is opaque.
+    ``w13`` ``[experts, gate + up, hidden]`` is merged column parallel along dimension 1, ``w2``
+    ``[experts, hidden, intermediate]`` split along its last. The geometry covers all the experts;
+    which a rank holds under expert parallelism is the manifest's ``expert_placement``. Redundant
+    (EPLB) experts and padded sizes are opaque (None).
     """
     config = getattr(module, "moe_config", None)
     parallel = getattr(config, "moe_parallel_config", None)
@@ -113,17 +100,13 @@ def _experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeo
     if param == "w2_weight":
         return rs.row_parallel([experts, hidden, intermediate], layer_class, stacked=1)
     if param == "w2_bias":
-        # Whole on every rank that holds the expert.
         return rs.TensorGeometry(rs.REPLICATED, layer_class, (experts, hidden), stacked=1)
     return None
 
 
 def _experts_load_their_own_way(module: Any) -> bool:
-    """Whether a model's subclass of vLLM's experts layer brings a ``weight_loader`` of its own.
-    Its cut is then the model's, not the layer's: GPT-OSS's experts hold gate and up interleaved
-    row by row (a rank's slice of ``w13`` is a run of gate/up pairs, not its gate rows then its up
-    rows) and its ``w2_bias`` on the first TP rank only (zeros elsewhere), under the shapes the
-    base layer would have. Such experts are opaque."""
+    """Whether a model's experts subclass brings its own ``weight_loader`` (GPT-OSS's interleaved
+    gate/up): its cut is then the model's, not the layer's, and the experts are opaque."""
     for cls in type(module).__mro__:
         if cls.__name__ in ("RoutedExperts", "FusedMoE"):
             return False
@@ -135,16 +118,11 @@ def _experts_load_their_own_way(module: Any) -> bool:
 def _quantized_experts_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
     """Quantized stacked experts (int8, FP8), as vLLM's FusedMoE loader cuts them.
 
-    The weights hold one value per weight and are cut as unquantized experts are
-    (:func:`_experts_geometry`). Scales follow the parameter's ``quant_method`` attribute
-    (vLLM's ``FusedMoeWeightScaleSupported``): ``tensor`` scales (one per expert, and per
-    gate/up shard) and static input scales (one per expert) are loaded whole by every rank
-    holding the expert; ``channel`` scales follow the weight's output rows: gate/up rows are
-    cut like ``w13``, and ``w2``'s rows (the hidden size) are not cut at all; ``block``
-    scales hold one entry per block of rows and columns, so along the cut dimension each
-    entry stands for one block (the geometry's ``unit``: a rank must hold whole blocks).
-    Anything else is None (opaque): a padded or transposed layout, global input scales, a
-    block grid that does not divide the rank's rows, another scale scheme.
+    Weights are cut as unquantized experts are. Scales follow the parameter's ``quant_method``:
+    ``tensor`` scales and static input scales are whole on every rank holding the expert;
+    ``channel`` scales follow the weight's output rows; ``block`` scales hold one entry per block, the
+    geometry's ``unit``. Anything else (padding, transposed, global input scales, a block grid that
+    does not divide the rank's rows) is opaque (None).
     """
     tensor = getattr(module, param, None)
     config = getattr(module, "moe_config", None)
@@ -153,7 +131,6 @@ def _quantized_experts_geometry(module: Any, param: str, layer_class: str) -> rs
     stem, _, kind = param.partition("_")
     scheme = getattr(tensor, "quant_method", None)
     if kind in ("weight", "bias"):
-        # One int8 or FP8 value per weight; the rank's shape is checked against this.
         return _experts_geometry(module, param, layer_class) if scheme is None else None
     weight = _experts_geometry(module, f"{stem}_weight", layer_class) if stem in ("w13", "w2") else None
     if weight is None:
@@ -161,7 +138,7 @@ def _quantized_experts_geometry(module: Any, param: str, layer_class: str) -> rs
     experts, shape = weight.shape[0], tuple(tensor.shape)
     whole = rs.TensorGeometry(rs.REPLICATED, layer_class, (experts, *shape[1:]), stacked=1)
     if kind == "input_scale":
-        # Global (not per-expert) input scales are indexed by global expert id on every rank.
+        # Global input scales are indexed by global expert id on every rank.
         return None if getattr(module.quant_method, "use_global_sf", False) else whole
     if kind not in ("weight_scale", "weight_scale_inv"):
         return None
@@ -178,7 +155,7 @@ def _quantized_experts_geometry(module: Any, param: str, layer_class: str) -> rs
     if scheme == "channel" and unit != 1:
         return None
     if scheme == "block" and unit not in _block_sizes(module.quant_method, 0 if stem == "w13" else 1):
-        # A block grid rounded up (ceil) at this TP size shares a block between ranks.
+        # A block grid rounded up at this TP size shares a block between ranks.
         return None
     global_shape = list(shape)
     global_shape[0], global_shape[dim] = experts, weight.shape[dim] // unit
@@ -191,8 +168,7 @@ def _experts_tp(module: Any) -> int:
 
 
 def _block_sizes(method: Any, dim: int) -> set[int]:
-    """The block sizes along ``dim`` (0: output rows, 1: input columns) that an FP8 block
-    method may use for its scales: the checkpoint's, or the grid refined for the TP size."""
+    """The FP8 block sizes along ``dim`` (0: rows, 1: columns): the checkpoint's, or the refined grid."""
     shapes = (getattr(method, "weight_block_size", None), getattr(method, "moe_block_shape", None))
     return {int(s[dim]) for s in shapes if s is not None and len(s) == 2}
 
@@ -200,20 +176,11 @@ def _block_sizes(method: Any, dim: int) -> set[int]:
 def _quantized_linear_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeometry | None:
     """A quantized linear layer's parameter, split as vLLM's parameter classes say.
 
-    The weight's sharding rule (q/k/v heads, gate/up, ...) applies along a parameter's
-    ``output_dim`` in a column-parallel layer, along its ``input_dim`` in a row-parallel
-    one, whichever index of the tensor that is (AWQ and GPTQ lay weights out ``[in, out]``).
-    One index there may stand for several of the layer's rows: the ``packed_factor`` when
-    the parameter is packed along it (``packed_dim``: int4 in int32), the group size for
-    group-wise scales and zero points (``GroupQuantScaleParameter``, or zero points with an
-    ``input_dim``, split along it). That number, the ``unit``, is read off the rank's own
-    shape (its rows over the tensor's entries) and must be the pack factor for packed
-    dimensions; the planner then splits rows by the layer's rule and refuses a TP size
-    whose per-rank rows cut a unit. A parameter with neither dimension is loaded whole on
-    every rank (per-tensor scales, one per fused shard; static input scales):
-    replicated. FP8 block-wise scales (``BlockQuantScaleParameter``) hold one entry per
-    block along the cut dimension: their unit is the layer's block size there. Anything
-    else (a unit that does not divide, or is not the block size) is None: opaque.
+    The layer's rule applies along ``output_dim`` (column parallel) or ``input_dim`` (row parallel),
+    whichever index that is (AWQ and GPTQ lay weights out ``[in, out]``). One index may stand for
+    several rows, the ``unit``: the ``packed_factor`` along ``packed_dim``, the group size of group-wise
+    scales, or the block size of FP8 block scales; the planner refuses a TP size that cuts a unit.
+    A parameter with neither dimension is replicated. Anything else is opaque (None).
     """
     tensor = getattr(module, param, None)
     weight = _linear_geometry(module, "weight", layer_class)
@@ -228,8 +195,7 @@ def _quantized_linear_geometry(module: Any, param: str, layer_class: str) -> rs.
     row = layer_class == "RowParallelLinear"
     dim = input_dim if row else output_dim
     if dim is None:
-        # Split along the dimension the layer does not split: every rank holds it whole
-        # (GPTQ's scales and zero points of a row-parallel layer without groups).
+        # GPTQ's ungrouped scales of a row-parallel layer: split along the dimension the layer does not split.
         return rs.replicated(shape, layer_class)
     if dim >= len(shape) or not shape[dim] or (dim != weight.split_dim and len(shape) != 2):
         # Only a 2-D tensor may be laid out the other way round ([in, out]).
@@ -243,20 +209,16 @@ def _quantized_linear_geometry(module: Any, param: str, layer_class: str) -> rs.
         if unit != getattr(tensor, "packed_factor", None):
             return None
     elif type(tensor).__name__ == "BlockQuantScaleParameter":
-        # One entry per block of rows and columns (FP8 block quantization): along the cut
-        # dimension one entry stands for one block. vLLM rounds a rank's blocks up, so a rank
-        # whose rows end inside a block shares that block's scale: the unit then is no block size.
+        # vLLM rounds a rank's blocks up, so a rank ending inside a block shares its scale: no unit then.
         if not block or len(block) != 2 or unit != block[1 if row else 0]:
             return None
     elif unit != 1 and not (dim == input_dim and type(tensor).__name__ in GROUPED_PARAMETERS):
-        # Unknown layouts.
         return None
     assert weight.split_dim is not None
     total = weight.shape[weight.split_dim]
     if any(s.padded % unit for s in weight.segments):
         return None
     global_shape = [*shape[:dim], total // unit, *shape[dim + 1 :]]
-    # Checked against the rank's actual shape by tensor_geometry, like every geometry.
     return rs.TensorGeometry(weight.kind, layer_class, tuple(global_shape), dim, weight.segments, unit=unit)
 
 
@@ -271,18 +233,15 @@ def _vocab_geometry(module: Any, param: str, layer_class: str) -> rs.TensorGeome
 
 
 def _loader_of(tensor: Any) -> Any:
-    """A parameter's ``weight_loader`` (None without one), under any wrapper that keeps it as
-    ``__wrapped__``: vLLM's layerwise reload (a weight update in place) wraps every loader of a layer
-    in its ``online_process_loader`` while it runs, and the served geometry is read again then."""
+    """A parameter's ``weight_loader`` (None without one), unwrapped: vLLM's layerwise reload wraps
+    every loader of a layer while it runs, and the geometry is read again then."""
     loader = getattr(tensor, "weight_loader", None)
     return None if loader is None else inspect.unwrap(loader)
 
 
 def _loads_its_own(module: Any, param: str) -> bool:
-    """Whether ``param`` of a tensor-parallel layer is filled by the layer's own weight loader,
-    whose cut its class describes. A model may put another in (Mamba-2's ``in_proj`` and
-    ``conv1d`` with one group of states: ``mamba_v2_sharded_weight_loader`` gives every rank a copy
-    of the group): the layer's class then no longer says which rows a rank holds."""
+    """Whether ``param`` is filled by the layer's own weight loader, so that its class says the cut.
+    A model may put in another (Mamba-2's ``mamba_v2_sharded_weight_loader``)."""
     tensor = getattr(module, param, None)
     loader = _loader_of(tensor)
     if loader is None:
@@ -293,12 +252,10 @@ def _loads_its_own(module: Any, param: str) -> bool:
 
 
 def _whole_layer_geometry(module: Any, param: str, shape: tuple[int, ...], tp_size: int | None) -> rs.TensorGeometry:
-    """A parameter of a layer that is not tensor-parallel (a norm, an embedding), as its
-    ``weight_loader`` cuts it. vLLM's ``default_weight_loader`` (or none) loads it whole on every
-    rank; its ``row_parallel_weight_loader`` does too for a 1-D tensor, but cuts any other into equal
-    contiguous pieces of dimension 0, one per TP rank (Command R+'s per-head q/k norms
-    ``[heads, head_dim]``: each rank holds its own heads' rows under the same shape). Any other
-    loader cuts it in a way this module does not know: opaque."""
+    """A parameter of a layer that is not tensor-parallel, as its ``weight_loader`` cuts it.
+
+    ``default_weight_loader`` (or none) loads it whole; ``row_parallel_weight_loader`` cuts a tensor of
+    two or more dimensions along dimension 0 (Command R+'s per-head q/k norms). Any other: opaque."""
     layer_class = type(module).__name__
     loader = _loader_of(getattr(module, param, None))
     name = getattr(loader, "__qualname__", None)
@@ -313,23 +270,16 @@ def _whole_layer_geometry(module: Any, param: str, shape: tuple[int, ...], tp_si
     return rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
 
 
-# Mamba-2's mixer (vLLM's ``MambaMixer2``, in hybrid models: Nemotron-H, Granite 4.0-H, Falcon-H1, Bamba,
-# Zamba2) cuts its own layers: its ``in_proj`` and ``conv1d`` are vLLM linear layers, but with one group of
-# B/C states the mixer puts in a loader of its own that gives every rank a copy of the group, and its own
-# parameters (``A``, ``D``, ``dt_bias``) and gated norm are cut by the heads. No layer class says so, so
-# the mixer is read here.
+# Mamba-2's mixer (``MambaMixer2``: Nemotron-H, Granite 4.0-H, Falcon-H1, Bamba, Zamba2) cuts its own
+# layers, which no layer class says, so the mixer is read here.
 
 
 def _mamba2_geometry(mixer: Any, child: str, param: str) -> rs.TensorGeometry | None:
-    """A parameter of vLLM's Mamba-2 mixer (``MambaMixer2``) or of its ``in_proj``, ``conv1d`` and
-    ``norm``, as the mixer cuts it at every TP size (None: not one described here, opaque).
+    """A parameter of vLLM's Mamba-2 mixer or of its ``in_proj``, ``conv1d`` and ``norm`` (None: opaque).
 
-    The mixer splits its heads across the ranks: ``A``, ``D`` and ``dt_bias`` one entry per head,
-    the gated norm's weight and the gate and x rows of ``in_proj`` (``conv1d``: x) by the heads'
-    channels. Its B and C rows hold ``n_groups`` groups of states: split by whole groups where the
-    TP size divides them, or with one group (where vLLM puts in ``mamba_v2_sharded_weight_loader``)
-    copied to every rank; vLLM refuses any other TP size. ``in_proj`` ends with one dt row per head.
-    Quantized projections are left opaque.
+    The heads are split across the ranks (``A``, ``D``, ``dt_bias``, the norm, the gate and x rows).
+    The B and C rows hold ``n_groups`` groups of states, split by whole groups, or with one group
+    copied to every rank. Quantized projections are opaque.
     """
     norm = getattr(mixer, "norm", None)
     groups, heads = getattr(norm, "n_groups", None), getattr(mixer, "num_heads", None)
@@ -354,7 +304,7 @@ def _mamba2_geometry(mixer: Any, child: str, param: str) -> rs.TensorGeometry | 
     if param == "bias" and tensor is not None:
         return rs.grouped_column_parallel([rows], segments, type(mixer).__name__)
     if param == "weight" and tensor is not None:
-        # conv1d's weight is [channels, 1, kernel] (vLLM unsqueezes it), in_proj's [rows, hidden].
+        # conv1d's weight is [channels, 1, kernel], in_proj's [rows, hidden].
         return rs.grouped_column_parallel([rows, *tensor.shape[1:]], segments, type(mixer).__name__)
     return None
 
@@ -367,9 +317,7 @@ def mamba2_mixers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def mixer_geometry(
     mixers: dict[str, torch.nn.Module], module_name: str, param: str, shape: tuple[int, ...]
 ) -> rs.TensorGeometry | None:
-    """The geometry of a parameter of one of ``mixers`` (:func:`mamba2_mixers`) or of its ``in_proj``,
-    ``conv1d`` or ``norm`` (opaque where :func:`_mamba2_geometry` does not describe it); None for any
-    other parameter."""
+    """The geometry of a parameter of one of ``mixers`` or its children; None for any other parameter."""
     parent, _, child = module_name.rpartition(".")
     if module_name in mixers:
         mixer, child = mixers[module_name], ""
@@ -383,8 +331,7 @@ def mixer_geometry(
 def module_geometry(
     module: torch.nn.Module, param: str, shape: tuple[int, ...], tp_size: int | None = None
 ) -> rs.TensorGeometry:
-    """The geometry of parameter ``param`` of ``module`` (before it is checked against a rank);
-    ``tp_size``: the TP size the model was built at (``shape`` is one rank's)."""
+    """The geometry of ``param`` of ``module``, before it is checked against a rank (``shape`` is one rank's)."""
     layer_class = type(module).__name__
     names = _class_names(module)
     quant_method = type(getattr(module, "quant_method", None)).__name__
@@ -393,11 +340,10 @@ def module_geometry(
         if not _loads_its_own(module, param):
             pass  # a loader put in by the model cuts it its own way: opaque (Mamba-2's: :func:`mixer_geometry`)
         elif getattr(module, "disable_tp", False) or "ReplicatedLinear" in names:
-            # Every rank holds the whole layer, its quantized weights and scales included.
+            # Every rank holds the whole layer.
             geometry = rs.replicated(shape, layer_class)
         elif "RoutedExperts" in names and param == "e_score_correction_bias":
-            # The router's bias over all experts (DeepSeek-V3, GLM-4.5), which vLLM hands to its
-            # experts layer and leaves out of expert moves: whole on every rank, as its loader says.
+            # The router's bias over all experts (DeepSeek-V3): whole on every rank.
             geometry = _whole_layer_geometry(module, param, shape, tp_size)
         elif "RoutedExperts" in names and _experts_load_their_own_way(module):
             pass  # a model's experts with a loader of their own (GPT-OSS's interleaved gate/up): opaque
@@ -406,7 +352,6 @@ def module_geometry(
         elif "RoutedExperts" in names and quant_method in QUANTIZED_EXPERT_METHODS:
             geometry = _quantized_experts_geometry(module, param, layer_class)
         elif layer_class in LINEAR_LAYERS:
-            # The bias belongs to the layer, not to its quantization method.
             if quant_method in UNQUANTIZED_METHODS or param == "bias":
                 geometry = _linear_geometry(module, param, layer_class)
             else:
@@ -415,8 +360,7 @@ def module_geometry(
             geometry = _vocab_geometry(module, param, layer_class)
         return geometry or rs.TensorGeometry(rs.OPAQUE, layer_class, shape)
     if param in getattr(module, "_buffers", {}):
-        # A buffer of a layer that is not tensor-parallel (BERT's position_ids) is never
-        # sharded by vLLM's loaders: every rank holds it whole.
+        # vLLM's loaders never shard a buffer of a non-parallel layer (BERT's position_ids).
         return rs.replicated(shape, layer_class)
     if names & REPLICATED_LAYERS:
         return _whole_layer_geometry(module, param, shape, tp_size)
@@ -434,10 +378,9 @@ def tensor_geometry(
 ) -> dict[str, rs.TensorGeometry]:
     """The geometry of each of this rank's tensors, checked against its local shape.
 
-    The save records it in the manifest; a load compares it with what the manifest
-    records, so a checkpoint whose geometry is not the served model's is refused.
-    ``experts`` and ``ep_rank``: the model's expert placement (:func:`.identity.model_expert_placement`);
-    ``expert_tp``: (size, rank) of the experts' TP cut without it (default: the TP split).
+    A load compares it with the manifest's, so a checkpoint whose geometry is not the served
+    model's is refused. ``experts``, ``ep_rank``: the expert placement; ``expert_tp``: (size, rank)
+    of the experts' TP cut without it (default: the TP split).
     """
     result: dict[str, rs.TensorGeometry] = {}
     mixers = mamba2_mixers(model)

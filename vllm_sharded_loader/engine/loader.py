@@ -35,11 +35,8 @@ logger = init_logger(f"vllm.plugins.{__name__}")
 
 
 def _register_saved_biases(model: torch.nn.Module, manifest: Manifest | None) -> None:
-    """Register the biases a model makes only when its own ``load_weights`` meets them, if the
-    checkpoint (``manifest``) holds them: vLLM's Transformers backend gives ``lm_head`` a bias
-    (``ParallelLMHead._register_bias``) only for a checkpoint that has one (Phi), and this loader
-    fills parameters without the model's ``load_weights``. Without it, such a model's saved
-    state would not load back ("holds tensors the served model does not have")."""
+    """Register the biases a model makes only when its own ``load_weights`` meets them (Transformers
+    backend's ``lm_head`` bias, Phi), if the checkpoint holds them: this loader bypasses ``load_weights``."""
     if manifest is None:
         return
     saved = {name for entry in manifest.ranks for name in entry.tensors}
@@ -53,23 +50,22 @@ def _register_saved_biases(model: torch.nn.Module, manifest: Manifest | None) ->
 class ShardedStateLoader(BaseModelLoader):
     """Loads each worker's own files of a sharded checkpoint straight into its parameters.
 
-    Registered as the ``sharded_state`` load format, in place of vLLM's loader of the
-    same name. Reads checkpoints saved by this package (with ``sharded_state.json``)
-    and by vLLM's own save (no manifest), and refuses, with an error saying what to
-    do, anything that would load wrong weights: another topology, another model,
-    missing, unexpected or reshaped tensors, missing or resized files.
+    Registered as the ``sharded_state`` load format, in place of vLLM's loader of the same name.
+    Reads checkpoints saved by this package (with ``sharded_state.json``) and by vLLM's own save (no
+    manifest), and refuses, saying what to do, anything that would load wrong weights: another
+    topology or model, missing, unexpected or reshaped tensors, missing or resized files.
 
-    ``model_loader_extra_config`` accepts ``verify``: ``"size"`` (the default: manifest
-    complete, every file present with its recorded size, headers consistent with the
-    manifest) or ``"checksum"`` (also the checksum of every byte read), and
-    ``pattern`` (the file name pattern of a checkpoint saved with a custom one), as
-    vLLM's loader does, and ``threads`` (reader threads per worker, default one per core, 4 to 8) and
-    ``huge_pages`` (ask for transparent huge pages on the parameters, default off) and
-    ``mmap`` (default on, on vLLM's CPU platform only: CPU parameters stored in their own dtype are served from a
-    private, copy-on-write mapping of the checkpoint file, as ``safetensors`` maps files
-    on CPU, instead of being copied into new memory; ``false`` copies every byte;
-    ``"auto"`` copies the weights vLLM's CPU post-processing repacks, see
-    :func:`repacked_parameters`, and maps the rest).
+    ``model_loader_extra_config`` accepts:
+
+    - ``verify``: ``"size"`` (default: manifest complete, every file present at its recorded size,
+      headers consistent with it) or ``"checksum"`` (also the checksum of every byte read);
+    - ``pattern``: the file name pattern of a checkpoint saved with a custom one, as vLLM's loader;
+    - ``threads``: reader threads per worker (default one per core, 4 to 8);
+    - ``huge_pages``: ask for transparent huge pages on the parameters (default off);
+    - ``mmap``: on vLLM's CPU platform, serve CPU parameters stored in their own dtype from a private
+      copy-on-write mapping of the file (default on); ``false`` copies every byte; ``"auto"`` copies
+      the weights vLLM's CPU post-processing repacks and maps the rest.
+
     Rank 0 shows a progress bar unless ``use_tqdm_on_load`` is off.
     """
 
@@ -77,8 +73,7 @@ class ShardedStateLoader(BaseModelLoader):
         super().__init__(load_config)
         self.reader = ModelReader.from_load_config(load_config)
 
-    # Save side: vLLM's worker hook calls `ShardedStateLoader.save_model`; the plugin
-    # points that name at this class, so the hook writes our format.
+    # vLLM's save hook calls `ShardedStateLoader.save_model`; the plugin points that name here.
     @staticmethod
     def save_model(model: torch.nn.Module, path: str, pattern: str | None = None, max_size: int | None = None) -> None:
         """Write this worker's loaded state to ``path`` (see :mod:`.capture`)."""
@@ -88,21 +83,14 @@ class ShardedStateLoader(BaseModelLoader):
 
     def _locate(self, model_config: ModelConfig) -> tuple[Store, str | None]:
         """The checkpoint's store, and its Hub repository id if it comes from the Hub."""
-        # For s3://, gs://, az://..., vLLM pulls config and tokenizer into a local folder (model) and
-        # keeps the URL (model_weights): the parts are read from the store, never copied.
+        # For remote URLs vLLM pulls config and tokenizer locally (model) and keeps the URL (model_weights).
         return self.reader.locate(model_config.model_weights or model_config.model, model_config.revision)
 
     def load_model(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        """vLLM's ``load_model``, with the objects that exist before it kept out of its ``gc.collect`` calls.
+        """vLLM's ``load_model``, with the objects older than it frozen out of its ``gc.collect`` calls.
 
-        vLLM collects garbage twice inside ``load_model`` (after the weights, after
-        post-processing), to free transient tensors of the load. Each full collection
-        walks every object of the process (about 600,000 once vLLM is imported: 0.5-0.8 s
-        of one core here), although only objects made during the load can be such
-        garbage. Frozen (``gc.freeze``), the older objects are skipped; they are unfrozen
-        right after, so that any garbage among them is collected later as usual. vLLM
-        freezes its whole heap once the engine is up (``freeze_gc_heap``); where something
-        has frozen objects already, nothing is changed.
+        Each full collection walks every object of the process, though only the load's can be its
+        garbage; they are unfrozen after. Where something has frozen objects already, nothing changes.
         """
         if gc.get_freeze_count():
             return super().load_model(*args, **kwargs)
@@ -117,12 +105,8 @@ class ShardedStateLoader(BaseModelLoader):
         self._locate(model_config)
 
     def _load_drafter(self, model: torch.nn.Module, model_config: ModelConfig, directory: str) -> None:
-        """Load a speculative drafter's weights from its Hugging Face folder, with vLLM's default loader.
-
-        vLLM loads the drafter (EAGLE, MTP, a draft model) with the target's load format
-        unless ``speculative_config`` names a ``draft_load_config``; a drafter's own folder
-        holds its original weights, not a sharded checkpoint.
-        """
+        """Load a speculative drafter from its Hugging Face folder with vLLM's default loader: vLLM
+        gives the drafter the target's load format, but its folder holds its original weights."""
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
         logger.info(
@@ -182,23 +166,16 @@ class ShardedStateLoader(BaseModelLoader):
         self.reader.read(model, model_config, located, manifest, into)
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-        """vLLM's in-place ``reload_weights`` entry point (``collective_rpc("reload_weights")``).
+        """vLLM's in-place ``reload_weights`` entry point.
 
-        vLLM asks a loader for the checkpoint's weights in Hugging Face form and feeds them
-        to the model's ``load_weights``, which shards them. A sharded checkpoint is already
-        each rank's slice in the loaded layout, so the returned iterable yields nothing:
-        iterated (inside the model's ``load_weights``, once vLLM has put the layers back in
-        their loaded layout), it reads this rank's files straight into them and
-        post-processes each layer (see :class:`.reload.InPlaceUpdate`). With
-        ``weights_path``, vLLM has pointed ``model_config`` at the new checkpoint.
+        The returned iterable yields nothing: iterated inside the model's ``load_weights``, it reads
+        this rank's files straight into the layers and post-processes each (:class:`.reload.InPlaceUpdate`).
         """
         return InPlaceUpdate(self.reader, model, model_config).for_reload_weights()
 
 
-# The rest of the public surface of vLLM's class that ours replaces (its patterns and helpers,
-# used by code written for it, vLLM's own tests among it), taken from vLLM's class itself so
-# that it behaves the same in every version that has it. The raw class attributes keep
-# their static-method wrappers.
+# The rest of vLLM's class's public surface (its patterns and helpers), taken from it so that code
+# written for it behaves the same.
 for _name, _value in vars(builtin_sharded_state.ShardedStateLoader).items():
     if not _name.startswith("__") and _name not in vars(ShardedStateLoader):
         setattr(ShardedStateLoader, _name, _value)

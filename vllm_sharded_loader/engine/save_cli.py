@@ -1,9 +1,7 @@
 """Save a model as a sharded checkpoint: the job of ``examples/save_sharded_state.py``.
 
-Same command line as vLLM's example: every ``EngineArgs`` flag, plus ``--output/-o``,
-``--file-pattern`` and ``--max-file-size``. The engine loads the source model as
-usual; each worker captures its loaded state into the output directory during
-start-up (see :mod:`.capture`), and vLLM's save hook then publishes the manifest.
+Same command line as vLLM's example, plus ``--output/-o``, ``--file-pattern`` and ``--max-file-size``.
+Each worker captures its loaded state during start-up (:mod:`.capture`); vLLM's save hook publishes it.
 """
 
 from __future__ import annotations
@@ -26,11 +24,8 @@ from .vllm_versions import require_supported
 
 
 def engine_kwargs(engine_args: Any) -> dict[str, Any]:
-    """``LLM(**kwargs)`` arguments equal to parsed ``EngineArgs``.
-
-    A shallow copy: ``dataclasses.asdict`` would turn nested config objects into
-    dicts that vLLM then fails to validate.
-    """
+    """``LLM(**kwargs)`` arguments equal to parsed ``EngineArgs``; shallow, since ``asdict`` would turn
+    nested configs into dicts vLLM fails to validate."""
     return {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
 
 
@@ -86,8 +81,7 @@ def save_sharded_state(
     for error in special_files(model):
         raise error
     store = open_store(output)
-    # Refused now if its lock would refuse it (an engine starts for nothing otherwise); the workers
-    # capture their loaded state where the store says, and the save hook publishes it there.
+    # Refused now if its lock would refuse it, before an engine starts for nothing.
     with store.capture_folder(model, overwrite) as capture_dir:
         return _save(engine_kwargs, store, capture_dir, pattern, max_size, overwrite)
 
@@ -123,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
     started = time.perf_counter()
-    # The start-up artifacts this save carries are then the ones a prepared node looks up.
+    # The artifacts this save carries are then the ones a prepared node looks up.
     from .node_setup import prefer_inductor_caches
 
     prefer_inductor_caches()

@@ -35,9 +35,8 @@ def _live_state_if_unchanged(model: torch.nn.Module, state: LoadedState) -> dict
             f"Refusing to save: the model is quantized ({state.quantization}) and its post-processed "
             f"parameters are not a state that reloads. {how}"
         )
-    # Post-processing may rewrite a weight in place, keeping its address (for CUDA graphs:
-    # MoE block layouts, EPLB, replace_parameter(prefer_copy=True)): only layers whose
-    # post-processing is known never to do so pass on an unchanged address.
+    # Post-processing may rewrite a weight in place, keeping its address (for CUDA graphs): only
+    # layers known never to do so pass on an unchanged address.
     rewritten = sorted(
         {
             f"{type(module).__name__} ({method})"
@@ -104,11 +103,8 @@ class _EngineWeights:
 
 
 def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
-    """Body of vLLM's worker ``save_sharded_state`` hook; runs on every worker at once.
-
-    A failure that every worker knows alike is raised by one of them (:func:`raises_for_all`)
-    and logged by the others, so that vLLM reads every worker's answer to this call.
-    """
+    """Body of vLLM's worker ``save_sharded_state`` hook, on every worker at once. A failure every
+    worker knows alike is raised by one of them (:func:`raises_for_all`) so vLLM reads every answer."""
     try:
         _save_rank(model, path, pattern, max_size)
     except ShardedStateError as e:
@@ -118,17 +114,15 @@ def save_rank_from_hook(model: torch.nn.Module, path: str, pattern: str | None, 
 
 
 def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size: int | None) -> None:
-    """The save of :func:`save_rank_from_hook`, on this worker: :func:`..checkpoint.protocol.run_save`
-    across the workers (:class:`..checkpoint.group.Members`), each staging its loaded state (its capture,
-    if one was taken at start-up and still holds)."""
+    """This worker's part of :func:`..checkpoint.protocol.run_save` across the workers, staging its
+    loaded state (its start-up capture, if it still holds)."""
     state: LoadedState | None = getattr(model, LOADED_STATE_ATTRIBUTE, None)
     rank = state.rank if state is not None and state.rank is not None else current_rank()
     if rank.dp_size > 1 and rank.replicas == 1:
         if any(is_experts(m) for m in model.modules()):
             if state is None:
                 raise _unknown_state(model)  # without a recorded state (and placement), that is the reason to give
-            # Experts held alike by every replica would be written by the first alone, but
-            # vLLM splits them across the replicas in every layout this version records.
+            # vLLM splits the experts across the replicas in every layout this version records.
             raise SaveRefused(
                 f"Refusing to save: the model's experts are split across its {rank.dp_size} data-parallel replicas "
                 "in a way this version does not record (with prefill context parallelism, or an expert-parallel "
@@ -144,7 +138,6 @@ def _save_rank(model: torch.nn.Module, path: str, pattern: str | None, max_size:
     overwrite = os.environ.get(OVERWRITE_ENV, "").lower() in ("1", "true", "yes")
     target = open_store(path)
     save = LoadedSave(state, _unknown_state(model), _EngineWeights(model, state), rank, pattern, max_size, overwrite)
-    # Each rank's start-up artifacts go beside its parts (optional: never fail the save).
     job = save.job(
         placed=lambda target, entry: save_startup_artifacts(
             model, target, entry, rank, getattr(state, "model_config", None)

