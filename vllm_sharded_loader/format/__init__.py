@@ -1,14 +1,5 @@
 """The on-disk format: what a sharded checkpoint is, independent of how it is read or written.
-
-- :mod:`.names`: file names and patterns (vLLM's), the manifest and lock names;
-- :mod:`.manifest`: ``sharded_state.json``, parsed from untrusted text;
-- :mod:`.source`: the identity of the model a checkpoint was saved from;
-- :mod:`.geometry`: how each tensor is split across tensor-parallel ranks;
-- :mod:`.safetensors`: the safetensors header;
-- :mod:`.untrusted`: strict JSON parsing shared by all of them.
-
-Pure: no torch, no vLLM, no file I/O. The most used names are re-exported here.
-"""
+Pure: no torch, no vLLM, no file I/O. The most used names are re-exported here."""
 
 from .errors import (
     CheckpointCorrupt,

@@ -7,9 +7,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-# Part metadata (both optional): the rank whose slice a part holds (RankEntry.label), since two ranks'
-# headers can be identical; and the digest of the part's bytes (FileEntry.digest), which tells a stale
-# copy of an older save apart and keeps two saves of the same weights byte for byte the same.
+# Optional part metadata: the rank (two ranks' headers can be identical), the bytes' digest (stale copies).
 RANK_METADATA = "sharded_state_rank"
 DIGEST_METADATA = "sharded_state_digest"
 DIGEST_DIGITS = 32
@@ -81,11 +79,8 @@ class CarriedFile:
 
 @dataclass(frozen=True)
 class RankEntry:
-    """What one (pp_rank, tp_rank) worker wrote.
-
-    ``dp_rank`` is 0 unless each data-parallel replica wrote its own experts (a later replica's
-    entry holds only its expert tensors); ``startup`` is optional.
-    """
+    """What one (pp_rank, tp_rank) worker wrote; ``dp_rank`` is 0 unless each data-parallel replica
+    wrote its own experts."""
 
     tp_rank: int
     pp_rank: int

@@ -1,12 +1,5 @@
-"""The package's error types, and how their messages list things.
-
-Every error is a :class:`ShardedStateError` (a ``ValueError``, as vLLM's own loader errors
-are); each subclass names one thing that went wrong, so that a caller branches on the type,
-not the message. The base class itself is raised only where no subclass is true. An
-interrupt after the manifest is published is an :class:`InterruptedAfterPublish`, still a
-``KeyboardInterrupt``. ``agreed`` marks an error a worker raises because another failed;
-``origin`` is then that worker's own error, where known.
-"""
+"""The package's error types, and how their messages list things. Each subclass of
+:class:`ShardedStateError` names one thing that went wrong, so that callers branch on the type."""
 
 from __future__ import annotations
 
@@ -59,9 +52,8 @@ class SaveFailedAfterPublish(ShardedStateError):
 
 
 class InterruptedAfterPublish(KeyboardInterrupt):
-    """An interrupt (Ctrl-C; for ``reshard`` and ``convert`` SIGTERM and SIGHUP too) that came once
-    the manifest at ``where`` was published: the new checkpoint is complete. Its lock and the parts
-    it replaced remain, for the next save with overwrite to remove. Still a ``KeyboardInterrupt``."""
+    """An interrupt after the manifest at ``where`` was published: the new checkpoint is complete; its
+    lock and the parts it replaced remain for the next save with overwrite to remove."""
 
     def __init__(self, where: str, store: object = None) -> None:
         super().__init__(where)

@@ -1,7 +1,5 @@
-"""Where a mixture-of-experts model's routed experts live across expert-parallel ranks, as the
-manifest records it (``expert_placement``): two placements with the same tensor shapes route
-tokens to different experts, so a load compares them before reading. Pure.
-"""
+"""Where a mixture-of-experts model's routed experts live across expert-parallel ranks, as the manifest
+records it: placements with the same shapes route tokens differently, so a load compares them. Pure."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ from typing import Any
 from .errors import CheckpointCorrupt
 from .untrusted import JsonReader
 
-# vLLM's ExpertPlacementStrategy values.
-PLACEMENTS = ("linear", "round_robin")
+PLACEMENTS = ("linear", "round_robin")  # vLLM's ExpertPlacementStrategy values
 MAX_EXPERTS = 1 << 20
 MAX_EP_SIZE = 1 << 16
 
@@ -21,9 +18,7 @@ MAX_EP_SIZE = 1 << 16
 class ExpertPlacement:
     """How vLLM placed the routed experts of every MoE layer on its expert-parallel ranks.
 
-    ``ep_size`` is TP x DP, ``strategy`` vLLM's ``expert_placement_strategy`` (after its
-    fallbacks), ``num_experts`` the global experts per layer, and ``experts[ep_rank]`` the
-    global ids that rank holds, in local order (vLLM's expert map, inverted).
+    ``ep_size`` is TP x DP; ``experts[ep_rank]`` are the global ids that rank holds, in local order.
 
     >>> p = ExpertPlacement(2, "linear", 4, ((0, 1), (2, 3)))
     >>> p.expert_map(1)
@@ -81,8 +76,7 @@ class ExpertPlacement:
 
 
 def writing_replicas(experts: ExpertPlacement | None, tp_size: int, dp_size: int, over_dp: bool = False) -> int:
-    """How many data-parallel replicas write files of one save: the first only, unless the routed
-    experts are split across replicas (expert parallelism over TP x DP, or ``over_dp``).
+    """How many data-parallel replicas write files of one save: the first only, unless experts span them.
 
     >>> writing_replicas(ExpertPlacement(2, "linear", 4, ((0, 1), (2, 3))), tp_size=1, dp_size=2)
     2

@@ -1,9 +1,5 @@
-"""How a tensor is split across tensor-parallel ranks, as recorded in the manifest.
-
-:class:`TensorGeometry` describes one parameter independently of any TP size (JSON data); the
-constructors below build it for each of vLLM's parallel layers. Which rows a rank holds at a
-given TP size is :func:`~vllm_sharded_loader.planning.layout.shard_layout`. Pure.
-"""
+"""How a tensor is split across tensor-parallel ranks, for any TP size, as the manifest records it,
+with a constructor for each of vLLM's parallel layers. Pure."""
 
 from __future__ import annotations
 
@@ -35,22 +31,15 @@ KINDS = (
 )
 SPLIT_KINDS = frozenset(KINDS) - {REPLICATED, OPAQUE}
 
-# Segments of one tensor (q/k/v, gate/up, or one per merged expert projection).
-MAX_SEGMENTS = 1 << 16
-
-# vLLM's vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE.
-DEFAULT_VOCAB_PADDING_SIZE = 64
+MAX_SEGMENTS = 1 << 16  # segments of one tensor (q/k/v, gate/up, merged expert projections)
+DEFAULT_VOCAB_PADDING_SIZE = 64  # vLLM's vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One logical sub-tensor of a parameter along its split dimension (q/k/v, gate/up, vocabulary).
-
-    ``size`` counts the indices that carry data at TP=1; ``padded_size`` adds vLLM's zero
-    padding (vocabulary only, independent of the TP size). ``heads`` and ``head_size`` split
-    it by whole heads; with ``replicate_heads`` (K and V), a TP size above the head count gives
-    each rank one head, shared by ``tp_size // heads`` consecutive ranks.
-    """
+    """One logical sub-tensor along the split dimension (q/k/v, gate/up, vocabulary): ``size`` indices
+    of data at TP=1, ``padded_size`` with vLLM's vocabulary padding, split by whole heads if ``heads``;
+    with ``replicate_heads`` (K, V), TP above the head count shares each head among consecutive ranks."""
 
     name: str
     size: int
@@ -82,15 +71,10 @@ class Segment:
 class TensorGeometry:
     """How one parameter is sharded across tensor-parallel ranks, for every TP size.
 
-    ``shape`` is the shape at TP=1 (vocabulary padded as vLLM pads it), ``split_dim`` the
-    dimension split across ranks (None: every rank holds all of it), ``segments`` the
-    consecutive sub-tensors along it (each split on its own; a rank's tensor joins its piece
-    of each), ``kind`` the sharding rule, ``layer_class`` the vLLM layer, for messages.
-
-    ``unit`` is how many of the layer's rows one index along ``split_dim`` stands for: the
-    pack factor of packed int4, the group size of group-wise scales, else 1. Segments count
-    the layer's rows, and ``shape[split_dim]`` is their total over ``unit``. A 2-D tensor laid
-    out ``[in, out]`` (AWQ, GPTQ) swaps the split dimension of the column and row rules.
+    ``shape`` is at TP=1 (vocabulary padded); ``split_dim`` None means every rank holds all of it;
+    ``segments`` are split each on its own. ``unit`` is how many layer rows one index along
+    ``split_dim`` stands for (int4 pack factor, scale group size, else 1): segments count layer rows.
+    A 2-D ``[in, out]`` tensor (AWQ, GPTQ) swaps the split dimension of the column and row rules.
 
     >>> g = TensorGeometry.from_dict({"kind": "row_parallel", "layer_class": "RowParallelLinear",
     ...     "shape": [8, 16], "split_dim": 1, "segments": [{"name": "weight", "size": 16}]}, "o_proj.weight")
@@ -197,8 +181,7 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
     if g.stacked and (g.stacked > len(g.shape) or (g.stacked == len(g.shape) and g.kind != REPLICATED)):
         raise fail(f"'stacked' is {g.stacked}, but the shape {list(g.shape)} has {len(g.shape)} dimensions")
     if g.stacked and g.shape[0] > MAX_EXPERTS:
-        # The planner lists a stacked tensor's experts one by one: a count beyond any placement's
-        # bound would allocate without limit before a file is checked.
+        # The planner lists experts one by one: an unbounded count would allocate without limit.
         raise fail(f"it stacks {g.shape[0]} experts, more than {MAX_EXPERTS}")
     if g.unit < 1:
         raise fail(f"'unit' must be at least 1, found {g.unit}")
@@ -206,8 +189,7 @@ def check_geometry(geometry: TensorGeometry, name: str, where: str = "") -> None
         if g.split_dim is not None or g.segments or g.unit != 1:
             raise fail(f"a replicated tensor has no split dimension, segments or unit, found split_dim={g.split_dim}")
         return
-    # Row-parallel splits the input dimension, the others the output one (after stacked
-    # dimensions); a 2-D [in, out] tensor (AWQ, GPTQ) the other one.
+    # Row-parallel splits the input dimension, the others the output one; [in, out] tensors swap.
     expected = g.stacked + (1 if g.kind == ROW_PARALLEL else 0)
     allowed = {expected, 1 - expected} if not g.stacked and len(g.shape) == 2 else {expected}
     if g.split_dim not in allowed or len(g.shape) <= g.split_dim:
@@ -298,8 +280,7 @@ def merged_column_parallel(
     layer_class: str = "MergedColumnParallelLinear",
     stacked: int = 0,
 ) -> TensorGeometry:
-    """A MergedColumnParallelLinear weight or bias: each of ``output_sizes`` (gate, up) split on its
-    own (``stacked=1``: experts first).
+    """A MergedColumnParallelLinear weight or bias: each of ``output_sizes`` split on its own.
 
     >>> [s.size for s in merged_column_parallel([8, 4], [4, 4]).segments]
     [4, 4]

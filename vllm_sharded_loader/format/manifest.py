@@ -1,8 +1,5 @@
-"""``sharded_state.json``, the manifest: topology, files, tensors and source of a checkpoint.
-
-The dataclasses describe what is on disk; :meth:`Manifest.from_json` parses untrusted
-text into them with every field checked. Pure: no I/O beyond ``json`` text.
-"""
+"""``sharded_state.json``, the manifest: topology, files, tensors and source of a checkpoint, parsed
+from untrusted text with every field checked (:meth:`Manifest.from_json`). Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -44,13 +41,10 @@ HASH_NAME = "blake3"
 FORMAT_NAME = "vllm-sharded-state"
 FORMAT_VERSION = 1
 
-# Bounds on what a manifest may claim, checked before anything is allocated from it: a
-# hostile manifest must not make a loader build a billion-rank table, a file-sized
-# scratch buffer per thread, or names of any length.
+# Bounds checked before anything is allocated from a manifest: a hostile one must not make a
+# loader build a billion-rank table, a file-sized buffer per thread, or names of any length.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-# Parsing costs at most about this many times the manifest's size in memory, per worker
-# (ours, written with indentation, cost 3-4x; compact ones without checksums up to 8x).
-MAX_PARSE_EXPANSION = 12
+MAX_PARSE_EXPANSION = 12  # parsing may cost this many times the manifest's size in memory
 MAX_RANKS = 1 << 16  # tp_size * pp_size
 MAX_FILES_PER_RANK = 1 << 16
 MAX_TENSORS_PER_RANK = 1 << 20
@@ -71,26 +65,20 @@ class Manifest:
     source: SourceModel
     ranks: tuple[RankEntry, ...]
     format_version: int = FORMAT_VERSION
-    # How each tensor is split across TP ranks (JSON of geometry.TensorGeometry, by
-    # name, the same for every rank; parsed: :attr:`geometries`), and groups of names
-    # saved once for several (tied embeddings).
+    # Each tensor's TensorGeometry as JSON, by name (parsed: :attr:`geometries`), and groups of
+    # names saved once for several (tied embeddings).
     geometry: dict[str, Any] = field(default_factory=dict, compare=False)
     tied: tuple[tuple[str, ...], ...] = ()
-    # Where the routed experts live when saved with expert parallelism (None: without), and
-    # the data-parallel size of the saving engine (its replicas hold the same slices but
-    # for their experts; see :attr:`replicas`).
+    # The routed experts' placement under expert parallelism (None: without); the saving DP size.
     experts: ExpertPlacement | None = None
     dp_size: int = 1
-    # Saved without expert parallelism under data parallelism: each expert cut across all
-    # TP x DP ranks (:attr:`expert_tp_size`), each replica writing its slices.
+    # Without expert parallelism under DP: experts cut across TP x DP, each replica writing its slices.
     experts_over_dp: bool = False
-    # The non-weight files the save carried, by relative name ({}: none); None in manifests
-    # written before they were recorded (their files are then not checked).
+    # The non-weight files the save carried, by relative name; None: not recorded, not checked.
     carried_files: dict[str, CarriedFile] | None = None
     # Carried by the checkpoint this one replaced, not by this one: removed after the publish, recorded before.
     stale_files: tuple[str, ...] = ()
-    # Who vouches for the code the checkpoint carries (:mod:`..checkpoint.trust`), and, in a parsed
-    # manifest, the message that signature signs (:func:`.signature.signed_message`).
+    # Who vouches for the carried code, and in a parsed manifest the message the signature signs.
     signature: Signature | None = field(default=None, compare=False)
     signed_message: bytes = field(default=b"", compare=False, repr=False)
 
@@ -101,8 +89,7 @@ class Manifest:
 
     @property
     def replicas(self) -> int:
-        """How many data-parallel replicas wrote files: each its own experts when they are split
-        across the replicas (an EP group of TP x DP, or :attr:`experts_over_dp`), else only the first."""
+        """How many data-parallel replicas wrote files (only the first, unless experts span replicas)."""
         return writing_replicas(self.experts, self.tp_size, self.dp_size, self.experts_over_dp)
 
     @cached_property
@@ -126,8 +113,7 @@ class Manifest:
         return sum(r.nbytes for r in self.ranks)
 
     def listed_files(self) -> set[str]:
-        """Every file the manifest lists: each rank's parts and start-up artifacts (what a
-        save's cleanup keeps)."""
+        """Every file the manifest lists: each rank's parts and start-up artifacts."""
         parts = {f.name for entry in self.ranks for f in entry.files}
         return parts | {entry.startup.file for entry in self.ranks if entry.startup is not None}
 
@@ -278,9 +264,7 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
             first[(entry.pp_rank, entry.tp_rank)] = set(entry.tensors)
         _check_entry_files(manifest, entry, owners, where)
     if manifest.carried_files:
-        # A save carries only non-weight files beside its parts: a record naming the checkpoint's own
-        # files is damage, which verify would pass (a part checks out as a carried file) and a reshard,
-        # which copies the carried files, would refuse for ever as a file "changed since".
+        # Carried records naming the checkpoint's own files: damage a reshard would refuse for ever.
         own = manifest.listed_files() | {MANIFEST_NAME, LOCK_NAME}
         wrong = sorted(n for n in manifest.carried_files if n in own or is_staged_name(n))
         if wrong:
@@ -295,8 +279,7 @@ def check_manifest_consistency(manifest: Manifest, where: str = MANIFEST_NAME) -
 def _check_entry_files(
     manifest: Manifest, entry: RankEntry, owners: dict[str, tuple[int, int, int]], where: str
 ) -> None:
-    """One rank's files: unique across the ranks (``owners``: file -> rank so far), named for their rank,
-    and every tensor's file among them."""
+    """One rank's files: unique across ranks (``owners``), named for their rank, holding its tensors."""
     key = (entry.pp_rank, entry.dp_rank, entry.tp_rank)
     rank = rank_label(entry.pp_rank, entry.tp_rank, entry.dp_rank)
     names = {f.name for f in entry.files}
@@ -304,8 +287,7 @@ def _check_entry_files(
         if f.name in owners:
             raise CheckpointCorrupt(f"{where}: file {f.name!r} is listed by two ranks {owners[f.name]} and {key}.")
         owners[f.name] = key
-        # The name is the only record of which rank wrote a file: ranks swapped in the
-        # manifest would otherwise serve one rank's shards to another.
+        # The name is the only record of the writer: swapped ranks would serve another rank's shards.
         parsed = parse_file_name(manifest.pattern, f.name)
         if parsed is None or any(
             parsed.get(k, v) != v
@@ -332,8 +314,7 @@ def _check_entry_files(
 def _check_ranks_complete(
     manifest: Manifest, missing: list[tuple[int, int, int]], first: dict[tuple[int, int], set[str]], where: str
 ) -> None:
-    """No rank of the topology ``missing``, the TP ranks of a stage listing the same tensors (``first``: the
-    first replica's, by (pp_rank, tp_rank)), and a later replica's entry only tensors the first one's holds."""
+    """No rank ``missing``, a stage's TP ranks listing the same tensors, later replicas only the first's."""
     replicas = manifest.replicas
     if missing:
         raise CheckpointCorrupt(
@@ -343,8 +324,7 @@ def _check_ranks_complete(
             + ". Save the checkpoint again."
         )
     for (pp_rank, tp_rank), names in first.items():
-        # vLLM builds the same modules on every TP rank of a stage: a tensor one rank lacks is damage
-        # (a reshard, planning a stage from tp_rank 0's names, would leave it out without a word).
+        # A tensor one TP rank lacks is damage a reshard (planning from tp_rank 0) would miss silently.
         if names != first[(pp_rank, 0)]:
             differ = sorted(names ^ first[(pp_rank, 0)])
             raise CheckpointCorrupt(
@@ -353,7 +333,6 @@ def _check_ranks_complete(
                 "manifest is damaged: save the checkpoint again."
             )
     for entry in manifest.ranks:
-        # A later replica writes only its experts, which the first replica's same rank holds too.
         extra = sorted(set(entry.tensors) - first[(entry.pp_rank, entry.tp_rank)]) if entry.dp_rank else []
         if extra:
             raise CheckpointCorrupt(
@@ -430,8 +409,7 @@ MAX_KEY_LENGTH = 4096
 def _startup(reader: JsonReader, value: Any) -> StartupArtifacts:
     obj = reader.mapping(value, "startup_artifacts")
     name = check_plain_file_name(reader.string(obj, "file"), reader.where)
-    # A save removes the files of the manifest it replaces: a record naming another file (the
-    # config, the manifest itself) would have it deleted.
+    # A save removes the replaced manifest's files: any other name here would get deleted.
     if not is_startup_artifacts_name(name):
         raise reader.fail(f"startup_artifacts {name!r} is not named {STARTUP_ARTIFACTS_PREFIX}*.tar as saves name it")
     sha256 = reader.string(obj, "sha256")

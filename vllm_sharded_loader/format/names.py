@@ -1,9 +1,5 @@
-"""File names of a sharded checkpoint: the patterns vLLM uses, rendering and parsing them.
-
-A checkpoint is a directory of safetensors *parts*, one or more per (pp_rank, tp_rank) worker
-(and per data-parallel replica, ``{dp_rank}``, for experts under expert parallelism), named as
-vLLM names them, plus the manifest, written last. Pure: no I/O.
-"""
+"""File names of a sharded checkpoint: vLLM's part patterns (one or more parts per rank), rendering
+and parsing them, and the names a save stages under. Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from collections.abc import Iterable
 from .errors import CheckpointCorrupt, InvalidOption
 
 MANIFEST_NAME = "sharded_state.json"
-# A save's lock, from its start until its manifest is published; a loader refuses a directory without
-# a manifest that has it.
+# Held from a save's start until its manifest is published; a loader refuses a folder with it, no manifest.
 LOCK_NAME = ".sharded_state.lock"
 
 TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
@@ -24,20 +19,17 @@ PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 DP_AND_TP_PATTERN = "model-dp-{dp_rank}-rank-{rank}-part-{part}.safetensors"
 PP_DP_AND_TP_PATTERN = "model-pp-{pp_rank}-dp-{dp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 DEFAULT_PATTERNS = (TP_ONLY_PATTERN, PP_AND_TP_PATTERN, DP_AND_TP_PATTERN, PP_DP_AND_TP_PATTERN)
-# A file a save writes until it publishes it by rename: ``.<final name>.<token>.partial``, the token
-# exactly TOKEN_DIGITS hex digits, so that a clean-up never takes a user's ``.notes.2024.partial``.
+# Staged names ``.<final>.<token>.partial``, exactly TOKEN_DIGITS hex digits: never a user's ``.a.2024.partial``.
 STAGED_SUFFIX = ".partial"
 TOKEN_DIGITS = 12
 _STAGED = re.compile(rf"\.(?P<final>.+)\.(?P<token>[0-9a-f]{{{TOKEN_DIGITS}}})" + re.escape(STAGED_SUFFIX) + r"\Z")
 PATTERN_FIELDS = frozenset({"pp_rank", "dp_rank", "tp_rank", "rank", "part"})
 MAX_PATTERN_LENGTH = 255  # a file name
-# A longer rank or part number is no name a save renders (and int() refuses more than 4300 digits).
-MAX_NUMBER_DIGITS = 18
+MAX_NUMBER_DIGITS = 18  # no save renders longer rank or part numbers; int() refuses over 4300 digits
 
 
 def default_pattern(pp_size: int, replicas: int = 1) -> str:
-    """vLLM's default file pattern for a pipeline-parallel size; with ``{dp_rank}`` when
-    ``replicas`` data-parallel replicas write files (experts under expert parallelism).
+    """vLLM's default file pattern for a pipeline-parallel size; with ``{dp_rank}`` if replicas write files.
 
     >>> default_pattern(1)
     'model-rank-{rank}-part-{part}.safetensors'
@@ -58,11 +50,8 @@ def pattern_fields(pattern: str) -> set[str]:
 
 
 def validate_pattern(pattern: str, tp_size: int, pp_size: int, replicas: int = 1) -> None:
-    """Check a file pattern as vLLM does, plus that it names a plain file.
-
-    Every active parallel dimension needs its rank field, else ranks overwrite each other's
-    files. ``replicas`` is how many data-parallel replicas write files.
-    """
+    """Check a file pattern as vLLM does, plus that it names a plain file: every active parallel
+    dimension (``replicas`` data-parallel ones write files) needs its rank field."""
     if len(pattern) > MAX_PATTERN_LENGTH:
         raise InvalidOption(
             f"File pattern {pattern[:40]!r}... is {len(pattern)} characters; at most {MAX_PATTERN_LENGTH}."
@@ -167,8 +156,7 @@ def parse_file_name(pattern: str, name: str) -> dict[str, int] | None:
 
 
 def is_part_name(name: str, patterns: Iterable[str] = DEFAULT_PATTERNS) -> bool:
-    """Whether ``name`` is a part file's name in one of ``patterns`` (by default vLLM's: its own save
-    writes them without a manifest).
+    """Whether ``name`` is a part file's name in one of ``patterns`` (by default vLLM's).
 
     >>> is_part_name("model-pp-1-tp-0-part-2.safetensors"), is_part_name("model.safetensors")
     (True, False)
@@ -227,9 +215,8 @@ def is_staged_name(name: str) -> bool:
 def fresh_part_names(
     pattern: str, count: int, taken: Iterable[str], *, tp_rank: int, pp_rank: int, dp_rank: int = 0
 ) -> list[str]:
-    """Names for a rank's ``count`` new parts that collide with none of ``taken``, so that the old
-    checkpoint loads until the new manifest is published: part numbers from 0 where free, else
-    from one past this rank's highest in ``taken``.
+    """Names for a rank's ``count`` new parts that collide with none of ``taken`` (the old checkpoint
+    loads until the new manifest is published): from part 0 if free, else past this rank's highest.
 
     >>> fresh_part_names(TP_ONLY_PATTERN, 2, [], tp_rank=0, pp_rank=0)
     ['model-rank-0-part-0.safetensors', 'model-rank-0-part-1.safetensors']

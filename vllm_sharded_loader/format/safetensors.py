@@ -1,8 +1,5 @@
-"""The safetensors file layout: dtype names and the header, parsed from untrusted bytes. Pure.
-
-An 8-byte little-endian header length, a JSON header (each tensor's dtype, shape and byte range),
-then the data.
-"""
+"""The safetensors file layout (an 8-byte header length, a JSON header, the data): dtype names, and
+the header parsed from untrusted bytes. Pure."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ from dataclasses import dataclass
 from .errors import CheckpointCorrupt
 from .untrusted import MAX_BYTES, MAX_DIMS, is_int, is_shape, load_json
 
-# Element sizes of safetensors dtype names.
-DTYPE_SIZES: dict[str, int] = {
+DTYPE_SIZES: dict[str, int] = {  # element sizes of safetensors dtype names
     "F64": 8,
     "F32": 4,
     "F16": 2,
@@ -33,8 +29,7 @@ DTYPE_SIZES: dict[str, int] = {
     "F8_E8M0": 1,
 }
 
-# A header larger than this is not a weight file (safetensors itself caps it at 100 MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # as safetensors itself caps it
 
 
 def dtype_size(name: str, where: str) -> int:

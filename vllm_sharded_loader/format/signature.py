@@ -1,8 +1,5 @@
-"""The manifest's signature: who vouches for the code a checkpoint carries (its start-up archives).
-
-It covers the whole manifest but itself, as canonical JSON, so what a reader parsed is what was
-signed. Pure: the cryptography is in :mod:`..checkpoint.trust`.
-"""
+"""The manifest's signature: who vouches for the code a checkpoint carries. It covers the whole
+manifest but itself, as canonical JSON, so what a reader parsed is what was signed. Pure."""
 
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-# Bytes of Python objects per container, string and element (``[]``, 2 bytes of text, is a 56-byte
-# list), counted in the text to bound what parsing it costs (load_json); smaller texts are cheap.
+# Bytes of Python objects per container, string and element, to bound what parsing a text costs.
 _OBJECT_COSTS = {"{": 240, "[": 64, '"': 30, ",": 24}
 _CHEAP_JSON_BYTES = 1 << 20
 
@@ -39,9 +38,8 @@ def parse_cost(text: str | bytes) -> int:
 
 
 def load_json(text: str | bytes, where: str, max_expansion: float | None = None) -> Any:
-    """Parse untrusted JSON; duplicate keys (which json would silently merge) are an error. With
-    ``max_expansion``, a text over 1 MiB that would cost more than that many times its size
-    (:func:`parse_cost`) is refused unparsed."""
+    """Parse untrusted JSON; duplicate keys (which json would silently merge) are an error. A text over
+    1 MiB whose :func:`parse_cost` exceeds ``max_expansion`` times its size is refused unparsed."""
     if max_expansion is not None and len(text) > _CHEAP_JSON_BYTES:
         cost = parse_cost(text)
         if cost > max_expansion * len(text):

@@ -1,5 +1,4 @@
-"""Components of a conversion: source tensors and the model tensors they fill together (a fused
-parameter and its sources), each made at once from one read of its sources. Pure."""
+"""Components of a conversion: source tensors and the model tensors they fill together. Pure."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Expert placement: vLLM's rule for which rank holds which expert, and what a rank holds. Pure.
-
-With expert parallelism each rank holds its experts whole, stacked in local order; without, a
-TP slice of every expert. A load that places experts otherwise than the save
-(:func:`experts_moved`) is planned by global expert id (:func:`expert_slots`), which needs the
-recorded geometry; without it, :func:`check_expert_placement` refuses.
-"""
+"""Expert placement: vLLM's rule for which rank holds which expert, and what a rank holds (its experts
+whole under expert parallelism, else a TP slice of every expert). Pure."""
 
 from __future__ import annotations
 
@@ -49,10 +44,8 @@ def experts_moved(
     saved_expert_tp: int | None = None,
     serving_expert_tp: tuple[int, int] | None = None,
 ) -> bool:
-    """Whether serving rank ``tp_rank`` (EP rank ``serving_ep_rank``) holds other experts than saved ``tp_rank``.
-
-    Without expert parallelism on either side, the experts' TP split is compared: saved at
-    ``saved_expert_tp``, served at ``serving_expert_tp`` (size, rank; :attr:`.topology.RankInfo.expert_tp`).
+    """Whether serving rank ``tp_rank`` (EP rank ``serving_ep_rank``) holds other experts than saved ``tp_rank``;
+    without expert parallelism, whether the experts' TP cut (``*_expert_tp``) differs.
 
     >>> experts_moved(expert_placement(4, 2), expert_placement(4, 2, "round_robin"))
     True
@@ -144,9 +137,8 @@ def check_expert_placement(
     where: str = "the checkpoint",
     why: str = "",
 ) -> None:
-    """Raise unless the served model places its experts as saved (:func:`experts_moved`), for a
-    checkpoint that cannot move experts (``why`` says why). ``None``: no expert parallelism.
-    ``saved_tp_size`` (default: the saved EP size) names the saved topology in the advice."""
+    """Raise unless the served model places its experts as saved, for a checkpoint that cannot move
+    them (``why`` says why); ``saved_tp_size`` (default: the saved EP size) goes into the advice."""
     if not experts_moved(saved, serving, serving_ep_rank=serving_ep_rank, tp_rank=tp_rank):
         return
     same = saved is not None and serving is not None and saved.experts == serving.experts

@@ -12,9 +12,8 @@ from .tensors import tied_source
 
 @dataclass(frozen=True)
 class ShardPiece:
-    """The part of one segment a rank holds: ``length`` indices along the split dimension, from
-    ``start`` in the segment, ``global_offset`` in the TP=1 tensor and ``local_offset`` in the
-    rank's; the last ``padding`` are vLLM's zero padding."""
+    """The part of one segment a rank holds: ``length`` indices from ``start`` in the segment (offsets
+    in the TP=1 and the local tensor), the last ``padding`` of them vLLM's zero padding."""
 
     segment: str
     start: int
@@ -41,10 +40,8 @@ class ShardLayout:
 def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str = "the tensor") -> ShardLayout:
     """vLLM's sharding rule: the pieces of each segment rank ``tp_rank`` of ``tp_size`` holds.
 
-    A segment of ``n`` units (heads, or indices) gives each rank ``n / tp_size`` consecutive
-    units (indivisible: refused); K and V heads fewer than ``tp_size`` are replicated, rank
-    ``r`` holding head ``r // (tp_size // heads)``. With a ``unit`` above 1, a piece that does
-    not start and end on a whole unit is refused: it would share an int32 or a group.
+    Each rank holds ``n / tp_size`` consecutive heads or indices of a segment; K and V heads fewer than
+    ``tp_size`` are replicated. A piece not on whole ``unit`` s (an int32, a group) is refused.
 
     >>> from vllm_sharded_loader.format.geometry import qkv_parallel
     >>> layout = shard_layout(qkv_parallel([12, 4], num_heads=8, num_kv_heads=2, head_size=1), tp_size=4, tp_rank=3)
@@ -79,8 +76,7 @@ def shard_layout(geometry: TensorGeometry, tp_size: int, tp_rank: int, name: str
 def _segment_piece(s: Segment, tp_size: int, tp_rank: int, g: TensorGeometry, name: str) -> tuple[int, int]:
     unit, units, what = (s.head_size, s.heads, "heads") if s.heads and s.head_size else (1, s.padded, "indices")
     if s.replicate_heads and tp_size >= units:
-        # vLLM's QKVParallelLinear: num_kv_head_replicas = divide(tp_size, total_num_kv_heads),
-        # and a rank loads kv head tp_rank // num_kv_head_replicas.
+        # As vLLM's QKVParallelLinear: kv head tp_rank // (tp_size // total_num_kv_heads).
         if tp_size % units:
             raise _indivisible(name, g, s, f"{units} {what}", tp_size, f"TP={tp_size} is not a multiple of {units}")
         return (tp_rank // (tp_size // units)) * unit, unit
@@ -136,11 +132,8 @@ def check_served_geometry(
     tied: Iterable[Iterable[str]] = (),
     where: str = "the checkpoint",
 ) -> None:
-    """Raise unless the manifest's ``recorded`` geometry is the ``served`` model's wherever both
-    describe a split (resharding: wherever the record does), ``saved`` being the names the
-    checkpoint holds (a tied name's record stands for its group). A recorded split that is
-    not the model's would load other rows silently.
-    """
+    """Raise unless the ``recorded`` geometry of the ``saved`` names is the ``served`` model's wherever both
+    describe a split (resharding: wherever the record does): another split would load other rows silently."""
     saved_as = tied_source(tied)
     wrong = []
     regrid = []

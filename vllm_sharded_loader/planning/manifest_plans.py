@@ -59,8 +59,7 @@ def plan_manifest_reads(
     tied: Iterable[Iterable[str]] = (),
     directory: str = "",
 ) -> ReadPlan:
-    """:func:`plan_reads` over a manifest's ranks for serving ``rank``, with the manifest's ties added to
-    ``tied`` (checked by :func:`check_manifest_ties`)."""
+    """:func:`plan_reads` over a manifest's ranks for serving ``rank``, the manifest's ties added to ``tied``."""
     saved = SavedCheckpoint(
         saved_ranks(manifest, directory), manifest.tp_size, manifest.experts, manifest.replicas, manifest.expert_tp_size
     )
@@ -84,9 +83,8 @@ def check_manifest_ties(plan: ReadPlan, served_tied: Iterable[Iterable[str]]) ->
 
 
 def files_to_check(plan: ReadPlan, manifest: Manifest) -> list[str]:
-    """The saved files whose headers a resharding load checks before reading, sorted: those its reads
-    touch, or every file where a tensor is read under a tied name (proving none of the served name was
-    left out of the manifest)."""
+    """The saved files whose headers a resharding load checks, sorted: those its reads touch, or every
+    file where a tensor is read under a tied name (proving the manifest left none of it out)."""
     if all(t.source_name == t.name for t in plan.tensors.values()):
         return plan.files
     return sorted(f.name for entry in manifest.ranks for f in entry.files)
@@ -95,8 +93,7 @@ def files_to_check(plan: ReadPlan, manifest: Manifest) -> list[str]:
 def unexpected_tensors(
     manifest: Manifest, needed: Iterable[str], tied: Iterable[Iterable[str]] = (), pp_size: int = 1
 ) -> list[str]:
-    """Saved tensors the serving model has no place for (another model), sorted: with several
-    pipeline stages, only decoder layers within this stage's range are judged."""
+    """Saved tensors the serving model has no place for, sorted (with PP, only this stage's layers)."""
     wanted = set(needed)
     for group in [*manifest.tied, *tied]:
         if wanted.intersection(group):

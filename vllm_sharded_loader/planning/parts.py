@@ -21,11 +21,8 @@ class TensorView:
 
 
 def unique_tensor_names(views: Iterable[TensorView]) -> list[str]:
-    """Names to save so that memory shared by several entries (tied embeddings) is written once, in order.
-
-    vLLM's rule: an entry goes when another contiguous entry of its storage covers strictly more
-    memory, or the same under a name that sorts first.
-    """
+    """Names to save so that memory shared by several entries (tied embeddings) is written once, in order:
+    as in vLLM, an entry goes when another covers strictly more of it, or the same under an earlier name."""
     groups: dict[tuple[object, int], list[TensorView]] = defaultdict(list)
     views = list(views)
     for v in views:

@@ -12,8 +12,7 @@ from ..format.names import MANIFEST_NAME
 
 
 def pp_layer_ranges(num_hidden_layers: int, pp_size: int, partition: Sequence[int] | None = None) -> tuple[range, ...]:
-    """The layer indices each pipeline stage holds, as vLLM's ``get_pp_indices`` splits them
-    (``partition``: ``VLLM_PP_LAYER_PARTITION``).
+    """The layer indices each pipeline stage holds, as vLLM's ``get_pp_indices`` splits them.
 
     >>> pp_layer_ranges(11, 4)
     (range(0, 3), range(3, 6), range(6, 9), range(9, 11))
@@ -63,8 +62,7 @@ def layer_index(name: str) -> int | None:
     return int(digits)
 
 
-# transformers' names of the decoder layer count, in the order tried; a multimodal model's language
-# model (what vLLM splits into stages) has its own config inside.
+# The decoder layer count's names, in order; a multimodal model's language model has its own config.
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
 

@@ -1,13 +1,6 @@
 """Which bytes of a checkpoint saved at one TP/PP size a rank serving at another size reads,
-and where they land. Pure: no torch, no vLLM, no I/O.
-
-In the spirit of PyTorch DCP's ``resharding.py`` (overlap of a saved chunk and a wanted
-chunk), :func:`plan_reads` intersects the serving rank's
-:func:`~vllm_sharded_loader.planning.layout.shard_layout` with every saved rank's and
-returns strided byte runs to read (``count`` runs of ``length`` bytes, ``stride`` apart)
-and the element runs they land in, plus the runs to zero-fill (vocabulary padding). A
-rank reads exactly the bytes it keeps, each once. Each tensor is found in whichever saved
-pipeline stage wrote it.
+and where they land: strided byte runs and the element runs they fill, plus zero fills for
+vocabulary padding. A rank reads exactly the bytes it keeps, each once. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -29,12 +22,8 @@ from .topology import RankInfo
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """How to fill one local tensor: reads from saved files, and zero-filled element runs.
-
-    ``shape`` is the local shape at the serving TP size; ``itemsize`` is the saved dtype's
-    (a loader casting to another dtype converts after reading). ``source_name`` is the
-    saved tensor read, which differs from ``name`` for tied tensors.
-    """
+    """How to fill one local tensor (``shape`` at the serving TP size, ``itemsize`` the saved
+    dtype's): reads from saved tensor ``source_name`` (another name when tied), and zero fills."""
 
     name: str
     source_name: str
@@ -74,13 +63,9 @@ class ReadPlan:
 
 @dataclass(frozen=True)
 class SavedTensor:
-    """One tensor of one saved rank: where its data starts and how it was sharded.
-
-    ``offset`` is the absolute byte offset of its first element in ``file`` (for
-    safetensors: the header length plus the tensor's ``data_offsets`` begin), ``shape``
-    its local shape as saved, ``geometry`` None for a checkpoint that recorded none,
-    ``dtype`` its safetensors dtype name ("": not known to the caller).
-    """
+    """One tensor of one saved rank: ``offset``, the absolute byte offset of its data in ``file``;
+    ``shape``, its local shape as saved; ``geometry``, None where none was recorded; ``dtype``, its
+    safetensors dtype name ("": unknown)."""
 
     file: str
     offset: int
@@ -106,11 +91,9 @@ class SavedRank:
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """What a checkpoint saved, as the planner reads it: every saved rank (any pipeline stage) at
-    ``tp_size``; ``experts``, the expert placement they were saved with (None: no expert parallelism);
-    ``replicas``, how many data-parallel replicas wrote their experts (saved EP rank ``dp_rank *
-    tp_size + tp_rank``); ``expert_tp``, the TP size the experts were cut at without expert
-    parallelism (default ``tp_size``; TP x DP when each replica wrote its slices)."""
+    """What a checkpoint saved, as the planner reads it: every saved rank at ``tp_size``; ``experts``, their
+    expert placement (None: no expert parallelism); ``replicas``, how many DP replicas wrote experts;
+    ``expert_tp``, the TP size experts were cut at without expert parallelism (default ``tp_size``)."""
 
     ranks: Sequence[SavedRank]
     tp_size: int
@@ -186,12 +169,8 @@ def plan_reads(
 def _index_saved(
     saved: Sequence[SavedRank], saved_tp_size: int, saved_replicas: int = 1
 ) -> dict[str, dict[int, tuple[int, SavedTensor]]]:
-    """name -> saved rank -> (pp_rank, tensor), the lowest pipeline stage winning.
-
-    The saved rank of replica ``dp_rank``'s ``tp_rank`` is ``dp_rank * saved_tp_size + tp_rank``
-    (its EP rank): ranks below ``saved_tp_size`` are the first replica's, which hold every
-    tensor; later replicas hold only their experts.
-    """
+    """name -> saved rank (``dp_rank * saved_tp_size + tp_rank``) -> (pp_rank, tensor), the lowest
+    pipeline stage winning. Replicas after the first hold only their experts."""
     if saved_tp_size < 1 or saved_replicas < 1:
         raise InvalidOption(
             f"The saved tensor parallel size and replicas must be >= 1, found {saved_tp_size} and {saved_replicas}."
@@ -221,23 +200,19 @@ class _Places:
     serving: ExpertPlacement | None = None
     ep_rank: int = 0
     tp_rank: int = 0
-    # How many data-parallel replicas wrote their experts (1: the first wrote everything).
-    replicas: int = 1
-    # Without expert parallelism: the TP size the experts were saved cut at, and the (size,
-    # rank) this rank holds them at (TP, or TP x DP: see RankInfo.expert_tp).
+    replicas: int = 1  # data-parallel replicas that wrote their experts
+    # Without expert parallelism: the saved TP cut of the experts, and this rank's (size, rank).
     saved_tp: int = 1
     serving_tp: tuple[int, int] = (1, 0)
 
     @property
     def moved(self) -> bool:
-        """Whether this rank holds other experts than the saved rank of its TP rank (by placement:
-        a different cut across TP x DP also changes the experts' shape, which the load checks)."""
+        """Whether this rank's experts differ (by placement) from those of the saved rank of its TP rank."""
         return experts_moved(self.saved, self.serving, serving_ep_rank=self.ep_rank, tp_rank=self.tp_rank)
 
     @property
     def own(self) -> int | None:
-        """The saved rank holding exactly this rank's experts, or None: at the saved placement its
-        EP rank; cut at the saved TP x DP size, its index there."""
+        """The saved rank holding exactly this rank's experts, or None."""
         if self.saved is not None and self.serving is not None and self.saved.experts == self.serving.experts:
             return self.ep_rank
         if self.saved is None and self.serving is None and self.serving_tp[0] == self.saved_tp:
@@ -289,8 +264,7 @@ def _plan_tensor(
             # The same TP size gives the same shard whatever the pipeline split: copy it as saved.
             return _whole(name, source, holders[tp_rank][1])
         if places.moved:
-            # It may be a tensor of experts (a quantized one): copied as saved, it would
-            # hold the saved rank's experts.
+            # Maybe a (quantized) tensor of experts: copied as saved, it would hold the wrong ones.
             _refuse_moved_experts(name, layer, places, tp_size, saved_tp_size)
         why = f" from TP={saved_tp_size} to TP={tp_size}"
         if g is None:
@@ -363,13 +337,8 @@ def _split_reads(
     dest_base: int,
     tp_rank: int,
 ) -> tuple[list[Read], list[Strided]]:
-    """The reads (and zero fills) that fill a split tensor's ``target`` layout from saved layouts.
-
-    ``sources`` maps each saved rank to its file, the byte offset where its tensor starts
-    and its layout; ``dest_base`` is the element offset of the target within the local
-    tensor (a stacked expert's slot). Each range is read from one holder only: saved
-    pieces of one segment are equal (replicated heads) or disjoint.
-    """
+    """The reads and zero fills that fill ``target`` from saved rank -> (file, offset, layout),
+    at element ``dest_base``. Each range is read once: saved pieces of a segment are equal or disjoint."""
     d = target.split_dim
     assert d is not None
     shape = target.shape
@@ -419,20 +388,14 @@ def _plan_experts(
     tp_rank: int,
     places: _Places,
 ) -> TensorPlan:
-    """Stacked experts, slot by slot: each serving expert's bytes from the saved rank(s) holding it.
-
-    Saved with expert parallelism, an expert is whole on one rank; without, split across
-    all of them. Consecutive experts that continue each other in a file and in the target
-    merge into one read.
-    """
+    """Stacked experts, slot by slot: each serving expert's bytes from the saved rank(s) holding it."""
     ids, target = expert_slots(g, *places.serving_tp, places.serving, places.ep_rank, name)
     isz = next(iter(holders.values()))[1].itemsize
     shape = (len(ids), *target.shape)
     if not math.prod(shape):
         return TensorPlan(name, source, shape, isz, ())
     holding: dict[int, dict[int, tuple[str, int, ShardLayout]]] = {}  # expert -> saved rank -> source
-    # Saved with expert parallelism, the saved EP ranks (the replicas' ranks in turn); without, the
-    # ranks of the TP split of the experts (TP, or TP x DP: the same index).
+    # The saved EP ranks, or without expert parallelism the ranks of the experts' TP cut.
     for saved_rank in range(places.saved_tp if places.saved is None else places.saved.ep_size):
         t = _holder(holders, saved_rank, source, saved_tp_size)
         saved_ids, layout = expert_slots(g, places.saved_tp, saved_rank, places.saved, saved_rank, name)

@@ -1,5 +1,4 @@
-"""The runs a read plan is made of: strided byte runs of a file, the element runs of a local tensor
-they land in, and the joining of runs that continue each other. Pure."""
+"""The strided runs a read plan is made of (file bytes, the tensor elements they fill), and their joining. Pure."""
 
 from __future__ import annotations
 

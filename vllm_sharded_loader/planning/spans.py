@@ -11,9 +11,8 @@ from ..format.errors import CheckpointCorrupt, InvalidOption
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes ``[offset, offset + length)`` of file ``file`` that go to byte ``start`` of destination
-    ``dest`` (indices into the caller's lists); ``itemsize``, the stored element size, is what a
-    converting destination receives whole."""
+    """Bytes ``[offset, offset + length)`` of file ``file`` that go to byte ``start`` of destination ``dest``
+    (indices into the caller's lists); a converting destination receives whole ``itemsize`` elements."""
 
     file: int
     offset: int

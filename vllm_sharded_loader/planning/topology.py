@@ -13,8 +13,7 @@ from ..format.source import SourceModel, config_differences
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Which worker this is in the TP/PP grid and data-parallel replica; under expert parallelism,
-    the model's expert placement and this worker's EP rank."""
+    """Which worker this is in the TP/PP grid and DP replica, and its expert placement and EP rank."""
 
     tp_rank: int
     tp_size: int
@@ -70,8 +69,7 @@ def check_topology(manifest: Manifest, rank: RankInfo, directory: str) -> None:
 
 
 def check_dtype(manifest: Manifest, serving: str, directory: str) -> None:
-    """Refuse a weight update stored in another dtype than the served weights (a start-up load casts;
-    an update is the served model as served)."""
+    """Refuse a weight update stored in another dtype than the served weights (only a start-up load casts)."""
     if manifest.dtype != serving:
         raise CheckpointMismatch(
             f"{directory}/{MANIFEST_NAME}: the checkpoint holds {manifest.dtype} weights, but the engine serves "

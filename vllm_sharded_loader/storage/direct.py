@@ -1,12 +1,6 @@
-"""Reads that bypass the page cache (``O_DIRECT``), for files that are not in it.
-
-Each thread asks the device for a whole window (16 MiB) in one request, which the block layer
-issues as many device requests at once, into a page-aligned buffer of the thread; nothing is
-cached. ``SHARDED_STATE_DIRECT_IO=on`` reads every local file so where its file system allows
-(:func:`choose_direct`); ``auto`` (the default) and ``off`` keep the page cache, which is no
-slower cold on the disks measured (``docs/performance.md``) and faster warm. ``on`` is for disks
-that serve many direct requests in flight faster (local NVMe arrays).
-"""
+"""Reads that bypass the page cache (``O_DIRECT``): each thread reads a whole window per request into
+an aligned buffer. ``SHARDED_STATE_DIRECT_IO=on`` reads local files so where the file system allows;
+``auto`` (default) and ``off`` keep the page cache (see ``docs/performance.md``)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Kill points: named steps of the save protocol where a test kills the saving process.
 
-A save must be survivable wherever it dies: the previous checkpoint still loads, or the
-new one is complete, and nothing else changed. The fault tests prove that for every step
-by running a real save with ``SHARDED_STATE_KILL_AT=<step>`` (or ``<step>:<n>`` for the
-n-th time the step is reached, counting from 1; ``<step>[:<n>]@<rank>`` only in the worker of
-that ``torch.distributed`` rank): the process sends itself ``SIGKILL`` there,
-so no ``finally`` block, ``atexit`` handler or lock release of ours runs, as when the
-machine loses power or the OOM killer strikes. Without the variable a kill point costs one
-dictionary look-up.
-
-Every step is declared in :data:`KILL_POINTS`, so that a test can parametrize over all of
-them and a misspelt step fails loudly instead of never firing.
+``SHARDED_STATE_KILL_AT=<step>[:<n>][@<rank>]`` makes the process send itself ``SIGKILL`` the n-th
+time it reaches the step (in that ``torch.distributed`` rank), so none of our clean-up runs.
+Every step is declared in :data:`KILL_POINTS`: tests cover them all, and a misspelt one fails.
 """
 
 from __future__ import annotations
@@ -21,12 +13,10 @@ import signal
 from ..format.errors import InvalidOption
 
 KILL_ENV = "SHARDED_STATE_KILL_AT"
-# The signal sent there: KILL by default; INT is an operator's Ctrl-C, which Python raises as
-# KeyboardInterrupt at that point, so every ``except``/``finally`` of the save runs.
+# The signal sent there: KILL by default; INT is a Ctrl-C, so the save's ``finally`` blocks run.
 KILL_SIGNAL_ENV = "SHARDED_STATE_KILL_SIGNAL"
 
-# step -> where it is, for the tests' ids and failure messages. Each save protocol adds its own.
-KILL_POINTS: dict[str, str] = {}
+KILL_POINTS: dict[str, str] = {}  # step -> where it is, for the tests' ids and messages
 
 _reached: dict[str, int] = {}
 

@@ -1,12 +1,5 @@
-"""Object-storage calls in a fresh process, for a process that forks afterwards.
-
-obstore's I/O runtime does not survive ``fork()``: once a process has made a request, a child it
-forks waits forever on its first one (:func:`.object_clients.check_not_forked` refuses instead).
-vLLM forks its engine core and workers where it may (on GPUs, unless CUDA is initialized), so
-what touches object storage in a process before it builds an engine (``prepare_node``, the save
-command's checks of its output prefix) runs in a short-lived fresh process instead
-(:func:`in_fresh_process`); :func:`copy_objects` brings objects into a local folder that way.
-"""
+"""Object-storage calls in a fresh process, for a process that forks afterwards: obstore's runtime
+does not survive ``fork()`` (a child hangs on its first request), and vLLM forks its engine."""
 
 from __future__ import annotations
 
@@ -36,10 +29,8 @@ print("\\n" + json.dumps(answer), flush=True)
 
 
 def in_fresh_process(function: Callable[..., Any], *args: Any, timeout: float = 600.0) -> Any:
-    """``function(*args)`` run in a fresh Python process: its value (JSON), or its
-    :class:`ShardedStateError` raised here with the same type and message. ``function`` is a
-    module-level function of this package; ``args`` and its value are JSON. The process is killed
-    past ``timeout`` seconds (every object-storage request is bounded well within it)."""
+    """``function(*args)`` (a module-level function of this package, JSON in and out) run in a fresh
+    Python process, killed past ``timeout``: its value, or its :class:`ShardedStateError` raised here."""
     call = [function.__module__, function.__qualname__, json.dumps(list(args))]
     try:
         done = subprocess.run([sys.executable, "-c", _CALL, *call], capture_output=True, text=True, timeout=timeout)
@@ -72,10 +63,8 @@ def _copy_objects(url: str, names: list[str], folder: str) -> None:
 
 
 def copy_objects(url: str, names: list[str], folder: str) -> None:
-    """Copy the objects ``names`` (relative paths) of the object-storage prefix ``url`` into the existing
-    local ``folder`` (same names), from a fresh process (:func:`in_fresh_process`), through the same
-    clients, settings, timeouts and retries as every other read. Raises
-    :class:`ShardedStateError` naming the object if one cannot be read."""
+    """Copy the objects ``names`` of the prefix ``url`` into the existing local ``folder``, from a fresh
+    process; raises :class:`ShardedStateError` naming an object that cannot be read."""
     for name in names:
         check_carried_name(name, url)
     in_fresh_process(_copy_objects, url, names, folder)

@@ -1,12 +1,6 @@
-"""Fetching a sharded checkpoint from the Hugging Face Hub, one rank's files at a time.
-
-vLLM's built-in loader downloads every rank's files on every node. Here a worker first
-fetches the small files (manifest, config, tokenizer), then only the part files its own
-rank reads: its own parts at the saved topology, or the parts its planned reads touch
-when it reshards. ``huggingface_hub`` does the fetching, so revision, cache directory,
-token (``HF_TOKEN``) and ``HF_HUB_OFFLINE`` behave as everywhere else, and files already
-in the cache are not fetched again.
-"""
+"""Fetching a sharded checkpoint from the Hugging Face Hub, one rank's files at a time: the small
+files first, then only the parts its rank reads. ``huggingface_hub`` fetches, so revision, cache,
+``HF_TOKEN`` and ``HF_HUB_OFFLINE`` behave as everywhere else."""
 
 from __future__ import annotations
 
@@ -42,8 +36,7 @@ def fetch(
 
     validate_repo_id(repo_id)
     revision = revision if revision is not None else constants.DEFAULT_REVISION
-    # huggingface_hub joins the revision to the cache's refs/ folder and reads the commit from the file
-    # found there: "../" or a leading "/" would read any file on the machine (a FIFO hangs it).
+    # The revision is joined to the cache's refs/ folder: "../" or "/" would read any file (a FIFO hangs).
     if os.path.isabs(revision) or ".." in revision.split("/"):
         raise InvalidOption(
             f"{repo_id}: revision {revision!r} names a path, not a branch, tag or commit of the Hub; "
@@ -63,9 +56,8 @@ def fetch(
 
 
 def fetch_more(repo_id: str, snapshot: LocalStore, patterns: Sequence[str], cache_dir: str | None = None) -> LocalStore:
-    """Fetch more files of ``snapshot`` (a folder :func:`fetch` returned, of ``repo_id``) into it: by
-    its commit, not by the branch or tag that named it, which a push may have moved meanwhile (the
-    files would be another commit's, in another snapshot, and this one's named missing)."""
+    """Fetch more files of ``snapshot`` (from :func:`fetch`) into it, by its commit: a push may have
+    moved the branch or tag that named it."""
     revision = os.path.basename(os.path.normpath(snapshot.where))
     fetched = fetch(repo_id, patterns, revision=revision, cache_dir=cache_dir)
     if not fetched.same_as(snapshot):
@@ -77,9 +69,8 @@ def fetch_more(repo_id: str, snapshot: LocalStore, patterns: Sequence[str], cach
 
 
 def check_snapshot(repo_id: str, storage: str, snapshot: str) -> None:
-    """Refuse a snapshot that is not a folder of ``storage``'s ``snapshots/``, or holds a link that a load
-    would refuse (:func:`~.local.escapes`: out of the snapshot and its repository's blobs): a ``refs/`` file or
-    a link edited by hand would otherwise have us read another model's weights, or any file."""
+    """Refuse a snapshot outside ``storage``'s ``snapshots/``, or holding a link out of it and its blobs:
+    a hand-edited ``refs/`` file or link would otherwise have us read another model's weights, or any file."""
     real = os.path.realpath(snapshot)
     # (Resolved: the cache, the repository's folder or its snapshots/ may be links to another disk.)
     snapshots = os.path.realpath(os.path.join(storage, "snapshots"))
@@ -112,11 +103,7 @@ def rank_fetch_patterns(
     tied: Sequence[Sequence[str]] = (),
     pattern: str | None = None,
 ) -> list[str]:
-    """The part files (or, without a manifest, globs) one serving rank reads.
-
-    Its own parts at the saved topology; when it reshards, the parts its planned reads
-    of the tensors ``needed`` touch; without a manifest, its parts by vLLM's naming.
-    """
+    """The part files (or, without a manifest, globs) one serving rank reads of the tensors ``needed``."""
     if manifest is None:
         return rank_patterns(pattern or default_pattern(rank.pp_size), rank.tp_rank, rank.pp_rank)
     moved = rank_experts_moved(manifest, rank)

@@ -1,12 +1,6 @@
-"""``memory://BUCKET/prefix``: checkpoints held in this process's memory, through obstore's in-process
-``MemoryStore``, which keeps the promises the object store's save protocol relies on: a create-only
-put (the lock, a first manifest) fails on an object that exists, a put conditional on an ETag (a
-replaced manifest) and a read conditional on one (a part opened) fail once the object changed.
-
-A backend that obstore serves is its client and its registration; everything else is
-:class:`.object_store.ObjectStore`'s. Tests save, load, reshard and break checkpoints here without a
-server; a bucket lives as long as the process (no other process, an engine's worker say, sees it).
-"""
+"""``memory://BUCKET/prefix``: checkpoints in this process's memory, through obstore's ``MemoryStore``,
+which keeps the conditional puts and reads the save protocol relies on. Tests use it without a
+server; a bucket lives as long as the process, and no other process sees it."""
 
 from __future__ import annotations
 

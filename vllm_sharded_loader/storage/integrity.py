@@ -1,8 +1,5 @@
-"""Checksums of part files, computed while the bytes stream through, never in a second pass.
-
-Each file is hashed in fixed-size blocks with BLAKE3 (cryptographic, so a pinned manifest also
-pins the weights), so that a reader of part of a file verifies exactly the blocks it touches.
-"""
+"""Checksums of part files, computed as the bytes stream through: BLAKE3 (a pinned manifest pins the
+weights) over fixed-size blocks, so that a partial reader verifies exactly the blocks it touches."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Where a checkpoint lives, resolved once: :func:`open_store` gives the :class:`Store` of a local
-folder or Hub snapshot (:class:`.folder.LocalStore`) or of an object-storage prefix
-(:class:`.object_store.ObjectStore`: ``s3://``, ``gs://``, ``az://`` and the in-process store of
-:mod:`.in_memory`), and every operation goes through that value.
-
-The checks, the reader and the save protocol above this layer take the store as a value and
-never ask which kind it is. :class:`Store` is what a backend implements.
-"""
+folder or Hub snapshot, or of an object-storage prefix, and every operation goes through that value.
+:class:`Store` is what a backend implements."""
 
 from __future__ import annotations
 
@@ -31,12 +26,8 @@ class ByteStream(Protocol):
 
 
 class StoredFile(Protocol):
-    """A part file opened once (:class:`.local.OpenFile`, :class:`.objects.ObjectFile`).
-
-    ``path`` names it in messages; every read goes through the object; ``mappable``
-    says whether the reader may map its bytes instead of reading them, ``remote`` whether
-    each read is a request over the network (the reader then runs more of them at once).
-    """
+    """A part file opened once: ``mappable`` if the reader may map its bytes, ``remote`` if each read
+    is a network request (the reader then runs more at once)."""
 
     path: str
     size: int
@@ -50,21 +41,16 @@ class StoredFile(Protocol):
 
 
 class Store(Protocol):
-    """One checkpoint location, opened once (:func:`open_store`): what a backend implements.
-
-    The save's steps are driven and numbered by :mod:`..checkpoint.protocol`; a store runs one save
-    at a time (its lock, token and staged files are its own until :meth:`close`).
-    """
+    """One checkpoint location, opened once: what a backend implements. A store runs one save at a
+    time (its lock, token and staged files are its own until :meth:`close`)."""
 
     where: str  # the location as given, for messages
     token: str  # the running save's (set by lock or join): its staged names and records carry it
     stages_in_place: bool  # parts staged in the location and renamed into place (else staged aside and copied)
     abandoned: str  # what an abandoned save leaves, for messages
-    # Whether vLLM's own save (no manifest) writes here: an object prefix holds only saves of this package.
-    vllm_saves_here: bool
+    vllm_saves_here: bool  # whether vLLM's own save (no manifest) may have written here
 
-    # Reading. (``missing``: why no checkpoint can be here, a local path that is no folder; ``contained``:
-    # refuse a file that resolves out of the location; ``read``: a local path to read, or the bytes.)
+    # Reading (``contained``: refuse a file resolving out of the location; ``read``: a local path or bytes).
     def exists(self) -> bool: ...
     def missing(self) -> str | None: ...
     def canonical(self) -> str: ...
@@ -81,8 +67,7 @@ class Store(Protocol):
     def same_as(self, other: Store) -> bool: ...
     def inside(self, other: Store) -> bool: ...
 
-    # The lock as loads and checks see it. (``save_is_running``: None where it cannot be told;
-    # ``refuse_before_save``: what a save's lock would refuse, taking nothing.)
+    # The lock as loads and checks see it (``save_is_running``: None where it cannot be told).
     def is_locked(self) -> bool: ...
     def check_not_locked(self) -> None: ...
     def save_is_running(self) -> bool | None: ...
@@ -90,7 +75,6 @@ class Store(Protocol):
     def owner_is_alive(self, token: str) -> bool: ...
     def refuse_before_save(self, overwrite: bool) -> None: ...
 
-    # Writing.
     def put(self, name: str, data: bytes | Path) -> None: ...
     def remove(self, names: Iterable[str]) -> None: ...
 
@@ -106,15 +90,13 @@ class Store(Protocol):
     def abandon(self, entries: Iterable[RankEntry]) -> None: ...
     def close(self) -> None: ...
 
-    # The carried files (:mod:`..checkpoint.carry`: ``stage_carried`` gives the record, and whether the
-    # file replaces one there, None where the same is there already).
+    # The carried files (``stage_carried``: the record, and whether it replaces one; None: same there).
     def stage_carried(self, index: int, name: str, data: bytes | Path) -> tuple[CarriedFile, bool | None]: ...
     def restore_carried(self) -> None: ...
     def finish_carried(self) -> None: ...
     def remove_stale(self, names: Iterable[str]) -> None: ...
 
-    # Before an engine starts, in a process that forks it later: the files ``names`` in a local folder
-    # (the location's own, or a copy made from a fresh process), and where the workers capture a save.
+    # Before an engine starts (it forks later): ``names`` in a local folder, and where workers capture a save.
     def local_copy(self, names: list[str], folder: str) -> Store: ...
     def capture_folder(self, source: str, overwrite: bool) -> AbstractContextManager[str]: ...
 
@@ -138,8 +120,7 @@ def check_no_special_files(store: Store) -> None:
 
 
 def no_manifest_here(store: Store) -> str:
-    """What a location without a manifest holds instead, said as the error about it: no folder,
-    vLLM's own save, a Hugging Face model (given where a checkpoint was expected), or nothing of ours."""
+    """What a location without a manifest holds instead, said as the error about it."""
     why = store.missing()
     if why is not None:
         return (
@@ -161,8 +142,7 @@ def no_manifest_here(store: Store) -> str:
 
 
 def hugging_face_model_here(where: str, names: list[str]) -> str | None:
-    """The sentence for a Hugging Face model (``names``: the files at ``where``) found where a sharded
-    checkpoint was expected, with the command it needs; None if it holds none."""
+    """The sentence for a Hugging Face model found where a checkpoint was expected; None if none is there."""
     weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth"))]
     if not weights or "config.json" not in names:
         return None

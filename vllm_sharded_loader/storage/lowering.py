@@ -1,23 +1,5 @@
-"""The one lowering of read plans to the reader's pieces: every load route ends here.
-
-A :class:`~..planning.reads.TensorPlan` says which byte runs of which files fill a tensor
-(whole tensors of a rank's own files, rows joined or cut at another TP/PP size, experts
-moved). :func:`read_plans` turns plans into :class:`~..planning.spans.Piece` s and
-:class:`~.memory.Target` s for :func:`~.reader.read_pieces`, and runs them:
-
-- a CPU target of the saved dtype whose caller can take another tensor (``adopt``) and
-  whose every piece is one run of a file is served from private mappings of the files'
-  pages (:func:`~.memory.map_pieces`): a whole tensor of a rank's file, or dim-0 pieces
-  joined or cut; bytes sharing a page with another piece are read;
-- every other run is read straight into the target (or staged, for a cast or a GPU);
-- rows of a dim-1 split map the file range holding them, which the reader pages in and
-  verifies like read bytes, then one strided copy moves them, in batches of at most
-  :data:`GATHER_BYTES` of mapped file; a load given no ``adopt`` maps nothing, and reads
-  that range into a temporary instead.
-
-The whole-file sequential path is this lowering of one run per tensor: the reader still
-reads each file front to back in spans of consecutive tensors (:func:`~..planning.spans.plan_spans`).
-"""
+"""Read plans lowered to the reader's pieces and targets, and run: every load route ends here. Targets
+the caller can swap (``adopt``) are served from private file mappings where their reads allow."""
 
 from __future__ import annotations
 
@@ -39,20 +21,13 @@ from .memory import PAGE, Target, map_pieces
 from .reader import DEFAULT_READ, ReadOptions, ReadStats, read_pieces
 from .tensors import map_file_range, torch_threads
 
-# Bytes of saved files a load maps at once to join or cut rows (a dim-1 split at another TP size).
-GATHER_BYTES = 256 * 1024 * 1024
+GATHER_BYTES = 256 * 1024 * 1024  # saved bytes a load maps at once to join or cut dim-1 rows
 
 
 @dataclass
 class _ReadBatch:
-    """One :func:`.read_pieces` call, and the row copies after it.
-
-    A strided read (rows of a dim-1 split, joined or cut) maps the saved file's
-    contiguous range holding its rows, which the reader pages in and verifies like read
-    bytes; then one strided copy moves the rows from the mapping into the target: on the
-    reader thread that read the range's last bytes for a CPU target (so copies overlap
-    the other reads), after the batch for an accelerator's.
-    """
+    """One :func:`.read_pieces` call, and the accelerator targets' row copies after it (CPU targets'
+    run on the reader thread, overlapping the other reads)."""
 
     pieces: list[Piece] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
@@ -76,23 +51,17 @@ def _copy_rows(source: torch.Tensor, dest_runs: Strided, target: torch.Tensor) -
 
 
 def _copy_on_reader(copy: Callable[[], None], source: torch.Tensor | None, prefault: torch.Tensor | None) -> None:
-    """Copy read rows into their target on the reader thread; then drop ``source``'s pages (a file mapping).
-
-    ``source`` is None for rows fetched into a temporary from the heap: dropping pages
-    there would zero the allocator's neighbouring memory.
-    """
+    """Copy read rows into their target on the reader thread; then drop ``source``'s pages (a file
+    mapping; None for a heap temporary, whose dropped pages would zero the allocator's neighbours)."""
     if prefault is not None:
         start = prefault.data_ptr()
         end = start + prefault.numel() * prefault.element_size()
         lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
         if hi > lo:
             oscalls.populate_write(lo, hi - lo)
-    # The reader's threads already copy in parallel (with one stream the reader runs on the
-    # caller's thread, whose setting is put back).
-    with torch_threads():
+    with torch_threads():  # the reader's threads already copy in parallel
         copy()
-    # Unmapping hundreds of MB of paged-in mappings costs ~0.1 s; here it runs in parallel
-    # with the other reads instead of wherever the mapping happens to be freed.
+    # Unmapping paged-in mappings is slow: done here, it overlaps the other reads.
     if source is None:
         return
     start = source.data_ptr()
@@ -117,8 +86,7 @@ class _Lowering:
 
     def __init__(self, files: list[StoredFile], index: Mapping[str, int], map_rows: bool = True) -> None:
         self.files, self.index = files, index
-        # Whether rows of a dim-1 split are copied out of a mapping of their file range (else read
-        # into a temporary first): a mapping of a file truncated meanwhile kills the process (SIGBUS).
+        # Map dim-1 rows' file range (else read it): a mapped file truncated meanwhile raises SIGBUS.
         self.map_rows = map_rows
         self.batch = _ReadBatch()
         self.batches = [self.batch]
@@ -161,16 +129,13 @@ class _Lowering:
         for r in plan.reads:
             file = self.index[r.file]
             if not target.is_contiguous():
-                # Rare (parameters are contiguous): the reader fills a temporary, run by run.
                 for (src, src_end), (dst, _) in zip(r.source.runs(), r.dest.runs(), strict=True):
                     self.batch.pieces.append(Piece(file, src, src_end - src, dest, dst * size, size))
                 continue
             if r.source.count == 1 and r.dest.count == 1:
                 self.batch.pieces.append(Piece(file, r.source.offset, r.source.total, dest, r.dest.offset * size, size))
                 continue
-            # Rows of a dim-1 split (joined, or cut from longer saved rows): map the file's
-            # range holding them, page it in with the reads, then one strided copy.
-            # Planning and reading stay per tensor, never per row.
+            # Rows of a dim-1 split: the file range holding them, then one strided copy (never per row).
             span = (r.source.count - 1) * r.source.stride + r.source.length
             if self.batch.gathered and self.batch.gathered + span > GATHER_BYTES:
                 self.batch = _ReadBatch()
@@ -209,22 +174,17 @@ def read_plans(
     options: ReadOptions = DEFAULT_READ,
     adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
 ) -> ReadStats:
-    """Fill ``targets`` from their plans (cast where the saved dtype differs); returns what was read.
+    """Fill ``targets`` from their plans (cast where the saved dtype ``stored`` differs); returns what was read.
 
-    ``files`` maps the plans' file names to the files, open (:class:`.location.StoredFile`);
-    ``stored`` gives each planned tensor's saved dtype. ``checksums`` (by file name) are
-    verified: ``verify="all"`` every block of each such file, ``"touched"`` only the blocks
-    the plans touch (see :func:`.reader.read_pieces`). ``adopt`` maps tensor names to
-    callbacks that take a tensor over private mappings of the files in place of the
-    target (see the module docstring); each is called only once every byte is read and
-    verified, and never if the read raises. ``options`` run the reader.
+    ``files`` are the plans' files, open; ``checksums`` (by file name) are verified, every block
+    (``verify="all"``) or those touched. ``adopt`` maps tensor names to callbacks taking a tensor over
+    private file mappings in the target's place, called once every byte is read and verified.
     """
     names = list(files)
     index = {name: i for i, name in enumerate(names)}
     opened = [files[n] for n in names]
     by_index = {index[n]: c for n, c in (checksums or {}).items() if n in index}
-    # A load given no ``adopt`` maps no file (``mmap`` off, an accelerator): a part truncated during
-    # the load is then an error naming it, never a SIGBUS in a copy out of a mapping.
+    # Without ``adopt``, map nothing: a part truncated during the load is an error, never a SIGBUS.
     lowering = _Lowering(opened, index, map_rows=adopt is not None)
     adopt = adopt or {}
     for name, plan in plans.items():

@@ -1,9 +1,5 @@
-"""Where a load's bytes land: the targets, their memory, and private file mappings served in their place.
-
-A CPU target whose caller can take another tensor is served from a private mapping of its
-bytes in the file (:func:`map_pieces`): no copy, no first touch of fresh memory. Every other
-target is written in place, or through staging when its bytes are converted.
-"""
+"""Where a load's bytes land: the targets, their memory, and private file mappings served in their
+place (:func:`map_pieces`: no copy, no first touch of fresh memory)."""
 
 from __future__ import annotations
 
@@ -24,19 +20,15 @@ from .local import OpenFile
 from .tensors import byte_view, map_file_range
 
 HUGE_PAGE = 2 * 1024 * 1024
-# Idle memory a BufferPool keeps for the next tensors of the same sizes.
-POOL_KEEP = 256 * 1024 * 1024
+POOL_KEEP = 256 * 1024 * 1024  # idle memory a BufferPool keeps for the next tensors
 PAGE = mmap.PAGESIZE
 
 
 @dataclass
 class Target:
     """A tensor to fill, the dtype its bytes are stored in, and element runs to zero first.
-
-    ``mapped``: ``tensor`` lies over a private mapping of its bytes (:func:`map_pieces`), which
-    the reader pages in and verifies but never writes. ``filled`` runs on a reader thread once
-    every byte is read, so work on them overlaps the other reads.
-    """
+    ``mapped``: it lies over a private file mapping, paged in and verified but never written.
+    ``filled`` runs on a reader thread once every byte is read, overlapping the other reads."""
 
     tensor: torch.Tensor
     stored: torch.dtype
@@ -51,11 +43,8 @@ def unmaterialized(targets: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 def check_materialized(targets: Mapping[str, torch.Tensor], where: str) -> None:
-    """Refuse a load into tensors on the meta device, naming them, before a byte is read.
-
-    vLLM keeps online-quantized layers on the meta device until their weight loaders run,
-    which this loader never calls; a copy into a meta tensor silently does nothing.
-    """
+    """Refuse a load into tensors on the meta device, naming them, before a byte is read: a copy
+    into one silently does nothing (vLLM's online quantization materializes them in weight loaders)."""
     meta = unmaterialized(targets)
     if meta:
         raise CheckpointMismatch(
@@ -88,7 +77,6 @@ class Destination:
             self.mapped_bytes = mapped.reshape(-1).view(torch.uint8)
             return
         if not t.is_contiguous():
-            # Rare: read whole, copied once at the end.
             self.temp = torch.empty(t.shape, dtype=target.stored)
             self.landing = self.temp
         else:
@@ -118,8 +106,7 @@ def page_interior(address: int, nbytes: int) -> tuple[int, int] | None:
 
 
 def prefault_pages(ranges: Sequence[tuple[int, int]]) -> None:
-    """Fault in the fresh memory of (address, length) ranges about to be written, one system call each
-    instead of a trap per 4 KiB page; only whole pages inside each range. Best effort."""
+    """Fault in the whole pages of (address, length) ranges about to be written, a call each. Best effort."""
     for address, nbytes in ranges:
         interior = page_interior(address, nbytes)
         if interior is not None:
@@ -131,27 +118,21 @@ def map_pieces(
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """A new tensor whose pages are, where they can be, private mappings of the files' pages holding its bytes.
 
-    ``pieces`` place disjoint byte ranges of ``files`` at byte ``start`` of the tensor; bytes
-    no piece covers are zero. The tensor lies in one anonymous private mapping, and each page
-    whose bytes all come from one piece, at the same offset within the page as in the file
-    (the residue most bytes share), is replaced by a ``MAP_FIXED | MAP_PRIVATE`` mapping of the
-    file's page. A tensor one piece fills whole is one private mapping of that range instead.
-    Returns the tensor and, per piece, the byte range ``(lo, hi)`` that is mapped (``lo == hi``:
-    none); the caller writes the rest, and pages in and verifies the mapped ranges.
+    ``pieces`` place byte ranges of ``files`` at byte ``start``; uncovered bytes are zero. Pages one
+    piece fills at the page residue most bytes share are ``MAP_FIXED | MAP_PRIVATE`` file mappings.
+    Returns the tensor and, per piece, the mapped byte range ``(lo, hi)``: the caller writes the rest.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     sizes = {p.file: os.fstat(files[p.file].fd).st_size for p in pieces}  # now, not when opened
     if len(pieces) == 1 and pieces[0].start == 0 and pieces[0].length == nbytes > 0:
         p = pieces[0]
         if p.offset % dtype.itemsize == 0 and p.end <= sizes[p.file]:
-            # One run of one file (a load at the saved topology): a new mapping of the range is
-            # faster inside vLLM than one laid over an anonymous region.
+            # One run of one file: a plain mapping is faster inside vLLM than one over an anonymous region.
             return map_file_range(files[p.file].fd, p.offset, nbytes, dtype, shape), [(0, nbytes)]
     weight: dict[int, int] = {}
     for p in pieces:
         residue = (p.offset - p.start) % PAGE
-        # A view of the dtype needs the tensor's start in the region aligned (a float32 scale
-        # may lie at any byte of a file); other residues are read instead.
+        # A dtype view needs an aligned start (a float32 scale may lie at any byte); others are read.
         if residue % dtype.itemsize == 0:
             weight[residue] = weight.get(residue, 0) + p.length
     shift = max(weight, key=lambda r: (weight[r], -r)) if weight else 0
@@ -175,8 +156,7 @@ def map_pieces(
 
 
 TOUCH_ENV = "SHARDED_STATE_TOUCH_PAGES"
-# The CPU flags under which oneDNN runs a 16-bit matmul, so that vLLM's CPU post-processing repacks
-# (reads) every such weight after the load; float32 it repacks on any x86 CPU.
+# CPU flags under which vLLM's CPU post-processing repacks (reads) 16-bit weights; float32 always.
 REPACKING_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
@@ -193,9 +173,8 @@ CPU_FLAGS = _cpu_flags()
 
 
 def touched_by_the_load(dtype: torch.dtype) -> bool:
-    """Whether a mapped load of ``dtype`` reads each page itself (:func:`touch_pages`): only where
-    vLLM's post-processing reads every weight next (oneDNN repacks it), unless
-    ``SHARDED_STATE_TOUCH_PAGES`` is ``1`` or ``0``."""
+    """Whether a mapped load of ``dtype`` reads each page itself: where vLLM's post-processing reads
+    every weight next, unless ``SHARDED_STATE_TOUCH_PAGES`` is ``1`` or ``0``."""
     setting = os.environ.get(TOUCH_ENV, "").strip()
     if setting in ("0", "1"):
         return setting == "1"
@@ -204,12 +183,9 @@ def touched_by_the_load(dtype: torch.dtype) -> bool:
 
 
 def touch_pages(data: torch.Tensor) -> None:
-    """Read one byte of every page a flat uint8 CPU tensor's memory lies on, on this thread.
-
-    ``MADV_POPULATE_READ`` maps pages without a CPU reading them; in a VM whose host reclaims
-    free memory, the first CPU access then faults in the host. Taken here, those faults overlap
-    the other streams' disk reads. Releases the GIL (torch).
-    """
+    """Read one byte of every page a flat uint8 CPU tensor lies on, on this thread (GIL released):
+    in a VM whose host reclaims free memory, the first CPU access faults in the host even after
+    ``MADV_POPULATE_READ``; taken here, those faults overlap the other streams' reads."""
     if data.numel():
         # Where the first page boundary is not byte 0, byte 0 lies on the page before it.
         first = -data.data_ptr() % PAGE
@@ -219,8 +195,7 @@ def touch_pages(data: torch.Tensor) -> None:
 
 
 def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
-    """Page in bytes of mapped targets now (and read them where :func:`touched_by_the_load`), so that
-    the load pays for the reads, not the first request."""
+    """Page in mapped targets' bytes now, so that the load pays for the reads, not the first request."""
     for dest, p in ranges:
         start, length = p.start, p.length
         address = dest.mapped_bytes.data_ptr() + start
@@ -242,13 +217,9 @@ def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
 
 
 class BufferPool:
-    """Memory for tensors made over and over in the same sizes, taken again once nothing uses it.
-
-    Fresh memory costs a page fault and zeroing on its first write. A buffer is taken again for
-    a tensor of exactly its size once torch's count of its storage's users says nothing refers to
-    it, so memory a writer still reads is never handed out twice. Idle buffers beyond ``keep``
-    bytes are let go. Threads may share a pool.
-    """
+    """Memory for tensors made over and over in the same sizes, saving fresh pages' faults and zeroing.
+    A buffer is reused only once torch's count of its storage's users says nothing refers to it;
+    idle buffers beyond ``keep`` bytes are let go. Threads may share a pool."""
 
     def __init__(self, keep: int = POOL_KEEP) -> None:
         self.keep = keep

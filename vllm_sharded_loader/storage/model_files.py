@@ -1,7 +1,5 @@
-"""Which files of a local model folder a checkpoint carries beside its parts (config, tokenizer,
-module folders), which it leaves (the weights the parts replace, our bookkeeping, a nested
-checkpoint), and the special files among them that would hang whatever opens them.
-"""
+"""Which files of a model folder a checkpoint carries beside its parts (config, tokenizer, module
+folders; not weights, bookkeeping or nested checkpoints), and special files that would hang a reader."""
 
 from __future__ import annotations
 
@@ -63,8 +61,7 @@ def _holds_a_checkpoint(folder: str) -> bool:
 
 
 def nested_checkpoints(names: list[str]) -> set[str]:
-    """The sub-folders of a listing's relative ``names`` (an object-storage prefix's) that hold a
-    checkpoint or a save into one, by a local folder's rule."""
+    """The sub-folders of a listing's relative ``names`` that hold a checkpoint or a save into one."""
     folders = set()
     for name in names:
         folder, _, leaf = name.rpartition("/")
@@ -74,8 +71,7 @@ def nested_checkpoints(names: list[str]) -> set[str]:
 
 
 def own_part_pattern(manifest: Callable[[], Manifest | None]) -> str | None:
-    """The part pattern of the checkpoint at the top of a source (``manifest`` reads its manifest), or
-    None (also where it cannot be read): parts under a pattern of its own (``w-{rank}-{part}.dat``)
+    """The part pattern of the checkpoint at the top of a source, or None: parts under a custom pattern
     match no weight file pattern, yet must not be carried."""
     try:
         found = manifest()
@@ -90,8 +86,7 @@ def is_own_part(name: str, pattern: str | None) -> bool:
 
 
 def carried_in_listing(names: list[str], modules: set[str], pattern: str | None = None) -> list[str]:
-    """:func:`non_weight_files`'s rule over a listing of relative ``names`` (an object-storage prefix's),
-    given its module folders (:func:`modules_in`) and :func:`own_part_pattern`."""
+    """:func:`non_weight_files`'s rule over a listing of relative ``names`` (an object-storage prefix's)."""
     nested = nested_checkpoints(names)
 
     def carried(name: str) -> bool:
@@ -170,8 +165,7 @@ def special_files(folder: str) -> list[CheckpointCorrupt]:
 
 
 def check_no_links_to_nothing(folder: str) -> None:
-    """Refuse a local model folder whose carried files (:func:`non_weight_files`) include a link to
-    nothing, naming it, before vLLM reads the folder (which would report something else, or fail late)."""
+    """Refuse a model folder whose carried files include a link to nothing, before vLLM fails later on it."""
     for name in non_weight_files(folder):
         path = os.path.join(folder, name)
         if os.path.islink(path) and not os.path.exists(path):

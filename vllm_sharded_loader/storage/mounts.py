@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import os
 
-# File systems whose flock is not shared between the hosts that mount them (or not at all):
-# the kernel then grants it locally, so a free flock says nothing of a process elsewhere.
+# Mount options under which each host grants flock locally: a free flock says nothing of other hosts.
 _LOCAL_FLOCK_OPTIONS = {
     "nfs": ("nolock", "local_lock=flock", "local_lock=all"),
     "nfs4": ("nolock", "local_lock=flock", "local_lock=all"),
@@ -36,8 +35,7 @@ def _mount_of(path: str, mountinfo: str) -> tuple[str, str, set[str]] | None:
 
 def flock_problem(directory: str, mountinfo: str | None = None) -> str | None:
     """Why ``flock`` on ``directory``'s mount cannot tell a running save from a dead one (each host
-    grants it on its own: NFS ``nolock``, CIFS ``nobrl``, FUSE), or None; ``mountinfo`` is read when
-    not given."""
+    grants it on its own), or None."""
     if mountinfo is None:
         try:
             with open("/proc/self/mountinfo") as f:

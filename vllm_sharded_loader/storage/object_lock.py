@@ -1,7 +1,5 @@
-"""The save lock of an object-storage prefix: one object (``LOCK_NAME``) that a conditional put
-creates, so that exactly one save holds the prefix. Object storage cannot tell a running save
-from a dead one, so a lock is never taken over silently.
-"""
+"""The save lock of an object-storage prefix: one object a conditional put creates. Object storage
+cannot tell a running save from a dead one, so a lock is never taken over silently."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ def describe_lock(where: ObjectPrefix, holder: dict[str, Any]) -> str:
 
 
 def acquire_lock(where: ObjectPrefix, token: str) -> None:
-    """Take the prefix for one save: a conditional put of the lock object (a held lock: the error
-    says to delete it if its save is gone)."""
+    """Take the prefix for one save: a conditional put of the lock object."""
     body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": token})
     try:
         put(where, LOCK_NAME, body.encode(), create=True)
@@ -82,8 +79,7 @@ def refuse_a_checkpoint(where: ObjectPrefix, overwrite: bool) -> None:
 
 
 def refuse_before_save(where: ObjectPrefix, overwrite: bool) -> None:
-    """What a save's :func:`acquire_lock` and its check under the lock would refuse, taking nothing
-    (before a save starts work it would throw away)."""
+    """What a save's :func:`acquire_lock` and its check under the lock would refuse, taking nothing."""
     holder = read_lock(where)
     if holder is not None:
         raise _held(where, holder)
@@ -113,8 +109,7 @@ def release_lock(where: ObjectPrefix, token: str | None = None) -> None:
 
 
 def check_not_locked(where: ObjectPrefix) -> None:
-    """Refuse a prefix without a manifest that a save holds (a published manifest names a whole
-    checkpoint while a save runs, or after it died)."""
+    """Refuse a prefix without a manifest that a save holds."""
     holder = read_lock(where)
     if holder is not None and head(where, MANIFEST_NAME) is None:
         raise CheckpointLocked(

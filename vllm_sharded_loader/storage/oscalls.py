@@ -50,8 +50,7 @@ def madvise_hugepage(address: int, nbytes: int) -> bool:
 
 
 def drop_pages(address: int, nbytes: int) -> None:
-    """``madvise(MADV_DONTNEED)`` over a page-aligned range of a private file mapping no longer read,
-    on the calling thread, so that its ``munmap`` later has nothing to tear down."""
+    """``madvise(MADV_DONTNEED)`` over a private file mapping no longer read, so its ``munmap`` is cheap."""
     libc = _c()
     if libc is not None:
         libc.madvise(address, nbytes, MADV_DONTNEED)
@@ -65,11 +64,8 @@ def populate_write(address: int, nbytes: int) -> None:
 
 
 def populate_read(address: int, nbytes: int) -> int:
-    """``madvise(MADV_POPULATE_READ)``: page in and map a range of a file mapping now, without the GIL.
-
-    Returns 0, or the errno: ``EINVAL`` where the kernel lacks it, ``EFAULT`` past the end of the
-    file (truncated), ``ENOSYS`` off Linux.
-    """
+    """``madvise(MADV_POPULATE_READ)``: page in a range of a file mapping now, without the GIL. Returns 0
+    or the errno: ``EINVAL`` where the kernel lacks it, ``EFAULT`` past a truncated file's end."""
     libc = _c()
     if libc is None:
         return errno.ENOSYS
@@ -90,8 +86,7 @@ def map_file_fixed(address: int, nbytes: int, fd: int, offset: int) -> int:
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing a file range to disk now, without waiting (``sync_file_range``): the disk writes
-    while the next chunk is copied, instead of at the kernel's dirty threshold or ``fsync``."""
+    """Start writing a file range to disk now (``sync_file_range``), overlapping the next chunk's copy."""
     libc = _c()
     if libc is not None:
         libc.sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
@@ -136,12 +131,8 @@ def binding_cpus(affinity: set[int] | frozenset[int], nodes: dict[int, frozenset
 
 
 def use_binding_cpus() -> None:
-    """Let the calling thread run on every CPU of the NUMA nodes it is bound to (a thread-pool initializer).
-
-    vLLM pins a CPU worker's threads to the rank's cores, and new threads inherit the mask; nothing
-    computes while weights load or save, so I/O threads take the whole node, never another node
-    (whose memory would be remote to a GPU worker's staging).
-    """
+    """Let the calling thread run on every CPU of the NUMA nodes it is bound to (a thread-pool initializer):
+    vLLM pins a worker's threads to the rank's cores, idle during I/O; another node's memory would be remote."""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, binding_cpus(os.sched_getaffinity(0), numa_nodes()))
 
@@ -150,11 +141,8 @@ use_every_cpu = use_binding_cpus
 
 
 def release_free_heap() -> None:
-    """``malloc_trim(0)``: hand the C heap's free pages back to the system (glibc); a no-op elsewhere.
-
-    vLLM's CPU post-processing repacks every weight into ``malloc``-ed memory and frees the old
-    packing, which glibc otherwise keeps, so repeated weight updates grow towards a second copy.
-    """
+    """``malloc_trim(0)``: hand the C heap's free pages back (glibc). vLLM's CPU repacking frees the old
+    packing into the heap, so repeated weight updates would otherwise grow towards a second copy."""
     libc = _c()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:

@@ -1,7 +1,5 @@
-"""One rank's parts written under temporary names: the *stage* step of every save
-(:mod:`..checkpoint.protocol`), hashed while written. A store's *place* step gives them their
-final names (:func:`fresh_names`): a local folder renames them, an object prefix uploads them.
-"""
+"""One rank's parts written under temporary names, hashed while written: every save's *stage* step.
+A store's *place* step gives them their final names (:func:`fresh_names`)."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ class StagedRank:
     max_size: int | None
     entry: RankEntry
     temporary: dict[str, str] = field(default_factory=dict)  # final name -> temporary path
-    # Parts renamed to their final names but not yet published by a manifest: a failed
-    # save removes them too (they are its own; the published checkpoint lists none of them).
+    # Parts under their final names, not yet published: a failed save removes them too.
     placed: list[str] = field(default_factory=list)
 
     def paths(self) -> list[str]:
@@ -66,13 +63,9 @@ def stage_rank(
     progress: Callable[[int, int], None] | None = None,
     buffer_bytes: int | None = None,
 ) -> StagedRank:
-    """Write one rank's tensors into size-capped parts under temporary names (through staging buffers
-    of ``buffer_bytes``: smaller where several ranks are written at once, :func:`..storage.writer.buffer_bytes_for`).
-
-    Each part is hashed while it is written. On any failure (disk full) the parts
-    written so far are removed and the error names the file and what to do.
-    ``progress`` is called as ``progress(bytes_written_now, bytes_total)``, first with 0.
-    """
+    """Write one rank's tensors into size-capped parts under temporary names, hashed while written,
+    through staging buffers of ``buffer_bytes``; on any failure the parts so far are removed.
+    ``progress`` is called as ``progress(bytes_written_now, bytes_total)``, first with 0."""
     pattern = pattern or default_pattern(rank.pp_size, rank.replicas)
     validate_pattern(pattern, rank.tp_size, rank.pp_size, rank.replicas)
     token = token or new_token()
@@ -129,10 +122,8 @@ def renamed_entry(entry: RankEntry, names: Mapping[str, str]) -> RankEntry:
 
 
 def listed_names(read_manifest: Callable[[], Manifest | None]) -> set[str]:
-    """Every file the published manifest (``read_manifest()``) lists, there or not; none if it cannot
-    be read (it then lists nothing a load would read). A part placed under a listed name whose file is
-    missing (a copy cut short) would complete the published checkpoint with this save's bytes: a save
-    killed before its own publish would leave that checkpoint loading them beside its other ranks."""
+    """Every file the published manifest lists, there or not (none if unreadable): a part placed under
+    a listed but missing name would complete the published checkpoint with this save's bytes."""
     with contextlib.suppress(ShardedStateError):
         published = read_manifest()
         if published is not None:
@@ -161,11 +152,7 @@ def discard_rank(staged: StagedRank) -> None:
 
 
 def open_staged_tensors(staged: StagedRank) -> dict[str, torch.Tensor]:
-    """A staged or published rank's tensors, memory-mapped from its files (no copy).
-
-    Used to rewrite a captured state elsewhere or with another size cap; the tensors
-    stay valid as long as they are referenced.
-    """
+    """A staged or published rank's tensors, memory-mapped from its files (no copy)."""
     tensors: dict[str, torch.Tensor] = {}
     for path in staged.paths():
         header = read_header(path)
@@ -185,15 +172,11 @@ def stage_in_parallel(
     progress: Callable[[int, int], None] | None = None,
     staged_all: Callable[[], None] = lambda: None,
 ) -> list[StagedRank]:
-    """Stage every rank at once, one thread each, with ``stage_one(rank, progress, buffer_bytes)`` (a
-    :func:`stage_rank`); on any failure every staged rank is discarded. ``staged_all`` runs once every rank
-    is staged, before they are the caller's (a kill point).
+    """Stage every rank at once, a thread each, with ``stage_one(rank, progress, buffer_bytes)``; on any
+    failure every staged rank is discarded. ``staged_all`` runs once all are staged (a kill point).
 
-    Ctrl-C (or SIGTERM) reaches the waiting thread alone: the ranks' threads stop at their next write
-    (they wrote on to the end), and a rank whose thread ended as it came is discarded too (it was lost).
-    Every thread that began a rank is waited for before this returns or raises: one that Ctrl-C met
-    while it was being started (a pool would lose track of it) does nothing once the save gave up,
-    where it made the output folder again after the save had removed it."""
+    Ctrl-C reaches only the waiting thread, which stops the ranks' threads at their next write. Every
+    thread that began is joined before this returns: one left running would recreate the removed folder."""
     stop = threading.Event()
     cond = threading.Condition()
     began: list[threading.Thread] = []  # the threads that took their rank (under cond)
@@ -227,8 +210,7 @@ def stage_in_parallel(
         for k, info in enumerate(infos):
             threading.Thread(target=run, args=(k, info), name=f"stage-{k}").start()
         with cond:
-            # Timed: Ctrl-C that the kernel gives a rank's thread is handled here only once this
-            # thread wakes, and an untimed wait wakes when every rank has written all it has.
+            # Timed: a Ctrl-C delivered to a rank's thread is only seen once this thread wakes.
             while len(results) + len(failures) < len(infos):
                 cond.wait(0.1)
     except BaseException as e:

@@ -1,10 +1,5 @@
 """Per-thread buffers of the reader: staging for converted and accelerator targets, scratch, descriptors.
-
-Everything CUDA a reader thread makes or issues names the load's one device explicitly: a fresh
-thread's current device is 0, where a stream or event would not follow copies into ``cuda:N``
-(and would make a context on GPU 0). It is named per call, not set on the thread, because with
-one stream the reader runs on the caller's thread, whose current device it must leave alone.
-"""
+CUDA calls name the load's device: a fresh thread's is GPU 0, and a one-stream reader runs on the caller's."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ if TYPE_CHECKING:
 
 
 def accelerator_device(destinations: Sequence[Destination]) -> torch.device | None:
-    """The one CUDA device that ``destinations`` land on, or None; several are refused (a worker's
-    rank lives on one device). Pure."""
+    """The one CUDA device that ``destinations`` land on, or None; several are refused. Pure."""
     devices = {d.landing.device for d in destinations if d.cuda}
     if not devices:
         return None
@@ -87,8 +81,7 @@ class ThreadState:
             if self.device is None:
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
             else:
-                # Pinned under the copies' device: the host allocator pins through the current
-                # device's context, which must be device N's, never a fresh thread's GPU 0.
+                # Pinned through the current device's context: device N's, never a fresh thread's GPU 0.
                 with torch.cuda.device(self.device):
                     buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             self.staging[self.turn] = buffer

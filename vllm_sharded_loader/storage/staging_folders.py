@@ -1,11 +1,6 @@
-"""Local staging folders of saves into object storage: made in one place, removed even after a kill.
-
-A save into ``s3://``, ``gs://`` or ``az://`` stages its parts in ``sharded-state-upload-*``
-under :func:`staging_base`. Each folder holds a marker its owner keeps an exclusive ``flock``
-on, which the kernel drops with the process however it ends; :func:`make_staging_folder` first
-removes the folders beside it that are provably ours and whose locks are free, so the next save
-on the host cleans up after a killed one, and never touches a live one's.
-"""
+"""Local staging folders of saves into object storage, removed even after a kill: each holds a marker
+its owner ``flock``s (the kernel drops it with the process), and a new folder's maker first removes
+those beside it that are ours and unlocked."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ from .lock import OWNER_MARKER, owner_is_alive
 STAGING_ENV = "SHARDED_STATE_STAGING_DIR"
 STAGING_PREFIX = "sharded-state-upload-"
 FOLDER_MARKER = ".sharded-state-staging.owner"
-# The marker's name while it is being made: a folder with only this is not (yet) ours to judge.
-_NEW_MARKER = FOLDER_MARKER + ".new"
+_NEW_MARKER = FOLDER_MARKER + ".new"  # while being made: a folder with only this is not judged
 
 
 def staging_base() -> str:
@@ -75,8 +69,7 @@ class StagingFolder:
 
 
 def make_staging_folder(base: str | None = None) -> StagingFolder:
-    """A new staging folder under ``base`` (default :func:`staging_base`), marked as this process's,
-    after removing those dead processes left beside it."""
+    """A new staging folder under ``base``, marked as this process's, after removing dead ones beside it."""
     base = base or staging_base()
     remove_dead_staging_folders(base)
     try:
@@ -148,12 +141,8 @@ def remove_dead_staging_folders(base: str) -> list[str]:
 
 
 def _take_if_dead(base_fd: int, name: str) -> int | None:
-    """The locked marker of folder ``name`` (under ``base_fd``) if it is ours and no process uses it, else None.
-
-    Ours: a directory (never through a link), this user's, holding our marker as a regular file.
-    Unused: its marker's ``flock`` is free, and so is every capture marker's inside (workers
-    staging a start-up capture there may outlive the folder's maker for a moment).
-    """
+    """The locked marker of folder ``name`` if it is ours (this user's directory, our marker a regular
+    file) and unused (its ``flock`` free, and every capture marker's inside), else None."""
     try:
         folder = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=base_fd)
     except OSError:

@@ -1,7 +1,5 @@
-"""Temporary files that their writer holds by ``flock`` for as long as it lives, so that the next
-writer into the folder can tell a killed writer's temporary from a live one's, and remove it (the
-start-up artifact restore writes each entry of vLLM's cache so).
-"""
+"""Temporary files that their writer ``flock``s while it lives, so that the next writer into the
+folder can tell a killed writer's temporary from a live one's, and remove it."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ from collections.abc import Iterator
 from .lock import flock_is_held
 
 _RANDOM = r"[a-z0-9_]{8}"
-# An empty temporary may be a live writer's between its creation and its flock.
-EMPTY_GRACE_SECONDS = 60.0
+EMPTY_GRACE_SECONDS = 60.0  # an empty temporary may be a live writer's, not yet flock-ed
 
 
 @contextlib.contextmanager
@@ -40,9 +37,8 @@ def held_temporary(folder: str, prefix: str, suffix: str) -> Iterator[tuple[int,
 
 
 def remove_dead_temporaries(folder: str, prefix: str, suffix: str) -> list[str]:
-    """Remove from ``folder`` the temporaries of :func:`held_temporary` (by ``prefix`` and ``suffix``)
-    whose ``flock`` is free (never on a mount whose ``flock`` hosts do not share), and return their
-    names: only regular files of exactly that shape, never through a link."""
+    """Remove from ``folder`` the regular files of :func:`held_temporary`'s shape whose ``flock`` is free
+    (never through a link), and return their names."""
     shape = re.compile(re.escape(prefix) + _RANDOM + re.escape(suffix) + r"\Z")
     try:
         names = [n for n in os.listdir(folder) if shape.match(n)]

@@ -1,9 +1,5 @@
-"""Whole tensors of safetensors files, read into tensors by name: where each tensor's bytes lie.
-
-:func:`file_plans` is the one place that maps a file's tensors to byte ranges, and it
-takes them from the file's own header; :func:`read_files` runs those plans through the
-one lowering of every load (:func:`.lowering.read_plans`).
-"""
+"""Whole tensors of safetensors files, read into tensors by name, their byte ranges taken from the
+file's own header and run through the one lowering of every load."""
 
 from __future__ import annotations
 
@@ -23,11 +19,8 @@ from .tensors import torch_dtype
 
 
 def file_plans(headers: Sequence[Header], names: Mapping[str, object]) -> dict[str, TensorPlan]:
-    """A read plan per tensor of ``headers`` named in ``names``: its one run in its file. Pure.
-
-    Plans follow the files' order and each file's byte order, so the reader goes through
-    each file front to back.
-    """
+    """A read plan per tensor of ``headers`` named in ``names``: its one run in its file, in file and
+    byte order, so the reader goes through each file front to back. Pure."""
     plans = {}
     for header in headers:
         for name, entry in sorted(header.tensors.items(), key=lambda item: item[1].begin):
@@ -48,15 +41,9 @@ def read_files(
     files: Sequence[OpenFile] | None = None,
     options: ReadOptions = DEFAULT_READ,
 ) -> ReadStats:
-    """Read the tensors of safetensors files named in ``targets`` into them.
-
-    Tensors of a file not in ``targets`` are not read (except into scratch when the file is
-    verified). ``checksums`` maps a file's path to its recorded checksum; such a file is
-    verified whole. ``adopt`` maps names to callbacks that take a mapped tensor in place of
-    reading into the target (see :func:`.lowering.read_plans`). ``files`` are the files the
-    headers were read from, already open (every read then goes through them); without them
-    the headers' paths are opened. ``options`` run the reader.
-    """
+    """Read the tensors of safetensors files named in ``targets`` into them; a file with ``checksums``
+    (by path) is verified whole. ``adopt`` is as for :func:`.lowering.read_plans`; ``files`` are the
+    headers' files, already open (else their paths are opened)."""
     opened = [OpenFile.open(h.path) for h in headers] if files is None else []
     try:
         handles: Sequence[StoredFile] = opened or files or []

@@ -78,8 +78,7 @@ def map_file_range(fd: int, offset: int, length: int, dtype: torch.dtype, shape:
 
 
 def has_nan(tensor: torch.Tensor) -> bool:
-    """Whether any element is NaN: ``amax`` propagates NaN without making a bool tensor first (float8
-    types, which it lacks on CPU, take ``isnan``)."""
+    """Whether any element is NaN (``amax`` propagates it without a bool tensor; float8 takes ``isnan``)."""
     if not tensor.numel():
         return False
     try:
