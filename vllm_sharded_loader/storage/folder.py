@@ -1,14 +1,9 @@
 """A checkpoint in a local folder (or a Hugging Face cache snapshot): :class:`LocalStore`, read through
-:mod:`.local`, locked by :mod:`.lock`, and saved into by the protocol's steps below.
+:mod:`.local`, locked by :mod:`.lock`.
 
-A local save's steps, as :mod:`..checkpoint.protocol` numbers them: **lock** takes
-``.sharded_state.lock`` (``flock``-ed, taken over from a save that died only with overwrite);
-**join** checks that every member sees that lock (another node's disk is refused); **stage**
-writes the parts in the folder under hidden names; **place** renames them to part names
-nothing in the folder has; **publish** writes the manifest to a staged name, fsyncs it,
-renames the carried files into place (each replaced one hard-linked aside first) and then
-the manifest; **clean** removes parts the new manifest does not list and the staged files of
-this save, of the save it took over and of owners that are gone; **release** drops the lock.
+A save stages parts under hidden names, renames them to names nothing in the folder has, and
+publishes by renaming a fsynced manifest into place (carried files just before it, each replaced
+one hard-linked aside first); the old parts go after the publish.
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ from .local import (
 )
 from .staged import StagedRank, fresh_names, listed_names, new_token, renamed_entry
 
-# The steps where a test kills a local save (storage/faults.py), in protocol order.
+# Where a test kills a local save (:mod:`.faults`), in protocol order.
 KILL_LOCKED = declare("local.locked", "storage/folder.py: the lock is taken, nothing staged")
 KILL_PLACED = declare("local.placed", "storage/folder.py: one staged part was renamed to its fresh final name")
 KILL_MANIFEST_WRITTEN = declare("local.manifest_written", "storage/folder.py: temporary manifest fsynced, not renamed")
@@ -67,19 +62,19 @@ class LocalStore:
 
     def __init__(self, where: str) -> None:
         self.where = where
-        self.root = os.path.abspath(where)  # (what a save writes into, and names in its messages)
-        self.token = new_token()  # (the lock's, once a save takes or joins it)
+        self.root = os.path.abspath(where)  # what a save writes into and names
+        self.token = new_token()  # the lock's, once a save takes or joins it
         self._begin()
 
     def _begin(self) -> None:
         """Forget any earlier save's state: a store runs one save at a time."""
         self.held: lock.SaveLock | None = None
-        self.made_folders: list[str] = []  # (deepest first)
+        self.made_folders: list[str] = []  # deepest first
         self.replaced: set[str] = set()
-        self.published: set[str] | None = None  # what the published manifest lists, read at the first place
-        self.carried: dict[str, str] = {}  # carried file -> its staged copy
-        self.backups: dict[str, str | None] = {}  # carried file -> the hard link of what it replaced
-        self.carried_folders: list[str] = []  # folders made for carried files, outermost first
+        self.published: set[str] | None = None  # the published manifest's files, read at the first place
+        self.carried: dict[str, str] = {}  # name -> staged copy
+        self.backups: dict[str, str | None] = {}  # name -> hard link of what it replaced
+        self.carried_folders: list[str] = []  # made for carried files, outermost first
 
     # ---------------------------------------------------------------- reading
 
@@ -101,8 +96,7 @@ class LocalStore:
     def open_part(self, f: FileEntry) -> OpenFile:
         return open_part(self.where, f)
 
-    def open_file(self, name: str, contained: bool = False) -> OpenFile:
-        # Containment first: a link out of the location (to a device, say) is never opened.
+    def open_file(self, name: str, contained: bool = False) -> OpenFile:  # containment before the open
         return OpenFile.open(part_path(self.where, name) if contained else os.path.join(self.where, name))
 
     def list_names(self) -> list[str]:
@@ -177,7 +171,7 @@ class LocalStore:
     def lock(self, token: str, overwrite: bool, patterns: tuple[str, ...]) -> None:
         self._begin()
         self.token = token
-        self.made_folders = lock.missing_folders(self.root)  # (its parents too: a refused save leaves none)
+        self.made_folders = lock.missing_folders(self.root)  # a refused save leaves none
         try:
             self.held = lock.acquire_save_lock(self.root, token, overwrite, patterns)
         except BaseException:
@@ -185,14 +179,12 @@ class LocalStore:
             raise
         try:
             kill_point(KILL_LOCKED)
-        except BaseException:  # (an interrupt here: the driver has no token yet to abandon with)
+        except BaseException:  # the driver has no token yet to abandon with
             self.abandon([])
             raise
 
     def join(self, token: str) -> bool:
-        """The lock file the first member just took, with this save's token, is the marker: a member
-        that does not find it sees another folder under the same path (another node's disk).
-        Decided from the file system, not from host names."""
+        """Whether this member sees the lock with this save's token (else: another node's disk)."""
         self.token = token  # every member stages under the lock's token: a takeover finds them
         return (lock.read_lock(self.root) or {}).get("token") == token
 
@@ -200,8 +192,7 @@ class LocalStore:
         return self.root
 
     def place(self, staged: StagedRank) -> RankEntry:
-        """Rename a rank's staged parts to names that collide with nothing in the folder, so the
-        published checkpoint's parts stay as they are until the new manifest replaces it."""
+        """Rename a rank's staged parts to fresh names: the published parts stay until the publish."""
         if self.published is None:
             self.published = listed_names(self.read_manifest)  # (under the lock: it cannot change)
         directory = staged.directory
@@ -218,18 +209,18 @@ class LocalStore:
         return staged.entry
 
     def write_rank_file(self, name: str, data: bytes) -> str:
-        """A fresh name (the save's token in it), written whole: never the published file; :meth:`abandon` drops it."""
+        """A fresh name (never the published file), written whole; :meth:`abandon` drops it."""
         fresh = token_name(name, self.token)
-        write_file_durably(self.root, fresh, data, staged_name(fresh, self.token))  # (killed: the next save's)
+        write_file_durably(self.root, fresh, data, staged_name(fresh, self.token))
         return fresh
 
     def publish(self, manifest: Manifest) -> None:
-        """Every listed part in place with its size, then the manifest through a staged name, fsync and
-        rename; the carried files are renamed into place between its fsync and its rename."""
-        try:  # the manifest it replaces, read under the lock: its parts go in the cleanup, whatever their names
+        """Check every listed part, then the manifest through a staged name, fsync and rename (the
+        carried files renamed in between)."""
+        try:  # the replaced manifest's parts go in the cleanup, whatever their names
             previous = read_manifest(self.root)
         except ShardedStateError:
-            previous = None  # unreadable: its parts are removed by name only
+            previous = None  # its parts are removed by name only
         self.replaced = set() if previous is None else previous.listed_files()
         for f in (f for entry in manifest.ranks for f in entry.files):
             path = os.path.join(self.root, f.name)
@@ -255,7 +246,7 @@ class LocalStore:
             kill_point(KILL_MANIFEST_WRITTEN)
             self._place_carried()
             os.replace(tmp, path)
-        except BaseException as e:  # (an interrupt too: the staged manifest is this save's to take back)
+        except BaseException as e:  # an interrupt too
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             if not isinstance(e, OSError):
@@ -268,9 +259,8 @@ class LocalStore:
         kill_point(KILL_PUBLISHED)
 
     def clean(self, manifest: Manifest) -> None:
-        """Remove parts the manifest does not list (the old save's, ranks of a larger TP; every file the
-        replaced manifest listed), start-up archives no rank lists, and the staged files of this save, of
-        the save whose lock it took over and of owners now gone (never a live one's)."""
+        """Remove unlisted parts and start-up archives, and the staged files of this save, of the save
+        it took over and of owners now gone."""
         listed = manifest.listed_files()
         held = self.held
         ours = set() if held is None else {held.token, held.taken_over} - {None}
@@ -284,7 +274,7 @@ class LocalStore:
             if (name not in listed and (stale_part or is_startup_artifacts_name(name))) or leftover:
                 try:
                     os.remove(os.path.join(self.root, name))
-                except (FileNotFoundError, IsADirectoryError):  # (a folder so named is no save's: it writes files)
+                except (FileNotFoundError, IsADirectoryError):  # a folder is no save's
                     pass
                 except OSError as e:  # the rest is cleaned all the same
                     failed.append(f"{name} ({e.strerror})")
@@ -298,7 +288,7 @@ class LocalStore:
             lock.release_save_lock(self.held)
 
     def abandon(self, entries: Iterable[RankEntry]) -> None:
-        # Every member's rank files (past the exchange that failed, none is still writing).
+        # Every member's rank files: past the failed exchange, none is still writing.
         for name in os.listdir(self.root) if os.path.isdir(self.root) else ():
             if is_startup_artifacts_name(name) and name.endswith(token_name(".tar", self.token)):
                 with contextlib.suppress(FileNotFoundError):
@@ -313,8 +303,7 @@ class LocalStore:
 
     def stage_carried(self, index: int, name: str, data: bytes | Path) -> tuple[CarriedFile, bool | None]:
         final = os.path.join(self.root, name)
-        # Renamed into its subfolder: one that links out of the output would take the file in a folder
-        # that is not ours (refused even where the file is the same: verify refuses such a carried file).
+        # A subfolder linking out of the output is refused, even for the same file (verify refuses it).
         folder = _folder_links_out(self.root, name)
         if folder is not None:
             raise SaveRefused(
@@ -345,21 +334,20 @@ class LocalStore:
         return CarriedFile(size, digest.hexdigest()), os.path.lexists(final)
 
     def _place_carried(self) -> None:
-        """Each staged carried file renamed over its name; whatever was there hard-linked aside first."""
+        """Each staged carried file renamed over its name, whatever was there hard-linked aside first."""
         for name in sorted(self.carried):
             final = os.path.join(self.root, name)
             missing = lock.missing_folders(os.path.dirname(final))
             os.makedirs(os.path.dirname(final), exist_ok=True)
             self.carried_folders += reversed(missing)
             self.backups[name] = None
-            # Whatever is at the name is backed up, a link too (the rename replaces the link itself).
-            if os.path.lexists(final) and not stat.S_ISDIR(os.lstat(final).st_mode):
-                # Known to restore_carried() before it is made: an interrupt right after the link must not leave it.
+            if os.path.lexists(final) and not stat.S_ISDIR(os.lstat(final).st_mode):  # a link too
+                # Recorded before the link: an interrupt right after it must not leave it.
                 self.backups[name] = os.path.join(self.root, staged_name(f"replaced-{len(self.backups)}", self.token))
                 os.link(final, self.backups[name], follow_symlinks=False)  # type: ignore[arg-type]
                 kill_point(KILL_BACKED_UP)
             os.replace(self.carried[name], final)
-            del self.carried[name]  # (only once renamed: a failed rename leaves it to restore_carried)
+            del self.carried[name]  # only once renamed: a failed rename leaves it to restore_carried
             kill_point(KILL_CARRIED)
         fsync_directory(self.root)
 
@@ -370,8 +358,7 @@ class LocalStore:
                     os.remove(os.path.join(self.root, name))
                 else:
                     os.replace(backup, os.path.join(self.root, name))
-                    # (A no-op where the file was not replaced yet: the backup is a hard link of it.)
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(FileNotFoundError):  # not replaced yet: a hard link of it
                         os.remove(backup)
         self.backups.clear()
         lock.remove_empty_folders(reversed(self.carried_folders))
@@ -393,12 +380,12 @@ class LocalStore:
         self.carried.clear()
 
     def remove_stale(self, names: Iterable[str]) -> None:
-        """Remove each file still there (never through a folder that links out), then its emptied folders."""
+        """Remove each file still there (never through a folder linking out), then its emptied folders."""
         failed = []
         for name in [n for n in names if self.exists_file(n)]:
             try:
                 os.remove(os.path.join(self.root, name))
-            except (FileNotFoundError, IsADirectoryError):  # gone, or a folder of the user's now
+            except (FileNotFoundError, IsADirectoryError):  # gone, or the user's folder now
                 continue
             except OSError as e:
                 failed.append(f"{name} ({e.strerror})")
@@ -419,8 +406,8 @@ class LocalStore:
 
     @contextlib.contextmanager
     def capture_folder(self, source: str, overwrite: bool) -> Iterator[str]:
-        """The output folder itself (made now; the folders made for it removed again if the save fails
-        and leaves them empty), once it is no source model's folder and its lock would take it."""
+        """The output folder itself (made now, removed again if a failed save leaves it empty), once it
+        is not the source's folder and its lock would be taken."""
         made = lock.missing_folders(self.where)
         try:
             make_output_folder(self.where)
@@ -429,12 +416,12 @@ class LocalStore:
             self.refuse_before_save(overwrite)  # the save hook checks again under its lock
             yield self.root
         except BaseException:
-            lock.remove_empty_folders(made)  # (one that is not empty holds what is not ours to remove)
+            lock.remove_empty_folders(made)  # a non-empty one holds what is not ours
             raise
 
 
 def _read_bytes(data: bytes | Path) -> bytes:
-    """``data``, or the local file's bytes, opened without blocking (a FIFO there must not hang a save)."""
+    """``data``, or the local file's bytes, opened without blocking (a FIFO must not hang a save)."""
     return data if isinstance(data, bytes) else b"".join(_chunks(data))
 
 
@@ -445,7 +432,7 @@ def _chunks(path: Path) -> Iterator[bytes]:
 
 
 def _same_local(path: str, data: bytes | Path) -> CarriedFile | None:
-    """The record of ``data`` if the regular file at ``path`` holds it, else None (also for no regular file)."""
+    """The record of ``data`` if the regular file at ``path`` holds it, else None."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return None
@@ -467,18 +454,17 @@ def _folder_links_out(output: str, name: str) -> str | None:
     """Where the folder of the file ``name`` resolves to, if outside ``output`` (a link out of it)."""
     folder = os.path.dirname(os.path.join(output, name))
     real = os.path.realpath(folder)
-    return real if escapes(folder, real, output) is not None else None  # (the rule a load's reads keep)
+    return real if escapes(folder, real, output) is not None else None  # the rule a load keeps
 
 
 def _in_the_way(output: str, name: str) -> tuple[str, str] | None:
-    """What stands where the carried file ``name`` goes, and what kind it is: a folder at its name,
-    or something other than a folder where its path needs one (``tok`` a file, for ``tok/vocab.txt``)."""
+    """What stands where the carried file ``name`` goes, and its kind: a folder at its name, or a
+    non-folder where its path needs one."""
     parts = name.split("/")
     for depth in range(1, len(parts) + 1):
         path = os.path.join(output, *parts[:depth])
         last = depth == len(parts)
-        try:
-            # A link at the file's own name is replaced, not followed; a folder of its path is followed.
+        try:  # a link at the file's own name is replaced, not followed; one on its path is followed
             mode = os.lstat(path).st_mode if last else os.stat(path).st_mode
         except OSError:
             return None

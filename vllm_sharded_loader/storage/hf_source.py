@@ -1,5 +1,4 @@
-"""A Hugging Face model's safetensors weights, indexed by tensor and read where they are: the source
-of ``convert`` (:mod:`..engine.convert` gives them to vLLM's own ``load_weights``)."""
+"""A Hugging Face model's safetensors weights, indexed by tensor and read where they are (``convert``'s source)."""
 
 from __future__ import annotations
 
@@ -35,15 +34,12 @@ from .tensors import torch_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
 READ_AHEAD_STEP = 8 << 20
-# posix_fadvise(WILLNEED) reads at most one read-ahead window per call: asked for in steps no
-# larger than the smallest window disks are given (128 KiB), a tensor is read ahead whole.
+# WILLNEED reads at most one read-ahead window per call: steps of the smallest window cover a tensor.
 WILLNEED_STEP = 128 << 10
 
 
 def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
-    """The safetensors files of the model in ``store`` (those its index lists, where it has one) and
-    the index's map of tensor to file (empty without one); an index naming a missing file is an error,
-    and so is a folder without an index that holds a sharded checkpoint (its parts are no model's weights)."""
+    """The model's safetensors files (those its index lists, if any) and the index's tensor-to-file map."""
     where = store.where
     present = store.list_names()
     names = sorted(n for n in present if n.endswith(".safetensors"))
@@ -52,12 +48,12 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
         index_path = store.file_path(INDEX_NAME)
         try:
             data = store.read(INDEX_NAME)
-            if isinstance(data, Path):  # opened without blocking, refused unless a regular file (a FIFO)
+            if isinstance(data, Path):  # never blocking on a FIFO
                 with os.fdopen(open_regular(str(data)), "rb") as f:
                     data = f.read()
             weight_map = json.loads(data)["weight_map"]
             not_names = [v for v in weight_map.values() if not isinstance(v, str)]
-            if not_names:  # (a number or null: os.path below would raise a bare TypeError)
+            if not_names:  # a number or null would be a bare TypeError below
                 raise TypeError(f"a tensor's file is {not_names[0]!r}, not a file name")
             listed = sorted(set(weight_map.values()))
         except ShardedStateError:
@@ -77,11 +73,7 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
                 "The download is incomplete: fetch the missing files (or the model) again."
             )
         names = listed
-    elif MANIFEST_NAME in present:
-        # A sharded checkpoint's parts are no model's weights: at TP>1 its ranks hold the same names
-        # (refused as a download holding a tensor twice), at TP=1 its fused, padded tensors (refused as
-        # weights vLLM cannot place); either way the advice was the wrong one. (A model's folder with
-        # an index and a checkpoint beside it is read by its index, as above.)
+    elif MANIFEST_NAME in present:  # a sharded checkpoint's parts are no model's weights
         raise ConvertRefused(
             f"{where} holds a sharded checkpoint ({MANIFEST_NAME}), not a Hugging Face model's weights; nothing "
             "was written. Change its TP/PP size with `vllm-sharded reshard`, or, where the model's own "
@@ -94,14 +86,9 @@ def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
     return names, weight_map
 
 
-# The read-ahead's own process (``python -I -S``: nothing imported but ``os``), so that it does not
-# compete for the GIL with vLLM's import and configuration. It reads (into one buffer), not
-# ``posix_fadvise(WILLNEED)``: the kernel reads at most one read-ahead window per such call (8 MiB
-# here, 128 KiB on many disks), whatever range it is given. What is queued when it is stopped is
-# the kernel's own read-ahead of one sequential reader, not gigabytes the ranks' reads would wait behind.
-# It stops at its next step once its convert is gone (``argv[3]``, the convert's pid, is no longer its
-# parent): a convert killed outright (SIGKILL, the OOM killer) never stops it, and it read on, up to
-# its budget (a quarter of memory), beside the convert run again.
+# The read-ahead's own process, off vLLM's GIL. It reads rather than WILLNEED (one window per call),
+# so stopping it leaves no queue the ranks' reads wait behind. It stops once its parent (``argv[3]``)
+# is gone: a convert killed outright cannot stop it.
 _READ_AHEAD = """
 import os, signal, stat, sys
 budget, step, parent, asked = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), 0
@@ -131,13 +118,9 @@ done()
 
 
 def read_ahead(where: str | Store, budget: int | None = None) -> Callable[[], int]:
-    """Start reading a local model's safetensors files, in order, into the page cache, in a process
-    of its own: at most ``budget`` bytes (default: a quarter of the memory available). Returns a
-    function that stops it and says how many bytes it read ahead.
-
-    ``convert`` starts it before vLLM is imported and configured (about 5 s here), so that a cold
-    source is read while that runs, instead of while the ranks are written. Nothing for object
-    storage, or for a source that cannot be listed (opening it says why)."""
+    """Start reading a local model's safetensors files into the page cache in a process of its own,
+    at most ``budget`` bytes (default: a quarter of available memory), while vLLM starts. Returns a
+    function that stops it and says how many bytes it read. Nothing for object storage."""
     store = open_store(where)
     try:
         names = weight_files(store)[0] if isinstance(store, LocalStore) else []
@@ -158,7 +141,7 @@ def read_ahead(where: str | Store, budget: int | None = None) -> Callable[[], in
     read: list[int] = []
 
     def stopped() -> int:
-        if not read:  # (once: convert stops it when vLLM's model is built, and again on its way out)
+        if not read:  # once, however often called
             reader.terminate()  # it says how far it got, and exits
             try:
                 out = reader.communicate(timeout=10)[0]
@@ -187,10 +170,8 @@ class SourceTensor:
 class SourceFiles:
     """A Hugging Face model's safetensors files, their headers read and checked, nothing else read.
 
-    ``where`` holds the weights: a local folder, or an object-storage prefix (``s3://``, ``gs://``,
-    ``az://``: each tensor is then one ranged read, made when its component is, never a download of
-    the model); ``directory`` is a local folder with the model's config and tokenizer (``where``
-    itself, or those files fetched from the prefix), which vLLM's configuration is read from.
+    ``where`` holds the weights (a local folder, or an object-storage prefix read by ranged reads);
+    ``directory`` is a local folder with the model's config and tokenizer.
     """
 
     directory: str
@@ -198,12 +179,10 @@ class SourceFiles:
     headers: dict[str, Header]
     opened: dict[str, StoredFile] = field(default_factory=dict)
     where: str = ""
-    store: Store | None = None  # (the weights' location, resolved once)
-    # Tensors the index (model.safetensors.index.json) lists that none of its files holds: harmless
-    # to vLLM unless the model needs them, so named only when something is missing (:meth:`stale_index`).
+    store: Store | None = None
+    # Tensors the index lists that no file holds: named only when something is missing (:meth:`stale_index`).
     unheld: list[str] = field(default_factory=list)
-    # Memory of the tensors read, taken again once vLLM's loader has let go of them: fresh memory costs
-    # a page fault per page on its first write (the convert's components share it: engine/convert.py).
+    # Memory reused once vLLM's loader lets go of a tensor: fresh memory faults on every first write.
     pool: BufferPool = field(default_factory=BufferPool)
 
     def __post_init__(self) -> None:
@@ -212,8 +191,7 @@ class SourceFiles:
 
     @classmethod
     def open(cls, directory: str, where: str | None = None) -> SourceFiles:
-        """Index the weights at ``where`` (default: ``directory``); a missing shard, a corrupt header or a
-        duplicated tensor is an error."""
+        """Index the weights at ``where`` (default: ``directory``)."""
         where = where or directory
         store = open_store(where)
         if not store.exists():
@@ -243,8 +221,7 @@ class SourceFiles:
         return source
 
     def stale_index(self) -> str:
-        """A sentence for an error about weights the model lacks, when the index says they should be
-        there: the files and the index disagree (an interrupted or mixed download); else empty."""
+        """A sentence for an error about missing weights that the index places in files; else empty."""
         if not self.unheld:
             return ""
         return (
@@ -266,24 +243,21 @@ class SourceFiles:
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor, in memory of its own: read from a local file (one ``pread`` of its bytes), or by one
-        ranged read of an object (which must still be the one indexed).
+        """The tensor, in memory of its own: one ``pread``, or one ranged read of the indexed object.
 
-        Read, not mapped: a mapping's pages are read only as vLLM's loader touches them, and a file cut
-        short meanwhile (truncated in place) killed the process there with SIGBUS, leaving the output's
-        lock and staged parts; a read that comes up short is the error below, naming the file."""
+        Read, not mapped: a mapped file truncated meanwhile kills the process with SIGBUS."""
         t = self.tensors[name]
         opened = self._open(t.file)
         data = self.pool.empty((t.end - t.begin,), torch.uint8)
         if isinstance(opened, OpenFile):
-            self._check_unchanged(opened)  # (an object's is checked by the ranged read below)
+            self._check_unchanged(opened)  # an object's by its conditional read
             try:
                 if len(data):
                     preadv_all(opened.fd, [memoryview(data.numpy())], t.begin, opened.path)
             except CheckpointCorrupt:  # cut short since the check: said as the change it is
                 self._check_unchanged(opened)
                 raise
-        elif len(data):  # one ranged GET into the tensor's memory (no second copy)
+        elif len(data):
             stream = opened.stream()
             try:
                 stream.readv([memoryview(data.numpy())], t.begin)
@@ -292,8 +266,7 @@ class SourceFiles:
         return data.view(t.dtype).reshape(t.shape)
 
     def read_each(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` for each of ``names``, read in order (:meth:`read`), the next one on a thread
-        of its own while the caller uses this one."""
+        """``(name, tensor)`` for each of ``names`` in order, the next read while the caller uses this one."""
         with ThreadPoolExecutor(1, thread_name_prefix="source-read") as reader:
             ahead = reader.submit(self.read, names[0]) if names else None
             for i, name in enumerate(names):
@@ -301,20 +274,16 @@ class SourceFiles:
                 tensor = ahead.result()
                 ahead = reader.submit(self.read, names[i + 1]) if i + 1 < len(names) else None
                 yield name, tensor
-                del tensor  # (its memory taken again once the caller let go of it too)
+                del tensor  # its memory reused once the caller lets go too
 
     def check_unchanged(self) -> None:
-        """Refuse a local source file written since its header was read. Called once every tensor is
-        read (before the checkpoint is published): a write while the last tensors' pages were read in
-        would mix two versions of the file."""
+        """Refuse a local source file written since its header was read (two versions mixed)."""
         for opened in self.opened.values():
             if isinstance(opened, OpenFile):
                 self._check_unchanged(opened)
 
     @staticmethod
     def _check_unchanged(opened: OpenFile) -> None:
-        # Under its descriptor: a download still being written, or a file rewritten in place at the
-        # same size (its modification time), is refused; a file renamed over the path is not read.
         now = opened.identity_now()
         if now != opened.identity:
             sizes = f"{now.size} bytes, {opened.identity.size} when its header was read"
@@ -325,8 +294,7 @@ class SourceFiles:
             )
 
     def prefetch(self, names: list[str]) -> None:
-        """Start reading these tensors' bytes of local files into the page cache, without waiting: a cold
-        read then overlaps the work on the tensors before them, instead of faulting page by page."""
+        """Start reading these tensors' local bytes into the page cache, without waiting."""
         for name in names:
             t = self.tensors[name]
             opened = self._open(t.file)
@@ -341,12 +309,10 @@ class SourceFiles:
 
 
 def resolve_source(source: str, revision: str | None = None) -> Store:
-    """A local folder or an object-storage prefix as is; a Hub repo id through the Hub cache (weights
-    and every non-weight file a save carries, each fetched once; ``HF_HUB_OFFLINE`` and ``HF_TOKEN``
-    as everywhere in huggingface_hub)."""
+    """A local folder or an object-storage prefix as is; a Hub repo id through the Hub cache."""
     store = open_store(source)
     if store.exists():
-        return store  # (an object prefix is read where it is, its config fetched first)
+        return store
     if os.path.exists(source) or source.startswith((".", "/")) or source.count("/") != 1:
         raise CheckpointNotFound(f"{source}: no such model folder (nor a Hub repo id of the form owner/name).")
     from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
@@ -354,20 +320,18 @@ def resolve_source(source: str, revision: str | None = None) -> Store:
     try:
         return hub.fetch(source, (*hub.METADATA_PATTERNS, "*.safetensors"), revision=revision)
     except ShardedStateError:
-        raise  # the cache itself is damaged, or the revision names a path: said as is
+        raise
     except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
-        # Not on the Hub, not visible with this token, or (offline) not in the cache.
         raise CheckpointNotFound(
             f"{source}: not found on the Hugging Face Hub nor in its cache ({type(e).__name__}). Check the repo "
             "id, set HF_TOKEN for a private or gated repository, or give a local folder."
         ) from e
-    except Exception as e:  # the Hub client's other errors: network, server
+    except Exception as e:  # network, server
         raise StorageError(f"{source}: cannot fetch from the Hugging Face Hub: {e}") from e
 
 
 def check_source_files(source: Store) -> None:
-    """Refuse a model whose files hold a FIFO, device or socket, or, in a local folder, a carried file
-    that is a link to nothing, naming it, before vLLM reads the folder (:mod:`.model_files`)."""
+    """Refuse a model holding a FIFO, device or socket, or a local link to nothing, before vLLM reads it."""
     check_no_special_files(source)
     if isinstance(source, LocalStore):
         check_no_links_to_nothing(source.where)

@@ -1,8 +1,6 @@
 """A checkpoint in a local directory (or a Hugging Face cache snapshot): its manifest, its part files.
 
-A load opens each part once (:func:`open_part`: inside the checkpoint, present, its
-recorded size) and does everything else through that descriptor (:class:`OpenFile`); every
-header is read through :func:`read_header`.
+A load opens each part once (:func:`open_part`) and does everything else through that descriptor.
 """
 
 from __future__ import annotations
@@ -32,18 +30,17 @@ _KINDS = {
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
     stat.S_IFDIR: "a directory",
-    stat.S_IFLNK: "a link to nothing",  # (only where the link itself is looked at: a dangling one)
+    stat.S_IFLNK: "a link to nothing",  # seen only through lstat: a dangling link
 }
 
 
 def file_kind(mode: int, other: str = "not a regular file") -> str:
-    """What a file of ``st_mode`` ``mode`` is, in words for a message (``other`` for a kind not named)."""
+    """What a file of ``st_mode`` ``mode`` is, in words (``other`` for a kind not named)."""
     return _KINDS.get(stat.S_IFMT(mode), other)
 
 
 def not_regular(path: str, mode: int | None) -> CheckpointCorrupt:
-    """The error for ``path``, of ``st_mode`` ``mode`` (None: a loop of symbolic links), found where
-    a regular file should be."""
+    """The error for ``path`` of ``mode`` (None: a loop of links) where a regular file should be."""
     kind = "a loop of symbolic links" if mode is None else file_kind(mode)
     return CheckpointCorrupt(
         f"{path} is {kind}, where a regular file was expected; refusing to read it. Replace it with the "
@@ -52,11 +49,10 @@ def not_regular(path: str, mode: int | None) -> CheckpointCorrupt:
 
 
 def check_output_folder(directory: str) -> None:
-    """Refuse an output path that is there as something else than a folder (a file, a FIFO), or
-    that lies under such a thing, with an error that says so (not the system's "File exists")."""
+    """Refuse an output path that is, or lies under, something other than a folder, saying which."""
     there = os.path.abspath(directory)
     while not os.path.lexists(there):
-        there = os.path.dirname(there)  # the part of the path that is there
+        there = os.path.dirname(there)
     if os.path.isdir(there):
         return
     mode = os.stat(there).st_mode if os.path.exists(there) else os.lstat(there).st_mode
@@ -68,33 +64,26 @@ def check_output_folder(directory: str) -> None:
 
 
 def not_a_folder(directory: str) -> str | None:
-    """Why the local ``directory`` given as a checkpoint is no folder (it does not exist, is a file, a
-    FIFO, a link to nothing), in words for a message, or None for a folder."""
+    """Why ``directory`` is no folder, in words for a message, or None for a folder."""
     if os.path.isdir(directory):
         return None
     try:
         mode = os.stat(directory).st_mode if os.path.exists(directory) else os.lstat(directory).st_mode
     except FileNotFoundError:
         return "does not exist"
-    except OSError as e:  # (a loop of links, a folder on the way that is a file, no permission)
+    except OSError as e:  # a loop of links, a file on the way, no permission
         return f"cannot be read as a folder ({e.strerror})"
     return f"is {file_kind(mode, 'a file')}"
 
 
 def make_output_folder(directory: str) -> None:
-    """Make the folder a checkpoint is written into, and its parents (:func:`check_output_folder` first)."""
+    """Make the output folder and its parents, after :func:`check_output_folder`."""
     check_output_folder(directory)
     os.makedirs(directory, exist_ok=True)
 
 
 def open_regular(path: str) -> int:
-    """Open an untrusted path for reading, refusing anything but a regular file, without blocking.
-
-    ``O_NONBLOCK`` makes the open of a FIFO return at once (a plain open waits for a
-    writer forever); ``fstat`` on the descriptor then tells what was opened, and only a
-    regular file is kept, switched back to blocking reads. Callers check containment first,
-    so a link out of the checkpoint is refused before anything is opened.
-    """
+    """Open an untrusted path for reading, refusing anything but a regular file (never blocking on a FIFO)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:  # what open(2) itself refuses: a socket (ENXIO), a loop of links (ELOOP)
@@ -117,7 +106,7 @@ def read_manifest(directory: str) -> Manifest | None:
     path = os.path.join(directory, MANIFEST_NAME)
     if not os.path.lexists(path):
         return None
-    part_path(directory, MANIFEST_NAME)  # inside the checkpoint, before it is opened
+    part_path(directory, MANIFEST_NAME)  # containment before the open
     try:
         with os.fdopen(open_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -128,10 +117,9 @@ def read_manifest(directory: str) -> Manifest | None:
                 )
             text = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        # There a moment ago: a link to nothing (a Hub download cut short, a pruned cache), or
-        # removed meanwhile. Never a checkpoint without manifest, which would load unchecked.
+        # A link to nothing, or removed meanwhile: never read as a checkpoint without manifest (unchecked).
         target = None
-        with contextlib.suppress(OSError):  # (not a link, or gone by now)
+        with contextlib.suppress(OSError):
             target = os.readlink(path)
         raise CheckpointNotFound(
             f"{path}: a symbolic link to {target}, which does not exist; the checkpoint's manifest cannot be read. "
@@ -143,14 +131,8 @@ def read_manifest(directory: str) -> Manifest | None:
 
 
 def containment_roots(directory: str) -> tuple[str, ...]:
-    """The folders a checkpoint's files may resolve into.
-
-    The checkpoint folder itself, and in a Hugging Face cache, where a snapshot's files
-    are symlinks into the same repository's ``blobs`` folder, that ``blobs`` where it
-    resolves (moved to a bigger disk and linked back, as huggingface_hub's users do).
-    Not the rest of the repository's folder: a link into another snapshot is another
-    commit's file (huggingface_hub makes none), and one into ``refs/`` no weights.
-    """
+    """The folders a checkpoint's files may resolve into: the folder itself, and for a Hugging Face
+    cache snapshot its repository's ``blobs`` (wherever that resolves), nothing else of the repository."""
     real = os.path.realpath(directory)
     snapshots, repo = os.path.dirname(real), os.path.dirname(os.path.dirname(real))
     blobs = os.path.join(repo, "blobs")
@@ -195,9 +177,7 @@ def links_out(directory: str, names: Iterable[str]) -> list[ShardedStateError]:
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What tells one version of a file from another: device, inode, size, modification time, and the
-    kernel-kept change time (a file rewritten in place with its mtime put back, ``cp -p`` or
-    ``rsync -a --inplace`` onto it, keeps the other four)."""
+    """What tells one version of a file from another; ctime catches a rewrite with its mtime put back."""
 
     device: int
     inode: int
@@ -211,15 +191,9 @@ class FileIdentity:
 
 
 class OpenFile:
-    """A file opened once: its checks, its reads and its mappings all go through this descriptor.
+    """A file opened once: its checks, reads and mappings all go through this descriptor, so a file
+    renamed over the path during a load is never read (:meth:`check_unchanged` tells it happened)."""
 
-    A path names whatever file is there when it is opened; a descriptor keeps naming the
-    file that was checked. Reader threads take their own descriptors of the same open
-    file (:meth:`reopen`), never of the path, so a file renamed over the path during a
-    load is never read; :meth:`check_unchanged` then tells that it happened.
-    """
-
-    # The reader may serve this file's bytes from private mappings of it.
     mappable, remote = True, False
 
     def __init__(self, path: str, fd: int) -> None:
@@ -228,7 +202,7 @@ class OpenFile:
 
     @classmethod
     def open(cls, path: str) -> OpenFile:
-        """Open ``path`` for reading; a missing file is a :class:`ShardedStateError` naming it."""
+        """Open ``path`` for reading; a missing file is a :class:`CheckpointNotFound`."""
         try:
             return cls(path, open_regular(path))
         except FileNotFoundError:
@@ -239,7 +213,7 @@ class OpenFile:
         return self.identity.size
 
     def real_path(self) -> str:
-        """Where the opened file really is (after every symlink), read off the descriptor."""
+        """Where the opened file really is, read off the descriptor."""
         try:
             return os.readlink(f"/proc/self/fd/{self.fd}")
         except OSError:  # no /proc: resolve the path instead
@@ -261,7 +235,7 @@ class OpenFile:
         return FileStream(self.path, self.reopen())
 
     def identity_now(self) -> FileIdentity:
-        """The open file's identity as it is now, under its descriptor (:attr:`identity`: when opened)."""
+        """The open file's identity now (:attr:`identity`: when opened)."""
         return FileIdentity.of(os.fstat(self.fd))
 
     def check_unchanged(self) -> None:
@@ -297,7 +271,6 @@ class FileStream:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # doubles the readahead window
 
     def readv(self, views: list[memoryview], offset: int) -> None:
-        """Fill ``views`` with consecutive bytes from ``offset``, across short reads."""
         preadv_all(self.fd, views, offset, self.path)
 
     def close(self) -> None:
@@ -338,8 +311,7 @@ def open_part(directory: str, f: FileEntry) -> OpenFile:
     """Open a part file the manifest lists: inside the checkpoint, present, with its recorded size."""
     path = os.path.join(directory, f.name)
     try:
-        # Containment first: a link out of the checkpoint (to a device, say) is never opened.
-        part_path(directory, f.name)
+        part_path(directory, f.name)  # containment first: a link out (to a device, say) is never opened
         opened = OpenFile(path, open_regular(path))
     except FileNotFoundError:
         raise CheckpointNotFound(
@@ -360,11 +332,7 @@ def open_part(directory: str, f: FileEntry) -> OpenFile:
 
 
 def read_header(source: str | OpenFile) -> Header:
-    """Read and validate the header of a safetensors file, given its path or the opened file.
-
-    Any opened file with ``read_at``, ``path`` and ``size`` will do (an object in object
-    storage too: two small ranged reads).
-    """
+    """Read and validate the header of a safetensors file, given its path or any opened file."""
     if isinstance(source, str):
         with OpenFile.open(source) as opened:
             return read_header(opened)
@@ -375,9 +343,7 @@ def read_header(source: str | OpenFile) -> Header:
 
 
 def directory_holds_checkpoint(directory: str, patterns: Sequence[str] = ()) -> bool:
-    """Whether a directory has a manifest, any part named as vLLM names them (by default, or
-    in one of ``patterns``: a save's own), or a rank's start-up artifacts: a save's cleanup removes
-    such files when its manifest does not list them."""
+    """Whether a directory holds any checkpoint file (:func:`is_checkpoint_file`)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -386,8 +352,8 @@ def directory_holds_checkpoint(directory: str, patterns: Sequence[str] = ()) -> 
 
 
 def is_checkpoint_file(name: str, patterns: Sequence[str] = ()) -> bool:
-    """Whether a file name (no folder) is a checkpoint's own: its manifest, a part named as vLLM names
-    them (or in one of ``patterns``), a rank's start-up artifacts (:func:`directory_holds_checkpoint`)."""
+    """Whether a file name is a checkpoint's: its manifest, a part (default names or ``patterns``), or
+    start-up artifacts; a save's cleanup removes those its manifest does not list."""
     return (
         name == MANIFEST_NAME or is_part_name(name, (*DEFAULT_PATTERNS, *patterns)) or is_startup_artifacts_name(name)
     )
@@ -402,12 +368,8 @@ def fsync_directory(directory: str) -> None:
 
 
 def write_file_durably(directory: str, name: str, data: bytes, temporary: str | None = None) -> None:
-    """Write ``directory/name`` whole or not at all: a temporary file, fsync, rename, fsync of
-    the folder. A reader never sees half of it; a failure leaves no temporary behind.
-
-    ``temporary`` names the temporary file (a save's staged name, which the cleanup of the save
-    that takes over a killed save's lock removes: a kill leaves it, as it leaves a part); else
-    a fresh hidden name is made."""
+    """Write ``directory/name`` whole or not at all: temporary file (``temporary``, a save's staged
+    name that a later cleanup removes, or a fresh one), fsync, rename, fsync of the folder."""
     if temporary is None:
         fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     else:
@@ -418,7 +380,7 @@ def write_file_durably(directory: str, name: str, data: bytes, temporary: str | 
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(temporary, 0o644)  # as the parts: readable by whoever serves the checkpoint
+        os.chmod(temporary, 0o644)  # as the parts
         os.replace(temporary, os.path.join(directory, name))
     except BaseException:
         if os.path.exists(temporary):

@@ -1,16 +1,10 @@
 """The save lock of a checkpoint directory: taken exclusively by a save, refused by loads.
 
-``.sharded_state.lock`` appears at the start of a save and is removed when its manifest
-is published. Its save holds a ``flock`` on it for as long as it runs, and it names its
-holder (pid, host, token, start time) for the messages. Whether its save still runs is
-decided by the ``flock`` alone, never by the host name or process id it names: a save
-killed on another node of a shared folder, or in a container with its own PID namespace,
-leaves a lock whose ``flock`` is free, and the next save allowed to (overwrite) takes it
-over; a running save's lock is never taken over, wherever it runs. Where a mount's
-``flock`` is not shared between its clients (an NFS mount with ``nolock`` or
-``local_lock``, CIFS with ``nobrl``, a FUSE file system), a free ``flock`` proves nothing,
-and a lock is never taken over there (:func:`flock_problem`). Everything that reads the
-lock goes through :func:`read_lock`.
+``.sharded_state.lock`` lives from a save's start to its publish; its save holds a ``flock`` on it
+and it names its holder (pid, host, token, start) for messages. Whether the save still runs is the
+``flock``'s answer alone, never the pid or host: a dead save's lock may be taken over (with
+overwrite), a running one's never. Where a mount does not share ``flock`` between clients
+(:func:`flock_problem`), a lock is never taken over.
 """
 
 from __future__ import annotations
@@ -32,21 +26,17 @@ from ..format.names import LOCK_NAME, MANIFEST_NAME, TOKEN_DIGITS, staged_name, 
 from .local import check_output_folder, directory_holds_checkpoint, file_kind, make_output_folder, open_regular
 from .mounts import flock_problem
 
-# A lock names its holder in a line of JSON; more is not a lock of ours.
-MAX_LOCK_BYTES = 64 * 1024
-
-# How long a save that meets a held lock waits for its holder to name itself (see _running_holder).
-HOLDER_WAIT_S = 2.0
+MAX_LOCK_BYTES = 64 * 1024  # a lock is one line of JSON; more is not ours
+HOLDER_WAIT_S = 2.0  # how long to wait for a lock's new holder to name itself (_running_holder)
 
 
 @dataclass(frozen=True)
 class SaveLock:
     """Proof that this process holds a directory's save lock.
 
-    ``fd`` is the lock file, open and ``flock``-ed for as long as the save runs: the kernel
-    drops the ``flock`` when the process dies, which is how a later save tells an
-    interrupted save from a running one. ``taken_over`` is the token of the interrupted
-    save whose lock this one took over (its staged files are this save's to remove).
+    ``fd`` stays open and ``flock``-ed while the save runs (the kernel drops it when the process
+    dies); ``taken_over`` is the token of the dead save whose lock this took over (its staged
+    files are this save's to remove).
     """
 
     path: str
@@ -69,8 +59,7 @@ def read_lock(directory: str) -> dict | None:
 
 
 def _named_process_runs(holder: dict) -> bool:
-    """Whether the process a lock names runs here: only to name a lock's holder in messages
-    (see :func:`_running_holder`), never to decide whether its save runs (its ``flock`` does)."""
+    """Whether the process a lock names runs; for messages only, never to decide (the ``flock`` does)."""
     if holder.get("host") != socket.gethostname():
         return True
     pid = holder.get("pid")
@@ -86,8 +75,7 @@ def _named_process_runs(holder: dict) -> bool:
 
 
 def _flock(fd: int, operation: int, directory: str) -> bool:
-    """``flock`` without blocking: True if taken, False if another holds it; a file system without
-    ``flock`` is refused, saying so (a save cannot run safely where locks are not kept)."""
+    """``flock`` without blocking: True if taken, False if held; a file system without it is refused."""
     try:
         fcntl.flock(fd, operation | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -115,19 +103,15 @@ def describe_lock(directory: str, holder: dict) -> str:
 def acquire_save_lock(directory: str, token: str, overwrite: bool = False, patterns: tuple[str, ...] = ()) -> SaveLock:
     """Take a directory's save lock, refusing a running save and, unless ``overwrite``, a checkpoint.
 
-    The lock file is written and ``flock``-ed under a temporary name, then published with
-    ``link`` (atomic, fails if a lock exists), so a lock is never visible unheld while its
-    save runs. An existing lock whose ``flock`` is free belongs to a save that died; with
-    ``overwrite`` it is taken over by taking that ``flock``, which one process only can
-    win: any other save gets a clear error. Nothing is ever removed to take a lock over.
-    ``patterns``: the save's own part names, which count as a checkpoint too (its cleanup removes them).
+    The lock is written and ``flock``-ed under a temporary name, then published with ``link``
+    (atomic, fails if one exists), so it is never visible unheld. A dead save's lock is taken over
+    with ``overwrite`` by taking its ``flock``, which only one process can win; nothing is removed.
+    ``patterns``: the save's own part names, which count as a checkpoint too.
     """
     path = os.path.join(directory, LOCK_NAME)
-    # An output that is a file or a FIFO is named as such before the rule below lists it (which
-    # would fail with the system's bare "Not a directory").
-    check_output_folder(directory)
-    # A refusal changes nothing, not even the folder's mtime: the rule is checked once before anything
-    # is written, and again under the lock (a save may publish meanwhile). A lock there is named first.
+    check_output_folder(directory)  # a file or FIFO named as such, not as "Not a directory"
+    # A refusal changes nothing, not even the folder's mtime: checked before anything is written,
+    # and again under the lock (a save may publish meanwhile).
     if not os.path.lexists(path):
         _refuse_a_checkpoint(directory, overwrite, patterns)
     info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token, "started": time.time()})
@@ -135,7 +119,6 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False, patte
     try:
         make_output_folder(directory)
         for _ in range(8):  # a lock released between our tries makes us try again
-            # An existing lock first (a running save's is refused without a file written), then a new one.
             existing = os.path.lexists(path) and _take_over_lock(directory, path, token, info, overwrite)
             lock = existing or _create_lock(path, token, info)
             if lock is not None:
@@ -156,7 +139,7 @@ def acquire_save_lock(directory: str, token: str, overwrite: bool = False, patte
 
 
 def missing_folders(directory: str) -> list[str]:
-    """The folders of ``directory``'s path that are not there yet, deepest first: those a save makes."""
+    """The folders of ``directory``'s path not there yet, deepest first."""
     missing, there = [], os.path.abspath(directory)
     while not os.path.lexists(there):
         missing.append(there)
@@ -165,21 +148,18 @@ def missing_folders(directory: str) -> list[str]:
 
 
 def remove_empty_folders(folders: Iterable[str]) -> None:
-    """Remove each folder, in the order given (the deepest first), if it is empty: those a save
-    made or emptied, and only if nothing else was put in them meanwhile."""
+    """Remove each folder, in the order given (deepest first), if it is empty."""
     for folder in folders:
         with contextlib.suppress(OSError):
             os.rmdir(folder)
 
 
 def _refuse_holder(directory: str, holder: dict, held: bool, overwrite: bool) -> None:
-    """Refuse a lock's ``holder``: a running save (its flock ``held``), one whose mount cannot tell
-    (:func:`flock_problem`), or an interrupted one unless ``overwrite`` (then it may be taken over)."""
+    """Refuse a running save, one whose mount cannot tell, or (unless ``overwrite``) a dead one."""
     problem = None if held else flock_problem(directory)
     if held:
         advice = "; wait for it to finish."
-    elif problem is not None:
-        # A free flock proves nothing here: the save may run on another host.
+    elif problem is not None:  # a free flock proves nothing: the save may run on another host
         advice = (
             f"; {problem}, so whether that save still runs cannot be told. If no save runs, remove "
             f"{os.path.join(directory, LOCK_NAME)} and save again."
@@ -194,8 +174,7 @@ def _refuse_holder(directory: str, holder: dict, held: bool, overwrite: bool) ->
 
 
 def refuse_before_save(directory: str, overwrite: bool) -> None:
-    """What :func:`acquire_save_lock` would refuse, taking nothing: said before a save starts work it
-    would throw away (vLLM building a model, tens of seconds). The save checks again under its lock."""
+    """What :func:`acquire_save_lock` would refuse, taking nothing: said before work a save would waste."""
     check_output_folder(directory)
     holder = read_lock(directory)
     if holder is not None:
@@ -216,21 +195,19 @@ def _write_holder(fd: int, info: str) -> None:
     data = info.encode()
     os.ftruncate(fd, 0)
     written = os.pwrite(fd, data, 0)
-    if written != len(data):  # (a file size limit, a full disk: a lock read back as no one's)
+    if written != len(data):  # a short lock reads back as no one's
         raise OSError(errno.ENOSPC, f"the lock file took {written} of {len(data)} bytes")
     os.fsync(fd)
 
 
 def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
-    """A new lock, or None if one exists (or the staging name was not ours to trust: try again). A
-    failure (an interrupt too) takes back what it made: the staging name, the lock if it was published
-    (left unheld, it would need overwrite), and the flock."""
+    """A new lock, or None if one exists (or the staging name was lost: try again). A failure takes
+    back what it made: an unheld published lock would need overwrite."""
     staging = f"{path}.{token}.new"
     fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
     linked = False
     try:
-        # Nobody else knows the staging name, but a save's cleanup may probe it before our flock, find
-        # it free, and remove it as a dead save's (stale_lock_staging): then we start again.
+        # Another save's cleanup may find the staging name before our flock and remove it as a dead save's.
         if _flock(fd, fcntl.LOCK_EX, os.path.dirname(path)):
             _write_holder(fd, info)
             with contextlib.suppress(FileExistsError, FileNotFoundError):
@@ -256,14 +233,11 @@ def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
 def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite: bool) -> SaveLock | None:
     """The existing lock, taken over if its save died and ``overwrite``; None if it vanished meanwhile."""
     try:
-        # Never through a link (taking a lock over rewrites it: a link's target is not ours), and
-        # without blocking on a FIFO; only a regular file can be a lock.
+        # Never through a link (a takeover rewrites the file) and never blocking on a FIFO.
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        # open(2) refuses a socket (ENXIO) as it refuses a link (ELOOP) or a folder (EISDIR): each is
-        # named, not given as a bare errno that reads like a full disk.
+    except OSError as e:  # a socket, a link or a folder, named rather than given as a bare errno
         if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
             raise
         kinds = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}
@@ -273,7 +247,7 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
         if not stat.S_ISREG(mode):
             _refuse_lock(directory, path, file_kind(mode))
         held = not _flock(fd, fcntl.LOCK_EX, directory)
-        # Read after the flock: ours, the holder is the save we take over; another's, its own.
+        # Read after the flock, so the holder is the one the flock speaks for.
         holder = _running_holder(directory) if held else read_lock(directory) or {}
         if not held and os.fstat(fd).st_ino != _inode(path):
             os.close(fd)  # released and replaced while we looked: try again
@@ -281,8 +255,7 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
         _refuse_holder(directory, holder, held, overwrite)
         staging = _staging_links(directory, fd)
         links = os.fstat(fd).st_nlink - len(staging)
-        if links > 1:
-            # Taking over rewrites the file: a hard link's other names are files elsewhere, not ours.
+        if links > 1:  # a takeover rewrites the file: its other names are not ours
             _refuse_lock(directory, path, f"a file with {links - 1} other name(s) (a hard link)")
         for name in staging:
             with contextlib.suppress(OSError):
@@ -296,8 +269,7 @@ def _take_over_lock(directory: str, path: str, token: str, info: str, overwrite:
 
 
 def _staging_links(directory: str, fd: int) -> list[str]:
-    """The names under which :func:`_create_lock` staged the lock open as ``fd``, still linked to it:
-    a save that died (or failed to remove them) between the lock's link and that removal left them."""
+    """Staging names still linked to the lock open as ``fd``, left by a save that died after its link."""
     st = os.fstat(fd)
     if st.st_nlink < 2:
         return []
@@ -311,20 +283,17 @@ def _staging_links(directory: str, fd: int) -> list[str]:
     return found
 
 
-# A lock's staging name: the lock's, a save's token (hexadecimal digits: 12 now, 32 from earlier versions), ".new".
+# The lock's name, a save's token (12 to 32 hexadecimal digits), ".new".
 _LOCK_STAGING = re.compile(re.escape(LOCK_NAME) + rf"\.[0-9a-f]{{{TOKEN_DIGITS},32}}\.new\Z")
 
 
 def is_lock_staging_name(name: str) -> bool:
-    """Whether ``name`` is one under which :func:`_create_lock` stages a lock before linking it (never
-    a user's ``.sharded_state.lock.old.new``, which a save's clean-up would take for a dead save's)."""
+    """Whether ``name`` is one under which :func:`_create_lock` stages a lock (never a user's ``...lock.old.new``)."""
     return _LOCK_STAGING.match(name) is not None
 
 
 def stale_lock_staging(directory: str, name: str) -> bool:
-    """Whether ``name`` is a lock's staging name that no live save holds (:func:`flock_is_held`): its
-    save was killed before it linked the lock, or before it removed the name. (Its creator holds its
-    ``flock`` from just after creating it; see :func:`_create_lock` for the moment before.)"""
+    """Whether ``name`` is a lock's staging name that no live save holds (:func:`flock_is_held`)."""
     return is_lock_staging_name(name) and not flock_is_held(directory, name)
 
 
@@ -336,12 +305,8 @@ def _refuse_lock(directory: str, path: str, kind: str) -> None:
 
 
 def _running_holder(directory: str) -> dict:
-    """Who holds a lock whose flock is taken, once it has written itself into the lock file.
-
-    A save that has just taken an interrupted save's lock over holds the flock a moment
-    before it rewrites the file, which until then names the dead save, or nothing (while
-    it is rewritten). Waits that moment (at most HOLDER_WAIT_S) so errors name the holder.
-    """
+    """Who holds a lock whose flock is taken, waiting up to HOLDER_WAIT_S for a save that just took
+    it over to rewrite the file (until then it names the dead save, or nothing)."""
     deadline = time.monotonic() + HOLDER_WAIT_S
     while True:
         holder = read_lock(directory) or {}
@@ -363,25 +328,20 @@ def release_save_lock(lock: SaveLock) -> None:
         holder = read_lock(os.path.dirname(lock.path))
         if holder is not None and holder.get("token") == lock.token:
             os.remove(lock.path)
-    finally:  # (a lock file that may not be removed must not keep this process's flock for its life)
+    finally:  # the flock goes even where the file may not be removed
         if lock.fd >= 0:
-            with contextlib.suppress(OSError):  # closed already (a second release)
+            with contextlib.suppress(OSError):  # a second release
                 os.close(lock.fd)
 
 
 def save_is_running(directory: str) -> bool:
-    """Whether a live save holds the directory's lock: its ``flock`` is taken (:func:`flock_is_held`)."""
+    """Whether a live save holds the directory's lock (:func:`flock_is_held`)."""
     return flock_is_held(directory, LOCK_NAME)
 
 
 def flock_is_held(directory: str, name: str, dir_fd: int | None = None) -> bool:
-    """Whether a live process holds the ``flock`` of ``directory``'s file ``name`` (False: no such file).
-
-    Probed with a shared ``flock``, which conflicts with the holder's exclusive one. Where
-    the mount's ``flock`` is not kept, or not shared between hosts (:func:`flock_problem`), it
-    is taken to be held: whether its process lives (maybe on another host) cannot be told.
-    ``directory`` is relative to the open folder ``dir_fd`` when given (``""``: that folder).
-    """
+    """Whether a live process holds the ``flock`` of ``directory``'s file ``name`` (relative to ``dir_fd``);
+    where the mount's ``flock`` is not kept or not shared (:func:`flock_problem`), it counts as held."""
     try:
         fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError:
@@ -397,13 +357,7 @@ def flock_is_held(directory: str, name: str, dir_fd: int | None = None) -> bool:
 
 
 def check_not_locked(directory: str) -> None:
-    """Refuse a directory without a manifest whose save is running or was interrupted.
-
-    A save replaces a checkpoint last (its parts go under names the old manifest does not
-    list, and the manifest's rename publishes them): while it runs, or after it died, the
-    published manifest still names a complete checkpoint, which loads as usual. Only a
-    directory with a lock and no manifest is refused: its first save has not published.
-    """
+    """Refuse a lock without a manifest; a published one still loads while a later save runs or after it died."""
     holder = read_lock(directory)
     if holder is not None and not os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
         raise CheckpointLocked(
@@ -413,19 +367,13 @@ def check_not_locked(directory: str) -> None:
         )
 
 
-# ------------------------------------------------------------------ owner markers
-#
-# Files staged outside a save (an engine's start-up capture) belong to a live process
-# that no lock names. Each such owner holds an exclusive ``flock`` on a marker of its
-# token for as long as it lives: a save's cleanup removes staged files whose owner is
-# gone, and never those of a live engine.
-
+# Files staged outside a save (an engine's start-up capture) belong to a process no lock names: it
+# holds a ``flock`` on a marker of its token while it lives, so cleanups spare its files.
 OWNER_MARKER = "owner"
 
 
 def hold_owner_marker(directory: str, token: str) -> int:
-    """Create and ``flock`` the marker of ``token`` in ``directory``; the descriptor stays open
-    (the lock goes with the process, however it ends)."""
+    """Create and ``flock`` the marker of ``token``; the descriptor stays open for the process's life."""
     path = os.path.join(directory, staged_name(OWNER_MARKER, token))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -446,14 +394,11 @@ def release_owner_marker(directory: str, token: str, fd: int) -> None:
 
 
 def owner_is_alive(directory: str, token: str, dir_fd: int | None = None) -> bool:
-    """Whether a live process holds the marker of ``token`` (staged files of a running engine); where
-    that cannot be told (:func:`flock_is_held`), its files are kept. ``dir_fd`` as there."""
+    """Whether a live process holds the marker of ``token``; where that cannot be told, it does."""
     return flock_is_held(directory, staged_name(OWNER_MARKER, token), dir_fd)
 
 
 def owner_is_gone(directory: str, name: str) -> bool:
-    """Whether ``name`` is a file that a process now gone left in ``directory`` (a save's cleanup
-    removes it): staged under a token whose owner no longer holds its marker (:func:`owner_is_alive`),
-    or a lock's staging name whose save was killed (:func:`stale_lock_staging`)."""
+    """Whether ``name`` was staged by a process now gone (its marker or lock staging unheld)."""
     token = staged_token(name)
     return stale_lock_staging(directory, name) if token is None else not owner_is_alive(directory, token)

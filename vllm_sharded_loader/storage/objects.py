@@ -1,14 +1,8 @@
-"""A checkpoint in object storage (``s3://``, ``gs://``, ``az://``): its manifest and parts (lock: :mod:`.object_lock`).
+"""A checkpoint in object storage (``s3://``, ``gs://``, ``az://``): its manifest and parts.
 
-The client is `obstore <https://developmentseed.org/obstore>`_ (Rust's ``object_store``
-crate) for all three clouds: every request releases the GIL, so the reader's threads run
-their ranged GETs truly in parallel, and multipart uploads and conditional puts are built
-in. Each cloud's usual settings apply (:mod:`.object_clients` lists them).
-
-A part is opened once (:class:`ObjectFile`: one ``HEAD``), and every later read of it is
-a ranged ``GET`` conditional on the version seen then (``If-Match`` its ETag, and on GCS
-its generation): an object replaced during a load is never read, it fails the read.
-:meth:`ObjectFile.check_unchanged` tells the same after the reads.
+Through `obstore <https://developmentseed.org/obstore>`_, whose requests release the GIL. A part is
+opened once (one ``HEAD``); every later read is a ranged ``GET`` conditional on that version
+(``If-Match`` its ETag, on GCS its generation), so an object replaced during a load fails the read.
 """
 
 from __future__ import annotations
@@ -33,11 +27,9 @@ from .object_clients import AZURE_BLOB_HOST, CLIENTS, SETTINGS, _store, check_no
 from .object_clients import AZURE_CONNECTION_STRING_ENV as AZURE_CONNECTION_STRING_ENV  # re-exported: one name
 from .object_clients import azure_connection_string as azure_connection_string  # for every setting of a store
 
-# Parts are uploaded in chunks of this size (S3's minimum is 5 MiB), several at once.
-UPLOAD_CHUNK_BYTES = 64 * 1024 * 1024
+UPLOAD_CHUNK_BYTES = 64 * 1024 * 1024  # multipart chunks (S3's minimum is 5 MiB)
 UPLOAD_CONCURRENCY = 8
-# Non-weight files (config, tokenizer) are read whole; none comes near this.
-MAX_SMALL_FILE_BYTES = 1 << 31
+MAX_SMALL_FILE_BYTES = 1 << 31  # non-weight files are read whole
 
 
 def _is_azure_https(url: str) -> bool:
@@ -46,20 +38,15 @@ def _is_azure_https(url: str) -> bool:
 
 
 def is_object_url(where: str) -> bool:
-    """Whether ``where`` names a checkpoint in object storage (a scheme with a client in
-    :data:`.object_clients.CLIENTS`; Azure also by its blob endpoint) rather than a local folder."""
+    """Whether ``where`` names object storage (a scheme in :data:`.object_clients.CLIENTS`, or an Azure blob URL)."""
     scheme, sep, _ = where.partition("://")
     return (bool(sep) and scheme.lower() in CLIENTS) or _is_azure_https(where)
 
 
 @dataclass(frozen=True)
 class ObjectPrefix:
-    """A bucket (an Azure container) and a key prefix acting as the checkpoint's folder.
-
-    ``scheme`` picks the store's client (:data:`.object_clients.CLIENTS`: ``s3``, ``gs``, ``az``,
-    ``memory``). ``account`` is the Azure storage account an ``https://ACCOUNT.blob.core.windows.net/...``
-    URL names (``None`` for ``az://``, whose account comes from the environment).
-    """
+    """A bucket (an Azure container) and a key prefix acting as the checkpoint's folder; ``account``
+    is the Azure account an ``https://ACCOUNT.blob.core.windows.net/`` URL names (None: the environment's)."""
 
     bucket: str
     prefix: str  # "" or ending in "/"
@@ -68,8 +55,7 @@ class ObjectPrefix:
 
     @classmethod
     def parse(cls, url: str) -> ObjectPrefix:
-        if "?" in url or "#" in url:
-            # The URL's parser drops it: another prefix (or the latest version) would be read unsaid.
+        if "?" in url or "#" in url:  # the parser would drop it silently
             raise InvalidOption(
                 f"{url}: an object storage URL names a bucket and a prefix only; its '?' or '#' part (a version, "
                 "a token, or a key with such a character) would be ignored. Give the prefix alone, with credentials "
@@ -105,14 +91,13 @@ class ObjectPrefix:
         return f"{self.scheme}://{self.bucket}/{self.prefix}{name}"
 
     def store(self) -> Any:
-        """The obstore client of this bucket (one per bucket and process, shared by every thread)."""
+        """The obstore client of this bucket (one per bucket and process)."""
         check_not_forked(self.url())
         return _store(self.scheme, self.bucket, self.account)
 
 
 def _check_segments(url: str, prefix: str) -> None:
-    """Refuse a prefix with an empty, ``.`` or ``..`` part: keys are not paths (nothing resolves them),
-    and the stores refuse or keep such keys as they are, which a message then blamed on the endpoint."""
+    """Refuse a prefix with an empty, ``.`` or ``..`` part: keys are not paths, nothing resolves them."""
     if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
         raise InvalidOption(
             f"{url}: its prefix {prefix!r} has an empty, '.' or '..' part, which object storage does not resolve "
@@ -121,11 +106,7 @@ def _check_segments(url: str, prefix: str) -> None:
 
 
 def _error_type(error: Exception) -> type[ShardedStateError]:
-    """The error type a caller branches on for one of obstore's typed errors.
-
-    Not found and precondition failures say something about the checkpoint; the rest
-    (credentials, network, a store that refuses the call) are a :class:`StorageError`.
-    """
+    """Our error type for one of obstore's: the checkpoint's state, else :class:`StorageError`."""
     import obstore.exceptions as oe
 
     if isinstance(error, (FileNotFoundError, oe.NotFoundError)):
@@ -138,9 +119,9 @@ def _error_type(error: Exception) -> type[ShardedStateError]:
 
 
 def _fail(url: str, what: str, error: Exception) -> ShardedStateError:
-    if isinstance(error, ShardedStateError):  # ours already (no account configured...)
+    if isinstance(error, ShardedStateError):
         return error
-    # (Not parsed: an object's name may hold a '#' or '?', which a prefix may not.)
+    # Not parsed: an object's name may hold a '#' or '?'.
     settings = SETTINGS["az" if _is_azure_https(url) else url.partition(":")[0].lower()]
     return _error_type(error)(
         f"{url}: {what} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
@@ -161,11 +142,8 @@ def head(where: ObjectPrefix, name: str) -> dict[str, Any] | None:
 
 
 class ObjectFile:
-    """A part in object storage, opened once: its size and ETag, then conditional ranged reads.
-
-    The same interface as :class:`.local.OpenFile`, so the checks and the reader treat
-    both alike; it cannot be mapped (:attr:`mappable`).
-    """
+    """A part in object storage, opened once: its size and ETag, then conditional ranged reads
+    (the interface of :class:`.local.OpenFile`, never mapped)."""
 
     mappable, remote = False, True
 
@@ -174,8 +152,7 @@ class ObjectFile:
         self.key = where.key(name)
         self.size: int = meta["size"]
         self.etag: str | None = meta.get("e_tag")
-        # GCS: the generation. Reads name it as well as the ETag, so that a store (or an
-        # emulator) that ignores If-Match still never serves another object's bytes.
+        # GCS's generation, named too: a store that ignores If-Match still serves only this object.
         self.version: str | None = meta.get("version") if where.scheme == "gs" else None
 
     @classmethod
@@ -211,7 +188,7 @@ class ObjectFile:
             raise _fail(self.path, f"GET of bytes {offset}-{end}", e) from e
 
     def stream(self) -> ObjectFile:
-        """A reader for one thread: the client is shared, each read is its own request."""
+        """A reader for one thread (each read is its own request)."""
         return self
 
     def readv(self, views: list[memoryview], offset: int) -> None:
@@ -321,18 +298,15 @@ class AlreadyExists(ShardedStateError):
 def put(
     where: ObjectPrefix, name: str, data: bytes | Path, *, create: bool = False, match: dict[str, Any] | None = None
 ) -> None:
-    """Write one object, from bytes or a local file; large files go up as parallel multipart uploads.
+    """Write one object from bytes or a local file (large ones as parallel multipart uploads).
 
-    ``create``: only if no object has that name (a conditional put, ``If-None-Match: *``,
-    on GCS ``x-goog-if-generation-match: 0``); ``match``: only over the object that
-    :func:`head` described (``If-Match`` its ETag, on GCS its generation); otherwise a
-    :class:`ShardedStateError` says who was first.
+    ``create``: only if no object has that name; ``match``: only over the object :func:`head`
+    described. Otherwise :class:`AlreadyExists` says who was first.
     """
     import obstore
 
     mode: Any = "create" if create else "overwrite"
-    if match is not None:
-        # S3 and Azure compare the ETag, GCS the generation (obstore's "version").
+    if match is not None:  # S3 and Azure compare the ETag, GCS the generation ("version")
         mode = {k: match[k] for k in ("e_tag", "version") if match.get(k) is not None}
     try:
         obstore.put(
@@ -367,9 +341,7 @@ def delete(where: ObjectPrefix, names: Iterable[str]) -> None:
         return
     try:
         obstore.delete(where.store(), keys)
-    except FileNotFoundError:
-        # S3 deletes the rest of a batch around a missing key; Azure's and GCS's batches may
-        # stop at it, so what is left goes one by one.
+    except FileNotFoundError:  # Azure's and GCS's batches may stop at a missing key: one by one
         for key in keys:
             try:
                 obstore.delete(where.store(), key)
@@ -382,8 +354,7 @@ def delete(where: ObjectPrefix, names: Iterable[str]) -> None:
 
 
 def _refused_delete(where: ObjectPrefix, what: str, error: Exception) -> ShardedStateError:
-    """A failed delete's error: Azure refuses to delete a leased blob (412, in a batch's text too),
-    which no endpoint or credential fixes."""
+    """A failed delete's error; Azure's 412 for a leased blob is named, as no credential fixes it."""
     import obstore.exceptions as oe
 
     if isinstance(error, oe.PreconditionError) or "(code: 412)" in str(error):
@@ -396,22 +367,11 @@ def _refused_delete(where: ObjectPrefix, what: str, error: Exception) -> Sharded
 
 
 def abort_incomplete_uploads(where: ObjectPrefix, names: Iterable[str] | Callable[[str], bool]) -> int:
-    """Abort the unfinished multipart uploads of these objects (a failed save's own); returns how many.
+    """Abort the unfinished multipart uploads of these objects (a dead save's); returns how many.
 
-    ``names``: the names under the prefix, or (S3 only) a test of a name directly under it.
-    Only those uploads are touched, never another writer's under the same prefix or bucket.
-
-    - S3: the uploads are listed (paged to the end) and aborted; this needs ``boto3``
-      (``obstore`` cannot list uploads): without it, none are aborted and the bucket's
-      lifecycle rules (``AbortIncompleteMultipartUpload``) collect them.
-    - Azure: an unfinished upload is blocks staged under the blob's name, which
-      ``obstore`` cannot list or drop; Azure discards staged blocks never committed after
-      7 days.
-    - GCS: ``obstore`` can neither list nor abort another process's XML multipart uploads;
-      a bucket lifecycle rule (``AbortIncompleteMultipartUpload``) collects them.
-
-    A failing ``put`` aborts its own upload on S3 and GCS (obstore does); this is for the
-    uploads of a process that died.
+    ``names``: names under the prefix, or (S3 only) a test of a name directly under it. S3 only,
+    and only with ``boto3`` (obstore cannot list uploads); elsewhere, and without it, the bucket's
+    lifecycle rules (or Azure's 7-day expiry of uncommitted blocks) collect them.
     """
     if where.scheme != "s3":
         return 0

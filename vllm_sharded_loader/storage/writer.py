@@ -1,8 +1,4 @@
-"""Writing safetensors files straight from tensor memory, hashed as they stream.
-
-``safetensors.torch.save_file`` builds each file in memory first; here a tensor goes from its
-memory to the file with no intermediate copy (``O_DIRECT`` where the file system allows it).
-"""
+"""Writing safetensors files straight from tensor memory (``O_DIRECT`` where allowed), hashed as they stream."""
 
 from __future__ import annotations
 
@@ -28,21 +24,18 @@ from . import oscalls
 from .integrity import BlockHasher, digest_of
 from .tensors import byte_view, dtype_name, torch_threads
 
-# Bytes of one write: large enough to stream at disk speed, small enough to bound the staging of a copy.
-CHUNK_BYTES = 64 * 1024 * 1024
-# O_DIRECT staging of the writers one process runs at once (convert: one per rank), shared.
-PARALLEL_BUFFER_BYTES = 128 * 1024 * 1024
+CHUNK_BYTES = 64 * 1024 * 1024  # one write: disk speed, with bounded staging
+PARALLEL_BUFFER_BYTES = 128 * 1024 * 1024  # O_DIRECT staging shared by one process's writers
 MIN_BUFFER_BYTES = 8 * 1024 * 1024
-# A file of at least this many tensor bytes starts its data on a page and writes whole-page tensors
-# first, so that a load at another TP size can map each saved rank's piece into place (map_pieces
-# needs file and tensor offsets to agree within a page); smaller files keep 8-byte alignment.
+# Files this large start data on a page, whole-page tensors first, so a load at another TP size can
+# map pieces (file and tensor offsets must agree within a page).
 PAGE_ALIGN_FROM = 1024 * 1024
 PAGE = 4096
 _T = TypeVar("_T")
 
 
 def buffer_bytes_for(writers: int) -> int:
-    """Each staging buffer's size when ``writers`` writers run at once in one process (two buffers each).
+    """Each staging buffer's size when ``writers`` writers (two buffers each) run in one process.
 
     >>> [buffer_bytes_for(n) // 2**20 for n in (1, 2, 8, 64)]
     [64, 32, 8, 8]
@@ -52,10 +45,7 @@ def buffer_bytes_for(writers: int) -> int:
 
 @dataclass(frozen=True)
 class LazyTensor:
-    """A tensor made only when it is written, so that a writer holds one tensor at a time.
-
-    ``produce`` gives the tensor, or parts whose row-major bytes, one after another, are its bytes.
-    """
+    """A tensor made only when written; ``produce`` gives it, or parts whose bytes in turn are its bytes."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -69,8 +59,7 @@ class LazyTensor:
 
 
 def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str], align: int = 8) -> bytes:
-    """The length prefix and JSON header for tensors laid out in the given order, padded with spaces
-    so that the data starts at a multiple of ``align`` bytes."""
+    """The length prefix and JSON header for tensors in the given order, data aligned to ``align``."""
     entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in tensors:
@@ -87,8 +76,7 @@ def build_header(tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str,
 
 
 def write_order(items: list[_T], nbytes: Callable[[_T], int]) -> list[_T]:
-    """``items`` in the order :func:`write_file` writes them: whole-page ones first in a file of at
-    least :data:`PAGE_ALIGN_FROM` bytes, else as given.
+    """``items`` in :func:`write_file`'s order: whole-page ones first from :data:`PAGE_ALIGN_FROM` bytes.
 
     >>> write_order([3, 4096, 5, 1 << 20], lambda n: n), write_order([3, 4096, 5], lambda n: n)
     ([4096, 1048576, 3, 5], [3, 4096, 5])
@@ -118,13 +106,10 @@ def write_file(
 ) -> WrittenFile:
     """Write tensors to ``path`` as safetensors, streaming from their memory, and fsync it.
 
-    CPU tensors that are contiguous, or whose rows are, are written straight from their memory;
-    others are copied one at a time. A :class:`LazyTensor` is made when its turn comes; parts
-    that do not add up to its size fail the write. ``progress`` gets each chunk's bytes.
-    ``direct`` (default: where the file system allows it) writes with ``O_DIRECT`` through two
-    staging buffers of at most ``buffer_bytes`` (:func:`buffer_bytes_for`), costing no page-cache
-    memory; ``False`` writes through the page cache. The header's :data:`DIGEST_METADATA` is the
-    digest of the block checksums as written with it zeroed, put in place last.
+    A :class:`LazyTensor` is made when its turn comes. ``progress`` gets each chunk's bytes.
+    ``direct`` (default: where allowed) writes with ``O_DIRECT`` through two staging buffers of
+    ``buffer_bytes``; ``False`` through the page cache. The header's :data:`DIGEST_METADATA`, the
+    digest of the block checksums with it zeroed, is put in place last.
     """
     data = sum(t.numel() * t.element_size() for _, t in tensors)
     align = PAGE if data >= PAGE_ALIGN_FROM else 8
@@ -157,18 +142,15 @@ def write_file(
         zeroed = sink.hasher.finish()
         digest = digest_of([memoryview("".join(zeroed.blocks).encode())])[:DIGEST_DIGITS]
         sink.put_and_sync(slot, digest.encode())
-        # The first block (holding the slot) is hashed again from the file, read back through the staging
-        # buffers: keeping it from the stream would hold a block per writer beyond their budget.
+        # The slot's block is hashed again, read back: keeping it would hold a block per writer beyond budget.
         first = digest_of(sink.read_back(min(size, sink.hasher.block_size)))
         checksum = replace(zeroed, blocks=(first, *zeroed.blocks[1:]))
     return WrittenFile(sink.hasher.position, checksum, offsets, digest)
 
 
 class _Sink:
-    """What both writers share: the block hasher, fed on its own thread (writes and BLAKE3 both
-    release the GIL), and the bytes taken so far."""
+    """What both writers share: the block hasher on its own thread, and the bytes taken so far."""
 
-    # O_DIRECT for read_back (else the page cache) and the alignment its reads need.
     READ_FLAGS, READ_ALIGN = 0, 1
 
     def __init__(self, path: str) -> None:
@@ -178,7 +160,6 @@ class _Sink:
         self.position = 0  # bytes handed to write()
 
     def _hash(self, chunk: memoryview) -> None:
-        """Hash the next bytes (on the checksum thread)."""
         self.hasher.update(chunk)
 
     def put_and_sync(self, offset: int, data: bytes) -> None:
@@ -186,17 +167,15 @@ class _Sink:
         raise NotImplementedError
 
     def _read_buffer(self) -> memoryview:
-        """Where :meth:`read_back` reads, a piece at a time."""
         raise NotImplementedError
 
     def read_back(self, length: int) -> Iterator[memoryview]:
-        """The written file's first ``length`` bytes, a buffer at a time (each view valid until the next)."""
+        """The written file's first ``length`` bytes, a buffer at a time (each valid until the next)."""
         buffer = self._read_buffer()
         for offset in range(0, length, len(buffer)):
             yield self._read_file(buffer, offset, min(len(buffer), length - offset))
 
     def _read_file(self, buffer: memoryview, offset: int, length: int) -> memoryview:
-        """The written file's ``length`` bytes at ``offset``, read into ``buffer``."""
         fd = os.open(self.path, os.O_RDONLY | self.READ_FLAGS)
         try:
             view, done = buffer[: -(-length // self.READ_ALIGN) * self.READ_ALIGN], 0
@@ -243,8 +222,7 @@ class _Sink:
 
 
 class _BufferedSink(_Sink):
-    """Writes through the page cache, hashing one chunk behind the writes and handing each chunk to
-    the disk at once (``sync_file_range``)."""
+    """Writes through the page cache, hashing one chunk behind, each chunk handed to the disk at once."""
 
     READ_BACK_BYTES = 1024 * 1024
 
@@ -282,8 +260,7 @@ class _BufferedSink(_Sink):
 
 
 class _DirectSink(_Sink):
-    """Writes with ``O_DIRECT`` from two page-aligned staging buffers, taking turns: one is filled
-    while the other is written and hashed; the last is padded and the file cut to its size."""
+    """Writes with ``O_DIRECT`` from two staging buffers: one fills while the other is written and hashed."""
 
     ALIGN = 4096  # covers every logical block size in use
     READ_FLAGS, READ_ALIGN = getattr(os, "O_DIRECT", 0), ALIGN
@@ -296,13 +273,13 @@ class _DirectSink(_Sink):
         self.staging = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
         self.pending: list[list[Future[None]]] = [[], []]
         self.turn = self.fill = 0
-        # (offset, buffer): a file that fits in the two buffers is read back from them, not the disk.
+        # (offset, buffer): a file that fits in the buffers is read back from them.
         self.copy = [(0, self.buffers[0]), (capacity, self.buffers[1])] if size <= 2 * capacity else []
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="direct-write", initializer=oscalls.use_every_cpu)
 
     @classmethod
     def open(cls, path: str, size: int, buffer_bytes: int | None = None) -> _DirectSink | None:
-        """A sink for a new file at ``path``, or None where O_DIRECT is unavailable (tmpfs, other OSes)."""
+        """A sink for a new file at ``path``, or None where O_DIRECT is unavailable."""
         flag = getattr(os, "O_DIRECT", 0)
         if not flag:
             return None
@@ -326,8 +303,7 @@ class _DirectSink(_Sink):
                 self._flush()
 
     def write_tensor(self, tensor: torch.Tensor, progress: Callable[[int], None] | None) -> None:
-        """Copy a CPU tensor's bytes into the staging buffers with torch (without the GIL); a matrix of
-        contiguous rows that are not neighbours (a dim-1 slice) row-block by row-block."""
+        """Copy a CPU tensor into the staging buffers with torch (off the GIL), a row-sliced matrix by rows."""
         if tensor.device.type != "cpu" or not (tensor.is_contiguous() or (tensor.dim() == 2 and tensor.stride(1) == 1)):
             super().write_tensor(tensor, progress)
             return
@@ -358,7 +334,7 @@ class _DirectSink(_Sink):
                     self._flush()
 
     def _flush(self) -> None:
-        """Hand the current buffer to the writer and hasher; take the other one once it is free."""
+        """Hand the buffer to the writer and hasher; take the other once it is free."""
         buffer, n = self.buffers[self.turn], self.fill
         padded = -(-n // self.ALIGN) * self.ALIGN
         if padded > n:
@@ -382,8 +358,7 @@ class _DirectSink(_Sink):
                 flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
                 if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
                     raise
-                # A write cut off a block boundary (file size limit, disk full) fails under O_DIRECT
-                # with a bare EINVAL; through the page cache the kernel says why (EFBIG, ENOSPC).
+                # A short O_DIRECT write is a bare EINVAL; the page cache says why (EFBIG, ENOSPC).
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
                 continue
             if written <= 0:
@@ -399,7 +374,7 @@ class _DirectSink(_Sink):
         os.ftruncate(self.fd, self.position)  # drop the padding of the last block
 
     def put_and_sync(self, offset: int, data: bytes) -> None:
-        # A few bytes at any offset: O_DIRECT takes whole blocks only, the page cache the rest.
+        # A few bytes at any offset: O_DIRECT takes whole blocks only.
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self._put(self.fd, data, offset, self.path)
         for start, buffer in self.copy:  # the copy that read_back gives, as the file now is
@@ -419,8 +394,7 @@ class _DirectSink(_Sink):
         return memoryview(self.buffers[0])  # free: finish() waited for every job
 
     def __exit__(self, *exc: object) -> None:
-        # Let in-flight jobs end before their buffers are unmapped, even after an error.
-        self.writer.shutdown()
+        self.writer.shutdown()  # in-flight jobs end before their buffers are unmapped
         super().__exit__()
         os.close(self.fd)
         self.staging.clear()  # the tensors over the buffers, which would keep them exported
