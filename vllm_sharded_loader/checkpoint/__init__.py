@@ -1,12 +1,5 @@
-"""One rank's load and save, engine-free: the checks, the plan and the I/O, put together.
-
-- :mod:`.load`: :func:`load_rank`, one rank's checked load of a :class:`.request.LoadRequest`
-  (same topology, or resharded by :mod:`.reshard`, or a checkpoint of vLLM's own save by :mod:`.legacy`);
-- :mod:`.rank_files`: every check of a rank's files against the manifest;
-- :mod:`.protocol`: the save protocol, one driver over a store and a group of members; :mod:`.save`: a
-  one-process save over it;
-- :mod:`.verify`: offline verification of a whole checkpoint;
-- :mod:`.state`: which tensors of a model a checkpoint holds.
+"""One rank's load and save, engine-free: the checks, the plan and the I/O, put together
+(:func:`load_rank`, the save protocol in :mod:`.protocol`, :func:`verify_checkpoint`).
 
 Needs torch, never vLLM: the engine layer calls in here, and tests do too.
 """

@@ -1,18 +1,9 @@
 """The files a save carries beside its parts (config, tokenizer, ...), replaced last.
 
-A checkpoint's config is part of what loads: the manifest records its hash, and a load
-refuses a config that differs. So a save must not replace the old checkpoint's config
-before it publishes its own manifest: the non-weight files follow the parts' protocol
-(:mod:`.protocol`). Step 5 stages each file that differs from what the output holds
-(:meth:`CarriedFiles.stage`, through the store's ``stage_carried``); files already identical
-are left alone, so saving the same model again replaces nothing. Step 6 puts the staged
-files in place just before the manifest, keeping what they replace, so that a failed publish
-puts the old files back (:meth:`CarriedFiles.restore`). Step 7 removes the files that the
-checkpoint it replaced carried and the new one does not (:meth:`CarriedFiles.remove_stale`).
-
-Every file carried, staged or already identical, is recorded (:attr:`CarriedFiles.recorded`:
-its size and SHA-256, hashed from the very bytes compared or copied), and the manifest lists
-them (``carried_files``), so that ``verify`` tells a damaged tokenizer (:func:`check_carried`).
+A load refuses a config that differs from the manifest's record, so the old checkpoint's files
+must not be replaced before the new manifest: they follow the save protocol (stage, put in place
+just before the manifest, restore on failure, remove the stale ones after). Each file is recorded
+with its size and SHA-256, so that ``verify`` tells a damaged tokenizer (:func:`check_carried`).
 """
 
 from __future__ import annotations
@@ -37,8 +28,7 @@ from ..storage.model_files import is_weight_file
 
 
 def record_of(directory: str, name: str) -> dict[str, CarriedFile]:
-    """``{name: its record}`` for the local file ``name`` of ``directory`` as it is now (empty without
-    one): what a save's carry must find there later (:meth:`CarriedFiles.stage`'s ``record``)."""
+    """``{name: its record}`` for the local file ``directory/name`` as it is now (empty without one)."""
     try:
         with os.fdopen(open_regular(os.path.join(directory, name)), "rb") as f:
             return {name: CarriedFile.of(f.read())}
@@ -47,9 +37,8 @@ def record_of(directory: str, name: str) -> dict[str, CarriedFile]:
 
 
 def check_carry_source(source: Store | None) -> None:
-    """Refuse a ``source`` (the model whose config and tokenizer a save carries) that is no folder:
-    missing, a file, a FIFO. Checked before the save's lock: found only at the carry step, it failed
-    with the bare errno of a listing, once every part was written (and then taken back). None: no carry."""
+    """Refuse a carry ``source`` that is no folder, before the save's lock rather than after every
+    part is written. None: no carry."""
     why = None if source is None else source.missing()
     if why is not None:
         raise SaveRefused(
@@ -59,8 +48,7 @@ def check_carry_source(source: Store | None) -> None:
 
 
 def _check_recordable(source: str, names: list[str]) -> None:
-    """Refuse non-weight files that the manifest cannot record as its parser reads it back (a name
-    with a backslash, say): the save would publish a manifest that no load or verify reads."""
+    """Refuse non-weight files whose names a manifest cannot record: no load could read it back."""
     if len(names) > MAX_CARRIED_FILES:
         raise SaveRefused(
             f"{source} has {len(names)} non-weight files, more than a checkpoint's manifest records "
@@ -79,16 +67,14 @@ def _check_recordable(source: str, names: list[str]) -> None:
 
 @dataclass
 class CarriedFiles:
-    """The non-weight files of one save into ``store`` (what it stages, the store keeps until the publish)."""
+    """The non-weight files of one save into ``store``."""
 
     store: Store
-    #: Whether a file already at the output that differs may be replaced (the save's overwrite):
-    #: without it, such a file is someone else's (a folder of the user's), and the save is refused.
+    #: Whether a different file already at the output may be replaced (else it is the user's: refused).
     replace: bool = True
     #: final relative name -> the size and SHA-256 the output holds once placed (staged or left as is)
     recorded: dict[str, CarriedFile] = field(default_factory=dict)
-    #: what the replaced checkpoint carried and the source no longer has (set by stage()): the new
-    #: manifest records it, and the save removes it once that manifest is out (:meth:`remove_stale`)
+    #: what the replaced checkpoint carried and the source no longer has, removed after the publish
     stale: list[str] = field(default_factory=list)
 
     @property
@@ -97,10 +83,8 @@ class CarriedFiles:
         return self.store.canonical()
 
     def stage(self, source: Store, record: Mapping[str, CarriedFile] | None = None) -> list[str]:
-        """Copy ``source``'s non-weight files aside; returns the names that will change. ``record``
-        (a checkpoint's own, for a reshard of it; a model's config as convert read it) is what they must
-        hold: one that differs from it as copied, or is gone, is refused (the source changed since it was
-        checked: another save, an edit)."""
+        """Copy ``source``'s non-weight files aside; returns the names that will change. A file that
+        differs from ``record`` (what the source must hold) is refused: the source changed since."""
         names = source.non_weight_files()
         _check_recordable(source.where, names)
         replaces: dict[str, bool | None] = {}
@@ -137,26 +121,20 @@ class CarriedFiles:
         return staged
 
     def _stale(self, names: list[str]) -> list[str]:
-        """What the checkpoint being replaced carried that the source's ``names`` lack: another
-        model's chat template, say, which would stay beside the new checkpoint, unrecorded, and be
-        served with it. Also what that checkpoint's own save meant to remove and a kill left
-        (its :attr:`~..format.manifest.Manifest.stale_files`), if still there. Read under the lock,
-        as the source's files are; the new manifest records the result before it is published."""
+        """What the replaced checkpoint carried (or left stale) that ``names`` lack, and is still
+        there: it would otherwise be served with the new weights."""
         try:
             previous = self.store.read_manifest()
         except (CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound):  # unreadable: what it carried is unknown
-            return []  # (a network error is the save's: failing here, before the publish, loses nothing)
+            return []
         if previous is None:
             return []
         candidates = set(previous.carried_files or ()) | set(previous.stale_files)
         stale = sorted(n for n in candidates - set(names) if self.store.exists_file(n))
-        return stale[:MAX_CARRIED_FILES]  # (what a manifest records; the rest stay, as before the record)
+        return stale[:MAX_CARRIED_FILES]  # (what a manifest records)
 
     def remove_stale(self, manifest: Manifest) -> None:
-        """After the publish: remove the files that the replaced checkpoint carried and ``manifest``
-        does not (its :attr:`~..format.manifest.Manifest.stale_files`, see :func:`stale_names`). A save
-        that staged nothing from a source (the engine hook saving into the served model's own folder)
-        records none, and removes nothing."""
+        """After the publish: remove ``manifest``'s stale files (see :func:`stale_names`)."""
         self.store.remove_stale(stale_names(manifest))
 
     def restore(self) -> None:
@@ -174,9 +152,7 @@ CHECK_CHUNK_BYTES = 16 * 1024 * 1024
 
 def check_carried(store: Store, name: str, record: CarriedFile, hashed: bool = True) -> None:
     """Refuse a carried file that is not what its save recorded: missing, a link out of the
-    checkpoint (never opened), no regular file (opened without blocking: a FIFO there must not
-    hang the check), another size or, when ``hashed``, another SHA-256. The error names the
-    file, what was recorded and what was found."""
+    checkpoint, no regular file, another size or, when ``hashed``, another SHA-256."""
     path = store.file_path(name)
     recorded = f"{record.size} bytes, SHA-256 {record.sha256[:16]}..."
     remedy = (
@@ -184,8 +160,7 @@ def check_carried(store: Store, name: str, record: CarriedFile, hashed: bool = T
         "or save the checkpoint again."
     )
     try:
-        # Containment first, as for a part: a link out of the checkpoint is never opened (a
-        # device there, say), nor certified by the bytes of a file that is not the checkpoint's.
+        # Containment first: a link out of the checkpoint is never opened.
         file = store.open_file(name, contained=True)
     except (CheckpointNotFound, FileNotFoundError):
         raise CheckpointNotFound(
@@ -217,16 +192,14 @@ def check_carried(store: Store, name: str, record: CarriedFile, hashed: bool = T
 
 
 def stale_names(manifest: Manifest) -> list[str]:
-    """The names in ``manifest``'s record of stale files that a save may remove: none that the
-    manifest lists or carries, and none that no save carries (the manifest, the lock, a staged
-    file, weights), whatever a damaged or hostile record says."""
+    """``manifest``'s stale files that a save may remove: never a listed, carried or weight file,
+    whatever a damaged or hostile record says."""
     keep = manifest.listed_files() | set(manifest.carried_files or ())
     return [n for n in manifest.stale_files if n not in keep and not any(map(is_weight_file, n.split("/")))]
 
 
 def stale_left(store: Store, manifest: Manifest) -> list[str]:
-    """The files of ``manifest``'s record of stale files that are still in the checkpoint: the save
-    that published it stopped before its clean-up, and a server would read them with these weights."""
+    """``manifest``'s stale files still in the checkpoint (its save stopped before the clean-up)."""
     return [name for name in stale_names(manifest) if store.exists_file(name)]
 
 
@@ -241,8 +214,7 @@ def stale_problems(store: Store, manifest: Manifest) -> list[str]:
 
 
 def carried_problems(store: Store, carried_files: dict[str, CarriedFile], hashed: bool = True) -> list[str]:
-    """:func:`check_carried` of every file a save recorded: a problem for each that the checkpoint
-    no longer holds as saved (``verify``'s check, and ``reshard``'s of its source)."""
+    """A problem for each recorded carried file that fails :func:`check_carried`."""
     problems = []
     for name, record in sorted(carried_files.items()):
         try:

@@ -1,6 +1,5 @@
-"""The members holding one model (an engine's workers) agreeing on each step over an :class:`Exchange`
-(:class:`ProcessGroups`, or threads in the tests): every member reaches every exchange, and a failure
-anywhere is raised everywhere."""
+"""An engine's workers agreeing on each step over an :class:`Exchange`: every member reaches every
+exchange, and a failure anywhere is raised everywhere."""
 
 from __future__ import annotations
 
@@ -27,16 +26,13 @@ DEFAULT_LOAD_TIMEOUT = 600.0
 
 T = TypeVar("T")
 
-# The other members of this process's model, member -> node, as the load's first exchange
-# (check_same_checkpoint) told them: gloo's error names only an address and port, and on several
-# nodes the user must know which worker on which machine to look at.
+# The other members, member -> node, from the load's first exchange: gloo's errors name only an address.
 _PEERS: dict[str, str] = {}
 
 
 class Exchange(Protocol):
-    """How the members of one model reach each other: ``alone`` (no other member); ``gather``, every
-    member's ``outcome`` in member order (:class:`WorkerLost`, naming ``what``, if one stopped
-    answering); ``barrier``, a ``RuntimeError`` unless every member arrives within ``seconds``."""
+    """How the members of one model reach each other: ``gather`` every member's ``outcome`` in member
+    order (:class:`WorkerLost` if one stopped answering); ``barrier`` within ``seconds`` or ``RuntimeError``."""
 
     @property
     def alone(self) -> bool: ...
@@ -57,8 +53,7 @@ class ProcessGroups:
         return not self.groups
 
     def gather(self, outcome: Any, what: str) -> list[Any]:
-        # A worker that died resets its connections: the exchange fails at once (gloo), raised
-        # here as our error naming what stopped, so that the caller's cleanup runs.
+        # A dead worker's reset connections fail the exchange at once; the caller's cleanup then runs.
         outcomes = [outcome]
         for group in self.groups:
             gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
@@ -81,8 +76,7 @@ class ProcessGroups:
 
 
 class Members:
-    """The save protocol's group (:class:`.protocol.SaveGroup`) over ``exchange``: steps that every
-    member of one save runs together, failing together; the first member is rank 0."""
+    """The save protocol's group over ``exchange``; the first member is rank 0."""
 
     def __init__(self, exchange: Exchange, rank: RankInfo) -> None:
         self.exchange = exchange
@@ -93,19 +87,15 @@ class Members:
         """Run ``step`` here (or only on the first member), exchange results, raise if any failed.
 
         Every member reaches the exchange even when its step fails, or the others would hang.
-        A failure anywhere is raised on every member, ``agreed``, with every failing member's
-        message; a member that stops answering is :class:`WorkerLost`.
         """
         own: Exception | None = None
         try:
             outcome: tuple[bool, Any] = (True, step() if self.first or not only_first else None)
         except Exception as e:
-            # The node too: on several nodes a path names another folder on each.
             own, outcome = e, (False, f"{self.member} on {socket.gethostname()}: {e}")
         try:
             outcomes = self.exchange.gather(outcome, "this save")
         except WorkerLost as e:
-            # This member's own cleanup (the lock, what it staged) runs on this error.
             raise WorkerLost(f"{e}" + ("" if outcome[0] else f" | {outcome[1]}")) from e
         errors = [value for ok, value in outcomes if not ok]
         if errors:
@@ -114,14 +104,11 @@ class Members:
 
 
 def wait_for_replicas(replicas: Exchange | None, rank: RankInfo, call: str, doing: str, changed: str) -> None:
-    """Where each data-parallel replica holds its own experts (``replicas``: their exchange; None
-    otherwise): wait, at most ``SHARDED_STATE_REPLICA_TIMEOUT`` seconds, until every replica has called
-    ``call``, and raise naming that wait if one did not (``doing``: what is refused; ``changed``: what
-    was not).
+    """Wait, at most ``SHARDED_STATE_REPLICA_TIMEOUT`` seconds, until every data-parallel replica that
+    holds its own experts has called ``call``; raise if one did not (``doing``: what is refused).
 
-    Each replica's engine is called on its own (an offline replica's process, or vLLM's server
-    for each engine core): the replicas' exchanges would wait for a replica that was never called
-    until gloo's timeout (30 minutes).
+    Each replica is called on its own: without this, a replica never called would be waited for
+    until gloo's 30-minute timeout.
     """
     if replicas is None:
         return
@@ -145,8 +132,7 @@ def checkpoint_digest(manifest: Manifest | None) -> str:
 def different_checkpoints(
     where: str, held: list[tuple[str, str, str, str]], then: str = "start again. Nothing was loaded"
 ) -> str | None:
-    """The error for members that read different checkpoints at ``where`` (``held``: each member's
-    rank, node, path and :func:`checkpoint_digest`), or None where they read one; ``then``: what to do."""
+    """The error for members that read different checkpoints (``held``: rank, node, path, digest), or None."""
     if len({digest for *_, digest in held}) < 2:
         return None
     said = "; ".join(f"{member} on {host} read {path} (manifest {digest})" for member, host, path, digest in held)
@@ -160,15 +146,12 @@ def different_checkpoints(
 def check_same_checkpoint(
     exchange: Exchange, rank: RankInfo, where: str, manifest: Manifest | None, failed: Exception | None
 ) -> None:
-    """Before a load reads a byte: check that the members holding this model read one checkpoint,
-    by the digest of the manifest each read (``failed``: why this one read none).
+    """Before a load reads a byte, check by manifest digest that every member reads one checkpoint
+    (``failed``: why this one read none).
 
-    On several nodes each member reads its node's copy of ``where``. Each rank's files agree with
-    the manifest beside them, so a node holding another save of the same model (or another model of
-    the same shapes) passes every check of its own rank, and the engine would serve a mix of the
-    two. Every member reaches the exchange, even one whose manifest could not be read, so that
-    none waits for it; a member that never reaches it (a node started with another load format)
-    ends the wait after ``SHARDED_STATE_LOAD_TIMEOUT`` seconds.
+    Each node reads its own copy of ``where``, and a node holding another save passes every check
+    of its own rank: the engine would serve a mix. A member that never arrives ends the wait after
+    ``SHARDED_STATE_LOAD_TIMEOUT`` seconds.
     """
     if exchange.alone:
         return
@@ -194,12 +177,8 @@ def check_same_checkpoint(
 
 
 def share_load_outcome(exchange: Exchange, rank: RankInfo, failed: Exception | None) -> None:
-    """After this member's reads: tell the others whether they failed, and hear theirs.
-
-    A worker whose load fails ends its process; without this, the others learn of it only from
-    vLLM's next collective, as gloo's "Connection closed by peer", and the leader, whose log the
-    user reads, never says which file on which node failed. Here every member raises the failing
-    members' own messages (the failing one its own error, from the caller).
+    """After this member's reads, share whether they failed, so that every member raises the failing
+    ones' messages (else the leader's log would say only gloo's "Connection closed by peer").
     """
     if exchange.alone:
         return

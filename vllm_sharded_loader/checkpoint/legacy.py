@@ -1,9 +1,5 @@
-"""Checkpoints written by vLLM's own save (no manifest): found by file name, checked by header.
-
-There is no manifest to check sizes or checksums against, so a load checks what it can:
-only this rank's files by vLLM's naming, no file of a rank the engine does not have, no
-tensor stored twice, and exactly the model's tensors.
-"""
+"""Checkpoints written by vLLM's own save (no manifest): found by file name, checked by header
+(this rank's files only, no foreign rank's file, no tensor twice, exactly the model's tensors)."""
 
 from __future__ import annotations
 
@@ -45,8 +41,7 @@ def load_without_manifest(
     pattern = pattern or default_pattern(rank.pp_size)
     validate_pattern(pattern, rank.tp_size, rank.pp_size)
     names = rank_files_without_manifest(store, pattern, rank)
-    # Each file opened once: its header, its reads and the check after them go through that descriptor
-    # (vLLM's own save rewrites its parts in place: one during the load is refused, never mixed in).
+    # One descriptor per file for header, reads and the final check: vLLM's save rewrites parts in place.
     files: list[StoredFile] = []
     try:
         for n in names:
@@ -82,11 +77,7 @@ def load_without_manifest(
 
 
 def holds_sharded_checkpoint(store: Store, pattern: str | None = None) -> bool:
-    """Whether ``store`` holds a sharded checkpoint: a manifest, or part files by name.
-
-    Part files are recognized by ``pattern`` and by both default patterns (vLLM's own save
-    writes them without a manifest). A Hugging Face model folder holds neither.
-    """
+    """Whether ``store`` holds a sharded checkpoint: a manifest, or part files by ``pattern`` or a default one."""
     if not store.vllm_saves_here:  # served from object storage only with a manifest
         return store.read_manifest() is not None
     if store.exists_file(MANIFEST_NAME):
@@ -100,11 +91,8 @@ def holds_sharded_checkpoint(store: Store, pattern: str | None = None) -> bool:
 
 
 def rank_files_without_manifest(store: Store, pattern: str, rank: RankInfo) -> list[str]:
-    """This rank's files in a checkpoint written by vLLM's own save (no manifest).
-
-    Files of ranks the engine does not have mean the checkpoint was saved at another
-    topology; vLLM would load those "successfully" into narrowed parameters.
-    """
+    """This rank's files in a checkpoint of vLLM's own save, refusing files of ranks the engine lacks
+    (vLLM would load another topology "successfully" into narrowed parameters)."""
     # A checkpoint saved under PP has files a TP-only pattern never matches.
     patterns = [pattern] if rank.pp_size > 1 else [pattern, default_pattern(2)]
     mine, foreign = [], []

@@ -1,16 +1,7 @@
 """Loading one rank of a sharded checkpoint, without any engine: the checks, the plan, the read.
 
-The vLLM layer (:mod:`..engine.loader`) finds out which rank it is and which tensors the
-model has, then calls :func:`load_rank`. Tests call it directly on real files and real
-tensors. Each step is a named piece beside this module:
-
-- checks: the store's lock (no save running), :mod:`..planning.topology` (topology and
-  source model), :mod:`..planning.tensors` (exactly the model's tensors), :mod:`.rank_files`
-  (every file of the rank against the manifest);
-- plan: :func:`..storage.tensor_files.file_plans` (each tensor's bytes, from its file's
-  header), or :mod:`.reshard` at another topology;
-- read: the one lowering of every route's plans, :func:`..storage.lowering.read_plans`,
-  then :func:`..storage.reader.read_pieces`.
+The vLLM layer (:mod:`..engine.loader`) and the tests call :func:`load_rank`; the checks live in
+:mod:`..planning.topology`, :mod:`..planning.tensors` and :mod:`.rank_files`, resharding in :mod:`.reshard`.
 """
 
 from __future__ import annotations
@@ -46,22 +37,22 @@ def load_rank(
 ) -> LoadStats:
     """Check a rank's saved files against the model, then read them into ``targets``.
 
-    ``request`` names the checkpoint and what to check it against (:class:`.request.LoadRequest`);
-    ``targets`` maps each tensor name to the tensor it loads into (the model's
-    :func:`.state.saveable_state`); ``rank`` is where this worker sits (topology, experts).
     Every check runs before the first byte is copied, so a refused checkpoint leaves the
-    parameters untouched. With ``verify="checksum"`` every byte read is also hashed and
-    compared with the manifest; a mismatch raises before the load returns (the engine
-    then does not start).
+    parameters untouched. A checkpoint saved at another TP/PP size or expert placement is
+    resharded if its manifest records the geometry.
 
-    A checkpoint saved at another TP/PP size, or with its routed experts placed otherwise
-    than ``rank.experts`` places them (another EP size or strategy, or expert parallelism
-    on one side only), is resharded (:func:`.reshard.load_resharded`) if its manifest
-    records the geometry. ``options`` run the reader (:class:`..storage.reader.ReadOptions`).
-    ``adopt`` maps tensor names to callbacks that take a tensor over private mappings of
-    the files in place of the target: every route maps the CPU tensors of the saved dtype
-    whose saved pieces are whole runs of their files (see :func:`..storage.lowering.read_plans`),
-    each called only once every check passed, the last one after the reads included.
+    Args:
+        request: the checkpoint and what to check it against (:class:`.request.LoadRequest`); with
+            ``verify="checksum"`` every byte read is hashed and a mismatch raises before returning.
+        targets: each tensor name to the tensor it loads into (the model's :func:`.state.saveable_state`).
+        rank: where this worker sits (topology, experts).
+        options: how the reader runs (:class:`..storage.reader.ReadOptions`).
+        adopt: tensor names to callbacks that take a tensor mapped privately from the files in place
+            of copying into the target (CPU tensors of the saved dtype stored whole), each called
+            only once every check passed, the reads' final one included.
+
+    Returns:
+        The load's :class:`.stats.LoadStats`.
     """
     started = time.perf_counter()
     store, manifest, verify = request.store, request.manifest, request.verify
@@ -79,7 +70,7 @@ def load_rank(
     moved = rank_experts_moved(manifest, rank)
     resharding = moved or (manifest.tp_size, manifest.pp_size) != (rank.tp_size, rank.pp_size)
     if resharding and not manifest.geometry:
-        # Raise: nothing to reshard with.
+        # These raise: nothing to reshard with.
         check_topology(manifest, rank, directory)
         check_expert_placement(
             manifest.experts,
@@ -112,7 +103,6 @@ def load_rank(
         hint="The checkpoint was saved from a different model; save it again.",
     )
     with RankFiles(store, entry, verify) as files:
-        # The plan and the read: each tensor's bytes where its file's header places them.
         checksums = {c.file.path: c.entry.checksum for c in files.files} if verify == "checksum" else {}
         handles = [c.file for c in files.files]
         held = HeldAdoption(adopt)

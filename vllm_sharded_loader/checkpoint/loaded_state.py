@@ -1,20 +1,10 @@
-"""What a worker's model held right after its weights were loaded (:class:`LoadedState`, recorded by
-:mod:`..engine.capture`), and the save of it through the save driver (:class:`LoadedSave`).
+"""What a worker's model held right after loading (:class:`LoadedState`), and its save through the
+save driver (:class:`LoadedSave`).
 
-* When a save is asked for at start-up (``SHARDED_STATE_CAPTURE_DIR`` set, as
-  ``examples/save_sharded_state.py`` does), the worker writes its loaded state to that directory
-  then, straight from parameter memory (:meth:`LoadedState.capture_to`): no second in-memory copy.
-* The save hook then publishes: if the capture is already where and how it was
-  asked, it only writes the manifest; otherwise it rewrites the captured files
-  (memory-mapped, so memory stays bounded) at the asked place and size cap.
-* Without a capture, the hook writes the live state only if it is provably the
-  loaded one (:class:`ServedWeights`); otherwise it refuses with an error saying how to
-  capture, and writes nothing.
-* Weights updated after loading (RL loops: ``collective_rpc``, vLLM's weight-transfer
-  engines and ``reload_weights`` all go through the model's ``load_weights``) make the
-  capture stale: the model's ``load_weights`` is wrapped to count updates
-  (:meth:`LoadedState.count_updates`), and a save after one writes the live weights under
-  the same proof, or refuses.
+A save asked for at start-up (``SHARDED_STATE_CAPTURE_DIR``) captures the loaded state to disk straight
+from parameter memory; the save hook then publishes the capture, or rewrites it memory-mapped. Without a
+capture, only live weights provably the loaded ones are saved. Weight updates through ``load_weights``
+are counted: they make the capture stale.
 """
 
 from __future__ import annotations
@@ -63,42 +53,31 @@ class LoadedState:
     source: SourceModel
     dtype: str
     quantization: str | None
-    # How each tensor is split across ranks, and names saved once for several (manifest fields).
     geometry: dict[str, Any] = field(default_factory=dict)
     tied: list[list[str]] = field(default_factory=list)
-    # The recording worker: its place in TP, PP and DP, and how it holds the routed experts.
     rank: RankInfo | None = None
-    # The names a later data-parallel replica writes (its own experts; empty: it writes nothing).
+    # The names a later data-parallel replica writes (its own experts).
     per_replica: frozenset[str] = frozenset()
-    # The state written at start-up (staged, or published in place by a save).
     capture: StagedRank | None = field(default=None)
-    # Calls of the model's load_weights since (weight updates): the capture is stale.
+    # Calls of load_weights since loading: nonzero means the capture is stale.
     updates: int = 0
-    # The served model's local folder, whose non-weight files a save carries (None: not local).
+    # The served model's local folder, whose non-weight files a save carries.
     model_dir: str | None = None
-    # The engine's configuration at load time: a save without a capture re-reads the source with it.
     vllm_config: Any = field(default=None, repr=False)
     model_config: Any = field(default=None, repr=False)
-    # The sharded checkpoint a weight update replaced every tensor from (a save re-reads it).
+    # The sharded checkpoint a weight update replaced every tensor from.
     reloaded_from: str | None = None
-    # Proof of what the served weights were read from: the digest of the manifest of the sharded
-    # checkpoint they were read from (at start-up, or by the last update), with every file's block
-    # checksums; a save that re-reads that checkpoint first proves it unchanged.
+    # Digest of the manifest the served weights were read from: a re-read first proves it unchanged.
     read_proof: str | None = None
-    # The model's own weight files in its local folder, as loaded by another load format: each one's
-    # identity (device, inode, size, mtime, ctime; the kernel changes ctime on every write), for a save
-    # that reads them again (no checksums to prove their content by: see :func:`.save_proof.weight_file_identities`).
+    # Identities of the weight files another load format read (no checksums to prove them by).
     source_files: dict[str, tuple[int, ...]] | None = None
-    # Removes the start-up capture and its owner marker (at exit at the latest); None once done.
     drop_capture: Callable[[], None] | None = field(default=None, repr=False)
 
     def capture_to(
         self, directory: str, pattern: str | None, max_size: int | None, tensors: dict[str, torch.Tensor], bar: bool
     ) -> None:
-        """Write this worker's loaded ``tensors`` to ``directory`` at start-up (``bar``: show a progress bar),
-        staged under temporary names: nothing is published until the save hook runs. A marker tells saves
-        into the same folder that these files are a live engine's; both go at the worker's exit unless a
-        save published the capture (:meth:`drop_capture`)."""
+        """Stage the loaded ``tensors`` in ``directory`` under temporary names, with an owner marker that
+        keeps other saves off them; both go at exit unless a save published the capture."""
         assert self.rank is not None
         token = new_token()
         make_output_folder(directory)
@@ -119,11 +98,7 @@ class LoadedState:
         )
 
     def _drop_capture(self, directory: str, token: str, owner: int) -> None:
-        """At the worker's exit (or once a save shows the folder unusable): a start-up capture that
-        no save published goes, then its marker.
-
-        A worker killed outright leaves both; the next save into the folder removes them.
-        """
+        """Remove an unpublished capture, then its marker (a killed worker leaves both to the next save)."""
         atexit.unregister(self.drop_capture)
         self.drop_capture = None
         if self.capture is not None and self.capture.temporary:
@@ -132,12 +107,9 @@ class LoadedState:
         release_owner_marker(directory, token, owner)
 
     def count_updates(self, model: torch.nn.Module) -> None:
-        """Count later calls of ``model``'s ``load_weights``: each may change what is served.
+        """Count later calls of ``model``'s ``load_weights``, through which every weight update goes.
 
-        vLLM's in-place ``reload_weights``, its weight-transfer engines (NCCL, IPC) and RL
-        loops calling ``collective_rpc`` update weights through this method. Wrapping the
-        instance (not the class) touches only this model. Counted before the call: an update
-        that fails halfway leaves the state changed too.
+        Wraps the instance, not the class. Counted before the call: a failed update changes state too.
         """
         original = model.load_weights
         if getattr(original, "_counts_updates", False):
@@ -152,10 +124,8 @@ class LoadedState:
         model.__dict__["load_weights"] = load_weights
 
     def served_from_checkpoint(self, checkpoint: str, proof: str | None = None) -> None:
-        """After a weight update replaced every tensor from the sharded ``checkpoint`` (and post-processed
-        them as at start-up): that checkpoint's state is the loaded state now. The start-up capture is
-        stale and goes; a save re-reads this rank's state from ``checkpoint``, once proven to hold
-        what was read (``proof``: :func:`.save_proof.manifest_proof` of the manifest the update read)."""
+        """Make ``checkpoint`` the loaded state after an update replaced every tensor from it; ``proof``
+        is the digest of the manifest it read. The start-up capture is stale and goes."""
         if self.capture is not None and self.capture.temporary:
             discard_rank(self.capture)
         self.capture = None
@@ -164,8 +134,7 @@ class LoadedState:
         self.updates = 0
 
     def written_tensors(self, rank: RankInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What this worker writes of its state: all of it in the first data-parallel replica;
-        in a later one, which holds the same slices but for its experts, only those."""
+        """All of ``tensors`` in the first data-parallel replica; in a later one, only its experts."""
         if rank.saved_dp_rank == 0:
             return tensors
         return {name: t for name, t in tensors.items() if name in self.per_replica}
@@ -173,10 +142,8 @@ class LoadedState:
     def reread_from_checkpoint(
         self, checkpoint: Store, manifest: Manifest, ranks_on_host: int
     ) -> dict[str, torch.Tensor]:
-        """This rank's loaded state read again from the sharded ``checkpoint`` it came from, without a model:
-        the load's own checks and plan over what the load recorded (geometry, ties, rank), into host tensors
-        that take the files' mappings where the reader can map them (a save then streams them to its files,
-        with no copy of the rank's weights in memory). Every byte is checked against the manifest's checksums."""
+        """This rank's loaded state re-read from ``checkpoint`` without a model, checksummed, into host
+        tensors mapped from the files where possible (no second copy in memory)."""
         from .load import load_rank
         from .request import LoadRequest
         from .update_staging import StagedWeights
@@ -194,8 +161,7 @@ class LoadedState:
             geometry={name: TensorGeometry.from_dict(g, name) for name, g in self.geometry.items()},
             tied=self.tied,
         )
-        # ``manifest`` is the proven one (the caller checked it); load_rank reads it again after its reads
-        # and refuses if it changed meanwhile (rank_files.check_not_replaced).
+        # load_rank refuses if the manifest changed during the reads.
         load_rank(request, staged.targets(), self.rank, ReadOptions(ranks_on_host=ranks_on_host), staged.adopt())
         logger.info(
             "sharded_state: %s re-read its loaded state from %s without a model: %d of %d tensors mapped from its "
@@ -222,8 +188,12 @@ def capture_settings() -> tuple[str, str | None, int | None] | None:
 
 
 class ServedWeights(Protocol):
+<<<<<<< HEAD
     """The weights a worker serves: ``live``, if provably still the loaded ones (else a
     :class:`SaveRefused`), or ``reread`` from the source the engine loaded."""
+=======
+    """The served weights: ``live`` if provably the loaded ones, or ``reread`` from the source."""
+>>>>>>> pD
 
     def live(self) -> dict[str, torch.Tensor]: ...
 
@@ -232,8 +202,7 @@ class ServedWeights(Protocol):
 
 @dataclass
 class LoadedSave:
-    """One worker's save of its loaded state (``state``; None: ``unknown`` says why) through the save
-    driver (:meth:`job`), and what it keeps of its start-up capture once published (:meth:`keep`)."""
+    """One worker's save of its loaded state (``state``; None: ``unknown`` says why) through the save driver."""
 
     state: LoadedState | None
     unknown: SaveRefused
@@ -250,8 +219,7 @@ class LoadedSave:
         return self.state
 
     def job(self, placed: Callable[[Store, RankEntry], RankEntry] | None = None) -> SaveJob:
-        """The save driver's job (:func:`.protocol.run_save`); ``placed``: what the engine records beside
-        each placed rank."""
+        """The save driver's job; ``placed``: what the engine records beside each placed rank."""
         return SaveJob(
             self.stage,
             self.manifest,
@@ -264,8 +232,7 @@ class LoadedSave:
         )
 
     def stage(self, target: Store) -> list[tuple[StagedRank, Any]]:
-        """This worker's parts, staged for ``target`` (see :meth:`_stage_state`), with what the manifest
-        needs of them."""
+        """This worker's parts, staged for ``target``, with what the manifest needs of them."""
         loaded = self.loaded()
         capture = loaded.capture
         if target.stages_in_place:
@@ -287,8 +254,7 @@ class LoadedSave:
         """Stage this rank's loaded state in ``path``: the capture itself if it fits, else a rewrite."""
         capture = state.capture
         if state.updates:
-            # The capture, and the loaded state, are what the engine served before the
-            # updates: only the live weights are current.
+            # Only the live weights are current after an update.
             try:
                 live = self.weights.live()
             except SaveRefused as e:
@@ -300,9 +266,8 @@ class LoadedSave:
                 ) from e
             return self._restage(state.written_tensors(self.rank, live), path, token)
         if capture is not None and not capture.temporary:
-            # Published by an earlier save: its files now belong to a checkpoint that another
-            # save may have replaced since, even under the same names. Only their content,
-            # checked against the checksums taken as they were written, proves them ours.
+            # Published earlier: another save may have replaced these files under the same names,
+            # so only their checksums prove them ours.
             check_capture_content(capture)
             return self._restage(open_staged_tensors(capture), path, token)
         if capture is not None:
@@ -326,7 +291,7 @@ class LoadedSave:
         return self._restage(state.written_tensors(self.rank, live), path, token)
 
     def manifest(self, outcomes: list[Any]) -> Manifest:
-        """The manifest of a save, from every worker's (rank entry, (geometry, tied names, expert placement))."""
+        """The manifest from every worker's (rank entry, (geometry, tied names, expert placement))."""
         state = self.loaded()
         placements = {p for _, (_, _, p) in outcomes if p is not None}
         if len(placements) > 1:
@@ -346,11 +311,8 @@ class LoadedSave:
         )
 
     def carry(self, carried: CarriedFiles) -> None:
-        """Stage the served model's config, tokenizer and other non-weight files for a save, so that a
-        checkpoint saved by the hook alone (a server's ``/collective_rpc``, ``LLM``'s engine) serves by
-        itself. They are the served model's, so they replace what the output holds (the save
-        script's copies of the same files, or a previous checkpoint's), but only just before the
-        manifest (:mod:`.carry`)."""
+        """Stage the served model's non-weight files (config, tokenizer) so the checkpoint serves by itself;
+        they replace the output's copies just before the manifest."""
         if self.state is None or self.state.model_dir is None:
             logger.warning(
                 "sharded_state: the served model is not a local folder; copy its config and tokenizer files to %s",
@@ -366,11 +328,9 @@ class LoadedSave:
         )
 
     def discard(self, staged: StagedRank) -> None:
-        """After a failed save, before its publish: remove what this worker staged or placed.
+        """After a failed save, remove what this worker staged or placed.
 
-        A start-up capture that was only staged stays for the next try. One already placed
-        under final names is removed: no manifest lists those files, and a retry rewrites
-        from the live weights or refuses.
+        A capture only staged stays for the next try; one placed under final names goes (no manifest lists it).
         """
         if self.state is not None and staged is self.state.capture:
             if not staged.placed:
@@ -379,12 +339,10 @@ class LoadedSave:
         discard_rank(staged)
 
     def keep(self, staged: StagedRank, in_place: bool) -> None:
-        """After a publish: what this worker keeps of its start-up capture for the next save.
+        """After a publish, keep what the next save can start from.
 
-        Parts published in place are the capture now: their files belong to the checkpoint, which
-        a later save may replace, so the next save rewrites from them only once their content is
-        proven the capture's. After an upload, a capture that was uploaded, never published, or is
-        stale goes; one that an earlier local save published stays.
+        Parts published in place become the capture (proven by checksum before reuse); after an upload,
+        only a capture that an earlier local save published stays.
         """
         state = self.loaded()
         capture = state.capture

@@ -1,17 +1,9 @@
-"""The meta model convert runs vLLM's loaders on, engine-free: a model built on the meta device, whose
-state tensors are made on the CPU one component at a time (:class:`MetaModel`; vLLM's side,
-:class:`..engine.convert.ConvertModel`, builds it and runs its loader).
+"""The meta model convert runs vLLM's loaders on: built on the meta device, its state tensors made on
+the CPU one component at a time (:class:`MetaModel`).
 
-A component (one fused parameter and the source tensors it is made of) is made with its parameters
-allocated (floating ones filled with NaN), its source tensors mapped from their files and given to
-the model's ``load_weights``; a parameter left partly unfilled (NaN) is refused by name. The result
-is exactly what vLLM's default loader holds at TP=1 before post-processing, which is what
-``vllm-sharded save`` captures; the target ranks' slices follow from the geometry.
-
-A model built on the meta device allocates nothing; :func:`parameters_to_meta` puts there
-what a model class makes on the CPU anyway, :func:`holding` swaps a parameter's tensor, and
-:func:`walk_modules_once` keeps vLLM's loaders from walking the module tree per call. Which
-elements the loaders write is recorded by :mod:`.write_coverage`.
+A component's parameters are allocated filled with NaN, and its source tensors given to the model's
+``load_weights``; a parameter left partly NaN is refused by name. The result is what vLLM's default
+loader holds at TP=1 before post-processing.
 """
 
 from __future__ import annotations
@@ -38,9 +30,7 @@ SAVE_INSTEAD = "Make this checkpoint with `vllm-sharded save` (which loads the m
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """How vLLM builds the source's model: the ``LLM(...)`` arguments that decide its class and
-    tensors (a pooling model is ``runner="pooling"``, with ``convert="embed"`` for a causal LM
-    served as an embedding model, as ``vllm serve`` takes them)."""
+    """The ``LLM(...)`` arguments that decide the source model's class and tensors, as ``vllm serve`` takes them."""
 
     dtype: str = "auto"
     quantization: str | None = None
@@ -53,12 +43,9 @@ DEFAULT_OPTIONS = ModelOptions()
 
 
 def parameters_to_meta(model: torch.nn.Module) -> None:
-    """Put on the meta device the parameters a model class makes on the CPU even inside
-    ``torch.device("meta")``: vLLM's Transformers backend (the model class of architectures vLLM
-    has no own implementation of) makes the norms it puts in place of the model's own there. The
-    dry run fills meta tensors into every parameter, which a CPU one refuses ("Cannot copy out of
-    meta tensor"). Each keeps its class and attributes (vLLM's weight loader); one held by several
-    modules (tied) stays one."""
+    """Move to the meta device the parameters a model class makes on the CPU even under
+    ``torch.device("meta")`` (vLLM's Transformers backend's norms), keeping their class, attributes
+    and ties: the dry run's meta tensors cannot be copied into CPU ones."""
     moved: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for attr, param in module._parameters.items():
@@ -70,19 +57,17 @@ def parameters_to_meta(model: torch.nn.Module) -> None:
 
 
 def holding(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.nn.Parameter:
-    """A parameter of ``param``'s class and attributes (vLLM's weight loader, its dimensions) holding
-    ``tensor``: a parameter's data cannot move between the meta device and the CPU in place."""
+    """A parameter of ``param``'s class and attributes holding ``tensor`` (data cannot change device in place)."""
     held = torch.nn.Parameter._make_subclass(type(param), tensor, False)
     held.__dict__.update(param.__dict__)
     return held
 
 
 def walk_modules_once(model: torch.nn.Module) -> None:
-    """Each call of vLLM's ``load_weights`` walks every module of the model (``AutoWeightsLoader``
-    looks for tied embeddings), and convert calls it once per source tensor and once per
-    component: quadratic in the layers (36 of 44 s before the first write, for 155 layers). The
-    modules of this meta model never change during a conversion (only their tensors do), so each
-    module that loads weights answers a whole-tree ``named_modules`` from one walk."""
+    """Answer each loading module's whole-tree ``named_modules`` from one walk.
+
+    vLLM's ``load_weights`` walks every module per call, and convert calls it per component:
+    quadratic in the layers. The modules never change during a conversion, only their tensors."""
     for module in model.modules():
         if hasattr(module, "load_weights"):
             walk = module.named_modules
@@ -100,12 +85,11 @@ def walk_modules_once(model: torch.nn.Module) -> None:
 
 
 class MetaModel:
-    """A model on the meta device whose state tensors are made one component at a time (:meth:`make`),
-    by the model's own loader (:meth:`_load`, the subclass's), and freed after (:meth:`free`)."""
+    """A model on the meta device whose state tensors are made one component at a time, and freed after."""
 
     model: torch.nn.Module
     source: SourceFiles
-    pool: Any  # the memory components are made in (the source's: :class:`..storage.hf_source.SourceFiles`)
+    pool: Any  # the memory components are made in
     state: dict[str, torch.Tensor]
     tied: list[list[str]]
     components: dict[str, Component]
@@ -153,11 +137,7 @@ class MetaModel:
     # ----------------------------------------------------------------- making
 
     def _set(self, name: str, tensor: torch.Tensor) -> None:
-        """Hold ``tensor`` as state tensor ``name``, in every module that holds it (tied ones too).
-
-        A parameter is replaced by one of its own class with its attributes (vLLM's weight
-        loader, its dimensions), since a meta parameter's data cannot be set to a CPU tensor.
-        """
+        """Hold ``tensor`` as state tensor ``name`` in every module that holds it (tied ones too)."""
         slots = self._slots[name]
         module, attr, is_parameter = slots[0]
         held: torch.Tensor = tensor
@@ -173,10 +153,7 @@ class MetaModel:
         return (module._parameters if is_parameter else module._buffers)[attr]
 
     def make(self, name: str) -> dict[str, torch.Tensor]:
-        """The component holding ``name``, made on the CPU: each of its tensors as vLLM's TP=1 load holds it.
-
-        The caller checks it (:meth:`check`), and frees it (:meth:`free`) after the ranks' last slices.
-        """
+        """The component holding ``name``, made on the CPU as vLLM's TP=1 load holds it."""
         component = self.components[name]
         with torch.no_grad():
             for target in component.targets:
@@ -194,8 +171,7 @@ class MetaModel:
                     tensor.fill_(1.0)  # vLLM's set_default_quant_scales
             self.source.prefetch(component.sources + getattr(self._next.get(id(component)), "sources", []))
             if component.sources:
-                # Read as vLLM's loader takes them (the next while it copies one in): each source's memory
-                # is held only until vLLM copied it in (a MoE layer's experts are hundreds of tensors).
+                # One source at a time: a MoE layer's experts are hundreds of tensors.
                 weights = self.source.read_each(component.sources)
                 self._load(weights, listing(component.sources, 3))
             return {t: self._current(t).detach() for t in component.targets}
@@ -225,8 +201,7 @@ class MetaModel:
         )
 
     def follow(self, order: list[str]) -> None:
-        """Make components in the order ranks take these state tensors: what :meth:`after` and the
-        source's read-ahead follow (the state's order until told)."""
+        """Make components in the order ranks take these state tensors."""
         components = list({id(c): c for c in (self.components[n] for n in order if n in self.components)}.values())
         self._next = {id(c): components[i + 1] for i, c in enumerate(components[:-1])}
 
@@ -236,7 +211,7 @@ class MetaModel:
         return has_nan(tensor)
 
     def after(self, name: str) -> str | None:
-        """A tensor of the component after ``name``'s in the order ranks take them (None after the last)."""
+        """A tensor of the component after ``name``'s (None after the last)."""
         following = self._next.get(id(self.components[name]))
         return following.targets[0] if following else None
 
@@ -245,11 +220,11 @@ class MetaModel:
         return id(self.components[name])
 
     def component_bytes(self, name: str) -> int:
-        """The bytes :meth:`make` allocates for ``name``'s component (known before it is made)."""
+        """The bytes :meth:`make` allocates for ``name``'s component."""
         return sum(self.state[t].numel() * self.state[t].element_size() for t in self.components[name].targets)
 
     def free(self, name: str) -> None:
-        """Put a component's tensors back on the meta device (their memory goes)."""
+        """Put a component's tensors back on the meta device."""
         for target in self.components[name].targets:
             spec = self.state[target]
             self._set(target, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))

@@ -1,37 +1,21 @@
 """The save protocol, written once: a store, a group of members, and the driver that runs one over the other.
 
-Every save runs the same steps, wherever it goes (a local folder, an object-storage prefix:
-each :class:`..storage.location.Store` does each step its own way, its module says how) and
-however many processes take part (one, or an engine's workers), the way PyTorch DCP runs
-one save driver with or without a process group:
+Every save runs the same steps, whatever the store and however many processes take part:
 
-1. **lock** (first member): take the store's lock under a new token; an existing checkpoint is
-   refused unless the save may overwrite it;
-2. **join** (every member): adopt the lock's token; every member must see the lock the first
-   took, else the location is not the same for all (a local folder that is each node's own
-   disk) and the save is refused before a part is written (:class:`FolderNotShared`);
-3. **stage** (every member): write its ranks' parts under temporary names in the store's
-   staging folder, hashed as written (:func:`..storage.staged.stage_rank`);
-4. **place** (every member): give them final names that nothing in the store has, nor its
-   published manifest lists (a rename, or an upload recorded under the token first);
-5. **carry** (first): stage the model's non-weight files (config, tokenizer: :mod:`.carry`); the
-   manifest records each one's size and SHA-256 (an empty record for a save that carries none),
-   and the files the replaced checkpoint carried that these do not (its stale files);
-6. **publish** (first): every listed part checked in place, the carried files put in place, then
-   the manifest, the one atomic step; signed first with the key in ``SHARDED_STATE_SIGNING_KEY``
-   where it is set (:mod:`.trust`, read before the lock);
-7. **clean** (first): what the new manifest does not list, this save's leftovers, the stale files;
-8. **release** (first): the lock, whatever the clean did (a file that may not be removed must not
-   keep every later save out).
+1. **lock** (first member): take the store's lock; refuse an existing checkpoint unless overwriting;
+2. **join** (every member): every member must see the first's lock, else the folder is not shared
+   (:class:`FolderNotShared`), refused before a part is written;
+3. **stage** (every member): write its parts under temporary names, hashed as written;
+4. **place** (every member): give them final names that neither the store nor its manifest has;
+5. **carry** (first): stage the model's non-weight files (:mod:`.carry`) and record them;
+6. **publish** (first): check the parts, put the carried files in place, then the (signed) manifest,
+   the one atomic step;
+7. **clean** (first): remove what the new manifest does not list;
+8. **release** (first): the lock, whatever the clean did, so that no later save is kept out.
 
-A group runs each step on every member or on the first, then exchanges the outcomes, so
-that every member learns of a failure anywhere and all fail together. A failure before the
-publish **abandons** the save: every member removes what it staged or placed, the first
-removes the rest of this save (its records, its lock); the previous checkpoint stands, and
-loads and verifies. After the publish the new checkpoint is complete whatever fails
-(:class:`SaveFailedAfterPublish`). A save killed outright leaves its lock and files no manifest
-lists: the next save (with overwrite) removes them. Named kill points (:mod:`..storage.faults`)
-mark each step for the fault tests.
+Each step's outcomes are exchanged, so that all members fail together. A failure before the publish
+abandons the save and the previous checkpoint stands; after it, the new one is complete
+(:class:`SaveFailedAfterPublish`). A killed save leaves files that the next save removes.
 """
 
 from __future__ import annotations
@@ -61,8 +45,8 @@ class SaveGroup(Protocol):
     member: str
 
     def run(self, step: Callable[[], T], only_first: bool = False) -> list[T]:
-        """Run ``step`` here (or only on the first member), exchange the outcomes, and return every
-        member's (None from members that did not run it); raise on every member if any failed."""
+        """Run ``step`` here (or only on the first member) and return every member's outcome (None
+        where not run); raise on every member if any failed."""
         ...
 
 
@@ -82,11 +66,9 @@ class FolderNotShared(SaveRefused):
 
 @dataclass
 class SaveJob:
-    """What the members save: each its staged ranks (with what the manifest needs of them), and
-    together one manifest."""
+    """What the members save: each its staged ranks, and together one manifest."""
 
-    #: This member's ranks, staged where the store says (``store.staging()``, ``store.token``),
-    #: each with a picklable note for :attr:`manifest` (its geometry, say).
+    #: This member's ranks, staged where the store says, each with a picklable note for :attr:`manifest`.
     stage: Callable[[Store], Iterable[tuple[StagedRank, Any]]]
     #: The manifest from every member's (placed entry, note), in member order.
     manifest: Callable[[list[tuple[RankEntry, Any]]], Manifest]
@@ -94,24 +76,21 @@ class SaveJob:
     check: Callable[[], None] | None = None
     #: First member, before the publish: stage the non-weight files to carry.
     carry: Callable[[CarriedFiles], None] | None = None
-    #: Every member, for each rank it placed: the entry with what else it records (the start-up
-    #: artifacts an engine writes beside the parts).
+    #: Every member, for each rank it placed: the entry with what else it records.
     placed: Callable[[Store, RankEntry], RankEntry] | None = None
     #: Every member, after a failure before the publish, for each rank it staged.
     discard: Callable[[StagedRank], None] = discard_rank
     #: Whether the save may replace what the store holds: a checkpoint, and files it carries.
     overwrite: bool = False
-    #: The parts' file name pattern: files so named make a checkpoint (step 7 removes those unlisted).
+    #: The parts' file name pattern (step 7 removes files so named that are unlisted).
     pattern: str | None = None
 
 
 def run_save(store: Store, group: SaveGroup, job: SaveJob) -> tuple[Manifest, list[StagedRank]]:
-    """Run the save protocol (see the module doc) on this member; every member calls it, each with its
-    own ``store`` of the same location.
+    """Run the save protocol on this member; every member calls it with its own ``store`` of one location.
 
-    Returns the published manifest and this member's placed ranks. A failure before the
-    publish is raised as it came (the same on every member when the group exchanged it)
-    once the save is abandoned; after the publish, as :class:`SaveFailedAfterPublish`.
+    Returns the published manifest and this member's placed ranks. A failure before the publish is
+    raised as it came once the save is abandoned; after it, as :class:`SaveFailedAfterPublish`.
     """
     save = _Save(store, group, job)
     manifest = save.publish()
@@ -139,12 +118,11 @@ class _Save:
         return token
 
     def join(self, token: str) -> None:
-        """Step 2, on every member, with the refusal every member decides from the same answers."""
+        """Step 2, on every member; each decides the refusal from the same answers."""
         seen = self.group.run(lambda: (socket.gethostname(), self.group.member, self.store.join(token)))
         blind = [f"{member} on {host}" for host, member, sees in seen if not sees]
         if not blind:
             return
-        # (None sees it where the lock could not be read back: it names no member then.)
         holder = next((f"{member} on {host}" for host, member, sees in seen if sees), "The first worker")
         where = self.store.canonical()
         error = FolderNotShared(
@@ -178,7 +156,7 @@ class _Save:
         return self.job.manifest(self.entries)
 
     def carry(self, manifest: Manifest) -> Manifest:
-        """Step 5 on the first member; every member learns its record, to return the published manifest."""
+        """Step 5 on the first member; every member learns its record."""
         if self.job.carry is None:
             return replace(manifest, carried_files={})
 
@@ -198,7 +176,6 @@ class _Save:
             locked = True
             self.join(token)
             manifest = self.carry(self.stage_and_place())
-            # Every member learns the first's signed manifest: each returns the published one.
             manifest = self.group.run(lambda: self._signed(manifest), only_first=True)[0]
             publishing = True
             self.group.run(lambda: self.store.publish(manifest), only_first=True)
@@ -224,14 +201,12 @@ class _Save:
             s.placed.clear()
 
     def _published_when_stopped(self, error: BaseException) -> None:
-        """Stopped once the manifest was out (an interrupt, an fsync after its rename, a lost answer): the
-        new checkpoint is whole, and nothing of it may be taken back."""
+        """Stopped once the manifest was out: the new checkpoint is whole, and nothing of it may be undone."""
         self._done()
         self.store.close()
         where = self.store.canonical()
         if isinstance(error, (ShardedStateError, OSError)):
-            # The lock goes (a process that lives on, an engine, would else keep every later save out);
-            # what the clean step did not remove, the next save removes.
+            # The lock goes, or a live engine would keep every later save out.
             _undo(error, [self.store.release], "Releasing the lock after the publish failed")
             raise _after_publish(where, error, "finishing its publish") from error
         if isinstance(error, KeyboardInterrupt) and not isinstance(error, InterruptedAfterPublish):
@@ -267,9 +242,8 @@ class _Save:
 
 
 def _undo(error: BaseException, steps: Iterable[Callable[[], None]], what: str = "Undoing the save") -> None:
-    """Run every step that undoes a failed save, each whatever the others did, and add their own
-    failures to ``error`` as notes: the reason the save failed stays the error raised (a network
-    down mid-upload fails the clean-up too, which must not take the upload's place)."""
+    """Run every undo step whatever the others did, adding their failures to ``error`` as notes:
+    the save's own failure stays the error raised."""
     for step in steps:
         try:
             step()

@@ -1,5 +1,4 @@
-"""A rank's cut of a TP=1 tensor (``convert``), as the parts a writer takes one after another:
-views where the writer can take the pieces as they lie, so nothing is copied."""
+"""A rank's cut of a TP=1 tensor (``convert``), as views the writer takes one after another where it can."""
 
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ MIN_STACKED_BYTES = 64 << 10
 def rank_parts(tensor: torch.Tensor, layout: ShardLayout, pool: BufferPool | None = None) -> tuple[torch.Tensor, ...]:
     """A rank's local tensor from the TP=1 tensor, as parts whose bytes, one after another, are its bytes.
 
-    Views where the writer can take them: each segment's piece of a dim-0 split, the one piece of a
-    dim-1 split, a stack's pieces block by block (within :data:`MAX_STACKED`); other pieces are
-    joined into memory of ``pool`` (or new memory).
+    Pieces that cannot be views (within :data:`MAX_STACKED`) are joined into ``pool``'s memory.
     """
     if layout.split_dim is None:
         return (tensor,)

@@ -1,10 +1,4 @@
-"""A rank's saved files: every check before a byte is read.
-
-:func:`check_rank_file` is the one place that checks a saved file against the manifest
-(presence, containment, size, header and every tensor's place in it, checksum record), each
-file opened once; the same-topology load, the
-resharding load and ``vllm-sharded verify`` all go through it.
-"""
+"""A rank's saved files: every check against the manifest before a byte is read (:func:`check_rank_file`)."""
 
 from __future__ import annotations
 
@@ -37,10 +31,9 @@ class CheckedFile:
 def check_rank_file(store: Store, f: FileEntry, entry: RankEntry, verify: str) -> CheckedFile:
     """Open one part file of a rank and check it against the manifest; every later read goes through it.
 
-    The file must lie inside the checkpoint, exist with its recorded size, and have a
-    header holding exactly the tensors the manifest places in it, each at the byte
-    offset, with the dtype and shape, the manifest records. With ``verify="checksum"``
-    the manifest must record its checksum. The caller closes the file.
+    The file must lie inside the checkpoint with its recorded size, its header holding exactly the
+    manifest's tensors at their offsets, dtypes and shapes; with ``verify="checksum"`` the manifest
+    must record its checksum. The caller closes the file.
     """
     opened = store.open_part(f)
     try:
@@ -62,7 +55,7 @@ def _check_opened(opened: StoredFile, f: FileEntry, entry: RankEntry, verify: st
 
 
 class RankFiles:
-    """The part files of one rank, opened and checked (as :func:`check_rank_file` does), closed on exit."""
+    """The part files of one rank, opened and checked, closed on exit."""
 
     def __init__(self, store: Store, entry: RankEntry, verify: str) -> None:
         opened: list[StoredFile] = []
@@ -81,7 +74,7 @@ class RankFiles:
         return [c.header for c in self.files]
 
     def check_unchanged(self) -> None:
-        """Raise if any file was replaced or modified since it was opened (:meth:`OpenFile.check_unchanged`)."""
+        """Raise if any file was replaced or modified since it was opened."""
         for checked in self.files:
             checked.file.check_unchanged()
 
@@ -97,9 +90,8 @@ class RankFiles:
 
 
 def check_header_matches_manifest(header: Header, entry: RankEntry, f: FileEntry) -> None:
-    """Raise unless the header of part ``f`` of rank ``entry`` is the one its save wrote: of that rank,
-    with the contents' digest the manifest records (none where it records none), and each tensor where the
-    manifest places it."""
+    """Raise unless part ``f``'s header is the one its save wrote for rank ``entry``: the rank, the
+    tensors and their places, and the contents' digest the manifest records."""
     name = os.path.basename(header.path)
     saved_for = header.metadata.get(RANK_METADATA)
     if saved_for is not None and saved_for != entry.label:
@@ -125,8 +117,7 @@ def check_header_matches_manifest(header: Header, entry: RankEntry, f: FileEntry
             )
     for tensor_name, e in listed.items():
         h = header.tensors[tensor_name]
-        # The file's own header says where a tensor's bytes lie; a manifest that places them
-        # elsewhere would have a resharding load read another tensor's bytes.
+        # A resharding load reads by the manifest's offset: it must be the header's.
         if e.offset is not None and e.offset != h.begin:
             raise CheckpointCorrupt(
                 f"{header.path}: tensor {tensor_name!r} starts at byte {h.begin} in the file but at {e.offset} "
@@ -135,7 +126,6 @@ def check_header_matches_manifest(header: Header, entry: RankEntry, f: FileEntry
     # Last: a file of another shape is named as such above.
     digest = header.metadata.get(DIGEST_METADATA)
     if f.digest is not None and digest is None:
-        # (Its weights may be the same: an earlier version's save of them has no digest either.)
         raise CheckpointCorrupt(
             f"{header.path}: holds no digest of its contents, where {MANIFEST_NAME} records {f.digest!r}: not the "
             "part this checkpoint's save wrote, but a stale copy of the same tensors from a save by an earlier "
@@ -148,9 +138,7 @@ def check_header_matches_manifest(header: Header, entry: RankEntry, f: FileEntry
             "another one, of the same tensors. Copy or save the checkpoint again."
         )
     if f.digest is None and digest is not None:
-        # Every save that writes digests records them: only a manifest of an earlier version's save lists
-        # none, and a part that holds one is then from a later save than it (a stale manifest, or a part
-        # copied in from another save), whose weights no check without checksums would tell apart.
+        # A manifest without digests predates them, so this part is from a later save.
         raise CheckpointCorrupt(
             f"{header.path}: is from a later save than {MANIFEST_NAME}, which records no digest of its contents "
             f"(saved by an earlier version) where its header holds one ({digest[:40]!r}): a stale manifest, or a "
@@ -164,12 +152,8 @@ def saved_specs(entry: RankEntry) -> dict[str, TensorSpec]:
 
 
 class HeldAdoption:
-    """A load's ``adopt`` callbacks, held until its last check passed (:meth:`hand_over`).
-
-    The reads hand each mapped tensor over once it is read and verified, but the check that
-    no file was replaced or modified comes after them: a load refused there must leave the
-    model's parameters as they were.
-    """
+    """A load's ``adopt`` callbacks, held until its last check passed (:meth:`hand_over`): a load
+    refused by the final check that no file changed leaves the parameters as they were."""
 
     def __init__(self, adopt: Mapping[str, Callable[[torch.Tensor], None]] | None) -> None:
         self.adopt = adopt
@@ -193,8 +177,7 @@ class HeldAdoption:
 def check_not_replaced(store: Store, manifest: Manifest, check_files: Callable[[], None]) -> None:
     """After the reads: the files read are still the checkpoint's, and so is the manifest.
 
-    A save into the directory during the load (it takes the lock, renames new parts over
-    the old, and rewrites the manifest) is an error here, never weights from two saves.
+    A save during the load is an error here, never weights from two saves.
     """
     store.check_not_locked()
     check_files()

@@ -16,13 +16,13 @@ from ..storage.location import Store, open_store
 class LoadRequest:
     """A checkpoint to load one rank of, and what to check it against.
 
-    ``store`` is where it lives (a path or URL given here is resolved once, :func:`..storage.location.open_store`).
-    ``manifest`` is the checkpoint's (None: a checkpoint of vLLM's own save, found by
-    ``pattern``, the file pattern of its parts). ``verify`` is ``"size"`` (manifest, file
-    sizes and headers) or ``"checksum"`` (also every byte read). ``serving`` (the model's
-    identity) and ``geometry`` (how its layers split each tensor) are checked against what
-    the manifest records, when given; ``tied`` names groups of tensors the serving model
-    shares (tied embeddings), so a tensor saved under one name serves the others.
+    Attributes:
+        store: where it lives (a path or URL is resolved once, by :func:`..storage.location.open_store`).
+        manifest: the checkpoint's; None for vLLM's own save, found by ``pattern`` (its parts' names).
+        verify: ``"size"`` (manifest, sizes, headers) or ``"checksum"`` (also every byte read).
+        serving: the served model's identity, checked against the manifest's when given.
+        geometry: how the served layers split each tensor, checked likewise.
+        tied: groups of names the served model shares, so one saved name serves the others.
     """
 
     store: Store
@@ -43,6 +43,5 @@ class LoadRequest:
 
 
 def read_manifest(where: str | Store) -> Manifest | None:
-    """The manifest of the checkpoint at ``where`` (a folder, an object-storage URL or a store), or None
-    for a checkpoint without one (vLLM's own save)."""
+    """The manifest of the checkpoint at ``where`` (a folder, URL or store), or None (vLLM's own save)."""
     return open_store(where).read_manifest()

@@ -1,10 +1,5 @@
-"""Loading a checkpoint saved at another TP/PP size: planned reads of exactly the bytes a rank keeps.
-
-:mod:`..planning.reads` decides which byte ranges of which saved files a serving rank
-needs and where they land; :class:`ReshardSource` checks the files those plans touch and
-runs the plans through the one lowering of every load (:func:`..storage.lowering.read_plans`).
-The offline ``vllm-sharded reshard`` uses the same source.
-"""
+"""Loading a checkpoint saved at another TP/PP size: planned reads of exactly the bytes a rank keeps
+(:class:`ReshardSource`, which the offline ``vllm-sharded reshard`` uses too)."""
 
 from __future__ import annotations
 
@@ -28,19 +23,14 @@ from .stats import LoadStats, check_verify_mode
 
 
 class ReshardSource:
-    """A checkpoint opened for planned reads at another topology (see :mod:`..planning.reads`).
-
-    Indexes the manifest's tensors with their geometry, plans a serving rank's reads, and
-    fills tensors from those plans. Each file is checked (size, header against the
-    manifest) the first time a plan touches it; with ``verify="checksum"`` every
-    checksum block a read touches is verified as it is read.
-    """
+    """A checkpoint opened for planned reads at another topology: each file is checked the first time
+    a plan touches it; with ``verify="checksum"`` every block a read touches is verified."""
 
     def __init__(self, store: Store, manifest: Manifest, verify: str = "size") -> None:
         self.store, self.manifest, self.verify = store, manifest, check_verify_mode(verify)
         self.dtypes = {name: t.dtype for entry in manifest.ranks for name, t in entry.tensors.items()}
         self.owners = {f.name: (f, entry) for entry in manifest.ranks for f in entry.files}
-        self.checked: dict[str, CheckedFile] = {}  # file name -> the file, open and checked
+        self.checked: dict[str, CheckedFile] = {}
 
     def plan(self, needed: Sequence[str], rank: RankInfo, tied: Sequence[Sequence[str]] = ()) -> ReadPlan:
         """The :class:`~..planning.reads.ReadPlan` giving ``rank`` the tensors ``needed``."""
@@ -50,7 +40,7 @@ class ReshardSource:
         return torch_dtype(self.dtypes[tensor_plan.source_name], tensor_plan.name)
 
     def check_file(self, name: str) -> StoredFile:
-        """Open and check a saved file the first time a plan touches it (:func:`.rank_files.check_rank_file`)."""
+        """Open and check a saved file the first time a plan touches it."""
         if name not in self.checked:
             f, entry = self.owners[name]
             self.checked[name] = check_rank_file(self.store, f, entry, self.verify)
@@ -68,13 +58,8 @@ class ReshardSource:
         options: ReadOptions = DEFAULT_READ,
         adopt: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
     ) -> ReadStats:
-        """Fill ``targets`` from their :class:`~..planning.reads.TensorPlan` (cast if the saved dtype differs).
-
-        With ``verify="checksum"`` every checksum block the plans touch is read whole and
-        verified; blocks they do not touch are not read. ``options`` and ``adopt`` (tensor
-        name -> callback, as for :func:`.load.load_rank`) are those of the one lowering of
-        every load, :func:`..storage.lowering.read_plans`.
-        """
+        """Fill ``targets`` from their plans (cast if the saved dtype differs); ``options`` and ``adopt``
+        as for :func:`.load.load_rank`."""
         files = sorted({r.file for p in plans.values() for r in p.reads})
         checksums = {n: self.owners[n][0].checksum for n in files} if self.verify == "checksum" else None
         return read_plans(
@@ -113,11 +98,8 @@ def load_resharded(
 ) -> LoadStats:
     """Fill a rank's tensors from a checkpoint saved at another TP/PP size.
 
-    Plans exactly the byte ranges this rank keeps, checks the files it touches, then
-    reads those ranges straight into the parameters, or maps them where ``adopt`` offers
-    (see :meth:`ReshardSource.read`). Rows of a dim-1 split are paged in from a mapping
-    of the file range holding them, so the pages a rank touches may hold bytes of other
-    ranks' rows. Every planned shape is checked against the model before any read.
+    Plans exactly the byte ranges this rank keeps and checks every planned shape and file before
+    reading them into the parameters (or mapping them where ``adopt`` offers).
     """
     started = time.perf_counter() if started is None else started
     store, manifest, tied = request.store, request.manifest, request.tied

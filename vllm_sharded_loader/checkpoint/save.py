@@ -1,9 +1,5 @@
 """Saving a sharded checkpoint from one process, engine-free (tests, ``reshard``, ``convert``): the
-save protocol (:mod:`.protocol`, which numbers its steps) over a group of one.
-
-A save replaces a checkpoint last: until its manifest is published the previous checkpoint,
-if any, is the published one and loads and verifies, whatever fails or dies; from then on the
-new one does. The vLLM save hook (:mod:`..engine.save_hook`) runs the same protocol across workers.
+save protocol (:mod:`.protocol`) over a group of one.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from .protocol import OneProcess, SaveJob, run_save
 
 DEFAULT_MAX_SIZE = 5 * 1024**3
 
-# Where a test kills a one-process save once a rank's parts are staged under hidden names (step 3).
 KILL_STAGED = declare("local.staged", "checkpoint/save.py: a rank's parts are staged under hidden names")
 
 
@@ -36,17 +31,12 @@ KILL_STAGED = declare("local.staged", "checkpoint/save.py: a rank's parts are st
 class SaveOptions:
     """What a one-process save records and how it writes, beyond its ranks' dtype and source model.
 
-    ``pattern`` and ``max_size`` name and cap the parts; ``overwrite`` lets it replace a
-    checkpoint. ``geometry`` (JSON of :class:`~..format.geometry.TensorGeometry` by tensor name)
-    lets the checkpoint be served at another TP/PP size; ``tied`` lists names saved once for
-    several; ``experts`` is where the ranks' routed experts are placed (expert parallelism: EP
-    rank = TP rank, or, with ranks of several data-parallel replicas, ``dp_rank * tp_size +
-    tp_rank``: then each replica after the first gives only its expert tensors; likewise when the
-    ranks' ``experts_over_dp`` says that their experts are cut across TP x DP).
-
-    ``carry`` names a model (folder, URL or store) whose files that go with the parts (config,
-    tokenizer) the save puts beside them (:mod:`.carry`), holding what ``carried_record`` says
-    where given. ``progress`` counts the bytes every rank stages, out of their sum.
+    ``pattern`` and ``max_size`` name and cap the parts; ``overwrite`` lets it replace a checkpoint.
+    ``geometry`` (JSON of :class:`~..format.geometry.TensorGeometry` by name) lets it be served at
+    another TP/PP size; ``tied`` lists names saved once for several; ``experts`` places the routed
+    experts (with several data-parallel replicas, each after the first gives only its experts).
+    ``carry`` names a model whose config and tokenizer go beside the parts, holding what
+    ``carried_record`` says where given. ``progress`` counts the bytes staged.
     """
 
     pattern: str | None = None
@@ -63,11 +53,9 @@ class SaveOptions:
 @dataclass(frozen=True)
 class RankHooks:
     """What ``convert`` adds to a one-process save. ``parallel`` stages the ranks at once, one thread
-    each (its lazy tensors are cut from one source tensor for every rank, so the ranks must advance
-    together). ``ended(rank, error)`` is called in the thread that staged ``rank`` when its staging
-    ends, with the error that ended it or None (one that stops must not leave the others waiting).
-    ``placed`` is :attr:`.protocol.SaveJob.placed` (a file more for each rank placed: its start-up
-    artifacts)."""
+    each (they are cut from shared source tensors, so they advance together). ``ended(rank, error)``
+    is called when a rank's staging ends, so that one that stops leaves no other waiting.
+    ``placed`` is :attr:`.protocol.SaveJob.placed`."""
 
     parallel: bool = False
     ended: Callable[[RankInfo, BaseException | None], None] | None = None
@@ -83,9 +71,8 @@ def save_checkpoint(
     options: SaveOptions = SaveOptions(),
     hooks: RankHooks = RankHooks(),
 ) -> Manifest:
-    """Save every rank's tensors from one process into ``directory`` (a folder, an object-storage URL
-    or a store): :func:`.protocol.run_save` over :class:`.protocol.OneProcess`, as ``options`` says
-    (:class:`SaveOptions`), with ``convert``'s :class:`RankHooks`."""
+    """Save every rank's tensors from one process into ``directory`` (a folder, URL or store), as
+    ``options`` says, with ``convert``'s :class:`RankHooks`."""
     infos = sorted(ranks, key=lambda r: (r.pp_rank, r.dp_rank, r.tp_rank))
     replicas = infos[0].replicas
     if any(r.dp_rank >= replicas for r in infos):
@@ -103,7 +90,7 @@ def save_checkpoint(
     def stage_one(
         folder: str, token: str, info: RankInfo, progress: Callable[[int, int], None] | None, buffers: int | None = None
     ) -> StagedRank:
-        """:func:`..storage.staged.stage_rank`, then ``ended(info, the error or None)`` however it ended."""
+        """Stage one rank, then call ``ended`` however it ended."""
         try:
             staged = stage_rank(folder, ranks[info], info, pattern, options.max_size, token, progress, buffers)
         except BaseException as e:
@@ -117,8 +104,7 @@ def save_checkpoint(
     def stage(store: Store) -> Iterator[tuple[StagedRank, None]]:
         folder = store.staging()  # (once: a store's staging folder is made on first use)
         if options.progress is not None:
-            # One total for every rank, before the first byte and after the lock (a refused save draws no
-            # bar): sizes only (convert's and reshard's tensors are lazy, made as the writer takes them).
+            # One total, after the lock (a refused save draws no bar); lazy tensors give sizes only.
             options.progress(0, sum(t.numel() * t.element_size() for ts in ranks.values() for t in ts.values()))
         if hooks.parallel and len(infos) > 1:
             staged = stage_in_parallel(

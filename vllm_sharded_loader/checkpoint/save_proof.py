@@ -1,8 +1,5 @@
-"""What proves that a save which reads a served model's weights again reads what is served.
-
-A save without a start-up capture re-reads the source the engine loaded: a sharded checkpoint is
-proven by its manifest's digest (every block's checksum) and a fully checked read; a model's own
-folder by each weight file's identity. Anything else is refused.
+"""What proves that a save re-reading the served model's source reads what is served: a sharded
+checkpoint's manifest digest, or a model folder's weight file identities.
 """
 
 from __future__ import annotations
@@ -19,8 +16,7 @@ CAPTURE_DIR_ENV = "SHARDED_STATE_CAPTURE_DIR"
 
 
 def manifest_proof(manifest: Manifest | None) -> str | None:
-    """The digest of a manifest whose every file has block checksums (with a ``verify="checksum"``
-    read, equal digests prove equal bytes), or None."""
+    """The digest of a manifest whose every file has block checksums, or None."""
     if manifest is None or any(f.checksum is None for entry in manifest.ranks for f in entry.files):
         return None
     return hashlib.sha256(manifest.to_json().encode()).hexdigest()
@@ -40,8 +36,7 @@ def weight_file_identities(folder: str | None) -> dict[str, tuple[int, ...]] | N
             try:
                 st = os.stat(path)
             except OSError as e:
-                # A link to nothing (a pruned Hub blob) or a loop: vLLM read nothing through it, and
-                # the link's own identity tells a later fix of it.
+                # A dangling link: its own identity tells a later fix of it.
                 if e.errno not in (errno.ENOENT, errno.ELOOP):
                     raise
                 try:
@@ -53,8 +48,7 @@ def weight_file_identities(folder: str | None) -> dict[str, tuple[int, ...]] | N
 
 
 def check_source_files_unchanged(folder: str | None, loaded: dict[str, tuple[int, ...]] | None) -> None:
-    """Refuse to save from a model's own files (``folder``) if any was replaced or written since it was
-    loaded, when :func:`weight_file_identities` gave ``loaded`` (None: not loaded from its files)."""
+    """Refuse to save from ``folder`` if a weight file changed since ``loaded`` was taken (None: no check)."""
     if loaded is None:
         return
     now = weight_file_identities(folder)

@@ -1,23 +1,11 @@
 """Each rank's start-up artifacts (vLLM's compile cache), carried in the checkpoint beside its parts.
 
-A fresh node (an empty ``VLLM_CACHE_ROOT``) would otherwise compile the model again on every
-start. At save time each rank packs the folders vLLM compiled into (:mod:`..engine.compile_cache`
-finds them) into one archive, ``startup-artifacts-pp{p}-tp{t}-{token}.tar`` (the save's token: a
-name no published file has), written through the save's target and recorded in its manifest
-entry (:class:`..format.manifest.StartupArtifacts`) with its SHA-256 and a key: everything that
-decides whether the artifacts are valid elsewhere (vLLM and torch versions, compile settings
-and vLLM's own cache key, topology, rank, device). At load, before vLLM compiles, each rank
-restores only its own archive, only if the key matches the served one exactly and the bytes
-match their checksum; otherwise it says why in one line and vLLM compiles as usual.
-
-The archive also carries vLLM's model-class inspection cache for the model's architectures
-(``VLLM_CACHE_ROOT/modelinfos/``, :data:`MODEL_INFO_FOLDER`): vLLM inspects the model class in
-a subprocess (about 15 s on a fresh node) while it builds its configuration, before any loader
-runs, so that entry is restored by a step before the engine (:func:`..engine.node_setup.prepare_node`,
-which ``vllm-sharded-serve`` runs), and the load's restore skips it.
-
-Engine-free: packing, keys and checks. ``SHARDED_STATE_STARTUP_ARTIFACTS=0`` turns both the
-save and the restore off.
+A fresh node would otherwise compile the model again on every start. Each rank's archive is
+recorded in its manifest entry with its SHA-256 and a key (versions, compile settings, topology,
+rank, device); a load restores it only if the key matches exactly and the bytes check, else vLLM
+compiles as usual. vLLM's model-class inspection cache (:data:`MODEL_INFO_FOLDER`) is needed before
+any loader runs, so :func:`..engine.node_setup.prepare_node` restores it instead.
+``SHARDED_STATE_STARTUP_ARTIFACTS=0`` turns saving and restoring off.
 """
 
 from __future__ import annotations
@@ -43,18 +31,16 @@ from ..storage.temporaries import held_temporary, remove_dead_temporaries
 from .trust import Signer
 
 ENABLE_ENV = "SHARDED_STATE_STARTUP_ARTIFACTS"
-# A rank's compile cache is a few MB (5 MB for a 1.3 GB model on CPU); anything far larger is not ours.
+# A rank's compile cache is a few MB; anything far larger is not ours.
 MAX_ARCHIVE_BYTES = 2 * 1024**3
 # Inductor's lock files are per process; they are never carried.
 SKIPPED_FOLDERS = frozenset({"locks"})
 # The archive's folder of vLLM's model-class inspection cache entries, restored under VLLM_CACHE_ROOT.
 MODEL_INFO_FOLDER = "modelinfos"
-# The temporary each entry is written to before it is linked into place (prefix, suffix).
 TEMPORARY = (".restore.", ".tmp")
 RESTORE_WRITTEN = declare(
     "restore.written", "checkpoint/startup_artifacts.py: an entry's temporary written, not placed"
 )
-# An archive member to unpack, and the path it goes to.
 Member = tuple[tarfile.TarInfo, str]
 
 
@@ -78,8 +64,7 @@ CPU_FLAGS = (
 
 
 def device_label() -> str:
-    """The device compiled code is built for: the GPU's name and architecture, or the CPU's
-    architecture and instruction-set flags."""
+    """The device compiled code is built for: the GPU's name and architecture, or the CPU's flags."""
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         return f"cuda sm_{major}{minor} {torch.cuda.get_device_name()}"
@@ -101,8 +86,7 @@ def enabled() -> bool:
 
 
 def pack(root: str, folders: list[str]) -> bytes:
-    """A tar archive (uncompressed: compiled code barely compresses) of ``folders``, relative
-    paths under ``root``, regular files only, in a stable order."""
+    """An uncompressed tar of ``folders`` under ``root``: regular files only, in a stable order."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for folder in folders:
@@ -123,17 +107,14 @@ def pack(root: str, folders: list[str]) -> bytes:
 def write_rank_artifacts(
     target: Store, data: bytes, key: Mapping[str, str], tp_rank: int, pp_rank: int, dp_rank: int = 0
 ) -> StartupArtifacts:
-    """Write one rank's archive into a save's target, under the rank's name with the save's token
-    in it, and return its manifest record. The published checkpoint's archives are never
-    replaced before the publish: a refused save removes its own, a published one the archives
-    of the manifest it replaced."""
+    """Write one rank's archive into a save's target under a name with the save's token (never a
+    published one's), and return its manifest record."""
     name = target.write_rank_file(startup_artifacts_name(tp_rank, pp_rank, dp_rank), data)
     return StartupArtifacts(file=name, size=len(data), sha256=hashlib.sha256(data).hexdigest(), key=dict(key))
 
 
 def read_rank_artifacts(store: Store, record: StartupArtifacts) -> bytes:
-    """The archive's bytes from the checkpoint in ``store`` (through the same reads as the parts),
-    checked against the recorded size and SHA-256."""
+    """The archive's bytes from ``store``, checked against the recorded size and SHA-256."""
     if record.size > MAX_ARCHIVE_BYTES:
         raise CheckpointCorrupt(
             f"{store.file_path(record.file)}: the manifest records {record.size} bytes of start-up artifacts, "
@@ -154,8 +135,7 @@ def read_rank_artifacts(store: Store, record: StartupArtifacts) -> bytes:
     return data
 
 
-# Fields of older keys that no longer decide anything: the hash of the whole compilation configuration
-# (Inductor's entries are named by what they compile, so those of another setting are never found).
+# Fields of older keys that no longer decide anything (Inductor names entries by what they compile).
 RETIRED_KEY_FIELDS = frozenset({"compilation_config"})
 
 
@@ -171,9 +151,8 @@ def key_mismatch(saved: Mapping[str, str], served: Mapping[str, str]) -> str | N
 
 
 def _member_path(root: str, member: tarfile.TarInfo, in_folder: bool) -> str | None:
-    """Where a member goes under ``root``, or None for anything but a plain file inside it, named by
-    plain parts (``pack`` names no other); with ``in_folder``, inside one of its top-level folders
-    (a member named as the folder itself would be a file where vLLM keeps that folder)."""
+    """Where a member goes under ``root``, or None unless it is a plain file inside it (with
+    ``in_folder``, inside a top-level folder)."""
     parts = member.name.split("/")
     if not member.isfile() or any(p in ("", ".", "..") for p in parts) or (in_folder and len(parts) < 2):
         return None
@@ -184,8 +163,7 @@ def _member_path(root: str, member: tarfile.TarInfo, in_folder: bool) -> str | N
 
 
 def _checked_members(tar: tarfile.TarFile, size: int, root: str, folders: Collection[str] | None) -> list[Member]:
-    """Every member to unpack and where it goes, each checked before a byte is written: a refused
-    archive leaves the cache folder as it was."""
+    """Every member to unpack and where it goes, all checked before a byte is written."""
     chosen: list[Member] = []
     claimed = 0
     try:
@@ -204,8 +182,7 @@ def _checked_members(tar: tarfile.TarFile, size: int, root: str, folders: Collec
                     f"start-up artifacts hold {member.name!r} of {member.size} bytes, past the end of the "
                     f"{size}-byte archive; nothing was unpacked. Save the checkpoint again."
                 )
-            # Nor may members share bytes (a size from a PAX record that the header did not
-            # consume): each would write the same tail again, gigabytes from a small archive.
+            # Nor may members share bytes: each would write the same tail again.
             claimed += member.size
             if claimed > size:
                 raise CheckpointCorrupt(
@@ -232,8 +209,7 @@ def _open_archive(data: bytes) -> tarfile.TarFile:
 
 
 def _make_folders(folder: str, made: list[str]) -> None:
-    """Create ``folder`` and its missing parents, adding each to ``made`` as it is created
-    (outermost first): one that fails leaves those before it for :func:`_undo`."""
+    """Create ``folder`` and its missing parents, recording each in ``made`` for :func:`_undo`."""
     missing: list[str] = []
     while folder and not os.path.isdir(folder):  # (a relative root ends in "", the working folder)
         missing.append(folder)
@@ -249,8 +225,7 @@ def _make_folders(folder: str, made: list[str]) -> None:
 
 
 def _undo(written: list[tuple[str, tuple[int, int]]], made: list[str]) -> None:
-    """Remove what a failed restore wrote: its files, while still the ones it renamed into place
-    (a racing restore may have replaced them since), then its folders, if nothing else is in them."""
+    """Remove what a failed restore wrote, only files still its own, then its empty folders."""
     for path, identity in reversed(written):
         with contextlib.suppress(OSError):
             st = os.lstat(path)
@@ -268,9 +243,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _place_new(temporary: str, path: str) -> bool:
-    """Give the written ``temporary`` the name ``path`` unless something took that name since it
-    was checked (a racing restore, this node's own compile, a user's file or link): True if placed.
-    A hard link never replaces; on a file system without them, a rename, which would."""
+    """Name ``temporary`` ``path`` unless something took that name since: True if placed.
+    A hard link never replaces; without hard links, a rename, which would."""
     try:
         os.link(temporary, path)
     except FileExistsError:
@@ -283,15 +257,11 @@ def _place_new(temporary: str, path: str) -> bool:
 
 
 def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> tuple[int, int]:
-    """Unpack a checked archive under ``root`` (vLLM's AOT compile cache folder), only the members
-    under ``folders`` (top-level names; default all). Files already there (or any link of that
-    name) are left as they are (another rank, or this node's own compile, wrote them: cache
-    entries are named by their content's hash); each new file is written to a temporary name and
-    renamed, so vLLM never reads half a file. All or nothing: a refused archive writes nothing, and
-    a restore that fails while writing (a full disk) removes what it wrote. A restore killed while
-    writing leaves its temporary, which the next restore into that folder removes (its ``flock``,
-    held while it is written, is free: :mod:`..storage.temporaries`). Returns (files written, files
-    already there)."""
+    """Unpack a checked archive under ``root``, only the members under ``folders`` (default all).
+
+    Files already there are kept (cache entries are named by their content's hash); new ones are
+    written to a temporary and renamed, so vLLM never reads half a file. All or nothing: a failed
+    restore removes what it wrote. Returns (files written, files already there)."""
     written: list[tuple[str, tuple[int, int]]] = []
     made: list[str] = []
     swept: set[str] = set()
@@ -310,7 +280,7 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
                 _make_folders(folder, made)
                 source = tar.extractfile(member)
                 assert source is not None  # a regular file
-                # Held by flock until it is placed and its name removed: a later restore tells it from ours.
+                # Held by flock until placed: a later restore tells a live temporary from a dead one.
                 with held_temporary(folder, *TEMPORARY) as (fd, temporary):
                     _write_all(fd, source.read())
                     os.fchmod(fd, 0o644 if not member.mode & 0o111 else 0o755)
@@ -333,9 +303,8 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
 
 
 def sign_checkpoint(where: str | Store, signer: Signer) -> Manifest:
-    """Sign the published checkpoint at ``where`` (a folder, URL or store): each start-up archive is
-    checked against its SHA-256 first, then the manifest is replaced, under the save lock (steps 1, 6
-    and 7 of :mod:`.protocol`), by the same manifest with a signature. Returns the signed manifest."""
+    """Sign the published checkpoint at ``where`` under the save lock, after checking its start-up
+    archives. Returns the signed manifest."""
     store = open_store(where)
     store.lock(new_token(), True, ())
     try:

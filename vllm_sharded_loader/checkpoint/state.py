@@ -13,11 +13,7 @@ from ..storage.tensors import dtype_name
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    """What identifies the memory a tensor lives in: its device and base address.
-
-    Memory without an address (meta tensors: every one has ``data_ptr`` 0) is told apart
-    by its storage object instead, so that distinct meta tensors never look shared.
-    """
+    """The memory a tensor lives in: its device and base address (meta tensors: their storage object)."""
     storage = tensor.untyped_storage()
     address = storage.data_ptr()
     return (str(tensor.device), address if address else -storage._cdata)
@@ -55,8 +51,7 @@ def tied_groups(state_dict: Mapping[str, torch.Tensor], kept: Iterable[str]) -> 
 
 
 def manifest_ties(groups: Iterable[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
-    """Tied groups as a manifest records them: each once, sorted, each kept name first (every
-    writer of a checkpoint records the same ties alike)."""
+    """Tied groups as a manifest records them: each once, sorted, each kept name first."""
     return tuple(sorted({tuple(group) for group in groups}))
 
 
@@ -84,10 +79,8 @@ def adoptable_parameters(
 ) -> dict[str, Callable[[torch.Tensor], None]]:
     """Callbacks that make a CPU parameter use another tensor as its data, by state-dict name.
 
-    A parameter is offered only if nothing but itself and the ``state_dict`` entries
-    holds its memory: a layer that kept a view of a parameter's memory would otherwise go
-    on reading the old, never-filled memory after the swap. Shared (tied) parameters are
-    one object, so swapping it serves every name.
+    Offered only where nothing else holds the parameter's memory: a layer keeping a view would
+    otherwise read the old, never-filled memory after the swap.
     """
     baseline = _storage_uses(torch.nn.Parameter(torch.empty(1), requires_grad=False))
     if baseline is None:

@@ -24,7 +24,6 @@ class LoadStats:
     seconds: float
     cast: tuple[str, ...]
     with_manifest: bool
-    # (tp_size, pp_size) the checkpoint was saved at, when this load resharded it.
     resharded_from: tuple[int, int] | None = None
     checkpoint_bytes: int = 0
     threads: int = 1
@@ -33,12 +32,9 @@ class LoadStats:
 
 @dataclass(frozen=True)
 class LoaderOptions:
-    """The ``sharded_state`` loader's read options.
-
-    ``pattern`` names the parts of a checkpoint saved with a custom file name pattern (one
-    without a manifest); ``verify`` is ``"size"`` or ``"checksum"``; ``threads``, reader threads;
-    ``huge_pages``, transparent huge pages on the parameters; ``mmap``, whether CPU parameters
-    are served from the checkpoint's files (``"auto"``: but those vLLM's CPU post-processing repacks).
+    """The ``sharded_state`` loader's read options: ``pattern`` of a manifest-less checkpoint's parts,
+    ``verify`` mode, reader ``threads``, ``huge_pages`` on the parameters, and ``mmap`` (serve CPU
+    parameters from the files; ``"auto"``: but those vLLM's CPU post-processing repacks).
     """
 
     pattern: str | None = None

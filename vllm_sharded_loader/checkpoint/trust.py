@@ -1,9 +1,8 @@
 """Who may put code into a serving process: signed manifests and the keys an operator trusts.
 
-A checkpoint's start-up archives are code, and whoever writes the checkpoint writes its manifest
-too; so an archive is used only where its manifest carries a signature that a public key in
-``SHARDED_STATE_TRUSTED_KEYS=PATH[:PATH...]`` verifies. A save signs with the private key named
-by ``SHARDED_STATE_SIGNING_KEY``. Ed25519 and ECDSA (over SHA-256) keys, PEM.
+Start-up archives are code, and whoever writes a checkpoint writes its manifest too: an archive is
+used only where a key in ``SHARDED_STATE_TRUSTED_KEYS=PATH[:PATH...]`` verifies the manifest's
+signature. Saves sign with ``SHARDED_STATE_SIGNING_KEY``. Ed25519 and ECDSA keys, PEM.
 """
 
 from __future__ import annotations
@@ -99,8 +98,7 @@ def configured_signer() -> Signer | None:
 
 
 def trusted_keys() -> tuple[dict[str, tuple[str, PublicKey]], list[str]]:
-    """The public keys in the files ``SHARDED_STATE_TRUSTED_KEYS`` lists, by key id with their file; and
-    one sentence for each file that gives none."""
+    """The trusted public keys by key id, with their file; and a sentence for each file that gives none."""
     keys: dict[str, tuple[str, PublicKey]] = {}
     problems: list[str] = []
     for path in filter(None, os.environ.get(TRUSTED_KEYS_ENV, "").split(os.pathsep)):
@@ -182,8 +180,7 @@ def check_trust(manifest: Manifest) -> Verdict:
 
 
 def keygen(folder: str) -> tuple[str, str]:
-    """Write a new Ed25519 key pair, ``folder/private.pem`` (mode 0600) and ``folder/public.pem``; never
-    over an existing file. Returns both paths."""
+    """Write a new Ed25519 key pair into ``folder`` (private.pem 0600, public.pem), never over a file."""
     os.makedirs(folder, mode=0o700, exist_ok=True)
     key = ed25519.Ed25519PrivateKey.generate()
     private = key.private_bytes(

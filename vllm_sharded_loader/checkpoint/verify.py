@@ -22,7 +22,7 @@ def verify_file_checksum(
     file: StoredFile, checksum: FileChecksum, progress: Callable[[int], None] | None = None
 ) -> None:
     """Stream a whole open file through its block checksums; raises on the first bad block.
-    ``progress(bytes_read_now)`` follows the reads, as the writer's does its writes."""
+    ``progress(bytes_read_now)`` follows the reads."""
     verifier = BlockVerifier(file.path, checksum)
     position = 0
     while chunk := file.read_at(position, CHUNK_BYTES):
@@ -39,29 +39,24 @@ def verify_checkpoint(
     """Every problem of the checkpoint at ``where`` (a folder, URL or store), one line each naming the
     file; empty when sound.
 
-    Checks what a load checks for every rank (lock, manifest, file presence, sizes,
-    symlinks, headers against the manifest) and, with ``checksums``, every byte.
-    Also reports parts the manifest does not list (left by an older save), and every
-    non-weight file the save carried (config, tokenizer) that is missing, not a regular
-    file, or not of its recorded size and (with ``checksums``) SHA-256, and every file the
-    checkpoint replaced carried that is still there (its stale files: a save stopped between its
-    publish and its clean-up leaves them, and a server would read them). A damaged or
-    missing start-up archive (which a load does without) is a note, and so is a manifest
-    that records no carried files (saved before they were recorded, or by a save that
-    carried none) where files lie beside its parts.
+    Checks what a load checks for every rank (lock, manifest, files, sizes, symlinks, headers)
+    and, with ``checksums``, every byte. Also reports parts the manifest does not list, carried
+    non-weight files (config, tokenizer) not as recorded, and stale files of the checkpoint it
+    replaced that are still there.
 
-    What a save or an engine that died left of its own bookkeeping beside a published
-    checkpoint (staged files and owner markers of processes that are gone, the lock of a
-    save that died after its publish, and the replaced parts it had not removed yet) is
-    no problem of the checkpoint: no load reads it and the next save removes it. It is
-    appended to ``notes`` (when given), one line each, and never makes the checkpoint unsound.
-    ``progress`` counts the bytes read for the checksums, out of every listed part's size.
+    Args:
+        where: a folder, URL or store.
+        checksums: also read every byte against its block checksums.
+        notes: when given, gets one line for each thing that is not the checkpoint's problem: the
+            leftovers of a save or engine that died (no load reads them, the next save removes
+            them), a damaged or missing start-up archive, unrecorded files beside the parts.
+        progress: counts the bytes read for the checksums.
 
-    A save may replace the checkpoint while it is verified: it publishes its manifest, then
-    removes the parts the one read here listed, which then read as missing. When the checks
-    found a problem and the published manifest is no longer the one they started from, the
-    checkpoint that replaced it is verified from the start, once (a note says so); replaced
-    again meanwhile, the one problem is that, and to run verify again.
+    Returns:
+        The problems, one line each naming the file; empty when sound.
+
+    A save that replaces the checkpoint meanwhile makes its parts read as missing: then the new
+    checkpoint is verified from the start, once (a note says so).
     """
     notes = [] if notes is None else notes
     store = open_store(where)
@@ -87,8 +82,7 @@ def verify_checkpoint(
 
 
 def _replaced(store: Store, manifest: Manifest) -> bool:
-    """Whether the published manifest is no longer ``manifest`` (a save published another, or
-    removed or damaged it: verifying again reports that)."""
+    """Whether the published manifest is no longer ``manifest``."""
     try:
         return store.read_manifest() != manifest
     except ShardedStateError:
@@ -98,7 +92,7 @@ def _replaced(store: Store, manifest: Manifest) -> bool:
 def _verify_once(
     store: Store, checksums: bool, notes: list[str], progress: ByteProgress | None
 ) -> tuple[list[str], Manifest | None]:
-    """:func:`verify_checkpoint`'s checks of the manifest published now: the problems, and that manifest."""
+    """One pass of :func:`verify_checkpoint`: the problems, and the manifest checked."""
     problems: list[str] = []
     try:
         store.check_not_locked()
@@ -131,20 +125,16 @@ def _verify_once(
         _check_startup_artifacts(store, manifest, notes)
     carried = _check_carried_files(store, manifest, checksums, notes) + stale_problems(store, manifest)
     problems += carried
-    # The carried config and tokenizer: a FIFO there would hang the engine that serves this (one
-    # that the save recorded is named above, with what it recorded).
+    # A FIFO beside the parts would hang the serving engine (recorded ones are reported above).
     problems += [str(e) for e in store.special_files() if not any(p.startswith(str(e)) for p in carried)]
     running = store.save_is_running()
     if running:
-        # A running save's staged and placed files are not the published checkpoint's
-        # problem: it removes them itself, or publishes them.
+        # A running save's files are its own to remove or publish.
         return problems, manifest
-    # A save that died (its lock's flock is free) beside a published manifest leaves its lock,
-    # and the parts it placed (died before its publish) or replaced (died after it, before its
-    # cleanup): its own leftovers, not the checkpoint's. Where whether it runs cannot be told
-    # (object storage), the lock is a save's that holds the prefix or died holding it.
+    # A dead save's lock and parts are its leftovers, not the checkpoint's problems. In object
+    # storage, whether it still runs cannot be told.
     holder = store.describe_lock()
-    locked = holder is not None  # (the unlisted parts are a locking save's leftovers, not problems)
+    locked = holder is not None
     if holder is not None and running is None:
         notes.append(
             f"{store.file_path(LOCK_NAME)}: a save holds the prefix, or died holding it; the published checkpoint "
@@ -187,13 +177,10 @@ def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: 
             "to record them."
         )
         return []
-    # Unrecorded files beside the parts: the user's, or what a save that died before its publish had
-    # placed (another model's chat template, say), which a server reads all the same.
+    # Unrecorded files beside the parts are served all the same.
     beside = [n for n in store.non_weight_files() if n not in manifest.carried_files and n not in manifest.stale_files]
     listed = f"{len(beside)} ({', '.join(beside[:3])}{', ...' if len(beside) > 3 else ''})"
     if beside and not manifest.carried_files:
-        # The save hook records none where it carried none: saving into the served model's own
-        # folder, or serving a model that is no local folder.
         notes.append(
             f"{store.file_path(MANIFEST_NAME)} records no carried files, but {listed} lie beside the parts: they "
             "were not checked. A save that copies them from the model (the save script, reshard) records them."
@@ -208,9 +195,7 @@ def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: 
 
 
 def _check_startup_artifacts(store: Store, manifest: Manifest, notes: list[str]) -> None:
-    """A rank's start-up archive that is missing or damaged, or not signed by a trusted key, costs a
-    compile, never a wrong weight (a load checks it the same way and does without): a note, not a
-    problem. Who signed them is a note too."""
+    """Note bad or untrusted start-up archives: they cost a compile, never a wrong weight."""
     archives = [entry.startup for entry in manifest.ranks if entry.startup is not None]
     if not archives:
         return

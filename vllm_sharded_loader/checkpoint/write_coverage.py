@@ -1,15 +1,9 @@
 """Which elements of a model's tensors the code run under :class:`WriteRecorder` writes.
 
-Convert fills each tensor it makes with NaN before vLLM's loader runs and refuses any
-tensor left partly NaN: that is how a weight the checkpoint lacks is found. Filling and
-scanning every byte costs a third of making it. The dry run (every source tensor loaded
-once into the meta model, :mod:`.meta_model`) already runs the same loaders;
-:class:`WriteRecorder` watches it and records, per tensor, the elements each in-place
-operation writes. A tensor whose elements are all written by contiguous writes is *proven
-covered*: convert then puts NaN only at a few canary elements (:func:`canaries`) and checks
-those, which catches a real load that writes less than the dry run did. Any write it cannot
-place (strided, through another tensor, a replaced storage) leaves the tensor unproven and
-fully checked. Nothing here knows vLLM: it watches torch's dispatch.
+Convert finds a weight the checkpoint lacks by filling tensors with NaN, which costs a third of
+making them. A tensor that the dry run's contiguous writes cover whole is *proven covered*: only a
+few canary elements (:func:`canaries`) are then filled and checked. Any write that cannot be placed
+leaves the tensor fully checked.
 """
 
 from __future__ import annotations
@@ -20,8 +14,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Canary elements of a proven-covered tensor: enough to catch a write of a whole shard, segment
-# or expert that the real load skips, few enough to cost nothing.
+# Enough to catch a whole shard, segment or expert that the real load skips.
 CANARIES = 64
 
 
@@ -49,11 +42,7 @@ def canaries(numel: int) -> torch.Tensor:
 
 
 class WriteRecorder(TorchDispatchMode):
-    """Records the elements that in-place operations write into the watched tensors' storages.
-
-    ``watched`` maps state names to their (meta) tensors. After the recorded code has run,
-    :meth:`covered` names the tensors every element of which a contiguous write reached.
-    """
+    """Records the elements that in-place operations write into the ``watched`` tensors' storages."""
 
     def __init__(self, watched: Mapping[str, torch.Tensor]) -> None:
         super().__init__()
@@ -83,7 +72,7 @@ class WriteRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def covered(self, final: Mapping[str, torch.Tensor]) -> set[str]:
-        """Names of ``final`` tensors (the state after the run) proven covered: still the storage watched."""
+        """Names of ``final`` tensors proven covered, and still in the storage watched."""
         proven = set()
         for name, tensor in final.items():
             if name in self.unplaced or self.storages.get(_storage_id(tensor)) != name:

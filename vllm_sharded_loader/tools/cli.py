@@ -30,9 +30,8 @@ from ..storage.progress import ByteProgress
 
 
 def shown(text: str, keep: str = "") -> str:
-    """``text`` with its control and format characters escaped (``\\n``, ``\\x1b``, ``\\u202e``), but those
-    in ``keep``: a name read from a checkpoint prints as what it is, never as a line of its own or as
-    terminal commands (a forged line of a report, colours, a cursor moved).
+    """``text`` with its control and format characters escaped but those in ``keep``: a name read from a
+    checkpoint never prints as a line of its own or as terminal commands.
 
     >>> shown("model.norm.weight\\nLOCKED no \\x1b[2K")
     'model.norm.weight\\\\nLOCKED no \\\\x1b[2K'
@@ -43,11 +42,11 @@ def shown(text: str, keep: str = "") -> str:
 
 
 class _ReaderGone(Exception):
-    """Standard output's reader went away (``vllm-sharded inspect DIR | head``): no error of the command."""
+    """Standard output's reader went away (``inspect DIR | head``): not an error."""
 
 
 def _print(*args: object) -> None:
-    """``print`` to standard output; its reader gone, :class:`_ReaderGone` (not an error line)."""
+    """``print``, raising :class:`_ReaderGone` when the reader is gone."""
     try:
         print(*args)
     except BrokenPipeError:
@@ -65,7 +64,7 @@ def verify(args: argparse.Namespace) -> int:
     with _progress("Verifying") as progress:
         problems = verify_checkpoint(args.directory, checksums=not args.size_only, notes=notes, progress=progress)
     what = "sizes and headers" if args.size_only else "sizes, headers and checksums"
-    # Leftovers of a save or engine that died are not the checkpoint's problems (see verify_checkpoint).
+    # Leftovers of a dead save or engine are notes, not problems.
     for note in notes:
         _say(f"NOTE: {note}")
     if not problems:
@@ -123,9 +122,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def _progress(action: str) -> ByteProgress:
-    """The bar of a command's long work (the bytes every rank writes, or every part read for its
-    checksums), on standard error when that is a terminal (as pip shows its bars; a log or a pipe
-    gets the closing line alone)."""
+    """A progress bar on standard error when it is a terminal (else only the closing line)."""
     return ByteProgress(action, enabled=sys.stderr.isatty(), line_per_update=False)
 
 
@@ -199,8 +196,7 @@ def sign(args: argparse.Namespace) -> int:
 
 
 def _path(text: str) -> str:
-    """A folder, file or URL argument: an empty one (``-o "$OUT"`` with OUT unset) would be the
-    working folder, which nobody asked to write into."""
+    """A path argument; an empty one (``-o "$OUT"`` with OUT unset) would mean the working folder."""
     if not text:
         raise argparse.ArgumentTypeError("an empty path names no folder; give the checkpoint's path")
     return text
@@ -264,19 +260,15 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The signal that stopped the command (see _stop_on_signals): Ctrl-C's unless SIGTERM or SIGHUP came.
+# The signal that stopped the command.
 _stopped_by = signal.SIGINT
 
 
 def _stop_on_signals() -> None:
     """Let ``SIGTERM`` and ``SIGHUP`` stop an engine-free command as Ctrl-C does, by raising KeyboardInterrupt.
 
-    ``kill``, ``timeout`` and a job scheduler's cancel send ``SIGTERM``, and closing the terminal or
-    the ssh session ``SIGHUP``, whose default action ends the process on the spot: no ``except`` or
-    ``finally`` of the save runs, so a reshard or convert left its lock and its staged parts (as large
-    as the checkpoint) behind, and the next run into a new folder was refused until asked to
-    ``--overwrite``. Raised as Ctrl-C's exception, the save takes back what it wrote before its
-    publish, as after Ctrl-C (docs/guarantees.md).
+    Their default action ends the process with no ``finally`` run, leaving a save's lock and staged
+    parts behind; as an interrupt, the save takes back what it wrote before its publish.
     """
 
     def stop(signum: int, frame: object) -> None:
@@ -299,8 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
         return args.run(args)
     except _ReaderGone:
-        # As any command whose reader went away: no error line (the work is done, or read-only), and
-        # the process ends by SIGPIPE (run); what is still buffered for the closed pipe is dropped.
+        # No error line; drop what is buffered for the closed pipe, and end by SIGPIPE (run).
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
@@ -312,8 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         if argv[:1] == ["save"]:
             raise  # (an engine's save: vLLM's workers stop in its own teardown, as before)
-        # One line, not a traceback: the save undid what it had not published before this got here.
-        # (After SIGHUP the terminal may be gone: a write to it fails, and the exit by the signal stands.)
+        # One line, not a traceback (after SIGHUP the terminal may be gone).
         with contextlib.suppress(OSError):
             print(f"vllm-sharded: interrupted by {_stopped_by.name}. {_after_interrupt(e, argv)}", file=sys.stderr)
         return 128 + _stopped_by
@@ -351,11 +341,8 @@ def _after_interrupt(interrupt: KeyboardInterrupt, argv: Sequence[str] = ()) -> 
 def run() -> None:
     """The ``vllm-sharded`` command: :func:`main`, its code the process's exit status.
 
-    A command that ran no engine ends without Python's teardown of every module: its exit
-    handlers run (weakref finalizers, temporary folders, logging), its output is flushed, and
-    the process exits. After a convert, which holds vLLM, torch and the cloud SDKs, that
-    teardown took 2 s of 14 here, with nothing left to write. ``save`` runs an engine, whose
-    workers stop in its own teardown: it exits as usual.
+    A command that ran no engine runs its exit handlers, flushes, and skips Python's slow module
+    teardown. ``save`` exits as usual: its engine's workers stop in that teardown.
     """
     argv = sys.argv[1:]
     if argv[:1] != ["save"]:  # (an engine's save keeps vLLM's own handling of SIGTERM)
@@ -369,7 +356,7 @@ def run() -> None:
         sys.stderr.flush()
     for stopped in (_stopped_by, signal.SIGPIPE):
         if code == 128 + stopped:
-            # Stopped by the signal, to whoever waits for the command: a shell's loop then stops too.
+            # Die by the signal, so that a shell's loop stops too.
             signal.signal(stopped, signal.SIG_DFL)
             os.kill(os.getpid(), stopped)
     os._exit(code)

@@ -1,14 +1,8 @@
 """``vllm-sharded convert``: a Hugging Face checkpoint written as per-rank sharded files, without an engine.
 
-vLLM's model class is built at TP=1 on the meta device (:mod:`..engine.convert`), which gives
-every tensor's name, fused layout and split geometry as vLLM's own layers define them. Each
-target rank's tensor is then the rank's slice of the TP=1 tensor by vLLM's sharding rule
-(:func:`..planning.layout.shard_layout`, the rule resharding loads use), its pipeline stage's
-tensors by vLLM's layer split (:func:`..planning.pipeline.stage_split`). Written by the save
-protocol (:func:`..checkpoint.save.save_checkpoint`), every rank at once: a component (one
-fused parameter and the source tensors it is made of) is made once, from one read of its
-source bytes, cut for every rank that holds it, and freed when every rank has taken its slice.
-Memory holds a few components, never the model.
+vLLM's model, built at TP=1 on the meta device, gives every tensor's name, fused layout and split.
+Each component (a fused parameter and its source tensors) is made once, cut for every rank that
+holds it and freed after its last slice, so memory holds a few components, never the model.
 """
 
 from __future__ import annotations
@@ -48,13 +42,9 @@ if TYPE_CHECKING:
     from ..checkpoint.meta_model import MetaModel
     from ..engine.convert import ConvertModel
 
-# Components made and not yet freed, in bytes: ranks that run ahead wait for the others. With
-# vLLM imported (about 0.8 GiB resident here, the writers' buffers included), more would take the
-# peak past the largest tensor plus 1 GiB; a budget of 1 GiB gave 1.26 GiB on the 14 GB model of
-# benchmarks/convert_bench.py --large, and no convert was faster for it.
+# Bytes of components made and not yet freed: ranks that run ahead wait for the others.
 DEFAULT_BUDGET = 128 * 1024**2
-# Components made ahead of the ranks that will take them: enough to keep the maker busy while
-# one is checked and the ranks write another, few enough that memory stays a few components.
+# Components made ahead of their ranks: keeps the maker busy while memory stays a few components.
 AHEAD = 2
 
 
@@ -69,19 +59,11 @@ class _Made:
 class ComponentCache:
     """Components made once and shared by the ranks' writer threads, freed after their last slice.
 
-    ``model`` makes them (:class:`..checkpoint.meta_model.MetaModel`). One thread of its own makes
-    every component (``make`` is vLLM's loader on one model, so never two at once) and another
-    checks each one made (``check`` refuses one left partly unfilled), while the ranks cut and write
-    the ones checked: once a component is made, or taken by a rank, the one after it (``after``) is
-    made ahead if the budget allows, so making, checking and writing overlap.
-
-    Components made and not yet freed stay within ``budget`` bytes (``component_bytes`` gives a
-    component's bytes before it is made): a rank whose component does not fit waits for slower
-    ranks to free theirs, unless every other working rank waits too; then components no waiting
-    rank needs next are freed (and made again later if a rank still needs them: a source read
-    twice rather than memory without bound). Only a component larger than the budget on its own
-    is made over it. A component whose making or check failed raises its error in the rank that
-    takes it.
+    One thread makes components (vLLM's loader on one model, never two at once), another checks
+    them, while the ranks write; the next is made ahead if ``budget`` allows. A rank whose component
+    does not fit waits, unless every other rank waits too: then components no waiting rank needs
+    are freed and made again later (a source read twice rather than memory without bound). A
+    failed make or check raises in the rank that takes the component.
     """
 
     model: MetaModel
@@ -90,7 +72,6 @@ class ComponentCache:
     made: dict[int, _Made] = field(default_factory=dict)
     pending: dict[int, int] = field(default_factory=dict)
     waiting: dict[int, int] = field(default_factory=dict)  # thread -> component it waits to make
-    # Ranks written at once and not finished: every rank, each staged in a thread of its own.
     running: int = 1
     failed: BaseException | None = None
     remakes: int = 0
@@ -105,8 +86,7 @@ class ComponentCache:
         self.errors: dict[int, BaseException] = {}
         self.maker = ThreadPoolExecutor(1, thread_name_prefix="convert-make")
         self.checker = ThreadPoolExecutor(1, thread_name_prefix="convert-check")
-        # The helpers' torch operations get the cores the ranks' writers and checksums leave
-        # (two threads each): on a few cores, an OpenMP team per operation only spins on theirs.
+        # Leave two cores per rank to its writer and checksums; extra OpenMP threads only spin.
         self.threads = max(1, len(os.sched_getaffinity(0)) - 2 * self.running)
         for name, count in self.takes.items():
             key = self.model.component_of(name)
@@ -127,13 +107,12 @@ class ComponentCache:
                 self.cond.notify_all()
                 raise
         if freed:
-            # glibc keeps freed blocks of the sizes that recur here, fragmented across the
-            # threads' arenas: handed back, memory stays at a few components.
+            # glibc keeps these freed blocks fragmented across arenas unless handed back.
             release_free_heap()
         return tensor
 
     def _start(self, name: str, key: int) -> None:
-        """Have the maker make ``name``'s component (the caller holds the lock; the maker is idle)."""
+        """Have the idle maker make ``name``'s component (the caller holds the lock)."""
         self.making = key
         self.maker.submit(self._make, name, key)
 
@@ -176,7 +155,7 @@ class ComponentCache:
                 raise self.errors[key]  # this rank's own component failed: its error, not a "stopped"
             if self.failed is not None:
                 raise RankStopped(f"stopped: another rank's conversion failed ({self.failed})")
-            # Ranks that can still take a slice: those not waiting for a component nobody made yet.
+            # Other ranks that can still take a slice (not waiting for an unmade component).
             others = self.running - 1 - sum(1 for k in self.waiting.values() if k not in self.made)
             fits = self._bytes() + self.model.component_bytes(name) <= self.budget
             if self.making is None and key not in self.checking and (fits or not self.made or others <= 0):
@@ -200,9 +179,7 @@ class ComponentCache:
         return tensor, True
 
     def _make_ahead(self, name: str) -> None:
-        """Start making the first component after ``name``'s not yet made, if it is at most :data:`AHEAD`
-        components on, no more than :data:`AHEAD` made ones wait for their first rank, the maker is
-        idle and the budget has room for it."""
+        """Start the next unmade component after ``name``'s, within :data:`AHEAD` and the budget."""
         if self.making is not None or len(self.untaken) >= AHEAD:
             return
         following = self.model.after(name)
@@ -230,8 +207,7 @@ class ComponentCache:
             self.remakes += 1
 
     def rank_done(self, failed: BaseException | None = None) -> None:
-        """A rank takes nothing more: it took its last slice, or its writing ended early with
-        ``failed`` (then every other rank stops at its next tensor, not waiting for this one's takes)."""
+        """A rank takes nothing more; with ``failed``, every other rank stops at its next tensor."""
         with self.cond:
             self.running -= 1
             if failed is not None:
@@ -239,7 +215,7 @@ class ComponentCache:
             self.cond.notify_all()
 
     def close(self) -> None:
-        """Stop the helpers: after the component each is making or checking, if any; nothing queued."""
+        """Stop the helpers after their current component; nothing queued runs."""
         self.maker.shutdown(wait=True, cancel_futures=True)
         self.checker.shutdown(wait=True, cancel_futures=True)
 
@@ -250,8 +226,8 @@ class ConvertResult:
     source_bytes: int
     peak_component_bytes: int
     remade: int
-    build_seconds: float  # vLLM's configuration and model on the meta device, the dry run
-    write_seconds: float  # reading, cutting and writing every rank, published
+    build_seconds: float  # vLLM's configuration and the meta model
+    write_seconds: float  # reading, cutting and writing every rank
 
 
 def plan_ranks(
@@ -264,8 +240,7 @@ def plan_ranks(
 ) -> dict[RankInfo, dict[str, tuple[str, ShardLayout]]]:
     """Every target rank's tensors: name -> (the state tensor it is cut from, the rank's layout).
 
-    Refuses, naming them, tensors whose split vLLM's layer classes do not describe at a TP size
-    above 1, and sizes vLLM itself refuses (heads or rows that do not divide).
+    Refuses tensors whose split vLLM's layers do not describe at TP > 1, and sizes that do not divide.
     """
     alias = {n: group[0] for group in tied for n in group[1:]}
     order = {name: i for i, name in enumerate(state)}
@@ -293,9 +268,8 @@ def plan_ranks(
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    """How ``convert`` builds the source's model (``model``: vLLM's ``LLM(...)`` arguments of the engine
-    that will serve it), which ``revision`` of a Hub repo id, how it writes (a save's ``max_size``,
-    ``pattern``, ``overwrite``), and the bytes of components made and not yet freed (``budget``)."""
+    """``model``: the serving engine's ``LLM(...)`` arguments; ``revision`` of a Hub repo id; the save's
+    ``max_size``, ``pattern``, ``overwrite``; ``budget``: bytes of components held at once."""
 
     model: ModelOptions = DEFAULT_OPTIONS
     revision: str | None = None
@@ -316,9 +290,8 @@ def convert_checkpoint(
     """Write ``source``'s weights as a sharded checkpoint for ``tp_size`` x ``pp_size`` into ``output``
     (``options``: :class:`ConvertOptions`; ``progress`` counts the bytes written).
 
-    Every check (the source's files and headers, that vLLM's loader places every tensor,
-    that every rank's split exists) runs before a byte is written; the output is published
-    by the save protocol (lock, staged parts, manifest last), config and tokenizer carried.
+    Every check runs before a byte is written; the output is published by the save protocol,
+    config and tokenizer carried.
     """
     if tp_size < 1 or pp_size < 1:
         raise InvalidOption(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
@@ -326,17 +299,14 @@ def convert_checkpoint(
     out = open_store(output)
     check_output_apart(out, folder, "model")
     check_source_files(folder)
-    # Said now, as the save's lock would say it once vLLM has built the model (tens of seconds from here).
+    # Refused now rather than after vLLM has built the model.
     out.refuse_before_save(options.overwrite)
-    # (Nothing is written into OUT before the save protocol's lock, which makes the output's folders
-    # and, on a failure, removes those it made.)
     return _convert(folder, out, tp_size, pp_size, options, progress)
 
 
 class _Ranks:
-    """Every target rank's tensors (``plans``), each made when the writer takes it from its component in
-    ``cache``; a rank is done once it took every tensor of its plan, or when its writing ended (a full
-    disk): counted, so that it does not depend on the order the writer takes them in."""
+    """Every target rank's tensors as lazy takes from ``cache``; a rank is done after its last take
+    (counted, not ordered) or when its writing ends."""
 
     def __init__(self, model: ConvertModel, cache: ComponentCache, plans: dict[RankInfo, dict[str, Any]]) -> None:
         self.model, self.cache, self.plans = model, cache, plans
@@ -349,9 +319,7 @@ class _Ranks:
         for info, plan in self.plans.items():
             ranks[info] = {n: self._lazy(state_name, layout, info) for n, (state_name, layout) in plan.items()}
             if len(ranks) == 1:
-                # Components are made in the order the writer takes a rank's tensors (a size cap cuts
-                # them into files, which can reorder them a little); the files keep the plan's order,
-                # as a save's do.
+                # Components are made in the order the writer takes a rank's tensors.
                 order = write_order(list(plan.values()), self._nbytes)
                 self.model.follow([state_name for state_name, _ in order])
         return ranks
@@ -368,7 +336,6 @@ class _Ranks:
             if not self.left[info]:
                 self.finish(info)
             if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
-                # The header already written says otherwise: the save fails, nothing is published.
                 raise ConvertRefused(
                     f"{state_name}: vLLM's loader made {list(tensor.shape)} {tensor.dtype}, but the model "
                     f"declares {list(meta.shape)} {meta.dtype}. {SAVE_INSTEAD}"
@@ -383,8 +350,7 @@ class _Ranks:
             self.cache.rank_done(error)
 
     def placed(self, target: Store, entry: RankEntry) -> RankEntry:
-        # Every rank is written (the save places after staging them all): a source file written
-        # meanwhile could have given some tensors its old bytes and some its new ones.
+        # All ranks are staged now: a source file changed meanwhile would mix old and new bytes.
         self.model.source.check_unchanged()
         info = self.by_position[(entry.tp_rank, entry.pp_rank, entry.dp_rank)]
         return self.model.carry_startup_artifacts(target, entry, info)
@@ -394,19 +360,15 @@ def _convert(
     folder: Store, output: Store, tp_size: int, pp_size: int, options: ConvertOptions, progress: ByteProgress | None
 ) -> ConvertResult:
     started = time.perf_counter()
-    # A cold source is read while vLLM is imported and configured and its model built (seconds of
-    # one core's work), not while the ranks wait for it; the components' own read-ahead takes over.
+    # Warm a cold source while vLLM builds the model.
     stop_reading_ahead = read_ahead(folder)
     with contextlib.ExitStack() as stack:
         stack.callback(stop_reading_ahead)
         from ..engine.convert import converting
 
-        # vLLM reads the config (and tokenizer) from a local folder: those few files are fetched from a
-        # bucket; the weights are read where they are, each byte once.
+        # vLLM needs the config and tokenizer locally; the weights are read where they are.
         directory = folder.local_copy(folder.non_weight_files(), stack.enter_context(staging_folder()))
-        # The manifest records the config the weights are made for, and the checkpoint carries config.json:
-        # one written meanwhile (between vLLM's read and the carry's copy) would be carried beside weights
-        # made for the other, a checkpoint that verifies and that loads refuse. The carry refuses it.
+        # The carry refuses a config.json changed after vLLM read it (weights made for another config).
         config = record_of(directory.where, "config.json")
         model = stack.enter_context(converting(directory.where, folder.where, options.model))
         built = time.perf_counter()
@@ -419,7 +381,6 @@ def _convert(
         for plan in plans.values():
             for state_name, _ in plan.values():
                 takes[state_name] = takes.get(state_name, 0) + 1
-        # (every rank is staged in a thread of its own, wherever it goes)
         cache = ComponentCache(model, takes, options.budget, running=len(plans))
         stack.callback(cache.close)
         ranks = _Ranks(model, cache, plans)
@@ -443,8 +404,7 @@ def _convert(
                 hooks=RankHooks(parallel=True, ended=ranks.finish, placed=ranks.placed),
             )
         except RankStopped:
-            # The save reports the first rank's error; a rank that only stopped for another's failure
-            # would hide the failure itself (its type and what to do).
+            # Raise the failure itself, not a rank that only stopped for it.
             if cache.failed is None or isinstance(cache.failed, RankStopped):
                 raise
             raise cache.failed from None

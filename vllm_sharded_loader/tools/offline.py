@@ -1,8 +1,5 @@
-"""Checkpoint tools that need no engine: inspect, and reshard to another TP/PP size on disk.
-
-Resharding offline uses the same plans as resharding at load (:mod:`..checkpoint.reshard`) and
-the same save protocol (:mod:`..checkpoint.save`), one tensor at a time: memory holds a single tensor,
-never the model.
+"""Checkpoint tools that need no engine: inspect, and reshard to another TP/PP size on disk, one
+tensor at a time through the load's plans and the save protocol.
 """
 
 from __future__ import annotations
@@ -31,20 +28,23 @@ from ..storage.writer import LazyTensor
 
 
 def require_manifest(where: str | Store) -> tuple[Store, Manifest]:
-    """The checkpoint at ``where`` (resolved here, once) and its manifest; without one, the error says
-    whether a save holds the folder."""
+    """The store at ``where`` and its manifest; without one, the error says whether a save holds it."""
     store = open_store(where)
     manifest = store.read_manifest()
     if manifest is None:
-        # A first save still writing (or killed) is named with its holder and what to do, as verify
-        # names it, rather than as "not a checkpoint".
+        # A first save still writing (or killed) is named as such, not as "not a checkpoint".
         store.check_not_locked()
         raise CheckpointNotFound(no_manifest_here(store))
     return store, manifest
 
 
 def inspect_checkpoint(directory: str | Store) -> dict[str, Any]:
-    """What a checkpoint holds, as JSON data: topology, files, dtype, tensors, source, geometry."""
+    """What the checkpoint at ``directory`` (a folder, URL or store) holds, as JSON data.
+
+    Returns:
+        A dict of its topology, files, dtype, tensors, source model, resharding geometry, lock,
+        and signature with whether it is trusted here.
+    """
     store, manifest = require_manifest(directory)
     kinds: dict[str, int] = {}
     for g in manifest.geometry.values():
@@ -96,9 +96,7 @@ def inspect_checkpoint(directory: str | Store) -> dict[str, Any]:
 
 
 def check_output_apart(output: Store, source: Store, what: str, folder: str = "folder") -> None:
-    """Refuse an ``output`` that is the source ``what`` (under any name: a link, a bind mount) or lies
-    inside it, before anything is written: it would be written among the source's own files, and
-    a folder of them holding a checkpoint is no longer carried (the source's next copy lacks it)."""
+    """Refuse an ``output`` that is the source (under any name) or lies inside it, before anything is written."""
     if output.same_as(source):
         raise InvalidOption(f"--output must be another {folder} than the source {what}.")
     if output.inside(source):
@@ -118,11 +116,23 @@ def reshard_checkpoint(
     overwrite: bool = False,
     progress: ByteProgress | None = None,
 ) -> Manifest:
-    """Write ``directory``'s checkpoint resharded to ``tp_size`` x ``pp_size`` into ``output``
-    (``progress`` counts the bytes written).
+    """Write ``directory``'s checkpoint resharded to ``tp_size`` x ``pp_size`` into ``output``.
 
-    The output loads at the new topology without resharding at load time. Non-weight
-    files (config, tokenizer) are copied under the save's lock; the manifest is written last.
+    The output loads at the new topology without resharding at load time. Every byte read is
+    checked against the source's checksums; non-weight files (config, tokenizer) are copied under
+    the save's lock, and the manifest is written last.
+
+    Args:
+        directory: the source checkpoint (a folder, URL or store).
+        output: where to write (a folder, URL or store), not inside the source.
+        tp_size: the new tensor-parallel size.
+        pp_size: the new pipeline-parallel size (default: as saved).
+        max_size: bytes per part file.
+        overwrite: replace a checkpoint already in ``output``.
+        progress: counts the bytes written.
+
+    Returns:
+        The published manifest.
     """
     source, manifest = require_manifest(directory)
     source.check_not_locked()
@@ -132,9 +142,7 @@ def reshard_checkpoint(
     out = open_store(output)
     check_output_apart(out, source, "checkpoint", "directory")
     _refuse_damaged_carried_files(source, manifest)
-    # Every byte read is checked against its block's checksum: the output's own checksums must not
-    # certify a corrupt source. A file without a record among files with one (a damaged manifest)
-    # is refused, not a reason to check none; only a manifest that records none is read unchecked.
+    # The output's checksums must not certify a corrupt source: read every byte checked.
     verify = "checksum" if any(f.checksum is not None for r in manifest.ranks for f in r.files) else "size"
     with ReshardSource(source, manifest, verify) as reads:
         # Plan every rank before writing anything: a refused tensor leaves no output behind.
@@ -144,9 +152,7 @@ def reshard_checkpoint(
             for tp_rank in range(tp_size):
                 rank = RankInfo(tp_rank, tp_size, pp_rank, pp_size)
                 plans[rank] = reads.plan(names, rank)
-        # Every file the plans touch (all of them if a tensor is read under a tied name),
-        # opened and checked against the manifest before a tensor is allocated from its
-        # shape or a byte is written; all reads then go through these descriptors.
+        # Every file the plans touch, checked before a tensor is allocated or a byte is written.
         for name in sorted({f for plan in plans.values() for f in files_to_check(plan, manifest)}):
             reads.check_file(name)
         check_not_replaced(source, manifest, reads.check_unchanged)
@@ -167,22 +173,18 @@ def reshard_checkpoint(
             overwrite=overwrite,
             geometry=manifest.geometry,
             tied=manifest.tied,
-            # Config and tokenizer go in under the lock, once the overwrite rule has passed.
             carry=source,
-            carried_record=manifest.carried_files,  # (as checked above: a save into it since is refused)
+            carried_record=manifest.carried_files,  # a save into the source since is refused
             progress=progress,
         )
         return save_checkpoint(out, ranks, dtype=manifest.dtype, source=manifest.source, options=options)
 
 
 def _refuse_damaged_carried_files(store: Store, manifest: Manifest) -> None:
-    """Refuse a source whose carried files (config, tokenizer) are not what its save recorded: the
-    output carries them and records them anew, so its record (and ``verify``) would certify the damage."""
+    """Refuse a source whose carried files are not as recorded: the output's record would certify the damage."""
     directory = store.where
     problems = carried_problems(store, manifest.carried_files or {}) + stale_problems(store, manifest)
-    # Those it did not record (an earlier version's save, the save hook's into the model's folder) are
-    # copied all the same: one that links out of the checkpoint is not its own to copy (a link to a
-    # secret, uploaded with the output), as no load or verify reads through such a link.
+    # Unrecorded files are copied too, but never through a link out of the checkpoint (a secret, say).
     outside = store.links_out(store.non_weight_files())
     if outside and not problems:
         raise CheckpointCorrupt(
