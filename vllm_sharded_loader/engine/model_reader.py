@@ -121,12 +121,18 @@ class ModelReader(LoaderOptions):
         options = LoaderOptions.parse(load_config.model_loader_extra_config or {})
         return cls(**asdict(options), load_config=load_config)
 
-    def locate(self, directory: str, revision: str | None = None) -> tuple[Store, str | None]:
+    def locate(self, directory: str, revision: str | None = None, update: bool = False) -> tuple[Store, str | None]:
         """The checkpoint's store (resolved once per load), and its Hub repository id if it comes from
-        the Hub, where only the small files are fetched here; :meth:`read` fetches this rank's parts."""
+        the Hub, where only the small files are fetched here; :meth:`read` fetches this rank's parts.
+        ``update``: a weight update's path, where a local path that does not exist is refused at once."""
         store = open_store(directory)
         if store.exists():
             return store, None
+        if update and (os.path.isabs(directory) or directory.startswith((".", "~")) or os.path.exists(directory)):
+            raise CheckpointNotFound(
+                f"{directory}: no such checkpoint directory for the weight update. Save the update first "
+                "(examples/save_sharded_state.py, or vLLM's save_sharded_state hook) and pass its folder."
+            )
         snapshot = hub.fetch(
             directory,
             hub.METADATA_PATTERNS,
@@ -142,15 +148,7 @@ class ModelReader(LoaderOptions):
                 f"weights_path={path!r}: expected the folder, s3://, gs:// or az:// URL, or Hub id of a sharded "
                 "checkpoint for the weight update, as a string."
             )
-        store = open_store(path)
-        if store.exists():
-            return store, None
-        if os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path):
-            raise CheckpointNotFound(
-                f"{path}: no such checkpoint directory for the weight update. Save the update first "
-                "(examples/save_sharded_state.py, or vLLM's save_sharded_state hook) and pass its folder."
-            )
-        return self.locate(path, revision)
+        return self.locate(path, revision, update=True)
 
     def adoptable(
         self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]
