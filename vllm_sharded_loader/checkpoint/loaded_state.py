@@ -188,12 +188,7 @@ def capture_settings() -> tuple[str, str | None, int | None] | None:
 
 
 class ServedWeights(Protocol):
-<<<<<<< HEAD
-    """The weights a worker serves: ``live``, if provably still the loaded ones (else a
-    :class:`SaveRefused`), or ``reread`` from the source the engine loaded."""
-=======
-    """The served weights: ``live`` if provably the loaded ones, or ``reread`` from the source."""
->>>>>>> pD
+    """The served weights: ``live`` if provably the loaded ones (else :class:`SaveRefused`), or ``reread`` from the source."""
 
     def live(self) -> dict[str, torch.Tensor]: ...
 
