@@ -188,7 +188,7 @@ def capture_settings() -> tuple[str, str | None, int | None] | None:
 
 
 class ServedWeights(Protocol):
-    """The served weights: ``live`` if provably the loaded ones (else :class:`SaveRefused`), or ``reread`` from the source."""
+    """The served weights: ``live`` if provably the loaded ones (else :class:`SaveRefused`), or ``reread``."""
 
     def live(self) -> dict[str, torch.Tensor]: ...
 
