@@ -372,31 +372,33 @@ def test_a_hostile_archive_signed_by_the_trusted_key_runs_its_code(carried):
     assert marker.exists() and {"pickle", "library"} & set(marker.read_text().split()), run.tail()
 
 
-def test_a_tampered_archive_runs_nothing_whatever_the_trust_and_compile_mode(carried):
+@pytest.mark.parametrize(
+    ("where", "signature", "env", "why"),
+    [
+        # A folder in vLLM's AOT mode, trusted keys set: the archive is not what the key signed.
+        ("folder", "kept", {"VLLM_USE_AOT_COMPILE": "1"}, "does not match the manifest"),
+        # A bucket with AOT off: signed by a key the server does not trust.
+        ("bucket", "stranger", NO_AOT, "not among the keys trusted"),
+        # A Hub repository whose own code the server trusts (trust_remote_code), AOT on, no key trusted.
+        ("hub", "operator", {"VLLM_USE_AOT_COMPILE": "1", **NO_TRUSTED_KEYS}, "gives no trusted key"),
+    ],
+    ids=["folder", "bucket", "hub"],
+)
+def test_a_hostile_archive_runs_nothing_from_a_folder_a_bucket_or_the_hub(carried, seaweed, where, signature, env, why):
     """A checkpoint whose archive was replaced by a hostile one and whose manifest was rewritten to
-    match runs none of it, in vLLM's AOT compile mode and with it off, with trusted keys set and
-    without: each start compiles as usual and serves the default loader's ids."""
-    kept, marker = _tamper(carried, "hostile-kept", "kept")
-    _served_without_running_it(
-        carried, str(kept), marker, "does not match the manifest", env={"VLLM_USE_AOT_COMPILE": "1"}
-    )
-    unsigned, marker = _tamper(carried, "hostile-unsigned", None)
-    _served_without_running_it(carried, str(unsigned), marker, "is not signed", env={**NO_AOT, **NO_TRUSTED_KEYS})
-
-
-def test_a_hostile_archive_in_a_bucket_or_a_hub_repository_runs_nothing(carried, seaweed):
-    """The same rule for a bucket and a Hub repository: signed by a key the server does not trust
-    (a bucket), or not signed though the server trusts the repository's own code (the Hub)."""
+    match runs none of it, from a folder, a bucket or the Hub, in vLLM's AOT compile mode and with it
+    off, with trusted keys set and without: each start compiles as usual and serves the default
+    loader's ids (the unsigned case: ``tests/test_trust.py``)."""
     from tests.support.hub import lay_out_cache, session_cache
 
-    stranger, marker = _tamper(carried, "hostile-stranger", "stranger")
-    client = seaweed.client()
-    for f in stranger.iterdir():
-        client.put_object(Bucket="startup", Key=f"hostile/{f.name}", Body=f.read_bytes())
-    _served_without_running_it(
-        carried, "s3://startup/hostile", marker, "not among the keys trusted", env={"VLLM_USE_AOT_COMPILE": "1"}
-    )
-    unsigned, marker = _tamper(carried, "hostile-hub", None)
-    repo = "acme/hostile-startup"
-    lay_out_cache(unsigned, session_cache(), repo_id=repo)
-    _served_without_running_it(carried, repo, marker, "is not signed", env=NO_AOT, engine={"trust_remote_code": True})
+    ckpt, marker = _tamper(carried, f"hostile-{where}", signature)
+    model, engine = str(ckpt), {}
+    if where == "bucket":
+        client = seaweed.client()
+        for f in ckpt.iterdir():
+            client.put_object(Bucket="startup", Key=f"hostile/{f.name}", Body=f.read_bytes())
+        model = "s3://startup/hostile"
+    elif where == "hub":
+        model, engine = "acme/hostile-startup", {"trust_remote_code": True}
+        lay_out_cache(ckpt, session_cache(), repo_id=model)
+    _served_without_running_it(carried, model, marker, why, env=env, engine=engine)
