@@ -1,0 +1,58 @@
+"""How a cold file's pages come into a private mapping, one way per process: the question behind
+issue 70's cold start on AVX-512 (the mapped load pages a file in with ``MADV_POPULATE_READ``, then
+reads a byte of each page where vLLM's post-processing reads every weight next).
+
+    python -m benchmarks.page_in_probe FILE MODE
+
+MODE: ``populate`` (``MADV_POPULATE_READ`` over the whole mapping), ``populate_touch`` (then one byte
+of every page read), ``touch_only`` (one byte of every page read, the kernel's read-ahead doing the
+I/O), ``mmap_copy`` (the mapping copied into fresh memory, as a loader that copies does),
+``read_copy`` (``readv`` into fresh memory). The file's pages are dropped from the page cache first
+(``posix_fadvise(DONTNEED)``); run the modes interleaved, several times: the host behind a VM may
+hold the dropped pages back or not, which moves the figures between runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import time
+
+import torch
+
+MADV_POPULATE_READ = 22
+PAGE = mmap.PAGESIZE
+
+
+def main(path: str, mode: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    libc = ctypes.CDLL(None, use_errno=True)
+    started = time.perf_counter()
+    first = started
+    if mode == "read_copy":
+        out = torch.empty(size, dtype=torch.uint8)
+        first = time.perf_counter()
+        view, done = memoryview(out.numpy()), 0
+        while done < size:
+            done += os.readv(fd, [view[done : done + (64 << 20)]])
+    else:
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        data = torch.frombuffer(mapping, dtype=torch.uint8)
+        address, length = ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(size)
+        if mode.startswith("populate") and libc.madvise(address, length, MADV_POPULATE_READ):
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
+        first = time.perf_counter()
+        if mode in ("populate_touch", "touch_only"):
+            data[::PAGE].sum()
+        elif mode == "mmap_copy":
+            torch.empty(size, dtype=torch.uint8).copy_(data)
+    ended = time.perf_counter()
+    print(f"{mode}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, total {ended - started:.2f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
