@@ -2,8 +2,8 @@
 folder, and the in-process ``memory://`` object store, whose steps are object storage's).
 
 Each member is a thread running :func:`run_save` with its own store of the location, as each worker
-of an engine does; :class:`ThreadGroup` exchanges their outcomes the way the engine's
-workers exchange them (every member reaches every exchange, a failure anywhere is raised
+of an engine does; :class:`Members` (the engine's group) exchanges their outcomes over threads as the
+engine's workers exchange them (every member reaches every exchange, a failure anywhere is raised
 everywhere, ``agreed``). A member fails at each step in turn: every member then fails with
 the same error, nothing is published (the previous checkpoint loads bit-exactly), and the
 abandon removes this save's files and lock and nothing else.
@@ -23,13 +23,15 @@ import torch
 
 from tests.support.faultkit import model_folder
 from tests.support.manifests import edit_manifest
+from tests.support.members import in_threads as in_member_threads
 from tests.support.states import SOURCE
 from tests.support.stores import Backend
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
+from vllm_sharded_loader.checkpoint.group import Members
 from vllm_sharded_loader.checkpoint.protocol import FolderNotShared, OneProcess, SaveJob, run_save
 from vllm_sharded_loader.checkpoint.save import RankHooks, SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import Manifest, ShardedStateError
-from vllm_sharded_loader.format.errors import SaveFailedAfterPublish, SaveRefused, agreed_error
+from vllm_sharded_loader.format.errors import SaveFailedAfterPublish, SaveRefused
 from vllm_sharded_loader.format.manifest import CarriedFile, RankEntry
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage.folder import LocalStore
@@ -44,48 +46,12 @@ def tensors(value: float, rank: int) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.full((64, 32), value + 10 * rank + i) for i in range(3)}
 
 
-class ThreadGroup:
-    """Member ``index`` of a group of threads that exchange every step's outcome (a barrier)."""
-
-    def __init__(self, index: int, shared: dict[str, Any]) -> None:
-        self.index, self.shared = index, shared
-        self.first = index == 0
-        self.member = f"member {index}"
-
-    def run(self, step: Callable[[], Any], only_first: bool = False) -> list[Any]:
-        try:
-            outcome = (True, step() if self.first or not only_first else None)
-        except Exception as e:
-            outcome = (False, f"{self.member}: {e}")
-        slots = self.shared.setdefault("slots", [None] * MEMBERS)
-        slots[self.index] = outcome
-        self.shared["barrier"].wait()  # every member's outcome is in
-        outcomes = list(slots)
-        self.shared["barrier"].wait()  # every member has read them before the next step writes
-        errors = [value for ok, value in outcomes if not ok]
-        if errors:
-            raise agreed_error(ShardedStateError, " | ".join(errors))
-        return [value for _, value in outcomes]
-
-
-def in_threads(member: Callable[[int, ThreadGroup], Any]) -> list[Any]:
-    """Run ``member(index, group)`` for every member at once; returns each one's result or error."""
-    shared: dict[str, Any] = {"barrier": threading.Barrier(MEMBERS)}
-    results: list[Any] = [None] * MEMBERS
-
-    def run(index: int) -> None:
-        try:
-            results[index] = member(index, ThreadGroup(index, shared))
-        except Exception as e:
-            results[index] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(MEMBERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a member hangs"
-    return results
+def in_threads(member: Callable[[int, Members], Any]) -> list[Any]:
+    """Run ``member(index, group)`` for every member at once, each with the save protocol's group
+    (:class:`Members`) over threads; returns each one's result or error."""
+    return in_member_threads(
+        MEMBERS, lambda index, exchange: member(index, Members(exchange, RankInfo(index, MEMBERS))), 120
+    )
 
 
 def failing_store(where: str, fail_at: str | None) -> Store:
@@ -123,7 +89,7 @@ def failing_store(where: str, fail_at: str | None) -> Store:
 def save_in_threads(where: str, value: float, fail_at: str | None = None, failing: int = 1) -> list[Any]:
     """Every member saves its rank of ``value``'s state; returns each member's result or error."""
 
-    def member(index: int, group: ThreadGroup) -> Any:
+    def member(index: int, group: Members) -> Any:
         target = failing_store(where, fail_at if index == failing else None)
         info = RankInfo(index, MEMBERS)
 
@@ -185,7 +151,9 @@ def test_a_member_failing_before_the_publish_fails_every_member_and_publishes_no
     # Every member fails, with the same agreed error naming the failing member's own.
     assert all(isinstance(r, ShardedStateError) for r in results), results
     assert {str(r) for r in results} == {str(results[0])}
-    assert f"member {failing}: {fail_at} failed here" in str(results[0])
+    assert f"tp_rank={failing} (TP={MEMBERS}, PP=1) on" in str(results[0]) and f"{fail_at} failed here" in str(
+        results[0]
+    )
     assert all(r.agreed for r in results)
     # Nothing published: A loads, and the abandon removed every file of this save and the lock.
     assert_published(where, 1.0)
@@ -218,7 +186,7 @@ def test_a_folder_not_shared_is_refused_before_a_part_is_written(tmp_path):
     job = SaveJob(lambda target: iter(()), lambda entries: pytest.fail("no manifest is built"))
     results = in_threads(lambda index, group: run_save(OwnDisk(str(directory), index == 2), group, job))
     assert all(isinstance(r, FolderNotShared) and r.agreed for r in results)
-    assert "member 2 on" in str(results[0]) and "Nothing was written" in str(results[0])
+    assert "tp_rank=2 (TP=3, PP=1) on" in str(results[0]) and "Nothing was written" in str(results[0])
     assert not directory.exists()  # made by the save's lock, removed again by its abandon
 
 
@@ -295,7 +263,7 @@ def test_every_member_returns_the_published_record_of_the_carried_files(backend,
     """The first member carries the files; every member's manifest is the published one, with its record."""
     model, where = model_folder(tmp_path, 1.0), backend.location("ckpt")
 
-    def member(index: int, group: ThreadGroup) -> Any:
+    def member(index: int, group: Members) -> Any:
         def stage(target: Store) -> Any:
             yield (
                 stage_rank(target.staging(), tensors(1.0, index), RankInfo(index, MEMBERS), None, 8192, target.token),
