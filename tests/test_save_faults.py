@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.support.engines import package_process
-from tests.support.faultkit import assert_published, carried_of, model_folder, states, tree_digest
+from tests.support.faultkit import assert_published, carried_of, model_folder, save_states, states, tree_digest
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
@@ -97,13 +97,7 @@ def assert_carried(directory: Path, value: float) -> None:
 def checkpoint_a(tmp_path: Path) -> tuple[Path, Path]:
     """Checkpoint A, a foreign file inside it, and a neighbour folder beside it."""
     directory, neighbour = tmp_path / "ckpt", tmp_path / "neighbour"
-    save_checkpoint(
-        str(directory),
-        states(1.0),
-        dtype="float32",
-        source=SOURCE,
-        options=SaveOptions(max_size=8192, carry=str(model_folder(tmp_path, 1))),
-    )
+    save_states(str(directory), 1.0, max_size=8192, carry=str(model_folder(tmp_path, 1)))
     assert_carried(directory, 1.0)
     (directory / "notes.txt").write_text("the user's own file")
     neighbour.mkdir()
@@ -284,13 +278,7 @@ def test_a_save_killed_before_its_clean_up_leaves_a_record_of_the_other_models_f
     from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
     directory = tmp_path / "ckpt"
-    save_checkpoint(
-        str(directory),
-        states(2.0),
-        dtype="float32",
-        source=SOURCE,
-        options=SaveOptions(carry=str(model_folder(tmp_path, 2))),
-    )
+    save_states(str(directory), 2.0, carry=str(model_folder(tmp_path, 2)))
     for _ in range(2):
         result = save_in_process(directory, 1.0, {faults.KILL_ENV: kill_at})
         assert result.returncode == -signal.SIGKILL, (kill_at, result.returncode, result.stderr[-2000:])
@@ -343,7 +331,7 @@ def test_a_save_interrupted_after_carrying_a_file_into_a_new_subfolder_removes_t
     directory, model = tmp_path / "ckpt", model_folder(tmp_path, 1.0)
     (model / "tok" / "vocab.txt").unlink()
     (model / "tok").rmdir()
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model)))
+    save_states(str(directory), 1.0, carry=str(model))
     before = tree_digest(str(directory))
     # B's changed files in order: chat_template.jinja, config.json, tok/vocab.txt.
     result = save_in_process(directory, 2.0, {faults.KILL_ENV: "local.carried:3", faults.KILL_SIGNAL_ENV: "INT"})
@@ -357,13 +345,7 @@ def test_a_save_interrupted_after_carrying_a_file_over_a_link_to_a_folder_puts_t
     ``tokenizer.json`` had replaced it: the link was taken for a folder (``os.path.isdir`` follows it),
     so no backup was made, and taking B's file back removed the name: the link was gone for good."""
     directory = tmp_path / "ckpt"
-    save_checkpoint(
-        str(directory),
-        states(1.0),
-        dtype="float32",
-        source=SOURCE,
-        options=SaveOptions(carry=str(model_folder(tmp_path, 1))),
-    )
+    save_states(str(directory), 1.0, carry=str(model_folder(tmp_path, 1)))
     (tmp_path / "elsewhere").mkdir()
     (directory / "tokenizer.json").unlink()
     (directory / "tokenizer.json").symlink_to(tmp_path / "elsewhere")
@@ -466,9 +448,7 @@ def test_a_rank_file_left_half_written_by_a_killed_save_goes_with_the_next_save(
     assert killed.returncode == -signal.SIGXFSZ, killed.stderr[-2000:]
     assert any(n.startswith(".startup-artifacts-") for n in os.listdir(directory))  # half-written, hidden
     assert_published(directory, 1.0)
-    save_checkpoint(
-        str(directory), states(3.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
-    )
+    save_states(str(directory), 3.0, max_size=8192, overwrite=True)
     assert_published(directory, 3.0)
     assert [n for n in os.listdir(directory) if n.startswith(".")] == []
     notes: list[str] = []
@@ -495,7 +475,7 @@ def small_filesystem(tmp_path: Path):
 def test_full_file_system_loses_nothing(small_filesystem):
     """A save that runs out of space (ENOSPC, a real full tmpfs) fails clearly; A stays whole."""
     directory = small_filesystem / "ckpt"
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
+    save_states(str(directory), 1.0, max_size=8192)
     (small_filesystem / "filler").write_bytes(b"\0" * (256 * 1024 - 3 * 64 * 1024))  # room for less than B
     before = tree_digest(str(small_filesystem))
     with pytest.raises(SaveRefused, match=r"No space left on device.*previous checkpoint, if any, is intact"):
@@ -512,13 +492,7 @@ def test_full_file_system_loses_nothing(small_filesystem):
     (model / "config.json").write_text("{}")
     (model / "tokenizer.json").write_bytes(b"t" * 200 * 1024)
     with pytest.raises(SaveRefused, match=r"No space left on device"):
-        save_checkpoint(
-            str(directory),
-            states(2.0),
-            dtype="float32",
-            source=SOURCE,
-            options=SaveOptions(max_size=8192, overwrite=True, carry=str(model)),
-        )
+        save_states(str(directory), 2.0, max_size=8192, overwrite=True, carry=str(model))
     assert tree_digest(str(small_filesystem)) == before
     assert_published(directory, 1.0)
 
@@ -528,16 +502,12 @@ def test_a_failed_save_into_a_new_nested_folder_leaves_none_of_the_folders_it_ma
     publish removed ``out`` but left ``new/nested``, which it had made too."""
     output = tmp_path / "new" / "nested" / "out"
     with pytest.raises(InvalidOption, match=r"has no \{part\} field"):  # refused once the folders are made
-        save_checkpoint(
-            str(output), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(pattern="w-{rank}.bin")
-        )
+        save_states(str(output), 1.0, pattern="w-{rank}.bin")
     assert sorted(os.listdir(tmp_path)) == []
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "mine.txt").write_text("the user's")  # a folder with something else in it stays
     with pytest.raises(InvalidOption, match=r"has no \{part\} field"):
-        save_checkpoint(
-            str(output), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(pattern="w-{rank}.bin")
-        )
+        save_states(str(output), 1.0, pattern="w-{rank}.bin")
     assert sorted(os.listdir(tmp_path / "new")) == ["mine.txt"]
 
 
@@ -586,16 +556,14 @@ def test_a_save_into_a_folder_of_the_users_replaces_none_of_its_files_without_ov
     before = tree_digest(str(out))
     carry = str(model_folder(tmp_path, 1.0))
     with pytest.raises(SaveRefused, match=r"holds files that differ .*: config\.json; refusing") as refused:
-        save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
+        save_states(str(out), 1.0, carry=carry)
     assert str(out) in str(refused.value) and "overwrite" in str(refused.value)
     assert tree_digest(str(out)) == before
     (out / "config.json").write_text((Path(carry) / "config.json").read_text())  # now the same: saved
-    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
+    save_states(str(out), 1.0, carry=carry)
     assert verify_checkpoint(str(out)) == [] and (out / "notes.txt").read_text() == "mine"
     carry = str(model_folder(tmp_path, 2.0))  # another config: replacing the checkpoint's needs overwrite
-    save_checkpoint(
-        str(out), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True)
-    )
+    save_states(str(out), 2.0, carry=carry, overwrite=True)
     assert (out / "config.json").read_text() == (Path(carry) / "config.json").read_text()
 
 
@@ -613,13 +581,7 @@ def test_a_carried_file_is_never_written_through_a_link_out_of_the_output(tmp_pa
             (elsewhere / "vocab.txt").write_text("the user's shared vocabulary")
         before, beside = tree_digest(str(out)), tree_digest(str(elsewhere))
         with pytest.raises(SaveRefused, match=rf"^{out}/tok resolves to {elsewhere}, outside {out} \(a symbolic"):
-            save_checkpoint(
-                str(out),
-                states(1.0),
-                dtype="float32",
-                source=SOURCE,
-                options=SaveOptions(carry=carry, overwrite=overwrite),
-            )
+            save_states(str(out), 1.0, carry=carry, overwrite=overwrite)
         assert tree_digest(str(out)) == before and tree_digest(str(elsewhere)) == beside
 
 
@@ -629,14 +591,12 @@ def test_a_carried_file_already_the_same_through_a_link_out_of_the_output_is_ref
     file outside the checkpoint). Now refused, naming the link, with both folders as they were."""
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     carry = str(model_folder(tmp_path, 1.0))
-    save_checkpoint(str(out), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
+    save_states(str(out), 1.0, carry=carry)
     (out / "tok").rename(elsewhere)
     (out / "tok").symlink_to(elsewhere)
     before, beside = tree_digest(str(out)), tree_digest(str(elsewhere))
     with pytest.raises(SaveRefused, match=rf"^{out}/tok resolves to {elsewhere}, outside {out} \(a symbolic"):
-        save_checkpoint(
-            str(out), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True)
-        )
+        save_states(str(out), 1.0, carry=carry, overwrite=True)
     assert tree_digest(str(out)) == before and tree_digest(str(elsewhere)) == beside
     assert_published(out, 1.0)
 
@@ -646,20 +606,12 @@ def test_a_non_weight_file_whose_name_the_manifest_cannot_record_is_refused_and_
     ``carried_files``, whose parser refuses such a name, so the checkpoint it published over A could
     not be read at all. Now refused by name before the publish: A published, whole and verified."""
     out = tmp_path / "out"
-    save_checkpoint(
-        str(out),
-        states(1.0),
-        dtype="float32",
-        source=SOURCE,
-        options=SaveOptions(carry=str(model_folder(tmp_path, 1.0))),
-    )
+    save_states(str(out), 1.0, carry=str(model_folder(tmp_path, 1.0)))
     model = model_folder(tmp_path, 2.0)
     (model / "notes\\draft.txt").write_text("a file of the model")
     before = tree_digest(str(out))
     with pytest.raises(SaveRefused, match=r"'notes\\\\draft\.txt' has a name that a checkpoint's manifest cannot"):
-        save_checkpoint(
-            str(out), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model), overwrite=True)
-        )
+        save_states(str(out), 2.0, carry=str(model), overwrite=True)
     assert tree_digest(str(out)) == before
     assert_published(out, 1.0)
     assert verify_checkpoint(str(out)) == []
@@ -670,13 +622,7 @@ def test_a_folder_where_a_carried_file_goes_or_a_file_where_its_folder_goes_is_r
     its place step, with the system's error, and left its staged copy in the checkpoint. Now refused
     by name before the publish, and the folder is as it was."""
     out = tmp_path / "out"
-    save_checkpoint(
-        str(out),
-        states(1.0),
-        dtype="float32",
-        source=SOURCE,
-        options=SaveOptions(carry=str(model_folder(tmp_path, 1.0))),
-    )
+    save_states(str(out), 1.0, carry=str(model_folder(tmp_path, 1.0)))
     (out / "chat_template.jinja").mkdir()
     (out / "chat_template.jinja" / "mine.txt").write_text("the user's")
     carry = str(model_folder(tmp_path, 2.0))
@@ -689,9 +635,7 @@ def test_a_folder_where_a_carried_file_goes_or_a_file_where_its_folder_goes_is_r
             (out / "tok").write_text("the user's")
         before = tree_digest(str(out))
         with pytest.raises(SaveRefused, match=rf"^{out / path} is {kind}, where the save carries the model's "):
-            save_checkpoint(
-                str(out), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True)
-            )
+            save_states(str(out), 2.0, carry=carry, overwrite=True)
         assert tree_digest(str(out)) == before
         assert_published(out, 1.0)
 
@@ -825,19 +769,13 @@ def test_a_refused_save_leaves_the_folder_as_it_was_its_mtime_included(checkpoin
     directory, _ = checkpoint_a
     before = listing(directory)
     with pytest.raises(SaveRefused):
-        save_checkpoint(str(directory), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
+        save_states(str(directory), 2.0, max_size=8192)
     assert listing(directory) == before
     running = acquire_save_lock(str(directory), "aaaa11110000", overwrite=True)  # a save that runs
     try:
         before = listing(directory)
         with pytest.raises(CheckpointLocked):
-            save_checkpoint(
-                str(directory),
-                states(2.0),
-                dtype="float32",
-                source=SOURCE,
-                options=SaveOptions(max_size=8192, overwrite=True),
-            )
+            save_states(str(directory), 2.0, max_size=8192, overwrite=True)
         assert listing(directory) == before
     finally:
         release_save_lock(running)
@@ -894,13 +832,7 @@ def test_a_save_refused_for_its_file_pattern_leaves_the_folder_as_it_was_its_mti
     directory, _ = checkpoint_a
     before = listing(directory)
     with pytest.raises(InvalidOption):
-        save_checkpoint(
-            str(directory),
-            states(2.0),
-            dtype="float32",
-            source=SOURCE,
-            options=SaveOptions(pattern=pattern, overwrite=True),
-        )
+        save_states(str(directory), 2.0, pattern=pattern, overwrite=True)
     assert listing(directory) == before
     assert_published(directory, 1.0)
 
@@ -920,13 +852,7 @@ def test_a_save_whose_carry_source_is_no_folder_is_refused_by_name_before_its_lo
     before = listing(directory)
     what = {"missing": "does not exist", "file": "is a file", "fifo": "is a FIFO"}[kind]
     with pytest.raises(SaveRefused, match=rf"^{source} {what}, where the model folder whose config .* was expected"):
-        save_checkpoint(
-            str(directory),
-            states(2.0),
-            dtype="float32",
-            source=SOURCE,
-            options=SaveOptions(overwrite=True, carry=str(source)),
-        )
+        save_states(str(directory), 2.0, overwrite=True, carry=str(source))
     assert listing(directory) == before
     assert_published(directory, 1.0)
 
@@ -941,22 +867,10 @@ def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwri
     (directory / "weights-1-3.safetensors").write_bytes(b"also the user's")
     before = listing(directory)
     with pytest.raises(SaveRefused):
-        save_checkpoint(
-            str(directory),
-            states(1.0),
-            dtype="float32",
-            source=SOURCE,
-            options=SaveOptions(pattern="weights-{rank}-{part}.safetensors"),
-        )
+        save_states(str(directory), 1.0, pattern="weights-{rank}-{part}.safetensors")
     assert listing(directory) == before
     # With overwrite, they are replaced as any checkpoint is.
-    save_checkpoint(
-        str(directory),
-        states(1.0),
-        dtype="float32",
-        source=SOURCE,
-        options=SaveOptions(pattern="weights-{rank}-{part}.safetensors", overwrite=True),
-    )
+    save_states(str(directory), 1.0, pattern="weights-{rank}-{part}.safetensors", overwrite=True)
     assert_published(directory, 1.0)
     assert verify_checkpoint(str(directory)) == []
 
@@ -970,11 +884,9 @@ def test_a_start_up_archive_in_the_folder_is_a_checkpoint_refused_without_overwr
     (directory / "startup-artifacts-pp0-tp0.tar").write_bytes(b"the user's archive")
     before = listing(directory)
     with pytest.raises(SaveRefused):
-        save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
+        save_states(str(directory), 1.0, max_size=8192)
     assert listing(directory) == before
-    save_checkpoint(
-        str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
-    )
+    save_states(str(directory), 1.0, max_size=8192, overwrite=True)
     assert sorted(os.listdir(directory)) == sorted(listed(directory))
 
 
@@ -984,17 +896,9 @@ def test_an_overwrite_under_another_pattern_removes_every_part_of_the_old_checkp
     vLLM's loader, given the old pattern, would read), and verify did not see them. What the
     replaced manifest listed goes, whatever its names; a file of the user's stays."""
     directory = tmp_path / "ckpt"
-    save_checkpoint(
-        str(directory),
-        states(1.0),
-        dtype="float32",
-        source=SOURCE,
-        options=SaveOptions(max_size=8192, pattern="w-{rank}-{part}.bin"),
-    )
+    save_states(str(directory), 1.0, max_size=8192, pattern="w-{rank}-{part}.bin")
     (directory / "notes.txt").write_text("the user's own file")
-    new = save_checkpoint(
-        str(directory), states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
-    )
+    new = save_states(str(directory), 2.0, max_size=8192, overwrite=True)
     assert_published(directory, 2.0)
     assert sorted(os.listdir(directory)) == sorted(new.listed_files() | {MANIFEST_NAME, "notes.txt"})
 
@@ -1008,13 +912,7 @@ def test_a_checkpoint_under_a_pattern_of_its_own_carries_none_of_its_parts_and_v
     from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
     source, out = tmp_path / "src", tmp_path / "out"
-    save_checkpoint(
-        str(source),
-        states(1.0),
-        dtype="float32",
-        source=SOURCE,
-        options=SaveOptions(max_size=8192, pattern="w-{rank}-{part}.dat", carry=str(model_folder(tmp_path, 1))),
-    )
+    save_states(str(source), 1.0, max_size=8192, pattern="w-{rank}-{part}.dat", carry=str(model_folder(tmp_path, 1)))
     notes: list[str] = []
     assert verify_checkpoint(str(source), notes=notes) == []
     assert not [n for n in notes if "w-0-0.dat" in n], notes
@@ -1029,19 +927,13 @@ def test_a_file_system_too_full_for_the_lock_fails_typed_and_leaves_nothing(smal
     """With not a byte free, the lock's own write failed as a bare OSError (not a ShardedStateError),
     and a save into a new folder left that folder behind."""
     directory = small_filesystem / "ckpt"
-    save_checkpoint(str(directory), states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192))
+    save_states(str(directory), 1.0, max_size=8192)
     free = os.statvfs(small_filesystem)
     (small_filesystem / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize))
     before = tree_digest(str(small_filesystem))
     for where, overwrite in ((directory, True), (small_filesystem / "new", False)):
         with pytest.raises(SaveRefused, match=r"No space left on device"):
-            save_checkpoint(
-                str(where),
-                states(2.0),
-                dtype="float32",
-                source=SOURCE,
-                options=SaveOptions(max_size=8192, overwrite=overwrite),
-            )
+            save_states(str(where), 2.0, max_size=8192, overwrite=overwrite)
         assert tree_digest(str(small_filesystem)) == before
     assert_published(directory, 1.0)
 
@@ -1064,26 +956,14 @@ def test_a_file_the_cleanup_cannot_remove_fails_after_the_publish_typed_and_free
         with pytest.raises(
             SaveFailedAfterPublish, match=r"model-rank-7-part-0.safetensors \(Operation not permitted\)"
         ):
-            save_checkpoint(
-                str(directory),
-                states(2.0),
-                dtype="float32",
-                source=SOURCE,
-                options=SaveOptions(max_size=8192, overwrite=True),
-            )
+            save_states(str(directory), 2.0, max_size=8192, overwrite=True)
         assert_published(directory, 2.0)
         assert not (directory / LOCK_NAME).exists()
         assert {n for n in os.listdir(directory) if n.startswith("model-")} == listed(directory) - {MANIFEST_NAME} | {
             stuck.name
         }
         with pytest.raises(SaveFailedAfterPublish):  # the next save in this process is not locked out
-            save_checkpoint(
-                str(directory),
-                states(3.0),
-                dtype="float32",
-                source=SOURCE,
-                options=SaveOptions(max_size=8192, overwrite=True),
-            )
+            save_states(str(directory), 3.0, max_size=8192, overwrite=True)
         assert_published(directory, 3.0)
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
@@ -1104,18 +984,10 @@ def test_a_lock_that_cannot_be_finished_is_taken_back_and_its_flock_freed(checkp
         pytest.skip(f"{directory}'s file system has no append-only folders (chattr +a)")
     try:
         with pytest.raises(SaveRefused, match=r"taking the save lock .* failed: .*Operation not permitted"):
-            save_checkpoint(
-                str(directory),
-                states(2.0),
-                dtype="float32",
-                source=SOURCE,
-                options=SaveOptions(max_size=8192, overwrite=True),
-            )
+            save_states(str(directory), 2.0, max_size=8192, overwrite=True)
     finally:
         subprocess.run(["chattr", "-a", str(directory)], check=True)
     assert_published(directory, 1.0)
-    save_checkpoint(
-        str(directory), states(3.0), dtype="float32", source=SOURCE, options=SaveOptions(max_size=8192, overwrite=True)
-    )
+    save_states(str(directory), 3.0, max_size=8192, overwrite=True)
     assert_published(directory, 3.0)
     assert not [n for n in os.listdir(directory) if n.startswith(LOCK_NAME)]  # its staging name too

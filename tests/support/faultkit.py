@@ -12,11 +12,15 @@ import hashlib
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
+from vllm_sharded_loader.format.manifest import Manifest
+from vllm_sharded_loader.storage.location import Store
 
 
 def tree_digest(root: str) -> dict[str, tuple[str, int, str]]:
@@ -61,6 +65,11 @@ def model_folder(root: Path, value: float) -> Path:
 def states(value: float) -> dict[RankInfo, dict[str, torch.Tensor]]:
     """Two ranks of distinct tensors, in parts of one or two tensors (max_size below)."""
     return {RankInfo(r, 2): {f"w{i}": torch.full((64, 32), value + 10 * r + i) for i in range(4)} for r in range(2)}
+
+
+def save_states(where: str | Store, value: float, **options: Any) -> Manifest:
+    """:func:`states` of ``value`` saved into ``where`` by one process, with ``SaveOptions(**options)``."""
+    return save_checkpoint(where, states(value), dtype="float32", source=SOURCE, options=SaveOptions(**options))
 
 
 def assert_published(directory: Path, value: float) -> None:
