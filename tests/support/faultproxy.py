@@ -3,8 +3,9 @@
 Modes, per connection:
 
 - ``pass``: forwards both ways;
-- ``drop_after``: closes both sides once the client has sent more than ``limit`` bytes
-  (large uploads die mid-body; small requests pass);
+- ``drop_after``: closes both sides once the client has sent more than ``limit`` bytes since the
+  server last answered (a large upload dies mid-body; small requests pass, on a reused
+  connection too);
 - ``down_after``: as ``drop_after``, and from that drop on the network is down: every later
   connection is closed unread (a save's clean-up after a failed upload reaches no server);
 - ``stall``: forwards the request but never a byte of the answer (a server that hangs);
@@ -84,7 +85,7 @@ class FaultProxy:
             self._threads.append(thread)
 
     def _relay(self, client: socket.socket, server: socket.socket) -> None:
-        sent = 0
+        sent = 0  # by the client since the server last answered: one request's bytes
         doomed = False  # lose_answer: this connection's answer is never forwarded
         try:
             while not self._closing.is_set():
@@ -106,10 +107,12 @@ class FaultProxy:
                         server.sendall(data)
                         with self._count:
                             self.sent += len(data)
-                    elif doomed:
+                        continue
+                    if doomed:
                         self.dropped += 1
                         return
-                    elif self.mode == "slow":
+                    sent = 0  # the server answers: the client's next bytes are a new request
+                    if self.mode == "slow":
                         for start in range(0, len(data), 4096):
                             piece = data[start : start + 4096]
                             time.sleep(4096 / self.limit)
