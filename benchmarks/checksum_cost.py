@@ -30,6 +30,7 @@ from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, rea
 from vllm_sharded_loader.checkpoint.save import save_checkpoint
 from vllm_sharded_loader.format import SourceModel
 from vllm_sharded_loader.storage.integrity import BlockHasher
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.tensors import byte_view
 
 
@@ -98,7 +99,7 @@ def main() -> int:
                 times[f"load_{mode}"].append(
                     timed(
                         lambda mode=mode, ckpt=ckpt, targets=targets, manifest=manifest: load_rank(
-                            LoadRequest(ckpt, manifest, verify=mode), targets, rank
+                            LoadRequest(open_store(ckpt), manifest, verify=mode), targets, rank
                         )
                     )
                 )

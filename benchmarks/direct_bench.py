@@ -34,6 +34,7 @@ import threading
 import time
 
 from benchmarks import harness
+from vllm_sharded_loader.storage.location import open_store
 
 HERE = harness.HERE
 ROOT = harness.ROOT
@@ -141,7 +142,9 @@ def child(directory: str, mode: str, threads: int) -> dict:
     targets = {name: torch.empty(spec.shape, dtype=dtypes[spec.dtype]) for name, spec in entry.tensors.items()}
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
-    stats = load_rank(LoadRequest(directory, manifest), targets, RankInfo(0, 1), ReadOptions(threads=threads))
+    stats = load_rank(
+        LoadRequest(open_store(directory), manifest), targets, RankInfo(0, 1), ReadOptions(threads=threads)
+    )
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     return {

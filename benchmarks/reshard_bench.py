@@ -31,6 +31,7 @@ import tempfile
 import time
 
 from benchmarks.harness import ROOT, evict, record, warm
+from vllm_sharded_loader.storage.location import open_store
 
 CASES = (
     # (label, serving TP, saved TP)
@@ -110,7 +111,7 @@ def build(work: str, layers: int) -> dict[int, str]:
         local = {
             n: torch.empty(shard_layout(g, 2, rank, n).shape, dtype=torch.bfloat16) for n, (g, _) in tensors.items()
         }
-        load_rank(LoadRequest(dirs[1], manifest), local, RankInfo(rank, 2))
+        load_rank(LoadRequest(open_store(dirs[1]), manifest), local, RankInfo(rank, 2))
         ranks[RankInfo(rank, 2)] = local
     save_checkpoint(dirs[2], ranks, dtype="bfloat16", source=source(), options=options)
     return dirs
@@ -155,7 +156,9 @@ def child(spec: dict) -> None:
     if spec["cold"]:
         evict(files_of(directory))
     started = time.perf_counter()
-    stats = load_rank(LoadRequest(directory, manifest, verify=verify), targets, RankInfo(0, tp), adopt=adopt)
+    stats = load_rank(
+        LoadRequest(open_store(directory), manifest, verify=verify), targets, RankInfo(0, tp), adopt=adopt
+    )
     seconds = time.perf_counter() - started
     mapped = sum(t.numel() * t.element_size() for t in adopted.values())
     print(json.dumps({"seconds": seconds, "bytes_read": stats.bytes_read, "bytes_mapped": mapped}), flush=True)

@@ -49,6 +49,7 @@ LOADERS = ("ours", "runai")
 READER_MEMORY = """
 import json, sys, threading, time, torch
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.storage.location import open_store
 
 
 def rss():
@@ -74,7 +75,7 @@ def sample():
 sampler = threading.Thread(target=sample)
 sampler.start()
 started = time.perf_counter()
-stats = load_rank(LoadRequest(url, manifest, verify="size"), targets, RankInfo(0, tp))
+stats = load_rank(LoadRequest(open_store(url), manifest, verify="size"), targets, RankInfo(0, tp))
 seconds = time.perf_counter() - started
 done.set()
 sampler.join()

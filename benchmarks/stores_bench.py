@@ -43,6 +43,7 @@ NAMES = {"s3": "S3 (SeaweedFS)", "az": "Azure (Azurite)", "gs": "GCS (fake-gcs-s
 RANK_LOAD = """
 import json, sys, time, torch
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
+from vllm_sharded_loader.storage.location import open_store
 
 url, tp, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 manifest = read_manifest(url)
@@ -51,7 +52,7 @@ targets = {n: torch.empty(t.shape, dtype=getattr(torch, manifest.dtype)) for n, 
 for t in targets.values():
     t.view(-1)[::1024] = 0  # every page touched, as the parameters are before a load
 started = time.perf_counter()
-stats = load_rank(LoadRequest(url, manifest, verify="size"), targets, RankInfo(rank, tp))
+stats = load_rank(LoadRequest(open_store(url), manifest, verify="size"), targets, RankInfo(rank, tp))
 print("RESULT " + json.dumps({"seconds": time.perf_counter() - started, "bytes": stats.bytes_read}))
 """
 

@@ -14,6 +14,8 @@ import tempfile
 
 import torch
 
+from vllm_sharded_loader.storage.location import open_store
+
 PKG = "vllm_sharded_loader"
 
 
@@ -71,7 +73,7 @@ def main():
         walk(lambda: save_checkpoint(out2, ranks, dtype="float32", source=source)),
     )
     targets = {n: torch.zeros_like(t) for n, t in ranks[RankInfo(0, 2)].items()}
-    request = LoadRequest(out, read_manifest(out))
+    request = LoadRequest(open_store(out), read_manifest(out))
     load_rank(request, targets, RankInfo(0, 2))
     summary("load_rank (TP=2 rank 0, a folder)", walk(lambda: load_rank(request, targets, RankInfo(0, 2))))
 

@@ -55,6 +55,7 @@ from vllm_sharded_loader.format.errors import (
 from vllm_sharded_loader.format.manifest import MAX_BLOCK_SIZE, MAX_DIMS, MAX_RANKS, RankEntry
 from vllm_sharded_loader.format.names import parse_file_name, staged_name, staged_token
 from vllm_sharded_loader.storage import integrity
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.lock import SaveLock, acquire_save_lock, read_lock, release_save_lock
 from vllm_sharded_loader.tools.cli import main as cli
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
@@ -280,7 +281,7 @@ def test_checksum_verification_needs_checksums(tmp_path):
 
 def test_sound_checkpoint_verifies(tmp_path, capsys):
     save(tmp_path, max_size=300)
-    assert verify_checkpoint(str(tmp_path)) == []
+    assert verify_checkpoint(open_store(str(tmp_path))) == []
     assert cli(["verify", str(tmp_path)]) == 0
     assert "OK" in capsys.readouterr().out
     load(tmp_path, verify="checksum")
@@ -294,8 +295,10 @@ def save_carrying(directory: Path) -> Path:
     (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(200)}}}))
     (model / "generation_config.json").write_text('{"temperature": 0.6}')
     ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
-    save_checkpoint(str(directory), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=str(model)))
-    assert verify_checkpoint(str(directory)) == []
+    save_checkpoint(
+        str(directory), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=open_store(str(model)))
+    )
+    assert verify_checkpoint(open_store(str(directory))) == []
     return directory
 
 
@@ -310,7 +313,7 @@ def test_verify_names_a_carried_file_that_changed_or_was_deleted(tmp_path, capsy
     recorded = r"\d+ bytes, SHA-256 [0-9a-f]{16}\.\.\."
     remedy = r"Restore it from the model the checkpoint was saved from \(or copy the checkpoint again\), or save"
     missing = rf"{re.escape(str(generation))}: missing, but the save carried it \({recorded}\) .*{remedy}"
-    problems = verify_checkpoint(str(d))
+    problems = verify_checkpoint(open_store(str(d)))
     assert len(problems) == 2, problems
     assert re.fullmatch(missing + ".*", problems[0])
     assert re.fullmatch(
@@ -318,11 +321,12 @@ def test_verify_names_a_carried_file_that_changed_or_was_deleted(tmp_path, capsy
         rf"[0-9a-f]{{16}}\.\.\.: the file was modified after the save\. {remedy}.*",
         problems[1],
     )
-    assert verify_checkpoint(str(d), checksums=False) == problems[:1]  # same size: hashed only
+    assert verify_checkpoint(open_store(str(d)), checksums=False) == problems[:1]  # same size: hashed only
     tokenizer.write_bytes(tokenizer.read_bytes()[: size - 5])
     truncated = rf"{re.escape(str(tokenizer))}: {size - 5} bytes, but the save recorded {size} bytes, SHA-256 "
     assert re.match(
-        truncated + r".*the file is truncated or was replaced", verify_checkpoint(str(d), checksums=False)[1]
+        truncated + r".*the file is truncated or was replaced",
+        verify_checkpoint(open_store(str(d)), checksums=False)[1],
     )
     assert cli(["verify", str(d)]) == 1
     out = capsys.readouterr().out
@@ -337,7 +341,7 @@ def test_a_manifest_that_records_no_carried_files_verifies_and_says_so(tmp_path,
     edit_manifest(d, lambda m: m.pop("carried_files"))
     flip_bit(d / "tokenizer.json", 3)
     notes: list[str] = []
-    assert verify_checkpoint(str(d), notes=notes) == []
+    assert verify_checkpoint(open_store(str(d)), notes=notes) == []
     assert notes == [
         f"{d / MANIFEST_NAME} records no carried files (a save by an earlier version): the config, tokenizer and "
         "other files beside the parts were not checked. Save the checkpoint again to record them."
@@ -355,14 +359,16 @@ def test_an_empty_record_of_carried_files_beside_files_verifies_and_says_so(tmp_
     edit_manifest(d, lambda m: m.update(carried_files={}))
     flip_bit(d / "tokenizer.json", 3)
     notes: list[str] = []
-    assert verify_checkpoint(str(d), notes=notes) == []
+    assert verify_checkpoint(open_store(str(d)), notes=notes) == []
     assert len(notes) == 1 and notes[0].startswith(f"{d / MANIFEST_NAME} records no carried files, but "), notes
     assert "tokenizer.json" in notes[0] and "they were not checked" in notes[0]
     for name in set(os.listdir(d)) - read_manifest(str(d)).listed_files() - {MANIFEST_NAME}:
         path = d / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     notes.clear()
-    assert verify_checkpoint(str(d), notes=notes) == [] and notes == []  # nothing beside the parts: nothing to say
+    assert (
+        verify_checkpoint(open_store(str(d)), notes=notes) == [] and notes == []
+    )  # nothing beside the parts: nothing to say
 
 
 @pytest.mark.parametrize("own", ["model-rank-0-part-0.safetensors", MANIFEST_NAME])
@@ -380,10 +386,10 @@ def test_a_record_of_carried_files_naming_the_checkpoints_own_file_is_named_as_d
         rf"^{re.escape(str(d / MANIFEST_NAME))}: 'carried_files' records \['{re.escape(own)}'\], the checkpoint's own "
         r"files .* The manifest is damaged: save the checkpoint again\.$"
     )
-    problems = verify_checkpoint(str(d))
+    problems = verify_checkpoint(open_store(str(d)))
     assert len(problems) == 1 and re.match(damaged, problems[0]), problems
     with pytest.raises(CheckpointCorrupt, match=damaged):
-        reshard_checkpoint(str(d), str(tmp_path / "out"), 1)
+        reshard_checkpoint(open_store(str(d)), str(tmp_path / "out"), 1)
     assert not (tmp_path / "out").exists()
     assert cli(["inspect", str(d)]) == 2
     assert "'carried_files' records" in capsys.readouterr().err
@@ -404,7 +410,7 @@ def test_existing_checkpoint_is_not_overwritten_unless_asked(tmp_path):
     listed = sorted(f.name for entry in manifest.ranks for f in entry.files)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*listed, MANIFEST_NAME])
     assert [parse_file_name(manifest.pattern, n)["tp_rank"] for n in listed] == [0, 1]
-    assert verify_checkpoint(str(tmp_path)) == []
+    assert verify_checkpoint(open_store(str(tmp_path))) == []
 
 
 def test_save_while_another_runs_fails_clearly_and_takes_nothing(tmp_path):
@@ -467,7 +473,7 @@ def test_concurrent_saves_one_wins_the_other_fails_clearly(tmp_path):
     assert second.returncode != 0 and "another save holds" in err and "wait for it to finish" in err
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
-    assert verify_checkpoint(str(tmp_path)) == []
+    assert verify_checkpoint(open_store(str(tmp_path))) == []
 
 
 def test_interrupted_save_loses_nothing_and_can_be_redone(tmp_path):
@@ -485,11 +491,11 @@ def test_interrupted_save_loses_nothing_and_can_be_redone(tmp_path):
     load(tmp_path)
     # verify notes the dead save's leftovers, and finds nothing wrong with the checkpoint (issue 34, class 5).
     notes: list[str] = []
-    assert verify_checkpoint(str(tmp_path), notes=notes) == []
+    assert verify_checkpoint(open_store(str(tmp_path)), notes=notes) == []
     assert any(".partial" in n for n in notes) and any(LOCK_NAME in n for n in notes), notes
     # Saving again (overwrite) takes the stale lock over and removes the killed save's partial files.
     save(tmp_path, overwrite=True)
-    assert verify_checkpoint(str(tmp_path)) == []
+    assert verify_checkpoint(open_store(str(tmp_path))) == []
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial") or p.name == LOCK_NAME]
 
 
@@ -507,7 +513,7 @@ def test_full_disk_during_save_loses_nothing(tmp_path):
     assert "SaveRefused: Writing " in err and "File too large" in err and "previous checkpoint" in err
     assert snapshot(tmp_path) == before, "the failed save must remove its partial files and its lock"
     load(tmp_path)
-    assert verify_checkpoint(str(tmp_path)) == []
+    assert verify_checkpoint(open_store(str(tmp_path))) == []
 
 
 def test_save_refuses_escaping_or_colliding_patterns(tmp_path):
@@ -710,13 +716,17 @@ def refused_on_every_path(
         targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, tp_size, 1, 0, 0).items()}
         with pytest.raises(at_load, match=error):
             manifest = read_manifest(str(directory))
-            load_rank(LoadRequest(str(directory), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size))
+            load_rank(
+                LoadRequest(open_store(str(directory)), manifest, serving=source_of(model)),
+                targets,
+                RankInfo(0, tp_size),
+            )
         untouched = [n for n, t in targets.items() if not bool((t == -7).all())]
         assert not untouched, f"written before the TP={tp_size} load was refused: {untouched}"
     with pytest.raises(CheckpointCorrupt, match=error):
-        reshard_checkpoint(str(directory), str(out), tp_size=1)
+        reshard_checkpoint(open_store(str(directory)), str(out), tp_size=1)
     assert not out.exists() or not os.listdir(out), "a refused reshard must leave no output"
-    problems = verify_checkpoint(str(directory))
+    problems = verify_checkpoint(open_store(str(directory)))
     assert any(re.search(error, p) for p in problems), problems
 
 
@@ -836,13 +846,13 @@ def test_a_checkpoint_of_an_earlier_version_without_digests_passes_every_path(tm
     for tp_size, verify in itertools.product((2, 1), ("size", "checksum")):
         expected = stage_state(model, tp_size, 1, 0, 0)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        request = LoadRequest(str(directory), manifest, verify=verify, serving=source_of(model))
+        request = LoadRequest(open_store(str(directory)), manifest, verify=verify, serving=source_of(model))
         load_rank(request, targets, RankInfo(0, tp_size))
         assert all(torch.equal(targets[n], x) for n, x in expected.items())
-    assert verify_checkpoint(str(directory)) == []
-    reshard_checkpoint(str(directory), str(tmp_path / "out"), tp_size=1)
+    assert verify_checkpoint(open_store(str(directory))) == []
+    reshard_checkpoint(open_store(str(directory)), str(tmp_path / "out"), tp_size=1)
     assert all(f.digest for entry in read_manifest(str(tmp_path / "out")).ranks for f in entry.files)
-    assert verify_checkpoint(str(tmp_path / "out")) == []
+    assert verify_checkpoint(open_store(str(tmp_path / "out"))) == []
 
 
 def test_a_part_of_a_later_save_beside_a_manifest_without_digests_is_refused_on_every_path(tmp_path, capsys):
@@ -906,11 +916,13 @@ def test_sound_reshardable_checkpoint_passes_every_path(tmp_path):
     for tp_size in (2, 1):
         expected = stage_state(model, tp_size, 1, 0, 0)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(LoadRequest(str(directory), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size))
+        load_rank(
+            LoadRequest(open_store(str(directory)), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size)
+        )
         assert all(torch.equal(targets[n], x) for n, x in expected.items())
-    reshard_checkpoint(str(directory), str(tmp_path / "out"), tp_size=1)
-    assert verify_checkpoint(str(tmp_path / "out")) == []
-    assert verify_checkpoint(str(directory)) == []
+    reshard_checkpoint(open_store(str(directory)), str(tmp_path / "out"), tp_size=1)
+    assert verify_checkpoint(open_store(str(tmp_path / "out"))) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 @pytest.mark.parametrize("unrecorded", [False, True])
@@ -941,7 +953,7 @@ def test_a_folder_named_like_a_part_in_the_output_is_left_alone_and_the_reshard_
     checkpoint was published, and left its lock behind."""
     directory, out = tmp_path / "ckpt", tmp_path / "out"
     save_reshardable(directory)
-    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    reshard_checkpoint(open_store(str(directory)), str(out), tp_size=1)
     folder = out / "model-rank-7-part-0.safetensors"
     folder.mkdir()
     (folder / "notes.txt").write_text("not ours")
@@ -949,7 +961,7 @@ def test_a_folder_named_like_a_part_in_the_output_is_left_alone_and_the_reshard_
     assert (folder / "notes.txt").read_text() == "not ours"
     assert not (out / LOCK_NAME).exists()
     assert read_manifest(str(out)).tp_size == 2
-    assert [p for p in verify_checkpoint(str(out)) if folder.name not in p] == []
+    assert [p for p in verify_checkpoint(open_store(str(out))) if folder.name not in p] == []
 
 
 def test_a_stale_part_that_cannot_be_removed_after_the_publish_is_reported_as_such(tmp_path, capsys):
@@ -962,7 +974,7 @@ def test_a_stale_part_that_cannot_be_removed_after_the_publish_is_reported_as_su
         pytest.skip("needs chattr to make a file that not even root can remove")
     directory, out = tmp_path / "ckpt", tmp_path / "out"
     save_reshardable(directory)
-    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    reshard_checkpoint(open_store(str(directory)), str(out), tp_size=1)
     stale = out / "model-rank-7-part-0.safetensors"
     stale.write_bytes(b"an older save's part")
     if subprocess.run(["chattr", "+i", str(stale)], capture_output=True).returncode != 0:
@@ -973,7 +985,7 @@ def test_a_stale_part_that_cannot_be_removed_after_the_publish_is_reported_as_su
         assert "published and complete" in err and stale.name in err and "Save again" in err, err
         assert "Traceback" not in err
         assert read_manifest(str(out)).tp_size == 2
-        assert [p for p in verify_checkpoint(str(out)) if stale.name not in p and LOCK_NAME not in p] == []
+        assert [p for p in verify_checkpoint(open_store(str(out))) if stale.name not in p and LOCK_NAME not in p] == []
     finally:
         subprocess.run(["chattr", "-i", str(stale)], check=True)
 
@@ -1036,7 +1048,9 @@ def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, t
     targets = {n: torch.full_like(x, -7) for n, x in old.items()}
     with pytest.raises(CheckpointCorrupt, match=r"\.safetensors: the file was replaced or modified during the load"):
         load_rank(
-            LoadRequest(str(directory), manifest, serving=source_of(RESHARD_MODEL)), targets, RankInfo(0, tp_size)
+            LoadRequest(open_store(str(directory)), manifest, serving=source_of(RESHARD_MODEL)),
+            targets,
+            RankInfo(0, tp_size),
         )
     assert calls, "the read step ran"
     # Not a mix either: every byte was read through the descriptors of the files checked,
@@ -1048,7 +1062,7 @@ def test_checkpoint_replaced_during_the_load_is_refused(tmp_path, monkeypatch, t
     new = stage_state(llama_like(num_layers=2, vocab=128, kv_heads=2, seed=1), tp_size, 1, 0, 0)
     assert any(not torch.equal(new[n], old[n]) for n in new)
     targets = {n: torch.full_like(x, -7) for n, x in new.items()}
-    load_rank(LoadRequest(str(directory), read_manifest(str(directory))), targets, RankInfo(0, tp_size))
+    load_rank(LoadRequest(open_store(str(directory)), read_manifest(str(directory))), targets, RankInfo(0, tp_size))
     assert all(torch.equal(targets[n], x) for n, x in new.items())
 
 
@@ -1098,7 +1112,7 @@ def test_a_load_refused_after_its_reads_hands_no_mapped_tensor_to_the_model(tmp_
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     adopted: list[str] = []
     adopt = {n: (lambda t, n=n: adopted.append(n)) for n in targets}
-    request = LoadRequest(str(directory), read_manifest(str(directory)), serving=source_of(RESHARD_MODEL))
+    request = LoadRequest(open_store(str(directory)), read_manifest(str(directory)), serving=source_of(RESHARD_MODEL))
     options = ReadOptions(threads=1, progress=modify_before_the_reads)
     with pytest.raises(CheckpointCorrupt, match=r"\.safetensors: the file was replaced or modified during the load"):
         load_rank(request, targets, RankInfo(0, tp_size), options, adopt)
@@ -1107,7 +1121,9 @@ def test_a_load_refused_after_its_reads_hands_no_mapped_tensor_to_the_model(tmp_
     # Sound, the same load hands every mapped tensor over.
     sound = tmp_path / "sound"
     save_reshardable(sound)
-    load_rank(LoadRequest(str(sound), read_manifest(str(sound))), targets, RankInfo(0, tp_size), adopt=adopt)
+    load_rank(
+        LoadRequest(open_store(str(sound)), read_manifest(str(sound))), targets, RankInfo(0, tp_size), adopt=adopt
+    )
     assert adopted
 
 
@@ -1131,7 +1147,7 @@ def test_a_part_truncated_before_its_rows_are_mapped_is_named(tmp_path, monkeypa
     monkeypatch.setattr(lowering, "map_file_range", truncate_first)
     expected = stage_state(RESHARD_MODEL, 1, 1, 0, 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    request = LoadRequest(str(directory), read_manifest(str(directory)), serving=source_of(RESHARD_MODEL))
+    request = LoadRequest(open_store(str(directory)), read_manifest(str(directory)), serving=source_of(RESHARD_MODEL))
     with pytest.raises(CheckpointCorrupt, match=r"rank-0-part-0\.safetensors: file ended at byte \d+ while reading"):
         load_rank(request, targets, RankInfo(0, 1), adopt={})  # a load that may map the files
     assert truncated, "the rows of a dim-1 split were mapped"
@@ -1145,6 +1161,7 @@ TRUNCATED_BEFORE_THE_ROWS_ARE_COPIED = textwrap.dedent(
     from tests.support.checkpoints import RESHARD_MODEL, save_reshardable, source_of, stage_state
     from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
     from vllm_sharded_loader.format import ShardedStateError
+    from vllm_sharded_loader.storage.location import open_store
 
     directory = Path(sys.argv[1])
     save_reshardable(directory)
@@ -1158,7 +1175,7 @@ TRUNCATED_BEFORE_THE_ROWS_ARE_COPIED = textwrap.dedent(
     lowering._copy_rows = truncated_first
     targets = {n: torch.full_like(x, -7) for n, x in stage_state(RESHARD_MODEL, 1, 1, 0, 0).items()}
     try:
-        load_rank(LoadRequest(str(directory), read_manifest(str(directory))), targets, RankInfo(0, 1))
+        load_rank(LoadRequest(open_store(str(directory)), read_manifest(str(directory))), targets, RankInfo(0, 1))
     except ShardedStateError as e:
         print("REFUSED", e)
     """
@@ -1196,7 +1213,7 @@ def test_save_running_when_the_reads_end_leaves_the_load_whole(tmp_path, monkeyp
     monkeypatch.setattr(load_module, "read_files", reads_while_a_save_starts)
     expected = stage_state(RESHARD_MODEL, 2, 1, 0, 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(LoadRequest(str(directory), read_manifest(str(directory))), targets, RankInfo(0, 2))
+    load_rank(LoadRequest(open_store(str(directory)), read_manifest(str(directory))), targets, RankInfo(0, 2))
     assert locks, "the save started during the load"
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     release_save_lock(locks[0])
@@ -1215,11 +1232,11 @@ def test_offline_reshard_during_a_save_writes_one_checkpoint(tmp_path, monkeypat
     calls: list[int] = []
     saves_over = first_call_saves_over(directory, lowering.read_pieces, calls, max_size=1)
     monkeypatch.setattr(lowering, "read_pieces", saves_over)
-    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    reshard_checkpoint(open_store(str(directory)), str(out), tp_size=1)
     assert calls
     expected = stage_state(RESHARD_MODEL, 1, 1, 0, 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(LoadRequest(str(out), read_manifest(str(out)), verify="checksum"), targets, RankInfo(0, 1))
+    load_rank(LoadRequest(open_store(str(out)), read_manifest(str(out)), verify="checksum"), targets, RankInfo(0, 1))
     assert all(torch.equal(targets[n], x) for n, x in expected.items()), "the output mixes two checkpoints"
 
 
@@ -1351,13 +1368,15 @@ def test_two_saves_over_a_stale_lock_one_publishes_the_other_fails_clearly(tmp_p
                 p.wait()
 
     # Published whole: no lock, no staged file (the dead save's removed by the winner), sound.
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
     assert not staged_files(directory) and not (directory / LOCK_NAME).exists()
     value = {"a": 1.0, "b": 2.0}[winner]
     for rank in range(2):
         targets = {"w": torch.zeros(64, 16)}
         load_rank(
-            LoadRequest(str(directory), read_manifest(str(directory)), verify="checksum"), targets, RankInfo(rank, 2)
+            LoadRequest(open_store(str(directory)), read_manifest(str(directory)), verify="checksum"),
+            targets,
+            RankInfo(rank, 2),
         )
         assert bool((targets["w"] == value).all())
 
@@ -1371,7 +1390,7 @@ def test_a_users_files_shaped_like_staged_names_are_left_alone(tmp_path):
     save(tmp_path)
     save(tmp_path)  # over a checkpoint too
     assert [(tmp_path / name).read_text() for name in mine] == ["the user's"] * len(mine)
-    assert verify_checkpoint(str(tmp_path)) == []
+    assert verify_checkpoint(open_store(str(tmp_path))) == []
 
 
 def test_a_users_files_shaped_like_a_locks_staging_name_are_left_alone(tmp_path):
@@ -1393,7 +1412,6 @@ def test_a_users_files_shaped_like_a_locks_staging_name_are_left_alone(tmp_path)
 def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(tmp_path):
     """A save's publish and clean-up remove the staged files of its save, of the save whose lock it took
     over and of owners that are gone, never those of a live owner (an engine's capture)."""
-    from vllm_sharded_loader.storage.location import open_store
     from vllm_sharded_loader.storage.lock import OWNER_MARKER, hold_owner_marker, release_owner_marker
 
     manifest = save(tmp_path)
@@ -1412,10 +1430,10 @@ def test_publishing_removes_only_its_own_and_the_taken_over_saves_staged_files(t
     assert not (tmp_path / LOCK_NAME).exists()
     load(tmp_path)
     # `verify` does not list a live owner's files; once the owner is gone, it notes them (not a problem).
-    assert verify_checkpoint(str(tmp_path)) == []
+    assert verify_checkpoint(open_store(str(tmp_path))) == []
     release_owner_marker(str(tmp_path), other, owner)
     notes: list[str] = []
-    assert verify_checkpoint(str(tmp_path), notes=notes) == []
+    assert verify_checkpoint(open_store(str(tmp_path)), notes=notes) == []
     assert any("a staged file or owner marker of a save or engine that is gone" in n for n in notes), notes
 
 

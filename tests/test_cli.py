@@ -18,6 +18,7 @@ from tests.support.states import OverwritingProgress, save
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.tools.cli import main as cli
 
 
@@ -127,7 +128,7 @@ def test_verify_of_a_checkpoint_that_a_save_replaces_meanwhile_verifies_the_new_
     first = read_manifest(str(directory))
     notes: list[str] = []
     progress = OverwritingProgress(directory, saves=1)
-    assert verify_checkpoint(str(directory), notes=notes, progress=progress) == []
+    assert verify_checkpoint(open_store(str(directory)), notes=notes, progress=progress) == []
     assert read_manifest(str(directory)) != first
     assert notes == [
         f"{directory / MANIFEST_NAME}: a save replaced the checkpoint while it was being verified (it published "
@@ -138,7 +139,7 @@ def test_verify_of_a_checkpoint_that_a_save_replaces_meanwhile_verifies_the_new_
 
     # Bounded: a second save during the second pass ends the verify with that, not a third pass.
     progress = OverwritingProgress(directory, saves=3)
-    assert verify_checkpoint(str(directory), progress=progress) == [
+    assert verify_checkpoint(open_store(str(directory)), progress=progress) == [
         f"{directory / MANIFEST_NAME}: a save replaced the checkpoint while it was being verified, and another "
         "replaced that one while it was verified again; run verify again once no save writes into it."
     ]
@@ -228,7 +229,7 @@ def test_reshard_offline_then_load_without_resharding(checkpoint, tmp_path, tp, 
         for t in range(tp):
             expected = stage_state(model, tp, pp, t, p)
             targets = {n: torch.zeros_like(x) for n, x in expected.items()}
-            stats = load_rank(LoadRequest(str(out), manifest), targets, RankInfo(t, tp, p, pp))
+            stats = load_rank(LoadRequest(open_store(str(out)), manifest), targets, RankInfo(t, tp, p, pp))
             assert stats.resharded_from is None  # written for this topology: a plain load
             for name, x in expected.items():
                 assert torch.equal(targets[name], x), name

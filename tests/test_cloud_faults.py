@@ -32,6 +32,7 @@ from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.format.errors import CheckpointLocked, SaveFailedAfterPublish, StorageError
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import object_lock, objects
+from vllm_sharded_loader.storage.location import open_store
 
 BUCKET = "faults"
 
@@ -111,7 +112,7 @@ def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(
         assert proxy.dropped
     assert container_digest(store) == before
     load_from(url, model, 2, 0)
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_whole(store):
@@ -124,7 +125,7 @@ def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_
             overwrite_at_tp1(url, model)
         assert proxy.dropped
     assert read_manifest(url) == manifest
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
     load_from(url, model, 2, 0)
     assert container_digest(store) == before
 
@@ -178,13 +179,15 @@ def test_a_stale_part_the_cleanup_cannot_delete_fails_after_the_publish_and_free
             overwrite_at_tp1(url, model)
         # The store's refusal is named (a lease), not sent to the endpoint and credentials.
         assert "lease" in str(raised.value) and "credentials" not in str(raised.value), raised.value
-        assert read_manifest(url).tp_size == 1 and verify_checkpoint(url) != []  # the leased part is left over
+        assert (
+            read_manifest(url).tp_size == 1 and verify_checkpoint(open_store(url)) != []
+        )  # the leased part is left over
         assert LOCK_NAME not in keys(store, url)
     finally:
         lease.release()
     new = overwrite_at_tp1(url, model)
     assert keys(store, url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def test_a_leased_manifest_is_refused_for_its_lease_not_as_another_saves_publish(store):
@@ -201,7 +204,7 @@ def test_a_leased_manifest_is_refused_for_its_lease_not_as_another_saves_publish
         assert "another save" not in str(raised.value)
     finally:
         lease.release()
-    assert read_manifest(url) == manifest and verify_checkpoint(url) == []
+    assert read_manifest(url) == manifest and verify_checkpoint(open_store(url)) == []
     assert container_digest(store) == before
 
 
@@ -260,4 +263,4 @@ def test_a_save_that_cannot_read_its_lock_back_fails_as_such_and_keeps_the_old_c
     load_from(url, model, 2, 0)
     object_lock.release_lock(where)  # as the error says, for a lock it could not release
     overwrite_at_tp1(url, model)
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []

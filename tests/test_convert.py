@@ -45,6 +45,7 @@ from vllm_sharded_loader.format.errors import (
     RankStopped,
     ShardedStateError,
 )
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.tools.convert import AHEAD, ComponentCache, ConvertOptions, convert_checkpoint
 
 MANIFEST = "sharded_state.json"
@@ -467,7 +468,7 @@ def test_a_sharded_checkpoint_given_as_the_source_is_named_as_one_and_nothing_is
 
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
     convert(sources["llama"], str(tp2), 2)
-    reshard_checkpoint(str(tp2), str(tp1), 1)
+    reshard_checkpoint(open_store(str(tp2)), str(tp1), 1)
     for checkpoint in (tp2, tp1):
         out = tmp_path / f"from-{checkpoint.name}"
         with pytest.raises(
@@ -609,7 +610,6 @@ def s3(seaweed):
 
 
 def upload(folder: str, url: str) -> None:
-    from vllm_sharded_loader.storage.location import open_store
 
     store = open_store(url)
     for name in sorted(os.listdir(folder)):

@@ -31,6 +31,7 @@ from vllm_sharded_loader.format.errors import (
 )
 from vllm_sharded_loader.storage import objects
 from vllm_sharded_loader.storage.local import read_header
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
 
 CONFIG = {"hidden_size": 8, "vocab_size": 16, "num_hidden_layers": 1}
@@ -57,7 +58,9 @@ def save(directory, tp_size: int = 1, overwrite: bool = True):
 def load(directory, tp_rank: int = 0, tp_size: int = 1):
     targets = saveable_state(state(tp_rank, tp_size, fill=7))
     rank = RankInfo(tp_rank, tp_size)
-    return load_rank(LoadRequest(str(directory), read_manifest(str(directory)), serving=SOURCE), targets, rank)
+    return load_rank(
+        LoadRequest(open_store(str(directory)), read_manifest(str(directory)), serving=SOURCE), targets, rank
+    )
 
 
 def raised(kind: type[ShardedStateError], call, *args, **kw) -> ShardedStateError:
@@ -128,7 +131,13 @@ def test_another_model_is_a_mismatch(tmp_path):
     manifest = read_manifest(str(tmp_path))
     other = SourceModel("OtherForCausalLM", config_sha256({"x": 1}), normalize_config({"x": 1}))
     targets = saveable_state(state(0, 1, fill=7))
-    raised(CheckpointMismatch, load_rank, LoadRequest(str(tmp_path), manifest, serving=other), targets, RankInfo(0, 1))
+    raised(
+        CheckpointMismatch,
+        load_rank,
+        LoadRequest(open_store(str(tmp_path)), manifest, serving=other),
+        targets,
+        RankInfo(0, 1),
+    )
 
 
 def test_a_running_save_locks_the_folder(tmp_path):
@@ -166,7 +175,7 @@ def test_a_file_pattern_without_its_part_field_is_an_invalid_option(tmp_path):
 def test_an_unknown_verification_mode_is_an_invalid_option(tmp_path):
     save(tmp_path)
     targets = saveable_state(state(0, 1, fill=7))
-    request = LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="bytes", serving=SOURCE)
+    request = LoadRequest(open_store(str(tmp_path)), read_manifest(str(tmp_path)), verify="bytes", serving=SOURCE)
     raised(InvalidOption, load_rank, request, targets, RankInfo(0, 1))
 
 

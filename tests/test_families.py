@@ -27,6 +27,7 @@ from tests.support.engines import (
     run_engine,
     skip_without_int4,
 )
+from vllm_sharded_loader.storage.location import open_store
 
 pytestmark = pytest.mark.engine
 
@@ -109,7 +110,7 @@ def test_an_eagle_drafter_next_to_a_sharded_target(tmp_path):
     engine = family_engine_args(model, "eagle")
     saved = run_engine({"model": model, "tp": 2, "engine": engine, "capture_dir": str(out), "save_to": str(out)}).result
     assert saved.get("saved"), saved
-    assert verify_checkpoint(str(out)) == []  # no staged file of the drafter's left behind
+    assert verify_checkpoint(open_store(str(out))) == []  # no staged file of the drafter's left behind
     served = run_engine({"model": str(out), "tp": 2, "engine": engine, "load_format": "sharded_state"})
     assert served.result["token_ids"] == saved["token_ids"]
     assert "speculative drafter" in served.output and "holds no sharded checkpoint" in served.output

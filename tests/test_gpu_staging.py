@@ -15,6 +15,7 @@ from tests.support.pagecache import evict
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum
 from vllm_sharded_loader.format.errors import CheckpointCorrupt
 from vllm_sharded_loader.storage import direct, local, tensor_files
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.reader import ReadOptions
 
 pytestmark = pytest.mark.skipif(
@@ -113,7 +114,9 @@ def test_a_resharded_load_lands_on_the_gpu_as_on_the_cpu(tmp_path, monkeypatch, 
             expected = stage_state(model, tp_size, pp_size, t, p)
             targets = {name: torch.full_like(x, -7, device="cuda") for name, x in expected.items()}
             stats = load_rank(
-                LoadRequest(str(tmp_path), manifest, verify=verify, serving=source_of(model), tied=model.tied_groups),
+                LoadRequest(
+                    open_store(str(tmp_path)), manifest, verify=verify, serving=source_of(model), tied=model.tied_groups
+                ),
                 targets,
                 RankInfo(t, tp_size, p, pp_size),
             )

@@ -27,6 +27,7 @@ from tests.support.engines import package_process, python_process
 from tests.support.states import save
 from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME
 from vllm_sharded_loader.format.errors import SaveRefused
+from vllm_sharded_loader.storage.location import open_store
 
 BOUND_S = 60  # generous: each case takes well under a second when it does not hang
 
@@ -122,19 +123,21 @@ def make_special(path: Path, kind: str) -> None:
 
 
 SLOTS = {
-    # slot -> (file name in the checkpoint, code run on the checkpoint folder D, text the error names)
+    # slot -> (file name in the checkpoint, code run on the checkpoint folder D (its store S), text the error names)
     "manifest (load)": (MANIFEST_NAME, "load(D)", MANIFEST_NAME),
     "part (load)": ("model-rank-0-part-0.safetensors", "load(D)", "model-rank-0-part-0.safetensors"),
-    "part (verify)": ("model-rank-1-part-0.safetensors", "print(verify_checkpoint(D))", "model-rank-1-part-0"),
+    "part (verify)": ("model-rank-1-part-0.safetensors", "print(verify_checkpoint(S))", "model-rank-1-part-0"),
     "lock (load)": (LOCK_NAME, "load(D)", LOCK_NAME),
-    "manifest (inspect)": (MANIFEST_NAME, "inspect_checkpoint(D)", MANIFEST_NAME),
+    "manifest (inspect)": (MANIFEST_NAME, "inspect_checkpoint(S)", MANIFEST_NAME),
 }
 CODE = """
 from tests.support.states import load
 from vllm_sharded_loader.checkpoint import verify_checkpoint
 from vllm_sharded_loader.tools.offline import inspect_checkpoint
 from vllm_sharded_loader.format import ShardedStateError
+from vllm_sharded_loader.storage.location import open_store
 D = {directory!r}
+S = open_store(D)
 try:
     {call}
 except ShardedStateError as e:
@@ -332,10 +335,10 @@ def test_verify_names_a_special_file_among_a_checkpoints_carried_files(tmp_path)
 
     checkpoint = tmp_path / "ckpt"
     save(checkpoint)
-    assert verify_checkpoint(str(checkpoint)) == []
+    assert verify_checkpoint(open_store(str(checkpoint))) == []
     make_special(checkpoint / "config.json", "fifo")
     (checkpoint / "tokenizer").mkdir()
-    problems = verify_checkpoint(str(checkpoint))
+    problems = verify_checkpoint(open_store(str(checkpoint)))
     assert problems == [
         f"{checkpoint / 'config.json'} is a FIFO, where a regular file was expected; refusing to read it. Replace "
         "it with the real file (copy or save the checkpoint again)."
@@ -357,10 +360,12 @@ def test_verify_names_a_fifo_where_the_save_carried_a_config_without_blocking(tm
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
     ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
-    save_checkpoint(str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=str(model)))
+    save_checkpoint(
+        str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=open_store(str(model)))
+    )
     make_special(checkpoint / "config.json", "fifo")
     found: list[list[str]] = []
-    thread = threading.Thread(target=lambda: found.append(verify_checkpoint(str(checkpoint))), daemon=True)
+    thread = threading.Thread(target=lambda: found.append(verify_checkpoint(open_store(str(checkpoint)))), daemon=True)
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive(), "verify blocks on the FIFO"
@@ -385,10 +390,12 @@ def test_verify_names_a_carried_file_that_links_out_of_the_checkpoint_without_re
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
     ranks = {RankInfo(r, 2): saveable_state(rank_state(r, 2)) for r in range(2)}
-    save_checkpoint(str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=str(model)))
+    save_checkpoint(
+        str(checkpoint), ranks, dtype="bfloat16", source=SOURCE, options=SaveOptions(carry=open_store(str(model)))
+    )
     (checkpoint / "config.json").unlink()
     (checkpoint / "config.json").symlink_to(model / "config.json")
-    problems = verify_checkpoint(str(checkpoint))
+    problems = verify_checkpoint(open_store(str(checkpoint)))
     assert len(problems) == 1 and problems[0].startswith(
         f"{checkpoint / 'config.json'} resolves to {model / 'config.json'}, outside the checkpoint directory "
         f"{checkpoint} (a symlink or path that escapes it); refusing to read it. Copy the real file into the "
@@ -399,7 +406,6 @@ def test_verify_names_a_carried_file_that_links_out_of_the_checkpoint_without_re
 def test_a_safetensors_index_that_is_a_fifo_or_names_files_outside_its_folder_is_refused(tmp_path):
     from vllm_sharded_loader.format.errors import CheckpointCorrupt
     from vllm_sharded_loader.storage.hf_source import INDEX_NAME, weight_files
-    from vllm_sharded_loader.storage.location import open_store
 
     source = model_folder(tmp_path / "model")
     for outside in ("../model.safetensors", str(source / "model.safetensors"), ".."):
@@ -432,7 +438,6 @@ def test_a_safetensors_index_that_names_no_file_is_refused_naming_it(tmp_path, i
     listing raised a bare TypeError or RecursionError, a traceback instead of the index's name."""
     from vllm_sharded_loader.format.errors import CheckpointCorrupt
     from vllm_sharded_loader.storage.hf_source import INDEX_NAME, read_ahead, weight_files
-    from vllm_sharded_loader.storage.location import open_store
 
     source = model_folder(tmp_path / "model")
     (source / INDEX_NAME).write_text(index)
@@ -460,7 +465,7 @@ def test_a_modules_json_nested_past_the_recursion_limit_names_no_module_folder(t
     checkpoint = tmp_path / "ckpt"
     save(checkpoint)
     (checkpoint / "modules.json").write_text(NESTED_PAST_THE_RECURSION_LIMIT)
-    verify_checkpoint(str(checkpoint), checksums=False)
+    verify_checkpoint(open_store(str(checkpoint)), checksums=False)
 
 
 def test_a_lock_file_nested_past_the_recursion_limit_is_a_lock_of_unknown_holder(tmp_path):
@@ -468,14 +473,13 @@ def test_a_lock_file_nested_past_the_recursion_limit_is_a_lock_of_unknown_holder
     convert's look at its output (``is_locked``), a save into it and verify raised a bare RecursionError."""
     from vllm_sharded_loader.checkpoint import verify_checkpoint
     from vllm_sharded_loader.format.errors import CheckpointLocked
-    from vllm_sharded_loader.storage.location import open_store
 
     checkpoint = tmp_path / "ckpt"
     save(checkpoint)
     (checkpoint / LOCK_NAME).write_text(NESTED_PAST_THE_RECURSION_LIMIT)
     assert open_store(str(checkpoint)).is_locked()
     notes: list[str] = []
-    assert verify_checkpoint(str(checkpoint), checksums=False, notes=notes) == []
+    assert verify_checkpoint(open_store(str(checkpoint)), checksums=False, notes=notes) == []
     died = f"{checkpoint / LOCK_NAME} (pid ? on ?, ?): the lock of a save that died"
     assert any(note.startswith(died) for note in notes), notes
     with pytest.raises(CheckpointLocked, match=r"that save was interrupted .*Save again with overwrite"):
@@ -605,10 +609,10 @@ def test_a_folder_link_out_of_the_checkpoint_is_not_walked_nor_carried(tmp_path)
     (outside / "secret.txt").write_text("not the checkpoint's")
     os.mkfifo(outside / "pipe")
     (directory / "extra").symlink_to(outside)
-    assert verify_checkpoint(str(directory)) == []
-    reshard_checkpoint(str(directory), str(out), tp_size=1)
+    assert verify_checkpoint(open_store(str(directory))) == []
+    reshard_checkpoint(open_store(str(directory)), str(out), tp_size=1)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-rank-0-part-0.safetensors", MANIFEST_NAME]
-    assert verify_checkpoint(str(out)) == []
+    assert verify_checkpoint(open_store(str(out))) == []
 
 
 def test_a_manifest_naming_a_part_with_a_number_of_thousands_of_digits_is_refused_naming_it(tmp_path, capsys):
@@ -653,6 +657,7 @@ def test_a_tied_group_of_many_names_costs_time_and_memory_linear_in_it(tmp_path)
         from tests.support.manifests import edit_manifest
         from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
         from vllm_sharded_loader.tools.offline import reshard_checkpoint
+        from vllm_sharded_loader.storage.location import open_store
 
         directory = {str(directory)!r}
         save_reshardable(directory)
@@ -663,9 +668,10 @@ def test_a_tied_group_of_many_names_costs_time_and_memory_linear_in_it(tmp_path)
         resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
         expected = stage_state(RESHARD_MODEL, 2, 1, 0, 0)
         targets = {{name: torch.zeros_like(x) for name, x in expected.items()}}
-        load_rank(LoadRequest(directory, read_manifest(directory), geometry=geometry), targets, RankInfo(0, 2))
+        request = LoadRequest(open_store(directory), read_manifest(directory), geometry=geometry)
+        load_rank(request, targets, RankInfo(0, 2))
         assert all(torch.equal(targets[name], x) for name, x in expected.items())
-        reshard_checkpoint(directory, {str(tmp_path / "out")!r}, 1)
+        reshard_checkpoint(open_store(directory), {str(tmp_path / "out")!r}, 1)
         print("loaded and resharded")
     """
     out = run(code, fresh=True)
@@ -686,6 +692,7 @@ def test_a_geometry_of_the_most_segments_allowed_is_planned_in_bounded_time(tmp_
         from tests.support.checkpoints import save_reshardable
         from tests.support.manifests import edit_manifest
         from vllm_sharded_loader.format import CheckpointCorrupt
+        from vllm_sharded_loader.storage.location import open_store
         from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
         segments, name = {MAX_SEGMENTS}, "model.norm.weight"
@@ -704,7 +711,7 @@ def test_a_geometry_of_the_most_segments_allowed_is_planned_in_bounded_time(tmp_
         save_reshardable({str(directory)!r})
         edit_manifest(Path({str(directory)!r}), edit)
         try:
-            reshard_checkpoint({str(directory)!r}, {str(tmp_path / "out")!r}, 1)
+            reshard_checkpoint(open_store({str(directory)!r}), {str(tmp_path / "out")!r}, 1)
         except CheckpointCorrupt as e:
             print(e)
     """

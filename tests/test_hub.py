@@ -57,12 +57,16 @@ def test_a_rank_resolves_and_opens_only_its_own_files(hub_cache):
     assert not set(mine) & rank1_files
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {n: torch.zeros_like(x) for n, x in expected.items()}
-    stats = load_rank(LoadRequest(snapshot, read_manifest(snapshot), verify="checksum"), targets, RankInfo(0, 2))
+    stats = load_rank(
+        LoadRequest(open_store(snapshot), read_manifest(snapshot), verify="checksum"), targets, RankInfo(0, 2)
+    )
     assert {os.path.basename(f) for f in stats.files} == set(mine)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     # Rank 1 would need the files that are not there, and says which.
     with pytest.raises(CheckpointNotFound, match=r"model-rank-1-part-0.safetensors: listed in .* but missing"):
-        load_rank(LoadRequest(snapshot, read_manifest(snapshot)), stage_state(model, 2, 1, 1, 0), RankInfo(1, 2))
+        load_rank(
+            LoadRequest(open_store(snapshot), read_manifest(snapshot)), stage_state(model, 2, 1, 1, 0), RankInfo(1, 2)
+        )
 
 
 def test_fetch_patterns_of_each_rank(hub_cache):
@@ -90,7 +94,9 @@ def test_symlink_out_of_the_repository_is_refused(hub_cache):
     model = llama_like(num_layers=2)
     with pytest.raises(CheckpointCorrupt):
         load_rank(
-            LoadRequest(str(snapshot), read_manifest(str(snapshot))), stage_state(model, 2, 1, 0, 0), RankInfo(0, 2)
+            LoadRequest(open_store(str(snapshot)), read_manifest(str(snapshot))),
+            stage_state(model, 2, 1, 0, 0),
+            RankInfo(0, 2),
         )
 
 
@@ -98,7 +104,7 @@ def _load_rank0(snapshot: str) -> None:
     model = llama_like(num_layers=2)
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {n: torch.zeros_like(x) for n, x in expected.items()}
-    load_rank(LoadRequest(snapshot, read_manifest(snapshot), verify="checksum"), targets, RankInfo(0, 2))
+    load_rank(LoadRequest(open_store(snapshot), read_manifest(snapshot), verify="checksum"), targets, RankInfo(0, 2))
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
@@ -193,7 +199,7 @@ def test_a_snapshot_link_into_the_rest_of_its_repository_is_refused(hub_cache, i
         resolve_source(REPO)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(llama_like(num_layers=2), 2, 1, 0, 0).items()}
     with pytest.raises(CheckpointCorrupt, match=refused):  # (size-checked, as loads are by default)
-        load_rank(LoadRequest(str(snapshot), read_manifest(str(snapshot))), targets, RankInfo(0, 2))
+        load_rank(LoadRequest(open_store(str(snapshot)), read_manifest(str(snapshot))), targets, RankInfo(0, 2))
 
 
 @pytest.fixture

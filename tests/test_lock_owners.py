@@ -28,6 +28,7 @@ from tests.support.states import load, save
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.errors import CheckpointLocked, ShardedStateError
 from vllm_sharded_loader.format.names import LOCK_NAME
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.lock import flock_problem, owner_is_alive, read_lock, save_is_running
 
 
@@ -126,7 +127,7 @@ def test_dead_owner_from_another_uts_and_pid_namespace_is_taken_over(tmp_path):
     # The next save allowed to take it over does, publishes, and removes the dead save's staged files.
     save(directory, tp_size=1, overwrite=True)
     assert not (directory / LOCK_NAME).exists()
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
     assert sorted(p.name for p in directory.iterdir() if p.name.startswith(".")) == []
     load(directory, tp_size=1)
 
@@ -147,7 +148,7 @@ def test_live_owner_in_another_namespace_is_never_taken_over(tmp_path):
     finally:
         kill(proc, directory)
     save(directory, overwrite=True)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 # /proc/self/mountinfo lines: (mount id, parent, dev, root, point, options, [optional,] -, type, source, super options)
@@ -211,7 +212,7 @@ def test_a_lock_without_flock_whose_pid_runs_here_is_still_judged_by_its_flock(t
     with pytest.raises(CheckpointLocked, match="interrupted \\(or is one of an older version\\)"):
         save(directory, overwrite=False)
     save(directory, overwrite=True)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 # A live process that holds the flock of the file it is given, and says so.
@@ -278,7 +279,7 @@ def test_a_lock_staging_name_left_by_a_killed_save_goes_with_the_next_save_and_a
         fcntl.flock(fd, fcntl.LOCK_EX)
         save(directory)
         assert not dead.exists() and live.exists()
-        assert verify_checkpoint(str(directory)) == []
+        assert verify_checkpoint(open_store(str(directory))) == []
     finally:
         os.close(fd)
     save(directory)

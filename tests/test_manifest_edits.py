@@ -47,6 +47,7 @@ from tests.support.reference import Model, llama_like
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest, verify_checkpoint
 from vllm_sharded_loader.format import MANIFEST_NAME, ShardedStateError
 from vllm_sharded_loader.format.geometry import KINDS
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.reader import ReadOptions
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
@@ -79,7 +80,7 @@ def load(directory: str, tp_size: int, tp_rank: int, verify: str) -> Loaded:
     targets = fresh_targets(tp_size, tp_rank)
     load_rank(
         LoadRequest(
-            directory,
+            open_store(directory),
             read_manifest(directory),
             verify=verify,
             serving=source_of(MODEL),
@@ -95,7 +96,7 @@ def load(directory: str, tp_size: int, tp_rank: int, verify: str) -> Loaded:
 
 def offline(directory: str, scratch: str) -> Loaded:
     out = os.path.join(scratch, "resharded")
-    reshard_checkpoint(directory, out, 1)
+    reshard_checkpoint(open_store(directory), out, 1)
     return load(out, 1, 0, "checksum")
 
 
@@ -161,7 +162,7 @@ def run_path(path: Callable[[str, str], Loaded], directory: str, scratch: str) -
 def run_verify(directory: str) -> Outcome:
     try:
         with guarded():
-            problems = verify_checkpoint(directory)
+            problems = verify_checkpoint(open_store(directory))
     except Exception as e:
         return Outcome(error=e)
     return Outcome(loaded={f"problem {i}": p.encode() for i, p in enumerate(problems)})

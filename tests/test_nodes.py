@@ -38,6 +38,7 @@ from vllm_sharded_loader.checkpoint import read_manifest, verify_checkpoint
 from vllm_sharded_loader.checkpoint.loaded_state import OVERWRITE_ENV
 from vllm_sharded_loader.format import MANIFEST_NAME
 from vllm_sharded_loader.storage import faults
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.tools.convert import convert_checkpoint
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
@@ -132,7 +133,7 @@ def test_a_save_to_a_folder_the_nodes_do_not_share_is_refused_and_leaves_nothing
 def test_a_save_to_a_shared_folder_from_two_nodes_needs_no_setting(cluster, reference):
     assert reference.result["saves"][1] == "ok", reference.result["saves"][1]
     checkpoint = cluster.shared / "tp2"
-    assert verify_checkpoint(str(checkpoint)) == []
+    assert verify_checkpoint(open_store(str(checkpoint))) == []
     manifest = read_manifest(str(checkpoint))
     assert (manifest.tp_size, len(manifest.ranks)) == (2, 2)
     # Parts, manifest and the served model's non-weight files: no lock or staging file left.
@@ -143,7 +144,7 @@ def test_a_save_to_a_shared_folder_from_two_nodes_needs_no_setting(cluster, refe
 
 def test_a_save_to_a_bucket_from_two_nodes(bucket, reference):
     assert reference.result["saves"][2] == "ok", reference.result["saves"][2]
-    assert verify_checkpoint(f"s3://{BUCKET}/tp2") == []
+    assert verify_checkpoint(open_store(f"s3://{BUCKET}/tp2")) == []
 
 
 def test_each_node_serves_from_its_own_disk_and_the_follower_ends_when_the_leader_is_killed(cluster, bucket, reference):
@@ -256,7 +257,7 @@ def test_a_resharded_load_from_each_nodes_hub_cache(cluster, bucket, reference):
     """Each node has the repository in its own Hub cache: the session's cache (the engines' setting,
     tests/support/hub.py) holds it as a link into the per-node path, which is each node's own folder."""
     tp1 = cluster.shared / "tp1"
-    reshard_checkpoint(str(cluster.shared / "tp2"), str(tp1), 1)
+    reshard_checkpoint(open_store(str(cluster.shared / "tp2")), str(tp1), 1)
     repo = "acme/tiny-sharded-nodes"
     for i in range(cluster.count):
         lay_out_cache(tp1, cluster.node_dir(i) / "hub", repo_id=repo)
@@ -300,12 +301,12 @@ def test_a_follower_killed_mid_save_ends_the_save_promptly_and_loses_nothing(clu
     assert "another worker of this save stopped answering" in error and "intact" in error, error
     after = tree_digest(str(target))
     assert {n: after.get(n) for n in before} == before  # every file of the checkpoint as it was
-    assert not [p for p in verify_checkpoint(str(target)) if any(f"/{n}:" in p for n in before)]
+    assert not [p for p in verify_checkpoint(open_store(str(target))) if any(f"/{n}:" in p for n in before)]
     assert not served.leftovers, served.leftovers
 
     served = serve(cluster, bucket, model, "auto", "save-after-kill", env={OVERWRITE_ENV: "1"}, **once)
     assert served.result["saves"] == ["ok"], served.result["saves"]
-    assert verify_checkpoint(str(target)) == []
+    assert verify_checkpoint(open_store(str(target))) == []
     manifest = read_manifest(str(target))
     parts = manifest.listed_files()  # each rank's parts and start-up archive
     carried = {p.name for p in (cluster.node_dir(0) / "hf").iterdir() if not p.name.endswith(".safetensors")}
@@ -341,7 +342,7 @@ def test_a_save_to_a_folder_read_only_on_the_follower_fails_naming_its_node_and_
     assert "tp_rank=1 (TP=2, PP=1) on node-1: [Errno 30] Read-only file system" in error, error
     assert "intact" in error, error
     assert tree_digest(str(target)) == before  # nothing changed, nothing left (lock, staging, archive)
-    assert verify_checkpoint(str(target)) == []
+    assert verify_checkpoint(open_store(str(target))) == []
     assert_all_ended(served)
 
 

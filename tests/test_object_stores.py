@@ -143,7 +143,7 @@ def test_a_missing_part_is_refused_naming_it(store, tmp_path):
     objects.delete(objects.ObjectPrefix.parse(url), [part])
     with pytest.raises(CheckpointNotFound, match=f"{store.scheme}://.*{part}: listed in {MANIFEST_NAME}.*missing"):
         load_from(url, model, 2, 0)
-    assert any(part in p and "missing" in p for p in verify_checkpoint(url))
+    assert any(part in p and "missing" in p for p in verify_checkpoint(open_store(url)))
 
 
 def test_a_truncated_object_is_refused_before_a_byte_is_read(store, tmp_path):
@@ -153,7 +153,7 @@ def test_a_truncated_object_is_refused_before_a_byte_is_read(store, tmp_path):
     store.raw_put(url, part.name, store.raw_get(url, part.name)[:-7])
     targets = {name: torch.full_like(x, -7) for name, x in stage_state(model, 2, 1, 0, 0).items()}
     with pytest.raises(CheckpointCorrupt, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
-        load_rank(LoadRequest(url, read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
+        load_rank(LoadRequest(open_store(url), read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
     assert all(bool((t == -7).all()) for t in targets.values())
 
 
@@ -166,7 +166,7 @@ def test_a_flipped_byte_is_refused_by_its_checksum(store, tmp_path):
     store.raw_put(url, part.name, bytes(data))
     with pytest.raises(CheckpointCorrupt, match=f"{part.name}.*checksum"):
         load_from(url, model, 2, 0, verify="checksum")
-    assert any(part.name in p for p in verify_checkpoint(url))
+    assert any(part.name in p for p in verify_checkpoint(open_store(url)))
 
 
 def test_an_object_replaced_during_the_load_is_never_read(store, tmp_path):
@@ -185,7 +185,7 @@ def test_an_object_replaced_during_the_load_is_never_read(store, tmp_path):
 
 def test_no_manifest_is_refused(store):
     with pytest.raises(CheckpointNotFound, match=f"no {MANIFEST_NAME}"):
-        load_rank(LoadRequest(store.new_url(), None, serving=source_of(model_of())), {}, RankInfo(0, 1))
+        load_rank(LoadRequest(open_store(store.new_url()), None, serving=source_of(model_of())), {}, RankInfo(0, 1))
 
 
 # ------------------------------------------------------------------------------ saves
@@ -218,7 +218,7 @@ def test_a_held_prefix_and_an_existing_checkpoint_are_kept_unless_overwrite(stor
     )
     listed = {f.name for e in new.ranks for f in e.files}
     assert {k for k in store.keys(url) if k != MANIFEST_NAME} == listed
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
     _, targets, expected = load_from(url, model, 1)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
@@ -269,7 +269,7 @@ def test_verify_inspect_and_reshard_work_on_the_store(store, tmp_path, capsys):
     url, _ = store.save(tmp_path, model, 2)
     assert main(["verify", url]) == 0 and main(["inspect", url]) == 0
     assert url in capsys.readouterr().out
-    info = inspect_checkpoint(url)
+    info = inspect_checkpoint(open_store(url))
     assert (info["tp_size"], info["directory"], info["locked"]) == (2, url, False)
     # store -> local, loading like the original.
     assert main(["reshard", url, "-tp", "1", "-o", str(tmp_path / "tp1")]) == 0
@@ -277,11 +277,11 @@ def test_verify_inspect_and_reshard_work_on_the_store(store, tmp_path, capsys):
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     if store.writes:  # local -> store, and store -> store
         back = store.new_url()
-        reshard_checkpoint(str(tmp_path / "tp1"), back, 2)
+        reshard_checkpoint(open_store(str(tmp_path / "tp1")), back, 2)
         again = store.new_url()
-        reshard_checkpoint(back, again, 1)
+        reshard_checkpoint(open_store(back), again, 1)
         for where, tp in ((back, 2), (again, 1)):
-            assert verify_checkpoint(where) == []
+            assert verify_checkpoint(open_store(where)) == []
             stats, targets, expected = load_from(where, model, tp, tp - 1)
             assert stats.resharded_from is None and all(torch.equal(targets[n], x) for n, x in expected.items())
 
@@ -354,7 +354,7 @@ def test_azure_https_urls_and_a_connection_string_reach_the_same_blobs(store, tm
     where = objects.ObjectPrefix.parse(url)
     https = f"https://devstoreaccount1.blob.core.windows.net/{BUCKET}/{where.prefix}"
     assert objects.ObjectPrefix.parse(https).url(MANIFEST_NAME) == https + MANIFEST_NAME
-    assert verify_checkpoint(https) == []
+    assert verify_checkpoint(open_store(https)) == []
     _, targets, expected = load_from(https, model, 2, 1)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     # Only the connection string now: no emulator flag.
@@ -364,7 +364,7 @@ def test_azure_https_urls_and_a_connection_string_reach_the_same_blobs(store, tm
     objects._store.cache_clear()
     try:
         copied = store.new_url()
-        reshard_checkpoint(url, copied, 1)
+        reshard_checkpoint(open_store(url), copied, 1)
         _, targets, expected = load_from(copied, model, 1)
         assert all(torch.equal(targets[n], x) for n, x in expected.items())
         monkeypatch.delenv(objects.AZURE_CONNECTION_STRING_ENV)

@@ -24,6 +24,7 @@ from vllm_sharded_loader.checkpoint.loaded_state import CAPTURE_DIR_ENV
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.names import LOCK_NAME, is_staged_name
 from vllm_sharded_loader.storage import faults
+from vllm_sharded_loader.storage.location import open_store
 
 pytestmark = pytest.mark.engine
 
@@ -53,7 +54,7 @@ def test_a_save_killed_after_its_publish_leaves_a_sound_checkpoint(model, tmp_pa
     assert LOCK_NAME in left and any(n.startswith(".owner.") for n in left), left
 
     notes: list[str] = []
-    assert verify_checkpoint(str(out), notes=notes) == []
+    assert verify_checkpoint(open_store(str(out)), notes=notes) == []
     assert any("owner marker" in n for n in notes) and any(LOCK_NAME in n for n in notes), notes
     cli = subprocess.run(
         [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "verify", str(out)], capture_output=True, text=True
@@ -66,4 +67,4 @@ def test_a_save_killed_after_its_publish_leaves_a_sound_checkpoint(model, tmp_pa
     # The next save into the folder takes the dead save's lock over and removes what it left.
     save(out, overwrite=True)
     assert leftovers(out) == []
-    assert verify_checkpoint(str(out)) == []
+    assert verify_checkpoint(open_store(str(out))) == []

@@ -29,6 +29,7 @@ from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, CheckpointMismatch, InvalidOption
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.reader import ReadOptions
 
 
@@ -48,7 +49,11 @@ def test_reshard_load_from_files_matches_vllms_rule(tmp_path, saved, serving, ti
             targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
             stats = load_rank(
                 LoadRequest(
-                    str(tmp_path), manifest, verify="checksum", serving=source_of(model), tied=model.tied_groups
+                    open_store(str(tmp_path)),
+                    manifest,
+                    verify="checksum",
+                    serving=source_of(model),
+                    tied=model.tied_groups,
                 ),
                 targets,
                 RankInfo(t, tp_size, p, pp_size),
@@ -63,7 +68,7 @@ def test_tp1_to_tp2_reads_about_half_per_rank(tmp_path):
     manifest = save_model(tmp_path, model, 1, 1)
     for t in range(2):
         targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 2, 1, t, 0).items()}
-        stats = load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(t, 2))
+        stats = load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, RankInfo(t, 2))
         assert 0.45 < stats.bytes_read / manifest.nbytes < 0.55
 
 
@@ -73,7 +78,7 @@ def test_layers_move_between_stages(tmp_path):
     start, end = reference_pp_indices(5, 0, 1)
     assert (start, end) == (0, 5)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
-    stats = load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
+    stats = load_rank(LoadRequest(open_store(str(tmp_path)), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
     # A single stage reads both saved stages' files.
     assert {f.rsplit("/", 1)[1][:12] for f in stats.files} == {"model-pp-0-t", "model-pp-1-t"}
 
@@ -84,7 +89,7 @@ def test_without_geometry_another_topology_is_refused(tmp_path):
     save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE)
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     with pytest.raises(CheckpointMismatch, match=r"saved with tensor_parallel_size=2 .* runs tensor_parallel_size=1"):
-        load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
+        load_rank(LoadRequest(open_store(str(tmp_path)), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
 
 
 def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
@@ -100,7 +105,7 @@ def test_opaque_tensor_is_refused_naming_its_layer(tmp_path):
     save_checkpoint(str(tmp_path), ranks, dtype="int32", source=SOURCE, options=SaveOptions(geometry=geometry))
     targets = {n: torch.zeros_like(x) for n, x in stage_state(model, 1, 1, 0, 0).items()}
     with pytest.raises(CheckpointMismatch, match=r"model.layers.1.mlp.down_proj.weight.*FusedMoE"):
-        load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
+        load_rank(LoadRequest(open_store(str(tmp_path)), read_manifest(str(tmp_path))), targets, RankInfo(0, 1))
 
 
 def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
@@ -122,7 +127,9 @@ def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
     expected = stage_state(model, 1, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     load_rank(
-        LoadRequest(str(tmp_path), manifest, verify="checksum", serving=source_of(model)), targets, RankInfo(0, 1)
+        LoadRequest(open_store(str(tmp_path)), manifest, verify="checksum", serving=source_of(model)),
+        targets,
+        RankInfo(0, 1),
     )
     assert len(batches) > 4
     for name, x in expected.items():
@@ -131,7 +138,7 @@ def test_joined_rows_are_read_whole_in_bounded_batches(tmp_path, monkeypatch):
 
 def load_tp1(directory, model, manifest, **options):
     targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, 1, 1, 0, 0).items()}
-    load_rank(LoadRequest(str(directory), manifest, **options), targets, RankInfo(0, 1))
+    load_rank(LoadRequest(open_store(str(directory)), manifest, **options), targets, RankInfo(0, 1))
     return targets
 
 
@@ -179,7 +186,11 @@ def test_a_manifest_tie_never_fills_a_tensor_the_served_model_holds_apart(tmp_pa
         expected = stage_state(model, tp_size, 1, 0, 0)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
         with pytest.raises(CheckpointMismatch, match=r"lm_head.weight .*model.embed_tokens.weight.*separate tensors"):
-            load_rank(LoadRequest(str(tmp_path), manifest, serving=source_of(model)), targets, RankInfo(0, tp_size))
+            load_rank(
+                LoadRequest(open_store(str(tmp_path)), manifest, serving=source_of(model)),
+                targets,
+                RankInfo(0, tp_size),
+            )
         assert all(bool((x == -7).all()) for x in targets.values())
 
 
@@ -199,13 +210,13 @@ def test_a_tensor_stored_in_another_dtype_by_one_rank_is_not_resharded_as_one_dt
     manifest = read_manifest(str(tmp_path))
     for t in range(2):
         targets = {"w": torch.zeros(4, 4, dtype=torch.bfloat16), "norm": torch.zeros(4, dtype=torch.bfloat16)}
-        load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(t, 2))
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, RankInfo(t, 2))
         assert torch.equal(targets["w"], full[4 * t : 4 * t + 4]) and torch.equal(targets["norm"], norm)
     for tp_size in (1, 4):
         w = torch.zeros(8 // tp_size, 4, dtype=torch.bfloat16)
         targets = {"w": w, "norm": torch.zeros(4, dtype=torch.bfloat16)}
         with pytest.raises(CheckpointMismatch, match=r"w: saved pp_rank=0 tp_rank=\d stores it as (F16|BF16)"):
-            load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(tp_size - 1, tp_size))
+            load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, RankInfo(tp_size - 1, tp_size))
         assert not targets["w"].any() and not targets["norm"].any()
 
 
@@ -226,7 +237,7 @@ def test_a_geometry_the_saved_size_cannot_split_is_named_as_damage(tmp_path):
         targets = {n: torch.full_like(x, -7) for n, x in stage_state(model, tp_size, 1, 0, 0).items()}
         refused = rf"{name}: its recorded geometry cannot describe the files saved at TP=2 .*'q' of 1 heads.*damaged"
         with pytest.raises(CheckpointCorrupt, match=refused):
-            load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(0, tp_size))
+            load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, RankInfo(0, tp_size))
 
 
 def test_resharding_refuses_saved_tensors_the_model_does_not_have(tmp_path):
@@ -277,7 +288,7 @@ def test_stacked_experts_reshard_as_vllm_loads_them(tmp_path, saved_tp, serving_
     for t in range(serving_tp):
         expected = experts_rank(w1, w3, w2, serving_tp, t)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(t, serving_tp))
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest, verify="checksum"), targets, RankInfo(t, serving_tp))
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, t)
 
@@ -315,7 +326,7 @@ def test_experts_move_between_placements_by_global_id(tmp_path, saved, serving):
     for t in range(serving[0]):
         rank, expected = moe_rank(weights, serving[0], serving[1], t)
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        stats = load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
+        stats = load_rank(LoadRequest(open_store(str(tmp_path)), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, t)
         if saved[1] is not None and serving[1] is not None:
@@ -333,7 +344,7 @@ def test_a_data_parallel_replica_reads_the_experts_of_its_ep_rank(tmp_path):
     _, expected = moe_rank(weights, 2, "linear", 1)
     rank = RankInfo(0, 1, experts=expert_placement(EXPERTS, 2, "linear"), ep_rank=1)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"), targets, rank)
+    load_rank(LoadRequest(open_store(str(tmp_path)), read_manifest(str(tmp_path)), verify="checksum"), targets, rank)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
@@ -347,7 +358,12 @@ def test_moved_experts_are_mapped_from_the_files(tmp_path):
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
-    load_rank(LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"), targets, rank, adopt=adopt)
+    load_rank(
+        LoadRequest(open_store(str(tmp_path)), read_manifest(str(tmp_path)), verify="checksum"),
+        targets,
+        rank,
+        adopt=adopt,
+    )
     for name, x in expected.items():
         assert torch.equal(adopted.get(name, targets[name]), x), name
     assert "model.layers.0.mlp.experts.w13_weight" in adopted
@@ -363,12 +379,12 @@ def test_experts_without_geometry_are_refused_when_they_would_move(tmp_path, ser
     rank, expected = moe_rank(weights, serving[0], serving[1], 0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(CheckpointMismatch, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry|cannot be"):
-        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())
     # At the saved placement it loads.
     rank, expected = moe_rank(weights, 2, "linear", 1)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-    load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
+    load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, rank)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
 
 
@@ -382,7 +398,7 @@ def test_a_placement_that_is_not_the_geometrys_is_refused(tmp_path):
     wrong = RankInfo(0, 2, experts=expert_placement(EXPERTS + 2, 2), ep_rank=0)
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(CheckpointMismatch, match="stacks 6 experts, but the expert placement EP=2 linear"):
-        load_rank(LoadRequest(str(tmp_path), manifest), targets, wrong)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, wrong)
     assert all(bool((x == -7).all()) for x in targets.values())
 
 
@@ -421,7 +437,10 @@ def load_adopting(directory, rank, verify="checksum", model=None):
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
     stats = load_rank(
-        LoadRequest(str(directory), read_manifest(str(directory)), verify=verify), targets, rank, adopt=adopt
+        LoadRequest(open_store(str(directory)), read_manifest(str(directory)), verify=verify),
+        targets,
+        rank,
+        adopt=adopt,
     )
     return expected, targets, adopted, stats
 
@@ -521,7 +540,7 @@ def test_a_corrupt_block_is_refused_on_the_mapped_paths(tmp_path, tensor):
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
     with pytest.raises(CheckpointCorrupt, match=rf"{entry.file}: checksum mismatch"):
         load_rank(
-            LoadRequest(str(tmp_path), read_manifest(str(tmp_path)), verify="checksum"),
+            LoadRequest(open_store(str(tmp_path)), read_manifest(str(tmp_path)), verify="checksum"),
             targets,
             RankInfo(0, 1),
             adopt=adopt,
@@ -547,7 +566,7 @@ def test_row_splits_are_read_per_tensor_not_per_row(tmp_path, monkeypatch, saved
     monkeypatch.setattr(lowering, "read_pieces", counted)
     expected = stage_state(model, serving, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
-    load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(0, serving))
+    load_rank(LoadRequest(open_store(str(tmp_path)), manifest, verify="checksum"), targets, RankInfo(0, serving))
     for name, x in expected.items():
         assert torch.equal(targets[name], x), name
     assert model.tensors["model.layers.0.self_attn.o_proj.weight"].data.shape[0] == 1024
@@ -563,7 +582,9 @@ def test_a_one_thread_resharding_load_leaves_the_callers_torch_threads_alone(tmp
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        load_rank(LoadRequest(str(tmp_path), manifest), targets, RankInfo(0, 1), options=ReadOptions(threads=1))
+        load_rank(
+            LoadRequest(open_store(str(tmp_path)), manifest), targets, RankInfo(0, 1), options=ReadOptions(threads=1)
+        )
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -580,7 +601,7 @@ def test_non_contiguous_targets_are_filled_run_by_run(tmp_path):
     rows, columns = expected[name].shape
     targets[name] = torch.full((columns, rows), -7, dtype=expected[name].dtype).t()  # transposed memory
     assert not targets[name].is_contiguous()
-    load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, RankInfo(0, 2))
+    load_rank(LoadRequest(open_store(str(tmp_path)), manifest, verify="checksum"), targets, RankInfo(0, 2))
     for n, x in expected.items():
         assert torch.equal(targets[n], x), n
 
@@ -642,7 +663,7 @@ def test_experts_saved_per_replica_load_at_every_placement(tmp_path, saved, serv
     manifest = read_manifest(str(tmp_path))  # and it parses back, checked
     for rank, expected in serving_ranks(weights, serving):
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, rank)
 
@@ -656,12 +677,12 @@ def test_an_opaque_expert_tensor_saved_per_replica_loads_only_at_its_placement(t
     manifest = read_manifest(str(tmp_path))
     for rank, expected in serving_ranks(weights, (1, 2, "linear")):
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
     rank, expected = serving_ranks(weights, (1, 2, "round_robin"))[1]
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(CheckpointMismatch, match=r"w2_weight \(FusedMoE, kind 'opaque'\) has no geometry"):
-        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())
 
 
@@ -705,7 +726,7 @@ def test_a_stacked_tensor_of_more_experts_than_any_placement_is_named_as_damage(
     edit_manifest(tmp_path / "ckpt", stack_more)
     damaged = rf"geometry of {name} .* stacks {2**40} experts, more than {MAX_EXPERTS}\. The manifest is damaged"
     with pytest.raises(CheckpointCorrupt, match=damaged):
-        reshard_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out"), 1)
+        reshard_checkpoint(open_store(str(tmp_path / "ckpt")), str(tmp_path / "out"), 1)
     assert not (tmp_path / "out").exists()
 
 
@@ -791,7 +812,7 @@ def test_experts_cut_across_tp_and_dp_load_at_every_topology(tmp_path, saved, se
         workers = serving_ranks(weights, (serving[0], None))
     for rank, expected in workers:
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest, verify="checksum"), targets, rank)
         for name, x in expected.items():
             assert torch.equal(targets[name], x), (name, rank)
 
@@ -806,7 +827,7 @@ def test_a_checkpoint_without_dp_serves_experts_cut_across_tp_and_dp(tmp_path):
         rank, expected = flat_rank(weights, 1, 2, d, 0)
         del expected[NORM]  # save_moe saves the experts only
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(LoadRequest(str(tmp_path), manifest, verify="checksum"), targets, rank)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest, verify="checksum"), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), d
 
 
@@ -820,10 +841,10 @@ def test_an_opaque_expert_tensor_cut_across_tp_and_dp_loads_only_at_its_cut(tmp_
     workers = [flat_rank(weights, 1, 2, d, 0) for d in range(2)] + serving_ranks(weights, (2, None))
     for rank, expected in workers:
         targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, rank)
         assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
     rank, expected = serving_ranks(weights, (1, None))[0]
     targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
     with pytest.raises(CheckpointMismatch):
-        load_rank(LoadRequest(str(tmp_path), manifest), targets, rank)
+        load_rank(LoadRequest(open_store(str(tmp_path)), manifest), targets, rank)
     assert all(bool((x == -7).all()) for x in targets.values())

@@ -46,6 +46,7 @@ from vllm_sharded_loader.format.errors import (
 )
 from vllm_sharded_loader.format.names import LOCK_NAME
 from vllm_sharded_loader.storage import faults, object_lock, objects, reader
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.tensors import DTYPES
 from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
 
@@ -117,7 +118,7 @@ def test_experts_saved_per_replica_into_a_bucket_load_at_every_rank(s3):
     for serving in [(1, 2, "linear"), (2, None)]:
         for rank, expected in serving_ranks(weights, serving):
             targets = {n: torch.full_like(x, -7) for n, x in expected.items()}
-            load_rank(LoadRequest(url, read_manifest(url), verify="checksum"), targets, rank)
+            load_rank(LoadRequest(open_store(url), read_manifest(url), verify="checksum"), targets, rank)
             assert all(torch.equal(targets[n], x) for n, x in expected.items()), rank
 
 
@@ -159,7 +160,7 @@ def test_a_missing_part_is_refused_naming_it(s3):
     objects.delete(where, [part])
     with pytest.raises(CheckpointNotFound, match=f"{part}: listed in {MANIFEST_NAME}.*missing"):
         load_from(url, model, 2, 0)
-    assert any(part in p and "missing" in p for p in verify_checkpoint(url))
+    assert any(part in p and "missing" in p for p in verify_checkpoint(open_store(url)))
 
 
 def test_a_truncated_object_is_refused_before_a_byte_is_read(s3):
@@ -170,7 +171,7 @@ def test_a_truncated_object_is_refused_before_a_byte_is_read(s3):
     expected = stage_state(model, 2, 1, 0, 0)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     with pytest.raises(CheckpointCorrupt, match=f"{part.name}: {part.size - 7} bytes in the store.*truncated"):
-        load_rank(LoadRequest(url, read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
+        load_rank(LoadRequest(open_store(url), read_manifest(url), serving=source_of(model)), targets, RankInfo(0, 2))
     assert all(bool((t == -7).all()) for t in targets.values())
 
 
@@ -182,7 +183,7 @@ def test_a_flipped_byte_is_refused_by_its_checksum(s3):
     s3.client().put_object(Bucket=BUCKET, Key=where.key(part.name), Body=bytes(data))
     with pytest.raises(CheckpointCorrupt, match=f"{part.name}.*checksum"):
         load_from(url, model, 2, 0, verify="checksum")
-    assert any(part.name in p for p in verify_checkpoint(url))
+    assert any(part.name in p for p in verify_checkpoint(open_store(url)))
 
 
 def test_a_prefix_held_by_a_save_refuses_saves_and_serves_its_published_checkpoint(s3):
@@ -229,7 +230,7 @@ def test_an_existing_checkpoint_is_kept_unless_overwrite(s3):
     )
     listed = {f.name for e in new.ranks for f in e.files}
     assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == listed
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def test_a_failed_save_publishes_nothing_and_leaves_no_upload(s3, staging_dir):
@@ -275,8 +276,8 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     (left,) = staging_dir.iterdir()  # the killed save's staged parts, a model's worth
     assert any(p.name.endswith(".partial") for p in left.iterdir())
     with pytest.raises(CheckpointLocked):
-        load_rank(LoadRequest(url, read_manifest(url)), {}, RankInfo(0, 1))
-    assert any("a save is running or was interrupted" in p for p in verify_checkpoint(url))
+        load_rank(LoadRequest(open_store(url), read_manifest(url)), {}, RankInfo(0, 1))
+    assert any("a save is running or was interrupted" in p for p in verify_checkpoint(open_store(url)))
     # The error of the next save says what to do; done, the next save aborts what was left.
     model = llama_like(num_layers=2, vocab=1000, kv_heads=2)
     with pytest.raises(CheckpointLocked, match=f"delete {where.url(LOCK_NAME)}"):
@@ -290,7 +291,7 @@ def test_an_interrupted_save_leaves_no_manifest_and_the_next_save_cleans_up(s3, 
     left = s3.client().list_multipart_uploads(Bucket=BUCKET, Prefix=where.prefix).get("Uploads", [])
     assert [u["UploadId"] for u in left] == [theirs["UploadId"]]
     s3.client().abort_multipart_upload(Bucket=BUCKET, Key=theirs["Key"], UploadId=theirs["UploadId"])
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
     assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == {f.name for f in manifest.rank(0, 0).files}
 
 
@@ -300,15 +301,15 @@ def test_offline_commands_work_on_a_bucket(s3, tmp_path, capsys):
     model, url, _manifest, _ = saved_url(s3)
     assert main(["verify", url]) == 0 and main(["inspect", url]) == 0
     assert url in capsys.readouterr().out
-    info = inspect_checkpoint(url)
+    info = inspect_checkpoint(open_store(url))
     assert (info["tp_size"], info["directory"], info["locked"]) == (2, url, False)
     # s3 -> local and local -> s3, each loading like the original.
-    reshard_checkpoint(url, str(tmp_path / "tp1"), 1)
+    reshard_checkpoint(open_store(url), str(tmp_path / "tp1"), 1)
     _, targets, expected = load_from(str(tmp_path / "tp1"), model, 1)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     back = new_prefix()
-    reshard_checkpoint(str(tmp_path / "tp1"), back, 2)
-    assert verify_checkpoint(back) == []
+    reshard_checkpoint(open_store(str(tmp_path / "tp1")), back, 2)
+    assert verify_checkpoint(open_store(back)) == []
     stats, targets, expected = load_from(back, model, 2, 1)
     assert stats.resharded_from is None and all(torch.equal(targets[n], x) for n, x in expected.items())
 
@@ -319,7 +320,7 @@ def test_a_reshard_into_a_bucket_stopped_once_it_has_published_says_the_checkpoi
     to delete the lock before the next save with --overwrite removes the rest."""
     source, url = tmp_path / "tp2", new_prefix()
     save_model(source, llama_like(num_layers=2, vocab=128, kv_heads=2), 2, 1)
-    reshard_checkpoint(str(source), url, 1)
+    reshard_checkpoint(open_store(str(source)), url, 1)
     command = [sys.executable, "-m", "vllm_sharded_loader.tools.cli", "reshard", str(source), "-tp", "2", "-o", url]
     env = {**os.environ, faults.KILL_ENV: "s3.published", faults.KILL_SIGNAL_ENV: "TERM"}
     stopped = subprocess.run([*command, "--overwrite"], env=env, capture_output=True, text=True, timeout=120)
@@ -331,14 +332,14 @@ def test_a_reshard_into_a_bucket_stopped_once_it_has_published_says_the_checkpoi
     ]
     assert read_manifest(url).tp_size == 2
     object_lock.release_lock(objects.ObjectPrefix.parse(url))
-    reshard_checkpoint(str(source), url, 2, overwrite=True)
-    assert verify_checkpoint(url) == []
+    reshard_checkpoint(open_store(str(source)), url, 2, overwrite=True)
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def test_no_manifest_in_a_bucket_is_refused(s3):
     url = new_prefix()
     with pytest.raises(CheckpointNotFound, match=f"no {MANIFEST_NAME}"):
-        load_rank(LoadRequest(url, None, serving=SOURCE), {}, RankInfo(0, 1))
+        load_rank(LoadRequest(open_store(url), None, serving=SOURCE), {}, RankInfo(0, 1))
 
 
 @pytest.mark.engine
@@ -359,7 +360,7 @@ def test_an_engine_saves_to_a_bucket_and_serves_from_it_at_tp2_and_resharded_at_
     names = keys(s3, url)
     assert MANIFEST_NAME in names and "config.json" in names and LOCK_NAME not in names
     assert not any(n.endswith(".partial") for n in names)
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
     for tp in (2, 1):
         reference = default_outputs.get("llama", tp)
         served = run_engine(
@@ -392,7 +393,7 @@ def test_the_save_script_killed_mid_upload_leaves_its_capture_folder_to_the_next
     saved = run_python(args)
     assert saved.returncode == 0, saved.tail()
     assert list(staging_dir.iterdir()) == []
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
 
 
 @pytest.mark.engine
@@ -430,7 +431,7 @@ def test_one_engine_saves_again_and_again_locally_and_to_buckets(s3, models, tmp
     assert first.result["saves"] == ["ok"] * 4, first.result["saves"]
     assert second.result["saves"] == ["ok"] * 2, second.result["saves"]
     checkpoints = [local, again, *urls]
-    assert all(verify_checkpoint(c) == [] for c in checkpoints)
+    assert all(verify_checkpoint(open_store(c)) == [] for c in checkpoints)
     tensors = [load_rank_tensors(c) for c in checkpoints]
     for other in tensors[1:]:
         assert other.keys() == tensors[0].keys()
@@ -442,7 +443,7 @@ def load_rank_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
     manifest = read_manifest(checkpoint)
     entries = manifest.rank(0, 0).tensors.items()
     targets = {name: torch.empty(e.shape, dtype=DTYPES[e.dtype]) for name, e in entries}
-    load_rank(LoadRequest(checkpoint, manifest, serving=manifest.source), targets, RankInfo(0, 1))
+    load_rank(LoadRequest(open_store(checkpoint), manifest, serving=manifest.source), targets, RankInfo(0, 1))
     return targets
 
 
@@ -489,7 +490,7 @@ def test_a_connection_dropped_mid_upload_loses_nothing_and_touches_nothing_else(
         assert proxy.dropped, "the proxy cut an upload"
     assert bucket_digest(s3) == before
     load_from(url, model, 2, 0)
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_whole(s3):
@@ -505,7 +506,7 @@ def test_an_overwrite_whose_manifest_put_never_arrives_keeps_the_old_checkpoint_
             overwrite_at_tp1(url, model)
         assert proxy.dropped, "the proxy cut the manifest's put"
     assert read_manifest(url) == manifest
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
     load_from(url, model, 2, 0)
     assert bucket_digest(s3) == before
 
@@ -578,7 +579,6 @@ def test_a_server_that_stops_answering_fails_the_load_in_bounded_time(s3):
 
 def test_a_save_whose_lock_was_taken_over_neither_publishes_nor_frees_the_new_lock(s3):
     """Fencing: the lock carries the save's token, checked at publish and at release."""
-    from vllm_sharded_loader.storage.location import open_store
 
     _, url, manifest, where = saved_url(s3)
     store = open_store(url)
@@ -639,7 +639,7 @@ def test_two_saves_racing_for_one_prefix_publish_one_whole_checkpoint(s3, tmp_pa
         manifest = read_manifest(url)
         published = [v for v in winners if _holds(url, v, assert_published)]
         assert len(published) == 1, (outputs, winners)
-        assert verify_checkpoint(url) == []
+        assert verify_checkpoint(open_store(url)) == []
         listed = {f.name for e in manifest.ranks for f in e.files}
         assert {k for k in keys(s3, url) if k.endswith(".safetensors")} == listed, (round_, published)
         assert LOCK_NAME not in keys(s3, url)
@@ -665,10 +665,12 @@ def test_a_save_into_a_prefix_of_the_users_replaces_none_of_its_objects_without_
     before = bucket_digest(s3)
     carry = str(model_folder(tmp_path, 1.0))
     with pytest.raises(SaveRefused, match=r"holds files that differ .*: config\.json; refusing"):
-        save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry))
+        save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=open_store(carry)))
     assert bucket_digest(s3) == before
-    save_checkpoint(url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=carry, overwrite=True))
-    assert verify_checkpoint(url) == []
+    save_checkpoint(
+        url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=open_store(carry), overwrite=True)
+    )
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def test_a_save_into_a_bucket_records_its_carried_files_and_verify_checks_them(s3, tmp_path):
@@ -681,14 +683,18 @@ def test_a_save_into_a_bucket_records_its_carried_files_and_verify_checks_them(s
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)
     manifest = save_checkpoint(
-        url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model_folder(tmp_path, 1.0)))
+        url,
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(carry=open_store(str(model_folder(tmp_path, 1.0)))),
     )
     recorded = {name: (len(text), hashlib.sha256(text.encode()).hexdigest()) for name, text in carried_of(1.0).items()}
     assert {name: (f.size, f.sha256) for name, f in manifest.carried_files.items()} == recorded
-    assert read_manifest(url) == manifest and verify_checkpoint(url) == []
+    assert read_manifest(url) == manifest and verify_checkpoint(open_store(url)) == []
     s3.client().put_object(Bucket=BUCKET, Key=where.key("tokenizer.json"), Body=b"[]")  # same size, other bytes
     s3.client().delete_object(Bucket=BUCKET, Key=where.key("tok/vocab.txt"))
-    problems = verify_checkpoint(url)
+    problems = verify_checkpoint(open_store(url))
     assert len(problems) == 2, problems
     assert problems[0].startswith(f"{where.url('tok/vocab.txt')}: missing, but the save carried it (10 bytes")
     assert problems[1].startswith(f"{where.url('tokenizer.json')}: SHA-256 ")
@@ -703,18 +709,26 @@ def test_an_overwrite_in_a_bucket_removes_what_the_replaced_checkpoint_carried_a
     url = new_prefix()
     where = objects.ObjectPrefix.parse(url)
     save_checkpoint(
-        url, states(2.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model_folder(tmp_path, 2.0)))
+        url,
+        states(2.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(carry=open_store(str(model_folder(tmp_path, 2.0)))),
     )
     assert s3.client().get_object(Bucket=BUCKET, Key=where.key("chat_template.jinja"))["Body"].read()
     s3.client().put_object(Bucket=BUCKET, Key=where.key("mine.txt"), Body=b"the user's")
     one = model_folder(tmp_path, 1.0)
     manifest = save_checkpoint(
-        url, states(1.0), dtype="float32", source=SOURCE, options=SaveOptions(carry=str(one), overwrite=True)
+        url,
+        states(1.0),
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(carry=open_store(str(one)), overwrite=True),
     )
     assert "chat_template.jinja" not in manifest.carried_files
     keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=BUCKET, Prefix=where.key(""))["Contents"]}
     assert where.key("chat_template.jinja") not in keys and where.key("mine.txt") in keys
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def test_verify_of_a_prefix_that_a_save_replaces_meanwhile_verifies_the_new_one(s3):
@@ -723,7 +737,7 @@ def test_verify_of_a_prefix_that_a_save_replaces_meanwhile_verifies_the_new_one(
     url = new_prefix()
     first = save(url)
     notes: list[str] = []
-    assert verify_checkpoint(url, notes=notes, progress=OverwritingProgress(url, saves=1)) == []
+    assert verify_checkpoint(open_store(url), notes=notes, progress=OverwritingProgress(url, saves=1)) == []
     assert read_manifest(url) != first
     assert len(notes) == 1 and notes[0].startswith(
         f"{url}/{MANIFEST_NAME}: a save replaced the checkpoint while it was being verified"

@@ -64,9 +64,11 @@ SAVER = textwrap.dedent(
     from tests.support.states import SOURCE
     from tests.support.faultkit import states
     from vllm_sharded_loader.checkpoint.save import RankHooks, SaveOptions, save_checkpoint
+    from vllm_sharded_loader.storage.location import open_store
+    carry = {carry!r}
     save_checkpoint(
         {directory!r}, states({value}), dtype="float32", source=SOURCE,
-        options=SaveOptions(max_size=8192, overwrite=True, carry={carry!r}),
+        options=SaveOptions(max_size=8192, overwrite=True, carry=None if carry is None else open_store(carry)),
         hooks=RankHooks(parallel={parallel!r}),
     )
     """
@@ -128,7 +130,7 @@ def test_save_killed_at_each_step_loses_nothing(checkpoint_a, kill_at):
         assert {n: after.get(n) for n in a_files} == {n: before[n] for n in a_files}
         assert_published(directory, 1.0)
         # verify finds only the dead save's leftovers, nothing wrong with A's files.
-        assert not [p for p in verify_checkpoint(str(directory)) if any(f"/{n}:" in p for n in a_files)]
+        assert not [p for p in verify_checkpoint(open_store(str(directory))) if any(f"/{n}:" in p for n in a_files)]
         if kill_at not in CARRIED:
             assert_carried(directory, 1.0)
             assert not (directory / "chat_template.jinja").exists()
@@ -147,7 +149,7 @@ def test_save_killed_at_each_step_loses_nothing(checkpoint_a, kill_at):
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(directory, 3.0)
     assert_carried(directory, 3.0)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
     assert sorted(tree_digest(str(directory))) == sorted(listed(directory) | {"notes.txt", "tok"} | set(carried_of(3)))
     assert tree_digest(str(directory))["notes.txt"] == before["notes.txt"]
     assert tree_digest(str(neighbour)) == beside
@@ -195,7 +197,9 @@ def test_a_save_killed_after_placing_never_completes_the_published_checkpoint_wi
     info, tensors = next(iter(states(1.0).items()))
     with pytest.raises(CheckpointNotFound, match=r"model-rank-0-part-0.safetensors: listed in .* but missing"):
         load_rank(
-            LoadRequest(str(directory), a, serving=SOURCE), {n: torch.zeros_like(t) for n, t in tensors.items()}, info
+            LoadRequest(open_store(str(directory)), a, serving=SOURCE),
+            {n: torch.zeros_like(t) for n, t in tensors.items()},
+            info,
         )
     again = save_in_process(directory, 3.0)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -212,7 +216,7 @@ def test_verify_notes_a_file_a_save_placed_before_it_died_unpublished(checkpoint
     assert_published(directory, 1.0)
     assert (directory / "chat_template.jinja").exists()
     notes: list[str] = []
-    verify_checkpoint(str(directory), notes=notes)
+    verify_checkpoint(open_store(str(directory)), notes=notes)
     named = [n for n in notes if "chat_template.jinja" in n]
     assert len(named) == 1 and "are not among the files its save carried" in named[0], notes
     assert "notes.txt" in named[0]  # the user's own file too: only the user can tell
@@ -263,7 +267,7 @@ def test_an_error_right_after_the_publish_releases_the_lock_for_the_next_save_of
     assert result.stdout.splitlines()[1:] == ["lock left: False", "saved again"], result.stdout
     assert "the new checkpoint is published and complete" in result.stdout.splitlines()[0]
     assert_published(directory, 3.0)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 @pytest.mark.parametrize("kill_at", ["local.published", "local.cleaning"])
@@ -285,10 +289,10 @@ def test_a_save_killed_before_its_clean_up_leaves_a_record_of_the_other_models_f
         assert_published(directory, 1.0)
         assert (directory / "chat_template.jinja").exists()
         assert read_manifest(str(directory)).stale_files == ("chat_template.jinja",)
-        named = [p for p in verify_checkpoint(str(directory)) if "chat_template.jinja" in p]
+        named = [p for p in verify_checkpoint(open_store(str(directory))) if "chat_template.jinja" in p]
         assert len(named) == 1 and "carried by the checkpoint this one replaced" in named[0], named
         with pytest.raises(CheckpointCorrupt, match=r"chat_template\.jinja: carried by the checkpoint this one"):
-            reshard_checkpoint(str(directory), str(tmp_path / "copy"), 1)
+            reshard_checkpoint(open_store(str(directory)), str(tmp_path / "copy"), 1)
         assert not (tmp_path / "copy").exists()
         stopped = InterruptedAfterPublish(str(directory), open_store(str(directory)))
         assert "(chat_template.jinja)" in _after_interrupt(stopped)
@@ -296,7 +300,7 @@ def test_a_save_killed_before_its_clean_up_leaves_a_record_of_the_other_models_f
     assert save_in_process(directory, 1.0).returncode == 0
     assert not (directory / "chat_template.jinja").exists()
     assert_carried(directory, 1.0)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
     stopped = InterruptedAfterPublish(str(directory), open_store(str(directory)))
     assert "chat_template" not in _after_interrupt(stopped)
 
@@ -318,11 +322,11 @@ def test_save_interrupted_at_each_step_loses_nothing(checkpoint_a, kill_at):
     else:
         assert_published(directory, 2.0)
         assert_carried(directory, 2.0)
-        assert [p for p in verify_checkpoint(str(directory)) if "NOTE" not in p] == []
+        assert [p for p in verify_checkpoint(open_store(str(directory))) if "NOTE" not in p] == []
     again = save_in_process(directory, 3.0)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(directory, 3.0)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 def test_a_save_interrupted_after_carrying_a_file_into_a_new_subfolder_removes_the_folder(tmp_path):
@@ -337,7 +341,7 @@ def test_a_save_interrupted_after_carrying_a_file_into_a_new_subfolder_removes_t
     result = save_in_process(directory, 2.0, {faults.KILL_ENV: "local.carried:3", faults.KILL_SIGNAL_ENV: "INT"})
     assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, result.stderr[-2000:]
     assert tree_digest(str(directory)) == before
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 def test_a_save_interrupted_after_carrying_a_file_over_a_link_to_a_folder_puts_the_link_back(tmp_path):
@@ -372,7 +376,7 @@ def test_a_parallel_save_interrupted_before_its_publish_takes_back_all_it_wrote(
     again = save_in_process(directory, 3.0, parallel=True)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(directory, 3.0)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 SLOW_PARALLEL_SAVER = textwrap.dedent(
@@ -452,7 +456,7 @@ def test_a_rank_file_left_half_written_by_a_killed_save_goes_with_the_next_save(
     assert_published(directory, 3.0)
     assert [n for n in os.listdir(directory) if n.startswith(".")] == []
     notes: list[str] = []
-    assert verify_checkpoint(str(directory), notes=notes) == []
+    assert verify_checkpoint(open_store(str(directory)), notes=notes) == []
     assert not [n for n in notes if ".startup-artifacts-" in n], notes
 
 
@@ -485,7 +489,7 @@ def test_full_file_system_loses_nothing(small_filesystem):
         )
     assert tree_digest(str(small_filesystem)) == before
     assert_published(directory, 1.0)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
     # Parts that fit, a tokenizer that does not: the save stops before its manifest, A's files as they were.
     model = small_filesystem.parent / "model"
     model.mkdir()
@@ -561,7 +565,7 @@ def test_a_save_into_a_folder_of_the_users_replaces_none_of_its_files_without_ov
     assert tree_digest(str(out)) == before
     (out / "config.json").write_text((Path(carry) / "config.json").read_text())  # now the same: saved
     save_states(str(out), 1.0, carry=carry)
-    assert verify_checkpoint(str(out)) == [] and (out / "notes.txt").read_text() == "mine"
+    assert verify_checkpoint(open_store(str(out))) == [] and (out / "notes.txt").read_text() == "mine"
     carry = str(model_folder(tmp_path, 2.0))  # another config: replacing the checkpoint's needs overwrite
     save_states(str(out), 2.0, carry=carry, overwrite=True)
     assert (out / "config.json").read_text() == (Path(carry) / "config.json").read_text()
@@ -614,7 +618,7 @@ def test_a_non_weight_file_whose_name_the_manifest_cannot_record_is_refused_and_
         save_states(str(out), 2.0, carry=str(model), overwrite=True)
     assert tree_digest(str(out)) == before
     assert_published(out, 1.0)
-    assert verify_checkpoint(str(out)) == []
+    assert verify_checkpoint(open_store(str(out))) == []
 
 
 def test_a_folder_where_a_carried_file_goes_or_a_file_where_its_folder_goes_is_refused_and_changes_nothing(tmp_path):
@@ -654,12 +658,12 @@ def test_reshard_into_an_existing_checkpoint_writes_nothing_before_the_overwrite
     (output / "config.json").write_text('{"model": "the output\'s own"}')
     before = tree_digest(str(output))
     with pytest.raises(SaveRefused):
-        reshard_checkpoint(str(source), str(output), tp_size=1)
+        reshard_checkpoint(open_store(str(source)), str(output), tp_size=1)
     assert tree_digest(str(output)) == before
     # With overwrite, the files come along with the parts.
-    reshard_checkpoint(str(source), str(output), tp_size=1, overwrite=True)
+    reshard_checkpoint(open_store(str(source)), str(output), tp_size=1, overwrite=True)
     assert (output / "config.json").read_text() == '{"model": "the source"}' and (output / "tokenizer.json").exists()
-    assert verify_checkpoint(str(output)) == []
+    assert verify_checkpoint(open_store(str(output))) == []
 
 
 @pytest.mark.engine
@@ -694,14 +698,14 @@ def test_a_worker_killed_mid_save_ends_the_save_promptly_and_loses_nothing(model
     after = tree_digest(str(out))
     assert {n: after.get(n) for n in before} == before  # every file of the checkpoint as it was
     # verify finds the dead save's leftovers only, nothing wrong with the checkpoint's own files.
-    assert not [p for p in verify_checkpoint(str(out)) if any(f"/{n}:" in p for n in before)]
+    assert not [p for p in verify_checkpoint(open_store(str(out))) if any(f"/{n}:" in p for n in before)]
     print(f"the save ended {elapsed:.1f} s after its start; exit code {run.returncode}; {result}")
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "capture-b")], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", f"engine processes left running: {leftover.stdout}"
 
     again = {**spec, "env": {CAPTURE_DIR_ENV: str(tmp_path / "capture-c"), OVERWRITE_ENV: "1"}}
     assert run_engine(again).result.get("saved")
-    assert verify_checkpoint(str(out)) == []
+    assert verify_checkpoint(open_store(str(out))) == []
     assert not [n for n in os.listdir(out) if is_staged_name(n) or n == LOCK_NAME]
 
 
@@ -735,7 +739,7 @@ def test_a_dead_engines_capture_is_cleaned_and_a_live_ones_kept(checkpoint_a):
         assert any("aaaa11110000" in n for n in names) and any("bbbb22220000" in n for n in names)
         # The dead engine's leftovers are noted, never problems of the checkpoint (issue 34, class 5).
         notes: list[str] = []
-        assert verify_checkpoint(str(directory), notes=notes) == []
+        assert verify_checkpoint(open_store(str(directory)), notes=notes) == []
         assert any("bbbb22220000" in n for n in notes) and not any("aaaa11110000" in n for n in notes), notes
 
         result = save_in_process(directory, 2.0)
@@ -750,7 +754,7 @@ def test_a_dead_engines_capture_is_cleaned_and_a_live_ones_kept(checkpoint_a):
     again = save_in_process(directory, 3.0)  # now that it is gone, its files go too
     assert again.returncode == 0, again.stderr[-2000:]
     assert not any("aaaa11110000" in n for n in os.listdir(directory))
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 def listing(root: Path) -> dict[str, tuple[int, int]]:
@@ -872,7 +876,7 @@ def test_files_in_the_saves_own_pattern_are_a_checkpoint_refused_without_overwri
     # With overwrite, they are replaced as any checkpoint is.
     save_states(str(directory), 1.0, pattern="weights-{rank}-{part}.safetensors", overwrite=True)
     assert_published(directory, 1.0)
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []
 
 
 def test_a_start_up_archive_in_the_folder_is_a_checkpoint_refused_without_overwrite(tmp_path):
@@ -914,10 +918,10 @@ def test_a_checkpoint_under_a_pattern_of_its_own_carries_none_of_its_parts_and_v
     source, out = tmp_path / "src", tmp_path / "out"
     save_states(str(source), 1.0, max_size=8192, pattern="w-{rank}-{part}.dat", carry=str(model_folder(tmp_path, 1)))
     notes: list[str] = []
-    assert verify_checkpoint(str(source), notes=notes) == []
+    assert verify_checkpoint(open_store(str(source)), notes=notes) == []
     assert not [n for n in notes if "w-0-0.dat" in n], notes
     (source / "w-0-9.dat").write_bytes(b"placed by a save that died before its publish")
-    reshard_checkpoint(str(source), str(out), tp_size=2)
+    reshard_checkpoint(open_store(str(source)), str(out), tp_size=2)
     assert sorted(read_manifest(str(out)).carried_files) == sorted(carried_of(1.0))
     assert not [n for n in os.listdir(out) if n.endswith(".dat")], sorted(os.listdir(out))
     assert_published(out, 1.0)

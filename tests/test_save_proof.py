@@ -29,6 +29,7 @@ from tests.support.derived import changed_copy, tensors_of
 from tests.support.engines import run_engine, run_python
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.names import LOCK_NAME, MANIFEST_NAME, is_staged_name
+from vllm_sharded_loader.storage.location import open_store
 
 pytestmark = pytest.mark.engine
 
@@ -84,7 +85,7 @@ def test_a_refused_call_is_no_update_and_the_next_save_publishes_what_is_served(
     assert refused["error"] is not None and "no such checkpoint directory" in refused["error"], refused["error"]
     assert refused["served"] == start["served"] and refused["state"] == start["state"]
     assert saved["error"] is None, saved["error"]
-    assert verify_checkpoint(loop["out"]["after-refusal"]) == []
+    assert verify_checkpoint(open_store(loop["out"]["after-refusal"])) == []
     assert_same_tensors(loop["out"]["after-refusal"], loop["a"])
 
 
@@ -103,7 +104,7 @@ def test_a_save_after_the_source_folder_was_rewritten_refuses_and_leaves_nothing
 def test_the_same_content_under_new_files_is_proven_by_checksums_and_published(loop):
     copy, save = loop["result"]["steps"][5:7]
     assert copy["error"] is None and save["error"] is None, save["error"]
-    assert verify_checkpoint(loop["out"]["same-content"]) == []
+    assert verify_checkpoint(open_store(loop["out"]["same-content"])) == []
     assert_same_tensors(loop["out"]["same-content"], loop["b"])
 
 

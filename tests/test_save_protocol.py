@@ -114,7 +114,11 @@ def assert_published(where: str, value: float) -> None:
     for index in range(MEMBERS):
         expected = tensors(value, index)
         loaded = {n: torch.zeros_like(t) for n, t in expected.items()}
-        load_rank(LoadRequest(where, manifest, verify="checksum", serving=SOURCE), loaded, RankInfo(index, MEMBERS))
+        load_rank(
+            LoadRequest(open_store(where), manifest, verify="checksum", serving=SOURCE),
+            loaded,
+            RankInfo(index, MEMBERS),
+        )
         assert all(torch.equal(loaded[n], t) for n, t in expected.items())
 
 
@@ -243,7 +247,7 @@ def test_a_save_records_every_carried_file_it_staged_or_left_in_place(tmp_path):
     model, directory = model_folder(tmp_path, 1.0), tmp_path / "ckpt"
     ranks = {RankInfo(r, 2): tensors(1.0, r) for r in range(2)}
     manifest = save_checkpoint(
-        str(directory), ranks, dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model))
+        str(directory), ranks, dtype="float32", source=SOURCE, options=SaveOptions(carry=open_store(str(model)))
     )
     assert manifest.carried_files == carried_record(model) == carried_record(directory)
     assert set(manifest.carried_files) == {"config.json", "tokenizer.json", "tok/vocab.txt"}
@@ -251,7 +255,11 @@ def test_a_save_records_every_carried_file_it_staged_or_left_in_place(tmp_path):
     # Saved again: every file is identical and stays where it is, and is recorded all the same.
     before = {p: p.stat().st_ino for p in map(directory.joinpath, manifest.carried_files)}
     again = save_checkpoint(
-        str(directory), ranks, dtype="float32", source=SOURCE, options=SaveOptions(carry=str(model), overwrite=True)
+        str(directory),
+        ranks,
+        dtype="float32",
+        source=SOURCE,
+        options=SaveOptions(carry=open_store(str(model)), overwrite=True),
     )
     assert {p: p.stat().st_ino for p in before} == before
     assert again.carried_files == manifest.carried_files
@@ -300,7 +308,11 @@ def test_an_overwrite_removes_what_the_replaced_checkpoint_carried_and_the_new_o
     def save(directory: Path, carry: Path | None) -> Manifest:
         carried = None if carry is None else str(carry)
         return save_checkpoint(
-            str(directory), ranks, dtype="float32", source=SOURCE, options=SaveOptions(carry=carried, overwrite=True)
+            str(directory),
+            ranks,
+            dtype="float32",
+            source=SOURCE,
+            options=SaveOptions(carry=open_store(carried), overwrite=True),
         )
 
     alone = tmp_path / "alone"
@@ -321,7 +333,7 @@ def test_an_overwrite_removes_what_the_replaced_checkpoint_carried_and_the_new_o
     (hostile / "extra" / "y.bin").write_text("the user's")
     assert save(hostile, one) == read_manifest(str(hostile))
     assert (hostile / "x.safetensors").exists() and (hostile / "extra" / "y.bin").exists()
-    assert not (hostile / LOCK_NAME).exists() and verify_checkpoint(str(hostile)) == []
+    assert not (hostile / LOCK_NAME).exists() and verify_checkpoint(open_store(str(hostile))) == []
 
     directory, outside = tmp_path / "ckpt", tmp_path / "outside"
     assert {"chat_template.jinja", "extra/notes.txt", "linked/notes.txt"} <= set(save(directory, two).carried_files)
@@ -335,4 +347,4 @@ def test_an_overwrite_removes_what_the_replaced_checkpoint_carried_and_the_new_o
     assert not (directory / "chat_template.jinja").exists() and not (directory / "extra").exists()
     assert (directory / "mine.txt").read_text() == "the user's"
     assert (outside / "notes.txt").read_text() == "not the checkpoint's"
-    assert verify_checkpoint(str(directory)) == []
+    assert verify_checkpoint(open_store(str(directory))) == []

@@ -231,7 +231,7 @@ def test_a_local_save_carries_each_ranks_archive_and_a_refused_save_changes_noth
     archive = last.rank(0, 0).startup.file
     (ckpt / archive).write_bytes(b"rank 0 of 9")
     notes: list[str] = []
-    assert verify_checkpoint(str(ckpt), notes=notes) == []
+    assert verify_checkpoint(open_store(str(ckpt)), notes=notes) == []
     assert any(archive in n and "does not match the manifest" in n for n in notes), notes
 
 

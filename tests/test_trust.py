@@ -212,19 +212,19 @@ def test_sign_checks_each_archive_then_signs_under_the_save_lock(tmp_path, env):
     manifest = save_with_artifacts(str(ckpt), 2, {0: b"rank 0", 1: b"rank 1"})
     assert manifest.signature is None
     files = sorted(p.name for p in ckpt.iterdir())
-    signed = sa.sign_checkpoint(str(ckpt), load_signer(key_pair()[0]))
+    signed = sa.sign_checkpoint(open_store(str(ckpt)), load_signer(key_pair()[0]))
     env(**trusting())
     assert check_trust(Manifest.from_json((ckpt / MANIFEST_NAME).read_text())).trusted
     assert signed.signature is not None and sorted(p.name for p in ckpt.iterdir()) == files
     notes: list[str] = []
-    assert verify_checkpoint(str(ckpt), notes=notes) == []
+    assert verify_checkpoint(open_store(str(ckpt)), notes=notes) == []
     assert any("start-up artifacts (2 archives): used by a server with these trusted keys" in n for n in notes), notes
     # A damaged archive is not signed for: the manifest stays as it was.
     archive = ckpt / manifest.rank(1, 0).startup.file
     archive.write_bytes(b"rank 9")
     before = (ckpt / MANIFEST_NAME).read_bytes()
     with pytest.raises(CheckpointCorrupt):
-        sa.sign_checkpoint(str(ckpt), load_signer(key_pair("stranger")[0]))
+        sa.sign_checkpoint(open_store(str(ckpt)), load_signer(key_pair("stranger")[0]))
     assert (ckpt / MANIFEST_NAME).read_bytes() == before and not (ckpt / LOCK_NAME).exists()
     # A running save holds the checkpoint: refused, nothing changed.
     from vllm_sharded_loader.storage.lock import acquire_save_lock, release_save_lock
@@ -233,7 +233,7 @@ def test_sign_checks_each_archive_then_signs_under_the_save_lock(tmp_path, env):
     held = acquire_save_lock(str(ckpt), "othersave0000000", overwrite=True)
     try:
         with pytest.raises(CheckpointLocked):
-            sa.sign_checkpoint(str(ckpt), load_signer(key_pair("stranger")[0]))
+            sa.sign_checkpoint(open_store(str(ckpt)), load_signer(key_pair("stranger")[0]))
         assert (ckpt / MANIFEST_NAME).read_bytes() == before
     finally:
         release_save_lock(held)
@@ -279,7 +279,7 @@ def test_sign_a_checkpoint_in_a_bucket(bucket, env):
     save_with_artifacts(url, 2, {0: b"rank 0", 1: b"rank 1"})
     store = open_store(url)
     names = sorted(store.list_names())
-    sa.sign_checkpoint(url, load_signer(key_pair()[0]))
+    sa.sign_checkpoint(open_store(url), load_signer(key_pair()[0]))
     env(**trusting())
     assert check_trust(store.read_manifest()).trusted
     assert sorted(store.list_names()) == names and not store.is_locked()

@@ -25,6 +25,7 @@ from tests.support.derived import tensors_of
 from vllm_sharded_loader.checkpoint import rank_cut
 from vllm_sharded_loader.checkpoint.meta_model import ModelOptions
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.tools.convert import ConvertOptions, convert_checkpoint
 from vllm_sharded_loader.tools.offline import reshard_checkpoint
 
@@ -37,11 +38,11 @@ def tensors(directory: str) -> dict[str, torch.Tensor]:
 def check(model: str, out: str, tp: int, pp: int, base: dict[str, torch.Tensor], options: dict) -> str:
     try:
         convert_checkpoint(model, out, tp, pp, ConvertOptions(ModelOptions(**options)))
-        problems = verify_checkpoint(out)
+        problems = verify_checkpoint(open_store(out))
         if problems:
             return f"verify: {problems[:3]}"
         back = f"{out}-back"
-        reshard_checkpoint(out, back, 1, 1)
+        reshard_checkpoint(open_store(out), back, 1, 1)
     except Exception as e:  # reported by the test, with the size it failed at
         return f"{type(e).__name__}: {e}"
     got = tensors(back)

@@ -20,7 +20,7 @@ from tests.support.states import SOURCE
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format.manifest import Manifest
-from vllm_sharded_loader.storage.location import Store
+from vllm_sharded_loader.storage.location import Store, open_store
 
 
 def tree_digest(root: str) -> dict[str, tuple[str, int, str]]:
@@ -67,9 +67,13 @@ def states(value: float) -> dict[RankInfo, dict[str, torch.Tensor]]:
     return {RankInfo(r, 2): {f"w{i}": torch.full((64, 32), value + 10 * r + i) for i in range(4)} for r in range(2)}
 
 
-def save_states(where: str | Store, value: float, **options: Any) -> Manifest:
-    """:func:`states` of ``value`` saved into ``where`` by one process, with ``SaveOptions(**options)``."""
-    return save_checkpoint(where, states(value), dtype="float32", source=SOURCE, options=SaveOptions(**options))
+def save_states(where: str | Store, value: float, carry: str | Store | None = None, **options: Any) -> Manifest:
+    """:func:`states` of ``value`` saved into ``where`` by one process, with ``SaveOptions(**options)``
+    and ``carry`` (a folder or store) as its carry source."""
+    carried = None if carry is None else open_store(carry)
+    return save_checkpoint(
+        where, states(value), dtype="float32", source=SOURCE, options=SaveOptions(carry=open_store(carried), **options)
+    )
 
 
 def assert_published(directory: Path, value: float) -> None:
@@ -78,7 +82,7 @@ def assert_published(directory: Path, value: float) -> None:
     assert manifest is not None
     for info, tensors in states(value).items():
         targets = {n: torch.zeros_like(t) for n, t in tensors.items()}
-        load_rank(LoadRequest(str(directory), manifest, verify="checksum", serving=SOURCE), targets, info)
+        load_rank(LoadRequest(open_store(str(directory)), manifest, verify="checksum", serving=SOURCE), targets, info)
         assert all(torch.equal(targets[n], t) for n, t in tensors.items()), f"rank {info} is not save {value}'s"
 
 

@@ -22,6 +22,7 @@ from vllm_sharded_loader.checkpoint import read_manifest
 from vllm_sharded_loader.checkpoint.verify import verify_checkpoint
 from vllm_sharded_loader.format.names import LOCK_NAME, MANIFEST_NAME
 from vllm_sharded_loader.storage import faults, object_lock, objects
+from vllm_sharded_loader.storage.location import open_store
 
 BEFORE_PUBLISH = ("s3.locked", "s3.recorded", "s3.uploaded", "s3.uploaded:3", "s3.fencing", "local.carried")
 AFTER_PUBLISH = ("s3.published", "s3.cleaned")
@@ -32,8 +33,9 @@ import sys
 from tests.support.states import SOURCE
 from tests.support.faultkit import states
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
+from vllm_sharded_loader.storage.location import open_store
 save_checkpoint(sys.argv[1], states(float(sys.argv[2])), dtype="float32", source=SOURCE,
-                options=SaveOptions(max_size=8192, overwrite=True, carry=sys.argv[3]))
+                options=SaveOptions(max_size=8192, overwrite=True, carry=open_store(sys.argv[3])))
 """
 
 
@@ -72,12 +74,12 @@ def interrupted_save_loses_nothing(bucket: Bucket, url: str, kill_at: str, stagi
         assert_published(url, 1.0)
     else:
         assert_published(url, 2.0)  # A's parts stay until a cleanup: verify names them as left over
-        assert [p for p in verify_checkpoint(url) if "does not list" not in p and LOCK_NAME not in p] == []
+        assert [p for p in verify_checkpoint(open_store(url)) if "does not list" not in p and LOCK_NAME not in p] == []
         object_lock.release_lock(objects.ObjectPrefix.parse(url))  # object storage cannot tell a dead save's lock
     again = save(3.0)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_published(url, 3.0)
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def killed_save_loses_nothing(bucket: Bucket, url: str, kill_at: str, staging_dir: Path, tmp_path: Path) -> None:
@@ -109,7 +111,7 @@ def killed_save_loses_nothing(bucket: Bucket, url: str, kill_at: str, staging_di
     # "a part that the manifest does not list ... Remove it": removing them under a running save
     # breaks its publish, and object storage cannot tell a dead save from a running one).
     notes: list[str] = []
-    problems = verify_checkpoint(url, notes=notes)
+    problems = verify_checkpoint(open_store(url), notes=notes)
     if kill_at != "local.carried":  # (there, the config of A's record is B's now: a real problem)
         assert problems == [] and any(LOCK_NAME in n and "died holding it" in n for n in notes), (problems, notes)
     object_lock.release_lock(where)
@@ -123,7 +125,7 @@ def killed_save_loses_nothing(bucket: Bucket, url: str, kill_at: str, staging_di
     assert {n for n in names if n.endswith(".safetensors")} == listed
     assert not [n for n in names if n.startswith(".")], names  # no upload record, lock or staged object
     assert {"notes.txt", MANIFEST_NAME, *carried_of(3)} <= names
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
     assert {n: objects.read_object(where, n).decode() for n in carried_of(3)} == carried_of(3)
 
 
@@ -134,7 +136,7 @@ def assert_the_save_published(url: str, new, model, names: Callable[[str], list[
     import torch
 
     assert read_manifest(url) == new
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
     _, targets, expected = load_from(url, model, 1)
     assert all(torch.equal(targets[n], x) for n, x in expected.items())
     assert names(url) == sorted({f.name for e in new.ranks for f in e.files} | {MANIFEST_NAME})
@@ -150,12 +152,12 @@ def stopped_save_leaves_a_record_of_the_other_models_files(url: str, tmp_path: P
     assert stopped.returncode != 0 and "KeyboardInterrupt" in stopped.stderr, stopped.stderr[-2000:]
     assert_published(url, 1.0)
     assert read_manifest(url).stale_files == ("chat_template.jinja",)
-    named = [p for p in verify_checkpoint(url) if "chat_template.jinja" in p]
+    named = [p for p in verify_checkpoint(open_store(url)) if "chat_template.jinja" in p]
     assert len(named) == 1 and "carried by the checkpoint this one replaced" in named[0], named
     object_lock.release_lock(objects.ObjectPrefix.parse(url))
     assert save(1.0).returncode == 0
     assert_published(url, 1.0)
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
     assert "chat_template.jinja" not in objects.list_names(objects.ObjectPrefix.parse(url))
 
 
@@ -184,7 +186,7 @@ def stalled_save_whose_lock_was_taken_over_does_not_publish(url: str, tmp_path: 
         stalled.kill()
     assert stalled.returncode != 0 and "lock was deleted while it ran; it does not publish" in err, err[-2000:]
     assert_published(url, 2.0)
-    assert verify_checkpoint(url) == []
+    assert verify_checkpoint(open_store(url)) == []
 
 
 def _stopped(pid: int) -> bool:

@@ -8,6 +8,7 @@ from functools import cache
 from pathlib import Path
 
 from vllm_sharded_loader.checkpoint.trust import SIGNING_KEY_ENV, TRUSTED_KEYS_ENV, keygen
+from vllm_sharded_loader.storage.location import open_store
 
 
 def key_pair(name: str = "operator") -> tuple[str, str]:
@@ -41,4 +42,4 @@ def sign_again(where: str | Path, name: str = "operator") -> None:
     from vllm_sharded_loader.checkpoint.startup_artifacts import sign_checkpoint
     from vllm_sharded_loader.checkpoint.trust import load_signer
 
-    sign_checkpoint(str(where), load_signer(key_pair(name)[0]))
+    sign_checkpoint(open_store(str(where)), load_signer(key_pair(name)[0]))

@@ -5,6 +5,7 @@ import torch
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, ReadOptions, load_rank, read_manifest, saveable_state
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.format import Manifest, SourceModel, config_sha256, normalize_config
+from vllm_sharded_loader.storage.location import open_store
 from vllm_sharded_loader.storage.progress import ByteProgress
 
 CONFIG = {"hidden_size": 16, "vocab_size": 32, "num_hidden_layers": 2}
@@ -68,7 +69,7 @@ def load(directory, tp_rank=0, tp_size=2, targets=None, experts=None, ep_rank=0,
     rank = RankInfo(tp_rank, tp_size, experts=experts, ep_rank=ep_rank)
     options = ReadOptions(**{k: kw.pop(k) for k in list(kw) if k in ReadOptions.__dataclass_fields__})
     adopt = kw.pop("adopt", None)
-    return load_rank(LoadRequest(str(directory), manifest, **kw), targets, rank, options, adopt), targets
+    return load_rank(LoadRequest(open_store(str(directory)), manifest, **kw), targets, rank, options, adopt), targets
 
 
 def assert_untouched(targets):

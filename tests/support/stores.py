@@ -18,6 +18,7 @@ from tests.support.checkpoints import source_of, stage_state
 from vllm_sharded_loader.checkpoint import LoadRequest, RankInfo, ReadOptions, load_rank, read_manifest
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
 from vllm_sharded_loader.storage import in_memory, objects
+from vllm_sharded_loader.storage.location import open_store
 
 
 @contextlib.contextmanager
@@ -62,7 +63,7 @@ def load_from(url, model, tp_size, tp_rank=0, pp_size=1, pp_rank=0, **kw):
     expected = stage_state(model, tp_size, pp_size, tp_rank, pp_rank)
     targets = {name: torch.full_like(x, -7) for name, x in expected.items()}
     options = ReadOptions(**{k: kw.pop(k) for k in list(kw) if k in ReadOptions.__dataclass_fields__})
-    request = LoadRequest(url, read_manifest(url), serving=source_of(model), **kw)
+    request = LoadRequest(open_store(url), read_manifest(url), serving=source_of(model), **kw)
     stats = load_rank(request, targets, RankInfo(tp_rank, tp_size, pp_rank, pp_size), options)
     return stats, targets, expected
 

@@ -5,9 +5,10 @@ Needs torch, never vLLM: the engine layer calls in here, and tests do too.
 """
 
 from ..planning.topology import RankInfo
+from ..storage.location import read_manifest
 from ..storage.reader import ReadOptions
 from .load import load_rank
-from .request import LoadRequest, read_manifest
+from .request import LoadRequest
 from .state import saveable_state, tensor_specs
 from .stats import LoadStats
 from .verify import verify_checkpoint

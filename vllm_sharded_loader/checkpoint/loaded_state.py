@@ -26,7 +26,7 @@ from ..format.names import default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.local import OpenFile, make_output_folder
-from ..storage.location import Store, open_store
+from ..storage.location import Store
 from ..storage.lock import hold_owner_marker, release_owner_marker
 from ..storage.progress import ByteProgress
 from ..storage.reader import ReadOptions
@@ -62,11 +62,13 @@ class LoadedState:
     # Calls of load_weights since loading: nonzero means the capture is stale.
     updates: int = 0
     # The served model's local folder, whose non-weight files a save carries.
-    model_dir: str | None = None
+    model_folder: Store | None = None
     vllm_config: Any = field(default=None, repr=False)
     model_config: Any = field(default=None, repr=False)
     # The sharded checkpoint a weight update replaced every tensor from.
     reloaded_from: str | None = None
+    # The store (and Hub repository id, if any) the sharded loader or the last update read.
+    read_from: tuple[Store, str | None] | None = None
     # Digest of the manifest the served weights were read from: a re-read first proves it unchanged.
     read_proof: str | None = None
     # Identities of the weight files another load format read (no checksums to prove them by).
@@ -123,13 +125,15 @@ class LoadedState:
         load_weights.__wrapped__ = original  # type: ignore[attr-defined]
         model.__dict__["load_weights"] = load_weights
 
-    def served_from_checkpoint(self, checkpoint: str, proof: str | None = None) -> None:
-        """Make ``checkpoint`` the loaded state after an update replaced every tensor from it; ``proof``
-        is the digest of the manifest it read. The start-up capture is stale and goes."""
+    def served_from_checkpoint(self, located: tuple[Store, str | None], proof: str | None = None) -> None:
+        """Make the checkpoint ``located`` (its store, and Hub repository id if any) the loaded state after
+        an update replaced every tensor from it; ``proof`` is the digest of the manifest it read. The
+        start-up capture is stale and goes."""
         if self.capture is not None and self.capture.temporary:
             discard_rank(self.capture)
         self.capture = None
-        self.reloaded_from = checkpoint
+        self.reloaded_from = located[1] or located[0].where
+        self.read_from = located
         self.read_proof = proof
         self.updates = 0
 
@@ -308,13 +312,13 @@ class LoadedSave:
     def carry(self, carried: CarriedFiles) -> None:
         """Stage the served model's non-weight files (config, tokenizer) so the checkpoint serves by itself;
         they replace the output's copies just before the manifest."""
-        if self.state is None or self.state.model_dir is None:
+        if self.state is None or self.state.model_folder is None:
             logger.warning(
                 "sharded_state: the served model is not a local folder; copy its config and tokenizer files to %s",
                 carried.output,
             )
             return
-        source = open_store(self.state.model_dir)
+        source = self.state.model_folder
         if source.same_as(carried.store):
             return
         changed = carried.stage(source)

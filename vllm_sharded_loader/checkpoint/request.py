@@ -1,5 +1,4 @@
-"""What one rank's load asks for, as a value: the checkpoint, how to check it, and the model it serves;
-and :func:`read_manifest`, the manifest a caller gives it."""
+"""What one rank's load asks for, as a value: the checkpoint's store, how to check it, and the model it serves."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from dataclasses import dataclass
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.source import SourceModel
-from ..storage.location import Store, open_store
+from ..storage.location import Store
 
 
 @dataclass(frozen=True)
@@ -17,7 +16,7 @@ class LoadRequest:
     """A checkpoint to load one rank of, and what to check it against.
 
     Attributes:
-        store: where it lives (a path or URL is resolved once, by :func:`..storage.location.open_store`).
+        store: where it lives (resolved once, by :func:`..storage.location.open_store`).
         manifest: the checkpoint's; None for vLLM's own save, found by ``pattern`` (its parts' names).
         verify: ``"size"`` (manifest, sizes, headers) or ``"checksum"`` (also every byte read).
         serving: the served model's identity, checked against the manifest's when given.
@@ -33,15 +32,7 @@ class LoadRequest:
     tied: Sequence[Sequence[str]] = ()
     pattern: str | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "store", open_store(self.store))
-
     @property
     def where(self) -> str:
         """The checkpoint, as messages name it."""
         return self.store.where
-
-
-def read_manifest(where: str | Store) -> Manifest | None:
-    """The manifest of the checkpoint at ``where`` (a folder, URL or store), or None (vLLM's own save)."""
-    return open_store(where).read_manifest()

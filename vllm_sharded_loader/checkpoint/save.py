@@ -35,7 +35,7 @@ class SaveOptions:
     ``geometry`` (JSON of :class:`~..format.geometry.TensorGeometry` by name) lets it be served at
     another TP/PP size; ``tied`` lists names saved once for several; ``experts`` places the routed
     experts (with several data-parallel replicas, each after the first gives only its experts).
-    ``carry`` names a model whose config and tokenizer go beside the parts, holding what
+    ``carry`` is the store of a model whose config and tokenizer go beside the parts, holding what
     ``carried_record`` says where given. ``progress`` counts the bytes staged.
     """
 
@@ -45,7 +45,7 @@ class SaveOptions:
     geometry: Mapping[str, dict] = field(default_factory=dict)
     tied: tuple[tuple[str, ...], ...] = ()
     experts: ExpertPlacement | None = None
-    carry: str | Store | None = None
+    carry: Store | None = None
     carried_record: Mapping[str, CarriedFile] | None = None
     progress: ByteProgress | None = None
 
@@ -83,7 +83,7 @@ def save_checkpoint(
         )
     pattern = options.pattern or default_pattern(infos[0].pp_size, replicas)
     validate_pattern(pattern, infos[0].tp_size, infos[0].pp_size, replicas)  # before the lock: a refusal changes
-    carry = None if options.carry is None else open_store(options.carry)
+    carry = options.carry
     check_carry_source(carry)  # nothing in the output, not even its mtime (as the save hook checks its pattern)
     ended = hooks.ended
 

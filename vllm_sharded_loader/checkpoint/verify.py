@@ -9,7 +9,7 @@ from ..format.manifest import FileChecksum, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
-from ..storage.location import Store, StoredFile, no_manifest_here, open_store
+from ..storage.location import Store, StoredFile, no_manifest_here
 from ..storage.progress import ByteProgress
 from ..storage.writer import CHUNK_BYTES
 from .carry import carried_problems, stale_problems
@@ -34,10 +34,9 @@ def verify_file_checksum(
 
 
 def verify_checkpoint(
-    where: str | Store, checksums: bool = True, notes: list[str] | None = None, progress: ByteProgress | None = None
+    store: Store, checksums: bool = True, notes: list[str] | None = None, progress: ByteProgress | None = None
 ) -> list[str]:
-    """Every problem of the checkpoint at ``where`` (a folder, URL or store), one line each naming the
-    file; empty when sound.
+    """Every problem of the checkpoint in ``store``, one line each naming the file; empty when sound.
 
     Checks what a load checks for every rank (lock, manifest, files, sizes, symlinks, headers)
     and, with ``checksums``, every byte. Also reports parts the manifest does not list, carried
@@ -45,7 +44,7 @@ def verify_checkpoint(
     replaced that are still there.
 
     Args:
-        where: a folder, URL or store.
+        store: the checkpoint's location (:func:`..storage.location.open_store` resolves a folder or URL).
         checksums: also read every byte against its block checksums.
         notes: when given, gets one line for each thing that is not the checkpoint's problem: the
             leftovers of a save or engine that died (no load reads them, the next save removes
@@ -59,7 +58,6 @@ def verify_checkpoint(
     checkpoint is verified from the start, once (a note says so).
     """
     notes = [] if notes is None else notes
-    store = open_store(where)
     manifest_path = store.file_path(MANIFEST_NAME)
     for attempt in range(2):  # the checkpoint read first, then at most the one that replaced it
         seen: list[str] = []

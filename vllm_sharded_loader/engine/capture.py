@@ -57,7 +57,7 @@ def _show_progress() -> bool:
     return enable_tqdm(wanted)
 
 
-# Set on the model by the sharded loader: (checkpoint, manifest_proof, manifest) it read.
+# Set on the model by the sharded loader: ((store, Hub repository id), manifest_proof, manifest) it read.
 READ_PROOF_ATTRIBUTE = "_vllm_sharded_read_proof"
 
 
@@ -83,6 +83,7 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     fresh.compilation_config.static_forward_context = {}
     load_config = vllm_config.load_config
     checkpoint = None  # proven unchanged before and after the re-read
+    model_dir = None if state.model_folder is None else state.model_folder.where
     if state.reloaded_from is not None:
         # Updated since start-up: the update's checkpoint, through our loader.
         load_config = copy.copy(load_config)
@@ -93,8 +94,8 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
     elif load_config.load_format == "sharded_state":
         checkpoint = model_config.model_weights or model_config.model
     if checkpoint is not None:
-        store = open_store(checkpoint)
-        if store.exists():  # (a Hub id: checked after the read only)
+        store, repo_id = state.read_from or (None, None)
+        if store is not None and repo_id is None and store.exists():  # (a Hub id: checked after the read only)
             manifest = store.read_manifest()
             check_still_read_from(checkpoint, state.read_proof, manifest)
             if manifest is not None and state.rank is not None:
@@ -103,13 +104,13 @@ def reread_loaded_state(state: LoadedState) -> dict[str, torch.Tensor]:
         load_config = copy.copy(load_config)
         load_config.model_loader_extra_config = {**(load_config.model_loader_extra_config or {}), "verify": "checksum"}
     else:
-        check_source_files_unchanged(state.model_dir, state.source_files)
+        check_source_files_unchanged(model_dir, state.source_files)
     loader = get_model_loader(load_config)
     with set_current_vllm_config(fresh), set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
         model = loader.create_model(vllm_config=fresh, model_config=model_config)
         loader.load_weights(model, model_config)
     if checkpoint is None:
-        check_source_files_unchanged(state.model_dir, state.source_files)  # a write during the read
+        check_source_files_unchanged(model_dir, state.source_files)  # a write during the read
     else:
         # The manifest the re-read used: a rewrite between our check and the read shows here.
         check_still_read_from(
@@ -129,6 +130,7 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
     state_dict = model.state_dict()
     tensors = saveable_state(state_dict)
     rank = model_rank(model)
+    model_dir = str(getattr(model_config, "model", ""))
     state = LoadedState(
         signature={n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in tensors.items()},
         source=source_identity(model, model_config),
@@ -143,13 +145,14 @@ def record_loaded_state(model: torch.nn.Module, model_config: Any) -> LoadedStat
         tied=tied_groups(state_dict, tensors),
         rank=rank,
         per_replica=frozenset(_expert_tensors(model, tensors)) if rank.replicas > 1 else frozenset(),
-        model_dir=model_config.model if os.path.isdir(str(getattr(model_config, "model", ""))) else None,
+        model_folder=open_store(model_dir) if os.path.isdir(model_dir) else None,
+        read_from=(model.__dict__.get(READ_PROOF_ATTRIBUTE) or (None, None, None))[0],
         vllm_config=current_vllm_config(),
         model_config=model_config,
         read_proof=(model.__dict__.get(READ_PROOF_ATTRIBUTE) or (None, None, None))[1],
     )
     if READ_PROOF_ATTRIBUTE not in model.__dict__:  # loaded by another format, from its own files
-        state.source_files = weight_file_identities(state.model_dir)
+        state.source_files = weight_file_identities(model_dir)
     # Data-parallel replicas hold the same slices: only the first captures, the others only their own
     # experts. A speculative drafter's capture would leave stray files in the served model's checkpoint.
     writes = rank.dp_rank == 0 or bool(state.per_replica)

@@ -212,7 +212,7 @@ class ModelReader(LoaderOptions):
             options = ReadOptions(self.threads, progress, self.huge_pages, ranks_on_host())
             stats = load_rank(request, into.targets, rank, options, into.adopt)
         # What was read, for a save that reads it again (checkpoint/save_proof.py).
-        model.__dict__[READ_PROOF_ATTRIBUTE] = (directory, manifest_proof(manifest), manifest)
+        model.__dict__[READ_PROOF_ATTRIBUTE] = (located, manifest_proof(manifest), manifest)
         if stats.resharded_from is not None:
             logger.info(
                 "sharded_state: %s resharded from TP=%d PP=%d to TP=%d PP=%d%s: read %.1f MB of the %.1f MB "

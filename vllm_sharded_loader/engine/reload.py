@@ -409,7 +409,7 @@ class InPlaceUpdate:
             return_freed_memory()
         if state is not None:
             # Every tensor is now this checkpoint's: a save re-reads it from there.
-            state.served_from_checkpoint(self.located[1] or self.located[0].where, self.proof)
+            state.served_from_checkpoint(self.located, self.proof)
 
     def _commit(self) -> None:
         """The new values into the served tensors, layer by layer."""

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.loaded_state import CAPTURE_DIR_ENV, CAPTURE_MAX_SIZE_ENV, CAPTURE_PATTERN_ENV, OVERWRITE_ENV
-from ..checkpoint.request import read_manifest
 from ..checkpoint.save import DEFAULT_MAX_SIZE
 from ..format.errors import InvalidOption
-from ..storage.location import Store, open_store
+from ..storage.location import Store, open_store, read_manifest
 from ..storage.model_files import special_files
 from .vllm_versions import require_supported
 

@@ -113,6 +113,11 @@ def open_store(where: str | Store) -> Store:
     return ObjectStore(where) if ObjectStore.accepts(where) else LocalStore(where)
 
 
+def read_manifest(where: str | Store) -> Manifest | None:
+    """The manifest of the checkpoint at ``where`` (a folder, URL or store), or None (vLLM's own save)."""
+    return open_store(where).read_manifest()
+
+
 def check_no_special_files(store: Store) -> None:
     """Refuse a model or checkpoint with a FIFO, device or socket among its files, naming the first."""
     for error in store.special_files():

@@ -62,7 +62,7 @@ def verify(args: argparse.Namespace) -> int:
 
     notes: list[str] = []
     with _progress("Verifying") as progress:
-        problems = verify_checkpoint(args.directory, checksums=not args.size_only, notes=notes, progress=progress)
+        problems = verify_checkpoint(args.store, checksums=not args.size_only, notes=notes, progress=progress)
     what = "sizes and headers" if args.size_only else "sizes, headers and checksums"
     # Leftovers of a dead save or engine are notes, not problems.
     for note in notes:
@@ -81,7 +81,7 @@ def inspect(args: argparse.Namespace) -> int:
 
     from .offline import inspect_checkpoint
 
-    info = inspect_checkpoint(args.directory)
+    info = inspect_checkpoint(args.store)
     if args.json:
         _print(json.dumps(info, indent=1))  # (JSON escapes control characters itself)
         return 0
@@ -134,7 +134,7 @@ def reshard(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with _progress("Resharding") as progress:
         manifest = reshard_checkpoint(
-            args.directory,
+            args.store,
             args.output,
             args.tensor_parallel_size,
             args.pipeline_parallel_size,
@@ -187,7 +187,7 @@ def sign(args: argparse.Namespace) -> int:
     from ..checkpoint.startup_artifacts import sign_checkpoint
     from ..checkpoint.trust import check_trust, load_signer
 
-    manifest = sign_checkpoint(args.directory, load_signer(args.key))
+    manifest = sign_checkpoint(args.store, load_signer(args.key))
     archives = sum(r.startup is not None for r in manifest.ranks)
     _say(f"Signed {args.directory} ({archives} start-up archives) with key {manifest.signature.short_id}.")
     verdict = check_trust(manifest)
@@ -289,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return save_main(argv[1:])
         args = make_parser().parse_args(argv)
+        if getattr(args, "directory", None) is not None:  # the checkpoint a command works on, resolved once
+            from ..storage.location import open_store
+
+            args.store = open_store(args.directory)
         return args.run(args)
     except _ReaderGone:
         # No error line; drop what is buffered for the closed pipe, and end by SIGPIPE (run).

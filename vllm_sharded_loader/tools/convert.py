@@ -30,13 +30,13 @@ from ..planning.layout import ShardLayout, shard_layout
 from ..planning.pipeline import config_layers, stage_split
 from ..planning.topology import RankInfo
 from ..storage.hf_source import check_source_files, read_ahead, resolve_source
-from ..storage.location import Store, open_store
+from ..storage.location import Store
 from ..storage.oscalls import release_free_heap
 from ..storage.progress import ByteProgress
 from ..storage.staging_folders import staging_folder
 from ..storage.tensors import torch_threads
 from ..storage.writer import LazyTensor, write_order
-from .offline import check_output_apart
+from .offline import open_output
 
 if TYPE_CHECKING:
     from ..checkpoint.meta_model import MetaModel
@@ -296,8 +296,7 @@ def convert_checkpoint(
     if tp_size < 1 or pp_size < 1:
         raise InvalidOption(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
     folder = resolve_source(source, options.revision)
-    out = open_store(output)
-    check_output_apart(out, folder, "model")
+    out = open_output(output, folder, "model")
     check_source_files(folder)
     # Refused now rather than after vLLM has built the model.
     out.refuse_before_save(options.overwrite)

@@ -27,25 +27,24 @@ from ..storage.progress import ByteProgress
 from ..storage.writer import LazyTensor
 
 
-def require_manifest(where: str | Store) -> tuple[Store, Manifest]:
-    """The store at ``where`` and its manifest; without one, the error says whether a save holds it."""
-    store = open_store(where)
+def require_manifest(store: Store) -> Manifest:
+    """``store``'s manifest; without one, the error says whether a save holds it."""
     manifest = store.read_manifest()
     if manifest is None:
         # A first save still writing (or killed) is named as such, not as "not a checkpoint".
         store.check_not_locked()
         raise CheckpointNotFound(no_manifest_here(store))
-    return store, manifest
+    return manifest
 
 
-def inspect_checkpoint(directory: str | Store) -> dict[str, Any]:
-    """What the checkpoint at ``directory`` (a folder, URL or store) holds, as JSON data.
+def inspect_checkpoint(store: Store) -> dict[str, Any]:
+    """What the checkpoint in ``store`` holds, as JSON data.
 
     Returns:
         A dict of its topology, files, dtype, tensors, source model, resharding geometry, lock,
         and signature with whether it is trusted here.
     """
-    store, manifest = require_manifest(directory)
+    manifest = require_manifest(store)
     kinds: dict[str, int] = {}
     for g in manifest.geometry.values():
         kind = g.get("kind", "?") if isinstance(g, dict) else "?"
@@ -95,8 +94,10 @@ def inspect_checkpoint(directory: str | Store) -> dict[str, Any]:
     }
 
 
-def check_output_apart(output: Store, source: Store, what: str, folder: str = "folder") -> None:
-    """Refuse an ``output`` that is the source (under any name) or lies inside it, before anything is written."""
+def open_output(where: str | Store, source: Store, what: str, folder: str = "folder") -> Store:
+    """The output's store, resolved once; refused, before anything is written, where it is the source
+    (under any name) or lies inside it."""
+    output = open_store(where)
     if output.same_as(source):
         raise InvalidOption(f"--output must be another {folder} than the source {what}.")
     if output.inside(source):
@@ -104,10 +105,11 @@ def check_output_apart(output: Store, source: Store, what: str, folder: str = "f
             f"--output {output.where} lies inside the source {what} {source.where}; nothing was written. Choose a "
             "folder outside the source."
         )
+    return output
 
 
 def reshard_checkpoint(
-    directory: str | Store,
+    source: Store,
     output: str | Store,
     tp_size: int,
     pp_size: int | None = None,
@@ -116,14 +118,14 @@ def reshard_checkpoint(
     overwrite: bool = False,
     progress: ByteProgress | None = None,
 ) -> Manifest:
-    """Write ``directory``'s checkpoint resharded to ``tp_size`` x ``pp_size`` into ``output``.
+    """Write ``source``'s checkpoint resharded to ``tp_size`` x ``pp_size`` into ``output``.
 
     The output loads at the new topology without resharding at load time. Every byte read is
     checked against the source's checksums; non-weight files (config, tokenizer) are copied under
     the save's lock, and the manifest is written last.
 
     Args:
-        directory: the source checkpoint (a folder, URL or store).
+        source: the source checkpoint's store.
         output: where to write (a folder, URL or store), not inside the source.
         tp_size: the new tensor-parallel size.
         pp_size: the new pipeline-parallel size (default: as saved).
@@ -134,13 +136,12 @@ def reshard_checkpoint(
     Returns:
         The published manifest.
     """
-    source, manifest = require_manifest(directory)
+    manifest = require_manifest(source)
     source.check_not_locked()
     pp_size = manifest.pp_size if pp_size is None else pp_size
     if tp_size < 1 or pp_size < 1:
         raise InvalidOption(f"Sizes must be >= 1, got TP={tp_size} PP={pp_size}.")
-    out = open_store(output)
-    check_output_apart(out, source, "checkpoint", "directory")
+    out = open_output(output, source, "checkpoint", "directory")
     _refuse_damaged_carried_files(source, manifest)
     # The output's checksums must not certify a corrupt source: read every byte checked.
     verify = "checksum" if any(f.checksum is not None for r in manifest.ranks for f in r.files) else "size"
