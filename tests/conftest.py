@@ -16,6 +16,7 @@ import atexit
 import functools
 import os
 import shutil
+import signal
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -64,6 +65,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # for it (building a model does). Set from the start, with the value torch would write, it is
     # the same for the fork servers and for every script after them, whichever test asks first.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # A run started in the background of a script (``cmd &``, nohup) inherits SIGINT ignored, and so
+    # would every process it starts: Python then raises no KeyboardInterrupt, and the Ctrl-C tests'
+    # saves would run to their end. Their processes get Python's own handler, as from a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     if not hasattr(config, "workerinput"):  # the controller, not a pytest-xdist worker
