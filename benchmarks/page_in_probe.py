@@ -7,9 +7,13 @@ reads a byte of each page where vLLM's post-processing reads every weight next).
 MODE: ``populate`` (``MADV_POPULATE_READ`` over the whole mapping), ``populate_touch`` (then one byte
 of every page read), ``touch_only`` (one byte of every page read, the kernel's read-ahead doing the
 I/O), ``mmap_copy`` (the mapping copied into fresh memory, as a loader that copies does),
-``read_copy`` (``readv`` into fresh memory). The file's pages are dropped from the page cache first
-(``posix_fadvise(DONTNEED)``); run the modes interleaved, several times: the host behind a VM may
-hold the dropped pages back or not, which moves the figures between runs.
+``read_copy`` (``readv`` into fresh memory); ``chunked`` (populate, then touch, 64 MiB at a time),
+``pipelined`` (the next 64 MiB populated on a second thread while one touches), ``willneed``
+(``MADV_WILLNEED`` on the whole mapping, then ``chunked``); ``streams`` (``chunked`` on 4 threads,
+each over a quarter, as the loader's streams), ``streams_touch`` (the same, touch only). The file's
+pages are dropped from the page cache first (``posix_fadvise(DONTNEED)``); run the modes interleaved,
+several times: the host behind a VM may hold the dropped pages back or not, which moves the figures
+between runs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,72 @@ import torch
 
 MADV_POPULATE_READ = 22
 PAGE = mmap.PAGESIZE
+
+
+CHUNK = 64 << 20
+
+
+def _populate(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    if libc.madvise(ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(data.numel()), MADV_POPULATE_READ):
+        raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
+
+
+def chunked(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    """Populate, then touch, 64 MiB at a time, on one thread."""
+    for start in range(0, data.numel(), CHUNK):
+        chunk = data[start : start + CHUNK]
+        _populate(libc, chunk)
+        chunk[::PAGE].sum()
+
+
+def pipelined(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    """Populate the next 64 MiB on a second thread while this one touches the last populated."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = [data[start : start + CHUNK] for start in range(0, data.numel(), CHUNK)]
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(_populate, libc, chunks[0])
+        for i, chunk in enumerate(chunks):
+            ahead.result()
+            if i + 1 < len(chunks):
+                ahead = pool.submit(_populate, libc, chunks[i + 1])
+            chunk[::PAGE].sum()
+
+
+def willneed(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    """``MADV_WILLNEED`` over the whole mapping (read-ahead started), then :func:`chunked`."""
+    libc.madvise(ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(data.numel()), MADV_WILLNEED)
+    chunked(libc, data)
+
+
+def streams(libc: ctypes.CDLL, data: torch.Tensor, threads: int = 4) -> None:
+    """:func:`chunked` on ``threads`` threads, each over its own quarter (as the loader's streams)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    share = -(-data.numel() // threads // PAGE) * PAGE
+    with ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(chunked, libc, data[i : i + share]) for i in range(0, data.numel(), share)]:
+            done.result()
+
+
+def streams_touch(libc: ctypes.CDLL, data: torch.Tensor, threads: int = 4) -> None:
+    """One byte of every page read on ``threads`` threads, each over its own quarter (no populate)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    share = -(-data.numel() // threads // PAGE) * PAGE
+    with ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(data[i : i + share][::PAGE].sum) for i in range(0, data.numel(), share)]:
+            done.result()
+
+
+MADV_WILLNEED = 3
+CHUNKED = {
+    "chunked": chunked,
+    "pipelined": pipelined,
+    "willneed": willneed,
+    "streams": streams,
+    "streams_touch": streams_touch,
+}
 
 
 def main(path: str, mode: str) -> None:
@@ -43,7 +113,9 @@ def main(path: str, mode: str) -> None:
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         data = torch.frombuffer(mapping, dtype=torch.uint8)
         address, length = ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(size)
-        if mode.startswith("populate") and libc.madvise(address, length, MADV_POPULATE_READ):
+        if mode in CHUNKED:
+            CHUNKED[mode](libc, data)
+        elif mode.startswith("populate") and libc.madvise(address, length, MADV_POPULATE_READ):
             raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
         first = time.perf_counter()
         if mode in ("populate_touch", "touch_only"):
