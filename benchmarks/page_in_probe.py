@@ -2,7 +2,7 @@
 issue 70's cold start on AVX-512 (the mapped load pages a file in with ``MADV_POPULATE_READ``, then
 reads a byte of each page where vLLM's post-processing reads every weight next).
 
-    python -m benchmarks.page_in_probe FILE MODE
+    python -m benchmarks.page_in_probe FILE MODE [DELAY]
 
 MODE: ``populate`` (``MADV_POPULATE_READ`` over the whole mapping), ``populate_touch`` (then one byte
 of every page read), ``touch_only`` (one byte of every page read, the kernel's read-ahead doing the
@@ -96,11 +96,13 @@ CHUNKED = {
 }
 
 
-def main(path: str, mode: str) -> None:
+def main(path: str, mode: str, delay: float = 0.0) -> None:
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    time.sleep(delay)  # as an engine's start lies between its files' eviction and its load
     libc = ctypes.CDLL(None, use_errno=True)
+    cpu_started = time.process_time()
     started = time.perf_counter()
     first = started
     if mode == "read_copy":
@@ -123,8 +125,12 @@ def main(path: str, mode: str) -> None:
         elif mode == "mmap_copy":
             torch.empty(size, dtype=torch.uint8).copy_(data)
     ended = time.perf_counter()
-    print(f"{mode}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, total {ended - started:.2f} s")
+    cpu = time.process_time() - cpu_started
+    print(
+        f"{mode}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, cpu {cpu:.2f} s, "
+        f"total {ended - started:.2f} s"
+    )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
