@@ -12,6 +12,7 @@ loader alike:
   repacks are copied, the rest mapped;
 - ``ours_untouched``: ``ours`` with ``SHARDED_STATE_TOUCH_PAGES=0``: the mapped pages are paged in
   but never read by the load (as where vLLM's post-processing does not read them next);
+- ``ours_t1``, ``ours_t2``: ``ours`` with one or two reader threads (``{"threads": N}``);
 - ``builtin``: vLLM's own ``sharded_state`` on the same files (plugins off: ``VLLM_PLUGINS=""``);
 - ``default``: vLLM's default safetensors loader on the HF checkpoint;
 - ``runai``: ``runai_streamer_sharded`` on the same files (``runai-model-streamer``);
@@ -59,8 +60,24 @@ from benchmarks.harness import (
     write_probe,
 )
 
-LOADERS = ("ours", "ours_auto", "ours_copy", "ours_untouched", "builtin", "default", "runai", "ours_resharded")
-EXTRA_CONFIG = {"ours_copy": {"mmap": False}, "ours_auto": {"mmap": "auto"}}
+LOADERS = (
+    "ours",
+    "ours_auto",
+    "ours_copy",
+    "ours_untouched",
+    "ours_t1",
+    "ours_t2",
+    "builtin",
+    "default",
+    "runai",
+    "ours_resharded",
+)
+EXTRA_CONFIG = {
+    "ours_copy": {"mmap": False},
+    "ours_auto": {"mmap": "auto"},
+    "ours_t1": {"threads": 1},
+    "ours_t2": {"threads": 2},
+}
 
 # ------------------------------------------------------------------------ raw limits
 
@@ -194,6 +211,8 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, 
         "ours_copy": dirs[tp],
         "ours_auto": dirs[tp],
         "ours_untouched": dirs[tp],
+        "ours_t1": dirs[tp],
+        "ours_t2": dirs[tp],
         "builtin": dirs[tp],
         "runai": dirs[tp],
         "default": hf,

@@ -2,14 +2,18 @@
 issue 70's cold start on AVX-512 (the mapped load pages a file in with ``MADV_POPULATE_READ``, then
 reads a byte of each page where vLLM's post-processing reads every weight next).
 
-    python -m benchmarks.page_in_probe FILE MODE
+    python -m benchmarks.page_in_probe FILE MODE [DELAY]
 
 MODE: ``populate`` (``MADV_POPULATE_READ`` over the whole mapping), ``populate_touch`` (then one byte
 of every page read), ``touch_only`` (one byte of every page read, the kernel's read-ahead doing the
 I/O), ``mmap_copy`` (the mapping copied into fresh memory, as a loader that copies does),
-``read_copy`` (``readv`` into fresh memory). The file's pages are dropped from the page cache first
-(``posix_fadvise(DONTNEED)``); run the modes interleaved, several times: the host behind a VM may
-hold the dropped pages back or not, which moves the figures between runs.
+``read_copy`` (``readv`` into fresh memory); ``chunked`` (populate, then touch, 64 MiB at a time),
+``pipelined`` (the next 64 MiB populated on a second thread while one touches), ``willneed``
+(``MADV_WILLNEED`` on the whole mapping, then ``chunked``); ``streams`` (``chunked`` on 4 threads,
+each over a quarter, as the loader's streams), ``streams_touch`` (the same, touch only). The file's
+pages are dropped from the page cache first (``posix_fadvise(DONTNEED)``); run the modes interleaved,
+several times: the host behind a VM may hold the dropped pages back or not, which moves the figures
+between runs.
 """
 
 from __future__ import annotations
@@ -26,11 +30,79 @@ MADV_POPULATE_READ = 22
 PAGE = mmap.PAGESIZE
 
 
-def main(path: str, mode: str) -> None:
+CHUNK = 64 << 20
+
+
+def _populate(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    if libc.madvise(ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(data.numel()), MADV_POPULATE_READ):
+        raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
+
+
+def chunked(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    """Populate, then touch, 64 MiB at a time, on one thread."""
+    for start in range(0, data.numel(), CHUNK):
+        chunk = data[start : start + CHUNK]
+        _populate(libc, chunk)
+        chunk[::PAGE].sum()
+
+
+def pipelined(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    """Populate the next 64 MiB on a second thread while this one touches the last populated."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = [data[start : start + CHUNK] for start in range(0, data.numel(), CHUNK)]
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(_populate, libc, chunks[0])
+        for i, chunk in enumerate(chunks):
+            ahead.result()
+            if i + 1 < len(chunks):
+                ahead = pool.submit(_populate, libc, chunks[i + 1])
+            chunk[::PAGE].sum()
+
+
+def willneed(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    """``MADV_WILLNEED`` over the whole mapping (read-ahead started), then :func:`chunked`."""
+    libc.madvise(ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(data.numel()), MADV_WILLNEED)
+    chunked(libc, data)
+
+
+def streams(libc: ctypes.CDLL, data: torch.Tensor, threads: int = 4) -> None:
+    """:func:`chunked` on ``threads`` threads, each over its own quarter (as the loader's streams)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    share = -(-data.numel() // threads // PAGE) * PAGE
+    with ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(chunked, libc, data[i : i + share]) for i in range(0, data.numel(), share)]:
+            done.result()
+
+
+def streams_touch(libc: ctypes.CDLL, data: torch.Tensor, threads: int = 4) -> None:
+    """One byte of every page read on ``threads`` threads, each over its own quarter (no populate)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    share = -(-data.numel() // threads // PAGE) * PAGE
+    with ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(data[i : i + share][::PAGE].sum) for i in range(0, data.numel(), share)]:
+            done.result()
+
+
+MADV_WILLNEED = 3
+CHUNKED = {
+    "chunked": chunked,
+    "pipelined": pipelined,
+    "willneed": willneed,
+    "streams": streams,
+    "streams_touch": streams_touch,
+}
+
+
+def main(path: str, mode: str, delay: float = 0.0) -> None:
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    time.sleep(delay)  # as an engine's start lies between its files' eviction and its load
     libc = ctypes.CDLL(None, use_errno=True)
+    cpu_started = time.process_time()
     started = time.perf_counter()
     first = started
     if mode == "read_copy":
@@ -43,7 +115,9 @@ def main(path: str, mode: str) -> None:
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         data = torch.frombuffer(mapping, dtype=torch.uint8)
         address, length = ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(size)
-        if mode.startswith("populate") and libc.madvise(address, length, MADV_POPULATE_READ):
+        if mode in CHUNKED:
+            CHUNKED[mode](libc, data)
+        elif mode.startswith("populate") and libc.madvise(address, length, MADV_POPULATE_READ):
             raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
         first = time.perf_counter()
         if mode in ("populate_touch", "touch_only"):
@@ -51,8 +125,12 @@ def main(path: str, mode: str) -> None:
         elif mode == "mmap_copy":
             torch.empty(size, dtype=torch.uint8).copy_(data)
     ended = time.perf_counter()
-    print(f"{mode}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, total {ended - started:.2f} s")
+    cpu = time.process_time() - cpu_started
+    print(
+        f"{mode}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, cpu {cpu:.2f} s, "
+        f"total {ended - started:.2f} s"
+    )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
