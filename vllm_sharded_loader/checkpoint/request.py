@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..format.geometry import TensorGeometry
 from ..format.manifest import Manifest
 from ..format.source import SourceModel
-from ..storage.location import Store
+from ..storage.location import Store, require_store
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class LoadRequest:
     geometry: Mapping[str, TensorGeometry] | None = None
     tied: Sequence[Sequence[str]] = ()
     pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        require_store(self.store, "LoadRequest")
 
     @property
     def where(self) -> str:

@@ -16,7 +16,7 @@ from ..format.names import default_pattern, validate_pattern
 from ..format.source import SourceModel
 from ..planning.topology import RankInfo
 from ..storage.faults import declare, kill_point
-from ..storage.location import Store, open_store
+from ..storage.location import Store, open_store, require_store
 from ..storage.progress import ByteProgress
 from ..storage.staged import StagedRank, stage_in_parallel, stage_rank
 from .carry import check_carry_source
@@ -48,6 +48,10 @@ class SaveOptions:
     carry: Store | None = None
     carried_record: Mapping[str, CarriedFile] | None = None
     progress: ByteProgress | None = None
+
+    def __post_init__(self) -> None:
+        if self.carry is not None:
+            require_store(self.carry, "SaveOptions.carry")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from ..format.errors import CheckpointCorrupt, CheckpointNotFound, StorageError
 from ..format.manifest import FileEntry, Manifest, StartupArtifacts
 from ..format.names import startup_artifacts_name
 from ..storage.faults import declare, kill_point
-from ..storage.location import Store
+from ..storage.location import Store, require_store
 from ..storage.staged import new_token
 from ..storage.temporaries import held_temporary, remove_dead_temporaries
 from .trust import Signer
@@ -305,6 +305,7 @@ def restore(data: bytes, root: str, folders: Collection[str] | None = None) -> t
 def sign_checkpoint(store: Store, signer: Signer) -> Manifest:
     """Sign the published checkpoint in ``store`` under the save lock, after checking its start-up
     archives. Returns the signed manifest."""
+    require_store(store, "sign_checkpoint")
     store.lock(new_token(), True, ())
     try:
         manifest = store.read_manifest()

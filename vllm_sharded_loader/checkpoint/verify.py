@@ -9,7 +9,7 @@ from ..format.manifest import FileChecksum, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.manifest_plans import check_saved_geometry
 from ..storage.integrity import BlockVerifier
-from ..storage.location import Store, StoredFile, no_manifest_here
+from ..storage.location import Store, StoredFile, no_manifest_here, require_store
 from ..storage.progress import ByteProgress
 from ..storage.writer import CHUNK_BYTES
 from .carry import carried_problems, stale_problems
@@ -57,6 +57,7 @@ def verify_checkpoint(
     A save that replaces the checkpoint meanwhile makes its parts read as missing: then the new
     checkpoint is verified from the start, once (a note says so).
     """
+    require_store(store, "verify_checkpoint")
     notes = [] if notes is None else notes
     manifest_path = store.file_path(MANIFEST_NAME)
     for attempt in range(2):  # the checkpoint read first, then at most the one that replaced it

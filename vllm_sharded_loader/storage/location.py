@@ -4,6 +4,7 @@ folder or Hub snapshot, or of an object-storage prefix, and every operation goes
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -111,6 +112,12 @@ def open_store(where: str | Store) -> Store:
     if not isinstance(where, str):
         return where
     return ObjectStore(where) if ObjectStore.accepts(where) else LocalStore(where)
+
+
+def require_store(store: object, what: str) -> None:
+    """Refuse a path or URL given where a resolved store is expected, saying how to resolve it."""
+    if isinstance(store, (str, os.PathLike)):
+        raise TypeError(f"{what} takes a store, not the location {str(store)!r}: pass open_store({str(store)!r}).")
 
 
 def read_manifest(where: str | Store) -> Manifest | None:

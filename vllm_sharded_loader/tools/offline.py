@@ -22,7 +22,7 @@ from ..planning.manifest_plans import files_to_check
 from ..planning.pipeline import stage_names
 from ..planning.reads import TensorPlan
 from ..planning.topology import RankInfo
-from ..storage.location import Store, no_manifest_here, open_store
+from ..storage.location import Store, no_manifest_here, open_store, require_store
 from ..storage.progress import ByteProgress
 from ..storage.writer import LazyTensor
 
@@ -44,6 +44,7 @@ def inspect_checkpoint(store: Store) -> dict[str, Any]:
         A dict of its topology, files, dtype, tensors, source model, resharding geometry, lock,
         and signature with whether it is trusted here.
     """
+    require_store(store, "inspect_checkpoint")
     manifest = require_manifest(store)
     kinds: dict[str, int] = {}
     for g in manifest.geometry.values():
@@ -136,6 +137,7 @@ def reshard_checkpoint(
     Returns:
         The published manifest.
     """
+    require_store(source, "reshard_checkpoint")
     manifest = require_manifest(source)
     source.check_not_locked()
     pp_size = manifest.pp_size if pp_size is None else pp_size
