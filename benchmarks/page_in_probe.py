@@ -66,24 +66,24 @@ def willneed(libc: ctypes.CDLL, data: torch.Tensor) -> None:
     chunked(libc, data)
 
 
-def streams(libc: ctypes.CDLL, data: torch.Tensor, threads: int = 4) -> None:
-    """:func:`chunked` on ``threads`` threads, each over its own quarter (as the loader's streams)."""
+def _on_threads(each, data: torch.Tensor, threads: int = 4) -> None:
+    """``each(part)`` on ``threads`` threads, each over its own page-aligned share of ``data``."""
     from concurrent.futures import ThreadPoolExecutor
 
     share = -(-data.numel() // threads // PAGE) * PAGE
     with ThreadPoolExecutor(threads) as pool:
-        for done in [pool.submit(chunked, libc, data[i : i + share]) for i in range(0, data.numel(), share)]:
+        for done in [pool.submit(each, data[i : i + share]) for i in range(0, data.numel(), share)]:
             done.result()
 
 
-def streams_touch(libc: ctypes.CDLL, data: torch.Tensor, threads: int = 4) -> None:
-    """One byte of every page read on ``threads`` threads, each over its own quarter (no populate)."""
-    from concurrent.futures import ThreadPoolExecutor
+def streams(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    """:func:`chunked` on 4 threads, each over its own quarter (as the loader's streams)."""
+    _on_threads(lambda part: chunked(libc, part), data)
 
-    share = -(-data.numel() // threads // PAGE) * PAGE
-    with ThreadPoolExecutor(threads) as pool:
-        for done in [pool.submit(data[i : i + share][::PAGE].sum) for i in range(0, data.numel(), share)]:
-            done.result()
+
+def streams_touch(libc: ctypes.CDLL, data: torch.Tensor) -> None:
+    """One byte of every page read on 4 threads, each over its own quarter (no populate)."""
+    _on_threads(lambda part: part[::PAGE].sum(), data)
 
 
 MADV_WILLNEED = 3
