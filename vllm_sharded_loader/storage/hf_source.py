@@ -29,13 +29,11 @@ from .local import OpenFile, open_regular, preadv_all, read_header
 from .location import Store, StoredFile, check_no_special_files, open_store
 from .memory import BufferPool
 from .model_files import check_no_links_to_nothing
-from .oscalls import available_memory
+from .oscalls import available_memory, will_need
 from .tensors import torch_dtype
 
 INDEX_NAME = "model.safetensors.index.json"
 READ_AHEAD_STEP = 8 << 20
-# WILLNEED reads at most one read-ahead window per call: steps of the smallest window cover a tensor.
-WILLNEED_STEP = 128 << 10
 
 
 def weight_files(store: Store) -> tuple[list[str], dict[str, str]]:
@@ -299,8 +297,7 @@ class SourceFiles:
             t = self.tensors[name]
             opened = self._open(t.file)
             if isinstance(opened, OpenFile):
-                for begin in range(t.begin, t.end, WILLNEED_STEP):
-                    os.posix_fadvise(opened.fd, begin, min(WILLNEED_STEP, t.end - begin), os.POSIX_FADV_WILLNEED)
+                will_need(opened.fd, t.begin, t.end)
 
     def close(self) -> None:
         for opened in self.opened.values():

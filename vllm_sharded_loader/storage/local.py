@@ -23,6 +23,7 @@ from ..format.names import (
     is_startup_artifacts_name,
 )
 from ..format.safetensors import MAX_HEADER_BYTES, Header, parse_header
+from . import oscalls
 
 _KINDS = {
     stat.S_IFIFO: "a FIFO",
@@ -269,6 +270,10 @@ class FileStream:
     def __init__(self, path: str, fd: int) -> None:
         self.path, self.fd = path, fd
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # doubles the readahead window
+
+    def prefetch(self, begin: int, end: int) -> None:
+        """Start reading ``[begin, end)`` into the page cache (:func:`.oscalls.will_need`)."""
+        oscalls.will_need(self.fd, begin, end)
 
     def readv(self, views: list[memoryview], offset: int) -> None:
         preadv_all(self.fd, views, offset, self.path)

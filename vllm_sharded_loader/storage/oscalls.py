@@ -14,6 +14,8 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux 5.14+
 MADV_POPULATE_WRITE = 23
 SYNC_FILE_RANGE_WRITE = 2
+# WILLNEED reads at most one read-ahead window per call: steps of the smallest window cover a range.
+WILLNEED_STEP = 128 << 10
 
 _libc: Any = None
 
@@ -70,6 +72,14 @@ def populate_read(address: int, nbytes: int) -> int:
     if libc is None:
         return errno.ENOSYS
     return 0 if libc.madvise(address, nbytes, MADV_POPULATE_READ) == 0 else ctypes.get_errno()
+
+
+def will_need(fd: int, begin: int, end: int) -> None:
+    """Start reading a file's bytes ``[begin, end)`` into the page cache, without waiting. The steps
+    also keep the cache's pages small: on a VM whose host takes free memory back, the first access to
+    pages read ahead in large folios costs several times the CPU time (``benchmarks/page_in_probe.py``)."""
+    for start in range(begin, end, WILLNEED_STEP):
+        os.posix_fadvise(fd, start, min(WILLNEED_STEP, end - start), os.POSIX_FADV_WILLNEED)
 
 
 def map_file_fixed(address: int, nbytes: int, fd: int, offset: int) -> int:

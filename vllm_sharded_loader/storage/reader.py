@@ -26,7 +26,7 @@ from ..planning.spans import FileGrid, Piece, Span, plan_spans, split_streams
 from . import direct as direct_io
 from . import oscalls
 from .integrity import check_block, digest_of
-from .local import OpenFile
+from .local import FileStream, OpenFile
 from .memory import (
     HUGE_PAGE,
     Destination,
@@ -238,6 +238,8 @@ class _SpanReader:
 
         if fresh:
             prefault_pages(fresh)
+        if isinstance(stream, FileStream) and (groups or paged):
+            stream.prefetch(span.begin, span.end)  # the page cache's pages small, the reads queued at once
         if isinstance(stream, direct_io.DirectStream) and (groups or edges):
             # The whole span in one direct request, the next one's in flight while this one is copied out.
             reads = [(o, sum(len(v) for v in views)) for o, views in groups] + [(o, len(v)) for o, v in edges]
