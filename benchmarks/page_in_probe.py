@@ -10,7 +10,9 @@ I/O), ``mmap_copy`` (the mapping copied into fresh memory, as a loader that copi
 ``read_copy`` (``readv`` into fresh memory); ``chunked`` (populate, then touch, 64 MiB at a time),
 ``pipelined`` (the next 64 MiB populated on a second thread while one touches), ``willneed``
 (``MADV_WILLNEED`` on the whole mapping, then ``chunked``); ``streams`` (``chunked`` on 4 threads,
-each over a quarter, as the loader's streams), ``streams_touch`` (the same, touch only). The file's
+each over a quarter, as the loader's streams), ``streams_touch`` (the same, touch only); ``steps``
+(``POSIX_FADV_WILLNEED`` one read-ahead window at a time over the file, as the loader asks now, then
+``populate_touch``), ``steps_read_copy`` (the same asking, then ``read_copy``). The file's
 pages are dropped from the page cache first (``posix_fadvise(DONTNEED)``); run the modes interleaved,
 several times: the host behind a VM may hold the dropped pages back or not, which moves the figures
 between runs.
@@ -105,7 +107,13 @@ def main(path: str, mode: str, delay: float = 0.0) -> None:
     cpu_started = time.process_time()
     started = time.perf_counter()
     first = started
-    if mode == "read_copy":
+    way = mode
+    if mode.startswith("steps"):
+        from vllm_sharded_loader.storage import oscalls
+
+        oscalls.will_need(fd, 0, size)  # small page-cache pages, not the kernel read-ahead's large folios
+        way = mode.removeprefix("steps_") if mode != "steps" else "populate_touch"
+    if way == "read_copy":
         out = torch.empty(size, dtype=torch.uint8)
         first = time.perf_counter()
         view, done = memoryview(out.numpy()), 0
@@ -115,14 +123,14 @@ def main(path: str, mode: str, delay: float = 0.0) -> None:
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         data = torch.frombuffer(mapping, dtype=torch.uint8)
         address, length = ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(size)
-        if mode in CHUNKED:
-            CHUNKED[mode](libc, data)
-        elif mode.startswith("populate") and libc.madvise(address, length, MADV_POPULATE_READ):
+        if way in CHUNKED:
+            CHUNKED[way](libc, data)
+        elif way.startswith("populate") and libc.madvise(address, length, MADV_POPULATE_READ):
             raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
         first = time.perf_counter()
-        if mode in ("populate_touch", "touch_only"):
+        if way in ("populate_touch", "touch_only"):
             data[::PAGE].sum()
-        elif mode == "mmap_copy":
+        elif way == "mmap_copy":
             torch.empty(size, dtype=torch.uint8).copy_(data)
     ended = time.perf_counter()
     cpu = time.process_time() - cpu_started

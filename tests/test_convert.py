@@ -36,6 +36,7 @@ from tests.support.engines import (
     skip_without_amx,
     skip_without_int4,
 )
+from tests.support.pagecache import resident
 from tests.support.signing import signing, trusting
 from vllm_sharded_loader.format.errors import (
     CheckpointCorrupt,
@@ -315,21 +316,6 @@ def test_a_rank_cut_of_stacked_experts_is_views_block_by_block_and_a_long_stack_
         monkeypatch.setattr(rank_cut, "MIN_STACKED_BYTES", 8)
 
 
-def _resident(path: Path) -> int:
-    """Bytes of ``path`` in the page cache (``mincore`` over a mapping nothing touches)."""
-    import ctypes
-    import mmap
-
-    size = path.stat().st_size
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
-        pages = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        assert ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
-        del address  # (the buffer export ends with the last reference)
-        return sum(v & 1 for v in vec) * mmap.PAGESIZE
-
-
 RAY_KEPT_OUT = """
 import sys
 from vllm_sharded_loader.engine.convert import _ray_not_imported
@@ -376,7 +362,7 @@ def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tm
         os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-    if any(_resident(p) > mib for p in files):
+    if any(resident(p) > mib for p in files):
         pytest.skip(f"{tmp_path}'s file system keeps its pages cached (tmpfs?): nothing to read ahead")
     stop = read_ahead(str(tmp_path), budget=10 * mib)
     # The most of each file seen resident: the kernel may evict pages again at any moment (other
@@ -384,11 +370,11 @@ def test_read_ahead_brings_a_cold_source_into_the_page_cache_up_to_its_budget(tm
     seen = [0, 0]
     deadline = time.monotonic() + 30
     while (seen[0] < 8 * mib or seen[1] < 2 * mib) and time.monotonic() < deadline:
-        seen = [max(s, _resident(p)) for s, p in zip(seen, files, strict=True)]
+        seen = [max(s, resident(p)) for s, p in zip(seen, files, strict=True)]
         time.sleep(0.05)
     assert stop() == 10 * mib and stop() == 10 * mib  # the first file whole, then 2 MiB of the second
     # (the kernel may read a little beyond the 2 MiB asked of the second: its read-ahead window)
-    assert seen[0] == 8 * mib and seen[1] >= 2 * mib and _resident(files[1]) < 32 * mib
+    assert seen[0] == 8 * mib and seen[1] >= 2 * mib and resident(files[1]) < 32 * mib
     assert read_ahead(str(tmp_path / "missing"))() == 0
     stop = read_ahead(str(tmp_path))  # stopped at once, wherever it got to: it says how far
     assert 0 <= stop() <= 72 * mib

@@ -6,6 +6,7 @@ import ctypes
 import mmap
 import os
 import sys
+import time
 from pathlib import Path
 
 import blake3
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.support.pagecache import evict, resident
 from vllm_sharded_loader.format import HASH_NAME, FileChecksum, ShardedStateError
 from vllm_sharded_loader.format.errors import CheckpointCorrupt, InvalidOption
 from vllm_sharded_loader.planning.spans import FileGrid, Piece, plan_spans, split_streams
@@ -45,6 +47,30 @@ def test_prefaulting_keeps_the_bytes_already_there_and_those_beside():
     assert torch.equal(data, expected)
     fresh.fill_(5)
     assert torch.equal(fresh, torch.full_like(fresh, 5))
+
+
+def test_asking_ahead_brings_a_whole_cold_range_into_the_page_cache(tmp_path):
+    path = tmp_path / "cold.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        window = oscalls.read_ahead_window(fd)
+        assert window >= oscalls.WILLNEED_STEP
+        size = 3 * window + 12345  # more than one call reads, and a part window at the end
+        os.write(fd, os.urandom(size))
+        evict(str(path))
+        if resident(path) == size_in_pages(size):
+            pytest.skip(f"{tmp_path}: its pages stay cached (tmpfs?): nothing here is cold")
+        oscalls.will_need(fd, 0, size)
+        deadline = time.monotonic() + 30
+        while resident(path) < size_in_pages(size) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert resident(path) == size_in_pages(size)
+    finally:
+        os.close(fd)
+
+
+def size_in_pages(size: int) -> int:
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def test_spans_cut_pieces_on_the_grid_and_keep_file_order():

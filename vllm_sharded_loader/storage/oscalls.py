@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 from typing import Any
 
@@ -75,11 +76,32 @@ def populate_read(address: int, nbytes: int) -> int:
 
 
 def will_need(fd: int, begin: int, end: int) -> None:
-    """Start reading a file's bytes ``[begin, end)`` into the page cache, without waiting. The steps
-    also keep the cache's pages small: on a VM whose host takes free memory back, the first access to
-    pages read ahead in large folios costs several times the CPU time (``benchmarks/page_in_probe.py``)."""
-    for start in range(begin, end, WILLNEED_STEP):
-        os.posix_fadvise(fd, start, min(WILLNEED_STEP, end - start), os.POSIX_FADV_WILLNEED)
+    """Start reading a file's bytes ``[begin, end)`` into the page cache, without waiting, one read-ahead
+    window per call. Pages read so come into the cache small, not in the large folios of the kernel's
+    own read-ahead: on a VM whose host takes free memory back, the first access to large folios costs
+    several times the CPU time (``benchmarks/page_in_probe.py``)."""
+    step = read_ahead_window(fd)
+    for start in range(begin, end, step):
+        os.posix_fadvise(fd, start, min(step, end - start), os.POSIX_FADV_WILLNEED)
+
+
+def read_ahead_window(fd: int) -> int:
+    """The bytes one ``WILLNEED`` call reads of ``fd``, at least: its disk's read-ahead window
+    (``read_ahead_kb``), or :data:`WILLNEED_STEP` where that is not known."""
+    try:
+        device = os.fstat(fd).st_dev
+    except OSError:
+        return WILLNEED_STEP
+    return _disk_window(os.major(device), os.minor(device))
+
+
+@functools.cache
+def _disk_window(major: int, minor: int) -> int:
+    # A partition's read-ahead is its disk's, one folder up.
+    for bdi in ("bdi", "../bdi"):
+        with contextlib.suppress(OSError, ValueError), open(f"/sys/dev/block/{major}:{minor}/{bdi}/read_ahead_kb") as f:
+            return max(WILLNEED_STEP, int(f.read()) << 10)
+    return WILLNEED_STEP
 
 
 def map_file_fixed(address: int, nbytes: int, fd: int, offset: int) -> int:
