@@ -81,8 +81,9 @@ def will_need(fd: int, begin: int, end: int) -> None:
     own read-ahead: on a VM whose host takes free memory back, the first access to large folios costs
     several times the CPU time (``benchmarks/page_in_probe.py``)."""
     step = read_ahead_window(fd)
-    for start in range(begin, end, step):
-        os.posix_fadvise(fd, start, min(step, end - start), os.POSIX_FADV_WILLNEED)
+    with contextlib.suppress(OSError):  # advice only: the reads that follow report any error
+        for start in range(begin, end, step):
+            os.posix_fadvise(fd, start, min(step, end - start), os.POSIX_FADV_WILLNEED)
 
 
 def read_ahead_window(fd: int) -> int:
