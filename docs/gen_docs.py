@@ -179,9 +179,9 @@ def model_matrix() -> str:
 # ---------------------------------------------------------------------------- measured figures
 # The figures the README and the front page lead with, from the results files that hold them.
 
-LOAD_JSON = "load_bench_touch_vs_builtin.json"
+LOAD_JSON = "load_bench_small_pages.json"
 CONVERT_JSON, CONVERT_LARGE_JSON = "convert_bench.json", "convert_bench_large.json"
-LOAD_ANCHOR = "performance.md#the-load-after-the-page-reads-moved-into-it"
+LOAD_ANCHOR = "performance.md#the-load-read-ahead-in-small-pages"
 GiB = 2**30
 
 
@@ -197,7 +197,8 @@ def machine_words(record: dict) -> str:
     else:
         flags = machine.get("cpu_flags", [])
         isa = "AVX-512" if "avx512f" in flags else "AVX2 (no AVX-512)" if "avx2" in flags else "flags not recorded"
-        where = f"a {machine.get('cpus', '?')}-core {machine.get('cpu_model', '?')} with {isa}"
+        model = re.sub(r"\((?:R|TM)\)| (?:Processor|CPU)$", "", machine.get("cpu_model", "?"))  # "Intel Xeon"
+        where = f"a {machine.get('cpus', '?')}-core {model} with {isa}"
     return f"{record['vllm']} on {where}"
 
 
