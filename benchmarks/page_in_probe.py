@@ -12,7 +12,9 @@ I/O), ``mmap_copy`` (the mapping copied into fresh memory, as a loader that copi
 (``MADV_WILLNEED`` on the whole mapping, then ``chunked``); ``streams`` (``chunked`` on 4 threads,
 each over a quarter, as the loader's streams), ``streams_touch`` (the same, touch only); ``steps``
 (``POSIX_FADV_WILLNEED`` one read-ahead window at a time over the file, as the loader asks now, then
-``populate_touch``), ``steps_read_copy`` (the same asking, then ``read_copy``). The file's
+``populate_touch``), ``steps_read_copy`` (the same asking, then ``read_copy``); ``warm`` and
+``steps_warm`` (the file read into the page cache first, by ``preadv`` or after that asking, so in
+large or small pages; then ``populate`` timed, a warm load's mapping). The file's
 pages are dropped from the page cache first (``posix_fadvise(DONTNEED)``); run the modes interleaved,
 several times: the host behind a VM may hold the dropped pages back or not, which moves the figures
 between runs.
@@ -99,9 +101,19 @@ CHUNKED = {
 
 
 def main(path: str, mode: str, delay: float = 0.0) -> None:
+    label = mode
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if mode in ("warm", "steps_warm"):
+        from vllm_sharded_loader.storage import oscalls
+
+        if mode == "steps_warm":
+            oscalls.will_need(fd, 0, size)
+        buffer, done = memoryview(bytearray(64 << 20)), 0
+        while done < size:
+            done += os.preadv(fd, [buffer], done)
+        mode = "populate"
     time.sleep(delay)  # as an engine's start lies between its files' eviction and its load
     libc = ctypes.CDLL(None, use_errno=True)
     cpu_started = time.process_time()
@@ -135,7 +147,7 @@ def main(path: str, mode: str, delay: float = 0.0) -> None:
     ended = time.perf_counter()
     cpu = time.process_time() - cpu_started
     print(
-        f"{mode}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, cpu {cpu:.2f} s, "
+        f"{label}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, cpu {cpu:.2f} s, "
         f"total {ended - started:.2f} s"
     )
 
