@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from vllm_sharded_loader.storage import oscalls
+
 MADV_POPULATE_READ = 22
 PAGE = mmap.PAGESIZE
 
@@ -100,31 +102,29 @@ CHUNKED = {
 }
 
 
+# Modes that ask for the file first (``steps*``) or cache it before the pause (``*warm``), and the
+# way each then reads it.
+WAYS = {"steps": "populate_touch", "steps_read_copy": "read_copy", "warm": "populate", "steps_warm": "populate"}
+
+
 def main(path: str, mode: str, delay: float = 0.0) -> None:
-    label = mode
+    way = WAYS.get(mode, mode)
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    if mode in ("warm", "steps_warm"):
-        from vllm_sharded_loader.storage import oscalls
-
+    if mode.endswith("warm"):
         if mode == "steps_warm":
             oscalls.will_need(fd, 0, size)
         buffer, done = memoryview(bytearray(64 << 20)), 0
         while done < size:
             done += os.preadv(fd, [buffer], done)
-        mode = "populate"
     time.sleep(delay)  # as an engine's start lies between its files' eviction and its load
     libc = ctypes.CDLL(None, use_errno=True)
     cpu_started = time.process_time()
     started = time.perf_counter()
     first = started
-    way = mode
-    if mode.startswith("steps"):
-        from vllm_sharded_loader.storage import oscalls
-
+    if mode in ("steps", "steps_read_copy"):
         oscalls.will_need(fd, 0, size)  # small page-cache pages, not the kernel read-ahead's large folios
-        way = mode.removeprefix("steps_") if mode != "steps" else "populate_touch"
     if way == "read_copy":
         out = torch.empty(size, dtype=torch.uint8)
         first = time.perf_counter()
@@ -147,7 +147,7 @@ def main(path: str, mode: str, delay: float = 0.0) -> None:
     ended = time.perf_counter()
     cpu = time.process_time() - cpu_started
     print(
-        f"{label}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, cpu {cpu:.2f} s, "
+        f"{mode}: {size / 1e9:.2f} GB, first step {first - started:.2f} s, cpu {cpu:.2f} s, "
         f"total {ended - started:.2f} s"
     )
 

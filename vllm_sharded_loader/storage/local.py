@@ -270,10 +270,11 @@ class FileStream:
     def __init__(self, path: str, fd: int) -> None:
         self.path, self.fd = path, fd
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # doubles the readahead window
+        self.window = oscalls.read_ahead_window(fd)
 
     def prefetch(self, begin: int, end: int) -> None:
         """Start reading ``[begin, end)`` into the page cache (:func:`.oscalls.will_need`)."""
-        oscalls.will_need(self.fd, begin, end)
+        oscalls.will_need(self.fd, begin, end, self.window)
 
     def readv(self, views: list[memoryview], offset: int) -> None:
         preadv_all(self.fd, views, offset, self.path)

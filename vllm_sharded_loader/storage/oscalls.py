@@ -75,12 +75,12 @@ def populate_read(address: int, nbytes: int) -> int:
     return 0 if libc.madvise(address, nbytes, MADV_POPULATE_READ) == 0 else ctypes.get_errno()
 
 
-def will_need(fd: int, begin: int, end: int) -> None:
+def will_need(fd: int, begin: int, end: int, step: int | None = None) -> None:
     """Start reading a file's bytes ``[begin, end)`` into the page cache, without waiting, one read-ahead
-    window per call. Pages read so come into the cache small, not in the large folios of the kernel's
-    own read-ahead: on a VM whose host takes free memory back, the first access to large folios costs
-    several times the CPU time (``benchmarks/page_in_probe.py``)."""
-    step = read_ahead_window(fd)
+    window per call (``step``, default :func:`read_ahead_window`). Pages read so come into the cache
+    small, not in the large folios of the kernel's own read-ahead: on a VM whose host takes free memory
+    back, the first access to large folios costs several times the CPU time (``benchmarks/page_in_probe.py``)."""
+    step = step or read_ahead_window(fd)
     with contextlib.suppress(OSError):  # advice only: the reads that follow report any error
         for start in range(begin, end, step):
             os.posix_fadvise(fd, start, min(step, end - start), os.POSIX_FADV_WILLNEED)
