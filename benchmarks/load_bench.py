@@ -12,6 +12,7 @@ loader alike:
   repacks are copied, the rest mapped;
 - ``ours_untouched``: ``ours`` with ``SHARDED_STATE_TOUCH_PAGES=0``: the mapped pages are paged in
   but never read by the load (as where vLLM's post-processing does not read them next);
+- ``ours_touched``: ``ours`` with ``SHARDED_STATE_TOUCH_PAGES=1``: the load reads every page;
 - ``ours_t1``, ``ours_t2``: ``ours`` with one or two reader threads (``{"threads": N}``);
 - ``builtin``: vLLM's own ``sharded_state`` on the same files (plugins off: ``VLLM_PLUGINS=""``);
 - ``default``: vLLM's default safetensors loader on the HF checkpoint;
@@ -19,10 +20,11 @@ loader alike:
 - ``ours_resharded``: our loader on the checkpoint saved at the other TP size.
 
 each ``warm`` (files read once before) and ``cold`` (files evicted with
-``posix_fadvise(DONTNEED)``). Weight-loading time is the time of the loader's
-``load_weights`` call, taken the same way for every loader by ``timing/sitecustomize.py``
-(per rank; a TP=2 run reports its slowest rank). Engine start is the time until
-``LLM(...)`` returns. Every engine generates the same greedy tokens, checked here.
+``posix_fadvise(DONTNEED)``). ``--isa avx2`` runs the engines on an AVX2-only machine's code
+paths (vLLM's kernels, PyTorch, oneDNN, the plugin's touch rule) on an AVX-512 machine.
+Weight-loading time is the time of the loader's ``load_weights`` call, taken the same way for
+every loader by ``timing/sitecustomize.py`` (per rank; a TP=2 run reports its slowest rank).
+Engine start is the time until ``LLM(...)`` returns. Every engine generates the same greedy tokens, checked here.
 
     python -m benchmarks.load_bench --out benchmarks/results          # about 45 minutes here
     python -m benchmarks.load_bench --runs 3 --layers 17 --out DIR    # the defaults
@@ -65,6 +67,7 @@ LOADERS = (
     "ours_auto",
     "ours_copy",
     "ours_untouched",
+    "ours_touched",
     "ours_t1",
     "ours_t2",
     "builtin",
@@ -78,6 +81,8 @@ EXTRA_CONFIG = {
     "ours_t1": {"threads": 1},
     "ours_t2": {"threads": 2},
 }
+# The page-touch rule forced either way (``ours`` decides per CPU and dtype).
+TOUCH = {"ours_untouched": "0", "ours_touched": "1"}
 
 # ------------------------------------------------------------------------ raw limits
 
@@ -205,12 +210,20 @@ def raw_limits(paths: list[str], runs: int) -> dict:
 # --------------------------------------------------------------------------- engines
 
 
-def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, dtype: str = "auto") -> dict:
+# ``--isa avx2``: oneDNN and ATen capped at AVX2 by their own variables; vLLM's checks and the
+# plugin's CPU flags pinned by timing/sitecustomize.py.
+ISA_ENV = {"avx2": {"SHARDED_BENCH_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+
+
+def run_engine(
+    loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, dtype: str = "auto", isa: str = "native"
+) -> dict:
     model = {
         "ours": dirs[tp],
         "ours_copy": dirs[tp],
         "ours_auto": dirs[tp],
         "ours_untouched": dirs[tp],
+        "ours_touched": dirs[tp],
         "ours_t1": dirs[tp],
         "ours_t2": dirs[tp],
         "builtin": dirs[tp],
@@ -231,13 +244,16 @@ def run_engine(loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, 
     spec["extra_config"] = EXTRA_CONFIG.get(loader, {})
     cached_before = meminfo()["Cached"]
     env = engine_env(tp, plugins=loader.startswith("ours"), timing=timing)
-    if loader == "ours_untouched":
-        env["SHARDED_STATE_TOUCH_PAGES"] = "0"
+    if loader in TOUCH:
+        env["SHARDED_STATE_TOUCH_PAGES"] = TOUCH[loader]
+    env.update(ISA_ENV.get(isa, {}))
     result, loads, log = start_engine(spec, env, timing, f"{loader} TP={tp} {mode}")
     if loader.startswith("ours") and "vllm_sharded_loader.ShardedStateLoader" not in log:
         raise RuntimeError(f"{loader}: our loader did not run:\n{log[-3000:]}")
     if not loader.startswith("ours") and "vllm_sharded_loader" in log:
         raise RuntimeError(f"{loader}: our plugin was active although disabled")
+    if isa == "avx2" and any(e["isa"] != {"vllm_kernels": ["_C_AVX2.abi3.so"], "aten": "AVX2"} for e in loads):
+        raise RuntimeError(f"{loader}: a rank did not take the AVX2 code paths: {[e['isa'] for e in loads]}")
     result["load_seconds"] = max(entry["load_weights"] for entry in loads)
     result["rank_seconds"] = sorted(entry["load_weights"] for entry in loads)
     # The slowest rank's phases (the engine waits for it).
@@ -401,6 +417,14 @@ def markdown(result: dict) -> str:
         "after load_model | create_model | load_weights (s) | post (s) | load_weights GB/s/rank |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if any(e.get("isa", "native") != "native" for e in engines):
+        lines[1:1] = [
+            "",
+            "Engines with `--isa avx2` took an AVX2-only machine's code paths on this machine: vLLM's "
+            "`_C_AVX2` kernels and no AVX-512 repacking, PyTorch and oneDNN capped at AVX2, the plugin's "
+            "page-touch rule deciding as on AVX2 (`benchmarks/timing/sitecustomize.py`). The CPU, its "
+            "memory and the VM stayed this machine's.",
+        ]
 
     def cell(row: dict, name: str, digits: int = 2) -> str:
         if name not in row:
@@ -632,7 +656,13 @@ def main() -> None:
         choices=("bfloat16", "float32"),
         help="float32: vLLM's CPU backend repacks the linear weights after loading on AVX2 machines too",
     )
-    parser.add_argument("--loaders", default=",".join(n for n in LOADERS if n != "ours_untouched"))
+    parser.add_argument("--loaders", default=",".join(n for n in LOADERS if n not in TOUCH))
+    parser.add_argument(
+        "--isa",
+        default="native",
+        choices=("native", "avx2"),
+        help="avx2: engines take an AVX2-only machine's code paths (vLLM, PyTorch, oneDNN, the plugin) on this one",
+    )
     parser.add_argument("--tp", default="1,2")
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--limits", action="store_true", help="also measure the raw read/write limits")
@@ -690,8 +720,9 @@ def main() -> None:
                 for mode in modes:
                     # Alternate the order from round to round: no loader always runs first after an eviction.
                     for loader in loaders if run % 2 == 0 else loaders[::-1]:
-                        r = run_engine(loader, tp, mode, dirs, hf, work, args.dtype)
+                        r = run_engine(loader, tp, mode, dirs, hf, work, args.dtype, args.isa)
                         r.update(loader=loader, tp=tp, mode=mode, run=run, layers=layers, chunk=chunk, commit=tree)
+                        r["isa"] = args.isa
                         r["time"] = time.time()
                         result["engines"].append(r)
                         print(

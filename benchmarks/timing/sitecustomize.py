@@ -19,6 +19,13 @@ before and after, lowest ``MemAvailable`` during). One JSON line per load is app
 to ``$SHARDED_BENCH_TIMING``. Nothing happens when that variable is unset. With
 ``$SHARDED_BENCH_PROFILE`` set, post-processing also runs under ``cProfile``, its stats
 written to ``$SHARDED_BENCH_PROFILE.<loader>.<pid>``.
+
+With ``$SHARDED_BENCH_ISA=avx2`` (``load_bench.py --isa avx2``), the engine takes the code paths
+of an AVX2-only machine on an AVX-512 one: PyTorch's ``torch.cpu._is_avx512*`` and
+``_is_amx*`` checks answer ``False`` (vLLM loads its ``_C_AVX2`` kernels and skips its AVX-512
+repacking), and the plugin's CPU flags lose ``avx512*`` and ``amx*`` (its page-touch rule
+decides as on AVX2). ``load_bench.py`` also caps oneDNN and ATen at AVX2 through their own
+variables. The hardware, its memory and the VM stay this machine's.
 """
 
 import importlib.abc
@@ -31,6 +38,7 @@ import threading
 import time
 
 TARGET = "vllm.model_executor.model_loader.base_loader"
+PLUGIN_MEMORY = "vllm_sharded_loader.storage.memory"
 KB = 1024
 
 
@@ -96,6 +104,15 @@ class _Phase:
         }
 
 
+def _isa() -> dict:
+    """The code paths this process took: vLLM's kernel library and ATen's CPU capability."""
+    import torch
+
+    with open("/proc/self/maps") as f:
+        libraries = {os.path.basename(line.split()[-1]) for line in f if "/vllm/_C" in line}
+    return {"vllm_kernels": sorted(libraries), "aten": torch.backends.cpu.get_cpu_capability()}
+
+
 def _patch(module):
     cls = module.BaseModelLoader
     original = cls.load_model
@@ -158,6 +175,7 @@ def _patch(module):
             record["status_after"] = _status()
             record["peak"] = dict(sampler.peak, VmHWM=record["status_after"].get("VmHWM", 0))
             record["min_available"] = sampler.min_available
+            record["isa"] = _isa()
             # The older name, kept for earlier JSON readers.
             record["seconds"] = record.get("load_weights")
             try:
@@ -172,21 +190,47 @@ def _patch(module):
     cls.load_model = load_model
 
 
+def _pin_plugin_flags(module) -> None:
+    module.CPU_FLAGS = frozenset(f for f in module.CPU_FLAGS if not f.startswith(("avx512", "amx")))
+
+
+def _pin_torch_avx2() -> None:
+    import torch
+
+    for name in dir(torch.cpu):
+        if name.startswith(("_is_avx512", "_is_amx")):
+            setattr(torch.cpu, name, lambda: False)
+
+
 class _Finder(importlib.abc.MetaPathFinder):
+    """Runs ``patches[name](module)`` after the module ``name`` is first executed."""
+
+    def __init__(self, patches: dict) -> None:
+        self.patches = patches
+
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        patch = self.patches.pop(name, None)
+        if patch is None:
             return None
-        sys.meta_path.remove(self)
+        if not self.patches:
+            sys.meta_path.remove(self)
+        # find_spec again skips this finder for ``name``: its patch is gone.
         spec = importlib.util.find_spec(name)
         execute = spec.loader.exec_module
 
         def exec_module(module):
             execute(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+_patches = {}
 if os.environ.get("SHARDED_BENCH_TIMING"):
-    sys.meta_path.insert(0, _Finder())
+    _patches[TARGET] = _patch
+if os.environ.get("SHARDED_BENCH_ISA") == "avx2":
+    _pin_torch_avx2()
+    _patches[PLUGIN_MEMORY] = _pin_plugin_flags
+if _patches:
+    sys.meta_path.insert(0, _Finder(_patches))
