@@ -180,6 +180,8 @@ def model_matrix() -> str:
 # The figures the README and the front page lead with, from the results files that hold them.
 
 LOAD_JSON = "load_bench_small_pages.json"
+AVX2_PATHS_JSON = "load_bench_avx2_paths.json"
+AVX2_PATHS_ANCHOR = "performance.md#the-avx2-code-paths-on-an-avx-512-machine"
 CONVERT_JSON, CONVERT_LARGE_JSON = "convert_bench.json", "convert_bench_large.json"
 LOAD_ANCHOR = "performance.md#the-load-read-ahead-in-small-pages"
 GiB = 2**30
@@ -199,29 +201,39 @@ def machine_words(record: dict) -> str:
         isa = "AVX-512" if "avx512f" in flags else "AVX2 (no AVX-512)" if "avx2" in flags else "flags not recorded"
         model = re.sub(r"\((?:R|TM)\)| (?:Processor|CPU)$", "", machine.get("cpu_model", "?"))  # "Intel Xeon"
         where = f"a {machine.get('cpus', '?')}-core {model} with {isa}"
+    if any(e.get("isa", "native") == "avx2" for e in record.get("engines", [])):
+        where += ", on an AVX2-only machine's code paths (`--isa avx2`)"
     return f"{record['vllm']} on {where}"
 
 
-def _load_medians(loader: str, mode: str, key: str) -> float:
-    engines = _results(LOAD_JSON)["engines"]
+def _load_medians(loader: str, mode: str, key: str, name: str = LOAD_JSON) -> float:
+    engines = _results(name)["engines"]
     return statistics.median(float(e[key]) for e in engines if e["loader"] == loader and e["mode"] == mode)
 
 
-def _load_ratio(mode: str, key: str) -> float:
-    return _load_medians("builtin", mode, key) / _load_medians("ours", mode, key)
+def _load_ratio(mode: str, key: str, name: str = LOAD_JSON) -> float:
+    return _load_medians("builtin", mode, key, name) / _load_medians("ours", mode, key, name)
 
 
-def readme_load_row() -> str:
+def readme_load_row(name: str = LOAD_JSON, anchor: str = LOAD_ANCHOR) -> str:
     """The README's load-time row: vLLM's ``load_model`` and the loader's own call against the built-in loader."""
-    result = _results(LOAD_JSON)
+    result = _results(name)
     gb = next(iter(result["models"].values()))["bytes"] / 1e9
+
+    def ratio(mode: str, key: str) -> str:
+        return f"{_load_ratio(mode, key, name):.1f}x"
+
     return (
         f"Load time ({gb:.1f} GB bf16, TP=1; {machine_words(result)}) | baseline | "
-        f"vLLM's whole `load_model` {_load_ratio('warm', 'load_model'):.1f}x faster warm, "
-        f"{_load_ratio('cold', 'load_model'):.1f}x cold; the loader's own call "
-        f"{_load_ratio('warm', 'load_weights'):.1f}x warm, {_load_ratio('cold', 'load_weights'):.1f}x cold "
-        f"([measured](docs/{LOAD_ANCHOR}))"
+        f"vLLM's whole `load_model` {ratio('warm', 'load_model')} faster warm, {ratio('cold', 'load_model')} cold; "
+        f"the loader's own call {ratio('warm', 'load_weights')} warm, {ratio('cold', 'load_weights')} cold "
+        f"([measured](docs/{anchor}))"
     )
+
+
+def readme_load_row_avx2_paths() -> str:
+    """The same row, with the engines on an AVX2-only machine's code paths (``load_bench --isa avx2``)."""
+    return readme_load_row(AVX2_PATHS_JSON, AVX2_PATHS_ANCHOR)
 
 
 def index_load() -> str:
@@ -243,23 +255,28 @@ def index_load() -> str:
     )
 
 
-def load_table() -> str:
+def load_table(name: str = LOAD_JSON) -> str:
     """The performance page's table of ours against the built-in loader at TP=1: medians (range)."""
-    engines = _results(LOAD_JSON)["engines"]
+    engines = _results(name)["engines"]
 
     def cell(mode: str, key: str) -> str:
         parts = []
         for loader in ("ours", "builtin"):
             values = [float(e[key]) for e in engines if e["loader"] == loader and e["mode"] == mode]
             parts.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
-        return f"{parts[0]} against {parts[1]}: {_load_ratio(mode, key):.1f}x"
+        return f"{parts[0]} against {parts[1]}: {_load_ratio(mode, key, name):.1f}x"
 
     lines = ["| mode | `load_weights` | `load_model` | engine start |", "|---|---|---|---|"]
     for mode in ("warm", "cold"):
-        ours, builtin = (_load_medians(loader, mode, "engine_start") for loader in ("ours", "builtin"))
+        ours, builtin = (_load_medians(loader, mode, "engine_start", name) for loader in ("ours", "builtin"))
         start = f"{ours:.1f} against {builtin:.1f}"
         lines.append(f"| {mode} | {cell(mode, 'load_weights')} | {cell(mode, 'load_model')} | {start} |")
     return "\n".join(lines) + "\n"
+
+
+def load_table_avx2_paths() -> str:
+    """The same table, with the engines on an AVX2-only machine's code paths (``load_bench --isa avx2``)."""
+    return load_table(AVX2_PATHS_JSON)
 
 
 def load_current_table() -> str:
@@ -500,6 +517,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "readme-convert": readme_convert,
     "index-load": index_load,
     "load-table": load_table,
+    "load-table-avx2-paths": load_table_avx2_paths,
+    "readme-load-row-avx2-paths": readme_load_row_avx2_paths,
     "gpu-runs": gpu_runs,
     "load-current-table": load_current_table,
 }
