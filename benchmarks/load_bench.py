@@ -24,7 +24,8 @@ each ``warm`` (files read once before) and ``cold`` (files evicted with
 paths (vLLM's kernels, PyTorch, oneDNN, the plugin's touch rule) on an AVX-512 machine.
 Weight-loading time is the time of the loader's ``load_weights`` call, taken the same way for
 every loader by ``timing/sitecustomize.py`` (per rank; a TP=2 run reports its slowest rank).
-Engine start is the time until ``LLM(...)`` returns. Every engine generates the same greedy tokens, checked here.
+Engine start is the time until ``LLM(...)`` returns. Every engine generates the same greedy
+tokens, checked here.
 
     python -m benchmarks.load_bench --out benchmarks/results          # about 45 minutes here
     python -m benchmarks.load_bench --runs 3 --layers 17 --out DIR    # the defaults

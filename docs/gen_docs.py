@@ -22,6 +22,7 @@ import re
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,11 +232,6 @@ def readme_load_row(name: str = LOAD_JSON, anchor: str = LOAD_ANCHOR) -> str:
     )
 
 
-def readme_load_row_avx2_paths() -> str:
-    """The same row, with the engines on an AVX2-only machine's code paths (``load_bench --isa avx2``)."""
-    return readme_load_row(AVX2_PATHS_JSON, AVX2_PATHS_ANCHOR)
-
-
 def index_load() -> str:
     """The front page's paragraph on load time, in seconds."""
     result = _results(LOAD_JSON)
@@ -272,11 +268,6 @@ def load_table(name: str = LOAD_JSON) -> str:
         start = f"{ours:.1f} against {builtin:.1f}"
         lines.append(f"| {mode} | {cell(mode, 'load_weights')} | {cell(mode, 'load_model')} | {start} |")
     return "\n".join(lines) + "\n"
-
-
-def load_table_avx2_paths() -> str:
-    """The same table, with the engines on an AVX2-only machine's code paths (``load_bench --isa avx2``)."""
-    return load_table(AVX2_PATHS_JSON)
 
 
 def load_current_table() -> str:
@@ -517,8 +508,9 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "readme-convert": readme_convert,
     "index-load": index_load,
     "load-table": load_table,
-    "load-table-avx2-paths": load_table_avx2_paths,
-    "readme-load-row-avx2-paths": readme_load_row_avx2_paths,
+    # The same, with the engines on an AVX2-only machine's code paths (``load_bench --isa avx2``).
+    "load-table-avx2-paths": partial(load_table, AVX2_PATHS_JSON),
+    "readme-load-row-avx2-paths": partial(readme_load_row, AVX2_PATHS_JSON, AVX2_PATHS_ANCHOR),
     "gpu-runs": gpu_runs,
     "load-current-table": load_current_table,
 }
