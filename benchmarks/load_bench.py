@@ -219,19 +219,8 @@ ISA_ENV = {"avx2": {"SHARDED_BENCH_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "
 def run_engine(
     loader: str, tp: int, mode: str, dirs: dict, hf: str, work: str, dtype: str = "auto", isa: str = "native"
 ) -> dict:
-    model = {
-        "ours": dirs[tp],
-        "ours_copy": dirs[tp],
-        "ours_auto": dirs[tp],
-        "ours_untouched": dirs[tp],
-        "ours_touched": dirs[tp],
-        "ours_t1": dirs[tp],
-        "ours_t2": dirs[tp],
-        "builtin": dirs[tp],
-        "runai": dirs[tp],
-        "default": hf,
-        "ours_resharded": dirs[3 - tp],
-    }[loader]
+    # Every loader reads the checkpoint saved at this TP size, but these two.
+    model = {"default": hf, "ours_resharded": dirs[3 - tp]}.get(loader, dirs[tp])
     load_format = {"default": "safetensors", "runai": "runai_streamer_sharded"}.get(loader, "sharded_state")
     paths = files_of(model)
     probe = None
@@ -696,6 +685,8 @@ def main() -> None:
     tree = commit()
     result["commands"] = [*result.get("commands", []), command()]
     loaders, tps = args.loaders.split(","), [int(t) for t in args.tp.split(",")]
+    if unknown := sorted(set(loaders) - set(LOADERS)):
+        parser.error(f"unknown loaders {unknown}: choose from {', '.join(LOADERS)}")
     modes = args.modes.split(",")
     models = {}
     for size in (float(x) for x in args.sizes.split(",")):

@@ -13,7 +13,7 @@ I/O), ``mmap_copy`` (the mapping copied into fresh memory, as a loader that copi
 each over a quarter, as the loader's streams), ``streams_touch`` (the same, touch only); ``steps``
 (``POSIX_FADV_WILLNEED`` one read-ahead window at a time over the file, as the loader asks now, then
 ``populate_touch``), ``steps_read_copy`` (the same asking, then ``read_copy``); ``warm`` and
-``steps_warm`` (the file read into the page cache first, by ``preadv`` or after that asking, so in
+``steps_warm`` (the file read into the page cache first, as it is or after that asking, so in
 large or small pages; then ``populate`` timed, a warm load's mapping). The file's
 pages are dropped from the page cache first (``posix_fadvise(DONTNEED)``); run the modes interleaved,
 several times: the host behind a VM may hold the dropped pages back or not, which moves the figures
@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from benchmarks.harness import warm
 from vllm_sharded_loader.storage import oscalls
 
 MADV_POPULATE_READ = 22
@@ -115,9 +116,7 @@ def main(path: str, mode: str, delay: float = 0.0) -> None:
     if mode.endswith("warm"):
         if mode == "steps_warm":
             oscalls.will_need(fd, 0, size)
-        buffer, done = memoryview(bytearray(64 << 20)), 0
-        while done < size:
-            done += os.preadv(fd, [buffer], done)
+        warm([path])
     time.sleep(delay)  # as an engine's start lies between its files' eviction and its load
     libc = ctypes.CDLL(None, use_errno=True)
     cpu_started = time.process_time()
