@@ -509,9 +509,14 @@ def test_mapped_pages_are_read_by_the_reading_threads_where_vllm_reads_them_next
         return error
 
     monkeypatch.setattr(oscalls, "populate_read", populate_then_forget_the_accesses)
+    # MADV_COLD skips pages not yet on an LRU list and drains only its own CPU's pending additions:
+    # each reading thread stays on one CPU, and the file is read afresh (evicted below), not from
+    # pages that save_file left pending on another CPU.
+    monkeypatch.setattr(oscalls, "use_binding_cpus", lambda: os.sched_setaffinity(0, {libc.sched_getcpu()}))
     path = str(tmp_path / "w.safetensors")
     tensors = {"a": torch.randn(64, 1024, dtype=torch.float32), "b": torch.randn(96 * 1024 + 3, dtype=torch.bfloat16)}
     save_file(tensors, path)
+    evict(path)
     targets = {name: torch.empty_like(t) for name, t in tensors.items()}
     adopted: dict[str, torch.Tensor] = {}
     adopt = {name: (lambda t, name=name: adopted.__setitem__(name, t)) for name in targets}
