@@ -33,9 +33,8 @@ if [ "$fast" = 0 ]; then
   NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$site"
   rm -rf "$site"
 fi
-# The examples in the package's docstrings are tests too.
-python -m pytest -q -p no:cacheprovider --doctest-modules vllm_sharded_loader
-# The tests that start no engine, on both cores (pytest-xdist, worksteal: each worker takes half
+# The tests that start no engine (the examples in the package's docstrings among them:
+# tests/test_docstrings.py), on both cores (pytest-xdist, worksteal: each worker takes half
 # the tests in order, then takes over the other's remaining ones, so that a long file splits).
 # Engines never run two at a time: they have both cores to themselves, one after another.
 # A run that selects no test of one kind (-k NAME) is no failure (pytest's exit code 5).
