@@ -42,7 +42,7 @@ def test_direct_stream_serves_unaligned_requests_across_windows_and_at_the_end(t
             views = [memoryview(bytearray(n)) for n in sizes]
             stream.readv(views, offset)
             assert b"".join(bytes(v) for v in views) == data[offset : offset + sum(sizes)]
-        stream.prefetch(10, len(data))  # one request for the rest of the file, then copies out of it
+        stream.hold(10, len(data))  # one request for the rest of the file, then copies out of it
         view = memoryview(bytearray(len(data) - 10))
         stream.readv([view], 10)
         assert bytes(view) == data[10:]

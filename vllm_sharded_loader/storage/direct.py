@@ -56,7 +56,7 @@ def _address(view: memoryview) -> int:
 
 class DirectStream:
     """One thread's ``O_DIRECT`` reads of an opened file (a :class:`.location.ByteStream`), through
-    an aligned window: the reader :meth:`prefetch`-es each span, one direct request, and copies out."""
+    an aligned window: the reader has it :meth:`hold` each span, one direct request, and copies out."""
 
     def __init__(self, path: str, fd: int, size: int, window: int = WINDOW_BYTES) -> None:
         self.path, self.fd, self.size, self.window = path, fd, size, window
@@ -102,7 +102,7 @@ class DirectStream:
             buffer = AlignedBuffer(max(need, window))
         return buffer
 
-    def prefetch(self, begin: int, end: int) -> None:
+    def hold(self, begin: int, end: int) -> None:
         """Have the file bytes ``[begin, end)`` (aligned outwards) in the window: read ahead, or one request now."""
         begin, end = self._aligned(begin, end)
         if self.begin <= begin and end <= self.end:
@@ -119,7 +119,7 @@ class DirectStream:
         self.begin, self.end = begin, begin + self._fill(self.buffer, begin, end - begin)
 
     def read_ahead(self, begin: int, end: int) -> None:
-        """Start reading ``[begin, end)`` on the helper thread, for the :meth:`prefetch` after the current one."""
+        """Start reading ``[begin, end)`` on the helper thread, for the :meth:`hold` after the current one."""
         begin, end = self._aligned(begin, end)
         if self.ahead is not None or end <= begin or (self.begin <= begin and end <= self.end):
             return
@@ -132,7 +132,7 @@ class DirectStream:
         """Fill ``views`` with consecutive bytes from ``offset``."""
         total = sum(len(v) for v in views)
         if not (self.begin <= offset and offset + total <= self.end):
-            self.prefetch(offset, offset + max(total, self.window))
+            self.hold(offset, offset + max(total, self.window))
             if offset + total > self.end:
                 raise truncated(self.path, self.end)
         assert self.buffer is not None

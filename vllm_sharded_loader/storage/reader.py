@@ -243,7 +243,7 @@ class _SpanReader:
         if isinstance(stream, direct_io.DirectStream) and (groups or edges):
             # The whole span in one direct request, the next one's in flight while this one is copied out.
             reads = [(o, sum(len(v) for v in views)) for o, views in groups] + [(o, len(v)) for o, v in edges]
-            stream.prefetch(min(o for o, _ in reads), max(o + n for o, n in reads))
+            stream.hold(min(o for o, _ in reads), max(o + n for o, n in reads))
             if upcoming is not None and upcoming.file == span.file:
                 stream.read_ahead(upcoming.begin - 16, upcoming.end + 16)
         for offset, views in groups:
