@@ -97,6 +97,8 @@ def test_absurd_offsets_are_refused(tmp_path):
             """
         )
         assert f"REFUSED {path}" in done.stdout, (offsets, done.stdout, done.stderr[-2000:])
+        # Reversed offsets are named as such, not as a truncated file.
+        assert ("which end before they begin" in done.stdout) == (offsets == [4, 0]), (offsets, done.stdout)
 
 
 def make_special(path: Path, kind: str) -> None:
@@ -159,6 +161,8 @@ def test_special_file_in_a_path_slot_is_refused_without_blocking(tmp_path, slot,
     out = done.stdout
     assert "REFUSED" in out or "regular file was expected" in out or "outside the checkpoint" in out, (slot, kind, out)
     assert named in out, (slot, kind, out)
+    if slot == "part (verify)" and kind != "link-to-device":  # one problem, listed once (a socket was twice)
+        assert out.count(named) == 1, (kind, out)
     if name == LOCK_NAME:
         # An unreadable lock names no holder: the directory is refused as held, at once.
         assert "is being saved or its save was interrupted" in out, out
@@ -719,3 +723,80 @@ def test_a_geometry_of_the_most_segments_allowed_is_planned_in_bounded_time(tmp_
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"tensor 'model.norm.weight' is I32[32] in the file but I32[{MAX_SEGMENTS}]" in out.stdout
     assert not (tmp_path / "out").exists()
+
+
+# A checkpoint this process may not read: case -> (the file or folder made unreadable, its mode, and
+# for each entry point whether it must refuse naming that path; False: it needs no such access).
+UNREADABLE = {
+    "a part": ("model-rank-0-part-0.safetensors", 0o000, dict(load=True, verify=True, inspect=False, reshard=True)),
+    "the manifest": (MANIFEST_NAME, 0o000, dict(load=True, verify=True, inspect=True, reshard=True)),
+    "the folder": ("", 0o000, dict(load=True, verify=True, inspect=True, reshard=True)),
+    "a folder not to be searched": ("", 0o444, dict(load=True, verify=True, inspect=True, reshard=True)),
+    "a folder not to be listed": ("", 0o111, dict(load=False, verify=True, inspect=False, reshard=True)),
+}
+UNREADABLE_CODE = """
+import json, sys
+from tests.support.reference import llama_like
+from tests.support.stores import load_from
+from vllm_sharded_loader.checkpoint import verify_checkpoint
+from vllm_sharded_loader.storage.location import open_store
+from vllm_sharded_loader.tools.offline import inspect_checkpoint, reshard_checkpoint
+MODEL = llama_like(tied=True, num_layers=2)
+CALLS = {
+    "load": lambda d, out: load_from(d, MODEL, 2) and "",
+    "verify": lambda d, out: verify_checkpoint(open_store(d)),
+    "inspect": lambda d, out: inspect_checkpoint(open_store(d)) and "",
+    "reshard": lambda d, out: reshard_checkpoint(open_store(d), out, 1) and "",
+}
+seen = {}
+for d in sys.argv[1:]:
+    for name, call in CALLS.items():
+        try:
+            seen[d + " " + name] = ["ok", call(d, d + "-" + name)]
+        except BaseException as e:
+            seen[d + " " + name] = [type(e).__name__, str(e)]
+print(json.dumps(seen))
+"""
+
+
+def test_a_checkpoint_this_process_may_not_read_is_named_as_such(tmp_path):
+    """A part, the manifest or the folder that the user running the load may not read: each entry
+    point names the path and the permission (a :class:`StorageError`; verify lists it as a problem),
+    never a bare ``PermissionError``, and a folder it may not search is never taken for one whose
+    save was interrupted (its lock unread)."""
+    import shutil
+
+    from tests.support.checkpoints import save_model
+    from tests.support.reference import llama_like
+    from vllm_sharded_loader.format.errors import StorageError
+
+    command = [sys.executable, "-c", UNREADABLE_CODE]
+    if os.geteuid() == 0:  # root reads everything: the same uid without the capabilities that let it
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root, and util-linux's setpriv (to drop CAP_DAC_OVERRIDE) is not installed")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    model, folders = llama_like(tied=True, num_layers=2), {}
+    for i, (case, (name, mode, _)) in enumerate(UNREADABLE.items()):
+        folders[case] = tmp_path / f"ckpt{i}"
+        save_model(folders[case], model, 2, 1)
+        os.chmod(folders[case] / name, mode)
+    try:
+        done = subprocess.run(
+            [*command, *map(str, folders.values())], cwd=ROOT, capture_output=True, text=True, timeout=BOUND_S
+        )
+    finally:
+        for case, (name, _, _) in UNREADABLE.items():
+            os.chmod(folders[case] / name, 0o644 if name else 0o755)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, (name, _, refused) in UNREADABLE.items():
+        denied = f"{str(folders[case] / name).rstrip('/')}: permission denied"
+        for call, named in refused.items():
+            kind, said = seen[f"{folders[case]} {call}"]
+            if call == "verify":
+                assert kind == "ok" and [p for p in said if p.startswith(denied)], (case, said)
+                assert not [p for p in said if "is being saved" in p], (case, said)
+            elif named:
+                assert kind == StorageError.__name__ and said.startswith(denied), (case, call, kind, said)
+            else:
+                assert kind == "ok", (case, call, kind, said[:300])

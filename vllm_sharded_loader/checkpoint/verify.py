@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..format.errors import ShardedStateError
+from ..format.errors import ShardedStateError, StorageError
 from ..format.manifest import FileChecksum, Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME, parse_file_name, staged_token
 from ..planning.manifest_plans import check_saved_geometry
@@ -71,7 +71,7 @@ def verify_checkpoint(
                     "the one that replaced it."
                 )
             notes += seen
-            return problems
+            return list(dict.fromkeys(problems))  # a file found wrong by two checks is listed once
         if progress is not None:
             progress.start_over()
     return [
@@ -120,16 +120,28 @@ def _verify_once(
                         verify_file_checksum(checked.file, f.checksum, None if progress is None else progress.advance)
             except ShardedStateError as e:
                 problems.append(str(e))
+    try:
+        problems += _beside_the_parts(store, manifest, listed, checksums, notes)
+    except StorageError as e:  # a folder this process may not list: what lies beside the parts goes unchecked
+        problems.append(str(e))
+    return problems, manifest
+
+
+def _beside_the_parts(
+    store: Store, manifest: Manifest, listed: set[str], checksums: bool, notes: list[str]
+) -> list[str]:
+    """The problems of :func:`_verify_once` outside the listed parts: start-up artifacts, carried and
+    stale files, special files, and the folder's other names (leftovers of a save)."""
     if checksums:
         _check_startup_artifacts(store, manifest, notes)
     carried = _check_carried_files(store, manifest, checksums, notes) + stale_problems(store, manifest)
-    problems += carried
+    problems = carried
     # A FIFO beside the parts would hang the serving engine (recorded ones are reported above).
     problems += [str(e) for e in store.special_files() if not any(p.startswith(str(e)) for p in carried)]
     running = store.save_is_running()
     if running:
         # A running save's files are its own to remove or publish.
-        return problems, manifest
+        return problems
     # A dead save's lock and parts are its leftovers, not the checkpoint's problems. In object
     # storage, whether it still runs cannot be told.
     holder = store.describe_lock()
@@ -164,7 +176,7 @@ def _verify_once(
                 f"{store.file_path(name)}: a staged file or owner marker of a save or engine that is gone "
                 "(it never published it); no loader reads it, and the next save into this folder removes it."
             )
-    return problems, manifest
+    return problems
 
 
 def _check_carried_files(store: Store, manifest: Manifest, hashed: bool, notes: list[str]) -> list[str]:

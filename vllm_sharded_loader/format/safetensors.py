@@ -111,7 +111,12 @@ def parse_header(raw_length: bytes, raw_header: bytes, path: str, file_size: int
                 "or hostile. Copy or save the checkpoint again."
             )
         element = dtype_size(dtype, f"{path}: tensor {name!r}")
-        if not 0 <= begin <= end or data_start + end > file_size:
+        if end < begin:
+            raise CheckpointCorrupt(
+                f"{path}: tensor {name!r} claims bytes {begin}..{end} of the data, which end before they begin; "
+                "the file is corrupt or hostile. Copy or save the checkpoint again."
+            )
+        if data_start + end > file_size:
             raise CheckpointCorrupt(
                 f"{path}: tensor {name!r} claims bytes {begin}..{end} of the data, but the file "
                 f"holds only {file_size - data_start}; the file is truncated. Copy or save it again."

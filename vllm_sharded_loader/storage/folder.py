@@ -33,6 +33,7 @@ from .local import (
     escapes,
     file_kind,
     fsync_directory,
+    list_folder,
     make_output_folder,
     not_a_folder,
     open_part,
@@ -100,7 +101,7 @@ class LocalStore:
         return OpenFile.open(part_path(self.where, name) if contained else os.path.join(self.where, name))
 
     def list_names(self) -> list[str]:
-        return sorted(os.listdir(self.where))
+        return sorted(list_folder(self.where))
 
     def non_weight_files(self) -> list[str]:
         return model_files.non_weight_files(self.where)

@@ -72,7 +72,7 @@ class BlockVerifier(BlockHasher):
     def _block_done(self, digest: str) -> None:
         index = len(self.digests)
         start = index * self.block_size
-        check_block(self.path, self.expected, index, start, start + self.block_size, digest)
+        check_block(self.path, self.expected, index, start, self.position, digest)  # (the last block is short)
         super()._block_done(digest)
 
     def finish(self) -> FileChecksum:

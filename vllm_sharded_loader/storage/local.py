@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError
+from ..format.errors import CheckpointCorrupt, CheckpointNotFound, SaveRefused, ShardedStateError, StorageError
 from ..format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from ..format.names import (
     DEFAULT_PATTERNS,
@@ -47,6 +47,23 @@ def not_regular(path: str, mode: int | None) -> CheckpointCorrupt:
         f"{path} is {kind}, where a regular file was expected; refusing to read it. Replace it with the "
         "real file (copy or save the checkpoint again)."
     )
+
+
+def denied(path: str) -> StorageError:
+    """The error for ``path``, which this process may not read (``EACCES``, ``EPERM``)."""
+    return StorageError(
+        f"{path}: permission denied to this process (uid {os.geteuid()}), so the checkpoint cannot be read; "
+        "nothing was changed. Give this user read access to the checkpoint's folder and files (chmod, "
+        "chown), or run as a user who has it."
+    )
+
+
+def list_folder(directory: str) -> list[str]:
+    """The names in ``directory`` (``os.listdir``), a folder this process may not read named as such."""
+    try:
+        return os.listdir(directory)
+    except PermissionError:
+        raise denied(directory) from None
 
 
 def check_output_folder(directory: str) -> None:
@@ -87,6 +104,8 @@ def open_regular(path: str) -> int:
     """Open an untrusted path for reading, refusing anything but a regular file (never blocking on a FIFO)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except PermissionError:
+        raise denied(path) from None
     except OSError as e:  # what open(2) itself refuses: a socket (ENXIO), a loop of links (ELOOP)
         if e.errno not in (errno.ENXIO, errno.ELOOP):
             raise
@@ -105,7 +124,11 @@ def open_regular(path: str) -> int:
 def read_manifest(directory: str) -> Manifest | None:
     """The checkpoint's manifest, or None for a checkpoint written by vLLM's own save."""
     path = os.path.join(directory, MANIFEST_NAME)
-    if not os.path.lexists(path):
+    try:
+        os.lstat(path)
+    except PermissionError:  # a folder this process may not search: never "no manifest"
+        raise denied(directory) from None
+    except OSError:
         return None
     part_path(directory, MANIFEST_NAME)  # containment before the open
     try:
@@ -351,7 +374,7 @@ def read_header(source: str | OpenFile) -> Header:
 def directory_holds_checkpoint(directory: str, patterns: Sequence[str] = ()) -> bool:
     """Whether a directory holds any checkpoint file (:func:`is_checkpoint_file`)."""
     try:
-        names = os.listdir(directory)
+        names = list_folder(directory)
     except FileNotFoundError:
         return False
     return any(is_checkpoint_file(n, patterns) for n in names)

@@ -21,9 +21,16 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..format.errors import CheckpointLocked, SaveRefused
+from ..format.errors import CheckpointLocked, SaveRefused, StorageError
 from ..format.names import LOCK_NAME, MANIFEST_NAME, TOKEN_DIGITS, staged_name, staged_token
-from .local import check_output_folder, directory_holds_checkpoint, file_kind, make_output_folder, open_regular
+from .local import (
+    check_output_folder,
+    denied,
+    directory_holds_checkpoint,
+    file_kind,
+    make_output_folder,
+    open_regular,
+)
 from .mounts import flock_problem
 
 MAX_LOCK_BYTES = 64 * 1024  # a lock is one line of JSON; more is not ours
@@ -54,6 +61,14 @@ def read_lock(directory: str) -> dict | None:
         return data if isinstance(data, dict) else {}
     except (FileNotFoundError, NotADirectoryError):  # (no folder there: no lock either)
         return None
+    except StorageError:  # permission denied: a lock of another user's save, or a folder not to be searched
+        try:
+            os.lstat(path)
+        except PermissionError:
+            raise denied(directory) from None
+        except OSError:
+            return None
+        return {}
     except (OSError, ValueError, RecursionError):  # (JSON nested past the recursion limit: no one's)
         return {}
 

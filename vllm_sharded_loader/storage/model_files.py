@@ -14,7 +14,16 @@ from collections.abc import Callable
 from ..format.errors import CheckpointCorrupt, CheckpointNotFound, ShardedStateError
 from ..format.manifest import Manifest
 from ..format.names import LOCK_NAME, MANIFEST_NAME, is_staged_name, is_startup_artifacts_name, parse_file_name
-from .local import directory_holds_checkpoint, escapes, is_checkpoint_file, not_regular, open_regular, read_manifest
+from .local import (
+    denied,
+    directory_holds_checkpoint,
+    escapes,
+    is_checkpoint_file,
+    list_folder,
+    not_regular,
+    open_regular,
+    read_manifest,
+)
 
 # Weights of the source model, which the sharded parts replace.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
@@ -100,13 +109,19 @@ def carried_in_listing(names: list[str], modules: set[str], pattern: str | None 
     return [n for n in names if carried(n) and not any(n.startswith(folder + "/") for folder in nested)]
 
 
+def _unreadable(e: OSError) -> None:
+    """``os.walk``'s error hook: a folder this process may not read is named, never skipped."""
+    if isinstance(e, PermissionError):
+        raise denied(e.filename) from None
+
+
 def non_weight_files(source: str) -> list[str]:
     """Relative paths of the source model's files a checkpoint carries alongside its parts: all but
     the weight files outside module folders (which come whole) and nested checkpoints."""
     modules = module_folders(source)
     pattern = own_part_pattern(lambda: read_manifest(source))
     found = []
-    for name in sorted(os.listdir(source)):
+    for name in sorted(list_folder(source)):
         if is_weight_file(name) or is_own_part(name, pattern):
             continue
         path = os.path.join(source, name)
@@ -116,7 +131,7 @@ def non_weight_files(source: str) -> list[str]:
         if _holds_a_checkpoint(path) or escapes(path, os.path.realpath(path), source) is not None:
             continue  # (a link to a folder elsewhere is not the model's)
         whole = name in modules
-        for root, dirs, files in os.walk(path):
+        for root, dirs, files in os.walk(path, onerror=_unreadable):
             nested = (d for d in dirs if d not in SKIPPED_NAMES)
             dirs[:] = sorted(d for d in nested if not _holds_a_checkpoint(os.path.join(root, d)))
             relative = os.path.relpath(root, source)
@@ -146,7 +161,7 @@ def copy_non_weight_files(source: str, output: str) -> list[str]:
 def special_files(folder: str) -> list[CheckpointCorrupt]:
     """An error for each FIFO, device or socket among a local model folder's files (top level, and what
     a checkpoint carries), found without opening any: vLLM opens them plainly, and a FIFO hangs it."""
-    top = (n for n in os.listdir(folder) if not os.path.isdir(os.path.join(folder, n)))
+    top = (n for n in list_folder(folder) if not os.path.isdir(os.path.join(folder, n)))
     found = []
     for name in sorted({*top, *non_weight_files(folder)}):
         path = os.path.join(folder, name)
