@@ -42,7 +42,7 @@ from vllm_sharded_loader.checkpoint import (
     verify_checkpoint,
 )
 from vllm_sharded_loader.checkpoint.save import SaveOptions, save_checkpoint
-from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, ShardedStateError, SourceModel, config_sha256
+from vllm_sharded_loader.format import LOCK_NAME, MANIFEST_NAME, SourceModel, config_sha256
 from vllm_sharded_loader.format.entries import DIGEST_METADATA
 from vllm_sharded_loader.format.errors import (
     CheckpointCorrupt,
@@ -229,7 +229,7 @@ def test_bit_flip_in_data_is_caught_by_checksums(tmp_path, capsys):
     load(tmp_path)  # "size" cannot see it: same size, same header
     # The file is shorter than a checksum block: its one block ends where the file does.
     mismatch = f"{PART0}: checksum mismatch in bytes 0..{(tmp_path / PART0).stat().st_size} (block 0)"
-    with pytest.raises(ShardedStateError, match=re.escape(mismatch)):
+    with pytest.raises(CheckpointCorrupt, match=re.escape(mismatch)):
         load(tmp_path, verify="checksum")
     load(tmp_path, tp_rank=1, verify="checksum")  # the other rank's files are sound
     assert cli(["verify", str(tmp_path)]) == 1

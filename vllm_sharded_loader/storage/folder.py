@@ -201,8 +201,9 @@ class LocalStore:
         for name in renamed:
             if name in staged.temporary:
                 final = os.path.join(directory, renamed[name])
-                os.replace(staged.temporary[name], final)
+                # Recorded first: a stop as the rename returns still takes it back (a fresh name is nobody else's).
                 staged.placed.append(final)
+                os.replace(staged.temporary[name], final)
                 del staged.temporary[name]
                 kill_point(KILL_PLACED)
         fsync_directory(directory)
@@ -339,8 +340,8 @@ class LocalStore:
         for name in sorted(self.carried):
             final = os.path.join(self.root, name)
             missing = lock.missing_folders(os.path.dirname(final))
+            self.carried_folders += reversed(missing)  # recorded first, as the parts are (only empty ones go)
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            self.carried_folders += reversed(missing)
             self.backups[name] = None
             if os.path.lexists(final) and not stat.S_ISDIR(os.lstat(final).st_mode):  # a link too
                 # Recorded before the link: an interrupt right after it must not leave it.

@@ -219,9 +219,9 @@ def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
     """A new lock, or None if one exists (or the staging name was lost: try again). A failure takes
     back what it made: an unheld published lock would need overwrite."""
     staging = f"{path}.{token}.new"
-    fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
-    linked = False
+    fd, linked = -1, False
     try:
+        fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         # Another save's cleanup may find the staging name before our flock and remove it as a dead save's.
         if _flock(fd, fcntl.LOCK_EX, os.path.dirname(path)):
             _write_holder(fd, info)
@@ -230,12 +230,14 @@ def _create_lock(path: str, token: str, info: str) -> SaveLock | None:
                 linked = True
         with contextlib.suppress(FileNotFoundError):
             os.remove(staging)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, FileExistsError) and fd < 0:  # the staging name is another's (os.link's is suppressed)
+            raise
         with contextlib.suppress(OSError):
-            if linked and _inode(path) == os.fstat(fd).st_ino:
+            if fd >= 0 and _inode(path) == os.fstat(fd).st_ino:  # ours, even if the stop came as os.link returned
                 os.remove(path)
         with contextlib.suppress(OSError):
-            os.remove(staging)
+            os.remove(staging)  # our token's name, even if the stop came as os.open returned
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
