@@ -52,9 +52,8 @@ def not_regular(path: str, mode: int | None) -> CheckpointCorrupt:
 def denied(path: str) -> StorageError:
     """The error for ``path``, which this process may not read (``EACCES``, ``EPERM``)."""
     return StorageError(
-        f"{path}: permission denied to this process (uid {os.geteuid()}), so the checkpoint cannot be read; "
-        "nothing was changed. Give this user read access to the checkpoint's folder and files (chmod, "
-        "chown), or run as a user who has it."
+        f"{path}: permission denied to this process (uid {os.geteuid()}); nothing was changed. Give this "
+        "user read access to it and to the folders above it (chmod, chown), or run as a user who has it."
     )
 
 
