@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 
 import pytest
 
@@ -87,8 +88,6 @@ def sources(tmp_path_factory):
 
 @pytest.mark.parametrize("into", ["a new folder", "the user's folder", "a checkpoint, overwritten"])
 def test_a_reshard_stopped_as_any_file_call_returns_takes_back_what_it_wrote(sources, tmp_path, monkeypatch, into):
-    import shutil
-
     source, old = sources
     parent = tmp_path / "parent"
     out = parent / "out"

@@ -65,6 +65,18 @@ def list_folder(directory: str) -> list[str]:
         raise denied(directory) from None
 
 
+def present(path: str, folder: str) -> bool:
+    """Whether ``path`` exists (a link to nothing too); a ``folder`` this process may not search is
+    named (:func:`denied`), never taken for one without the file."""
+    try:
+        os.lstat(path)
+    except PermissionError:
+        raise denied(folder) from None
+    except OSError:
+        return False
+    return True
+
+
 def check_output_folder(directory: str) -> None:
     """Refuse an output path that is, or lies under, something other than a folder, saying which."""
     there = os.path.abspath(directory)
@@ -123,11 +135,7 @@ def open_regular(path: str) -> int:
 def read_manifest(directory: str) -> Manifest | None:
     """The checkpoint's manifest, or None for a checkpoint written by vLLM's own save."""
     path = os.path.join(directory, MANIFEST_NAME)
-    try:
-        os.lstat(path)
-    except PermissionError:  # a folder this process may not search: never "no manifest"
-        raise denied(directory) from None
-    except OSError:
+    if not present(path, directory):
         return None
     part_path(directory, MANIFEST_NAME)  # containment before the open
     try:

@@ -25,11 +25,11 @@ from ..format.errors import CheckpointLocked, SaveRefused, StorageError
 from ..format.names import LOCK_NAME, MANIFEST_NAME, TOKEN_DIGITS, staged_name, staged_token
 from .local import (
     check_output_folder,
-    denied,
     directory_holds_checkpoint,
     file_kind,
     make_output_folder,
     open_regular,
+    present,
 )
 from .mounts import flock_problem
 
@@ -62,13 +62,7 @@ def read_lock(directory: str) -> dict | None:
     except (FileNotFoundError, NotADirectoryError):  # (no folder there: no lock either)
         return None
     except StorageError:  # permission denied: a lock of another user's save, or a folder not to be searched
-        try:
-            os.lstat(path)
-        except PermissionError:
-            raise denied(directory) from None
-        except OSError:
-            return None
-        return {}
+        return {} if present(path, directory) else None
     except (OSError, ValueError, RecursionError):  # (JSON nested past the recursion limit: no one's)
         return {}
 
