@@ -212,7 +212,7 @@ def page_in(path: str, ranges: list[tuple[Destination, Piece]]) -> None:
                 "then copy or save the checkpoint again."
             )
         # Also the whole paging-in where the kernel lacks MADV_POPULATE_READ (EINVAL, ENOSYS).
-        if error or touched_by_the_load(dest.mapped.dtype):
+        if error or touched_by_the_load(dest.stored):  # the mapped tensor is its bytes (uint8)
             touch_pages(dest.mapped_bytes[start : start + length])
 
 
